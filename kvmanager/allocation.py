@@ -1,0 +1,82 @@
+"""Allocation policies: how a sequence's device block table grows.
+
+``paged`` takes one block at a time from anywhere in the pool and shares
+blocks (forks, prefix cache). ``contiguous`` is the baseline that per-request
+buffers give: each sequence reserves ``ceil(max_model_len / block_size)``
+consecutive blocks up front, first fit, and shares nothing.
+"""
+
+from __future__ import annotations
+
+from .block_pool import BlockPool, ContiguousBlockPool
+from .sequence import SequenceBlocks
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PagedAllocation:
+    name = "paged"
+    supports_sharing = True
+
+    def __init__(self, pool: BlockPool, max_model_len: int) -> None:
+        self.pool = pool
+
+    def num_blocks_to_admit(self, seq: SequenceBlocks, num_total_blocks: int) -> int:
+        """Free blocks needed to hold ``num_total_blocks`` for a new sequence."""
+        return num_total_blocks - len(seq.block_table)
+
+    def can_grow(self, seq: SequenceBlocks, num_blocks: int) -> bool:
+        return num_blocks <= self.pool.num_free_blocks
+
+    def grow(self, seq: SequenceBlocks, num_blocks: int) -> None:
+        """Append ``num_blocks`` blocks to the table (caller checked ``can_grow``)."""
+        allocate = self.pool.allocate
+        seq.block_table.extend(allocate() for _ in range(num_blocks))
+
+    def release(self, seq: SequenceBlocks) -> None:
+        """Free the table tail first, so a sequence's tail is evicted before its head."""
+        free = self.pool.free
+        for block in reversed(seq.block_table):
+            free(block)
+        seq.block_table.clear()
+
+    def held_blocks(self, seq: SequenceBlocks) -> list[int]:
+        return seq.block_table
+
+
+class ContiguousAllocation:
+    name = "contiguous"
+    supports_sharing = False
+
+    def __init__(self, pool: ContiguousBlockPool, max_model_len: int) -> None:
+        self.pool = pool
+        self.num_reserved_blocks = cdiv(max_model_len, pool.block_size)
+
+    def num_blocks_to_admit(self, seq: SequenceBlocks, num_total_blocks: int) -> int:
+        return 0 if seq.reserved else self.num_reserved_blocks
+
+    def can_grow(self, seq: SequenceBlocks, num_blocks: int) -> bool:
+        if seq.reserved:
+            return len(seq.block_table) + num_blocks <= len(seq.reserved)
+        return (num_blocks <= self.num_reserved_blocks
+                and self.pool.can_allocate_run(self.num_reserved_blocks))
+
+    def grow(self, seq: SequenceBlocks, num_blocks: int) -> None:
+        if not seq.reserved:
+            seq.reserved = self.pool.allocate_run(self.num_reserved_blocks)
+        start = len(seq.block_table)
+        seq.block_table.extend(seq.reserved[start:start + num_blocks])
+
+    def release(self, seq: SequenceBlocks) -> None:
+        for block in reversed(seq.reserved):
+            self.pool.free(block)
+        seq.reserved = []
+        seq.block_table.clear()
+
+    def held_blocks(self, seq: SequenceBlocks) -> list[int]:
+        return seq.reserved
+
+
+ALLOCATION_POLICIES = {"paged": PagedAllocation, "contiguous": ContiguousAllocation}

@@ -1,0 +1,444 @@
+"""One worker's KV blocks: device and host pools, block tables, prefix cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .allocation import ALLOCATION_POLICIES, cdiv
+from .block_pool import BlockPool, ContiguousBlockPool
+from .errors import KVManagerError, NoFreeBlocksError, UnknownSequenceError
+from .hashing import BlockHash, hash_block
+from .sequence import SeqLocation, SequenceBlocks
+
+
+@dataclass(slots=True)
+class PrefixMatch:
+    """The longest cached chain of full blocks at the start of a sequence."""
+
+    device_blocks: list[int] = field(default_factory=list)  # in chain order, may mix with host
+    sources: list[str] = field(default_factory=list)        # "device" or "host" per block
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.device_blocks)
+
+
+@dataclass(slots=True)
+class StepScratch:
+    """Copies ordered during one step, plus host blocks held until it ends."""
+
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    copy_on_write: list[tuple[int, int]] = field(default_factory=list)
+    host_blocks_to_release: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class BlockManagerCounters:
+    num_prefix_query_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
+    num_preemptions_swap: int = 0
+    num_preemptions_recompute: int = 0
+    num_blocks_swapped_out: int = 0
+    num_blocks_swapped_in: int = 0
+    num_blocks_offloaded: int = 0
+    num_cow_copies: int = 0
+
+
+class BlockManager:
+    """The block accounting of one worker: its device pool and host pool.
+
+    Every public operation either succeeds or raises a ``KVManagerError``
+    leaving the state as it was (check first, then act). Copies the worker
+    must perform accumulate in ``scratch`` between ``begin_step`` and
+    ``end_step``; see ``StepOutput`` for the order they must run in.
+    """
+
+    def __init__(
+        self,
+        num_device_blocks: int,
+        num_host_blocks: int = 0,
+        block_size: int = 16,
+        max_model_len: int = 2048,
+        allocation: str = "paged",
+        enable_prefix_caching: bool = True,
+        watermark: float = 0.01,
+        offload_evicted_to_host: bool = True,
+    ) -> None:
+        if allocation not in ALLOCATION_POLICIES:
+            raise ValueError(f"allocation must be one of {sorted(ALLOCATION_POLICIES)}, got {allocation!r}")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        pool_cls = ContiguousBlockPool if allocation == "contiguous" else BlockPool
+        self.device = pool_cls(num_device_blocks, block_size, tier="device")
+        self.host = BlockPool(num_host_blocks, block_size, tier="host")
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.policy = ALLOCATION_POLICIES[allocation](self.device, max_model_len)
+        self.enable_prefix_caching = enable_prefix_caching and self.policy.supports_sharing
+        self.watermark_blocks = int(watermark * num_device_blocks)
+        self.offload_evicted_to_host = offload_evicted_to_host and num_host_blocks > 0
+        self.seqs: dict[str, SequenceBlocks] = {}
+        self.counters = BlockManagerCounters()
+        self.scratch = StepScratch()
+        if self.offload_evicted_to_host and self.enable_prefix_caching:
+            self.device.on_evict = self._offload_evicted
+
+    # ---- sequences ------------------------------------------------------------
+    def get(self, seq_id: str) -> SequenceBlocks:
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            raise UnknownSequenceError(f"unknown sequence {seq_id!r}")
+        return seq
+
+    def add_sequence(self, seq_id: str, token_ids: list[int], extra_key: str | None = None) -> SequenceBlocks:
+        """Register a waiting sequence with its known tokens; takes no blocks."""
+        if seq_id in self.seqs:
+            raise KVManagerError(f"sequence {seq_id!r} already exists")
+        if not token_ids:
+            raise KVManagerError(f"sequence {seq_id!r} has no tokens")
+        if len(token_ids) > self.max_model_len:
+            raise KVManagerError(
+                f"sequence {seq_id!r} has {len(token_ids)} tokens, max_model_len is {self.max_model_len}")
+        seq = SequenceBlocks(seq_id, list(token_ids), extra_key)
+        self.seqs[seq_id] = seq
+        return seq
+
+    def append_tokens(self, seq_id: str, token_ids: list[int]) -> None:
+        """Add sampled tokens; their KV is computed by a later step."""
+        seq = self.get(seq_id)
+        if len(seq.token_ids) + len(token_ids) > self.max_model_len:
+            raise KVManagerError(f"sequence {seq_id!r} would exceed max_model_len {self.max_model_len}")
+        seq.token_ids.extend(token_ids)
+        if token_ids:
+            seq.is_protected = False
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Make ``child_id`` a copy of ``parent_id`` sharing all its device blocks.
+
+        Under a policy that shares nothing the child starts waiting, without
+        KV, to be recomputed.
+        """
+        parent = self.get(parent_id)
+        if child_id in self.seqs:
+            raise KVManagerError(f"sequence {child_id!r} already exists")
+        if parent.location == SeqLocation.SWAPPED:
+            raise KVManagerError(f"cannot fork swapped-out sequence {parent_id!r}")
+        child = SequenceBlocks(child_id, list(parent.token_ids), parent.extra_key)
+        self.seqs[child_id] = child
+        if parent.location != SeqLocation.DEVICE or not self.policy.supports_sharing:
+            return
+        for block in parent.block_table:
+            self.device.incref(block)
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_indexed_blocks = parent.num_indexed_blocks
+        child.num_computed = parent.num_computed
+        child.location = SeqLocation.DEVICE
+
+    def free_sequence(self, seq_id: str) -> None:
+        """Return a finished or aborted sequence's blocks and forget it."""
+        seq = self.get(seq_id)
+        self._release_device(seq)
+        for block in reversed(seq.host_table):
+            self.host.free(block)
+        seq.host_table.clear()
+        del self.seqs[seq_id]
+
+    # ---- prefix cache ---------------------------------------------------------
+    def match_prefix(self, seq: SequenceBlocks) -> PrefixMatch:
+        """Find cached blocks for a waiting sequence without taking them.
+
+        The last known token is always recomputed, since its logits are needed.
+        """
+        match = PrefixMatch()
+        if not self.enable_prefix_caching:
+            return match
+        bs = self.block_size
+        num_blocks = (len(seq.token_ids) - 1) // bs
+        self._extend_hashes(seq, num_blocks)
+        for i in range(num_blocks):
+            block_hash = seq.block_hashes[i]
+            tokens = seq.token_ids[i * bs:(i + 1) * bs]
+            block = self.device.lookup(block_hash, tokens)
+            if block is not None:
+                match.device_blocks.append(block)
+                match.sources.append("device")
+                continue
+            block = self.host.lookup(block_hash, tokens) if self.host.num_blocks else None
+            if block is None:
+                break
+            match.device_blocks.append(block)
+            match.sources.append("host")
+        return match
+
+    def _extend_hashes(self, seq: SequenceBlocks, num_blocks: int) -> None:
+        bs = self.block_size
+        hashes = seq.block_hashes
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs], seq.extra_key))
+
+    def _register_full_blocks(self, seq: SequenceBlocks) -> None:
+        """Index the blocks that are full now that ``num_computed`` tokens are planned."""
+        num_full = seq.num_computed // self.block_size
+        if num_full <= seq.num_indexed_blocks:
+            return
+        self._extend_hashes(seq, num_full)
+        bs = self.block_size
+        for i in range(seq.num_indexed_blocks, num_full):
+            parent = seq.block_hashes[i - 1] if i else None
+            self.device.register(seq.block_table[i], seq.block_hashes[i],
+                                 seq.token_ids[i * bs:(i + 1) * bs], parent, seq.extra_key)
+        seq.num_indexed_blocks = num_full
+
+    # ---- admission and growth -------------------------------------------------
+    def num_free_device_blocks(self) -> int:
+        return self.device.num_free_blocks
+
+    def can_admit(self, seq: SequenceBlocks, match: PrefixMatch) -> bool:
+        """Admission control: the whole prompt plus the watermark must fit."""
+        num_total = cdiv(len(seq.token_ids), self.block_size)
+        if self.policy.supports_sharing:
+            # Hit blocks on the device's LRU list count as free now but are
+            # taken by this sequence; host hits need a new device block each.
+            num_needed = num_total - match.sources.count("device")
+            num_revived = sum(1 for b, src in zip(match.device_blocks, match.sources)
+                              if src == "device" and self.device.ref_counts[b] == 0)
+            return num_needed + self.watermark_blocks <= self.device.num_free_blocks - num_revived
+        if num_total > self.policy.num_reserved_blocks:
+            return False
+        return self.policy.can_grow(seq, num_total)
+
+    def admit(self, seq: SequenceBlocks, match: PrefixMatch) -> int:
+        """Take the prefix hit for a waiting sequence. Returns the hit tokens."""
+        if seq.location != SeqLocation.WAITING:
+            raise KVManagerError(f"sequence {seq.seq_id!r} is not waiting")
+        for block, source in zip(match.device_blocks, match.sources):
+            if source == "device":
+                self.device.take_cached(block)
+                seq.block_table.append(block)
+            else:
+                self.host.take_cached(block)
+                self.scratch.host_blocks_to_release.append(block)
+                device_block = self.device.allocate()
+                self.scratch.swap_in.append((block, device_block))
+                self.counters.num_blocks_swapped_in += 1
+                i = len(seq.block_table)
+                self.device.register(device_block, seq.block_hashes[i],
+                                     seq.token_ids[i * self.block_size:(i + 1) * self.block_size],
+                                     seq.block_hashes[i - 1] if i else None, seq.extra_key)
+                seq.block_table.append(device_block)
+        num_hit_tokens = match.num_blocks * self.block_size
+        self.counters.num_prefix_query_tokens += len(seq.token_ids)
+        self.counters.num_prefix_hit_tokens += num_hit_tokens
+        seq.num_computed = num_hit_tokens
+        seq.num_indexed_blocks = match.num_blocks
+        seq.location = SeqLocation.DEVICE
+        return num_hit_tokens
+
+    def num_blocks_to_grow(self, seq: SequenceBlocks, num_tokens: int) -> int:
+        """New device blocks needed to compute ``num_tokens`` more tokens.
+
+        Includes one block for copy-on-write when the first write lands in a
+        shared, partially filled block.
+        """
+        num_needed = cdiv(seq.num_computed + num_tokens, self.block_size) - len(seq.block_table)
+        return max(num_needed, 0) + self._needs_cow(seq)
+
+    def _needs_cow(self, seq: SequenceBlocks) -> int:
+        offset = seq.num_computed % self.block_size
+        if offset == 0 or not seq.block_table:
+            return 0
+        last = seq.block_table[seq.num_computed // self.block_size]
+        return 1 if self.device.ref_counts[last] > 1 else 0
+
+    def can_grow(self, seq: SequenceBlocks, num_tokens: int) -> bool:
+        if seq.location != SeqLocation.DEVICE:
+            return False
+        return self.policy.can_grow(seq, self.num_blocks_to_grow(seq, num_tokens))
+
+    def grow(self, seq: SequenceBlocks, num_tokens: int) -> None:
+        """Provide slots for ``num_tokens`` more tokens and mark them computed.
+
+        The caller checked ``can_grow``. Full blocks get indexed for the
+        prefix cache as soon as they are planned: within one forward pass
+        each layer writes the KV of every token before any token reads it.
+        """
+        if self._needs_cow(seq):
+            i = seq.num_computed // self.block_size
+            shared = seq.block_table[i]
+            fresh = self.device.allocate()
+            self.device.free(shared)
+            seq.block_table[i] = fresh
+            self.scratch.copy_on_write.append((shared, fresh))
+            self.counters.num_cow_copies += 1
+        num_new = cdiv(seq.num_computed + num_tokens, self.block_size) - len(seq.block_table)
+        if num_new > 0:
+            self.policy.grow(seq, num_new)
+        seq.num_computed += num_tokens
+        if self.enable_prefix_caching:
+            self._register_full_blocks(seq)
+
+    # ---- preemption and swapping ----------------------------------------------
+    def can_swap_out(self, seq: SequenceBlocks) -> bool:
+        return (seq.location == SeqLocation.DEVICE
+                and len(seq.block_table) <= self.host.num_free_blocks)
+
+    def swap_out(self, seq: SequenceBlocks) -> None:
+        """Move a running sequence's KV to the host pool."""
+        if not self.can_swap_out(seq):
+            raise NoFreeBlocksError(f"cannot swap out {seq.seq_id!r}")
+        for i, block in enumerate(seq.block_table):
+            block_hash = self.device.block_hashes[block]
+            cached = None
+            if block_hash is not None:
+                cached = self.host.lookup(block_hash, self.device.block_tokens[block])
+            if cached is not None:
+                self.host.take_cached(cached)
+                seq.host_table.append(cached)
+                continue
+            host_block = self.host.allocate()
+            self.scratch.swap_out.append((block, host_block))
+            if block_hash is not None:
+                self.host.register(host_block, block_hash, self.device.block_tokens[block],
+                                   self.device.block_parents[block], self.device.block_extra_keys[block])
+            seq.host_table.append(host_block)
+        self.counters.num_blocks_swapped_out += len(seq.host_table)
+        self._release_device(seq)
+        seq.location = SeqLocation.SWAPPED
+        seq.num_preemptions += 1
+        self.counters.num_preemptions_swap += 1
+
+    def preempt_recompute(self, seq: SequenceBlocks) -> None:
+        """Drop a sequence's KV; it is recomputed (hashed blocks stay cached)."""
+        self._release_device(seq)
+        seq.num_computed = 0
+        seq.num_indexed_blocks = 0
+        seq.location = SeqLocation.WAITING
+        seq.num_preemptions += 1
+        self.counters.num_preemptions_recompute += 1
+
+    def can_swap_in(self, seq: SequenceBlocks, num_tokens: int) -> bool:
+        """Room for the swapped blocks, the next tokens and the watermark."""
+        if seq.location != SeqLocation.SWAPPED:
+            return False
+        num_total = max(len(seq.host_table), cdiv(seq.num_computed + num_tokens, self.block_size))
+        if not self.policy.supports_sharing:
+            return self.policy.can_grow(seq, num_total)
+        return num_total + self.watermark_blocks <= self.device.num_free_blocks
+
+    def swap_in(self, seq: SequenceBlocks) -> None:
+        """Bring a swapped sequence's KV back to the device."""
+        if seq.location != SeqLocation.SWAPPED:
+            raise KVManagerError(f"sequence {seq.seq_id!r} is not swapped out")
+        if not self.policy.supports_sharing:
+            self.policy.grow(seq, len(seq.host_table))
+            self.scratch.swap_in.extend(zip(seq.host_table, seq.block_table))
+        else:
+            for host_block in seq.host_table:
+                block_hash = self.host.block_hashes[host_block]
+                cached = None
+                if block_hash is not None:
+                    cached = self.device.lookup(block_hash, self.host.block_tokens[host_block])
+                if cached is not None:
+                    self.device.take_cached(cached)
+                    seq.block_table.append(cached)
+                    continue
+                block = self.device.allocate()
+                self.scratch.swap_in.append((host_block, block))
+                if block_hash is not None:
+                    self.device.register(block, block_hash, self.host.block_tokens[host_block],
+                                         self.host.block_parents[host_block],
+                                         self.host.block_extra_keys[host_block])
+                seq.block_table.append(block)
+        self.counters.num_blocks_swapped_in += len(seq.host_table)
+        # Host blocks stay held until the step ends: their copies run later.
+        self.scratch.host_blocks_to_release.extend(seq.host_table)
+        seq.host_table = []
+        seq.location = SeqLocation.DEVICE
+        seq.is_protected = True
+
+    def _release_device(self, seq: SequenceBlocks) -> None:
+        if seq.location == SeqLocation.DEVICE:
+            self.policy.release(seq)
+
+    def _offload_evicted(self, block: int, block_hash: BlockHash, tokens: tuple) -> None:
+        """Keep an evicted device block in the host cache, if the host has room."""
+        if self.host.lookup(block_hash, tokens) is not None or self.host.num_free_blocks == 0:
+            return
+        host_block = self.host.allocate()
+        self.host.register(host_block, block_hash, tokens,
+                           self.device.block_parents[block], self.device.block_extra_keys[block])
+        self.host.free(host_block)  # cached-free: a second-level prefix cache
+        self.scratch.swap_out.append((block, host_block))
+        self.counters.num_blocks_offloaded += 1
+
+    # ---- steps ----------------------------------------------------------------
+    def begin_step(self) -> None:
+        self.scratch = StepScratch()
+
+    def end_step(self) -> StepScratch:
+        """Release host blocks held for this step's copies; return the copies."""
+        scratch = self.scratch
+        for block in scratch.host_blocks_to_release:
+            self.host.free(block)
+        scratch.host_blocks_to_release = []
+        self.scratch = StepScratch()
+        return scratch
+
+    # ---- introspection --------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise ``IntegrityError`` unless every invariant holds."""
+        from .errors import IntegrityError
+
+        device_refs: dict[int, int] = {}
+        host_refs: dict[int, int] = {}
+        for seq in self.seqs.values():
+            if seq.location == SeqLocation.DEVICE:
+                for block in self.policy.held_blocks(seq):
+                    device_refs[block] = device_refs.get(block, 0) + 1
+                if len(seq.block_table) * self.block_size < seq.num_computed:
+                    raise IntegrityError(f"{seq.seq_id!r}: {seq.num_computed} computed tokens "
+                                         f"but only {len(seq.block_table)} blocks")
+            elif seq.block_table or seq.reserved:
+                raise IntegrityError(f"{seq.seq_id!r} is {seq.location.value} but holds device blocks")
+            if seq.location == SeqLocation.SWAPPED:
+                for block in seq.host_table:
+                    host_refs[block] = host_refs.get(block, 0) + 1
+            elif seq.host_table:
+                raise IntegrityError(f"{seq.seq_id!r} is {seq.location.value} but holds host blocks")
+            if seq.location == SeqLocation.WAITING and seq.num_computed:
+                raise IntegrityError(f"waiting {seq.seq_id!r} claims computed tokens")
+            # The sequence's own hash chain must describe its tokens.
+            bs = self.block_size
+            parent = None
+            for i, block_hash in enumerate(seq.block_hashes):
+                parent = hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs], seq.extra_key)
+                if parent != block_hash:
+                    raise IntegrityError(f"{seq.seq_id!r}: hash chain broken at block {i}")
+            for i, block in enumerate(seq.block_table):
+                indexed = self.device.block_hashes[block]
+                if indexed is not None and (i >= len(seq.block_hashes) or indexed != seq.block_hashes[i]):
+                    raise IntegrityError(f"{seq.seq_id!r}: block {block} is indexed under another prefix")
+        for block in self.scratch.host_blocks_to_release:
+            host_refs[block] = host_refs.get(block, 0) + 1
+        self.device.check_integrity(device_refs)
+        self.host.check_integrity(host_refs)
+
+    def kv_utilization(self) -> float:
+        """Tokens stored / token slots allocated on the device (shared blocks count once)."""
+        fill: dict[int, int] = {}
+        bs = self.block_size
+        for seq in self.seqs.values():
+            if seq.location != SeqLocation.DEVICE:
+                continue
+            for i, block in enumerate(seq.block_table):
+                filled = min(bs, seq.num_computed - i * bs)
+                if filled > fill.get(block, 0):
+                    fill[block] = filled
+        num_slots = self.device.num_used_blocks * bs
+        return sum(fill.values()) / num_slots if num_slots else 0.0

@@ -1,0 +1,69 @@
+"""Stable, chained block hashes for the prefix cache.
+
+Python's ``hash()`` is salted per process, so a cluster-wide index needs a
+hash that every process and machine computes identically. A block's hash
+covers its parent's hash, so equal hashes mean equal whole prefixes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from typing import Iterable, Sequence
+
+BlockHash = bytes
+
+_DIGEST_SIZE = 16
+
+
+def hash_block(
+    parent_hash: BlockHash | None,
+    token_ids: Sequence[int],
+    extra_key: str | None = None,
+) -> BlockHash:
+    """Hash one full block: (parent hash, token ids, extra key) -> 16 bytes.
+
+    ``extra_key`` separates caches that must never share blocks even for
+    equal tokens (a cache salt, an adapter name).
+    """
+    hasher = hashlib.blake2b(digest_size=_DIGEST_SIZE)
+    hasher.update(parent_hash or b"root")
+    hasher.update(array("q", token_ids).tobytes())
+    if extra_key is not None:
+        hasher.update(b"\x00extra\x00")
+        hasher.update(extra_key.encode())
+    return hasher.digest()
+
+
+def hash_prefix_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_key: str | None = None,
+    num_blocks: int | None = None,
+) -> list[BlockHash]:
+    """Chained hashes of the full blocks at the start of ``token_ids``."""
+    num_full = len(token_ids) // block_size
+    if num_blocks is not None:
+        num_full = min(num_full, num_blocks)
+    hashes: list[BlockHash] = []
+    parent: BlockHash | None = None
+    for i in range(num_full):
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra_key)
+        hashes.append(parent)
+    return hashes
+
+
+def hash_hex(block_hash: BlockHash | None, length: int = 12) -> str:
+    """A short printable prefix of a hash, for logs and dashboards."""
+    return "" if block_hash is None else block_hash.hex()[:length]
+
+
+def chain_is_valid(hashes: Iterable[BlockHash], blocks_tokens: Iterable[Sequence[int]],
+                   extra_key: str | None = None) -> bool:
+    """True if ``hashes`` is exactly the chain over ``blocks_tokens``."""
+    parent: BlockHash | None = None
+    for expected, tokens in zip(hashes, blocks_tokens):
+        parent = hash_block(parent, tokens, extra_key)
+        if parent != expected:
+            return False
+    return True

@@ -1,0 +1,292 @@
+"""The KV manager: block accounting of every worker, one batched call per step."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .block_manager import BlockManager
+from .errors import KVManagerError, UnknownSequenceError, UnknownWorkerError
+from .hashing import hash_prefix_blocks
+from .sequence import SeqLocation, SequenceBlocks
+from .step import Preemption, ScheduledSeq, StepInput, StepOutput
+
+PREEMPTION_MODES = ("swap", "recompute")
+
+
+@dataclass(slots=True)
+class PoolConfig:
+    """How one worker's pools are sized and managed. Plain data."""
+
+    num_device_blocks: int
+    num_host_blocks: int = 0
+    block_size: int = 16
+    max_model_len: int = 2048
+    allocation: str = "paged"
+    enable_prefix_caching: bool = True
+    watermark: float = 0.01
+    preemption_mode: str | None = None  # None: swap while host space is free, else recompute
+
+    def __post_init__(self) -> None:
+        if self.preemption_mode not in (None, *PREEMPTION_MODES):
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES} or None, "
+                             f"got {self.preemption_mode!r}")
+        if self.num_device_blocks < 1:
+            raise ValueError(f"num_device_blocks must be >= 1, got {self.num_device_blocks}")
+        if self.num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")
+
+
+class KVManager:
+    """Owns the block pools of one or more workers.
+
+    Each worker's engine calls ``step`` once per engine step with a
+    ``StepInput`` and executes the ``StepOutput`` it gets back. Inputs and
+    outputs are plain data, so the same object serves in-process and behind
+    a Ray actor. A refused step raises ``KVManagerError`` before changing
+    anything.
+    """
+
+    def __init__(self) -> None:
+        self.workers: dict[str, BlockManager] = {}
+        self.configs: dict[str, PoolConfig] = {}
+
+    # ---- workers ----------------------------------------------------------
+    def add_worker(self, worker_id: str, config: PoolConfig) -> None:
+        if worker_id in self.workers:
+            raise KVManagerError(f"worker {worker_id!r} already registered")
+        self.configs[worker_id] = config
+        self.workers[worker_id] = BlockManager(
+            config.num_device_blocks, config.num_host_blocks, config.block_size,
+            config.max_model_len, config.allocation, config.enable_prefix_caching, config.watermark)
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Drop a worker's accounting (it died, or left)."""
+        self._worker(worker_id)
+        del self.workers[worker_id]
+        del self.configs[worker_id]
+
+    def _worker(self, worker_id: str) -> BlockManager:
+        manager = self.workers.get(worker_id)
+        if manager is None:
+            raise UnknownWorkerError(f"unknown worker {worker_id!r}")
+        return manager
+
+    def block_manager(self, worker_id: str) -> BlockManager:
+        return self._worker(worker_id)
+
+    # ---- the step ---------------------------------------------------------
+    def step(self, step_input: StepInput) -> StepOutput:
+        """Plan one step for one worker. See ``StepInput`` and ``StepOutput``."""
+        manager = self._worker(step_input.worker_id)
+        self._validate(manager, step_input)
+        manager.begin_step()
+        try:
+            for seq_id in step_input.finished:
+                manager.free_sequence(seq_id)
+            for new in step_input.new_sequences:
+                manager.add_sequence(new.seq_id, new.token_ids, new.extra_key)
+            output = StepOutput()
+            for parent_id, child_id in step_input.forks:
+                manager.fork(parent_id, child_id)
+                if (manager.seqs[child_id].location != SeqLocation.DEVICE
+                        and child_id in step_input.running):
+                    # The policy shares nothing: the child recomputes its KV.
+                    output.preempted.append(Preemption(child_id, "recompute"))
+            for seq_id, token_ids in step_input.appended:
+                manager.append_tokens(seq_id, token_ids)
+            budget = self._schedule_running(manager, step_input, output, step_input.token_budget)
+            self._schedule_waiting(manager, step_input, output, budget)
+        finally:
+            scratch = manager.end_step()
+        output.swap_out = scratch.swap_out
+        output.swap_in = scratch.swap_in
+        output.copy_on_write = scratch.copy_on_write
+        return output
+
+    def _validate(self, manager: BlockManager, step_input: StepInput) -> None:
+        """Refuse a malformed step before any of it is applied."""
+        known = manager.seqs
+        finished = set(step_input.finished)
+        for seq_id in finished:
+            if seq_id not in known:
+                raise UnknownSequenceError(f"finished sequence {seq_id!r} is unknown")
+        new_ids = set()
+        for new in step_input.new_sequences:
+            if (new.seq_id in known and new.seq_id not in finished) or new.seq_id in new_ids:
+                raise KVManagerError(f"sequence {new.seq_id!r} already exists")
+            if not new.token_ids:
+                raise KVManagerError(f"sequence {new.seq_id!r} has no tokens")
+            if len(new.token_ids) > manager.max_model_len:
+                raise KVManagerError(f"sequence {new.seq_id!r} has {len(new.token_ids)} tokens, "
+                                     f"max_model_len is {manager.max_model_len}")
+            new_ids.add(new.seq_id)
+        live = (set(known) - finished) | new_ids
+        for parent_id, child_id in step_input.forks:
+            if parent_id not in live:
+                raise UnknownSequenceError(f"fork parent {parent_id!r} is unknown")
+            if child_id in live:
+                raise KVManagerError(f"fork child {child_id!r} already exists")
+            live.add(child_id)
+        for seq_id, _ in step_input.appended:
+            if seq_id not in live:
+                raise UnknownSequenceError(f"tokens appended to unknown sequence {seq_id!r}")
+        scheduled = step_input.running + step_input.waiting
+        if len(set(scheduled)) != len(scheduled):
+            raise KVManagerError("a sequence is listed twice for scheduling")
+        for seq_id in scheduled:
+            if seq_id not in live:
+                raise UnknownSequenceError(f"scheduled sequence {seq_id!r} is unknown")
+        children = {child: parent for parent, child in step_input.forks}
+        for seq_id in scheduled:
+            origin = seq_id
+            while origin in children:
+                origin = children[origin]
+            seq = known.get(origin)
+            on_device = seq is not None and seq.location == SeqLocation.DEVICE
+            if seq_id in step_input.running and not on_device:
+                raise KVManagerError(f"running sequence {seq_id!r} holds no device blocks")
+            if seq_id in step_input.waiting and on_device:
+                raise KVManagerError(f"waiting sequence {seq_id!r} already holds device blocks")
+        if step_input.token_budget < 0:
+            raise KVManagerError("token_budget must be >= 0")
+
+    def _preemption_mode(self, manager: BlockManager, worker_id: str, seq: SequenceBlocks) -> str:
+        mode = self.configs[worker_id].preemption_mode
+        if mode == "recompute":
+            return "recompute"
+        return "swap" if manager.can_swap_out(seq) else "recompute"
+
+    def _preempt(self, manager: BlockManager, worker_id: str, seq: SequenceBlocks,
+                 output: StepOutput) -> None:
+        mode = self._preemption_mode(manager, worker_id, seq)
+        if mode == "swap":
+            manager.swap_out(seq)
+        else:
+            manager.preempt_recompute(seq)
+        output.preempted.append(Preemption(seq.seq_id, mode))
+
+    def _schedule_running(self, manager: BlockManager, step_input: StepInput,
+                          output: StepOutput, budget: int) -> int:
+        seqs = manager.seqs
+        queue = [seqs[seq_id] for seq_id in step_input.running
+                 if seqs[seq_id].location == SeqLocation.DEVICE]
+        worker_id = step_input.worker_id
+        i = 0
+        while i < len(queue):
+            seq = queue[i]
+            num_tokens = min(seq.num_uncomputed, budget)
+            if num_tokens <= 0:
+                i += 1
+                continue
+            while not manager.can_grow(seq, num_tokens):
+                victim_index = self._pick_victim(queue, i)
+                if victim_index is None:
+                    break
+                self._preempt(manager, worker_id, queue.pop(victim_index), output)
+            else:
+                start = seq.num_computed
+                manager.grow(seq, num_tokens)
+                output.scheduled.append(ScheduledSeq(seq.seq_id, start, num_tokens, list(seq.block_table)))
+                budget -= num_tokens
+                i += 1
+                continue
+            # Nothing left to preempt: preempt this sequence itself, unless it
+            # was just resumed, in which case it waits for room.
+            if not seq.is_protected:
+                self._preempt(manager, worker_id, seq, output)
+            queue.pop(i)
+        return budget
+
+    @staticmethod
+    def _pick_victim(queue: list[SequenceBlocks], current: int) -> int | None:
+        """The lowest-priority unprotected sequence after ``current``."""
+        for j in range(len(queue) - 1, current, -1):
+            if not queue[j].is_protected:
+                return j
+        return None
+
+    def _schedule_waiting(self, manager: BlockManager, step_input: StepInput,
+                          output: StepOutput, budget: int) -> None:
+        if output.preempted:
+            return  # the pool is under pressure: admit nothing new this step
+        seqs = manager.seqs
+        for seq_id in step_input.waiting:
+            if budget <= 0:
+                return
+            seq = seqs[seq_id]
+            if seq.location == SeqLocation.SWAPPED:
+                num_tokens = min(seq.num_uncomputed, budget)
+                if not manager.can_swap_in(seq, num_tokens):
+                    return
+                manager.swap_in(seq)
+                num_cached = 0
+            elif seq.location == SeqLocation.WAITING:
+                match = manager.match_prefix(seq)
+                if not manager.can_admit(seq, match):
+                    return  # first come, first served: no overtaking
+                num_cached = manager.admit(seq, match)
+                if seq.num_preemptions:
+                    seq.is_protected = True
+                num_tokens = min(seq.num_uncomputed, budget)
+            else:
+                continue  # a fork child of a running sequence; the next step runs it
+            start = seq.num_computed
+            manager.grow(seq, num_tokens)
+            output.scheduled.append(
+                ScheduledSeq(seq_id, start, num_tokens, list(seq.block_table), num_cached))
+            budget -= num_tokens
+
+    # ---- queries ----------------------------------------------------------
+    def longest_prefix(self, token_ids: list[int], extra_key: str | None = None,
+                       block_size: int | None = None) -> dict[str, int]:
+        """Cached prefix length in tokens, per worker (device or host tier)."""
+        result: dict[str, int] = {}
+        hashes_by_size: dict[int, list[bytes]] = {}
+        for worker_id, manager in self.workers.items():
+            bs = manager.block_size
+            if bs not in hashes_by_size:
+                hashes_by_size[bs] = hash_prefix_blocks(token_ids, bs, extra_key,
+                                                        (len(token_ids) - 1) // bs if token_ids else 0)
+            num_blocks = 0
+            for i, block_hash in enumerate(hashes_by_size[bs]):
+                tokens = token_ids[i * bs:(i + 1) * bs]
+                if (manager.device.lookup(block_hash, tokens) is None
+                        and manager.host.lookup(block_hash, tokens) is None):
+                    break
+                num_blocks += 1
+            result[worker_id] = num_blocks * bs if manager.enable_prefix_caching else 0
+        return result
+
+    def stats(self, worker_id: str) -> dict:
+        """Plain-data pool statistics for one worker."""
+        manager = self._worker(worker_id)
+        counters = asdict(manager.counters)
+        queries = counters["num_prefix_query_tokens"]
+        seqs = manager.seqs.values()
+        return {
+            "worker_id": worker_id,
+            "block_size": manager.block_size,
+            "num_device_blocks": manager.device.num_blocks,
+            "num_host_blocks": manager.host.num_blocks,
+            "device_blocks_used": manager.device.num_used_blocks,
+            "device_blocks_free": manager.device.num_free_blocks - manager.device.num_cached_free_blocks,
+            "device_blocks_cached": manager.device.num_cached_free_blocks,
+            "host_blocks_used": manager.host.num_used_blocks,
+            "host_blocks_free": manager.host.num_free_blocks - manager.host.num_cached_free_blocks,
+            "host_blocks_cached": manager.host.num_cached_free_blocks,
+            "kv_utilization": manager.kv_utilization(),
+            "prefix_cache_hit_rate": counters["num_prefix_hit_tokens"] / queries if queries else 0.0,
+            "num_sequences": len(manager.seqs),
+            "num_running": sum(1 for s in seqs if s.location == SeqLocation.DEVICE),
+            "num_swapped": sum(1 for s in seqs if s.location == SeqLocation.SWAPPED),
+            **counters,
+        }
+
+    def num_used_blocks(self) -> int:
+        """Device plus host blocks in use across all workers."""
+        return sum(m.device.num_used_blocks + m.host.num_used_blocks for m in self.workers.values())
+
+    def check_integrity(self) -> None:
+        """Raise ``IntegrityError`` unless every worker's accounting is consistent."""
+        for manager in self.workers.values():
+            manager.check_integrity()

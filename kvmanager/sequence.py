@@ -1,0 +1,52 @@
+"""What the KV manager knows about one sequence."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .hashing import BlockHash
+
+
+class SeqLocation(str, enum.Enum):
+    """Where a sequence's KV lives."""
+
+    WAITING = "waiting"    # no blocks: new, or preempted for recompute
+    DEVICE = "device"      # block_table holds device blocks
+    SWAPPED = "swapped"    # host_table holds host blocks
+
+
+@dataclass(slots=True, eq=False)
+class SequenceBlocks:
+    """A sequence's tokens, block tables and progress, as the KV manager sees them.
+
+    ``token_ids`` are all known tokens (prompt plus sampled). The first
+    ``num_computed`` of them have KV in the cache; the rest are computed by
+    the next steps. ``block_hashes`` is the hash chain of the sequence's full
+    blocks so far, whether or not its physical block is the indexed copy.
+    """
+
+    seq_id: str
+    token_ids: list[int]
+    extra_key: str | None = None
+    num_computed: int = 0
+    location: SeqLocation = SeqLocation.WAITING
+    block_table: list[int] = field(default_factory=list)
+    host_table: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    # Leading full blocks already offered to the prefix index.
+    num_indexed_blocks: int = 0
+    # Contiguous policy only: every block reserved up front.
+    reserved: list[int] = field(default_factory=list)
+    # Set on resume; a protected sequence is never chosen as a victim until
+    # it has produced a new token, so preemption cannot thrash.
+    is_protected: bool = False
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed

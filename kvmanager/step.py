@@ -1,0 +1,121 @@
+"""The plain-data inputs and outputs of one batched KV manager call per step.
+
+Everything here is ints, strings, lists and tuples, so a step crosses a Ray
+actor boundary cheaply and ``to_wire``/``from_wire`` round-trip it through
+msgpack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass(slots=True)
+class NewSequence:
+    """A sequence entering the manager, with every token known so far."""
+
+    seq_id: str
+    token_ids: list[int]
+    extra_key: str | None = None
+
+
+@dataclass(slots=True)
+class StepInput:
+    """What one worker's engine asks of the KV manager for its next step.
+
+    Applied in this order: ``finished`` (finished or aborted: their blocks
+    return to the pool), ``new_sequences``, ``forks`` (parent, child),
+    ``appended`` (tokens sampled last step, by sequence), then scheduling:
+    ``running`` in priority order (highest first; victims for preemption are
+    taken from its tail), then ``waiting`` in priority order (new, preempted
+    and swapped-out sequences), until ``token_budget`` tokens are granted.
+    """
+
+    worker_id: str
+    running: list[str] = field(default_factory=list)
+    waiting: list[str] = field(default_factory=list)
+    new_sequences: list[NewSequence] = field(default_factory=list)
+    forks: list[tuple[str, str]] = field(default_factory=list)
+    appended: list[tuple[str, list[int]]] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+    token_budget: int = 8192
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """A sequence granted ``num_tokens`` tokens this step.
+
+    Its tokens ``[start, start + num_tokens)`` are computed into the slots
+    ``block_table`` gives. ``num_cached_tokens`` counts the prefix-cache hit
+    taken when this sequence was admitted in this step (0 otherwise).
+    """
+
+    seq_id: str
+    start: int
+    num_tokens: int
+    block_table: list[int]
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Preemption:
+    seq_id: str
+    mode: str  # "swap" or "recompute"
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """The plan for one step. The worker must execute it in this order:
+
+    1. ``swap_out`` (device block, host block) copies, which include hashed
+       device blocks offloaded to the host cache as they are evicted;
+    2. ``swap_in`` (host block, device block) copies;
+    3. ``copy_on_write`` (src, dst) device block copies;
+    4. the forward pass for ``scheduled``.
+    """
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Preemption] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    copy_on_write: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+_NESTED = {
+    "new_sequences": NewSequence,
+    "scheduled": ScheduledSeq,
+    "preempted": Preemption,
+}
+
+
+def to_wire(obj: Any) -> dict:
+    """A msgpack-ready dict of a step dataclass (nested ones as dicts)."""
+    out = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if f.name in _NESTED:
+            value = [to_wire(v) for v in value]
+        out[f.name] = value
+    return out
+
+
+def from_wire(cls: type, data: dict) -> Any:
+    """Rebuild a step dataclass from ``to_wire`` output (after msgpack)."""
+    kwargs = {}
+    for f in fields(cls):
+        if f.name not in data:
+            continue
+        value = data[f.name]
+        if f.name in _NESTED:
+            value = [from_wire(_NESTED[f.name], v) for v in value]
+        elif f.name in ("forks", "swap_out", "swap_in", "copy_on_write"):
+            value = [tuple(v) for v in value]
+        elif f.name == "appended":
+            value = [(seq_id, list(tokens)) for seq_id, tokens in value]
+        kwargs[f.name] = value
+    return cls(**kwargs)

@@ -1,0 +1,403 @@
+"""Offline random-weight checkpoints in the standard transformers format.
+
+``make_model`` writes ``config.json``, ``generation_config.json``,
+``model.safetensors`` and a byte-level BPE tokenizer (``tokenizer.json``,
+``tokenizer_config.json``, chat template) into a directory, so that
+``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``
+load it with no network access.  The weights are random, but scaled so that
+greedy decoding wanders over many tokens instead of repeating one.
+
+``ensure_model`` builds such a checkpoint once into a cache directory and
+returns its path; concurrent callers (threads or processes) are safe.
+
+Shapes (the same for every architecture):
+
+=====  ======  ============  ======  =====  ========  =====  =======  ==========
+size   hidden  intermediate  layers  heads  kv heads  vocab  max pos  parameters
+=====  ======  ============  ======  =====  ========  =====  =======  ==========
+tiny   64      176           2       4      2         1024   512      ~0.2M
+small  512     1408          8       8      2         2048   2048     ~24.7M
+=====  ======  ============  ======  =====  ========  =====  =======  ==========
+
+Embeddings are *not* tied to the LM head: with random weights a tied head
+mostly predicts the token it was fed, which makes greedy output degenerate.
+The model's vocab size equals the tokenizer's, so every id a model can emit
+decodes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+# torch and transformers are imported inside the functions that use them, so
+# that reading ARCHS/SIZES (the CLI's argument choices) stays cheap.
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+SIZES = ("tiny", "small")
+
+PAD_TOKEN = "<|pad|>"
+BOS_TOKEN = "<|bos|>"
+EOS_TOKEN = "<|endoftext|>"
+IM_START_TOKEN = "<|im_start|>"
+IM_END_TOKEN = "<|im_end|>"
+# Ids 0..4, in this order, in every tokenizer built here.
+SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN)
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['content'] is string %}{% set content = message['content'] %}"
+    "{% else %}{% set content = message['content'] | map(attribute='text') | join('') %}{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{{ content }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+FACTORY_VERSION = 1
+_MARKER_FILE = "pagedserve_model.json"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Transformer dimensions shared by all architectures of one size."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    max_position_embeddings: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+SHAPES = {
+    "tiny": ModelShape(64, 176, 2, 4, 2, 1024, 512),
+    "small": ModelShape(512, 1408, 8, 8, 2, 2048, 2048),
+}
+
+# Init scales, chosen so random logits vary across positions (std 0.02, the
+# transformers default, gives near-uniform logits and repetitive greedy output).
+_EMBED_STD = 1.0
+_LOGIT_STD = 3.0  # lm_head std is this / sqrt(hidden): logits of std ~3
+_BIAS_STD = 0.02
+
+# A small original English corpus; the BPE merges are learned from it.
+_CORPUS = """\
+The river starts as a thin stream high in the hills, where snow melts slowly
+through the spring. By the time it reaches the town it is wide and brown, and
+children throw stones from the old stone bridge to see who can make the biggest
+splash. In summer the water drops and long banks of pebbles appear, warm under
+the afternoon sun.
+
+A good loaf of bread needs only flour, water, salt and time. Mix the dough,
+let it rest for an hour, fold it a few times, and leave it overnight in a cool
+place. In the morning, shape it gently, bake it in a very hot oven, and wait
+until it has cooled before cutting it. The crust should crackle as it cools.
+
+Computers store numbers as patterns of bits. A byte holds eight bits, which is
+enough for two hundred and fifty six different values. Text is stored by
+giving every character a number; modern systems use Unicode, which covers
+letters from almost every writing system in the world, as well as symbols,
+arrows, and emoji.
+
+The library on the corner opened more than a hundred years ago. Its shelves
+reach the ceiling, and a wooden ladder on wheels slides along them. People come
+to read newspapers, to borrow novels, to study for exams, or simply to sit in a
+quiet room on a rainy day. The librarian knows most of the visitors by name.
+
+When you plan a long walk, check the weather first, carry more water than you
+think you will need, and tell someone where you are going. Wear shoes that you
+have worn before. Stop to eat before you feel hungry, and turn back early if
+the clouds begin to gather over the mountain.
+
+Memory in a serving system is divided into fixed blocks. Each request receives
+blocks as it grows, and returns them when it finishes. Because blocks are small
+and equal in size, there is almost no wasted space, and many more requests can
+share the same device at once. A table maps each position to its block.
+
+Birds begin to sing before sunrise. First a single robin, then a blackbird,
+then a whole chorus of sparrows and finches in the hedges. By the time the
+light is full, most of them have gone quiet again, busy looking for seeds,
+insects and worms in the wet grass of the meadow.
+
+The market opens at seven on Saturday mornings. Farmers bring apples, pears,
+potatoes, onions, carrots, cheese, eggs and honey. There is a stall that sells
+hot coffee and another that sells flowers. By noon the best things are gone,
+and the traders start to pack their vans and drive home.
+
+Learning to play an instrument takes patience. Practise a little every day
+rather than a lot once a week. Play slowly at first, listen carefully to each
+note, and only speed up when the passage feels easy. Record yourself now and
+then; you will hear mistakes that you miss while playing.
+
+Winter in the north is long and dark. The sun rises late, hangs low over the
+forest for a few hours, and sets again in the middle of the afternoon. People
+light candles in their windows, ski across frozen lakes, and gather in warm
+kitchens to cook soup, knit sweaters, tell stories, and wait for the spring.
+
+A careful engineer writes down what a function promises before writing the
+function itself. Which inputs are allowed? What happens when the caller passes
+something invalid? Does it raise an error, return nothing, or quietly guess?
+Tests should check each promise, including the awkward corners: empty lists,
+negative counts, duplicate keys, very large values, and concurrent callers.
+
+Our neighbour keeps bees at the bottom of her garden. Every July she lifts the
+heavy frames out of the hives, brushes off the bees, slices away the wax caps,
+and spins the honeycomb in a metal drum. Golden honey pours through a sieve
+into jars, which she labels by hand and gives away to friends and relatives.
+
+Trains leave the central station every fifteen minutes during the day. Express
+services stop only at major towns, while local trains call at every village
+along the valley. Tickets can be bought online, from machines on the platform,
+or from the conductor, although buying on board usually costs slightly more.
+
+Photography is mostly about light. Early morning and late evening give soft,
+golden shadows; cloudy days give even, gentle colours that suit portraits.
+Harsh midday sunshine flattens landscapes. Experiment with exposure, focus and
+framing, and remember that the best camera is often the one in your pocket.
+
+The museum's newest exhibition explores ancient navigation: star charts, wooden
+compasses, knotted ropes for measuring speed, and maps drawn on animal skins.
+Visitors can climb aboard a reconstructed sailing ship, steer by the stars in a
+darkened planetarium, and learn how sailors crossed oceans without satellites.
+
+Jokes, quotes and odd words: "Why did the scarecrow win an award? Because he
+was outstanding in his field." Quick brown foxes jump over lazy dogs. Zebras,
+yaks, quokkas, jellyfish, walruses, axolotls and kiwis. Oxygen, hydrogen,
+nitrogen, carbon. Monday, Tuesday, Wednesday, Thursday, Friday, Sunday.
+January, February, March, April, May, June, July, August, September, October,
+November, December. North, south, east, west. Red, orange, yellow, green, blue,
+indigo, violet, black, white, grey, pink, purple, brown.
+
+Questions and answers: What time is it? It is half past three. Where are you
+going? I am going to the station to meet my sister. How long will it take?
+About twenty minutes if the traffic is light. Would you like some tea? Yes,
+please, with milk and no sugar. Thank you very much!
+
+Numbers and dates: 0 1 2 3 4 5 6 7 8 9 10 12 16 32 64 100 128 256 512 1024
+2048 4096 2024-01-15 3.14159 42% $19.99 (a + b) * c = d; x[i] = y[j] + 1;
+def main(): return {"key": "value", "list": [1, 2, 3]} # comment
+"""
+
+
+def build_tokenizer(vocab_size: int, model_max_length: int | None = None):
+    """Train a byte-level BPE of exactly ``vocab_size`` entries on the built-in corpus.
+
+    Returns a ``PreTrainedTokenizerFast`` whose special tokens are
+    ``SPECIAL_TOKENS`` at ids 0..4 (pad, bos, eos, ``<|im_start|>``,
+    ``<|im_end|>``), which prepends BOS on ``encode`` and carries a ChatML
+    chat template.  Any unicode string round-trips through
+    ``encode``/``decode(skip_special_tokens=True)``.
+
+    The pre-tokenizer is the one ``Qwen2Tokenizer`` hard-codes, because
+    ``AutoTokenizer`` always loads a qwen2 checkpoint's tokenizer through that
+    class: then every arch encodes text identically, except that the qwen2
+    one also NFC-normalises its input (as real Qwen2 does).
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # An upper-cased copy gives capitals merges of their own and enough
+    # distinct pairs to reach a few thousand tokens.
+    lines = (_CORPUS + _CORPUS.upper()).splitlines(keepends=True)
+    tokenizer.train_from_iterator(lines, trainer=trainer)
+    if tokenizer.get_vocab_size() != vocab_size:
+        raise ValueError(
+            f"built-in corpus yields only {tokenizer.get_vocab_size()} tokens, "
+            f"fewer than the requested vocab_size={vocab_size}"
+        )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=None,
+        additional_special_tokens=[IM_START_TOKEN, IM_END_TOKEN],
+        add_bos_token=True,
+        add_eos_token=False,
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+        model_max_length=model_max_length,
+    )
+
+
+def build_config(arch: str, size: str):
+    """Return the transformers config for ``arch`` at ``size`` (no weights)."""
+    _check_arch_size(arch, size)
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    shape = SHAPES[size]
+    common = dict(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        max_position_embeddings=shape.max_position_embeddings,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        pad_token_id=SPECIAL_TOKENS.index(PAD_TOKEN),
+        bos_token_id=SPECIAL_TOKENS.index(BOS_TOKEN),
+        eos_token_id=SPECIAL_TOKENS.index(EOS_TOKEN),
+        dtype="float32",
+    )
+    if arch == "llama":
+        config = LlamaConfig(**common, attention_bias=False, head_dim=shape.head_dim)
+    elif arch == "qwen2":  # q/k/v projections always carry a bias
+        config = Qwen2Config(**common, use_sliding_window=False)
+    elif arch == "qwen3":
+        config = Qwen3Config(**common, head_dim=shape.head_dim, attention_bias=False, use_sliding_window=False)
+    else:
+        config = MistralConfig(**common, head_dim=shape.head_dim, sliding_window=None)
+    return config
+
+
+def count_parameters(arch: str, size: str) -> int:
+    """Number of parameters of ``arch`` at ``size``, counted on the meta device (fast)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = build_config(arch, size)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def make_model(arch: str, size: str, out_dir, seed: int = 0) -> Path:
+    """Write a random-weight float32 checkpoint of ``arch``/``size`` into ``out_dir``.
+
+    Creates ``out_dir`` if needed and overwrites the checkpoint files in it.
+    The same ``(arch, size, seed)`` always gives a byte-identical
+    ``model.safetensors``; a different seed gives different weights.
+    Returns ``out_dir`` as a ``Path``.
+    """
+    _check_arguments(arch, size, seed)
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = build_config(arch, size)
+    tokenizer = build_tokenizer(config.vocab_size, config.max_position_embeddings)
+
+    with torch.random.fork_rng(devices=[]):  # keep the caller's global RNG untouched
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _init_weights(model, seed)
+    model.eval()
+
+    generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=[config.eos_token_id, SPECIAL_TOKENS.index(IM_END_TOKEN)],
+        pad_token_id=config.pad_token_id,
+        do_sample=False,
+    )
+    model.generation_config = generation_config
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    marker = {"arch": arch, "size": size, "seed": seed, "factory_version": FACTORY_VERSION}
+    (out_dir / _MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+    return out_dir
+
+
+def default_cache_dir() -> Path:
+    """Folder holding cached checkpoints: ``$PAGEDSERVE_CACHE_DIR/models``, else ``~/.cache/pagedserve/models``."""
+    root = os.environ.get("PAGEDSERVE_CACHE_DIR")
+    base = Path(root) if root else Path.home() / ".cache" / "pagedserve"
+    return base / "models"
+
+
+def ensure_model(arch: str = "llama", size: str = "tiny", cache_dir=None, seed: int = 0) -> Path:
+    """Return the path of a cached ``arch``/``size``/``seed`` checkpoint, building it if absent.
+
+    The checkpoint lives at ``cache_dir/{arch}-{size}-seed{seed}`` (``cache_dir``
+    defaults to ``default_cache_dir()``).  It is built in a temporary sibling
+    folder and renamed into place, so a returned path is always complete, and
+    concurrent callers in different processes all get the same checkpoint.
+    """
+    _check_arguments(arch, size, seed)
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    final = root / f"{arch}-{size}-seed{seed}"
+    if (final / _MARKER_FILE).is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    try:
+        make_model(arch, size, tmp, seed=seed)
+        tmp.chmod(0o755)  # mkdtemp makes it owner-only
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / _MARKER_FILE).is_file():
+                raise
+            # Another caller finished first; its checkpoint is identical.
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _init_weights(model, seed: int) -> None:
+    """Fill every parameter from a seeded generator, in name order, independent of transformers' init."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    params = dict(model.named_parameters())
+    for name in sorted(params):
+        param = params[name]
+        with torch.no_grad():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, _BIAS_STD, generator=generator)
+            elif name.endswith("embed_tokens.weight"):
+                param.normal_(0.0, _EMBED_STD, generator=generator)
+            elif name.endswith("lm_head.weight"):
+                param.normal_(0.0, _LOGIT_STD * param.shape[1] ** -0.5, generator=generator)
+                # Zero logits for special tokens: greedy decoding never picks
+                # them, so random text runs to max_tokens instead of stopping.
+                param[: len(SPECIAL_TOKENS)] = 0.0
+            elif param.dim() == 2:  # linear [out, in]: unit-variance outputs for unit-variance inputs
+                param.normal_(0.0, param.shape[1] ** -0.5, generator=generator)
+            else:
+                raise RuntimeError(f"no init rule for parameter {name} of shape {tuple(param.shape)}")
+
+
+def _check_arch_size(arch: str, size: str) -> None:
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
+
+
+def _check_arguments(arch: str, size: str, seed: int) -> None:
+    _check_arch_size(arch, size)
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
