@@ -108,11 +108,11 @@ class BlockManager:
 
     def append_tokens(self, seq_id: str, token_ids: list[int]) -> None:
         """Add sampled tokens; their KV is computed by a later step."""
-        seq = self.get(seq_id)
+        seq = self.seqs.get(seq_id) or self.get(seq_id)
         if len(seq.token_ids) + len(token_ids) > self.max_model_len:
             raise KVManagerError(f"sequence {seq_id!r} would exceed max_model_len {self.max_model_len}")
-        seq.token_ids.extend(token_ids)
         if token_ids:
+            seq.token_ids.extend(token_ids)
             seq.is_protected = False
 
     def fork(self, parent_id: str, child_id: str) -> None:
@@ -262,26 +262,42 @@ class BlockManager:
         return self.policy.can_grow(seq, self.num_blocks_to_grow(seq, num_tokens))
 
     def grow(self, seq: SequenceBlocks, num_tokens: int) -> None:
-        """Provide slots for ``num_tokens`` more tokens and mark them computed.
+        """Provide slots for ``num_tokens`` more tokens, or raise ``NoFreeBlocksError``."""
+        if seq.location != SeqLocation.DEVICE or not self.try_grow(seq, num_tokens):
+            raise NoFreeBlocksError(f"no room for {num_tokens} more tokens of {seq.seq_id!r}")
 
-        The caller checked ``can_grow``. Full blocks get indexed for the
-        prefix cache as soon as they are planned: within one forward pass
-        each layer writes the KV of every token before any token reads it.
+    def try_grow(self, seq: SequenceBlocks, num_tokens: int) -> bool:
+        """Provide slots for ``num_tokens`` more tokens of a device-resident
+        sequence and mark them computed; False, changing nothing, if the pool
+        cannot.
+
+        Full blocks get indexed for the prefix cache as soon as they are
+        planned: within one forward pass each layer writes the KV of every
+        token before any token reads it. This is the per-step hot path.
         """
-        if self._needs_cow(seq):
-            i = seq.num_computed // self.block_size
-            shared = seq.block_table[i]
-            fresh = self.device.allocate()
-            self.device.free(shared)
-            seq.block_table[i] = fresh
-            self.scratch.copy_on_write.append((shared, fresh))
-            self.counters.num_cow_copies += 1
-        num_new = cdiv(seq.num_computed + num_tokens, self.block_size) - len(seq.block_table)
-        if num_new > 0:
-            self.policy.grow(seq, num_new)
-        seq.num_computed += num_tokens
-        if self.enable_prefix_caching:
+        bs = self.block_size
+        computed = seq.num_computed
+        table = seq.block_table
+        num_new = (computed + num_tokens + bs - 1) // bs - len(table)
+        is_cow = computed % bs != 0 and self.device.ref_counts[table[computed // bs]] > 1
+        num_needed = (num_new if num_new > 0 else 0) + is_cow
+        if num_needed:
+            if not self.policy.can_grow(seq, num_needed):
+                return False
+            if is_cow:
+                i = computed // bs
+                shared = table[i]
+                fresh = self.device.allocate()
+                self.device.free(shared)
+                table[i] = fresh
+                self.scratch.copy_on_write.append((shared, fresh))
+                self.counters.num_cow_copies += 1
+            if num_new > 0:
+                self.policy.grow(seq, num_new)
+        seq.num_computed = computed + num_tokens
+        if self.enable_prefix_caching and seq.num_computed // bs > seq.num_indexed_blocks:
             self._register_full_blocks(seq)
+        return True
 
     # ---- preemption and swapping ----------------------------------------------
     def can_swap_out(self, seq: SequenceBlocks) -> bool:

@@ -130,23 +130,25 @@ class KVManager:
         for seq_id, _ in step_input.appended:
             if seq_id not in live:
                 raise UnknownSequenceError(f"tokens appended to unknown sequence {seq_id!r}")
-        scheduled = step_input.running + step_input.waiting
-        if len(set(scheduled)) != len(scheduled):
+        running = set(step_input.running)
+        waiting = set(step_input.waiting)
+        if (len(running) != len(step_input.running) or len(waiting) != len(step_input.waiting)
+                or running & waiting):
             raise KVManagerError("a sequence is listed twice for scheduling")
-        for seq_id in scheduled:
-            if seq_id not in live:
-                raise UnknownSequenceError(f"scheduled sequence {seq_id!r} is unknown")
         children = {child: parent for parent, child in step_input.forks}
-        for seq_id in scheduled:
-            origin = seq_id
-            while origin in children:
-                origin = children[origin]
-            seq = known.get(origin)
-            on_device = seq is not None and seq.location == SeqLocation.DEVICE
-            if seq_id in step_input.running and not on_device:
-                raise KVManagerError(f"running sequence {seq_id!r} holds no device blocks")
-            if seq_id in step_input.waiting and on_device:
-                raise KVManagerError(f"waiting sequence {seq_id!r} already holds device blocks")
+        for seq_ids, must_be_on_device in ((step_input.running, True), (step_input.waiting, False)):
+            for seq_id in seq_ids:
+                origin = seq_id
+                while origin in children:
+                    origin = children[origin]
+                if origin not in live:
+                    raise UnknownSequenceError(f"scheduled sequence {seq_id!r} is unknown")
+                seq = known.get(origin)
+                on_device = seq is not None and origin not in finished and seq.location == SeqLocation.DEVICE
+                if must_be_on_device and not on_device:
+                    raise KVManagerError(f"running sequence {seq_id!r} holds no device blocks")
+                if not must_be_on_device and on_device:
+                    raise KVManagerError(f"waiting sequence {seq_id!r} already holds device blocks")
         if step_input.token_budget < 0:
             raise KVManagerError("token_budget must be >= 0")
 
@@ -168,25 +170,28 @@ class KVManager:
     def _schedule_running(self, manager: BlockManager, step_input: StepInput,
                           output: StepOutput, budget: int) -> int:
         seqs = manager.seqs
-        queue = [seqs[seq_id] for seq_id in step_input.running
-                 if seqs[seq_id].location == SeqLocation.DEVICE]
+        device = SeqLocation.DEVICE
+        queue = [seq for seq in map(seqs.__getitem__, step_input.running) if seq.location is device]
         worker_id = step_input.worker_id
+        try_grow = manager.try_grow
+        scheduled = output.scheduled
         i = 0
         while i < len(queue):
             seq = queue[i]
-            num_tokens = min(seq.num_uncomputed, budget)
+            start = seq.num_computed
+            num_tokens = len(seq.token_ids) - start
+            if num_tokens > budget:
+                num_tokens = budget
             if num_tokens <= 0:
                 i += 1
                 continue
-            while not manager.can_grow(seq, num_tokens):
+            while not try_grow(seq, num_tokens):
                 victim_index = self._pick_victim(queue, i)
                 if victim_index is None:
                     break
                 self._preempt(manager, worker_id, queue.pop(victim_index), output)
             else:
-                start = seq.num_computed
-                manager.grow(seq, num_tokens)
-                output.scheduled.append(ScheduledSeq(seq.seq_id, start, num_tokens, list(seq.block_table)))
+                scheduled.append(ScheduledSeq(seq.seq_id, start, num_tokens, seq.block_table[:]))
                 budget -= num_tokens
                 i += 1
                 continue
