@@ -81,11 +81,9 @@ class KVManager:
         self._validate(manager, step_input)
         manager.begin_step()
         try:
-            for seq_id in step_input.finished:
-                manager.free_sequence(seq_id)
+            output = StepOutput()
             for new in step_input.new_sequences:
                 manager.add_sequence(new.seq_id, new.token_ids, new.extra_key)
-            output = StepOutput()
             for parent_id, child_id in step_input.forks:
                 manager.fork(parent_id, child_id)
                 if (manager.seqs[child_id].location != SeqLocation.DEVICE
@@ -94,6 +92,8 @@ class KVManager:
                     output.preempted.append(Preemption(child_id, "recompute"))
             for seq_id, token_ids in step_input.appended:
                 manager.append_tokens(seq_id, token_ids)
+            for seq_id in step_input.finished:
+                manager.free_sequence(seq_id)
             budget = self._schedule_running(manager, step_input, output, step_input.token_budget)
             self._schedule_waiting(manager, step_input, output, budget)
         finally:
@@ -106,21 +106,16 @@ class KVManager:
     def _validate(self, manager: BlockManager, step_input: StepInput) -> None:
         """Refuse a malformed step before any of it is applied."""
         known = manager.seqs
-        finished = set(step_input.finished)
-        for seq_id in finished:
-            if seq_id not in known:
-                raise UnknownSequenceError(f"finished sequence {seq_id!r} is unknown")
-        new_ids = set()
+        live = set(known)
         for new in step_input.new_sequences:
-            if (new.seq_id in known and new.seq_id not in finished) or new.seq_id in new_ids:
+            if new.seq_id in live:
                 raise KVManagerError(f"sequence {new.seq_id!r} already exists")
             if not new.token_ids:
                 raise KVManagerError(f"sequence {new.seq_id!r} has no tokens")
             if len(new.token_ids) > manager.max_model_len:
                 raise KVManagerError(f"sequence {new.seq_id!r} has {len(new.token_ids)} tokens, "
                                      f"max_model_len is {manager.max_model_len}")
-            new_ids.add(new.seq_id)
-        live = (set(known) - finished) | new_ids
+            live.add(new.seq_id)
         for parent_id, child_id in step_input.forks:
             if parent_id not in live:
                 raise UnknownSequenceError(f"fork parent {parent_id!r} is unknown")
@@ -130,6 +125,13 @@ class KVManager:
         for seq_id, _ in step_input.appended:
             if seq_id not in live:
                 raise UnknownSequenceError(f"tokens appended to unknown sequence {seq_id!r}")
+        finished = set(step_input.finished)
+        if len(finished) != len(step_input.finished):
+            raise KVManagerError("a sequence is listed twice as finished")
+        for seq_id in finished:
+            if seq_id not in live:
+                raise UnknownSequenceError(f"finished sequence {seq_id!r} is unknown")
+        live -= finished
         running = set(step_input.running)
         waiting = set(step_input.waiting)
         if (len(running) != len(step_input.running) or len(waiting) != len(step_input.waiting)

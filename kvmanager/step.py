@@ -24,9 +24,9 @@ class NewSequence:
 class StepInput:
     """What one worker's engine asks of the KV manager for its next step.
 
-    Applied in this order: ``finished`` (finished or aborted: their blocks
-    return to the pool), ``new_sequences``, ``forks`` (parent, child),
-    ``appended`` (tokens sampled last step, by sequence), then scheduling:
+    Applied in this order: ``new_sequences``, ``forks`` (parent, child),
+    ``appended`` (tokens sampled last step, by sequence), ``finished``
+    (finished or aborted: their blocks return to the pool), then scheduling:
     ``running`` in priority order (highest first; victims for preemption are
     taken from its tail), then ``waiting`` in priority order (new, preempted
     and swapped-out sequences), until ``token_budget`` tokens are granted.

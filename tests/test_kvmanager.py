@@ -233,7 +233,8 @@ def test_misuse_is_refused_and_leaves_state_untouched():
         StepInput("w", appended=[("ghost", [1])]),
         StepInput("w", running=["a", "a"]),
         StepInput("w", waiting=["a"]),
-        StepInput("w", finished=["a"], appended=[("a", [1])]),
+        StepInput("w", finished=["a", "a"]),
+        StepInput("w", finished=["a"], running=["a"]),
         StepInput("w", token_budget=-1),
     ]
     for step_input in bad_steps:
