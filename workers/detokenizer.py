@@ -1,0 +1,265 @@
+"""Incremental detokenization, stop strings and the finish check for one sequence.
+
+Three pieces, usable alone or together:
+  - ``IncrementalDetokenizer`` turns output tokens into text one token at a time,
+    never emitting a half-decoded multi-byte character (prefix/read offsets).
+  - ``StopStringMatcher`` finds stop strings in the growing text and says how much
+    of the tail to hold back while streaming, so a client never sees part of one.
+  - ``check_stop`` is the token-level finish logic: EOS / ``stop_token_ids`` give
+    "stop", ``max_tokens`` (or the model's context length) gives "length".
+``StreamingDetokenizer`` combines them into what the engine calls per new token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .sampling_params import SamplingParams
+
+REPLACEMENT_CHAR = "\ufffd"
+# Prompt tokens decoded along with the output so that tokenizers which strip a
+# leading space at the start of a decode (SentencePiece) keep it mid-text.
+NUM_CONTEXT_TOKENS = 5
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+
+
+def check_stop(
+    params: SamplingParams,
+    output_token_ids: Sequence[int],
+    eos_token_id: int | Collection[int] | None,
+    num_prompt_tokens: int = 0,
+    max_model_len: int | None = None,
+) -> str | None:
+    """Finish reason after the last output token, from token ids alone.
+
+    Returns "stop" when the last token is EOS (unless ``ignore_eos``) or one of
+    ``stop_token_ids``, else "length" when ``max_tokens`` outputs exist or prompt
+    plus output reach ``max_model_len``, else None. A stop token that lands exactly
+    on the length limit counts as "stop", since the model ended on its own. Stop
+    strings are found on text, by ``StopStringMatcher``.
+    """
+    num_outputs = len(output_token_ids)
+    if num_outputs:
+        last = output_token_ids[-1]
+        if not params.ignore_eos and _is_eos(last, eos_token_id):
+            return FINISH_STOP
+        if last in params.stop_token_ids:
+            return FINISH_STOP
+    if num_outputs >= params.max_tokens:
+        return FINISH_LENGTH
+    if max_model_len is not None and num_prompt_tokens + num_outputs >= max_model_len:
+        return FINISH_LENGTH
+    return None
+
+
+def _is_eos(token_id: int, eos_token_id: int | Collection[int] | None) -> bool:
+    if eos_token_id is None:
+        return False
+    if isinstance(eos_token_id, int):
+        return token_id == eos_token_id
+    return token_id in eos_token_id
+
+
+class IncrementalDetokenizer:
+    """Decodes a sequence's output tokens to text, one token at a time.
+
+    ``tokenizer`` is anything with ``decode(ids, skip_special_tokens=...)``: a
+    ``tokenizers.Tokenizer`` or a transformers tokenizer. Each call to ``append``
+    returns the newly stable text: a token that ends mid-way through a UTF-8
+    character (byte-level BPE) yields "" until the character completes. The
+    concatenation of all returned pieces plus ``flush()`` equals decoding the
+    output tokens (in the context of the prompt's last few tokens).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._decode_kwargs = _decode_kwargs(tokenizer, skip_special_tokens)
+        self._token_ids: list[int] = list(prompt_token_ids[-NUM_CONTEXT_TOKENS:])
+        # Text of token_ids[prefix_offset:read_offset] has already been emitted.
+        self._prefix_offset = 0
+        self._read_offset = len(self._token_ids)
+        self._num_outputs = 0
+        self.output_text = ""
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self._num_outputs
+
+    def append(self, token_id: int) -> str:
+        """Add one output token; return the text that became stable (maybe "")."""
+        self._token_ids.append(token_id)
+        self._num_outputs += 1
+        prefix_text = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._token_ids[self._prefix_offset :])
+        if full_text.endswith(REPLACEMENT_CHAR) or len(full_text) < len(prefix_text):
+            return ""
+        new_text = full_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._token_ids)
+        self.output_text += new_text
+        return new_text
+
+    def flush(self) -> str:
+        """Emit text still held back (an incomplete character decodes to U+FFFD)."""
+        if self._read_offset == len(self._token_ids):
+            return ""
+        prefix_text = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._token_ids[self._prefix_offset :])
+        new_text = full_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._token_ids)
+        self.output_text += new_text
+        return new_text
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, **self._decode_kwargs)
+
+
+def _decode_kwargs(tokenizer: Any, skip_special_tokens: bool) -> dict[str, Any]:
+    # transformers tokenizers may "clean up" spaces (" ." -> "."), which changes
+    # earlier text as later tokens arrive; turn that off where it exists.
+    kwargs: dict[str, Any] = {"skip_special_tokens": skip_special_tokens}
+    try:
+        tokenizer.decode([], clean_up_tokenization_spaces=False, **kwargs)
+    except TypeError:
+        return kwargs
+    kwargs["clean_up_tokenization_spaces"] = False
+    return kwargs
+
+
+class StopStringMatcher:
+    """Finds stop strings in growing text and how much of its tail to hold back."""
+
+    def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False) -> None:
+        self.stop = [s for s in stop if s]
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self._max_len = max((len(s) for s in self.stop), default=0)
+
+    def find(self, text: str, num_new_chars: int) -> tuple[int, str] | None:
+        """Earliest stop string that ends in the last ``num_new_chars`` of ``text``.
+
+        Returns (length to keep, stop string) or None. The kept length excludes the
+        stop string unless ``include_stop_str_in_output``. Earlier text is assumed
+        to have been checked already.
+        """
+        if not self.stop or num_new_chars <= 0:
+            return None
+        best: tuple[int, str] | None = None
+        for stop in self.stop:
+            start = max(0, len(text) - num_new_chars - len(stop) + 1)
+            index = text.find(stop, start)
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop)
+        if best is None:
+            return None
+        index, stop = best
+        return (index + len(stop) if self.include_stop_str_in_output else index), stop
+
+    def num_held_back(self, text: str) -> int:
+        """Length of the longest tail of ``text`` that could start a stop string."""
+        for length in range(min(self._max_len - 1, len(text)), 0, -1):
+            tail = text[-length:]
+            if any(stop.startswith(tail) for stop in self.stop):
+                return length
+        return 0
+
+
+@dataclass
+class TextDelta:
+    """What one new token means for the client: text to stream and whether done.
+
+    ``stop_reason`` is the matched stop string or stop token id (None for EOS,
+    length, or not finished), as in vLLM.
+    """
+
+    text: str
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class StreamingDetokenizer:
+    """Per-sequence text stream: tokens in, safe-to-show text and finish state out.
+
+    The streamed pieces concatenate to ``output_text``, the final text: the
+    decoded output without a trailing EOS/stop token and cut before the earliest
+    stop string (both kept when ``include_stop_str_in_output``). While a sequence
+    runs, text that might be the start of a stop string is held back.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        eos_token_id: int | Collection[int] | None,
+        max_model_len: int | None = None,
+    ) -> None:
+        self.params = params
+        self._eos_token_id = eos_token_id
+        self._num_prompt_tokens = len(prompt_token_ids)
+        self._max_model_len = max_model_len
+        self._detokenizer = IncrementalDetokenizer(
+            tokenizer, prompt_token_ids, params.skip_special_tokens
+        )
+        self._stop_matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+        self.output_token_ids: list[int] = []
+        self.output_text = ""
+        self._num_streamed_chars = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token_id: int) -> TextDelta:
+        """Account for one sampled token; return the text to stream now."""
+        if self.is_finished:
+            raise ValueError("sequence already finished; no more tokens may be appended")
+        self.output_token_ids.append(token_id)
+        finish_reason = check_stop(
+            self.params,
+            self.output_token_ids,
+            self._eos_token_id,
+            self._num_prompt_tokens,
+            self._max_model_len,
+        )
+        is_stop_token = finish_reason == FINISH_STOP
+        if is_stop_token and token_id in self.params.stop_token_ids:
+            self.stop_reason = token_id
+        new_text = ""
+        if not is_stop_token or self.params.include_stop_str_in_output:
+            new_text = self._detokenizer.append(token_id)
+        if finish_reason is not None:
+            new_text += self._detokenizer.flush()
+        self.output_text += new_text
+        match = self._stop_matcher.find(self.output_text, len(new_text))
+        if match is not None:
+            keep, stop = match
+            self.output_text = self.output_text[:keep]
+            finish_reason, self.stop_reason = FINISH_STOP, stop
+        self.finish_reason = finish_reason
+        return TextDelta(self._take_streamable(), finish_reason, self.stop_reason)
+
+    def _take_streamable(self) -> str:
+        end = len(self.output_text)
+        if not self.is_finished:
+            end -= self._stop_matcher.num_held_back(self.output_text)
+        end = max(end, self._num_streamed_chars)
+        text = self.output_text[self._num_streamed_chars : end]
+        self._num_streamed_chars = end
+        return text

@@ -1,0 +1,370 @@
+"""The engine loop: schedule -> run -> postprocess, over the paged KV cache."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Callable
+
+import torch
+
+from pagedserve.kvmanager import KVManager, PoolConfig, StepInput, StepOutput
+
+from .detokenizer import StreamingDetokenizer
+from .model_runner import ModelRunner, SeqChunk
+from .request import CompletionOutput, Request, RequestOutput, Sequence, SequenceStatus
+from .sampler import Sampler, SamplingState
+from .sampling_params import SamplingParams
+from .scheduler import SCHEDULING_POLICIES, Scheduler, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+
+
+@dataclass
+class EngineConfig:
+    """Everything ``LLM(...)`` and a worker accept, with vLLM's names."""
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str | None = None                  # None/"auto": float32 on CPU, bfloat16 on CUDA
+    device: str | None = None                 # None/"auto", "cpu" or "cuda"
+    block_size: int = 16
+    num_device_blocks: int | None = None      # wins over the memory budgets
+    kv_cache_memory_gb: float | None = None   # KV budget; default 1 GiB on CPU
+    gpu_memory_utilization: float = 0.9       # CUDA only, applied after profiling a forward pass
+    swap_space_gb: float = 0.5                # host swap pool
+    enable_prefix_caching: bool = True
+    preemption_mode: str | None = None        # None: swap while host space is free, else recompute
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # default: max(2048, max_model_len)
+    max_model_len: int | None = None           # default: the model's max_position_embeddings
+    scheduling_policy: str = "fcfs"
+    allocation: str = "paged"                  # or "contiguous" (the baseline for benchmarks)
+    watermark: float = 0.01
+    seed: int | None = 0                       # sampler seed for requests without their own
+    kernel_backend: str | None = None
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
+        for name in ("num_device_blocks", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.swap_space_gb < 0:
+            raise ValueError(f"swap_space_gb must be >= 0, got {self.swap_space_gb}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}")
+        PoolConfig(num_device_blocks=1, preemption_mode=self.preemption_mode)  # validates the mode
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Build from keyword arguments, naming any that are unknown."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache for one model replica.
+
+    ``add_request`` validates and queues; ``step`` runs one iteration (one KV
+    manager call, one forward pass) and returns the outputs of the requests
+    that produced tokens or finished. ``kv_step`` defaults to an in-process
+    ``KVManager``; the cluster passes a call to the central KV manager actor.
+    """
+
+    def __init__(self, config: EngineConfig, worker_id: str = "local",
+                 kv_step: Callable[[StepInput], StepOutput] | None = None,
+                 kv_manager: KVManager | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = config
+        self.worker_id = worker_id
+        self.runner = ModelRunner(config.model, config.dtype, config.device,
+                                  config.trust_remote_code, config.kernel_backend)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model,
+                                                       trust_remote_code=config.trust_remote_code)
+        max_len = config.max_model_len or self.runner.max_position_embeddings
+        if max_len > self.runner.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_len} exceeds the model's "
+                             f"max_position_embeddings {self.runner.max_position_embeddings}")
+        self.max_model_len = max_len
+        self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, max_len)
+        self.eos_token_ids = self._eos_token_ids()
+        num_device, num_host = self._size_pools()
+        self.pool_config = PoolConfig(
+            num_device_blocks=num_device, num_host_blocks=num_host, block_size=config.block_size,
+            max_model_len=max_len, allocation=config.allocation,
+            enable_prefix_caching=config.enable_prefix_caching, watermark=config.watermark,
+            preemption_mode=config.preemption_mode)
+        self.runner.allocate_cache(config.block_size, num_device, num_host)
+        if kv_step is None:
+            self.kv_manager = kv_manager or KVManager()
+            self.kv_manager.add_worker(worker_id, self.pool_config)
+            kv_step = self.kv_manager.step
+        else:
+            self.kv_manager = kv_manager
+        self.scheduler = Scheduler(kv_step, worker_id, config.max_num_seqs,
+                                   self.max_num_batched_tokens, config.scheduling_policy)
+        self.sampler = Sampler(config.seed)
+        self.requests: dict[str, Request] = {}
+        self._order = itertools.count()
+        self._finished_outputs: list[RequestOutput] = []
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+
+    # ---- set-up -------------------------------------------------------------------
+    def _eos_token_ids(self) -> list[int]:
+        ids: list[int] = []
+        generation = getattr(self.runner.model, "generation_config", None)
+        for source in (getattr(generation, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if source is None:
+                continue
+            for token_id in ([source] if isinstance(source, int) else source):
+                if token_id not in ids:
+                    ids.append(token_id)
+        return ids
+
+    def _size_pools(self) -> tuple[int, int]:
+        """Device and host block counts: explicit count, memory budget, or GPU profile."""
+        config = self.config
+        shape = self.runner.cache_shape(config.block_size)
+        num_host = shape.num_blocks_for(config.swap_space_gb * GiB)
+        if config.num_device_blocks is not None:
+            return config.num_device_blocks, num_host
+        if config.kv_cache_memory_gb is not None:
+            budget = config.kv_cache_memory_gb * GiB
+        elif self.runner.device.type == "cuda":
+            peak = self.runner.profile_peak_memory(self.max_num_batched_tokens, config.block_size)
+            total = torch.cuda.get_device_properties(self.runner.device).total_memory
+            budget = total * config.gpu_memory_utilization - peak
+        else:
+            budget = 1 * GiB
+        num_device = shape.num_blocks_for(budget)
+        if num_device < -(-self.max_model_len // config.block_size):
+            raise ValueError(f"the KV budget holds {num_device} blocks of {config.block_size} tokens, "
+                             f"less than one sequence of max_model_len {self.max_model_len}; "
+                             "raise kv_cache_memory_gb or lower max_model_len")
+        return num_device, num_host
+
+    # ---- requests -----------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int] | None,
+                    params: SamplingParams | None = None, priority: int = 0,
+                    prompt_token_ids: list[int] | None = None,
+                    arrival_time: float | None = None) -> Request:
+        """Validate and queue a request. Raises ValueError, changing nothing, if it is bad."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {priority!r}")
+        text, token_ids = self._tokenize(prompt, prompt_token_ids)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens; this model's maximum context "
+                             f"is {self.max_model_len} tokens, including at least one output token")
+        vocab = self.runner.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        request = Request(request_id, text, token_ids, params, priority,
+                          arrival_time if arrival_time is not None else time.time(), next(self._order))
+        seq = self._new_sequence(request, 0, list(token_ids))
+        self.requests[request_id] = request
+        self.scheduler.add(seq)
+        return request
+
+    def _tokenize(self, prompt, prompt_token_ids) -> tuple[str | None, list[int]]:
+        if prompt_token_ids is not None:
+            return None, list(prompt_token_ids)
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise TypeError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+
+    def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
+        detokenizer = StreamingDetokenizer(self.tokenizer, request.prompt_token_ids, request.params,
+                                           self.eos_token_ids, self.max_model_len)
+        seq = Sequence(f"{request.request_id}#{index}", request, index, token_ids, detokenizer)
+        request.seqs.append(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now; its blocks return to the pool. False if it is unknown."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        request.is_aborted = True
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                seq.detokenizer.finish_reason = "abort"
+        request.metrics.finished_time = time.time()
+        self._finished_outputs.append(self._make_output(request))
+        self._release_if_idle()
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the loop -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, run the model, sample, and report."""
+        plan = self.scheduler.schedule()
+        outputs = self._finished_outputs
+        self._finished_outputs = []
+        if plan.is_empty:
+            if self.scheduler.num_unfinished and not plan.kv.preempted and not self.scheduler.running:
+                self._check_can_progress()
+            return outputs
+        self.num_steps += 1
+        kv = plan.kv
+        self.runner.kv_cache.execute_copies(kv.swap_out, kv.swap_in, kv.copy_on_write)
+        chunks = []
+        now = time.time()
+        for seq, sched in plan.scheduled:
+            end = sched.start + sched.num_tokens
+            chunks.append(SeqChunk(seq.token_ids[sched.start:end], sched.start, sched.block_table,
+                                   end == len(seq.token_ids)))
+            metrics = seq.request.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+            metrics.num_cached_tokens = max(metrics.num_cached_tokens, sched.num_cached_tokens)
+        logits = self.runner.execute(chunks)
+        sampling = [seq for (seq, _), chunk in zip(plan.scheduled, chunks) if chunk.needs_logits]
+        return outputs + self._postprocess(sampling, logits)
+
+    def _check_can_progress(self) -> None:
+        """Nothing runs and nothing could be admitted: say why instead of spinning."""
+        head = self.scheduler.waiting[0]
+        need = -(-len(head.token_ids) // self.config.block_size)
+        watermark = int(self.pool_config.watermark * self.pool_config.num_device_blocks)
+        if need + watermark > self.pool_config.num_device_blocks:
+            self.abort_request(head.request.request_id)
+            logger.error("request %s needs %d blocks but the pool has %d; aborted",
+                         head.request.request_id, need, self.pool_config.num_device_blocks)
+
+    def _postprocess(self, sampling: list[Sequence], logits: torch.Tensor) -> list[RequestOutput]:
+        states: list[SamplingState] = []
+        rows: list[int] = []
+        owners: list[Sequence] = []
+        forked: list[tuple[Sequence, Sequence]] = []
+        for row, seq in enumerate(sampling):
+            request = seq.request
+            group = [seq]
+            if request.params.n > 1 and len(request.seqs) == 1 and not seq.output_token_ids:
+                # First token of an n > 1 request: the n samples share the prompt's blocks.
+                for index in range(1, request.params.n):
+                    child = self._new_sequence(request, index, list(seq.token_ids))
+                    forked.append((seq, child))
+                    group.append(child)
+            for member in group:
+                states.append(SamplingState(request.params, request.prompt_token_ids,
+                                            member.output_token_ids, member.sample_index))
+                rows.append(row)
+                owners.append(member)
+        if not owners:
+            return []
+        if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        result = self.sampler.sample(logits, states)
+        for parent, child in forked:
+            self.scheduler.fork(parent, child)
+        now = time.time()
+        touched: dict[str, Request] = {}
+        for seq, token_id, logprob in zip(owners, result.token_ids, result.logprobs):
+            request = seq.request
+            seq.token_ids.append(token_id)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+                seq.cumulative_logprob += logprob.logprob
+            delta = seq.detokenizer.append(token_id)
+            seq.delta_text += delta.text
+            self.num_generated_tokens += 1
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            if delta.is_finished:
+                self.scheduler.finish(seq)
+            else:
+                self.scheduler.append_token(seq, token_id)
+            touched[request.request_id] = request
+        outputs = []
+        for request in touched.values():
+            request.metrics.num_generated_tokens = sum(len(s.output_token_ids) for s in request.seqs)
+            if request.is_finished:
+                request.metrics.finished_time = now
+                self.requests.pop(request.request_id, None)
+            outputs.append(self._make_output(request))
+        self._release_if_idle()
+        return outputs
+
+    def _release_if_idle(self) -> None:
+        """With no request left, hand the last finished blocks back now, not at the next step."""
+        if not self.requests and self.scheduler.has_pending_changes:
+            self.scheduler.schedule()
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        completions = []
+        for seq in request.seqs:
+            new_tokens = seq.output_token_ids[seq.num_streamed_tokens:]
+            seq.num_streamed_tokens = len(seq.output_token_ids)
+            completions.append(CompletionOutput(
+                index=seq.sample_index,
+                text=seq.detokenizer.output_text,
+                token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob if request.params.logprobs is not None else None,
+                logprobs=list(seq.logprobs) if request.params.logprobs is not None else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.detokenizer.stop_reason,
+                delta_text=seq.delta_text,
+                delta_token_ids=new_tokens,
+            ))
+            seq.delta_text = ""
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                             completions, request.is_finished, request.metrics)
+
+    # ---- introspection -------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Pool, cache and queue statistics, plain data."""
+        stats: dict[str, Any] = {}
+        if self.kv_manager is not None:
+            stats.update(self.kv_manager.stats(self.worker_id))
+        cache = self.runner.kv_cache
+        stats.update({
+            "num_waiting": len(self.scheduler.waiting),
+            "num_running": len(self.scheduler.running),
+            "num_preemptions_by_mode": dict(self.scheduler.num_preemptions),
+            "swapped_out_bytes": cache.num_bytes_swapped_out,
+            "swapped_in_bytes": cache.num_bytes_swapped_in,
+            "num_steps": self.num_steps,
+            "num_generated_tokens": self.num_generated_tokens,
+        })
+        return stats
+
+    def check_integrity(self) -> None:
+        if self.kv_manager is not None:
+            self.kv_manager.check_integrity()
+
+    def num_used_blocks(self) -> int:
+        return 0 if self.kv_manager is None else self.kv_manager.num_used_blocks()
+
+    def config_dict(self) -> dict:
+        return asdict(self.config)

@@ -1,0 +1,90 @@
+"""The KV cache tensors of one worker: a device pool and a host swap pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve import kernels
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """The per-layer block layout ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes across all layers, keys and values."""
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element_size
+
+    def num_blocks_for(self, num_bytes: float) -> int:
+        return int(num_bytes // self.bytes_per_block)
+
+
+class KVCache:
+    """Per-layer (k, v) tensors for the device pool and the host pool.
+
+    ``execute_copies`` runs a KV manager step's copies in the order the
+    manager requires: swap out, swap in, then copy-on-write.
+    """
+
+    def __init__(self, shape: CacheShape, num_device_blocks: int, num_host_blocks: int,
+                 device: torch.device) -> None:
+        self.shape = shape
+        self.device = torch.device(device)
+        self.num_device_blocks = num_device_blocks
+        self.num_host_blocks = num_host_blocks
+        block = (shape.block_size, shape.num_kv_heads, shape.head_dim)
+        pin = self.device.type == "cuda"
+        self.device_caches = [
+            (torch.zeros((num_device_blocks, *block), dtype=shape.dtype, device=self.device),
+             torch.zeros((num_device_blocks, *block), dtype=shape.dtype, device=self.device))
+            for _ in range(shape.num_layers)]
+        self.host_caches = [
+            (torch.zeros((num_host_blocks, *block), dtype=shape.dtype, pin_memory=pin),
+             torch.zeros((num_host_blocks, *block), dtype=shape.dtype, pin_memory=pin))
+            for _ in range(shape.num_layers)]
+        self.num_bytes_swapped_out = 0
+        self.num_bytes_swapped_in = 0
+
+    def execute_copies(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
+                       copy_on_write: list[tuple[int, int]]) -> None:
+        if swap_out:
+            self._swap(self.device_caches, self.host_caches, swap_out)
+            self.num_bytes_swapped_out += len(swap_out) * self.shape.bytes_per_block
+        if swap_in:
+            self._swap(self.host_caches, self.device_caches, swap_in)
+            self.num_bytes_swapped_in += len(swap_in) * self.shape.bytes_per_block
+        if copy_on_write:
+            pairs = torch.tensor(copy_on_write, dtype=torch.int64, device=self.device)
+            kernels.copy_blocks([k for k, _ in self.device_caches], [v for _, v in self.device_caches],
+                                pairs)
+
+    @staticmethod
+    def _swap(src_caches, dst_caches, pairs: list[tuple[int, int]]) -> None:
+        block_pairs = torch.tensor(pairs, dtype=torch.int64)
+        for (src_k, src_v), (dst_k, dst_v) in zip(src_caches, dst_caches):
+            kernels.swap_blocks(src_k, dst_k, block_pairs)
+            kernels.swap_blocks(src_v, dst_v, block_pairs)
+
+    def read_blocks(self, block_ids: list[int], tier: str = "device") -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of the given blocks from every layer (for transfers and tests)."""
+        caches = self.device_caches if tier == "device" else self.host_caches
+        index = torch.tensor(block_ids, dtype=torch.int64)
+        return [(k.index_select(0, index.to(k.device)).cpu(), v.index_select(0, index.to(v.device)).cpu())
+                for k, v in caches]
+
+    def write_blocks(self, block_ids: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write blocks read by ``read_blocks`` (possibly on another worker) into the device pool."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        for (k_cache, v_cache), (k, v) in zip(self.device_caches, layers):
+            k_cache.index_copy_(0, index, k.to(self.device, k_cache.dtype))
+            v_cache.index_copy_(0, index, v.to(self.device, v_cache.dtype))

@@ -1,0 +1,70 @@
+"""The offline API, following vLLM's: ``LLM(model=...).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .engine import EngineConfig, LLMEngine
+from .request import RequestOutput
+from .sampling_params import SamplingParams
+
+
+class LLM:
+    """Generate for a batch of prompts with continuous batching on a paged KV cache.
+
+    Keyword arguments are ``EngineConfig`` fields (``dtype``, ``device``,
+    ``block_size``, ``num_device_blocks``, ``kv_cache_memory_gb``,
+    ``swap_space_gb``, ``enable_prefix_caching``, ``preemption_mode``,
+    ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``, ...).
+    An unknown keyword raises TypeError.
+    """
+
+    def __init__(self, model: str, **kwargs) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+        self._next_id = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Outputs in input order. A prompt is a string or a list of token ids.
+
+        Every request is validated before any runs: a bad one raises
+        ValueError and nothing is queued.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        ids = []
+        try:
+            for prompt, param, prio in zip(prompts, params, priorities):
+                request_id = f"offline-{self._next_id}"
+                self._next_id += 1
+                self.engine.add_request(request_id, prompt, param, prio)
+                ids.append(request_id)
+        except Exception:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            self.engine.step()  # collect the abort outputs
+            raise
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(ids):
+            for output in self.engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+        return [finished[request_id] for request_id in ids]
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def check_integrity(self) -> None:
+        self.engine.check_integrity()

@@ -1,0 +1,156 @@
+"""Loads a transformers model and runs one flattened forward pass per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention import PagedAttentionMetadata, register_paged_attention
+from .kv_cache import CacheShape, KVCache
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+           "half": torch.float16, "float": torch.float32}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """float32 on CPU and bfloat16 on CUDA by default ("auto" or None)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)} or 'auto'")
+    return _DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """'cuda' when asked for and present, else 'cpu'. None or 'auto' picks for you."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was requested but CUDA is not available")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device}")
+    return device
+
+
+@dataclass
+class SeqChunk:
+    """One sequence's share of a step: tokens ``[start, start + len(token_ids))``."""
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    needs_logits: bool
+
+
+class ModelRunner:
+    """A transformers decoder-only model whose attention reads the paged cache.
+
+    ``execute`` takes the step's chunks (decode tokens and prefill chunks
+    mixed), runs one varlen forward pass over all of them, and returns the
+    float32 logits of the chunks that sample, in order.
+    """
+
+    def __init__(self, model: str, dtype=None, device=None, trust_remote_code: bool = False,
+                 kernel_backend: str | None = None) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.kernel_backend = kernel_backend
+        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model type {config.model_type!r} is not supported; "
+                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        attn = register_paged_attention()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model, dtype=self.dtype, attn_implementation=attn, trust_remote_code=trust_remote_code)
+        self.model.to(self.device).eval()
+        self.config = config
+        self.decoder = self.model.get_decoder()
+        self.lm_head = self.model.get_output_embeddings()
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.vocab_size = config.vocab_size
+        self.max_position_embeddings = getattr(config, "max_position_embeddings", 2048)
+        self.num_parameters = sum(p.numel() for p in self.model.parameters())
+        self.kv_cache: KVCache | None = None
+
+    def cache_shape(self, block_size: int) -> CacheShape:
+        return CacheShape(self.num_layers, block_size, self.num_kv_heads, self.head_dim, self.dtype)
+
+    def allocate_cache(self, block_size: int, num_device_blocks: int, num_host_blocks: int) -> KVCache:
+        self.kv_cache = KVCache(self.cache_shape(block_size), num_device_blocks, num_host_blocks,
+                                self.device)
+        return self.kv_cache
+
+    def profile_peak_memory(self, num_tokens: int, block_size: int) -> int:
+        """Peak CUDA bytes of one forward pass over ``num_tokens`` prompt tokens.
+
+        Runs against a throwaway cache just big enough for them; 0 off CUDA.
+        """
+        if self.device.type != "cuda":
+            return 0
+        num_blocks = -(-num_tokens // block_size)
+        saved, self.kv_cache = self.kv_cache, None
+        self.allocate_cache(block_size, num_blocks, 0)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.execute([SeqChunk([0] * num_tokens, 0, list(range(num_blocks)), True)])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.kv_cache = saved
+        torch.cuda.empty_cache()
+        return peak
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """One forward pass over every chunk; logits [num_sampling_chunks, vocab] float32."""
+        if self.kv_cache is None:
+            raise RuntimeError("allocate_cache() must run before execute()")
+        device = self.device
+        block_size = self.kv_cache.shape.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        cu_seqlens = [0]
+        seq_lens = []
+        logits_rows = []
+        max_blocks = max(len(c.block_table) for c in chunks)
+        tables = torch.zeros((len(chunks), max_blocks), dtype=torch.int32)
+        for i, chunk in enumerate(chunks):
+            num = len(chunk.token_ids)
+            input_ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.start, chunk.start + num))
+            cu_seqlens.append(cu_seqlens[-1] + num)
+            seq_lens.append(chunk.start + num)
+            tables[i, :len(chunk.block_table)] = torch.tensor(chunk.block_table, dtype=torch.int32)
+            if chunk.needs_logits:
+                logits_rows.append(cu_seqlens[-1] - 1)
+        num_tokens = len(input_ids)
+        pos = torch.tensor(positions, dtype=torch.int64)
+        cu = torch.tensor(cu_seqlens, dtype=torch.int32)
+        seq_index = torch.repeat_interleave(torch.arange(len(chunks)), cu[1:] - cu[:-1])
+        slot_mapping = tables[seq_index, pos // block_size].to(torch.int64) * block_size + pos % block_size
+        meta = PagedAttentionMetadata(
+            slot_mapping=slot_mapping.to(device),
+            block_tables=tables.to(device),
+            cu_seqlens_q=cu.to(device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            is_decode_only=num_tokens == len(chunks),
+            kv_caches=self.kv_cache.device_caches,
+            backend=self.kernel_backend,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=device).unsqueeze(0)
+        hidden = self.decoder(input_ids=ids, position_ids=pos.to(device).unsqueeze(0),
+                              paged_metadata=meta, use_cache=False).last_hidden_state[0]
+        if not logits_rows:
+            return torch.empty((0, self.vocab_size), dtype=torch.float32, device=device)
+        rows = torch.tensor(logits_rows, dtype=torch.int64, device=device)
+        return self.lm_head(hidden.index_select(0, rows)).float()

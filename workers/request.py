@@ -1,0 +1,129 @@
+"""Requests, their sequences, and the outputs the engine returns (vLLM's shapes)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from .detokenizer import StreamingDetokenizer
+from .sampler import SampleLogprobs
+from .sampling_params import SamplingParams
+
+
+class SequenceStatus(str, enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample of a request: prompt plus generated tokens, and its text stream."""
+
+    seq_id: str
+    request: "Request"
+    sample_index: int
+    token_ids: list[int]
+    detokenizer: StreamingDetokenizer
+    status: SequenceStatus = SequenceStatus.WAITING
+    logprobs: list[SampleLogprobs] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    # Deltas since the last output was taken, for streaming.
+    delta_text: str = ""
+    num_streamed_tokens: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.detokenizer.finish_reason
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+
+@dataclass
+class RequestMetrics:
+    """Per-request timing and token counts (seconds, wall clock)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.time)
+    order: int = 0  # tie-breaker: submission order
+    seqs: list[Sequence] = field(default_factory=list)
+    metrics: RequestMetrics | None = None
+    is_aborted: bool = False
+
+    def __post_init__(self) -> None:
+        if self.metrics is None:
+            self.metrics = RequestMetrics(self.arrival_time, num_prompt_tokens=len(self.prompt_token_ids))
+
+    @property
+    def is_finished(self) -> bool:
+        """Aborted, or all ``n`` samples exist (they fork at the first token) and finished."""
+        if self.is_aborted:
+            return True
+        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's ``n`` samples. ``text``/``token_ids`` are cumulative;
+    ``delta_text``/``delta_token_ids`` are what is new since the previous output."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[SampleLogprobs] | None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics

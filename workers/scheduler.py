@@ -1,0 +1,128 @@
+"""The engine-side scheduler: queues and policy, one KV manager call per step.
+
+The scheduler decides the order (FCFS or priority) and the limits (token
+budget, ``max_num_seqs``); the KV manager decides what fits, which prefix
+blocks are reused and whom to preempt. Everything that changed since the
+last step (new sequences, forks, sampled tokens, finished sequences) rides
+along in that one call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pagedserve.kvmanager import NewSequence, ScheduledSeq, StepInput, StepOutput
+
+from .request import Sequence, SequenceStatus
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+@dataclass
+class SchedulerOutput:
+    """The sequences to run this step, and the copies to perform first."""
+
+    scheduled: list[tuple[Sequence, ScheduledSeq]] = field(default_factory=list)
+    kv: StepOutput = field(default_factory=StepOutput)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, kv_step: Callable[[StepInput], StepOutput], worker_id: str,
+                 max_num_seqs: int, max_num_batched_tokens: int, policy: str = "fcfs") -> None:
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
+        self.kv_step = kv_step
+        self.worker_id = worker_id
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self._pending = StepInput(worker_id)
+        self._registered: set[str] = set()
+        self.num_preemptions = {"swap": 0, "recompute": 0}
+
+    # ---- changes since the last step ------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence; it registers with the KV manager at the next step."""
+        self.waiting.append(seq)
+        self._pending.new_sequences.append(NewSequence(seq.seq_id, list(seq.token_ids)))
+        self._registered.add(seq.seq_id)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Add ``child``, sharing ``parent``'s blocks, right after it in the running queue."""
+        self._pending.forks.append((parent.seq_id, child.seq_id))
+        self._registered.add(child.seq_id)
+        child.status = SequenceStatus.RUNNING
+        self.running.insert(self.running.index(parent) + 1, child)
+
+    def append_token(self, seq: Sequence, token_id: int) -> None:
+        self._pending.appended.append((seq.seq_id, [token_id]))
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence; its blocks are freed at the next step."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        if seq.seq_id in self._registered:
+            self._registered.discard(seq.seq_id)
+            self._pending.finished.append(seq.seq_id)
+
+    @property
+    def has_pending_changes(self) -> bool:
+        p = self._pending
+        return bool(p.new_sequences or p.forks or p.appended or p.finished)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- the step -----------------------------------------------------------------
+    def _order(self, seq: Sequence):
+        request = seq.request
+        if self.policy == "priority":
+            return (request.priority, request.arrival_time, request.order, seq.sample_index)
+        return (request.arrival_time, request.order, seq.sample_index)
+
+    def schedule(self) -> SchedulerOutput:
+        """Ask the KV manager for this step's plan and update the queues from it."""
+        self.running.sort(key=self._order)
+        self.waiting.sort(key=self._order)
+        step_input = self._pending
+        self._pending = StepInput(self.worker_id)
+        step_input.running = [s.seq_id for s in self.running]
+        num_free_slots = max(0, self.max_num_seqs - len(self.running))
+        step_input.waiting = [s.seq_id for s in self.waiting[:num_free_slots]]
+        step_input.token_budget = self.max_num_batched_tokens
+        kv_output = self.kv_step(step_input)
+
+        by_id = {s.seq_id: s for s in self.running}
+        by_id.update((s.seq_id, s) for s in self.waiting)
+        for preemption in kv_output.preempted:
+            seq = by_id[preemption.seq_id]
+            if seq in self.running:
+                self.running.remove(seq)
+                self.waiting.append(seq)
+            seq.status = SequenceStatus.WAITING
+            seq.request.metrics.num_preemptions += 1
+            self.num_preemptions[preemption.mode] += 1
+        output = SchedulerOutput(kv=kv_output)
+        admitted = []
+        for sched in kv_output.scheduled:
+            seq = by_id[sched.seq_id]
+            if seq.status == SequenceStatus.WAITING:
+                admitted.append(seq)
+                seq.status = SequenceStatus.RUNNING
+            output.scheduled.append((seq, sched))
+        if admitted:
+            admitted_ids = {id(s) for s in admitted}
+            self.waiting = [s for s in self.waiting if id(s) not in admitted_ids]
+            self.running.extend(admitted)
+        return output
