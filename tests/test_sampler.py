@@ -1,0 +1,532 @@
+"""Sampling params, the batched sampler, incremental detokenization and stop handling."""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import pytest
+import torch
+
+from pagedserve.workers.detokenizer import (
+    IncrementalDetokenizer,
+    StopStringMatcher,
+    StreamingDetokenizer,
+    check_stop,
+)
+from pagedserve.workers.sampler import (
+    Sampler,
+    SamplingState,
+    apply_penalties_to_states,
+    processed_probs,
+)
+from pagedserve.workers.sampling_params import SamplingParams
+
+VOCAB = 50
+
+
+def _logits(num_rows: int, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(num_rows, vocab, generator=generator) * 3
+
+
+# ---------------------------------------------------------------- SamplingParams
+
+
+def test_params_defaults_and_normalisation():
+    params = SamplingParams()
+    assert (params.n, params.max_tokens, params.temperature, params.top_k) == (1, 16, 1.0, -1)
+    assert params.stop == [] and params.stop_token_ids == []
+    assert not params.is_greedy and not params.has_penalties
+    assert SamplingParams(temperature=0).is_greedy
+    assert SamplingParams(temperature=1e-6).is_greedy
+    assert SamplingParams(top_k=0).top_k == -1
+    assert SamplingParams(top_k=None).top_k == -1
+    assert SamplingParams(stop="x").stop == ["x"]
+    assert isinstance(SamplingParams(temperature=1).temperature, float)
+
+
+@pytest.mark.parametrize(
+    "options, fragment",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "finite"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": float("inf")}, "finite"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.1}, "min_p"),
+        ({"n": 0}, "n must be"),
+        ({"n": True}, "n must be an int"),
+        ({"n": 1.0}, "n must be an int"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": "5"}, "max_tokens"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"frequency_penalty": "1"}, "frequency_penalty"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"seed": "7"}, "seed"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": ["a", 3]}, "stop"),
+        ({"stop": 3}, "stop"),
+        ({"stop_token_ids": [1, -2]}, "stop_token_ids"),
+        ({"stop_token_ids": "12"}, "stop_token_ids"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+    ],
+)
+def test_params_validation(options, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        SamplingParams(**options)
+
+
+def test_params_from_dict_rejects_unknown_keys():
+    with pytest.raises(ValueError, match="unknown sampling option.*best_of.*top_q"):
+        SamplingParams.from_dict({"temperature": 0.5, "top_q": 0.9, "best_of": 2})
+    with pytest.raises(ValueError, match="mapping"):
+        SamplingParams.from_dict([("n", 2)])
+
+
+def test_params_round_trip():
+    params = SamplingParams(
+        n=2, temperature=0.7, top_k=5, top_p=0.9, seed=3, stop=["a", "bc"],
+        stop_token_ids=[7], logprobs=2, repetition_penalty=1.2,
+    )
+    as_dict = params.to_dict()
+    assert SamplingParams.from_dict(as_dict) == params
+    assert pickle.loads(pickle.dumps(params)) == params
+    msgpack = pytest.importorskip("msgpack")
+    assert SamplingParams.from_dict(msgpack.unpackb(msgpack.packb(as_dict))) == params
+
+
+# ---------------------------------------------------------------- greedy and penalties
+
+
+def test_greedy_is_argmax_bit_for_bit():
+    logits = _logits(8).to(torch.bfloat16)
+    logits[3, 10] = logits[3, 11] = logits[3].max() + 1  # a tie: argmax takes the first
+    states = [SamplingState(SamplingParams(temperature=0.0)) for _ in range(8)]
+    expected = logits.argmax(-1).tolist()
+    assert Sampler().sample(logits, states).token_ids == expected
+    # Greedy rows mixed with random and penalised rows still take the raw argmax.
+    mixed = list(states)
+    mixed[1] = SamplingState(SamplingParams(temperature=0.8, seed=1))
+    mixed[5] = SamplingState(SamplingParams(repetition_penalty=2.0, top_k=3), [1, 2], [3])
+    token_ids = Sampler().sample(logits, mixed).token_ids
+    assert [t for i, t in enumerate(token_ids) if i not in (1, 5)] == [
+        t for i, t in enumerate(expected) if i not in (1, 5)
+    ]
+
+
+def _reference_penalties(row, prompt, output, repetition, frequency, presence):
+    row = row.clone()
+    for token in set(prompt) | set(output):
+        value = row[token].item()
+        row[token] = value / repetition if value > 0 else value * repetition
+    for token in set(output):
+        row[token] -= frequency * output.count(token) + presence
+    return row
+
+
+def test_penalties_match_reference():
+    logits = _logits(4)
+    configs = [
+        dict(repetition_penalty=1.3),
+        dict(frequency_penalty=0.5, presence_penalty=-0.7),
+        dict(repetition_penalty=0.8, frequency_penalty=-1.0, presence_penalty=2.0),
+        dict(),
+    ]
+    prompts = [[1, 2, 2, 3], [4, 5], [6, 7, 7], [1, 2]]
+    outputs = [[3, 9, 9], [5, 5, 5, 8], [7, 10, 10], [1]]
+    states = [
+        SamplingState(SamplingParams(temperature=0, **c), p, o)
+        for c, p, o in zip(configs, prompts, outputs)
+    ]
+    got = apply_penalties_to_states(logits, states)
+    for i, (config, prompt, output) in enumerate(zip(configs, prompts, outputs)):
+        expected = _reference_penalties(
+            logits[i], prompt, output,
+            config.get("repetition_penalty", 1.0),
+            config.get("frequency_penalty", 0.0),
+            config.get("presence_penalty", 0.0),
+        )
+        torch.testing.assert_close(got[i], expected)
+    assert torch.equal(got[3], logits[3])  # no penalties: untouched
+    # Greedy with penalties is the argmax of the penalised logits.
+    assert Sampler().sample(logits, states).token_ids == got.argmax(-1).tolist()
+
+
+def test_penalty_token_out_of_vocab_raises():
+    state = SamplingState(SamplingParams(repetition_penalty=1.5), [VOCAB + 1], [])
+    with pytest.raises(ValueError, match="out of range"):
+        Sampler().sample(_logits(1), [state])
+
+
+# ---------------------------------------------------------------- top-k / top-p / min-p
+
+
+def _reference_probs(row, temperature, top_k, top_p, min_p):
+    probs = torch.softmax(row.double() / temperature, -1)
+    order = sorted(range(len(row)), key=lambda t: (-row[t].item(), t))
+    keep = set(order[:top_k] if top_k > 0 else order)
+    kept = [t for t in order if t in keep]
+    total = sum(probs[t].item() for t in kept)
+    mass, nucleus = 0.0, []
+    for t in kept:
+        if nucleus and mass >= top_p * total - 1e-9:
+            break
+        nucleus.append(t)
+        mass += probs[t].item()
+    top = max(probs[t].item() for t in nucleus)
+    support = [t for t in nucleus if probs[t].item() >= min_p * top]
+    out = torch.zeros(len(row), dtype=torch.float64)
+    for t in support:
+        out[t] = probs[t]
+    return out / out.sum()
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p, min_p",
+    [
+        (1.0, -1, 1.0, 0.0),
+        (0.7, 5, 1.0, 0.0),
+        (1.3, -1, 0.6, 0.0),
+        (1.0, -1, 1.0, 0.2),
+        (0.9, 10, 0.8, 0.05),
+        (2.0, 1, 1.0, 0.0),
+        (1.0, 100, 0.95, 0.0),  # top_k beyond vocab
+    ],
+)
+def test_processed_probs_match_reference(temperature, top_k, top_p, min_p):
+    logits = _logits(3, seed=11)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    probs = processed_probs(logits, [params] * 3)
+    for i in range(3):
+        expected = _reference_probs(logits[i], temperature, top_k, top_p, min_p)
+        assert torch.equal(probs[i] > 0, expected > 0), "support differs"
+        torch.testing.assert_close(probs[i].double(), expected, atol=1e-6, rtol=1e-5)
+
+
+def test_top_p_over_many_candidates_matches_reference():
+    # A flat distribution over a larger vocab makes the nucleus exceed the first
+    # batch of top-p candidates, so the search must widen.
+    logits = torch.randn(2, 1000, generator=torch.Generator().manual_seed(5)) * 0.3
+    params = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.5, top_k=300)]
+    probs = processed_probs(logits, params)
+    for i, p in enumerate(params):
+        expected = _reference_probs(logits[i], 1.0, p.top_k, p.top_p, 0.0)
+        assert int((probs[i] > 0).sum()) > 64
+        assert torch.equal(probs[i] > 0, expected > 0)
+
+
+def test_top_k_keeps_ties_at_the_boundary():
+    logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0]])
+    probs = processed_probs(logits, [SamplingParams(top_k=2)])[0]
+    assert (probs > 0).tolist() == [True, False, True, True, False]
+
+
+def test_sampled_tokens_stay_in_support_and_follow_probs():
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -1.0, -3.0, 4.0]])
+    params = SamplingParams(temperature=1.0, top_k=5, top_p=0.9, min_p=0.05)
+    probs = processed_probs(logits, [params])[0]
+    num_samples = 20000
+    states = [SamplingState(params) for _ in range(num_samples)]
+    sampler = Sampler(seed=1234)
+    token_ids = torch.tensor(sampler.sample(logits.expand(num_samples, -1), states).token_ids)
+    counts = torch.bincount(token_ids, minlength=8).double() / num_samples
+    assert set(token_ids.tolist()) <= set(torch.nonzero(probs).flatten().tolist())
+    assert torch.allclose(counts, probs.double(), atol=0.015)
+
+
+def test_greedy_rows_have_one_hot_probs():
+    logits = _logits(2)
+    probs = processed_probs(logits, [SamplingParams(temperature=0)] * 2)
+    assert torch.equal(probs.argmax(-1), logits.argmax(-1))
+    assert torch.equal(probs.sum(-1), torch.ones(2))
+
+
+# ---------------------------------------------------------------- seeds
+
+
+def _step_logits(step: int, vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randn(vocab, generator=torch.Generator().manual_seed(1000 + step)) * 2
+
+
+def _run_steps(batch_for_step, num_steps, sampler):
+    """Fake decode loop; ``batch_for_step(outputs, step)`` gives (states, our row)."""
+    outputs = []
+    for step in range(num_steps):
+        states, row = batch_for_step(outputs, step)
+        logits = torch.stack(
+            [_step_logits(step if i == row else step + 77 * (i + 1)) for i in range(len(states))]
+        )
+        outputs.append(sampler.sample(logits, states).token_ids[row])
+    return outputs
+
+
+def test_seeded_request_reproduces_whatever_the_batch():
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=42, frequency_penalty=0.3)
+    prompt = [1, 2, 3]
+
+    def alone(outputs, step):
+        return [SamplingState(params, prompt, list(outputs))], 0
+
+    def batched(outputs, step):
+        # Other random rows (seeded and unseeded, different settings) around ours.
+        others = [
+            SamplingState(SamplingParams(temperature=1.5), [4], [5] * step),
+            SamplingState(SamplingParams(temperature=0.5, seed=7, top_k=3)),
+            SamplingState(SamplingParams(temperature=0)),
+        ][: 1 + step % 3]
+        row = step % (len(others) + 1)
+        states = others[:row] + [SamplingState(params, prompt, list(outputs))] + others[row:]
+        return states, row
+
+    first = _run_steps(alone, 20, Sampler())
+    torch.manual_seed(999)  # the default RNG's state must not matter
+    second = _run_steps(batched, 20, Sampler(seed=5))
+    assert first == second
+    assert len(set(first)) > 3  # actually random, not a degenerate argmax
+
+
+def test_seeded_siblings_differ_but_reproduce():
+    params = SamplingParams(n=2, temperature=1.0, seed=9)
+
+    def siblings(outputs_a, outputs_b):
+        return [SamplingState(params, [], outputs_a, 0), SamplingState(params, [], outputs_b, 1)]
+
+    def run():
+        a, b = [], []
+        for step in range(20):
+            logits = _step_logits(step).expand(2, -1)
+            token_a, token_b = Sampler().sample(logits, siblings(a, b)).token_ids
+            a.append(token_a)
+            b.append(token_b)
+        return a, b
+
+    a1, b1 = run()
+    a2, b2 = run()
+    assert (a1, b1) == (a2, b2)
+    assert a1 != b1
+
+
+def test_unseeded_sampler_seed_reproduces():
+    logits = _logits(4)
+    states = [SamplingState(SamplingParams(temperature=1.0)) for _ in range(4)]
+    runs = [Sampler(seed=3).sample(logits, states).token_ids for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+def test_logprobs_are_raw_log_softmax():
+    logits = _logits(3)
+    states = [
+        SamplingState(SamplingParams(temperature=0, logprobs=3)),
+        SamplingState(
+            SamplingParams(temperature=0.5, seed=1, logprobs=0, repetition_penalty=1.5), [1], [2]
+        ),
+        SamplingState(SamplingParams(temperature=0)),
+    ]
+    output = Sampler().sample(logits, states)
+    reference = torch.log_softmax(logits, -1)
+    first, second, third = output.logprobs
+    assert third is None
+    assert first.token_id == output.token_ids[0]
+    assert math.isclose(first.logprob, reference[0, first.token_id].item(), rel_tol=1e-6)
+    values, ids = reference[0].topk(3)
+    assert [t for t, _ in first.top] == ids.tolist()
+    for (_, got), want in zip(first.top, values.tolist()):
+        assert math.isclose(got, want, rel_tol=1e-6)
+    assert second.top == [] and second.token_id == output.token_ids[1]
+    assert math.isclose(second.logprob, reference[1, second.token_id].item(), rel_tol=1e-6)
+
+
+def test_sampler_rejects_bad_inputs():
+    with pytest.raises(ValueError, match="rows"):
+        Sampler().sample(_logits(2), [SamplingState(SamplingParams())])
+    with pytest.raises(ValueError, match="2-D"):
+        Sampler().sample(torch.zeros(VOCAB), [])
+    assert Sampler().sample(torch.zeros(0, VOCAB), []).token_ids == []
+
+
+# ---------------------------------------------------------------- detokenizer
+
+
+UNICODE_TEXTS = [
+    "hello world, the quick brown fox jumps over the lazy dog",
+    "héllo wörld: naïve café, déjà vu, façade",
+    "日本語のテキストと中文字符 mixed with English",
+    "emoji time 😀🎉🚀 and more 👍🏽 done",
+    "Ελληνικά και русский текст",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<|eos|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(UNICODE_TEXTS * 3, trainer=trainer)
+    return tok
+
+
+def test_tokenizer_splits_multibyte_characters(tokenizer):
+    # The test below is only meaningful if some token ends mid-character.
+    ids = tokenizer.encode("😀🎉🚀 👍🏽").ids
+    pieces = [tokenizer.decode([i]) for i in ids]
+    assert any("\ufffd" in piece for piece in pieces)
+
+
+@pytest.mark.parametrize("text", UNICODE_TEXTS + ["unseen: 你好 🤖 ñ ß"])
+def test_incremental_detokenizer_never_splits_characters(tokenizer, text):
+    prompt = tokenizer.encode("prompt: 😀").ids
+    ids = tokenizer.encode(text).ids
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+    pieces = [detokenizer.append(t) for t in ids]
+    pieces.append(detokenizer.flush())
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert "".join(pieces) == detokenizer.output_text == tokenizer.decode(ids) == text
+
+
+def test_incremental_detokenizer_with_transformers_tokenizer(tokenizer):
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|eos|>")
+    text = "héllo , world . 😀 ok !"
+    ids = hf.encode(text)
+    detokenizer = IncrementalDetokenizer(hf, [])
+    streamed = "".join(detokenizer.append(t) for t in ids) + detokenizer.flush()
+    assert streamed == text
+
+
+def test_incremental_detokenizer_skips_special_tokens(tokenizer):
+    eos = tokenizer.token_to_id("<|eos|>")
+    ids = tokenizer.encode("café").ids + [eos] + tokenizer.encode(" ok").ids
+    detokenizer = IncrementalDetokenizer(tokenizer, [])
+    assert "".join(detokenizer.append(t) for t in ids) == "café ok"
+
+
+def test_check_stop():
+    params = SamplingParams(max_tokens=3, stop_token_ids=[9])
+    assert check_stop(params, [1], eos_token_id=2) is None
+    assert check_stop(params, [1, 2], eos_token_id=2) == "stop"
+    assert check_stop(params, [1, 2], eos_token_id={2, 3}) == "stop"
+    assert check_stop(params, [1, 9], eos_token_id=2) == "stop"
+    assert check_stop(params, [1, 1, 1], eos_token_id=2) == "length"
+    assert check_stop(params, [1, 1, 2], eos_token_id=2) == "stop"
+    assert check_stop(SamplingParams(ignore_eos=True), [2], eos_token_id=2) is None
+    assert check_stop(params, [1], None, num_prompt_tokens=7, max_model_len=8) == "length"
+
+
+def test_stop_string_matcher():
+    matcher = StopStringMatcher(["stop", "op!", "xyz"])
+    assert matcher.find("a stop", num_new_chars=3) == (2, "stop")
+    assert matcher.find("a stop here", num_new_chars=1) is None  # already checked
+    assert matcher.find("ab op!", num_new_chars=1) == (3, "op!")
+    # The earliest start wins when several stop strings complete in the new text.
+    assert StopStringMatcher(["cde", "bc"]).find("xabcde", 3) == (2, "bc")
+    assert StopStringMatcher(["bcd", "abcde"]).find("xabcde", 2) == (1, "abcde")
+    including = StopStringMatcher(["abcd"], include_stop_str_in_output=True)
+    assert including.find("xxabcd", 1) == (6, "abcd")
+    assert matcher.num_held_back("hello st") == 2
+    assert matcher.num_held_back("hello xy") == 2
+    assert matcher.num_held_back("hello o") == 1
+    assert matcher.num_held_back("hell") == 0
+
+
+def _stream(tokenizer, text, params, eos=None, extra=()):
+    ids = tokenizer.encode(text).ids + list(extra)
+    stream = StreamingDetokenizer(tokenizer, [], params, eos_token_id=eos)
+    pieces = []
+    for token_id in ids:
+        delta = stream.append(token_id)
+        pieces.append(delta.text)
+        if delta.is_finished:
+            break
+    return stream, pieces
+
+
+def test_stop_string_across_token_boundaries(tokenizer):
+    text = "the quick brown fox jumps over the lazy dog"
+    stop = "fox jumps"
+    assert not any(stop in tokenizer.decode([t]) for t in tokenizer.encode(text).ids)
+    params = SamplingParams(stop=["lazy", stop], max_tokens=100)
+    stream, pieces = _stream(tokenizer, text, params)
+    assert stream.finish_reason == "stop" and stream.stop_reason == stop
+    assert stream.output_text == "the quick brown "
+    assert "".join(pieces) == stream.output_text
+    # No streamed prefix ever showed part of the stop string.
+    shown = ""
+    for piece in pieces:
+        shown += piece
+        assert not any(shown.endswith(stop[:k]) for k in range(1, len(stop)))
+
+
+def test_stop_string_included_when_asked(tokenizer):
+    params = SamplingParams(stop=["café"], include_stop_str_in_output=True, max_tokens=100)
+    stream, pieces = _stream(tokenizer, "héllo wörld: naïve café, déjà vu", params)
+    assert stream.output_text == "héllo wörld: naïve café"
+    assert "".join(pieces) == stream.output_text
+
+
+def test_stream_holds_back_possible_stop_prefix(tokenizer):
+    params = SamplingParams(stop=["world!"], max_tokens=100)
+    stream = StreamingDetokenizer(tokenizer, [], params, eos_token_id=None)
+    shown = ""
+    for token_id in tokenizer.encode("hello world").ids:
+        shown += stream.append(token_id).text
+    assert shown == "hello "  # "world" might still become "world!"
+    shown += stream.append(tokenizer.encode(" again").ids[0]).text
+    assert shown.startswith("hello world")  # released once it cannot match
+
+
+def test_stream_finish_reasons(tokenizer):
+    eos = tokenizer.token_to_id("<|eos|>")
+    params = SamplingParams(max_tokens=100)
+    stream, pieces = _stream(tokenizer, "café 😀", params, eos=eos, extra=[eos])
+    assert stream.finish_reason == "stop" and stream.stop_reason is None
+    assert "".join(pieces) == stream.output_text == "café 😀"
+    stop_id = tokenizer.encode(" ok").ids[0]
+    params = SamplingParams(max_tokens=100, stop_token_ids=[stop_id])
+    stream, pieces = _stream(tokenizer, "hello", params, extra=[stop_id])
+    assert stream.finish_reason == "stop" and stream.stop_reason == stop_id
+    assert stream.output_text == "hello"
+    ids = tokenizer.encode("emoji time 😀🎉").ids
+    params = SamplingParams(max_tokens=len(ids) - 1)
+    stream, pieces = _stream(tokenizer, "emoji time 😀🎉", params)
+    assert stream.finish_reason == "length"
+    assert "".join(pieces) == stream.output_text == tokenizer.decode(ids[:-1])
+    with pytest.raises(ValueError, match="finished"):
+        stream.append(ids[-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sampler_on_cuda_matches_cpu_where_deterministic():
+    logits = _logits(6)
+    states = [
+        SamplingState(SamplingParams(temperature=0)),
+        SamplingState(SamplingParams(temperature=0, repetition_penalty=1.5), [1, 2], [3]),
+        SamplingState(SamplingParams(temperature=1.0, top_k=1, seed=3)),
+        SamplingState(SamplingParams(temperature=0.7, top_p=0.8, min_p=0.1, seed=4, logprobs=2)),
+        SamplingState(SamplingParams(temperature=1.0)),
+        SamplingState(SamplingParams(temperature=0.5, frequency_penalty=1.0), [], [5, 5]),
+    ]
+    cpu = Sampler().sample(logits, states)
+    cuda = Sampler().sample(logits.cuda(), states)
+    assert cuda.token_ids[:4] == cpu.token_ids[:4]
+    assert cuda.logprobs[3].token_id == cuda.token_ids[3]
