@@ -11,7 +11,7 @@ install:
 	$(PIP) install -e ".[test]"
 
 run: install
-	$(PYTHON) -m pagedserve demo
+	$(PYTHON) -m pagedserve generate
 
 test: install
 	$(PYTHON) -m pytest -q

@@ -55,8 +55,69 @@ def _run_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+DEMO_PROMPTS = (
+    "The paged KV cache splits every sequence into fixed-size blocks, so",
+    "The paged KV cache splits every sequence into fixed-size blocks, and",
+    "Serving a language model means",
+    "Once upon a time",
+)
+
+
+def _add_generate_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "generate",
+        help="offline generation with the paged engine (the default demo)",
+        description=("Generate for a few prompts through the paged engine and print the text, "
+                     "per-request metrics and KV cache statistics. Without --model it builds "
+                     "the random-weight tiny model into the cache directory first."),
+    )
+    parser.add_argument("--model", help="checkpoint directory or hub id (default: built tiny model)")
+    parser.add_argument("--arch", choices=ARCHS, default="llama", help="arch of the built model")
+    parser.add_argument("--size", choices=SIZES, default="tiny", help="size of the built model")
+    parser.add_argument("--prompt", action="append", help="a prompt (repeatable; default: demo prompts)")
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--n", type=int, default=1)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-device-blocks", type=int, default=None)
+    parser.add_argument("--swap-space-gb", type=float, default=0.05)
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    parser.set_defaults(run=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.workers.model_factory import ensure_model
+
+    model = args.model or str(ensure_model(args.arch, args.size))
+    try:
+        llm = LLM(model, block_size=args.block_size, num_device_blocks=args.num_device_blocks,
+                  swap_space_gb=args.swap_space_gb, device=args.device)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, seed=args.seed, n=args.n, ignore_eos=True)
+        outputs = llm.generate(list(args.prompt or DEMO_PROMPTS), params)
+    except (ValueError, TypeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for output in outputs:
+        print(f"prompt: {output.prompt!r}")
+        for completion in output.outputs:
+            print(f"  [{completion.index}] {completion.text!r} ({completion.finish_reason})")
+        m = output.metrics
+        print(f"  {m.num_prompt_tokens} prompt tokens ({m.num_cached_tokens} from the prefix cache), "
+              f"{m.num_generated_tokens} generated, TTFT {m.time_to_first_token * 1e3:.0f} ms")
+    stats = llm.stats()
+    print(f"KV cache: {stats['num_device_blocks']} device blocks of {stats['block_size']} tokens, "
+          f"{stats['device_blocks_cached']} cached for reuse, prefix hit rate "
+          f"{stats['prefix_cache_hit_rate']:.0%}, {stats['num_steps']} engine steps")
+    llm.check_integrity()
+    return 0
+
+
 # One entry per subcommand; each adds its subparser to the given subparsers.
-_PARSER_BUILDERS = (_add_make_model_parser,)
+_PARSER_BUILDERS = (_add_make_model_parser, _add_generate_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
