@@ -1,0 +1,202 @@
+"""The configuration schema shared by ``pagedserve.cluster.start`` and ``pagedserve serve``.
+
+One YAML file describes the model, the engine options every worker uses,
+the workers (how many, which role, what resources), the router and the
+server. Unknown keys are errors, so a typo never silently does nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pagedserve.workers.engine import EngineConfig
+from pagedserve.workers.model_factory import ARCHS, SIZES
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Strict):
+    """Which checkpoint to serve: a path or hub id, or a built random-weight model."""
+
+    path: str | None = None
+    arch: Literal[ARCHS] = "llama"  # type: ignore[valid-type]
+    size: Literal[SIZES] = "tiny"  # type: ignore[valid-type]
+    seed: int = Field(0, ge=0)
+    name: str | None = None  # the id clients send as "model"; default: derived from the above
+
+    @property
+    def served_name(self) -> str:
+        if self.name:
+            return self.name
+        if self.path:
+            return Path(self.path).name or self.path
+        return f"pagedserve-{self.arch}-{self.size}"
+
+    def resolve_path(self) -> str:
+        """The checkpoint directory, building the random-weight model if needed."""
+        if self.path:
+            return self.path
+        from pagedserve.workers.model_factory import ensure_model
+
+        return str(ensure_model(self.arch, self.size, seed=self.seed))
+
+
+class EngineOptions(_Strict):
+    """Engine options applied on every worker (``EngineConfig`` fields, vLLM's names)."""
+
+    dtype: str | None = None
+    device: str | None = None
+    block_size: int = 16
+    num_device_blocks: int | None = Field(None, ge=1)
+    kv_cache_memory_gb: float | None = Field(None, gt=0)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    swap_space_gb: float = Field(0.25, ge=0)
+    enable_prefix_caching: bool = True
+    preemption_mode: Literal["swap", "recompute"] | None = None
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    max_model_len: int | None = Field(None, ge=2)
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    allocation: Literal["paged", "contiguous"] = "paged"
+    watermark: float = Field(0.01, ge=0, lt=1)
+    seed: int | None = 0
+    kernel_backend: Literal["torch", "triton"] | None = None
+
+    def to_engine_config(self, model_path: str) -> EngineConfig:
+        return EngineConfig(model=model_path, **self.model_dump())
+
+
+class WorkerGroup(_Strict):
+    """``count`` worker actors of one role, each with these resources."""
+
+    role: Literal["mixed", "prefill", "decode"] = "mixed"
+    count: int = Field(1, ge=1)
+    num_cpus: float = Field(1, ge=0)
+    num_gpus: float = Field(0, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict)
+
+
+class RouterConfig(_Strict):
+    """Cache-aware routing: prefer cached prefixes, but never overload one worker."""
+
+    policy: Literal["cache_aware", "least_loaded", "round_robin"] = "cache_aware"
+    # A cached token is worth this many queued tokens of load.
+    prefix_weight: float = Field(1.0, ge=0)
+    # Above this fraction of KV in use, a worker is skipped if another has room.
+    max_kv_utilization: float = Field(0.95, gt=0, le=1)
+    max_queue_per_worker: int = Field(256, ge=1)
+
+
+class LimitsConfig(_Strict):
+    """Limits that protect the service."""
+
+    max_request_body_bytes: int = Field(1 << 20, ge=1024)
+    max_n: int = Field(16, ge=1)
+    max_stop_strings: int = Field(16, ge=0)
+    max_queued_requests: int = Field(1024, ge=1)
+    request_timeout_s: float = Field(600, gt=0)
+
+
+class ServerConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    grpc_port: int | None = Field(None, ge=0, le=65535)
+    api_key: str | None = None
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+
+
+class ClusterConfig(_Strict):
+    """Everything ``pagedserve.cluster.start`` and ``pagedserve serve`` need."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    engine: EngineOptions = Field(default_factory=EngineOptions)
+    workers: list[WorkerGroup] = Field(default_factory=lambda: [WorkerGroup()])
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    kv_manager_num_cpus: float = Field(0.5, ge=0)
+    step_timeout_s: float = Field(30.0, gt=0)
+
+    @field_validator("workers")
+    @classmethod
+    def _some_workers(cls, workers: list[WorkerGroup]) -> list[WorkerGroup]:
+        if not workers:
+            raise ValueError("at least one worker group is required")
+        return workers
+
+    @model_validator(mode="after")
+    def _roles_make_sense(self) -> "ClusterConfig":
+        roles = {group.role for group in self.workers}
+        if ("prefill" in roles) != ("decode" in roles):
+            raise ValueError("disaggregated serving needs both prefill and decode workers")
+        return self
+
+    @property
+    def is_disaggregated(self) -> bool:
+        return any(group.role == "prefill" for group in self.workers)
+
+
+def _set_dotted(data: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = data
+    for key in keys[:-1]:
+        if key.isdigit() and isinstance(node, list):
+            node = node[int(key)]
+            continue
+        node = node.setdefault(key, {})
+        if not isinstance(node, (dict, list)):
+            raise ValueError(f"--set {dotted}: {key!r} is not a section")
+    last = keys[-1]
+    if isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+
+
+def _merge(base: Any, override: Any) -> Any:
+    """``override`` laid over ``base``: mappings merge key by key, anything else replaces."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        merged = dict(base)
+        for key, value in override.items():
+            merged[key] = _merge(base.get(key), value) if key in base else value
+        return merged
+    return override
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ClusterConfig:
+    """Read a YAML file (or the defaults), apply ``key.sub=value`` overrides, validate.
+
+    Raises ``ValueError`` with every problem listed when the result is invalid.
+    """
+    data: dict = {}
+    if path is not None:
+        text = Path(path).read_text()
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path}: not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ValueError(f"{path}: the top level must be a mapping")
+        data = loaded or {}
+    data = _merge(ClusterConfig().model_dump(), data)
+    for override in overrides or []:
+        if "=" not in override:
+            raise ValueError(f"--set expects key=value, got {override!r}")
+        key, raw = override.split("=", 1)
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            value = raw
+        _set_dotted(data, key.strip(), value)
+    try:
+        return ClusterConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
+                             for err in exc.errors())
+        where = f"{path}: " if path else ""
+        raise ValueError(f"{where}invalid configuration: {problems}") from None
