@@ -147,6 +147,39 @@ class BlockManager:
         seq.host_table.clear()
         del self.seqs[seq_id]
 
+    def restore_sequences(self, sequences: list[dict]) -> None:
+        """Rebuild accounting from a worker's report after the manager restarted.
+
+        Each entry has ``seq_id``, ``token_ids`` and, for a sequence whose KV
+        is on the device, ``num_computed`` and ``block_table``; the rest come
+        back waiting (their KV is recomputed). The manager must be empty.
+        """
+        if self.seqs:
+            raise KVManagerError("restore_sequences needs an empty block manager")
+        if not self.policy.supports_sharing:
+            raise KVManagerError(f"{self.policy.name} allocation cannot be restored")
+        all_blocks: list[int] = []
+        for entry in sequences:
+            seq = self.add_sequence(entry["seq_id"], entry["token_ids"], entry.get("extra_key"))
+            table = list(entry.get("block_table") or [])
+            num_computed = int(entry.get("num_computed") or 0)
+            if table and num_computed:
+                if cdiv(num_computed, self.block_size) > len(table):
+                    raise KVManagerError(f"{seq.seq_id!r}: {num_computed} tokens do not fit its table")
+                seq.block_table = table
+                seq.num_computed = num_computed
+                seq.location = SeqLocation.DEVICE
+                all_blocks.extend(table)
+        try:
+            self.device.claim(all_blocks)
+        except ValueError as exc:
+            self.seqs.clear()
+            raise KVManagerError(str(exc)) from None
+        if self.enable_prefix_caching:
+            for seq in self.seqs.values():
+                if seq.location == SeqLocation.DEVICE:
+                    self._register_full_blocks(seq)
+
     # ---- prefix cache ---------------------------------------------------------
     def match_prefix(self, seq: SequenceBlocks) -> PrefixMatch:
         """Find cached blocks for a waiting sequence without taking them.

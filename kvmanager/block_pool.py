@@ -106,6 +106,25 @@ class BlockPool:
             raise DoubleFreeError(f"{self.tier} block {block} is not in use")
         self.ref_counts[block] += 1
 
+    def claim(self, blocks: Sequence[int]) -> None:
+        """Take a reference on each listed block, whatever its state (state rebuild).
+
+        Blocks listed twice get two references. O(num_blocks): meant for
+        restoring accounting after a restart, not for the hot path.
+        """
+        for block in blocks:
+            if not 0 <= block < self.num_blocks:
+                raise ValueError(f"{self.tier} block {block} is out of range [0, {self.num_blocks})")
+        claimed = set()
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                claimed.add(block)
+            self.ref_counts[block] += 1
+        if claimed:
+            self._free = [b for b in self._free if b not in claimed]
+            for block in claimed & set(self._evictable):
+                del self._evictable[block]
+
     # ---- prefix cache -------------------------------------------------------
     def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> int | None:
         """The block caching exactly these tokens under this hash, or None."""

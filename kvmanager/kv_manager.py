@@ -59,6 +59,19 @@ class KVManager:
             config.num_device_blocks, config.num_host_blocks, config.block_size,
             config.max_model_len, config.allocation, config.enable_prefix_caching, config.watermark)
 
+    def restore_worker(self, worker_id: str, config: PoolConfig, sequences: list[dict]) -> None:
+        """(Re-)register a worker together with the sequences it still holds.
+
+        Used when the manager restarted and lost its state, or a worker
+        rejoined: any accounting held for ``worker_id`` is replaced.
+        """
+        manager = BlockManager(
+            config.num_device_blocks, config.num_host_blocks, config.block_size,
+            config.max_model_len, config.allocation, config.enable_prefix_caching, config.watermark)
+        manager.restore_sequences(sequences)
+        self.workers[worker_id] = manager
+        self.configs[worker_id] = config
+
     def remove_worker(self, worker_id: str) -> None:
         """Drop a worker's accounting (it died, or left)."""
         self._worker(worker_id)

@@ -342,3 +342,29 @@ def test_pool_config_validation():
 def test_kvmanager_does_not_import_torch():
     code = "import sys, pagedserve.kvmanager; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_restore_worker_rebuilds_accounting_from_reported_tables():
+    manager, worker = make_manager(num_device=16)
+    worker.step(StepInput("w", waiting=["a", "b"], new_sequences=[
+        NewSequence("a", list(range(10))), NewSequence("b", list(range(10)) + [50, 51])]))
+    worker.step(StepInput("w", forks=[("a", "c")], running=["a", "c", "b"],
+                          appended=[("a", [1]), ("c", [2]), ("b", [3])]))
+    bm = manager.block_manager("w")
+    report = [{"seq_id": s.seq_id, "token_ids": s.token_ids, "num_computed": s.num_computed,
+               "block_table": s.block_table} for s in bm.seqs.values()]
+    report.append({"seq_id": "waiting-one", "token_ids": [1, 2, 3]})
+    refs_before = list(bm.device.ref_counts)
+    fresh = KVManager()
+    fresh.restore_worker("w", manager.configs["w"], report)
+    fresh.check_integrity()
+    assert fresh.block_manager("w").device.ref_counts == refs_before
+    # It keeps serving from the restored state.
+    worker.manager = fresh
+    worker.tokens["waiting-one"] = [1, 2, 3]
+    worker.step(StepInput("w", running=["a", "c", "b"], waiting=["waiting-one"],
+                          appended=[("a", [4]), ("c", [5]), ("b", [6])]))
+    fresh.check_integrity()
+    with pytest.raises(KVManagerError):
+        KVManager().restore_worker("w", manager.configs["w"], [
+            {"seq_id": "x", "token_ids": [1] * 9, "num_computed": 9, "block_table": [99, 100, 101]}])
