@@ -79,16 +79,17 @@ class AsyncLLMEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> bool:
-        """Abort a request; its stream ends without a final output."""
+        """Abort a request; its stream ends with a final output (finish_reason "abort")."""
         with self._lock:
-            self._streams.pop(request_id, None)
-            return self.engine.abort_request(request_id)
+            aborted = self.engine.abort_request(request_id)
+        self._wakeup.set()
+        return aborted
 
     # ---- the loop -------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopped:
             with self._lock:
-                busy = self.engine.has_unfinished_requests()
+                busy = self.engine.has_unfinished_requests() or self.engine.has_pending_outputs()
             if not busy:
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()

@@ -225,6 +225,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_pending_outputs(self) -> bool:
+        """Outputs (aborts) that the next ``step`` returns even with nothing to run."""
+        return bool(self._finished_outputs)
+
     # ---- the loop -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run the model, sample, and report."""

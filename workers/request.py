@@ -29,6 +29,10 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     logprobs: list[SampleLogprobs] = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    # The KV manager's view as of the last step: tokens with KV, and where.
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    is_swapped: bool = False
     # Deltas since the last output was taken, for streaming.
     delta_text: str = ""
     num_streamed_tokens: int = 0

@@ -45,6 +45,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._pending = StepInput(worker_id)
         self._registered: set[str] = set()
+        # Sequences the KV manager holds as of the last completed step.
+        self.known: dict[str, Sequence] = {}
         self.num_preemptions = {"swap": 0, "recompute": 0}
 
     # ---- changes since the last step ------------------------------------------
@@ -59,6 +61,8 @@ class Scheduler:
         self._pending.forks.append((parent.seq_id, child.seq_id))
         self._registered.add(child.seq_id)
         child.status = SequenceStatus.RUNNING
+        child.num_computed = parent.num_computed
+        child.block_table = list(parent.block_table)
         self.running.insert(self.running.index(parent) + 1, child)
 
     def append_token(self, seq: Sequence, token_id: int) -> None:
@@ -105,18 +109,33 @@ class Scheduler:
 
         by_id = {s.seq_id: s for s in self.running}
         by_id.update((s.seq_id, s) for s in self.waiting)
+        for new in step_input.new_sequences:
+            if new.seq_id in by_id:
+                self.known[new.seq_id] = by_id[new.seq_id]
+        for _, child_id in step_input.forks:
+            if child_id in by_id:
+                self.known[child_id] = by_id[child_id]
+        for seq_id in step_input.finished:
+            self.known.pop(seq_id, None)
         for preemption in kv_output.preempted:
             seq = by_id[preemption.seq_id]
             if seq in self.running:
                 self.running.remove(seq)
                 self.waiting.append(seq)
             seq.status = SequenceStatus.WAITING
+            seq.is_swapped = preemption.mode == "swap"
+            if not seq.is_swapped:
+                seq.num_computed = 0
+                seq.block_table = []
             seq.request.metrics.num_preemptions += 1
             self.num_preemptions[preemption.mode] += 1
         output = SchedulerOutput(kv=kv_output)
         admitted = []
         for sched in kv_output.scheduled:
             seq = by_id[sched.seq_id]
+            seq.num_computed = sched.start + sched.num_tokens
+            seq.block_table = sched.block_table
+            seq.is_swapped = False
             if seq.status == SequenceStatus.WAITING:
                 admitted.append(seq)
                 seq.status = SequenceStatus.RUNNING
@@ -126,3 +145,26 @@ class Scheduler:
             self.waiting = [s for s in self.waiting if id(s) not in admitted_ids]
             self.running.extend(admitted)
         return output
+
+    def snapshot(self, failed: StepInput | None = None) -> list[dict]:
+        """What the KV manager held before ``failed`` (a step input it may not
+        have applied): sequences with their tokens and, where their KV is on
+        the device, block tables. Used to rebuild a restarted KV manager;
+        swapped-out sequences come back waiting, to be recomputed."""
+        pending_new = set()
+        num_pending_tokens: dict[str, int] = {}
+        if failed is not None:
+            pending_new = {n.seq_id for n in failed.new_sequences} | {c for _, c in failed.forks}
+            for seq_id, token_ids in failed.appended:
+                num_pending_tokens[seq_id] = num_pending_tokens.get(seq_id, 0) + len(token_ids)
+        entries = []
+        for seq_id, seq in self.known.items():
+            if seq_id in pending_new:
+                continue
+            token_ids = seq.token_ids[:len(seq.token_ids) - num_pending_tokens.get(seq_id, 0)]
+            entry = {"seq_id": seq_id, "token_ids": list(token_ids)}
+            if seq.block_table and seq.num_computed and not seq.is_swapped:
+                entry["num_computed"] = seq.num_computed
+                entry["block_table"] = list(seq.block_table)
+            entries.append(entry)
+        return entries

@@ -1,0 +1,85 @@
+"""Bring a pagedserve cluster up on the current Ray cluster."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from .config import ClusterConfig, load_config
+from .handle import ClusterHandle
+
+logger = logging.getLogger("pagedserve.cluster")
+
+NAMESPACE = "pagedserve"
+KV_MANAGER_NAME = "pagedserve-kv-manager"
+
+
+def worker_name(index: int) -> str:
+    return f"pagedserve-worker-{index}"
+
+
+def _coerce_config(config: ClusterConfig | dict | str | Path | None) -> ClusterConfig:
+    if config is None:
+        return ClusterConfig()
+    if isinstance(config, ClusterConfig):
+        return config
+    if isinstance(config, dict):
+        return ClusterConfig.model_validate(config)
+    return load_config(config)
+
+
+def _actor_classes():
+    import ray
+
+    from pagedserve.kvmanager.service import KVManagerService
+    from pagedserve.workers.worker import Worker
+
+    return ray.remote(KVManagerService), ray.remote(Worker)
+
+
+def start(config: ClusterConfig | dict | str | Path | None = None, address: str | None = None,
+          ready_timeout_s: float = 600.0, **ray_init_kwargs: Any) -> ClusterHandle:
+    """Start the KV manager and the workers the config asks for; return a handle.
+
+    Joins the Ray cluster at ``address`` (or the one this process is already
+    connected to), starting a local one otherwise. The KV manager is one
+    named, restartable actor, placed on the head node; workers are
+    restartable actors, one per worker slot (``num_gpus`` per group).
+    """
+    import ray
+
+    config = _coerce_config(config)
+    owns_ray = False
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=NAMESPACE, **ray_init_kwargs)
+        owns_ray = address is None
+    model_path = config.model.resolve_path()
+    kv_cls, worker_cls = _actor_classes()
+    head = {"node:__internal_head__": 0.001}
+    kv_manager = kv_cls.options(
+        name=KV_MANAGER_NAME, namespace=NAMESPACE, max_restarts=-1, max_task_retries=0,
+        num_cpus=config.kv_manager_num_cpus, resources=head).remote()
+    ray.get(kv_manager.get_incarnation.remote(), timeout=ready_timeout_s)
+
+    engine_config = config.engine.to_engine_config(model_path)
+    from dataclasses import asdict
+    engine_dict = asdict(engine_config)
+    workers, roles = {}, {}
+    index = 0
+    for group in config.workers:
+        for _ in range(group.count):
+            worker_id = f"worker-{index}"
+            handle = worker_cls.options(
+                name=worker_name(index), namespace=NAMESPACE, max_restarts=-1, max_task_retries=0,
+                max_concurrency=1000, num_cpus=group.num_cpus, num_gpus=group.num_gpus,
+                resources=group.resources or None,
+            ).remote(worker_id, engine_dict, kv_manager, group.role, config.step_timeout_s)
+            workers[worker_id] = handle
+            roles[worker_id] = group.role
+            index += 1
+    start_time = time.time()
+    infos = ray.get([w.info.remote() for w in workers.values()], timeout=ready_timeout_s)
+    logger.info("pagedserve: %d workers ready in %.1f s", len(infos), time.time() - start_time)
+    return ClusterHandle(config, model_path, kv_manager, workers, roles, infos[0], owns_ray=owns_ray)

@@ -1,0 +1,267 @@
+"""The handle ``pagedserve.cluster.start`` returns: generate, stream, abort, stats, shut down.
+
+Requests are tokenized here, routed to a worker (cache-aware), and streamed
+back. If the worker dies mid-stream, the request resumes on another worker
+by re-prefilling its prompt plus the tokens already generated, so the
+caller sees one uninterrupted stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+import uuid
+from typing import AsyncIterator
+
+from pagedserve.workers.request import CompletionOutput, RequestOutput
+from pagedserve.workers.sampling_params import SamplingParams
+
+from .config import ClusterConfig
+from .router import Router
+
+logger = logging.getLogger("pagedserve.cluster")
+
+
+class NoCapacityError(RuntimeError):
+    """No live worker can take the request (retryable)."""
+
+
+class ClusterHandle:
+    """A running pagedserve cluster: the KV manager actor, the workers and a router.
+
+    Picklable: a Ray Serve replica can hold one. Each process that holds a
+    handle keeps its own router state (in-flight load per worker) and
+    tokenizer.
+    """
+
+    def __init__(self, config: ClusterConfig, model_path: str, kv_manager, workers: dict,
+                 roles: dict[str, str], info: dict, owns_ray: bool = False) -> None:
+        self.config = config
+        self.model_path = model_path
+        self.kv_manager = kv_manager
+        self.workers = dict(workers)
+        self.roles = dict(roles)
+        self.info = info
+        self.model_name = config.model.served_name
+        self.max_model_len = info["max_model_len"]
+        self.owns_ray = owns_ray
+        self._init_local_state()
+
+    def _init_local_state(self) -> None:
+        self.router = Router(self.config.router, list(self.workers))
+        self._tokenizer = None
+        self._ids = itertools.count()
+        self._utilization_refreshed = 0.0
+        self._num_resumed = 0
+        self._lock = threading.Lock()
+
+    def __getstate__(self):
+        state = {k: v for k, v in self.__dict__.items()
+                 if k not in ("router", "_tokenizer", "_ids", "_lock")}
+        state["owns_ray"] = False
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._init_local_state()
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        return self._tokenizer
+
+    # ---- generation ---------------------------------------------------------------
+    async def generate(self, prompt: str | list[int] | None, params: SamplingParams | None = None,
+                       request_id: str | None = None, priority: int = 0,
+                       prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs (cumulative text and token ids, plus deltas)."""
+        from ray.exceptions import RayActorError
+
+        params = params or SamplingParams()
+        request_id = request_id or f"cluster-{uuid.uuid4().hex[:12]}"
+        text = prompt if isinstance(prompt, str) else None
+        if prompt_token_ids is None:
+            prompt_token_ids = (self.tokenizer.encode(prompt) if isinstance(prompt, str)
+                                else list(prompt or []))
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this model's maximum "
+                             f"context is {self.max_model_len} tokens, including at least one output token")
+        await self._refresh_utilization()
+        generated: list[list[int]] = [[] for _ in range(params.n)]
+        texts = ["" for _ in range(params.n)]
+        excluded: set[str] = set()
+        attempt = 0
+        while True:
+            attempt += 1
+            resumed = attempt > 1 and params.n == 1 and generated[0]
+            ids = prompt_token_ids + generated[0] if resumed else prompt_token_ids
+            sub_params = params
+            if resumed:
+                sub_params = dataclasses.replace(params, max_tokens=params.max_tokens - len(generated[0]))
+            elif attempt > 1:
+                generated = [[] for _ in range(params.n)]
+                texts = ["" for _ in range(params.n)]
+            prefix_tokens = list(generated[0]) if resumed else []
+            prefix_text = texts[0] if resumed else ""
+            sub_id = request_id if attempt == 1 else f"{request_id}~{attempt}"
+            cached = await self._longest_prefix(ids)
+            decision = self.router.choose(sub_id, len(ids), sub_params.max_tokens, cached, excluded)
+            worker = self.workers[decision.worker_id]
+            request = {"request_id": sub_id, "prompt_token_ids": ids, "params": sub_params.to_dict(),
+                       "priority": priority}
+            finished = False
+            try:
+                stream = worker.generate.options(num_returns="streaming").remote(request)
+                async for ref in stream:
+                    output: RequestOutput = await asyncio.wait_for(
+                        ref, timeout=self.config.server.limits.request_timeout_s)
+                    merged = self._merge(output, request_id, text, prompt_token_ids, prefix_tokens,
+                                         prefix_text)
+                    for completion in merged.outputs:
+                        generated[completion.index] = list(completion.token_ids)
+                        texts[completion.index] = completion.text
+                    finished = merged.finished
+                    yield merged
+                    if finished:
+                        return
+                return
+            except (RayActorError, asyncio.TimeoutError) as exc:
+                logger.warning("request %s: worker %s failed (%r); resuming elsewhere",
+                               request_id, decision.worker_id, exc)
+                self.router.mark_dead(decision.worker_id)
+                excluded.add(decision.worker_id)
+                self._num_resumed += 1
+                if len(excluded) >= len(self.workers):
+                    excluded.clear()
+                    await asyncio.sleep(1.0)  # every worker failed once: wait for restarts
+                if attempt > 2 * len(self.workers) + 3:
+                    raise NoCapacityError(f"no worker could finish request {request_id}") from exc
+            finally:
+                self.router.release(decision, sub_params.max_tokens)
+                if not finished:
+                    try:
+                        worker.abort.remote(sub_id)
+                    except Exception:
+                        pass
+
+    @staticmethod
+    def _merge(output: RequestOutput, request_id: str, text: str | None, prompt_ids: list[int],
+               prefix_tokens: list[int], prefix_text: str) -> RequestOutput:
+        """Present a (possibly resumed) worker output as the original request's output."""
+        completions = [dataclasses.replace(c, token_ids=prefix_tokens + list(c.token_ids),
+                                           text=prefix_text + c.text)
+                       for c in output.outputs]
+        return RequestOutput(request_id, text, prompt_ids, completions, output.finished, output.metrics)
+
+    async def _longest_prefix(self, token_ids: list[int]) -> dict[str, int]:
+        if self.config.router.policy != "cache_aware" or len(self.workers) == 1:
+            return {}
+        try:
+            return await asyncio.wait_for(self.kv_manager.longest_prefix.remote(token_ids),
+                                          timeout=self.config.step_timeout_s)
+        except Exception as exc:  # the KV manager is restarting: route by load alone
+            logger.warning("prefix lookup failed (%r); routing by load", exc)
+            return {}
+
+    async def _refresh_utilization(self) -> None:
+        now = time.time()
+        if now - self._utilization_refreshed < 0.5 or len(self.workers) == 1:
+            return
+        self._utilization_refreshed = now
+        try:
+            stats = await asyncio.wait_for(self.kv_manager.stats.remote(), timeout=self.config.step_timeout_s)
+        except Exception:
+            return
+        workers = stats.get("workers", {})
+        self.router.update_utilization({w: s["kv_utilization"] for w, s in workers.items()})
+        for worker_id in self.workers:
+            self.router.mark_dead(worker_id, is_alive=worker_id in workers)
+
+    async def abort(self, request_id: str) -> None:
+        for worker in self.workers.values():
+            worker.abort.remote(request_id)
+
+    # ---- synchronous conveniences ------------------------------------------------------
+    def generate_sync(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
+                      | None = None) -> list[RequestOutput]:
+        """Generate for several prompts concurrently and wait; outputs in input order."""
+        if isinstance(params, SamplingParams) or params is None:
+            params = [params or SamplingParams()] * len(prompts)
+
+        async def run_one(prompt, param):
+            last = None
+            async for output in self.generate(prompt, param):
+                last = output
+            return last
+
+        async def run_all():
+            return await asyncio.gather(*(run_one(p, sp) for p, sp in zip(prompts, params)))
+
+        return asyncio.run(run_all())
+
+    # ---- introspection --------------------------------------------------------------
+    def stats(self) -> dict:
+        """KV manager pools, per-worker engine stats and routing, as plain data."""
+        import ray
+
+        timeout = self.config.step_timeout_s
+        kv_stats = ray.get(self.kv_manager.stats.remote(), timeout=timeout)
+        workers = {}
+        for worker_id, worker in self.workers.items():
+            try:
+                workers[worker_id] = ray.get(worker.stats.remote(), timeout=timeout)
+            except Exception as exc:
+                workers[worker_id] = {"worker_id": worker_id, "is_healthy": False, "error": repr(exc)}
+        return {"model": self.model_name, "kv_manager": kv_stats, "workers": workers,
+                "router": self.router.snapshot(), "num_resumed": self._num_resumed,
+                "recent_decisions": self.router.recent_decisions(20)}
+
+    def check_integrity(self) -> None:
+        import ray
+
+        ray.get(self.kv_manager.check_integrity.remote(), timeout=self.config.step_timeout_s)
+
+    def num_used_blocks(self) -> int:
+        import ray
+
+        return ray.get(self.kv_manager.num_used_blocks.remote(), timeout=self.config.step_timeout_s)
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Wait until every worker has finished its requests and returned its blocks."""
+        import ray
+
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            busy = sum(ray.get([w.num_unfinished.remote() for w in self.workers.values()], timeout=timeout))
+            if busy == 0 and self.num_used_blocks() == 0:
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"cluster still busy after {timeout} s")
+
+    def shutdown(self) -> None:
+        """Stop the workers and the KV manager (and Ray, if ``start`` started it)."""
+        import ray
+
+        for worker in self.workers.values():
+            try:
+                ray.kill(worker, no_restart=True)
+            except Exception:
+                pass
+        try:
+            ray.kill(self.kv_manager, no_restart=True)
+        except Exception:
+            pass
+        if self.owns_ray:
+            ray.shutdown()
+
+
+__all__ = ["ClusterHandle", "CompletionOutput", "NoCapacityError"]

@@ -1,0 +1,128 @@
+"""Cache-aware routing: send a request where its prefix is cached, unless that
+worker is already loaded with more work than the cache hit saves."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+from .config import RouterConfig
+
+logger = logging.getLogger("pagedserve.router")
+
+
+@dataclass
+class WorkerLoad:
+    """What the router knows of one worker's load."""
+
+    num_in_flight: int = 0
+    num_in_flight_tokens: int = 0   # prompt + max_tokens of requests still running
+    kv_utilization: float = 0.0     # refreshed from the KV manager's stats
+    is_alive: bool = True
+
+
+@dataclass
+class RoutingDecision:
+    request_id: str
+    worker_id: str
+    reason: str                      # "prefix", "load", "only", "round_robin", "fallback"
+    cached_tokens: int
+    prompt_tokens: int
+    scores: dict[str, float] = field(default_factory=dict)
+    timestamp: float = field(default_factory=time.time)
+
+
+class Router:
+    """Picks a worker per request and remembers why.
+
+    Score of worker w for a prompt: ``prefix_weight * cached_tokens(w) -
+    in_flight_tokens(w)``, so a cached token is worth ``prefix_weight``
+    tokens of queued work, and a skewed hit stops winning once its worker
+    has more queued than the hit saves. Workers above ``max_kv_utilization``
+    or ``max_queue_per_worker`` are skipped while another has room.
+    """
+
+    def __init__(self, config: RouterConfig, worker_ids: list[str], history: int = 256) -> None:
+        self.config = config
+        self.loads: dict[str, WorkerLoad] = {w: WorkerLoad() for w in worker_ids}
+        self.decisions: collections.deque[RoutingDecision] = collections.deque(maxlen=history)
+        self.reason_counts: collections.Counter[str] = collections.Counter()
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def set_workers(self, worker_ids: list[str]) -> None:
+        with self._lock:
+            self.loads = {w: self.loads.get(w, WorkerLoad()) for w in worker_ids}
+
+    def mark_dead(self, worker_id: str, is_alive: bool = False) -> None:
+        with self._lock:
+            if worker_id in self.loads:
+                self.loads[worker_id].is_alive = is_alive
+
+    def update_utilization(self, utilization: dict[str, float]) -> None:
+        with self._lock:
+            for worker_id, value in utilization.items():
+                if worker_id in self.loads:
+                    self.loads[worker_id].kv_utilization = value
+
+    def choose(self, request_id: str, prompt_tokens: int, max_tokens: int,
+               cached: dict[str, int], exclude: set[str] = frozenset()) -> RoutingDecision:
+        """Pick a worker; ``cached`` is the cached prefix length per worker."""
+        with self._lock:
+            alive = [w for w, load in self.loads.items() if load.is_alive and w not in exclude]
+            if not alive:
+                alive = [w for w in self.loads if w not in exclude] or list(self.loads)
+            roomy = [w for w in alive
+                     if self.loads[w].kv_utilization < self.config.max_kv_utilization
+                     and self.loads[w].num_in_flight < self.config.max_queue_per_worker]
+            candidates = roomy or alive
+            policy = self.config.policy
+            scores: dict[str, float] = {}
+            if len(candidates) == 1:
+                worker_id, reason = candidates[0], "only"
+            elif policy == "round_robin":
+                worker_id, reason = candidates[self._next % len(candidates)], "round_robin"
+                self._next += 1
+            else:
+                weight = self.config.prefix_weight if policy == "cache_aware" else 0.0
+                for w in candidates:
+                    scores[w] = weight * cached.get(w, 0) - self.loads[w].num_in_flight_tokens
+                best = max(scores.values())
+                tied = [w for w in candidates if scores[w] == best]
+                worker_id = tied[self._next % len(tied)]
+                self._next += 1
+                least_loaded = min(candidates, key=lambda w: self.loads[w].num_in_flight_tokens)
+                reason = "prefix" if cached.get(worker_id, 0) > 0 and worker_id != least_loaded else "load"
+                if not roomy:
+                    reason = "fallback"
+            load = self.loads[worker_id]
+            load.num_in_flight += 1
+            load.num_in_flight_tokens += prompt_tokens + max_tokens
+            decision = RoutingDecision(request_id, worker_id, reason, cached.get(worker_id, 0),
+                                       prompt_tokens, scores)
+            self.decisions.append(decision)
+            self.reason_counts[reason] += 1
+        logger.debug("route %s -> %s (%s): cached %d of %d tokens, scores %s", request_id, worker_id,
+                     reason, decision.cached_tokens, prompt_tokens, scores)
+        return decision
+
+    def release(self, decision: RoutingDecision, max_tokens: int) -> None:
+        """The request left the worker (finished, aborted or failed)."""
+        with self._lock:
+            load = self.loads.get(decision.worker_id)
+            if load is not None:
+                load.num_in_flight = max(0, load.num_in_flight - 1)
+                load.num_in_flight_tokens = max(
+                    0, load.num_in_flight_tokens - decision.prompt_tokens - max_tokens)
+
+    def recent_decisions(self, limit: int = 50) -> list[dict]:
+        with self._lock:
+            return [asdict(d) for d in list(self.decisions)[-limit:]]
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"loads": {w: asdict(l) for w, l in self.loads.items()},
+                    "reasons": dict(self.reason_counts)}

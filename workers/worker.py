@@ -1,0 +1,139 @@
+"""The worker: one model replica per GPU (or CPU slot), run as a Ray actor.
+
+It owns the model, its device block pool and its host swap pool, and runs
+the engine loop. Block accounting lives in the central KV manager actor,
+which the engine calls once per step. If that actor restarts (its state is
+then empty) or stalls, the worker re-registers what it holds and retries.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict
+from typing import AsyncIterator
+
+import msgpack
+
+from pagedserve.kvmanager import KVManagerError, StepInput, StepOutput, UnknownWorkerError
+from pagedserve.kvmanager.step import from_wire, to_wire
+
+from .async_engine import AsyncLLMEngine
+from .engine import EngineConfig, LLMEngine
+from .request import RequestOutput
+from .sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("mixed", "prefill", "decode")
+
+
+class KVManagerUnavailableError(RuntimeError):
+    """The KV manager could not be reached within the step timeout and retries."""
+
+
+class Worker:
+    """A model replica with its pools and engine loop. Wrapped by ``ray.remote``.
+
+    ``kv_manager`` is the KV manager actor handle. Every blocking call on it
+    has ``step_timeout_s``; failures are retried (re-registering first) for
+    up to ``max_kv_retries`` attempts before the step fails.
+    """
+
+    def __init__(self, worker_id: str, engine_config: dict, kv_manager, role: str = "mixed",
+                 step_timeout_s: float = 30.0, max_kv_retries: int = 20) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        self.worker_id = worker_id
+        self.role = role
+        self.kv_manager = kv_manager
+        self.step_timeout_s = step_timeout_s
+        self.max_kv_retries = max_kv_retries
+        self.num_kv_retries = 0
+        self.kv_seconds = 0.0
+        self.num_kv_calls = 0
+        engine = LLMEngine(EngineConfig(**engine_config), worker_id, kv_step=self._kv_step)
+        self.engine = engine
+        self._register(snapshot=[])
+        self.async_engine = AsyncLLMEngine(engine)
+        self.started_at = time.time()
+
+    # ---- the KV manager link ------------------------------------------------------------
+    def _register(self, snapshot: list[dict]) -> None:
+        import ray
+
+        ray.get(self.kv_manager.register_worker.remote(
+            self.worker_id, asdict(self.engine.pool_config), snapshot), timeout=self.step_timeout_s)
+
+    def _kv_step(self, step_input: StepInput) -> StepOutput:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        packed = msgpack.packb(to_wire(step_input))
+        last_error: Exception | None = None
+        for attempt in range(self.max_kv_retries):
+            start = time.perf_counter()
+            try:
+                reply = ray.get(self.kv_manager.step.remote(packed), timeout=self.step_timeout_s)
+                self.kv_seconds += time.perf_counter() - start
+                self.num_kv_calls += 1
+                return from_wire(StepOutput, msgpack.unpackb(reply))
+            except UnknownWorkerError as exc:
+                last_error = exc  # the manager restarted and lost our accounting
+            except (RayActorError, GetTimeoutError) as exc:
+                last_error = exc  # dead (Ray restarts it) or stalled: rebuild, then retry
+                time.sleep(min(0.1 * 2 ** attempt, 2.0))
+            except KVManagerError:
+                raise
+            self.num_kv_retries += 1
+            logger.warning("worker %s: KV manager step failed (%r); re-registering", self.worker_id, last_error)
+            try:
+                self._register(self.engine.scheduler.snapshot(step_input))
+            except Exception as exc:  # still restarting: try again after the back-off
+                last_error = exc
+        raise KVManagerUnavailableError(
+            f"worker {self.worker_id}: KV manager unavailable after {self.max_kv_retries} attempts: {last_error!r}")
+
+    # ---- requests -------------------------------------------------------------------
+    async def generate(self, request: dict) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. ``request`` holds ``request_id``, ``prompt`` or
+        ``prompt_token_ids``, ``params`` (a SamplingParams dict) and ``priority``."""
+        params = SamplingParams.from_dict(request.get("params") or {})
+        async for output in self.async_engine.generate(
+                request.get("prompt"), params, request.get("request_id"),
+                request.get("priority", 0), request.get("prompt_token_ids")):
+            yield output
+
+    def abort(self, request_id: str) -> bool:
+        return self.async_engine.abort(request_id)
+
+    # ---- introspection ----------------------------------------------------------------
+    def info(self) -> dict:
+        return {"worker_id": self.worker_id, "role": self.role,
+                "max_model_len": self.engine.max_model_len,
+                "block_size": self.engine.config.block_size,
+                "num_device_blocks": self.engine.pool_config.num_device_blocks,
+                "num_parameters": self.engine.runner.num_parameters,
+                "device": str(self.engine.runner.device)}
+
+    def stats(self) -> dict:
+        engine_stats = self.async_engine.stats()
+        return {"worker_id": self.worker_id, "role": self.role,
+                "num_waiting": engine_stats["num_waiting"], "num_running": engine_stats["num_running"],
+                "num_steps": engine_stats["num_steps"],
+                "num_generated_tokens": engine_stats["num_generated_tokens"],
+                "num_preemptions_by_mode": engine_stats["num_preemptions_by_mode"],
+                "swapped_out_bytes": engine_stats["swapped_out_bytes"],
+                "swapped_in_bytes": engine_stats["swapped_in_bytes"],
+                "num_kv_calls": self.num_kv_calls, "num_kv_retries": self.num_kv_retries,
+                "mean_kv_call_ms": 1e3 * self.kv_seconds / self.num_kv_calls if self.num_kv_calls else 0.0,
+                "is_healthy": self.async_engine.is_running}
+
+    def num_unfinished(self) -> int:
+        return len(self.engine.requests)
+
+    def ping(self) -> str:
+        return self.worker_id
+
+    def shutdown(self) -> None:
+        self.async_engine.shutdown()
