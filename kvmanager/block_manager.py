@@ -93,8 +93,12 @@ class BlockManager:
             raise UnknownSequenceError(f"unknown sequence {seq_id!r}")
         return seq
 
-    def add_sequence(self, seq_id: str, token_ids: list[int], extra_key: str | None = None) -> SequenceBlocks:
+    def add_sequence(self, seq_id: str, token_ids: list[int], extra_key: str | None = None,
+                     num_imported_tokens: int = 0) -> SequenceBlocks:
         """Register a waiting sequence with its known tokens; takes no blocks."""
+        if not 0 <= num_imported_tokens < max(len(token_ids), 1):
+            raise KVManagerError(f"sequence {seq_id!r}: {num_imported_tokens} imported tokens "
+                                 f"of {len(token_ids)} (at least one must be computed here)")
         if seq_id in self.seqs:
             raise KVManagerError(f"sequence {seq_id!r} already exists")
         if not token_ids:
@@ -102,7 +106,7 @@ class BlockManager:
         if len(token_ids) > self.max_model_len:
             raise KVManagerError(
                 f"sequence {seq_id!r} has {len(token_ids)} tokens, max_model_len is {self.max_model_len}")
-        seq = SequenceBlocks(seq_id, list(token_ids), extra_key)
+        seq = SequenceBlocks(seq_id, list(token_ids), extra_key, num_imported_tokens=num_imported_tokens)
         self.seqs[seq_id] = seq
         return seq
 
@@ -246,6 +250,21 @@ class BlockManager:
             return False
         return self.policy.can_grow(seq, num_total)
 
+    def admit_imported(self, seq: SequenceBlocks) -> int:
+        """Admit a sequence whose first tokens' KV arrives by transfer. Returns that count.
+
+        Takes fresh blocks for them (the caller checked ``can_admit``) and
+        indexes the full ones: the worker writes the KV before the forward.
+        """
+        num_tokens = seq.num_imported_tokens
+        self.policy.grow(seq, cdiv(num_tokens, self.block_size))
+        seq.num_computed = num_tokens
+        seq.location = SeqLocation.DEVICE
+        seq.num_imported_tokens = 0
+        if self.enable_prefix_caching:
+            self._register_full_blocks(seq)
+        return num_tokens
+
     def admit(self, seq: SequenceBlocks, match: PrefixMatch) -> int:
         """Take the prefix hit for a waiting sequence. Returns the hit tokens."""
         if seq.location != SeqLocation.WAITING:
@@ -367,6 +386,7 @@ class BlockManager:
         self._release_device(seq)
         seq.num_computed = 0
         seq.num_indexed_blocks = 0
+        seq.num_imported_tokens = 0
         seq.location = SeqLocation.WAITING
         seq.num_preemptions += 1
         self.counters.num_preemptions_recompute += 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .block_manager import BlockManager
+from .block_manager import BlockManager, PrefixMatch
 from .errors import KVManagerError, UnknownSequenceError, UnknownWorkerError
 from .hashing import hash_prefix_blocks
 from .sequence import SeqLocation, SequenceBlocks
@@ -96,7 +96,7 @@ class KVManager:
         try:
             output = StepOutput()
             for new in step_input.new_sequences:
-                manager.add_sequence(new.seq_id, new.token_ids, new.extra_key)
+                manager.add_sequence(new.seq_id, new.token_ids, new.extra_key, new.num_imported_tokens)
             for parent_id, child_id in step_input.forks:
                 manager.fork(parent_id, child_id)
                 if (manager.seqs[child_id].location != SeqLocation.DEVICE
@@ -128,6 +128,9 @@ class KVManager:
             if len(new.token_ids) > manager.max_model_len:
                 raise KVManagerError(f"sequence {new.seq_id!r} has {len(new.token_ids)} tokens, "
                                      f"max_model_len is {manager.max_model_len}")
+            if not 0 <= new.num_imported_tokens < len(new.token_ids):
+                raise KVManagerError(f"sequence {new.seq_id!r}: {new.num_imported_tokens} imported "
+                                     f"tokens of {len(new.token_ids)}")
             live.add(new.seq_id)
         for parent_id, child_id in step_input.forks:
             if parent_id not in live:
@@ -240,6 +243,16 @@ class KVManager:
                     return
                 manager.swap_in(seq)
                 num_cached = 0
+            elif seq.location == SeqLocation.WAITING and seq.num_imported_tokens:
+                if not manager.can_admit(seq, PrefixMatch()):
+                    return
+                num_imported = manager.admit_imported(seq)
+                num_tokens = min(seq.num_uncomputed, budget)
+                manager.grow(seq, num_tokens)
+                output.scheduled.append(ScheduledSeq(seq_id, num_imported, num_tokens, list(seq.block_table),
+                                                     0, num_imported))
+                budget -= num_tokens
+                continue
             elif seq.location == SeqLocation.WAITING:
                 match = manager.match_prefix(seq)
                 if not manager.can_admit(seq, match):

@@ -41,6 +41,8 @@ class SequenceBlocks:
     # Set on resume; a protected sequence is never chosen as a victim until
     # it has produced a new token, so preemption cannot thrash.
     is_protected: bool = False
+    # Tokens whose KV will arrive from another worker (until admitted).
+    num_imported_tokens: int = 0
     num_preemptions: int = 0
 
     @property

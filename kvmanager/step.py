@@ -18,6 +18,10 @@ class NewSequence:
     seq_id: str
     token_ids: list[int]
     extra_key: str | None = None
+    # Leading tokens whose KV arrives with the sequence (disaggregated
+    # prefill): the manager allocates their blocks on admission and the
+    # worker writes the transferred KV into them before the forward pass.
+    num_imported_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -48,7 +52,9 @@ class ScheduledSeq:
 
     Its tokens ``[start, start + num_tokens)`` are computed into the slots
     ``block_table`` gives. ``num_cached_tokens`` counts the prefix-cache hit
-    taken when this sequence was admitted in this step (0 otherwise).
+    taken when this sequence was admitted in this step (0 otherwise);
+    ``num_imported_tokens`` the leading tokens whose transferred KV the
+    worker must write into the table's blocks before this step's forward.
     """
 
     seq_id: str
@@ -56,6 +62,7 @@ class ScheduledSeq:
     num_tokens: int
     block_table: list[int]
     num_cached_tokens: int = 0
+    num_imported_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -368,3 +368,23 @@ def test_restore_worker_rebuilds_accounting_from_reported_tables():
     with pytest.raises(KVManagerError):
         KVManager().restore_worker("w", manager.configs["w"], [
             {"seq_id": "x", "token_ids": [1] * 9, "num_computed": 9, "block_table": [99, 100, 101]}])
+
+
+def test_imported_sequence_gets_blocks_for_transferred_kv():
+    manager, worker = make_manager(num_device=16)
+    tokens = list(range(13)) + [77]  # 13 prompt tokens computed elsewhere, 1 sampled token
+    worker.tokens["t"] = tokens
+    # The simulated cache must hold the imported KV before the forward pass reads it.
+    out = manager.step(StepInput("w", waiting=["t"], new_sequences=[
+        NewSequence("t", tokens, num_imported_tokens=13)]))
+    (sched,) = out.scheduled
+    assert (sched.start, sched.num_tokens, sched.num_imported_tokens) == (13, 1, 13)
+    assert len(sched.block_table) == 4
+    for pos in range(13):
+        worker.device[sched.block_table[pos // 4]][pos % 4] = tokens[pos]
+    worker.execute(out)
+    manager.check_integrity()
+    # Its full blocks are in the prefix cache like any computed block.
+    assert manager.longest_prefix(list(range(13)))["w"] == 12
+    with pytest.raises(KVManagerError):
+        manager.step(StepInput("w", new_sequences=[NewSequence("u", [1, 2], num_imported_tokens=2)]))

@@ -1,0 +1,122 @@
+"""Paged KV cache kernels: cache writes, paged attention, block copies and swaps.
+
+Every public function checks its arguments' shapes, dtypes and devices (ValueError or
+TypeError, no device synchronisation) and then runs on a backend:
+  - ``backend=None`` picks one from the tensors' device (see ``select_backend``);
+  - ``"torch"``: plain torch ops (CPU, or any device as a reference);
+  - ``"triton"``: Triton kernels (CUDA; CPU only under ``TRITON_INTERPRET=1``).
+
+Cache layout (per layer): ``k_cache``/``v_cache`` are contiguous
+``[num_blocks, block_size, num_kv_heads, head_dim]``; slot = block_id * block_size + offset.
+"""
+
+import functools
+import importlib.util
+
+import torch
+
+from . import layout, torch_ops
+
+BACKENDS = ("torch", "triton")
+
+__all__ = [
+    "BACKENDS",
+    "copy_blocks",
+    "paged_attention",
+    "paged_decode_attention",
+    "select_backend",
+    "swap_blocks",
+    "write_kv",
+]
+
+
+@functools.lru_cache(maxsize=None)
+def _is_triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def select_backend(device) -> str:
+    """Backend that ``backend=None`` uses for tensors on ``device``.
+
+    "triton" on CUDA when triton is installed, otherwise "torch".
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and _is_triton_installed():
+        return "triton"
+    return "torch"
+
+
+def _ops(backend, device):
+    """The module implementing ``backend`` (None means ``select_backend(device)``)."""
+    if backend is None:
+        backend = select_backend(device)
+    if backend == "torch":
+        return torch_ops
+    if backend == "triton":
+        from . import triton_ops
+
+        return triton_ops
+    raise ValueError(f"unknown kernel backend {backend!r}; expected None or one of {BACKENDS}")
+
+
+def write_kv(key, value, k_cache, v_cache, slot_mapping, backend=None) -> None:
+    """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the caches.
+
+    Token ``i`` goes to slot ``slot_mapping[i]``; tokens with slot -1 are skipped.
+    Values are cast to the cache dtype. In place; returns None.
+    """
+    layout.check_write_kv(key, value, k_cache, v_cache, slot_mapping)
+    _ops(backend, k_cache.device).write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out=None, backend=None
+):
+    """Causal attention for a flattened batch mixing decode tokens and prefill chunks.
+
+    ``q`` is ``[num_tokens, num_heads, head_dim]``; sequence ``i`` owns rows
+    ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``, which are the last tokens of its ``seq_lens[i]``
+    context tokens (their K/V already written with ``write_kv``). Each query attends to
+    every context position up to and including its own. Query head ``h`` reads kv head
+    ``h // (num_heads // num_kv_heads)``. Accumulates in float32 (float64 for float64
+    inputs) and returns ``[num_tokens, num_heads, head_dim]`` in q's dtype, written into
+    ``out`` when given. Block table entries past ``ceil(seq_len / block_size)`` are never
+    used to address the cache (they may hold -1 or garbage).
+    """
+    layout.check_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, out, cu_seqlens_q=cu_seqlens_q
+    )
+    return _ops(backend, q.device).paged_attention(
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out=out
+    )
+
+
+def paged_decode_attention(
+    q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, backend=None
+):
+    """``paged_attention`` with exactly one query per sequence: ``q`` is
+    ``[num_seqs, num_heads, head_dim]`` and query ``i`` is token ``seq_lens[i] - 1``."""
+    layout.check_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
+    return _ops(backend, q.device).paged_decode_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, out=out
+    )
+
+
+def copy_blocks(k_caches, v_caches, block_pairs, backend=None) -> None:
+    """Copy-on-write: for each ``(src, dst)`` row of ``block_pairs`` ``[n, 2]``, copy block
+    ``src`` over block ``dst`` in every layer's k and v cache. In place; returns None."""
+    layout.check_copy_blocks(k_caches, v_caches, block_pairs)
+    ops = _ops(backend, k_caches[0].device if k_caches else torch.device("cpu"))
+    if k_caches:
+        ops.copy_blocks(k_caches, v_caches, block_pairs)
+
+
+def swap_blocks(src_cache, dst_cache, block_pairs, backend=None) -> None:
+    """For each ``(src, dst)`` row of ``block_pairs``, copy ``src_cache[src]`` into
+    ``dst_cache[dst]``. The caches may live on different devices (device pool <-> host
+    pool). Auto backend: "triton" only when both caches are on CUDA. A device -> host
+    swap has completed on return; a host -> device swap is ordered on the current stream.
+    """
+    layout.check_swap_blocks(src_cache, dst_cache, block_pairs)
+    device = src_cache.device if src_cache.device == dst_cache.device else torch.device("cpu")
+    _ops(backend, device).swap_blocks(src_cache, dst_cache, block_pairs)

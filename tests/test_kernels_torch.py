@@ -1,0 +1,441 @@
+"""Torch backend of pagedserve.kernels against a float64 attention over contiguous tensors.
+
+Each test draws a fresh seed (shown in failure messages) so runs cover different inputs.
+Caches start filled with NaN, so reading any slot that was never written (padding,
+the tail of a partly filled block, unused block table entries) shows up in the output.
+"""
+
+import math
+import random
+import sys
+import types
+
+import pytest
+import torch
+
+from pagedserve import kernels
+from pagedserve.kernels import (
+    copy_blocks,
+    paged_attention,
+    paged_decode_attention,
+    select_backend,
+    swap_blocks,
+    torch_ops,
+    write_kv,
+)
+
+TOLERANCES = {
+    torch.float64: dict(atol=1e-10, rtol=1e-10),
+    torch.float32: dict(atol=2e-5, rtol=1e-4),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=1.5e-2, rtol=1.5e-2),
+}
+GARBAGE_BLOCK_ID = 1_000_000
+
+
+@pytest.fixture
+def gen():
+    """A torch generator with a fresh seed (``gen.initial_seed()`` reproduces a failure)."""
+    return torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
+
+
+def randn(gen, *shape, dtype=torch.float32):
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+def randint(gen, low, high):
+    """Uniform int in [low, high]."""
+    return int(torch.randint(low, high + 1, (1,), generator=gen))
+
+
+class PagedContext:
+    """Random per-sequence K/V, stored in a NaN-filled paged cache through shuffled blocks."""
+
+    def __init__(self, gen, seq_lens, num_kv_heads, head_dim, block_size, dtype):
+        self.seq_lens = list(seq_lens)
+        self.block_size = block_size
+        num_blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
+        num_blocks = sum(num_blocks_per_seq) + 3
+        width = max(num_blocks_per_seq, default=0) + 2
+        block_ids = torch.randperm(num_blocks, generator=gen).tolist()
+        # Unused table entries hold -1 or an id far out of range: reading them would fail.
+        garbage = torch.where(
+            torch.rand(len(seq_lens), width, generator=gen) < 0.5, -1, GARBAGE_BLOCK_ID
+        )
+        self.block_tables = garbage.to(torch.int32)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k_cache = torch.full(shape, float("nan"), dtype=dtype)
+        self.v_cache = torch.full(shape, float("nan"), dtype=dtype)
+        self.keys, self.values = [], []
+        for seq, seq_len in enumerate(seq_lens):
+            blocks = [block_ids.pop() for _ in range(num_blocks_per_seq[seq])]
+            self.block_tables[seq, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            key = randn(gen, seq_len, num_kv_heads, head_dim, dtype=dtype)
+            value = randn(gen, seq_len, num_kv_heads, head_dim, dtype=dtype)
+            slots = self.slots(seq, range(seq_len))
+            self.k_cache.view(-1, num_kv_heads, head_dim)[slots] = key
+            self.v_cache.view(-1, num_kv_heads, head_dim)[slots] = value
+            self.keys.append(key)
+            self.values.append(value)
+
+    def slots(self, seq, positions):
+        table, size = self.block_tables[seq].tolist(), self.block_size
+        return torch.tensor([table[p // size] * size + p % size for p in positions])
+
+    def seq_lens_tensor(self):
+        return torch.tensor(self.seq_lens, dtype=torch.int32)
+
+
+def reference_attention(q, keys, values, q_lens, scale):
+    """Float64 causal attention; queries of seq i are the last q_lens[i] of its tokens."""
+    num_heads = q.shape[1]
+    outputs = []
+    start = 0
+    for key, value, num_queries in zip(keys, values, q_lens):
+        seq_len = key.shape[0]
+        group = num_heads // key.shape[1]
+        query = q[start : start + num_queries].double()
+        key = key.double().repeat_interleave(group, dim=1)
+        value = value.double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", query, key) * scale
+        query_positions = torch.arange(seq_len - num_queries, seq_len)
+        mask = torch.arange(seq_len)[None, :] <= query_positions[:, None]
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        outputs.append(torch.einsum("hqk,khd->qhd", probs, value))
+        start += num_queries
+    return torch.cat(outputs) if outputs else q.double()[:0]
+
+
+def assert_close(actual, expected, dtype, gen):
+    assert actual.dtype == dtype
+    assert not torch.isnan(actual).any(), f"NaN in output (seed {gen.initial_seed()})"
+    seed = gen.initial_seed()
+    torch.testing.assert_close(
+        actual.double(), expected, **TOLERANCES[dtype], msg=lambda m: f"seed {seed}: {m}"
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("gqa", [1, 2, 4, 8])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_decode_matches_reference(gen, block_size, gqa, head_dim, dtype):
+    num_kv_heads = 2 if gqa < 8 else 1
+    num_heads = num_kv_heads * gqa
+    num_seqs = randint(gen, 1, 6)
+    # Always include a single-token context and a length that is not a block multiple.
+    seq_lens = [1, block_size * randint(gen, 1, 3) + randint(gen, 1, block_size - 1)]
+    seq_lens += [randint(gen, 1, 90) for _ in range(num_seqs)]
+    ctx = PagedContext(gen, seq_lens, num_kv_heads, head_dim, block_size, dtype)
+    q = randn(gen, len(seq_lens), num_heads, head_dim, dtype=dtype)
+    scale = head_dim**-0.5
+    expected = reference_attention(q, ctx.keys, ctx.values, [1] * len(seq_lens), scale)
+
+    out = paged_decode_attention(
+        q, ctx.k_cache, ctx.v_cache, ctx.block_tables, ctx.seq_lens_tensor(), scale
+    )
+    assert_close(out, expected, dtype, gen)
+    cu_seqlens_q = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
+    out = paged_attention(
+        q, ctx.k_cache, ctx.v_cache, ctx.block_tables, cu_seqlens_q, ctx.seq_lens_tensor(), scale
+    )
+    assert_close(out, expected, dtype, gen)
+
+
+@pytest.mark.parametrize(
+    "block_size,gqa,head_dim,dtype",
+    [
+        (bs, gqa, hd, dtype)
+        for bs, gqa, hd in [(8, 1, 64), (16, 2, 80), (32, 4, 128), (16, 8, 64), (8, 4, 80)]
+        for dtype in (torch.float32, torch.float16)
+    ]
+    + [(16, 4, 64, torch.bfloat16), (16, 2, 64, torch.float64)],
+)
+def test_mixed_batch_matches_reference(gen, block_size, gqa, head_dim, dtype):
+    num_kv_heads = 8 // gqa if gqa < 8 else 1
+    num_heads = num_kv_heads * gqa
+    seqs = []  # (seq_len, num_queries)
+    for _ in range(randint(gen, 1, 4)):
+        seqs.append((randint(gen, 1, 120), 1))  # decode token
+    prompt_len = randint(gen, 2, 70)
+    seqs.append((prompt_len, prompt_len))  # whole prompt, no cached prefix
+    for _ in range(randint(gen, 1, 3)):  # chunk after a cached prefix
+        num_queries = randint(gen, 2, 40)
+        seqs.append((num_queries + randint(gen, 1, 100), num_queries))
+    seqs.append((1, 1))  # single-token context
+    seqs.append((block_size + 3, 0))  # sequence with no queries this step
+    order = torch.randperm(len(seqs), generator=gen).tolist()
+    seqs = [seqs[i] for i in order]
+    seq_lens = [n for n, _ in seqs]
+    q_lens = [m for _, m in seqs]
+
+    ctx = PagedContext(gen, seq_lens, num_kv_heads, head_dim, block_size, dtype)
+    q = randn(gen, sum(q_lens), num_heads, head_dim, dtype=dtype)
+    cu_seqlens_q = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    scale = 0.5 * head_dim**-0.5
+    expected = reference_attention(q, ctx.keys, ctx.values, q_lens, scale)
+    out = paged_attention(
+        q, ctx.k_cache, ctx.v_cache, ctx.block_tables, cu_seqlens_q, ctx.seq_lens_tensor(), scale
+    )
+    assert_close(out, expected, dtype, gen)
+
+
+@pytest.mark.parametrize("max_gather_elements", [None, 4096])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_with_many_lengths_uses_buckets(gen, monkeypatch, dtype, max_gather_elements):
+    """Widely spread context lengths, so decode runs in several length buckets (and, with a
+    small gather limit, in chunks of one sequence)."""
+    if max_gather_elements is not None:
+        monkeypatch.setattr(torch_ops, "_MAX_GATHER_ELEMENTS", max_gather_elements)
+    seq_lens = [randint(gen, 1, 20) for _ in range(20)]
+    seq_lens += [randint(gen, 150, 400) for _ in range(12)]
+    assert len(torch_ops._plan_buckets(seq_lens, 2 * 64)) > 1
+    seq_lens = [seq_lens[i] for i in torch.randperm(len(seq_lens), generator=gen).tolist()]
+    ctx = PagedContext(gen, seq_lens, 2, 64, 16, dtype)
+    q = randn(gen, len(seq_lens), 8, 64, dtype=dtype)
+    expected = reference_attention(q, ctx.keys, ctx.values, [1] * len(seq_lens), 0.125)
+    out = torch.empty_like(q)
+    returned = paged_decode_attention(
+        q, ctx.k_cache, ctx.v_cache, ctx.block_tables, ctx.seq_lens_tensor(), 0.125, out=out
+    )
+    assert returned is out
+    assert_close(out, expected, dtype, gen)
+
+
+def test_attention_writes_into_out_and_accepts_int64_metadata(gen):
+    seq_lens = [5, 40, 17]
+    q_lens = [1, 12, 17]
+    ctx = PagedContext(gen, seq_lens, 2, 64, 16, torch.float32)
+    q = randn(gen, sum(q_lens), 4, 64)
+    out = torch.full_like(q, float("nan"))
+    returned = paged_attention(
+        q,
+        ctx.k_cache,
+        ctx.v_cache,
+        ctx.block_tables.long(),
+        torch.tensor([0, 1, 13, 30]),
+        torch.tensor(seq_lens),
+        0.125,
+        out=out,
+    )
+    assert returned is out
+    expected = reference_attention(q, ctx.keys, ctx.values, q_lens, 0.125)
+    assert_close(out, expected, torch.float32, gen)
+
+
+def test_attention_reads_non_contiguous_q(gen):
+    seq_lens = [33, 9]
+    ctx = PagedContext(gen, seq_lens, 2, 64, 8, torch.float32)
+    qkv = randn(gen, 2, 3 * 4, 64)
+    q = qkv[:, :4]
+    expected = reference_attention(q, ctx.keys, ctx.values, [1, 1], 0.125)
+    out = paged_decode_attention(
+        q, ctx.k_cache, ctx.v_cache, ctx.block_tables, ctx.seq_lens_tensor(), 0.125
+    )
+    assert_close(out, expected, torch.float32, gen)
+
+
+def test_empty_batch_returns_empty_output():
+    cache = torch.zeros(4, 8, 2, 64)
+    q = torch.zeros(0, 4, 64)
+    out = paged_attention(
+        q,
+        cache,
+        cache.clone(),
+        torch.zeros(0, 2, dtype=torch.int32),
+        torch.zeros(1, dtype=torch.int32),
+        torch.zeros(0, dtype=torch.int32),
+        0.125,
+    )
+    assert out.shape == (0, 4, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_write_kv_skips_padding_slots(gen, dtype):
+    num_blocks, block_size, num_kv_heads, head_dim = 6, 8, 2, 16
+    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    num_tokens = 20
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    is_padding = torch.rand(num_tokens, generator=gen) < 0.3
+    slot_mapping = torch.where(is_padding, -1, slots).to(torch.int32)
+    key = randn(gen, num_tokens, num_kv_heads, head_dim)  # float32: cast to the cache dtype
+    value = randn(gen, num_tokens, num_kv_heads, head_dim)
+
+    write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    is_real = ~is_padding
+    assert torch.equal(k_flat[slots[is_real]], key[is_real].to(dtype))
+    assert torch.equal(v_flat[slots[is_real]], value[is_real].to(dtype))
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots[is_real]] = False
+    assert not k_flat[untouched].any() and not v_flat[untouched].any()
+
+
+def test_write_kv_then_attention_round_trip(gen):
+    """Prefill a prompt through write_kv, then decode one more token after it."""
+    block_size, num_kv_heads, num_heads, head_dim = 16, 2, 4, 64
+    k_cache = torch.full((8, block_size, num_kv_heads, head_dim), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    block_tables = torch.tensor([[5, 2, 7, -1]], dtype=torch.int32)
+    prompt_len = 37
+    key = randn(gen, prompt_len + 1, num_kv_heads, head_dim)
+    value = randn(gen, prompt_len + 1, num_kv_heads, head_dim)
+    slots = [int(block_tables[0, p // block_size]) * block_size + p % block_size for p in range(38)]
+    slot_mapping = torch.tensor(slots[:prompt_len] + [-1, -1], dtype=torch.int32)  # 2 pad tokens
+    padded = torch.zeros(2, num_kv_heads, head_dim)
+    write_kv(torch.cat([key[:prompt_len], padded]), torch.cat([value[:prompt_len], padded]),
+             k_cache, v_cache, slot_mapping)
+    q = randn(gen, prompt_len, num_heads, head_dim)
+    out = paged_attention(q, k_cache, v_cache, block_tables,
+                          torch.tensor([0, prompt_len], dtype=torch.int32),
+                          torch.tensor([prompt_len], dtype=torch.int32), 0.125)
+    expected = reference_attention(q, [key[:prompt_len]], [value[:prompt_len]], [prompt_len], 0.125)
+    assert_close(out, expected, torch.float32, gen)
+
+    write_kv(key[prompt_len:], value[prompt_len:], k_cache, v_cache,
+             torch.tensor(slots[prompt_len:], dtype=torch.int32))
+    q = randn(gen, 1, num_heads, head_dim)
+    out = paged_decode_attention(q, k_cache, v_cache, block_tables,
+                                 torch.tensor([prompt_len + 1], dtype=torch.int32), 0.125)
+    assert_close(out, reference_attention(q, [key], [value], [1], 0.125), torch.float32, gen)
+
+
+def test_copy_blocks_all_layers(gen):
+    num_layers, shape = 3, (10, 8, 2, 16)
+    k_caches = [randn(gen, *shape) for _ in range(num_layers)]
+    v_caches = [randn(gen, *shape) for _ in range(num_layers)]
+    before_k = [c.clone() for c in k_caches]
+    before_v = [c.clone() for c in v_caches]
+    block_pairs = torch.tensor([[1, 4], [1, 7], [3, 9]], dtype=torch.int64)
+    copy_blocks(k_caches, v_caches, block_pairs)
+    for layer in range(num_layers):
+        pairs = ((k_caches[layer], before_k[layer]), (v_caches[layer], before_v[layer]))
+        for cache, before in pairs:
+            expected = before.clone()
+            expected[[4, 7, 9]] = before[[1, 1, 3]]
+            assert torch.equal(cache, expected)
+    copy_blocks(k_caches, v_caches, torch.zeros(0, 2, dtype=torch.int64))
+
+
+def test_swap_blocks_between_pools(gen):
+    device_pool = randn(gen, 6, 8, 2, 16)
+    host_pool = torch.zeros(4, 8, 2, 16)
+    swap_blocks(device_pool, host_pool, torch.tensor([[5, 0], [2, 3]]))
+    assert torch.equal(host_pool[0], device_pool[5]) and torch.equal(host_pool[3], device_pool[2])
+    assert not host_pool[[1, 2]].any()
+    device_pool.zero_()
+    swap_blocks(host_pool, device_pool, torch.tensor([[0, 1], [3, 4]], dtype=torch.int32))
+    assert torch.equal(device_pool[1], host_pool[0]) and torch.equal(device_pool[4], host_pool[3])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_swap_blocks_across_devices(gen):
+    device_pool = randn(gen, 6, 8, 2, 16).cuda()
+    host_pool = torch.zeros(4, 8, 2, 16).pin_memory()
+    swap_blocks(device_pool, host_pool, torch.tensor([[5, 0], [2, 3]]), backend="torch")
+    assert torch.equal(host_pool[0], device_pool[5].cpu())
+    device_pool.zero_()
+    swap_blocks(host_pool, device_pool, torch.tensor([[0, 1]]), backend="torch")
+    assert torch.equal(device_pool[1].cpu(), host_pool[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_torch_backend_runs_on_cuda(gen):
+    seq_lens, q_lens = [1, 50, 30, 19], [1, 1, 9, 19]
+    ctx = PagedContext(gen, seq_lens, 2, 64, 16, torch.float16)
+    q = randn(gen, sum(q_lens), 8, 64, dtype=torch.float16)
+    expected = reference_attention(q, ctx.keys, ctx.values, q_lens, 0.125)
+    cu_seqlens_q = torch.tensor([0, 1, 2, 11, 30], dtype=torch.int32)
+    out = paged_attention(
+        q.cuda(), ctx.k_cache.cuda(), ctx.v_cache.cuda(), ctx.block_tables.cuda(),
+        cu_seqlens_q.cuda(), ctx.seq_lens_tensor().cuda(), 0.125, backend="torch",
+    )  # fmt: skip
+    assert_close(out.cpu(), expected, torch.float16, gen)
+
+
+def test_select_backend_and_dispatch(monkeypatch):
+    assert select_backend("cpu") == "torch"
+    assert select_backend(torch.device("cpu")) == "torch"
+    calls = []
+    fake = types.SimpleNamespace(
+        write_kv=lambda *args, **kwargs: calls.append("write_kv"),
+        copy_blocks=lambda *args, **kwargs: calls.append("copy_blocks"),
+    )
+    monkeypatch.setitem(sys.modules, "pagedserve.kernels.triton_ops", fake)
+    monkeypatch.setattr(kernels, "triton_ops", fake, raising=False)
+    cache = torch.zeros(2, 4, 1, 8)
+    write_kv(torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), cache, cache.clone(),
+             torch.tensor([3]), backend="triton")
+    copy_blocks([cache], [cache.clone()], torch.tensor([[0, 1]]), backend="triton")
+    assert calls == ["write_kv", "copy_blocks"]
+    assert not cache.any()  # the torch path did not run
+
+
+def _attention_args(**overrides):
+    args = dict(
+        q=torch.zeros(3, 4, 64),
+        k_cache=torch.zeros(4, 8, 2, 64),
+        v_cache=torch.zeros(4, 8, 2, 64),
+        block_tables=torch.zeros(2, 2, dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, 1, 3], dtype=torch.int32),
+        seq_lens=torch.tensor([4, 5], dtype=torch.int32),
+        scale=0.125,
+    )
+    args.update(overrides)
+    return args
+
+
+@pytest.mark.parametrize(
+    "overrides,error,match",
+    [
+        (dict(q=torch.zeros(3, 3, 64)), ValueError, "multiple of num_kv_heads"),
+        (dict(q=torch.zeros(3, 4, 32)), ValueError, "head_dim"),
+        (dict(q=torch.zeros(3, 4, 64, dtype=torch.float16)), ValueError, "dtype"),
+        (dict(q=torch.zeros(3, 256)), ValueError, "num_tokens, num_heads, head_dim"),
+        (dict(v_cache=torch.zeros(4, 8, 2, 32)), ValueError, "v_cache shape"),
+        (dict(k_cache=torch.zeros(4, 2, 8, 64).transpose(1, 2)), ValueError, "contiguous"),
+        (dict(block_tables=torch.zeros(2, 2)), ValueError, "block_tables must be int32"),
+        (dict(seq_lens=torch.tensor([4], dtype=torch.int32)), ValueError, "seq_lens has 1"),
+        (dict(cu_seqlens_q=torch.tensor([0, 3], dtype=torch.int32)), ValueError, "num_seqs \\+ 1"),
+        (dict(cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32)), ValueError, "end at"),
+        (dict(cu_seqlens_q=torch.tensor([0, 3, 3], dtype=torch.int32),
+              seq_lens=torch.tensor([2, 5], dtype=torch.int32)), ValueError, "3 queries"),
+        (dict(seq_lens=torch.tensor([4, 17], dtype=torch.int32)), ValueError, "seq_lens must lie"),
+        (dict(scale=None), TypeError, "scale"),
+        (dict(out=torch.zeros(3, 4, 32)), ValueError, "out must match"),
+        (dict(backend="cuda"), ValueError, "unknown kernel backend"),
+    ],
+)
+def test_paged_attention_rejects_bad_arguments(overrides, error, match):
+    with pytest.raises(error, match=match):
+        paged_attention(**_attention_args(**overrides))
+
+
+def test_decode_and_cache_ops_reject_bad_arguments():
+    cache = torch.zeros(4, 8, 2, 64)
+    tables = torch.zeros(2, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="one query per sequence"):
+        paged_decode_attention(torch.zeros(3, 4, 64), cache, cache, tables,
+                               torch.tensor([1, 2], dtype=torch.int32), 0.125)
+    with pytest.raises(ValueError, match="seq_lens >= 1"):
+        paged_decode_attention(torch.zeros(2, 4, 64), cache, cache, tables,
+                               torch.tensor([0, 2], dtype=torch.int32), 0.125)
+    key = torch.zeros(3, 2, 64)
+    with pytest.raises(ValueError, match="slot_mapping has 2 entries"):
+        write_kv(key, key, cache, cache, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="slot_mapping must be int32 or int64"):
+        write_kv(key, key, cache, cache, torch.tensor([0.0, 1.0, 2.0]))
+    with pytest.raises(ValueError, match="do not match cache"):
+        one_head = torch.zeros(3, 1, 64)
+        write_kv(one_head, one_head, cache, cache, torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match=r"\[n, 2\]"):
+        copy_blocks([cache], [cache], torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="2 k_caches but 1"):
+        copy_blocks([cache, cache], [cache], torch.tensor([[1, 2]]))
+    with pytest.raises(ValueError, match="per-block shape"):
+        swap_blocks(cache, torch.zeros(4, 8, 2, 32), torch.tensor([[0, 1]]))
+    with pytest.raises(ValueError, match="unknown kernel backend"):
+        swap_blocks(cache, cache.clone(), torch.tensor([[0, 1]]), backend="cpu")
