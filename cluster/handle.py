@@ -30,6 +30,14 @@ class NoCapacityError(RuntimeError):
     """No live worker can take the request (retryable)."""
 
 
+class _DisaggregationFailed(Exception):
+    """A prefill or decode worker failed; ``generated`` is the last output streamed."""
+
+    def __init__(self, generated: CompletionOutput | None) -> None:
+        super().__init__("disaggregated serving failed")
+        self.generated = generated
+
+
 class ClusterHandle:
     """A running pagedserve cluster: the KV manager actor, the workers and a router.
 
@@ -96,10 +104,28 @@ class ClusterHandle:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this model's maximum "
                              f"context is {self.max_model_len} tokens, including at least one output token")
         await self._refresh_utilization()
+        if self.config.is_disaggregated and params.n == 1:
+            try:
+                async for output in self._generate_disaggregated(
+                        request_id, text, prompt_token_ids, params, priority):
+                    yield output
+                return
+            except _DisaggregationFailed as exc:
+                # Fall through to a colocated run on a decode worker, resuming after the
+                # tokens already streamed.
+                logger.warning("request %s: disaggregated path failed (%r); serving colocated",
+                               request_id, exc.__cause__)
+                resume_from = exc.generated
+        else:
+            resume_from = None
         generated: list[list[int]] = [[] for _ in range(params.n)]
         texts = ["" for _ in range(params.n)]
-        excluded: set[str] = set()
+        excluded: set[str] = {w for w, role in self.roles.items() if role == "prefill"}
         attempt = 0
+        if resume_from:
+            generated[0] = list(resume_from.token_ids)
+            texts[0] = resume_from.text
+            attempt = 1
         while True:
             attempt += 1
             resumed = attempt > 1 and params.n == 1 and generated[0]
@@ -141,7 +167,7 @@ class ClusterHandle:
                 excluded.add(decision.worker_id)
                 self._num_resumed += 1
                 if len(excluded) >= len(self.workers):
-                    excluded.clear()
+                    excluded = {w for w, role in self.roles.items() if role == "prefill"}
                     await asyncio.sleep(1.0)  # every worker failed once: wait for restarts
                 if attempt > 2 * len(self.workers) + 3:
                     raise NoCapacityError(f"no worker could finish request {request_id}") from exc
@@ -152,6 +178,58 @@ class ClusterHandle:
                         worker.abort.remote(sub_id)
                     except Exception:
                         pass
+
+    async def _generate_disaggregated(self, request_id: str, text: str | None, prompt_ids: list[int],
+                                      params: SamplingParams, priority: int) -> AsyncIterator[RequestOutput]:
+        """Prompt on a prefill worker, KV through the object store, the rest on a decode worker."""
+        from ray.exceptions import RayActorError
+
+        timeout = self.config.server.limits.request_timeout_s
+        prefill_ids = {w for w, role in self.roles.items() if role == "prefill"}
+        decode_ids = {w for w, role in self.roles.items() if role == "decode"}
+        cached = await self._longest_prefix(prompt_ids)
+        decision = self.router.choose(f"{request_id}/prefill", len(prompt_ids), 1, cached,
+                                      exclude=set(self.workers) - prefill_ids)
+        request = {"request_id": request_id, "prompt_token_ids": prompt_ids,
+                   "params": params.to_dict(), "priority": priority}
+        last: CompletionOutput | None = None
+        try:
+            out_ref, kv_ref = self.workers[decision.worker_id].prefill.options(num_returns=2).remote(request)
+            first: RequestOutput = await asyncio.wait_for(out_ref, timeout=timeout)
+        except (RayActorError, asyncio.TimeoutError) as exc:
+            self.router.mark_dead(decision.worker_id)
+            raise _DisaggregationFailed(None) from exc
+        finally:
+            self.router.release(decision, 1)
+        completion = first.outputs[0]
+        is_done = completion.finish_reason == "stop" or params.max_tokens == 1
+        if is_done or completion.finish_reason == "abort":
+            yield RequestOutput(request_id, text, prompt_ids, first.outputs, True, first.metrics)
+            return
+        completion = dataclasses.replace(completion, finish_reason=None)
+        yield RequestOutput(request_id, text, prompt_ids, [completion], False, first.metrics)
+        last = completion
+        decision = self.router.choose(f"{request_id}/decode", len(prompt_ids), params.max_tokens, {},
+                                      exclude=set(self.workers) - decode_ids)
+        worker = self.workers[decision.worker_id]
+        request = {**request, "kv": [kv_ref], "output_token_ids": list(completion.token_ids)}
+        finished = False
+        try:
+            async for ref in worker.generate.options(num_returns="streaming").remote(request):
+                output: RequestOutput = await asyncio.wait_for(ref, timeout=timeout)
+                finished = output.finished
+                last = output.outputs[0]
+                yield RequestOutput(request_id, text, prompt_ids, output.outputs, output.finished,
+                                    output.metrics)
+                if finished:
+                    return
+        except (RayActorError, asyncio.TimeoutError) as exc:
+            self.router.mark_dead(decision.worker_id)
+            raise _DisaggregationFailed(last) from exc
+        finally:
+            self.router.release(decision, params.max_tokens)
+            if not finished:
+                worker.abort.remote(request_id)
 
     @staticmethod
     def _merge(output: RequestOutput, request_id: str, text: str | None, prompt_ids: list[int],

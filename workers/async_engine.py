@@ -52,7 +52,10 @@ class AsyncLLMEngine:
     # ---- requests -----------------------------------------------------------------
     async def generate(self, prompt: str | list[int] | None, params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0,
-                       prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+                       prompt_token_ids: list[int] | None = None,
+                       **transfer_options) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. ``transfer_options`` are ``LLMEngine.add_request``'s
+        disaggregation options (``export_kv``, ``kv_transfer``, ``output_token_ids``)."""
         if self.error is not None:
             raise EngineDeadError(f"the engine loop failed: {self.error!r}")
         request_id = request_id or f"req-{next(self._ids)}"
@@ -61,7 +64,8 @@ class AsyncLLMEngine:
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self.engine.add_request(request_id, prompt, params, priority, prompt_token_ids)
+            self.engine.add_request(request_id, prompt, params, priority, prompt_token_ids,
+                                    **transfer_options)
             self._streams[request_id] = (loop, queue)
         self._wakeup.set()
         finished = False
@@ -118,6 +122,18 @@ class AsyncLLMEngine:
         error = EngineDeadError(f"the engine loop failed: {exc!r}")
         for loop, queue in streams.values():
             loop.call_soon_threadsafe(queue.put_nowait, error)
+
+    def take_kv_export(self, request_id: str):
+        with self._lock:
+            return self.engine.take_kv_export(request_id)
+
+    def note_transfer(self, request_id: str, fetch_s: float, memcpy_s: float) -> None:
+        """Add the worker-side transfer timings to a request's metrics."""
+        with self._lock:
+            request = self.engine.requests.get(request_id)
+            if request is not None:
+                request.metrics.kv_transfer_s += fetch_s
+                request.metrics.kv_memcpy_s += memcpy_s
 
     # ---- introspection ----------------------------------------------------------------
     def stats(self) -> dict:

@@ -13,6 +13,7 @@ import torch
 from pagedserve.kvmanager import KVManager, PoolConfig, StepInput, StepOutput
 
 from .detokenizer import StreamingDetokenizer
+from .kv_transfer import KVTransfer, check_compatible, export_kv, import_kv, read_header
 from .model_runner import ModelRunner, SeqChunk
 from .request import CompletionOutput, Request, RequestOutput, Sequence, SequenceStatus
 from .sampler import Sampler, SamplingState
@@ -124,6 +125,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._order = itertools.count()
         self._finished_outputs: list[RequestOutput] = []
+        self.kv_exports: dict[str, KVTransfer] = {}
         self.num_steps = 0
         self.num_generated_tokens = 0
 
@@ -165,8 +167,16 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int] | None,
                     params: SamplingParams | None = None, priority: int = 0,
                     prompt_token_ids: list[int] | None = None,
-                    arrival_time: float | None = None) -> Request:
-        """Validate and queue a request. Raises ValueError, changing nothing, if it is bad."""
+                    arrival_time: float | None = None, export_kv: bool = False,
+                    kv_transfer: KVTransfer | None = None,
+                    output_token_ids: list[int] | None = None) -> Request:
+        """Validate and queue a request. Raises ValueError, changing nothing, if it is bad.
+
+        Disaggregated serving: ``export_kv`` keeps a copy of the prompt's KV
+        when the first token is sampled (see ``take_kv_export``); a request
+        with ``kv_transfer`` continues one prefilled elsewhere, whose
+        ``output_token_ids`` were already sampled there.
+        """
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
@@ -184,12 +194,30 @@ class LLMEngine:
         bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        num_imported = 0
+        if kv_transfer is not None:
+            if params.n != 1 or not output_token_ids:
+                raise ValueError("a transferred request needs n == 1 and its first sampled token")
+            meta = read_header(kv_transfer.header)
+            check_compatible(self.runner.kv_cache, meta, token_ids)
+            num_imported = meta["num_tokens"]
         request = Request(request_id, text, token_ids, params, priority,
                           arrival_time if arrival_time is not None else time.time(), next(self._order))
+        request.export_kv = export_kv
+        request.kv_transfer = kv_transfer
         seq = self._new_sequence(request, 0, list(token_ids))
+        for token_id in output_token_ids or []:
+            seq.token_ids.append(token_id)
+            seq.detokenizer.append(token_id)
+        # Tokens sampled elsewhere were already streamed from there.
+        seq.num_streamed_tokens = len(seq.output_token_ids)
         self.requests[request_id] = request
-        self.scheduler.add(seq)
+        self.scheduler.add(seq, num_imported)
         return request
+
+    def take_kv_export(self, request_id: str) -> KVTransfer | None:
+        """The prompt KV kept for a request added with ``export_kv`` (once)."""
+        return self.kv_exports.pop(request_id, None)
 
     def _tokenize(self, prompt, prompt_token_ids) -> tuple[str | None, list[int]]:
         if prompt_token_ids is not None:
@@ -252,9 +280,20 @@ class LLMEngine:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
             metrics.num_cached_tokens = max(metrics.num_cached_tokens, sched.num_cached_tokens)
+        for seq, sched in plan.scheduled:
+            if sched.num_imported_tokens:
+                self._import_kv(seq, sched)
         logits = self.runner.execute(chunks)
         sampling = [seq for (seq, _), chunk in zip(plan.scheduled, chunks) if chunk.needs_logits]
         return outputs + self._postprocess(sampling, logits)
+
+    def _import_kv(self, seq: Sequence, sched) -> None:
+        request = seq.request
+        start = time.perf_counter()
+        import_kv(self.runner.kv_cache, request.kv_transfer, sched.block_table)
+        request.metrics.kv_transfer_bytes += request.kv_transfer.num_bytes
+        request.metrics.kv_transfer_s += time.perf_counter() - start
+        request.kv_transfer = None
 
     def _check_can_progress(self) -> None:
         """Nothing runs and nothing could be admitted: say why instead of spinning."""
@@ -300,6 +339,9 @@ class LLMEngine:
             if logprob is not None:
                 seq.logprobs.append(logprob)
                 seq.cumulative_logprob += logprob.logprob
+            if request.export_kv and request.request_id not in self.kv_exports:
+                self.kv_exports[request.request_id] = export_kv(
+                    self.runner.kv_cache, seq.block_table, seq.num_computed, seq.token_ids)
             delta = seq.detokenizer.append(token_id)
             seq.delta_text += delta.text
             self.num_generated_tokens += 1

@@ -66,6 +66,9 @@ class RequestMetrics:
     num_generated_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    kv_transfer_bytes: int = 0
+    kv_transfer_s: float = 0.0      # object-store fetch plus the write into the cache
+    kv_memcpy_s: float = 0.0        # a local copy of the same bytes, timed in the same run
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -90,6 +93,8 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     metrics: RequestMetrics | None = None
     is_aborted: bool = False
+    export_kv: bool = False
+    kv_transfer: object | None = None  # a KVTransfer to write on admission
 
     def __post_init__(self) -> None:
         if self.metrics is None:

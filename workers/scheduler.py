@@ -50,10 +50,11 @@ class Scheduler:
         self.num_preemptions = {"swap": 0, "recompute": 0}
 
     # ---- changes since the last step ------------------------------------------
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, num_imported_tokens: int = 0) -> None:
         """Queue a new sequence; it registers with the KV manager at the next step."""
         self.waiting.append(seq)
-        self._pending.new_sequences.append(NewSequence(seq.seq_id, list(seq.token_ids)))
+        self._pending.new_sequences.append(
+            NewSequence(seq.seq_id, list(seq.token_ids), num_imported_tokens=num_imported_tokens))
         self._registered.add(seq.seq_id)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

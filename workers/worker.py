@@ -14,18 +14,27 @@ from dataclasses import asdict
 from typing import AsyncIterator
 
 import msgpack
+import numpy as np
 
 from pagedserve.kvmanager import KVManagerError, StepInput, StepOutput, UnknownWorkerError
 from pagedserve.kvmanager.step import from_wire, to_wire
 
 from .async_engine import AsyncLLMEngine
 from .engine import EngineConfig, LLMEngine
+from .kv_transfer import KVTransfer
 from .request import RequestOutput
 from .sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("mixed", "prefill", "decode")
+
+
+def _node_id() -> str | None:
+    """The Ray node this process runs on (None outside Ray)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
 class KVManagerUnavailableError(RuntimeError):
@@ -99,10 +108,49 @@ class Worker:
         """Stream a request's outputs. ``request`` holds ``request_id``, ``prompt`` or
         ``prompt_token_ids``, ``params`` (a SamplingParams dict) and ``priority``."""
         params = SamplingParams.from_dict(request.get("params") or {})
-        async for output in self.async_engine.generate(
-                request.get("prompt"), params, request.get("request_id"),
-                request.get("priority", 0), request.get("prompt_token_ids")):
+        options = {}
+        fetch_s = memcpy_s = 0.0
+        if request.get("kv"):
+            # The transfer arrives as a nested ObjectRef so that fetching it is timed here.
+            start = time.perf_counter()
+            header, payload = await request["kv"][0]
+            fetch_s = time.perf_counter() - start
+            start = time.perf_counter()
+            np.copy(payload)
+            memcpy_s = time.perf_counter() - start
+            options = {"kv_transfer": KVTransfer(header, payload),
+                       "output_token_ids": request["output_token_ids"]}
+        stream = self.async_engine.generate(
+            request.get("prompt"), params, request.get("request_id"),
+            request.get("priority", 0), request.get("prompt_token_ids"), **options)
+        noted = not options
+        async for output in stream:
+            if not noted:
+                self.async_engine.note_transfer(output.request_id, fetch_s, memcpy_s)
+                output.metrics.kv_transfer_s += fetch_s
+                output.metrics.kv_memcpy_s += memcpy_s
+                noted = True
             yield output
+
+    async def prefill(self, request: dict) -> tuple[RequestOutput, tuple | None]:
+        """Run a request's prompt and sample its first token here (a prefill worker).
+
+        Returns the output and the prompt's KV transfer ``(header, payload)``;
+        call it with ``num_returns=2`` and pass the second ref, nested in a
+        list, to a decode worker's ``generate`` as ``request["kv"]``. The
+        blocks stay in this worker's prefix cache.
+        """
+        params = SamplingParams.from_dict({**(request.get("params") or {}), "max_tokens": 1})
+        request_id = request["request_id"]
+        last = None
+        async for output in self.async_engine.generate(
+                request.get("prompt"), params, request_id, request.get("priority", 0),
+                request.get("prompt_token_ids"), export_kv=True):
+            last = output
+        transfer = self.async_engine.take_kv_export(request_id)
+        if transfer is None:
+            return last, None
+        return last, (transfer.header, transfer.payload)
 
     def abort(self, request_id: str) -> bool:
         return self.async_engine.abort(request_id)
@@ -114,7 +162,7 @@ class Worker:
                 "block_size": self.engine.config.block_size,
                 "num_device_blocks": self.engine.pool_config.num_device_blocks,
                 "num_parameters": self.engine.runner.num_parameters,
-                "device": str(self.engine.runner.device)}
+                "device": str(self.engine.runner.device), "node_id": _node_id()}
 
     def stats(self) -> dict:
         engine_stats = self.async_engine.stats()
