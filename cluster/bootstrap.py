@@ -7,7 +7,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .config import ClusterConfig, load_config
+from dataclasses import asdict
+
+from .config import ClusterConfig, EngineOptions, load_config
 from .handle import ClusterHandle
 
 logger = logging.getLogger("pagedserve.cluster")
@@ -63,12 +65,12 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
         num_cpus=config.kv_manager_num_cpus, resources=head).remote()
     ray.get(kv_manager.get_incarnation.remote(), timeout=ready_timeout_s)
 
-    engine_config = config.engine.to_engine_config(model_path)
-    from dataclasses import asdict
-    engine_dict = asdict(engine_config)
     workers, roles = {}, {}
     index = 0
     for group in config.workers:
+        options = config.engine.model_copy(update=EngineOptions.model_validate(
+            {**config.engine.model_dump(), **group.engine}).model_dump())
+        engine_dict = asdict(options.to_engine_config(model_path))
         for _ in range(group.count):
             worker_id = f"worker-{index}"
             handle = worker_cls.options(

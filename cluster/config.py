@@ -80,6 +80,14 @@ class WorkerGroup(_Strict):
     num_cpus: float = Field(1, ge=0)
     num_gpus: float = Field(0, ge=0)
     resources: dict[str, float] = Field(default_factory=dict)
+    # Per-group engine overrides (say, a smaller pool on smaller GPUs).
+    engine: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine_keys(cls, engine: dict[str, Any]) -> dict[str, Any]:
+        EngineOptions.model_validate(engine)
+        return engine
 
 
 class RouterConfig(_Strict):

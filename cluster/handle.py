@@ -65,6 +65,7 @@ class ClusterHandle:
         self._ids = itertools.count()
         self._utilization_refreshed = 0.0
         self._num_resumed = 0
+        self._num_migrated = 0
         self._lock = threading.Lock()
 
     def __getstate__(self):
@@ -126,24 +127,37 @@ class ClusterHandle:
             generated[0] = list(resume_from.token_ids)
             texts[0] = resume_from.text
             attempt = 1
+        migration: RequestOutput | None = None
         while True:
             attempt += 1
-            resumed = attempt > 1 and params.n == 1 and generated[0]
-            ids = prompt_token_ids + generated[0] if resumed else prompt_token_ids
-            sub_params = params
-            if resumed:
-                sub_params = dataclasses.replace(params, max_tokens=params.max_tokens - len(generated[0]))
-            elif attempt > 1:
-                generated = [[] for _ in range(params.n)]
-                texts = ["" for _ in range(params.n)]
-            prefix_tokens = list(generated[0]) if resumed else []
-            prefix_text = texts[0] if resumed else ""
             sub_id = request_id if attempt == 1 else f"{request_id}~{attempt}"
-            cached = await self._longest_prefix(ids)
-            decision = self.router.choose(sub_id, len(ids), sub_params.max_tokens, cached, excluded)
+            sub_params = params
+            if migration is not None:
+                # The KV manager moved the request to a worker with room: continue
+                # there from the transferred KV; its outputs already hold every token.
+                ids, prefix_tokens, prefix_text = prompt_token_ids, [], ""
+                target = migration.migrate_to
+                request = {"request_id": sub_id, "prompt_token_ids": ids, "params": params.to_dict(),
+                           "priority": priority, "kv": [migration.kv_transfer],
+                           "output_token_ids": list(generated[0])}
+                decision = self.router.choose(sub_id, len(ids), params.max_tokens, {},
+                                              set(self.workers) - {target})
+                migration = None
+            else:
+                resumed = attempt > 1 and params.n == 1 and generated[0]
+                ids = prompt_token_ids + generated[0] if resumed else prompt_token_ids
+                if resumed:
+                    sub_params = dataclasses.replace(params, max_tokens=params.max_tokens - len(generated[0]))
+                elif attempt > 1:
+                    generated = [[] for _ in range(params.n)]
+                    texts = ["" for _ in range(params.n)]
+                prefix_tokens = list(generated[0]) if resumed else []
+                prefix_text = texts[0] if resumed else ""
+                cached = await self._longest_prefix(ids)
+                decision = self.router.choose(sub_id, len(ids), sub_params.max_tokens, cached, excluded)
+                request = {"request_id": sub_id, "prompt_token_ids": ids, "params": sub_params.to_dict(),
+                           "priority": priority}
             worker = self.workers[decision.worker_id]
-            request = {"request_id": sub_id, "prompt_token_ids": ids, "params": sub_params.to_dict(),
-                       "priority": priority}
             finished = False
             try:
                 stream = worker.generate.options(num_returns="streaming").remote(request)
@@ -155,10 +169,17 @@ class ClusterHandle:
                     for completion in merged.outputs:
                         generated[completion.index] = list(completion.token_ids)
                         texts[completion.index] = completion.text
+                    if output.migrate_to is not None:
+                        migration = output
+                        self._num_migrated += 1
+                        finished = True  # nothing left to abort on this worker
+                        break
                     finished = merged.finished
                     yield merged
                     if finished:
                         return
+                if migration is not None:
+                    continue
                 return
             except (RayActorError, asyncio.TimeoutError) as exc:
                 logger.warning("request %s: worker %s failed (%r); resuming elsewhere",
@@ -238,6 +259,8 @@ class ClusterHandle:
         completions = [dataclasses.replace(c, token_ids=prefix_tokens + list(c.token_ids),
                                            text=prefix_text + c.text)
                        for c in output.outputs]
+        if prefix_tokens == [] and prefix_text == "":
+            completions = list(output.outputs)
         return RequestOutput(request_id, text, prompt_ids, completions, output.finished, output.metrics)
 
     async def _longest_prefix(self, token_ids: list[int]) -> dict[str, int]:
@@ -301,6 +324,7 @@ class ClusterHandle:
                 workers[worker_id] = {"worker_id": worker_id, "is_healthy": False, "error": repr(exc)}
         return {"model": self.model_name, "kv_manager": kv_stats, "workers": workers,
                 "router": self.router.snapshot(), "num_resumed": self._num_resumed,
+                "num_migrated": self._num_migrated,
                 "recent_decisions": self.router.recent_decisions(20)}
 
     def check_integrity(self) -> None:

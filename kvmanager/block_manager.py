@@ -39,6 +39,7 @@ class BlockManagerCounters:
     num_prefix_hit_tokens: int = 0
     num_preemptions_swap: int = 0
     num_preemptions_recompute: int = 0
+    num_preemptions_migrate: int = 0
     num_blocks_swapped_out: int = 0
     num_blocks_swapped_in: int = 0
     num_blocks_offloaded: int = 0
@@ -390,6 +391,16 @@ class BlockManager:
         seq.location = SeqLocation.WAITING
         seq.num_preemptions += 1
         self.counters.num_preemptions_recompute += 1
+
+    def migrate_out(self, seq: SequenceBlocks) -> None:
+        """Forget a sequence whose KV the worker sends to another worker.
+
+        Its hashed blocks stay cached here; the copy happens before this
+        step's forward pass can reuse them.
+        """
+        self._release_device(seq)
+        del self.seqs[seq.seq_id]
+        self.counters.num_preemptions_migrate += 1
 
     def can_swap_in(self, seq: SequenceBlocks, num_tokens: int) -> bool:
         """Room for the swapped blocks, the next tokens and the watermark."""

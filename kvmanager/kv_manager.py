@@ -10,7 +10,7 @@ from .hashing import hash_prefix_blocks
 from .sequence import SeqLocation, SequenceBlocks
 from .step import Preemption, ScheduledSeq, StepInput, StepOutput
 
-PREEMPTION_MODES = ("swap", "recompute")
+PREEMPTION_MODES = ("swap", "recompute")  # what a config may force; "migrate" is chosen, never forced
 
 
 @dataclass(slots=True)
@@ -24,7 +24,8 @@ class PoolConfig:
     allocation: str = "paged"
     enable_prefix_caching: bool = True
     watermark: float = 0.01
-    preemption_mode: str | None = None  # None: swap while host space is free, else recompute
+    preemption_mode: str | None = None  # None: migrate, else swap while host space is free, else recompute
+    role: str = "mixed"                 # "prefill" workers never receive migrated sequences
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in (None, *PREEMPTION_MODES):
@@ -170,20 +171,37 @@ class KVManager:
         if step_input.token_budget < 0:
             raise KVManagerError("token_budget must be >= 0")
 
-    def _preemption_mode(self, manager: BlockManager, worker_id: str, seq: SequenceBlocks) -> str:
-        mode = self.configs[worker_id].preemption_mode
-        if mode == "recompute":
-            return "recompute"
-        return "swap" if manager.can_swap_out(seq) else "recompute"
+    def _migration_target(self, worker_id: str, seq: SequenceBlocks) -> str | None:
+        """The other worker with the most free device blocks, if it can take ``seq`` now."""
+        best, best_free = None, 0
+        for other_id, other in self.workers.items():
+            if other_id == worker_id or self.configs[other_id].role == "prefill":
+                continue
+            if other.block_size != self.workers[worker_id].block_size:
+                continue
+            free = other.device.num_free_blocks - other.watermark_blocks
+            if free > best_free:
+                best, best_free = other_id, free
+        need = len(seq.block_table) + 1
+        return best if best is not None and best_free >= need else None
 
     def _preempt(self, manager: BlockManager, worker_id: str, seq: SequenceBlocks,
-                 output: StepOutput) -> None:
-        mode = self._preemption_mode(manager, worker_id, seq)
-        if mode == "swap":
+                 output: StepOutput, migratable: set[str]) -> None:
+        """Swap, recompute or migrate a victim, as configured and as room allows."""
+        mode = self.configs[worker_id].preemption_mode
+        target = None
+        if mode is None and seq.seq_id in migratable and seq.num_computed:
+            target = self._migration_target(worker_id, seq)
+        if target is not None:
+            manager.migrate_out(seq)
+            output.preempted.append(Preemption(seq.seq_id, "migrate", target))
+            return
+        if mode != "recompute" and manager.can_swap_out(seq):
             manager.swap_out(seq)
+            output.preempted.append(Preemption(seq.seq_id, "swap"))
         else:
             manager.preempt_recompute(seq)
-        output.preempted.append(Preemption(seq.seq_id, mode))
+            output.preempted.append(Preemption(seq.seq_id, "recompute"))
 
     def _schedule_running(self, manager: BlockManager, step_input: StepInput,
                           output: StepOutput, budget: int) -> int:
@@ -193,6 +211,7 @@ class KVManager:
         worker_id = step_input.worker_id
         try_grow = manager.try_grow
         scheduled = output.scheduled
+        migratable = set(step_input.migratable)
         i = 0
         while i < len(queue):
             seq = queue[i]
@@ -207,7 +226,7 @@ class KVManager:
                 victim_index = self._pick_victim(queue, i)
                 if victim_index is None:
                     break
-                self._preempt(manager, worker_id, queue.pop(victim_index), output)
+                self._preempt(manager, worker_id, queue.pop(victim_index), output, migratable)
             else:
                 scheduled.append(ScheduledSeq(seq.seq_id, start, num_tokens, seq.block_table[:]))
                 budget -= num_tokens
@@ -216,7 +235,7 @@ class KVManager:
             # Nothing left to preempt: preempt this sequence itself, unless it
             # was just resumed, in which case it waits for room.
             if not seq.is_protected:
-                self._preempt(manager, worker_id, seq, output)
+                self._preempt(manager, worker_id, seq, output, migratable)
             queue.pop(i)
         return budget
 

@@ -32,6 +32,14 @@ class KVManagerService:
     def get_incarnation(self) -> str:
         return self.incarnation
 
+    def node_id(self) -> str | None:
+        """The Ray node this service runs on; None when it runs in-process without Ray."""
+        try:
+            import ray
+        except ImportError:
+            return None
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
     def register_worker(self, worker_id: str, config: dict, sequences: list[dict] | None = None) -> str:
         """Add (or replace) a worker's accounting; returns the incarnation id."""
         self.manager.restore_worker(worker_id, PoolConfig(**config), sequences or [])

@@ -44,6 +44,8 @@ class StepInput:
     appended: list[tuple[str, list[int]]] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     token_budget: int = 8192
+    # Running sequences that may be migrated to another worker if preempted.
+    migratable: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -67,8 +69,17 @@ class ScheduledSeq:
 
 @dataclass(slots=True)
 class Preemption:
+    """A sequence pushed off the device this step.
+
+    ``swap``: its KV moved to the host pool. ``recompute``: its KV is
+    dropped. ``migrate``: the manager forgot it here; the worker must export
+    its KV (before this step's copies and forward) and hand the request to
+    ``target_worker``, which has room.
+    """
+
     seq_id: str
-    mode: str  # "swap" or "recompute"
+    mode: str
+    target_worker: str | None = None
 
 
 @dataclass(slots=True)

@@ -388,3 +388,26 @@ def test_imported_sequence_gets_blocks_for_transferred_kv():
     assert manager.longest_prefix(list(range(13)))["w"] == 12
     with pytest.raises(KVManagerError):
         manager.step(StepInput("w", new_sequences=[NewSequence("u", [1, 2], num_imported_tokens=2)]))
+
+
+def test_preemption_migrates_to_a_worker_with_room():
+    manager = KVManager()
+    manager.add_worker("a", PoolConfig(num_device_blocks=6, num_host_blocks=8, block_size=4,
+                                       max_model_len=64, watermark=0.0))
+    manager.add_worker("b", PoolConfig(num_device_blocks=16, block_size=4, max_model_len=64,
+                                       watermark=0.0))
+    manager.add_worker("p", PoolConfig(num_device_blocks=64, block_size=4, max_model_len=64,
+                                       watermark=0.0, role="prefill"))
+    manager.step(StepInput("a", waiting=["x", "y"], new_sequences=[
+        NewSequence("x", list(range(11))), NewSequence("y", list(range(100, 111)))]))
+    manager.step(StepInput("a", running=["x", "y"], appended=[("x", [1]), ("y", [2])]))
+    out = manager.step(StepInput("a", running=["x", "y"], appended=[("x", [1]), ("y", [2])],
+                                 migratable=["x", "y"]))
+    # "b" has the most room among non-prefill workers: the victim moves there.
+    assert [(p.seq_id, p.mode, p.target_worker) for p in out.preempted] == [("y", "migrate", "b")]
+    assert "y" not in manager.block_manager("a").seqs
+    assert manager.stats("a")["num_preemptions_migrate"] == 1
+    manager.check_integrity()
+    # Without permission (n > 1 requests, say) it swaps instead.
+    manager.step(StepInput("a", running=["x"], appended=[("x", [3])]))
+    manager.check_integrity()

@@ -196,11 +196,13 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
         num_imported = 0
         if kv_transfer is not None:
-            if params.n != 1 or not output_token_ids:
-                raise ValueError("a transferred request needs n == 1 and its first sampled token")
             meta = read_header(kv_transfer.header)
-            check_compatible(self.runner.kv_cache, meta, token_ids)
+            all_tokens = token_ids + list(output_token_ids or [])
+            check_compatible(self.runner.kv_cache, meta, all_tokens)
             num_imported = meta["num_tokens"]
+            if params.n != 1 or not 0 < num_imported < len(all_tokens):
+                raise ValueError("a transferred request needs n == 1 and at least one token "
+                                 "left to compute")
         request = Request(request_id, text, token_ids, params, priority,
                           arrival_time if arrival_time is not None else time.time(), next(self._order))
         request.export_kv = export_kv
@@ -267,6 +269,10 @@ class LLMEngine:
             if self.scheduler.num_unfinished and not plan.kv.preempted and not self.scheduler.running:
                 self._check_can_progress()
             return outputs
+        for seq, target in plan.migrated:
+            outputs.append(self._migrate(seq, target))
+        if not plan.scheduled:
+            return outputs
         self.num_steps += 1
         kv = plan.kv
         self.runner.kv_cache.execute_copies(kv.swap_out, kv.swap_in, kv.copy_on_write)
@@ -286,6 +292,19 @@ class LLMEngine:
         logits = self.runner.execute(chunks)
         sampling = [seq for (seq, _), chunk in zip(plan.scheduled, chunks) if chunk.needs_logits]
         return outputs + self._postprocess(sampling, logits)
+
+    def _migrate(self, seq: Sequence, target: str) -> RequestOutput:
+        """Export a migrated sequence's KV (before this step reuses its blocks) and hand
+        the request over: its last output carries the transfer and the target."""
+        request = seq.request
+        transfer = export_kv(self.runner.kv_cache, seq.block_table, seq.num_computed, seq.token_ids)
+        seq.detokenizer.finish_reason = "migrated"
+        self.requests.pop(request.request_id, None)
+        request.metrics.finished_time = time.time()
+        output = self._make_output(request)
+        output.kv_transfer = (transfer.header, transfer.payload)
+        output.migrate_to = target
+        return output
 
     def _import_kv(self, seq: Sequence, sched) -> None:
         request = seq.request

@@ -136,3 +136,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # Set when the KV manager migrated the request away (finish_reason "migrated"):
+    # its KV transfer and the worker that has room for it.
+    kv_transfer: object | None = None
+    migrate_to: str | None = None

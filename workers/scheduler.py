@@ -25,10 +25,12 @@ class SchedulerOutput:
 
     scheduled: list[tuple[Sequence, ScheduledSeq]] = field(default_factory=list)
     kv: StepOutput = field(default_factory=StepOutput)
+    # Sequences the KV manager moved to another worker: (sequence, target worker).
+    migrated: list[tuple[Sequence, str]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.scheduled and not self.migrated
 
 
 class Scheduler:
@@ -47,7 +49,9 @@ class Scheduler:
         self._registered: set[str] = set()
         # Sequences the KV manager holds as of the last completed step.
         self.known: dict[str, Sequence] = {}
-        self.num_preemptions = {"swap": 0, "recompute": 0}
+        # In a cluster, preempted single-sample sequences may move to another worker.
+        self.allow_migration = False
+        self.num_preemptions = {"swap": 0, "recompute": 0, "migrate": 0}
 
     # ---- changes since the last step ------------------------------------------
     def add(self, seq: Sequence, num_imported_tokens: int = 0) -> None:
@@ -106,6 +110,9 @@ class Scheduler:
         num_free_slots = max(0, self.max_num_seqs - len(self.running))
         step_input.waiting = [s.seq_id for s in self.waiting[:num_free_slots]]
         step_input.token_budget = self.max_num_batched_tokens
+        if self.allow_migration:
+            step_input.migratable = [s.seq_id for s in self.running
+                                     if s.request.params.n == 1 and not s.request.export_kv]
         kv_output = self.kv_step(step_input)
 
         by_id = {s.seq_id: s for s in self.running}
@@ -118,8 +125,18 @@ class Scheduler:
                 self.known[child_id] = by_id[child_id]
         for seq_id in step_input.finished:
             self.known.pop(seq_id, None)
+        output = SchedulerOutput(kv=kv_output)
         for preemption in kv_output.preempted:
             seq = by_id[preemption.seq_id]
+            if preemption.mode == "migrate":
+                self.num_preemptions["migrate"] += 1
+                # The manager forgot it; this worker only exports its KV.
+                self.running.remove(seq)
+                self.known.pop(seq.seq_id, None)
+                self._registered.discard(seq.seq_id)
+                seq.status = SequenceStatus.FINISHED
+                output.migrated.append((seq, preemption.target_worker))
+                continue
             if seq in self.running:
                 self.running.remove(seq)
                 self.waiting.append(seq)
@@ -130,7 +147,6 @@ class Scheduler:
                 seq.block_table = []
             seq.request.metrics.num_preemptions += 1
             self.num_preemptions[preemption.mode] += 1
-        output = SchedulerOutput(kv=kv_output)
         admitted = []
         for sched in kv_output.scheduled:
             seq = by_id[sched.seq_id]

@@ -62,6 +62,8 @@ class Worker:
         self.kv_seconds = 0.0
         self.num_kv_calls = 0
         engine = LLMEngine(EngineConfig(**engine_config), worker_id, kv_step=self._kv_step)
+        engine.pool_config.role = role
+        engine.scheduler.allow_migration = True
         self.engine = engine
         self._register(snapshot=[])
         self.async_engine = AsyncLLMEngine(engine)
@@ -125,6 +127,10 @@ class Worker:
             request.get("priority", 0), request.get("prompt_token_ids"), **options)
         noted = not options
         async for output in stream:
+            if output.kv_transfer is not None:
+                import ray
+
+                output.kv_transfer = ray.put(output.kv_transfer)  # travels by reference
             if not noted:
                 self.async_engine.note_transfer(output.request_id, fetch_s, memcpy_s)
                 output.metrics.kv_transfer_s += fetch_s
