@@ -1,0 +1,123 @@
+"""GPU benchmark of the Triton paged decode attention.
+
+Config (see kernels/README.md for the roofline): batch 64, context 2048, head dim 128,
+32 query heads over 4 KV heads (GQA 8:1), block size 16, fp16 and bf16. Reports
+  - decode attention time and achieved HBM bandwidth (bytes it must move / time), as a
+    fraction of a device-to-device copy measured in the same run (the practical ceiling);
+  - the same for each split-K setting, and for the mixed-batch kernel fed the same decode batch;
+  - torch SDPA on the same data made contiguous (``[B, H, L, D]``, ``enable_gqa=True``).
+Without a CUDA device it says so and exits 0.
+
+    python benchmarks/bench_kernels_gpu.py [--batch 64 --context 2048 ...]
+"""
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--num-heads", type=int, default=32)
+    parser.add_argument("--num-kv-heads", type=int, default=4)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtypes", default="float16,bfloat16")
+    return parser.parse_args(argv)
+
+
+def bench_ms(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def copy_bandwidth(num_bytes: int) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting read + write."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    return 2 * num_bytes / (ms * 1e-3)
+
+
+def run_config(args, dtype, copy_bytes_per_s):
+    from pagedserve.kernels import triton_ops
+
+    batch, context, head_dim = args.batch, args.context, args.head_dim
+    num_heads, num_kv_heads, block_size = args.num_heads, args.num_kv_heads, args.block_size
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = batch * blocks_per_seq
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, device="cuda", dtype=dtype,
+                          generator=generator)
+    v_cache = torch.randn_like(k_cache)
+    # Scattered pages, as after a while of serving.
+    block_tables = torch.randperm(num_blocks, device="cuda", generator=generator).view(batch, blocks_per_seq)
+    block_tables = block_tables.to(torch.int32)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, num_heads, head_dim, device="cuda", dtype=dtype, generator=generator)
+    scale = head_dim ** -0.5
+    out = torch.empty_like(q)
+
+    element = k_cache.element_size()
+    kv_bytes = 2 * batch * context * num_kv_heads * head_dim * element
+    moved_bytes = kv_bytes + 2 * q.numel() * element + block_tables.numel() * 4
+
+    # Contiguous copies for SDPA: [B, H, L, D].
+    slots = (block_tables.long().unsqueeze(2) * block_size + torch.arange(block_size, device="cuda")).view(batch, -1)
+    slots = slots[:, :context]
+    k_dense = k_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2).contiguous()
+    v_dense = v_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2).contiguous()
+    q_dense = q.unsqueeze(2)  # [B, H, 1, D]
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q_dense, k_dense, v_dense, scale=scale, enable_gqa=True)
+
+    reference = sdpa().squeeze(2)
+    print(f"\n== {dtype}: batch {batch}, context {context}, heads {num_heads}/{num_kv_heads}, "
+          f"head_dim {head_dim}, block_size {block_size}; decode moves {moved_bytes / 1e6:.1f} MB")
+    rows = []
+    for num_splits in (None, 1, 2, 4, 8):
+        def decode(num_splits=num_splits):
+            return triton_ops.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                                     out=out, num_splits=num_splits)
+        error = (decode().float() - reference.float()).abs().max().item()
+        rows.append((f"triton decode, splits={num_splits or 'auto'}", bench_ms(decode), error))
+
+    cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+
+    def mixed():
+        return triton_ops.paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out=out)
+
+    error = (mixed().float() - reference.float()).abs().max().item()
+    rows.append(("triton mixed-batch kernel", bench_ms(mixed), error))
+    rows.append(("torch SDPA, contiguous, enable_gqa", bench_ms(sdpa), 0.0))
+
+    sdpa_ms = rows[-1][1]
+    print(f"{'kernel':40s} {'time us':>9s} {'GB/s':>8s} {'of copy':>8s} {'vs SDPA':>8s} {'max err':>9s}")
+    for name, ms, error in rows:
+        bandwidth = moved_bytes / (ms * 1e-3)
+        print(f"{name:40s} {ms * 1e3:9.1f} {bandwidth / 1e9:8.0f} {bandwidth / copy_bytes_per_s:8.1%} "
+              f"{sdpa_ms / ms:7.2f}x {error:9.2e}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_kernels_gpu: no CUDA device here; nothing to measure (exit 0).")
+        return 0
+    print(f"device: {torch.cuda.get_device_name()}")
+    kv_bytes = 2 * args.batch * args.context * args.num_kv_heads * args.head_dim * 2
+    copy_bytes_per_s = copy_bandwidth(kv_bytes)
+    print(f"device-to-device copy of {kv_bytes / 1e6:.0f} MB: {copy_bytes_per_s / 1e9:.0f} GB/s (read + write)")
+    for name in args.dtypes.split(","):
+        run_config(args, getattr(torch, name.strip()), copy_bytes_per_s)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

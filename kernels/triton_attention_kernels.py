@@ -1,0 +1,235 @@
+"""Triton kernels for paged attention: prefill/mixed batches and split-K decode.
+
+Conventions shared by all kernels:
+- Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]``; every tensor is addressed
+  through explicit strides, so views (e.g. q sliced out of a fused qkv projection) work.
+- A KV tile is ``BLOCK_N`` consecutive context positions, gathered token by token through the
+  block table, so tiles need not line up with cache blocks (block sizes 8..64 all work).
+- Scores are kept in the log2 domain (``scale_log2 = scale * log2(e)``) so ``exp2`` is used.
+- The query heads that share one KV head are packed into the M dimension of one tile, so each
+  K/V tile is loaded once per KV head rather than once per query head.
+- ``BLOCK_D`` is ``head_dim`` padded to a power of two; the tail is masked.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _attend_kv_tile(
+    q, q_pos, m_i, l_i, acc,
+    k_cache_ptr, v_cache_ptr, block_table_row, kv_start, kv_end, kv_head, offs_d, d_mask, scale_log2,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax update of (m_i, l_i, acc) with context positions [kv_start, kv_start + BLOCK_N).
+
+    Positions at or past ``kv_end`` are masked; with IS_CAUSAL, so are positions after a row's
+    ``q_pos``. Rows that see nothing yet keep m_i = -inf and contribute no NaN.
+    """
+    offs_n = kv_start + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < kv_end
+    physical = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    in_block = offs_n % BLOCK_SIZE
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+
+    k_offsets = (physical[:, None] * stride_kb + in_block[:, None] * stride_kt
+                 + kv_head * stride_kh + offs_d[None, :] * stride_kd)
+    k = tl.load(k_cache_ptr + k_offsets, mask=kv_mask, other=0.0)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    if IS_CAUSAL:
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+    else:
+        visible = n_mask[None, :]
+    scores = tl.where(visible, scores, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(scores - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    v_offsets = (physical[:, None] * stride_vb + in_block[:, None] * stride_vt
+                 + kv_head * stride_vh + offs_d[None, :] * stride_vd)
+    v = tl.load(v_cache_ptr + v_offsets, mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def paged_prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, out_ptr,
+    scale_log2, num_seqs,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd,
+    stride_bts,
+    stride_ot, stride_oh, stride_od,
+    NUM_Q_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One program = BLOCK_Q query tokens of one sequence x all query heads of one KV head.
+
+    Grid: (num_tokens // BLOCK_Q + num_seqs, num_kv_heads). Sequence i owns tiles starting at
+    cu_seqlens_q[i] // BLOCK_Q + i, which leaves at least ceil(q_len / BLOCK_Q) tiles for it;
+    surplus programs exit at once. The owning sequence is found by binary search, so the
+    host never needs the per-sequence lengths (no device sync).
+    """
+    tile_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    # Largest i with cu_seqlens_q[i] // BLOCK_Q + i <= tile_id.
+    lo = tile_id * 0
+    hi = lo + num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        mid_start = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
+        if mid_start <= tile_id:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq = lo - 1
+
+    q_first = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_first
+    q_begin = (tile_id - (q_first // BLOCK_Q + seq)) * BLOCK_Q
+    if q_begin >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len  # tokens cached before this step's queries
+
+    BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_G
+    offs_m = tl.arange(0, BLOCK_M)
+    q_idx = q_begin + offs_m // BLOCK_G
+    group_idx = offs_m % BLOCK_G
+    head = kv_head * NUM_Q_PER_KV + group_idx
+    row_mask = (q_idx < q_len) & (group_idx < NUM_Q_PER_KV)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    token = (q_first + q_idx).to(tl.int64)
+
+    q_offsets = token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptr + q_offsets, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    q = q.to(k_cache_ptr.dtype.element_ty)
+    q_pos = context_len + q_idx
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # Causal: the last query of this tile sits at context_len + q_begin + BLOCK_Q - 1.
+    kv_end = tl.minimum(seq_len, context_len + q_begin + BLOCK_Q)
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bts
+    for kv_start in range(0, kv_end, BLOCK_N):
+        m_i, l_i, acc = _attend_kv_tile(
+            q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, kv_start, kv_end, kv_head,
+            offs_d, d_mask, scale_log2,
+            stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
+            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+        )
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    result = acc / l_safe[:, None]
+    o_offsets = token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
+    tl.store(out_ptr + o_offsets, result.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def paged_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+    scale_log2, split_len, num_splits,
+    stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd,
+    stride_bts,
+    stride_os, stride_oh, stride_od,
+    NUM_HEADS: tl.constexpr, NUM_Q_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One program = one sequence x one KV head (all its query heads) x one context split.
+
+    Grid: (num_seqs, num_kv_heads, num_splits). Split s covers context tokens
+    [s * split_len, (s + 1) * split_len). Without IS_SPLIT (one split) the normalised result
+    goes straight to ``out``; otherwise the unnormalised accumulator, running max (log2
+    domain) and running sum go to the partial buffers ``[num_seqs, num_heads, num_splits(,
+    head_dim)]`` and ``paged_decode_reduce_kernel`` merges them. num_splits is a runtime value
+    so a changing batch size never triggers a recompile.
+    """
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    kv_begin = split * split_len
+    kv_end = tl.minimum(kv_begin + split_len, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    head = kv_head * NUM_Q_PER_KV + offs_g
+    g_mask = offs_g < NUM_Q_PER_KV
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    seq64 = seq.to(tl.int64)
+
+    q_offsets = seq64 * stride_qs + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptr + q_offsets, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = q.to(k_cache_ptr.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+
+    block_table_row = block_tables_ptr + seq64 * stride_bts
+    for kv_start in range(kv_begin, kv_end, BLOCK_N):
+        m_i, l_i, acc = _attend_kv_tile(
+            q, kv_end, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, kv_start, kv_end, kv_head,
+            offs_d, d_mask, scale_log2,
+            stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
+            BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
+        )
+
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if not IS_SPLIT:
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # seq_len == 0 gives zeros, not NaN
+        result = acc / l_safe[:, None]
+        o_offsets = seq64 * stride_os + head[:, None] * stride_oh + offs_d[None, :] * stride_od
+        tl.store(out_ptr + o_offsets, result.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        row = (seq64 * NUM_HEADS + head) * num_splits + split
+        tl.store(part_max_ptr + row, m_i, mask=g_mask)
+        tl.store(part_sum_ptr + row, l_i, mask=g_mask)
+        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
+
+
+@triton.jit
+def paged_decode_reduce_kernel(
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, num_splits,
+    stride_os, stride_oh, stride_od,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Merge split-K partials by log-sum-exp. Grid: (num_seqs, num_heads)."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_SPLITS)
+    s_mask = offs_s < num_splits
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+
+    row = (seq * NUM_HEADS + head) * num_splits + offs_s
+    part_max = tl.load(part_max_ptr + row, mask=s_mask, other=float("-inf"))
+    part_sum = tl.load(part_sum_ptr + row, mask=s_mask, other=0.0)
+    global_max = tl.max(part_max, 0)
+    global_max = tl.where(global_max == float("-inf"), 0.0, global_max)  # empty sequence
+    weight = tl.exp2(part_max - global_max)  # empty splits weigh 0
+    total = tl.sum(part_sum * weight, 0)
+    total = tl.where(total > 0.0, total, 1.0)
+
+    part_acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+                       mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    result = tl.sum(part_acc * weight[:, None], 0) / total
+    o_offsets = seq * stride_os + head * stride_oh + offs_d * stride_od
+    tl.store(out_ptr + o_offsets, result.to(out_ptr.dtype.element_ty), mask=d_mask)

@@ -1,0 +1,362 @@
+"""Triton paged-KV kernels against a float64 reference and the torch backend.
+
+Without CUDA the kernels run in Triton's interpreter. Triton picks interpreter or compiler
+when it is first imported, so TRITON_INTERPRET=1 is set here before importing it; if another
+module imported triton earlier in this process (transformers does), the tests are re-run in a
+fresh interpreter process instead. The interpreter is slow, so shapes stay small, and bf16
+runs only on CUDA because the interpreter's bf16 arithmetic is wrong.
+"""
+
+import math
+import os
+import subprocess
+import sys
+import zlib
+
+import pytest
+import torch
+
+IS_CUDA = torch.cuda.is_available()
+if not IS_CUDA and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+import pagedserve.kernels as kernels  # noqa: E402
+from pagedserve.kernels import triton_ops  # noqa: E402
+
+
+
+def _can_run_kernels_here() -> bool:
+    try:
+        return IS_CUDA or triton_ops._interpreting()
+    except RuntimeError:  # TRITON_INTERPRET set between importing triton and triton_ops
+        return False
+
+
+IS_RUNNABLE_HERE = _can_run_kernels_here()
+IS_FRESH_PROCESS = os.environ.get("PAGEDSERVE_TRITON_FRESH_PROCESS") == "1"
+DEVICE = torch.device("cuda" if IS_CUDA else "cpu")
+CUDA_ONLY_BF16 = pytest.mark.skipif(not IS_CUDA, reason="Triton interpreter computes bf16 wrongly")
+TOLERANCES = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+@pytest.fixture(autouse=True)
+def kernels_runnable(request):
+    if IS_RUNNABLE_HERE or request.node.name == "test_in_fresh_interpreter_process":
+        return
+    if IS_FRESH_PROCESS:
+        pytest.fail("triton was imported before TRITON_INTERPRET=1 even in a fresh process (a conftest?)")
+    pytest.skip("triton was imported before TRITON_INTERPRET=1; covered by test_in_fresh_interpreter_process")
+
+
+@pytest.mark.skipif(IS_RUNNABLE_HERE, reason="this process can run the kernels itself")
+def test_in_fresh_interpreter_process():
+    environment = {**os.environ, "TRITON_INTERPRET": "1", "PAGEDSERVE_TRITON_FRESH_PROCESS": "1"}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)]
+    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+def make_generator(*case) -> torch.Generator:
+    """A fresh generator per test case, seeded from its parameters (reproducible, distinct)."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
+
+
+def randn(generator, *shape, dtype=torch.float32):
+    return torch.randn(*shape, generator=generator).to(dtype=dtype, device=DEVICE)
+
+
+def torch_backend(name):
+    """The torch backend's op through the dispatcher when it is there, else straight from torch_ops."""
+    dispatched = getattr(kernels, name, None)
+    if dispatched is not None:
+        return lambda *args, **kwargs: dispatched(*args, backend="torch", **kwargs)
+    torch_ops = pytest.importorskip("pagedserve.kernels.torch_ops")
+    return getattr(torch_ops, name)
+
+
+class PagedBatch:
+    """Random caches and block tables for sequences of the given lengths (blocks scattered)."""
+
+    def __init__(self, generator, seq_lens, block_size, num_kv_heads, head_dim, dtype, num_spare_blocks=3,
+                 index_dtype=torch.int32):
+        blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
+        num_blocks = sum(blocks_per_seq) + num_spare_blocks
+        max_blocks = max(max(blocks_per_seq), 1) + 1  # one unused column, like a real table
+        self.k_cache = randn(generator, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+        self.v_cache = randn(generator, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+        order = torch.randperm(num_blocks, generator=generator)
+        # Unused entries point at a spare block full of huge values: reading one would show.
+        spare = int(order[-1])
+        self.k_cache[spare] = 1e4
+        self.v_cache[spare] = 1e4
+        table = torch.full((len(seq_lens), max_blocks), spare, dtype=torch.int32)
+        taken = 0
+        for i, n in enumerate(blocks_per_seq):
+            table[i, :n] = order[taken:taken + n].to(torch.int32)
+            taken += n
+        self.block_tables = table.to(device=DEVICE, dtype=index_dtype)
+        self.seq_lens = torch.tensor(seq_lens, dtype=index_dtype, device=DEVICE)
+        self.block_size = block_size
+
+
+def reference_attention(q, batch, cu_seqlens_q, scale):
+    """Float64 causal attention; row j of sequence i sits at position seq_len - q_len + j."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    num_heads, num_kv_heads = q.shape[1], batch.k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    k_cache, v_cache = batch.k_cache.cpu().double(), batch.v_cache.cpu().double()
+    tables = batch.block_tables.cpu().long()
+    for i, seq_len in enumerate(batch.seq_lens.tolist()):
+        first, last = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
+        positions = torch.arange(seq_len)
+        blocks = tables[i, positions // batch.block_size]
+        offsets = positions % batch.block_size
+        k = k_cache[blocks, offsets].repeat_interleave(group, dim=1)
+        v = v_cache[blocks, offsets].repeat_interleave(group, dim=1)
+        query_pos = torch.arange(seq_len - (last - first), seq_len)
+        scores = torch.einsum("qhd,khd->hqk", q[first:last].cpu().double(), k) * scale
+        scores = scores.masked_fill(positions[None, None, :] > query_pos[None, :, None], float("-inf"))
+        out[first:last] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return out
+
+
+def assert_close(actual, expected, dtype, what):
+    tolerance = TOLERANCES[dtype]
+    torch.testing.assert_close(actual.cpu().double(), expected.cpu().double(), atol=tolerance,
+                               rtol=tolerance, msg=lambda m: f"{what}: {m}")
+
+
+# (head_dim, block_size, query heads per KV head, dtype): every head dim, block size and GQA
+# ratio appears, without the full product (the interpreter is slow).
+ATTENTION_CASES = [
+    (64, 16, 1, torch.float32),
+    (80, 8, 2, torch.float16),
+    (96, 32, 4, torch.float32),
+    (128, 64, 8, torch.float16),
+    (256, 16, 2, torch.float32),
+    (128, 8, 1, torch.float32),
+    (64, 64, 4, torch.float16),
+    (80, 32, 8, torch.float32),
+    (256, 8, 8, torch.float16),
+    pytest.param(128, 16, 4, torch.bfloat16, marks=CUDA_ONLY_BF16),
+]
+
+
+def mixed_batch_lengths(generator):
+    """(seq_len, q_len) pairs: decodes, a one-token sequence, fresh and chunked prefills."""
+    def rand(lo, hi):
+        return int(torch.randint(lo, hi + 1, (1,), generator=generator))
+
+    long_len = rand(120, 170)
+    pairs = [
+        (rand(2, 60), 1),             # decode
+        (1, 1),                       # single token sequence
+        (rand(20, 50), None),         # fresh prefill, q_len == seq_len
+        (long_len, rand(30, 70)),     # chunked prefill on top of a cached prefix
+        (rand(70, 110), 1),           # decode, longer context
+        (rand(3, 9), rand(2, 3)),     # short chunk
+    ]
+    pairs = [(n, n if q is None else q) for n, q in pairs]
+    order = torch.randperm(len(pairs), generator=generator).tolist()
+    return [pairs[i] for i in order]
+
+
+@pytest.mark.parametrize("head_dim,block_size,group,dtype", ATTENTION_CASES)
+def test_paged_attention_mixed_batch(head_dim, block_size, group, dtype):
+    check_mixed_batch(head_dim, block_size, group, dtype, torch.int32)
+
+
+def test_paged_attention_int64_metadata():
+    check_mixed_batch(64, 16, 2, torch.float32, torch.int64)
+
+
+def check_mixed_batch(head_dim, block_size, group, dtype, index_dtype):
+    generator = make_generator("prefill", head_dim, block_size, group, dtype, index_dtype)
+    num_kv_heads = 2 if group <= 4 else 1
+    num_heads = num_kv_heads * group
+    pairs = mixed_batch_lengths(generator)
+    batch = PagedBatch(generator, [n for n, _ in pairs], block_size, num_kv_heads, head_dim, dtype,
+                       index_dtype=index_dtype)
+    q_lens = [q for _, q in pairs]
+    cu_seqlens_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=index_dtype, device=DEVICE)
+    num_tokens = sum(q_lens)
+    num_padding = 3  # trailing rows that belong to no sequence must be left alone
+    # q is a view into a fused qkv-like buffer, so its strides are not the contiguous ones.
+    fused = randn(generator, num_tokens + num_padding, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype)
+    q = fused[:, :num_heads]
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
+    scale = head_dim ** -0.5
+
+    result = triton_ops.paged_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, cu_seqlens_q,
+                                        batch.seq_lens, scale, out=out)
+
+    assert result is out
+    assert not out[:num_tokens].isnan().any(), "rows of real tokens were not all written"
+    assert out[num_tokens:].isnan().all(), "padding rows were overwritten"
+    expected = reference_attention(q[:num_tokens], batch, cu_seqlens_q.cpu(), scale)
+    assert_close(out[:num_tokens], expected, dtype, "vs float64 reference")
+    by_torch = torch_backend("paged_attention")(q[:num_tokens].contiguous(), batch.k_cache, batch.v_cache,
+                                                batch.block_tables, cu_seqlens_q, batch.seq_lens, scale)
+    assert_close(out[:num_tokens], by_torch, dtype, "vs torch backend")
+
+
+@pytest.mark.parametrize("num_splits", [None, 4])
+@pytest.mark.parametrize("head_dim,block_size,group,dtype", ATTENTION_CASES)
+def test_paged_decode_attention(head_dim, block_size, group, dtype, num_splits):
+    generator = make_generator("decode", head_dim, block_size, group, dtype, num_splits)
+    num_kv_heads = 2 if group <= 4 else 1
+    num_heads = num_kv_heads * group
+    # Very different lengths: one token, short, and long enough to span several splits.
+    seq_lens = [1, int(torch.randint(2, 40, (1,), generator=generator)),
+                int(torch.randint(200, 330, (1,), generator=generator)), block_size * 3]
+    batch = PagedBatch(generator, seq_lens, block_size, num_kv_heads, head_dim, dtype)
+    q = randn(generator, len(seq_lens), num_heads, head_dim, dtype=dtype)
+    out = torch.full_like(q, float("nan"))
+    scale = head_dim ** -0.5
+
+    triton_ops.paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+                                      scale, out=out, num_splits=num_splits)
+
+    assert not out.isnan().any()
+    cu_seqlens_q = torch.arange(len(seq_lens) + 1)
+    assert_close(out, reference_attention(q, batch, cu_seqlens_q, scale), dtype, "vs float64 reference")
+    by_torch = torch_backend("paged_decode_attention")(q, batch.k_cache, batch.v_cache, batch.block_tables,
+                                                       batch.seq_lens, scale)
+    assert_close(out, by_torch, dtype, "vs torch backend")
+
+
+def test_decode_matches_prefill_kernel_and_handles_empty_context():
+    generator = make_generator("decode-vs-prefill")
+    batch = PagedBatch(generator, [5, 0, 77], 16, 2, 64, torch.float32)
+    q = randn(generator, 3, 4, 64)
+    decode = triton_ops.paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables,
+                                               batch.seq_lens, 0.125, num_splits=2)
+    assert decode.dtype == q.dtype and decode.shape == q.shape
+    assert torch.equal(decode[1], torch.zeros_like(decode[1])), "an empty context must give zeros"
+    keep = torch.tensor([0, 2], device=DEVICE)
+    cu_seqlens_q = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    prefill = triton_ops.paged_attention(q[keep], batch.k_cache, batch.v_cache, batch.block_tables[keep],
+                                         cu_seqlens_q, batch.seq_lens[keep], 0.125)
+    assert_close(decode[keep], prefill, torch.float32, "decode vs prefill kernel")
+
+
+@pytest.mark.parametrize("head_dim,block_size,num_kv_heads,dtype", [
+    (64, 8, 2, torch.float32),
+    (80, 16, 1, torch.float16),
+    (96, 32, 4, torch.float32),
+    (128, 64, 2, torch.float16),
+    (256, 16, 3, torch.float32),
+    pytest.param(128, 16, 2, torch.bfloat16, marks=CUDA_ONLY_BF16),
+])
+def test_write_kv_skips_padding_slots(head_dim, block_size, num_kv_heads, dtype):
+    generator = make_generator("write_kv", head_dim, block_size, num_kv_heads, dtype)
+    num_blocks, num_tokens = 6, 13
+    k_cache = randn(generator, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    v_cache = randn(generator, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=generator)[:num_tokens]
+    slots[torch.randperm(num_tokens, generator=generator)[:4]] = -1
+    # key/value are views of one fused buffer (non-contiguous), and fp32 while fp16 caches cast.
+    fused = randn(generator, num_tokens, 2, num_kv_heads, head_dim)
+    key, value = fused[:, 0], fused[:, 1]
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected_k[slot // block_size, slot % block_size] = key[t].to(dtype)
+            expected_v[slot // block_size, slot % block_size] = value[t].to(dtype)
+    by_torch_k, by_torch_v = k_cache.clone(), v_cache.clone()
+    slot_mapping = slots.to(DEVICE)
+
+    triton_ops.write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    torch_backend("write_kv")(key.to(dtype), value.to(dtype), by_torch_k, by_torch_v, slot_mapping)
+    assert torch.equal(k_cache, by_torch_k) and torch.equal(v_cache, by_torch_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_copy_blocks_all_layers(dtype):
+    generator = make_generator("copy", dtype)
+    shape = (9, 8, 2, 80)  # block numel 1280: more than one 1024-element chunk, with a tail
+    k_caches = [randn(generator, *shape, dtype=dtype) for _ in range(3)]
+    v_caches = [randn(generator, *shape, dtype=dtype) for _ in range(3)]
+    pairs = torch.tensor([[0, 5], [3, 7], [0, 8]], dtype=torch.int64)
+    expected = [c.clone() for c in (*k_caches, *v_caches)]
+    for cache in expected:
+        cache[pairs[:, 1].to(DEVICE)] = cache[pairs[:, 0].to(DEVICE)]
+    by_torch = [c.clone() for c in expected]
+
+    triton_ops.copy_blocks(k_caches, v_caches, pairs.to(DEVICE))
+
+    for actual, wanted in zip((*k_caches, *v_caches), expected):
+        assert torch.equal(actual, wanted)
+    torch_backend("copy_blocks")(by_torch[:3], by_torch[3:], pairs.to(DEVICE))
+    for actual, wanted in zip((*k_caches, *v_caches), by_torch):
+        assert torch.equal(actual, wanted)
+
+
+def test_swap_blocks_same_device_kernel_path():
+    generator = make_generator("swap")
+    src = randn(generator, 7, 16, 2, 64, dtype=torch.float16)
+    dst = randn(generator, 5, 16, 2, 64, dtype=torch.float16)
+    pairs = torch.tensor([[6, 0], [2, 4], [3, 1]])
+    expected = dst.clone()
+    expected[pairs[:, 1].to(DEVICE)] = src[pairs[:, 0].to(DEVICE)]
+
+    triton_ops.swap_blocks(src, dst, pairs)
+
+    assert torch.equal(dst, expected)
+
+
+def test_swap_blocks_across_devices_uses_index_copies():
+    generator = make_generator("swap-host")
+    host = torch.randn(6, 8, 2, 64, generator=generator).half()
+    if IS_CUDA:
+        device_cache = torch.zeros(4, 8, 2, 64, dtype=torch.float16, device="cuda")
+        triton_ops.swap_blocks(host.pin_memory(), device_cache, torch.tensor([[5, 0], [1, 3]]))
+        torch.cuda.synchronize()
+        assert torch.equal(device_cache[0].cpu(), host[5]) and torch.equal(device_cache[3].cpu(), host[1])
+        back = torch.zeros_like(host)
+        triton_ops.swap_blocks(device_cache, back, torch.tensor([[3, 2]]))
+        assert torch.equal(back[2], host[1])
+    else:
+        # No second device here: run the cross-device helper itself on host tensors.
+        dst = torch.zeros(4, 8, 2, 64, dtype=torch.float16)
+        triton_ops._swap_blocks_across_devices(host, dst, torch.tensor([[5, 0], [1, 3]]))
+        assert torch.equal(dst[0], host[5]) and torch.equal(dst[3], host[1]) and not dst[1].any()
+
+
+def test_cpu_tensors_without_interpreter_raise(monkeypatch):
+    monkeypatch.setattr(triton_ops, "_interpreting", lambda: False)  # mode is fixed at triton import
+    cache = torch.zeros(2, 8, 1, 64)
+    key = torch.zeros(1, 1, 64)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        triton_ops.write_kv(key, key, cache, cache.clone(), torch.zeros(1, dtype=torch.int64))
+    q = torch.zeros(1, 1, 64)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        triton_ops.paged_decode_attention(q, cache, cache, table, torch.ones(1, dtype=torch.int32), 1.0)
+
+
+def test_rejects_bad_shapes():
+    cache = torch.zeros(2, 8, 2, 64, device=DEVICE)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+    lens = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        triton_ops.paged_decode_attention(torch.zeros(1, 3, 64, device=DEVICE), cache, cache, table, lens, 1.0)
+    with pytest.raises(ValueError, match="head_dim"):
+        triton_ops.paged_decode_attention(torch.zeros(1, 2, 32, device=DEVICE), cache, cache, table, lens, 1.0)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        triton_ops.paged_attention(torch.zeros(1, 2, 64, device=DEVICE), cache, cache, table,
+                                   torch.zeros(1, dtype=torch.int32, device=DEVICE), lens, 1.0)
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90():
+    """The interpreter skips Triton's compiler; this compiles the kernels to cubins (no GPU needed)."""
+    environment = {**os.environ, "TRITON_INTERPRET": "0"}
+    command = [sys.executable, "-m", "pagedserve.kernels.triton_compile_check", "--quick"]
+    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
