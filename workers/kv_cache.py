@@ -52,6 +52,12 @@ class KVCache:
             (torch.zeros((num_host_blocks, *block), dtype=shape.dtype, pin_memory=pin),
              torch.zeros((num_host_blocks, *block), dtype=shape.dtype, pin_memory=pin))
             for _ in range(shape.num_layers)]
+        if self.device.type == "cpu":
+            # Commit the pages now (zeros() maps them lazily), so the first writes
+            # into the pool don't pay page faults mid-serving.
+            for k_cache, v_cache in self.device_caches:
+                k_cache.fill_(0)
+                v_cache.fill_(0)
         self.num_bytes_swapped_out = 0
         self.num_bytes_swapped_in = 0
 
