@@ -116,8 +116,40 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_config_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "config", help="validate or show a configuration",
+        description="Check a pagedserve YAML file against the schema, or print the effective "
+                    "configuration (defaults, then the file, then --set overrides).")
+    actions = parser.add_subparsers(dest="config_action", metavar="ACTION", required=True)
+    validate = actions.add_parser("validate", help="check FILE; exit 1 with every problem listed")
+    validate.add_argument("file")
+    show = actions.add_parser("show", help="print the merged effective configuration as YAML")
+    show.add_argument("file", nargs="?")
+    show.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a key by its dotted path, e.g. engine.block_size=32")
+    parser.set_defaults(run=_run_config)
+
+
+def _run_config(args: argparse.Namespace) -> int:
+    import yaml
+
+    from pagedserve.cluster.config import load_config
+
+    try:
+        config = load_config(args.file, getattr(args, "overrides", None))
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.config_action == "validate":
+        print(f"{args.file}: valid")
+    else:
+        print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
 # One entry per subcommand; each adds its subparser to the given subparsers.
-_PARSER_BUILDERS = (_add_make_model_parser, _add_generate_parser)
+_PARSER_BUILDERS = (_add_make_model_parser, _add_generate_parser, _add_config_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:

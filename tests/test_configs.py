@@ -1,0 +1,118 @@
+"""Every YAML in configs/: pagedserve files against the schema, launcher files with Ray's validator."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pagedserve.cluster.config import ClusterConfig, load_config
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+LAUNCHER_FILES = sorted(CONFIGS.glob("cluster-*.yaml"))
+PAGEDSERVE_FILES = sorted(set(CONFIGS.glob("*.yaml")) - set(LAUNCHER_FILES))
+
+
+def test_the_expected_files_exist():
+    names = {p.name for p in CONFIGS.glob("*.yaml")}
+    assert {"default.yaml", "disaggregated.yaml", "cluster-aws.yaml", "cluster-gcp.yaml",
+            "cluster-onprem.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", PAGEDSERVE_FILES, ids=lambda p: p.name)
+def test_pagedserve_files_match_the_schema(path):
+    config = load_config(path)
+    assert isinstance(config, ClusterConfig)
+
+
+def test_default_file_is_the_embedded_default():
+    assert load_config(CONFIGS / "default.yaml").model_dump() == ClusterConfig().model_dump()
+
+
+def test_disaggregated_file_is_disaggregated():
+    assert load_config(CONFIGS / "disaggregated.yaml").is_disaggregated
+
+
+def _ray_validate(config: dict) -> None:
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    validate_config(prepare_config(copy.deepcopy(config)))
+
+
+@pytest.mark.parametrize("path", LAUNCHER_FILES, ids=lambda p: p.name)
+def test_launcher_files_pass_rays_validator(path):
+    config = yaml.safe_load(path.read_text())
+    _ray_validate(config)
+    commands = " ".join(config["head_start_ray_commands"])
+    assert "pagedserve serve --address auto --config" in commands
+    assert any("pip install" in c for c in config["setup_commands"])
+    if config["provider"]["type"] == "local":
+        assert "available_node_types" not in config  # the local provider must not set them
+    else:
+        gpu_types = [t for t in config["available_node_types"].values() if t["resources"].get("GPU")]
+        assert gpu_types, "a cloud launcher file needs GPU worker nodes"
+    # The config the head node serves must itself be valid.
+    served = commands.split("--config", 1)[1].split()[0].replace("~/pagedserve/", "")
+    load_config(CONFIGS.parent / served)
+
+
+def test_rays_validator_rejects_a_broken_launcher_file():
+    config = yaml.safe_load((CONFIGS / "cluster-aws.yaml").read_text())
+    config["available_node_types"]["gpu_worker"]["bogus_field"] = 1
+    with pytest.raises(Exception):
+        _ray_validate(config)
+
+
+@pytest.mark.parametrize("overrides, path_in_error", [
+    (["engine.blocksize=8"], "engine.blocksize"),
+    (["workers.0.role=gpu"], "workers.0.role"),
+    (["server.port=-1"], "server.port"),
+    (["engine.preemption_mode=drop"], "engine.preemption_mode"),
+    (["workers.0.engine.num_device_blocks=0"], "num_device_blocks"),
+    (["router.prefix_weight=-1"], "router.prefix_weight"),
+])
+def test_bad_values_are_rejected_naming_the_key(overrides, path_in_error):
+    with pytest.raises(ValueError, match=path_in_error.replace(".", r"\.")):
+        load_config(None, overrides)
+
+
+def test_disaggregation_needs_both_roles():
+    with pytest.raises(ValueError, match="prefill and decode"):
+        load_config(None, ["workers.0.role=prefill"])
+
+
+def test_bad_yaml_and_non_mapping_are_clear_errors(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("engine: [unclosed\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        load_config(broken)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("42\n")
+    with pytest.raises(ValueError, match="mapping"):
+        load_config(scalar)
+
+
+def test_overrides_apply_over_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("engine:\n  block_size: 8\nworkers:\n  - count: 2\n")
+    config = load_config(path, ["engine.block_size=32", "workers.0.num_cpus=0.5"])
+    assert config.engine.block_size == 32
+    assert config.workers[0].count == 2 and config.workers[0].num_cpus == 0.5
+
+
+def test_config_cli_validate_and_show(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("engine: {blocksize: 3}\n")
+    run = lambda *args: subprocess.run([sys.executable, "-m", "pagedserve", "config", *args],
+                                       capture_output=True, text=True)
+    ok = run("validate", str(CONFIGS / "default.yaml"))
+    assert ok.returncode == 0 and "valid" in ok.stdout
+    failed = run("validate", str(bad))
+    assert failed.returncode == 1 and "engine.blocksize" in failed.stderr
+    shown = run("show", "--set", "engine.block_size=32")
+    assert shown.returncode == 0
+    assert yaml.safe_load(shown.stdout)["engine"]["block_size"] == 32
