@@ -284,8 +284,12 @@ class ClusterHandle:
             return
         workers = stats.get("workers", {})
         self.router.update_utilization({w: s["kv_utilization"] for w, s in workers.items()})
+        # A registered worker is alive again (a restarted one registers on start). An
+        # unregistered one is not dead: after a KV manager restart, idle workers
+        # re-register only at their next step, so they must stay routable.
         for worker_id in self.workers:
-            self.router.mark_dead(worker_id, is_alive=worker_id in workers)
+            if worker_id in workers:
+                self.router.mark_dead(worker_id, is_alive=True)
 
     async def abort(self, request_id: str) -> None:
         for worker in self.workers.values():

@@ -94,8 +94,10 @@ class Router:
                 tied = [w for w in candidates if scores[w] == best]
                 worker_id = tied[self._next % len(tied)]
                 self._next += 1
-                least_loaded = min(candidates, key=lambda w: self.loads[w].num_in_flight_tokens)
-                reason = "prefix" if cached.get(worker_id, 0) > 0 and worker_id != least_loaded else "load"
+                # "prefix" when the winner holds a longer cached prefix than every other
+                # candidate (the cache decided, even if it is also the least loaded).
+                best_other = max((cached.get(w, 0) for w in candidates if w != worker_id), default=0)
+                reason = "prefix" if weight > 0 and cached.get(worker_id, 0) > best_other else "load"
                 if not roomy:
                     reason = "fallback"
             load = self.loads[worker_id]

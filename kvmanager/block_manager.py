@@ -270,12 +270,14 @@ class BlockManager:
         """Take the prefix hit for a waiting sequence. Returns the hit tokens."""
         if seq.location != SeqLocation.WAITING:
             raise KVManagerError(f"sequence {seq.seq_id!r} is not waiting")
+        # Pin every hit first: the allocations below may evict cached-free blocks
+        # (and offload them over cached host blocks), which must not be this chain's.
+        for block, source in zip(match.device_blocks, match.sources):
+            (self.device if source == "device" else self.host).take_cached(block)
         for block, source in zip(match.device_blocks, match.sources):
             if source == "device":
-                self.device.take_cached(block)
                 seq.block_table.append(block)
             else:
-                self.host.take_cached(block)
                 self.scratch.host_blocks_to_release.append(block)
                 device_block = self.device.allocate()
                 self.scratch.swap_in.append((block, device_block))

@@ -226,6 +226,12 @@ class StreamingDetokenizer:
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def streamed_text(self) -> str:
+        """The text streamed so far: always a prefix of the final ``output_text``
+        (it excludes a tail held back as a possible stop string)."""
+        return self.output_text[: self._num_streamed_chars]
+
     def append(self, token_id: int) -> TextDelta:
         """Account for one sampled token; return the text to stream now."""
         if self.is_finished:

@@ -128,6 +128,9 @@ class LLMEngine:
         self.kv_exports: dict[str, KVTransfer] = {}
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self.step_seconds = 0.0          # model-running steps only, see _record_step_time
+        self.decode_step_seconds = 0.0   # steps where every sequence computed one token
+        self.num_decode_steps = 0
 
     # ---- set-up -------------------------------------------------------------------
     def _eos_token_ids(self) -> list[int]:
@@ -262,6 +265,7 @@ class LLMEngine:
     # ---- the loop -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run the model, sample, and report."""
+        start = time.perf_counter()
         plan = self.scheduler.schedule()
         outputs = self._finished_outputs
         self._finished_outputs = []
@@ -291,7 +295,17 @@ class LLMEngine:
                 self._import_kv(seq, sched)
         logits = self.runner.execute(chunks)
         sampling = [seq for (seq, _), chunk in zip(plan.scheduled, chunks) if chunk.needs_logits]
-        return outputs + self._postprocess(sampling, logits)
+        outputs = outputs + self._postprocess(sampling, logits)
+        self._record_step_time(start, plan)
+        return outputs
+
+    def _record_step_time(self, start: float, plan: SchedulerOutput) -> None:
+        """Wall time of a step that ran the model (KV manager call included)."""
+        elapsed = time.perf_counter() - start
+        self.step_seconds += elapsed
+        if all(sched.num_tokens == 1 for _, sched in plan.scheduled):
+            self.decode_step_seconds += elapsed
+            self.num_decode_steps += 1
 
     def _migrate(self, seq: Sequence, target: str) -> RequestOutput:
         """Export a migrated sequence's KV (before this step reuses its blocks) and hand
@@ -393,7 +407,7 @@ class LLMEngine:
             seq.num_streamed_tokens = len(seq.output_token_ids)
             completions.append(CompletionOutput(
                 index=seq.sample_index,
-                text=seq.detokenizer.output_text,
+                text=seq.detokenizer.streamed_text,
                 token_ids=list(seq.output_token_ids),
                 cumulative_logprob=seq.cumulative_logprob if request.params.logprobs is not None else None,
                 logprobs=list(seq.logprobs) if request.params.logprobs is not None else None,
@@ -421,6 +435,10 @@ class LLMEngine:
             "swapped_in_bytes": cache.num_bytes_swapped_in,
             "num_steps": self.num_steps,
             "num_generated_tokens": self.num_generated_tokens,
+            "mean_step_ms": 1e3 * self.step_seconds / self.num_steps if self.num_steps else 0.0,
+            "num_decode_steps": self.num_decode_steps,
+            "mean_decode_step_ms": (1e3 * self.decode_step_seconds / self.num_decode_steps
+                                    if self.num_decode_steps else 0.0),
         })
         return stats
 

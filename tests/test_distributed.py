@@ -1,0 +1,274 @@
+"""The cluster on a multi-node Ray cluster (one machine): placement, greedy
+equivalence with the single-process engine, cache-aware routing, and a
+worker kill and a KV manager kill mid-stream with nothing lost.
+
+One ``ray.cluster_utils.Cluster`` per module: a head node (the KV manager)
+plus two worker nodes that each declare one (fake) GPU, so the workers go
+one per node and run on CPU. After every test the cluster must be idle with
+consistent accounting and no block in use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from pagedserve.workers.sampling_params import SamplingParams  # noqa: E402
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+
+NUM_WORKER_NODES = 2
+ENGINE = {"num_device_blocks": 128, "swap_space_gb": 0.001}
+PROMPT_LENGTHS = [5, 17, 33, 48, 64, 90, 120, 150]
+MAX_TOKENS = 14          # the equivalence test
+MAX_TOKENS_FAULT = 48    # the kill tests: long enough to kill mid-stream
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _prompts(seed: int, lengths=PROMPT_LENGTHS, vocab: int = 1024) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+# ---- fixtures ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ray_cluster():
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    for _ in range(NUM_WORKER_NODES):
+        cluster.add_node(num_cpus=2, num_gpus=1)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, namespace="pagedserve")
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster_handle(ray_cluster, tiny_model):
+    from pagedserve.cluster.bootstrap import start
+
+    config = {
+        "model": {"path": tiny_model("llama")},
+        "engine": ENGINE,
+        "workers": [{"count": NUM_WORKER_NODES, "num_gpus": 1, "num_cpus": 1}],
+        "step_timeout_s": 20.0,
+    }
+    handle = start(config, ready_timeout_s=180.0)
+    yield handle
+    handle.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    """``reference(prompts, max_tokens) -> list[list[int]]`` from the single-process ``LLM``."""
+    from pagedserve.workers.llm import LLM
+
+    llm = LLM(tiny_model("llama"), **ENGINE)
+    cache: dict[tuple, list[int]] = {}
+
+    def run(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        missing = [p for p in prompts if (tuple(p), max_tokens) not in cache]
+        if missing:
+            for prompt, output in zip(missing, llm.generate(missing, _greedy(max_tokens))):
+                cache[(tuple(prompt), max_tokens)] = list(output.outputs[0].token_ids)
+        llm.check_integrity()
+        return [cache[(tuple(p), max_tokens)] for p in prompts]
+
+    return run
+
+
+@pytest.fixture
+def handle(cluster_handle):
+    """The shared cluster; after the test it must be idle, consistent and empty."""
+    yield cluster_handle
+    cluster_handle.wait_idle(timeout=120.0)
+    cluster_handle.check_integrity()
+    assert cluster_handle.num_used_blocks() == 0
+
+
+# ---- helpers ----------------------------------------------------------------------------
+def _token_ids(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+async def _stream_all(handle, prompts, params, kill, when):
+    """Stream every prompt concurrently; call ``kill()`` once ``when(progress)`` holds
+    (progress: request index -> tokens streamed so far). Returns final outputs
+    and whether the kill happened while every stream was still unfinished."""
+    progress = {i: 0 for i in range(len(prompts))}
+    finished = {i: False for i in range(len(prompts))}
+    fired = asyncio.Event()
+    state = {"mid_stream": False}
+
+    async def one(index, prompt):
+        last = None
+        async for output in handle.generate(prompt, params, request_id=f"fault-{index}-{time.time_ns()}"):
+            last = output
+            progress[index] = len(output.outputs[0].token_ids)
+            finished[index] = output.finished
+            if not fired.is_set() and when(progress):
+                fired.set()
+                state["mid_stream"] = not any(finished.values())
+                kill()
+        return last
+
+    outputs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    return outputs, fired.is_set() and state["mid_stream"]
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.time() + timeout
+    last_error = None
+    while time.time() < deadline:
+        try:
+            if predicate():
+                return
+        except Exception as exc:  # still restarting
+            last_error = exc
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what} (last error: {last_error!r})")
+
+
+def _num_restarts(actor) -> int:
+    from ray.util.state import get_actor
+
+    return get_actor(actor._actor_id.hex()).num_restarts
+
+
+# ---- tests ------------------------------------------------------------------------------
+def test_placement_one_worker_per_node_and_kv_manager_on_head(handle, ray_cluster):
+    head_id = ray_cluster.head_node.node_id
+    infos = ray.get([w.info.remote() for w in handle.workers.values()], timeout=60)
+    worker_nodes = [info["node_id"] for info in infos]
+    assert all(info["device"] == "cpu" for info in infos)
+    assert len(set(worker_nodes)) == NUM_WORKER_NODES, worker_nodes
+    assert head_id not in worker_nodes
+    assert ray.get(handle.kv_manager.node_id.remote(), timeout=60) == head_id
+    assert sorted(ray.get(handle.kv_manager.worker_ids.remote(), timeout=60)) == sorted(handle.workers)
+
+
+def test_greedy_matches_single_process_engine(handle, reference):
+    prompts = _prompts(seed=1)
+    expected = reference(prompts, MAX_TOKENS)
+    outputs = handle.generate_sync(prompts, _greedy(MAX_TOKENS))
+    assert all(o.finished for o in outputs)
+    assert _token_ids(outputs) == expected
+    used = {d["worker_id"] for d in handle.stats()["recent_decisions"][-len(prompts):]}
+    assert used == set(handle.workers), "the load should spread over every worker"
+
+
+def test_repeated_prefix_goes_to_the_worker_that_holds_it(handle, reference):
+    rng = random.Random(2)
+    prefix = [rng.randrange(3, 1024) for _ in range(96)]   # six full blocks of 16
+    prompts = [prefix + [rng.randrange(3, 1024) for _ in range(5 + i)] for i in range(4)]
+    expected = reference(prompts, MAX_TOKENS)
+
+    first = handle.generate_sync(prompts[:1], _greedy(MAX_TOKENS))
+    owner = handle.stats()["recent_decisions"][-1]["worker_id"]
+    outputs = list(first)
+    for prompt in prompts[1:]:   # one at a time, so load never outweighs the cached prefix
+        outputs += handle.generate_sync([prompt], _greedy(MAX_TOKENS))
+        decision = handle.stats()["recent_decisions"][-1]
+        assert decision["worker_id"] == owner, decision
+        assert decision["reason"] == "prefix", decision
+        assert decision["cached_tokens"] == len(prefix), decision
+    assert _token_ids(outputs) == expected
+    kv_stats = handle.stats()["kv_manager"]["workers"][owner]
+    assert kv_stats["num_prefix_hit_tokens"] >= 3 * len(prefix)
+
+
+def test_worker_killed_mid_stream_requests_resume_and_worker_rejoins(handle, reference):
+    prompts = _prompts(seed=3)
+    expected = reference(prompts, MAX_TOKENS_FAULT)
+    params = _greedy(MAX_TOKENS_FAULT)
+    num_resumed_before = handle.stats()["num_resumed"]
+    victim_id = "worker-0"
+    victim = handle.workers[victim_id]
+
+    def kill():
+        ray.kill(victim, no_restart=False)
+
+    def when(progress):  # every stream under way, on both workers
+        return all(n >= 2 for n in progress.values())
+
+    outputs, mid_stream = asyncio.run(_stream_all(handle, prompts, params, kill, when))
+    assert mid_stream, "the kill should land while every stream is still running"
+    assert all(o.finished for o in outputs)
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+    assert _token_ids(outputs) == expected
+    assert handle.stats()["num_resumed"] > num_resumed_before
+
+    # Ray restarts the worker; it answers again and its accounting is fresh.
+    _wait_for(lambda: ray.get(victim.info.remote(), timeout=30)["worker_id"] == victim_id, 120,
+              "the killed worker to restart")
+    assert _num_restarts(victim) >= 1
+    kv_workers = ray.get(handle.kv_manager.stats.remote(), timeout=30)["workers"]
+    assert victim_id in kv_workers
+    assert kv_workers[victim_id]["device_blocks_used"] == 0
+
+    # It rejoins: new requests run on it again.
+    prompts = _prompts(seed=4, lengths=[8, 24, 40, 56])
+    outputs = handle.generate_sync(prompts, _greedy(MAX_TOKENS))
+    assert _token_ids(outputs) == reference(prompts, MAX_TOKENS)
+    used = {d["worker_id"] for d in handle.stats()["recent_decisions"][-len(prompts):]}
+    assert victim_id in used
+
+
+def test_kv_manager_killed_mid_stream_requests_complete(handle, reference):
+    prompts = _prompts(seed=5)
+    expected = reference(prompts, MAX_TOKENS_FAULT)
+    params = _greedy(MAX_TOKENS_FAULT)
+    kv_manager = handle.kv_manager
+    incarnation = ray.get(kv_manager.get_incarnation.remote(), timeout=30)
+
+    def kill():
+        ray.kill(kv_manager, no_restart=False)
+
+    def when(progress):
+        return all(n >= 2 for n in progress.values())
+
+    outputs, mid_stream = asyncio.run(_stream_all(handle, prompts, params, kill, when))
+    assert mid_stream, "the kill should land while every stream is still running"
+    assert all(o.finished for o in outputs)
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+    assert _token_ids(outputs) == expected
+    assert ray.get(kv_manager.get_incarnation.remote(), timeout=60) != incarnation
+    retries = sum(w["num_kv_retries"] for w in handle.stats()["workers"].values())
+    assert retries >= 1, "the workers should have re-registered with the new KV manager"
+
+    # Both workers serve again (an idle one re-registers at its first step).
+    prompts = _prompts(seed=6, lengths=[8, 24, 40, 56])
+    outputs = handle.generate_sync(prompts, _greedy(MAX_TOKENS))
+    assert _token_ids(outputs) == reference(prompts, MAX_TOKENS)
+    used = {d["worker_id"] for d in handle.stats()["recent_decisions"][-len(prompts):]}
+    assert used == set(handle.workers)
+    assert sorted(ray.get(kv_manager.worker_ids.remote(), timeout=30)) == sorted(handle.workers)
+
+
+def test_kv_manager_restart_while_idle_keeps_every_worker_in_rotation(handle, reference):
+    kv_manager = handle.kv_manager
+    incarnation = ray.get(kv_manager.get_incarnation.remote(), timeout=30)
+    ray.kill(kv_manager, no_restart=False)
+    _wait_for(lambda: ray.get(kv_manager.get_incarnation.remote(), timeout=30) != incarnation, 60,
+              "the KV manager to restart")
+    # Idle workers have not re-registered yet; they must stay in rotation even when
+    # the first request after the restart reaches only one of them.
+    for lengths in ([8], [8, 24, 40, 56], [10, 26, 42, 58]):
+        prompts = _prompts(seed=7, lengths=lengths)
+        outputs = handle.generate_sync(prompts, _greedy(MAX_TOKENS))
+        assert _token_ids(outputs) == reference(prompts, MAX_TOKENS)
+        time.sleep(0.6)  # past the router's utilisation refresh interval
+    used = {d["worker_id"] for d in handle.stats()["recent_decisions"][-4:]}
+    assert used == set(handle.workers)
