@@ -1,0 +1,64 @@
+"""Shared fixtures: tiny checkpoints built once, and greedy references from transformers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Triton reads TRITON_INTERPRET when it is first imported (transformers and ray
+# import it too), so CPU machines must choose the interpreter before any test does.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """``tiny_model(arch) -> str``: path of the cached tiny random checkpoint of ``arch``.
+
+    Built once into the default cache (``$PAGEDSERVE_CACHE_DIR`` or
+    ``~/.cache/pagedserve``); later sessions reuse it.
+    """
+    from pagedserve.workers.model_factory import ensure_model
+
+    paths: dict[str, str] = {}
+
+    def get(arch: str = "llama") -> str:
+        if arch not in paths:
+            paths[arch] = str(ensure_model(arch, "tiny"))
+        return paths[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(tiny_model):
+    """``hf_greedy(arch, prompt_token_ids, max_tokens, **generate_kwargs) -> list[int]``.
+
+    transformers ``generate(do_sample=False)`` in float32 on CPU, one prompt at
+    a time (no padding), stopping at EOS like the engine does (the EOS token is
+    included). Extra keyword arguments (e.g. ``repetition_penalty``) go to
+    ``generate``. Memoised per (arch, prompt, max_tokens, kwargs).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    models: dict[str, object] = {}
+    cache: dict[tuple, list[int]] = {}
+
+    def generate(arch: str, prompt_token_ids, max_tokens: int, **generate_kwargs) -> list[int]:
+        key = (arch, tuple(prompt_token_ids), max_tokens, tuple(sorted(generate_kwargs.items())))
+        if key not in cache:
+            if arch not in models:
+                models[arch] = AutoModelForCausalLM.from_pretrained(
+                    tiny_model(arch), dtype=torch.float32).eval()
+            ids = torch.tensor([list(prompt_token_ids)], dtype=torch.long)
+            with torch.inference_mode():
+                out = models[arch].generate(ids, attention_mask=torch.ones_like(ids),
+                                            do_sample=False, max_new_tokens=max_tokens,
+                                            **generate_kwargs)
+            cache[key] = out[0, ids.shape[1]:].tolist()
+        return cache[key]
+
+    return generate
