@@ -1,0 +1,122 @@
+"""Other cluster layouts on a multi-node Ray cluster: disaggregated prefill/decode,
+and cluster-wide preemption that migrates a sequence's KV to a worker with room.
+
+Both must produce exactly the single-process engine's greedy output and leave
+every pool empty and consistent. One ``ray.cluster_utils.Cluster`` per module;
+each layout brings its own pagedserve cluster up and down on it.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from pagedserve.workers.sampling_params import SamplingParams  # noqa: E402
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+
+ENGINE = {"num_device_blocks": 128, "swap_space_gb": 0.001, "block_size": 8, "max_model_len": 160}
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1000) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    for _ in range(2):
+        cluster.add_node(num_cpus=2, num_gpus=1)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, namespace="pagedserve")
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    from pagedserve.workers.llm import LLM
+
+    llm = LLM(tiny_model("llama"), **ENGINE)
+
+    def run(prompts, max_tokens):
+        outputs = llm.generate(prompts, _greedy(max_tokens))
+        llm.check_integrity()
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+    return run
+
+
+def _start(tiny_model, workers, **extra):
+    from pagedserve.cluster.bootstrap import start
+
+    config = {"model": {"path": tiny_model("llama")}, "engine": ENGINE, "workers": workers,
+              "step_timeout_s": 20.0, **extra}
+    return start(config, ready_timeout_s=180.0)
+
+
+def _finish(handle):
+    handle.wait_idle(timeout=120.0)
+    handle.check_integrity()
+    assert handle.num_used_blocks() == 0
+
+
+def test_disaggregated_prefill_decode_matches_colocated(ray_cluster, tiny_model, reference):
+    handle = _start(tiny_model, [
+        {"role": "prefill", "count": 1, "num_gpus": 1, "num_cpus": 1},
+        {"role": "decode", "count": 1, "num_gpus": 1, "num_cpus": 1}])
+    try:
+        prompts = _prompts(11, [4, 19, 40, 77, 100])
+        outputs = handle.generate_sync(prompts, _greedy(12))
+        assert [list(o.outputs[0].token_ids) for o in outputs] == reference(prompts, 12)
+        assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outputs)
+        # Every prompt's KV crossed from the prefill worker to the decode worker.
+        for output, prompt in zip(outputs, prompts):
+            assert output.metrics.kv_transfer_bytes > 0
+            assert output.metrics.kv_memcpy_s > 0
+        stats = handle.stats()
+        by_role = {handle.roles[w]: s for w, s in stats["workers"].items()}
+        assert by_role["decode"]["num_generated_tokens"] == len(prompts) * 11
+        assert by_role["prefill"]["num_generated_tokens"] == len(prompts)
+        # A one-token request finishes on the prefill worker alone.
+        (single,) = handle.generate_sync([prompts[0]], _greedy(1))
+        assert list(single.outputs[0].token_ids) == reference([prompts[0]], 1)[0]
+        # n > 1 runs colocated on a decode worker.
+        (multi,) = handle.generate_sync([prompts[1]], SamplingParams(
+            temperature=0.0, max_tokens=6, ignore_eos=True, n=2))
+        assert [list(c.token_ids) for c in multi.outputs] == [reference([prompts[1]], 6)[0]] * 2
+        _finish(handle)
+    finally:
+        handle.shutdown()
+
+
+def test_preemption_migrates_to_a_worker_with_room(ray_cluster, tiny_model, reference):
+    # worker-0's pool holds about two of these sequences; worker-1's holds many.
+    handle = _start(tiny_model, [
+        {"count": 1, "num_gpus": 1, "num_cpus": 1, "engine": {"num_device_blocks": 14}},
+        {"count": 1, "num_gpus": 1, "num_cpus": 1, "engine": {"num_device_blocks": 256}}],
+        router={"policy": "round_robin"})
+    try:
+        prompts = _prompts(5, [30, 31, 32, 33, 34, 35])
+        outputs = handle.generate_sync(prompts, _greedy(40))
+        assert [list(o.outputs[0].token_ids) for o in outputs] == reference(prompts, 40)
+        stats = handle.stats()
+        migrated = stats["workers"]["worker-0"]["num_preemptions_by_mode"]["migrate"]
+        assert migrated >= 1 and stats["num_migrated"] == migrated
+        assert stats["kv_manager"]["workers"]["worker-0"]["num_preemptions_migrate"] == migrated
+        _finish(handle)
+    finally:
+        handle.shutdown()
