@@ -84,6 +84,9 @@ class BlockManager:
         self.seqs: dict[str, SequenceBlocks] = {}
         self.counters = BlockManagerCounters()
         self.scratch = StepScratch()
+        # The last step's copies and imports, for dashboards: (device, host) pairs.
+        self.last_swaps: list[tuple[int, int]] = []
+        self.last_imported: set[int] = set()
         if self.offload_evicted_to_host and self.enable_prefix_caching:
             self.device.on_evict = self._offload_evicted
 

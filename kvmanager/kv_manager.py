@@ -115,6 +115,9 @@ class KVManager:
         output.swap_out = scratch.swap_out
         output.swap_in = scratch.swap_in
         output.copy_on_write = scratch.copy_on_write
+        manager.last_swaps = scratch.swap_out + [(d, h) for h, d in scratch.swap_in]
+        manager.last_imported = {b for s in output.scheduled if s.num_imported_tokens
+                                 for b in s.block_table[:-(-s.num_imported_tokens // manager.block_size)]}
         return output
 
     def _validate(self, manager: BlockManager, step_input: StepInput) -> None:
@@ -333,6 +336,60 @@ class KVManager:
             "num_swapped": sum(1 for s in seqs if s.location == SeqLocation.SWAPPED),
             **counters,
         }
+
+    def block_map(self, worker_id: str, max_cells: int = 4096) -> dict:
+        """Per-block state of one worker's pools, for dashboards. Plain data.
+
+        For each tier: ``states``, one character per block (``f`` free, ``u``
+        in use, ``c`` cached-free, ``s`` shared: ref count > 1, ``w`` being
+        swapped by the last step's copies, ``t`` imported by transfer last
+        step). Pools larger than ``max_cells`` are summarised as a density
+        map: ``density`` lists, per cell of ``blocks_per_cell`` blocks, the
+        fraction of blocks in use. ``owners`` maps a block to its sequences
+        and ``hashes`` to a short hash prefix (in-use and cached blocks only,
+        for pools small enough to draw block by block).
+        """
+        manager = self._worker(worker_id)
+        owners: dict[str, dict[int, list[str]]] = {"device": {}, "host": {}}
+        for seq in manager.seqs.values():
+            for block in (manager.policy.held_blocks(seq) if seq.location == SeqLocation.DEVICE else []):
+                owners["device"].setdefault(block, []).append(seq.seq_id)
+            for block in (seq.host_table if seq.location == SeqLocation.SWAPPED else []):
+                owners["host"].setdefault(block, []).append(seq.seq_id)
+        moving = {"device": set(), "host": set()}
+        for device_block, host_block in manager.last_swaps:
+            moving["device"].add(device_block)
+            moving["host"].add(host_block)
+        tiers = {}
+        for tier, pool in (("device", manager.device), ("host", manager.host)):
+            states = []
+            for block in range(pool.num_blocks):
+                refs = pool.ref_counts[block]
+                if block in moving[tier]:
+                    states.append("w")
+                elif tier == "device" and block in manager.last_imported:
+                    states.append("t")
+                elif refs > 1:
+                    states.append("s")
+                elif refs == 1:
+                    states.append("u")
+                else:
+                    states.append("c" if pool.block_hashes[block] is not None else "f")
+            entry = {"num_blocks": pool.num_blocks, "block_size": pool.block_size,
+                     "counts": {k: states.count(k) for k in "fucswt"}}
+            if pool.num_blocks <= max_cells:
+                entry["states"] = "".join(states)
+                entry["ref_counts"] = {b: r for b, r in enumerate(pool.ref_counts) if r > 1}
+                entry["owners"] = {b: ids[:4] for b, ids in owners[tier].items()}
+                entry["hashes"] = {b: h.hex()[:12] for b, h in enumerate(pool.block_hashes) if h is not None}
+            else:
+                per_cell = -(-pool.num_blocks // max_cells)
+                entry["blocks_per_cell"] = per_cell
+                entry["density"] = [
+                    round(sum(1 for st in states[i:i + per_cell] if st not in "fc") / len(states[i:i + per_cell]), 3)
+                    for i in range(0, pool.num_blocks, per_cell)]
+            tiers[tier] = entry
+        return {"worker_id": worker_id, "tiers": tiers}
 
     def num_used_blocks(self) -> int:
         """Device plus host blocks in use across all workers."""

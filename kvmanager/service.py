@@ -75,6 +75,12 @@ class KVManagerService:
             "workers": {w: self.manager.stats(w) for w in self.manager.workers},
         }
 
+    def block_map(self, worker_id: str, max_cells: int = 4096) -> dict:
+        return self.manager.block_map(worker_id, max_cells)
+
+    def block_maps(self, max_cells: int = 4096) -> dict[str, dict]:
+        return {w: self.manager.block_map(w, max_cells) for w in self.manager.workers}
+
     def check_integrity(self) -> bool:
         self.manager.check_integrity()
         return True

@@ -411,3 +411,21 @@ def test_preemption_migrates_to_a_worker_with_room():
     # Without permission (n > 1 requests, say) it swaps instead.
     manager.step(StepInput("a", running=["x"], appended=[("x", [3])]))
     manager.check_integrity()
+
+
+def test_block_map_shows_each_blocks_state():
+    manager, worker = make_manager(num_device=8, num_host=4)
+    worker.step(StepInput("w", waiting=["p"], new_sequences=[NewSequence("p", list(range(9)))]))
+    worker.step(StepInput("w", forks=[("p", "c")], running=["p", "c"], appended=[("p", [1]), ("c", [2])]))
+    block_map = manager.block_map("w")
+    device = block_map["tiers"]["device"]
+    assert len(device["states"]) == 8
+    # Blocks 0-1 are full and shared by p and c; each has its own last block.
+    assert device["states"][:2] == "ss" and device["counts"]["s"] == 2
+    assert device["counts"]["u"] == 2 and device["counts"]["f"] == 4
+    assert sorted(device["owners"][0]) == ["c", "p"] and 0 in device["hashes"]
+    worker.step(StepInput("w", finished=["p", "c"]))
+    device = manager.block_map("w")["tiers"]["device"]
+    assert device["counts"]["c"] == 2 and device["counts"]["u"] == 0
+    dense = manager.block_map("w", max_cells=3)["tiers"]["device"]
+    assert dense["blocks_per_cell"] == 3 and len(dense["density"]) == 3 and "states" not in dense
