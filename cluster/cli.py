@@ -148,8 +148,102 @@ def _run_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _port(text: str) -> int:
+    value = _non_negative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value}")
+    return value
+
+
+def _add_serve_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible HTTP API (and gRPC) on Ray Serve",
+        description=("Start Ray (or join --address), the KV manager and the workers the config asks for, "
+                     "and the Ray Serve application; print the endpoints and block until Ctrl-C or "
+                     "SIGTERM ('pagedserve stop'). With no arguments: a local Ray, one CPU worker and the "
+                     "tiny model (built on first start)."),
+    )
+    parser.add_argument("--config", metavar="FILE", help="YAML configuration (default: the embedded default)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a key by its dotted path, e.g. engine.block_size=32 (repeatable)")
+    parser.add_argument("--host", help="HTTP host (config server.host)")
+    parser.add_argument("--port", type=_port, help="HTTP port (config server.port)")
+    parser.add_argument("--grpc-port", type=_port, help="gRPC port (config server.grpc_port; default: off)")
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (config server.api_key, "
+                                          "or $PAGEDSERVE_API_KEY)")
+    parser.add_argument("--address", metavar="RAY_ADDRESS",
+                        help="join this Ray cluster ('auto' for the local one)")
+    parser.set_defaults(run=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from pagedserve.cluster.config import load_config
+    from pagedserve.cluster.launcher import serve_forever
+
+    overrides = list(args.overrides)
+    for key, value in (("host", args.host), ("port", args.port), ("grpc_port", args.grpc_port)):
+        if value is not None:
+            overrides.append(f"server.{key}={value}")
+    try:
+        config = load_config(args.config, overrides)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    api_key = args.api_key or config.server.api_key or os.environ.get("PAGEDSERVE_API_KEY")
+    if api_key:
+        config.server.api_key = api_key  # not through --set: a key must stay a string
+    return serve_forever(config, address=args.address)
+
+
+def _add_status_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "status", help="show workers, pools, prefix-cache hit rates and queues of the running server",
+        description=("Join the Ray cluster and ask the running pagedserve application for its stats. "
+                     "Without --address: the cluster recorded by 'pagedserve serve', else 'auto'."))
+    parser.add_argument("--address", metavar="RAY_ADDRESS", help="the Ray cluster to query")
+    parser.add_argument("--json", action="store_true", help="print the raw stats as JSON")
+    parser.set_defaults(run=_run_status)
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    import json
+
+    from pagedserve.cluster.launcher import fetch_status, format_status
+
+    try:
+        stats = fetch_status(args.address)
+    except Exception as exc:  # no cluster, no app: say so rather than a traceback
+        print(f"error: no running pagedserve server found: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(stats, indent=2, default=str) if args.json else format_status(stats))
+    return 0
+
+
+def _add_stop_parser(subparsers) -> None:
+    parser = subparsers.add_parser("stop", help="stop the server 'pagedserve serve' started on this machine")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it to exit")
+    parser.set_defaults(run=_run_stop)
+
+
+def _run_stop(args: argparse.Namespace) -> int:
+    from pagedserve.cluster.launcher import stop_server
+
+    return stop_server(args.timeout)
+
+
+def _add_bench_parser(subparsers) -> None:
+    # ``bench`` has its own subcommands; they live with the benchmarks (cheap to import).
+    from pagedserve.cluster.bench.cli import add_bench_parser
+
+    add_bench_parser(subparsers)
+
+
 # One entry per subcommand; each adds its subparser to the given subparsers.
-_PARSER_BUILDERS = (_add_make_model_parser, _add_generate_parser, _add_config_parser)
+_PARSER_BUILDERS = (_add_make_model_parser, _add_generate_parser, _add_config_parser,
+                    _add_serve_parser, _add_status_parser, _add_stop_parser, _add_bench_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:

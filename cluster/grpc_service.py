@@ -1,0 +1,174 @@
+"""The gRPC API (``protos/pagedserve.proto``) over the same ``OpenAIServer`` logic.
+
+Requests are validated with the HTTP API's models, so both APIs accept and
+reject the same things. Failures set the gRPC status from the HTTP one:
+400/413 INVALID_ARGUMENT, 401 UNAUTHENTICATED, 404 NOT_FOUND,
+429 RESOURCE_EXHAUSTED, 503 UNAVAILABLE, anything else INTERNAL.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+from pydantic import ValidationError
+
+from pagedserve.workers.request import CompletionOutput, RequestOutput
+
+from .openai_protocol import DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
+from .protos import pagedserve_pb2 as pb
+from .server import APIError, Generation, OpenAIServer, PromptInput, validation_error
+
+STATUS_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.INVALID_ARGUMENT,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+
+# Optional proto fields copied as-is into the request models when set.
+_OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed",
+                    "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+class GrpcRequestError(Exception):
+    """Raised to Serve's gRPC proxy after the status code was set on the context."""
+
+
+class GrpcService:
+    """``Generate`` (unary) and ``GenerateStream`` (server-streaming) for one replica."""
+
+    def __init__(self, server: OpenAIServer) -> None:
+        self.server = server
+
+    # ---- request translation ------------------------------------------------------------------
+    def _authenticate(self, grpc_context) -> None:
+        metadata = dict(grpc_context.invocation_metadata()) if grpc_context is not None else {}
+        self.server.check_auth(metadata.get("authorization"))
+
+    def _prepare(self, request: pb.GenerateRequest, grpc_context) -> tuple[str, PromptInput, object, int]:
+        self._authenticate(grpc_context)
+        self.server.check_model(request.model or None)
+        num_sources = sum([bool(request.prompt), bool(request.prompt_token_ids), bool(request.messages)])
+        if num_sources != 1:
+            raise APIError(400, "set exactly one of prompt, prompt_token_ids and messages", param="prompt")
+        fields = {name: getattr(request, name) for name in _OPTIONAL_FIELDS if request.HasField(name)}
+        fields.update(stop=list(request.stop), ignore_eos=request.ignore_eos, priority=request.priority)
+        try:
+            if request.messages:
+                chat = ChatCompletionRequest(
+                    messages=[{"role": m.role, "content": m.content} for m in request.messages],
+                    logprobs=request.HasField("logprobs"),
+                    top_logprobs=request.logprobs if request.HasField("logprobs") else None, **fields)
+            else:
+                completion = CompletionRequest(
+                    prompt=request.prompt or list(request.prompt_token_ids),
+                    logprobs=request.logprobs if request.HasField("logprobs") else None, **fields)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+        if request.messages:
+            prompt = self.server.chat_prompt(chat)
+            max_tokens = chat.effective_max_tokens or self.server.max_model_len - len(prompt.token_ids)
+            params = self.server.sampling_params(chat, max_tokens, chat.top_logprobs)
+        else:
+            prompt = self.server.tokenize(completion.prompts()[0])
+            params = self.server.sampling_params(completion, completion.max_tokens or DEFAULT_MAX_TOKENS,
+                                                 completion.logprobs)
+        request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
+        return request_id, prompt, params, request.priority
+
+    # ---- responses --------------------------------------------------------------------------
+    def _logprobs(self, completion: CompletionOutput, start: int) -> list[pb.TokenLogprob]:
+        decode = self.server.token_text
+        return [pb.TokenLogprob(token_id=s.token_id, token=decode(s.token_id), logprob=s.logprob,
+                                top_logprobs=[pb.TopLogprob(token_id=t, token=decode(t), logprob=lp)
+                                              for t, lp in s.top])
+                for s in (completion.logprobs or [])[start:]]
+
+    def _response(self, request_id: str, generation: Generation, choices: list[pb.Choice],
+                  with_usage: bool) -> pb.GenerateResponse:
+        response = pb.GenerateResponse(request_id=request_id, model=self.server.model_name, choices=choices)
+        progress = generation.progress[0]
+        if progress.first_token is not None:
+            response.time_to_first_token_s = progress.first_token - progress.arrival
+        if with_usage:
+            usage = generation.usage()
+            response.usage.CopyFrom(pb.Usage(
+                prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                total_tokens=usage.total_tokens, cached_tokens=usage.prompt_tokens_details.cached_tokens))
+        return response
+
+    def _fail(self, error: BaseException, grpc_context) -> Exception:
+        if not isinstance(error, APIError):
+            return error
+        if grpc_context is None:
+            return error
+        grpc_context.set_code(STATUS_CODES.get(error.status, grpc.StatusCode.INTERNAL))
+        grpc_context.set_details(error.message)
+        return GrpcRequestError(error.message)
+
+    # ---- the RPCs ---------------------------------------------------------------------------
+    async def generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:
+        """Run to completion; the whole output per choice."""
+        generation = None
+        try:
+            request_id, prompt, params, priority = self._prepare(request, grpc_context)
+            generation, first = await self.server.start_generation(request_id, [prompt], params, priority)
+            await generation.run_to_end(first)
+            last = generation.progress[0].last
+            choices = [pb.Choice(index=c.index, text=c.text, token_ids=c.token_ids,
+                                 logprobs=self._logprobs(c, 0), finish_reason=c.finish_reason or "")
+                       for c in sorted(last.outputs if last else [], key=lambda c: c.index)]
+            return self._response(request_id, generation, choices, with_usage=True)
+        except APIError as exc:
+            raise self._fail(exc, grpc_context) from None
+        finally:
+            if generation is not None:
+                await generation.aclose()
+
+    async def generate_stream(self, request: pb.GenerateRequest, grpc_context=None
+                              ) -> AsyncIterator[pb.GenerateResponse]:
+        """One message per engine step with output: what is new per choice; usage on the last."""
+        generation = None
+        try:
+            request_id, prompt, params, priority = self._prepare(request, grpc_context)
+            generation, first = await self.server.start_generation(request_id, [prompt], params, priority)
+            if first is None:
+                return
+            sent: dict[int, int] = {}
+            finished: set[int] = set()
+            item = first
+            while item is not None:
+                _, output = item
+                choices = self._delta_choices(output, sent, finished)
+                if choices or output.finished:
+                    yield self._response(request_id, generation, choices, with_usage=output.finished)
+                item = await anext(generation, None)
+        except APIError as exc:
+            raise self._fail(exc, grpc_context) from None
+        finally:
+            if generation is not None:
+                await generation.aclose()
+
+    def _delta_choices(self, output: RequestOutput, sent: dict[int, int],
+                       finished: set[int]) -> list[pb.Choice]:
+        choices = []
+        for c in output.outputs:
+            if c.index in finished:
+                continue
+            start = sent.get(c.index, 0)
+            new_ids = list(c.token_ids[start:])
+            sent[c.index] = len(c.token_ids)
+            if c.finish_reason is not None:
+                finished.add(c.index)
+            if new_ids or c.delta_text or c.finish_reason is not None:
+                choices.append(pb.Choice(index=c.index, text=c.delta_text, token_ids=new_ids,
+                                         logprobs=self._logprobs(c, start),
+                                         finish_reason=c.finish_reason or ""))
+        return choices
+
+
+__all__ = ["GrpcService", "STATUS_CODES"]

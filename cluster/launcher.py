@@ -1,0 +1,236 @@
+"""What ``pagedserve serve``, ``status`` and ``stop`` do.
+
+``serve`` starts Ray (or joins ``--address``), the KV manager and workers,
+and the Serve application, then writes a small state file (pid, Ray
+address, endpoints) to ``$PAGEDSERVE_CACHE_DIR/serve.json`` (default
+``~/.cache/pagedserve/serve.json``) and blocks until SIGINT/SIGTERM, when it
+tears everything down and removes the file.
+
+``status`` joins the Ray cluster (``--address``, else the one in the state
+file, else ``auto``) and asks the running Serve application's replica for
+its stats: per-worker queues and pools from the KV manager and the
+workers, prefix-cache hit rates, and the replica's router. ``stop`` sends
+SIGTERM to the ``serve`` process named in the state file and waits for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Iterator
+
+from .config import ClusterConfig
+
+STATE_FILE_NAME = "serve.json"
+RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"  # "token" when the cluster needs ~/.ray/auth_token
+
+
+def state_file() -> Path:
+    """Where a running ``pagedserve serve`` records itself."""
+    from pagedserve.workers.model_factory import default_cache_dir
+
+    return default_cache_dir().parent / STATE_FILE_NAME
+
+
+def read_state() -> dict | None:
+    try:
+        return json.loads(state_file().read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Progress:
+    """Start-up stages on stderr; on a terminal, a spinner with the elapsed time."""
+
+    def __init__(self, stream: IO[str] | None = None) -> None:
+        self.stream = stream or sys.stderr
+        self.is_tty = self.stream.isatty()
+
+    @contextlib.contextmanager
+    def stage(self, label: str) -> Iterator[None]:
+        start = time.time()
+        stop = threading.Event()
+        ticker = None
+        if self.is_tty:
+            def tick() -> None:
+                for frame in itertools.cycle("|/-\\"):
+                    if stop.wait(0.2):
+                        return
+                    self.stream.write(f"\r[{frame}] {label} ({time.time() - start:.0f} s)")
+                    self.stream.flush()
+            ticker = threading.Thread(target=tick, daemon=True)
+            ticker.start()
+        else:
+            print(f"[..] {label}", file=self.stream, flush=True)
+        try:
+            yield
+        except BaseException:
+            stop.set()
+            if ticker:
+                ticker.join()
+            print(f"\r[!!] {label}: failed after {time.time() - start:.1f} s", file=self.stream, flush=True)
+            raise
+        stop.set()
+        if ticker:
+            ticker.join()
+        print(f"\r[ok] {label} ({time.time() - start:.1f} s)", file=self.stream, flush=True)
+
+
+def serve_forever(config: ClusterConfig, address: str | None = None, progress: Progress | None = None,
+                  stdout: IO[str] | None = None) -> int:
+    """Bring the cluster and the API up, block until SIGINT/SIGTERM, tear down; exit status."""
+    import ray
+    from ray import serve
+
+    from .bootstrap import NAMESPACE, start
+    from .server import APP_NAME, deploy
+
+    progress = progress or Progress()
+    stdout = stdout or sys.stdout
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the driver's "app ready" chatter
+    stopping = threading.Event()
+    previous: dict = {}
+    owns_ray = not ray.is_initialized()
+    handle = None
+    try:
+        if owns_ray:
+            with progress.stage(f"joining the Ray cluster at {address}" if address else "starting Ray"):
+                ray.init(address=address, namespace=NAMESPACE, logging_level="WARNING")
+        if not config.model.path:
+            model = config.model
+            with progress.stage(f"building the {model.arch}-{model.size} model (first start only)"):
+                config.model.resolve_path()
+        num_workers = sum(group.count for group in config.workers)
+        with progress.stage(f"starting the KV manager and {num_workers} worker(s): loading the model, "
+                            "allocating KV pools"):
+            handle = start(config)
+        apis = "HTTP and gRPC" if config.server.grpc_port is not None else "HTTP"
+        with progress.stage(f"deploying the {apis} API on Ray Serve"):
+            endpoints = deploy(handle, config, quiet=True)
+        state = {"pid": os.getpid(), "ray_address": ray.get_runtime_context().gcs_address,
+                 "ray_auth_mode": os.environ.get(RAY_AUTH_MODE_ENV),
+                 "endpoints": endpoints, "model": handle.model_name, "started_at": time.time()}
+        path = state_file()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(state, indent=2) + "\n")
+        http = endpoints["http"]
+        print(f"pagedserve is serving '{handle.model_name}' (context {handle.max_model_len} tokens, "
+              f"{num_workers} worker(s))", file=stdout)
+        print(f"  OpenAI API  {http}/v1   (e.g. curl {http}/v1/models)", file=stdout)
+        if "grpc" in endpoints:
+            print(f"  gRPC        {endpoints['grpc']}", file=stdout)
+        print(f"  metrics     {http}/metrics      health {http}/health", file=stdout)
+        if config.server.api_key or os.environ.get("PAGEDSERVE_API_KEY"):
+            print("  an API key is required: send 'Authorization: Bearer <key>'", file=stdout)
+        print("Press Ctrl-C (or run 'pagedserve stop') to stop.", file=stdout, flush=True)
+        # Installed only now (ray.init installs its own): during start-up, Ctrl-C interrupts.
+        previous = {sig: signal.signal(sig, lambda *_: stopping.set())
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
+        while not stopping.wait(0.5):
+            pass
+        print("stopping...", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        state = read_state()
+        if state and state.get("pid") == os.getpid():
+            state_file().unlink(missing_ok=True)
+        with contextlib.suppress(Exception):
+            if owns_ray and not address:
+                serve.shutdown()
+            else:
+                serve.delete(APP_NAME)
+        if handle is not None:
+            with contextlib.suppress(Exception):
+                handle.shutdown()
+        if owns_ray:
+            ray.shutdown()
+
+
+def stop_server(timeout_s: float = 60.0, stdout: IO[str] | None = None) -> int:
+    """SIGTERM the recorded ``serve`` process and wait for it to exit; exit status."""
+    stdout = stdout or sys.stdout
+    state = read_state()
+    if not state or not _is_alive(int(state.get("pid", 0)) or -1):
+        if state:
+            state_file().unlink(missing_ok=True)
+        print("no pagedserve server is running (started by 'pagedserve serve' on this machine)",
+              file=sys.stderr)
+        return 1
+    pid = int(state["pid"])
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if not _is_alive(pid):
+            print(f"stopped pagedserve (pid {pid})", file=stdout)
+            return 0
+        time.sleep(0.2)
+    print(f"pagedserve (pid {pid}) did not exit within {timeout_s:.0f} s", file=sys.stderr)
+    return 1
+
+
+def fetch_status(address: str | None = None, timeout_s: float = 30.0) -> dict:
+    """Stats from the running Serve application (see ``OpenAIServer.stats``)."""
+    state = read_state()
+    if address is None:
+        address = state["ray_address"] if state else "auto"
+    if state and state.get("ray_auth_mode") and state.get("ray_address") == address:
+        # Ray reads this when it is imported: the recorded cluster wants its token.
+        os.environ.setdefault(RAY_AUTH_MODE_ENV, state["ray_auth_mode"])
+    import ray
+    from ray import serve
+
+    from .bootstrap import NAMESPACE
+    from .server import APP_NAME
+
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
+    return serve.get_app_handle(APP_NAME).status.remote().result(timeout_s=timeout_s)
+
+
+def format_status(stats: dict) -> str:
+    """A human-readable table of ``fetch_status``'s result."""
+    lines = [f"model {stats.get('model')}"]
+    server = stats.get("server", {})
+    if server:
+        lines.append(f"server: {server.get('num_in_flight', 0)} requests in flight "
+                     f"(limit {server.get('max_queued_requests')})")
+    pools = stats.get("kv_manager", {}).get("workers", {})
+    header = (f"{'worker':<10} {'role':<8} {'healthy':<8} {'running':>7} {'waiting':>7} {'kv used':>8} "
+              f"{'device used/cached/free':>24} {'host used':>9} {'prefix hit':>10} {'preempt s/r':>11}")
+    lines.append(header)
+    for worker_id, worker in sorted(stats.get("workers", {}).items()):
+        pool = pools.get(worker_id, {})
+        device = (f"{pool.get('device_blocks_used', '-')}/{pool.get('device_blocks_cached', '-')}/"
+                  f"{pool.get('device_blocks_free', '-')}")
+        lines.append(
+            f"{worker_id:<10} {worker.get('role', '?'):<8} {'yes' if worker.get('is_healthy') else 'NO':<8} "
+            f"{worker.get('num_running', '-'):>7} {worker.get('num_waiting', '-'):>7} "
+            f"{pool.get('kv_utilization', 0.0):>8.1%} {device:>24} {pool.get('host_blocks_used', '-'):>9} "
+            f"{pool.get('prefix_cache_hit_rate', 0.0):>10.1%} "
+            f"{pool.get('num_preemptions_swap', 0)}/{pool.get('num_preemptions_recompute', 0):<9}")
+        if worker.get("error"):
+            lines.append(f"  {worker_id}: {worker['error']}")
+    reasons = stats.get("router", {}).get("reasons")
+    if reasons:
+        lines.append("routing decisions: " + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())))
+    return "\n".join(lines)

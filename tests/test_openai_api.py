@@ -1,0 +1,341 @@
+"""The OpenAI-compatible API without Ray: ``OpenAIServer``'s FastAPI app over an
+in-process engine, driven through httpx's ASGI transport. Error shapes and
+statuses, limits, auth, SSE framing, usage and metrics; the live Ray Serve
+deployment is covered by ``test_server.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from pagedserve.cluster.config import ServerConfig  # noqa: E402
+from pagedserve.cluster.handle import NoCapacityError  # noqa: E402
+from pagedserve.cluster.server import OpenAIServer, RequestLimiter, build_app, check_api_key  # noqa: E402
+from pagedserve.workers.async_engine import AsyncLLMEngine  # noqa: E402
+from pagedserve.workers.engine import EngineConfig  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+MODEL = "tiny-test"
+
+
+class _Remote:
+    """Stands in for a Ray actor method: ``.remote()`` returns an awaitable."""
+
+    def __init__(self, fn) -> None:
+        self._fn = fn
+
+    def remote(self, *args):
+        async def call():
+            return self._fn(*args)
+        return call()
+
+
+class _Actor:
+    def __init__(self, **methods) -> None:
+        for name, fn in methods.items():
+            setattr(self, name, _Remote(fn))
+
+
+class _Router:
+    def snapshot(self) -> dict:
+        return {}
+
+
+class LocalHandle:
+    """The subset of ``ClusterHandle`` the server uses, over one in-process engine."""
+
+    def __init__(self, model_path: str) -> None:
+        self.engine = AsyncLLMEngine.from_config(
+            EngineConfig(model=model_path, num_device_blocks=128, swap_space_gb=0.001))
+        core = self.engine.engine
+        self.model_path = model_path
+        self.model_name = MODEL
+        self.max_model_len = core.max_model_len
+        self.tokenizer = core.tokenizer
+        self.router = _Router()
+        self.fail_with: BaseException | None = None
+        self.kv_manager = _Actor(stats=lambda: {"workers": {"worker-0": core.kv_manager.stats("worker-0")}})
+        self.workers = {"worker-0": _Actor(stats=lambda: {"is_healthy": True, **self.engine.stats()},
+                                           ping=lambda: "worker-0")}
+
+    def generate(self, prompt, params, request_id=None, priority=0, prompt_token_ids=None):
+        if self.fail_with is not None:
+            return self._fail()
+        return self.engine.generate(prompt, params, request_id, priority, prompt_token_ids)
+
+    async def _fail(self):
+        raise self.fail_with
+        yield  # pragma: no cover - makes this an async generator
+
+    def num_used_blocks(self) -> int:
+        return self.engine.num_used_blocks()
+
+
+@pytest.fixture(scope="module")
+def local_handle(tiny_model):
+    handle = LocalHandle(tiny_model("llama"))
+    yield handle
+    handle.engine.shutdown()
+
+
+def _server(handle, **server_fields) -> OpenAIServer:
+    return OpenAIServer(handle, ServerConfig.model_validate(server_fields))
+
+
+def call(server: OpenAIServer, method: str, path: str, **kwargs) -> httpx.Response:
+    """One request against ``server``'s app, in a fresh event loop."""
+    async def run():
+        transport = httpx.ASGITransport(app=build_app(server))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.request(method, path, **kwargs)
+    return asyncio.run(run())
+
+
+def _events(response: httpx.Response) -> list:
+    lines = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def _assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+@pytest.fixture(scope="module")
+def server(local_handle):
+    return _server(local_handle)
+
+
+# ---- happy paths ---------------------------------------------------------------------------------
+def test_completion_usage_and_greedy_determinism(server, local_handle):
+    body = {"model": MODEL, "prompt": "The paged KV cache splits sequences into blocks. " * 4,
+            "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    first = call(server, "POST", "/v1/completions", json=body)
+    assert first.status_code == 200, first.text
+    data = first.json()
+    assert data["object"] == "text_completion" and data["model"] == MODEL
+    assert data["choices"][0]["finish_reason"] == "length"
+    usage = data["usage"]
+    num_prompt = len(local_handle.tokenizer.encode(body["prompt"]))
+    assert usage["prompt_tokens"] == num_prompt and usage["completion_tokens"] == 8
+    assert usage["total_tokens"] == num_prompt + 8
+    second = call(server, "POST", "/v1/completions", json=body).json()
+    assert second["choices"][0]["text"] == data["choices"][0]["text"]
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the prefix cache hit
+    assert local_handle.num_used_blocks() == 0
+
+
+def test_completion_batch_n_logprobs_echo(server):
+    body = {"prompt": ["Once upon a time", "Hello"], "n": 2, "max_tokens": 4, "seed": 3, "logprobs": 2,
+            "echo": True, "ignore_eos": True}
+    data = call(server, "POST", "/v1/completions", json=body).json()
+    choices = data["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    assert choices[2]["text"].startswith("Hello")
+    for choice in choices:
+        logprobs = choice["logprobs"]
+        assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == 4
+        assert all(len(top) <= 2 for top in logprobs["top_logprobs"])
+    assert data["usage"]["completion_tokens"] == 16
+
+
+def test_completion_stream(server):
+    body = {"prompt": "Once upon", "max_tokens": 6, "stream": True, "n": 2, "temperature": 0.8, "seed": 1,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    response = call(server, "POST", "/v1/completions", json=body)
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = _events(response)
+    texts = {0: "", 1: ""}
+    finishes = {}
+    for event in events[:-1]:
+        for choice in event["choices"]:
+            texts[choice["index"]] += choice["text"]
+            if choice["finish_reason"]:
+                finishes[choice["index"]] = choice["finish_reason"]
+    assert finishes == {0: "length", 1: "length"}
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 12
+
+
+def test_chat_and_chat_stream(server):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    data = call(server, "POST", "/v1/chat/completions",
+                json={"messages": messages, "max_tokens": 5, "temperature": 0, "logprobs": True,
+                      "top_logprobs": 1}).json()
+    assert data["object"] == "chat.completion"
+    choice = data["choices"][0]
+    assert choice["message"]["role"] == "assistant"
+    assert len(choice["logprobs"]["content"]) == data["usage"]["completion_tokens"]
+    events = _events(call(server, "POST", "/v1/chat/completions",
+                          json={"messages": messages, "max_tokens": 5, "temperature": 0, "stream": True}))
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+    assert text == choice["message"]["content"]
+    assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_models_health_metrics(server):
+    models = call(server, "GET", "/v1/models").json()
+    assert models["data"][0]["id"] == MODEL
+    _assert_error(call(server, "GET", "/v1/models/other"), 404)
+    assert call(server, "GET", "/health").json()["status"] == "ok"
+    text = call(server, "GET", "/metrics").text
+    for name in ("pagedserve_num_requests_running", "pagedserve_num_requests_waiting",
+                 "pagedserve_kv_cache_usage_ratio", "pagedserve_prefix_cache_hit_rate",
+                 "pagedserve_preemptions_total", "pagedserve_swapped_blocks_total",
+                 "pagedserve_time_to_first_token_seconds_bucket",
+                 "pagedserve_time_per_output_token_seconds_bucket",
+                 "pagedserve_e2e_request_latency_seconds_bucket"):
+        assert name in text, name
+
+
+# ---- errors --------------------------------------------------------------------------------------
+def test_malformed_and_invalid_requests_are_400(server):
+    post = lambda **kw: call(server, "POST", "/v1/completions", **kw)  # noqa: E731
+    assert "JSON" in _assert_error(post(content=b"{not json"), 400)["message"]
+    _assert_error(post(json=[1, 2]), 400)
+    _assert_error(post(json={"max_tokens": 3}), 400, "prompt")
+    _assert_error(post(json={"prompt": "x", "temprature": 0.5}), 400, "temprature")
+    _assert_error(post(json={"prompt": "x", "temperature": "hot"}), 400, "temperature")
+    _assert_error(post(json={"prompt": "x", "top_p": 0}), 400, "top_p")
+    _assert_error(post(json={"prompt": "x", "max_tokens": 0}), 400, "max_tokens")
+    _assert_error(post(json={"prompt": []}), 400, "prompt")
+    _assert_error(post(json={"prompt": [[]]}), 400, "prompt")
+    _assert_error(post(json={"prompt": [999999]}), 400, "prompt")
+    _assert_error(post(json={"prompt": "x", "n": 17}), 400, "n")
+    _assert_error(post(json={"prompt": "x", "stop": [str(i) for i in range(17)]}), 400, "stop")
+    _assert_error(call(server, "POST", "/v1/chat/completions", json={"messages": []}), 400, "messages")
+    _assert_error(call(server, "POST", "/v1/chat/completions",
+                       json={"messages": [{"role": "robot", "content": "x"}]}), 400)
+
+
+def test_prompt_too_long_names_the_limit(server):
+    too_long = {"prompt": [5] * server.max_model_len}
+    error = _assert_error(call(server, "POST", "/v1/completions", json=too_long), 400, "prompt")
+    assert str(server.max_model_len) in error["message"]
+    assert error["code"] == "context_length_exceeded"
+
+
+def test_unknown_model_404_and_unknown_route(server):
+    error = _assert_error(call(server, "POST", "/v1/completions", json={"model": "gpt-9", "prompt": "x"}),
+                          404, "model")
+    assert error["code"] == "model_not_found"
+    _assert_error(call(server, "GET", "/v1/nothing"), 404)
+
+
+def test_body_limit_413(local_handle):
+    small = _server(local_handle, limits={"max_request_body_bytes": 1024})
+    _assert_error(call(small, "POST", "/v1/completions", json={"prompt": "x" * 2000}), 413)
+
+
+def test_full_queue_429_with_retry_after(local_handle):
+    busy = _server(local_handle, limits={"max_queued_requests": 1})
+    busy.limiter.acquire()  # one request in flight
+    response = call(busy, "POST", "/v1/completions", json={"prompt": "x"})
+    _assert_error(response, 429)
+    assert int(response.headers["retry-after"]) >= 1
+    busy.limiter.release()
+    assert call(busy, "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+    assert busy.limiter.num_in_flight == 0
+    # A batch takes one slot per prompt.
+    _assert_error(call(busy, "POST", "/v1/completions", json={"prompt": ["a", "b"]}), 429)
+
+
+def test_no_capacity_is_503(server, local_handle):
+    local_handle.fail_with = NoCapacityError("every worker is down")
+    try:
+        _assert_error(call(server, "POST", "/v1/completions", json={"prompt": "x"}), 503)
+        _assert_error(call(server, "POST", "/v1/completions", json={"prompt": "x", "stream": True}), 503)
+    finally:
+        local_handle.fail_with = None
+    assert server.limiter.num_in_flight == 0
+
+
+def test_api_key(local_handle):
+    secured = _server(local_handle, api_key="sekrit")
+    for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions")):
+        _assert_error(call(secured, method, path, json={"prompt": "x"}), 401)
+        _assert_error(call(secured, method, path, json={"prompt": "x"},
+                           headers={"Authorization": "Bearer wrong"}), 401)
+    assert call(secured, "GET", "/health").status_code == 200
+    ok = call(secured, "GET", "/v1/models", headers={"Authorization": "Bearer sekrit"})
+    assert ok.status_code == 200
+
+
+def test_api_key_from_environment(local_handle, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_API_KEY", "from-env")
+    secured = _server(local_handle)
+    _assert_error(call(secured, "GET", "/v1/models"), 401)
+    assert call(secured, "GET", "/v1/models", headers={"Authorization": "Bearer from-env"}).status_code == 200
+
+
+def test_check_api_key_and_limiter_units():
+    check_api_key(None, None)
+    check_api_key("k", "Bearer k")
+    check_api_key("k", "bearer k")
+    for header in (None, "", "k", "Bearer", "Bearer kk", "Basic k"):
+        with pytest.raises(Exception) as info:
+            check_api_key("k", header)
+        assert info.value.status == 401
+    limiter = RequestLimiter(2)
+    limiter.acquire()
+    limiter.acquire()
+    with pytest.raises(Exception) as info:
+        limiter.acquire()
+    assert info.value.status == 429 and "Retry-After" in info.value.headers
+
+
+# ---- gRPC translation (no network) ---------------------------------------------------------------
+class _GrpcContext:
+    def __init__(self, metadata=()) -> None:
+        self.metadata = list(metadata)
+        self.code = self.details = None
+
+    def invocation_metadata(self):
+        return self.metadata
+
+    def set_code(self, code):
+        self.code = code
+
+    def set_details(self, details):
+        self.details = details
+
+
+def test_grpc_service_translation(server):
+    import grpc
+
+    from pagedserve.cluster.grpc_service import GrpcService
+    from pagedserve.cluster.protos import pagedserve_pb2 as pb
+
+    service = GrpcService(server)
+    request = pb.GenerateRequest(prompt="Hello", max_tokens=4, temperature=0, ignore_eos=True, logprobs=1)
+    unary = asyncio.run(service.generate(request, _GrpcContext()))
+    assert unary.usage.completion_tokens == 4 and len(unary.choices[0].token_ids) == 4
+    assert len(unary.choices[0].logprobs) == 4
+
+    async def stream():
+        return [m async for m in service.generate_stream(request, _GrpcContext())]
+
+    messages = asyncio.run(stream())
+    assert [t for m in messages for c in m.choices for t in c.token_ids] == list(unary.choices[0].token_ids)
+    assert messages[-1].usage.completion_tokens == 4
+
+    context = _GrpcContext()
+    with pytest.raises(Exception):
+        asyncio.run(service.generate(pb.GenerateRequest(prompt="x", top_p=3), context))
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in context.details
+    context = _GrpcContext()
+    with pytest.raises(Exception):
+        asyncio.run(service.generate(pb.GenerateRequest(prompt="x", model="nope"), context))
+    assert context.code == grpc.StatusCode.NOT_FOUND
