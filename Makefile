@@ -11,7 +11,7 @@ install:
 	$(PIP) install -e ".[test]"
 
 run: install
-	$(PYTHON) -m pagedserve generate
+	$(PYTHON) -m pagedserve serve
 
 test: install
 	$(PYTHON) -m pytest -q
