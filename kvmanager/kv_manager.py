@@ -391,6 +391,20 @@ class KVManager:
             tiers[tier] = entry
         return {"worker_id": worker_id, "tiers": tiers}
 
+    def reset_prefix_cache(self, worker_id: str) -> bool:
+        """Forget every cached prefix of an idle worker (both tiers).
+
+        For when cached KV may be wrong, e.g. a step was interrupted after its
+        plan registered blocks but before the forward pass wrote them. Returns
+        False, changing nothing, while any sequence holds blocks there.
+        """
+        manager = self._worker(worker_id)
+        if manager.seqs:
+            return False
+        manager.device.evict_all_cached()
+        manager.host.evict_all_cached()
+        return True
+
     def num_used_blocks(self) -> int:
         """Device plus host blocks in use across all workers."""
         return sum(m.device.num_used_blocks + m.host.num_used_blocks for m in self.workers.values())

@@ -269,17 +269,19 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         outputs = self._finished_outputs
         self._finished_outputs = []
-        if plan.is_empty:
-            if self.scheduler.num_unfinished and not plan.kv.preempted and not self.scheduler.running:
-                self._check_can_progress()
-            return outputs
         for seq, target in plan.migrated:
             outputs.append(self._migrate(seq, target))
+        # The copies run even when nothing is scheduled: a sequence that preempted
+        # itself by swapping still needs its KV on the host.
+        kv = plan.kv
+        self.runner.kv_cache.execute_copies(kv.swap_out, kv.swap_in, kv.copy_on_write)
+        if plan.is_empty:
+            if self.scheduler.num_unfinished and not kv.preempted and not self.scheduler.running:
+                self._check_can_progress()
+            return outputs
         if not plan.scheduled:
             return outputs
         self.num_steps += 1
-        kv = plan.kv
-        self.runner.kv_cache.execute_copies(kv.swap_out, kv.swap_in, kv.copy_on_write)
         chunks = []
         now = time.time()
         for seq, sched in plan.scheduled:
@@ -398,7 +400,8 @@ class LLMEngine:
     def _release_if_idle(self) -> None:
         """With no request left, hand the last finished blocks back now, not at the next step."""
         if not self.requests and self.scheduler.has_pending_changes:
-            self.scheduler.schedule()
+            kv = self.scheduler.schedule().kv
+            self.runner.kv_cache.execute_copies(kv.swap_out, kv.swap_in, kv.copy_on_write)
 
     def _make_output(self, request: Request) -> RequestOutput:
         completions = []
@@ -441,6 +444,14 @@ class LLMEngine:
                                     if self.num_decode_steps else 0.0),
         })
         return stats
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes; False (nothing changed) unless the engine is
+        idle and owns its KV manager."""
+        if self.kv_manager is None or self.requests or self.scheduler.num_unfinished:
+            return False
+        self._release_if_idle()
+        return self.kv_manager.reset_prefix_cache(self.worker_id)
 
     def check_integrity(self) -> None:
         if self.kv_manager is not None:

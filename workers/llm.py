@@ -56,12 +56,25 @@ class LLM:
                 self.engine.abort_request(request_id)
             self.engine.step()  # collect the abort outputs
             raise
+        wanted = set(ids)
         finished: dict[str, RequestOutput] = {}
-        while len(finished) < len(ids):
-            for output in self.engine.step():
-                if output.finished:
-                    finished[output.request_id] = output
+        try:
+            while len(finished) < len(ids):
+                for output in self.engine.step():
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
+        except BaseException:
+            # Interrupted (Ctrl-C, a failed step): drop this call's requests, and the
+            # prefix cache, whose newest blocks may have been planned but never written.
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            self.engine.reset_prefix_cache()
+            raise
         return [finished[request_id] for request_id in ids]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes (only while idle); True if done."""
+        return self.engine.reset_prefix_cache()
 
     def stats(self) -> dict:
         return self.engine.stats()

@@ -113,7 +113,12 @@ class Scheduler:
         if self.allow_migration:
             step_input.migratable = [s.seq_id for s in self.running
                                      if s.request.params.n == 1 and not s.request.export_kv]
-        kv_output = self.kv_step(step_input)
+        try:
+            kv_output = self.kv_step(step_input)
+        except BaseException:
+            # A refused step changed nothing: keep its changes for the next try.
+            self._pending = step_input
+            raise
 
         by_id = {s.seq_id: s for s in self.running}
         by_id.update((s.seq_id, s) for s in self.waiting)
