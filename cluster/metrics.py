@@ -41,6 +41,9 @@ class _ClusterStatsCollector:
                 waiting.add_metric([worker_id], stats["num_waiting"])
         usage = GaugeMetricFamily("pagedserve_kv_cache_usage_ratio",
                                   "Fraction of a worker's device KV blocks in use", labels=["worker"])
+        filled = GaugeMetricFamily("pagedserve_kv_slots_filled_ratio",
+                                   "Tokens stored / token slots of the device blocks in use "
+                                   "(paging keeps this near 1)", labels=["worker"])
         blocks = GaugeMetricFamily("pagedserve_kv_blocks", "KV blocks by pool and state",
                                    labels=["worker", "pool", "state"])
         hit_rate = GaugeMetricFamily("pagedserve_prefix_cache_hit_rate",
@@ -55,18 +58,20 @@ class _ClusterStatsCollector:
         swaps = CounterMetricFamily("pagedserve_swapped_blocks", "KV blocks swapped between pools",
                                     labels=["worker", "direction"])
         for worker_id, pool in sorted(pools.items()):
-            usage.add_metric([worker_id], pool.get("kv_utilization", 0.0))
+            num_blocks = pool.get("num_device_blocks", 0)
+            usage.add_metric([worker_id], pool.get("device_blocks_used", 0) / num_blocks if num_blocks else 0.0)
+            filled.add_metric([worker_id], pool.get("kv_utilization", 0.0))
             for tier in ("device", "host"):
                 for state in ("used", "free", "cached"):
                     blocks.add_metric([worker_id, tier, state], pool.get(f"{tier}_blocks_{state}", 0))
             hit_rate.add_metric([worker_id], pool.get("prefix_cache_hit_rate", 0.0))
             queried.add_metric([worker_id], pool.get("num_prefix_query_tokens", 0))
             hits.add_metric([worker_id], pool.get("num_prefix_hit_tokens", 0))
-            for mode in ("swap", "recompute"):
+            for mode in ("swap", "recompute", "migrate"):
                 preemptions.add_metric([worker_id, mode], pool.get(f"num_preemptions_{mode}", 0))
             swaps.add_metric([worker_id, "out"], pool.get("num_blocks_swapped_out", 0))
             swaps.add_metric([worker_id, "in"], pool.get("num_blocks_swapped_in", 0))
-        yield from (running, waiting, healthy, usage, blocks, hit_rate, queried, hits, preemptions, swaps)
+        yield from (running, waiting, healthy, usage, filled, blocks, hit_rate, queried, hits, preemptions, swaps)
 
 
 class ServerMetrics:
@@ -100,6 +105,10 @@ class ServerMetrics:
         self.e2e = Histogram("pagedserve_e2e_request_latency_seconds", "End-to-end request latency",
                              labels, buckets=E2E_BUCKETS, registry=self.registry)
         self.in_flight.labels(model_name).set(0)
+        # Export zeroed series from the start, so dashboards and scrapers see them before traffic.
+        for metric in (self.prompt_tokens, self.cached_tokens, self.generation_tokens,
+                       self.ttft, self.tpot, self.e2e):
+            metric.labels(model_name)
 
     def set_in_flight(self, num_requests: int) -> None:
         self.in_flight.labels(self.model_name).set(num_requests)

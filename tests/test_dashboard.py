@@ -537,7 +537,7 @@ def test_dashboard_in_headless_chromium(served, browser):
         used = (("pool", "device"), ("state", "used"), ("worker", worker_id))
         assert _metric_value(browser, f"{worker_id}.device_blocks_used") == metrics[("pagedserve_kv_blocks", used)] == 0
         assert _metric_value(browser, f"{worker_id}.kv_utilization") == metrics[
-            ("pagedserve_kv_cache_usage_ratio", (("worker", worker_id),))]
+            ("pagedserve_kv_slots_filled_ratio", (("worker", worker_id),))]
     assert browser.evaluate("document.querySelectorAll('#decision-table tbody tr').length") > 1
     browser.screenshot(ARTIFACTS / "dashboard-idle.png")
 

@@ -192,7 +192,7 @@ def test_models_health_metrics(server):
     assert call(server, "GET", "/health").json()["status"] == "ok"
     text = call(server, "GET", "/metrics").text
     for name in ("pagedserve_num_requests_running", "pagedserve_num_requests_waiting",
-                 "pagedserve_kv_cache_usage_ratio", "pagedserve_prefix_cache_hit_rate",
+                 "pagedserve_kv_cache_usage_ratio", "pagedserve_kv_slots_filled_ratio", "pagedserve_prefix_cache_hit_rate",
                  "pagedserve_preemptions_total", "pagedserve_swapped_blocks_total",
                  "pagedserve_time_to_first_token_seconds_bucket",
                  "pagedserve_time_per_output_token_seconds_bucket",
