@@ -1,0 +1,267 @@
+"""Arguments of ``pagedserve bench <allocators|prefix|serve|offline>``.
+
+Only argparse is imported here; each ``_run_*`` imports its benchmark
+module (torch, transformers, matplotlib) when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+
+SIZES = ("tiny", "small")
+DISTRIBUTIONS = ("lognormal", "uniform", "fixed")
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number (or inf), got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
+
+
+def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", metavar="FILE", help="write the results as JSON")
+    parser.add_argument("--plot-dir", metavar="DIR", help="write PNG plots into DIR")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--seed", type=_non_negative_int, default=None, help="workload seed (default: 0)")
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser, threads: bool = True) -> None:
+    parser.add_argument("--model", help="checkpoint directory or hub id (default: the built random model)")
+    parser.add_argument("--arch", default=None, help="arch of the built model (default: llama)")
+    parser.add_argument("--size", choices=SIZES, default=None,
+                        help="size of the built model (default: the preset's; see the README)")
+    parser.add_argument("--num-requests", type=_positive_int, default=None)
+    parser.add_argument("--quick", action="store_true", help="a smaller run (under 3 minutes on 2 CPU cores)")
+    if threads:
+        parser.add_argument("--num-threads", type=_non_negative_int, default=None,
+                            help="torch threads for every engine (default: 1, which stays fast when other "
+                                 "processes share the cores; 0: torch's default)")
+
+
+def _add_length_arguments(parser: argparse.ArgumentParser, name: str, what: str) -> None:
+    parser.add_argument(f"--{name}-len-mean", type=_positive_float, default=None, help=f"mean {what} length")
+    parser.add_argument(f"--{name}-len-min", type=_positive_int, default=None)
+    parser.add_argument(f"--{name}-len-max", type=_positive_int, default=None)
+    parser.add_argument(f"--{name}-len-dist", choices=DISTRIBUTIONS, default=None,
+                        help="length distribution (default: lognormal)")
+
+
+def _length(args: argparse.Namespace, name: str, default):
+    """The preset's ``LengthDist`` with any of ``--<name>-len-*`` applied."""
+    changes = {field: getattr(args, f"{name}_len_{arg}") for field, arg in
+               (("mean", "mean"), ("low", "min"), ("high", "max"), ("kind", "dist"))}
+    changes = {k: v for k, v in changes.items() if v is not None}
+    return dataclasses.replace(default, **changes) if changes else default
+
+
+def _common_changes(args: argparse.Namespace) -> dict:
+    names = ("model", "arch", "size", "num_requests", "seed", "num_threads")
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
+def _finish(args, data: dict, text: str) -> int:
+    print(text)
+    if args.out:
+        print(f"wrote {args.out}")
+    if args.plot_dir:
+        print(f"plots in {args.plot_dir}")
+    return 0
+
+
+# ---- allocators --------------------------------------------------------------------------
+def _add_allocators_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "allocators", help="contiguous vs paged vs paged+prefix on one KV budget, and fragmentation",
+        description=("Run one mixed workload with shared prefixes under the contiguous, paged and "
+                     "paged+prefix allocators on the same engine and number of device blocks; report "
+                     "time-averaged KV utilisation, max concurrent sequences, preemptions, p99 latency "
+                     "and output throughput beside the seed's table; then simulate external "
+                     "fragmentation under random alloc/free."))
+    _add_model_arguments(parser)
+    _add_output_arguments(parser)
+    parser.add_argument("--num-device-blocks", type=_positive_int, default=None)
+    parser.add_argument("--block-size", type=_positive_int, default=None)
+    parser.add_argument("--max-model-len", type=_positive_int, default=None,
+                        help="the length contiguous reserves per sequence (default: 1024; 512 with --quick)")
+    parser.add_argument("--request-rate", type=_positive_float, default=None,
+                        help="Poisson arrivals, requests/s (default: inf, all at once)")
+    parser.add_argument("--allocator", action="append", choices=("contiguous", "paged", "paged+prefix"),
+                        help="run only these (repeatable; default: all three)")
+    parser.add_argument("--repeats", type=_positive_int, default=None,
+                        help="runs per allocator, round robin; rows are per-metric medians "
+                             "(default: 1; 3 with --quick)")
+    parser.add_argument("--fragmentation-trials", type=_non_negative_int, default=None,
+                        help="seeds of the fragmentation simulation (0 skips it)")
+    _add_length_arguments(parser, "prompt", "unique prompt part")
+    _add_length_arguments(parser, "output", "output")
+    parser.set_defaults(run=_run_allocators)
+
+
+def _run_allocators(args: argparse.Namespace) -> int:
+    from . import allocators
+
+    base = allocators.QUICK_CONFIG if args.quick else allocators.DEFAULT_CONFIG
+    changes = _common_changes(args)
+    for name in ("num_device_blocks", "block_size", "max_model_len", "request_rate", "repeats",
+                 "fragmentation_trials"):
+        if getattr(args, name) is not None:
+            changes[name] = getattr(args, name)
+    if args.allocator:
+        changes["allocators"] = tuple(dict.fromkeys(args.allocator))
+    changes["prompt_len"] = _length(args, "prompt", base.prompt_len)
+    changes["output_len"] = _length(args, "output", base.output_len)
+    config = dataclasses.replace(base, **changes)
+    run_fragmentation = config.fragmentation_trials > 0
+    data = allocators.run_benchmark(config, out=args.out, plot_dir=args.plot_dir,
+                                    show_progress=not args.no_progress, run_fragmentation=run_fragmentation)
+    return _finish(args, data, allocators.format_results(data, config))
+
+
+# ---- prefix ------------------------------------------------------------------------------
+def _add_prefix_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "prefix", help="TTFT with and without prefix caching on a shared system prompt",
+        description=("Requests share a system prompt (default 1,024 tokens) and add a unique suffix "
+                     "(64 tokens). Reports TTFT with prefix caching off and on, and the hit rate against "
+                     "the theoretical maximum; the target is a 5x faster TTFT."))
+    _add_model_arguments(parser)
+    _add_output_arguments(parser)
+    parser.add_argument("--prefix-len", type=_positive_int, default=None)
+    parser.add_argument("--suffix-len", type=_positive_int, default=None)
+    parser.add_argument("--max-tokens", type=_positive_int, default=None)
+    parser.add_argument("--max-model-len", type=_positive_int, default=None)
+    parser.add_argument("--max-concurrency", type=_positive_int, default=None,
+                        help="requests in flight (default: 1, so TTFT is the prefill alone)")
+    parser.set_defaults(run=_run_prefix)
+
+
+def _run_prefix(args: argparse.Namespace) -> int:
+    from . import prefix
+
+    base = prefix.QUICK_CONFIG if args.quick else prefix.DEFAULT_CONFIG
+    changes = _common_changes(args)
+    for name in ("prefix_len", "suffix_len", "max_tokens", "max_model_len", "max_concurrency"):
+        if getattr(args, name) is not None:
+            changes[name] = getattr(args, name)
+    config = dataclasses.replace(base, **changes)
+    data = prefix.run_benchmark(config, out=args.out, plot_dir=args.plot_dir, show_progress=not args.no_progress)
+    return _finish(args, data, prefix.format_results(data))
+
+
+# ---- serve -------------------------------------------------------------------------------
+def _add_serve_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="online load against an OpenAI-compatible server (vllm bench serve's metrics)",
+        description=("Stream /v1/completions requests with Poisson arrivals (or a fixed concurrency) and "
+                     "report request and output-token throughput, TTFT, TPOT, ITL and end-to-end latency "
+                     "(mean, median, p90, p99) and errors, under vllm bench serve's names."))
+    parser.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--model", help="model name to send (default: the first of /v1/models)")
+    parser.add_argument("--num-requests", type=_positive_int, default=64)
+    parser.add_argument("--request-rate", type=_positive_float, default=math.inf,
+                        help="requests/s, Poisson (default: inf, all at once)")
+    parser.add_argument("--max-concurrency", type=_positive_int, default=None)
+    parser.add_argument("--prompt-format", choices=("token-ids", "text"), default="token-ids")
+    parser.add_argument("--vocab-size", type=_positive_int, default=1000, help="range of random prompt ids")
+    parser.add_argument("--no-ignore-eos", action="store_true", help="let EOS end a request early")
+    parser.add_argument("--max-duration", type=_positive_float, default=600.0,
+                        help="seconds after which no new request starts")
+    parser.add_argument("--request-timeout", type=_positive_float, default=300.0)
+    parser.add_argument("--api-key", default=None, help="Bearer key (default: $OPENAI_API_KEY if set)")
+    _add_length_arguments(parser, "input", "prompt")
+    _add_length_arguments(parser, "output", "output")
+    _add_output_arguments(parser)
+    parser.set_defaults(run=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from . import serve
+
+    defaults = serve.ServeBenchConfig(url="http://placeholder")
+    try:
+        config = serve.ServeBenchConfig(
+            url=args.url, model=args.model, num_requests=args.num_requests, request_rate=args.request_rate,
+            max_concurrency=args.max_concurrency, input_len=_length(args, "input", defaults.input_len),
+            output_len=_length(args, "output", defaults.output_len), prompt_format=args.prompt_format,
+            vocab_size=args.vocab_size, ignore_eos=not args.no_ignore_eos, max_duration_s=args.max_duration,
+            request_timeout_s=args.request_timeout, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+            seed=args.seed or 0)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    data = serve.run_benchmark(config, out=args.out, plot_dir=args.plot_dir, show_progress=not args.no_progress)
+    _finish(args, data, serve.format_results(data))
+    return 0 if data["completed"] else 1
+
+
+# ---- offline -----------------------------------------------------------------------------
+def _add_offline_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "offline", help="offline throughput against transformers generate and generate_batch",
+        description=("Output tokens/s of LLM.generate beside transformers generate (static batches) and "
+                     "generate_batch on the same checkpoint and requests, with MFU against a matmul rate "
+                     "measured in the same run. Default workload: ShareGPT-like log-normal lengths."))
+    _add_model_arguments(parser)
+    _add_output_arguments(parser)
+    parser.add_argument("--static-batch", type=_positive_int, default=None, help="default: 16")
+    parser.add_argument("--skip-transformers", action="store_true")
+    _add_length_arguments(parser, "prompt", "prompt")
+    _add_length_arguments(parser, "output", "output")
+    parser.set_defaults(run=_run_offline)
+
+
+def _run_offline(args: argparse.Namespace) -> int:
+    from . import offline
+
+    base = offline.QUICK_CONFIG if args.quick else offline.DEFAULT_CONFIG
+    changes = _common_changes(args)
+    if args.static_batch is not None:
+        changes["static_batch"] = args.static_batch
+    changes["skip_transformers"] = args.skip_transformers
+    changes["prompt_len"] = _length(args, "prompt", base.prompt_len)
+    changes["output_len"] = _length(args, "output", base.output_len)
+    config = dataclasses.replace(base, **changes)
+    data = offline.run_benchmark(config, out=args.out, plot_dir=args.plot_dir, show_progress=not args.no_progress)
+    return _finish(args, data, offline.format_results(data))
+
+
+_BENCH_BUILDERS = (_add_allocators_parser, _add_prefix_parser, _add_serve_parser, _add_offline_parser)
+
+
+def add_bench_parser(subparsers) -> None:
+    """Add ``bench`` and its subcommands to the top-level ``subparsers``."""
+    parser = subparsers.add_parser(
+        "bench", help="benchmarks: allocators, prefix caching, online serving, offline throughput",
+        description="Benchmarks that write JSON (--out) and PNG plots (--plot-dir).")
+    bench_subparsers = parser.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
+    for add_parser in _BENCH_BUILDERS:
+        add_parser(bench_subparsers)

@@ -1,0 +1,259 @@
+"""``bench serve``: online load against an OpenAI-compatible server, as ``vllm bench serve``.
+
+Requests stream from ``/v1/completions`` with Poisson arrivals at
+``request_rate`` (infinite: all at once), optionally capped at
+``max_concurrency`` in flight. Per request we time the first streamed text
+(TTFT), the gaps between streamed chunks (ITL), the time per output token
+after the first (TPOT) and the whole request (E2EL). The summary uses
+``vllm bench serve``'s metric names (``request_throughput``,
+``output_throughput``, ``mean_ttft_ms``, ``median_ttft_ms``,
+``p99_itl_ms``, ...), so the numbers compare directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+from .plots import plot_cdfs
+from .report import format_table, percentile, progress_bar, summarize, write_json
+from .workload import LengthDist, poisson_arrivals, random_token_ids
+
+PROMPT_FORMATS = ("token-ids", "text")
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
+MAX_ERRORS_KEPT = 20
+# Words for text prompts: each is one or two tokens with most BPE vocabularies.
+_WORDS = ("the cache holds keys and values for every token of each sequence in fixed blocks "
+          "so memory is shared across requests without copies while the scheduler batches "
+          "prefill with decode steps and frees blocks when a request ends").split()
+
+
+@dataclass(frozen=True)
+class ServeBenchConfig:
+    url: str
+    model: str | None = None                 # default: the first id /v1/models lists
+    num_requests: int = 64
+    request_rate: float = math.inf           # requests/s (Poisson); inf sends all at once
+    max_concurrency: int | None = None
+    input_len: LengthDist = LengthDist(mean=200, low=8, high=1024)
+    output_len: LengthDist = LengthDist(mean=64, low=4, high=256)
+    prompt_format: str = "token-ids"         # token ids give exact prompt lengths
+    vocab_size: int = 1000                   # range of random prompt token ids
+    ignore_eos: bool = True                  # vLLM's extension: outputs of exactly max_tokens
+    max_duration_s: float = 600.0            # no request starts after this
+    request_timeout_s: float = 300.0
+    api_key: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.prompt_format not in PROMPT_FORMATS:
+            raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}, got {self.prompt_format!r}")
+        if self.num_requests < 1:
+            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
+
+
+@dataclass
+class RequestResult:
+    """One streamed request; times in seconds."""
+
+    success: bool = False
+    error: str = ""
+    prompt_len: int = 0
+    output_tokens: int = 0
+    start_s: float = 0.0                    # from the start of the run
+    ttft_s: float = math.nan
+    e2e_s: float = math.nan
+    itl_s: list[float] = field(default_factory=list)
+
+    @property
+    def tpot_s(self) -> float:
+        if self.output_tokens < 2:
+            return math.nan
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+def make_prompts(config: ServeBenchConfig) -> list[tuple[str | list[int], int, int]]:
+    """``(prompt, prompt_len, max_tokens)`` per request, seeded."""
+    rng = random.Random(config.seed)
+    prompts = []
+    for _ in range(config.num_requests):
+        num_input = config.input_len.sample(rng)
+        num_output = config.output_len.sample(rng)
+        if config.prompt_format == "token-ids":
+            prompt: str | list[int] = random_token_ids(rng, num_input, config.vocab_size)
+        else:
+            prompt = " ".join(rng.choice(_WORDS) for _ in range(num_input))
+        prompts.append((prompt, num_input, num_output))
+    return prompts
+
+
+def _headers(config: ServeBenchConfig) -> dict:
+    return {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+
+
+async def _model_name(client, config: ServeBenchConfig) -> str:
+    if config.model:
+        return config.model
+    response = await client.get(f"{config.url.rstrip('/')}/v1/models", headers=_headers(config))
+    response.raise_for_status()
+    models = response.json().get("data") or []
+    if not models:
+        raise RuntimeError(f"{config.url} lists no models; pass --model")
+    return models[0]["id"]
+
+
+async def _send(client, config: ServeBenchConfig, model: str, prompt, prompt_len: int, max_tokens: int,
+                run_start: float) -> RequestResult:
+    """Stream one completion, timing every chunk that carries text."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if config.ignore_eos:
+        body["ignore_eos"] = True
+    result = RequestResult(prompt_len=prompt_len)
+    start = time.perf_counter()
+    result.start_s = time.time() - run_start
+    last = start
+    num_chunks = 0
+    usage_tokens = None
+    try:
+        async with client.stream("POST", f"{config.url.rstrip('/')}/v1/completions", json=body,
+                                 headers=_headers(config)) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {text[:300]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                payload = line[len("data:"):].strip()
+                if payload == "[DONE]":
+                    break
+                chunk = json.loads(payload)
+                if "error" in chunk:
+                    result.error = f"stream error: {json.dumps(chunk['error'])[:300]}"
+                    return result
+                if chunk.get("usage"):
+                    usage_tokens = chunk["usage"].get("completion_tokens")
+                    result.prompt_len = chunk["usage"].get("prompt_tokens", prompt_len)
+                if any(choice.get("text") for choice in chunk.get("choices") or []):
+                    now = time.perf_counter()
+                    if num_chunks == 0:
+                        result.ttft_s = now - start
+                    else:
+                        result.itl_s.append(now - last)
+                    last = now
+                    num_chunks += 1
+        result.e2e_s = time.perf_counter() - start
+        result.output_tokens = usage_tokens if usage_tokens is not None else num_chunks
+        result.success = num_chunks > 0
+        if not result.success:
+            result.error = "the stream carried no text"
+    except Exception as exc:  # noqa: BLE001 - a failed request is a data point, not a crash
+        result.error = f"{type(exc).__name__}: {exc}"[:300]
+    return result
+
+
+async def run_load(config: ServeBenchConfig, on_finish=None) -> tuple[list[RequestResult], float]:
+    """Send every request (Poisson arrivals, optional concurrency cap); returns results and duration."""
+    import httpx
+
+    prompts = make_prompts(config)
+    arrivals = poisson_arrivals(config.num_requests, config.request_rate, config.seed)
+    limits = httpx.Limits(max_connections=config.max_concurrency or config.num_requests)
+    timeout = httpx.Timeout(config.request_timeout_s, connect=30.0)
+    semaphore = asyncio.Semaphore(config.max_concurrency or config.num_requests)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        model = await _model_name(client, config)
+        run_start = time.time()
+
+        async def one(index: int) -> RequestResult:
+            async with semaphore:
+                prompt, prompt_len, max_tokens = prompts[index]
+                result = await _send(client, config, model, prompt, prompt_len, max_tokens, run_start)
+            if on_finish is not None:
+                on_finish(result)
+            return result
+
+        tasks = []
+        for index, offset in enumerate(arrivals):
+            delay = run_start + offset - time.time()
+            if offset > config.max_duration_s:
+                break
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(index)))
+        results = await asyncio.gather(*tasks)
+        duration = time.time() - run_start
+    return list(results), duration
+
+
+def summarize_results(results: list[RequestResult], duration_s: float) -> dict:
+    """``vllm bench serve``'s summary: throughputs and latency statistics in ms."""
+    ok = [r for r in results if r.success]
+    total_input = sum(r.prompt_len for r in ok)
+    total_output = sum(r.output_tokens for r in ok)
+    summary: dict = {
+        "duration": duration_s,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "total_input_tokens": total_input,
+        "total_output_tokens": total_output,
+        "request_throughput": len(ok) / duration_s if duration_s > 0 else 0.0,
+        "output_throughput": total_output / duration_s if duration_s > 0 else 0.0,
+        "total_token_throughput": (total_input + total_output) / duration_s if duration_s > 0 else 0.0,
+    }
+    samples = {"ttft": [r.ttft_s for r in ok], "tpot": [r.tpot_s for r in ok if not math.isnan(r.tpot_s)],
+               "itl": [gap for r in ok for gap in r.itl_s], "e2el": [r.e2e_s for r in ok]}
+    for metric in LATENCY_METRICS:
+        values = [v * 1e3 for v in samples[metric]]
+        stats = summarize(values)
+        summary[f"mean_{metric}_ms"] = stats["mean"]
+        summary[f"median_{metric}_ms"] = percentile(values, 50)
+        summary[f"std_{metric}_ms"] = stats["std"]
+        for q in (50, 90, 99):
+            summary[f"p{q}_{metric}_ms"] = stats[f"p{q}"]
+    summary["errors"] = [r.error for r in results if not r.success][:MAX_ERRORS_KEPT]
+    return summary
+
+
+def run_benchmark(config: ServeBenchConfig, out: str | None = None, plot_dir: str | None = None,
+                  show_progress: bool = True) -> dict:
+    """Run the load, write JSON (config, summary, per-request results) and the latency CDFs."""
+    with progress_bar(config.num_requests, "serve", disable=not show_progress) as bar:
+        results, duration = asyncio.run(run_load(config, on_finish=lambda _: bar.update(1)))
+    data = {"config": {k: v for k, v in asdict(config).items() if k != "api_key"},
+            **summarize_results(results, duration),
+            "requests": [{"success": r.success, "prompt_len": r.prompt_len, "output_tokens": r.output_tokens,
+                          "start_s": r.start_s, "ttft_s": r.ttft_s, "e2e_s": r.e2e_s, "error": r.error}
+                         for r in results]}
+    write_json(out, data)
+    if plot_dir:
+        from pathlib import Path
+
+        ok = [r for r in results if r.success]
+        plot_cdfs({"TTFT": {"ttft": [r.ttft_s * 1e3 for r in ok]},
+                   "TPOT": {"tpot": [r.tpot_s * 1e3 for r in ok]},
+                   "ITL": {"itl": [g * 1e3 for r in ok for g in r.itl_s]},
+                   "end-to-end": {"e2el": [r.e2e_s * 1e3 for r in ok]}},
+                  Path(plot_dir) / "serve_latency_cdf.png", f"online load against {config.url}", xlabel="ms")
+    return data
+
+
+def format_results(data: dict) -> str:
+    lines = [f"serve: {data['completed']} completed, {data['failed']} failed in {data['duration']:.1f} s; "
+             f"{data['request_throughput']:.2f} req/s, {data['output_throughput']:.1f} output tok/s, "
+             f"{data['total_token_throughput']:.1f} total tok/s",
+             format_table(["metric (ms)", "mean", "median", "p90", "p99"],
+                          [[m.upper(), data[f"mean_{m}_ms"], data[f"median_{m}_ms"], data[f"p90_{m}_ms"],
+                            data[f"p99_{m}_ms"]] for m in LATENCY_METRICS])]
+    for error in data["errors"][:5]:
+        lines.append(f"error: {error}")
+    return "\n".join(lines)

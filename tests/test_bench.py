@@ -1,0 +1,302 @@
+"""``pagedserve bench``: small runs of each benchmark's core, checked for structure and
+for the relations that would break if the measurement were wrong."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from pagedserve.cluster.bench import allocators, fragmentation, offline, prefix, serve
+from pagedserve.cluster.bench.report import percentile, summarize, write_json
+from pagedserve.cluster.bench.workload import (LengthDist, make_mixed_workload, make_shared_prefix_workload,
+                                               max_prefix_hit_rate, poisson_arrivals)
+from pagedserve.cluster.cli import build_parser
+
+SMALL_SCENARIOS = (allocators.FragmentationScenario("small", num_blocks=4096, max_alloc_blocks=128),)
+
+
+# ---- helpers -----------------------------------------------------------------------------
+def test_percentile_and_summary():
+    assert percentile([3, 1, 2], 50) == 2
+    assert percentile([0, 10], 90) == pytest.approx(9)
+    assert math.isnan(percentile([], 99))
+    summary = summarize([1.0, 2.0, 3.0, 4.0])
+    assert summary["mean"] == 2.5 and summary["p50"] == 2.5 and summary["p99"] == pytest.approx(3.97)
+    with pytest.raises(ValueError):
+        percentile([1], 101)
+
+
+def test_write_json_makes_nan_null(tmp_path):
+    path = write_json(tmp_path / "sub" / "x.json", {"a": math.nan, "b": [math.inf, 1.0]})
+    assert json.loads(path.read_text()) == {"a": None, "b": [None, 1.0]}
+
+
+def test_workloads_are_seeded_and_fit():
+    kwargs = dict(prompt_len=LengthDist(100, 8, 300), output_len=LengthDist(50, 4, 200),
+                  num_prefixes=2, prefix_len=32, shared_fraction=0.5, seed=3)
+    first = make_mixed_workload(40, 500, 256, **kwargs)
+    assert first == make_mixed_workload(40, 500, 256, **kwargs)
+    assert all(r.num_prompt_tokens + r.max_tokens <= 256 and r.num_prompt_tokens >= 1 for r in first)
+    assert all(5 <= t < 500 for r in first for t in r.prompt_token_ids)
+    heads = [tuple(r.prompt_token_ids[:32]) for r in first]
+    assert len(set(heads)) < len(heads)  # some share a prefix
+    offsets = poisson_arrivals(200, 10.0, seed=1)
+    assert offsets == sorted(offsets) and 10 < offsets[-1] < 30  # ~20 s at 10 req/s
+    assert poisson_arrivals(3, math.inf) == [0.0, 0.0, 0.0]
+
+
+def test_max_prefix_hit_rate():
+    # Two identical 33-token prompts, blocks of 16: the second hits 2 blocks.
+    assert max_prefix_hit_rate([[7] * 33, [7] * 33], 16) == pytest.approx(32 / 66)
+    # The last token is always computed: a 32-token repeat hits only one block.
+    assert max_prefix_hit_rate([[7] * 32, [7] * 32], 16) == pytest.approx(16 / 64)
+    requests = make_shared_prefix_workload(4, 100, prefix_len=64, suffix_len=16)
+    assert max_prefix_hit_rate([r.prompt_token_ids for r in requests], 16) == pytest.approx(3 * 64 / (4 * 80))
+    assert max_prefix_hit_rate([[1, 2, 3], [4, 5, 6]], 1) == 0.0
+
+
+# ---- fragmentation -----------------------------------------------------------------------
+def test_fragmentation_contiguous_fragments_and_paged_never_does():
+    traces = fragmentation.simulate_fragmentation(num_blocks=4096, num_operations=600, max_alloc_blocks=128,
+                                                  seed=1)
+    contiguous, paged = traces["contiguous"], traces["paged"]
+    assert len(contiguous.fragmentation) == len(paged.fragmentation) == 600
+    assert contiguous.peak_at(600) > 0.05
+    assert all(value == 0.0 for value in paged.fragmentation)
+    assert paged.num_failed_with_free_space == 0
+    assert contiguous.num_failed_with_free_space > 0  # a 4096-block heap runs full in 600 ops
+    assert contiguous.num_alloc_attempts == paged.num_alloc_attempts  # the same stream
+
+
+def test_contiguous_largest_run_matches_the_pool():
+    heap = fragmentation._ContiguousHeap(64)
+    runs = [heap.try_allocate(n) for n in (8, 8, 8, 8)]
+    for block in runs[1] + runs[3]:  # a hole at 8..15; 24..31 joins the free tail 32..63
+        heap.pool.free(block)
+    live = [runs[0], runs[2]]
+    assert heap.largest_allocatable(live) == 40
+    assert heap.pool.can_allocate_run(40) and not heap.pool.can_allocate_run(41)
+    assert fragmentation.external_fragmentation(40, heap.pool.num_free_blocks) == pytest.approx(1 - 40 / 48)
+
+
+def test_fragmentation_report_shape():
+    report, traces = fragmentation.fragmentation_report(2, (50, 100), num_blocks=2048, max_alloc_blocks=64)
+    for name in ("contiguous", "paged"):
+        assert set(report[name]) == {"fragmentation", "peak_fragmentation", "at_ops", "failed_allocations",
+                                     "failed_with_free_space"}
+        assert set(report[name]["at_ops"]) == {"50", "100"}
+        assert len(traces[name]) == 100
+    assert report["paged"]["peak_fragmentation"] == 0.0
+
+
+# ---- allocators --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def allocator_run(tmp_path_factory, tiny_model):
+    out_dir = tmp_path_factory.mktemp("allocators")
+    config = dataclasses.replace(
+        allocators.QUICK_CONFIG, model=tiny_model("llama"), num_requests=20, num_device_blocks=96,
+        max_model_len=256, prompt_len=LengthDist(60, 8, 120), output_len=LengthDist(16, 4, 32),
+        prefix_len=32, repeats=1, fragmentation_trials=1, fragmentation_ops=(100, 300),
+        fragmentation_scenarios=SMALL_SCENARIOS)
+    data = allocators.run_benchmark(config, out=out_dir / "a.json", plot_dir=out_dir, show_progress=False)
+    return data, out_dir, config
+
+
+def test_allocators_json_schema_and_plots(allocator_run):
+    data, out_dir, config = allocator_run
+    written = json.loads((out_dir / "a.json").read_text())
+    assert set(written) == {"rows", "fragmentation"}
+    assert [row["allocator"] for row in written["rows"]] == ["contiguous", "paged", "paged+prefix"]
+    for row in written["rows"]:
+        assert set(row) == set(allocators.ROW_KEYS)
+        assert isinstance(row["max_concurrent"], int) and isinstance(row["preemptions"], int)
+        assert all(isinstance(row[k], float) for k in ("kv_utilization", "p99_latency_s", "throughput_tok_s"))
+    assert set(written["fragmentation"]["small"]) >= {"contiguous", "paged", "num_trials"}
+    for name in ("allocators_kv_utilization", "allocators_latency_cdf", "allocators_comparison", "fragmentation"):
+        assert (out_dir / f"{name}.png").stat().st_size > 1000
+    assert "contiguous" in allocators.format_results(data, config)
+
+
+def test_allocators_relations(allocator_run):
+    rows = {row["allocator"]: row for row in allocator_run[0]["rows"]}
+    contiguous, paged, shared = rows["contiguous"], rows["paged"], rows["paged+prefix"]
+    # 256-token reservations of 16-token blocks in a 96-block pool: 6 sequences at most.
+    assert contiguous["max_concurrent"] <= 96 // 16
+    assert paged["max_concurrent"] > contiguous["max_concurrent"]
+    assert contiguous["kv_utilization"] < 0.6 < paged["kv_utilization"] <= 1.0
+    assert 0.6 < shared["kv_utilization"] <= 1.0
+    assert contiguous["preemptions"] == 0  # it reserves the whole length up front
+    assert all(row["throughput_tok_s"] > 0 and row["p99_latency_s"] > 0 for row in rows.values())
+    frag = allocator_run[0]["fragmentation"]["small"]
+    assert frag["contiguous"]["peak_fragmentation"] > 0 and frag["paged"]["peak_fragmentation"] == 0
+
+
+def test_median_row_takes_measured_values():
+    rows = [dict(zip(allocators.ROW_KEYS, ("paged", u, c, p, l, t)))
+            for u, c, p, l, t in ((0.9, 10, 1, 2.0, 50.0), (0.8, 12, 3, 1.0, 70.0), (0.95, 11, 2, 3.0, 60.0))]
+    assert allocators.median_row(rows) == {"allocator": "paged", "kv_utilization": 0.9, "max_concurrent": 11,
+                                           "preemptions": 2, "p99_latency_s": 2.0, "throughput_tok_s": 60.0}
+    assert allocators.median_row(rows[:2])["throughput_tok_s"] == 50.0  # the lower middle
+
+
+def test_replay_open_loop_arrivals(tiny_model):
+    from pagedserve.cluster.bench.replay import build_engine, replay
+
+    engine = build_engine(tiny_model("llama"), num_device_blocks=64, max_model_len=256)
+    requests = make_mixed_workload(6, 500, 256, prompt_len=LengthDist(20, 4, 40), output_len=LengthDist(4, 2, 8),
+                                   request_rate=20.0, seed=2)
+    result = replay(engine, requests)
+    assert len(result.records) == 6 and result.num_errors == 0
+    for record, request in zip(sorted(result.records, key=lambda r: int(r.request_id.split("-")[1])), requests):
+        assert record.num_output_tokens == request.max_tokens
+        assert record.arrival_s == pytest.approx(request.arrival_s, abs=1e-6)
+        assert 0 < record.ttft_s <= record.e2e_s
+    assert result.duration_s >= requests[-1].arrival_s - requests[0].arrival_s
+    assert engine.num_used_blocks() == 0
+
+
+# ---- prefix ------------------------------------------------------------------------------
+def test_prefix_caching_cuts_ttft(tmp_path, tiny_model):
+    config = dataclasses.replace(prefix.QUICK_CONFIG, model=tiny_model("llama"), num_requests=5, prefix_len=384,
+                                 suffix_len=32, max_tokens=2, max_model_len=512, num_device_blocks=128)
+    data = prefix.run_benchmark(config, out=tmp_path / "p.json", plot_dir=tmp_path, show_progress=False)
+    written = json.loads((tmp_path / "p.json").read_text())
+    assert {"caching_off", "caching_on", "ttft_speedup", "ttft_speedup_warm", "theoretical_max_hit_rate",
+            "meets_target"} <= set(written)
+    off, on = data["caching_off"], data["caching_on"]
+    assert off["prefix_hit_rate"] == 0.0
+    # One request at a time: every later request hits the whole shared prefix.
+    assert on["prefix_hit_rate"] == pytest.approx(data["theoretical_max_hit_rate"])
+    assert data["theoretical_max_hit_rate"] == pytest.approx(4 * 384 / (5 * 416))
+    assert on["mean_cached_tokens"] == pytest.approx(4 * 384 / 5)
+    assert on["ttft_warm_ms"]["p50"] < off["ttft_warm_ms"]["p50"]
+    assert (tmp_path / "prefix_latency_cdf.png").is_file() and (tmp_path / "prefix_comparison.png").is_file()
+
+
+# ---- serve -------------------------------------------------------------------------------
+class _FakeOpenAI(BaseHTTPRequestHandler):
+    """Streams ``max_tokens`` one-token chunks; the 3rd request gets a 503."""
+
+    lock = threading.Lock()
+    num_requests = 0
+
+    def log_message(self, *args):  # keep test output clean
+        pass
+
+    def _json(self, status: int, body: dict) -> None:
+        payload = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def do_GET(self):
+        if self.path == "/v1/models":
+            self._json(200, {"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+        else:
+            self._json(404, {"error": {"message": "not found"}})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with self.lock:
+            type(self).num_requests += 1
+            number = type(self).num_requests
+        if number == 3:
+            self._json(503, {"error": {"message": "no capacity"}})
+            return
+        assert body["stream"] and body["model"] == "fake-model" and body["ignore_eos"]
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for _ in range(body["max_tokens"]):
+            time.sleep(0.002)
+            self.wfile.write(b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n')
+            self.wfile.flush()
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"]}
+        self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+
+
+@pytest.fixture
+def fake_server():
+    _FakeOpenAI.num_requests = 0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeOpenAI)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_serve_metrics_against_a_streaming_server(fake_server, tmp_path):
+    config = serve.ServeBenchConfig(url=fake_server, num_requests=6, request_rate=50.0, max_concurrency=4,
+                                    input_len=LengthDist(20, 4, 40), output_len=LengthDist(8, 4, 12), seed=1)
+    data = serve.run_benchmark(config, out=tmp_path / "s.json", plot_dir=tmp_path, show_progress=False)
+    assert data["completed"] == 5 and data["failed"] == 1
+    assert "HTTP 503" in data["errors"][0]
+    written = json.loads((tmp_path / "s.json").read_text())
+    # Output tokens come from the usage chunk: each success got exactly its max_tokens.
+    requested = sorted(n for _, _, n in serve.make_prompts(config))
+    for request in written["requests"]:
+        if request["success"]:
+            requested.remove(request["output_tokens"])
+    assert len(requested) == 1
+    assert data["total_output_tokens"] == sum(n for _, _, n in serve.make_prompts(config)) - requested[0]
+    for metric in serve.LATENCY_METRICS:
+        for stat in ("mean", "median", "p50", "p90", "p99", "std"):
+            assert f"{stat}_{metric}_ms" in data
+    assert 0 < data["mean_ttft_ms"] < data["mean_e2el_ms"]
+    assert 0 < data["mean_itl_ms"] <= data["p99_itl_ms"]
+    assert data["request_throughput"] > 0 and data["output_throughput"] > 0
+    assert written["config"]["url"] == fake_server and len(written["requests"]) == 6
+    assert (tmp_path / "serve_latency_cdf.png").is_file()
+
+
+def test_serve_reports_a_dead_server_as_errors():
+    config = serve.ServeBenchConfig(url="http://127.0.0.1:9", model="m", num_requests=2, request_timeout_s=5)
+    results, _ = asyncio.run(serve.run_load(config))
+    summary = serve.summarize_results(results, 1.0)
+    assert summary["completed"] == 0 and summary["failed"] == 2 and summary["errors"]
+
+
+def test_serve_config_validation():
+    with pytest.raises(ValueError):
+        serve.ServeBenchConfig(url="localhost:8000")
+    with pytest.raises(ValueError):
+        serve.ServeBenchConfig(url="http://x", prompt_format="json")
+
+
+# ---- offline -----------------------------------------------------------------------------
+def test_offline_runs_all_contenders(tmp_path, tiny_model):
+    config = dataclasses.replace(offline.QUICK_CONFIG, model=tiny_model("llama"), num_requests=4,
+                                 prompt_len=LengthDist(24, 4, 48), output_len=LengthDist(6, 2, 10), static_batch=2)
+    data = offline.run_benchmark(config, out=tmp_path / "o.json", plot_dir=tmp_path, show_progress=False)
+    assert set(data["results"]) == {"transformers generate (static)", "transformers generate_batch",
+                                    "pagedserve LLM.generate"}
+    assert all(r["output_tok_per_s"] > 0 and 0 < r["mfu"] < 1 for r in data["results"].values())
+    assert set(data["ratios"]) == {"transformers generate (static)", "transformers generate_batch"}
+    assert data["greedy_agreement_vs_static"]["num_requests"] == 4
+    assert data["matmul_gflop_per_s"] > 0
+    assert (tmp_path / "offline_throughput.png").is_file()
+
+
+# ---- command line ------------------------------------------------------------------------
+def test_bench_cli_parses():
+    parser = build_parser()
+    args = parser.parse_args(["bench", "allocators", "--quick", "--out", "x.json", "--allocator", "paged",
+                              "--request-rate", "inf"])
+    assert args.quick and args.allocator == ["paged"] and math.isinf(args.request_rate)
+    args = parser.parse_args(["bench", "serve", "--url", "http://h:1", "--max-concurrency", "4"])
+    assert args.max_concurrency == 4
+    for bad in (["bench"], ["bench", "serve"], ["bench", "prefix", "--num-requests", "0"],
+                ["bench", "allocators", "--allocator", "buddy"]):
+        with pytest.raises(SystemExit) as exc:
+            parser.parse_args(bad)
+        assert exc.value.code == 2
