@@ -7,23 +7,18 @@ done here, where the lengths are read on the host anyway.
 Attention gathers each sequence's context from the cache through its block table (one
 row ``index_select`` over the cache viewed as ``[num_slots, num_kv_heads * head_dim]``) and
 runs ``scaled_dot_product_attention`` in float32 (float64 for float64 inputs). Decode
-tokens are batched: grouped into a few buckets of similar context length, padded to the
-bucket's longest context and masked, and run in chunks of bounded size. Each prefill chunk
-runs on its own with a causal mask offset by its cached prefix.
+tokens are batched: sorted by context length and run in chunks of similar length, each
+padded to its longest context and masked, and small enough that the gathered context is
+still in cache when the attention reads it. Each prefill chunk runs on its own with a
+causal mask offset by its cached prefix.
 """
 
 import torch
 import torch.nn.functional as F
 
-# Decode sequences are bucketed by context length, each bucket spanning at most a factor
-# of two, so padding stays under half of a bucket's work. A bucket costs a fixed overhead of
-# about this many gathered kv elements (positions x kv heads x head_dim); a bucket whose
-# padding to the next longer bucket would cost less than that is merged into it.
-_BUCKET_OVERHEAD_ELEMENTS = 131072
-# Buckets run in chunks of sequences whose gathered K (or V) holds at most this many
-# elements: small temporaries stay in cache and avoid fresh page-faulted allocations,
-# which made one big gather about three times slower per element on the test machine.
-_MAX_GATHER_ELEMENTS = 1 << 20
+# Decode runs in chunks of sequences whose gathered K (or V) holds at most this many
+# elements, so the gathered copy is still in cache when the attention reads it.
+_MAX_GATHER_ELEMENTS = 1 << 18
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -65,89 +60,72 @@ def _gather_context(cache_flat, slots, num_kv_heads, compute_dtype):
     return gathered.to(compute_dtype).transpose(1, 2)
 
 
-def _decode_bucket(
-    q, k_flat, v_flat, block_tables, seq_lens, max_len, is_padded, block_size, num_kv_heads, scale
-):
-    """Attention for one query per sequence, with contexts padded to ``max_len``.
-
-    ``q`` is ``[n, num_heads, head_dim]`` in the compute dtype. Returns the same shape.
-    """
-    num_seqs, num_heads, head_dim = q.shape
-    slots = _context_slots(block_tables, max_len, block_size)
-    mask = None
-    if is_padded:
-        # Padded positions read the sequence's first slot (always written, so finite)
-        # instead of whatever the table or a partly filled block holds there.
-        positions = torch.arange(max_len, device=slots.device)
-        is_valid = positions < seq_lens.unsqueeze(1)
-        slots = torch.where(is_valid, slots, slots[:, :1])
-        mask = is_valid[:, None, None, :]
-    k = _gather_context(k_flat, slots, num_kv_heads, q.dtype)
-    v = _gather_context(v_flat, slots, num_kv_heads, q.dtype)
-    # The query heads sharing a kv head become that head's query rows: [n, kv_heads, group, d].
-    q = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return out.reshape(num_seqs, num_heads, head_dim)
-
-
-def _plan_buckets(lens: list[int], elements_per_position: int) -> list[tuple[list[int], int, bool]]:
-    """Group sequence indices into ``(indices, max_len, is_padded)`` buckets of similar
-    context length, longest first. A single bucket lists all sequences in order."""
-    num_seqs = len(lens)
-    max_len = max(lens)
-    total = sum(lens)
-    if (num_seqs * max_len - total) * elements_per_position <= _BUCKET_OVERHEAD_ELEMENTS:
-        return [(list(range(num_seqs)), max_len, num_seqs * max_len != total)]
-    # Bucket k holds lengths in (max_len / 2**(k+1), max_len / 2**k].
-    groups = {}
-    for seq, length in enumerate(lens):
-        groups.setdefault((max_len // length).bit_length() - 1, []).append(seq)
-    buckets = []  # [indices, bucket max_len, sum of lengths], longest first
-    for key in sorted(groups):
-        indices = groups[key]
-        lengths = [lens[seq] for seq in indices]
-        buckets.append([indices, max(lengths), sum(lengths)])
-    merged = [buckets[0]]
-    for indices, bucket_max, bucket_total in buckets[1:]:
-        longer = merged[-1]
-        extra = len(indices) * (longer[1] - bucket_max) * elements_per_position
-        if extra <= _BUCKET_OVERHEAD_ELEMENTS:
-            longer[0] = longer[0] + indices
-            longer[2] += bucket_total
-        else:
-            merged.append([indices, bucket_max, bucket_total])
-    return [
-        (indices, bucket_max, bucket_total != bucket_max * len(indices))
-        for indices, bucket_max, bucket_total in merged
-    ]
+def _plan_decode_chunks(sorted_lens: list[int], elements_per_position: int) -> list[tuple[int, int]]:
+    """Split sequences sorted by context length (longest first) into ``(start, end)`` chunks
+    whose gathered K (or V), padded to the chunk's longest context, holds at most
+    ``_MAX_GATHER_ELEMENTS`` elements (one sequence at least)."""
+    chunks = []
+    start, num_seqs = 0, len(sorted_lens)
+    while start < num_seqs:
+        per_seq = sorted_lens[start] * elements_per_position
+        end = min(num_seqs, start + max(1, _MAX_GATHER_ELEMENTS // per_seq))
+        chunks.append((start, end))
+        start = end
+    return chunks
 
 
 def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, lens, scale, out):
-    """One query per sequence; writes ``[n, num_heads, head_dim]`` into ``out``."""
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    """One query per sequence; writes ``[n, num_heads, head_dim]`` into ``out``.
+
+    Sequences run longest first in chunks of similar context length, so padding is small
+    and each chunk's gathered K/V stays in cache between the gather and the attention.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     elements_per_position = num_kv_heads * head_dim
     k_flat = k_cache.view(num_blocks * block_size, elements_per_position)
     v_flat = v_cache.view(num_blocks * block_size, elements_per_position)
-    q = q.to(_compute_dtype(q.dtype))
-    buckets = _plan_buckets(lens, elements_per_position)
-    is_single_bucket = len(buckets) == 1
-    for indices, max_len, is_padded in buckets:
-        max_rows = max(1, _MAX_GATHER_ELEMENTS // (max_len * elements_per_position))
-        for first in range(0, len(indices), max_rows):
-            if is_single_bucket:  # rows in their original order: slice instead of gather
-                rows = slice(first, first + max_rows)
-                out[rows] = _decode_bucket(
-                    q[rows], k_flat, v_flat, block_tables[rows], seq_lens[rows],
-                    max_len, is_padded, block_size, num_kv_heads, scale,
-                )  # fmt: skip
-                continue
-            rows = torch.tensor(indices[first : first + max_rows], device=q.device)
-            result = _decode_bucket(
-                q.index_select(0, rows), k_flat, v_flat, block_tables.index_select(0, rows),
-                seq_lens.index_select(0, rows), max_len, is_padded, block_size, num_kv_heads,
-                scale,
-            )  # fmt: skip
-            out.index_copy_(0, rows, result.to(out.dtype))
+    compute_dtype = _compute_dtype(q.dtype)
+    device = q.device
+    order = sorted(range(num_seqs), key=lens.__getitem__, reverse=True)
+    sorted_lens = [lens[seq] for seq in order]
+    is_sorted = order == list(range(num_seqs))
+    if is_sorted:
+        tables, lens_tensor, queries = block_tables, seq_lens, q
+    else:
+        order_tensor = torch.tensor(order, device=device)
+        tables = block_tables.index_select(0, order_tensor)
+        lens_tensor = seq_lens.index_select(0, order_tensor)
+        queries = q.index_select(0, order_tensor)
+    # The query heads sharing a kv head become that head's query rows: [n, kv_heads, group, d].
+    queries = queries.to(compute_dtype).reshape(
+        num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim
+    )
+    result = out if is_sorted else torch.empty_like(q)
+    # Slots of every sequence's context, padded to the longest: padded positions read the
+    # sequence's first slot (always written, so finite) instead of whatever the table or a
+    # partly filled block holds there, and are masked out.
+    max_len = sorted_lens[0]
+    num_table_blocks = -(-max_len // block_size)
+    offsets = torch.arange(block_size, device=device)
+    slots = tables[:, :num_table_blocks].long().unsqueeze(2) * block_size + offsets
+    slots = slots.view(num_seqs, num_table_blocks * block_size)[:, :max_len]
+    is_valid = torch.arange(max_len, device=device) < lens_tensor.unsqueeze(1)
+    slots = torch.where(is_valid, slots, slots[:, :1])
+    for start, end in _plan_decode_chunks(sorted_lens, elements_per_position):
+        chunk_len = sorted_lens[start]
+        chunk_slots = slots[start:end, :chunk_len]
+        mask = None
+        if sorted_lens[end - 1] != chunk_len:
+            mask = is_valid[start:end, None, None, :chunk_len]
+        k = _gather_context(k_flat, chunk_slots, num_kv_heads, compute_dtype)
+        v = _gather_context(v_flat, chunk_slots, num_kv_heads, compute_dtype)
+        chunk_out = F.scaled_dot_product_attention(
+            queries[start:end], k, v, attn_mask=mask, scale=scale
+        )
+        result[start:end] = chunk_out.reshape(end - start, num_heads, head_dim)
+    if not is_sorted:
+        out.index_copy_(0, order_tensor, result)
 
 
 def _prefill_attention(

@@ -182,14 +182,14 @@ def test_mixed_batch_matches_reference(gen, block_size, gqa, head_dim, dtype):
 
 @pytest.mark.parametrize("max_gather_elements", [None, 4096])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_decode_with_many_lengths_uses_buckets(gen, monkeypatch, dtype, max_gather_elements):
-    """Widely spread context lengths, so decode runs in several length buckets (and, with a
-    small gather limit, in chunks of one sequence)."""
+def test_decode_with_many_lengths_uses_chunks(gen, monkeypatch, dtype, max_gather_elements):
+    """Widely spread context lengths, so decode runs in several chunks of similar length
+    (with a small gather limit, in chunks of one sequence)."""
     if max_gather_elements is not None:
         monkeypatch.setattr(torch_ops, "_MAX_GATHER_ELEMENTS", max_gather_elements)
     seq_lens = [randint(gen, 1, 20) for _ in range(20)]
     seq_lens += [randint(gen, 150, 400) for _ in range(12)]
-    assert len(torch_ops._plan_buckets(seq_lens, 2 * 64)) > 1
+    assert len(torch_ops._plan_decode_chunks(sorted(seq_lens, reverse=True), 2 * 64)) > 1
     seq_lens = [seq_lens[i] for i in torch.randperm(len(seq_lens), generator=gen).tolist()]
     ctx = PagedContext(gen, seq_lens, 2, 64, 16, dtype)
     q = randn(gen, len(seq_lens), 8, 64, dtype=dtype)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import PagedAttentionMetadata, register_paged_attention
+from .host_memory import retain_freed_host_memory
 from .kv_cache import CacheShape, KVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -62,6 +63,8 @@ class ModelRunner:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.device = resolve_device(device)
+        if self.device.type == "cpu":
+            retain_freed_host_memory()
         self.dtype = resolve_dtype(dtype, self.device)
         self.kernel_backend = kernel_backend
         config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)

@@ -1,0 +1,320 @@
+"""Offline throughput: pagedserve's ``LLM.generate`` against transformers, side by side.
+
+One run, one checkpoint, one set of requests (random token ids from a fixed seed,
+prompts of ``--min-prompt``..``--max-prompt`` tokens, ``--output-len`` output tokens
+each, EOS ignored), greedy decoding throughout:
+
+- transformers ``generate`` in static batches of ``--static-batch`` (left padding);
+- transformers ``generate_batch`` (its own continuous batching, transformers 5.x);
+- pagedserve ``LLM.generate``.
+
+Each contender runs in a fresh process with the same torch thread count and the same
+host allocator setting, after a short warm-up, so that none inherits another's threads,
+caches or heap. Reports output tokens/s for each, pagedserve's ratio to each baseline,
+and MFU: ``2 x parameters x output tokens/s`` over the FLOP rate of a float32
+[256x512]x[512x1408] matmul measured in the same run (the best of the contenders'
+processes). That numerator leaves out the prompt tokens' FLOPs, so the table also gives
+the ceiling it implies: output tok/s if every forward FLOP (prompt and output tokens)
+ran at the matmul rate. Also checks that pagedserve's greedy outputs equal static
+``generate``'s.
+
+    python benchmarks/bench_engine.py [--quick] [--json out.json] [--skip-transformers]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+CONTENDERS = {
+    # key: (label, OpenMP wait policy under --omp-wait-policy auto)
+    "static": ("transformers generate (static)", "active"),
+    # generate_batch runs the model on a background thread; with spinning waits the idle
+    # OpenMP threads of the calling thread would take a core from it.
+    "batch": ("transformers generate_batch", "passive"),
+    "pagedserve": ("pagedserve LLM.generate", "active"),
+}
+
+
+# ---- the contenders (each runs in its own process) -----------------------------------
+def matmul_flops_per_s(m: int = 256, k: int = 512, n: int = 1408, seconds: float = 1.0) -> float:
+    """Best FLOP rate of a float32 [m x k] x [k x n] matmul over repeated timings."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(m, k, generator=gen)
+    b = torch.randn(k, n, generator=gen)
+    for _ in range(10):
+        a @ b
+    best = float("inf")
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        best = min(best, (time.perf_counter() - start) / 10)
+    return 2 * m * k * n / best
+
+
+def run_static_generate(model, prompts, output_len: int, batch_size: int, pad_id: int):
+    """``model.generate`` over static batches with left padding; returns (outputs, seconds)."""
+    import torch
+
+    outputs = []
+    start = time.perf_counter()
+    for first in range(0, len(prompts), batch_size):
+        batch = prompts[first:first + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, prompt in enumerate(batch):
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        with torch.inference_mode():
+            generated = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                       max_new_tokens=output_len, min_new_tokens=output_len,
+                                       pad_token_id=pad_id)
+        outputs.extend(generated[:, width:].tolist())
+    return outputs, time.perf_counter() - start
+
+
+def run_generate_batch(model, prompts, output_len: int, max_batch_tokens: int, page_size: int = 256):
+    """``model.generate_batch`` (transformers' continuous batching); returns (outputs, seconds)."""
+    import torch
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+    num_blocks = sum(-(-(len(p) + output_len) // page_size) for p in prompts) + 8
+    batching = ContinuousBatchingConfig(page_size=page_size, num_blocks=num_blocks,
+                                        max_batch_tokens=max_batch_tokens)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        results = model.generate_batch(inputs=prompts, generation_config=config,
+                                       continuous_batching_config=batching, warmup=False)
+    seconds = time.perf_counter() - start
+    outputs = [list(result.generated_tokens) for result in results.values()]
+    if len(outputs) != len(prompts):
+        raise RuntimeError(f"generate_batch returned {len(outputs)} of {len(prompts)} requests")
+    return outputs, seconds
+
+
+def run_pagedserve(llm, prompts, output_len: int):
+    """``LLM.generate`` with greedy params; returns (outputs, seconds)."""
+    from pagedserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    start = time.perf_counter()
+    results = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    return [list(result.outputs[0].token_ids) for result in results], seconds
+
+
+def run_contender(key: str, spec: dict) -> dict:
+    """Warm up, then time one contender on ``spec``'s requests, in this process."""
+    import torch
+
+    from pagedserve.workers.host_memory import retain_freed_host_memory
+
+    torch.set_num_threads(spec["threads"])
+    retain_freed_host_memory()  # every contender alike (pagedserve's CPU runner sets it anyway)
+    prompts, warm, output_len = spec["prompts"], spec["warm_prompt"], spec["output_len"]
+    result: dict = {}
+    if key == "pagedserve":
+        from pagedserve import LLM
+
+        llm = LLM(spec["model"], max_num_seqs=spec["max_num_seqs"],
+                  max_num_batched_tokens=spec["max_num_batched_tokens"])
+        run_pagedserve(llm, [warm, warm[:8]], 4)
+        outputs, seconds = run_pagedserve(llm, prompts, output_len)
+        runner = llm.engine.runner
+        result.update(num_steps=llm.engine.num_steps, num_parameters=runner.num_parameters,
+                      num_lm_head_parameters=runner.lm_head.weight.numel())
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).eval()
+        if key == "static":
+            pad_id = model.generation_config.pad_token_id or 0
+            run_static_generate(model, [warm], 4, 1, pad_id)
+            outputs, seconds = run_static_generate(model, prompts, output_len, spec["static_batch"], pad_id)
+        else:
+            run_generate_batch(model, [warm], 4, spec["max_num_batched_tokens"])
+            outputs, seconds = run_generate_batch(model, prompts, output_len,
+                                                  spec["max_num_batched_tokens"])
+    result.update(seconds=seconds, outputs=outputs, matmul_flops_per_s=matmul_flops_per_s())
+    return result
+
+
+# ---- the driver ---------------------------------------------------------------------------
+def make_prompts(num_requests: int, min_len: int, max_len: int, vocab_size: int,
+                 first_id: int, seed: int) -> list[list[int]]:
+    """Random token ids in ``[first_id, vocab_size)`` (no special tokens), fixed seed."""
+    rng = random.Random(seed)
+    return [[rng.randrange(first_id, vocab_size) for _ in range(rng.randint(min_len, max_len))]
+            for _ in range(num_requests)]
+
+
+def agreement(ours: list[list[int]], reference: list[list[int]]) -> dict:
+    """Share of requests with identical outputs, and of tokens before the first divergence."""
+    identical = sum(a == b for a, b in zip(ours, reference))
+    prefix = 0
+    for a, b in zip(ours, reference):
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            prefix += 1
+    total = sum(len(b) for b in reference)
+    return {"identical_requests": identical, "num_requests": len(reference),
+            "identical_fraction": identical / max(1, len(reference)),
+            "matching_prefix_token_fraction": prefix / max(1, total)}
+
+
+def spawn_contender(key: str, spec_path: str, workdir: str, policy: str) -> dict:
+    """Run ``key`` in a fresh interpreter with the given OpenMP wait policy."""
+    out_path = os.path.join(workdir, f"{key}.json")
+    env = dict(os.environ)
+    if policy != "env":
+        env["OMP_WAIT_POLICY"] = policy.upper()
+    command = [sys.executable, os.path.abspath(__file__), "--run-contender", key,
+               "--spec", spec_path, "--out", out_path]
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{key} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    with open(out_path) as f:
+        result = json.load(f)
+    result["omp_wait_policy"] = env.get("OMP_WAIT_POLICY")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", default="llama")
+    parser.add_argument("--size", default="small")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--min-prompt", type=int, default=32)
+    parser.add_argument("--max-prompt", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--static-batch", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for every contender (default: one per CPU core)")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--quick", action="store_true", help="16 requests of 32 output tokens (smoke run)")
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument(
+        "--omp-wait-policy", choices=("auto", "active", "passive", "env"), default="auto",
+        help="OpenMP wait policy of the contenders' processes. 'active' (idle threads spin) is "
+             "fastest on an otherwise idle machine; 'passive' on a machine shared with other busy "
+             "processes, where a spinning thread stalls every parallel region; 'auto' (default) is "
+             "active, except passive for generate_batch; 'env' keeps the environment's setting")
+    parser.add_argument("--run-contender", choices=tuple(CONTENDERS), help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.run_contender:
+        with open(args.spec) as f:
+            spec = json.load(f)
+        result = run_contender(args.run_contender, spec)
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+        return
+
+    if args.quick:
+        args.num_requests, args.output_len = min(args.num_requests, 16), min(args.output_len, 32)
+    from pagedserve.workers.model_factory import SPECIAL_TOKENS, ensure_model
+
+    path = str(ensure_model(args.arch, args.size))
+    with open(os.path.join(path, "config.json")) as f:
+        vocab_size = json.load(f)["vocab_size"]
+    threads = args.threads or os.cpu_count() or 1
+    prompts = make_prompts(args.num_requests, args.min_prompt, args.max_prompt, vocab_size,
+                           len(SPECIAL_TOKENS), args.seed)
+    spec = {"model": path, "prompts": prompts, "output_len": args.output_len, "threads": threads,
+            "warm_prompt": make_prompts(1, 16, 16, vocab_size, len(SPECIAL_TOKENS), args.seed + 1)[0],
+            "static_batch": args.static_batch, "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens}
+    keys = ["pagedserve"] if args.skip_transformers else ["static", "batch", "pagedserve"]
+    runs: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="bench_engine.") as workdir:
+        spec_path = os.path.join(workdir, "spec.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        for key in keys:
+            policy = CONTENDERS[key][1] if args.omp_wait_policy == "auto" else args.omp_wait_policy
+            runs[key] = spawn_contender(key, spec_path, workdir, policy)
+
+    ours_run = runs["pagedserve"]
+    num_params = ours_run["num_parameters"]
+    lm_head = ours_run["num_lm_head_parameters"]
+    num_output = args.num_requests * args.output_len
+    num_prompt_tokens = sum(len(p) for p in prompts)
+    flops_rate = max(run["matmul_flops_per_s"] for run in runs.values())
+    # Every forward token costs about 2 x parameters FLOPs (the LM head only for output
+    # tokens; attention ignored): the best output tok/s this workload allows at flops_rate.
+    forward_flops = 2 * (num_params - lm_head) * (num_prompt_tokens + num_output) + 2 * lm_head * num_output
+    ceiling = num_output / (forward_flops / flops_rate)
+
+    results = {}
+    for key, run in runs.items():
+        tok_per_s = num_output / run["seconds"]
+        results[CONTENDERS[key][0]] = {
+            "seconds": run["seconds"], "output_tok_per_s": tok_per_s,
+            "mfu": 2 * num_params * tok_per_s / flops_rate,
+            "omp_wait_policy": run["omp_wait_policy"],
+            "matmul_gflop_per_s_in_process": run["matmul_flops_per_s"] / 1e9,
+            **({"num_steps": run["num_steps"]} if "num_steps" in run else {}),
+        }
+    ours = results[CONTENDERS["pagedserve"][0]]["output_tok_per_s"]
+    summary = {
+        "workload": {"model": f"{args.arch}-{args.size}", "num_parameters": num_params,
+                     "num_requests": args.num_requests, "prompt_lens": [args.min_prompt, args.max_prompt],
+                     "num_prompt_tokens": num_prompt_tokens, "output_len": args.output_len,
+                     "threads": threads, "seed": args.seed,
+                     "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()},
+        "matmul_gflop_per_s": flops_rate / 1e9,
+        "ceiling_output_tok_per_s": ceiling,
+        "ceiling_mfu": 2 * num_params * ceiling / flops_rate,
+        "results": results,
+    }
+    if not args.skip_transformers:
+        summary["ratio_vs_static_generate"] = ours / results[CONTENDERS["static"][0]]["output_tok_per_s"]
+        summary["ratio_vs_generate_batch"] = ours / results[CONTENDERS["batch"][0]]["output_tok_per_s"]
+        summary["greedy_agreement_vs_static"] = agreement(ours_run["outputs"], runs["static"]["outputs"])
+        summary["greedy_agreement_batch_vs_static"] = agreement(runs["batch"]["outputs"],
+                                                                runs["static"]["outputs"])
+
+    print(f"\n{args.arch}-{args.size}: {num_params / 1e6:.1f}M params, {args.num_requests} requests, "
+          f"prompts {args.min_prompt}-{args.max_prompt} ({num_prompt_tokens} tokens), "
+          f"{args.output_len} output tokens each, {threads} threads")
+    print(f"matmul [256x512]x[512x1408] float32: {flops_rate / 1e9:.1f} GFLOP/s; with prompt FLOPs "
+          f"counted, that allows at most {ceiling:.0f} output tok/s (MFU {summary['ceiling_mfu']:.0%})\n")
+    print(f"{'contender':34s} {'seconds':>8s} {'out tok/s':>10s} {'MFU':>6s} {'pagedserve x':>13s}  OMP wait")
+    for name, result in results.items():
+        print(f"{name:34s} {result['seconds']:8.2f} {result['output_tok_per_s']:10.1f} "
+              f"{result['mfu']:6.1%} {ours / result['output_tok_per_s']:13.2f}  {result['omp_wait_policy']}")
+    if not args.skip_transformers:
+        print()
+        for key, label in (("greedy_agreement_vs_static", "pagedserve"),
+                           ("greedy_agreement_batch_vs_static", "generate_batch")):
+            agree = summary[key]
+            print(f"{label} vs static generate, greedy: {agree['identical_requests']}/{agree['num_requests']} "
+                  f"requests identical, {agree['matching_prefix_token_fraction']:.1%} of tokens "
+                  "before the first divergence")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
