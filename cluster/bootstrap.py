@@ -41,8 +41,26 @@ def _actor_classes():
     return ray.remote(KVManagerService), ray.remote(Worker)
 
 
+def _wait_ready(refs: list, timeout_s: float, show_progress: bool) -> list:
+    """Wait for every worker to load its model and allocate its pools, with a progress bar."""
+    import ray
+    from tqdm import tqdm
+
+    deadline = time.time() + timeout_s
+    pending = list(refs)
+    with tqdm(total=len(refs), desc="workers ready (model loaded, KV pools allocated)",
+              unit="worker", disable=not show_progress, leave=False) as bar:
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.time()))
+            if not ready:
+                raise TimeoutError(f"{len(pending)} worker(s) not ready after {timeout_s:.0f} s")
+            bar.update(len(ready))
+    return ray.get(refs)
+
+
 def start(config: ClusterConfig | dict | str | Path | None = None, address: str | None = None,
-          ready_timeout_s: float = 600.0, **ray_init_kwargs: Any) -> ClusterHandle:
+          ready_timeout_s: float = 600.0, show_progress: bool = False,
+          **ray_init_kwargs: Any) -> ClusterHandle:
     """Start the KV manager and the workers the config asks for; return a handle.
 
     Joins the Ray cluster at ``address`` (or the one this process is already
@@ -82,6 +100,6 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
             roles[worker_id] = group.role
             index += 1
     start_time = time.time()
-    infos = ray.get([w.info.remote() for w in workers.values()], timeout=ready_timeout_s)
+    infos = _wait_ready([w.info.remote() for w in workers.values()], ready_timeout_s, show_progress)
     logger.info("pagedserve: %d workers ready in %.1f s", len(infos), time.time() - start_time)
     return ClusterHandle(config, model_path, kv_manager, workers, roles, infos[0], owns_ray=owns_ray)

@@ -65,11 +65,12 @@ class Progress:
         self.is_tty = self.stream.isatty()
 
     @contextlib.contextmanager
-    def stage(self, label: str) -> Iterator[None]:
+    def stage(self, label: str, spinner: bool = True) -> Iterator[None]:
+        """A stage; ``spinner=False`` when the stage draws its own progress bar."""
         start = time.time()
         stop = threading.Event()
         ticker = None
-        if self.is_tty:
+        if self.is_tty and spinner:
             def tick() -> None:
                 for frame in itertools.cycle("|/-\\"):
                     if stop.wait(0.2):
@@ -120,8 +121,8 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
                 config.model.resolve_path()
         num_workers = sum(group.count for group in config.workers)
         with progress.stage(f"starting the KV manager and {num_workers} worker(s): loading the model, "
-                            "allocating KV pools"):
-            handle = start(config)
+                            "allocating KV pools", spinner=False):
+            handle = start(config, show_progress=progress.is_tty)
         apis = "HTTP and gRPC" if config.server.grpc_port is not None else "HTTP"
         with progress.stage(f"deploying the {apis} API on Ray Serve"):
             endpoints = deploy(handle, config, quiet=True)
