@@ -13,6 +13,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--long-form", action="store_true", default=False,
+                     help="run the long forms of the soak, chaos and fuzz suites")
+
+
+@pytest.fixture(scope="session")
+def long_form(request) -> bool:
+    """True under ``--long-form``: soak/chaos/fuzz suites run their long versions."""
+    return bool(request.config.getoption("--long-form"))
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     """``tiny_model(arch) -> str``: path of the cached tiny random checkpoint of ``arch``.
