@@ -334,6 +334,7 @@ class KVManager:
             "num_sequences": len(manager.seqs),
             "num_running": sum(1 for s in seqs if s.location == SeqLocation.DEVICE),
             "num_swapped": sum(1 for s in seqs if s.location == SeqLocation.SWAPPED),
+            "num_device_evictions": manager.device.num_evictions,
             **counters,
         }
 
