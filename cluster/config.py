@@ -17,8 +17,12 @@ from pagedserve.workers.engine import EngineConfig
 from pagedserve.workers.model_factory import ARCHS, SIZES
 
 
+class ConfigError(ValueError):
+    """An invalid configuration: the message names every offending key path."""
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Strict):
@@ -52,7 +56,7 @@ class EngineOptions(_Strict):
 
     dtype: str | None = None
     device: str | None = None
-    block_size: int = 16
+    block_size: int = Field(16, ge=1)
     num_device_blocks: int | None = Field(None, ge=1)
     kv_cache_memory_gb: float | None = Field(None, gt=0)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
@@ -102,20 +106,34 @@ class RouterConfig(_Strict):
 
 
 class LimitsConfig(_Strict):
-    """Limits that protect the service."""
+    """Limits that protect the service (per Serve replica); README "Limits and security" lists them."""
 
     max_request_body_bytes: int = Field(1 << 20, ge=1024)
     max_n: int = Field(16, ge=1)
     max_stop_strings: int = Field(16, ge=0)
     max_queued_requests: int = Field(1024, ge=1)
+    # Admitted, unfinished requests of one client (its API key, else its address).
+    max_requests_per_client: int = Field(512, ge=1)
+    # A whole request, from admission to its last token.
     request_timeout_s: float = Field(600, gt=0)
+    # A stream (or a non-streamed generation) with no new output for this long ends.
+    stream_idle_timeout_s: float = Field(60, gt=0)
+    # Reading the request body (slow clients) may take at most this long.
+    body_read_timeout_s: float = Field(30, gt=0)
 
 
 class ServerConfig(_Strict):
+    """The HTTP/gRPC front: where it listens, who may call it, its limits."""
+
+    # Loopback only unless set explicitly (e.g. 0.0.0.0 on a cluster's head node).
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     grpc_port: int | None = Field(None, ge=0, le=65535)
     api_key: str | None = None
+    # With an API key set, /metrics needs it too unless this is False (for scrapers).
+    metrics_require_api_key: bool = True
+    # Log prompts and completions (INFO, logger "pagedserve.server"); off by default.
+    log_requests: bool = False
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
 
 
@@ -150,20 +168,26 @@ class ClusterConfig(_Strict):
 
 
 def _set_dotted(data: dict, dotted: str, value: Any) -> None:
+    """Set ``data[a][b]...`` for ``dotted`` = ``a.b...``; list items by index (``workers.0.count``)."""
     keys = dotted.split(".")
-    node = data
-    for key in keys[:-1]:
-        if key.isdigit() and isinstance(node, list):
-            node = node[int(key)]
-            continue
-        node = node.setdefault(key, {})
-        if not isinstance(node, (dict, list)):
-            raise ValueError(f"--set {dotted}: {key!r} is not a section")
-    last = keys[-1]
-    if isinstance(node, list):
-        node[int(last)] = value
-    else:
-        node[last] = value
+    if not all(keys):
+        raise ConfigError(f"--set {dotted!r}: an empty key")
+    node: Any = data
+    for depth, key in enumerate(keys):
+        where = ".".join(keys[:depth + 1])
+        is_last = depth == len(keys) - 1
+        if isinstance(node, list):
+            if not key.isdigit() or int(key) >= len(node):
+                raise ConfigError(f"--set {dotted}: {where}: no such list item (there are {len(node)})")
+            key = int(key)
+        elif not isinstance(node, dict):
+            raise ConfigError(f"--set {dotted}: {'.'.join(keys[:depth])}: not a section")
+        if is_last:
+            node[key] = value
+        elif isinstance(node, dict):
+            node = node.setdefault(key, {})
+        else:
+            node = node[key]
 
 
 def _merge(base: Any, override: Any) -> Any:
@@ -176,35 +200,47 @@ def _merge(base: Any, override: Any) -> Any:
     return override
 
 
+def _read_yaml(path: str | Path) -> dict:
+    try:
+        loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid YAML: nested too deeply") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    return loaded or {}
+
+
+def _parse_override(override: str) -> tuple[str, Any]:
+    if "=" not in override:
+        raise ConfigError(f"--set expects key=value, got {override!r}")
+    key, raw = override.split("=", 1)
+    try:
+        value = yaml.safe_load(raw)
+    except (yaml.YAMLError, RecursionError):
+        value = raw
+    return key.strip(), value
+
+
+def _describe_errors(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
+                     for err in exc.errors())
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ClusterConfig:
     """Read a YAML file (or the defaults), apply ``key.sub=value`` overrides, validate.
 
-    Raises ``ValueError`` with every problem listed when the result is invalid.
+    Raises ``ConfigError`` (a ``ValueError``) naming every offending key path
+    when the result is invalid, and ``OSError`` when ``path`` cannot be read.
     """
-    data: dict = {}
-    if path is not None:
-        text = Path(path).read_text()
-        try:
-            loaded = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ValueError(f"{path}: not valid YAML: {exc}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ValueError(f"{path}: the top level must be a mapping")
-        data = loaded or {}
-    data = _merge(ClusterConfig().model_dump(), data)
+    data = _merge(ClusterConfig().model_dump(), _read_yaml(path) if path is not None else {})
     for override in overrides or []:
-        if "=" not in override:
-            raise ValueError(f"--set expects key=value, got {override!r}")
-        key, raw = override.split("=", 1)
-        try:
-            value = yaml.safe_load(raw)
-        except yaml.YAMLError:
-            value = raw
-        _set_dotted(data, key.strip(), value)
+        _set_dotted(data, *_parse_override(override))
+    where = f"{path}: " if path else ""
     try:
         return ClusterConfig.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
-                             for err in exc.errors())
-        where = f"{path}: " if path else ""
-        raise ValueError(f"{where}invalid configuration: {problems}") from None
+        raise ConfigError(f"{where}invalid configuration: {_describe_errors(exc)}") from None
+    except RecursionError:
+        raise ConfigError(f"{where}invalid configuration: nested too deeply") from None
