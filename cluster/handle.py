@@ -1,9 +1,11 @@
 """The handle ``pagedserve.cluster.start`` returns: generate, stream, abort, stats, shut down.
 
 Requests are tokenized here, routed to a worker (cache-aware), and streamed
-back. If the worker dies mid-stream, the request resumes on another worker
-by re-prefilling its prompt plus the tokens already generated, so the
-caller sees one uninterrupted stream.
+back. If the worker dies or stalls mid-stream, the request resumes on
+another worker by re-prefilling its prompt plus the tokens already
+generated, so the caller sees one uninterrupted stream. Liveness comes from
+a heartbeat monitor (``health.WorkerHealth``), started by the first request:
+stalled workers are restarted, restarted ones rejoin the rotation.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ from typing import AsyncIterator
 from pagedserve.workers.request import CompletionOutput, RequestOutput
 from pagedserve.workers.sampling_params import SamplingParams
 
+from pagedserve.workers.worker import stall_timeout_s
+
 from .config import ClusterConfig
+from .health import WorkerHealth
 from .router import Router
 
 logger = logging.getLogger("pagedserve.cluster")
@@ -61,16 +66,19 @@ class ClusterHandle:
 
     def _init_local_state(self) -> None:
         self.router = Router(self.config.router, list(self.workers))
+        self.health = WorkerHealth(self.workers, self.router, stall_timeout_s(self.config.step_timeout_s))
         self._tokenizer = None
         self._ids = itertools.count()
         self._utilization_refreshed = 0.0
         self._num_resumed = 0
         self._num_migrated = 0
+        self._num_recomputed_tokens = 0
+        self._num_no_capacity = 0
         self._lock = threading.Lock()
 
     def __getstate__(self):
         state = {k: v for k, v in self.__dict__.items()
-                 if k not in ("router", "_tokenizer", "_ids", "_lock")}
+                 if k not in ("router", "health", "_tokenizer", "_ids", "_lock")}
         state["owns_ray"] = False
         return state
 
@@ -93,6 +101,7 @@ class ClusterHandle:
         """Stream a request's outputs (cumulative text and token ids, plus deltas)."""
         from ray.exceptions import RayActorError
 
+        self.health.start()
         params = params or SamplingParams()
         request_id = request_id or f"cluster-{uuid.uuid4().hex[:12]}"
         text = prompt if isinstance(prompt, str) else None
@@ -122,6 +131,7 @@ class ClusterHandle:
         generated: list[list[int]] = [[] for _ in range(params.n)]
         texts = ["" for _ in range(params.n)]
         excluded: set[str] = {w for w, role in self.roles.items() if role == "prefill"}
+        max_attempts = 2 * len(self.workers) + 3
         attempt = 0
         if resume_from:
             generated[0] = list(resume_from.token_ids)
@@ -151,6 +161,9 @@ class ClusterHandle:
                 elif attempt > 1:
                     generated = [[] for _ in range(params.n)]
                     texts = ["" for _ in range(params.n)]
+                if attempt > 1:
+                    self._num_recomputed_tokens += len(ids)
+                await self._wait_for_capacity(request_id, excluded)
                 prefix_tokens = list(generated[0]) if resumed else []
                 prefix_text = texts[0] if resumed else ""
                 cached = await self._longest_prefix(ids)
@@ -184,14 +197,12 @@ class ClusterHandle:
             except (RayActorError, asyncio.TimeoutError) as exc:
                 logger.warning("request %s: worker %s failed (%r); resuming elsewhere",
                                request_id, decision.worker_id, exc)
-                self.router.mark_dead(decision.worker_id)
-                excluded.add(decision.worker_id)
+                self.health.note_failure(decision.worker_id, f"request {request_id}: {type(exc).__name__}")
                 self._num_resumed += 1
-                if len(excluded) >= len(self.workers):
-                    excluded = {w for w, role in self.roles.items() if role == "prefill"}
-                    await asyncio.sleep(1.0)  # every worker failed once: wait for restarts
-                if attempt > 2 * len(self.workers) + 3:
-                    raise NoCapacityError(f"no worker could finish request {request_id}") from exc
+                if attempt >= max_attempts:
+                    self._num_no_capacity += 1
+                    raise NoCapacityError(f"no worker could finish request {request_id} "
+                                          f"after {attempt} attempts") from exc
             finally:
                 self.router.release(decision, sub_params.max_tokens)
                 if not finished:
@@ -218,7 +229,7 @@ class ClusterHandle:
             out_ref, kv_ref = self.workers[decision.worker_id].prefill.options(num_returns=2).remote(request)
             first: RequestOutput = await asyncio.wait_for(out_ref, timeout=timeout)
         except (RayActorError, asyncio.TimeoutError) as exc:
-            self.router.mark_dead(decision.worker_id)
+            self.health.note_failure(decision.worker_id, f"prefill of {request_id}: {type(exc).__name__}")
             raise _DisaggregationFailed(None) from exc
         finally:
             self.router.release(decision, 1)
@@ -245,7 +256,7 @@ class ClusterHandle:
                 if finished:
                     return
         except (RayActorError, asyncio.TimeoutError) as exc:
-            self.router.mark_dead(decision.worker_id)
+            self.health.note_failure(decision.worker_id, f"decode of {request_id}: {type(exc).__name__}")
             raise _DisaggregationFailed(last) from exc
         finally:
             self.router.release(decision, params.max_tokens)
@@ -284,12 +295,16 @@ class ClusterHandle:
             return
         workers = stats.get("workers", {})
         self.router.update_utilization({w: s["kv_utilization"] for w, s in workers.items()})
-        # A registered worker is alive again (a restarted one registers on start). An
-        # unregistered one is not dead: after a KV manager restart, idle workers
-        # re-register only at their next step, so they must stay routable.
-        for worker_id in self.workers:
-            if worker_id in workers:
-                self.router.mark_dead(worker_id, is_alive=True)
+
+    async def _wait_for_capacity(self, request_id: str, excluded: set[str]) -> None:
+        """Return once a worker outside ``excluded`` is alive; wait up to the stall
+        timeout for a restart, then raise ``NoCapacityError`` (a retryable 503)."""
+        deadline = time.time() + self.health.stall_timeout_s
+        while not (self.health.alive_workers() - excluded):
+            if time.time() > deadline:
+                self._num_no_capacity += 1
+                raise NoCapacityError(f"no live worker can take request {request_id}")
+            await asyncio.sleep(0.1)
 
     async def abort(self, request_id: str) -> None:
         for worker in self.workers.values():
@@ -329,6 +344,9 @@ class ClusterHandle:
         return {"model": self.model_name, "kv_manager": kv_stats, "workers": workers,
                 "router": self.router.snapshot(), "num_resumed": self._num_resumed,
                 "num_migrated": self._num_migrated,
+                "num_recomputed_tokens": self._num_recomputed_tokens,
+                "num_no_capacity": self._num_no_capacity,
+                "health": self.health.snapshot(),
                 "recent_decisions": self.router.recent_decisions(20)}
 
     def check_integrity(self) -> None:
@@ -340,6 +358,17 @@ class ClusterHandle:
         import ray
 
         return ray.get(self.kv_manager.num_used_blocks.remote(), timeout=self.config.step_timeout_s)
+
+    def wait_healthy(self, timeout: float = 120.0) -> float:
+        """Wait until every worker answers its heartbeat, unstalled; returns the seconds waited."""
+        start = time.time()
+        self.health.start()
+        while self.health.alive_workers() != set(self.workers):
+            if time.time() - start > timeout:
+                raise TimeoutError(f"workers still down after {timeout} s: "
+                                   f"{sorted(set(self.workers) - self.health.alive_workers())}")
+            time.sleep(0.05)
+        return time.time() - start
 
     def wait_idle(self, timeout: float = 30.0) -> None:
         """Wait until every worker has finished its requests and returned its blocks."""
@@ -357,6 +386,7 @@ class ClusterHandle:
         """Stop the workers and the KV manager (and Ray, if ``start`` started it)."""
         import ray
 
+        self.health.stop()
         for worker in self.workers.values():
             try:
                 ray.kill(worker, no_restart=True)

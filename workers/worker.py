@@ -4,11 +4,17 @@ It owns the model, its device block pool and its host swap pool, and runs
 the engine loop. Block accounting lives in the central KV manager actor,
 which the engine calls once per step. If that actor restarts (its state is
 then empty) or stalls, the worker re-registers what it holds and retries.
+
+``heartbeat`` tells the cluster whether the engine loop still makes
+progress. For fault-injection tests only, ``inject_stall`` freezes the
+engine loop; it refuses unless ``PAGEDSERVE_ENABLE_FAULT_INJECTION=1`` is set
+in the worker's environment (off by default).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import asdict
 from typing import AsyncIterator
@@ -28,6 +34,15 @@ from .sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 ROLES = ("mixed", "prefill", "decode")
+FAULT_INJECTION_ENV = "PAGEDSERVE_ENABLE_FAULT_INJECTION"
+# A worker with work whose engine loop has not started a step (or a KV manager
+# attempt, which may itself take one step timeout) for this many step timeouts is stalled.
+STALL_TIMEOUT_FACTOR = 2.0
+
+
+def stall_timeout_s(step_timeout_s: float) -> float:
+    """Seconds without engine progress after which a busy worker counts as stalled."""
+    return STALL_TIMEOUT_FACTOR * step_timeout_s
 
 
 def _node_id() -> str | None:
@@ -61,6 +76,8 @@ class Worker:
         self.num_kv_retries = 0
         self.kv_seconds = 0.0
         self.num_kv_calls = 0
+        self.last_progress = time.time()
+        self.pending_stall_s = 0.0
         engine = LLMEngine(EngineConfig(**engine_config), worker_id, kv_step=self._kv_step)
         engine.pool_config.role = role
         engine.scheduler.allow_migration = True
@@ -80,9 +97,12 @@ class Worker:
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
+        self._note_progress()
+        self._run_injected_stall()
         packed = msgpack.packb(to_wire(step_input))
         last_error: Exception | None = None
         for attempt in range(self.max_kv_retries):
+            self._note_progress()
             start = time.perf_counter()
             try:
                 reply = ray.get(self.kv_manager.step.remote(packed), timeout=self.step_timeout_s)
@@ -105,6 +125,21 @@ class Worker:
         raise KVManagerUnavailableError(
             f"worker {self.worker_id}: KV manager unavailable after {self.max_kv_retries} attempts: {last_error!r}")
 
+    def _note_progress(self) -> None:
+        self.last_progress = time.time()
+
+    def _note_arrival(self) -> None:
+        """An idle engine has not stalled: its progress clock starts at the new request."""
+        if not self.engine.requests:
+            self._note_progress()
+
+    def _run_injected_stall(self) -> None:
+        seconds, self.pending_stall_s = self.pending_stall_s, 0.0
+        if seconds > 0:
+            logger.warning("worker %s: stalling the engine loop for %.1f s (fault injection)",
+                           self.worker_id, seconds)
+            time.sleep(seconds)
+
     # ---- requests -------------------------------------------------------------------
     async def generate(self, request: dict) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. ``request`` holds ``request_id``, ``prompt`` or
@@ -120,6 +155,7 @@ class Worker:
             memcpy_s = _time_local_copy(payload)
             options = {"kv_transfer": KVTransfer(header, payload),
                        "output_token_ids": request["output_token_ids"]}
+        self._note_arrival()
         stream = self.async_engine.generate(
             request.get("prompt"), params, request.get("request_id"),
             request.get("priority", 0), request.get("prompt_token_ids"), **options)
@@ -147,6 +183,7 @@ class Worker:
         params = SamplingParams.from_dict({**(request.get("params") or {}), "max_tokens": 1})
         request_id = request["request_id"]
         last = None
+        self._note_arrival()
         async for output in self.async_engine.generate(
                 request.get("prompt"), params, request_id, request.get("priority", 0),
                 request.get("prompt_token_ids"), export_kv=True):
@@ -189,6 +226,28 @@ class Worker:
 
     def ping(self) -> str:
         return self.worker_id
+
+    def heartbeat(self) -> dict:
+        """Liveness: ``is_stalled`` when the engine loop died, or has work but has not
+        made progress for ``stall_timeout_s(step_timeout_s)``."""
+        num_unfinished = len(self.engine.requests)
+        idle_s = time.time() - self.last_progress
+        is_stalled = not self.async_engine.is_running or (
+            num_unfinished > 0 and idle_s > stall_timeout_s(self.step_timeout_s))
+        return {"worker_id": self.worker_id, "pid": os.getpid(), "started_at": self.started_at,
+                "num_unfinished": num_unfinished, "num_steps": self.engine.num_steps,
+                "num_generated_tokens": self.engine.num_generated_tokens,
+                "seconds_since_progress": idle_s,
+                "is_stalled": is_stalled}
+
+    def inject_stall(self, seconds: float) -> None:
+        """Fault injection for tests: the engine loop sleeps ``seconds`` at its next step.
+
+        Refused unless ``PAGEDSERVE_ENABLE_FAULT_INJECTION=1`` is set in the worker's environment.
+        """
+        if os.environ.get(FAULT_INJECTION_ENV) != "1":
+            raise PermissionError(f"fault injection is off; set {FAULT_INJECTION_ENV}=1 to enable it")
+        self.pending_stall_s = float(seconds)
 
     def shutdown(self) -> None:
         self.async_engine.shutdown()

@@ -1,0 +1,171 @@
+"""Worker liveness for one cluster handle: heartbeats, stall detection, restarts.
+
+Every worker is probed with ``Worker.heartbeat`` about four times a second,
+without blocking: a probe is sent, and its answer is read on a later poll.
+A worker is routable once it answers without being stalled. It stops being
+routable at its first failure: an actor error (killed, node lost), a
+heartbeat that says the engine is stalled, or a heartbeat left unanswered
+for the stall timeout. A stalled worker that was routable is killed once
+with ``no_restart=False``, so Ray restarts it (on another node if its node
+is gone), and it becomes routable again when its new incarnation answers.
+Requests on a killed worker fail with an actor error and resume elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from .router import Router
+
+logger = logging.getLogger("pagedserve.cluster")
+
+
+@dataclass
+class WorkerLiveness:
+    """What the monitor knows of one worker."""
+
+    is_alive: bool = True
+    pid: int | None = None
+    last_beat: float = 0.0           # time of the last heartbeat answered
+    last_failure: float | None = None
+    num_failures: int = 0
+    num_restarts_requested: int = 0  # kills sent because the worker stalled
+
+
+class WorkerHealth:
+    """Heartbeat monitor of a set of worker actors, feeding the router's liveness."""
+
+    def __init__(self, workers: dict, router: Router, stall_timeout_s: float,
+                 probe_interval_s: float = 0.25) -> None:
+        self.workers = workers
+        self.router = router
+        self.stall_timeout_s = stall_timeout_s
+        self.probe_interval_s = probe_interval_s
+        self.liveness = {w: WorkerLiveness() for w in workers}
+        self._probes: dict[str, tuple[object, float]] = {}
+        self._last_sent: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- the background loop --------------------------------------------------------
+    def start(self) -> None:
+        """Poll in a daemon thread (idempotent)."""
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="pagedserve-health", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.probe_interval_s / 2):
+            try:
+                self.poll()
+            except Exception:  # never let the monitor die; the next poll tries again
+                logger.exception("health poll failed")
+
+    # ---- probing ------------------------------------------------------------------------
+    def poll(self) -> None:
+        """Read answered probes, judge overdue ones, send new ones. Never blocks on a worker."""
+        import ray
+
+        now = time.time()
+        for worker_id, worker in self.workers.items():
+            with self._lock:
+                probe = self._probes.get(worker_id)
+            if probe is None:
+                if now - self._last_sent.get(worker_id, 0.0) >= self.probe_interval_s:
+                    self._send_probe(worker_id, worker, now)
+                continue
+            ref, sent_at = probe
+            ready, _ = ray.wait([ref], timeout=0)
+            if ready:
+                self._read_probe(worker_id, ref)
+            elif now - sent_at > self.stall_timeout_s:
+                self._drop_probe(worker_id, ref)
+                self._fail(worker_id, "heartbeat unanswered", restart=True)
+
+    def _send_probe(self, worker_id: str, worker, now: float) -> None:
+        with self._lock:
+            self._probes[worker_id] = (worker.heartbeat.remote(), now)
+            self._last_sent[worker_id] = now
+
+    def _drop_probe(self, worker_id: str, ref) -> bool:
+        with self._lock:
+            probe = self._probes.get(worker_id)
+            if probe is None or probe[0] is not ref:
+                return False
+            del self._probes[worker_id]
+            return True
+
+    def _read_probe(self, worker_id: str, ref) -> None:
+        import ray
+
+        if not self._drop_probe(worker_id, ref):
+            return  # superseded by a failure noted meanwhile
+        try:
+            beat = ray.get(ref, timeout=0)
+        except Exception as exc:
+            self._fail(worker_id, f"heartbeat failed: {type(exc).__name__}", restart=False)
+            return
+        if beat["is_stalled"]:
+            self._fail(worker_id, f"stalled for {beat['seconds_since_progress']:.1f} s", restart=True)
+        else:
+            self._revive(worker_id, beat)
+
+    # ---- state changes -------------------------------------------------------------------
+    def note_failure(self, worker_id: str, reason: str = "request failed") -> None:
+        """A request saw the worker fail: not routable until its next good heartbeat."""
+        with self._lock:
+            self._probes.pop(worker_id, None)
+        self._fail(worker_id, reason, restart=False)
+
+    def _fail(self, worker_id: str, reason: str, restart: bool) -> None:
+        import ray
+
+        with self._lock:
+            state = self.liveness[worker_id]
+            was_alive = state.is_alive
+            state.is_alive = False
+            state.last_failure = time.time()
+            state.num_failures += was_alive
+            should_restart = restart and was_alive
+            state.num_restarts_requested += should_restart
+        self.router.mark_dead(worker_id)
+        if was_alive:
+            logger.warning("worker %s is down (%s)%s", worker_id, reason,
+                           "; restarting it" if should_restart else "")
+        if should_restart:
+            try:
+                ray.kill(self.workers[worker_id], no_restart=False)
+            except Exception as exc:
+                logger.warning("could not restart worker %s: %r", worker_id, exc)
+
+    def _revive(self, worker_id: str, beat: dict) -> None:
+        with self._lock:
+            state = self.liveness[worker_id]
+            was_alive = state.is_alive
+            state.is_alive = True
+            state.pid = beat.get("pid")
+            state.last_beat = time.time()
+        self.router.mark_dead(worker_id, is_alive=True)
+        if not was_alive:
+            logger.info("worker %s is back (pid %s)", worker_id, state.pid)
+
+    # ---- queries -------------------------------------------------------------------------
+    def alive_workers(self) -> set[str]:
+        with self._lock:
+            return {w for w, state in self.liveness.items() if state.is_alive}
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {w: dict(vars(state)) for w, state in self.liveness.items()}
