@@ -73,3 +73,29 @@ def hf_greedy(tiny_model):
         return cache[key]
 
     return generate
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(request):
+    """A ``ray.cluster_utils.Cluster`` per module: a head node plus fake-GPU worker nodes.
+
+    The module may set ``RAY_WORKER_NODES`` (how many nodes with ``num_gpus=1``
+    and two CPUs; default 2) and ``RAY_ENV_VARS`` (environment of the job's
+    workers). The driver is connected in the ``pagedserve`` namespace.
+    """
+    import ray
+    from ray.cluster_utils import Cluster
+
+    num_nodes = getattr(request.module, "RAY_WORKER_NODES", 2)
+    env_vars = getattr(request.module, "RAY_ENV_VARS", None)
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    for _ in range(num_nodes):
+        cluster.add_node(num_cpus=2, num_gpus=1)
+    cluster.wait_for_nodes()
+    runtime_env = {"env_vars": env_vars} if env_vars else None
+    ray.init(address=cluster.address, namespace="pagedserve", runtime_env=runtime_env)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()

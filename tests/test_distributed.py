@@ -22,7 +22,7 @@ from pagedserve.workers.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
-NUM_WORKER_NODES = 2
+NUM_WORKER_NODES = RAY_WORKER_NODES = 2
 ENGINE = {"num_device_blocks": 128, "swap_space_gb": 0.001}
 PROMPT_LENGTHS = [5, 17, 33, 48, 64, 90, 120, 150]
 MAX_TOKENS = 14          # the equivalence test
@@ -39,22 +39,6 @@ def _prompts(seed: int, lengths=PROMPT_LENGTHS, vocab: int = 1024) -> list[list[
 
 
 # ---- fixtures ---------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def ray_cluster():
-    from ray.cluster_utils import Cluster
-
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    for _ in range(NUM_WORKER_NODES):
-        cluster.add_node(num_cpus=2, num_gpus=1)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace="pagedserve")
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
-
-
 @pytest.fixture(scope="module")
 def cluster_handle(ray_cluster, tiny_model):
     from pagedserve.cluster.bootstrap import start

@@ -31,22 +31,6 @@ def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    from ray.cluster_utils import Cluster
-
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    for _ in range(2):
-        cluster.add_node(num_cpus=2, num_gpus=1)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace="pagedserve")
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
-
-
-@pytest.fixture(scope="module")
 def reference(tiny_model):
     from pagedserve.workers.llm import LLM
 
