@@ -2,8 +2,10 @@
 
 Requests are validated with the HTTP API's models, so both APIs accept and
 reject the same things. Failures set the gRPC status from the HTTP one:
-400/413 INVALID_ARGUMENT, 401 UNAUTHENTICATED, 404 NOT_FOUND,
-429 RESOURCE_EXHAUSTED, 503 UNAVAILABLE, anything else INTERNAL.
+400/413 INVALID_ARGUMENT, 401 UNAUTHENTICATED, 404 NOT_FOUND, 408 DEADLINE_EXCEEDED,
+429 RESOURCE_EXHAUSTED, 503 UNAVAILABLE, anything else INTERNAL. Every RPC
+checks the API key first; the per-client limit counts the caller's bearer
+token, else its peer address.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from pagedserve.workers.request import CompletionOutput, RequestOutput
 
 from .openai_protocol import DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 from .protos import pagedserve_pb2 as pb
-from .server import APIError, Generation, OpenAIServer, PromptInput, validation_error
+from .server import APIError, Generation, OpenAIServer, PromptInput, client_key, validation_error
 
 STATUS_CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     401: grpc.StatusCode.UNAUTHENTICATED,
     404: grpc.StatusCode.NOT_FOUND,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
     413: grpc.StatusCode.INVALID_ARGUMENT,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     503: grpc.StatusCode.UNAVAILABLE,
@@ -45,12 +48,17 @@ class GrpcService:
         self.server = server
 
     # ---- request translation ------------------------------------------------------------------
-    def _authenticate(self, grpc_context) -> None:
-        metadata = dict(grpc_context.invocation_metadata()) if grpc_context is not None else {}
-        self.server.check_auth(metadata.get("authorization"))
+    def _authenticate(self, grpc_context) -> str:
+        """Check the API key; return the caller's client key."""
+        metadata = dict(grpc_context.invocation_metadata() or ()) if grpc_context is not None else {}
+        authorization = metadata.get("authorization")
+        self.server.check_auth(authorization)
+        peer = grpc_context.peer() if grpc_context is not None and hasattr(grpc_context, "peer") else None
+        return client_key(authorization, peer)
 
-    def _prepare(self, request: pb.GenerateRequest, grpc_context) -> tuple[str, PromptInput, object, int]:
-        self._authenticate(grpc_context)
+    def _prepare(self, request: pb.GenerateRequest, grpc_context
+                 ) -> tuple[str, PromptInput, object, int, str]:
+        client = self._authenticate(grpc_context)
         self.server.check_model(request.model or None)
         num_sources = sum([bool(request.prompt), bool(request.prompt_token_ids), bool(request.messages)])
         if num_sources != 1:
@@ -77,8 +85,7 @@ class GrpcService:
             prompt = self.server.tokenize(completion.prompts()[0])
             params = self.server.sampling_params(completion, completion.max_tokens or DEFAULT_MAX_TOKENS,
                                                  completion.logprobs)
-        request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
-        return request_id, prompt, params, request.priority
+        return request.request_id, prompt, params, request.priority, client
 
     # ---- responses --------------------------------------------------------------------------
     def _logprobs(self, completion: CompletionOutput, start: int) -> list[pb.TokenLogprob]:
@@ -115,8 +122,11 @@ class GrpcService:
         """Run to completion; the whole output per choice."""
         generation = None
         try:
-            request_id, prompt, params, priority = self._prepare(request, grpc_context)
-            generation, first = await self.server.start_generation(request_id, [prompt], params, priority)
+            label, prompt, params, priority, client = self._prepare(request, grpc_context)
+            request_id = label or f"grpc-{uuid.uuid4().hex}"
+            # The engine's id is always the server's own: a client's label may collide with another's.
+            generation, first = await self.server.start_generation(f"grpc-{uuid.uuid4().hex}", [prompt],
+                                                                   params, priority, client)
             await generation.run_to_end(first)
             last = generation.progress[0].last
             choices = [pb.Choice(index=c.index, text=c.text, token_ids=c.token_ids,
@@ -134,8 +144,11 @@ class GrpcService:
         """One message per engine step with output: what is new per choice; usage on the last."""
         generation = None
         try:
-            request_id, prompt, params, priority = self._prepare(request, grpc_context)
-            generation, first = await self.server.start_generation(request_id, [prompt], params, priority)
+            label, prompt, params, priority, client = self._prepare(request, grpc_context)
+            request_id = label or f"grpc-{uuid.uuid4().hex}"
+            # The engine's id is always the server's own: a client's label may collide with another's.
+            generation, first = await self.server.start_generation(f"grpc-{uuid.uuid4().hex}", [prompt],
+                                                                   params, priority, client)
             if first is None:
                 return
             sent: dict[int, int] = {}

@@ -1,7 +1,8 @@
 """Request and response bodies of the OpenAI-compatible HTTP API (pydantic).
 
 Requests reject unknown fields, so a misspelt option is a 400 naming the
-field rather than silently ignored. Besides OpenAI's fields, requests take
+field rather than silently ignored; numbers must be finite and integers
+within 64 bits (``priority``, token ids: 32). Besides OpenAI's fields, requests take
 vLLM's extra sampling fields (``top_k``, ``min_p``, ``repetition_penalty``,
 ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``) and ``priority``.
 """
@@ -9,17 +10,21 @@ vLLM's extra sampling fields (``top_k``, ``min_p``, ``repetition_penalty``,
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pagedserve.workers.sampling_params import MAX_LOGPROBS
 
 DEFAULT_MAX_TOKENS = 16
+MAX_INT32 = 2**31 - 1
+MAX_INT64 = 2**63 - 1
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -30,26 +35,26 @@ class _SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT64)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_INT32)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-MAX_INT64 - 1, le=MAX_INT64)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # Extensions (vLLM's names).
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: int = Field(0, ge=-MAX_INT32 - 1, le=MAX_INT32)
 
     @field_validator("logit_bias")
     @classmethod
@@ -72,10 +77,11 @@ class _SamplingFields(_Request):
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``: a prompt (text or token ids), or a batch of them."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="text, token ids, or a batch of either; token ids must be in [0, vocab size)")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_INT32)
     suffix: str | None = None
 
     @field_validator("suffix")
@@ -117,7 +123,7 @@ class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``: messages rendered with the tokenizer's chat template."""
 
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT64)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True

@@ -9,8 +9,17 @@ every failure to OpenAI's error body with a meaningful status:
   message states the limit); 413 a body over ``max_request_body_bytes``;
 * 401 a missing or wrong ``Authorization: Bearer`` key (when one is set);
 * 404 an unknown model; 429 (with ``Retry-After``) when this replica already
-  has ``max_queued_requests`` requests admitted and unfinished;
+  has ``max_queued_requests`` requests admitted and unfinished, or the client
+  (its bearer token, else its address) ``max_requests_per_client``;
+* 408 a body not received within ``body_read_timeout_s``, a request past
+  ``request_timeout_s``, or a generation silent for ``stream_idle_timeout_s``
+  (in a stream: an error event); the request is aborted and its blocks freed;
 * 503 only when no worker can take the request (``NoCapacityError``).
+
+With an API key set, every route but ``/health`` (and ``/metrics`` when
+``metrics_require_api_key`` is off) needs it; the dashboard has its own login.
+Request bodies are only ever parsed as JSON. Prompts and completions are
+logged only with ``server.log_requests``.
 
 A client that goes away cancels its request: the generation tasks are
 cancelled, which aborts the request on its worker and frees its blocks.
@@ -24,7 +33,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import os
@@ -59,6 +70,8 @@ APP_NAME = "pagedserve"
 GRPC_SERVICER_FUNCTION = "pagedserve.cluster.protos.pagedserve_pb2_grpc.add_PagedServeServicer_to_server"
 RETRY_AFTER_S = 1
 STATS_TIMEOUT_S = 5.0
+OPEN_PATHS = ("/health",)
+SELF_AUTHENTICATED_PREFIXES = ("/dashboard",)  # the dashboard checks the key itself (login form)
 
 
 class APIError(Exception):
@@ -128,6 +141,58 @@ class RequestLimiter:
         self.num_in_flight = max(0, self.num_in_flight - num_requests)
 
 
+class ClientLimiter:
+    """Admits at most ``max_per_client`` unfinished requests per client key; beyond that, a 429."""
+
+    def __init__(self, max_per_client: int) -> None:
+        self.max_per_client = max_per_client
+        self.num_in_flight: dict[str, int] = {}
+
+    def acquire(self, client: str, num_requests: int = 1) -> None:
+        current = self.num_in_flight.get(client, 0)
+        if current + num_requests > self.max_per_client:
+            raise APIError(429, f"too many concurrent requests from this client ({current} unfinished, "
+                                f"limit {self.max_per_client}); retry later", "rate_limit_error",
+                           code="client_limit", headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.num_in_flight[client] = current + num_requests
+
+    def release(self, client: str, num_requests: int = 1) -> None:
+        remaining = self.num_in_flight.get(client, 0) - num_requests
+        if remaining > 0:
+            self.num_in_flight[client] = remaining
+        else:
+            self.num_in_flight.pop(client, None)
+
+
+def client_key(authorization: str | None, address: str | None) -> str:
+    """Who a request counts against: its bearer token (hashed), else its address."""
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return "key:" + hashlib.sha256(token.strip().encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return f"addr:{address or 'unknown'}"
+
+
+def timeout_error(message: str, code: str) -> APIError:
+    return APIError(408, message, "timeout_error", code=code)
+
+
+def check_unicode(text: str, param: str) -> None:
+    """400 unless ``text`` is valid Unicode (no lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, f"{param} is not valid Unicode (it holds a lone surrogate)", param=param) from None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 @dataclass
 class PromptInput:
     """One prompt, tokenized; ``text`` is None when it was sent as token ids."""
@@ -154,13 +219,16 @@ class Generation:
     """
 
     def __init__(self, server: "OpenAIServer", request_id: str, prompts: list[PromptInput],
-                 params: SamplingParams, priority: int) -> None:
+                 params: SamplingParams, priority: int, client: str = "") -> None:
         self.server = server
         self.request_id = request_id
         self.prompts = prompts
         self.params = params
         self.priority = priority
+        self.client = client
         self.progress = [_PromptProgress(time.time()) for _ in prompts]
+        self.deadline = time.monotonic() + server.limits.request_timeout_s
+        self._has_output = False
         self._queue: asyncio.Queue = asyncio.Queue()
         self._num_live = len(prompts)
         self._tasks: list[asyncio.Task] = []
@@ -191,11 +259,26 @@ class Generation:
     def __aiter__(self) -> "Generation":
         return self
 
+    async def _next_item(self) -> tuple[int, Any]:
+        """The next queued item; 408 past the request's deadline or after an idle spell."""
+        limits = self.server.limits
+        remaining = self.deadline - time.monotonic()
+        is_idle_bound = self._has_output and limits.stream_idle_timeout_s < remaining
+        timeout = limits.stream_idle_timeout_s if is_idle_bound else remaining
+        try:
+            return await asyncio.wait_for(self._queue.get(), max(timeout, 0.0))
+        except TimeoutError:
+            if is_idle_bound:
+                raise timeout_error(f"no output for {limits.stream_idle_timeout_s:g} s; the request was "
+                                    "aborted", "stream_idle_timeout") from None
+            raise timeout_error(f"the request took longer than {limits.request_timeout_s:g} s and was "
+                                "aborted", "request_timeout") from None
+
     async def __anext__(self) -> tuple[int, RequestOutput]:
         while True:
             if self._num_live == 0:
                 raise StopAsyncIteration
-            index, item = await self._queue.get()
+            index, item = await self._next_item()
             if item is None:
                 self._num_live -= 1
                 continue
@@ -205,12 +288,14 @@ class Generation:
             return index, item
 
     def _observe(self, index: int, output: RequestOutput) -> None:
+        self._has_output = True
         progress = self.progress[index]
         progress.last = output
         now = time.time()
         if progress.first_token is None and any(c.token_ids for c in output.outputs):
             progress.first_token = now
         if output.finished:
+            self.server.log_completion(f"{self.request_id}-{index}", output)
             self.server.metrics.observe_generation(
                 progress.arrival, progress.first_token, now, len(output.prompt_token_ids),
                 output.metrics.num_cached_tokens if output.metrics else 0,
@@ -230,7 +315,7 @@ class Generation:
         if self._is_closed:
             return
         self._is_closed = True
-        self.server.release_slots(len(self.prompts))
+        self.server.release_slots(len(self.prompts), self.client)
         for task in self._tasks:
             task.cancel()
         if self._tasks:
@@ -337,7 +422,28 @@ class OpenAIServer:
         self.tokenizer = handle.tokenizer
         self.vocab_size = _model_vocab_size(handle.model_path, self.tokenizer)
         self.limiter = RequestLimiter(self.limits.max_queued_requests)
+        self.client_limiter = ClientLimiter(self.limits.max_requests_per_client)
         self.metrics = ServerMetrics(self.model_name)
+
+    # ---- request logging (off unless server.log_requests) ------------------------------------
+    def log_prompts(self, request_id: str, prompts: list[PromptInput], params: SamplingParams) -> None:
+        if self.config.log_requests:
+            for index, prompt in enumerate(prompts):
+                logger.info("request %s-%d: prompt %r (%d tokens), %s", request_id, index,
+                            prompt.text if prompt.text is not None else prompt.token_ids,
+                            len(prompt.token_ids), params)
+
+    def log_completion(self, request_id: str, output: RequestOutput) -> None:
+        if self.config.log_requests:
+            for completion in output.outputs:
+                logger.info("request %s: completion %d %r (%s)", request_id, completion.index,
+                            completion.text, completion.finish_reason)
+
+    def is_open_path(self, path: str) -> bool:
+        """True for the routes that answer without the API key."""
+        if path in OPEN_PATHS or path.startswith(SELF_AUTHENTICATED_PREFIXES):
+            return True
+        return path == "/metrics" and not self.config.metrics_require_api_key
 
     # ---- checks --------------------------------------------------------------------------
     def check_auth(self, authorization: str | None) -> None:
@@ -363,6 +469,7 @@ class OpenAIServer:
 
     def tokenize(self, prompt: str | list[int], param: str = "prompt") -> PromptInput:
         if isinstance(prompt, str):
+            check_unicode(prompt, param)
             token_ids = self.tokenizer.encode(prompt)
             text = prompt
         else:
@@ -376,6 +483,7 @@ class OpenAIServer:
                            param="messages")
         messages = []
         for message in request.messages:
+            check_unicode(message.text() + (message.name or ""), "messages")
             entry = {"role": message.role, "content": message.text()}
             if message.name:
                 entry["name"] = message.name
@@ -397,6 +505,8 @@ class OpenAIServer:
         if len(stop) > self.limits.max_stop_strings:
             raise APIError(400, f"at most {self.limits.max_stop_strings} stop strings are allowed, got "
                                 f"{len(stop)}", param="stop")
+        for text in stop:
+            check_unicode(text, "stop")
         try:
             return SamplingParams(
                 n=request.n, max_tokens=max_tokens,
@@ -410,22 +520,30 @@ class OpenAIServer:
             raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
 
     # ---- generation ------------------------------------------------------------------------
-    def release_slots(self, num_requests: int) -> None:
+    def release_slots(self, num_requests: int, client: str = "") -> None:
         """Free the limiter slots of a finished or abandoned request."""
         self.limiter.release(num_requests)
+        self.client_limiter.release(client, num_requests)
         self.metrics.set_in_flight(self.limiter.num_in_flight)
 
     async def start_generation(self, request_id: str, prompts: list[PromptInput], params: SamplingParams,
-                               priority: int) -> tuple[Generation, tuple[int, RequestOutput] | None]:
-        """Admit the request (429 when full), start it and wait for its first output.
+                               priority: int, client: str = ""
+                               ) -> tuple[Generation, tuple[int, RequestOutput] | None]:
+        """Admit the request (429 when the replica or ``client`` is full), start it, await its first output.
 
         Returns the running generation and its first item (None if it ended
         without output). Failures before the first output raise ``APIError``,
         so a streamed response can still get a proper status.
         """
-        self.limiter.acquire(len(prompts))
+        self.client_limiter.acquire(client, len(prompts))
+        try:
+            self.limiter.acquire(len(prompts))
+        except APIError:
+            self.client_limiter.release(client, len(prompts))
+            raise
         self.metrics.set_in_flight(self.limiter.num_in_flight)
-        generation = Generation(self, request_id, prompts, params, priority)
+        self.log_prompts(request_id, prompts, params)
+        generation = Generation(self, request_id, prompts, params, priority, client)
         try:
             generation.start()
             first = await anext(generation, None)
@@ -461,7 +579,8 @@ class OpenAIServer:
         return ChoiceLogprobs(content=content)
 
     # ---- /v1/completions ----------------------------------------------------------------------
-    async def create_completion(self, request: CompletionRequest) -> CompletionResponse | EventStream:
+    async def create_completion(self, request: CompletionRequest, client: str = ""
+                                ) -> CompletionResponse | EventStream:
         """The response body, or an ``EventStream`` when ``stream`` is set."""
         self.check_model(request.model)
         if request.best_of is not None and request.best_of != request.n:
@@ -474,7 +593,7 @@ class OpenAIServer:
         echoes = [(p.text if p.text is not None else self.tokenizer.decode(p.token_ids)) if request.echo
                   else "" for p in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        generation, first = await self.start_generation(request_id, prompts, params, request.priority)
+        generation, first = await self.start_generation(request_id, prompts, params, request.priority, client)
         if request.stream:
             return EventStream(self._stream_completion(request, request_id, generation, first, echoes),
                                generation)
@@ -544,7 +663,7 @@ class OpenAIServer:
             await generation.aclose()
 
     # ---- /v1/chat/completions -------------------------------------------------------------------
-    async def create_chat_completion(self, request: ChatCompletionRequest
+    async def create_chat_completion(self, request: ChatCompletionRequest, client: str = ""
                                      ) -> ChatCompletionResponse | EventStream:
         """The response body, or an ``EventStream`` when ``stream`` is set."""
         self.check_model(request.model)
@@ -555,7 +674,8 @@ class OpenAIServer:
         max_tokens = request.effective_max_tokens or self.max_model_len - len(prompt.token_ids)
         params = self.sampling_params(request, max_tokens, logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        generation, first = await self.start_generation(request_id, [prompt], params, request.priority)
+        generation, first = await self.start_generation(request_id, [prompt], params, request.priority,
+                                                        client)
         if request.stream:
             return EventStream(self._stream_chat(request, request_id, generation, first), generation)
         await generation.run_to_end(first)
@@ -636,14 +756,24 @@ class OpenAIServer:
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
             raise too_large
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_large
+
+        async def read() -> bytearray:
+            body = bytearray()
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise too_large
+            return body
+
+        timeout = self.limits.body_read_timeout_s
         try:
-            data = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
+            body = await asyncio.wait_for(read(), timeout)
+        except TimeoutError:
+            raise timeout_error(f"the request body was not received within {timeout:g} s",
+                                "body_read_timeout") from None
+        try:
+            data = json.loads(body, parse_constant=_reject_json_constant)
+        except (ValueError, RecursionError) as exc:
             raise APIError(400, f"the request body is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object")
@@ -651,6 +781,10 @@ class OpenAIServer:
             return model.model_validate(data)
         except ValidationError as exc:
             raise validation_error(exc) from None
+
+
+def _reject_json_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def _is_union_tag(part) -> bool:
@@ -673,17 +807,94 @@ def validation_error(exc: ValidationError) -> APIError:
     return APIError(400, f"invalid request: {text}", param=next(iter(problems), None) or None)
 
 
+def _json_response(content: Any, status_code: int = 200, headers: dict[str, str] | None = None):
+    """A JSON response with non-ASCII escaped, so any text (lone surrogates too) encodes."""
+    from fastapi.responses import Response
+
+    body = json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
+    return Response(body, status_code=status_code, headers=headers, media_type="application/json")
+
+
+class APIKeyMiddleware:
+    """ASGI middleware: with an API key set, 401 for every route ``server.is_open_path`` does not open."""
+
+    def __init__(self, app, server: OpenAIServer) -> None:
+        self.app = app
+        self.server = server
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] in ("http", "websocket") and self.server.api_key:
+            path = scope.get("path", "")
+            root = scope.get("root_path", "")
+            if root and path.startswith(root):
+                path = path[len(root):] or "/"
+            if not self.server.is_open_path(path):
+                headers = dict(scope.get("headers") or [])
+                authorization = headers.get(b"authorization", b"").decode("latin-1")
+                try:
+                    self.server.check_auth(authorization)
+                except APIError as exc:
+                    if scope["type"] == "websocket":
+                        await send({"type": "websocket.close", "code": 1008})
+                        return
+                    response = _json_response(exc.body(), exc.status, exc.headers)
+                    await response(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+
+def _json_body(model: type[BaseModel]) -> dict:
+    """OpenAPI for a body the route reads itself (``parse_body``): the model's schema."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _responses(model: type[BaseModel] | None, is_streamable: bool = False) -> dict:
+    responses: dict[int | str, dict] = {}
+    if model is not None:
+        responses[200] = {"model": model}
+        if is_streamable:
+            responses[200]["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
+    for status, meaning in ((400, "invalid request"), (401, "missing or wrong API key"),
+                            (404, "unknown model"), (408, "timed out"), (413, "body too large"),
+                            (429, "too many requests (Retry-After)"), (503, "no capacity (Retry-After)")):
+        responses[status] = {"model": ErrorResponse, "description": meaning}
+    return responses
+
+
+def _install_openapi(app, request_models: list[type[BaseModel]]) -> None:
+    """Add the request models the routes parse themselves to the app's OpenAPI components."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                                 description=app.description)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in request_models:
+                definition = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(definition.pop("$defs", {}))
+                components[model.__name__] = definition
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def build_app(server: OpenAIServer):
     """The FastAPI app serving ``server``'s routes (errors in OpenAI's shape)."""
-    from fastapi import Depends, FastAPI
+    from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from fastapi.responses import Response, StreamingResponse
     from starlette.exceptions import HTTPException
 
-    app = FastAPI(title="pagedserve", version="0.1.0")
+    app = FastAPI(title="pagedserve", version="0.1.0",
+                  description="OpenAI-compatible completions and chat completions on a paged KV cache.")
+    app.add_middleware(APIKeyMiddleware, server=server)
+    _install_openapi(app, [CompletionRequest, ChatCompletionRequest])
 
-    def error_response(error: APIError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+    def error_response(error: APIError):
+        return _json_response(error.body(), error.status, error.headers)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
@@ -697,11 +908,6 @@ def build_app(server: OpenAIServer):
     async def _http(_: Request, exc: HTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(APIError(exc.status_code, str(exc.detail), kind))
-
-    def authorize(request: Request) -> None:
-        server.check_auth(request.headers.get("authorization"))
-
-    auth = [Depends(authorize)]
 
     class _SSEResponse(StreamingResponse):
         """Closes the generation even if the client left before the body started."""
@@ -718,30 +924,34 @@ def build_app(server: OpenAIServer):
                 await self._stream.aclose()
 
     async def generate(api: str, request: Request, model: type[BaseModel], create) -> Response:
+        client = client_key(request.headers.get("authorization"),
+                            request.client.host if request.client else None)
         try:
             body = await server.parse_body(request, model)
-            result = await create(body)
+            result = await create(body, client)
         except APIError as exc:
             server.metrics.observe_response(api, exc.status)
             return error_response(exc)
         server.metrics.observe_response(api, 200)
         if isinstance(result, BaseModel):
-            return JSONResponse(result.model_dump())
+            return _json_response(result.model_dump())
         return _SSEResponse(result)
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest),
+              responses=_responses(CompletionResponse, is_streamable=True))
     async def completions(request: Request):
         return await generate("completions", request, CompletionRequest, server.create_completion)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest),
+              responses=_responses(ChatCompletionResponse, is_streamable=True))
     async def chat_completions(request: Request):
         return await generate("chat", request, ChatCompletionRequest, server.create_chat_completion)
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models", responses=_responses(ModelList))
     async def models():
         return server.models().model_dump()
 
-    @app.get("/v1/models/{model:path}", dependencies=auth)
+    @app.get("/v1/models/{model:path}", responses=_responses(ModelCard))
     async def model(model: str):
         server.check_model(model)
         return server.models().data[0].model_dump()
@@ -750,13 +960,13 @@ def build_app(server: OpenAIServer):
     async def health():
         if await server.is_healthy():
             return {"status": "ok", "model": server.model_name}
-        return JSONResponse({"status": "unavailable", "model": server.model_name}, status_code=503)
+        return _json_response({"status": "unavailable", "model": server.model_name}, 503)
 
-    @app.get("/metrics", dependencies=auth)
+    @app.get("/metrics")
     async def metrics():
         return Response(await server.metrics_text(), media_type=CONTENT_TYPE)
 
-    @app.get("/stats", dependencies=auth)
+    @app.get("/stats")
     async def stats():
         return await server.stats()
 
@@ -820,6 +1030,9 @@ def deploy(handle, config: ClusterConfig, app_name: str = APP_NAME, route_prefix
     from ray import serve
 
     server = config.server
+    if not is_loopback(server.host) and not (server.api_key or os.environ.get(API_KEY_ENV)):
+        logger.warning("serving on %s (not loopback) without an API key: anyone who can reach it may "
+                       "use it; set server.api_key or $%s", server.host, API_KEY_ENV)
     logging_config = {"log_level": "WARNING", "enable_access_log": False} if quiet else None
     grpc_options = None
     if server.grpc_port is not None:
