@@ -99,7 +99,7 @@ class ClusterHandle:
                        request_id: str | None = None, priority: int = 0,
                        prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (cumulative text and token ids, plus deltas)."""
-        from ray.exceptions import RayActorError
+        from ray.exceptions import ObjectLostError, RayActorError
 
         self.health.start()
         params = params or SamplingParams()
@@ -138,6 +138,7 @@ class ClusterHandle:
             texts[0] = resume_from.text
             attempt = 1
         migration: RequestOutput | None = None
+        export_source = None  # (worker, request id) holding a migration's KV until fetched
         while True:
             attempt += 1
             sub_id = request_id if attempt == 1 else f"{request_id}~{attempt}"
@@ -177,6 +178,7 @@ class ClusterHandle:
                 async for ref in stream:
                     output: RequestOutput = await asyncio.wait_for(
                         ref, timeout=self.config.server.limits.request_timeout_s)
+                    export_source = self._release_export(export_source)
                     merged = self._merge(output, request_id, text, prompt_token_ids, prefix_tokens,
                                          prefix_text)
                     for completion in merged.outputs:
@@ -184,6 +186,7 @@ class ClusterHandle:
                         texts[completion.index] = completion.text
                     if output.migrate_to is not None:
                         migration = output
+                        export_source = (worker, output.request_id)
                         self._num_migrated += 1
                         finished = True  # nothing left to abort on this worker
                         break
@@ -194,6 +197,12 @@ class ClusterHandle:
                 if migration is not None:
                     continue
                 return
+            except ObjectLostError as exc:
+                # A migration's KV was lost with its source: recompute from the tokens instead.
+                logger.warning("request %s: transferred KV lost (%r); recomputing", request_id, exc)
+                self._num_resumed += 1
+                if attempt >= max_attempts:
+                    raise
             except (RayActorError, asyncio.TimeoutError) as exc:
                 logger.warning("request %s: worker %s failed (%r); resuming elsewhere",
                                request_id, decision.worker_id, exc)
@@ -204,6 +213,8 @@ class ClusterHandle:
                     raise NoCapacityError(f"no worker could finish request {request_id} "
                                           f"after {attempt} attempts") from exc
             finally:
+                if migration is None:
+                    export_source = self._release_export(export_source)
                 self.router.release(decision, sub_params.max_tokens)
                 if not finished:
                     try:
@@ -262,6 +273,17 @@ class ClusterHandle:
             self.router.release(decision, params.max_tokens)
             if not finished:
                 worker.abort.remote(request_id)
+
+    @staticmethod
+    def _release_export(export_source: tuple | None) -> None:
+        """Tell a migration's source worker that its KV export is no longer needed."""
+        if export_source is not None:
+            worker, request_id = export_source
+            try:
+                worker.release_export.remote(request_id)
+            except Exception:
+                pass
+        return None
 
     @staticmethod
     def _merge(output: RequestOutput, request_id: str, text: str | None, prompt_ids: list[int],

@@ -38,6 +38,9 @@ FAULT_INJECTION_ENV = "PAGEDSERVE_ENABLE_FAULT_INJECTION"
 # A worker with work whose engine loop has not started a step (or a KV manager
 # attempt, which may itself take one step timeout) for this many step timeouts is stalled.
 STALL_TIMEOUT_FACTOR = 2.0
+# A migrated sequence's KV export is kept alive here until the handle releases it
+# (the target has fetched it) or, should the handle never do so, this long.
+EXPORT_HOLD_S = 300.0
 
 
 def stall_timeout_s(step_timeout_s: float) -> float:
@@ -78,6 +81,7 @@ class Worker:
         self.num_kv_calls = 0
         self.last_progress = time.time()
         self.pending_stall_s = 0.0
+        self.held_exports: dict[str, tuple[object, float]] = {}
         engine = LLMEngine(EngineConfig(**engine_config), worker_id, kv_step=self._kv_step)
         engine.pool_config.role = role
         engine.scheduler.allow_migration = True
@@ -162,9 +166,7 @@ class Worker:
         noted = not options
         async for output in stream:
             if output.kv_transfer is not None:
-                import ray
-
-                output.kv_transfer = ray.put(output.kv_transfer)  # travels by reference
+                output.kv_transfer = self._hold_export(output.request_id, output.kv_transfer)
             if not noted:
                 self.async_engine.note_transfer(output.request_id, fetch_s, memcpy_s)
                 output.metrics.kv_transfer_s += fetch_s
@@ -192,6 +194,25 @@ class Worker:
         if transfer is None:
             return last, None
         return last, (transfer.header, transfer.payload)
+
+    def _hold_export(self, request_id: str, transfer) -> object:
+        """Put a migration's KV in the object store and keep it alive until released.
+
+        The ref travels nested in a streamed output, which Ray does not count
+        as a borrow: without this hold the object is freed as soon as it is yielded.
+        """
+        import ray
+
+        now = time.time()
+        for stale in [r for r, (_, held_at) in self.held_exports.items() if now - held_at > EXPORT_HOLD_S]:
+            del self.held_exports[stale]
+        ref = ray.put(transfer)
+        self.held_exports[request_id] = (ref, now)
+        return ref
+
+    def release_export(self, request_id: str) -> bool:
+        """The migration target has fetched ``request_id``'s KV: let the object go."""
+        return self.held_exports.pop(request_id, None) is not None
 
     def abort(self, request_id: str) -> bool:
         return self.async_engine.abort(request_id)
