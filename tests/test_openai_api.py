@@ -8,6 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
+import pickle
+import time
+import uuid
+from contextlib import aclosing
 
 import pytest
 
@@ -16,7 +22,8 @@ pytest.importorskip("fastapi")
 
 from pagedserve.cluster.config import ServerConfig  # noqa: E402
 from pagedserve.cluster.handle import NoCapacityError  # noqa: E402
-from pagedserve.cluster.server import OpenAIServer, RequestLimiter, build_app, check_api_key  # noqa: E402
+from pagedserve.cluster.server import (ClientLimiter, OpenAIServer, RequestLimiter, build_app,  # noqa: E402
+                                       check_api_key, client_key)
 from pagedserve.workers.async_engine import AsyncLLMEngine  # noqa: E402
 from pagedserve.workers.engine import EngineConfig  # noqa: E402
 
@@ -61,6 +68,7 @@ class LocalHandle:
         self.tokenizer = core.tokenizer
         self.router = _Router()
         self.fail_with: BaseException | None = None
+        self.stall_s = 0.0  # > 0: a pause after every output (a slow or stuck generation)
         self.kv_manager = _Actor(stats=lambda: {"workers": {"worker-0": core.kv_manager.stats("worker-0")}})
         self.workers = {"worker-0": _Actor(stats=lambda: {"is_healthy": True, **self.engine.stats()},
                                            ping=lambda: "worker-0")}
@@ -68,7 +76,15 @@ class LocalHandle:
     def generate(self, prompt, params, request_id=None, priority=0, prompt_token_ids=None):
         if self.fail_with is not None:
             return self._fail()
-        return self.engine.generate(prompt, params, request_id, priority, prompt_token_ids)
+        stream = self.engine.generate(prompt, params, request_id, priority, prompt_token_ids)
+        return self._stalled(stream, self.stall_s) if self.stall_s else stream
+
+    @staticmethod
+    async def _stalled(stream, stall_s: float):
+        async with aclosing(stream):
+            async for output in stream:
+                yield output
+                await asyncio.sleep(stall_s)
 
     async def _fail(self):
         raise self.fail_with
@@ -76,6 +92,10 @@ class LocalHandle:
 
     def num_used_blocks(self) -> int:
         return self.engine.num_used_blocks()
+
+    def has_streams(self) -> bool:
+        """True while some request's stream has not had its final output delivered."""
+        return bool(self.engine._streams)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +114,13 @@ def call(server: OpenAIServer, method: str, path: str, **kwargs) -> httpx.Respon
     async def run():
         transport = httpx.ASGITransport(app=build_app(server))
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            return await client.request(method, path, **kwargs)
+            response = await client.request(method, path, **kwargs)
+        # The engine thread delivers an aborted request's final output to this loop: keep it open
+        # until then (a closed loop there stops AsyncLLMEngine's thread).
+        deadline = time.monotonic() + 10
+        while server.handle.has_streams() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return response
     return asyncio.run(run())
 
 
@@ -116,6 +142,17 @@ def _assert_error(response: httpx.Response, status: int, param: str | None = Non
 @pytest.fixture(scope="module")
 def server(local_handle):
     return _server(local_handle)
+
+
+@pytest.fixture(autouse=True)
+def idle_after(local_handle):
+    yield
+    local_handle.stall_s = 0.0
+    deadline = time.time() + 10
+    while local_handle.num_used_blocks() and time.time() < deadline:
+        time.sleep(0.05)
+    assert local_handle.num_used_blocks() == 0
+    local_handle.engine.check_integrity()
 
 
 # ---- happy paths ---------------------------------------------------------------------------------
@@ -339,3 +376,190 @@ def test_grpc_service_translation(server):
     with pytest.raises(Exception):
         asyncio.run(service.generate(pb.GenerateRequest(prompt="x", model="nope"), context))
     assert context.code == grpc.StatusCode.NOT_FOUND
+
+
+# ---- limits --------------------------------------------------------------------------------------
+def test_request_timeout_is_408_and_frees_blocks(local_handle):
+    timed = _server(local_handle, limits={"request_timeout_s": 0.6})
+    local_handle.stall_s = 0.2
+    body = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
+    error = _assert_error(call(timed, "POST", "/v1/completions", json=body), 408)
+    assert error["code"] == "request_timeout"
+    assert timed.limiter.num_in_flight == 0 and not timed.client_limiter.num_in_flight
+
+
+def test_idle_stream_ends_with_an_error_event_and_frees_blocks(local_handle):
+    idle = _server(local_handle, limits={"stream_idle_timeout_s": 0.3})
+    local_handle.stall_s = 1.5
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 200, "ignore_eos": True,
+            "stream": True}
+    response = call(idle, "POST", "/v1/chat/completions", json=body)
+    assert response.status_code == 200
+    events = _events(response)
+    assert events[-1]["error"]["code"] == "stream_idle_timeout"
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"  # it did stream before going quiet
+    assert idle.limiter.num_in_flight == 0
+
+
+def test_per_client_limit_429(local_handle):
+    limited = _server(local_handle, limits={"max_requests_per_client": 1})
+    busy_client = client_key("Bearer alice", "10.0.0.1")
+    limited.client_limiter.acquire(busy_client)  # alice has one request in flight
+    response = call(limited, "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                    headers={"Authorization": "Bearer alice"})
+    assert _assert_error(response, 429)["code"] == "client_limit"
+    assert int(response.headers["retry-after"]) >= 1
+    other = call(limited, "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                 headers={"Authorization": "Bearer bob"})
+    assert other.status_code == 200, other.text
+    assert limited.client_limiter.num_in_flight == {busy_client: 1}
+    assert limited.limiter.num_in_flight == 0
+
+
+def test_client_key_and_client_limiter_units():
+    assert client_key("Bearer k", "1.2.3.4") == client_key("bearer k ", "5.6.7.8") != client_key("Bearer j", None)
+    assert client_key(None, "1.2.3.4") == "addr:1.2.3.4" and client_key("Basic x", None) == "addr:unknown"
+    assert "k" not in client_key("Bearer k", None)[4:]  # the key itself is never kept
+    limiter = ClientLimiter(2)
+    limiter.acquire("a", 2)
+    limiter.acquire("b")
+    with pytest.raises(Exception) as info:
+        limiter.acquire("a")
+    assert info.value.status == 429
+    limiter.release("a", 2)
+    limiter.release("b")
+    assert limiter.num_in_flight == {}
+
+
+def test_hostile_numbers_and_unicode_are_400(server):
+    post = lambda content: call(server, "POST", "/v1/completions", content=content,  # noqa: E731
+                                headers={"Content-Type": "application/json"})
+    for raw in (b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "temperature": Infinity}',
+                b'{"prompt": "x", "top_p": -Infinity}', b'{"prompt": "x", "seed": 1e400}',
+                b'{"prompt": "x", "priority": 99999999999999999999999}',
+                b'{"prompt": "x", "stop_token_ids": [-1]}', b'[' * 100000 + b']' * 100000):
+        _assert_error(post(raw), 400)
+    for raw in (b'{"prompt": "\\ud800"}', b'{"prompt": "ok", "stop": ["\\udfff"]}'):
+        _assert_error(post(raw.replace(b"\\\\", b"\\")), 400)
+    chat = call(server, "POST", "/v1/chat/completions", headers={"Content-Type": "application/json"},
+                content=b'{"messages": [{"role": "user", "content": "\\ud83d"}]}'.replace(b"\\\\", b"\\"))
+    _assert_error(chat, 400, "messages")
+    unknown = post(b'{"model": "\\ud800\\u0000", "prompt": "x"}'.replace(b"\\\\", b"\\"))
+    _assert_error(unknown, 404)
+    assert b"\\ud800" in unknown.content.replace(b"\\\\", b"\\")  # escaped, so it encodes
+
+
+def test_pickled_bodies_are_never_unpickled(server, tmp_path):
+    marker = tmp_path / "unpickled"
+
+    class Exploit:
+        def __reduce__(self):
+            return os.mkdir, (str(marker),)
+
+    payload = pickle.dumps(Exploit())
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        for content_type in ("application/octet-stream", "application/python-pickle", "application/json"):
+            response = call(server, "POST", path, content=payload, headers={"Content-Type": content_type})
+            _assert_error(response, 400)
+    assert not marker.exists()
+
+
+# ---- security ------------------------------------------------------------------------------------
+def test_api_key_guards_every_route_but_health(local_handle):
+    secured = _server(local_handle, api_key="sekrit")
+    for path in ("/openapi.json", "/docs", "/redoc", "/stats", "/metrics", "/v1/models", "/v1/models/x",
+                 "/v1/nothing"):
+        _assert_error(call(secured, "GET", path), 401)
+    for path in ("/v1/completions", "/v1/chat/completions", "/health/../v1/completions"):
+        _assert_error(call(secured, "POST", path, json={"prompt": "x"}), 401)
+    assert call(secured, "GET", "/health").status_code == 200
+    # The dashboard checks the key itself: a login form, never data.
+    assert call(secured, "GET", "/dashboard/state").status_code == 401
+    page = call(secured, "GET", "/dashboard")
+    assert page.status_code == 401 and "<form" in page.text and "worker-0" not in page.text
+    keyed = {"Authorization": "Bearer sekrit"}
+    assert call(secured, "GET", "/openapi.json", headers=keyed).status_code == 200
+    assert call(secured, "GET", "/metrics", headers=keyed).status_code == 200
+
+
+def test_metrics_without_key_when_configured(local_handle):
+    scrapable = _server(local_handle, api_key="sekrit", metrics_require_api_key=False)
+    assert call(scrapable, "GET", "/metrics").status_code == 200
+    _assert_error(call(scrapable, "GET", "/stats"), 401)
+    _assert_error(call(scrapable, "GET", "/v1/models"), 401)
+
+
+def test_grpc_every_method_needs_the_key(local_handle):
+    import grpc
+
+    from pagedserve.cluster.grpc_service import GrpcService
+    from pagedserve.cluster.protos import pagedserve_pb2 as pb
+    from pagedserve.cluster.protos import pagedserve_pb2_grpc as pb_grpc
+
+    service = GrpcService(_server(local_handle, api_key="sekrit"))
+    rpc_names = {m.name for m in pb.DESCRIPTOR.services_by_name["PagedServe"].methods}
+    assert rpc_names == {"Generate", "GenerateStream"}
+    assert all(hasattr(pb_grpc.PagedServeServicer, name) for name in rpc_names)
+    request = pb.GenerateRequest(prompt="x", max_tokens=2)
+
+    async def stream(context):
+        return [m async for m in service.generate_stream(request, context)]
+
+    for metadata in ((), (("authorization", "Bearer wrong"),)):
+        for run in (lambda c: service.generate(request, c), stream):
+            context = _GrpcContext(metadata)
+            with pytest.raises(Exception):
+                asyncio.run(run(context))
+            assert context.code == grpc.StatusCode.UNAUTHENTICATED
+    ok = asyncio.run(service.generate(request, _GrpcContext((("authorization", "Bearer sekrit"),))))
+    assert ok.usage.completion_tokens == 2
+
+
+def test_grpc_request_ids_of_clients_do_not_collide(server):
+    from pagedserve.cluster.grpc_service import GrpcService
+    from pagedserve.cluster.protos import pagedserve_pb2 as pb
+
+    service = GrpcService(server)
+    request = pb.GenerateRequest(prompt="Hello", max_tokens=6, temperature=0, ignore_eos=True, request_id="same")
+
+    async def both():
+        return await asyncio.gather(*(service.generate(request, _GrpcContext()) for _ in range(3)))
+
+    responses = asyncio.run(both())
+    assert [r.request_id for r in responses] == ["same"] * 3
+    assert len({tuple(r.choices[0].token_ids) for r in responses}) == 1
+    assert all(r.usage.completion_tokens == 6 for r in responses)
+
+
+def test_prompts_and_completions_are_not_logged_unless_switched_on(local_handle, caplog):
+    marker = f"secret-{uuid.uuid4().hex[:8]}"
+    requests = [("/v1/completions", {"prompt": f"{marker} one", "max_tokens": 3}),
+                ("/v1/completions", {"prompt": [f"{marker} a", f"{marker} b"], "max_tokens": 2, "stream": True}),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": marker}], "max_tokens": 2}),
+                ("/v1/completions", {"prompt": marker * 400}),  # too long: a 400
+                ("/v1/completions", {"prompt": marker, "temperature": "hot"})]
+    with caplog.at_level(logging.DEBUG):
+        quiet = _server(local_handle)
+        for path, body in requests:
+            call(quiet, "POST", path, json=body)
+    assert marker not in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pagedserve.server"):
+        chatty = _server(local_handle, log_requests=True)
+        response = call(chatty, "POST", "/v1/completions",
+                        json={"prompt": f"{marker} one", "max_tokens": 3, "temperature": 0})
+    completion = response.json()["choices"][0]["text"]
+    assert f"{marker} one" in caplog.text and repr(completion) in caplog.text
+
+
+def test_openapi_schema_describes_the_request_bodies(server):
+    schema = call(server, "GET", "/openapi.json").json()
+    components = schema["components"]["schemas"]
+    for path, model in (("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatCompletionRequest")):
+        body = schema["paths"][path]["post"]["requestBody"]
+        assert body["required"] is True
+        assert body["content"]["application/json"]["schema"]["$ref"] == f"#/components/schemas/{model}"
+        assert "429" in schema["paths"][path]["post"]["responses"]
+    assert {"prompt", "max_tokens", "n", "stop"} <= set(components["CompletionRequest"]["properties"])
+    assert components["CompletionRequest"]["required"] == ["prompt"]
+    assert "ChatMessageIn" in components and "messages" in components["ChatCompletionRequest"]["required"]
