@@ -101,6 +101,7 @@ def test_preemption_migrates_to_a_worker_with_room(ray_cluster, tiny_model, refe
         migrated = stats["workers"]["worker-0"]["num_preemptions_by_mode"]["migrate"]
         assert migrated >= 1 and stats["num_migrated"] == migrated
         assert stats["kv_manager"]["workers"]["worker-0"]["num_preemptions_migrate"] == migrated
+        assert stats["workers"]["worker-0"]["num_held_exports"] == 0, "every export released once fetched"
         _finish(handle)
     finally:
         handle.shutdown()

@@ -239,6 +239,7 @@ class Worker:
                 "swapped_out_bytes": engine_stats["swapped_out_bytes"],
                 "swapped_in_bytes": engine_stats["swapped_in_bytes"],
                 "num_kv_calls": self.num_kv_calls, "num_kv_retries": self.num_kv_retries,
+                "num_held_exports": len(self.held_exports),
                 "mean_kv_call_ms": 1e3 * self.kv_seconds / self.num_kv_calls if self.num_kv_calls else 0.0,
                 "is_healthy": self.async_engine.is_running}
 
