@@ -24,6 +24,7 @@ __all__ = [
     "copy_blocks",
     "paged_attention",
     "paged_decode_attention",
+    "plan_attention",
     "select_backend",
     "swap_blocks",
     "write_kv",
@@ -69,8 +70,52 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping, backend=None) -> None:
     _ops(backend, k_cache.device).write_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
+def plan_attention(k_cache, block_tables, cu_seqlens_q, seq_lens, backend=None):
+    """What ``paged_attention`` derives from the step's metadata, computed once for all layers.
+
+    Pass the result as ``plan=`` to every layer's ``paged_attention`` (or, with
+    ``cu_seqlens_q=None``, ``paged_decode_attention``) over caches of ``k_cache``'s
+    shape and the same metadata. It reads the lengths on the host and checks them.
+    Returns None for backends that need no plan (Triton).
+    """
+    _check_plan_args(k_cache, block_tables, cu_seqlens_q, seq_lens)
+    if (backend or select_backend(k_cache.device)) != "torch":
+        _ops(backend, k_cache.device)
+        return None
+    if cu_seqlens_q is None:
+        return torch_ops.plan_decode_attention(k_cache, block_tables, seq_lens)
+    return torch_ops.plan_attention(k_cache, block_tables, cu_seqlens_q, seq_lens)
+
+
+def _check_plan_args(k_cache, block_tables, cu_seqlens_q, seq_lens) -> None:
+    layout.check_cache_pair(k_cache, k_cache)
+    layout.check_index("block_tables", block_tables, 2, k_cache.device)
+    layout.check_index("seq_lens", seq_lens, 1, k_cache.device)
+    if seq_lens.shape[0] != block_tables.shape[0]:
+        raise ValueError(
+            f"seq_lens has {seq_lens.shape[0]} entries, block_tables has {block_tables.shape[0]} rows"
+        )
+    if cu_seqlens_q is not None:
+        layout.check_index("cu_seqlens_q", cu_seqlens_q, 1, k_cache.device)
+        if cu_seqlens_q.shape[0] != block_tables.shape[0] + 1:
+            raise ValueError(
+                f"cu_seqlens_q must have num_seqs + 1 = {block_tables.shape[0] + 1} entries, "
+                f"got {cu_seqlens_q.shape[0]}"
+            )
+
+
+def _plan_kwargs(plan, backend, device) -> dict:
+    """``plan=`` for the torch backend; a plan for another backend is an error."""
+    if plan is None:
+        return {}
+    if (backend or select_backend(device)) != plan.backend:
+        raise ValueError(f"a {plan.backend!r} attention plan cannot run on backend {backend!r}")
+    return {"plan": plan}
+
+
 def paged_attention(
-    q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out=None, backend=None
+    q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out=None, backend=None,
+    plan=None,
 ):
     """Causal attention for a flattened batch mixing decode tokens and prefill chunks.
 
@@ -81,24 +126,27 @@ def paged_attention(
     ``h // (num_heads // num_kv_heads)``. Accumulates in float32 (float64 for float64
     inputs) and returns ``[num_tokens, num_heads, head_dim]`` in q's dtype, written into
     ``out`` when given. Block table entries past ``ceil(seq_len / block_size)`` are never
-    used to address the cache (they may hold -1 or garbage).
+    used to address the cache (they may hold -1 or garbage). ``plan`` is this metadata's
+    ``plan_attention`` result, or None to derive it here.
     """
     layout.check_attention(
         q, k_cache, v_cache, block_tables, seq_lens, scale, out, cu_seqlens_q=cu_seqlens_q
     )
     return _ops(backend, q.device).paged_attention(
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out=out
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out=out,
+        **_plan_kwargs(plan, backend, q.device),
     )
 
 
 def paged_decode_attention(
-    q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, backend=None
+    q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, backend=None, plan=None
 ):
     """``paged_attention`` with exactly one query per sequence: ``q`` is
     ``[num_seqs, num_heads, head_dim]`` and query ``i`` is token ``seq_lens[i] - 1``."""
     layout.check_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
     return _ops(backend, q.device).paged_decode_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, scale, out=out
+        q, k_cache, v_cache, block_tables, seq_lens, scale, out=out,
+        **_plan_kwargs(plan, backend, q.device),
     )
 
 

@@ -4,17 +4,24 @@ Arguments are assumed to have passed the metadata checks in ``layout``; the chec
 need tensor contents (lengths against block table capacity, cu_seqlens_q bounds) are
 done here, where the lengths are read on the host anyway.
 
-Attention gathers each sequence's context from the cache through its block table (one
-row ``index_select`` over the cache viewed as ``[num_slots, num_kv_heads * head_dim]``) and
-runs ``scaled_dot_product_attention`` in float32 (float64 for float64 inputs). Decode
-tokens are batched: sorted by context length and run in chunks of similar length, each
-padded to its longest context and masked, and small enough that the gathered context is
-still in cache when the attention reads it. Each prefill chunk runs on its own with a
-causal mask offset by its cached prefix.
+Attention gathers each sequence's context from the cache through its block table and runs
+``scaled_dot_product_attention`` in float32 (float64 for float64 inputs). Decode tokens are
+batched: sorted by context length and run in chunks of similar length, each gathered as
+whole blocks, padded to its longest context and masked, and small enough that the gathered
+context is still in cache when the attention reads it. Each prefill chunk runs on its own
+(a row gather of its context slots) with a causal mask offset by its cached prefix.
+
+Everything derived from the metadata alone (lengths read to the host, sort order, chunks,
+block ids, masks) is an ``AttentionPlan``: ``plan_attention`` builds it once per step and
+every layer's ``paged_attention(..., plan=plan)`` reuses it.
 """
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from . import cpu_decode
 
 # Decode runs in chunks of sequences whose gathered K (or V) holds at most this many
 # elements, so the gathered copy is still in cache when the attention reads it.
@@ -48,6 +55,64 @@ def _context_slots(block_tables, max_len: int, block_size: int) -> torch.Tensor:
     return slots.view(blocks.shape[0], num_blocks * block_size)[:, :max_len]
 
 
+@dataclass
+class DecodeChunk:
+    """Rows ``start:end`` of the sorted decode batch, gathered ``num_positions`` wide.
+
+    ``block_ids`` holds each row's first ``num_positions // block_size`` blocks (entries
+    past a sequence's own blocks repeat its first block); ``padding_rows`` are the
+    gathered positions past a sequence's length, zeroed after the gather so that stale
+    cache contents never reach the attention, and ``mask`` hides them from it.
+    """
+
+    start: int
+    end: int
+    num_positions: int
+    block_ids: torch.Tensor
+    padding_rows: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
+@dataclass
+class DecodePlan:
+    """Decode sequences sorted longest first (``order``: None when already sorted).
+
+    With ``is_native`` the C kernel runs them (``chunks`` is empty): it reads the int32
+    ``block_tables`` and ``seq_lens`` directly and takes sequences in ``order``.
+    """
+
+    order: torch.Tensor | None
+    chunks: list[DecodeChunk]
+    is_native: bool = False
+    block_tables: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+
+
+@dataclass
+class PrefillSeq:
+    """One sequence with several queries: q rows ``start:end``, context ``slots``."""
+
+    start: int
+    end: int
+    slots: torch.Tensor
+
+
+@dataclass
+class AttentionPlan:
+    """What ``paged_attention`` derives from the metadata alone, shared by every layer.
+
+    ``decode_rows`` are the q rows of the one-query sequences (None when every sequence
+    has one query, in order); ``prefills`` the sequences with more.
+    """
+
+    num_tokens: int
+    num_seqs: int
+    decode_rows: torch.Tensor | None
+    decode: DecodePlan | None
+    prefills: list[PrefillSeq] = field(default_factory=list)
+    backend: str = "torch"
+
+
 def _gather_context(cache_flat, slots, num_kv_heads, compute_dtype):
     """``[rows, max_len]`` slots -> ``[rows, num_kv_heads, max_len, head_dim]`` in compute dtype.
 
@@ -74,67 +139,114 @@ def _plan_decode_chunks(sorted_lens: list[int], elements_per_position: int) -> l
     return chunks
 
 
-def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, lens, scale, out):
+def _plan_decode_chunk(tables, lens_tensor, sorted_lens, start, end, block_size) -> DecodeChunk:
+    num_blocks = -(-sorted_lens[start] // block_size)
+    num_positions = num_blocks * block_size
+    device = tables.device
+    blocks = tables[start:end, :num_blocks].long()
+    chunk_lens = lens_tensor[start:end].long()
+    num_own_blocks = (chunk_lens + block_size - 1) // block_size
+    is_own_block = torch.arange(num_blocks, device=device) < num_own_blocks.unsqueeze(1)
+    blocks = torch.where(is_own_block, blocks, blocks[:, :1])
+    is_padding = torch.arange(num_positions, device=device) >= chunk_lens.unsqueeze(1)
+    padding_rows = mask = None
+    if any(length != num_positions for length in sorted_lens[start:end]):
+        padding_rows = is_padding.reshape(-1).nonzero().squeeze(1)
+        mask = ~is_padding[:, None, None, :]
+    return DecodeChunk(start, end, num_positions, blocks.reshape(-1), padding_rows, mask)
+
+
+def _check_used_blocks(block_tables, seq_lens, block_size: int, num_blocks: int) -> None:
+    """The table entries a sequence's length covers must address blocks of the cache."""
+    num_own_blocks = (seq_lens.long() + block_size - 1) // block_size
+    is_used = torch.arange(block_tables.shape[1], device=block_tables.device) < num_own_blocks.unsqueeze(1)
+    used = block_tables[is_used]
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
+        raise ValueError(f"block_tables address blocks outside the cache's {num_blocks} blocks")
+
+
+def _plan_native_decode(block_tables, seq_lens, order: list[int], num_blocks: int,
+                        block_size: int) -> DecodePlan:
+    tables = block_tables.to(torch.int32).contiguous()
+    lens_tensor = seq_lens.to(torch.int32).contiguous()
+    _check_used_blocks(tables, lens_tensor, block_size, num_blocks)
+    order_tensor = torch.tensor(order, dtype=torch.int64)
+    return DecodePlan(order_tensor, [], True, tables, lens_tensor)
+
+
+def plan_decode(block_tables, seq_lens, lens: list[int], k_cache) -> DecodePlan:
+    """Sort one-query sequences longest first; for the torch path, cut them into chunks
+    of similar length."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_seqs = len(lens)
+    order = sorted(range(num_seqs), key=lens.__getitem__, reverse=True)
+    if cpu_decode.supports_cache(k_cache):
+        return _plan_native_decode(block_tables, seq_lens, order, num_blocks, block_size)
+    elements_per_position = num_kv_heads * head_dim
+    sorted_lens = [lens[seq] for seq in order]
+    if order == list(range(num_seqs)):
+        order_tensor, tables, lens_tensor = None, block_tables, seq_lens
+    else:
+        order_tensor = torch.tensor(order, device=block_tables.device)
+        tables = block_tables.index_select(0, order_tensor)
+        lens_tensor = seq_lens.index_select(0, order_tensor)
+    chunks = [
+        _plan_decode_chunk(tables, lens_tensor, sorted_lens, start, end, block_size)
+        for start, end in _plan_decode_chunks(sorted_lens, elements_per_position)
+    ]
+    return DecodePlan(order_tensor, chunks)
+
+
+def _gather_blocks(cache, chunk: DecodeChunk, compute_dtype):
+    """A chunk's context: ``[rows, num_kv_heads, num_positions, head_dim]`` in compute dtype."""
+    _, _, num_kv_heads, head_dim = cache.shape
+    num_rows = chunk.end - chunk.start
+    gathered = cache.index_select(0, chunk.block_ids)
+    gathered = gathered.view(num_rows * chunk.num_positions, num_kv_heads, head_dim)
+    if chunk.padding_rows is not None:
+        gathered.index_fill_(0, chunk.padding_rows, 0)
+    gathered = gathered.view(num_rows, chunk.num_positions, num_kv_heads, head_dim)
+    return gathered.to(compute_dtype).transpose(1, 2)
+
+
+def _decode_attention(q, k_cache, v_cache, plan: DecodePlan, scale, out):
     """One query per sequence; writes ``[n, num_heads, head_dim]`` into ``out``.
 
     Sequences run longest first in chunks of similar context length, so padding is small
     and each chunk's gathered K/V stays in cache between the gather and the attention.
+    Each chunk gathers whole blocks, which copies far fewer, larger pieces than a gather
+    of single positions.
     """
+    if plan.is_native:
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        cpu_decode.decode_attention(q, k_cache, v_cache, plan.block_tables, plan.seq_lens, scale,
+                                    out, plan.order)
+        return
     num_seqs, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    elements_per_position = num_kv_heads * head_dim
-    k_flat = k_cache.view(num_blocks * block_size, elements_per_position)
-    v_flat = v_cache.view(num_blocks * block_size, elements_per_position)
+    num_kv_heads = k_cache.shape[2]
     compute_dtype = _compute_dtype(q.dtype)
-    device = q.device
-    order = sorted(range(num_seqs), key=lens.__getitem__, reverse=True)
-    sorted_lens = [lens[seq] for seq in order]
-    is_sorted = order == list(range(num_seqs))
-    if is_sorted:
-        tables, lens_tensor, queries = block_tables, seq_lens, q
-    else:
-        order_tensor = torch.tensor(order, device=device)
-        tables = block_tables.index_select(0, order_tensor)
-        lens_tensor = seq_lens.index_select(0, order_tensor)
-        queries = q.index_select(0, order_tensor)
+    queries = q if plan.order is None else q.index_select(0, plan.order)
     # The query heads sharing a kv head become that head's query rows: [n, kv_heads, group, d].
     queries = queries.to(compute_dtype).reshape(
         num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim
     )
-    result = out if is_sorted else torch.empty_like(q)
-    # Slots of every sequence's context, padded to the longest: padded positions read the
-    # sequence's first slot (always written, so finite) instead of whatever the table or a
-    # partly filled block holds there, and are masked out.
-    max_len = sorted_lens[0]
-    num_table_blocks = -(-max_len // block_size)
-    offsets = torch.arange(block_size, device=device)
-    slots = tables[:, :num_table_blocks].long().unsqueeze(2) * block_size + offsets
-    slots = slots.view(num_seqs, num_table_blocks * block_size)[:, :max_len]
-    is_valid = torch.arange(max_len, device=device) < lens_tensor.unsqueeze(1)
-    slots = torch.where(is_valid, slots, slots[:, :1])
-    for start, end in _plan_decode_chunks(sorted_lens, elements_per_position):
-        chunk_len = sorted_lens[start]
-        chunk_slots = slots[start:end, :chunk_len]
-        mask = None
-        if sorted_lens[end - 1] != chunk_len:
-            mask = is_valid[start:end, None, None, :chunk_len]
-        k = _gather_context(k_flat, chunk_slots, num_kv_heads, compute_dtype)
-        v = _gather_context(v_flat, chunk_slots, num_kv_heads, compute_dtype)
+    result = out if plan.order is None else torch.empty_like(q)
+    for chunk in plan.chunks:
+        k = _gather_blocks(k_cache, chunk, compute_dtype)
+        v = _gather_blocks(v_cache, chunk, compute_dtype)
         chunk_out = F.scaled_dot_product_attention(
-            queries[start:end], k, v, attn_mask=mask, scale=scale
+            queries[chunk.start:chunk.end], k, v, attn_mask=chunk.mask, scale=scale
         )
-        result[start:end] = chunk_out.reshape(end - start, num_heads, head_dim)
-    if not is_sorted:
-        out.index_copy_(0, order_tensor, result)
+        result[chunk.start:chunk.end] = chunk_out.reshape(chunk.end - chunk.start, num_heads, head_dim)
+    if plan.order is not None:
+        out.index_copy_(0, plan.order, result)
 
 
-def _prefill_attention(
-    q, k_flat, v_flat, block_table, seq_len, block_size, num_kv_heads, scale, out
-):
-    """Causal attention for the last ``q.shape[0]`` of ``seq_len`` tokens of one sequence."""
-    num_queries = q.shape[0]
+def _prefill_attention(q, k_flat, v_flat, slots, num_kv_heads, scale, out):
+    """Causal attention for the last ``q.shape[0]`` of a sequence's context ``slots``."""
+    num_queries, seq_len = q.shape[0], slots.shape[1]
     compute_dtype = _compute_dtype(q.dtype)
-    slots = _context_slots(block_table.unsqueeze(0), seq_len, block_size)
     k = _gather_context(k_flat, slots, num_kv_heads, compute_dtype)
     v = _gather_context(v_flat, slots, num_kv_heads, compute_dtype)
     q = q.to(compute_dtype).transpose(0, 1).unsqueeze(0)
@@ -161,37 +273,29 @@ def _check_seq_lens(lens: list[int], capacity: int) -> None:
         )
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None):
-    """Attention of one query per sequence over its whole cached context."""
-    if out is None:
-        out = torch.empty_like(q)
+def plan_decode_attention(k_cache, block_tables, seq_lens) -> AttentionPlan:
+    """The plan of ``paged_decode_attention`` (one query per sequence)."""
+    block_size = k_cache.shape[1]
     lens = seq_lens.tolist()
-    if not lens:
-        return out
-    _check_seq_lens(lens, block_tables.shape[1] * k_cache.shape[1])
-    if min(lens) < 1:
+    _check_seq_lens(lens, block_tables.shape[1] * block_size)
+    if lens and min(lens) < 1:
         raise ValueError("paged_decode_attention needs seq_lens >= 1 (the query's own token)")
-    _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, lens, float(scale), out)
-    return out
+    decode = plan_decode(block_tables, seq_lens, lens, k_cache) if lens else None
+    return AttentionPlan(len(lens), len(lens), None, decode)
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out=None):
-    """Causal attention for a flattened batch of decode tokens and prefill chunks."""
-    if out is None:
-        out = torch.empty_like(q)
-    num_tokens = q.shape[0]
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+def plan_attention(k_cache, block_tables, cu_seqlens_q, seq_lens) -> AttentionPlan:
+    """The plan of ``paged_attention``: reads the lengths once, checks them, and sorts the
+    sequences into decode chunks and prefills."""
+    block_size = k_cache.shape[1]
     lens = seq_lens.tolist()
     starts = cu_seqlens_q.tolist()
+    num_tokens = starts[-1]
     _check_seq_lens(lens, block_tables.shape[1] * block_size)
-    if starts[0] != 0 or starts[-1] != num_tokens:
-        raise ValueError(
-            f"cu_seqlens_q must start at 0 and end at num_tokens={num_tokens}, "
-            f"got {starts[0]}..{starts[-1]}"
-        )
-    scale = float(scale)
+    if starts[0] != 0:
+        raise ValueError(f"cu_seqlens_q must start at 0 and end at num_tokens, got {starts[0]}..")
     decode_seqs = []
-    prefill_seqs = []
+    prefills = []
     for seq, (start, end, seq_len) in enumerate(zip(starts, starts[1:], lens)):
         num_queries = end - start
         if num_queries == 1 and seq_len >= 1:
@@ -202,45 +306,69 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
                     f"sequence {seq}: {num_queries} queries but seq_len {seq_len} "
                     "(need 0 <= queries <= seq_len and non-decreasing cu_seqlens_q)"
                 )
-            prefill_seqs.append(seq)
-
+            slots = _context_slots(block_tables[seq:seq + 1], seq_len, block_size)
+            prefills.append(PrefillSeq(start, end, slots))
     if len(decode_seqs) == len(lens):
-        if lens:
-            _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, lens, scale, out)
-        return out
+        decode = plan_decode(block_tables, seq_lens, lens, k_cache) if lens else None
+        return AttentionPlan(num_tokens, len(lens), None, decode)
+    decode_rows = decode = None
     if decode_seqs:
-        seq_ids = torch.tensor(decode_seqs, device=q.device)
-        rows = torch.tensor([starts[seq] for seq in decode_seqs], device=q.device)
-        result = torch.empty(
-            (len(decode_seqs), q.shape[1], head_dim), dtype=q.dtype, device=q.device
+        device = block_tables.device
+        seq_ids = torch.tensor(decode_seqs, device=device)
+        decode_rows = torch.tensor([starts[seq] for seq in decode_seqs], device=device)
+        decode = plan_decode(block_tables.index_select(0, seq_ids), seq_lens.index_select(0, seq_ids),
+                             [lens[seq] for seq in decode_seqs], k_cache)
+    return AttentionPlan(num_tokens, len(lens), decode_rows, decode, prefills)
+
+
+def _check_plan(plan: AttentionPlan, q, block_tables) -> None:
+    if plan.num_tokens != q.shape[0] or plan.num_seqs != block_tables.shape[0]:
+        raise ValueError(
+            f"cu_seqlens_q must start at 0 and end at num_tokens={q.shape[0]}, and the plan "
+            f"match the batch: it covers {plan.num_tokens} tokens of {plan.num_seqs} sequences, "
+            f"the batch has {block_tables.shape[0]} sequences"
         )
-        _decode_attention(
-            q.index_select(0, rows),
-            k_cache,
-            v_cache,
-            block_tables.index_select(0, seq_ids),
-            seq_lens.index_select(0, seq_ids),
-            [lens[seq] for seq in decode_seqs],
-            scale,
-            result,
-        )
+
+
+def run_attention(q, k_cache, v_cache, plan: AttentionPlan, scale, out) -> torch.Tensor:
+    """Attention over the paged cache as ``plan`` lays it out; writes and returns ``out``."""
+    scale = float(scale)
+    if plan.decode is not None and plan.decode_rows is None:
+        _decode_attention(q, k_cache, v_cache, plan.decode, scale, out)
+        return out
+    if plan.decode is not None:
+        rows = plan.decode_rows
+        result = torch.empty((rows.shape[0], q.shape[1], q.shape[2]), dtype=q.dtype, device=q.device)
+        _decode_attention(q.index_select(0, rows), k_cache, v_cache, plan.decode, scale, result)
         out.index_copy_(0, rows, result)
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     k_flat = k_cache.view(num_blocks * block_size, num_kv_heads * head_dim)
     v_flat = v_cache.view(num_blocks * block_size, num_kv_heads * head_dim)
-    for seq in prefill_seqs:
-        start, end = starts[seq], starts[seq + 1]
-        _prefill_attention(
-            q[start:end],
-            k_flat,
-            v_flat,
-            block_tables[seq],
-            lens[seq],
-            block_size,
-            num_kv_heads,
-            scale,
-            out[start:end],
-        )
+    for prefill in plan.prefills:
+        _prefill_attention(q[prefill.start:prefill.end], k_flat, v_flat, prefill.slots,
+                           num_kv_heads, scale, out[prefill.start:prefill.end])
     return out
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, plan=None):
+    """Attention of one query per sequence over its whole cached context."""
+    if out is None:
+        out = torch.empty_like(q)
+    if plan is None:
+        plan = plan_decode_attention(k_cache, block_tables, seq_lens)
+    _check_plan(plan, q, block_tables)
+    return run_attention(q, k_cache, v_cache, plan, scale, out)
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out=None,
+                    plan=None):
+    """Causal attention for a flattened batch of decode tokens and prefill chunks."""
+    if out is None:
+        out = torch.empty_like(q)
+    if plan is None:
+        plan = plan_attention(k_cache, block_tables, cu_seqlens_q, seq_lens)
+    _check_plan(plan, q, block_tables)
+    return run_attention(q, k_cache, v_cache, plan, scale, out)
 
 
 def copy_blocks(k_caches, v_caches, block_pairs) -> None:

@@ -18,6 +18,8 @@ from pagedserve.kernels import (
     copy_blocks,
     paged_attention,
     paged_decode_attention,
+    cpu_decode,
+    plan_attention,
     select_backend,
     swap_blocks,
     torch_ops,
@@ -31,6 +33,17 @@ TOLERANCES = {
     torch.bfloat16: dict(atol=1.5e-2, rtol=1.5e-2),
 }
 GARBAGE_BLOCK_ID = 1_000_000
+
+
+@pytest.fixture(params=["native", "torch"])
+def decode_path(request, monkeypatch):
+    """Run float32 CPU decode attention on the C kernel, or on the torch ops."""
+    if request.param == "native":
+        if cpu_decode.load() is None:
+            pytest.skip("the native CPU decode kernel could not be built here")
+    else:
+        monkeypatch.setattr(cpu_decode, "supports_cache", lambda k_cache: False)
+    return request.param
 
 
 @pytest.fixture
@@ -119,7 +132,7 @@ def assert_close(actual, expected, dtype, gen):
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 @pytest.mark.parametrize("gqa", [1, 2, 4, 8])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_decode_matches_reference(gen, block_size, gqa, head_dim, dtype):
+def test_decode_matches_reference(gen, decode_path, block_size, gqa, head_dim, dtype):
     num_kv_heads = 2 if gqa < 8 else 1
     num_heads = num_kv_heads * gqa
     num_seqs = randint(gen, 1, 6)
@@ -151,7 +164,7 @@ def test_decode_matches_reference(gen, block_size, gqa, head_dim, dtype):
     ]
     + [(16, 4, 64, torch.bfloat16), (16, 2, 64, torch.float64)],
 )
-def test_mixed_batch_matches_reference(gen, block_size, gqa, head_dim, dtype):
+def test_mixed_batch_matches_reference(gen, decode_path, block_size, gqa, head_dim, dtype):
     num_kv_heads = 8 // gqa if gqa < 8 else 1
     num_heads = num_kv_heads * gqa
     seqs = []  # (seq_len, num_queries)
@@ -185,6 +198,7 @@ def test_mixed_batch_matches_reference(gen, block_size, gqa, head_dim, dtype):
 def test_decode_with_many_lengths_uses_chunks(gen, monkeypatch, dtype, max_gather_elements):
     """Widely spread context lengths, so decode runs in several chunks of similar length
     (with a small gather limit, in chunks of one sequence)."""
+    monkeypatch.setattr(cpu_decode, "supports_cache", lambda k_cache: False)
     if max_gather_elements is not None:
         monkeypatch.setattr(torch_ops, "_MAX_GATHER_ELEMENTS", max_gather_elements)
     seq_lens = [randint(gen, 1, 20) for _ in range(20)]
@@ -223,7 +237,7 @@ def test_attention_writes_into_out_and_accepts_int64_metadata(gen):
     assert_close(out, expected, torch.float32, gen)
 
 
-def test_attention_reads_non_contiguous_q(gen):
+def test_attention_reads_non_contiguous_q(gen, decode_path):
     seq_lens = [33, 9]
     ctx = PagedContext(gen, seq_lens, 2, 64, 8, torch.float32)
     qkv = randn(gen, 2, 3 * 4, 64)
@@ -439,3 +453,71 @@ def test_decode_and_cache_ops_reject_bad_arguments():
         swap_blocks(cache, torch.zeros(4, 8, 2, 32), torch.tensor([[0, 1]]))
     with pytest.raises(ValueError, match="unknown kernel backend"):
         swap_blocks(cache, cache.clone(), torch.tensor([[0, 1]]), backend="cpu")
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_one_plan_serves_every_layer(gen, decode_path, mixed):
+    """A plan made once from the metadata gives each layer's caches the same results as
+    planning inside the call."""
+    seq_lens, q_lens = [37, 1, 90, 16, 5], [1, 1, 1, 1, 1]
+    if mixed:
+        q_lens = [1, 1, 30, 1, 5]
+    ctx = PagedContext(gen, seq_lens, 2, 64, 16, torch.float32)
+    tables, lens = ctx.block_tables, ctx.seq_lens_tensor()
+    # Same block tables, other contents (unwritten slots stay NaN).
+    layers = [(ctx.k_cache * scale + 1, ctx.v_cache * scale - 1) for scale in (1.0, -2.0, 0.5)]
+    cu_seqlens_q = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    plan = plan_attention(ctx.k_cache, tables, cu_seqlens_q if mixed else None, lens)
+    for k_cache, v_cache in layers:
+        q = randn(gen, sum(q_lens), 8, 64)
+        args = (q, k_cache, v_cache, tables)
+        if mixed:
+            expected = paged_attention(*args, cu_seqlens_q, lens, 0.125)
+            actual = paged_attention(*args, cu_seqlens_q, lens, 0.125, plan=plan)
+        else:
+            expected = paged_decode_attention(*args, lens, 0.125)
+            actual = paged_decode_attention(*args, lens, 0.125, plan=plan)
+        assert not torch.isnan(actual).any()
+        torch.testing.assert_close(actual, expected, atol=0, rtol=0)
+
+
+def test_plan_must_match_the_batch_and_backend(gen):
+    ctx = PagedContext(gen, [20, 7], 2, 64, 8, torch.float32)
+    lens = ctx.seq_lens_tensor()
+    plan = plan_attention(ctx.k_cache, ctx.block_tables, None, lens)
+    with pytest.raises(ValueError, match="covers 2 tokens"):
+        paged_decode_attention(randn(gen, 1, 4, 64), ctx.k_cache, ctx.v_cache,
+                               ctx.block_tables[:1], lens[:1], 0.125, plan=plan)
+    with pytest.raises(ValueError, match="cannot run on backend 'triton'"):
+        paged_decode_attention(randn(gen, 2, 4, 64), ctx.k_cache, ctx.v_cache,
+                               ctx.block_tables, lens, 0.125, plan=plan, backend="triton")
+    assert plan_attention(ctx.k_cache, ctx.block_tables, None, lens, backend="triton") is None
+    with pytest.raises(ValueError, match="seq_lens must lie"):
+        plan_attention(ctx.k_cache, ctx.block_tables, None, torch.tensor([20, 10_000]))
+
+
+def test_native_decode_rejects_blocks_outside_the_cache(gen, decode_path):
+    """A used table entry outside the cache is an error before any memory is read."""
+    ctx = PagedContext(gen, [20, 7], 2, 64, 8, torch.float32)
+    ctx.block_tables[1, 0] = ctx.k_cache.shape[0]
+    error = ValueError if decode_path == "native" else IndexError
+    with pytest.raises(error):
+        paged_decode_attention(randn(gen, 2, 4, 64), ctx.k_cache, ctx.v_cache,
+                               ctx.block_tables, ctx.seq_lens_tensor(), 0.125)
+
+
+def test_native_kernel_builds_where_a_compiler_exists_and_can_be_switched_off(monkeypatch):
+    import platform
+    import shutil
+
+    cpu_decode.load.cache_clear()
+    try:
+        if platform.system() == "Linux" and (shutil.which("cc") or shutil.which("gcc")):
+            assert cpu_decode.load() is not None
+        monkeypatch.setenv(cpu_decode.ENV_SWITCH, "0")
+        cpu_decode.load.cache_clear()
+        assert cpu_decode.load() is None
+        assert not cpu_decode.supports_cache(torch.zeros(1, 8, 1, 8))
+    finally:
+        monkeypatch.delenv(cpu_decode.ENV_SWITCH)
+        cpu_decode.load.cache_clear()

@@ -10,6 +10,7 @@ kwarg, which transformers passes through to the attention function.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,6 +34,14 @@ class PagedAttentionMetadata:
     is_decode_only: bool            # one query per sequence
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
     backend: str | None = None
+    plan: Any = None                # kernels.plan_attention's result, shared by every layer
+
+    def __post_init__(self) -> None:
+        if self.plan is None and self.kv_caches:
+            self.plan = kernels.plan_attention(
+                self.kv_caches[0][0], self.block_tables,
+                None if self.is_decode_only else self.cu_seqlens_q, self.seq_lens,
+                backend=self.backend)
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None,
@@ -57,10 +66,10 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     if meta.is_decode_only:
         out = kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                             scale, backend=meta.backend)
+                                             scale, backend=meta.backend, plan=meta.plan)
     else:
         out = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
-                                      meta.seq_lens, scale, backend=meta.backend)
+                                      meta.seq_lens, scale, backend=meta.backend, plan=meta.plan)
     return out.unsqueeze(0), None
 
 
