@@ -125,10 +125,8 @@ def _wait_for(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what} (last error: {last_error!r})")
 
 
-def _num_restarts(actor) -> int:
-    from ray.util.state import get_actor
-
-    return get_actor(actor._actor_id.hex()).num_restarts
+def _pid(actor) -> int:
+    return ray.get(actor.heartbeat.remote(), timeout=30)["pid"]
 
 
 # ---- tests ------------------------------------------------------------------------------
@@ -180,6 +178,7 @@ def test_worker_killed_mid_stream_requests_resume_and_worker_rejoins(handle, ref
     num_resumed_before = handle.stats()["num_resumed"]
     victim_id = "worker-0"
     victim = handle.workers[victim_id]
+    victim_pid = _pid(victim)
 
     def kill():
         ray.kill(victim, no_restart=False)
@@ -197,7 +196,7 @@ def test_worker_killed_mid_stream_requests_resume_and_worker_rejoins(handle, ref
     # Ray restarts the worker; it answers again and its accounting is fresh.
     _wait_for(lambda: ray.get(victim.info.remote(), timeout=30)["worker_id"] == victim_id, 120,
               "the killed worker to restart")
-    assert _num_restarts(victim) >= 1
+    assert _pid(victim) != victim_pid, "Ray should have restarted the worker in a new process"
     kv_workers = ray.get(handle.kv_manager.stats.remote(), timeout=30)["workers"]
     assert victim_id in kv_workers
     assert kv_workers[victim_id]["device_blocks_used"] == 0
