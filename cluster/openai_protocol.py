@@ -19,6 +19,8 @@ from pagedserve.workers.sampling_params import MAX_LOGPROBS
 DEFAULT_MAX_TOKENS = 16
 MAX_INT32 = 2**31 - 1
 MAX_INT64 = 2**63 - 1
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 
@@ -50,7 +52,8 @@ class _SamplingFields(_Request):
     # Extensions (vLLM's names).
     top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
     min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0)
+    # Beyond this range the scaled float32 logits overflow (a penalty of 1e-297 is 0 in float32).
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True

@@ -437,8 +437,11 @@ def test_hostile_numbers_and_unicode_are_400(server):
     for raw in (b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "temperature": Infinity}',
                 b'{"prompt": "x", "top_p": -Infinity}', b'{"prompt": "x", "seed": 1e400}',
                 b'{"prompt": "x", "priority": 99999999999999999999999}',
-                b'{"prompt": "x", "stop_token_ids": [-1]}', b'[' * 100000 + b']' * 100000):
+                b'{"prompt": "x", "stop_token_ids": [-1]}', b'[' * 100000 + b']' * 100000,
+                # Found by the fuzz suite: 1e-297 is 0 in float32, and dividing logits by it killed the engine.
+                b'{"prompt": [233], "repetition_penalty": 1.8e-297}', b'{"prompt": "x", "repetition_penalty": 1e30}'):
         _assert_error(post(raw), 400)
+    assert server.handle.engine.is_running
     for raw in (b'{"prompt": "\\ud800"}', b'{"prompt": "ok", "stop": ["\\udfff"]}'):
         _assert_error(post(raw.replace(b"\\\\", b"\\")), 400)
     chat = call(server, "POST", "/v1/chat/completions", headers={"Content-Type": "application/json"},
