@@ -20,13 +20,34 @@ from collections.abc import Sequence
 from pagedserve.workers.model_factory import ARCHS, SIZES
 
 
-def _non_negative_int(text: str) -> int:
+def _parse_number(text: str, kind: type, what: str):
     try:
-        value = int(text)
+        return kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = _parse_number(text, int, "a positive integer")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    value = _parse_number(text, int, "a non-negative integer")
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0 (``inf`` allowed, NaN not)."""
+    value = _parse_number(text, float, "a number")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number (or inf), got {text}")
     return value
 
 
@@ -43,7 +64,7 @@ def _add_make_model_parser(subparsers) -> None:
     parser.add_argument("--arch", choices=ARCHS, default="llama", help="model family (default: llama)")
     parser.add_argument("--size", choices=SIZES, default="tiny", help="tiny (~0.2M params) or small (~25M params)")
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory (created if missing)")
-    parser.add_argument("--seed", type=_non_negative_int, default=0, help="weight seed (default: 0)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="weight seed (default: 0)")
     parser.set_defaults(run=_run_make_model)
 
 
@@ -149,7 +170,7 @@ def _run_config(args: argparse.Namespace) -> int:
 
 
 def _port(text: str) -> int:
-    value = _non_negative_int(text)
+    value = non_negative_int(text)
     if value > 65535:
         raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value}")
     return value
@@ -167,11 +188,14 @@ def _add_serve_parser(subparsers) -> None:
     parser.add_argument("--config", metavar="FILE", help="YAML configuration (default: the embedded default)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a key by its dotted path, e.g. engine.block_size=32 (repeatable)")
-    parser.add_argument("--host", help="HTTP host (config server.host)")
+    parser.add_argument("--host", help="HTTP host (config server.host; default 127.0.0.1, loopback only: "
+                                       "other interfaces, e.g. 0.0.0.0, only when set explicitly)")
     parser.add_argument("--port", type=_port, help="HTTP port (config server.port)")
     parser.add_argument("--grpc-port", type=_port, help="gRPC port (config server.grpc_port; default: off)")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (config server.api_key, "
                                           "or $PAGEDSERVE_API_KEY)")
+    parser.add_argument("--log-requests", action="store_true",
+                        help="log prompts and completions (config server.log_requests; default: off)")
     parser.add_argument("--address", metavar="RAY_ADDRESS",
                         help="join this Ray cluster ('auto' for the local one)")
     parser.set_defaults(run=_run_serve)
@@ -187,6 +211,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     for key, value in (("host", args.host), ("port", args.port), ("grpc_port", args.grpc_port)):
         if value is not None:
             overrides.append(f"server.{key}={value}")
+    if args.log_requests:
+        overrides.append("server.log_requests=true")
     try:
         config = load_config(args.config, overrides)
     except (ValueError, OSError) as exc:

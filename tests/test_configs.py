@@ -116,3 +116,52 @@ def test_config_cli_validate_and_show(tmp_path):
     shown = run("show", "--set", "engine.block_size=32")
     assert shown.returncode == 0
     assert yaml.safe_load(shown.stdout)["engine"]["block_size"] == 32
+
+
+# ---- binding: loopback unless set explicitly -----------------------------------------------------
+def test_the_default_and_every_pagedserve_file_bind_loopback():
+    assert ClusterConfig().server.host == "127.0.0.1"
+    for path in PAGEDSERVE_FILES:
+        assert load_config(path).server.host in ("127.0.0.1", "localhost", "::1"), path.name
+
+
+@pytest.mark.parametrize("path", LAUNCHER_FILES, ids=lambda p: p.name)
+def test_launcher_files_bind_other_interfaces_only_explicitly(path):
+    config = yaml.safe_load(path.read_text())
+    for command in config["head_start_ray_commands"]:
+        if "pagedserve serve" in command:
+            served = command.split("--config", 1)[1].split()[0].replace("~/pagedserve/", "")
+            if load_config(CONFIGS.parent / served).server.host != "0.0.0.0":
+                assert "--host 0.0.0.0" in command or "--host" not in command
+
+
+def test_serve_cli_binds_loopback_unless_told(monkeypatch):
+    from pagedserve.cluster import cli, launcher
+
+    seen = {}
+
+    def serve_forever(config, address=None) -> int:
+        seen["config"] = config
+        return 0
+
+    monkeypatch.setattr(launcher, "serve_forever", serve_forever)
+    monkeypatch.delenv("PAGEDSERVE_API_KEY", raising=False)
+    assert cli.main(["serve"]) == 0
+    assert seen.pop("config").server.host == "127.0.0.1"
+    cli.main(["serve", "--host", "0.0.0.0", "--log-requests"])
+    config = seen.pop("config")
+    assert config.server.host == "0.0.0.0" and config.server.log_requests
+    assert not ClusterConfig().server.log_requests and ClusterConfig().server.metrics_require_api_key
+
+
+def test_argument_types_have_one_definition():
+    from pagedserve.cluster import cli
+    from pagedserve.cluster.bench import cli as bench_cli
+
+    assert bench_cli.positive_int is cli.positive_int and bench_cli.positive_float is cli.positive_float
+    assert bench_cli.non_negative_int is cli.non_negative_int
+    for parse, bad in ((cli.positive_int, "0"), (cli.positive_float, "nan"), (cli.non_negative_int, "-1"),
+                       (cli.positive_int, "x")):
+        with pytest.raises(Exception):
+            parse(bad)
+    assert cli.positive_float("inf") == float("inf") and cli.non_negative_int("0") == 0

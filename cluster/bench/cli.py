@@ -1,7 +1,8 @@
 """Arguments of ``pagedserve bench <allocators|prefix|serve|offline>``.
 
-Only argparse is imported here; each ``_run_*`` imports its benchmark
-module (torch, transformers, matplotlib) when it runs.
+Only argparse and the shared argument types of ``pagedserve.cluster.cli`` are
+imported here; each ``_run_*`` imports its benchmark module (torch,
+transformers, matplotlib) when it runs.
 """
 
 from __future__ import annotations
@@ -11,45 +12,17 @@ import dataclasses
 import math
 import sys
 
+from pagedserve.cluster.cli import non_negative_int, positive_float, positive_int
+
 SIZES = ("tiny", "small")
 DISTRIBUTIONS = ("lognormal", "uniform", "fixed")
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number (or inf), got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
-    return value
 
 
 def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="FILE", help="write the results as JSON")
     parser.add_argument("--plot-dir", metavar="DIR", help="write PNG plots into DIR")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    parser.add_argument("--seed", type=_non_negative_int, default=None, help="workload seed (default: 0)")
+    parser.add_argument("--seed", type=non_negative_int, default=None, help="workload seed (default: 0)")
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser, threads: bool = True) -> None:
@@ -57,18 +30,18 @@ def _add_model_arguments(parser: argparse.ArgumentParser, threads: bool = True) 
     parser.add_argument("--arch", default=None, help="arch of the built model (default: llama)")
     parser.add_argument("--size", choices=SIZES, default=None,
                         help="size of the built model (default: the preset's; see the README)")
-    parser.add_argument("--num-requests", type=_positive_int, default=None)
+    parser.add_argument("--num-requests", type=positive_int, default=None)
     parser.add_argument("--quick", action="store_true", help="a smaller run (under 3 minutes on 2 CPU cores)")
     if threads:
-        parser.add_argument("--num-threads", type=_non_negative_int, default=None,
+        parser.add_argument("--num-threads", type=non_negative_int, default=None,
                             help="torch threads for every engine (default: 1, which stays fast when other "
                                  "processes share the cores; 0: torch's default)")
 
 
 def _add_length_arguments(parser: argparse.ArgumentParser, name: str, what: str) -> None:
-    parser.add_argument(f"--{name}-len-mean", type=_positive_float, default=None, help=f"mean {what} length")
-    parser.add_argument(f"--{name}-len-min", type=_positive_int, default=None)
-    parser.add_argument(f"--{name}-len-max", type=_positive_int, default=None)
+    parser.add_argument(f"--{name}-len-mean", type=positive_float, default=None, help=f"mean {what} length")
+    parser.add_argument(f"--{name}-len-min", type=positive_int, default=None)
+    parser.add_argument(f"--{name}-len-max", type=positive_int, default=None)
     parser.add_argument(f"--{name}-len-dist", choices=DISTRIBUTIONS, default=None,
                         help="length distribution (default: lognormal)")
 
@@ -106,18 +79,18 @@ def _add_allocators_parser(subparsers) -> None:
                      "fragmentation under random alloc/free."))
     _add_model_arguments(parser)
     _add_output_arguments(parser)
-    parser.add_argument("--num-device-blocks", type=_positive_int, default=None)
-    parser.add_argument("--block-size", type=_positive_int, default=None)
-    parser.add_argument("--max-model-len", type=_positive_int, default=None,
+    parser.add_argument("--num-device-blocks", type=positive_int, default=None)
+    parser.add_argument("--block-size", type=positive_int, default=None)
+    parser.add_argument("--max-model-len", type=positive_int, default=None,
                         help="the length contiguous reserves per sequence (default: 1024; 512 with --quick)")
-    parser.add_argument("--request-rate", type=_positive_float, default=None,
+    parser.add_argument("--request-rate", type=positive_float, default=None,
                         help="Poisson arrivals, requests/s (default: inf, all at once)")
     parser.add_argument("--allocator", action="append", choices=("contiguous", "paged", "paged+prefix"),
                         help="run only these (repeatable; default: all three)")
-    parser.add_argument("--repeats", type=_positive_int, default=None,
+    parser.add_argument("--repeats", type=positive_int, default=None,
                         help="runs per allocator, round robin; rows are per-metric medians "
                              "(default: 1; 3 with --quick)")
-    parser.add_argument("--fragmentation-trials", type=_non_negative_int, default=None,
+    parser.add_argument("--fragmentation-trials", type=non_negative_int, default=None,
                         help="seeds of the fragmentation simulation (0 skips it)")
     _add_length_arguments(parser, "prompt", "unique prompt part")
     _add_length_arguments(parser, "output", "output")
@@ -153,11 +126,11 @@ def _add_prefix_parser(subparsers) -> None:
                      "the theoretical maximum; the target is a 5x faster TTFT."))
     _add_model_arguments(parser)
     _add_output_arguments(parser)
-    parser.add_argument("--prefix-len", type=_positive_int, default=None)
-    parser.add_argument("--suffix-len", type=_positive_int, default=None)
-    parser.add_argument("--max-tokens", type=_positive_int, default=None)
-    parser.add_argument("--max-model-len", type=_positive_int, default=None)
-    parser.add_argument("--max-concurrency", type=_positive_int, default=None,
+    parser.add_argument("--prefix-len", type=positive_int, default=None)
+    parser.add_argument("--suffix-len", type=positive_int, default=None)
+    parser.add_argument("--max-tokens", type=positive_int, default=None)
+    parser.add_argument("--max-model-len", type=positive_int, default=None)
+    parser.add_argument("--max-concurrency", type=positive_int, default=None,
                         help="requests in flight (default: 1, so TTFT is the prefill alone)")
     parser.set_defaults(run=_run_prefix)
 
@@ -184,16 +157,16 @@ def _add_serve_parser(subparsers) -> None:
                      "(mean, median, p90, p99) and errors, under vllm bench serve's names."))
     parser.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     parser.add_argument("--model", help="model name to send (default: the first of /v1/models)")
-    parser.add_argument("--num-requests", type=_positive_int, default=64)
-    parser.add_argument("--request-rate", type=_positive_float, default=math.inf,
+    parser.add_argument("--num-requests", type=positive_int, default=64)
+    parser.add_argument("--request-rate", type=positive_float, default=math.inf,
                         help="requests/s, Poisson (default: inf, all at once)")
-    parser.add_argument("--max-concurrency", type=_positive_int, default=None)
+    parser.add_argument("--max-concurrency", type=positive_int, default=None)
     parser.add_argument("--prompt-format", choices=("token-ids", "text"), default="token-ids")
-    parser.add_argument("--vocab-size", type=_positive_int, default=1000, help="range of random prompt ids")
+    parser.add_argument("--vocab-size", type=positive_int, default=1000, help="range of random prompt ids")
     parser.add_argument("--no-ignore-eos", action="store_true", help="let EOS end a request early")
-    parser.add_argument("--max-duration", type=_positive_float, default=600.0,
+    parser.add_argument("--max-duration", type=positive_float, default=600.0,
                         help="seconds after which no new request starts")
-    parser.add_argument("--request-timeout", type=_positive_float, default=300.0)
+    parser.add_argument("--request-timeout", type=positive_float, default=300.0)
     parser.add_argument("--api-key", default=None, help="Bearer key (default: $OPENAI_API_KEY if set)")
     _add_length_arguments(parser, "input", "prompt")
     _add_length_arguments(parser, "output", "output")
@@ -232,7 +205,7 @@ def _add_offline_parser(subparsers) -> None:
                      "measured in the same run. Default workload: ShareGPT-like log-normal lengths."))
     _add_model_arguments(parser)
     _add_output_arguments(parser)
-    parser.add_argument("--static-batch", type=_positive_int, default=None, help="default: 16")
+    parser.add_argument("--static-batch", type=positive_int, default=None, help="default: 16")
     parser.add_argument("--skip-transformers", action="store_true")
     _add_length_arguments(parser, "prompt", "prompt")
     _add_length_arguments(parser, "output", "output")
