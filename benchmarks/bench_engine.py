@@ -13,10 +13,13 @@ host allocator setting, after a short warm-up, so that none inherits another's t
 caches or heap. Reports output tokens/s for each, pagedserve's ratio to each baseline,
 and MFU: ``2 x parameters x output tokens/s`` over the FLOP rate of a float32
 [256x512]x[512x1408] matmul measured in the same run (the best of the contenders'
-processes). That numerator leaves out the prompt tokens' FLOPs, so the table also gives
-the ceiling it implies: output tok/s if every forward FLOP (prompt and output tokens)
-ran at the matmul rate. Also checks that pagedserve's greedy outputs equal static
-``generate``'s.
+processes). That numerator leaves out the prompt tokens' FLOPs, so the report also gives
+the FLOP ceiling: the run's forward FLOPs counted from its actual token counts (linear
+layers: 2 x weights per token through the decoder, the LM head only where a token is
+sampled; causal attention: 4 x context x query heads x head_dim per layer), the output
+tok/s and speedup over static ``generate`` if all of them ran at the matmul rate, and
+the fraction of that ceiling pagedserve reached. Also checks that pagedserve's greedy
+outputs equal static ``generate``'s.
 
     python benchmarks/bench_engine.py [--quick] [--json out.json] [--skip-transformers]
 """
@@ -136,7 +139,10 @@ def run_contender(key: str, spec: dict) -> dict:
         outputs, seconds = run_pagedserve(llm, prompts, output_len)
         runner = llm.engine.runner
         result.update(num_steps=llm.engine.num_steps, num_parameters=runner.num_parameters,
-                      num_lm_head_parameters=runner.lm_head.weight.numel())
+                      num_lm_head_parameters=runner.lm_head.weight.numel(),
+                      num_decoder_linear_parameters=sum(
+                          module.weight.numel() for module in runner.decoder.modules()
+                          if isinstance(module, torch.nn.Linear)))
     else:
         from transformers import AutoModelForCausalLM
 
@@ -154,6 +160,38 @@ def run_contender(key: str, spec: dict) -> dict:
 
 
 # ---- the driver ---------------------------------------------------------------------------
+def forward_flops(prompt_lens: list[int], output_len: int, num_decoder_linear_parameters: int,
+                  num_lm_head_parameters: int, num_layers: int, attention_width: int) -> dict:
+    """FLOPs of the run's forward passes, whoever runs them (no padding, no recomputation).
+
+    Each request feeds its prompt and all but its last output token through the decoder,
+    and samples ``output_len`` tokens (one LM head row each). Causal attention costs
+    ``4 x context length x attention_width`` (query heads x head_dim) per token and layer.
+    """
+    num_decoder_tokens = sum(prompt_lens) + len(prompt_lens) * (output_len - 1)
+    num_sampled = len(prompt_lens) * output_len
+    linear = 2 * (num_decoder_linear_parameters * num_decoder_tokens + num_lm_head_parameters * num_sampled)
+    num_context_positions = sum((n + output_len - 1) * (n + output_len) // 2 for n in prompt_lens)
+    attention = 4 * attention_width * num_layers * num_context_positions
+    return {"linear": linear, "attention": attention, "total": linear + attention,
+            "num_decoder_tokens": num_decoder_tokens}
+
+
+def flop_ceiling(flops: dict, flops_rate: float, num_output: int, results: dict) -> dict:
+    """Best output tok/s if ``flops`` ran at ``flops_rate``, against the measured tok/s."""
+    ceiling = {}
+    for name, num_flops in (("all_forward_flops", flops["total"]), ("linear_flops_only", flops["linear"])):
+        best = num_output / (num_flops / flops_rate)
+        ceiling[name] = {"gflop": num_flops / 1e9, "seconds": num_flops / flops_rate,
+                         "output_tok_per_s": best,
+                         "fraction_reached": {label: r["output_tok_per_s"] / best
+                                              for label, r in results.items()}}
+        static = results.get(CONTENDERS["static"][0])
+        if static is not None:
+            ceiling[name]["speedup_vs_static_generate"] = best / static["output_tok_per_s"]
+    return ceiling
+
+
 def make_prompts(num_requests: int, min_len: int, max_len: int, vocab_size: int,
                  first_id: int, seed: int) -> list[list[int]]:
     """Random token ids in ``[first_id, vocab_size)`` (no special tokens), fixed seed."""
@@ -192,6 +230,28 @@ def spawn_contender(key: str, spec_path: str, workdir: str, policy: str) -> dict
         result = json.load(f)
     result["omp_wait_policy"] = env.get("OMP_WAIT_POLICY")
     return result
+
+
+def format_flop_ceiling(summary: dict, flops: dict, num_prompt_tokens: int, num_output: int,
+                        num_requests: int, num_linear: int, num_lm_head: int) -> str:
+    """The FLOP ceiling lines of the report."""
+    every, linear_only = (summary["flop_ceiling"][key] for key in ("all_forward_flops", "linear_flops_only"))
+    ours = CONTENDERS["pagedserve"][0]
+
+    def speedup(ceiling):
+        value = ceiling.get("speedup_vs_static_generate")
+        return "" if value is None else f" = {value:.2f}x static generate"
+
+    return (
+        f"FLOP ceiling: {flops['linear'] / 1e9:,.0f} GFLOP in linear layers ({num_prompt_tokens} prompt "
+        f"tokens x {2 * num_linear / 1e6:.1f} MFLOP, {num_output - num_requests} fed-back output tokens "
+        f"x {2 * num_linear / 1e6:.1f}, {num_output} LM head rows x {2 * num_lm_head / 1e6:.1f}) + "
+        f"{flops['attention'] / 1e9:,.0f} GFLOP in attention = {every['gflop']:,.0f} GFLOP: "
+        f"{every['seconds']:.1f} s at the matmul rate, at most {every['output_tok_per_s']:.0f} output tok/s"
+        f"{speedup(every)}, MFU {summary['ceiling_mfu']:.1%}; pagedserve reached "
+        f"{every['fraction_reached'][ours]:.1%} of it\n"
+        f"  (linear layers only: {linear_only['seconds']:.1f} s, {linear_only['output_tok_per_s']:.0f} tok/s"
+        f"{speedup(linear_only)}; pagedserve reached {linear_only['fraction_reached'][ours]:.1%})")
 
 
 def main() -> None:
@@ -260,10 +320,12 @@ def main() -> None:
     num_output = args.num_requests * args.output_len
     num_prompt_tokens = sum(len(p) for p in prompts)
     flops_rate = max(run["matmul_flops_per_s"] for run in runs.values())
-    # Every forward token costs about 2 x parameters FLOPs (the LM head only for output
-    # tokens; attention ignored): the best output tok/s this workload allows at flops_rate.
-    forward_flops = 2 * (num_params - lm_head) * (num_prompt_tokens + num_output) + 2 * lm_head * num_output
-    ceiling = num_output / (forward_flops / flops_rate)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    flops = forward_flops([len(p) for p in prompts], args.output_len,
+                          ours_run["num_decoder_linear_parameters"], lm_head,
+                          config["num_hidden_layers"], config["num_attention_heads"] * head_dim)
 
     results = {}
     for key, run in runs.items():
@@ -283,10 +345,13 @@ def main() -> None:
                      "threads": threads, "seed": args.seed,
                      "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()},
         "matmul_gflop_per_s": flops_rate / 1e9,
-        "ceiling_output_tok_per_s": ceiling,
-        "ceiling_mfu": 2 * num_params * ceiling / flops_rate,
+        "forward_gflop": {"linear": flops["linear"] / 1e9, "attention": flops["attention"] / 1e9,
+                          "num_decoder_tokens": flops["num_decoder_tokens"]},
+        "flop_ceiling": flop_ceiling(flops, flops_rate, num_output, results),
         "results": results,
     }
+    ceiling = summary["flop_ceiling"]["all_forward_flops"]
+    summary["ceiling_mfu"] = 2 * num_params * ceiling["output_tok_per_s"] / flops_rate
     if not args.skip_transformers:
         summary["ratio_vs_static_generate"] = ours / results[CONTENDERS["static"][0]]["output_tok_per_s"]
         summary["ratio_vs_generate_batch"] = ours / results[CONTENDERS["batch"][0]]["output_tok_per_s"]
@@ -297,8 +362,9 @@ def main() -> None:
     print(f"\n{args.arch}-{args.size}: {num_params / 1e6:.1f}M params, {args.num_requests} requests, "
           f"prompts {args.min_prompt}-{args.max_prompt} ({num_prompt_tokens} tokens), "
           f"{args.output_len} output tokens each, {threads} threads")
-    print(f"matmul [256x512]x[512x1408] float32: {flops_rate / 1e9:.1f} GFLOP/s; with prompt FLOPs "
-          f"counted, that allows at most {ceiling:.0f} output tok/s (MFU {summary['ceiling_mfu']:.0%})\n")
+    print(f"matmul [256x512]x[512x1408] float32: {flops_rate / 1e9:.1f} GFLOP/s")
+    print(format_flop_ceiling(summary, flops, num_prompt_tokens, num_output, args.num_requests,
+                              ours_run["num_decoder_linear_parameters"], lm_head) + "\n")
     print(f"{'contender':34s} {'seconds':>8s} {'out tok/s':>10s} {'MFU':>6s} {'pagedserve x':>13s}  OMP wait")
     for name, result in results.items():
         print(f"{name:34s} {result['seconds']:8.2f} {result['output_tok_per_s']:10.1f} "
