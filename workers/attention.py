@@ -64,12 +64,14 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     v = value[0].transpose(0, 1)
     kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    # Contiguous, so that transformers' reshape of the output to [1, tokens, hidden] is a view.
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if meta.is_decode_only:
-        out = kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                             scale, backend=meta.backend, plan=meta.plan)
+        kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                                       out=out, backend=meta.backend, plan=meta.plan)
     else:
-        out = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
-                                      meta.seq_lens, scale, backend=meta.backend, plan=meta.plan)
+        kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
+                                meta.seq_lens, scale, out=out, backend=meta.backend, plan=meta.plan)
     return out.unsqueeze(0), None
 
 

@@ -126,16 +126,17 @@ class ModelRunner:
         seq_lens = []
         logits_rows = []
         max_blocks = max(len(c.block_table) for c in chunks)
-        tables = torch.zeros((len(chunks), max_blocks), dtype=torch.int32)
-        for i, chunk in enumerate(chunks):
+        padded_tables = []
+        for chunk in chunks:
             num = len(chunk.token_ids)
             input_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start, chunk.start + num))
             cu_seqlens.append(cu_seqlens[-1] + num)
             seq_lens.append(chunk.start + num)
-            tables[i, :len(chunk.block_table)] = torch.tensor(chunk.block_table, dtype=torch.int32)
+            padded_tables.append(list(chunk.block_table) + [0] * (max_blocks - len(chunk.block_table)))
             if chunk.needs_logits:
                 logits_rows.append(cu_seqlens[-1] - 1)
+        tables = torch.tensor(padded_tables, dtype=torch.int32)
         num_tokens = len(input_ids)
         pos = torch.tensor(positions, dtype=torch.int64)
         cu = torch.tensor(cu_seqlens, dtype=torch.int32)
