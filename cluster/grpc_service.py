@@ -56,9 +56,11 @@ class GrpcService:
         peer = grpc_context.peer() if grpc_context is not None and hasattr(grpc_context, "peer") else None
         return client_key(authorization, peer)
 
-    def _prepare(self, request: pb.GenerateRequest, grpc_context
+    def _prepare(self, request: pb.GenerateRequest | None, grpc_context
                  ) -> tuple[str, PromptInput, object, int, str]:
         client = self._authenticate(grpc_context)
+        if request is None:  # see protos/servicer.py: the bytes were no GenerateRequest
+            raise APIError(400, "the request is not a valid pagedserve.GenerateRequest message")
         self.server.check_model(request.model or None)
         num_sources = sum([bool(request.prompt), bool(request.prompt_token_ids), bool(request.messages)])
         if num_sources != 1:

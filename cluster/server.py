@@ -67,7 +67,7 @@ logger = logging.getLogger("pagedserve.server")
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 APP_NAME = "pagedserve"
-GRPC_SERVICER_FUNCTION = "pagedserve.cluster.protos.pagedserve_pb2_grpc.add_PagedServeServicer_to_server"
+GRPC_SERVICER_FUNCTION = "pagedserve.cluster.protos.servicer.add_servicer_to_server"
 RETRY_AFTER_S = 1
 STATS_TIMEOUT_S = 5.0
 OPEN_PATHS = ("/health",)
@@ -535,6 +535,10 @@ class OpenAIServer:
         without output). Failures before the first output raise ``APIError``,
         so a streamed response can still get a proper status.
         """
+        max_batch = min(self.limits.max_queued_requests, self.limits.max_requests_per_client)
+        if len(prompts) > max_batch:  # could never be admitted: retrying would not help
+            raise APIError(400, f"a batch of {len(prompts)} prompts exceeds this server's limit of {max_batch} "
+                                "requests in flight", param="prompt")
         self.client_limiter.acquire(client, len(prompts))
         try:
             self.limiter.acquire(len(prompts))
@@ -1036,7 +1040,9 @@ def deploy(handle, config: ClusterConfig, app_name: str = APP_NAME, route_prefix
     logging_config = {"log_level": "WARNING", "enable_access_log": False} if quiet else None
     grpc_options = None
     if server.grpc_port is not None:
-        grpc_options = {"port": server.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER_FUNCTION]}
+        # Reflection lists the services without a key: only offered when none is needed.
+        grpc_options = {"port": server.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER_FUNCTION],
+                        "enable_reflection": not (server.api_key or os.environ.get(API_KEY_ENV))}
     serve.start(http_options={"host": server.host, "port": server.port}, grpc_options=grpc_options,
                 logging_config=logging_config)
     serve.run(build_application(handle, config), name=app_name, route_prefix=route_prefix,

@@ -285,8 +285,11 @@ def test_full_queue_429_with_retry_after(local_handle):
     busy.limiter.release()
     assert call(busy, "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
     assert busy.limiter.num_in_flight == 0
-    # A batch takes one slot per prompt.
-    _assert_error(call(busy, "POST", "/v1/completions", json={"prompt": ["a", "b"]}), 429)
+    # A batch takes one slot per prompt; one larger than the limit could never run: a 400, not a 429.
+    busy.limiter.acquire()
+    _assert_error(call(busy, "POST", "/v1/completions", json={"prompt": ["a"]}), 429)
+    busy.limiter.release()
+    _assert_error(call(busy, "POST", "/v1/completions", json={"prompt": ["a", "b"]}), 400, "prompt")
 
 
 def test_no_capacity_is_503(server, local_handle):
@@ -566,3 +569,20 @@ def test_openapi_schema_describes_the_request_bodies(server):
     assert {"prompt", "max_tokens", "n", "stop"} <= set(components["CompletionRequest"]["properties"])
     assert components["CompletionRequest"]["required"] == ["prompt"]
     assert "ChatMessageIn" in components and "messages" in components["ChatCompletionRequest"]["required"]
+
+
+def test_grpc_undecodable_bytes_are_invalid_argument(local_handle):
+    import grpc
+
+    from pagedserve.cluster.grpc_service import GrpcService
+    from pagedserve.cluster.protos.servicer import parse_generate_request
+
+    assert parse_generate_request(b"\x0a\xff\xff\xff\xff\x0f") is None
+    assert parse_generate_request(b"").prompt == ""
+    for api_key, metadata, code in ((None, (), grpc.StatusCode.INVALID_ARGUMENT),
+                                    ("sekrit", (), grpc.StatusCode.UNAUTHENTICATED)):
+        service = GrpcService(_server(local_handle, api_key=api_key))
+        context = _GrpcContext(metadata)
+        with pytest.raises(Exception):
+            asyncio.run(service.generate(None, context))
+        assert context.code == code
