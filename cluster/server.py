@@ -193,6 +193,16 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _enable_request_logging() -> None:
+    """Make the request log reach stderr (the replica's log file under Ray) at INFO."""
+    logger.setLevel(logging.INFO)
+    if not any(getattr(h, "is_request_log", False) for h in logger.handlers):
+        handler = logging.StreamHandler()
+        handler.is_request_log = True
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s -- %(message)s"))
+        logger.addHandler(handler)
+
+
 @dataclass
 class PromptInput:
     """One prompt, tokenized; ``text`` is None when it was sent as token ids."""
@@ -424,6 +434,8 @@ class OpenAIServer:
         self.limiter = RequestLimiter(self.limits.max_queued_requests)
         self.client_limiter = ClientLimiter(self.limits.max_requests_per_client)
         self.metrics = ServerMetrics(self.model_name)
+        if self.config.log_requests:
+            _enable_request_logging()
 
     # ---- request logging (off unless server.log_requests) ------------------------------------
     def log_prompts(self, request_id: str, prompts: list[PromptInput], params: SamplingParams) -> None:
