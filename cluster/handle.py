@@ -21,7 +21,6 @@ from typing import AsyncIterator
 
 from pagedserve.workers.request import CompletionOutput, RequestOutput
 from pagedserve.workers.sampling_params import SamplingParams
-
 from pagedserve.workers.worker import stall_timeout_s
 
 from .config import ClusterConfig

@@ -197,6 +197,7 @@ def test_worker_killed_mid_stream_requests_resume_and_worker_rejoins(handle, ref
     _wait_for(lambda: ray.get(victim.info.remote(), timeout=30)["worker_id"] == victim_id, 120,
               "the killed worker to restart")
     assert _pid(victim) != victim_pid, "Ray should have restarted the worker in a new process"
+    handle.wait_healthy(timeout=60)  # the handle's heartbeat monitor puts it back in rotation
     kv_workers = ray.get(handle.kv_manager.stats.remote(), timeout=30)["workers"]
     assert victim_id in kv_workers
     assert kv_workers[victim_id]["device_blocks_used"] == 0
