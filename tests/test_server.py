@@ -55,7 +55,7 @@ def served(tiny_model):
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=4, namespace=NAMESPACE, include_dashboard=False)
+    ray.init(address="local", num_cpus=4, namespace=NAMESPACE, include_dashboard=False)
     config = ClusterConfig.model_validate({
         "model": {"path": tiny_model("llama"), "name": MODEL},
         "engine": ENGINE,
@@ -204,6 +204,8 @@ def test_api_key_401(served):
     _assert_error(httpx.get(url + "/v1/models", timeout=30), 401)
     _assert_error(httpx.get(url + "/metrics", headers={"Authorization": "Bearer nope"}, timeout=30), 401)
     assert httpx.get(url + "/health", timeout=30).status_code == 200
+    for path in ("/openapi.json", "/docs", "/stats", "/v1/nothing"):  # under the route prefix too
+        _assert_error(httpx.get(url + path, timeout=30), 401)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
     keyed = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
