@@ -5,13 +5,14 @@ Faults: ``ray.kill`` of a worker (three times; ten under ``--long-form``), a
 kill of the KV manager, removal of a worker's node followed by a replacement
 node (what an autoscaler does; nothing in pagedserve is called), and a worker
 stalled past its stall timeout (``Worker.inject_stall``, enabled for this
-module only through ``PAGEDSERVE_ENABLE_FAULT_INJECTION``).
+module only through ``PAGEDSERVE_ENABLE_FAULT_INJECTION``); last, a kill of
+every worker at once. The whole schedule runs three times under ``--long-form``.
 
 Pass: every request completes with exactly the single-process engine's
-greedy output (a retryable ``NoCapacityError``, the server's 503, would be
-allowed only while no worker is left; one always is here, so none may
-happen); after each fault the cluster is back at full strength without
-intervention; nothing leaks. Per fault the test prints recovery time (fault
+greedy output, or gets a retryable ``NoCapacityError`` (the server's 503)
+only while no worker is alive: between killing every worker and the first
+one being back; after each fault the cluster is back at full strength
+without intervention; nothing leaks. Per fault the test prints recovery time (fault
 until every worker answers its heartbeat, is registered with the KV manager
 and the restarted one has run a step), requests completed and failed, and
 tokens recomputed (prompt + generated tokens re-prefilled by resumed requests).
