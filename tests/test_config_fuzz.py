@@ -70,7 +70,7 @@ def documents(draw) -> dict:
         *parents, last = path.split(".")
         if parents[:2] == ["workers", "0"]:
             workers = document.setdefault("workers", [{}])
-            node = workers[0] if isinstance(workers, list) and isinstance(workers[0], dict) else {}
+            node = workers[0] if isinstance(workers, list) and workers and isinstance(workers[0], dict) else {}
         else:
             node = document
             for part in parents:
