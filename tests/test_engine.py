@@ -143,6 +143,21 @@ def test_block_sizes(block_size, make_llm, hf_greedy):
     assert llm.stats()["block_size"] == block_size
 
 
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_torch_decode_path_matches_transformers(block_size, make_llm, hf_greedy, monkeypatch):
+    """With the native CPU decode kernel off (no C compiler), the torch ops give the same outputs."""
+    from pagedserve.kernels import cpu_decode
+
+    def native_must_not_run(*args, **kwargs):
+        raise AssertionError("the native kernel ran")
+
+    monkeypatch.setattr(cpu_decode, "supports_cache", lambda k_cache: False)
+    monkeypatch.setattr(cpu_decode, "decode_attention", native_must_not_run)
+    llm = make_llm("llama", shared_instance=False, block_size=block_size)
+    outputs = llm.generate(random_prompts(PROMPT_LENGTHS, seed=9), greedy())
+    assert_greedy_matches(outputs, "llama", MAX_TOKENS, hf_greedy)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_chunked_prefill(arch, make_llm, hf_greedy):
     budget = 24
