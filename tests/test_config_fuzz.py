@@ -3,12 +3,17 @@
 Whatever goes in, ``load_config`` returns a valid ``ClusterConfig`` or raises
 ``ConfigError`` (a ``ValueError``) whose message names the offending key
 path; no other exception type escapes. Short form by default, about 20x the
-examples under ``--long-form``.
+examples under ``--long-form``. Set ``PAGEDSERVE_CONFIG_FUZZ_REPORT=FILE`` to
+write the outcome counts as JSON.
 """
 
 from __future__ import annotations
 
+import collections
+import json
 import math
+import os
+from pathlib import Path
 
 import pytest
 import yaml
@@ -21,6 +26,15 @@ pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(600)]
 
 NUM_EXAMPLES = 150
 LONG_FORM_FACTOR = 20
+OUTCOMES: collections.Counter = collections.Counter()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def outcome_report():
+    yield
+    path = os.environ.get("PAGEDSERVE_CONFIG_FUZZ_REPORT")
+    if path:
+        Path(path).write_text(json.dumps(dict(OUTCOMES), indent=2, sort_keys=True))
 
 SECTIONS = {
     "model": ["path", "arch", "size", "seed", "name"],
@@ -100,8 +114,10 @@ def _check_outcome(path, override_list) -> None:
         config = load_config(path, override_list)
     except ConfigError as exc:
         assert str(exc).strip(), "a ConfigError must explain itself"
+        OUTCOMES["ConfigError"] += 1
         return
     assert isinstance(config, ClusterConfig)
+    OUTCOMES["valid ClusterConfig"] += 1
     _assert_finite(config.model_dump())
 
 
