@@ -131,6 +131,10 @@ def served(tiny_model):
 
     if ray.is_initialized():
         ray.shutdown()
+    # On a loaded machine Serve's proxy may need longer than its 5 s ready check to come up.
+    for name, seconds in (("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60"),
+                          ("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")):
+        os.environ.setdefault(name, seconds)
     ray.init(address="local", num_cpus=4, namespace=NAMESPACE, include_dashboard=False)
     port, grpc_port = _free_port(), _free_port()
     config = ClusterConfig.model_validate({
@@ -166,6 +170,7 @@ def unharmed(served):
     """After each test: the canary kept its answer, the server is healthy, nothing leaked."""
     num_ok_before = served.canary.num_ok
     yield
+    _write_report()
     served.canary.assert_unaffected(num_ok_before)
     assert httpx.get(served.url + "/health", timeout=30).json()["status"] == "ok"
     served.handle.wait_idle(timeout=60)
