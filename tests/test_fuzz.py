@@ -121,6 +121,19 @@ class Served:
     canary: Canary = field(init=False)
 
 
+def _start_ray(namespace: str, num_attempts: int = 3) -> None:
+    """A local Ray instance; on a loaded machine the raylet can miss Ray's fixed 30 s start-up wait."""
+    for attempt in range(num_attempts):
+        try:
+            ray.init(address="local", num_cpus=4, namespace=namespace, include_dashboard=False)
+            return
+        except Exception as exc:
+            ray.shutdown()
+            if "timed out during startup" not in str(exc) or attempt == num_attempts - 1:
+                raise
+            time.sleep(5)
+
+
 @pytest.fixture(scope="module")
 def served(tiny_model):
     from ray import serve
@@ -135,7 +148,7 @@ def served(tiny_model):
     for name, seconds in (("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60"),
                           ("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")):
         os.environ.setdefault(name, seconds)
-    ray.init(address="local", num_cpus=4, namespace=NAMESPACE, include_dashboard=False)
+    _start_ray(NAMESPACE)
     port, grpc_port = _free_port(), _free_port()
     config = ClusterConfig.model_validate({
         "model": {"path": tiny_model("llama"), "name": MODEL},
