@@ -113,7 +113,8 @@ class AsyncLLMEngine:
                 self._fail(exc)
                 return
             for (loop, queue), output in deliveries:
-                loop.call_soon_threadsafe(queue.put_nowait, output)
+                if not _deliver(loop, queue, output) and not output.finished:
+                    self.abort(output.request_id)
 
     def _fail(self, exc: BaseException) -> None:
         self.error = exc
@@ -121,7 +122,7 @@ class AsyncLLMEngine:
             streams, self._streams = self._streams, {}
         error = EngineDeadError(f"the engine loop failed: {exc!r}")
         for loop, queue in streams.values():
-            loop.call_soon_threadsafe(queue.put_nowait, error)
+            _deliver(loop, queue, error)
 
     def take_kv_export(self, request_id: str):
         with self._lock:
@@ -156,3 +157,13 @@ class AsyncLLMEngine:
         self._stopped = True
         self._wakeup.set()
         self._thread.join(timeout=10)
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item) -> bool:
+    """Hand ``item`` to a caller's queue on its event loop; False when that loop has
+    closed (the caller is gone), which must not take the engine loop down."""
+    try:
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+    except RuntimeError:
+        return False
+    return True
