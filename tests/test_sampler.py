@@ -64,6 +64,8 @@ def test_params_defaults_and_normalisation():
         ({"top_k": -2}, "top_k"),
         ({"top_k": 2.5}, "top_k"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": 1.8e-297}, "repetition_penalty"),  # 0 in float32
+        ({"repetition_penalty": 1e6}, "repetition_penalty"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"frequency_penalty": -2.5}, "frequency_penalty"),
         ({"frequency_penalty": "1"}, "frequency_penalty"),
@@ -530,3 +532,17 @@ def test_sampler_on_cuda_matches_cpu_where_deterministic():
     cuda = Sampler().sample(logits.cuda(), states)
     assert cuda.token_ids[:4] == cpu.token_ids[:4]
     assert cuda.logprobs[3].token_id == cuda.token_ids[3]
+
+
+def test_rows_with_non_finite_logits_fall_back_to_their_argmax():
+    """An overflowing row yields its raw argmax, never an out-of-vocabulary id, and the
+    other rows sample as usual."""
+    logits = _logits(3, seed=11)
+    logits[1, 7] = float("inf")
+    logits[2] = float("nan")
+    logits[2, 4] = 5.0
+    states = [SamplingState(SamplingParams(temperature=0.7, seed=row)) for row in range(3)]
+    token_ids = Sampler().sample(logits, states).token_ids
+    assert token_ids[1:] == [7, 4]
+    healthy = Sampler().sample(logits[:1], states[:1]).token_ids
+    assert token_ids[0] == healthy[0]

@@ -97,7 +97,8 @@ class Sampler:
         if greedy_rows:
             logits = logits[random_rows]
         processed = process_logits(logits, [s.params for s in random_states])
-        sampled = sample_from_probs(processed.softmax(dim=-1), self._uniforms(random_states))
+        probs = argmax_where_not_finite(processed.softmax(dim=-1), logits)
+        sampled = sample_from_probs(probs, self._uniforms(random_states))
         if not greedy_rows:
             return sampled
         token_ids[random_rows] = sampled
@@ -117,6 +118,20 @@ def seeded_uniform(seed: int, sample_index: int, step: int) -> float:
     """A uniform draw in [0, 1) that depends only on (seed, sample_index, step)."""
     digest = hashlib.blake2b(f"{seed}/{sample_index}/{step}".encode(), digest_size=8).digest()
     return (int.from_bytes(digest, "little") >> 11) / float(1 << 53)
+
+
+def argmax_where_not_finite(probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Rows whose distribution is not finite (overflowing penalties or logits) become
+    a one-hot at the argmax of ``logits``, so a bad row never yields an invalid token."""
+    is_bad = ~torch.isfinite(probs).all(dim=-1)
+    if not bool(is_bad.any()):
+        return probs
+    probs = probs.clone()
+    bad_rows = is_bad.nonzero().squeeze(1)
+    fallback = torch.nan_to_num(logits[bad_rows].float(), nan=float("-inf")).argmax(dim=-1)
+    probs[bad_rows] = 0.0
+    probs[bad_rows, fallback] = 1.0
+    return probs
 
 
 def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,9 @@ from typing import Any
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_LOGPROBS = 20
 MAX_ABS_PENALTY = 2.0
+# Bounds that stay finite in float32 logits (1e-300 is 0 there and would divide by zero).
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
 
 
 @dataclass
@@ -82,8 +85,9 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
             setattr(self, name, value)
         self.repetition_penalty = _as_float("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, "
+                             f"{MAX_REPETITION_PENALTY}], got {self.repetition_penalty}")
         self.stop = _as_stop_strings(self.stop)
         self.stop_token_ids = _as_token_ids("stop_token_ids", self.stop_token_ids)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
