@@ -8,6 +8,8 @@ heartbeat that says the engine is stalled, or a heartbeat left unanswered
 for the stall timeout. A stalled worker that was routable is killed once
 with ``no_restart=False``, so Ray restarts it (on another node if its node
 is gone), and it becomes routable again when its new incarnation answers.
+An unanswered heartbeat leads to a restart only while Ray reports the actor
+ALIVE: one that is already restarting (loading its model) is left alone.
 Requests on a killed worker fail with an actor error and resume elsewhere.
 """
 
@@ -21,6 +23,16 @@ from dataclasses import dataclass
 from .router import Router
 
 logger = logging.getLogger("pagedserve.cluster")
+
+
+def _actor_state(actor) -> str | None:
+    """The actor's state in Ray's GCS (``ALIVE``, ``RESTARTING``, ...); None if unknown."""
+    try:
+        from ray._private import state
+
+        return state.actors(actor_id=actor._actor_id.hex()).get("State")
+    except Exception:
+        return None
 
 
 @dataclass
@@ -92,7 +104,7 @@ class WorkerHealth:
                 self._read_probe(worker_id, ref)
             elif now - sent_at > self.stall_timeout_s:
                 self._drop_probe(worker_id, ref)
-                self._fail(worker_id, "heartbeat unanswered", restart=True)
+                self._fail(worker_id, "heartbeat unanswered", restart=_actor_state(worker) == "ALIVE")
 
     def _send_probe(self, worker_id: str, worker, now: float) -> None:
         with self._lock:

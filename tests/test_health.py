@@ -1,0 +1,120 @@
+"""The heartbeat monitor (``cluster.health.WorkerHealth``) on real, restartable Ray
+actors that stand in for workers (the real ``Worker`` under faults is
+``test_chaos.py``): a killed actor stops being routable until its new
+incarnation answers; a stalled or unresponsive one is restarted exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from pagedserve.cluster.config import RouterConfig  # noqa: E402
+from pagedserve.cluster.health import WorkerHealth  # noqa: E402
+from pagedserve.cluster.router import Router  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+STALL_TIMEOUT_S = 1.5
+
+
+def _fake_worker_class():
+    """A stand-in worker, defined here so that Ray ships it by value (tests/ is not importable)."""
+
+    class FakeWorker:
+        """Answers heartbeats like ``Worker.heartbeat``; can report a stall or stop answering."""
+
+        def __init__(self) -> None:
+            self.is_stalled = False
+
+        def heartbeat(self) -> dict:
+            return {"pid": os.getpid(), "is_stalled": self.is_stalled, "seconds_since_progress": 0.0}
+
+        def set_stalled(self, is_stalled: bool) -> None:
+            self.is_stalled = is_stalled
+
+        def block(self, seconds: float) -> None:
+            time.sleep(seconds)
+
+        def pid(self) -> int:
+            return os.getpid()
+
+    return FakeWorker
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=2, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def monitored(local_ray):
+    actor_cls = ray.remote(_fake_worker_class())
+    workers = {f"w{i}": actor_cls.options(max_restarts=-1, max_task_retries=0).remote() for i in range(2)}
+    ray.get([w.pid.remote() for w in workers.values()])
+    router = Router(RouterConfig(), list(workers))
+    health = WorkerHealth(workers, router, STALL_TIMEOUT_S, probe_interval_s=0.1)
+    health.start()
+    yield workers, router, health
+    health.stop()
+    for worker in workers.values():
+        ray.kill(worker, no_restart=True)
+
+
+def _wait(predicate, timeout: float = 60.0) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _routable(router: Router) -> set[str]:
+    return {w for w, load in router.snapshot()["loads"].items() if load["is_alive"]}
+
+
+def test_a_killed_worker_is_unroutable_until_its_restart_answers(monitored):
+    workers, router, health = monitored
+    old_pid = ray.get(workers["w0"].pid.remote())
+    ray.kill(workers["w0"], no_restart=False)
+    _wait(lambda: "w0" not in health.alive_workers())
+    assert "w0" not in _routable(router) and "w1" in _routable(router)
+    _wait(lambda: health.alive_workers() == {"w0", "w1"})
+    assert ray.get(workers["w0"].pid.remote()) != old_pid
+    assert _routable(router) == {"w0", "w1"}
+    assert health.snapshot()["w0"]["num_restarts_requested"] == 0  # Ray restarted it, not the monitor
+
+
+def test_a_stalled_worker_is_restarted_once(monitored):
+    workers, router, health = monitored
+    old_pid = ray.get(workers["w1"].pid.remote())
+    ray.get(workers["w1"].set_stalled.remote(True))
+    _wait(lambda: health.snapshot()["w1"]["num_restarts_requested"] == 1)
+    _wait(lambda: health.alive_workers() == {"w0", "w1"})  # the new incarnation is not stalled
+    assert ray.get(workers["w1"].pid.remote()) != old_pid
+    assert health.snapshot()["w1"]["num_restarts_requested"] == 1
+
+
+def test_a_worker_that_stops_answering_is_restarted(monitored):
+    workers, router, health = monitored
+    old_pid = ray.get(workers["w0"].pid.remote())
+    workers["w0"].block.remote(60)  # a sync actor: heartbeats queue behind this call
+    _wait(lambda: health.snapshot()["w0"]["num_restarts_requested"] == 1)
+    assert "w0" not in _routable(router)
+    _wait(lambda: health.alive_workers() == {"w0", "w1"})
+    assert ray.get(workers["w0"].pid.remote()) != old_pid
+
+
+def test_a_failure_noted_by_a_request_takes_the_worker_out_until_the_next_heartbeat(monitored):
+    workers, router, health = monitored
+    health.note_failure("w1", "request timed out")
+    assert "w1" not in _routable(router)
+    _wait(lambda: "w1" in health.alive_workers())  # it was fine after all: back at the next answer
+    assert health.snapshot()["w1"]["num_restarts_requested"] == 0
