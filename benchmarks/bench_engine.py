@@ -36,6 +36,10 @@ import sys
 import tempfile
 import time
 
+from pagedserve.cluster.bench.offline import (agreement, decoder_linear_parameters, forward_flops,
+                                              matmul_flops_per_s, run_generate_batch_fixed_length,
+                                              run_static_generate)
+
 CONTENDERS = {
     # key: (label, OpenMP wait policy under --omp-wait-policy auto)
     "static": ("transformers generate (static)", "active"),
@@ -47,68 +51,6 @@ CONTENDERS = {
 
 
 # ---- the contenders (each runs in its own process) -----------------------------------
-def matmul_flops_per_s(m: int = 256, k: int = 512, n: int = 1408, seconds: float = 1.0) -> float:
-    """Best FLOP rate of a float32 [m x k] x [k x n] matmul over repeated timings."""
-    import torch
-
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(m, k, generator=gen)
-    b = torch.randn(k, n, generator=gen)
-    for _ in range(10):
-        a @ b
-    best = float("inf")
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        start = time.perf_counter()
-        for _ in range(10):
-            a @ b
-        best = min(best, (time.perf_counter() - start) / 10)
-    return 2 * m * k * n / best
-
-
-def run_static_generate(model, prompts, output_len: int, batch_size: int, pad_id: int):
-    """``model.generate`` over static batches with left padding; returns (outputs, seconds)."""
-    import torch
-
-    outputs = []
-    start = time.perf_counter()
-    for first in range(0, len(prompts), batch_size):
-        batch = prompts[first:first + batch_size]
-        width = max(len(p) for p in batch)
-        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, prompt in enumerate(batch):
-            ids[row, width - len(prompt):] = torch.tensor(prompt)
-            mask[row, width - len(prompt):] = 1
-        with torch.inference_mode():
-            generated = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                       max_new_tokens=output_len, min_new_tokens=output_len,
-                                       pad_token_id=pad_id)
-        outputs.extend(generated[:, width:].tolist())
-    return outputs, time.perf_counter() - start
-
-
-def run_generate_batch(model, prompts, output_len: int, max_batch_tokens: int, page_size: int = 256):
-    """``model.generate_batch`` (transformers' continuous batching); returns (outputs, seconds)."""
-    import torch
-    from transformers import ContinuousBatchingConfig, GenerationConfig
-
-    config = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)
-    num_blocks = sum(-(-(len(p) + output_len) // page_size) for p in prompts) + 8
-    batching = ContinuousBatchingConfig(page_size=page_size, num_blocks=num_blocks,
-                                        max_batch_tokens=max_batch_tokens)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        results = model.generate_batch(inputs=prompts, generation_config=config,
-                                       continuous_batching_config=batching, warmup=False)
-    seconds = time.perf_counter() - start
-    outputs = [list(result.generated_tokens) for result in results.values()]
-    if len(outputs) != len(prompts):
-        raise RuntimeError(f"generate_batch returned {len(outputs)} of {len(prompts)} requests")
-    return outputs, seconds
-
-
 def run_pagedserve(llm, prompts, output_len: int):
     """``LLM.generate`` with greedy params; returns (outputs, seconds)."""
     from pagedserve import SamplingParams
@@ -140,9 +82,7 @@ def run_contender(key: str, spec: dict) -> dict:
         runner = llm.engine.runner
         result.update(num_steps=llm.engine.num_steps, num_parameters=runner.num_parameters,
                       num_lm_head_parameters=runner.lm_head.weight.numel(),
-                      num_decoder_linear_parameters=sum(
-                          module.weight.numel() for module in runner.decoder.modules()
-                          if isinstance(module, torch.nn.Linear)))
+                      num_decoder_linear_parameters=decoder_linear_parameters(runner))
     else:
         from transformers import AutoModelForCausalLM
 
@@ -152,31 +92,14 @@ def run_contender(key: str, spec: dict) -> dict:
             run_static_generate(model, [warm], 4, 1, pad_id)
             outputs, seconds = run_static_generate(model, prompts, output_len, spec["static_batch"], pad_id)
         else:
-            run_generate_batch(model, [warm], 4, spec["max_num_batched_tokens"])
-            outputs, seconds = run_generate_batch(model, prompts, output_len,
-                                                  spec["max_num_batched_tokens"])
+            run_generate_batch_fixed_length(model, [warm], 4, spec["max_num_batched_tokens"])
+            outputs, seconds = run_generate_batch_fixed_length(model, prompts, output_len,
+                                                               spec["max_num_batched_tokens"])
     result.update(seconds=seconds, outputs=outputs, matmul_flops_per_s=matmul_flops_per_s())
     return result
 
 
 # ---- the driver ---------------------------------------------------------------------------
-def forward_flops(prompt_lens: list[int], output_len: int, num_decoder_linear_parameters: int,
-                  num_lm_head_parameters: int, num_layers: int, attention_width: int) -> dict:
-    """FLOPs of the run's forward passes, whoever runs them (no padding, no recomputation).
-
-    Each request feeds its prompt and all but its last output token through the decoder,
-    and samples ``output_len`` tokens (one LM head row each). Causal attention costs
-    ``4 x context length x attention_width`` (query heads x head_dim) per token and layer.
-    """
-    num_decoder_tokens = sum(prompt_lens) + len(prompt_lens) * (output_len - 1)
-    num_sampled = len(prompt_lens) * output_len
-    linear = 2 * (num_decoder_linear_parameters * num_decoder_tokens + num_lm_head_parameters * num_sampled)
-    num_context_positions = sum((n + output_len - 1) * (n + output_len) // 2 for n in prompt_lens)
-    attention = 4 * attention_width * num_layers * num_context_positions
-    return {"linear": linear, "attention": attention, "total": linear + attention,
-            "num_decoder_tokens": num_decoder_tokens}
-
-
 def flop_ceiling(flops: dict, flops_rate: float, num_output: int, results: dict) -> dict:
     """Best output tok/s if ``flops`` ran at ``flops_rate``, against the measured tok/s."""
     ceiling = {}
@@ -198,21 +121,6 @@ def make_prompts(num_requests: int, min_len: int, max_len: int, vocab_size: int,
     rng = random.Random(seed)
     return [[rng.randrange(first_id, vocab_size) for _ in range(rng.randint(min_len, max_len))]
             for _ in range(num_requests)]
-
-
-def agreement(ours: list[list[int]], reference: list[list[int]]) -> dict:
-    """Share of requests with identical outputs, and of tokens before the first divergence."""
-    identical = sum(a == b for a, b in zip(ours, reference))
-    prefix = 0
-    for a, b in zip(ours, reference):
-        for x, y in zip(a, b):
-            if x != y:
-                break
-            prefix += 1
-    total = sum(len(b) for b in reference)
-    return {"identical_requests": identical, "num_requests": len(reference),
-            "identical_fraction": identical / max(1, len(reference)),
-            "matching_prefix_token_fraction": prefix / max(1, total)}
 
 
 def spawn_contender(key: str, spec_path: str, workdir: str, policy: str) -> dict:
@@ -323,7 +231,7 @@ def main() -> None:
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    flops = forward_flops([len(p) for p in prompts], args.output_len,
+    flops = forward_flops([len(p) for p in prompts], [args.output_len] * len(prompts),
                           ours_run["num_decoder_linear_parameters"], lm_head,
                           config["num_hidden_layers"], config["num_attention_heads"] * head_dim)
 

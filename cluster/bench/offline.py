@@ -13,16 +13,15 @@ lengths with means of about 200 tokens, clipped to the model. MFU is
 ``2 x parameters x output tok/s`` over a float32 [256x512]x[512x1408] matmul
 rate measured in the same run.
 
-The timing functions for transformers and the matmul come from
-``benchmarks/bench_engine.py`` (the standalone script with the fixed-length
-workload), loaded from the source tree, so both measure the same way.
+The timing functions here (transformers ``generate`` in static batches,
+``generate_batch``, the matmul rate, greedy agreement, the FLOP count of a run)
+are shared with ``benchmarks/bench_engine.py``, the standalone script with the
+fixed-length workload, so both measure the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib.util
 import platform
 import random
 import time
@@ -33,9 +32,6 @@ from .plots import plot_bars
 from .report import format_table, progress_bar, torch_threads, write_json
 from .replay import model_vocab_size, resolve_model
 from .workload import LengthDist, random_token_ids
-
-BENCH_ENGINE_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_engine.py"
-
 
 @dataclass(frozen=True)
 class OfflineBenchConfig:
@@ -59,18 +55,112 @@ QUICK_CONFIG = dataclasses.replace(DEFAULT_CONFIG, size="tiny", num_requests=16,
                                    output_len=LengthDist(mean=32, low=4, high=96))
 
 
-@functools.cache
-def bench_engine_module():
-    """``benchmarks/bench_engine.py`` as a module (needs a source checkout)."""
-    if not BENCH_ENGINE_SCRIPT.is_file():
-        raise RuntimeError(f"bench offline reuses {BENCH_ENGINE_SCRIPT.name} from the source tree; "
-                           f"it is not at {BENCH_ENGINE_SCRIPT}")
-    spec = importlib.util.spec_from_file_location("pagedserve_bench_engine", BENCH_ENGINE_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+# ---- timing shared with benchmarks/bench_engine.py ----------------------------------------
+def matmul_flops_per_s(m: int = 256, k: int = 512, n: int = 1408, seconds: float = 1.0) -> float:
+    """Best FLOP rate of a float32 [m x k] x [k x n] matmul over repeated timings."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(m, k, generator=gen)
+    b = torch.randn(k, n, generator=gen)
+    for _ in range(10):
+        a @ b
+    best = float("inf")
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        best = min(best, (time.perf_counter() - start) / 10)
+    return 2 * m * k * n / best
 
 
+def run_static_generate(model, prompts, output_len: int, batch_size: int, pad_id: int):
+    """``model.generate`` over static batches with left padding; returns (outputs, seconds)."""
+    import torch
+
+    outputs = []
+    start = time.perf_counter()
+    for first in range(0, len(prompts), batch_size):
+        batch = prompts[first:first + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, prompt in enumerate(batch):
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        with torch.inference_mode():
+            generated = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                       max_new_tokens=output_len, min_new_tokens=output_len,
+                                       pad_token_id=pad_id)
+        outputs.extend(generated[:, width:].tolist())
+    return outputs, time.perf_counter() - start
+
+
+def run_generate_batch_fixed_length(model, prompts, output_len: int, max_batch_tokens: int,
+                                    page_size: int = 256):
+    """``model.generate_batch`` (transformers' continuous batching), ``output_len`` tokens per
+    prompt; returns (outputs, seconds)."""
+    import torch
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+    num_blocks = sum(-(-(len(p) + output_len) // page_size) for p in prompts) + 8
+    batching = ContinuousBatchingConfig(page_size=page_size, num_blocks=num_blocks,
+                                        max_batch_tokens=max_batch_tokens)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        results = model.generate_batch(inputs=prompts, generation_config=config,
+                                       continuous_batching_config=batching, warmup=False)
+    seconds = time.perf_counter() - start
+    outputs = [list(result.generated_tokens) for result in results.values()]
+    if len(outputs) != len(prompts):
+        raise RuntimeError(f"generate_batch returned {len(outputs)} of {len(prompts)} requests")
+    return outputs, seconds
+
+
+def agreement(ours: list[list[int]], reference: list[list[int]]) -> dict:
+    """Share of requests with identical outputs, and of tokens before the first divergence."""
+    identical = sum(a == b for a, b in zip(ours, reference))
+    prefix = 0
+    for a, b in zip(ours, reference):
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            prefix += 1
+    total = sum(len(b) for b in reference)
+    return {"identical_requests": identical, "num_requests": len(reference),
+            "identical_fraction": identical / max(1, len(reference)),
+            "matching_prefix_token_fraction": prefix / max(1, total)}
+
+
+def forward_flops(prompt_lens: list[int], output_lens: list[int], num_decoder_linear_parameters: int,
+                  num_lm_head_parameters: int, num_layers: int, attention_width: int) -> dict:
+    """FLOPs of a run's forward passes, whoever runs them (no padding, no recomputation).
+
+    Each request feeds its prompt and all but its last output token through the decoder,
+    and samples each output token from one LM head row. Causal attention costs
+    ``4 x context length x attention_width`` (query heads x head_dim) per token and layer.
+    """
+    num_decoder_tokens = sum(prompt_lens) + sum(n - 1 for n in output_lens)
+    num_sampled = sum(output_lens)
+    linear = 2 * (num_decoder_linear_parameters * num_decoder_tokens + num_lm_head_parameters * num_sampled)
+    num_context_positions = sum((p + n - 1) * (p + n) // 2 for p, n in zip(prompt_lens, output_lens))
+    attention = 4 * attention_width * num_layers * num_context_positions
+    return {"linear": linear, "attention": attention, "total": linear + attention,
+            "num_decoder_tokens": num_decoder_tokens}
+
+
+def decoder_linear_parameters(runner) -> int:
+    """Weights of the decoder's linear layers (the LM head is not part of the decoder)."""
+    import torch
+
+    return sum(module.weight.numel() for module in runner.decoder.modules()
+               if isinstance(module, torch.nn.Linear))
+
+
+# ---- the offline benchmark ---------------------------------------------------------------
 def make_requests(config: OfflineBenchConfig, vocab_size: int, max_model_len: int) -> list[tuple[list[int], int]]:
     """``(prompt token ids, output length)`` per request; prompt plus output fits the model."""
     rng = random.Random(config.seed)
@@ -94,7 +184,6 @@ def run_pagedserve(llm, requests) -> tuple[list[list[int]], float]:
 
 def run_static_batches(model, requests, batch_size: int, pad_id: int) -> tuple[list[list[int]], float]:
     """transformers ``generate`` per static batch, each to its longest requested output."""
-    run_static_generate = bench_engine_module().run_static_generate
     outputs, seconds = [], 0.0
     for first in range(0, len(requests), batch_size):
         batch = requests[first:first + batch_size]
@@ -112,8 +201,8 @@ def run_generate_batch(model, requests, max_batch_tokens: int, page_size: int = 
 
     lengths = [n for _, n in requests]
     if len(set(lengths)) == 1:
-        return bench_engine_module().run_generate_batch(model, [p for p, _ in requests], lengths[0],
-                                                        max_batch_tokens, page_size)
+        return run_generate_batch_fixed_length(model, [p for p, _ in requests], lengths[0],
+                                               max_batch_tokens, page_size)
     config = GenerationConfig(max_new_tokens=max(lengths), do_sample=False, eos_token_id=None, pad_token_id=0)
     num_blocks = sum(-(-(len(p) + n) // page_size) for p, n in requests) + 8
     batching = ContinuousBatchingConfig(page_size=page_size, num_blocks=num_blocks,
@@ -146,12 +235,11 @@ def _run_benchmark(config, out, plot_dir, show_progress, threads: int) -> dict:
 
     from pagedserve import LLM
 
-    bench = bench_engine_module()
     model_path = resolve_model(config.model, config.arch, config.size)
     num_contenders = 1 if config.skip_transformers else 3
     with progress_bar(num_contenders + 1, "offline", unit="stage", disable=not show_progress) as bar:
         bar.set_description("matmul rate")
-        flops_rate = bench.matmul_flops_per_s()
+        flops_rate = matmul_flops_per_s()
         bar.update(1)
         llm = LLM(model_path, max_num_seqs=config.max_num_seqs,
                   max_num_batched_tokens=config.max_num_batched_tokens)
@@ -182,6 +270,9 @@ def _run_benchmark(config, out, plot_dir, show_progress, threads: int) -> dict:
         results["pagedserve LLM.generate"] = {"seconds": seconds, "num_steps": llm.engine.num_steps}
         bar.update(1)
     num_params = runner.num_parameters
+    flops = forward_flops([len(p) for p, _ in requests], [n for _, n in requests],
+                          decoder_linear_parameters(runner), runner.lm_head.weight.numel(),
+                          runner.num_layers, runner.num_heads * runner.head_dim)
     for result in results.values():
         result["output_tok_per_s"] = num_output / result["seconds"]
         result["mfu"] = 2 * num_params * result["output_tok_per_s"] / flops_rate
@@ -194,12 +285,15 @@ def _run_benchmark(config, out, plot_dir, show_progress, threads: int) -> dict:
                      "threads": threads, "seed": config.seed,
                      "machine": platform.processor() or platform.machine()},
         "matmul_gflop_per_s": flops_rate / 1e9,
+        "forward_gflop": {"linear": flops["linear"] / 1e9, "attention": flops["attention"] / 1e9},
+        # Output tok/s if every forward FLOP ran at the matmul rate.
+        "flop_ceiling_output_tok_per_s": num_output / (flops["total"] / flops_rate),
         "results": results,
         "ratios": {name: ours / r["output_tok_per_s"] for name, r in results.items()
                    if name != "pagedserve LLM.generate"},
     }
     if "static" in outputs:
-        data["greedy_agreement_vs_static"] = bench.agreement(outputs["ours"], outputs["static"])
+        data["greedy_agreement_vs_static"] = agreement(outputs["ours"], outputs["static"])
     write_json(out, data)
     if plot_dir:
         plot_bars({"output tok/s": {n.replace("transformers ", "hf "): r["output_tok_per_s"] for n, r in results.items()},
@@ -213,7 +307,9 @@ def format_results(data: dict) -> str:
     ours = data["results"]["pagedserve LLM.generate"]["output_tok_per_s"]
     lines = [f"offline: {w['model']} ({w['num_parameters'] / 1e6:.1f}M params), {w['num_requests']} requests, "
              f"{w['num_prompt_tokens']} prompt / {w['num_output_tokens']} output tokens, {w['threads']} threads; "
-             f"matmul {data['matmul_gflop_per_s']:.1f} GFLOP/s",
+             f"matmul {data['matmul_gflop_per_s']:.1f} GFLOP/s; FLOP ceiling "
+             f"{data['flop_ceiling_output_tok_per_s']:.0f} output tok/s "
+             f"({sum(data['forward_gflop'].values()):,.0f} GFLOP at the matmul rate)",
              format_table(["contender", "seconds", "out tok/s", "MFU", "pagedserve x"],
                           [[name, r["seconds"], r["output_tok_per_s"], f"{r['mfu']:.2%}",
                             f"{ours / r['output_tok_per_s']:.2f}"] for name, r in data["results"].items()])]
