@@ -9,7 +9,8 @@ for the stall timeout. A stalled worker that was routable is killed once
 with ``no_restart=False``, so Ray restarts it (on another node if its node
 is gone), and it becomes routable again when its new incarnation answers.
 An unanswered heartbeat leads to a restart only while Ray reports the actor
-ALIVE: one that is already restarting (loading its model) is left alone.
+ALIVE in the same process that last answered: one that is restarting (or
+already runs a new incarnation) is left alone.
 Requests on a killed worker fail with an actor error and resume elsewhere.
 """
 
@@ -25,14 +26,15 @@ from .router import Router
 logger = logging.getLogger("pagedserve.cluster")
 
 
-def _actor_state(actor) -> str | None:
-    """The actor's state in Ray's GCS (``ALIVE``, ``RESTARTING``, ...); None if unknown."""
+def _actor_state(actor) -> tuple[str | None, int | None]:
+    """The actor's state in Ray's GCS (``ALIVE``, ``RESTARTING``, ...) and its process id."""
     try:
         from ray._private import state
 
-        return state.actors(actor_id=actor._actor_id.hex()).get("State")
+        info = state.actors(actor_id=actor._actor_id.hex())
+        return info.get("State"), info.get("Pid")
     except Exception:
-        return None
+        return None, None
 
 
 @dataclass
@@ -104,12 +106,19 @@ class WorkerHealth:
                 self._read_probe(worker_id, ref)
             elif now - sent_at > self.stall_timeout_s:
                 self._drop_probe(worker_id, ref)
-                self._fail(worker_id, "heartbeat unanswered", restart=_actor_state(worker) == "ALIVE")
+                self._fail(worker_id, "heartbeat unanswered", restart=self._is_hung(worker_id, worker))
 
     def _send_probe(self, worker_id: str, worker, now: float) -> None:
         with self._lock:
             self._probes[worker_id] = (worker.heartbeat.remote(), now)
             self._last_sent[worker_id] = now
+
+    def _is_hung(self, worker_id: str, worker) -> bool:
+        """Alive for Ray, and still the process that answered last: it hangs."""
+        state, pid = _actor_state(worker)
+        with self._lock:
+            last_pid = self.liveness[worker_id].pid
+        return state == "ALIVE" and pid is not None and pid == last_pid
 
     def _drop_probe(self, worker_id: str, ref) -> bool:
         with self._lock:

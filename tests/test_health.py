@@ -63,6 +63,7 @@ def monitored(local_ray):
     router = Router(RouterConfig(), list(workers))
     health = WorkerHealth(workers, router, STALL_TIMEOUT_S, probe_interval_s=0.1)
     health.start()
+    _wait(lambda: all(state["pid"] for state in health.snapshot().values()))  # each has answered
     yield workers, router, health
     health.stop()
     for worker in workers.values():
