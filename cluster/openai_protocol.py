@@ -14,13 +14,15 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pagedserve.workers.sampling_params import MAX_LOGPROBS
+from pagedserve.workers.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+)
 
 DEFAULT_MAX_TOKENS = 16
 MAX_INT32 = 2**31 - 1
 MAX_INT64 = 2**63 - 1
-MIN_REPETITION_PENALTY = 0.01
-MAX_REPETITION_PENALTY = 100.0
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 
