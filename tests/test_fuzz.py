@@ -223,7 +223,12 @@ def _check_response(response, category: str) -> None:
             assert int(_header(response, "retry-after")) >= 1
     elif content_type.startswith("text/event-stream"):
         text = response.text
-        assert text.rstrip().endswith("data: [DONE]"), text[-300:]
+        # schemathesis stops reading a stream after a few events and hangs up (the server
+        # then aborts the request); only a stream read to its end must finish with [DONE].
+        if getattr(response, "stream_cut_short", False):
+            TALLY[category]["streams cut short by the client"] += 1
+        else:
+            assert text.rstrip().endswith("data: [DONE]"), text[-300:]
         for line in text.splitlines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 json.loads(line[len("data: "):])
