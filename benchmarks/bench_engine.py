@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 
-from pagedserve.cluster.bench.offline import (agreement, decoder_linear_parameters, forward_flops,
+from pagedserve.bench.offline import (agreement, decoder_linear_parameters, forward_flops,
                                               matmul_flops_per_s, run_generate_batch_fixed_length,
                                               run_static_generate)
 
@@ -200,7 +200,7 @@ def main() -> None:
 
     if args.quick:
         args.num_requests, args.output_len = min(args.num_requests, 16), min(args.output_len, 32)
-    from pagedserve.workers.model_factory import SPECIAL_TOKENS, ensure_model
+    from pagedserve.devtools.model_factory import SPECIAL_TOKENS, ensure_model
 
     path = str(ensure_model(args.arch, args.size))
     with open(os.path.join(path, "config.json")) as f:

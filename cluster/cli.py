@@ -17,38 +17,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pagedserve.workers.model_factory import ARCHS, SIZES
-
-
-def _parse_number(text: str, kind: type, what: str):
-    try:
-        return kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    value = _parse_number(text, int, "a positive integer")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    value = _parse_number(text, int, "a non-negative integer")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """argparse type: a number > 0 (``inf`` allowed, NaN not)."""
-    value = _parse_number(text, float, "a number")
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number (or inf), got {text}")
-    return value
+from pagedserve.argtypes import non_negative_int, port
+from pagedserve.devtools.model_factory import ARCHS, SIZES
 
 
 def _add_make_model_parser(subparsers) -> None:
@@ -69,7 +39,7 @@ def _add_make_model_parser(subparsers) -> None:
 
 
 def _run_make_model(args: argparse.Namespace) -> int:
-    from pagedserve.workers.model_factory import make_model
+    from pagedserve.devtools.model_factory import make_model
 
     out_dir = make_model(args.arch, args.size, args.out, seed=args.seed)
     print(out_dir)
@@ -110,7 +80,7 @@ def _add_generate_parser(subparsers) -> None:
 
 def _run_generate(args: argparse.Namespace) -> int:
     from pagedserve import LLM, SamplingParams
-    from pagedserve.workers.model_factory import ensure_model
+    from pagedserve.devtools.model_factory import ensure_model
 
     model = args.model or str(ensure_model(args.arch, args.size))
     try:
@@ -169,13 +139,6 @@ def _run_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _port(text: str) -> int:
-    value = non_negative_int(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value}")
-    return value
-
-
 def _add_serve_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "serve",
@@ -190,8 +153,8 @@ def _add_serve_parser(subparsers) -> None:
                         help="override a key by its dotted path, e.g. engine.block_size=32 (repeatable)")
     parser.add_argument("--host", help="HTTP host (config server.host; default 127.0.0.1, loopback only: "
                                        "other interfaces, e.g. 0.0.0.0, only when set explicitly)")
-    parser.add_argument("--port", type=_port, help="HTTP port (config server.port)")
-    parser.add_argument("--grpc-port", type=_port, help="gRPC port (config server.grpc_port; default: off)")
+    parser.add_argument("--port", type=port, help="HTTP port (config server.port)")
+    parser.add_argument("--grpc-port", type=port, help="gRPC port (config server.grpc_port; default: off)")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (config server.api_key, "
                                           "or $PAGEDSERVE_API_KEY)")
     parser.add_argument("--log-requests", action="store_true",
@@ -262,7 +225,7 @@ def _run_stop(args: argparse.Namespace) -> int:
 
 def _add_bench_parser(subparsers) -> None:
     # ``bench`` has its own subcommands; they live with the benchmarks (cheap to import).
-    from pagedserve.cluster.bench.cli import add_bench_parser
+    from pagedserve.bench.cli import add_bench_parser
 
     add_bench_parser(subparsers)
 

@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pagedserve.workers.engine import EngineConfig
-from pagedserve.workers.model_factory import ARCHS, SIZES
+from pagedserve.devtools.model_factory import ARCHS, SIZES
 
 
 class ConfigError(ValueError):
@@ -46,7 +46,7 @@ class ModelConfig(_Strict):
         """The checkpoint directory, building the random-weight model if needed."""
         if self.path:
             return self.path
-        from pagedserve.workers.model_factory import ensure_model
+        from pagedserve.devtools.model_factory import ensure_model
 
         return str(ensure_model(self.arch, self.size, seed=self.seed))
 

@@ -35,7 +35,7 @@ RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"  # "token" when the cluster needs ~/.ray/aut
 
 def state_file() -> Path:
     """Where a running ``pagedserve serve`` records itself."""
-    from pagedserve.workers.model_factory import default_cache_dir
+    from pagedserve.devtools.model_factory import default_cache_dir
 
     return default_cache_dir().parent / STATE_FILE_NAME
 

@@ -31,7 +31,7 @@ def tiny_model():
     Built once into the default cache (``$PAGEDSERVE_CACHE_DIR`` or
     ``~/.cache/pagedserve``); later sessions reuse it.
     """
-    from pagedserve.workers.model_factory import ensure_model
+    from pagedserve.devtools.model_factory import ensure_model
 
     paths: dict[str, str] = {}
 

@@ -13,9 +13,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from pagedserve.cluster.bench import allocators, fragmentation, offline, prefix, serve
-from pagedserve.cluster.bench.report import percentile, summarize, write_json
-from pagedserve.cluster.bench.workload import (LengthDist, make_mixed_workload, make_shared_prefix_workload,
+from pagedserve.bench import allocators, fragmentation, offline, prefix, serve
+from pagedserve.bench.report import percentile, summarize, write_json
+from pagedserve.bench.workload import (LengthDist, make_mixed_workload, make_shared_prefix_workload,
                                                max_prefix_hit_rate, poisson_arrivals)
 from pagedserve.cluster.cli import build_parser
 
@@ -147,7 +147,7 @@ def test_median_row_takes_measured_values():
 
 
 def test_replay_open_loop_arrivals(tiny_model):
-    from pagedserve.cluster.bench.replay import build_engine, replay
+    from pagedserve.bench.replay import build_engine, replay
 
     engine = build_engine(tiny_model("llama"), num_device_blocks=64, max_model_len=256)
     requests = make_mixed_workload(6, 500, 256, prompt_len=LengthDist(20, 4, 40), output_len=LengthDist(4, 2, 8),

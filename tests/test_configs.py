@@ -155,13 +155,13 @@ def test_serve_cli_binds_loopback_unless_told(monkeypatch):
 
 
 def test_argument_types_have_one_definition():
-    from pagedserve.cluster import cli
-    from pagedserve.cluster.bench import cli as bench_cli
+    from pagedserve import argtypes as cli
+    from pagedserve.bench import cli as bench_cli
 
     assert bench_cli.positive_int is cli.positive_int and bench_cli.positive_float is cli.positive_float
     assert bench_cli.non_negative_int is cli.non_negative_int
     for parse, bad in ((cli.positive_int, "0"), (cli.positive_float, "nan"), (cli.non_negative_int, "-1"),
-                       (cli.positive_int, "x")):
+                       (cli.positive_int, "x"), (cli.port, "65536")):
         with pytest.raises(Exception):
             parse(bad)
     assert cli.positive_float("inf") == float("inf") and cli.non_negative_int("0") == 0

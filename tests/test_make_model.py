@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pagedserve.workers import model_factory
-from pagedserve.workers.model_factory import ARCHS, SPECIAL_TOKENS, ensure_model, make_model
+from pagedserve.devtools import model_factory
+from pagedserve.devtools.model_factory import ARCHS, SPECIAL_TOKENS, ensure_model, make_model
 
 UNICODE_TEXT = "Héllo wörld! 日本語テキスト 🤖👍🏽\t tabs\n\nnew  lines ÀÉÎ Ωμέγα \u200b \x00 end "
 MESSAGES = [

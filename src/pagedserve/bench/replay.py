@@ -86,7 +86,7 @@ def resolve_model(model: str | None, arch: str = "llama", size: str = "tiny") ->
     """``model`` if given, else the path of the built random-weight ``arch``/``size`` model."""
     if model:
         return model
-    from pagedserve.workers.model_factory import ensure_model
+    from pagedserve.devtools.model_factory import ensure_model
 
     return str(ensure_model(arch, size))
 

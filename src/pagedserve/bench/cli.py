@@ -1,6 +1,6 @@
 """Arguments of ``pagedserve bench <allocators|prefix|serve|offline>``.
 
-Only argparse and the shared argument types of ``pagedserve.cluster.cli`` are
+Only argparse and the shared argument types of ``pagedserve.argtypes`` are
 imported here; each ``_run_*`` imports its benchmark module (torch,
 transformers, matplotlib) when it runs.
 """
@@ -12,7 +12,7 @@ import dataclasses
 import math
 import sys
 
-from pagedserve.cluster.cli import non_negative_int, positive_float, positive_int
+from pagedserve.argtypes import non_negative_int, positive_float, positive_int
 
 SIZES = ("tiny", "small")
 DISTRIBUTIONS = ("lognormal", "uniform", "fixed")

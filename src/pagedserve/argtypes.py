@@ -1,0 +1,48 @@
+"""argparse value types shared by ``pagedserve`` and ``pagedserve bench``.
+
+A leaf module (argparse only), so both command lines import it without
+importing each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _parse_number(text: str, kind: type, what: str):
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = _parse_number(text, int, "a positive integer")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    value = _parse_number(text, int, "a non-negative integer")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0 (``inf`` allowed, NaN not)."""
+    value = _parse_number(text, float, "a number")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number (or inf), got {text}")
+    return value
+
+
+def port(text: str) -> int:
+    """argparse type: a TCP port, 0..65535."""
+    value = non_negative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value}")
+    return value
