@@ -70,21 +70,25 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping, backend=None) -> None:
     _ops(backend, k_cache.device).write_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
-def plan_attention(k_cache, block_tables, cu_seqlens_q, seq_lens, backend=None):
+def plan_attention(k_cache, block_tables, cu_seqlens_q, seq_lens, backend=None, *,
+                   sliding_window=None):
     """What ``paged_attention`` derives from the step's metadata, computed once for all layers.
 
     Pass the result as ``plan=`` to every layer's ``paged_attention`` (or, with
     ``cu_seqlens_q=None``, ``paged_decode_attention``) over caches of ``k_cache``'s
     shape and the same metadata. It reads the lengths on the host and checks them.
-    Returns None for backends that need no plan (Triton).
+    One plan serves layers of any sliding window: the part for ``sliding_window`` is
+    built (and its block table entries checked) now, the part for another window on the
+    first call with it. Returns None for backends that need no plan (Triton).
     """
     _check_plan_args(k_cache, block_tables, cu_seqlens_q, seq_lens)
+    layout.check_sliding_window(sliding_window)
     if (backend or select_backend(k_cache.device)) != "torch":
         _ops(backend, k_cache.device)
         return None
     if cu_seqlens_q is None:
-        return torch_ops.plan_decode_attention(k_cache, block_tables, seq_lens)
-    return torch_ops.plan_attention(k_cache, block_tables, cu_seqlens_q, seq_lens)
+        return torch_ops.plan_decode_attention(k_cache, block_tables, seq_lens, sliding_window)
+    return torch_ops.plan_attention(k_cache, block_tables, cu_seqlens_q, seq_lens, sliding_window)
 
 
 def _check_plan_args(k_cache, block_tables, cu_seqlens_q, seq_lens) -> None:
@@ -114,38 +118,59 @@ def _plan_kwargs(plan, backend, device) -> dict:
 
 
 def paged_attention(
-    q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out=None, backend=None,
-    plan=None,
+    q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale=None, out=None, backend=None,
+    plan=None, *, sliding_window=None, logit_softcap=None, sinks=None,
 ):
     """Causal attention for a flattened batch mixing decode tokens and prefill chunks.
 
     ``q`` is ``[num_tokens, num_heads, head_dim]``; sequence ``i`` owns rows
     ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``, which are the last tokens of its ``seq_lens[i]``
-    context tokens (their K/V already written with ``write_kv``). Each query attends to
-    every context position up to and including its own. Query head ``h`` reads kv head
-    ``h // (num_heads // num_kv_heads)``. Accumulates in float32 (float64 for float64
-    inputs) and returns ``[num_tokens, num_heads, head_dim]`` in q's dtype, written into
-    ``out`` when given. Block table entries past ``ceil(seq_len / block_size)`` are never
-    used to address the cache (they may hold -1 or garbage). ``plan`` is this metadata's
-    ``plan_attention`` result, or None to derive it here.
+    context tokens (their K/V already written with ``write_kv``). Query head ``h`` reads
+    kv head ``h // (num_heads // num_kv_heads)``. Accumulates in float32 (float64 for
+    float64 inputs) and returns ``[num_tokens, num_heads, head_dim]`` in q's dtype,
+    written into ``out`` when given. ``plan`` is this metadata's ``plan_attention``
+    result, or None to derive it here.
+
+    Per call (one layer), matching transformers' eager attention:
+      - ``scale``: scores are ``q.k * scale``; None means ``1 / sqrt(head_dim)``.
+      - ``sliding_window``: a query at position ``p`` sees keys at ``k`` with
+        ``p - sliding_window < k <= p``; None: every ``k <= p``.
+      - ``logit_softcap``: scores become ``softcap * tanh(scores / softcap)`` (before the
+        mask); None: no soft-cap.
+      - ``sinks``: ``[num_heads]`` learned logits (GPT-OSS), one per query head, each
+        joining its head's softmax denominator and contributing no value; None: no sinks.
+
+    Block table entries are used to address the cache only for blocks holding a position
+    some query of the sequence sees: entries past ``ceil(seq_len / block_size)`` and, with
+    a window, entries of blocks wholly before every query's window are never read (they
+    may hold -1 or garbage).
     """
     layout.check_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, scale, out, cu_seqlens_q=cu_seqlens_q
+        q, k_cache, v_cache, block_tables, seq_lens, scale, out, cu_seqlens_q=cu_seqlens_q,
+        sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks,
     )
     return _ops(backend, q.device).paged_attention(
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out=out,
+        sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks,
         **_plan_kwargs(plan, backend, q.device),
     )
 
 
 def paged_decode_attention(
-    q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, backend=None, plan=None
+    q, k_cache, v_cache, block_tables, seq_lens, scale=None, out=None, backend=None, plan=None, *,
+    sliding_window=None, logit_softcap=None, sinks=None,
 ):
     """``paged_attention`` with exactly one query per sequence: ``q`` is
-    ``[num_seqs, num_heads, head_dim]`` and query ``i`` is token ``seq_lens[i] - 1``."""
-    layout.check_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
+    ``[num_seqs, num_heads, head_dim]`` and query ``i`` is token ``seq_lens[i] - 1``, so
+    with a window it sees the last ``min(seq_lens[i], sliding_window)`` positions and
+    only their blocks' table entries are read. Same variants as ``paged_attention``."""
+    layout.check_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, out,
+        sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks,
+    )
     return _ops(backend, q.device).paged_decode_attention(
         q, k_cache, v_cache, block_tables, seq_lens, scale, out=out,
+        sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks,
         **_plan_kwargs(plan, backend, q.device),
     )
 

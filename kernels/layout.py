@@ -5,11 +5,14 @@ Layout shared by every backend:
     contiguous, same shape, dtype and device;
   - slot ``s`` lives at ``(s // block_size, s % block_size)``; slot ``-1`` means padding;
   - block tables: integer ``[num_seqs, max_blocks_per_seq]``; only the first
-    ``ceil(seq_len / block_size)`` entries of a row are meaningful.
+    ``ceil(seq_len / block_size)`` entries of a row are meaningful, and with a sliding
+    window only those of blocks holding a position some query sees.
 
 These checks look only at metadata (never at tensor contents), so they cost a few
 microseconds and never synchronise with a device. They raise ValueError or TypeError.
 """
+
+import math
 
 import torch
 
@@ -89,9 +92,12 @@ def check_attention(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
-    scale: float,
+    scale: float | None,
     out: torch.Tensor | None,
     cu_seqlens_q: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Check the arguments of ``paged_attention`` (or ``paged_decode_attention``
     when ``cu_seqlens_q`` is None)."""
@@ -114,8 +120,7 @@ def check_attention(
         raise ValueError(
             f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
         )
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
+    check_variants(q, scale, sliding_window, logit_softcap, sinks)
     check_index("block_tables", block_tables, 2, q.device)
     check_index("seq_lens", seq_lens, 1, q.device)
     num_seqs = block_tables.shape[0]
@@ -144,6 +149,50 @@ def check_attention(
                 f"out must match q ({tuple(q.shape)}, {q.dtype}, {q.device}), got "
                 f"({tuple(out.shape)}, {out.dtype}, {out.device})"
             )
+
+
+def _is_number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
+def check_sliding_window(sliding_window) -> None:
+    """``sliding_window`` is None or an int >= 1."""
+    if sliding_window is None:
+        return
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
+        raise TypeError(f"sliding_window must be an int or None, got {type(sliding_window).__name__}")
+    if sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 (keys a query sees, itself included), got {sliding_window}")
+
+
+def check_variants(q: torch.Tensor, scale, sliding_window, logit_softcap, sinks) -> None:
+    """Check the per-layer attention variants: ``scale`` and ``logit_softcap`` are None or
+    finite positive Python numbers, ``sliding_window`` None or an int >= 1, ``sinks`` None or
+    a floating ``[num_heads]`` tensor on q's device."""
+    for name, value in (("scale", scale), ("logit_softcap", logit_softcap)):
+        if value is None:
+            continue
+        if not _is_number(value):
+            raise TypeError(f"{name} must be a Python float or None, got {type(value).__name__}")
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{name} must be finite and > 0, got {value}")
+    check_sliding_window(sliding_window)
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}")
+    if sinks.shape != (q.shape[1],):
+        raise ValueError(f"sinks must be [num_heads={q.shape[1]}] (one logit per query head), "
+                         f"got {tuple(sinks.shape)}")
+    if sinks.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"sinks must be floating point, got {sinks.dtype}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks is on {sinks.device}, q on {q.device}")
+
+
+def resolve_scale(scale: float | None, head_dim: int) -> float:
+    """``scale`` as a float; None means ``1 / sqrt(head_dim)``."""
+    return head_dim ** -0.5 if scale is None else float(scale)
 
 
 def check_block_pairs(block_pairs: torch.Tensor) -> None:

@@ -87,6 +87,16 @@ def _check_attention_inputs(op_name, q, k_cache, v_cache, block_tables, out):
         raise ValueError(f"{op_name}: out shape {tuple(out.shape)} != q shape {tuple(q.shape)}")
 
 
+def _resolve_scale(scale: float | None, head_dim: int) -> float:
+    return head_dim ** -0.5 if scale is None else float(scale)
+
+
+def _refuse_variants(op_name, sliding_window, logit_softcap, sinks) -> None:
+    for name, value in (("sliding_window", sliding_window), ("logit_softcap", logit_softcap), ("sinks", sinks)):
+        if value is not None:
+            raise NotImplementedError(f"{op_name}: the Triton kernels do not support {name} yet; use backend='torch'")
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs would silently get TF32 tensor-core dots otherwise.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -129,8 +139,9 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None,
+                    out: torch.Tensor | None = None, *, sliding_window: int | None = None,
+                    logit_softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention over the paged cache for a flattened batch of prefill chunks and decodes.
 
     ``q`` is ``[num_tokens, num_heads, head_dim]``; sequence i owns rows
@@ -140,6 +151,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     in q's dtype when None); rows of every listed sequence are written, others are untouched.
     """
     op = "paged_attention"
+    _refuse_variants(op, sliding_window, logit_softcap, sinks)
     _require_runnable(op, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
     _check_attention_inputs(op, q, k_cache, v_cache, block_tables, out)
     num_seqs = seq_lens.shape[0]
@@ -165,7 +177,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     attention_kernels.paged_prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
-        float(scale) * math.log2(math.e), num_seqs,
+        _resolve_scale(scale, head_dim) * math.log2(math.e), num_seqs,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
         NUM_Q_PER_KV=num_q_per_kv, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=block_n,
@@ -185,8 +197,10 @@ def _choose_num_splits(device: torch.device, num_programs: int, max_context: int
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           out: torch.Tensor | None = None, *, num_splits: int | None = None) -> torch.Tensor:
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None,
+                           out: torch.Tensor | None = None, *, num_splits: int | None = None,
+                           sliding_window: int | None = None, logit_softcap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its whole cached context (``seq_lens[i]`` tokens).
 
     ``q`` is ``[num_seqs, num_heads, head_dim]``. Long contexts are split across programs
@@ -196,6 +210,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``seq_lens[i] == 0`` gets zeros.
     """
     op = "paged_decode_attention"
+    _refuse_variants(op, sliding_window, logit_softcap, sinks)
     _require_runnable(op, q, k_cache, v_cache, block_tables, seq_lens)
     _check_attention_inputs(op, q, k_cache, v_cache, block_tables, out)
     num_seqs, num_heads, head_dim = q.shape
@@ -232,7 +247,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_acc = part_max = part_sum = out  # unused by the kernel
     attention_kernels.paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_max, part_sum,
-        float(scale) * math.log2(math.e), split_len, num_splits,
+        _resolve_scale(scale, head_dim) * math.log2(math.e), split_len, num_splits,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
         NUM_HEADS=num_heads, NUM_Q_PER_KV=num_q_per_kv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=_block_g(num_q_per_kv), BLOCK_D=block_d, BLOCK_N=block_n, IS_SPLIT=num_splits > 1,

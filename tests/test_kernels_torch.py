@@ -93,14 +93,40 @@ class PagedContext:
 
     def slots(self, seq, positions):
         table, size = self.block_tables[seq].tolist(), self.block_size
-        return torch.tensor([table[p // size] * size + p % size for p in positions])
+        return torch.tensor([table[p // size] * size + p % size for p in positions], dtype=torch.long)
 
     def seq_lens_tensor(self):
         return torch.tensor(self.seq_lens, dtype=torch.int32)
 
 
-def reference_attention(q, keys, values, q_lens, scale):
-    """Float64 causal attention; queries of seq i are the last q_lens[i] of its tokens."""
+    def free_out_of_window(self, q_lens, sliding_window):
+        """Poison what no query may read: blocks wholly before the window of a sequence's
+        first query lose their table entry (-1, as an allocator that freed them early, or
+        an id out of range) and are NaN-filled; earlier positions of its first window block
+        become NaN."""
+        size = self.block_size
+        num_kv_heads, head_dim = self.k_cache.shape[2], self.k_cache.shape[3]
+        for seq, (seq_len, num_queries) in enumerate(zip(self.seq_lens, q_lens)):
+            first_query = seq_len - num_queries
+            first = seq_len if num_queries == 0 else max(0, first_query - sliding_window + 1)
+            for block in range(first // size):
+                block_id = int(self.block_tables[seq, block])
+                self.k_cache[block_id] = float("nan")
+                self.v_cache[block_id] = float("nan")
+                self.block_tables[seq, block] = -1 if (seq + block) % 2 else GARBAGE_BLOCK_ID
+            slots = self.slots(seq, range(first // size * size, first))
+            self.k_cache.view(-1, num_kv_heads, head_dim)[slots] = float("nan")
+            self.v_cache.view(-1, num_kv_heads, head_dim)[slots] = float("nan")
+
+
+def reference_attention(q, keys, values, q_lens, scale, sliding_window=None, logit_softcap=None,
+                        sinks=None):
+    """Float64 attention; queries of seq i are the last q_lens[i] of its tokens.
+
+    Written as transformers' eager attention: scores scaled, soft-capped, masked (causal,
+    and a query at p sees keys k > p - sliding_window), then a softmax over the scores
+    with each head's sink logit appended as one more column, which is dropped after.
+    """
     num_heads = q.shape[1]
     outputs = []
     start = 0
@@ -111,9 +137,18 @@ def reference_attention(q, keys, values, q_lens, scale):
         key = key.double().repeat_interleave(group, dim=1)
         value = value.double().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", query, key) * scale
+        if logit_softcap is not None:
+            scores = torch.tanh(scores / logit_softcap) * logit_softcap
         query_positions = torch.arange(seq_len - num_queries, seq_len)
         mask = torch.arange(seq_len)[None, :] <= query_positions[:, None]
-        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        if sliding_window is not None:
+            mask &= torch.arange(seq_len)[None, :] > query_positions[:, None] - sliding_window
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if sinks is None:
+            probs = scores.softmax(dim=-1)
+        else:
+            sink_column = sinks.double().view(num_heads, 1, 1).expand(num_heads, num_queries, 1)
+            probs = torch.cat([scores, sink_column], dim=-1).softmax(dim=-1)[..., :-1]
         outputs.append(torch.einsum("hqk,khd->qhd", probs, value))
         start += num_queries
     return torch.cat(outputs) if outputs else q.double()[:0]
@@ -191,6 +226,197 @@ def test_mixed_batch_matches_reference(gen, decode_path, block_size, gqa, head_d
         q, ctx.k_cache, ctx.v_cache, ctx.block_tables, cu_seqlens_q, ctx.seq_lens_tensor(), scale
     )
     assert_close(out, expected, dtype, gen)
+
+
+VARIANTS = ["window", "softcap", "sinks", "scale", "all"]
+
+
+def draw_variant(gen, variant, num_heads, head_dim, max_window):
+    """Per-layer attention variant kwargs for ``variant`` (random values that matter:
+    soft-caps near the scores' size, sinks comparable to the largest logits)."""
+    kwargs = dict(scale=head_dim**-0.5, sliding_window=None, logit_softcap=None, sinks=None)
+    if variant in ("window", "all"):
+        kwargs["sliding_window"] = randint(gen, 1, max_window)
+    if variant in ("softcap", "all"):
+        kwargs["logit_softcap"] = 0.5 + 2.5 * float(torch.rand(1, generator=gen))
+    if variant in ("sinks", "all"):
+        kwargs["sinks"] = 2 * randn(gen, num_heads) + 1
+    if variant in ("scale", "all"):
+        kwargs["scale"] = 0.1 + 0.4 * float(torch.rand(1, generator=gen))
+    return kwargs
+
+
+def lengths_around(gen, window, block_size, num_random):
+    """Context lengths below, at and above ``window``, block-aligned and not, and random."""
+    lens = [1, block_size * randint(gen, 1, 3), block_size * 2 + randint(gen, 1, block_size - 1)]
+    if window is not None:
+        lens += [window, window + 1, window + block_size + randint(gen, 0, 2 * block_size)]
+        lens += [window - 1] if window > 1 else []
+    return lens + [randint(gen, 1, 90) for _ in range(num_random)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("gqa,head_dim", [(1, 64), (4, 80), (8, 128)])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_decode_variants_match_reference(gen, decode_path, block_size, gqa, head_dim, dtype, variant):
+    """Windows below, at and above each context, soft-caps, sinks and scales, on the C kernel
+    and the torch ops; blocks wholly outside a window are freed (-1 or garbage) and every
+    cache position no query sees is NaN."""
+    num_kv_heads = 2 if gqa < 8 else 1
+    num_heads = num_kv_heads * gqa
+    variant_kwargs = draw_variant(gen, variant, num_heads, head_dim, max_window=3 * block_size + 5)
+    window = variant_kwargs["sliding_window"]
+    seq_lens = lengths_around(gen, window, block_size, randint(gen, 1, 5))
+    ctx = PagedContext(gen, seq_lens, num_kv_heads, head_dim, block_size, dtype)
+    q = randn(gen, len(seq_lens), num_heads, head_dim, dtype=dtype)
+    expected = reference_attention(q, ctx.keys, ctx.values, [1] * len(seq_lens), **variant_kwargs)
+    if window is not None:
+        ctx.free_out_of_window([1] * len(seq_lens), window)
+
+    out = paged_decode_attention(
+        q, ctx.k_cache, ctx.v_cache, ctx.block_tables, ctx.seq_lens_tensor(), **variant_kwargs
+    )
+    assert_close(out, expected, dtype, gen)
+    cu_seqlens_q = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
+    out = paged_attention(
+        q, ctx.k_cache, ctx.v_cache, ctx.block_tables, cu_seqlens_q, ctx.seq_lens_tensor(),
+        **variant_kwargs,
+    )
+    assert_close(out, expected, dtype, gen)
+
+
+def mixed_batch(gen, block_size, window):
+    """(seq_len, num_queries) pairs: decodes, a whole prompt, chunks over cached prefixes
+    longer than the window, a one-token chunk on a long prefix, an idle sequence."""
+    reach = 40 if window is None else window
+    seqs = [(randint(gen, 1, 120), 1) for _ in range(randint(gen, 1, 3))]
+    prompt_len = randint(gen, 2, 70)
+    seqs.append((prompt_len, prompt_len))
+    for _ in range(randint(gen, 1, 3)):
+        num_queries = randint(gen, 2, 40)
+        seqs.append((num_queries + randint(gen, 1, reach + 2 * block_size), num_queries))
+    seqs.append((randint(gen, 2, 8) + reach + block_size, randint(gen, 2, 8)))
+    seqs.append((1, 1))
+    seqs.append((block_size + 3, 0))
+    order = torch.randperm(len(seqs), generator=gen).tolist()
+    return [seqs[i] for i in order]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(
+    "block_size,gqa,head_dim,dtype",
+    [(8, 1, 64, torch.float32), (16, 4, 80, torch.float16), (16, 8, 64, torch.float32),
+     (8, 2, 128, torch.float16), (16, 2, 64, torch.bfloat16), (8, 4, 64, torch.float64)],
+)
+def test_mixed_batch_variants_match_reference(gen, decode_path, block_size, gqa, head_dim, dtype,
+                                              variant):
+    """Prefill chunks over cached prefixes, whole prompts and decode tokens in one batch, with
+    each variant; what no query's window covers is freed and NaN."""
+    num_kv_heads = 8 // gqa if gqa < 8 else 1
+    num_heads = num_kv_heads * gqa
+    variant_kwargs = draw_variant(gen, variant, num_heads, head_dim, max_window=2 * block_size + 9)
+    window = variant_kwargs["sliding_window"]
+    seqs = mixed_batch(gen, block_size, window)
+    seq_lens, q_lens = [n for n, _ in seqs], [m for _, m in seqs]
+    ctx = PagedContext(gen, seq_lens, num_kv_heads, head_dim, block_size, dtype)
+    q = randn(gen, sum(q_lens), num_heads, head_dim, dtype=dtype)
+    cu_seqlens_q = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    expected = reference_attention(q, ctx.keys, ctx.values, q_lens, **variant_kwargs)
+    if window is not None:
+        ctx.free_out_of_window(q_lens, window)
+    out = paged_attention(
+        q, ctx.k_cache, ctx.v_cache, ctx.block_tables, cu_seqlens_q, ctx.seq_lens_tensor(),
+        **variant_kwargs,
+    )
+    assert_close(out, expected, dtype, gen)
+
+
+def test_long_prefill_with_softcap_runs_in_row_chunks(gen, monkeypatch):
+    """The soft-cap / sink path splits a long prefill's scores into row chunks (each with
+    only the keys its rows' windows reach) and gets the same answer."""
+    monkeypatch.setattr(torch_ops, "_MAX_SCORE_ELEMENTS", 4 * 300)
+    seq_lens, q_lens = [300, 250], [300, 97]
+    ctx = PagedContext(gen, seq_lens, 2, 64, 16, torch.float32)
+    q = randn(gen, sum(q_lens), 4, 64)
+    cu_seqlens_q = torch.tensor([0, 300, 397], dtype=torch.int32)
+    for kwargs in (dict(sliding_window=37, logit_softcap=2.0, sinks=randn(gen, 4)),
+                   dict(logit_softcap=1.5)):
+        expected = reference_attention(q, ctx.keys, ctx.values, q_lens, 0.125, **kwargs)
+        out = paged_attention(q, ctx.k_cache, ctx.v_cache, ctx.block_tables, cu_seqlens_q,
+                              ctx.seq_lens_tensor(), 0.125, **kwargs)
+        assert_close(out, expected, torch.float32, gen)
+
+
+def test_decode_window_covering_every_context_changes_nothing(gen, decode_path):
+    """A window at least as long as every context reads the same positions in the same
+    order as no window: the result is bit-identical."""
+    seq_lens = [1, 17, 64, 90, 33]
+    ctx = PagedContext(gen, seq_lens, 2, 64, 16, torch.float32)
+    q = randn(gen, len(seq_lens), 8, 64)
+    args = (q, ctx.k_cache, ctx.v_cache, ctx.block_tables, ctx.seq_lens_tensor())
+    plain = paged_decode_attention(*args)
+    assert torch.equal(paged_decode_attention(*args, sliding_window=90), plain)
+    assert torch.equal(paged_decode_attention(*args, scale=64**-0.5, sliding_window=10**9), plain)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_one_plan_serves_alternating_windows(gen, decode_path, mixed):
+    """Layers alternating between a window and none share one plan; each gives what
+    planning inside the call gives."""
+    seq_lens, q_lens = [37, 1, 90, 16, 45], [1, 1, 1, 1, 1]
+    if mixed:
+        q_lens = [1, 1, 30, 1, 5]
+    ctx = PagedContext(gen, seq_lens, 2, 64, 8, torch.float32)
+    tables, lens = ctx.block_tables, ctx.seq_lens_tensor()
+    cu_seqlens_q = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    plan = plan_attention(ctx.k_cache, tables, cu_seqlens_q if mixed else None, lens,
+                          sliding_window=12)
+    sinks = randn(gen, 8)
+    for window in (12, None, 12, 5, None):
+        q = randn(gen, sum(q_lens), 8, 64)
+        args = (q, ctx.k_cache, ctx.v_cache, tables)
+        kwargs = dict(sliding_window=window, sinks=sinks)
+        if mixed:
+            expected = paged_attention(*args, cu_seqlens_q, lens, **kwargs)
+            actual = paged_attention(*args, cu_seqlens_q, lens, plan=plan, **kwargs)
+        else:
+            expected = paged_decode_attention(*args, lens, **kwargs)
+            actual = paged_decode_attention(*args, lens, plan=plan, **kwargs)
+        assert not torch.isnan(actual).any()
+        torch.testing.assert_close(actual, expected, atol=0, rtol=0)
+        torch.testing.assert_close(
+            actual.double(), reference_attention(q, ctx.keys, ctx.values, q_lens, 0.125, **kwargs),
+            **TOLERANCES[torch.float32])
+    assert set(plan.windows) == {12, None, 5}
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_freed_blocks_inside_a_window_are_an_error(gen, decode_path, mixed):
+    """A table entry freed (-1) but inside some query's window, e.g. a global layer after
+    the allocator freed blocks for windowed ones, is an error, never a read."""
+    seq_lens, q_lens = [70, 50], [1, 6 if mixed else 1]
+    ctx = PagedContext(gen, seq_lens, 2, 64, 8, torch.float32)
+    ctx.free_out_of_window(q_lens, 16)
+    q = randn(gen, sum(q_lens), 4, 64)
+    lens = ctx.seq_lens_tensor()
+    cu_seqlens_q = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32) if mixed else None
+    plan = plan_attention(ctx.k_cache, ctx.block_tables, cu_seqlens_q, lens, sliding_window=16)
+    args = (q, ctx.k_cache, ctx.v_cache, ctx.block_tables)
+    for kwargs in (dict(sliding_window=16), dict(sliding_window=16, plan=plan)):
+        if mixed:
+            out = paged_attention(*args, cu_seqlens_q, lens, **kwargs)
+        else:
+            out = paged_decode_attention(*args, lens, **kwargs)
+        assert not torch.isnan(out).any()
+    # The native kernel's plan checks the entries it reads (ValueError); torch's gathers
+    # refuse negative or out-of-range block ids (IndexError or RuntimeError).
+    for window in (None, 24):
+        with pytest.raises((ValueError, IndexError, RuntimeError)):
+            if mixed:
+                paged_attention(*args, cu_seqlens_q, lens, sliding_window=window, plan=plan)
+            else:
+                paged_decode_attention(*args, lens, sliding_window=window, plan=plan)
 
 
 @pytest.mark.parametrize("max_gather_elements", [None, 4096])
@@ -418,7 +644,17 @@ def _attention_args(**overrides):
         (dict(cu_seqlens_q=torch.tensor([0, 3, 3], dtype=torch.int32),
               seq_lens=torch.tensor([2, 5], dtype=torch.int32)), ValueError, "3 queries"),
         (dict(seq_lens=torch.tensor([4, 17], dtype=torch.int32)), ValueError, "seq_lens must lie"),
-        (dict(scale=None), TypeError, "scale"),
+        (dict(scale="0.1"), TypeError, "scale"),
+        (dict(scale=float("nan")), ValueError, "scale must be finite"),
+        (dict(scale=-0.5), ValueError, "scale must be finite and > 0"),
+        (dict(sliding_window=0), ValueError, "sliding_window must be >= 1"),
+        (dict(sliding_window=True), TypeError, "sliding_window"),
+        (dict(sliding_window=4.0), TypeError, "sliding_window"),
+        (dict(logit_softcap=0.0), ValueError, "logit_softcap must be finite and > 0"),
+        (dict(logit_softcap=float("inf")), ValueError, "logit_softcap"),
+        (dict(sinks=torch.zeros(3)), ValueError, r"sinks must be \[num_heads=4\]"),
+        (dict(sinks=torch.zeros(4, dtype=torch.int32)), ValueError, "sinks must be floating"),
+        (dict(sinks=[0.0] * 4), TypeError, "sinks"),
         (dict(out=torch.zeros(3, 4, 32)), ValueError, "out must match"),
         (dict(backend="cuda"), ValueError, "unknown kernel backend"),
     ],
