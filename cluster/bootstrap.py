@@ -9,6 +9,7 @@ from typing import Any
 
 from dataclasses import asdict
 
+from . import ray_compat
 from .config import ClusterConfig, EngineOptions, load_config
 from .handle import ClusterHandle
 
@@ -77,10 +78,9 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
         owns_ray = address is None
     model_path = config.model.resolve_path()
     kv_cls, worker_cls = _actor_classes()
-    head = {"node:__internal_head__": 0.001}
     kv_manager = kv_cls.options(
         name=KV_MANAGER_NAME, namespace=NAMESPACE, max_restarts=-1, max_task_retries=0,
-        num_cpus=config.kv_manager_num_cpus, resources=head).remote()
+        num_cpus=config.kv_manager_num_cpus, **ray_compat.head_node_placement()).remote()
     ray.get(kv_manager.get_incarnation.remote(), timeout=ready_timeout_s)
 
     workers, roles = {}, {}

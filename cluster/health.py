@@ -10,7 +10,10 @@ with ``no_restart=False``, so Ray restarts it (on another node if its node
 is gone), and it becomes routable again when its new incarnation answers.
 An unanswered heartbeat leads to a restart only while Ray reports the actor
 ALIVE in the same process that last answered: one that is restarting (or
-already runs a new incarnation) is left alone.
+already runs a new incarnation) is left alone. If Ray's actor state cannot be
+read at all, the monitor says so (a warning, ``state_unknown`` in its
+snapshot) and restarts the worker anyway, once per incarnation that answered,
+so a hung worker never stays hung because a query failed.
 Requests on a killed worker fail with an actor error and resume elsewhere.
 """
 
@@ -21,20 +24,10 @@ import threading
 import time
 from dataclasses import dataclass
 
+from . import ray_compat
 from .router import Router
 
 logger = logging.getLogger("pagedserve.cluster")
-
-
-def _actor_state(actor) -> tuple[str | None, int | None]:
-    """The actor's state in Ray's GCS (``ALIVE``, ``RESTARTING``, ...) and its process id."""
-    try:
-        from ray._private import state
-
-        info = state.actors(actor_id=actor._actor_id.hex())
-        return info.get("State"), info.get("Pid")
-    except Exception:
-        return None, None
 
 
 @dataclass
@@ -43,10 +36,13 @@ class WorkerLiveness:
 
     is_alive: bool = True
     pid: int | None = None
+    actor_id: str | None = None      # from the heartbeat, for Ray's actor state
     last_beat: float = 0.0           # time of the last heartbeat answered
     last_failure: float | None = None
     num_failures: int = 0
     num_restarts_requested: int = 0  # kills sent because the worker stalled
+    state_unknown: bool = False      # Ray's actor state could not be read at the last check
+    blind_restart_pid: int | None = None  # the incarnation restarted without knowing its state
 
 
 class WorkerHealth:
@@ -114,11 +110,30 @@ class WorkerHealth:
             self._last_sent[worker_id] = now
 
     def _is_hung(self, worker_id: str, worker) -> bool:
-        """Alive for Ray, and still the process that answered last: it hangs."""
-        state, pid = _actor_state(worker)
+        """Alive for Ray, and still the process that answered last: it hangs.
+
+        When Ray's state cannot be read, an incarnation that answered before is
+        taken as hung once (it may be restarting; a second blind restart waits
+        until a new incarnation has answered, so a slow start is never killed in a loop).
+        """
         with self._lock:
-            last_pid = self.liveness[worker_id].pid
-        return state == "ALIVE" and pid is not None and pid == last_pid
+            liveness = self.liveness[worker_id]
+            last_pid, actor_id = liveness.pid, liveness.actor_id
+        if last_pid is None:
+            return False  # never answered: still starting
+        status = ray_compat.actor_status(actor_id) if actor_id else None
+        with self._lock:
+            liveness.state_unknown = status is None
+            if status is None:
+                is_hung = liveness.blind_restart_pid != last_pid
+                if is_hung:
+                    liveness.blind_restart_pid = last_pid
+        if status is None:
+            logger.warning("worker %s: Ray's actor state is unreadable (state API and GCS table); %s",
+                           worker_id, "restarting it on its unanswered heartbeat" if is_hung
+                           else "already restarted once without it; waiting for a new incarnation")
+            return is_hung
+        return status.state == "ALIVE" and status.pid is not None and status.pid == last_pid
 
     def _drop_probe(self, worker_id: str, ref) -> bool:
         with self._lock:
@@ -177,6 +192,7 @@ class WorkerHealth:
             was_alive = state.is_alive
             state.is_alive = True
             state.pid = beat.get("pid")
+            state.actor_id = beat.get("actor_id") or state.actor_id
             state.last_beat = time.time()
         self.router.mark_dead(worker_id, is_alive=True)
         if not was_alive:

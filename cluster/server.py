@@ -53,6 +53,7 @@ from pydantic import BaseModel, ValidationError
 from pagedserve.workers.request import CompletionOutput, RequestOutput
 from pagedserve.workers.sampling_params import SamplingParams
 
+from . import ray_compat
 from .config import ClusterConfig, ServerConfig
 from .dashboard import add_dashboard_routes
 from .handle import NoCapacityError
@@ -1029,7 +1030,7 @@ def build_application(handle, config: ClusterConfig, num_cpus: float = 0.0):
         # request plus health checks and scrapes.
         max_ongoing_requests=limits.max_queued_requests + 32,
         # On the head node, next to the driver that resolved the model path (the tokenizer's).
-        ray_actor_options={"num_cpus": num_cpus, "resources": {"node:__internal_head__": 0.001}},
+        ray_actor_options={"num_cpus": num_cpus, **ray_compat.head_node_placement()},
         graceful_shutdown_timeout_s=5)
     return deployment.bind(handle, config.server.model_dump())
 

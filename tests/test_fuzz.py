@@ -41,6 +41,8 @@ grpc = pytest.importorskip("grpc")
 schemathesis = pytest.importorskip("schemathesis")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
+
+from pagedserve.cluster import ray_compat  # noqa: E402
 from hypothesis.errors import Unsatisfiable  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -163,7 +165,7 @@ def served(tiny_model):
     canary = None
     try:
         endpoints = deploy(handle, config)
-        logs_dir = Path(ray._private.worker._global_node.get_logs_dir_path())
+        logs_dir = ray_compat.session_logs_dir()
         served = Served(handle, endpoints["http"], "127.0.0.1", port, endpoints["grpc"],
                         len(handle.tokenizer), logs_dir)
         canary = served.canary = Canary(served.url)

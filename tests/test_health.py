@@ -13,6 +13,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from pagedserve.cluster import ray_compat  # noqa: E402
 from pagedserve.cluster.config import RouterConfig  # noqa: E402
 from pagedserve.cluster.health import WorkerHealth  # noqa: E402
 from pagedserve.cluster.router import Router  # noqa: E402
@@ -32,7 +33,8 @@ def _fake_worker_class():
             self.is_stalled = False
 
         def heartbeat(self) -> dict:
-            return {"pid": os.getpid(), "is_stalled": self.is_stalled, "seconds_since_progress": 0.0}
+            return {"pid": os.getpid(), "actor_id": ray.get_runtime_context().get_actor_id(),
+                    "is_stalled": self.is_stalled, "seconds_since_progress": 0.0}
 
         def set_stalled(self, is_stalled: bool) -> None:
             self.is_stalled = is_stalled
@@ -119,3 +121,25 @@ def test_a_failure_noted_by_a_request_takes_the_worker_out_until_the_next_heartb
     assert "w1" not in _routable(router)
     _wait(lambda: "w1" in health.alive_workers())  # it was fine after all: back at the next answer
     assert health.snapshot()["w1"]["num_restarts_requested"] == 0
+
+
+def test_a_hung_worker_is_restarted_even_when_rays_state_is_unreadable(monitored, monkeypatch):
+    workers, router, health = monitored
+    monkeypatch.setattr(ray_compat, "actor_status", lambda actor_id: None)
+    old_pid = ray.get(workers["w1"].pid.remote())
+    workers["w1"].block.remote(60)
+    _wait(lambda: health.snapshot()["w1"]["num_restarts_requested"] == 1)
+    assert health.snapshot()["w1"]["state_unknown"]
+    # Until a new incarnation answers, a second blind restart is refused (it may be loading).
+    assert not health._is_hung("w1", workers["w1"])
+    _wait(lambda: health.alive_workers() == {"w0", "w1"})
+    assert ray.get(workers["w1"].pid.remote()) != old_pid
+    assert health.snapshot()["w1"]["num_restarts_requested"] == 1
+
+
+def test_the_actor_state_comes_from_ray_for_a_worker_that_answered(monitored):
+    workers, router, health = monitored
+    actor_id = health.snapshot()["w0"]["actor_id"]
+    status = ray_compat.actor_status(actor_id)  # this module's Ray has no dashboard: the GCS fallback
+    assert status is not None and status.state == "ALIVE"
+    assert status.pid == ray.get(workers["w0"].pid.remote()) == health.snapshot()["w0"]["pid"]

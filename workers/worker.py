@@ -55,6 +55,13 @@ def _node_id() -> str | None:
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
+def _actor_id() -> str | None:
+    """This actor's id (None outside an actor), for Ray's state API."""
+    import ray
+
+    return ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
+
+
 class KVManagerUnavailableError(RuntimeError):
     """The KV manager could not be reached within the step timeout and retries."""
 
@@ -256,7 +263,8 @@ class Worker:
         idle_s = time.time() - self.last_progress
         is_stalled = not self.async_engine.is_running or (
             num_unfinished > 0 and idle_s > stall_timeout_s(self.step_timeout_s))
-        return {"worker_id": self.worker_id, "pid": os.getpid(), "started_at": self.started_at,
+        return {"worker_id": self.worker_id, "pid": os.getpid(), "actor_id": _actor_id(),
+                "started_at": self.started_at,
                 "num_unfinished": num_unfinished, "num_steps": self.engine.num_steps,
                 "num_generated_tokens": self.engine.num_generated_tokens,
                 "seconds_since_progress": idle_s,

@@ -1,0 +1,135 @@
+"""Every Ray API pagedserve uses that is private, or public but fragile, in one place.
+
+Each function prefers Ray's public API and says why a private one is still
+needed, where it is. Nothing else in pagedserve may import ``ray._private``,
+``ray.autoscaler._private`` or read an underscored attribute of a Ray object;
+``tests/test_ray_compat.py`` checks that. Tested against the ``ray[serve]``
+range pinned in ``pyproject.toml``; on an upgrade, this module is what to
+re-check.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger("pagedserve.cluster")
+
+# Every Ray node carries this label (Ray's default labels); a label selector on
+# it pins an actor or a Serve replica to one node. Public since Ray 2.49.
+NODE_ID_LABEL = "ray.io/node-id"
+# The resource Ray gives only the head node. Private (``ray_constants``); used
+# only when the state API cannot say which node is the head.
+_HEAD_NODE_RESOURCE = "node:__internal_head__"
+STATE_API_TIMEOUT_S = 10
+
+
+@dataclass(frozen=True)
+class ActorStatus:
+    """An actor as Ray's GCS sees it: ``ALIVE``, ``RESTARTING``, ``DEAD``, ... and its process id."""
+
+    state: str
+    pid: int | None
+
+
+def gcs_address() -> str:
+    """The connected cluster's address. Passed explicitly to the state API, whose
+    default (``auto``) refuses to choose when several Ray instances run on one machine."""
+    import ray
+
+    return ray.get_runtime_context().gcs_address
+
+
+def actor_status(actor_id: str) -> ActorStatus | None:
+    """The actor's state and pid, or None when neither query below answers.
+
+    Public: ``ray.util.state.get_actor``. It is served by the dashboard process,
+    which a cluster started with ``--include-dashboard=false`` lacks, so the
+    private GCS actor table (``ray._private.state.actors``, what ``ray list
+    actors`` reads underneath) is the fallback.
+    """
+    try:
+        from ray.util.state import get_actor
+
+        found = get_actor(actor_id, address=gcs_address(), timeout=STATE_API_TIMEOUT_S)
+        if found is not None:
+            return ActorStatus(found.state, found.pid)
+    except Exception as exc:
+        logger.debug("state API get_actor(%s) failed: %r", actor_id, exc)
+    try:
+        from ray._private import state as private_state
+
+        info = private_state.actors(actor_id=actor_id)
+        if info:
+            return ActorStatus(info.get("State"), info.get("Pid"))
+    except Exception as exc:
+        logger.debug("GCS actor table lookup of %s failed: %r", actor_id, exc)
+    return None
+
+
+def head_node_id() -> str:
+    """The head node's id.
+
+    Public: ``ray.util.state.list_nodes`` (``is_head_node``). Fallback when the
+    dashboard is absent: the node holding the head's private resource in the
+    public ``ray.nodes()`` table.
+    """
+    import ray
+
+    try:
+        from ray.util.state import list_nodes
+
+        heads = list_nodes(address=gcs_address(), filters=[("is_head_node", "=", True),
+                                                           ("state", "=", "ALIVE")],
+                           timeout=STATE_API_TIMEOUT_S)
+        if heads:
+            return heads[0].node_id
+    except Exception as exc:
+        logger.debug("state API list_nodes failed: %r", exc)
+    for node in ray.nodes():
+        if node.get("Alive") and _HEAD_NODE_RESOURCE in node.get("Resources", {}):
+            return node["NodeID"]
+    raise RuntimeError("the Ray cluster has no live head node")
+
+
+def node_placement(node_id: str) -> dict:
+    """Actor options (also valid Serve ``ray_actor_options``) that pin to ``node_id``.
+
+    A label selector rather than ``NodeAffinitySchedulingStrategy``: Serve's
+    ``ray_actor_options`` accept ``label_selector`` but no scheduling strategy,
+    and Ray itself moved its node pinning to this label.
+    """
+    return {"label_selector": {NODE_ID_LABEL: node_id}}
+
+
+def head_node_placement() -> dict:
+    """``node_placement`` of the head node (the KV manager and the Serve ingress live there)."""
+    return node_placement(head_node_id())
+
+
+def validate_launcher_config(config: dict) -> dict:
+    """Validate a ``ray up`` cluster file offline the way ``ray up`` does; returns the
+    prepared config, raises on an invalid one.
+
+    Private (``ray.autoscaler._private.util``): Ray has no public call that
+    checks a launcher file without starting a cluster.
+    """
+    import copy
+
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    prepared = prepare_config(copy.deepcopy(config))
+    validate_config(prepared)
+    return prepared
+
+
+def session_logs_dir() -> Path:
+    """The connected Ray session's log directory (on this machine).
+
+    Private (``ray._private.worker``): Ray has no public accessor for it; the
+    fuzz suite scans these logs for leaked prompts.
+    """
+    from ray._private import worker as private_worker
+
+    return Path(private_worker._global_node.get_logs_dir_path())

@@ -1,0 +1,87 @@
+"""``cluster/ray_compat.py`` is the only door to Ray's private APIs, and its public paths work
+against a real Ray (with the dashboard, which serves the state API)."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from pagedserve.cluster import ray_compat  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOT = Path(__file__).resolve().parent.parent
+PRIVATE = re.compile(r"ray\._private|autoscaler\._private|__internal_head__|\._actor_id\b|ray\._raylet")
+
+
+def test_no_module_but_ray_compat_touches_private_ray():
+    offenders = []
+    for folder in ("cluster", "workers", "kvmanager", "kernels", "src", "tests", "benchmarks"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if path.name in ("ray_compat.py", "test_ray_compat.py"):
+                continue
+            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if PRIVATE.search(line):
+                    offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+
+
+@pytest.fixture(scope="module")
+def ray_with_dashboard():
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=2, include_dashboard=True)
+    yield
+    ray.shutdown()
+
+
+@ray.remote(num_cpus=0)
+class _Probe:
+    def where(self) -> tuple[int, str, str]:
+        import os
+
+        context = ray.get_runtime_context()
+        return os.getpid(), context.get_actor_id(), context.get_node_id()
+
+
+def test_actor_status_through_the_public_state_api(ray_with_dashboard, monkeypatch):
+    probe = _Probe.options(max_restarts=0).remote()
+    pid, actor_id, _ = ray.get(probe.where.remote(), timeout=120)
+    assert ray_compat.actor_status(actor_id) == ray_compat.ActorStatus("ALIVE", pid)
+    from ray._private import state as private_state
+
+    def broken(*args, **kwargs):
+        raise ConnectionError("no GCS table")
+
+    monkeypatch.setattr(private_state, "actors", broken)  # the public path alone answers
+    assert ray_compat.actor_status(actor_id) == ray_compat.ActorStatus("ALIVE", pid)
+    monkeypatch.undo()
+
+    # With the state API down, the GCS table answers the same.
+    from ray.util import state as state_api
+
+    monkeypatch.setattr(state_api, "get_actor", broken)
+    assert ray_compat.actor_status(actor_id) == ray_compat.ActorStatus("ALIVE", pid)
+    monkeypatch.undo()
+
+    ray.kill(probe, no_restart=True)
+    deadline = time.time() + 60
+    while ray_compat.actor_status(actor_id).state != "DEAD":
+        assert time.time() < deadline, "the killed actor never showed as DEAD"
+        time.sleep(0.2)
+    assert ray_compat.actor_status("ff" * 16) is None  # no such actor
+
+
+def test_head_node_placement_pins_to_the_head(ray_with_dashboard):
+    head = ray_compat.head_node_id()
+    assert head == ray.get_runtime_context().get_node_id()  # this driver runs on the head
+    options = ray_compat.head_node_placement()
+    assert options == {"label_selector": {"ray.io/node-id": head}}
+    probe = _Probe.options(**options).remote()
+    assert ray.get(probe.where.remote(), timeout=120)[2] == head
+    ray.kill(probe, no_restart=True)
