@@ -4,10 +4,13 @@ loses its request (aborted, blocks freed), and the engine keeps serving everyone
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
+import pytest
+
 from pagedserve import LLM, SamplingParams
-from pagedserve.workers.async_engine import AsyncLLMEngine
+from pagedserve.workers.async_engine import AsyncLLMEngine, EngineDeadError
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
@@ -47,3 +50,85 @@ def test_a_caller_whose_event_loop_closes_does_not_kill_the_engine(tiny_model):
         _wait_for_no_blocks(engine)
     finally:
         engine.shutdown()
+
+
+def test_the_callers_event_loop_never_waits_for_a_step(tiny_model):
+    """While the engine thread is inside a step, a new request is accepted, an abort and a
+    stats call are posted, and the event loop keeps running: none of them waits for the step.
+
+    (A worker actor serves every stream from one event loop; when adding a request waited
+    for the running step, a burst of requests delayed every stream's first token.)
+    """
+    llm = LLM(model=tiny_model("llama"), device="cpu", dtype="float32", block_size=8,
+              num_device_blocks=64, swap_space_gb=0.001)
+    engine = AsyncLLMEngine(llm.engine)
+    in_step, release = threading.Event(), threading.Event()
+    step = llm.engine.step
+
+    def gated_step():
+        if not release.is_set():
+            in_step.set()
+            release.wait(timeout=20)  # never forever, even if the caller's loop is blocked
+        return step()
+
+    expected = llm.generate([list(range(3, 20))], _greedy(6))[0].outputs[0].token_ids
+    llm.engine.step = gated_step
+
+    async def main():
+        first = asyncio.create_task(_collect(engine, list(range(3, 20)), 6))
+        await asyncio.to_thread(in_step.wait, 20)
+        stream = engine.generate(list(range(3, 20)), _greedy(6), request_id="second")
+        second = asyncio.create_task(anext(stream))
+        doomed = engine.generate(list(range(5, 30)), _greedy(50), request_id="doomed")
+        doomed_first = asyncio.create_task(anext(doomed))
+        await asyncio.sleep(0.05)  # both generators run up to waiting for their first output
+        assert engine.abort("doomed") is True
+        stats = asyncio.wrap_future(engine.submit(type(llm.engine).stats))
+        await asyncio.sleep(0.05)
+        was_step_running = not release.is_set()
+        is_stats_pending = not stats.done()
+        release.set()
+        assert (await first) == expected
+        second_tokens = (await second).outputs[0].token_ids
+        async for output in stream:
+            second_tokens = output.outputs[0].token_ids
+        aborted = await doomed_first
+        assert (await stats)["num_steps"] >= 0
+        return was_step_running, is_stats_pending, second_tokens, aborted
+
+    try:
+        was_step_running, is_stats_pending, second_tokens, aborted = asyncio.run(asyncio.wait_for(main(), 60))
+        assert was_step_running, "the event loop waited for the engine's step"
+        assert is_stats_pending  # answered between steps, not during one
+        assert second_tokens == expected
+        assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+        _wait_for_no_blocks(engine)
+        engine.check_integrity()
+    finally:
+        release.set()
+        engine.shutdown()
+
+
+def test_a_bad_request_raises_at_once_and_a_shut_down_engine_ends_every_stream(tiny_model):
+    llm = LLM(model=tiny_model("llama"), device="cpu", dtype="float32", block_size=8,
+              num_device_blocks=64, swap_space_gb=0.001)
+    engine = AsyncLLMEngine(llm.engine)
+
+    async def main():
+        with pytest.raises(ValueError, match="empty"):
+            await anext(engine.generate([], _greedy(4)))
+        with pytest.raises(ValueError, match="token ids"):
+            await anext(engine.generate([10**9], _greedy(4)))
+        stream = engine.generate(list(range(3, 20)), _greedy(500), request_id="long")
+        await anext(stream)
+        with pytest.raises(ValueError, match="already in use"):
+            await anext(engine.generate(list(range(3, 9)), _greedy(4), request_id="long"))
+        await asyncio.to_thread(engine.shutdown)
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await anext(engine.generate(list(range(3, 9)), _greedy(4)))
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+    assert engine.stats()["num_running"] <= 1  # answered on the caller's thread once the loop has ended

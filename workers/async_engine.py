@@ -1,28 +1,53 @@
 """Streaming on top of the engine: ``async for output in engine.generate(...)``.
 
-The engine loop runs in one background thread. Each request's outputs go to
-its own asyncio queue on the caller's event loop. A caller that stops
-iterating (a client that disconnects, a cancelled task) aborts its request,
-so its blocks return to the pool at once.
+The engine loop runs in one background thread, which alone touches the
+``LLMEngine`` once it has started. Callers never wait for a step: ``generate``
+validates its request on the caller's thread (``LLMEngine.make_request`` reads
+only what never changes), then posts it to an inbox that the engine thread
+drains between steps; aborts and introspection calls go through the same
+inbox. Each request's outputs go to its own asyncio queue on the caller's
+event loop, so an event loop that serves many streams is never blocked by the
+engine. A caller that stops iterating (a client that disconnects, a cancelled
+task) aborts its request, so its blocks return to the pool at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import threading
-from typing import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
 
 from .engine import EngineConfig, LLMEngine
-from .request import RequestOutput
+from .request import Request, RequestOutput
 from .sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+IDLE_WAIT_S = 0.5  # an idle engine thread re-checks its inbox at least this often
+
 
 class EngineDeadError(RuntimeError):
-    """The engine loop failed; requests in flight end with this error."""
+    """The engine loop failed or was shut down; requests in flight end with this error."""
+
+
+@dataclass
+class _Add:
+    request: Request
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    future: concurrent.futures.Future
 
 
 class AsyncLLMEngine:
@@ -31,14 +56,20 @@ class AsyncLLMEngine:
     ``generate`` validates the request synchronously (a bad request raises
     before anything is queued, and other requests are unaffected), then
     yields a ``RequestOutput`` per step that produced tokens for it; the last
-    one has ``finished=True``.
+    one has ``finished=True``. No method waits for a step to end except the
+    synchronous introspection calls (``stats``, ``check_integrity``,
+    ``num_used_blocks``), which run on the engine thread between steps.
     """
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._lock = threading.Lock()
         self._wakeup = threading.Event()
+        self._inbox: list[_Add | _Abort | _Call] = []
+        self._inbox_lock = threading.Lock()
+        self._is_accepting = True
+        # request id -> (event loop, queue) of every request whose final output is not delivered yet
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams_lock = threading.Lock()
         self._ids = itertools.count()
         self._stopped = False
         self.error: BaseException | None = None
@@ -56,23 +87,26 @@ class AsyncLLMEngine:
                        **transfer_options) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. ``transfer_options`` are ``LLMEngine.add_request``'s
         disaggregation options (``export_kv``, ``kv_transfer``, ``output_token_ids``)."""
-        if self.error is not None:
-            raise EngineDeadError(f"the engine loop failed: {self.error!r}")
+        self._check_alive()
         request_id = request_id or f"req-{next(self._ids)}"
+        request = self.engine.make_request(request_id, prompt, params, priority, prompt_token_ids,
+                                           **transfer_options)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
+        with self._streams_lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self.engine.add_request(request_id, prompt, params, priority, prompt_token_ids,
-                                    **transfer_options)
             self._streams[request_id] = (loop, queue)
-        self._wakeup.set()
+        if not self._post(_Add(request)):
+            self._drop_stream(request_id)
+            self._check_alive()
+            raise EngineDeadError("the engine is shut down")
         finished = False
         try:
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
+                    finished = True  # the engine thread already forgot this request
                     raise item
                 finished = item.finished
                 yield item
@@ -83,80 +117,161 @@ class AsyncLLMEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> bool:
-        """Abort a request; its stream ends with a final output (finish_reason "abort")."""
-        with self._lock:
-            aborted = self.engine.abort_request(request_id)
-        self._wakeup.set()
-        return aborted
+        """Abort a request; its stream ends with a final output (finish_reason "abort").
 
-    # ---- the loop -------------------------------------------------------------------
-    def _run(self) -> None:
-        while not self._stopped:
-            with self._lock:
-                busy = self.engine.has_unfinished_requests() or self.engine.has_pending_outputs()
-            if not busy:
-                self._wakeup.wait(timeout=0.5)
-                self._wakeup.clear()
-                continue
-            try:
-                with self._lock:
-                    outputs = self.engine.step()
-                    deliveries = []
-                    for output in outputs:
-                        stream = self._streams.get(output.request_id)
-                        if stream is not None:
-                            deliveries.append((stream, output))
-                            if output.finished:
-                                del self._streams[output.request_id]
-            except Exception as exc:  # a bug or a device failure: fail loudly, keep nothing hanging
-                logger.exception("engine step failed")
-                self._fail(exc)
-                return
-            for (loop, queue), output in deliveries:
-                if not _deliver(loop, queue, output) and not output.finished:
-                    self.abort(output.request_id)
+        Returns at once (the engine thread applies it before its next step):
+        True if the request was still streaming, False if it is unknown or done.
+        """
+        with self._streams_lock:
+            is_known = request_id in self._streams
+        self._post(_Abort(request_id))
+        return is_known
 
-    def _fail(self, exc: BaseException) -> None:
-        self.error = exc
-        with self._lock:
-            streams, self._streams = self._streams, {}
-        error = EngineDeadError(f"the engine loop failed: {exc!r}")
-        for loop, queue in streams.values():
-            _deliver(loop, queue, error)
+    def submit(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+        """Run ``fn(engine)`` on the engine thread between two steps; a future of its result.
+
+        Once the engine thread has ended (shut down or failed) nothing else
+        touches the engine, so ``fn`` then runs at once on the caller's thread.
+        """
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if not self._post(_Call(fn, future)):
+            _run_call(self.engine, _Call(fn, future))
+        return future
 
     def take_kv_export(self, request_id: str):
-        with self._lock:
-            return self.engine.take_kv_export(request_id)
+        """The prompt KV kept for a request generated with ``export_kv`` (once).
+
+        Safe from any thread once the request's final output arrived: the
+        engine thread stored the export before it delivered that output, and
+        taking it is a single dict pop.
+        """
+        return self.engine.take_kv_export(request_id)
 
     def note_transfer(self, request_id: str, fetch_s: float, memcpy_s: float) -> None:
-        """Add the worker-side transfer timings to a request's metrics."""
-        with self._lock:
-            request = self.engine.requests.get(request_id)
+        """Add the worker-side transfer timings to a request's metrics (without waiting)."""
+        def note(engine: LLMEngine) -> None:
+            request = engine.requests.get(request_id)
             if request is not None:
                 request.metrics.kv_transfer_s += fetch_s
                 request.metrics.kv_memcpy_s += memcpy_s
 
+        self.submit(note)
+
+    @property
+    def num_streams(self) -> int:
+        """Requests accepted whose final output has not been delivered yet."""
+        with self._streams_lock:
+            return len(self._streams)
+
+    # ---- the loop -------------------------------------------------------------------
+    def _post(self, command: _Add | _Abort | _Call) -> bool:
+        """Queue a command for the engine thread; False once it no longer takes any."""
+        with self._inbox_lock:
+            if not self._is_accepting:
+                return False
+            self._inbox.append(command)
+        self._wakeup.set()
+        return True
+
+    def _take_inbox(self) -> list[_Add | _Abort | _Call]:
+        with self._inbox_lock:
+            commands, self._inbox = self._inbox, []
+        return commands
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopped:
+                self._wakeup.clear()
+                self._apply(self._take_inbox())
+                if not (engine.has_unfinished_requests() or engine.has_pending_outputs()):
+                    self._wakeup.wait(timeout=IDLE_WAIT_S)
+                    continue
+                self._deliver_all(engine.step())
+        except Exception as exc:  # a bug or a device failure: fail loudly, keep nothing hanging
+            logger.exception("engine step failed")
+            self.error = exc
+        finally:
+            self._close()
+
+    def _apply(self, commands: list[_Add | _Abort | _Call]) -> None:
+        """Carry out queued commands in the order they were posted (engine thread)."""
+        for command in commands:
+            if isinstance(command, _Add):
+                try:
+                    self.engine.admit(command.request)
+                except Exception as exc:  # e.g. an id the engine already holds
+                    self._end_stream(command.request.request_id, exc)
+            elif isinstance(command, _Abort):
+                self.engine.abort_request(command.request_id)
+            else:
+                _run_call(self.engine, command)
+
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            with self._streams_lock:
+                stream = self._streams.get(output.request_id)
+                if stream is not None and output.finished:
+                    del self._streams[output.request_id]
+            if stream is not None and not _deliver(*stream, output) and not output.finished:
+                self.abort(output.request_id)
+
+    def _end_stream(self, request_id: str, error: BaseException) -> None:
+        stream = self._drop_stream(request_id)
+        if stream is not None:
+            _deliver(*stream, error)
+
+    def _drop_stream(self, request_id: str):
+        with self._streams_lock:
+            return self._streams.pop(request_id, None)
+
+    def _close(self) -> None:
+        """The thread ends: refuse new commands, answer queued calls, end every stream."""
+        with self._inbox_lock:
+            self._is_accepting = False
+        for command in self._take_inbox():
+            if isinstance(command, _Call):
+                _run_call(self.engine, command)
+        reason = "the engine loop failed" if self.error is not None else "the engine was shut down"
+        with self._streams_lock:
+            streams, self._streams = self._streams, {}
+        error = EngineDeadError(f"{reason}: {self.error!r}" if self.error is not None else reason)
+        for loop, queue in streams.values():
+            _deliver(loop, queue, error)
+
+    def _check_alive(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"the engine loop failed: {self.error!r}")
+
     # ---- introspection ----------------------------------------------------------------
     def stats(self) -> dict:
-        with self._lock:
-            return self.engine.stats()
+        """``LLMEngine.stats`` (blocks the calling thread until the engine thread answers)."""
+        return self.submit(LLMEngine.stats).result()
 
     def check_integrity(self) -> None:
-        with self._lock:
-            self.engine.check_integrity()
+        self.submit(LLMEngine.check_integrity).result()
 
     def num_used_blocks(self) -> int:
-        with self._lock:
-            return self.engine.num_used_blocks()
+        return self.submit(LLMEngine.num_used_blocks).result()
 
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
     def shutdown(self) -> None:
+        """Stop the engine thread; requests still streaming end with ``EngineDeadError``."""
         self._stopped = True
         self._wakeup.set()
         self._thread.join(timeout=10)
+
+
+def _run_call(engine: LLMEngine, call: _Call) -> None:
+    if not call.future.set_running_or_notify_cancel():
+        return
+    try:
+        call.future.set_result(call.fn(engine))
+    except BaseException as exc:  # the caller gets it from the future
+        call.future.set_exception(exc)
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item) -> bool:

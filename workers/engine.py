@@ -180,6 +180,25 @@ class LLMEngine:
         with ``kv_transfer`` continues one prefilled elsewhere, whose
         ``output_token_ids`` were already sampled there.
         """
+        request = self.make_request(request_id, prompt, params, priority, prompt_token_ids,
+                                    arrival_time=arrival_time, export_kv=export_kv,
+                                    kv_transfer=kv_transfer, output_token_ids=output_token_ids)
+        self.admit(request)
+        return request
+
+    def make_request(self, request_id: str, prompt: str | list[int] | None,
+                     params: SamplingParams | None = None, priority: int = 0,
+                     prompt_token_ids: list[int] | None = None,
+                     arrival_time: float | None = None, export_kv: bool = False,
+                     kv_transfer: KVTransfer | None = None,
+                     output_token_ids: list[int] | None = None) -> Request:
+        """Validate and build a request (``add_request``'s arguments) without queueing it.
+
+        Reads only what never changes after start-up (tokenizer, model limits,
+        cache layout), so any thread may call it while another runs ``step``;
+        ``admit`` then queues the result. Raises ValueError or TypeError if the
+        request is bad.
+        """
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
@@ -216,9 +235,15 @@ class LLMEngine:
             seq.detokenizer.append(token_id)
         # Tokens sampled elsewhere were already streamed from there.
         seq.num_streamed_tokens = len(seq.output_token_ids)
-        self.requests[request_id] = request
-        self.scheduler.add(seq, num_imported)
+        request.num_transferred_tokens = num_imported
         return request
+
+    def admit(self, request: Request) -> None:
+        """Queue a request built by ``make_request``; ValueError if its id is in use."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.scheduler.add(request.seqs[0], request.num_transferred_tokens)
 
     def take_kv_export(self, request_id: str) -> KVTransfer | None:
         """The prompt KV kept for a request added with ``export_kv`` (once)."""

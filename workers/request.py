@@ -95,6 +95,7 @@ class Request:
     is_aborted: bool = False
     export_kv: bool = False
     kv_transfer: object | None = None  # a KVTransfer to write on admission
+    num_transferred_tokens: int = 0    # tokens whose KV ``kv_transfer`` holds
 
     def __post_init__(self) -> None:
         if self.metrics is None:

@@ -13,6 +13,7 @@ in the worker's environment (off by default).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -233,8 +234,10 @@ class Worker:
                 "num_parameters": self.engine.runner.num_parameters,
                 "device": str(self.engine.runner.device), "node_id": _node_id()}
 
-    def stats(self) -> dict:
-        engine_stats = self.async_engine.stats()
+    async def stats(self) -> dict:
+        """Engine, KV-link and health figures; answered between engine steps, never blocking
+        the actor's event loop."""
+        engine_stats = await asyncio.wrap_future(self.async_engine.submit(LLMEngine.stats))
         return {"worker_id": self.worker_id, "role": self.role,
                 "num_waiting": engine_stats["num_waiting"], "num_running": engine_stats["num_running"],
                 "num_steps": engine_stats["num_steps"],
