@@ -98,7 +98,7 @@ class BlockManager:
         return seq
 
     def add_sequence(self, seq_id: str, token_ids: list[int], extra_key: str | None = None,
-                     num_imported_tokens: int = 0) -> SequenceBlocks:
+                     num_imported_tokens: int = 0, skip_prefix_cache: bool = False) -> SequenceBlocks:
         """Register a waiting sequence with its known tokens; takes no blocks."""
         if not 0 <= num_imported_tokens < max(len(token_ids), 1):
             raise KVManagerError(f"sequence {seq_id!r}: {num_imported_tokens} imported tokens "
@@ -110,7 +110,8 @@ class BlockManager:
         if len(token_ids) > self.max_model_len:
             raise KVManagerError(
                 f"sequence {seq_id!r} has {len(token_ids)} tokens, max_model_len is {self.max_model_len}")
-        seq = SequenceBlocks(seq_id, list(token_ids), extra_key, num_imported_tokens=num_imported_tokens)
+        seq = SequenceBlocks(seq_id, list(token_ids), extra_key, num_imported_tokens=num_imported_tokens,
+                             skip_prefix_cache=skip_prefix_cache)
         self.seqs[seq_id] = seq
         return seq
 
@@ -168,7 +169,8 @@ class BlockManager:
             raise KVManagerError(f"{self.policy.name} allocation cannot be restored")
         all_blocks: list[int] = []
         for entry in sequences:
-            seq = self.add_sequence(entry["seq_id"], entry["token_ids"], entry.get("extra_key"))
+            seq = self.add_sequence(entry["seq_id"], entry["token_ids"], entry.get("extra_key"),
+                                    skip_prefix_cache=bool(entry.get("skip_prefix_cache")))
             table = list(entry.get("block_table") or [])
             num_computed = int(entry.get("num_computed") or 0)
             if table and num_computed:
@@ -195,7 +197,7 @@ class BlockManager:
         The last known token is always recomputed, since its logits are needed.
         """
         match = PrefixMatch()
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.skip_prefix_cache:
             return match
         bs = self.block_size
         num_blocks = (len(seq.token_ids) - 1) // bs

@@ -97,7 +97,8 @@ class KVManager:
         try:
             output = StepOutput()
             for new in step_input.new_sequences:
-                manager.add_sequence(new.seq_id, new.token_ids, new.extra_key, new.num_imported_tokens)
+                manager.add_sequence(new.seq_id, new.token_ids, new.extra_key, new.num_imported_tokens,
+                                     new.skip_prefix_cache)
             for parent_id, child_id in step_input.forks:
                 manager.fork(parent_id, child_id)
                 if (manager.seqs[child_id].location != SeqLocation.DEVICE

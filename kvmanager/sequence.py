@@ -44,6 +44,8 @@ class SequenceBlocks:
     # Tokens whose KV will arrive from another worker (until admitted).
     num_imported_tokens: int = 0
     num_preemptions: int = 0
+    # Prefix-cache hits are never taken for it (see NewSequence.skip_prefix_cache).
+    skip_prefix_cache: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -22,6 +22,9 @@ class NewSequence:
     # prefill): the manager allocates their blocks on admission and the
     # worker writes the transferred KV into them before the forward pass.
     num_imported_tokens: int = 0
+    # Never reuse cached blocks for it (it needs every position's logits); its own
+    # full blocks are still offered to the cache.
+    skip_prefix_cache: bool = False
 
 
 @dataclass(slots=True)
