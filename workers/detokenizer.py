@@ -80,10 +80,15 @@ class IncrementalDetokenizer:
         tokenizer: Any,
         prompt_token_ids: Sequence[int],
         skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._decode_kwargs = _decode_kwargs(tokenizer, skip_special_tokens)
+        # Kept special tokens are decoded on their own and joined to their
+        # neighbours with a space or nothing, as transformers' slow tokenizers do.
+        self._special_ids = frozenset() if skip_special_tokens else special_token_ids(tokenizer)
+        self._special_separator = " " if spaces_between_special_tokens else ""
         self._token_ids: list[int] = list(prompt_token_ids[-NUM_CONTEXT_TOKENS:])
         # Text of token_ids[prefix_offset:read_offset] has already been emitted.
         self._prefix_offset = 0
@@ -122,7 +127,32 @@ class IncrementalDetokenizer:
         return new_text
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, **self._decode_kwargs)
+        if not self._special_ids or not self._special_ids.intersection(token_ids):
+            return self._tokenizer.decode(token_ids, **self._decode_kwargs)
+        pieces: list[str] = []
+        run: list[int] = []
+        for token_id in token_ids:
+            if token_id in self._special_ids:
+                if run:
+                    pieces.append(self._tokenizer.decode(run, **self._decode_kwargs))
+                    run = []
+                pieces.append(self._tokenizer.decode([token_id], **self._decode_kwargs))
+            else:
+                run.append(token_id)
+        if run:
+            pieces.append(self._tokenizer.decode(run, **self._decode_kwargs))
+        return self._special_separator.join(pieces)
+
+
+def special_token_ids(tokenizer: Any) -> frozenset[int]:
+    """Ids of the special tokens of a transformers or ``tokenizers`` tokenizer."""
+    ids = getattr(tokenizer, "all_special_ids", None)
+    if ids is not None:
+        return frozenset(ids)
+    decoder = getattr(tokenizer, "get_added_tokens_decoder", None)
+    if decoder is None:
+        return frozenset()
+    return frozenset(i for i, token in decoder().items() if getattr(token, "special", False))
 
 
 def _decode_kwargs(tokenizer: Any, skip_special_tokens: bool) -> dict[str, Any]:
@@ -213,7 +243,8 @@ class StreamingDetokenizer:
         self._num_prompt_tokens = len(prompt_token_ids)
         self._max_model_len = max_model_len
         self._detokenizer = IncrementalDetokenizer(
-            tokenizer, prompt_token_ids, params.skip_special_tokens
+            tokenizer, prompt_token_ids, params.skip_special_tokens,
+            params.spaces_between_special_tokens,
         )
         self._stop_matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         self.output_token_ids: list[int] = []
@@ -253,11 +284,22 @@ class StreamingDetokenizer:
         if finish_reason is not None:
             new_text += self._detokenizer.flush()
         self.output_text += new_text
-        match = self._stop_matcher.find(self.output_text, len(new_text))
+        match = None
+        if len(self.output_token_ids) > self.params.min_tokens:
+            match = self._stop_matcher.find(self.output_text, len(new_text))
         if match is not None:
             keep, stop = match
             self.output_text = self.output_text[:keep]
             finish_reason, self.stop_reason = FINISH_STOP, stop
+        self.finish_reason = finish_reason
+        return TextDelta(self._take_streamable(), finish_reason, self.stop_reason)
+
+    def finish(self, finish_reason: str) -> TextDelta:
+        """End the sequence now (its grammar is complete, or it failed): flush the
+        text held back and return what is left to stream."""
+        if self.is_finished:
+            raise ValueError("sequence already finished")
+        self.output_text += self._detokenizer.flush()
         self.finish_reason = finish_reason
         return TextDelta(self._take_streamable(), finish_reason, self.stop_reason)
 
@@ -269,3 +311,74 @@ class StreamingDetokenizer:
         text = self.output_text[self._num_streamed_chars : end]
         self._num_streamed_chars = end
         return text
+
+
+class TokenBytes:
+    """The raw bytes of each token, so that a character split across tokens can be
+    rebuilt from the pieces (OpenAI's ``bytes`` in chat logprobs).
+
+    Byte-level BPE vocabularies (GPT-2, Llama 3, Qwen) map each byte to a
+    printable character, and SentencePiece ones spell a byte as ``<0xAB>`` and a
+    space as U+2581; both are inverted here. Special tokens are their text in
+    UTF-8. Other tokenizers fall back to the UTF-8 of the token's decoded text.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._special_ids = special_token_ids(tokenizer)
+        self._decoder_types = _decoder_types(tokenizer)
+        self._byte_decoder = {char: byte for byte, char in _byte_level_alphabet().items()}
+        self._cache: dict[int, bytes] = {}
+
+    def __call__(self, token_id: int) -> bytes:
+        value = self._cache.get(token_id)
+        if value is None:
+            value = self._cache[token_id] = self._compute(token_id)
+        return value
+
+    def _compute(self, token_id: int) -> bytes:
+        convert = getattr(self._tokenizer, "convert_ids_to_tokens", None)
+        piece = convert(token_id) if convert is not None else self._tokenizer.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._special_ids:
+            return piece.encode("utf-8")
+        if "ByteLevel" in self._decoder_types and all(c in self._byte_decoder for c in piece):
+            return bytes(self._byte_decoder[c] for c in piece)
+        if "ByteFallback" in self._decoder_types or "Metaspace" in self._decoder_types:
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                return bytes([int(piece[3:5], 16)])
+            return piece.replace("\u2581", " ").encode("utf-8")
+        return self._tokenizer.decode([token_id]).encode("utf-8")
+
+
+def _decoder_types(tokenizer: Any) -> set[str]:
+    """The ``tokenizers`` decoder types of a fast tokenizer (nested sequences included)."""
+    import json
+
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    to_str = getattr(backend, "to_str", None)
+    if to_str is None:
+        return set()
+    found: set[str] = set()
+    stack = [json.loads(to_str()).get("decoder")]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if "type" in node:
+                found.add(node["type"])
+            stack.extend(node.get("decoders") or [])
+    return found
+
+
+def _byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's map from each byte to the printable character that stands for it."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1))
+                 + list(range(ord("\xae"), ord("\xff") + 1)))
+    mapping = {byte: chr(byte) for byte in printable}
+    extra = 0
+    for byte in range(256):
+        if byte not in mapping:
+            mapping[byte] = chr(256 + extra)
+            extra += 1
+    return mapping

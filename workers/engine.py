@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Callable
@@ -12,11 +13,12 @@ import torch
 
 from pagedserve.kvmanager import KVManager, PoolConfig, StepInput, StepOutput
 
-from .detokenizer import StreamingDetokenizer
+from .detokenizer import FINISH_STOP, StreamingDetokenizer
+from .grammar import GrammarCompiler
 from .kv_transfer import KVTransfer, check_compatible, export_kv, import_kv, read_header
-from .model_runner import ModelRunner, SeqChunk
+from .model_runner import ModelRunner, SeqChunk, TokenScores
 from .request import CompletionOutput, Request, RequestOutput, Sequence, SequenceStatus
-from .sampler import Sampler, SamplingState
+from .sampler import SampleLogprobs, Sampler, SamplingState
 from .sampling_params import SamplingParams
 from .scheduler import SCHEDULING_POLICIES, Scheduler, SchedulerOutput
 
@@ -122,6 +124,9 @@ class LLMEngine:
         self.scheduler = Scheduler(kv_step, worker_id, config.max_num_seqs,
                                    self.max_num_batched_tokens, config.scheduling_policy)
         self.sampler = Sampler(config.seed)
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
+        self.grammar_seconds = 0.0       # bitmask filling and matcher updates
         self.requests: dict[str, Request] = {}
         self._order = itertools.count()
         self._finished_outputs: list[RequestOutput] = []
@@ -207,6 +212,11 @@ class LLMEngine:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {priority!r}")
         text, token_ids = self._tokenize(prompt, prompt_token_ids)
+        if params.truncate_prompt_tokens is not None:
+            keep = params.truncate_prompt_tokens
+            keep = self.max_model_len - 1 if keep == -1 else keep
+            if len(token_ids) > keep:
+                text, token_ids = None, token_ids[-keep:]
         if not token_ids:
             raise ValueError("the prompt is empty")
         if len(token_ids) >= self.max_model_len:
@@ -225,14 +235,24 @@ class LLMEngine:
             if params.n != 1 or not 0 < num_imported < len(all_tokens):
                 raise ValueError("a transferred request needs n == 1 and at least one token "
                                  "left to compute")
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.grammar_compiler.compile(params.structured_outputs)
         request = Request(request_id, text, token_ids, params, priority,
                           arrival_time if arrival_time is not None else time.time(), next(self._order))
         request.export_kv = export_kv
         request.kv_transfer = kv_transfer
+        request.grammar = grammar
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
         seq = self._new_sequence(request, 0, list(token_ids))
         for token_id in output_token_ids or []:
             seq.token_ids.append(token_id)
             seq.detokenizer.append(token_id)
+        if seq.grammar is not None and not seq.grammar.accept_all(output_token_ids or []):
+            # A resumed or migrated sequence replays its output through the grammar.
+            raise ValueError("output_token_ids do not follow the request's structured_outputs "
+                             f"grammar: {seq.grammar.error}")
         # Tokens sampled elsewhere were already streamed from there.
         seq.num_streamed_tokens = len(seq.output_token_ids)
         request.num_transferred_tokens = num_imported
@@ -258,10 +278,22 @@ class LLMEngine:
             return None, list(prompt)
         raise TypeError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
 
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Structured outputs' compiler for this tokenizer (built on first use, by
+        whichever thread validates the first structured request)."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.runner.vocab_size,
+                                                         self.eos_token_ids)
+        return self._grammar_compiler
+
     def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
         detokenizer = StreamingDetokenizer(self.tokenizer, request.prompt_token_ids, request.params,
                                            self.eos_token_ids, self.max_model_len)
         seq = Sequence(f"{request.request_id}#{index}", request, index, token_ids, detokenizer)
+        if request.grammar is not None:
+            seq.grammar = request.grammar.matcher()
         request.seqs.append(seq)
         return seq
 
@@ -311,8 +343,13 @@ class LLMEngine:
         now = time.time()
         for seq, sched in plan.scheduled:
             end = sched.start + sched.num_tokens
-            chunks.append(SeqChunk(seq.token_ids[sched.start:end], sched.start, sched.block_table,
-                                   end == len(seq.token_ids)))
+            chunk = SeqChunk(seq.token_ids[sched.start:end], sched.start, sched.block_table,
+                             end == len(seq.token_ids))
+            if seq.request.needs_prompt_logprobs and seq.sample_index == 0:
+                # Position p scores token p + 1, up to the prompt's last token.
+                chunk.score_token_ids = seq.token_ids[sched.start + 1:min(end + 1, seq.num_prompt_tokens)]
+                chunk.num_top_logprobs = seq.request.params.prompt_logprobs
+            chunks.append(chunk)
             metrics = seq.request.metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
@@ -320,11 +357,29 @@ class LLMEngine:
         for seq, sched in plan.scheduled:
             if sched.num_imported_tokens:
                 self._import_kv(seq, sched)
-        logits = self.runner.execute(chunks)
+        result = self.runner.execute(chunks)
+        for (seq, sched), scores in zip(plan.scheduled, result.scores):
+            if scores is not None:
+                self._add_prompt_logprobs(seq.request, sched.start + 1, scores)
         sampling = [seq for (seq, _), chunk in zip(plan.scheduled, chunks) if chunk.needs_logits]
-        outputs = outputs + self._postprocess(sampling, logits)
+        outputs = outputs + self._postprocess(sampling, result.logits)
         self._record_step_time(start, plan)
         return outputs
+
+    @staticmethod
+    def _add_prompt_logprobs(request: Request, first_position: int, scores: TokenScores) -> None:
+        """Keep the scores of positions not yet known (a recomputed prompt repeats some)."""
+        known = len(request.prompt_logprobs)
+        if first_position > known:
+            raise RuntimeError(f"request {request.request_id}: prompt logprobs from position "
+                               f"{first_position}, but only {known} are known")
+        logprobs = scores.logprobs.tolist()
+        top_ids, top_values = scores.top_ids.tolist(), scores.top_logprobs.tolist()
+        token_ids = request.prompt_token_ids
+        for i in range(known - first_position, len(logprobs)):
+            position = first_position + i
+            request.prompt_logprobs.append(SampleLogprobs(
+                token_ids[position], logprobs[i], list(zip(top_ids[i], top_values[i]))))
 
     def _record_step_time(self, start: float, plan: SchedulerOutput) -> None:
         """Wall time of a step that ran the model (KV manager call included)."""
@@ -381,13 +436,15 @@ class LLMEngine:
                     group.append(child)
             for member in group:
                 states.append(SamplingState(request.params, request.prompt_token_ids,
-                                            member.output_token_ids, member.sample_index))
+                                            member.output_token_ids, member.sample_index,
+                                            banned_token_ids=self._banned_token_ids(member)))
                 rows.append(row)
                 owners.append(member)
         if not owners:
             return []
         if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
             logits = logits[torch.tensor(rows, device=logits.device)]
+        self._add_token_bitmasks(owners, states)
         result = self.sampler.sample(logits, states)
         for parent, child in forked:
             self.scheduler.fork(parent, child)
@@ -403,6 +460,8 @@ class LLMEngine:
                 self.kv_exports[request.request_id] = export_kv(
                     self.runner.kv_cache, seq.block_table, seq.num_computed, seq.token_ids)
             delta = seq.detokenizer.append(token_id)
+            if seq.grammar is not None and not delta.is_finished:
+                delta = self._advance_grammar(seq, token_id, delta)
             seq.delta_text += delta.text
             self.num_generated_tokens += 1
             if request.metrics.first_token_time is None:
@@ -421,6 +480,45 @@ class LLMEngine:
             outputs.append(self._make_output(request))
         self._release_if_idle()
         return outputs
+
+    def _banned_token_ids(self, seq: Sequence) -> list[int]:
+        """EOS and stop tokens while fewer than ``min_tokens`` outputs exist."""
+        params = seq.request.params
+        if len(seq.output_token_ids) >= params.min_tokens:
+            return []
+        eos = [] if params.ignore_eos else self.eos_token_ids
+        return [t for t in dict.fromkeys(eos + params.stop_token_ids) if t < self.runner.vocab_size]
+
+    def _add_token_bitmasks(self, owners: list[Sequence], states: list[SamplingState]) -> None:
+        """Fill the grammar bitmask of every constrained row (one batched call)."""
+        rows = [i for i, seq in enumerate(owners) if seq.grammar is not None]
+        if not rows:
+            return
+        start = time.perf_counter()
+        compiler = self.grammar_compiler
+        bitmask = compiler.allocate_bitmask(len(rows))
+        compiler.fill_bitmask([owners[i].grammar for i in rows], bitmask)
+        for j, i in enumerate(rows):
+            states[i].token_bitmask = bitmask[j]
+        self.grammar_seconds += time.perf_counter() - start
+
+    def _advance_grammar(self, seq: Sequence, token_id: int, delta):
+        """Move the sequence's grammar past ``token_id``; end it once the grammar is
+        complete ("stop"), or if the token broke it ("abort", which the mask rules out)."""
+        start = time.perf_counter()
+        is_ok = seq.grammar.accept(token_id)
+        self.grammar_seconds += time.perf_counter() - start
+        if not is_ok:
+            logger.error("request %s: token %d rejected by its grammar (%s); aborting the sequence",
+                         seq.request.request_id, token_id, seq.grammar.error)
+            reason = "abort"
+        elif seq.grammar.is_finished:
+            reason = FINISH_STOP
+        else:
+            return delta
+        end = seq.detokenizer.finish(reason)
+        end.text = delta.text + end.text
+        return end
 
     def _release_if_idle(self) -> None:
         """With no request left, hand the last finished blocks back now, not at the next step."""
@@ -445,8 +543,11 @@ class LLMEngine:
                 delta_token_ids=new_tokens,
             ))
             seq.delta_text = ""
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None and not request.needs_prompt_logprobs:
+            prompt_logprobs = list(request.prompt_logprobs)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
-                             completions, request.is_finished, request.metrics)
+                             completions, request.is_finished, request.metrics, prompt_logprobs)
 
     # ---- introspection -------------------------------------------------------------------
     def stats(self) -> dict:
@@ -467,7 +568,12 @@ class LLMEngine:
             "num_decode_steps": self.num_decode_steps,
             "mean_decode_step_ms": (1e3 * self.decode_step_seconds / self.num_decode_steps
                                     if self.num_decode_steps else 0.0),
+            "grammar_seconds": self.grammar_seconds,
+            "step_seconds": self.step_seconds,
         })
+        if self._grammar_compiler is not None:
+            stats["num_grammars_compiled"] = self._grammar_compiler.num_compiled
+            stats["num_grammar_cache_hits"] = self._grammar_compiler.num_cache_hits
         return stats
 
     def reset_prefix_cache(self) -> bool:

@@ -42,12 +42,42 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 @dataclass
 class SeqChunk:
-    """One sequence's share of a step: tokens ``[start, start + len(token_ids))``."""
+    """One sequence's share of a step: tokens ``[start, start + len(token_ids))``.
+
+    ``score_token_ids`` asks for the logprobs of the tokens that follow the
+    chunk's first positions (position ``start + i`` scores
+    ``score_token_ids[i]``), with ``num_top_logprobs`` alternatives each: the
+    prompt logprobs, computed from this same forward pass.
+    """
 
     token_ids: list[int]
     start: int
     block_table: list[int]
     needs_logits: bool
+    score_token_ids: list[int] | None = None
+    num_top_logprobs: int = 0
+
+
+@dataclass
+class TokenScores:
+    """Logprobs of scored tokens ([n]) and the top alternatives ([n, k]), on the CPU."""
+
+    logprobs: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+
+@dataclass
+class ExecuteOutput:
+    """One forward pass: logits of the sampling chunks ([num_sampling, vocab], float32)
+    and, per chunk, the scores it asked for (None where it asked for none)."""
+
+    logits: torch.Tensor
+    scores: list[TokenScores | None]
+
+
+# Positions whose full-vocabulary logits are materialised at once when scoring.
+SCORE_ROWS_PER_SLICE = 256
 
 
 class ModelRunner:
@@ -55,7 +85,8 @@ class ModelRunner:
 
     ``execute`` takes the step's chunks (decode tokens and prefill chunks
     mixed), runs one varlen forward pass over all of them, and returns the
-    float32 logits of the chunks that sample, in order.
+    float32 logits of the chunks that sample, in order (with any prompt
+    logprobs the chunks asked for).
     """
 
     def __init__(self, model: str, dtype=None, device=None, trust_remote_code: bool = False,
@@ -114,8 +145,9 @@ class ModelRunner:
         return peak
 
     @torch.inference_mode()
-    def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        """One forward pass over every chunk; logits [num_sampling_chunks, vocab] float32."""
+    def execute(self, chunks: list[SeqChunk]) -> ExecuteOutput:
+        """One forward pass over every chunk: the float32 logits of the chunks that
+        sample ([num_sampling_chunks, vocab]) and the scores the chunks asked for."""
         if self.kv_cache is None:
             raise RuntimeError("allocate_cache() must run before execute()")
         device = self.device
@@ -154,7 +186,33 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.int64, device=device).unsqueeze(0)
         hidden = self.decoder(input_ids=ids, position_ids=pos.to(device).unsqueeze(0),
                               paged_metadata=meta, use_cache=False).last_hidden_state[0]
+        scores = [self._score(hidden[cu_seqlens[i]:cu_seqlens[i + 1]], chunk)
+                  if chunk.score_token_ids else None for i, chunk in enumerate(chunks)]
         if not logits_rows:
-            return torch.empty((0, self.vocab_size), dtype=torch.float32, device=device)
-        rows = torch.tensor(logits_rows, dtype=torch.int64, device=device)
-        return self.lm_head(hidden.index_select(0, rows)).float()
+            logits = torch.empty((0, self.vocab_size), dtype=torch.float32, device=device)
+        else:
+            rows = torch.tensor(logits_rows, dtype=torch.int64, device=device)
+            logits = self.lm_head(hidden.index_select(0, rows)).float()
+        return ExecuteOutput(logits, scores)
+
+    def _score(self, hidden: torch.Tensor, chunk: SeqChunk) -> TokenScores:
+        """Logprobs of ``chunk.score_token_ids`` from the chunk's hidden states, a slice
+        of positions at a time (full-vocabulary logits of a long prompt are large)."""
+        targets = torch.tensor(chunk.score_token_ids, dtype=torch.int64, device=hidden.device)
+        if len(targets) > hidden.shape[0]:
+            raise ValueError(f"{len(targets)} tokens to score from a chunk of {hidden.shape[0]}")
+        k = chunk.num_top_logprobs
+        logprobs, top_ids, top_values = [], [], []
+        for start in range(0, len(targets), SCORE_ROWS_PER_SLICE):
+            end = min(start + SCORE_ROWS_PER_SLICE, len(targets))
+            slice_logprobs = self.lm_head(hidden[start:end]).float().log_softmax(dim=-1)
+            logprobs.append(slice_logprobs.gather(1, targets[start:end, None]).squeeze(1))
+            if k:
+                values, ids = slice_logprobs.topk(min(k, self.vocab_size), dim=-1)
+                top_ids.append(ids)
+                top_values.append(values)
+        num = len(targets)
+        return TokenScores(
+            torch.cat(logprobs).cpu(),
+            torch.cat(top_ids).cpu() if k else torch.empty((num, 0), dtype=torch.int64),
+            torch.cat(top_values).cpu() if k else torch.empty((num, 0)))

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from .detokenizer import StreamingDetokenizer
+from .grammar import CompiledGrammar, GrammarMatcher
 from .sampler import SampleLogprobs
 from .sampling_params import SamplingParams
 
@@ -36,6 +37,8 @@ class Sequence:
     # Deltas since the last output was taken, for streaming.
     delta_text: str = ""
     num_streamed_tokens: int = 0
+    # Where the output stands in the request's grammar (structured outputs only).
+    grammar: GrammarMatcher | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -96,6 +99,10 @@ class Request:
     export_kv: bool = False
     kv_transfer: object | None = None  # a KVTransfer to write on admission
     num_transferred_tokens: int = 0    # tokens whose KV ``kv_transfer`` holds
+    grammar: CompiledGrammar | None = None
+    # Prompt logprobs by position (the first is None), while params.prompt_logprobs
+    # asks for them; complete once there is one per prompt token.
+    prompt_logprobs: list[SampleLogprobs | None] | None = None
 
     def __post_init__(self) -> None:
         if self.metrics is None:
@@ -107,6 +114,11 @@ class Request:
         if self.is_aborted:
             return True
         return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and are not all computed yet."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
 
 @dataclass
@@ -137,6 +149,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # With params.prompt_logprobs: one entry per prompt token (the first None), in
+    # every output once all are computed (None before).
+    prompt_logprobs: list[SampleLogprobs | None] | None = None
     # Set when the KV manager migrated the request away (finish_reason "migrated"):
     # its KV transfer and the worker that has room for it.
     kv_transfer: object | None = None

@@ -1,8 +1,10 @@
 """Batched token sampling: one row of logits per sequence, each with its own params.
 
-Order of operations (as vLLM): penalties -> greedy argmax (greedy rows) ->
+Order of operations (as vLLM): constraints (a grammar's token bitmask, tokens
+banned by ``min_tokens``) -> penalties -> greedy argmax (greedy rows) ->
 temperature -> top-k -> top-p -> min-p -> sample. Logprobs are computed from the
-raw model logits (vLLM's default "raw_logprobs"), before penalties or temperature.
+raw model logits (vLLM's default "raw_logprobs"), before constraints, penalties
+or temperature.
 
 Sampling is inverse-CDF with one uniform draw per row. For a seeded sequence the
 draw is a hash of (seed, sample_index, number of output tokens so far), so it
@@ -30,13 +32,18 @@ class SamplingState:
 
     ``prompt_token_ids`` and ``output_token_ids`` are read, never modified; the
     caller appends the sampled token. ``sample_index`` tells siblings of an n > 1
-    request apart so that their seeded streams differ.
+    request apart so that their seeded streams differ. ``token_bitmask`` (int32
+    words, bit t of word t // 32 set: token t allowed) restricts the row to the
+    tokens its grammar allows; ``banned_token_ids`` cannot be sampled (EOS and
+    stop tokens before ``min_tokens``) unless the bitmask allows nothing else.
     """
 
     params: SamplingParams
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
     sample_index: int = 0
+    token_bitmask: torch.Tensor | None = None
+    banned_token_ids: Sequence[int] = ()
 
 
 @dataclass
@@ -75,10 +82,11 @@ class Sampler:
         if logits.shape[0] == 0:
             return SamplerOutput([], [])
         params = [state.params for state in states]
+        constrained = apply_constraints(logits, states)
         if all(p.is_greedy and not p.has_penalties for p in params):
-            token_ids = logits.argmax(dim=-1)
+            token_ids = constrained.argmax(dim=-1)
         else:
-            token_ids = self._sample_general(logits.float(), states)
+            token_ids = self._sample_general(constrained.float(), states)
         logprobs = compute_logprobs(logits, token_ids, [p.logprobs for p in params])
         return SamplerOutput(token_ids.tolist(), logprobs)
 
@@ -112,6 +120,48 @@ class Sampler:
                     state.params.seed, state.sample_index, len(state.output_token_ids)
                 )
         return uniforms
+
+
+def apply_constraints(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    """Logits with each row's disallowed tokens at -inf (``logits`` itself if no row is
+    constrained; the input is never modified).
+
+    A row's bitmask wins over its banned tokens: a ban that would leave the row
+    nothing to sample is dropped for that row.
+    """
+    mask_rows = [i for i, state in enumerate(states) if state.token_bitmask is not None]
+    ban_rows = [i for i, state in enumerate(states) if state.banned_token_ids]
+    if not mask_rows and not ban_rows:
+        return logits
+    logits = logits.clone()
+    if mask_rows:
+        words = torch.stack([states[i].token_bitmask for i in mask_rows])
+        logits[mask_rows] = apply_token_bitmask(logits[mask_rows], words)
+    if ban_rows:
+        banned = logits[ban_rows]
+        columns = [list(states[i].banned_token_ids) for i in ban_rows]
+        rows = [j for j, ids in enumerate(columns) for _ in ids]
+        flat = [t for ids in columns for t in ids]
+        banned[rows, flat] = float("-inf")
+        keeps_some = torch.isfinite(banned).any(dim=-1)
+        logits[ban_rows] = torch.where(keeps_some.unsqueeze(1), banned, logits[ban_rows])
+    return logits
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits`` ([rows, vocab]) with tokens whose bit is clear in ``bitmask``
+    ([rows, ceil(vocab / 32)] int32, bit t % 32 of word t // 32) set to -inf.
+
+    Works on any device; the bitmask moves to the logits' device.
+    """
+    num_rows, vocab_size = logits.shape
+    if bitmask.shape[0] != num_rows or bitmask.shape[1] * 32 < vocab_size:
+        raise ValueError(f"bitmask of shape {tuple(bitmask.shape)} for logits of shape "
+                         f"{tuple(logits.shape)}")
+    words = bitmask.to(device=logits.device, dtype=torch.int32, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    is_allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().view(num_rows, -1)[:, :vocab_size]
+    return logits.masked_fill(~is_allowed, float("-inf"))
 
 
 def seeded_uniform(seed: int, sample_index: int, step: int) -> float:

@@ -9,6 +9,7 @@ ingress can turn a bad request into a clear client error.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,6 +23,104 @@ MAX_ABS_PENALTY = 2.0
 # Bounds that stay finite in float32 logits (1e-300 is 0 there and would divide by zero).
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 100.0
+# A structured-output spec (schema, regex, grammar or choices, as compact JSON) may
+# be at most this large: grammar compilation and matching grow with it.
+MAX_STRUCTURED_OUTPUT_BYTES = 64 * 1024
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output to a language (vLLM's ``StructuredOutputsParams``).
+
+    Exactly one of the kinds is set:
+      - ``json``: a JSON schema (a dict, or its JSON text); the output is one JSON
+        value that validates against it;
+      - ``json_object``: True for any JSON object;
+      - ``regex``: the output matches the regular expression in full;
+      - ``choice``: the output is exactly one of the strings;
+      - ``grammar``: a context-free grammar in Lark or GBNF/EBNF syntax.
+    ``disable_any_whitespace`` (JSON kinds) allows no whitespace at all between
+    tokens (``{"a":1,"b":[2]}``); by default the whitespace a JSON printer
+    produces is allowed between tokens: at most one line break, then up to 64
+    spaces or tabs (bounded, so that a model cannot loop on whitespace).
+
+    Only the shape is checked here (types, one kind, the size limit); whether the
+    schema, regex or grammar compiles is checked when a request is added, with a
+    ``ValueError`` naming ``structured_outputs.<kind>``.
+    """
+
+    json: dict | str | None = None  # text is parsed into a dict
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        prefix = "structured_outputs"
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as exc:
+                raise ValueError(f"{prefix}.json is not valid JSON: {exc}") from None
+        if self.json is not None and not isinstance(self.json, dict):
+            raise ValueError(f"{prefix}.json must be a JSON schema (an object), "
+                             f"got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{prefix}.{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if (isinstance(self.choice, (str, bytes)) or not isinstance(self.choice, (list, tuple))
+                    or not self.choice or not all(isinstance(c, str) for c in self.choice)):
+                raise ValueError(f"{prefix}.choice must be a non-empty list of strings")
+            self.choice = list(self.choice)
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError(f"{prefix}.json_object must be a bool, got {self.json_object!r}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(f"{prefix}.disable_any_whitespace must be a bool")
+        kinds = [kind for kind in STRUCTURED_OUTPUT_KINDS if self._is_set(kind)]
+        if len(kinds) != 1:
+            raise ValueError(f"{prefix} needs exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}; "
+                             f"got {', '.join(kinds) or 'none'}")
+        size = len(self.key)
+        if size > MAX_STRUCTURED_OUTPUT_BYTES:
+            raise ValueError(f"{prefix}.{self.kind} is {size} bytes; the limit is "
+                             f"{MAX_STRUCTURED_OUTPUT_BYTES} bytes")
+
+    def _is_set(self, kind: str) -> bool:
+        value = getattr(self, kind)
+        return value is not None and value is not False
+
+    @property
+    def kind(self) -> str:
+        """Which of ``STRUCTURED_OUTPUT_KINDS`` this spec uses."""
+        return next(kind for kind in STRUCTURED_OUTPUT_KINDS if self._is_set(kind))
+
+    @property
+    def key(self) -> str:
+        """Canonical text of the spec: equal specs have equal keys (the grammar cache's key)."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data: the kind that is set, and ``disable_any_whitespace`` when true."""
+        data: dict[str, Any] = {self.kind: _copy_plain(getattr(self, self.kind))}
+        if self.disable_any_whitespace:
+            data["disable_any_whitespace"] = True
+        return data
+
+    @classmethod
+    def from_dict(cls, options: Mapping[str, Any]) -> StructuredOutputsParams:
+        """Build from a mapping, raising ValueError that names any unknown key."""
+        if not isinstance(options, Mapping):
+            raise ValueError(f"structured_outputs must be a mapping, got {type(options).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(str(key) for key in options if key not in known)
+        if unknown:
+            raise ValueError(f"unknown structured_outputs option(s): {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        return cls(**options)
 
 
 @dataclass
@@ -43,6 +142,20 @@ class SamplingParams:
         k most likely alternatives (raw model logprobs, before any processing).
       - ``seed`` makes a request's samples reproducible whatever else is batched
         with it; sibling samples (``n`` > 1) get distinct, reproducible streams.
+      - ``min_tokens``: EOS and ``stop_token_ids`` cannot be sampled, and stop
+        strings do not end generation, before this many output tokens.
+      - ``prompt_logprobs``: None for none, k >= 0 for each prompt token's logprob
+        (the first token has none) plus the k most likely alternatives, computed
+        in the prefill's forward pass. Such a request does not read the prefix
+        cache (its cached blocks hold no logits); it still writes to it.
+      - ``skip_special_tokens`` leaves special tokens out of the text;
+        ``spaces_between_special_tokens`` (when they are kept) puts a space
+        between a special token and its neighbours, as transformers' slow
+        tokenizers do.
+      - ``truncate_prompt_tokens``: keep only the last k prompt tokens (-1: as
+        many as the model's context allows, leaving room for one output token).
+      - ``structured_outputs``: see ``StructuredOutputsParams``; the output is
+        constrained during decoding and ends ("stop") once the grammar is complete.
     """
 
     n: int = 1
@@ -61,10 +174,16 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    prompt_logprobs: int | None = None
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.n = _as_int("n", self.n, minimum=1)
         self.max_tokens = _as_int("max_tokens", self.max_tokens, minimum=1)
+        self.min_tokens = _as_int("min_tokens", self.min_tokens, minimum=0, maximum=self.max_tokens)
         self.temperature = _as_float("temperature", self.temperature, minimum=0.0)
         if self.top_k is None:
             self.top_k = -1
@@ -90,11 +209,24 @@ class SamplingParams:
                              f"{MAX_REPETITION_PENALTY}], got {self.repetition_penalty}")
         self.stop = _as_stop_strings(self.stop)
         self.stop_token_ids = _as_token_ids("stop_token_ids", self.stop_token_ids)
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+                     "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.logprobs is not None:
-            self.logprobs = _as_int("logprobs", self.logprobs, minimum=0, maximum=MAX_LOGPROBS)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                setattr(self, name, _as_int(name, getattr(self, name), minimum=0, maximum=MAX_LOGPROBS))
+        if self.truncate_prompt_tokens is not None:
+            self.truncate_prompt_tokens = _as_int("truncate_prompt_tokens", self.truncate_prompt_tokens,
+                                                  minimum=-1)
+            if self.truncate_prompt_tokens == 0:
+                raise ValueError("truncate_prompt_tokens must be -1 or >= 1, got 0")
+        if isinstance(self.structured_outputs, Mapping):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            raise ValueError("structured_outputs must be StructuredOutputsParams or a mapping, "
+                             f"got {type(self.structured_outputs).__name__}")
 
     @property
     def is_greedy(self) -> bool:
@@ -112,7 +244,10 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-data view (msgpack/JSON friendly); ``from_dict`` inverts it."""
-        return {name: _copy_plain(getattr(self, name)) for name in _public_field_names()}
+        data = {name: _copy_plain(getattr(self, name)) for name in _public_field_names()}
+        if self.structured_outputs is not None:
+            data["structured_outputs"] = self.structured_outputs.to_dict()
+        return data
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any]) -> SamplingParams:
@@ -130,11 +265,15 @@ class SamplingParams:
 
 
 def _public_field_names() -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(SamplingParams) )
+    return tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 
 def _copy_plain(value: Any) -> Any:
-    return list(value) if isinstance(value, list) else value
+    if isinstance(value, list):
+        return [_copy_plain(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _copy_plain(item) for key, item in value.items()}
+    return value
 
 
 def _as_int(name: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:

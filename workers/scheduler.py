@@ -58,7 +58,8 @@ class Scheduler:
         """Queue a new sequence; it registers with the KV manager at the next step."""
         self.waiting.append(seq)
         self._pending.new_sequences.append(
-            NewSequence(seq.seq_id, list(seq.token_ids), num_imported_tokens=num_imported_tokens))
+            NewSequence(seq.seq_id, list(seq.token_ids), num_imported_tokens=num_imported_tokens,
+                        skip_prefix_cache=seq.request.params.prompt_logprobs is not None))
         self._registered.add(seq.seq_id)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -112,7 +113,8 @@ class Scheduler:
         step_input.token_budget = self.max_num_batched_tokens
         if self.allow_migration:
             step_input.migratable = [s.seq_id for s in self.running
-                                     if s.request.params.n == 1 and not s.request.export_kv]
+                                     if s.request.params.n == 1 and not s.request.export_kv
+                                     and not s.request.needs_prompt_logprobs]
         try:
             kv_output = self.kv_step(step_input)
         except BaseException:
@@ -185,6 +187,8 @@ class Scheduler:
                 continue
             token_ids = seq.token_ids[:len(seq.token_ids) - num_pending_tokens.get(seq_id, 0)]
             entry = {"seq_id": seq_id, "token_ids": list(token_ids)}
+            if seq.request.params.prompt_logprobs is not None:
+                entry["skip_prefix_cache"] = True
             if seq.block_table and seq.num_computed and not seq.is_swapped:
                 entry["num_computed"] = seq.num_computed
                 entry["block_table"] = list(seq.block_table)

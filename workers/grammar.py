@@ -1,0 +1,223 @@
+"""Grammar-constrained decoding: structured-output specs compiled once, matched per sequence.
+
+The grammar engine is llguidance (a maintained Rust library; see the README's
+"Structured outputs" for why it was chosen over xgrammar). Three pieces:
+  - ``grammar_source`` turns a ``StructuredOutputsParams`` into llguidance's
+    grammar text, and ``check_structured_outputs`` validates it without a
+    tokenizer (what an ingress can do before a request reaches a worker);
+  - ``GrammarCompiler`` binds grammars to one tokenizer, keeps the compiled
+    grammars in a bounded LRU cache keyed by the spec, and fills the token
+    bitmasks of a batch of matchers;
+  - ``GrammarMatcher`` follows one sequence's output through its grammar.
+
+Every failure to compile is a ``ValueError`` whose message starts with the
+spec's field (``structured_outputs.json: ...``).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .sampling_params import StructuredOutputsParams
+
+# Compiled grammars kept per tokenizer; the least recently used is dropped first.
+MAX_CACHED_GRAMMARS = 256
+# Characters of an engine's error message kept in a ValueError.
+MAX_ERROR_CHARS = 600
+# JSON whitespace between two tokens: what a printer produces (at most one line
+# break, then indentation), bounded so that a model cannot loop on whitespace.
+JSON_WHITESPACE_PATTERN = r"(?:\r?\n)?[\x20\x09]{0,64}"
+
+
+def _llguidance():
+    import llguidance
+
+    return llguidance
+
+
+def grammar_source(spec: StructuredOutputsParams) -> str:
+    """llguidance's grammar text for ``spec`` (not yet checked)."""
+    llg = _llguidance()
+    matcher = llg.LLMatcher
+    kind = spec.kind
+    if kind in ("json", "json_object"):
+        schema = spec.json if kind == "json" else {"type": "object"}
+        # "lenient" would skip unsupported keywords silently; a schema may not turn it on.
+        options: dict[str, Any] = {"whitespace_flexible": not spec.disable_any_whitespace}
+        if not spec.disable_any_whitespace:
+            options["whitespace_pattern"] = JSON_WHITESPACE_PATTERN
+        return matcher.grammar_from_json_schema(schema, defaults=options, overrides={"lenient": False})
+    if kind == "regex":
+        return matcher.grammar_from_regex(spec.regex)
+    if kind == "choice":
+        # A JSON string literal is a Lark string literal (escapes included).
+        alternatives = [json.dumps(choice, ensure_ascii=False) for choice in spec.choice]
+        return matcher.grammar_from_lark("start: " + " | ".join(alternatives))
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        lark = any_to_lark(spec.grammar)
+    except Exception as exc:  # the converter raises its own error types
+        raise ValueError(f"structured_outputs.grammar: {_shorten(str(exc))}") from None
+    return matcher.grammar_from_lark(lark)
+
+
+def check_structured_outputs(spec: StructuredOutputsParams) -> None:
+    """Raise ValueError naming ``structured_outputs.<kind>`` unless ``spec`` compiles.
+
+    Needs no tokenizer; a worker checks again against its own (see ``GrammarCompiler``).
+    """
+    source = _source_or_error(spec)
+    error = _llguidance().LLMatcher.validate_grammar(source, None)
+    if error:
+        raise ValueError(f"structured_outputs.{spec.kind}: {_shorten(error)}")
+
+
+def _source_or_error(spec: StructuredOutputsParams) -> str:
+    try:
+        return grammar_source(spec)
+    except ValueError as exc:
+        message = str(exc)
+        if message.startswith("structured_outputs."):
+            raise
+        raise ValueError(f"structured_outputs.{spec.kind}: {_shorten(message)}") from None
+
+
+def _shorten(message: str) -> str:
+    message = message.strip()
+    return message if len(message) <= MAX_ERROR_CHARS else message[:MAX_ERROR_CHARS] + "..."
+
+
+class GrammarMatcher:
+    """One sequence's position in its grammar.
+
+    ``accept`` advances by a sampled token (False: the token is not allowed,
+    and the matcher is then in an error state); ``is_finished`` is true once the
+    grammar is complete and only an end-of-sequence token could follow.
+    """
+
+    def __init__(self, matcher: Any) -> None:
+        self._matcher = matcher
+        self.num_accepted = 0
+
+    def accept(self, token_id: int) -> bool:
+        is_ok = self._matcher.consume_token(token_id)
+        if is_ok:
+            self.num_accepted += 1
+        return is_ok
+
+    def accept_all(self, token_ids: Sequence[int]) -> bool:
+        """Replay tokens already generated (a resumed or migrated sequence)."""
+        return all(self.accept(token_id) for token_id in token_ids)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens."""
+        if not 0 <= num_tokens <= self.num_accepted:
+            raise ValueError(f"cannot roll back {num_tokens} of {self.num_accepted} tokens")
+        if num_tokens and not self._matcher.rollback(num_tokens):
+            raise RuntimeError(f"grammar rollback failed: {self._matcher.get_error()}")
+        self.num_accepted -= num_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self._matcher.is_stopped() and not self._matcher.is_error()
+
+    @property
+    def error(self) -> str | None:
+        return self._matcher.get_error() or None if self._matcher.is_error() else None
+
+    @property
+    def engine_matcher(self) -> Any:
+        """The llguidance matcher (for batched bitmask filling)."""
+        return self._matcher
+
+
+class CompiledGrammar:
+    """A spec compiled for one tokenizer; ``matcher()`` starts a sequence in it."""
+
+    def __init__(self, spec: StructuredOutputsParams, template: Any) -> None:
+        self.spec = spec
+        self._template = template
+
+    def matcher(self) -> GrammarMatcher:
+        return GrammarMatcher(self._template.deep_copy())
+
+
+class GrammarCompiler:
+    """Compiles structured-output specs for one tokenizer and fills token bitmasks.
+
+    ``vocab_size`` is the model's (logits width); tokens the tokenizer does not
+    know are never allowed. ``eos_token_ids`` end a sequence once its grammar
+    is complete. Compiled grammars are cached by ``spec.key``, at most
+    ``max_cached`` of them. Building the tokenizer's tables takes a moment for
+    large vocabularies, so the engine creates this on its first structured request.
+    ``compile`` may run on any thread; ``fill_bitmask`` on one at a time.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
+                 max_cached: int = MAX_CACHED_GRAMMARS, num_threads: int = 1) -> None:
+        llg = _llguidance()
+        import llguidance.hf
+
+        try:
+            self._tokenizer = llguidance.hf.from_tokenizer(
+                tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
+        except ValueError as exc:
+            raise ValueError(f"structured outputs need a fast tokenizer: {exc}") from None
+        self._executor = llg.LLExecutor(num_threads=num_threads)
+        self.vocab_size = vocab_size
+        self.num_words = (vocab_size + 31) // 32
+        self.max_cached = max_cached
+        self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self.num_compiled = 0
+        self.num_cache_hits = 0
+
+    def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+        """The compiled grammar of ``spec`` (cached); ValueError naming the field if bad."""
+        key = spec.key
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                self.num_cache_hits += 1
+                return compiled
+        source = _source_or_error(spec)
+        template = _llguidance().LLMatcher(self._tokenizer, source, log_level=0)
+        if template.is_error():
+            raise ValueError(f"structured_outputs.{spec.kind}: {_shorten(template.get_error())}")
+        compiled = CompiledGrammar(spec, template)
+        with self._lock:
+            self._cache[key] = compiled
+            self.num_compiled += 1
+            while len(self._cache) > self.max_cached:
+                self._cache.popitem(last=False)
+        return compiled
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cache)
+
+    def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
+        """A CPU int32 ``[num_rows, ceil(vocab / 32)]`` bitmask, every token allowed."""
+        return torch.full((num_rows, self.num_words), -1, dtype=torch.int32)
+
+    def fill_bitmask(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor) -> None:
+        """Row i of ``bitmask`` gets the tokens ``matchers[i]`` allows next (bit t of
+        word t // 32 set: token t allowed)."""
+        if len(matchers) > bitmask.shape[0] or bitmask.shape[1] != self.num_words:
+            raise ValueError(f"bitmask of shape {tuple(bitmask.shape)} for {len(matchers)} "
+                             f"matchers of {self.num_words} words")
+        if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
+            raise ValueError("the bitmask must be a contiguous CPU int32 tensor")
+        if not matchers:
+            return
+        pairs = [(m.engine_matcher, row) for row, m in enumerate(matchers)]
+        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), self.num_words * 4,
+                                               bitmask.shape[0])
