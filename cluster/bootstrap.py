@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 from dataclasses import asdict
 
 from . import ray_compat
-from .config import ClusterConfig, EngineOptions, load_config
+from .config import ClusterConfig, ConfigError, EngineOptions, load_config
 from .handle import ClusterHandle
 
 logger = logging.getLogger("pagedserve.cluster")
@@ -42,21 +43,44 @@ def _actor_classes():
     return ray.remote(KVManagerService), ray.remote(Worker)
 
 
-def _wait_ready(refs: list, timeout_s: float, show_progress: bool) -> list:
-    """Wait for every worker to load its model and allocate its pools, with a progress bar."""
+class WorkerStartError(RuntimeError):
+    """A worker could not start (its model, its pools): the message names it and why."""
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _start_failure(worker_id: str, exc: Exception) -> WorkerStartError:
+    """The reason a worker's constructor gave (the last line of Ray's report), with its id."""
+    lines = [line.strip() for line in _ANSI.sub("", str(exc)).splitlines() if line.strip()]
+    return WorkerStartError(f"{worker_id} could not start: {lines[-1] if lines else type(exc).__name__}")
+
+
+def _wait_ready(refs: dict[str, Any], timeout_s: float, show_progress: bool) -> list:
+    """Wait for every worker (id -> its ``info`` ref) to load its model and allocate its
+    pools, with a progress bar. The first worker that fails ends the wait with its reason."""
     import ray
+    from ray.exceptions import RayActorError, RayTaskError
     from tqdm import tqdm
 
     deadline = time.time() + timeout_s
-    pending = list(refs)
+    worker_of = {ref: worker_id for worker_id, ref in refs.items()}
+    pending = list(refs.values())
+    infos = {}
     with tqdm(total=len(refs), desc="workers ready (model loaded, KV pools allocated)",
               unit="worker", disable=not show_progress, leave=False) as bar:
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.time()))
             if not ready:
-                raise TimeoutError(f"{len(pending)} worker(s) not ready after {timeout_s:.0f} s")
+                raise TimeoutError(f"{len(pending)} worker(s) not ready after {timeout_s:.0f} s: "
+                                   f"{sorted(worker_of[ref] for ref in pending)}")
+            for ref in ready:
+                try:
+                    infos[worker_of[ref]] = ray.get(ref)
+                except (RayActorError, RayTaskError) as exc:
+                    raise _start_failure(worker_of[ref], exc) from None
             bar.update(len(ready))
-    return ray.get(refs)
+    return [infos[worker_id] for worker_id in refs]
 
 
 def start(config: ClusterConfig | dict | str | Path | None = None, address: str | None = None,
@@ -72,11 +96,17 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
     import ray
 
     config = _coerce_config(config)
+    for index, group in enumerate(config.workers):
+        if group.autoscaling is not None:
+            raise ConfigError(f"workers.{index}.autoscaling: elastic worker groups are validated but not "
+                              "started by this version yet; use count")
     owns_ray = False
     if not ray.is_initialized():
         ray.init(address=address, namespace=NAMESPACE, **ray_init_kwargs)
         owns_ray = address is None
+    # Here (the head node): config and tokenizer only; every worker fetches the weights itself.
     model_path = config.model.resolve_path()
+    model_source = config.model.source().to_dict()
     kv_cls, worker_cls = _actor_classes()
     kv_manager = kv_cls.options(
         name=KV_MANAGER_NAME, namespace=NAMESPACE, max_restarts=-1, max_task_retries=0,
@@ -89,17 +119,27 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
         options = config.engine.model_copy(update=EngineOptions.model_validate(
             {**config.engine.model_dump(), **group.engine}).model_dump())
         engine_dict = asdict(options.to_engine_config(model_path))
-        for _ in range(group.count):
+        for _ in range(group.min_workers):
             worker_id = f"worker-{index}"
             handle = worker_cls.options(
                 name=worker_name(index), namespace=NAMESPACE, max_restarts=-1, max_task_retries=0,
                 max_concurrency=1000, num_cpus=group.num_cpus, num_gpus=group.num_gpus,
                 resources=group.resources or None,
-            ).remote(worker_id, engine_dict, kv_manager, group.role, config.step_timeout_s)
+            ).remote(worker_id, engine_dict, kv_manager, group.role, config.step_timeout_s,
+                     model_source=model_source)
             workers[worker_id] = handle
             roles[worker_id] = group.role
             index += 1
     start_time = time.time()
-    infos = _wait_ready([w.info.remote() for w in workers.values()], ready_timeout_s, show_progress)
+    try:
+        infos = _wait_ready({w: actor.info.remote() for w, actor in workers.items()}, ready_timeout_s,
+                            show_progress)
+    except BaseException:
+        for actor in [*workers.values(), kv_manager]:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+        raise
     logger.info("pagedserve: %d workers ready in %.1f s", len(infos), time.time() - start_time)
     return ClusterHandle(config, model_path, kv_manager, workers, roles, infos[0], owns_ray=owns_ray)

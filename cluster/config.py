@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pagedserve.workers.engine import EngineConfig
+from pagedserve.workers.model_source import ModelSource, is_hub_id, token_from_environment
 from pagedserve.devtools.model_factory import ARCHS, SIZES
 
 
@@ -26,26 +27,51 @@ class _Strict(BaseModel):
 
 
 class ModelConfig(_Strict):
-    """Which checkpoint to serve: a path or hub id, or a built random-weight model."""
+    """Which checkpoint to serve: a directory (local or shared storage, same path on every
+    node), a Hugging Face hub id that every node fetches itself, or a built random-weight model.
+    """
 
     path: str | None = None
+    # Hub ids only: a branch, tag or commit (default: main).
+    revision: str | None = Field(None, min_length=1)
+    # Hub ids only: each node's download cache (default: $HF_HOME, ~/.cache/huggingface).
+    download_dir: str | None = Field(None, min_length=1)
     arch: Literal[ARCHS] = "llama"  # type: ignore[valid-type]
     size: Literal[SIZES] = "tiny"  # type: ignore[valid-type]
     seed: int = Field(0, ge=0)
     name: str | None = None  # the id clients send as "model"; default: derived from the above
 
+    @model_validator(mode="after")
+    def _hub_options_need_a_path(self) -> "ModelConfig":
+        for key in ("revision", "download_dir"):
+            if getattr(self, key) is not None and not self.path:
+                raise ValueError(f"{key} needs model.path (a hub id)")
+        return self
+
     @property
     def served_name(self) -> str:
+        """vLLM's convention: the hub id as given; a directory's last component."""
         if self.name:
             return self.name
         if self.path:
+            if is_hub_id(self.path):
+                return self.path
             return Path(self.path).name or self.path
         return f"pagedserve-{self.arch}-{self.size}"
 
-    def resolve_path(self) -> str:
-        """The checkpoint directory, building the random-weight model if needed."""
+    def source(self) -> ModelSource:
+        """The checkpoint reference every worker resolves on its own node, with the hub token
+        of this process's environment (``HF_TOKEN``), if set, passed along."""
+        if not self.path:
+            return ModelSource(self.resolve_path())
+        return ModelSource(self.path, self.revision, self.download_dir, token_from_environment())
+
+    def resolve_path(self, weights: bool = False) -> str:
+        """A local directory of the checkpoint on this node, building the random-weight model
+        if none is configured. For a hub id, ``weights=False`` fetches config and tokenizer only
+        (what the head node needs). Raises ``ModelSourceError`` naming this node and why."""
         if self.path:
-            return self.path
+            return self.source().resolve(weights=weights)
         from pagedserve.devtools.model_factory import ensure_model
 
         return str(ensure_model(self.arch, self.size, seed=self.seed))
@@ -76,11 +102,37 @@ class EngineOptions(_Strict):
         return EngineConfig(model=model_path, **self.model_dump())
 
 
+class AutoscalingConfig(_Strict):
+    """A worker group's size following load: Ray Serve's ``autoscaling_config`` names and meanings.
+
+    The group keeps between ``min_replicas`` and ``max_replicas`` workers,
+    aiming at ``target_ongoing_requests`` requests (running plus queued) per
+    worker; it grows once more are wanted for ``upscale_delay_s`` and shrinks
+    (draining the surplus) once fewer are wanted for ``downscale_delay_s``.
+    Defaults are Serve's, except ``min_replicas``: at least 1 (no scale to zero).
+    """
+
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(1, ge=1)
+    target_ongoing_requests: float = Field(2.0, gt=0)
+    upscale_delay_s: float = Field(30.0, ge=0)
+    downscale_delay_s: float = Field(600.0, ge=0)
+
+    @model_validator(mode="after")
+    def _bounds_in_order(self) -> "AutoscalingConfig":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) must not exceed "
+                             f"max_replicas ({self.max_replicas})")
+        return self
+
+
 class WorkerGroup(_Strict):
-    """``count`` worker actors of one role, each with these resources."""
+    """Worker actors of one role, each with these resources: ``count`` of them, or as
+    many as load asks for within ``autoscaling``'s bounds (not both)."""
 
     role: Literal["mixed", "prefill", "decode"] = "mixed"
-    count: int = Field(1, ge=1)
+    count: int | None = Field(None, ge=1)  # default 1 without autoscaling
+    autoscaling: AutoscalingConfig | None = None
     num_cpus: float = Field(1, ge=0)
     num_gpus: float = Field(0, ge=0)
     resources: dict[str, float] = Field(default_factory=dict)
@@ -92,6 +144,21 @@ class WorkerGroup(_Strict):
     def _known_engine_keys(cls, engine: dict[str, Any]) -> dict[str, Any]:
         EngineOptions.model_validate(engine)
         return engine
+
+    @model_validator(mode="after")
+    def _count_or_autoscaling(self) -> "WorkerGroup":
+        if self.autoscaling is not None and self.count is not None:
+            raise ValueError("set count (a fixed size) or autoscaling (a size that follows load), not both")
+        return self
+
+    @property
+    def min_workers(self) -> int:
+        """Workers ``serve`` waits for: ``count``, or ``autoscaling.min_replicas``."""
+        return self.autoscaling.min_replicas if self.autoscaling else self.count or 1
+
+    @property
+    def max_workers(self) -> int:
+        return self.autoscaling.max_replicas if self.autoscaling else self.count or 1
 
 
 class RouterConfig(_Strict):

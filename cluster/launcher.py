@@ -119,7 +119,7 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
             model = config.model
             with progress.stage(f"building the {model.arch}-{model.size} model (first start only)"):
                 config.model.resolve_path()
-        num_workers = sum(group.count for group in config.workers)
+        num_workers = sum(group.min_workers for group in config.workers)
         with progress.stage(f"starting the KV manager and {num_workers} worker(s): loading the model, "
                             "allocating KV pools", spinner=False):
             handle = start(config, show_progress=progress.is_tty)

@@ -37,7 +37,7 @@ def outcome_report():
         Path(path).write_text(json.dumps(dict(OUTCOMES), indent=2, sort_keys=True))
 
 SECTIONS = {
-    "model": ["path", "arch", "size", "seed", "name"],
+    "model": ["path", "revision", "download_dir", "arch", "size", "seed", "name"],
     "engine": ["dtype", "device", "block_size", "num_device_blocks", "kv_cache_memory_gb",
                "gpu_memory_utilization", "swap_space_gb", "enable_prefix_caching", "preemption_mode",
                "max_num_seqs", "max_num_batched_tokens", "max_model_len", "scheduling_policy",
@@ -47,7 +47,9 @@ SECTIONS = {
     "server.limits": ["max_request_body_bytes", "max_n", "max_stop_strings", "max_queued_requests",
                       "max_requests_per_client", "request_timeout_s", "stream_idle_timeout_s",
                       "body_read_timeout_s"],
-    "workers.0": ["role", "count", "num_cpus", "num_gpus", "resources", "engine"],
+    "workers.0": ["role", "count", "autoscaling", "num_cpus", "num_gpus", "resources", "engine"],
+    "workers.0.autoscaling": ["min_replicas", "max_replicas", "target_ongoing_requests", "upscale_delay_s",
+                              "downscale_delay_s"],
 }
 TOP_KEYS = ["model", "engine", "workers", "router", "server", "kv_manager_num_cpus", "step_timeout_s"]
 KEY_PATHS = ([f"{section}.{key}" for section, keys in SECTIONS.items() for key in keys] + TOP_KEYS)

@@ -79,6 +79,38 @@ def test_bad_values_are_rejected_naming_the_key(overrides, path_in_error):
         load_config(None, overrides)
 
 
+@pytest.mark.parametrize("overrides, key, message", [
+    (["workers.0.autoscaling={min_replicas: 3, max_replicas: 2}"], "workers.0.autoscaling", "min_replicas"),
+    (["workers.0.autoscaling={max_replicas: 2, upscale_delay_s: -1}"], "workers.0.autoscaling.upscale_delay_s", ""),
+    (["workers.0.autoscaling={max_replicas: 2, downscale_delay_s: -0.5}"], "workers.0.autoscaling.downscale_delay_s", ""),
+    (["workers.0.autoscaling={max_replicas: 2, initial_replicas: 1}"], "workers.0.autoscaling.initial_replicas", ""),
+    (["workers.0.autoscaling={max_replicas: 2, target_ongoing_requests: 0}"],
+     "workers.0.autoscaling.target_ongoing_requests", ""),
+    (["workers.0.autoscaling={min_replicas: 0, max_replicas: 2}"], "workers.0.autoscaling.min_replicas", ""),
+    (["workers.0.count=2", "workers.0.autoscaling={max_replicas: 2}"], "workers.0", "count .*autoscaling"),
+    (["model.revision=v1"], "model", "revision needs model.path"),
+])
+def test_bad_autoscaling_and_model_blocks_name_the_key(overrides, key, message):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.") + ".*" + message):
+        load_config(None, overrides)
+
+
+def test_autoscaling_takes_serves_names_and_defaults_and_fixed_counts_keep_working(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("workers:\n  - autoscaling: {min_replicas: 1, max_replicas: 3}\n    num_gpus: 1\n"
+                    "  - count: 2\n")
+    elastic, fixed = load_config(path).workers
+    assert (elastic.min_workers, elastic.max_workers, elastic.count) == (1, 3, None)
+    serve_defaults = __import__("ray.serve.config", fromlist=["AutoscalingConfig"]).AutoscalingConfig()
+    for key in ("target_ongoing_requests", "upscale_delay_s", "downscale_delay_s"):
+        assert getattr(elastic.autoscaling, key) == getattr(serve_defaults, key), key
+    assert (fixed.min_workers, fixed.max_workers, fixed.autoscaling) == (2, 2, None)
+    assert load_config(None).workers[0].min_workers == 1
+    # What `config show` prints validates again as the same configuration.
+    config = load_config(path)
+    assert ClusterConfig.model_validate(config.model_dump()) == config
+
+
 def test_disaggregation_needs_both_roles():
     with pytest.raises(ValueError, match="prefill and decode"):
         load_config(None, ["workers.0.role=prefill"])

@@ -29,6 +29,7 @@ from pagedserve.kvmanager.step import from_wire, to_wire
 from .async_engine import AsyncLLMEngine
 from .engine import EngineConfig, LLMEngine
 from .kv_transfer import KVTransfer
+from .model_source import ModelSource
 from .request import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -76,9 +77,14 @@ class Worker:
     """
 
     def __init__(self, worker_id: str, engine_config: dict, kv_manager, role: str = "mixed",
-                 step_timeout_s: float = 30.0, max_kv_retries: int = 20) -> None:
+                 step_timeout_s: float = 30.0, max_kv_retries: int = 20,
+                 model_source: dict | None = None) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if model_source is not None:
+            # Resolved here, on this worker's node: a hub id is fetched into this node's cache.
+            local_dir = ModelSource.from_dict(model_source).resolve(weights=True)
+            engine_config = {**engine_config, "model": local_dir, "tokenizer": None}
         self.worker_id = worker_id
         self.role = role
         self.kv_manager = kv_manager
@@ -227,7 +233,7 @@ class Worker:
 
     # ---- introspection ----------------------------------------------------------------
     def info(self) -> dict:
-        return {"worker_id": self.worker_id, "role": self.role,
+        return {"worker_id": self.worker_id, "role": self.role, "model": self.engine.config.model,
                 "max_model_len": self.engine.max_model_len,
                 "block_size": self.engine.config.block_size,
                 "num_device_blocks": self.engine.pool_config.num_device_blocks,
