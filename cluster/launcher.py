@@ -216,7 +216,7 @@ def format_status(stats: dict) -> str:
         lines.append(f"server: {server.get('num_in_flight', 0)} requests in flight "
                      f"(limit {server.get('max_queued_requests')})")
     pools = stats.get("kv_manager", {}).get("workers", {})
-    header = (f"{'worker':<10} {'role':<8} {'healthy':<8} {'running':>7} {'waiting':>7} {'kv used':>8} "
+    header = (f"{'worker':<10} {'role':<8} {'dtype':<9} {'healthy':<8} {'running':>7} {'waiting':>7} {'kv used':>8} "
               f"{'device used/cached/free':>24} {'host used':>9} {'prefix hit':>10} {'preempt s/r':>11}")
     lines.append(header)
     for worker_id, worker in sorted(stats.get("workers", {}).items()):
@@ -224,7 +224,8 @@ def format_status(stats: dict) -> str:
         device = (f"{pool.get('device_blocks_used', '-')}/{pool.get('device_blocks_cached', '-')}/"
                   f"{pool.get('device_blocks_free', '-')}")
         lines.append(
-            f"{worker_id:<10} {worker.get('role', '?'):<8} {'yes' if worker.get('is_healthy') else 'NO':<8} "
+            f"{worker_id:<10} {worker.get('role', '?'):<8} {worker.get('dtype', '-'):<9} "
+            f"{'yes' if worker.get('is_healthy') else 'NO':<8} "
             f"{worker.get('num_running', '-'):>7} {worker.get('num_waiting', '-'):>7} "
             f"{pool.get('kv_utilization', 0.0):>8.1%} {device:>24} {pool.get('host_blocks_used', '-'):>9} "
             f"{pool.get('prefix_cache_hit_rate', 0.0):>10.1%} "

@@ -1,9 +1,12 @@
 """Compile every Triton kernel for real NVIDIA targets, with no GPU needed (triton ships ptxas).
 
 This catches what the interpreter cannot: compile-time type errors, tl.dot shape limits, and
-shared-memory use. It checks nothing numerical. Run it with the interpreter off:
+shared-memory use. It checks nothing numerical. Targets: every generation a launcher file names
+(``gpu_targets.GPU_TARGETS``: sm_75, sm_80, sm_86, sm_89, sm_90). A variant that compiles but
+cannot run on a target (bf16 before sm_80; more shared memory per block than the target
+offers) is listed as ``refused``: a worker refuses it at model load. Run it with the interpreter off:
 
-    TRITON_INTERPRET=0 python -m pagedserve.kernels.triton_compile_check [--quick]
+    TRITON_INTERPRET=0 python -m pagedserve.kernels.triton_compile_check [--quick] [--arch 86 ...]
 """
 
 import argparse
@@ -16,6 +19,7 @@ from triton.compiler import ASTSource
 
 from . import triton_attention_kernels as attention_kernels
 from . import triton_cache_kernels as cache_kernels
+from .gpu_targets import GPU_TARGETS
 
 _TYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
                torch.int32: "i32", torch.int64: "i64"}
@@ -77,31 +81,46 @@ def kernel_configs(dtype, head_dim, num_q_per_kv, block_size, index_dtype=torch.
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="one fp16 and one fp32 config on sm_90 only")
+    parser.add_argument("--quick", action="store_true",
+                        help="one fp16 config on every target, plus fp32 head_dim 256 (refused on sm_86)")
+    parser.add_argument("--arch", type=int, action="append", choices=sorted(GPU_TARGETS),
+                        help="only this target (repeatable; default: all)")
     args = parser.parse_args(argv)
     if not isinstance(attention_kernels.paged_decode_kernel, triton.JITFunction):
         print("the kernels were built for the interpreter; run with TRITON_INTERPRET=0", file=sys.stderr)
         return 2
-    if args.quick:
-        archs, cases = (90,), [(torch.float16, 128, 8, 16), (torch.float32, 80, 2, 8)]
-    else:
-        archs = (80, 90)
-        cases = [(dtype, head_dim, group, block_size)
-                 for dtype in (torch.float16, torch.bfloat16, torch.float32)
-                 for head_dim, group, block_size in ((128, 8, 16), (80, 1, 8), (256, 4, 64), (96, 2, 32))]
-    num_failures = 0
+    archs = tuple(args.arch or sorted(GPU_TARGETS))
+    full = [(dtype, head_dim, group, block_size)
+            for dtype in (torch.float16, torch.bfloat16, torch.float32)
+            for head_dim, group, block_size in ((128, 8, 16), (80, 1, 8), (256, 4, 64), (96, 2, 32), (64, 4, 16))]
+    num_ok = num_refused = num_failures = 0
     for arch in archs:
+        spec = GPU_TARGETS[arch]
         target = GPUTarget("cuda", arch, 32)
+        cases = full
+        if args.quick:
+            cases = [(torch.float16, 128, 8, 16)] + ([(torch.float32, 256, 4, 64)] if arch == 86 else [])
         for dtype, head_dim, group, block_size in cases:
             for kernel, arg_types, constexprs, num_warps in kernel_configs(dtype, head_dim, group, block_size):
                 label = f"sm_{arch} {dtype} head_dim={head_dim} group={group} block={block_size} {kernel.__name__}"
                 try:
                     compiled = compile_kernel(kernel, arg_types, constexprs, target, num_warps)
-                    print(f"ok   {label}: shared {compiled.metadata.shared} B")
                 except Exception as error:  # report every failing config, not just the first
                     num_failures += 1
-                    print(f"FAIL {label}: {error!r}")
-    print(f"{num_failures} failure(s)")
+                    print(f"FAIL    {label}: {error!r}")
+                    continue
+                shared = compiled.metadata.shared
+                if dtype == torch.bfloat16 and not spec.has_bf16:
+                    num_refused += 1
+                    print(f"refused {label}: no bf16 arithmetic on sm_{arch} ({spec.examples})")
+                elif shared > spec.max_shared_bytes:
+                    num_refused += 1
+                    print(f"refused {label}: shared {shared} B > {spec.max_shared_bytes} B on sm_{arch} "
+                          f"({spec.examples})")
+                else:
+                    num_ok += 1
+                    print(f"ok      {label}: shared {shared} B")
+    print(f"{num_ok} ok, {num_refused} refused at load on their target, {num_failures} failure(s)")
     return 1 if num_failures else 0
 
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
+
+from pagedserve.kernels import select_backend
+from pagedserve.kernels.gpu_targets import check_dtype, check_shared_memory
 
 from .attention import PagedAttentionMetadata, register_paged_attention
 from .host_memory import retain_freed_host_memory
@@ -12,17 +16,45 @@ from .kv_cache import CacheShape, KVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
+logger = logging.getLogger(__name__)
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
            "half": torch.float16, "float": torch.float32}
 
 
+def cuda_has_bf16(device: torch.device) -> bool:
+    """Whether ``device`` computes in bfloat16 natively.
+
+    ``including_emulation=False``: by default torch also answers True for GPUs
+    that only emulate bf16 (a T4, sm_75), where bf16 runs slowly or not at all
+    in Triton kernels.
+    """
+    with torch.cuda.device(device):
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def describe_device(device: torch.device) -> str:
+    """``cpu``, or ``cuda:0 (NVIDIA A10G, sm_86)``."""
+    if device.type != "cuda":
+        return device.type
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{device} ({torch.cuda.get_device_name(device)}, sm_{major}{minor})"
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """float32 on CPU and bfloat16 on CUDA by default ("auto" or None)."""
+    """The model and KV cache dtype. An explicit ``dtype`` always wins; None or "auto" picks
+    per device: bfloat16 on a GPU with native bf16, float16 on other GPUs, float32 on CPU."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if cuda_has_bf16(device) else torch.float16
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)} or 'auto'")
     return _DTYPES[dtype]
@@ -97,7 +129,13 @@ class ModelRunner:
         if self.device.type == "cpu":
             retain_freed_host_memory()
         self.dtype = resolve_dtype(dtype, self.device)
+        self.dtype_reason = ("engine.dtype" if dtype not in (None, "auto")
+                             else f"auto for {describe_device(self.device)}")
+        logger.info("model dtype %s on %s (%s)", dtype_name(self.dtype), self.device, self.dtype_reason)
         self.kernel_backend = kernel_backend
+        self.uses_triton = self.device.type == "cuda" and (kernel_backend or select_backend(self.device)) == "triton"
+        if self.uses_triton:  # before any weight is loaded: refuse at once
+            check_dtype(torch.cuda.get_device_capability(self.device), self.dtype)
         config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model type {config.model_type!r} is not supported; "
@@ -117,11 +155,17 @@ class ModelRunner:
         self.max_position_embeddings = getattr(config, "max_position_embeddings", 2048)
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
         self.kv_cache: KVCache | None = None
+        self._kernels_checked: set[int] = set()  # block sizes whose kernels fit this GPU
 
     def cache_shape(self, block_size: int) -> CacheShape:
         return CacheShape(self.num_layers, block_size, self.num_kv_heads, self.head_dim, self.dtype)
 
     def allocate_cache(self, block_size: int, num_device_blocks: int, num_host_blocks: int) -> KVCache:
+        if self.uses_triton and block_size not in self._kernels_checked:
+            # At load, not at the first request: kernels that cannot run on this GPU are refused here.
+            check_shared_memory(torch.cuda.get_device_capability(self.device), self.dtype, self.head_dim,
+                                self.num_heads // self.num_kv_heads, block_size)
+            self._kernels_checked.add(block_size)
         self.kv_cache = KVCache(self.cache_shape(block_size), num_device_blocks, num_host_blocks,
                                 self.device)
         return self.kv_cache

@@ -29,6 +29,7 @@ from pagedserve.kvmanager.step import from_wire, to_wire
 from .async_engine import AsyncLLMEngine
 from .engine import EngineConfig, LLMEngine
 from .kv_transfer import KVTransfer
+from .model_runner import dtype_name
 from .model_source import ModelSource
 from .request import RequestOutput
 from .sampling_params import SamplingParams
@@ -100,6 +101,8 @@ class Worker:
         engine.pool_config.role = role
         engine.scheduler.allow_migration = True
         self.engine = engine
+        logger.info("worker %s: %s on %s, dtype %s (%s)", worker_id, engine.config.model, engine.runner.device,
+                       dtype_name(engine.runner.dtype), engine.runner.dtype_reason)
         self._register(snapshot=[])
         self.async_engine = AsyncLLMEngine(engine)
         self.started_at = time.time()
@@ -238,13 +241,19 @@ class Worker:
                 "block_size": self.engine.config.block_size,
                 "num_device_blocks": self.engine.pool_config.num_device_blocks,
                 "num_parameters": self.engine.runner.num_parameters,
-                "device": str(self.engine.runner.device), "node_id": _node_id()}
+                "device": str(self.engine.runner.device), "node_id": _node_id(), **self._dtype_info()}
+
+    def _dtype_info(self) -> dict:
+        """The dtype this worker chose and why (an explicit engine.dtype, or auto for its device)."""
+        runner = self.engine.runner
+        return {"dtype": dtype_name(runner.dtype), "dtype_reason": runner.dtype_reason}
 
     async def stats(self) -> dict:
         """Engine, KV-link and health figures; answered between engine steps, never blocking
         the actor's event loop."""
         engine_stats = await asyncio.wrap_future(self.async_engine.submit(LLMEngine.stats))
-        return {"worker_id": self.worker_id, "role": self.role,
+        return {"worker_id": self.worker_id, "role": self.role, **self._dtype_info(),
+                "device": str(self.engine.runner.device),
                 "num_waiting": engine_stats["num_waiting"], "num_running": engine_stats["num_running"],
                 "num_steps": engine_stats["num_steps"],
                 "num_generated_tokens": engine_stats["num_generated_tokens"],
