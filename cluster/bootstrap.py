@@ -84,7 +84,7 @@ def _wait_ready(refs: dict[str, Any], timeout_s: float, show_progress: bool) -> 
 
 
 def start(config: ClusterConfig | dict | str | Path | None = None, address: str | None = None,
-          ready_timeout_s: float = 600.0, show_progress: bool = False,
+          ready_timeout_s: float | None = None, show_progress: bool = False,
           **ray_init_kwargs: Any) -> ClusterHandle:
     """Start the KV manager and the workers the config asks for; return a handle.
 
@@ -96,6 +96,7 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
     import ray
 
     config = _coerce_config(config)
+    ready_timeout_s = ready_timeout_s or config.worker_ready_timeout_s
     for index, group in enumerate(config.workers):
         if group.autoscaling is not None:
             raise ConfigError(f"workers.{index}.autoscaling: elastic worker groups are validated but not "

@@ -214,6 +214,9 @@ class ClusterConfig(_Strict):
     server: ServerConfig = Field(default_factory=ServerConfig)
     kv_manager_num_cpus: float = Field(0.5, ge=0)
     step_timeout_s: float = Field(30.0, gt=0)
+    # How long `serve` waits for its first workers: on a fresh cluster that includes a GPU node
+    # booting, installing this checkout and fetching the model.
+    worker_ready_timeout_s: float = Field(600.0, gt=0)
 
     @field_validator("workers")
     @classmethod

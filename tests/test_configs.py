@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from pagedserve.cluster.config import ClusterConfig, load_config
@@ -57,6 +58,83 @@ def test_launcher_files_pass_rays_validator(path):
     # The config the head node serves must itself be valid.
     served = commands.split("--config", 1)[1].split()[0].replace("~/pagedserve/", "")
     load_config(CONFIGS.parent / served)
+
+
+# What each launcher's GPU nodes carry: (GPU memory in GB, compute capability). The on-prem file
+# names no instance type; its header asks for GPUs of 24 GB or more.
+GPU_OF_LAUNCHER = {"cluster-aws.yaml": (24, (8, 6)),     # g5.2xlarge: A10G
+                   "cluster-gcp.yaml": (16, (7, 5)),     # nvidia-tesla-t4
+                   "cluster-onprem.yaml": (24, (8, 0))}
+# Parameter counts of the models the launchers serve (from their model cards).
+HUB_MODEL_PARAMS = {"Qwen/Qwen2.5-7B-Instruct": 7.62e9, "Qwen/Qwen2.5-1.5B-Instruct": 1.54e9}
+
+
+def _served_config(launcher: dict) -> Path:
+    commands = " ".join(launcher["head_start_ray_commands"])
+    return CONFIGS.parent / commands.split("--config", 1)[1].split()[0].replace("~/pagedserve/", "")
+
+
+def _provisioned_dirs(launcher: dict) -> list[str]:
+    """Directories a launcher file puts on every node: its file mounts' targets."""
+    return [target.rstrip("/") for target in launcher.get("file_mounts", {})]
+
+
+def model_path_problem(path: str | None, launchers: list[dict]) -> str | None:
+    """Why a shipped config's ``model.path`` would not exist on a cluster's nodes, or None."""
+    from pagedserve.workers.model_source import is_hub_id
+
+    if path is None or is_hub_id(path):
+        return None  # a model built on first start, or a hub id every node fetches
+    for launcher in launchers:
+        for target in _provisioned_dirs(launcher):
+            if path == target or path.startswith(target + "/"):
+                return None
+    return f"{path} is neither a hub id nor under a directory the launcher files provision"
+
+
+def test_every_model_path_is_a_hub_id_or_provisioned_by_a_launcher():
+    launchers = [yaml.safe_load(path.read_text()) for path in LAUNCHER_FILES]
+    problems = {path.name: model_path_problem(load_config(path).model.path, launchers) for path in PAGEDSERVE_FILES}
+    assert not {name: problem for name, problem in problems.items() if problem}
+    # The rule itself: a bare path is refused, one under a file mount's target is not.
+    mounted = [{"file_mounts": {"/mnt/models": "./models"}}]
+    assert model_path_problem("/models/Qwen2.5-7B-Instruct", mounted) is not None
+    assert model_path_problem("/mnt/models/Qwen2.5-7B-Instruct", mounted) is None
+    assert model_path_problem("Qwen/Qwen2.5-7B-Instruct", []) is None
+
+
+@pytest.mark.parametrize("path", LAUNCHER_FILES, ids=lambda p: p.name)
+def test_each_launcher_serves_a_model_that_fits_its_gpu(path):
+    from pagedserve.kernels.gpu_targets import check_dtype
+    from pagedserve.workers.model_runner import resolve_dtype
+
+    memory_gb, capability = GPU_OF_LAUNCHER[path.name]
+    served = load_config(_served_config(yaml.safe_load(path.read_text())))
+    params = HUB_MODEL_PARAMS[served.model.path]
+    # The dtype a worker picks there (auto: bf16 only with native bf16), and that the kernels accept it.
+    if served.engine.dtype in (None, "auto"):
+        dtype = torch.bfloat16 if capability >= (8, 0) else torch.float16
+    else:
+        dtype = resolve_dtype(served.engine.dtype, torch.device("cpu"))
+    check_dtype(capability, dtype)
+    weights_gb = params * dtype.itemsize / 1e9
+    usable_gb = memory_gb * served.engine.gpu_memory_utilization
+    assert weights_gb <= 0.75 * usable_gb, f"{served.model.path}: {weights_gb:.1f} GB of weights on {memory_gb} GB"
+    if capability < (8, 0):
+        assert served.engine.dtype in (None, "auto", "float16", "fp16", "half"), "no bf16 on this GPU"
+
+
+@pytest.mark.parametrize("path", LAUNCHER_FILES, ids=lambda p: p.name)
+def test_each_launcher_installs_this_checkout_and_passes_the_token(path):
+    launcher = yaml.safe_load(path.read_text())
+    assert launcher["file_mounts"]["~/pagedserve"] == "."
+    assert "python3 -m pip install -e ~/pagedserve" in launcher["setup_commands"]
+    assert {".git", ".venv"} <= set(launcher["rsync_exclude"])
+    serve = next(c for c in launcher["head_start_ray_commands"] if "pagedserve serve" in c)
+    # HF_TOKEN (and PAGEDSERVE_API_KEY) from the checkout's .env reach `pagedserve serve`, which
+    # passes the token on to every worker.
+    assert serve.index(". ~/pagedserve/.env") < serve.index("pagedserve serve") and "set -a" in serve
+    assert ".env" in (CONFIGS.parent / ".gitignore").read_text().split()
 
 
 def test_rays_validator_rejects_a_broken_launcher_file():
