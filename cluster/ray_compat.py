@@ -41,6 +41,37 @@ def gcs_address() -> str:
     return ray.get_runtime_context().gcs_address
 
 
+_state_api_verdicts: dict[str, bool] = {}
+
+
+def _state_api_is_ours() -> bool:
+    """Whether the state API answers for the cluster this process is connected to.
+
+    The state API finds its server through the dashboard address the GCS
+    records, and ``RAY_ADDRESS`` overrides the address it is given: on a
+    machine shared by several Ray clusters, one started without a dashboard
+    can get another cluster's answers. It is ours if it lists this process's
+    own node. Decided once per cluster address.
+    """
+    import ray
+
+    address = gcs_address()
+    if address not in _state_api_verdicts:
+        try:
+            from ray.util.state import list_nodes
+
+            own = ray.get_runtime_context().get_node_id()
+            nodes = list_nodes(address=address, filters=[("node_id", "=", own)], timeout=STATE_API_TIMEOUT_S)
+            _state_api_verdicts[address] = any(node.node_id == own for node in nodes)
+        except Exception as exc:
+            logger.debug("state API unavailable: %r", exc)
+            return False  # not cached: the dashboard may still be starting
+        if not _state_api_verdicts[address]:
+            logger.warning("Ray's state API at this machine answers for another cluster; "
+                           "using the GCS tables of %s instead", address)
+    return _state_api_verdicts[address]
+
+
 def actor_status(actor_id: str) -> ActorStatus | None:
     """The actor's state and pid, or None when neither query below answers.
 
@@ -52,9 +83,10 @@ def actor_status(actor_id: str) -> ActorStatus | None:
     try:
         from ray.util.state import get_actor
 
-        found = get_actor(actor_id, address=gcs_address(), timeout=STATE_API_TIMEOUT_S)
-        if found is not None:
-            return ActorStatus(found.state, found.pid)
+        if _state_api_is_ours():
+            found = get_actor(actor_id, address=gcs_address(), timeout=STATE_API_TIMEOUT_S)
+            if found is not None:
+                return ActorStatus(found.state, found.pid)
     except Exception as exc:
         logger.debug("state API get_actor(%s) failed: %r", actor_id, exc)
     try:
@@ -71,24 +103,29 @@ def actor_status(actor_id: str) -> ActorStatus | None:
 def head_node_id() -> str:
     """The head node's id.
 
-    Public: ``ray.util.state.list_nodes`` (``is_head_node``). Fallback when the
-    dashboard is absent: the node holding the head's private resource in the
-    public ``ray.nodes()`` table.
+    Public: ``ray.util.state.list_nodes`` (``is_head_node``), checked against the
+    connected cluster's ``ray.nodes()``. Fallback when the dashboard is absent
+    (or is another cluster's): the node holding the head's private resource in
+    the public ``ray.nodes()`` table.
     """
     import ray
 
+    alive = [node for node in ray.nodes() if node.get("Alive")]
     try:
         from ray.util.state import list_nodes
 
-        heads = list_nodes(address=gcs_address(), filters=[("is_head_node", "=", True),
-                                                           ("state", "=", "ALIVE")],
-                           timeout=STATE_API_TIMEOUT_S)
-        if heads:
-            return heads[0].node_id
+        if _state_api_is_ours():
+            heads = list_nodes(address=gcs_address(), filters=[("is_head_node", "=", True),
+                                                               ("state", "=", "ALIVE")],
+                               timeout=STATE_API_TIMEOUT_S)
+            ours = {node["NodeID"] for node in alive}
+            for head in heads:
+                if head.node_id in ours:
+                    return head.node_id
     except Exception as exc:
         logger.debug("state API list_nodes failed: %r", exc)
-    for node in ray.nodes():
-        if node.get("Alive") and _HEAD_NODE_RESOURCE in node.get("Resources", {}):
+    for node in alive:
+        if _HEAD_NODE_RESOURCE in node.get("Resources", {}):
             return node["NodeID"]
     raise RuntimeError("the Ray cluster has no live head node")
 

@@ -85,3 +85,28 @@ def test_head_node_placement_pins_to_the_head(ray_with_dashboard):
     probe = _Probe.options(**options).remote()
     assert ray.get(probe.where.remote(), timeout=120)[2] == head
     ray.kill(probe, no_restart=True)
+
+
+def test_a_state_api_answering_for_another_cluster_is_not_believed(ray_with_dashboard, monkeypatch):
+    """On a shared machine the state API can reach another cluster's dashboard (one started
+    without a dashboard of its own; RAY_ADDRESS): its answers must not be taken for ours."""
+    from dataclasses import dataclass
+
+    from ray.util import state as state_api
+
+    @dataclass
+    class ForeignNode:
+        node_id: str = "ab" * 28
+        is_head_node: bool = True
+
+    def never(*args, **kwargs):
+        raise AssertionError("the foreign state API was asked about our actor")
+
+    probe = _Probe.remote()
+    pid, actor_id, _ = ray.get(probe.where.remote(), timeout=120)
+    monkeypatch.setattr(state_api, "list_nodes", lambda *args, **kwargs: [ForeignNode()])
+    monkeypatch.setattr(state_api, "get_actor", never)
+    monkeypatch.setattr(ray_compat, "_state_api_verdicts", {})
+    assert ray_compat.head_node_id() == ray.get_runtime_context().get_node_id()
+    assert ray_compat.actor_status(actor_id) == ray_compat.ActorStatus("ALIVE", pid)  # the GCS table
+    ray.kill(probe, no_restart=True)
