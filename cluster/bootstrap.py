@@ -10,6 +10,8 @@ from typing import Any
 
 from dataclasses import asdict
 
+from pagedserve.workers.model_support import check_servable_config
+
 from . import ray_compat
 from .config import ClusterConfig, ConfigError, EngineOptions, load_config
 from .handle import ClusterHandle
@@ -101,13 +103,15 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
         if group.autoscaling is not None:
             raise ConfigError(f"workers.{index}.autoscaling: elastic worker groups are validated but not "
                               "started by this version yet; use count")
+    # Here (the head node): config and tokenizer only; every worker fetches the weights itself.
+    model_path = config.model.resolve_path()
+    model_source = config.model.source().to_dict()
+    # A model we cannot serve exactly is refused here, before Ray or any worker starts.
+    check_servable_config(model_path)
     owns_ray = False
     if not ray.is_initialized():
         ray.init(address=address, namespace=NAMESPACE, **ray_init_kwargs)
         owns_ray = address is None
-    # Here (the head node): config and tokenizer only; every worker fetches the weights itself.
-    model_path = config.model.resolve_path()
-    model_source = config.model.source().to_dict()
     kv_cls, worker_cls = _actor_classes()
     kv_manager = kv_cls.options(
         name=KV_MANAGER_NAME, namespace=NAMESPACE, max_restarts=-1, max_task_retries=0,

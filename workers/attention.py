@@ -5,11 +5,16 @@
 with ``attn_implementation=ATTN_IMPLEMENTATION`` routes every attention
 layer here. Per-step metadata travels as the ``paged_metadata`` forward
 kwarg, which transformers passes through to the attention function.
+
+Each layer's call says how it attends (scaling, sliding window, soft-cap,
+sinks); ``AttentionVariant.from_call`` reads that and refuses any argument
+it does not know, so a model feature pagedserve cannot honour is an error,
+never a silently different result.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,12 +24,80 @@ from pagedserve import kernels
 ATTN_IMPLEMENTATION = "pagedserve_paged"
 
 
+class UnsupportedAttentionError(ValueError):
+    """A layer asked for attention that pagedserve cannot compute exactly."""
+
+
+# Arguments transformers passes to attention functions that do not change what
+# they compute here (positions are already applied to q/k by RoPE; there is no
+# transformers cache). Any other argument with a value is refused.
+_INERT_ARGUMENTS = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions",
+                              "output_router_logits",
+                              "past_key_values", "position_embeddings"})
+
+
+@dataclass(frozen=True)
+class AttentionVariant:
+    """How one layer attends, as its transformers attention module asks for it.
+
+    ``scale`` multiplies q.k (None: 1/sqrt(head_dim)); ``sliding_window`` w lets a
+    query at p see keys at p - w < k <= p; ``logit_softcap`` c turns scores into
+    c * tanh(scores / c); ``has_sinks``: learned per-head logits join the softmax
+    denominator (GPT-OSS).
+    """
+
+    scale: float | None = None
+    sliding_window: int | None = None
+    logit_softcap: float | None = None
+    has_sinks: bool = False
+
+    @classmethod
+    def from_call(cls, module, scaling, dropout, kwargs: dict[str, Any]) -> "AttentionVariant":
+        """Read a transformers attention call; ``UnsupportedAttentionError`` for anything else."""
+        unknown = sorted(name for name, value in kwargs.items()
+                         if value is not None and name not in _INERT_ARGUMENTS
+                         and name not in ("sliding_window", "softcap", "s_aux", "is_causal"))
+        if unknown:
+            raise UnsupportedAttentionError(
+                f"{type(module).__name__} passes attention argument(s) {', '.join(unknown)}, "
+                "which pagedserve does not implement")
+        if kwargs.get("is_causal") is False or not getattr(module, "is_causal", True):
+            raise UnsupportedAttentionError(f"{type(module).__name__} asks for non-causal attention")
+        if dropout:
+            raise UnsupportedAttentionError(f"{type(module).__name__} asks for attention dropout "
+                                            f"{dropout} (the model is in training mode)")
+        window = kwargs.get("sliding_window")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise UnsupportedAttentionError(
+                f"{type(module).__name__} passes sliding_window={window!r}; expected a positive integer")
+        softcap = kwargs.get("softcap")
+        if softcap is not None and not softcap > 0:
+            raise UnsupportedAttentionError(
+                f"{type(module).__name__} passes softcap={softcap!r}; expected a positive number")
+        return cls(None if scaling is None else float(scaling), window,
+                   None if softcap is None else float(softcap), kwargs.get("s_aux") is not None)
+
+    @property
+    def features(self) -> list[str]:
+        """Names of the non-default features, for messages."""
+        names = []
+        if self.sliding_window is not None:
+            names.append(f"sliding window {self.sliding_window}")
+        if self.logit_softcap is not None:
+            names.append(f"attention logit soft-capping {self.logit_softcap}")
+        if self.has_sinks:
+            names.append("attention sinks")
+        return names
+
+
 @dataclass
 class PagedAttentionMetadata:
     """Everything a layer needs to read and write the paged cache this step.
 
     Named after the kernels' arguments. Token rows are the flattened batch:
-    sequence i owns rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``.
+    sequence i owns rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``. With
+    ``plan_window`` set, block table entries wholly before that window may be -1
+    (freed out-of-window blocks).
     """
 
     slot_mapping: torch.Tensor      # [num_tokens] int64
@@ -34,6 +107,7 @@ class PagedAttentionMetadata:
     is_decode_only: bool            # one query per sequence
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
     backend: str | None = None
+    plan_window: int | None = None
     plan: Any = None                # kernels.plan_attention's result, shared by every layer
 
     def __post_init__(self) -> None:
@@ -41,7 +115,36 @@ class PagedAttentionMetadata:
             self.plan = kernels.plan_attention(
                 self.kv_caches[0][0], self.block_tables,
                 None if self.is_decode_only else self.cu_seqlens_q, self.seq_lens,
-                backend=self.backend)
+                backend=self.backend, sliding_window=self.plan_window)
+
+
+@dataclass
+class LayerCall:
+    """What one layer's attention call looked like during an ``AttentionProbe`` forward."""
+
+    module_type: str
+    variant: AttentionVariant
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    value_head_dim: int
+
+
+@dataclass
+class AttentionProbe:
+    """Pass as ``paged_metadata`` to record each layer's call instead of attending.
+
+    The attention function then touches no cache and returns zeros; ``calls``
+    maps a layer index to the calls it made (normally exactly one).
+    """
+
+    calls: dict[int | None, list[LayerCall]] = field(default_factory=dict)
+
+    def record(self, module, query, key, value, variant: AttentionVariant) -> torch.Tensor:
+        call = LayerCall(type(module).__name__, variant, query.shape[1], key.shape[1],
+                         key.shape[-1], value.shape[-1])
+        self.calls.setdefault(getattr(module, "layer_idx", None), []).append(call)
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None,
@@ -57,26 +160,32 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         raise RuntimeError(
             f"attn_implementation={ATTN_IMPLEMENTATION!r} needs the paged_metadata forward kwarg; "
             "run the model through pagedserve's ModelRunner")
+    variant = AttentionVariant.from_call(module, scaling, dropout, kwargs)
+    if isinstance(paged_metadata, AttentionProbe):
+        return paged_metadata.record(module, query, key, value, variant), None
     meta = paged_metadata
     k_cache, v_cache = meta.kv_caches[module.layer_idx]
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     # Contiguous, so that transformers' reshape of the output to [1, tokens, hidden] is a view.
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    variants = dict(sliding_window=variant.sliding_window, logit_softcap=variant.logit_softcap,
+                    sinks=kwargs["s_aux"] if variant.has_sinks else None)
     if meta.is_decode_only:
-        kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                       out=out, backend=meta.backend, plan=meta.plan)
+        kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                       variant.scale, out=out, backend=meta.backend, plan=meta.plan,
+                                       **variants)
     else:
         kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
-                                meta.seq_lens, scale, out=out, backend=meta.backend, plan=meta.plan)
+                                meta.seq_lens, variant.scale, out=out, backend=meta.backend,
+                                plan=meta.plan, **variants)
     return out.unsqueeze(0), None
 
 
 def _no_mask(*args, **kwargs):
-    """Paged attention applies causality itself: transformers must build no mask."""
+    """Paged attention applies causality and windows itself: transformers must build no mask."""
     return None
 
 

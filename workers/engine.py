@@ -44,7 +44,7 @@ class EngineConfig:
     preemption_mode: str | None = None        # None: swap while host space is free, else recompute
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # default: max(2048, max_model_len)
-    max_model_len: int | None = None           # default: the model's max_position_embeddings
+    max_model_len: int | None = None           # default: the longest context the model computes exactly
     scheduling_policy: str = "fcfs"
     allocation: str = "paged"                  # or "contiguous" (the baseline for benchmarks)
     watermark: float = 0.01
@@ -101,10 +101,13 @@ class LLMEngine:
                                   config.trust_remote_code, config.kernel_backend)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model,
                                                        trust_remote_code=config.trust_remote_code)
-        max_len = config.max_model_len or self.runner.max_position_embeddings
-        if max_len > self.runner.max_position_embeddings:
-            raise ValueError(f"max_model_len {max_len} exceeds the model's "
-                             f"max_position_embeddings {self.runner.max_position_embeddings}")
+        max_len = config.max_model_len or self.runner.max_context_len
+        if max_len > self.runner.max_context_len:
+            raise ValueError(f"max_model_len {max_len} is longer than this model computes exactly: "
+                             f"{self.runner.context_limit_reason}; use max_model_len <= "
+                             f"{self.runner.max_context_len}")
+        if max_len < self.runner.max_position_embeddings and config.max_model_len is None:
+            logger.warning("max_model_len defaults to %d: %s", max_len, self.runner.context_limit_reason)
         self.max_model_len = max_len
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, max_len)
         self.eos_token_ids = self._eos_token_ids()

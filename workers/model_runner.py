@@ -13,8 +13,9 @@ from pagedserve.kernels.gpu_targets import check_dtype, check_shared_memory
 from .attention import PagedAttentionMetadata, register_paged_attention
 from .host_memory import retain_freed_host_memory
 from .kv_cache import CacheShape, KVCache
-
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+from .model_head import ModelHead
+from .model_support import (check_kernel_support, check_model_class, check_servable_config,
+                            context_limit, probe_attention)
 
 logger = logging.getLogger(__name__)
 
@@ -115,15 +116,18 @@ SCORE_ROWS_PER_SLICE = 256
 class ModelRunner:
     """A transformers decoder-only model whose attention reads the paged cache.
 
+    Any model ``model_support`` accepts loads (it refuses the rest with
+    ``UnsupportedModelError`` before or right after the weights load).
     ``execute`` takes the step's chunks (decode tokens and prefill chunks
     mixed), runs one varlen forward pass over all of them, and returns the
     float32 logits of the chunks that sample, in order (with any prompt
-    logprobs the chunks asked for).
+    logprobs the chunks asked for), through the model's own head (final
+    soft-cap, logit scaling: see ``compute_logits``).
     """
 
     def __init__(self, model: str, dtype=None, device=None, trust_remote_code: bool = False,
                  kernel_backend: str | None = None) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
         self.device = resolve_device(device)
         if self.device.type == "cpu":
@@ -136,23 +140,28 @@ class ModelRunner:
         self.uses_triton = self.device.type == "cuda" and (kernel_backend or select_backend(self.device)) == "triton"
         if self.uses_triton:  # before any weight is loaded: refuse at once
             check_dtype(torch.cuda.get_device_capability(self.device), self.dtype)
-        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model type {config.model_type!r} is not supported; "
-                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        config = check_servable_config(model, trust_remote_code)
         attn = register_paged_attention()
         self.model = AutoModelForCausalLM.from_pretrained(
             model, dtype=self.dtype, attn_implementation=attn, trust_remote_code=trust_remote_code)
+        check_model_class(type(self.model), config.model_type)
         self.model.to(self.device).eval()
         self.config = config
+        self.attention = probe_attention(self.model, config, self.device)
+        check_kernel_support(self.attention, self.device, self.dtype, kernel_backend)
+        logger.info("attention of %s", self.attention.describe())
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
+        # The causal LM's head with its post-processing (final soft-cap, logit scaling).
+        self.compute_logits = ModelHead(self.model, self.device)
         self.num_layers = config.num_hidden_layers
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.num_heads = self.attention.num_heads
+        self.num_kv_heads = self.attention.num_kv_heads
+        self.head_dim = self.attention.head_dim
         self.vocab_size = config.vocab_size
         self.max_position_embeddings = getattr(config, "max_position_embeddings", 2048)
+        # The longest context computed exactly (a RoPE variant may set it below the above).
+        self.max_context_len, self.context_limit_reason = context_limit(config)
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
         self.kv_cache: KVCache | None = None
         self._kernels_checked: set[int] = set()  # block sizes whose kernels fit this GPU
@@ -236,7 +245,7 @@ class ModelRunner:
             logits = torch.empty((0, self.vocab_size), dtype=torch.float32, device=device)
         else:
             rows = torch.tensor(logits_rows, dtype=torch.int64, device=device)
-            logits = self.lm_head(hidden.index_select(0, rows)).float()
+            logits = self.compute_logits(hidden.index_select(0, rows))
         return ExecuteOutput(logits, scores)
 
     def _score(self, hidden: torch.Tensor, chunk: SeqChunk) -> TokenScores:
@@ -249,7 +258,7 @@ class ModelRunner:
         logprobs, top_ids, top_values = [], [], []
         for start in range(0, len(targets), SCORE_ROWS_PER_SLICE):
             end = min(start + SCORE_ROWS_PER_SLICE, len(targets))
-            slice_logprobs = self.lm_head(hidden[start:end]).float().log_softmax(dim=-1)
+            slice_logprobs = self.compute_logits(hidden[start:end]).log_softmax(dim=-1)
             logprobs.append(slice_logprobs.gather(1, targets[start:end, None]).squeeze(1))
             if k:
                 values, ids = slice_logprobs.topk(min(k, self.vocab_size), dim=-1)
