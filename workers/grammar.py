@@ -32,7 +32,7 @@ MAX_CACHED_GRAMMARS = 256
 MAX_ERROR_CHARS = 600
 # JSON whitespace between two tokens: what a printer produces (at most one line
 # break, then indentation), bounded so that a model cannot loop on whitespace.
-JSON_WHITESPACE_PATTERN = r"(?:\r?\n)?[\x20\x09]{0,64}"
+JSON_WHITESPACE_PATTERN = r"(?:\r?\n)?[\x20\x09]{0,24}"
 
 
 def _llguidance():

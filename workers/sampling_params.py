@@ -42,7 +42,7 @@ class StructuredOutputsParams:
       - ``grammar``: a context-free grammar in Lark or GBNF/EBNF syntax.
     ``disable_any_whitespace`` (JSON kinds) allows no whitespace at all between
     tokens (``{"a":1,"b":[2]}``); by default the whitespace a JSON printer
-    produces is allowed between tokens: at most one line break, then up to 64
+    produces is allowed between tokens: at most one line break, then up to 24
     spaces or tabs (bounded, so that a model cannot loop on whitespace).
 
     Only the shape is checked here (types, one kind, the size limit); whether the

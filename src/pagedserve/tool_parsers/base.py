@@ -1,0 +1,121 @@
+"""What a tool-call parser produces, and the streaming interface every parser follows.
+
+A parser reads a model's output text, in pieces as it streams, and separates
+plain content from tool calls. ``feed`` returns the deltas that became certain
+(content, a new call's id and name, more argument text) in OpenAI's chunk
+shape; ``finish`` flushes what is left. ``parse`` runs a whole text through the
+same path, so streamed and non-streamed results always agree: the streamed
+content and argument deltas concatenate to the parsed ones.
+"""
+
+from __future__ import annotations
+
+import secrets
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+def new_call_id() -> str:
+    """An id in OpenAI's style: ``call_`` and 24 hex digits."""
+    return f"call_{secrets.token_hex(12)}"
+
+
+@dataclass
+class ToolCall:
+    """One call: the function's name and its arguments as JSON text. ``is_complete``
+    is false while (or if, the output having been cut off) its object is not closed."""
+
+    id: str
+    name: str
+    arguments: str
+    is_complete: bool = field(default=False, compare=False, repr=False)
+
+
+@dataclass
+class ToolCallDelta:
+    """A piece of call ``index``: its first delta carries ``id`` and ``name``."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass
+class ParserDelta:
+    """What one ``feed`` made certain: content text and/or tool-call pieces."""
+
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.tool_calls)
+
+
+@dataclass
+class ParsedOutput:
+    """A whole output: the content (None when only calls were made) and the calls."""
+
+    content: str | None
+    tool_calls: list[ToolCall]
+
+
+class ToolParser(ABC):
+    """Incremental parser of one output (make a new one per output)."""
+
+    def __init__(self, new_id: Callable[[], str] = new_call_id) -> None:
+        self._new_id = new_id
+        self._calls: list[ToolCall] = []
+        self._content: list[str] = []
+
+    @abstractmethod
+    def feed(self, text: str) -> ParserDelta:
+        """Take the next piece of output text; return what became certain."""
+
+    @abstractmethod
+    def finish(self) -> ParserDelta:
+        """The output ended: return everything still held back."""
+
+    def parse(self, text: str) -> ParsedOutput:
+        """Parse a whole output (the same path as streaming it in one piece).
+
+        Only complete calls count; an output whose only calls were cut off (it ran
+        out of tokens) is returned as content, whole.
+        """
+        self.feed(text)
+        self.finish()
+        calls = self.tool_calls
+        if self._calls and not calls:
+            return ParsedOutput(text, [])
+        content = "".join(self._content)
+        if calls and not content.strip():
+            content = None
+        return ParsedOutput(content, calls)
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        """The calls completed so far."""
+        return [call for call in self._calls if call.is_complete]
+
+    # ---- helpers for subclasses ----------------------------------------------------------
+    def _emit_content(self, delta: ParserDelta, text: str) -> None:
+        if text:
+            delta.content += text
+            self._content.append(text)
+
+    def _start_call(self, delta: ParserDelta, name: str) -> ToolCall:
+        call = ToolCall(self._new_id(), name, "")
+        self._calls.append(call)
+        delta.tool_calls.append(ToolCallDelta(len(self._calls) - 1, call.id, name))
+        return call
+
+    def _emit_arguments(self, delta: ParserDelta, call: ToolCall, text: str) -> None:
+        if not text:
+            return
+        call.arguments += text
+        index = self._calls.index(call)
+        if delta.tool_calls and delta.tool_calls[-1].index == index:
+            delta.tool_calls[-1].arguments += text
+        else:
+            delta.tool_calls.append(ToolCallDelta(index, arguments=text))
