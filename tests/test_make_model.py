@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pagedserve.devtools import model_factory
-from pagedserve.devtools.model_factory import ARCHS, SPECIAL_TOKENS, ensure_model, make_model
+from pagedserve.devtools.model_factory import ARCHS, FACTORY_VERSION, SPECIAL_TOKENS, ensure_model, make_model
 
 UNICODE_TEXT = "Héllo wörld! 日本語テキスト 🤖👍🏽\t tabs\n\nnew  lines ÀÉÎ Ωμέγα \u200b \x00 end "
 MESSAGES = [
@@ -152,14 +152,14 @@ def test_ensure_model_builds_once_and_is_concurrency_safe(tmp_path, monkeypatch)
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     with ThreadPoolExecutor(max_workers=3) as pool:
         paths = list(pool.map(lambda _: ensure_model("qwen2", "tiny", seed=3), range(3)))
-    expected = tmp_path / "cache" / "models" / "qwen2-tiny-seed3"
+    expected = tmp_path / "cache" / "models" / f"qwen2-tiny-seed3-v{FACTORY_VERSION}"
     assert paths == [expected] * 3
-    assert sorted(p.name for p in expected.parent.iterdir()) == ["qwen2-tiny-seed3"]  # no temp dirs left
+    assert sorted(p.name for p in expected.parent.iterdir()) == [f"qwen2-tiny-seed3-v{FACTORY_VERSION}"]  # no temp dirs left
     mtime = os.stat(expected / "model.safetensors").st_mtime_ns
     assert ensure_model("qwen2", "tiny", seed=3) == expected
     assert os.stat(expected / "model.safetensors").st_mtime_ns == mtime
     explicit = ensure_model("qwen2", "tiny", cache_dir=tmp_path / "elsewhere", seed=3)
-    assert explicit == tmp_path / "elsewhere" / "qwen2-tiny-seed3"
+    assert explicit == tmp_path / "elsewhere" / f"qwen2-tiny-seed3-v{FACTORY_VERSION}"
     assert _sha256(explicit / "model.safetensors") == _sha256(expected / "model.safetensors")
 
 
@@ -185,3 +185,47 @@ def test_cli_rejects_bad_arguments(tmp_path):
     with pytest.raises(SystemExit) as info:
         main([])
     assert info.value.code == 2
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def test_chat_template_with_tools_round_trips(tiny_models):
+    """Tools are rendered in the system turn; an assistant's tool calls render as the
+    <tool_call> blocks the hermes parser reads back; tool results join a user turn."""
+    import json
+
+    from pagedserve.tool_parsers import HermesToolParser
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["llama"])
+    calls = [{"id": "call_1", "type": "function",
+              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+             {"id": "call_2", "type": "function", "function": {"name": "now", "arguments": {}}}]
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Weather in Paris, and the time?"},
+                {"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+                {"role": "tool", "tool_call_id": "call_2", "content": [{"type": "text", "text": "noon"}]}]
+    text = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    system = text[:text.index("<|im_end|>")]
+    assert system.startswith("<|bos|><|im_start|>system\nBe brief.\n\n# Tools")
+    listed = system.split("<tools>\n")[1].split("\n</tools>")[0].splitlines()
+    assert [json.loads(line) for line in listed] == [tool["function"] for tool in TOOLS]
+    assert text.count("<|im_start|>system") == 1
+    assistant = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    parsed = HermesToolParser().parse(assistant)
+    assert parsed.content is None
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
+        ("get_weather", {"city": "Paris"}), ("now", {})]
+    assert ("<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n"
+            "<tool_response>\nnoon\n</tool_response><|im_end|>\n<|im_start|>assistant\n") in text
+    # Without tools the template is unchanged.
+    plain = tokenizer.apply_chat_template(messages[:2], add_generation_prompt=True, tokenize=False)
+    assert plain == ("<|bos|><|im_start|>system\nBe brief.<|im_end|>\n"
+                     "<|im_start|>user\nWeather in Paris, and the time?<|im_end|>\n<|im_start|>assistant\n")
+    # Tools without a system message get a system turn of their own.
+    bare = tokenizer.apply_chat_template(messages[1:2], tools=TOOLS, tokenize=False)
+    assert bare.startswith("<|bos|><|im_start|>system\n# Tools") and bare.count("<|im_start|>user\n") == 1

@@ -48,17 +48,54 @@ IM_END_TOKEN = "<|im_end|>"
 # Ids 0..4, in this order, in every tokenizer built here.
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN)
 
+# ChatML with Hermes/Qwen-style tools: the tools' JSON in the system turn, assistant
+# calls as <tool_call>{"name": ..., "arguments": ...}</tool_call> blocks (parsed back
+# by the "hermes" tool-call parser), tool results as <tool_response> blocks in a user
+# turn. Content may be a string or a list of text parts; arguments a dict or JSON text.
 CHAT_TEMPLATE = (
+    "{% macro text(content) %}"
+    "{% if content is none %}{% elif content is string %}{{ content }}"
+    "{% else %}{{ content | map(attribute='text') | join('') }}{% endif %}"
+    "{% endmacro %}"
     "{{ bos_token }}"
+    "{% set system_first = messages and messages[0]['role'] in ('system', 'developer') %}"
+    "{% if tools %}"
+    "<|im_start|>system\n"
+    "{% if system_first %}{{ text(messages[0]['content']) }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ (tool['function'] if tool['function'] is defined else tool) | tojson }}"
+    "{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{% if message['content'] is string %}{% set content = message['content'] %}"
-    "{% else %}{% set content = message['content'] | map(attribute='text') | join('') %}{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n{{ content }}<|im_end|>\n"
+    "{% set role = message['role'] %}"
+    "{% if loop.first and system_first and tools %}"
+    "{% elif role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}{{ '\\n' }}"
+    "<tool_response>\n{{ text(message['content']) }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% elif role == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] %}"
+    "<|im_start|>assistant\n{{ text(message['content']) }}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set call = call['function'] if call['function'] is defined else call %}"
+    "{% if (message['content'] is not none and message['content']) or not loop.first %}{{ '\\n' }}{% endif %}"
+    "<tool_call>\n{\"name\": {{ call['name'] | tojson }}, \"arguments\": "
+    "{% if call['arguments'] is string %}{{ call['arguments'] }}{% else %}{{ call['arguments'] | tojson }}{% endif %}"
+    "}\n</tool_call>"
+    "{% endfor %}"
+    "<|im_end|>\n"
+    "{% else %}"
+    "<|im_start|>{{ 'system' if role == 'developer' else role }}\n{{ text(message['content']) }}<|im_end|>\n"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-FACTORY_VERSION = 1
+# Bumped whenever what make_model writes changes: cached checkpoints are keyed by it.
+FACTORY_VERSION = 2
 _MARKER_FILE = "pagedserve_model.json"
 
 
@@ -337,14 +374,14 @@ def default_cache_dir() -> Path:
 def ensure_model(arch: str = "llama", size: str = "tiny", cache_dir=None, seed: int = 0) -> Path:
     """Return the path of a cached ``arch``/``size``/``seed`` checkpoint, building it if absent.
 
-    The checkpoint lives at ``cache_dir/{arch}-{size}-seed{seed}`` (``cache_dir``
+    The checkpoint lives at ``cache_dir/{arch}-{size}-seed{seed}-v{FACTORY_VERSION}`` (``cache_dir``
     defaults to ``default_cache_dir()``).  It is built in a temporary sibling
     folder and renamed into place, so a returned path is always complete, and
     concurrent callers in different processes all get the same checkpoint.
     """
     _check_arguments(arch, size, seed)
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = root / f"{arch}-{size}-seed{seed}"
+    final = root / f"{arch}-{size}-seed{seed}-v{FACTORY_VERSION}"
     if (final / _MARKER_FILE).is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
