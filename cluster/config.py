@@ -95,7 +95,7 @@ class EngineOptions(_Strict):
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     allocation: Literal["paged", "contiguous"] = "paged"
     watermark: float = Field(0.01, ge=0, lt=1)
-    seed: int | None = 0
+    seed: int | None = Field(None, ge=0, lt=2**63)  # None: a fresh random seed per engine
     kernel_backend: Literal["torch", "triton"] | None = None
 
     def to_engine_config(self, model_path: str) -> EngineConfig:

@@ -151,6 +151,7 @@ def test_rays_validator_rejects_a_broken_launcher_file():
     (["engine.preemption_mode=drop"], "engine.preemption_mode"),
     (["workers.0.engine.num_device_blocks=0"], "num_device_blocks"),
     (["router.prefix_weight=-1"], "router.prefix_weight"),
+    (["engine.seed=-1"], "engine.seed"),
 ])
 def test_bad_values_are_rejected_naming_the_key(overrides, path_in_error):
     with pytest.raises(ValueError, match=path_in_error.replace(".", r"\.")):
@@ -203,6 +204,11 @@ def test_bad_yaml_and_non_mapping_are_clear_errors(tmp_path):
     scalar.write_text("42\n")
     with pytest.raises(ValueError, match="mapping"):
         load_config(scalar)
+
+
+def test_engine_seed_defaults_to_fresh_per_engine_and_an_explicit_one_is_kept():
+    assert load_config(None, []).engine.seed is None
+    assert load_config(None, ["engine.seed=7"]).engine.to_engine_config("m").seed == 7
 
 
 def test_overrides_apply_over_file(tmp_path):

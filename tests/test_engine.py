@@ -376,6 +376,22 @@ def test_seeded_sampling_is_independent_of_the_batch(make_llm):
     assert different[0].outputs[0].token_ids != alone
 
 
+def test_unseeded_requests_draw_a_fresh_stream_per_engine_unless_the_engine_is_seeded(make_llm):
+    """Default seed: each engine a fresh random one (workers and restarts never share a
+    stream); an explicit engine seed makes unseeded requests reproducible run to run."""
+    prompt = random_prompts([19], seed=21)[0]
+    params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS)
+
+    def first_sample(**kwargs) -> list[int]:
+        llm = make_llm("llama", shared_instance=False, num_device_blocks=64, **kwargs)
+        return llm.generate([prompt], params)[0].outputs[0].token_ids
+
+    fresh = [first_sample(), first_sample()]
+    assert fresh[0] != fresh[1]
+    assert first_sample(seed=11) == first_sample(seed=11)
+    assert first_sample(seed=11) != first_sample(seed=12)
+
+
 # ---- bad input ------------------------------------------------------------------------
 
 def test_bad_input_raises_and_the_engine_keeps_serving(make_llm, tiny_model, hf_greedy):

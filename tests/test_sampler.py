@@ -546,3 +546,14 @@ def test_rows_with_non_finite_logits_fall_back_to_their_argmax():
     assert token_ids[1:] == [7, 4]
     healthy = Sampler().sample(logits[:1], states[:1]).token_ids
     assert token_ids[0] == healthy[0]
+
+
+def test_unseeded_samplers_draw_fresh_streams_and_seeded_ones_reproduce():
+    logits = _logits(64)
+    states = [SamplingState(SamplingParams(temperature=1.0)) for _ in range(64)]
+    torch.manual_seed(0)  # torch's default RNG must not decide the stream
+    first, second = Sampler(), Sampler()
+    assert first.seed != second.seed
+    drawn = first.sample(logits, states).token_ids
+    assert drawn != second.sample(logits, states).token_ids
+    assert Sampler(seed=first.seed).sample(logits, states).token_ids == drawn

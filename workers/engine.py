@@ -48,7 +48,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     allocation: str = "paged"                  # or "contiguous" (the baseline for benchmarks)
     watermark: float = 0.01
-    seed: int | None = 0                       # sampler seed for requests without their own
+    seed: int | None = None                    # sampler seed for unseeded requests; None: fresh random per engine
     kernel_backend: str | None = None
     trust_remote_code: bool = False
 
@@ -59,6 +59,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an integer in [0, 2**63) or None, got {self.seed!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
@@ -127,6 +129,9 @@ class LLMEngine:
         self.scheduler = Scheduler(kv_step, worker_id, config.max_num_seqs,
                                    self.max_num_batched_tokens, config.scheduling_policy)
         self.sampler = Sampler(config.seed)
+        if config.seed is None:
+            logger.info("sampler seed %d (fresh; set engine seed to reproduce unseeded requests)",
+                        self.sampler.seed)
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
         self.grammar_seconds = 0.0       # bitmask filling and matcher updates

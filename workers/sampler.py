@@ -10,13 +10,15 @@ Sampling is inverse-CDF with one uniform draw per row. For a seeded sequence the
 draw is a hash of (seed, sample_index, number of output tokens so far), so it
 depends only on the sequence itself: batch composition, preemption with recompute
 and migration to another worker (even another device type) all reproduce the same
-draws. Unseeded rows draw from the sampler's generator (or torch's default RNG
-when the sampler has no seed).
+draws. Unseeded rows draw from the sampler's own generator, seeded with the
+sampler's seed (a fresh random one unless given), never from torch's default RNG,
+whose fixed start would give every process the same stream.
 """
 
 from __future__ import annotations
 
 import hashlib
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -66,15 +68,14 @@ class SamplerOutput:
 class Sampler:
     """Samples the next token for a batch of sequences; works on any torch device.
 
-    ``seed`` seeds the generator used for rows whose params carry no seed; with
-    ``seed=None`` those rows use torch's default RNG. The sampler keeps no
-    per-sequence state.
+    ``seed`` seeds the generator used for rows whose params carry no seed: an
+    explicit seed reproduces the same stream, ``seed=None`` draws a fresh one
+    from the OS (kept in ``self.seed``). The sampler keeps no per-sequence state.
     """
 
     def __init__(self, seed: int | None = None) -> None:
-        self._generator: torch.Generator | None = None
-        if seed is not None:
-            self._generator = torch.Generator().manual_seed(seed)
+        self.seed = fresh_seed() if seed is None else seed
+        self._generator = torch.Generator().manual_seed(self.seed)
 
     def sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
         """Return one token id per row of ``logits`` ([num_seqs, vocab_size])."""
@@ -162,6 +163,11 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     is_allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().view(num_rows, -1)[:, :vocab_size]
     return logits.masked_fill(~is_allowed, float("-inf"))
+
+
+def fresh_seed() -> int:
+    """A random seed from the OS, for a sampler whose user gave none."""
+    return secrets.randbits(63)
 
 
 def seeded_uniform(seed: int, sample_index: int, step: int) -> float:
