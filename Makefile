@@ -2,18 +2,25 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install run test test-all bench clean
+.PHONY: install install-test run test test-all bench clean
 
 # torch==2.13.0 is pinned first so a CPU machine takes the CPU build on disk
 # instead of downloading a CUDA build; a GPU machine can install its own torch first.
+# `install` takes what serving needs; `install-test` adds the test extras.
+TORCH := $(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+
 install:
-	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	$(TORCH)
+	$(PIP) install -e .
+
+install-test:
+	$(TORCH)
 	$(PIP) install -e ".[test]"
 
 run: install
 	$(PYTHON) -m pagedserve serve
 
-test: install
+test: install-test
 	$(PYTHON) -m pytest -q
 
 bench: install

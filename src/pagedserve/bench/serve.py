@@ -163,7 +163,10 @@ async def _send(client, config: ServeBenchConfig, model: str, prompt, prompt_len
 
 async def run_load(config: ServeBenchConfig, on_finish=None) -> tuple[list[RequestResult], float]:
     """Send every request (Poisson arrivals, optional concurrency cap); returns results and duration."""
-    import httpx
+    try:
+        import httpx
+    except ImportError as exc:
+        raise RuntimeError("`pagedserve bench serve` needs httpx: pip install 'pagedserve[bench]'") from exc
 
     prompts = make_prompts(config)
     arrivals = poisson_arrivals(config.num_requests, config.request_rate, config.seed)
