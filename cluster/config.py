@@ -167,7 +167,8 @@ class RouterConfig(_Strict):
     policy: Literal["cache_aware", "least_loaded", "round_robin"] = "cache_aware"
     # A cached token is worth this many queued tokens of load.
     prefix_weight: float = Field(1.0, ge=0)
-    # Above this fraction of KV in use, a worker is skipped if another has room.
+    # At this fraction of device blocks in use (cached-free blocks count as free),
+    # a worker is skipped if another has room.
     max_kv_utilization: float = Field(0.95, gt=0, le=1)
     max_queue_per_worker: int = Field(256, ge=1)
 

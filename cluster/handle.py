@@ -25,7 +25,7 @@ from pagedserve.workers.worker import stall_timeout_s
 
 from .config import ClusterConfig
 from .health import WorkerHealth
-from .router import Router
+from .router import Router, kv_blocks_used_frac
 
 logger = logging.getLogger("pagedserve.cluster")
 
@@ -315,7 +315,7 @@ class ClusterHandle:
         except Exception:
             return
         workers = stats.get("workers", {})
-        self.router.update_utilization({w: s["kv_utilization"] for w, s in workers.items()})
+        self.router.update_occupancy({w: kv_blocks_used_frac(s) for w, s in workers.items()})
 
     async def _wait_for_capacity(self, request_id: str, excluded: set[str]) -> None:
         """Return once a worker outside ``excluded`` is alive; wait up to the stall

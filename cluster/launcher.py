@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import IO, Iterator
 
 from .config import ClusterConfig
+from .router import kv_blocks_used_frac
 
 STATE_FILE_NAME = "serve.json"
 RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"  # "token" when the cluster needs ~/.ray/auth_token
@@ -227,7 +228,7 @@ def format_status(stats: dict) -> str:
             f"{worker_id:<10} {worker.get('role', '?'):<8} {worker.get('dtype', '-'):<9} "
             f"{'yes' if worker.get('is_healthy') else 'NO':<8} "
             f"{worker.get('num_running', '-'):>7} {worker.get('num_waiting', '-'):>7} "
-            f"{pool.get('kv_utilization', 0.0):>8.1%} {device:>24} {pool.get('host_blocks_used', '-'):>9} "
+            f"{kv_blocks_used_frac(pool):>8.1%} {device:>24} {pool.get('host_blocks_used', '-'):>9} "
             f"{pool.get('prefix_cache_hit_rate', 0.0):>10.1%} "
             f"{pool.get('num_preemptions_swap', 0)}/{pool.get('num_preemptions_recompute', 0):<9}")
         if worker.get("error"):

@@ -20,7 +20,9 @@ class WorkerLoad:
 
     num_in_flight: int = 0
     num_in_flight_tokens: int = 0   # prompt + max_tokens of requests still running
-    kv_utilization: float = 0.0     # refreshed from the KV manager's stats
+    # Device blocks in use / pool size (cached-but-free blocks count as free),
+    # refreshed from the KV manager's occupancy figures.
+    kv_blocks_used_frac: float = 0.0
     is_alive: bool = True
 
 
@@ -35,14 +37,26 @@ class RoutingDecision:
     timestamp: float = field(default_factory=time.time)
 
 
+def kv_blocks_used_frac(pool_stats: dict) -> float:
+    """Device blocks in use / device pool size, from one worker's pool statistics.
+
+    Cached-but-free blocks count as free: they are evicted on demand. This is
+    the capacity figure; ``kv_utilization`` (tokens stored / slots of allocated
+    blocks) measures paging waste and stays near 1 whatever the pool's fill.
+    """
+    total = pool_stats.get("num_device_blocks", 0)
+    return pool_stats.get("device_blocks_used", 0) / total if total else 0.0
+
+
 class Router:
     """Picks a worker per request and remembers why.
 
     Score of worker w for a prompt: ``prefix_weight * cached_tokens(w) -
     in_flight_tokens(w)``, so a cached token is worth ``prefix_weight``
     tokens of queued work, and a skewed hit stops winning once its worker
-    has more queued than the hit saves. Workers above ``max_kv_utilization``
-    or ``max_queue_per_worker`` are skipped while another has room.
+    has more queued than the hit saves. Workers whose ``kv_blocks_used_frac``
+    reaches ``max_kv_utilization``, or with ``max_queue_per_worker`` requests,
+    are skipped while another has room ("fallback" when none has).
     """
 
     def __init__(self, config: RouterConfig, worker_ids: list[str], history: int = 256) -> None:
@@ -62,11 +76,12 @@ class Router:
             if worker_id in self.loads:
                 self.loads[worker_id].is_alive = is_alive
 
-    def update_utilization(self, utilization: dict[str, float]) -> None:
+    def update_occupancy(self, blocks_used_frac: dict[str, float]) -> None:
+        """Set each worker's ``kv_blocks_used_frac`` (see ``kv_blocks_used_frac``)."""
         with self._lock:
-            for worker_id, value in utilization.items():
+            for worker_id, value in blocks_used_frac.items():
                 if worker_id in self.loads:
-                    self.loads[worker_id].kv_utilization = value
+                    self.loads[worker_id].kv_blocks_used_frac = value
 
     def choose(self, request_id: str, prompt_tokens: int, max_tokens: int,
                cached: dict[str, int], exclude: set[str] = frozenset()) -> RoutingDecision:
@@ -76,7 +91,7 @@ class Router:
             if not alive:
                 alive = [w for w in self.loads if w not in exclude] or list(self.loads)
             roomy = [w for w in alive
-                     if self.loads[w].kv_utilization < self.config.max_kv_utilization
+                     if self.loads[w].kv_blocks_used_frac < self.config.max_kv_utilization
                      and self.loads[w].num_in_flight < self.config.max_queue_per_worker]
             candidates = roomy or alive
             policy = self.config.policy
