@@ -2,30 +2,109 @@
 
 Latency histograms and request counters are observed by the server as
 requests finish (server-side clock: from the request's arrival at the
-replica). Queue, KV and cache figures are read from a stats snapshot of the
-KV manager and the workers at scrape time. Each ``ServerMetrics`` owns its
-``CollectorRegistry``, so several servers in one process never collide.
+replica), inter-token latencies as tokens arrive; queue, prefill and decode
+times come from the worker's own request timings. Queue, KV and cache
+figures are read from a stats snapshot of the KV manager and the workers at
+scrape time. Each ``ServerMetrics`` owns its ``CollectorRegistry``, so
+several servers in one process never collide.
+
+Every figure is also exported under vLLM's name (``vllm:num_requests_running``,
+``vllm:kv_cache_usage_perc``, ``vllm:time_to_first_token_seconds``, ...) with
+vLLM's labels (``model_name``; ``engine`` = the worker for per-worker
+figures), so a dashboard built for vLLM works unchanged. The aliases are
+the same observations renamed at scrape time (``VLLM_ALIASES``), not a second
+set of histograms.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                 120.0, 300.0)
+TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+N_BUCKETS = (1, 2, 5, 10, 20)
+
+# pagedserve's metric -> vLLM's name for the same figure (exported under both).
+VLLM_ALIASES = {
+    "pagedserve_prompt_tokens": "vllm:prompt_tokens",
+    "pagedserve_generation_tokens": "vllm:generation_tokens",
+    "pagedserve_request_success": "vllm:request_success",
+    "pagedserve_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "pagedserve_inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
+    "pagedserve_time_per_output_token_seconds": "vllm:request_time_per_output_token_seconds",
+    "pagedserve_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+    "pagedserve_request_queue_time_seconds": "vllm:request_queue_time_seconds",
+    "pagedserve_request_prefill_time_seconds": "vllm:request_prefill_time_seconds",
+    "pagedserve_request_decode_time_seconds": "vllm:request_decode_time_seconds",
+    "pagedserve_request_inference_time_seconds": "vllm:request_inference_time_seconds",
+    "pagedserve_request_prompt_tokens": "vllm:request_prompt_tokens",
+    "pagedserve_request_generation_tokens": "vllm:request_generation_tokens",
+    "pagedserve_request_max_num_generation_tokens": "vllm:request_max_num_generation_tokens",
+    "pagedserve_request_params_n": "vllm:request_params_n",
+    "pagedserve_request_params_max_tokens": "vllm:request_params_max_tokens",
+}
+VLLM_LABELS = {"model": "model_name", "finish_reason": "finished_reason"}
+# Older vLLM dashboards read these names for the same figures.
+VLLM_LEGACY_ALIASES = {
+    "pagedserve_inter_token_latency_seconds": "vllm:time_per_output_token_seconds",
+}
 
 
 class _ClusterStatsCollector:
     """Yields gauges and counters from the latest stats snapshot (see ``collect_stats``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
         self.stats: dict = {}
 
     def collect(self):
+        yield from self._collect_pagedserve()
+        yield from self._collect_vllm()
+
+    def _collect_vllm(self):
+        """vLLM's per-engine gauges and counters (``engine`` = the worker id)."""
+        labels = ["model_name", "engine"]
+        running = GaugeMetricFamily("vllm:num_requests_running",
+                                    "Number of requests in model execution batches.", labels=labels)
+        waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                                    labels=labels)
+        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc",
+                                  "KV-cache usage. 1 means 100 percent usage.", labels=labels)
+        legacy_usage = GaugeMetricFamily("vllm:gpu_cache_usage_perc",
+                                         "KV-cache usage. 1 means 100 percent usage (older name).",
+                                         labels=labels)
+        queries = CounterMetricFamily("vllm:prefix_cache_queries",
+                                      "Prefix cache queries, in terms of number of queried tokens.",
+                                      labels=labels)
+        hits = CounterMetricFamily("vllm:prefix_cache_hits",
+                                   "Prefix cache hits, in terms of number of cached tokens.", labels=labels)
+        preemptions = CounterMetricFamily("vllm:num_preemptions", "Cumulative number of preemptions.",
+                                          labels=labels)
+        for worker_id, stats in sorted(self.stats.get("workers", {}).items()):
+            if "num_running" in stats:
+                running.add_metric([self.model_name, worker_id], stats["num_running"])
+                waiting.add_metric([self.model_name, worker_id], stats["num_waiting"])
+        for worker_id, pool in sorted(self.stats.get("kv_manager", {}).get("workers", {}).items()):
+            key = [self.model_name, worker_id]
+            num_blocks = pool.get("num_device_blocks", 0)
+            fraction = pool.get("device_blocks_used", 0) / num_blocks if num_blocks else 0.0
+            usage.add_metric(key, fraction)
+            legacy_usage.add_metric(key, fraction)
+            queries.add_metric(key, pool.get("num_prefix_query_tokens", 0))
+            hits.add_metric(key, pool.get("num_prefix_hit_tokens", 0))
+            preemptions.add_metric(key, sum(pool.get(f"num_preemptions_{mode}", 0)
+                                            for mode in ("swap", "recompute", "migrate")))
+        yield from (running, waiting, usage, legacy_usage, queries, hits, preemptions)
+
+    def _collect_pagedserve(self):
         workers = self.stats.get("workers", {})
         pools = self.stats.get("kv_manager", {}).get("workers", {})
         running = GaugeMetricFamily("pagedserve_num_requests_running",
@@ -74,13 +153,34 @@ class _ClusterStatsCollector:
         yield from (running, waiting, healthy, usage, filled, blocks, hit_rate, queried, hits, preemptions, swaps)
 
 
+class _VllmAliasCollector:
+    """The server's own metrics again under vLLM's names and labels (``VLLM_LABELS``)."""
+
+    def __init__(self, metrics: list, aliases: dict[str, str]) -> None:
+        self.metrics = metrics
+        self.aliases = aliases
+
+    def collect(self):
+        for metric in self.metrics:
+            for family in metric.collect():
+                name = self.aliases.get(family.name)
+                if name is None:
+                    continue
+                renamed = Metric(name, family.documentation, family.type, family.unit)
+                for sample in family.samples:
+                    labels = {VLLM_LABELS.get(key, key): value for key, value in sample.labels.items()}
+                    renamed.add_sample(name + sample.name[len(family.name):], labels, sample.value,
+                                       sample.timestamp, sample.exemplar)
+                yield renamed
+
+
 class ServerMetrics:
     """Counters and histograms of one server, rendered with a cluster stats snapshot."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
-        self._cluster = _ClusterStatsCollector()
+        self._cluster = _ClusterStatsCollector(model_name)
         self.registry.register(self._cluster)
         labels = ["model"]
         self.in_flight = Gauge("pagedserve_server_requests_in_flight",
@@ -104,11 +204,45 @@ class ServerMetrics:
                               buckets=TPOT_BUCKETS, registry=self.registry)
         self.e2e = Histogram("pagedserve_e2e_request_latency_seconds", "End-to-end request latency",
                              labels, buckets=E2E_BUCKETS, registry=self.registry)
+        self.itl = Histogram("pagedserve_inter_token_latency_seconds",
+                             "Time between successive output tokens of a sample (as they reach the server)",
+                             labels, buckets=ITL_BUCKETS, registry=self.registry)
+        self.queue_time = Histogram("pagedserve_request_queue_time_seconds",
+                                    "Time a request waited in its worker's queue before its first step",
+                                    labels, buckets=PHASE_BUCKETS, registry=self.registry)
+        self.prefill_time = Histogram("pagedserve_request_prefill_time_seconds",
+                                      "First step to first token, on the worker", labels,
+                                      buckets=PHASE_BUCKETS, registry=self.registry)
+        self.decode_time = Histogram("pagedserve_request_decode_time_seconds",
+                                     "First token to the end, on the worker", labels,
+                                     buckets=PHASE_BUCKETS, registry=self.registry)
+        self.inference_time = Histogram("pagedserve_request_inference_time_seconds",
+                                        "First step to the end, on the worker", labels,
+                                        buckets=PHASE_BUCKETS, registry=self.registry)
+        self.request_prompt_tokens = Histogram("pagedserve_request_prompt_tokens", "Prompt tokens per request",
+                                               labels, buckets=TOKEN_COUNT_BUCKETS, registry=self.registry)
+        self.request_generation_tokens = Histogram(
+            "pagedserve_request_generation_tokens", "Generated tokens per request (all samples)", labels,
+            buckets=TOKEN_COUNT_BUCKETS, registry=self.registry)
+        self.request_max_generation_tokens = Histogram(
+            "pagedserve_request_max_num_generation_tokens", "Most tokens generated by one sample of a request",
+            labels, buckets=TOKEN_COUNT_BUCKETS, registry=self.registry)
+        self.request_n = Histogram("pagedserve_request_params_n", "The n parameter of requests", labels,
+                                   buckets=N_BUCKETS, registry=self.registry)
+        self.request_max_tokens = Histogram("pagedserve_request_params_max_tokens",
+                                            "The max_tokens parameter of requests", labels,
+                                            buckets=TOKEN_COUNT_BUCKETS, registry=self.registry)
         self.in_flight.labels(model_name).set(0)
+        histograms = [self.ttft, self.tpot, self.e2e, self.itl, self.queue_time, self.prefill_time,
+                      self.decode_time, self.inference_time, self.request_prompt_tokens,
+                      self.request_generation_tokens, self.request_max_generation_tokens, self.request_n,
+                      self.request_max_tokens]
         # Export zeroed series from the start, so dashboards and scrapers see them before traffic.
-        for metric in (self.prompt_tokens, self.cached_tokens, self.generation_tokens,
-                       self.ttft, self.tpot, self.e2e):
+        for metric in (self.prompt_tokens, self.cached_tokens, self.generation_tokens, *histograms):
             metric.labels(model_name)
+        aliased = [self.prompt_tokens, self.generation_tokens, self.finished, *histograms]
+        self.registry.register(_VllmAliasCollector(aliased, VLLM_ALIASES))
+        self.registry.register(_VllmAliasCollector(aliased, VLLM_LEGACY_ALIASES))
 
     def set_in_flight(self, num_requests: int) -> None:
         self.in_flight.labels(self.model_name).set(num_requests)
@@ -116,9 +250,34 @@ class ServerMetrics:
     def observe_response(self, api: str, status: int) -> None:
         self.requests.labels(self.model_name, api, str(status)).inc()
 
+    def observe_inter_token(self, interval_s: float, num_tokens: int) -> None:
+        """``num_tokens`` new tokens of one sample arrived ``interval_s`` after its previous ones:
+        each counts as one inter-token interval of ``interval_s / num_tokens``."""
+        if num_tokens <= 0 or interval_s < 0:
+            return
+        histogram = self.itl.labels(self.model_name)
+        per_token = interval_s / num_tokens
+        for _ in range(num_tokens):
+            histogram.observe(per_token)
+
+    def observe_phases(self, arrival: float, first_scheduled: float | None, first_token: float | None,
+                       finished: float | None) -> None:
+        """Queue, prefill, decode and inference times from a worker's request timings (its clock)."""
+        model = self.model_name
+        if first_scheduled is None:
+            return
+        self.queue_time.labels(model).observe(max(0.0, first_scheduled - arrival))
+        if first_token is not None:
+            self.prefill_time.labels(model).observe(max(0.0, first_token - first_scheduled))
+            if finished is not None:
+                self.decode_time.labels(model).observe(max(0.0, finished - first_token))
+        if finished is not None:
+            self.inference_time.labels(model).observe(max(0.0, finished - first_scheduled))
+
     def observe_generation(self, arrival: float, first_token: float | None, finished: float,
                            num_prompt_tokens: int, num_cached_tokens: int, num_generated_tokens: int,
-                           finish_reasons: list[str]) -> None:
+                           finish_reasons: list[str], max_tokens: int | None = None,
+                           max_sample_tokens: int | None = None) -> None:
         """Record one finished prompt's generation (all its ``n`` samples)."""
         model = self.model_name
         self.prompt_tokens.labels(model).inc(num_prompt_tokens)
@@ -126,6 +285,13 @@ class ServerMetrics:
         self.generation_tokens.labels(model).inc(num_generated_tokens)
         for reason in finish_reasons:
             self.finished.labels(model, reason or "unknown").inc()
+        self.request_prompt_tokens.labels(model).observe(num_prompt_tokens)
+        self.request_generation_tokens.labels(model).observe(num_generated_tokens)
+        self.request_n.labels(model).observe(max(1, len(finish_reasons)))
+        if max_tokens is not None:
+            self.request_max_tokens.labels(model).observe(max_tokens)
+        if max_sample_tokens is not None:
+            self.request_max_generation_tokens.labels(model).observe(max_sample_tokens)
         self.e2e.labels(model).observe(finished - arrival)
         if first_token is not None:
             self.ttft.labels(model).observe(first_token - arrival)
