@@ -50,6 +50,8 @@ class KVManager:
     def __init__(self) -> None:
         self.workers: dict[str, BlockManager] = {}
         self.configs: dict[str, PoolConfig] = {}
+        # Workers whose last step said they are draining: never migration targets.
+        self.draining: set[str] = set()
 
     # ---- workers ----------------------------------------------------------
     def add_worker(self, worker_id: str, config: PoolConfig) -> None:
@@ -78,6 +80,7 @@ class KVManager:
         self._worker(worker_id)
         del self.workers[worker_id]
         del self.configs[worker_id]
+        self.draining.discard(worker_id)
 
     def _worker(self, worker_id: str) -> BlockManager:
         manager = self.workers.get(worker_id)
@@ -93,6 +96,10 @@ class KVManager:
         """Plan one step for one worker. See ``StepInput`` and ``StepOutput``."""
         manager = self._worker(step_input.worker_id)
         self._validate(manager, step_input)
+        if step_input.is_draining:
+            self.draining.add(step_input.worker_id)
+        else:
+            self.draining.discard(step_input.worker_id)
         manager.begin_step()
         try:
             output = StepOutput()
@@ -109,6 +116,8 @@ class KVManager:
                 manager.append_tokens(seq_id, token_ids)
             for seq_id in step_input.finished:
                 manager.free_sequence(seq_id)
+            if step_input.is_draining:
+                self._drain(manager, step_input, output)
             budget = self._schedule_running(manager, step_input, output, step_input.token_budget)
             self._schedule_waiting(manager, step_input, output, budget)
         finally:
@@ -179,7 +188,8 @@ class KVManager:
         """The other worker with the most free device blocks, if it can take ``seq`` now."""
         best, best_free = None, 0
         for other_id, other in self.workers.items():
-            if other_id == worker_id or self.configs[other_id].role == "prefill":
+            if (other_id == worker_id or self.configs[other_id].role == "prefill"
+                    or other_id in self.draining):
                 continue
             if other.block_size != self.workers[worker_id].block_size:
                 continue
@@ -188,6 +198,20 @@ class KVManager:
                 best, best_free = other_id, free
         need = len(seq.block_table) + 1
         return best if best is not None and best_free >= need else None
+
+    def _drain(self, manager: BlockManager, step_input: StepInput, output: StepOutput) -> None:
+        """Migrate every migratable running sequence that holds KV to a worker with room.
+        The rest (not migratable, no KV yet, no room anywhere) keep running here and are
+        tried again at the next step."""
+        for seq_id in step_input.migratable:
+            seq = manager.seqs.get(seq_id)
+            if seq is None or seq.location != SeqLocation.DEVICE or not seq.num_computed:
+                continue
+            target = self._migration_target(step_input.worker_id, seq)
+            if target is None:
+                continue
+            manager.migrate_out(seq)
+            output.preempted.append(Preemption(seq_id, "migrate", target))
 
     def _preempt(self, manager: BlockManager, worker_id: str, seq: SequenceBlocks,
                  output: StepOutput, migratable: set[str]) -> None:
@@ -211,7 +235,8 @@ class KVManager:
                           output: StepOutput, budget: int) -> int:
         seqs = manager.seqs
         device = SeqLocation.DEVICE
-        queue = [seq for seq in map(seqs.__getitem__, step_input.running) if seq.location is device]
+        # A draining step may have migrated some away already.
+        queue = [seq for seq in map(seqs.get, step_input.running) if seq is not None and seq.location is device]
         worker_id = step_input.worker_id
         try_grow = manager.try_grow
         scheduled = output.scheduled
@@ -336,6 +361,7 @@ class KVManager:
             "num_running": sum(1 for s in seqs if s.location == SeqLocation.DEVICE),
             "num_swapped": sum(1 for s in seqs if s.location == SeqLocation.SWAPPED),
             "num_device_evictions": manager.device.num_evictions,
+            "is_draining": worker_id in self.draining,
             **counters,
         }
 

@@ -49,6 +49,9 @@ class StepInput:
     token_budget: int = 8192
     # Running sequences that may be migrated to another worker if preempted.
     migratable: list[str] = field(default_factory=list)
+    # The worker is leaving: move every migratable running sequence to a worker with
+    # room, and send it no migrated sequences.
+    is_draining: bool = False
 
 
 @dataclass(slots=True)

@@ -51,7 +51,10 @@ class Scheduler:
         self.known: dict[str, Sequence] = {}
         # In a cluster, preempted single-sample sequences may move to another worker.
         self.allow_migration = False
+        # The worker is leaving: the KV manager migrates its running sequences away.
+        self.is_draining = False
         self.num_preemptions = {"swap": 0, "recompute": 0, "migrate": 0}
+        self.num_drain_migrations = 0
 
     # ---- changes since the last step ------------------------------------------
     def add(self, seq: Sequence, num_imported_tokens: int = 0) -> None:
@@ -115,6 +118,7 @@ class Scheduler:
             step_input.migratable = [s.seq_id for s in self.running
                                      if s.request.params.n == 1 and not s.request.export_kv
                                      and not s.request.needs_prompt_logprobs]
+            step_input.is_draining = self.is_draining
         try:
             kv_output = self.kv_step(step_input)
         except BaseException:
@@ -137,6 +141,7 @@ class Scheduler:
             seq = by_id[preemption.seq_id]
             if preemption.mode == "migrate":
                 self.num_preemptions["migrate"] += 1
+                self.num_drain_migrations += step_input.is_draining
                 # The manager forgot it; this worker only exports its KV.
                 self.running.remove(seq)
                 self.known.pop(seq.seq_id, None)

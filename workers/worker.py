@@ -234,6 +234,27 @@ class Worker:
     def abort(self, request_id: str) -> bool:
         return self.async_engine.abort(request_id)
 
+    # ---- leaving the cluster ----------------------------------------------------------
+    async def drain(self) -> dict:
+        """Start leaving: from the next step on, the KV manager migrates every running
+        single-sample sequence that holds KV to a worker with room, and sends none here.
+        Sequences that cannot migrate (several samples, prompt logprobs, no room anywhere)
+        finish here. The cluster routes no new requests here; one that still arrives runs
+        its prompt and then migrates like the rest. Returns ``drain_status``."""
+        def start_draining(engine: LLMEngine) -> None:
+            engine.scheduler.is_draining = True
+
+        await asyncio.wrap_future(self.async_engine.submit(start_draining))
+        logger.info("worker %s: draining (%d unfinished requests)", self.worker_id, len(self.engine.requests))
+        return self.drain_status()
+
+    def drain_status(self) -> dict:
+        """What is left before a draining worker may go: requests, and migration exports a
+        target has not fetched yet (they live in this worker's object store)."""
+        return {"worker_id": self.worker_id, "is_draining": self.engine.scheduler.is_draining,
+                "num_unfinished": len(self.engine.requests), "num_held_exports": len(self.held_exports),
+                "num_drain_migrations": self.engine.scheduler.num_drain_migrations}
+
     # ---- introspection ----------------------------------------------------------------
     def info(self) -> dict:
         return {"worker_id": self.worker_id, "role": self.role, "model": self.engine.config.model,
@@ -265,6 +286,8 @@ class Worker:
                 "swapped_in_bytes": engine_stats["swapped_in_bytes"],
                 "num_kv_calls": self.num_kv_calls, "num_kv_retries": self.num_kv_retries,
                 "num_held_exports": len(self.held_exports),
+                "is_draining": self.engine.scheduler.is_draining,
+                "num_drain_migrations": self.engine.scheduler.num_drain_migrations,
                 "mean_kv_call_ms": 1e3 * self.kv_seconds / self.num_kv_calls if self.num_kv_calls else 0.0,
                 "is_healthy": self.async_engine.is_running}
 
