@@ -1,21 +1,34 @@
 """KV block accounting: pools, block tables, prefix cache, preemption. Pure Python.
 
-Nothing here imports torch: inputs and outputs are plain data, so the same
-``KVManager`` runs in-process and as the cluster's central Ray actor.
+Nothing here imports torch: inputs and outputs are plain data. Two levels:
+each worker runs ``LocalKVManager`` (the same ``KVManager`` code) on its own
+pools, in-process, and reports changes as KV events; the central
+``service.KVManagerService`` keeps the ``ClusterIndex`` and decides
+preemptions. The offline engine runs ``KVManager`` alone.
 """
 
 from .allocation import ALLOCATION_POLICIES
 from .block_manager import BlockManager, PrefixMatch
 from .block_pool import BlockPool, ContiguousBlockPool
+from .cluster_index import ClusterIndex
 from .errors import (DoubleFreeError, IntegrityError, KVManagerError, NoFreeBlocksError,
                      UnknownSequenceError, UnknownWorkerError)
-from .hashing import BlockHash, hash_block, hash_prefix_blocks
+from .events import (AllBlocksCleared, BlockRemoved, BlockStored, EventLog, KVEventBatch, KVSnapshot,
+                     PublishAck, TierOccupancy)
+from .hashing import BlockHash, block_hash_key, hash_block, hash_prefix_blocks
 from .kv_manager import PREEMPTION_MODES, KVManager, PoolConfig
+from .local_manager import LocalKVManager
+from .preemption import (LocalPreemptionPolicy, PreemptionCandidate, PreemptionChoice, PreemptionDecision,
+                         PreemptionRequest, RemotePreemptionPolicy, decide_preemption)
 from .sequence import SeqLocation, SequenceBlocks
 from .step import NewSequence, Preemption, ScheduledSeq, StepInput, StepOutput, from_wire, to_wire
 
 __all__ = [
-    "ALLOCATION_POLICIES", "BlockHash", "BlockManager", "BlockPool", "ContiguousBlockPool",
+    "ALLOCATION_POLICIES", "AllBlocksCleared", "BlockHash", "BlockManager", "BlockPool", "BlockRemoved",
+    "BlockStored", "ClusterIndex", "ContiguousBlockPool", "EventLog", "KVEventBatch", "KVSnapshot",
+    "LocalKVManager", "LocalPreemptionPolicy", "PreemptionCandidate", "PreemptionChoice",
+    "PreemptionDecision", "PreemptionRequest", "PublishAck", "RemotePreemptionPolicy", "TierOccupancy",
+    "block_hash_key", "decide_preemption",
     "DoubleFreeError", "IntegrityError", "KVManager", "KVManagerError", "NewSequence",
     "NoFreeBlocksError", "PREEMPTION_MODES", "PoolConfig", "Preemption", "PrefixMatch",
     "ScheduledSeq", "SeqLocation", "SequenceBlocks", "StepInput", "StepOutput",

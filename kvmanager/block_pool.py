@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 from .errors import DoubleFreeError, IntegrityError, NoFreeBlocksError
 from .hashing import BlockHash
@@ -11,6 +11,16 @@ from .hashing import BlockHash
 # Called with (block_id, block_hash, token_ids) just before a cached block is
 # reused for other data, so its owner can offload it to a lower tier.
 EvictHook = Callable[[int, BlockHash, tuple], None]
+
+
+class PoolListener(Protocol):
+    """Told of every change to a pool's set of cached hashes (``events.EventLog``)."""
+
+    def stored(self, tier: str, block_hash: BlockHash) -> None: ...
+
+    def removed(self, tier: str, block_hash: BlockHash) -> None: ...
+
+    def cleared(self, tier: str | None) -> None: ...
 
 
 class BlockPool:
@@ -47,6 +57,7 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._index: dict[BlockHash, int] = {}
         self.on_evict: EvictHook | None = None
+        self.listener: PoolListener | None = None
         self.num_evictions = 0
 
     # ---- counts -------------------------------------------------------------
@@ -133,6 +144,10 @@ class BlockPool:
             return None  # a miss, or a hash collision: never share wrong data
         return block
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash this pool caches (in use or cached-free)."""
+        return list(self._index)
+
     def take_cached(self, block: int) -> None:
         """Reference a block found by ``lookup``, pulling it off the LRU list."""
         if self.ref_counts[block] == 0:
@@ -153,15 +168,29 @@ class BlockPool:
         self.block_tokens[block] = tuple(token_ids)
         self.block_parents[block] = parent_hash
         self.block_extra_keys[block] = extra_key
+        if self.listener is not None:
+            self.listener.stored(self.tier, block_hash)
         return True
 
     def evict_all_cached(self) -> int:
         """Drop every cached-free block's hash (cache reset). Returns the count."""
         num = len(self._evictable)
-        while self._evictable:
-            block, _ = self._evictable.popitem(last=False)
-            self._forget(block)
-            self._free.append(block)
+        listener, self.listener = self.listener, None
+        forgotten = []
+        try:
+            while self._evictable:
+                block, _ = self._evictable.popitem(last=False)
+                forgotten.append(self.block_hashes[block])
+                self._forget(block)
+                self._free.append(block)
+        finally:
+            self.listener = listener
+        if listener is not None and forgotten:
+            if self._index:
+                for block_hash in forgotten:
+                    listener.removed(self.tier, block_hash)
+            else:
+                listener.cleared(self.tier)
         return num
 
     def _evict(self, block: int) -> None:
@@ -171,7 +200,10 @@ class BlockPool:
         self._forget(block)
 
     def _forget(self, block: int) -> None:
-        del self._index[self.block_hashes[block]]
+        block_hash = self.block_hashes[block]
+        del self._index[block_hash]
+        if self.listener is not None:
+            self.listener.removed(self.tier, block_hash)
         self.block_hashes[block] = None
         self.block_tokens[block] = None
         self.block_parents[block] = None

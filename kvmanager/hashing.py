@@ -53,6 +53,17 @@ def hash_prefix_blocks(
     return hashes
 
 
+def block_hash_key(block_hash: BlockHash) -> int:
+    """The 8-byte integer key of a hash, for the cluster index and KV events.
+
+    A prefix of the digest: two different prefixes sharing a key (2^-64 per
+    pair) would make the index report a cached prefix a worker lacks, which
+    costs that request a cache miss, never a wrong token (the worker's own
+    pool compares full hashes and tokens).
+    """
+    return int.from_bytes(block_hash[:8], "little")
+
+
 def hash_hex(block_hash: BlockHash | None, length: int = 12) -> str:
     """A short printable prefix of a hash, for logs and dashboards."""
     return "" if block_hash is None else block_hash.hex()[:length]

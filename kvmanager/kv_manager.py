@@ -7,10 +7,15 @@ from dataclasses import asdict, dataclass
 from .block_manager import BlockManager, PrefixMatch
 from .errors import KVManagerError, UnknownSequenceError, UnknownWorkerError
 from .hashing import hash_prefix_blocks
+from .preemption import (MigrationTarget, PreemptionCandidate, PreemptionChoice, PreemptionPolicy,
+                         PreemptionRequest, decide_preemption)
 from .sequence import SeqLocation, SequenceBlocks
 from .step import Preemption, ScheduledSeq, StepInput, StepOutput
 
 PREEMPTION_MODES = ("swap", "recompute")  # what a config may force; "migrate" is chosen, never forced
+# At most this many victims-to-be are sent with one preemption request; later
+# victims of the same step (rare) are swapped or recomputed locally.
+MAX_PREEMPTION_CANDIDATES = 64
 
 
 @dataclass(slots=True)
@@ -47,20 +52,26 @@ class KVManager:
     anything.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, preemption: PreemptionPolicy | None = None) -> None:
         self.workers: dict[str, BlockManager] = {}
         self.configs: dict[str, PoolConfig] = {}
         # Workers whose last step said they are draining: never migration targets.
         self.draining: set[str] = set()
+        # Default: decide with the workers held here (migrate between them).
+        self.preemption = preemption or _HeldWorkersPreemption(self)
 
     # ---- workers ----------------------------------------------------------
     def add_worker(self, worker_id: str, config: PoolConfig) -> None:
         if worker_id in self.workers:
             raise KVManagerError(f"worker {worker_id!r} already registered")
         self.configs[worker_id] = config
-        self.workers[worker_id] = BlockManager(
+        self.workers[worker_id] = self._new_block_manager(config)
+
+    def _new_block_manager(self, config: PoolConfig) -> BlockManager:
+        manager = BlockManager(
             config.num_device_blocks, config.num_host_blocks, config.block_size,
             config.max_model_len, config.allocation, config.enable_prefix_caching, config.watermark)
+        return manager
 
     def restore_worker(self, worker_id: str, config: PoolConfig, sequences: list[dict]) -> None:
         """(Re-)register a worker together with the sequences it still holds.
@@ -68,9 +79,7 @@ class KVManager:
         Used when the manager restarted and lost its state, or a worker
         rejoined: any accounting held for ``worker_id`` is replaced.
         """
-        manager = BlockManager(
-            config.num_device_blocks, config.num_host_blocks, config.block_size,
-            config.max_model_len, config.allocation, config.enable_prefix_caching, config.watermark)
+        manager = self._new_block_manager(config)
         manager.restore_sequences(sequences)
         self.workers[worker_id] = manager
         self.configs[worker_id] = config
@@ -184,45 +193,60 @@ class KVManager:
         if step_input.token_budget < 0:
             raise KVManagerError("token_budget must be >= 0")
 
-    def _migration_target(self, worker_id: str, seq: SequenceBlocks) -> str | None:
-        """The other worker with the most free device blocks, if it can take ``seq`` now."""
-        best, best_free = None, 0
-        for other_id, other in self.workers.items():
-            if (other_id == worker_id or self.configs[other_id].role == "prefill"
-                    or other_id in self.draining):
-                continue
-            if other.block_size != self.workers[worker_id].block_size:
-                continue
-            free = other.device.num_free_blocks - other.watermark_blocks
-            if free > best_free:
-                best, best_free = other_id, free
-        need = len(seq.block_table) + 1
-        return best if best is not None and best_free >= need else None
+    def migration_targets(self) -> list[MigrationTarget]:
+        """Workers held here that may receive migrated sequences, with their room now."""
+        return [MigrationTarget(w, m.device.num_free_blocks - m.watermark_blocks, m.block_size)
+                for w, m in self.workers.items()
+                if self.configs[w].role != "prefill" and w not in self.draining]
+
+    def _ask_preemption(self, manager: BlockManager, worker_id: str, queue: list[SequenceBlocks],
+                        current: int, migratable: set[str]) -> dict[str, PreemptionChoice]:
+        """One policy call for every sequence that may become a victim this step."""
+        wanted = {seq.seq_id: manager.num_blocks_to_grow(seq, seq.num_tokens - seq.num_computed)
+                  for seq in queue[current:]}
+        candidates = [
+            PreemptionCandidate(seq.seq_id, len(seq.block_table), seq.num_computed, seq.seq_id in migratable,
+                                wanted[seq.seq_id])
+            for seq in (queue[j] for j in range(len(queue) - 1, current - 1, -1))
+            if not seq.is_protected][:MAX_PREEMPTION_CANDIDATES]
+        num_short = sum(wanted.values()) - manager.device.num_free_blocks
+        request = PreemptionRequest(worker_id, candidates, manager.host.num_free_blocks, manager.block_size,
+                                    self.configs[worker_id].preemption_mode, max(num_short, 1))
+        decision = self.preemption.decide(request)
+        return {c.seq_id: c for c in decision.choices}
 
     def _drain(self, manager: BlockManager, step_input: StepInput, output: StepOutput) -> None:
-        """Migrate every migratable running sequence that holds KV to a worker with room.
-        The rest (not migratable, no KV yet, no room anywhere) keep running here and are
-        tried again at the next step."""
+        """Migrate every migratable running sequence that holds KV to a worker with room
+        (one policy call, mode "migrate": migrate or keep). The rest (not migratable, no
+        KV yet, no room anywhere) keep running here and are tried again at the next step."""
+        worker_id = step_input.worker_id
+        candidates = []
         for seq_id in step_input.migratable:
             seq = manager.seqs.get(seq_id)
             if seq is None or seq.location != SeqLocation.DEVICE or not seq.num_computed:
                 continue
-            target = self._migration_target(step_input.worker_id, seq)
-            if target is None:
+            candidates.append(PreemptionCandidate(seq_id, len(seq.block_table), seq.num_computed, True))
+        if not candidates:
+            return
+        decision = self.preemption.decide(PreemptionRequest(
+            worker_id, candidates, manager.host.num_free_blocks, manager.block_size, "migrate",
+            sum(c.num_blocks for c in candidates)))
+        for choice in decision.choices:
+            seq = manager.seqs.get(choice.seq_id)
+            if choice.mode != "migrate" or not choice.target_worker or seq is None:
                 continue
             manager.migrate_out(seq)
-            output.preempted.append(Preemption(seq_id, "migrate", target))
+            output.preempted.append(Preemption(choice.seq_id, "migrate", choice.target_worker))
 
     def _preempt(self, manager: BlockManager, worker_id: str, seq: SequenceBlocks,
-                 output: StepOutput, migratable: set[str]) -> None:
-        """Swap, recompute or migrate a victim, as configured and as room allows."""
-        mode = self.configs[worker_id].preemption_mode
-        target = None
-        if mode is None and seq.seq_id in migratable and seq.num_computed:
-            target = self._migration_target(worker_id, seq)
-        if target is not None:
+                 choice: PreemptionChoice | None, output: StepOutput) -> None:
+        """Carry out a choice; swap or recompute as room allows when there is none
+        (a victim beyond the candidates asked about) or it cannot be honoured."""
+        mode = choice.mode if choice is not None else (
+            "recompute" if self.configs[worker_id].preemption_mode == "recompute" else "swap")
+        if mode == "migrate" and choice.target_worker and seq.num_computed:
             manager.migrate_out(seq)
-            output.preempted.append(Preemption(seq.seq_id, "migrate", target))
+            output.preempted.append(Preemption(seq.seq_id, "migrate", choice.target_worker))
             return
         if mode != "recompute" and manager.can_swap_out(seq):
             manager.swap_out(seq)
@@ -241,6 +265,7 @@ class KVManager:
         try_grow = manager.try_grow
         scheduled = output.scheduled
         migratable = set(step_input.migratable)
+        choices: dict[str, PreemptionChoice] | None = None
         i = 0
         while i < len(queue):
             seq = queue[i]
@@ -255,7 +280,10 @@ class KVManager:
                 victim_index = self._pick_victim(queue, i)
                 if victim_index is None:
                     break
-                self._preempt(manager, worker_id, queue.pop(victim_index), output, migratable)
+                if choices is None:
+                    choices = self._ask_preemption(manager, worker_id, queue, i, migratable)
+                victim = queue.pop(victim_index)
+                self._preempt(manager, worker_id, victim, choices.get(victim.seq_id), output)
             else:
                 scheduled.append(ScheduledSeq(seq.seq_id, start, num_tokens, seq.block_table[:]))
                 budget -= num_tokens
@@ -264,7 +292,9 @@ class KVManager:
             # Nothing left to preempt: preempt this sequence itself, unless it
             # was just resumed, in which case it waits for room.
             if not seq.is_protected:
-                self._preempt(manager, worker_id, seq, output, migratable)
+                if choices is None:
+                    choices = self._ask_preemption(manager, worker_id, queue, i, migratable)
+                self._preempt(manager, worker_id, seq, choices.get(seq.seq_id), output)
             queue.pop(i)
         return budget
 
@@ -441,3 +471,13 @@ class KVManager:
         """Raise ``IntegrityError`` unless every worker's accounting is consistent."""
         for manager in self.workers.values():
             manager.check_integrity()
+
+
+class _HeldWorkersPreemption:
+    """The default policy of a ``KVManager``: ``decide_preemption`` over the workers it holds."""
+
+    def __init__(self, manager: KVManager) -> None:
+        self.manager = manager
+
+    def decide(self, request: PreemptionRequest):
+        return decide_preemption(request, self.manager.migration_targets(), decided_by="in_process")

@@ -1,34 +1,68 @@
-"""The KV manager as a service: msgpack on the wire, one object for the cluster.
+"""The central KV manager: the cluster's authority for what crosses workers.
 
-``pagedserve.cluster`` runs this class as the named, restartable Ray actor;
-it has no Ray (or torch) import itself, so it stays testable in-process.
+``pagedserve.cluster`` runs ``KVManagerService`` as the named, restartable
+Ray actor; it has no Ray (or torch) import at module level, so it stays
+testable in-process. It is off every engine step's critical path:
+
+- workers ``publish`` batches of KV events (fire and forget) and, when told
+  to resync, a snapshot; the ``ClusterIndex`` answers prefix lookups
+  (``longest_prefix``) and keeps per-worker occupancy;
+- a worker that cannot grow asks ``decide_preemption`` once for that step's
+  victims: migrate (to the worker with the most room), swap, or recompute.
+
+Its state is soft. A restarted service has a new ``incarnation`` and an empty
+index; every worker's next publish is answered "resync", and the snapshots
+rebuild it.
 """
 
 from __future__ import annotations
 
+import collections
 import time
 import uuid
+from dataclasses import asdict
 
 import msgpack
 
+from .cluster_index import ClusterIndex
+from .events import KVEventBatch, KVSnapshot, PublishAck
 from .kv_manager import KVManager, PoolConfig
+from .preemption import MigrationTarget, PreemptionRequest, decide_preemption
 from .step import StepInput, from_wire, to_wire
+
+# Room promised to a migration is held back from later decisions this long
+# (until the target's own events show it).
+MIGRATION_RESERVATION_S = 2.0
+LAG_WINDOW = 8192
 
 
 class KVManagerService:
-    """Wire-level front of a ``KVManager`` shared by every worker of a cluster.
+    """Wire-level front of the cluster index and the preemption policy.
 
-    A fresh ``incarnation`` id on every start lets workers notice a restart
-    (the state is then empty) and re-register what they hold.
+    Every method takes and returns plain data or msgpack bytes, and leaves
+    the state unchanged when it refuses its input.
     """
 
     def __init__(self) -> None:
+        self.index = ClusterIndex()
+        self.incarnation = uuid.uuid4().hex[:16]
+        self.started_at = time.time()
+        self._cpu_at_start = time.process_time()
+        self.handler_cpu_s = 0.0
+        self.num_publishes = 0
+        self.num_snapshots = 0
+        self.num_preemption_calls = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.preemptions_by_mode: collections.Counter[str] = collections.Counter()
+        self._lags_s: collections.deque[float] = collections.deque(maxlen=LAG_WINDOW)
+        self._reservations: dict[str, list[tuple[int, float]]] = {}
+        # The per-step path of the previous design; removed with the worker integration.
         self.manager = KVManager()
-        self.incarnation = uuid.uuid4().hex
         self.num_steps = 0
         self.step_seconds = 0.0
-        self.started_at = time.time()
 
+    # ---- identity and membership ---------------------------------------------------
     def get_incarnation(self) -> str:
         return self.incarnation
 
@@ -41,19 +75,152 @@ class KVManagerService:
         return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
     def register_worker(self, worker_id: str, config: dict, sequences: list[dict] | None = None) -> str:
-        """Add (or replace) a worker's accounting; returns the incarnation id."""
+        """Know of a worker and its ``PoolConfig`` (as a dict); returns the incarnation.
+
+        Its entries arrive with its first snapshot (``resync``).
+        """
+        PoolConfig(**config)  # refuse a malformed config before changing anything
+        self.index.register(worker_id, config)
         self.manager.restore_worker(worker_id, PoolConfig(**config), sequences or [])
         return self.incarnation
 
     def remove_worker(self, worker_id: str) -> bool:
-        if worker_id not in self.manager.workers:
-            return False
-        self.manager.remove_worker(worker_id)
-        return True
+        if worker_id in self.manager.workers:
+            self.manager.remove_worker(worker_id)
+        self._reservations.pop(worker_id, None)
+        return self.index.remove_worker(worker_id)
 
     def worker_ids(self) -> list[str]:
-        return list(self.manager.workers)
+        return list(self.index.workers)
 
+    # ---- the event wire ---------------------------------------------------------------
+    def publish(self, packed_batch: bytes) -> bytes:
+        """Apply one worker's ``KVEventBatch``; returns a packed ``PublishAck``."""
+        start = time.thread_time()
+        now = time.time()
+        batch = KVEventBatch.unpack(packed_batch)
+        result = self.index.apply(batch, now)
+        if result.status == "ok" and batch.events:
+            self._lags_s.append(now - batch.oldest_event_at)
+        ack = PublishAck(result.status, self.incarnation, result.expected_seq).pack()
+        self.num_publishes += 1
+        self.bytes_in += len(packed_batch)
+        self.bytes_out += len(ack)
+        self.handler_cpu_s += time.thread_time() - start
+        return ack
+
+    def resync(self, packed_snapshot: bytes) -> bytes:
+        """Replace a worker's entries by its ``KVSnapshot`` (registering it if new)."""
+        start = time.thread_time()
+        snapshot = KVSnapshot.unpack(packed_snapshot)
+        PoolConfig(**snapshot.pool_config)
+        result = self.index.resync(snapshot, time.time())
+        ack = PublishAck(result.status, self.incarnation, result.expected_seq).pack()
+        self.num_snapshots += 1
+        self.bytes_in += len(packed_snapshot)
+        self.bytes_out += len(ack)
+        self.handler_cpu_s += time.thread_time() - start
+        return ack
+
+    # ---- decisions ----------------------------------------------------------------------
+    def decide_preemption(self, packed_request: bytes) -> bytes:
+        """How to preempt a worker's candidates: a packed ``PreemptionDecision``."""
+        start = time.thread_time()
+        request = PreemptionRequest.unpack(packed_request)
+        now = time.time()
+        view = self.index.workers.get(request.worker_id)
+        if view is not None and request.forced_mode == "migrate":
+            view.is_draining = True  # until its next batch says otherwise
+        decision = decide_preemption(request, self._migration_targets(now))
+        likely = {c.seq_id: c.num_blocks for c in request.likely_victims}
+        for choice in decision.choices:
+            if choice.seq_id not in likely:
+                continue  # decided in case the step needs it, probably never used
+            self.preemptions_by_mode[choice.mode] += 1
+            if choice.mode == "migrate":
+                self._reservations.setdefault(choice.target_worker, []).append(
+                    (likely[choice.seq_id] + 1, now + MIGRATION_RESERVATION_S))
+        packed = decision.pack()
+        self.num_preemption_calls += 1
+        self.bytes_in += len(packed_request)
+        self.bytes_out += len(packed)
+        self.handler_cpu_s += time.thread_time() - start
+        return packed
+
+    def _migration_targets(self, now: float) -> list[MigrationTarget]:
+        targets = []
+        for worker_id, view in self.index.workers.items():
+            config = view.pool_config
+            device = view.occupancy.get("device")
+            if view.needs_resync or view.is_draining or device is None or config.get("role") == "prefill":
+                continue
+            held = [(b, t) for b, t in self._reservations.get(worker_id, []) if t > now]
+            self._reservations[worker_id] = held
+            watermark = int(config.get("watermark", 0.0) * config.get("num_device_blocks", 0))
+            free = device.num_available - watermark - sum(b for b, _ in held)
+            targets.append(MigrationTarget(worker_id, free, view.block_size))
+        return targets
+
+    # ---- queries --------------------------------------------------------------------------
+    def longest_prefix(self, token_ids: list[int], extra_key: str | None = None) -> dict[str, int]:
+        """Cached prefix tokens per worker, from the index (hints: they may be stale)."""
+        result = self.manager.longest_prefix(token_ids, extra_key) if self.manager.workers else {}
+        fed = {w for w, v in self.index.workers.items() if not v.needs_resync}
+        if fed:
+            result.update((w, n) for w, n in self.index.longest_prefix(token_ids, extra_key).items() if w in fed)
+        return result
+
+    def occupancy(self) -> dict[str, dict[str, dict]]:
+        """Per worker and tier: used, cached-free, free and total blocks, as last published."""
+        return {w: {tier: asdict(o) for tier, o in v.occupancy.items()} for w, v in self.index.workers.items()}
+
+    def stats(self) -> dict:
+        """Counters, CPU time and event lag of the service, plus per-worker pool figures.
+
+        ``process_cpu_s`` is the whole process's CPU time since start (Ray's
+        own threads included); ``handler_cpu_s`` only the time inside this
+        service's wire methods.
+        """
+        lags = sorted(self._lags_s)
+        workers = {}
+        for worker_id, view in self.index.workers.items():
+            entry = {"worker_id": worker_id, "block_size": view.block_size,
+                     "needs_resync": view.needs_resync, "next_seq": view.next_seq,
+                     "num_cached_device_hashes": len(view.keys["device"]),
+                     "num_cached_host_hashes": len(view.keys["host"])}
+            for tier, o in view.occupancy.items():
+                entry.update({f"num_{tier}_blocks": o.num_total, f"{tier}_blocks_used": o.num_used,
+                              f"{tier}_blocks_cached": o.num_cached_free, f"{tier}_blocks_free": o.num_free})
+            if worker_id in self.manager.workers:
+                entry.update(self.manager.stats(worker_id))
+            workers[worker_id] = entry
+        return {
+            "incarnation": self.incarnation,
+            "uptime_s": time.time() - self.started_at,
+            "process_cpu_s": time.process_time() - self._cpu_at_start,
+            "handler_cpu_s": self.handler_cpu_s,
+            "num_publishes": self.num_publishes,
+            "num_events": self.index.num_events,
+            "num_snapshots": self.num_snapshots,
+            "num_refused_batches": self.index.num_refused,
+            "num_preemption_calls": self.num_preemption_calls,
+            "preemptions_by_mode": dict(self.preemptions_by_mode),  # likely victims' decided modes
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+            "num_indexed_hashes": len(self.index.locations),
+            "event_lag_p50_ms": 1e3 * lags[len(lags) // 2] if lags else 0.0,
+            "event_lag_p99_ms": 1e3 * lags[min(len(lags) - 1, int(0.99 * len(lags)))] if lags else 0.0,
+            "num_steps": self.num_steps,
+            "mean_step_ms": 1e3 * self.step_seconds / self.num_steps if self.num_steps else 0.0,
+            "workers": workers,
+        }
+
+    def check_integrity(self) -> bool:
+        self.index.check_integrity()
+        self.manager.check_integrity()
+        return True
+
+    # ---- the per-step path of the previous design (until the workers run locally) ----------
     def step(self, packed_input: bytes) -> bytes:
         """One worker's step: msgpack(StepInput wire dict) -> msgpack(StepOutput wire dict)."""
         start = time.perf_counter()
@@ -64,26 +231,11 @@ class KVManagerService:
         self.num_steps += 1
         return packed
 
-    def longest_prefix(self, token_ids: list[int], extra_key: str | None = None) -> dict[str, int]:
-        return self.manager.longest_prefix(token_ids, extra_key)
-
-    def stats(self) -> dict:
-        return {
-            "incarnation": self.incarnation,
-            "num_steps": self.num_steps,
-            "mean_step_ms": 1e3 * self.step_seconds / self.num_steps if self.num_steps else 0.0,
-            "workers": {w: self.manager.stats(w) for w in self.manager.workers},
-        }
-
     def block_map(self, worker_id: str, max_cells: int = 4096) -> dict:
         return self.manager.block_map(worker_id, max_cells)
 
     def block_maps(self, max_cells: int = 4096) -> dict[str, dict]:
         return {w: self.manager.block_map(w, max_cells) for w in self.manager.workers}
-
-    def check_integrity(self) -> bool:
-        self.manager.check_integrity()
-        return True
 
     def num_used_blocks(self, worker_id: str | None = None) -> int:
         if worker_id is None:

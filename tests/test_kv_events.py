@@ -1,0 +1,328 @@
+"""The two-level KV design, in-process: events, the cluster index, preemption, the service.
+
+Workers are ``LocalKVManager``s driven by a ``SimulatedWorker`` (which checks
+every block table against the tokens it must hold); the central side is the
+real ``KVManagerService``, called through its msgpack wire methods.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict
+
+import pytest
+
+from pagedserve.kvmanager import (AllBlocksCleared, BlockRemoved, BlockStored, ClusterIndex, EventLog,
+                                  IntegrityError, KVEventBatch, KVManager, KVSnapshot, LocalKVManager,
+                                  NewSequence, PoolConfig, PreemptionDecision, PreemptionRequest,
+                                  PublishAck, RemotePreemptionPolicy, StepInput, TierOccupancy,
+                                  block_hash_key, hash_prefix_blocks)
+from pagedserve.kvmanager.service import KVManagerService
+
+from kv_simulator import SimulatedWorker
+
+BS = 4
+
+
+def make_local(worker_id="w0", num_device=24, num_host=8, preemption=None, max_model_len=64, **config):
+    local = LocalKVManager(preemption, EventLog(worker_id))
+    local.add_worker(worker_id, PoolConfig(num_device_blocks=num_device, num_host_blocks=num_host,
+                                           block_size=BS, max_model_len=max_model_len, watermark=0.0,
+                                           **config))
+    return local, SimulatedWorker(local, worker_id)
+
+
+def connect(service: KVManagerService, local: LocalKVManager) -> None:
+    service.register_worker(local.worker_id, asdict(local.configs[local.worker_id]))
+    assert PublishAck.unpack(service.resync(local.snapshot().pack())).status == "ok"
+
+
+def publish(service: KVManagerService, local: LocalKVManager) -> PublishAck:
+    return PublishAck.unpack(service.publish(local.drain_events().pack()))
+
+
+class Driver:
+    """Random admits (shared prefixes), growth, forks and finishes on one local manager."""
+
+    PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 50, 51, 52, 53], [70, 71, 72, 73, 74, 75]]
+
+    def __init__(self, local: LocalKVManager, worker: SimulatedWorker, seed: int) -> None:
+        self.local, self.worker, self.rng = local, worker, random.Random(seed)
+        self.running: list[str] = []
+        self.waiting: list[str] = []
+        self.num_created = 0
+
+    def step(self) -> None:
+        rng = self.rng
+        step = StepInput(self.local.worker_id, token_budget=rng.choice([4, 16, 64]))
+        if rng.random() < 0.5:
+            seq_id = f"s{self.num_created}"
+            self.num_created += 1
+            tokens = rng.choice(self.PREFIXES) + [rng.randrange(100, 200) for _ in range(rng.randrange(1, 9))]
+            step.new_sequences.append(NewSequence(seq_id, tokens))
+            self.waiting.append(seq_id)
+        if self.running and rng.random() < 0.3:
+            done = rng.choice(self.running)
+            self.running.remove(done)
+            step.finished.append(done)
+        for seq_id in self.running:
+            if len(self.worker.tokens[seq_id]) < 40:
+                step.appended.append((seq_id, [rng.randrange(100, 200)]))
+            elif seq_id not in step.finished:
+                step.finished.append(seq_id)
+        self.running = [s for s in self.running if s not in step.finished]
+        step.running = list(self.running)
+        step.waiting = list(self.waiting)
+        out = self.worker.step(step)
+        for p in out.preempted:
+            self.running.remove(p.seq_id)
+            self.waiting.append(p.seq_id)
+        for sched in out.scheduled:
+            if sched.seq_id in self.waiting:
+                self.waiting.remove(sched.seq_id)
+                self.running.append(sched.seq_id)
+
+
+# ---- events ---------------------------------------------------------------------------
+
+def test_event_log_numbers_and_merges_runs_and_round_trips():
+    log = EventLog("w", incarnation="inc")
+    h = hash_prefix_blocks(list(range(12)), BS)
+    log.stored("device", h[0])
+    log.stored("device", h[1])
+    log.removed("device", h[0])
+    log.stored("host", h[0])
+    log.cleared("host")
+    log.stored("device", h[2])
+    occupancy = {"device": TierOccupancy(2, 1, 5, 8), "host": TierOccupancy(0, 0, 4, 4)}
+    batch = log.drain(occupancy)
+    keys = [block_hash_key(x) for x in h]
+    assert batch.first_seq == 0 and log.next_seq == 5
+    assert batch.events == [BlockStored(keys[:2], "device"), BlockRemoved([keys[0]], "device"),
+                            BlockStored([keys[0]], "host"), AllBlocksCleared("host"),
+                            BlockStored([keys[2]], "device")]
+    assert batch.oldest_event_at <= batch.created_at
+    wire = batch.pack()
+    assert KVEventBatch.unpack(wire) == batch
+    empty = log.drain(occupancy)
+    assert empty.first_seq == 5 and empty.events == [] and len(empty.pack()) < 100
+
+
+def test_decode_step_events_are_small_and_independent_of_context():
+    """A decode step's wire bytes grow with new full blocks, never with context length."""
+    sizes = {}
+    for context in (256, 2048):
+        local, worker = make_local(num_device=(context // BS + 8) * 4, num_host=0, max_model_len=context + 64)
+        step = StepInput("w0", new_sequences=[NewSequence(f"s{i}", [i] * 3 + list(range(context)))
+                                              for i in range(4)],
+                         waiting=[f"s{i}" for i in range(4)], token_budget=100_000)
+        worker.step(step)
+        local.drain_events()
+        batch_bytes = []
+        for t in range(BS * 4):
+            worker.step(StepInput("w0", running=[f"s{i}" for i in range(4)],
+                                  appended=[(f"s{i}", [7]) for i in range(4)]))
+            batch_bytes.append(len(local.drain_events().pack()))
+        sizes[context] = sum(batch_bytes)
+    assert sizes[256] == sizes[2048]
+    assert sizes[256] / (BS * 4) < 200  # bytes per step for 4 sequences, one block each per BS steps
+
+
+def test_event_log_overflow_asks_for_a_snapshot():
+    log = EventLog("w", max_pending=3)
+    for h in hash_prefix_blocks(list(range(20)), BS):
+        log.stored("device", h)
+    assert log.needs_snapshot and log.num_dropped == 4 and log.num_pending == 1
+
+
+# ---- the index --------------------------------------------------------------------------
+
+def test_index_follows_random_local_operations_exactly():
+    service = KVManagerService()
+    locals_ = [make_local(f"w{i}", num_device=12, num_host=6) for i in range(3)]
+    for local, _ in locals_:
+        connect(service, local)
+    drivers = [Driver(local, worker, seed) for seed, (local, worker) in enumerate(locals_)]
+    for round_ in range(150):
+        for driver in drivers:
+            driver.step()
+            if random.Random(round_).random() < 0.5:
+                assert publish(service, driver.local).status == "ok"
+    for local, _ in locals_:
+        publish(service, local)
+        local.check_integrity()
+    service.index.check_consistency_with([local.snapshot() for local, _ in locals_])
+    assert service.stats()["num_events"] > 0
+    # Same answers as the pools themselves (KVManager.longest_prefix checks tokens too).
+    probe = KVManager()
+    for local, _ in locals_:
+        probe.workers[local.worker_id] = local.workers[local.worker_id]
+        probe.configs[local.worker_id] = local.configs[local.worker_id]
+    for prefix in Driver.PREFIXES:
+        tokens = prefix + [150, 151, 152, 153, 154]
+        assert service.index.longest_prefix(tokens) == probe.longest_prefix(tokens)
+
+
+def test_gap_unknown_incarnation_and_duplicates():
+    service = KVManagerService()
+    local, worker = make_local()
+    connect(service, local)
+    worker.step(StepInput("w0", new_sequences=[NewSequence("a", list(range(13)))], waiting=["a"]))
+    lost = local.drain_events()
+    assert lost.events
+    worker.step(StepInput("w0", new_sequences=[NewSequence("b", list(range(50, 63)))], waiting=["b"]))
+    ack = publish(service, local)
+    assert ack.needs_resync  # the gap is noticed
+    assert publish(service, local).needs_resync  # and batches wait for the snapshot
+    with pytest.raises(IntegrityError):
+        service.index.check_consistency_with([local.snapshot()])
+    snapshot = local.snapshot()
+    assert PublishAck.unpack(service.resync(snapshot.pack())).status == "ok"
+    service.index.check_consistency_with([local.snapshot()])
+    # A batch sent before the snapshot arrives after it: ignored.
+    assert PublishAck.unpack(service.publish(lost.pack())).status == "duplicate"
+    # Another incarnation of the worker (it restarted): resync.
+    stranger = KVEventBatch("w0", "other", snapshot.next_seq)
+    assert PublishAck.unpack(service.publish(stranger.pack())).needs_resync
+    assert PublishAck.unpack(service.publish(KVEventBatch("nobody", "x", 0).pack())).needs_resync
+
+
+def test_central_restart_is_rebuilt_from_snapshots():
+    service = KVManagerService()
+    local, worker = make_local()
+    connect(service, local)
+    worker.step(StepInput("w0", new_sequences=[NewSequence("a", list(range(13)))], waiting=["a"]))
+    publish(service, local)
+    restarted = KVManagerService()
+    assert restarted.incarnation != service.incarnation
+    ack = publish(restarted, local)
+    assert ack.needs_resync and ack.incarnation == restarted.incarnation
+    restarted.resync(local.snapshot().pack())
+    restarted.index.check_consistency_with([local.snapshot()])
+    assert restarted.longest_prefix(list(range(13))) == {"w0": 12}
+    restarted.remove_worker("w0")
+    assert restarted.index.locations == {} and restarted.longest_prefix(list(range(13))) == {}
+
+
+def test_index_integrity_check_catches_corruption():
+    index = ClusterIndex()
+    index.resync(KVSnapshot("w", "i", 0, asdict(PoolConfig(8, block_size=BS)), {"device": [1, 2]}))
+    index.check_integrity()
+    index.locations[3] = {"w": 1}
+    with pytest.raises(IntegrityError):
+        index.check_integrity()
+
+
+def test_reset_prefix_cache_publishes_all_blocks_cleared():
+    service = KVManagerService()
+    local, worker = make_local()
+    connect(service, local)
+    worker.step(StepInput("w0", new_sequences=[NewSequence("a", list(range(13)))], waiting=["a"]))
+    worker.step(StepInput("w0", finished=["a"]))
+    publish(service, local)
+    assert service.longest_prefix(list(range(13))) == {"w0": 12}
+    assert local.reset_prefix_cache("w0")
+    batch = local.drain_events()
+    assert AllBlocksCleared("device") in batch.events
+    assert PublishAck.unpack(service.publish(batch.pack())).status == "ok"
+    assert service.longest_prefix(list(range(13))) == {"w0": 0}
+    service.index.check_consistency_with([local.snapshot()])
+
+
+# ---- preemption -------------------------------------------------------------------------
+
+def _fill(worker: SimulatedWorker, seq_ids: list[str], length: int) -> None:
+    worker.step(StepInput(worker.worker_id, new_sequences=[NewSequence(s, [ord(s[-1])] * length) for s in seq_ids],
+                          waiting=list(seq_ids), token_budget=1000))
+
+
+def test_one_central_call_per_step_decides_every_victim():
+    service = KVManagerService()
+    calls = []
+
+    def call(request: PreemptionRequest) -> PreemptionDecision:
+        calls.append(request)
+        return PreemptionDecision.unpack(service.decide_preemption(request.pack()))
+
+    source, worker = make_local("src", num_device=6, num_host=0, preemption=RemotePreemptionPolicy(call))
+    target, _ = make_local("dst", num_device=32, num_host=0)
+    for local in (source, target):
+        connect(service, local)
+    _fill(worker, list("abcdef"), BS)  # a block each: the pool is full
+    # Every sequence grows into a new block: three victims, decided by one call.
+    out = worker.step(StepInput("src", running=list("abcdef"), appended=[(s, [1]) for s in "abcdef"],
+                                migratable=list("abcdef")))
+    assert len(calls) == 1 and len(calls[0].candidates) == 6
+    assert [(p.seq_id, p.mode, p.target_worker) for p in out.preempted] == [
+        ("f", "migrate", "dst"), ("e", "migrate", "dst"), ("d", "migrate", "dst")]
+    # The room promised to those migrations (a block each plus one) is held back.
+    assert service._migration_targets(0.0)[1].num_free_blocks == 32 - 6
+    source.check_integrity()
+    assert sorted(worker.tokens) == list("abcdef")
+    # Steady state: no call at all.
+    worker.step(StepInput("src", running=["a"], appended=[("a", [2])]))
+    assert len(calls) == 1
+
+
+def test_central_failure_falls_back_to_local_swap_then_recompute_and_pauses():
+    attempts = []
+
+    def broken(request):
+        attempts.append(request)
+        raise TimeoutError("central KV manager did not answer")
+
+    policy = RemotePreemptionPolicy(broken, backoff_s=60.0)
+    local, worker = make_local(num_device=6, num_host=2, preemption=policy)
+    _fill(worker, list("abcdef"), BS)
+    out = worker.step(StepInput("w0", running=list("abcdef"), appended=[(s, [1]) for s in "abcdef"],
+                                migratable=list("abcdef")))
+    assert [(p.seq_id, p.mode) for p in out.preempted] == [("f", "swap"), ("e", "swap"), ("d", "recompute")]
+    assert policy.num_failures == 1
+    for t in range(BS):
+        out = worker.step(StepInput("w0", running=list("abc"), appended=[(s, [2]) for s in "abc"]))
+    assert [p.mode for p in out.preempted] == ["recompute"]
+    assert len(attempts) == 1  # paused: not asked again within the back-off
+    local.check_integrity()
+
+
+def test_forced_modes_never_migrate():
+    service = KVManagerService()
+    request = PreemptionRequest("src", [], 0, BS, "swap")
+    assert PreemptionDecision.unpack(service.decide_preemption(request.pack())).choices == []
+    local, worker = make_local("src", num_device=6, num_host=8, preemption_mode="swap")
+    _fill(worker, ["a", "b", "c"], 8)
+    out = worker.step(StepInput("src", running=["a", "b", "c"], appended=[(s, [1]) for s in "abc"],
+                                migratable=["a", "b", "c"]))
+    assert {p.mode for p in out.preempted} == {"swap"}
+
+
+def test_wire_sizes_of_rare_and_frequent_messages():
+    local, worker = make_local()
+    worker.step(StepInput("w0", new_sequences=[NewSequence("a", list(range(13)))], waiting=["a"]))
+    snapshot = local.snapshot()
+    assert KVSnapshot.unpack(snapshot.pack()) == snapshot
+    request = PreemptionRequest("w0", [], 3, BS)
+    assert PreemptionRequest.unpack(request.pack()) == request
+    assert len(PublishAck("ok", "0123456789abcdef", 12).pack()) < 32
+
+
+def test_draining_worker_migrates_through_one_central_call_and_is_no_target():
+    service = KVManagerService()
+
+    def call(request):
+        return PreemptionDecision.unpack(service.decide_preemption(request.pack()))
+
+    leaving, worker = make_local("leaving", num_device=16, num_host=0, preemption=RemotePreemptionPolicy(call))
+    staying, _ = make_local("staying", num_device=5, num_host=0)
+    for local in (leaving, staying):
+        connect(service, local)
+    _fill(worker, list("abc"), BS)  # a block each; "staying" has room for two (one block + one)
+    out = worker.step(StepInput("leaving", running=list("abc"), migratable=list("abc"), is_draining=True,
+                                appended=[(s, [1]) for s in "abc"]))
+    assert [(p.seq_id, p.mode, p.target_worker) for p in out.preempted] == [
+        ("a", "migrate", "staying"), ("b", "migrate", "staying")]
+    assert sorted(s.seq_id for s in out.scheduled) == ["c"]  # kept running here
+    assert publish(service, leaving).status == "ok"
+    assert service.index.workers["leaving"].is_draining
+    assert [t.worker_id for t in service._migration_targets(0.0)] == ["staying"]
+    leaving.check_integrity()
