@@ -103,7 +103,7 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
     from ray import serve
 
     from .bootstrap import NAMESPACE, start
-    from .server import APP_NAME, deploy
+    from .serving.deployment import APP_NAME, deploy
 
     progress = progress or Progress()
     stdout = stdout or sys.stdout
@@ -202,7 +202,7 @@ def fetch_status(address: str | None = None, timeout_s: float = 30.0) -> dict:
     from ray import serve
 
     from .bootstrap import NAMESPACE
-    from .server import APP_NAME
+    from .serving.deployment import APP_NAME
 
     if not ray.is_initialized():
         ray.init(address=address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)

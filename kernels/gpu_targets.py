@@ -83,7 +83,7 @@ def shared_memory_overruns(capability: tuple[int, int], dtype: torch.dtype, head
     architecture with Triton's bundled ptxas (seconds; Triton caches the result)."""
     from triton.backends.compiler import GPUTarget as TritonTarget
 
-    from .triton_compile_check import compile_kernel, kernel_configs
+    from .triton_compile import compile_kernel, kernel_configs
 
     target = target_for(capability)
     triton_target = TritonTarget("cuda", target.arch, 32)

@@ -33,7 +33,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from pagedserve.cluster.handle import NoCapacityError  # noqa: E402
-from pagedserve.cluster.server import error_from_exception  # noqa: E402
+from pagedserve.cluster.serving.errors import error_from_exception  # noqa: E402
 from pagedserve.workers.sampling_params import SamplingParams  # noqa: E402
 from pagedserve.workers.worker import FAULT_INJECTION_ENV, stall_timeout_s  # noqa: E402
 

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.cluster.dashboard import (DashboardState, add_dashboard_routes, histogram_quantile,
-                                          latency_summary)
+from pagedserve.cluster.serving.dashboard import (DashboardState, add_dashboard_routes, histogram_quantile,
+                                                  latency_summary)
 from pagedserve.kvmanager.service import KVManagerService
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
@@ -104,7 +104,7 @@ def fake_app():
     fastapi = pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
-    from pagedserve.cluster.metrics import ServerMetrics
+    from pagedserve.cluster.serving.metrics import ServerMetrics
 
     app = fastapi.FastAPI()
     handle = FakeHandle()
@@ -125,7 +125,7 @@ def test_histogram_quantile_interpolates_like_prometheus():
 
 
 def test_latency_summary_reads_server_metrics():
-    from pagedserve.cluster.metrics import ServerMetrics
+    from pagedserve.cluster.serving.metrics import ServerMetrics
 
     metrics = ServerMetrics("m")
     for ttft in (0.02, 0.03, 0.2, 0.4):
@@ -241,7 +241,7 @@ def served(tiny_model):
 
     from pagedserve.cluster.bootstrap import NAMESPACE, start
     from pagedserve.cluster.config import ClusterConfig
-    from pagedserve.cluster.server import deploy
+    from pagedserve.cluster.serving.deployment import deploy
 
     if ray.is_initialized():
         ray.shutdown()

@@ -142,7 +142,7 @@ def served(tiny_model):
 
     from pagedserve.cluster.bootstrap import NAMESPACE, start
     from pagedserve.cluster.config import ClusterConfig
-    from pagedserve.cluster.server import deploy
+    from pagedserve.cluster.serving.deployment import deploy
 
     if ray.is_initialized():
         ray.shutdown()
@@ -558,7 +558,7 @@ def test_prompts_never_reach_the_logs(served):
     """
     from ray import serve
 
-    from pagedserve.cluster.server import deploy
+    from pagedserve.cluster.serving.deployment import deploy
 
     response = httpx.post(served.url + "/v1/completions", timeout=60, json={"prompt": MARKER * 500})
     assert response.status_code == 400  # too long: the error message must not quote it either

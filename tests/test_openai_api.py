@@ -22,8 +22,10 @@ pytest.importorskip("fastapi")
 
 from pagedserve.cluster.config import ServerConfig  # noqa: E402
 from pagedserve.cluster.handle import NoCapacityError  # noqa: E402
-from pagedserve.cluster.server import (ClientLimiter, OpenAIServer, RequestLimiter, build_app,  # noqa: E402
-                                       check_api_key, client_key)
+from pagedserve.cluster.serving.auth import check_api_key, client_key  # noqa: E402
+from pagedserve.cluster.serving.frontend import Frontend as OpenAIServer  # noqa: E402
+from pagedserve.cluster.serving.http_app import build_app  # noqa: E402
+from pagedserve.cluster.serving.limits import ClientLimiter, RequestLimiter  # noqa: E402
 from pagedserve.workers.async_engine import AsyncLLMEngine  # noqa: E402
 from pagedserve.workers.engine import EngineConfig  # noqa: E402
 
@@ -355,7 +357,7 @@ class _GrpcContext:
 def test_grpc_service_translation(server):
     import grpc
 
-    from pagedserve.cluster.grpc_service import GrpcService
+    from pagedserve.cluster.serving.grpc_service import GrpcService
     from pagedserve.cluster.protos import pagedserve_pb2 as pb
 
     service = GrpcService(server)
@@ -498,7 +500,7 @@ def test_metrics_without_key_when_configured(local_handle):
 def test_grpc_every_method_needs_the_key(local_handle):
     import grpc
 
-    from pagedserve.cluster.grpc_service import GrpcService
+    from pagedserve.cluster.serving.grpc_service import GrpcService
     from pagedserve.cluster.protos import pagedserve_pb2 as pb
     from pagedserve.cluster.protos import pagedserve_pb2_grpc as pb_grpc
 
@@ -522,7 +524,7 @@ def test_grpc_every_method_needs_the_key(local_handle):
 
 
 def test_grpc_request_ids_of_clients_do_not_collide(server):
-    from pagedserve.cluster.grpc_service import GrpcService
+    from pagedserve.cluster.serving.grpc_service import GrpcService
     from pagedserve.cluster.protos import pagedserve_pb2 as pb
 
     service = GrpcService(server)
@@ -574,7 +576,7 @@ def test_openapi_schema_describes_the_request_bodies(server):
 def test_grpc_undecodable_bytes_are_invalid_argument(local_handle):
     import grpc
 
-    from pagedserve.cluster.grpc_service import GrpcService
+    from pagedserve.cluster.serving.grpc_service import GrpcService
     from pagedserve.cluster.protos.servicer import parse_generate_request
 
     assert parse_generate_request(b"\x0a\xff\xff\xff\xff\x0f") is None

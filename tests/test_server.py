@@ -51,7 +51,7 @@ def served(tiny_model):
 
     from pagedserve.cluster.bootstrap import NAMESPACE, start
     from pagedserve.cluster.config import ClusterConfig
-    from pagedserve.cluster.server import deploy
+    from pagedserve.cluster.serving.deployment import deploy
 
     if ray.is_initialized():
         ray.shutdown()

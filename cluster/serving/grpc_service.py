@@ -1,4 +1,4 @@
-"""The gRPC API (``protos/pagedserve.proto``) over the same ``OpenAIServer`` logic.
+"""The gRPC transport (``protos/pagedserve.proto``) over the same ``Frontend`` as HTTP.
 
 Requests are validated with the HTTP API's models, so both APIs accept and
 reject the same things. Failures set the gRPC status from the HTTP one:
@@ -18,9 +18,11 @@ from pydantic import ValidationError
 
 from pagedserve.workers.request import CompletionOutput, RequestOutput
 
-from .openai_protocol import DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
-from .protos import pagedserve_pb2 as pb
-from .server import APIError, Generation, OpenAIServer, PromptInput, client_key, validation_error
+from ..protos import pagedserve_pb2 as pb
+from .auth import client_key
+from .errors import APIError, validation_error
+from .frontend import Frontend, Generation, PromptInput
+from .protocol import DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 
 STATUS_CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -44,7 +46,7 @@ class GrpcRequestError(Exception):
 class GrpcService:
     """``Generate`` (unary) and ``GenerateStream`` (server-streaming) for one replica."""
 
-    def __init__(self, server: OpenAIServer) -> None:
+    def __init__(self, server: Frontend) -> None:
         self.server = server
 
     # ---- request translation ------------------------------------------------------------------

@@ -1,0 +1,105 @@
+"""The Ray Serve deployment: one replica class serving HTTP (FastAPI ingress) and
+gRPC (``Generate``/``GenerateStream``) over one ``Frontend``, and ``deploy``,
+which starts Serve and runs the application.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+
+from .. import ray_compat
+from ..config import ClusterConfig, ServerConfig
+from .auth import API_KEY_ENV
+from .frontend import Frontend
+from .grpc_service import GrpcService
+from .http_app import build_app
+
+logger = logging.getLogger("pagedserve.server")
+
+APP_NAME = "pagedserve"
+GRPC_SERVICER_FUNCTION = "pagedserve.cluster.protos.servicer.add_servicer_to_server"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class PagedServeDeployment:
+    """The Serve replica: HTTP through FastAPI, gRPC through ``Generate``/``GenerateStream``.
+
+    Decorated with ``serve.ingress`` by ``build_application``; holds the
+    cluster handle it is constructed with.
+    """
+
+    def __init__(self, handle, server_config: dict) -> None:
+        self.server = Frontend(handle, ServerConfig.model_validate(server_config))
+        self.grpc = GrpcService(self.server)
+
+    def __serve_build_asgi_app__(self):
+        return build_app(self.server)
+
+    async def Generate(self, request, grpc_context=None):  # noqa: N802 - the RPC's name
+        return await self.grpc.generate(request, grpc_context)
+
+    async def GenerateStream(self, request, grpc_context=None):  # noqa: N802 - the RPC's name
+        async for response in self.grpc.generate_stream(request, grpc_context):
+            yield response
+
+    async def status(self) -> dict:
+        """Cluster and replica stats (what ``pagedserve status`` prints)."""
+        return await self.server.stats()
+
+
+def build_application(handle, config: ClusterConfig, num_cpus: float = 0.0):
+    """The bound Serve application for ``handle``, configured by ``config.server``."""
+    from ray import serve
+
+    limits = config.server.limits
+    deployment = serve.deployment(
+        serve.ingress()(PagedServeDeployment), name="PagedServe",
+        # Serve must not queue in front of our limiter: room for every admitted
+        # request plus health checks and scrapes.
+        max_ongoing_requests=limits.max_queued_requests + 32,
+        # On the head node, next to the driver that resolved the model path (the tokenizer's).
+        ray_actor_options={"num_cpus": num_cpus, **ray_compat.head_node_placement()},
+        graceful_shutdown_timeout_s=5)
+    return deployment.bind(handle, config.server.model_dump())
+
+
+def deploy(handle, config: ClusterConfig, app_name: str = APP_NAME, route_prefix: str = "/",
+           quiet: bool = False) -> dict[str, str]:
+    """Start Serve (HTTP on ``server.host:port``, gRPC on ``server.grpc_port`` if set), run the app.
+
+    If Serve already runs in this Ray cluster, its HTTP/gRPC options stay as
+    they are and the app is added next to the others under ``route_prefix``.
+    ``quiet`` keeps Serve's logs (access logs included) to warnings.
+    Returns the endpoints, e.g. ``{"http": "http://127.0.0.1:8000", "grpc": "127.0.0.1:9000"}``.
+    """
+    from ray import serve
+
+    server = config.server
+    if not is_loopback(server.host) and not (server.api_key or os.environ.get(API_KEY_ENV)):
+        logger.warning("serving on %s (not loopback) without an API key: anyone who can reach it may "
+                       "use it; set server.api_key or $%s", server.host, API_KEY_ENV)
+    logging_config = {"log_level": "WARNING", "enable_access_log": False} if quiet else None
+    grpc_options = None
+    if server.grpc_port is not None:
+        # Reflection lists the services without a key: only offered when none is needed.
+        grpc_options = {"port": server.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER_FUNCTION],
+                        "enable_reflection": not (server.api_key or os.environ.get(API_KEY_ENV))}
+    serve.start(http_options={"host": server.host, "port": server.port}, grpc_options=grpc_options,
+                logging_config=logging_config)
+    serve.run(build_application(handle, config), name=app_name, route_prefix=route_prefix,
+              logging_config=logging_config)
+    prefix = "" if route_prefix == "/" else route_prefix
+    endpoints = {"http": f"http://{server.host}:{server.port}{prefix}"}
+    if server.grpc_port is not None:
+        endpoints["grpc"] = f"{server.host}:{server.grpc_port}"
+    return endpoints

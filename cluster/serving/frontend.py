@@ -1,0 +1,393 @@
+"""The transport-neutral frontend: what HTTP and gRPC share.
+
+``Frontend`` (one per Serve replica, over a ``ClusterHandle``) checks the
+model name and the prompt (the single prompt check: non-empty, within the
+context, token ids in the vocabulary), builds prompts (text, token ids, chat
+template) and ``SamplingParams`` within ``server.limits``, admits requests
+(``limits``), and starts a ``Generation``: the merged output stream of one API
+request's prompts, with the request's deadline and idle timeout. It also
+answers health, stats and metrics.
+
+Prompts and completions are logged only with ``server.log_requests``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import time
+from contextlib import aclosing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pagedserve.workers.request import RequestOutput
+from pagedserve.workers.sampling_params import SamplingParams
+
+from ..config import ServerConfig
+from .auth import API_KEY_ENV, check_api_key, is_open_path
+from .errors import APIError, error_from_exception, timeout_error
+from .limits import ClientLimiter, RequestLimiter
+from .metrics import ServerMetrics
+from .protocol import ChatCompletionRequest, ModelCard, ModelList, Usage
+from .stats import collect_stats
+
+logger = logging.getLogger("pagedserve.server")
+
+
+def check_unicode(text: str, param: str) -> None:
+    """400 unless ``text`` is valid Unicode (no lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, f"{param} is not valid Unicode (it holds a lone surrogate)", param=param) from None
+
+
+def _enable_request_logging() -> None:
+    """Make the request log reach stderr (the replica's log file under Ray) at INFO."""
+    logger.setLevel(logging.INFO)
+    if not any(getattr(h, "is_request_log", False) for h in logger.handlers):
+        handler = logging.StreamHandler()
+        handler.is_request_log = True
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s -- %(message)s"))
+        logger.addHandler(handler)
+
+
+def _model_vocab_size(model_path: str, tokenizer) -> int:
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+        if vocab:
+            return int(vocab)
+    except (OSError, ValueError):
+        pass
+    return len(tokenizer)
+
+
+@dataclass
+class PromptInput:
+    """One prompt, tokenized; ``text`` is None when it was sent as token ids."""
+
+    text: str | None
+    token_ids: list[int]
+
+
+@dataclass
+class _PromptProgress:
+    arrival: float
+    first_token: float | None = None
+    last: RequestOutput | None = None
+
+
+class Generation:
+    """The merged output stream of one API request's prompts.
+
+    Each prompt streams from ``ClusterHandle.generate`` in its own task;
+    ``__anext__`` yields ``(prompt_index, RequestOutput)`` in arrival order and
+    raises ``APIError`` for a failed generation. ``aclose`` (idempotent)
+    cancels what still runs, which aborts it on the worker, and frees the
+    request's limiter slot.
+    """
+
+    def __init__(self, server: "Frontend", request_id: str, prompts: list[PromptInput],
+                 params: SamplingParams, priority: int, client: str = "") -> None:
+        self.server = server
+        self.request_id = request_id
+        self.prompts = prompts
+        self.params = params
+        self.priority = priority
+        self.client = client
+        self.progress = [_PromptProgress(time.time()) for _ in prompts]
+        self.deadline = time.monotonic() + server.limits.request_timeout_s
+        self._has_output = False
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._num_live = len(prompts)
+        self._tasks: list[asyncio.Task] = []
+        self._is_closed = False
+
+    def start(self) -> None:
+        for index, prompt in enumerate(self.prompts):
+            self._tasks.append(asyncio.create_task(self._pump(index, prompt)))
+
+    async def _pump(self, index: int, prompt: PromptInput) -> None:
+        limit = self.server.max_model_len - len(prompt.token_ids)
+        params = self.params
+        if params.max_tokens > limit:  # the engine would stop there anyway; keep routing estimates honest
+            params = dataclasses.replace(params, max_tokens=limit)
+        stream = self.server.handle.generate(prompt.text, params, f"{self.request_id}-{index}",
+                                             self.priority, prompt_token_ids=prompt.token_ids)
+        try:
+            async with aclosing(stream):
+                async for output in stream:
+                    self._queue.put_nowait((index, output))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # reported to the consumer, which maps it to an APIError
+            self._queue.put_nowait((index, exc))
+        finally:
+            self._queue.put_nowait((index, None))
+
+    def __aiter__(self) -> "Generation":
+        return self
+
+    async def _next_item(self) -> tuple[int, Any]:
+        """The next queued item; 408 past the request's deadline or after an idle spell."""
+        limits = self.server.limits
+        remaining = self.deadline - time.monotonic()
+        is_idle_bound = self._has_output and limits.stream_idle_timeout_s < remaining
+        timeout = limits.stream_idle_timeout_s if is_idle_bound else remaining
+        try:
+            return await asyncio.wait_for(self._queue.get(), max(timeout, 0.0))
+        except TimeoutError:
+            if is_idle_bound:
+                raise timeout_error(f"no output for {limits.stream_idle_timeout_s:g} s; the request was "
+                                    "aborted", "stream_idle_timeout") from None
+            raise timeout_error(f"the request took longer than {limits.request_timeout_s:g} s and was "
+                                "aborted", "request_timeout") from None
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        while True:
+            if self._num_live == 0:
+                raise StopAsyncIteration
+            index, item = await self._next_item()
+            if item is None:
+                self._num_live -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise error_from_exception(item)
+            self._observe(index, item)
+            return index, item
+
+    def _observe(self, index: int, output: RequestOutput) -> None:
+        self._has_output = True
+        progress = self.progress[index]
+        progress.last = output
+        now = time.time()
+        if progress.first_token is None and any(c.token_ids for c in output.outputs):
+            progress.first_token = now
+        if output.finished:
+            self.server.log_completion(f"{self.request_id}-{index}", output)
+            self.server.metrics.observe_generation(
+                progress.arrival, progress.first_token, now, len(output.prompt_token_ids),
+                output.metrics.num_cached_tokens if output.metrics else 0,
+                sum(len(c.token_ids) for c in output.outputs),
+                [c.finish_reason or "" for c in output.outputs])
+
+    async def run_to_end(self, first) -> None:
+        """Consume every output (``first`` being what ``start_generation`` returned), then close."""
+        try:
+            if first is not None:
+                async for _ in self:
+                    pass
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._is_closed:
+            return
+        self._is_closed = True
+        self.server.release_slots(len(self.prompts), self.client)
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            try:
+                await asyncio.shield(asyncio.gather(*self._tasks, return_exceptions=True))
+            except asyncio.CancelledError:
+                pass
+
+    def usage(self) -> Usage:
+        """Token counts so far, over all prompts and samples."""
+        usage = Usage()
+        for prompt, progress in zip(self.prompts, self.progress):
+            usage.prompt_tokens += len(prompt.token_ids)
+            if progress.last is not None:
+                usage.completion_tokens += sum(len(c.token_ids) for c in progress.last.outputs)
+                if progress.last.metrics is not None:
+                    usage.prompt_tokens_details.cached_tokens += progress.last.metrics.num_cached_tokens
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        return usage
+
+
+class Frontend:
+    """The API's transport-neutral logic over a ``ClusterHandle``; ``http_app.build_app`` and
+    ``grpc_service.GrpcService`` put their transports on it.
+
+    One instance per Serve replica. ``server_config`` supplies the API key
+    (else ``$PAGEDSERVE_API_KEY``) and the limits.
+    """
+
+    def __init__(self, handle, server_config: ServerConfig | None = None) -> None:
+        self.handle = handle
+        self.config = server_config or ServerConfig()
+        self.limits = self.config.limits
+        self.api_key = self.config.api_key or os.environ.get(API_KEY_ENV) or None
+        self.model_name = handle.model_name
+        self.max_model_len = handle.max_model_len
+        self.tokenizer = handle.tokenizer
+        self.vocab_size = _model_vocab_size(handle.model_path, self.tokenizer)
+        self.limiter = RequestLimiter(self.limits.max_queued_requests)
+        self.client_limiter = ClientLimiter(self.limits.max_requests_per_client)
+        self.metrics = ServerMetrics(self.model_name)
+        if self.config.log_requests:
+            _enable_request_logging()
+
+    # ---- request logging (off unless server.log_requests) ------------------------------------
+    def log_prompts(self, request_id: str, prompts: list[PromptInput], params: SamplingParams) -> None:
+        if self.config.log_requests:
+            for index, prompt in enumerate(prompts):
+                logger.info("request %s-%d: prompt %r (%d tokens), %s", request_id, index,
+                            prompt.text if prompt.text is not None else prompt.token_ids,
+                            len(prompt.token_ids), params)
+
+    def log_completion(self, request_id: str, output: RequestOutput) -> None:
+        if self.config.log_requests:
+            for completion in output.outputs:
+                logger.info("request %s: completion %d %r (%s)", request_id, completion.index,
+                            completion.text, completion.finish_reason)
+
+    def is_open_path(self, path: str) -> bool:
+        """True for the routes that answer without the API key."""
+        return is_open_path(path, self.config.metrics_require_api_key)
+
+    # ---- checks --------------------------------------------------------------------------
+    def check_auth(self, authorization: str | None) -> None:
+        check_api_key(self.api_key, authorization)
+
+    def check_model(self, model: str | None) -> None:
+        if model and model != self.model_name:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves "
+                                f"'{self.model_name}'", param="model", code="model_not_found")
+
+    def check_prompt(self, token_ids: list[int], param: str = "prompt") -> None:
+        if not token_ids:
+            raise APIError(400, "the prompt is empty", param=param)
+        if len(token_ids) >= self.max_model_len:
+            raise APIError(400, f"the prompt has {len(token_ids)} tokens, but this model's maximum context "
+                                f"length is {self.max_model_len} tokens (prompt plus at least one output "
+                                f"token)", param=param, code="context_length_exceeded")
+        bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int)
+               or not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"prompt token ids must be integers in [0, {self.vocab_size}); got "
+                                f"{bad[:5]}", param=param)
+
+    def tokenize(self, prompt: str | list[int], param: str = "prompt") -> PromptInput:
+        if isinstance(prompt, str):
+            check_unicode(prompt, param)
+            token_ids = self.tokenizer.encode(prompt)
+            text = prompt
+        else:
+            token_ids, text = list(prompt), None
+        self.check_prompt(token_ids, param)
+        return PromptInput(text, token_ids)
+
+    def chat_prompt(self, request: ChatCompletionRequest) -> PromptInput:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, f"the model '{self.model_name}' has no chat template; use /v1/completions",
+                           param="messages")
+        messages = []
+        for message in request.messages:
+            check_unicode(message.text() + (message.name or ""), "messages")
+            entry = {"role": message.role, "content": message.text()}
+            if message.name:
+                entry["name"] = message.name
+            messages.append(entry)
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=request.add_generation_prompt, tokenize=False)
+        except Exception as exc:  # the template rejects the conversation (e.g. role order)
+            raise APIError(400, f"the chat template could not render these messages: {exc}",
+                           param="messages") from None
+        token_ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template adds them
+        self.check_prompt(token_ids, "messages")
+        return PromptInput(text, token_ids)
+
+    def sampling_params(self, request, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        if request.n > self.limits.max_n:
+            raise APIError(400, f"n must be <= {self.limits.max_n}, got {request.n}", param="n")
+        stop = request.stop_strings
+        if len(stop) > self.limits.max_stop_strings:
+            raise APIError(400, f"at most {self.limits.max_stop_strings} stop strings are allowed, got "
+                                f"{len(stop)}", param="stop")
+        for text in stop:
+            check_unicode(text, "stop")
+        try:
+            return SamplingParams(
+                n=request.n, max_tokens=max_tokens,
+                temperature=1.0 if request.temperature is None else request.temperature,
+                top_p=1.0 if request.top_p is None else request.top_p, top_k=request.top_k,
+                min_p=request.min_p, seed=request.seed, presence_penalty=request.presence_penalty,
+                frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
+                stop=stop, stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
+                logprobs=logprobs, skip_special_tokens=request.skip_special_tokens)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
+
+    # ---- generation ------------------------------------------------------------------------
+    def release_slots(self, num_requests: int, client: str = "") -> None:
+        """Free the limiter slots of a finished or abandoned request."""
+        self.limiter.release(num_requests)
+        self.client_limiter.release(client, num_requests)
+        self.metrics.set_in_flight(self.limiter.num_in_flight)
+
+    async def start_generation(self, request_id: str, prompts: list[PromptInput], params: SamplingParams,
+                               priority: int, client: str = ""
+                               ) -> tuple[Generation, tuple[int, RequestOutput] | None]:
+        """Admit the request (429 when the replica or ``client`` is full), start it, await its first output.
+
+        Returns the running generation and its first item (None if it ended
+        without output). Failures before the first output raise ``APIError``,
+        so a streamed response can still get a proper status.
+        """
+        max_batch = min(self.limits.max_queued_requests, self.limits.max_requests_per_client)
+        if len(prompts) > max_batch:  # could never be admitted: retrying would not help
+            raise APIError(400, f"a batch of {len(prompts)} prompts exceeds this server's limit of {max_batch} "
+                                "requests in flight", param="prompt")
+        self.client_limiter.acquire(client, len(prompts))
+        try:
+            self.limiter.acquire(len(prompts))
+        except APIError:
+            self.client_limiter.release(client, len(prompts))
+            raise
+        self.metrics.set_in_flight(self.limiter.num_in_flight)
+        self.log_prompts(request_id, prompts, params)
+        generation = Generation(self, request_id, prompts, params, priority, client)
+        try:
+            generation.start()
+            first = await anext(generation, None)
+        except BaseException:
+            await generation.aclose()
+            raise
+        return generation, first
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text (how logprobs name tokens)."""
+        return self.tokenizer.decode([token_id])
+
+    # ---- the rest ------------------------------------------------------------------------------
+    def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.max_model_len)])
+
+    async def is_healthy(self, timeout_s: float = 2.0) -> bool:
+        """True if at least one worker answers a ping within ``timeout_s``."""
+        async def ping(worker) -> bool:
+            try:
+                await asyncio.wait_for(worker.ping.remote(), timeout_s)
+                return True
+            except Exception:
+                return False
+
+        return any(await asyncio.gather(*(ping(w) for w in self.handle.workers.values())))
+
+    async def stats(self) -> dict:
+        """``collect_stats`` plus this replica's in-flight count."""
+        stats = await collect_stats(self.handle)
+        stats["server"] = {"num_in_flight": self.limiter.num_in_flight,
+                           "max_queued_requests": self.limiter.max_in_flight}
+        return stats
+
+    async def metrics_text(self) -> bytes:
+        return self.metrics.render(await collect_stats(self.handle))

@@ -1,0 +1,249 @@
+"""The HTTP transport: the FastAPI app over a ``Frontend``.
+
+Routes: ``/v1/completions`` (``serving_completion``), ``/v1/chat/completions``
+(``serving_chat``), ``/v1/models``, ``/health``, ``/metrics``, ``/stats`` and the
+dashboard. Every failure is OpenAI's error body with a meaningful status:
+
+* 400 malformed JSON, invalid or unknown fields, a prompt too long (the
+  message states the limit); 413 a body over ``max_request_body_bytes``;
+* 401 a missing or wrong ``Authorization: Bearer`` key (when one is set);
+* 404 an unknown model; 429 (with ``Retry-After``) when this replica already
+  has ``max_queued_requests`` requests admitted and unfinished, or the client
+  (its bearer token, else its address) ``max_requests_per_client``;
+* 408 a body not received within ``body_read_timeout_s``, a request past
+  ``request_timeout_s``, or a generation silent for ``stream_idle_timeout_s``
+  (in a stream: an error event); the request is aborted and its blocks freed;
+* 503 only when no worker can take the request (``NoCapacityError``).
+
+Request bodies are only ever parsed as JSON. A client that goes away cancels
+its request: the generation is closed, which aborts it on its worker and
+frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from ..config import LimitsConfig
+from .auth import client_key
+from .dashboard import add_dashboard_routes
+from .errors import APIError, timeout_error, validation_error
+from .frontend import Frontend
+from .metrics import CONTENT_TYPE
+from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
+                       ErrorResponse, ModelCard, ModelList)
+from .serving_chat import ServingChat
+from .serving_completion import ServingCompletion
+from .sse import EventStream
+
+
+async def parse_body(request: Request, model: type[BaseModel], limits: LimitsConfig) -> Any:
+    """Read (size-limited), decode and validate a JSON body; ``APIError`` 400/413 otherwise."""
+    limit = limits.max_request_body_bytes
+    too_large = APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise too_large
+
+    async def read() -> bytearray:
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+        return body
+
+    timeout = limits.body_read_timeout_s
+    try:
+        body = await asyncio.wait_for(read(), timeout)
+    except TimeoutError:
+        raise timeout_error(f"the request body was not received within {timeout:g} s",
+                            "body_read_timeout") from None
+    try:
+        data = json.loads(body, parse_constant=_reject_json_constant)
+    except (ValueError, RecursionError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def _reject_json_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _json_response(content: Any, status_code: int = 200, headers: dict[str, str] | None = None):
+    """A JSON response with non-ASCII escaped, so any text (lone surrogates too) encodes."""
+    from fastapi.responses import Response
+
+    body = json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
+    return Response(body, status_code=status_code, headers=headers, media_type="application/json")
+
+
+class APIKeyMiddleware:
+    """ASGI middleware: with an API key set, 401 for every route ``server.is_open_path`` does not open."""
+
+    def __init__(self, app, server: Frontend) -> None:
+        self.app = app
+        self.server = server
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] in ("http", "websocket") and self.server.api_key:
+            path = scope.get("path", "")
+            root = scope.get("root_path", "")
+            if root and path.startswith(root):
+                path = path[len(root):] or "/"
+            if not self.server.is_open_path(path):
+                headers = dict(scope.get("headers") or [])
+                authorization = headers.get(b"authorization", b"").decode("latin-1")
+                try:
+                    self.server.check_auth(authorization)
+                except APIError as exc:
+                    if scope["type"] == "websocket":
+                        await send({"type": "websocket.close", "code": 1008})
+                        return
+                    response = _json_response(exc.body(), exc.status, exc.headers)
+                    await response(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+
+def _json_body(model: type[BaseModel]) -> dict:
+    """OpenAPI for a body the route reads itself (``parse_body``): the model's schema."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _responses(model: type[BaseModel] | None, is_streamable: bool = False) -> dict:
+    responses: dict[int | str, dict] = {}
+    if model is not None:
+        responses[200] = {"model": model}
+        if is_streamable:
+            responses[200]["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
+    for status, meaning in ((400, "invalid request"), (401, "missing or wrong API key"),
+                            (404, "unknown model"), (408, "timed out"), (413, "body too large"),
+                            (429, "too many requests (Retry-After)"), (503, "no capacity (Retry-After)")):
+        responses[status] = {"model": ErrorResponse, "description": meaning}
+    return responses
+
+
+def _install_openapi(app, request_models: list[type[BaseModel]]) -> None:
+    """Add the request models the routes parse themselves to the app's OpenAPI components."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                                 description=app.description)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in request_models:
+                definition = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(definition.pop("$defs", {}))
+                components[model.__name__] = definition
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def build_app(server: Frontend):
+    """The FastAPI app serving ``server``'s routes (errors in OpenAI's shape)."""
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import Response, StreamingResponse
+    from starlette.exceptions import HTTPException
+
+    app = FastAPI(title="pagedserve", version="0.1.0",
+                  description="OpenAI-compatible completions and chat completions on a paged KV cache.")
+    app.add_middleware(APIKeyMiddleware, server=server)
+    completion = ServingCompletion(server)
+    chat = ServingChat(server)
+    _install_openapi(app, [CompletionRequest, ChatCompletionRequest])
+
+    def error_response(error: APIError):
+        return _json_response(error.body(), error.status, error.headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError):
+        return error_response(APIError(400, f"invalid request: {exc.errors()}"))
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(APIError(exc.status_code, str(exc.detail), kind))
+
+    class _SSEResponse(StreamingResponse):
+        """Closes the generation even if the client left before the body started."""
+
+        def __init__(self, stream: EventStream) -> None:
+            super().__init__(stream.lines, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            self._stream = stream
+
+        async def __call__(self, scope, receive, send) -> None:
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                await self._stream.aclose()
+
+    async def generate(api: str, request: Request, model: type[BaseModel], create) -> Response:
+        client = client_key(request.headers.get("authorization"),
+                            request.client.host if request.client else None)
+        try:
+            body = await parse_body(request, model, server.limits)
+            result = await create(body, client)
+        except APIError as exc:
+            server.metrics.observe_response(api, exc.status)
+            return error_response(exc)
+        server.metrics.observe_response(api, 200)
+        if isinstance(result, BaseModel):
+            return _json_response(result.model_dump())
+        return _SSEResponse(result)
+
+    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest),
+              responses=_responses(CompletionResponse, is_streamable=True))
+    async def completions(request: Request):
+        return await generate("completions", request, CompletionRequest, completion.create_completion)
+
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest),
+              responses=_responses(ChatCompletionResponse, is_streamable=True))
+    async def chat_completions(request: Request):
+        return await generate("chat", request, ChatCompletionRequest, chat.create_chat_completion)
+
+    @app.get("/v1/models", responses=_responses(ModelList))
+    async def models():
+        return server.models().model_dump()
+
+    @app.get("/v1/models/{model:path}", responses=_responses(ModelCard))
+    async def model(model: str):
+        server.check_model(model)
+        return server.models().data[0].model_dump()
+
+    @app.get("/health")
+    async def health():
+        if await server.is_healthy():
+            return {"status": "ok", "model": server.model_name}
+        return _json_response({"status": "unavailable", "model": server.model_name}, 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(await server.metrics_text(), media_type=CONTENT_TYPE)
+
+    @app.get("/stats")
+    async def stats():
+        return await server.stats()
+
+    add_dashboard_routes(app, server.handle, server.check_auth, server.metrics)
+    return app

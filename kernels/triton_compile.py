@@ -1,0 +1,72 @@
+"""Compile the Triton kernels for a GPU architecture without a GPU (triton ships ptxas),
+with the arguments ``triton_ops`` launches them with.
+
+``kernel_configs`` lists the kernels a model would launch; ``compile_kernel`` builds
+one to a cubin, whose ``metadata.shared`` is its shared memory per block. Used at
+model load (``gpu_targets.shared_memory_overruns``) and by ``triton_compile_check``.
+"""
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from . import triton_attention_kernels as attention_kernels
+from . import triton_cache_kernels as cache_kernels
+
+_TYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
+               torch.int32: "i32", torch.int64: "i64"}
+
+
+def compile_kernel(kernel, arg_types: dict, constexprs: dict, target: GPUTarget, num_warps: int):
+    """Compile ``kernel`` down to a cubin. Pointer arguments are given as torch dtypes, scalars as Triton type names."""
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.startswith("stride"):
+            signature[name] = "i32"
+        else:
+            value = arg_types[name]
+            signature[name] = "*" + _TYPE_NAMES[value] if isinstance(value, torch.dtype) else value
+    source = ASTSource(kernel, signature, constexprs=constexprs)
+    return triton.compile(source, target=target, options={"num_warps": num_warps})
+
+
+def kernel_configs(dtype, head_dim, num_q_per_kv, block_size, index_dtype=torch.int32):
+    """(kernel, arg types, constexprs, num_warps) as ``triton_ops`` would launch them."""
+    block_d = triton.next_power_of_2(head_dim)
+    block_g = triton.next_power_of_2(num_q_per_kv)
+    tile = 64 if block_d <= 128 and dtype != torch.float32 else 32
+    precision = "ieee" if dtype == torch.float32 else "tf32"
+    decode_block_n = 64 if block_d <= 128 else 32
+    f32 = torch.float32
+    yield (attention_kernels.paged_prefill_kernel,
+           dict(q_ptr=dtype, k_cache_ptr=dtype, v_cache_ptr=dtype, block_tables_ptr=index_dtype,
+                cu_seqlens_q_ptr=index_dtype, seq_lens_ptr=index_dtype, out_ptr=dtype, scale_log2="fp32",
+                num_seqs="i32"),
+           dict(NUM_Q_PER_KV=num_q_per_kv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=block_g,
+                BLOCK_Q=max(1, tile // block_g), BLOCK_D=block_d, BLOCK_N=tile, DOT_PRECISION=precision),
+           4 if block_d <= 128 else 8)
+    for is_split in (False, True):
+        yield (attention_kernels.paged_decode_kernel,
+               dict(q_ptr=dtype, k_cache_ptr=dtype, v_cache_ptr=dtype, block_tables_ptr=index_dtype,
+                    seq_lens_ptr=index_dtype, out_ptr=dtype, part_acc_ptr=f32, part_max_ptr=f32, part_sum_ptr=f32,
+                    scale_log2="fp32", split_len="i32", num_splits="i32"),
+               dict(NUM_HEADS=4 * num_q_per_kv, NUM_Q_PER_KV=num_q_per_kv, HEAD_DIM=head_dim,
+                    BLOCK_SIZE=block_size, BLOCK_G=max(16, block_g), BLOCK_D=block_d, BLOCK_N=decode_block_n,
+                    IS_SPLIT=is_split, DOT_PRECISION=precision),
+               4)
+    yield (attention_kernels.paged_decode_reduce_kernel,
+           dict(out_ptr=dtype, part_acc_ptr=f32, part_max_ptr=f32, part_sum_ptr=f32, num_splits="i32"),
+           dict(NUM_HEADS=4 * num_q_per_kv, HEAD_DIM=head_dim, BLOCK_SPLITS=4, BLOCK_D=block_d),
+           4)
+    yield (cache_kernels.write_kv_kernel,
+           dict(key_ptr=dtype, value_ptr=dtype, k_cache_ptr=dtype, v_cache_ptr=dtype, slot_mapping_ptr=torch.int64),
+           dict(NUM_KV_HEADS=4, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_H=4, BLOCK_D=block_d),
+           4)
+    yield (cache_kernels.copy_blocks_kernel,
+           dict(src_addrs_ptr=torch.int64, dst_addrs_ptr=torch.int64, dtype_ref_ptr=dtype,
+                block_pairs_ptr=torch.int64, block_numel="i32"),
+           dict(BLOCK=1024),
+           4)
