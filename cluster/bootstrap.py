@@ -8,8 +8,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dataclasses import asdict
-
 from pagedserve.workers.model_support import check_servable_config
 
 from . import ray_compat
@@ -123,7 +121,7 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
     for group in config.workers:
         options = config.engine.model_copy(update=EngineOptions.model_validate(
             {**config.engine.model_dump(), **group.engine}).model_dump())
-        engine_dict = asdict(options.to_engine_config(model_path))
+        engine_dict = options.to_engine_config(model_path).model_dump()
         for _ in range(group.min_workers):
             worker_id = f"worker-{index}"
             handle = worker_cls.options(

@@ -71,11 +71,15 @@ def _add_generate_parser(subparsers) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--n", type=int, default=1)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-device-blocks", type=int, default=None)
-    parser.add_argument("--swap-space-gb", type=float, default=0.05)
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    # Engine options: unset ones take the engine's defaults (workers/engine_options.py).
+    parser.add_argument("--block-size", type=int)
+    parser.add_argument("--num-device-blocks", type=int)
+    parser.add_argument("--swap-space-gb", type=float)
+    parser.add_argument("--device", help="cpu or cuda (default: cuda if present)")
     parser.set_defaults(run=_run_generate)
+
+
+GENERATE_ENGINE_OPTIONS = ("block_size", "num_device_blocks", "swap_space_gb", "device")
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -84,8 +88,8 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     model = args.model or str(ensure_model(args.arch, args.size))
     try:
-        llm = LLM(model, block_size=args.block_size, num_device_blocks=args.num_device_blocks,
-                  swap_space_gb=args.swap_space_gb, device=args.device)
+        given = {name: getattr(args, name) for name in GENERATE_ENGINE_OPTIONS}
+        llm = LLM(model, **{name: value for name, value in given.items() if value is not None})
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, seed=args.seed, n=args.n, ignore_eos=True)
         outputs = llm.generate(list(args.prompt or DEMO_PROMPTS), params)

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pagedserve.workers.engine import EngineConfig
+from pagedserve.workers.engine_options import EngineOptions  # the one schema; re-exported here
 from pagedserve.workers.model_source import ModelSource, is_hub_id, token_from_environment
 from pagedserve.devtools.model_factory import ARCHS, SIZES
 
@@ -75,31 +75,6 @@ class ModelConfig(_Strict):
         from pagedserve.devtools.model_factory import ensure_model
 
         return str(ensure_model(self.arch, self.size, seed=self.seed))
-
-
-class EngineOptions(_Strict):
-    """Engine options applied on every worker (``EngineConfig`` fields, vLLM's names)."""
-
-    dtype: str | None = None
-    device: str | None = None
-    block_size: int = Field(16, ge=1)
-    num_device_blocks: int | None = Field(None, ge=1)
-    kv_cache_memory_gb: float | None = Field(None, gt=0)
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    swap_space_gb: float = Field(0.25, ge=0)
-    enable_prefix_caching: bool = True
-    preemption_mode: Literal["swap", "recompute"] | None = None
-    max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int | None = Field(None, ge=1)
-    max_model_len: int | None = Field(None, ge=2)
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    allocation: Literal["paged", "contiguous"] = "paged"
-    watermark: float = Field(0.01, ge=0, lt=1)
-    seed: int | None = Field(None, ge=0, lt=2**63)  # None: a fresh random seed per engine
-    kernel_backend: Literal["torch", "triton"] | None = None
-
-    def to_engine_config(self, model_path: str) -> EngineConfig:
-        return EngineConfig(model=model_path, **self.model_dump())
 
 
 class AutoscalingConfig(_Strict):

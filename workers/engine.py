@@ -6,81 +6,25 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass, fields
 from typing import Any, Callable
 
 import torch
 
-from pagedserve.kvmanager import KVManager, PoolConfig, StepInput, StepOutput
+from pagedserve.kvmanager import KVManager, StepInput, StepOutput
 
 from .detokenizer import FINISH_STOP, StreamingDetokenizer
+from .engine_options import EngineConfig
 from .grammar import GrammarCompiler
 from .kv_transfer import KVTransfer, check_compatible, export_kv, import_kv, read_header
 from .model_runner import ModelRunner, SeqChunk, TokenScores
 from .request import CompletionOutput, Request, RequestOutput, Sequence, SequenceStatus
 from .sampler import SampleLogprobs, Sampler, SamplingState
 from .sampling_params import SamplingParams
-from .scheduler import SCHEDULING_POLICIES, Scheduler, SchedulerOutput
+from .scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
-
-
-@dataclass
-class EngineConfig:
-    """Everything ``LLM(...)`` and a worker accept, with vLLM's names."""
-
-    model: str
-    tokenizer: str | None = None
-    dtype: str | None = None                  # None/"auto": float32 on CPU, bfloat16 on CUDA
-    device: str | None = None                 # None/"auto", "cpu" or "cuda"
-    block_size: int = 16
-    num_device_blocks: int | None = None      # wins over the memory budgets
-    kv_cache_memory_gb: float | None = None   # KV budget; default 1 GiB on CPU
-    gpu_memory_utilization: float = 0.9       # CUDA only, applied after profiling a forward pass
-    swap_space_gb: float = 0.5                # host swap pool
-    enable_prefix_caching: bool = True
-    preemption_mode: str | None = None        # None: swap while host space is free, else recompute
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # default: max(2048, max_model_len)
-    max_model_len: int | None = None           # default: the longest context the model computes exactly
-    scheduling_policy: str = "fcfs"
-    allocation: str = "paged"                  # or "contiguous" (the baseline for benchmarks)
-    watermark: float = 0.01
-    seed: int | None = None                    # sampler seed for unseeded requests; None: fresh random per engine
-    kernel_backend: str | None = None
-    trust_remote_code: bool = False
-
-    def __post_init__(self) -> None:
-        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
-        for name in ("num_device_blocks", "max_num_batched_tokens", "max_model_len"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be an integer in [0, 2**63) or None, got {self.seed!r}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
-            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.swap_space_gb < 0:
-            raise ValueError(f"swap_space_gb must be >= 0, got {self.swap_space_gb}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}")
-        PoolConfig(num_device_blocks=1, preemption_mode=self.preemption_mode)  # validates the mode
-
-    @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
-        """Build from keyword arguments, naming any that are unknown."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
-        return cls(**kwargs)
 
 
 class LLMEngine:
@@ -114,11 +58,7 @@ class LLMEngine:
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, max_len)
         self.eos_token_ids = self._eos_token_ids()
         num_device, num_host = self._size_pools()
-        self.pool_config = PoolConfig(
-            num_device_blocks=num_device, num_host_blocks=num_host, block_size=config.block_size,
-            max_model_len=max_len, allocation=config.allocation,
-            enable_prefix_caching=config.enable_prefix_caching, watermark=config.watermark,
-            preemption_mode=config.preemption_mode)
+        self.pool_config = config.pool_config(num_device, num_host, max_len)
         self.runner.allocate_cache(config.block_size, num_device, num_host)
         if kv_step is None:
             self.kv_manager = kv_manager or KVManager()
@@ -600,4 +540,4 @@ class LLMEngine:
         return 0 if self.kv_manager is None else self.kv_manager.num_used_blocks()
 
     def config_dict(self) -> dict:
-        return asdict(self.config)
+        return self.config.model_dump()

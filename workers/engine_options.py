@@ -1,0 +1,106 @@
+"""The engine options: one schema, one defaults table, vLLM's names.
+
+``EngineOptions`` is every per-worker engine setting with its default and its
+check. The other forms are derived from it, never restated:
+
+- ``EngineConfig`` (``LLM(...)``, a worker's constructor) is these options plus
+  the checkpoint (``model``, ``tokenizer``, ``trust_remote_code``);
+- the YAML ``engine:`` section and ``workers[].engine`` overrides validate with
+  this class itself (``cluster.config`` re-exports it);
+- the KV manager's ``PoolConfig`` is built from it by ``pool_config``. The options
+  the pool shares (block size, allocation, prefix caching, watermark, preemption
+  mode) take their defaults from ``PoolConfig``, the lowest layer that knows
+  them, so each default is written once.
+
+A bad value raises ``pydantic.ValidationError`` (a ``ValueError``) naming the option.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pagedserve.kernels import BACKENDS
+from pagedserve.kvmanager import ALLOCATION_POLICIES, PREEMPTION_MODES, PoolConfig
+
+from .scheduler import SCHEDULING_POLICIES
+
+# Block sizes the attention kernels take (a power of two, at most one tile's rows).
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+POOL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PoolConfig)
+                 if f.default is not dataclasses.MISSING}
+
+# The options PoolConfig shares with the engine, passed down unchanged.
+POOL_OPTIONS = ("block_size", "allocation", "enable_prefix_caching", "watermark", "preemption_mode")
+
+Allocation = Literal[tuple(ALLOCATION_POLICIES)]  # type: ignore[valid-type]
+PreemptionMode = Literal[PREEMPTION_MODES]  # type: ignore[valid-type]
+SchedulingPolicy = Literal[SCHEDULING_POLICIES]  # type: ignore[valid-type]
+KernelBackend = Literal[BACKENDS]  # type: ignore[valid-type]
+
+
+class EngineOptions(BaseModel):
+    """Per-worker engine options; unknown names and bad values are errors naming the option."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    dtype: str | None = None                  # None/"auto": float32 on CPU, bfloat16 on CUDA
+    device: str | None = None                 # None/"auto", "cpu" or "cuda"
+    block_size: int = POOL_DEFAULTS["block_size"]
+    num_device_blocks: int | None = Field(None, ge=1)      # wins over the memory budgets
+    kv_cache_memory_gb: float | None = Field(None, gt=0)   # KV budget; default 1 GiB on CPU
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # CUDA only, after profiling a forward pass
+    swap_space_gb: float = Field(0.25, ge=0)                # host swap pool (and evicted prefix blocks)
+    enable_prefix_caching: bool = POOL_DEFAULTS["enable_prefix_caching"]
+    preemption_mode: PreemptionMode | None = POOL_DEFAULTS["preemption_mode"]  # None: migrate/swap/recompute
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=1)  # default: max(2048, max_model_len)
+    max_model_len: int | None = Field(None, ge=2)           # default: the longest context computed exactly
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    allocation: Allocation = POOL_DEFAULTS["allocation"]    # "contiguous": the benchmarks' baseline
+    watermark: float = Field(POOL_DEFAULTS["watermark"], ge=0, lt=1)
+    seed: int | None = Field(None, ge=0, lt=2**63)          # None: a fresh random seed per engine
+    kernel_backend: KernelBackend | None = None             # None: triton on CUDA if installed, else torch
+
+    @field_validator("block_size")
+    @classmethod
+    def _kernel_block_size(cls, block_size: int) -> int:
+        if block_size not in BLOCK_SIZES:
+            raise ValueError(f"block_size must be a power of two up to {BLOCK_SIZES[-1]}, got {block_size}")
+        return block_size
+
+    @model_validator(mode="after")
+    def _pool_accepts(self) -> "EngineOptions":
+        self.pool_config(num_device_blocks=1, num_host_blocks=0, max_model_len=self.max_model_len or 2)
+        return self
+
+    def pool_config(self, num_device_blocks: int, num_host_blocks: int, max_model_len: int,
+                    role: str = POOL_DEFAULTS["role"]) -> PoolConfig:
+        """The KV manager's view of one worker's pools, sized by the engine."""
+        return PoolConfig(num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks,
+                          max_model_len=max_model_len, role=role,
+                          **{name: getattr(self, name) for name in POOL_OPTIONS})
+
+    def to_engine_config(self, model: str, **checkpoint: Any) -> "EngineConfig":
+        """These options for ``model`` (``checkpoint``: ``tokenizer``, ``trust_remote_code``)."""
+        return EngineConfig(model=model, **self.model_dump(include=set(EngineOptions.model_fields)),
+                            **checkpoint)
+
+
+class EngineConfig(EngineOptions):
+    """Everything ``LLM(...)`` and a worker accept: the checkpoint plus ``EngineOptions``."""
+
+    model: str
+    tokenizer: str | None = None
+    trust_remote_code: bool = False
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Build from keyword arguments, raising TypeError naming any unknown ones."""
+        unknown = sorted(set(kwargs) - set(cls.model_fields))
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
+        return cls(**kwargs)
