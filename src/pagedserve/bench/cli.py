@@ -1,4 +1,4 @@
-"""Arguments of ``pagedserve bench <allocators|prefix|serve|offline>``.
+"""Arguments of ``pagedserve bench <allocators|prefix|serve|offline|kv-scale>``.
 
 Only argparse and the shared argument types of ``pagedserve.argtypes`` are
 imported here; each ``_run_*`` imports its benchmark module (torch,
@@ -227,13 +227,55 @@ def _run_offline(args: argparse.Namespace) -> int:
     return _finish(args, data, offline.format_results(data))
 
 
-_BENCH_BUILDERS = (_add_allocators_parser, _add_prefix_parser, _add_serve_parser, _add_offline_parser)
+# ---- kv-scale ----------------------------------------------------------------------------
+def _add_kv_scale_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "kv-scale", help="central KV manager cost per worker-step, N simulated workers on local Ray",
+        description=("Drive N simulated workers (the real worker-side KV code, no model) against the real "
+                     "central KV manager actor on a local Ray cluster, several per process, each at R "
+                     "steps/s, with shared prefixes, decode growth, finishes and pool pressure that forces "
+                     "preemptions. Reports central CPU and bytes per worker-step, blocking calls per step, "
+                     "event lag p99, workers supported at 50 steps/s = 1e6 / (50 * central CPU us per "
+                     "worker-step), preemptions by mode and integrity."))
+    parser.add_argument("--workers", type=positive_int, default=32, help="simulated workers N (default: 32)")
+    parser.add_argument("--batch", type=positive_int, default=256, help="running sequences per worker B")
+    parser.add_argument("--context", type=positive_int, default=4096, help="mean context length L, tokens")
+    parser.add_argument("--steps-per-s", type=positive_float, default=50.0, help="steps/s per worker R")
+    parser.add_argument("--seconds", type=positive_float, default=20.0, help="measured seconds S")
+    parser.add_argument("--workers-per-process", type=positive_int, default=16)
+    parser.add_argument("--flush-ms", type=positive_float, default=50.0,
+                        help="each worker publishes its KV events this often (default: 50)")
+    parser.add_argument("--pressure-per-s", type=float, default=0.2,
+                        help="per worker, random requests sized to take the pool's free room (default: 0.2)")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    parser.set_defaults(run=_run_kv_scale)
+
+
+def _run_kv_scale(args: argparse.Namespace) -> int:
+    from . import kv_scale
+
+    if args.pressure_per_s < 0:
+        raise SystemExit("--pressure-per-s must be >= 0")
+    config = kv_scale.KVScaleConfig(
+        num_workers=args.workers, batch=args.batch, context=args.context, steps_per_s=args.steps_per_s,
+        seconds=args.seconds, workers_per_process=args.workers_per_process, flush_interval_s=args.flush_ms / 1e3,
+        pressure_per_s=args.pressure_per_s, seed=args.seed)
+    result = kv_scale.run_kv_scale(config, out=args.json)
+    print(kv_scale.format_results(result))
+    if args.json:
+        print(f"wrote {args.json}")
+    return 0 if result["integrity_ok"] else 1
+
+
+_BENCH_BUILDERS = (_add_allocators_parser, _add_prefix_parser, _add_serve_parser, _add_offline_parser,
+                   _add_kv_scale_parser)
 
 
 def add_bench_parser(subparsers) -> None:
     """Add ``bench`` and its subcommands to the top-level ``subparsers``."""
     parser = subparsers.add_parser(
-        "bench", help="benchmarks: allocators, prefix caching, online serving, offline throughput",
+        "bench", help="benchmarks: allocators, prefix caching, online serving, offline throughput, KV scale",
         description="Benchmarks that write JSON (--out) and PNG plots (--plot-dir).")
     bench_subparsers = parser.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
     for add_parser in _BENCH_BUILDERS:

@@ -1,0 +1,120 @@
+"""``bench kv-scale``: the simulated worker keeps its pool and the central index in step,
+and the benchmark runs end to end on Ray, writing every key (not its speed)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import pytest
+
+from pagedserve.bench.kv_scale import TARGETS, KVScaleConfig, format_results, run_kv_scale
+from pagedserve.bench.kv_sim import SimulatedKVWorker, SimWorkload
+from pagedserve.kvmanager.events import PublishAck
+from pagedserve.kvmanager.preemption import PreemptionDecision, RemotePreemptionPolicy
+from pagedserve.kvmanager.service import KVManagerService
+
+RESULT_KEYS = ("central_cpu_us_per_worker_step", "bytes_per_worker_step", "blocking_calls_per_step",
+               "event_lag_p99_ms", "workers_supported_at_50_steps_per_s", "preemptions_by_mode", "integrity_ok")
+
+
+def _in_process_cluster(num_workers: int, workload: SimWorkload):
+    central = KVManagerService()
+    prefixes = [workload.prefix(i) for i in range(workload.num_prefixes)]
+    workers = []
+    for i in range(num_workers):
+        def call(request):
+            return PreemptionDecision.unpack(central.decide_preemption(request.pack()))
+        worker = SimulatedKVWorker(f"sim-{i}", workload, prefixes, RemotePreemptionPolicy(call))
+        central.register_worker(worker.worker_id, asdict(worker.pool_config))
+        assert PublishAck.unpack(central.resync(worker.kv.snapshot().pack())).status == "ok"
+        workers.append(worker)
+    return central, workers
+
+
+def _publish(central: KVManagerService, worker: SimulatedKVWorker) -> None:
+    ack = PublishAck.unpack(central.publish(worker.kv.drain_events().pack()))
+    assert ack.status == "ok", ack
+
+
+def test_simulated_workers_keep_the_central_index_exact_through_pressure_and_migration():
+    workload = SimWorkload(batch=12, context=192, block_size=16, num_prefixes=3, pressure_per_s=10,
+                           steps_per_s=50, prefill_per_step=64, seed=3)
+    central, workers = _in_process_cluster(3, workload)
+    by_id = {w.worker_id: w for w in workers}
+    for _ in range(40):
+        for worker in workers:
+            worker.step()
+    for worker in workers:
+        worker.set_warm()
+    num_migrated = 0
+    for step in range(300):
+        for worker in workers:
+            worker.step()
+            for migration in worker.outbox:
+                by_id[migration.target_worker].accept_migration(migration)
+                num_migrated += 1
+            worker.outbox = []
+            if step % 3 == 0:
+                _publish(central, worker)
+        if step % 25 == 0:
+            for worker in workers:
+                _publish(central, worker)
+                worker.check_integrity()
+            central.index.check_consistency_with([w.kv.snapshot() for w in workers])
+    modes = {}
+    for worker in workers:
+        for mode, n in worker.counters.preemptions_by_mode.items():
+            modes[mode] = modes.get(mode, 0) + n
+    # Fixed seed: every run sees migrations and swaps/recomputes (3 / 56 / 8 when written).
+    assert modes["migrate"] > 0 and modes["swap"] + modes["recompute"] > 0, modes
+    assert modes["migrate"] == num_migrated
+    assert sum(w.counters.num_pressure_requests for w in workers) > 0
+    for worker in workers:
+        worker.finish_all()
+        worker.check_integrity()
+        _publish(central, worker)
+        occupancy = worker.kv.occupancy()
+        assert occupancy["device"].num_used == 0 and occupancy["host"].num_used == 0
+    central.index.check_consistency_with([w.kv.snapshot() for w in workers])
+
+
+def test_workload_is_validated():
+    with pytest.raises(ValueError, match="context"):
+        SimWorkload(context=8)
+    with pytest.raises(ValueError, match="output_len"):
+        SimWorkload(context=256, output_len=(10, 300))
+    # Output lengths scale with the context by default, so per-step changes do not.
+    assert SimWorkload(context=4096).output_range == (1024, 3072)
+
+
+@pytest.mark.timeout(600)
+def test_kv_scale_runs_end_to_end_on_ray_and_reports_every_key(tmp_path):
+    out = tmp_path / "kv_scale.json"
+    config = KVScaleConfig(num_workers=4, batch=8, context=128, steps_per_s=20, seconds=2.0,
+                           workers_per_process=2, pressure_per_s=2.0, num_prefixes=2)
+    result = run_kv_scale(config, out=str(out), log=lambda _: None)
+    written = json.loads(out.read_text())
+    for key in RESULT_KEYS:
+        assert key in written, key
+    assert written["integrity_ok"] is True, written["integrity_errors"]
+    assert set(written["preemptions_by_mode"]) == {"migrate", "swap", "recompute"}
+    assert written["worker_steps"] > 0 and written["bytes_per_worker_step"] > 0
+    assert written["central_cpu_us_per_worker_step"] > 0
+    assert written["workers_supported_at_50_steps_per_s"] == pytest.approx(
+        1e6 / (50 * written["central_cpu_us_per_worker_step"]))
+    assert written["workers_supported_formula"] == "1e6 / (50 * central_cpu_us_per_worker_step)"
+    assert set(written["targets"]) == set(TARGETS)
+    text = format_results(result)
+    assert "integrity ok" in text and "1e6 / (50 * central_cpu_us_per_worker_step)" in text
+
+
+def test_kv_scale_cli_parses():
+    from pagedserve.cluster.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "kv-scale", "--workers", "64", "--batch", "256", "--context",
+                                      "16384", "--steps-per-s", "50", "--seconds", "30", "--json", "x.json"])
+    assert (args.workers, args.batch, args.context, args.steps_per_s, args.seconds, args.json) == (
+        64, 256, 16384, 50.0, 30.0, "x.json")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "kv-scale", "--workers", "0"])
