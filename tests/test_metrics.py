@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from pagedserve.cluster.metrics import ServerMetrics  # noqa: E402
+from pagedserve.cluster.serving.metrics import ServerMetrics  # noqa: E402
 
 MODEL = "m"
 STATS = {
