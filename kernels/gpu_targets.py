@@ -83,7 +83,7 @@ def shared_memory_overruns(capability: tuple[int, int], dtype: torch.dtype, head
     architecture with Triton's bundled ptxas (seconds; Triton caches the result)."""
     from triton.backends.compiler import GPUTarget as TritonTarget
 
-    from .triton_compile import compile_kernel, kernel_configs
+    from .triton_compile import compile_kernel, kernel_configs, kernel_label
 
     target = target_for(capability)
     triton_target = TritonTarget("cuda", target.arch, 32)
@@ -91,7 +91,7 @@ def shared_memory_overruns(capability: tuple[int, int], dtype: torch.dtype, head
     for kernel, arg_types, constexprs, num_warps in kernel_configs(dtype, head_dim, num_q_per_kv, block_size):
         shared = compile_kernel(kernel, arg_types, constexprs, triton_target, num_warps).metadata.shared
         if shared > target.max_shared_bytes:
-            overruns.append((kernel.__name__, shared))
+            overruns.append((kernel_label(kernel, constexprs), shared))
     return overruns
 
 

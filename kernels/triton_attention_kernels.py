@@ -9,24 +9,64 @@ Conventions shared by all kernels:
 - The query heads that share one KV head are packed into the M dimension of one tile, so each
   K/V tile is loaded once per KV head rather than once per query head.
 - ``BLOCK_D`` is ``head_dim`` padded to a power of two; the tail is masked.
+
+Variants, each a constexpr flag so the plain kernel compiles exactly as without them:
+- ``HAS_WINDOW``: a query at position p sees keys k with ``p - window < k <= p``. The KV loop
+  starts at the first position the tile's first query sees, so block table entries of blocks
+  wholly before it are never loaded (they may be -1).
+- ``HAS_SOFTCAP``: scores become ``softcap * tanh(scores / softcap)`` before the mask. In the
+  log2 domain that is ``softcap_log2 * tanh(scores_log2 / softcap_log2)`` with
+  ``softcap_log2 = softcap * log2(e)``; tanh is built from ``exp2`` (no libdevice needed).
+- ``HAS_SINKS``: one logit per query head (``sinks_ptr``, natural units, unscaled) joins the
+  softmax denominator. It starts the online softmax as a key with weight 1 and value 0
+  (m = sink, l = 1); in split decode only split 0 carries it.
 """
 
 import triton
 import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from exp2, symmetric so large |x| saturates to +-1 without overflow."""
+    e = tl.exp2(-2.0 * 1.4426950408889634 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0.0, -t, t)
+
+
+@triton.jit
+def _init_softmax_state(sinks_ptr, head, row_mask, carries_sink, BLOCK_M: tl.constexpr,
+                        HAS_SINKS: tl.constexpr):
+    """(m_i, l_i) before any key: empty, or the sink as a key of weight 1 and value 0."""
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head, mask=row_mask, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        sink = tl.where(carries_sink, sink, float("-inf"))
+        m_i = sink
+        l_i = tl.where(sink == float("-inf"), 0.0, 1.0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+    return m_i, l_i
 
 
 @triton.jit
 def _attend_kv_tile(
     q, q_pos, m_i, l_i, acc,
     k_cache_ptr, v_cache_ptr, block_table_row, kv_start, kv_end, kv_head, offs_d, d_mask, scale_log2,
+    window, softcap_log2,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     """Online-softmax update of (m_i, l_i, acc) with context positions [kv_start, kv_start + BLOCK_N).
 
     Positions at or past ``kv_end`` are masked; with IS_CAUSAL, so are positions after a row's
-    ``q_pos``. Rows that see nothing yet keep m_i = -inf and contribute no NaN.
+    ``q_pos`` (and with HAS_WINDOW those at or before ``q_pos - window``). Rows that see
+    nothing yet keep m_i = -inf and contribute no NaN. Only table entries of positions in
+    [kv_start, kv_end) are loaded.
     """
     offs_n = kv_start + tl.arange(0, BLOCK_N)
     n_mask = offs_n < kv_end
@@ -38,8 +78,12 @@ def _attend_kv_tile(
                  + kv_head * stride_kh + offs_d[None, :] * stride_kd)
     k = tl.load(k_cache_ptr + k_offsets, mask=kv_mask, other=0.0)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    if HAS_SOFTCAP:
+        scores = softcap_log2 * _tanh(scores / softcap_log2)
     if IS_CAUSAL:
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        if HAS_WINDOW:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
     else:
         visible = n_mask[None, :]
     scores = tl.where(visible, scores, float("-inf"))
@@ -59,8 +103,8 @@ def _attend_kv_tile(
 
 @triton.jit
 def paged_prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, out_ptr,
-    scale_log2, num_seqs,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, out_ptr, sinks_ptr,
+    scale_log2, num_seqs, window, softcap_log2,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
@@ -68,7 +112,7 @@ def paged_prefill_kernel(
     stride_ot, stride_oh, stride_od,
     NUM_Q_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """One program = BLOCK_Q query tokens of one sequence x all query heads of one KV head.
 
@@ -115,19 +159,22 @@ def paged_prefill_kernel(
     q = q.to(k_cache_ptr.dtype.element_ty)
     q_pos = context_len + q_idx
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i, l_i = _init_softmax_state(sinks_ptr, head, group_idx < NUM_Q_PER_KV, True, BLOCK_M, HAS_SINKS)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    # Causal: the last query of this tile sits at context_len + q_begin + BLOCK_Q - 1.
+    # Causal: the last query of this tile sits at context_len + q_begin + BLOCK_Q - 1; with a
+    # window, its first query (at context_len + q_begin) sees nothing before kv_begin.
     kv_end = tl.minimum(seq_len, context_len + q_begin + BLOCK_Q)
+    kv_begin = q_begin * 0
+    if HAS_WINDOW:
+        kv_begin = tl.maximum(kv_begin, context_len + q_begin - window + 1)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bts
-    for kv_start in range(0, kv_end, BLOCK_N):
+    for kv_start in range(kv_begin, kv_end, BLOCK_N):
         m_i, l_i, acc = _attend_kv_tile(
             q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, kv_start, kv_end, kv_head,
-            offs_d, d_mask, scale_log2,
+            offs_d, d_mask, scale_log2, window, softcap_log2,
             stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
-            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP,
         )
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -140,8 +187,8 @@ def paged_prefill_kernel(
 @triton.jit
 def paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-    scale_log2, split_len, num_splits,
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, sinks_ptr,
+    scale_log2, split_len, num_splits, window, softcap_log2,
     stride_qs, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
@@ -150,14 +197,17 @@ def paged_decode_kernel(
     NUM_HEADS: tl.constexpr, NUM_Q_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """One program = one sequence x one KV head (all its query heads) x one context split.
 
     Grid: (num_seqs, num_kv_heads, num_splits). Split s covers context tokens
-    [s * split_len, (s + 1) * split_len). Without IS_SPLIT (one split) the normalised result
-    goes straight to ``out``; otherwise the unnormalised accumulator, running max (log2
-    domain) and running sum go to the partial buffers ``[num_seqs, num_heads, num_splits(,
-    head_dim)]`` and ``paged_decode_reduce_kernel`` merges them. num_splits is a runtime value
+    [first + s * split_len, first + (s + 1) * split_len), where ``first`` is the first
+    position the query sees (0, or ``seq_len - window`` with a window). Without IS_SPLIT (one
+    split) the normalised result goes straight to ``out``; otherwise the unnormalised
+    accumulator, running max (log2 domain) and running sum go to the partial buffers
+    ``[num_seqs, num_heads, num_splits(, head_dim)]`` and ``paged_decode_reduce_kernel``
+    merges them. num_splits is a runtime value
     so a changing batch size never triggers a recompile.
     """
     seq = tl.program_id(0)
@@ -165,7 +215,10 @@ def paged_decode_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    kv_begin = split * split_len
+    kv_first = seq_len * 0
+    if HAS_WINDOW:
+        kv_first = tl.maximum(kv_first, seq_len - window)
+    kv_begin = kv_first + split * split_len
     kv_end = tl.minimum(kv_begin + split_len, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -179,17 +232,16 @@ def paged_decode_kernel(
     q = tl.load(q_ptr + q_offsets, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     q = q.to(k_cache_ptr.dtype.element_ty)
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
+    m_i, l_i = _init_softmax_state(sinks_ptr, head, g_mask, split == 0, BLOCK_G, HAS_SINKS)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
 
     block_table_row = block_tables_ptr + seq64 * stride_bts
     for kv_start in range(kv_begin, kv_end, BLOCK_N):
         m_i, l_i, acc = _attend_kv_tile(
             q, kv_end, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, kv_start, kv_end, kv_head,
-            offs_d, d_mask, scale_log2,
+            offs_d, d_mask, scale_log2, window, softcap_log2,
             stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
-            BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
+            BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, False, HAS_SOFTCAP,
         )
 
     out_mask = g_mask[:, None] & d_mask[None, :]

@@ -33,30 +33,40 @@ def compile_kernel(kernel, arg_types: dict, constexprs: dict, target: GPUTarget,
     return triton.compile(source, target=target, options={"num_warps": num_warps})
 
 
-def kernel_configs(dtype, head_dim, num_q_per_kv, block_size, index_dtype=torch.int32):
-    """(kernel, arg types, constexprs, num_warps) as ``triton_ops`` would launch them."""
+PLAIN = dict(HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_SINKS=False)
+ALL_VARIANTS = dict(HAS_WINDOW=True, HAS_SOFTCAP=True, HAS_SINKS=True)
+
+
+def kernel_configs(dtype, head_dim, num_q_per_kv, block_size, index_dtype=torch.int32,
+                   variants=(PLAIN, ALL_VARIANTS)):
+    """(kernel, arg types, constexprs, num_warps) as ``triton_ops`` would launch them; the
+    attention kernels once per entry of ``variants`` (their HAS_* flags: sliding window,
+    logit soft-cap, sinks, each a separate compilation)."""
     block_d = triton.next_power_of_2(head_dim)
     block_g = triton.next_power_of_2(num_q_per_kv)
     tile = 64 if block_d <= 128 and dtype != torch.float32 else 32
     precision = "ieee" if dtype == torch.float32 else "tf32"
     decode_block_n = 64 if block_d <= 128 else 32
     f32 = torch.float32
-    yield (attention_kernels.paged_prefill_kernel,
-           dict(q_ptr=dtype, k_cache_ptr=dtype, v_cache_ptr=dtype, block_tables_ptr=index_dtype,
-                cu_seqlens_q_ptr=index_dtype, seq_lens_ptr=index_dtype, out_ptr=dtype, scale_log2="fp32",
-                num_seqs="i32"),
-           dict(NUM_Q_PER_KV=num_q_per_kv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=block_g,
-                BLOCK_Q=max(1, tile // block_g), BLOCK_D=block_d, BLOCK_N=tile, DOT_PRECISION=precision),
-           4 if block_d <= 128 else 8)
-    for is_split in (False, True):
-        yield (attention_kernels.paged_decode_kernel,
+    variant_args = dict(sinks_ptr=dtype, window="i32", softcap_log2="fp32")
+    for flags in variants:
+        yield (attention_kernels.paged_prefill_kernel,
                dict(q_ptr=dtype, k_cache_ptr=dtype, v_cache_ptr=dtype, block_tables_ptr=index_dtype,
-                    seq_lens_ptr=index_dtype, out_ptr=dtype, part_acc_ptr=f32, part_max_ptr=f32, part_sum_ptr=f32,
-                    scale_log2="fp32", split_len="i32", num_splits="i32"),
-               dict(NUM_HEADS=4 * num_q_per_kv, NUM_Q_PER_KV=num_q_per_kv, HEAD_DIM=head_dim,
-                    BLOCK_SIZE=block_size, BLOCK_G=max(16, block_g), BLOCK_D=block_d, BLOCK_N=decode_block_n,
-                    IS_SPLIT=is_split, DOT_PRECISION=precision),
-               4)
+                    cu_seqlens_q_ptr=index_dtype, seq_lens_ptr=index_dtype, out_ptr=dtype, scale_log2="fp32",
+                    num_seqs="i32", **variant_args),
+               dict(NUM_Q_PER_KV=num_q_per_kv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=block_g,
+                    BLOCK_Q=max(1, tile // block_g), BLOCK_D=block_d, BLOCK_N=tile, DOT_PRECISION=precision,
+                    **flags),
+               4 if block_d <= 128 else 8)
+        for is_split in (False, True):
+            yield (attention_kernels.paged_decode_kernel,
+                   dict(q_ptr=dtype, k_cache_ptr=dtype, v_cache_ptr=dtype, block_tables_ptr=index_dtype,
+                        seq_lens_ptr=index_dtype, out_ptr=dtype, part_acc_ptr=f32, part_max_ptr=f32,
+                        part_sum_ptr=f32, scale_log2="fp32", split_len="i32", num_splits="i32", **variant_args),
+                   dict(NUM_HEADS=4 * num_q_per_kv, NUM_Q_PER_KV=num_q_per_kv, HEAD_DIM=head_dim,
+                        BLOCK_SIZE=block_size, BLOCK_G=max(16, block_g), BLOCK_D=block_d, BLOCK_N=decode_block_n,
+                        IS_SPLIT=is_split, DOT_PRECISION=precision, **flags),
+                   4)
     yield (attention_kernels.paged_decode_reduce_kernel,
            dict(out_ptr=dtype, part_acc_ptr=f32, part_max_ptr=f32, part_sum_ptr=f32, num_splits="i32"),
            dict(NUM_HEADS=4 * num_q_per_kv, HEAD_DIM=head_dim, BLOCK_SPLITS=4, BLOCK_D=block_d),
@@ -70,3 +80,9 @@ def kernel_configs(dtype, head_dim, num_q_per_kv, block_size, index_dtype=torch.
                 block_pairs_ptr=torch.int64, block_numel="i32"),
            dict(BLOCK=1024),
            4)
+
+
+def kernel_label(kernel, constexprs: dict) -> str:
+    """The kernel's name, with ``+split`` / ``+variants`` for those specialisations."""
+    return (kernel.__name__ + ("+split" if constexprs.get("IS_SPLIT") else "")
+            + ("+variants" if constexprs.get("HAS_WINDOW") else ""))

@@ -4,7 +4,9 @@ This catches what the interpreter cannot: compile-time type errors, tl.dot shape
 shared-memory use. It checks nothing numerical. Targets: every generation a launcher file names
 (``gpu_targets.GPU_TARGETS``: sm_75, sm_80, sm_86, sm_89, sm_90). A variant that compiles but
 cannot run on a target (bf16 before sm_80; more shared memory per block than the target
-offers) is listed as ``refused``: a worker refuses it at model load. Run it with the interpreter off:
+offers) is listed as ``refused``: a worker refuses it at model load. The attention kernels are
+compiled plain and with every variant on (sliding window, logit soft-cap, sinks: ``+variants``),
+each variant flag being a constexpr and so a separate compilation. Run it with the interpreter off:
 
     TRITON_INTERPRET=0 python -m pagedserve.kernels.triton_compile_check [--quick] [--arch 86 ...]
 """
@@ -18,7 +20,7 @@ from triton.backends.compiler import GPUTarget
 
 from . import triton_attention_kernels as attention_kernels
 from .gpu_targets import GPU_TARGETS
-from .triton_compile import compile_kernel, kernel_configs
+from .triton_compile import compile_kernel, kernel_configs, kernel_label
 
 
 def main(argv=None) -> int:
@@ -44,7 +46,8 @@ def main(argv=None) -> int:
             cases = [(torch.float16, 128, 8, 16)] + ([(torch.float32, 256, 4, 64)] if arch == 86 else [])
         for dtype, head_dim, group, block_size in cases:
             for kernel, arg_types, constexprs, num_warps in kernel_configs(dtype, head_dim, group, block_size):
-                label = f"sm_{arch} {dtype} head_dim={head_dim} group={group} block={block_size} {kernel.__name__}"
+                label = (f"sm_{arch} {dtype} head_dim={head_dim} group={group} block={block_size} "
+                         f"{kernel_label(kernel, constexprs)}")
                 try:
                     compiled = compile_kernel(kernel, arg_types, constexprs, target, num_warps)
                 except Exception as error:  # report every failing config, not just the first

@@ -91,10 +91,17 @@ def _resolve_scale(scale: float | None, head_dim: int) -> float:
     return head_dim ** -0.5 if scale is None else float(scale)
 
 
-def _refuse_variants(op_name, sliding_window, logit_softcap, sinks) -> None:
-    for name, value in (("sliding_window", sliding_window), ("logit_softcap", logit_softcap), ("sinks", sinks)):
-        if value is not None:
-            raise NotImplementedError(f"{op_name}: the Triton kernels do not support {name} yet; use backend='torch'")
+def _variant_args(q: torch.Tensor, sliding_window, logit_softcap, sinks) -> tuple[list, dict]:
+    """The kernels' (sinks_ptr, window, softcap_log2) runtime arguments and variant flags.
+
+    Absent variants pass placeholders the kernel never reads (their flag is off). Sinks are
+    read in their own dtype, so no per-call conversion runs."""
+    args = [q if sinks is None else sinks.contiguous(),
+            0 if sliding_window is None else int(sliding_window),
+            1.0 if logit_softcap is None else float(logit_softcap) * math.log2(math.e)]
+    flags = dict(HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap is not None,
+                 HAS_SINKS=sinks is not None)
+    return args, flags
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -147,11 +154,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ``q`` is ``[num_tokens, num_heads, head_dim]``; sequence i owns rows
     ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``, which are the last ``q_len_i`` of its ``seq_lens[i]``
     tokens (their K/V already written). Query j of sequence i sits at position
-    ``seq_lens[i] - q_len_i + j`` and sees cache positions ``0..that``. Returns ``out`` (allocated
-    in q's dtype when None); rows of every listed sequence are written, others are untouched.
+    ``p = seq_lens[i] - q_len_i + j`` and sees cache positions ``0..p`` (``p - sliding_window + 1..p``
+    with a window; table entries of blocks wholly before the first query's window are never read).
+    ``logit_softcap`` and ``sinks`` as in ``pagedserve.kernels.paged_attention``. Returns ``out``
+    (allocated in q's dtype when None); rows of every listed sequence are written, others are untouched.
     """
     op = "paged_attention"
-    _refuse_variants(op, sliding_window, logit_softcap, sinks)
     _require_runnable(op, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
     _check_attention_inputs(op, q, k_cache, v_cache, block_tables, out)
     num_seqs = seq_lens.shape[0]
@@ -175,13 +183,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_m = block_n = 64 if block_d <= 128 and k_cache.dtype != torch.float32 else 32
     block_q = max(1, block_m // block_g)  # BLOCK_Q * BLOCK_G rows per tile, >= 16 for tl.dot
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    (sinks_arg, window, softcap_log2), flags = _variant_args(q, sliding_window, logit_softcap, sinks)
     attention_kernels.paged_prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
-        _resolve_scale(scale, head_dim) * math.log2(math.e), num_seqs,
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, sinks_arg,
+        _resolve_scale(scale, head_dim) * math.log2(math.e), num_seqs, window, softcap_log2,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
         NUM_Q_PER_KV=num_q_per_kv, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(k_cache.dtype), num_warps=4 if block_d <= 128 else 8,
+        DOT_PRECISION=_dot_precision(k_cache.dtype), **flags, num_warps=4 if block_d <= 128 else 8,
     )
     return out
 
@@ -207,10 +216,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (flash-decoding) and merged by log-sum-exp; ``num_splits`` overrides the heuristic (it is an
     upper bound: splits never go below one block tile). All query heads sharing a KV head are
     handled by one program, so each K/V tile is read once per KV head. A sequence with
-    ``seq_lens[i] == 0`` gets zeros.
+    ``seq_lens[i] == 0`` gets zeros. With ``sliding_window`` only the last ``sliding_window``
+    positions are read (and split), so earlier table entries may be -1.
     """
     op = "paged_decode_attention"
-    _refuse_variants(op, sliding_window, logit_softcap, sinks)
     _require_runnable(op, q, k_cache, v_cache, block_tables, seq_lens)
     _check_attention_inputs(op, q, k_cache, v_cache, block_tables, out)
     num_seqs, num_heads, head_dim = q.shape
@@ -232,8 +241,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_d = triton.next_power_of_2(head_dim)
     block_n = 64 if block_d <= 128 else 32
 
-    # Upper bound on any context from the table's width: no device->host sync needed.
+    # Upper bound on any context from the table's width (and the window): no device->host sync.
     max_context = max(1, block_tables.shape[1] * block_size)
+    if sliding_window is not None:
+        max_context = min(max_context, sliding_window)
     if num_splits is None:
         num_splits = _choose_num_splits(q.device, num_seqs * num_kv_heads, max_context)
     split_len = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
@@ -245,13 +256,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_sum = torch.empty_like(part_max)
     else:
         part_acc = part_max = part_sum = out  # unused by the kernel
+    (sinks_arg, window, softcap_log2), flags = _variant_args(q, sliding_window, logit_softcap, sinks)
     attention_kernels.paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_max, part_sum,
-        _resolve_scale(scale, head_dim) * math.log2(math.e), split_len, num_splits,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_max, part_sum, sinks_arg,
+        _resolve_scale(scale, head_dim) * math.log2(math.e), split_len, num_splits, window, softcap_log2,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
         NUM_HEADS=num_heads, NUM_Q_PER_KV=num_q_per_kv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=_block_g(num_q_per_kv), BLOCK_D=block_d, BLOCK_N=block_n, IS_SPLIT=num_splits > 1,
-        DOT_PRECISION=_dot_precision(k_cache.dtype), num_warps=4,
+        DOT_PRECISION=_dot_precision(k_cache.dtype), **flags, num_warps=4,
     )
     if num_splits > 1:
         attention_kernels.paged_decode_reduce_kernel[(num_seqs, num_heads)](

@@ -102,8 +102,11 @@ class PagedBatch:
         self.block_size = block_size
 
 
-def reference_attention(q, batch, cu_seqlens_q, scale):
-    """Float64 causal attention; row j of sequence i sits at position seq_len - q_len + j."""
+def reference_attention(q, batch, cu_seqlens_q, scale, sliding_window=None, logit_softcap=None, sinks=None):
+    """Float64 plain-softmax attention; row j of sequence i sits at position p = seq_len - q_len + j
+    and sees keys k with p - sliding_window < k <= p (k <= p without a window). Scores are
+    soft-capped before the mask; a sink joins each head's denominator. Only table entries of
+    blocks some row sees are read (others may be -1)."""
     out = torch.zeros(q.shape, dtype=torch.float64)
     num_heads, num_kv_heads = q.shape[1], batch.k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -111,16 +114,35 @@ def reference_attention(q, batch, cu_seqlens_q, scale):
     tables = batch.block_tables.cpu().long()
     for i, seq_len in enumerate(batch.seq_lens.tolist()):
         first, last = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
-        positions = torch.arange(seq_len)
+        query_pos = torch.arange(seq_len - (last - first), seq_len)
+        lowest = 0 if sliding_window is None else max(0, int(query_pos[0]) - sliding_window + 1)
+        positions = torch.arange(lowest, seq_len)
         blocks = tables[i, positions // batch.block_size]
         offsets = positions % batch.block_size
         k = k_cache[blocks, offsets].repeat_interleave(group, dim=1)
         v = v_cache[blocks, offsets].repeat_interleave(group, dim=1)
-        query_pos = torch.arange(seq_len - (last - first), seq_len)
         scores = torch.einsum("qhd,khd->hqk", q[first:last].cpu().double(), k) * scale
-        scores = scores.masked_fill(positions[None, None, :] > query_pos[None, :, None], float("-inf"))
-        out[first:last] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        if logit_softcap is not None:
+            scores = logit_softcap * torch.tanh(scores / logit_softcap)
+        hidden = positions[None, None, :] > query_pos[None, :, None]
+        if sliding_window is not None:
+            hidden |= positions[None, None, :] <= query_pos[None, :, None] - sliding_window
+        scores = scores.masked_fill(hidden, float("-inf"))
+        if sinks is not None:
+            sink_column = sinks.cpu().double().view(num_heads, 1, 1).expand(-1, scores.shape[1], 1)
+            scores = torch.cat([scores, sink_column], dim=-1)
+        probs = scores.softmax(-1)[..., :len(positions)]
+        out[first:last] = torch.einsum("hqk,khd->qhd", probs, v)
     return out
+
+
+def free_blocks_out_of_window(batch, q_lens, sliding_window):
+    """Set to -1 the table entries of blocks wholly before every query's window, as an
+    allocator freeing them early would; a kernel dereferencing one reads out of bounds."""
+    for i, (seq_len, q_len) in enumerate(zip(batch.seq_lens.tolist(), q_lens)):
+        lowest = max(0, seq_len - q_len - sliding_window + 1)
+        batch.block_tables[i, :lowest // batch.block_size] = -1
+    return batch
 
 
 def assert_close(actual, expected, dtype, what):
@@ -243,6 +265,107 @@ def test_decode_matches_prefill_kernel_and_handles_empty_context():
     assert_close(decode[keep], prefill, torch.float32, "decode vs prefill kernel")
 
 
+# (head_dim, block_size, group, dtype, window, soft-cap, sinks, scale): windows shorter and
+# longer than a block and a KV tile, with and without soft-cap and sinks, custom scales.
+VARIANT_CASES = [
+    (64, 16, 2, torch.float32, 20, 2.0, True, 0.3),
+    (80, 8, 4, torch.float16, 37, None, True, None),
+    (64, 8, 1, torch.float32, 9, 1.5, False, 0.2),
+    (128, 16, 8, torch.float16, None, 3.0, True, 0.1),
+    (96, 32, 2, torch.float32, 40, None, None, None),
+]
+
+
+def _variant_kwargs(generator, num_heads, window, softcap, has_sinks, dtype):
+    sinks = 2 * randn(generator, num_heads, dtype=dtype) if has_sinks else None
+    return dict(sliding_window=window, logit_softcap=softcap, sinks=sinks)
+
+
+def _check_variant_matters(q, batch, cu_seqlens_q, scale, expected, kwargs):
+    """The case must be one a plain kernel would get wrong (else the test could not fail)."""
+    plain = reference_attention(q, batch, cu_seqlens_q, scale) if kwargs["sliding_window"] is None else None
+    if plain is not None:
+        assert (plain - expected).abs().max() > 0.05, "variants do not change this case's output"
+
+
+@pytest.mark.parametrize("head_dim,block_size,group,dtype,window,softcap,has_sinks,scale", VARIANT_CASES)
+def test_paged_attention_variants(head_dim, block_size, group, dtype, window, softcap, has_sinks, scale):
+    generator = make_generator("prefill-variants", head_dim, block_size, group, dtype, window, softcap, has_sinks)
+    num_kv_heads = 2 if group <= 4 else 1
+    num_heads = num_kv_heads * group
+    pairs = mixed_batch_lengths(generator)
+    batch = PagedBatch(generator, [n for n, _ in pairs], block_size, num_kv_heads, head_dim, dtype)
+    q_lens = [q for _, q in pairs]
+    if window is not None:
+        free_blocks_out_of_window(batch, q_lens, window)
+        assert (batch.block_tables == -1).any(), "no block is out of the window: the case tests nothing"
+    cu_seqlens_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    q = randn(generator, sum(q_lens), num_heads, head_dim, dtype=dtype)
+    kwargs = _variant_kwargs(generator, num_heads, window, softcap, has_sinks, dtype)
+    resolved = head_dim ** -0.5 if scale is None else scale
+
+    out = triton_ops.paged_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, cu_seqlens_q,
+                                     batch.seq_lens, scale, **kwargs)
+
+    expected = reference_attention(q, batch, cu_seqlens_q.cpu(), resolved, **kwargs)
+    assert_close(out, expected, dtype, "vs float64 reference")
+    _check_variant_matters(q, batch, cu_seqlens_q.cpu(), resolved, expected, kwargs)
+    by_torch = torch_backend("paged_attention")(q, batch.k_cache, batch.v_cache, batch.block_tables,
+                                                cu_seqlens_q, batch.seq_lens, scale, **kwargs)
+    assert_close(out, by_torch, dtype, "vs torch backend")
+
+
+@pytest.mark.parametrize("num_splits", [None, 3])
+@pytest.mark.parametrize("head_dim,block_size,group,dtype,window,softcap,has_sinks,scale", VARIANT_CASES)
+def test_paged_decode_attention_variants(head_dim, block_size, group, dtype, window, softcap, has_sinks, scale,
+                                         num_splits):
+    generator = make_generator("decode-variants", head_dim, block_size, group, dtype, window, softcap, has_sinks,
+                               num_splits)
+    num_kv_heads = 2 if group <= 4 else 1
+    num_heads = num_kv_heads * group
+    # Shorter than the window, one token, and long enough for several splits over the window.
+    seq_lens = [1, int(torch.randint(2, 12, (1,), generator=generator)),
+                int(torch.randint(200, 330, (1,), generator=generator)), block_size * 5 + 3]
+    batch = PagedBatch(generator, seq_lens, block_size, num_kv_heads, head_dim, dtype)
+    if window is not None:
+        free_blocks_out_of_window(batch, [1] * len(seq_lens), window)
+    q = randn(generator, len(seq_lens), num_heads, head_dim, dtype=dtype)
+    kwargs = _variant_kwargs(generator, num_heads, window, softcap, has_sinks, dtype)
+    resolved = head_dim ** -0.5 if scale is None else scale
+    out = torch.full_like(q, float("nan"))
+
+    triton_ops.paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+                                      scale, out=out, num_splits=num_splits, **kwargs)
+
+    cu_seqlens_q = torch.arange(len(seq_lens) + 1)
+    expected = reference_attention(q, batch, cu_seqlens_q, resolved, **kwargs)
+    assert_close(out, expected, dtype, "vs float64 reference")
+    _check_variant_matters(q, batch, cu_seqlens_q, resolved, expected, kwargs)
+    by_torch = torch_backend("paged_decode_attention")(q, batch.k_cache, batch.v_cache, batch.block_tables,
+                                                       batch.seq_lens, scale, **kwargs)
+    assert_close(out, by_torch, dtype, "vs torch backend")
+
+
+def test_window_reads_no_table_entry_before_it():
+    """Out-of-window entries pointing past the cache (not just -1) are never dereferenced:
+    the result equals the one with the blocks in place."""
+    generator = make_generator("window-entries")
+    batch = PagedBatch(generator, [150, 97], 8, 2, 64, torch.float32)
+    q_lens = [40, 1]
+    cu_seqlens_q = torch.tensor([0, 40, 41], dtype=torch.int32, device=DEVICE)
+    q = randn(generator, 41, 4, 64)
+    kept = triton_ops.paged_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, cu_seqlens_q,
+                                      batch.seq_lens, None, sliding_window=16)
+    free_blocks_out_of_window(batch, q_lens, 16)
+    batch.block_tables[batch.block_tables == -1] = 2**30  # far past the cache: a read would fault
+    freed = triton_ops.paged_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, cu_seqlens_q,
+                                       batch.seq_lens, None, sliding_window=16)
+    assert torch.equal(kept, freed)
+    decode = triton_ops.paged_decode_attention(q[[39, 40]], batch.k_cache, batch.v_cache, batch.block_tables,
+                                               batch.seq_lens, None, sliding_window=16, num_splits=2)
+    assert_close(decode, kept[[39, 40]], torch.float32, "decode vs prefill kernel")
+
+
 @pytest.mark.parametrize("head_dim,block_size,num_kv_heads,dtype", [
     (64, 8, 2, torch.float32),
     (80, 16, 1, torch.float16),
@@ -363,5 +486,9 @@ def test_kernels_compile_for_every_target():
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     for arch in (75, 80, 86, 89, 90):
         assert f"ok      sm_{arch} torch.float16 head_dim=128" in result.stdout, arch
+        assert f"ok      sm_{arch} torch.float16 head_dim=128 group=8 block=16 paged_prefill_kernel+variants" \
+            in result.stdout, arch
     refused = [line for line in result.stdout.splitlines() if line.startswith("refused")]
-    assert len(refused) == 1 and "sm_86 torch.float32 head_dim=256" in refused[0], refused
+    # The prefill kernel, plain and with the variants (window, soft-cap, sinks), over sm_86's shared memory.
+    assert len(refused) == 2 and all("sm_86 torch.float32 head_dim=256" in line for line in refused), refused
+    assert [line.split(":")[0].endswith("+variants") for line in refused] == [False, True], refused
