@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.workers.model_support import check_servable_config
+from pagedserve.workers.worker import stall_timeout_s
 
 from . import ray_compat
 from .config import ClusterConfig, ConfigError, EngineOptions, load_config
+from .controller import CONTROLLER_NAME, ClusterController
 from .handle import ClusterHandle
 
 logger = logging.getLogger("pagedserve.cluster")
@@ -40,7 +42,7 @@ def _actor_classes():
     from pagedserve.kvmanager.service import KVManagerService
     from pagedserve.workers.worker import Worker
 
-    return ray.remote(KVManagerService), ray.remote(Worker)
+    return ray.remote(KVManagerService), ray.remote(Worker), ray.remote(ClusterController)
 
 
 class WorkerStartError(RuntimeError):
@@ -110,7 +112,7 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
     if not ray.is_initialized():
         ray.init(address=address, namespace=NAMESPACE, **ray_init_kwargs)
         owns_ray = address is None
-    kv_cls, worker_cls = _actor_classes()
+    kv_cls, worker_cls, controller_cls = _actor_classes()
     kv_manager = kv_cls.options(
         name=KV_MANAGER_NAME, namespace=NAMESPACE, max_restarts=-1, max_task_retries=0,
         num_cpus=config.kv_manager_num_cpus, **ray_compat.head_node_placement()).remote()
@@ -145,4 +147,18 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
                 pass
         raise
     logger.info("pagedserve: %d workers ready in %.1f s", len(infos), time.time() - start_time)
-    return ClusterHandle(config, model_path, kv_manager, workers, roles, infos[0], owns_ray=owns_ray)
+    # The one health monitor of the cluster, whatever the number of ingress replicas.
+    controller = controller_cls.options(
+        name=CONTROLLER_NAME, namespace=NAMESPACE, max_restarts=-1, max_task_retries=0, num_cpus=0,
+        **ray_compat.head_node_placement()).remote(workers, roles, stall_timeout_s(config.step_timeout_s))
+    try:
+        ray.get(controller.ping.remote(), timeout=ready_timeout_s)
+    except BaseException:
+        for actor in [controller, *workers.values(), kv_manager]:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+        raise
+    return ClusterHandle(config, model_path, kv_manager, workers, roles, infos[0], controller,
+                         owns_ray=owns_ray)

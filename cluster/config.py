@@ -177,6 +177,9 @@ class ServerConfig(_Strict):
     metrics_require_api_key: bool = True
     # Log prompts and completions (INFO, logger "pagedserve.server"); off by default.
     log_requests: bool = False
+    # Ingress replicas (Ray Serve), all on the head node; limits apply per replica. Worker
+    # health is watched once per cluster (the controller actor), whatever this number.
+    num_replicas: int = Field(1, ge=1)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
 
 

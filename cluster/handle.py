@@ -4,8 +4,9 @@ Requests are tokenized here, routed to a worker (cache-aware), and streamed
 back. If the worker dies or stalls mid-stream, the request resumes on
 another worker by re-prefilling its prompt plus the tokens already
 generated, so the caller sees one uninterrupted stream. Liveness comes from
-a heartbeat monitor (``health.WorkerHealth``), started by the first request:
-stalled workers are restarted, restarted ones rejoin the rotation.
+the cluster's one controller actor (``controller.ClusterController``, which
+restarts stalled workers), read by a ``controller.HealthView`` started by the
+first request: restarted workers rejoin the rotation.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.worker import stall_timeout_s
 
 from .config import ClusterConfig
-from .health import WorkerHealth
+from .controller import HealthView
 from .router import Router, kv_blocks_used_frac
 
 logger = logging.getLogger("pagedserve.cluster")
@@ -51,10 +52,11 @@ class ClusterHandle:
     """
 
     def __init__(self, config: ClusterConfig, model_path: str, kv_manager, workers: dict,
-                 roles: dict[str, str], info: dict, owns_ray: bool = False) -> None:
+                 roles: dict[str, str], info: dict, controller, owns_ray: bool = False) -> None:
         self.config = config
         self.model_path = model_path
         self.kv_manager = kv_manager
+        self.controller = controller
         self.workers = dict(workers)
         self.roles = dict(roles)
         self.info = info
@@ -65,7 +67,8 @@ class ClusterHandle:
 
     def _init_local_state(self) -> None:
         self.router = Router(self.config.router, list(self.workers))
-        self.health = WorkerHealth(self.workers, self.router, stall_timeout_s(self.config.step_timeout_s))
+        self.health = HealthView(self.controller, list(self.workers), self.router,
+                                 stall_timeout_s(self.config.step_timeout_s))
         self._tokenizer = None
         self._ids = itertools.count()
         self._utilization_refreshed = 0.0
@@ -408,9 +411,9 @@ class ClusterHandle:
         import ray
 
         self.health.stop()
-        for worker in self.workers.values():
+        for actor in [self.controller, *self.workers.values()]:  # the controller first: no restarts
             try:
-                ray.kill(worker, no_restart=True)
+                ray.kill(actor, no_restart=True)
             except Exception:
                 pass
         try:

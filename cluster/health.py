@@ -1,4 +1,5 @@
-"""Worker liveness for one cluster handle: heartbeats, stall detection, restarts.
+"""Worker liveness: heartbeats, stall detection, restarts. One per cluster: it runs in the
+cluster controller (``controller.ClusterController``), never in an ingress replica.
 
 Every worker is probed with ``Worker.heartbeat`` about four times a second,
 without blocking: a probe is sent, and its answer is read on a later poll.
@@ -46,9 +47,9 @@ class WorkerLiveness:
 
 
 class WorkerHealth:
-    """Heartbeat monitor of a set of worker actors, feeding the router's liveness."""
+    """Heartbeat monitor of a set of worker actors, feeding a router's liveness (if given)."""
 
-    def __init__(self, workers: dict, router: Router, stall_timeout_s: float,
+    def __init__(self, workers: dict, router: Router | None, stall_timeout_s: float,
                  probe_interval_s: float = 0.25) -> None:
         self.workers = workers
         self.router = router
@@ -89,7 +90,9 @@ class WorkerHealth:
         import ray
 
         now = time.time()
-        for worker_id, worker in self.workers.items():
+        with self._lock:
+            workers = list(self.workers.items())
+        for worker_id, worker in workers:
             with self._lock:
                 probe = self._probes.get(worker_id)
             if probe is None:
@@ -117,7 +120,9 @@ class WorkerHealth:
         until a new incarnation has answered, so a slow start is never killed in a loop).
         """
         with self._lock:
-            liveness = self.liveness[worker_id]
+            liveness = self.liveness.get(worker_id)
+            if liveness is None:
+                return False  # removed meanwhile
             last_pid, actor_id = liveness.pid, liveness.actor_id
         if last_pid is None:
             return False  # never answered: still starting
@@ -158,6 +163,21 @@ class WorkerHealth:
         else:
             self._revive(worker_id, beat)
 
+    # ---- the set of workers -------------------------------------------------------------
+    def add_worker(self, worker_id: str, worker) -> None:
+        """Watch one more worker (routable until its first failure, like the initial ones)."""
+        with self._lock:
+            self.workers[worker_id] = worker
+            self.liveness.setdefault(worker_id, WorkerLiveness())
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Stop watching a worker; a probe in flight is dropped unread."""
+        with self._lock:
+            self.workers.pop(worker_id, None)
+            self.liveness.pop(worker_id, None)
+            self._probes.pop(worker_id, None)
+            self._last_sent.pop(worker_id, None)
+
     # ---- state changes -------------------------------------------------------------------
     def note_failure(self, worker_id: str, reason: str = "request failed") -> None:
         """A request saw the worker fail: not routable until its next good heartbeat."""
@@ -169,32 +189,39 @@ class WorkerHealth:
         import ray
 
         with self._lock:
-            state = self.liveness[worker_id]
+            state = self.liveness.get(worker_id)
+            if state is None:
+                return  # removed meanwhile
             was_alive = state.is_alive
             state.is_alive = False
             state.last_failure = time.time()
             state.num_failures += was_alive
             should_restart = restart and was_alive
             state.num_restarts_requested += should_restart
-        self.router.mark_dead(worker_id)
+            worker = self.workers[worker_id]
+        if self.router is not None:
+            self.router.mark_dead(worker_id)
         if was_alive:
             logger.warning("worker %s is down (%s)%s", worker_id, reason,
                            "; restarting it" if should_restart else "")
         if should_restart:
             try:
-                ray.kill(self.workers[worker_id], no_restart=False)
+                ray.kill(worker, no_restart=False)
             except Exception as exc:
                 logger.warning("could not restart worker %s: %r", worker_id, exc)
 
     def _revive(self, worker_id: str, beat: dict) -> None:
         with self._lock:
-            state = self.liveness[worker_id]
+            state = self.liveness.get(worker_id)
+            if state is None:
+                return  # removed meanwhile
             was_alive = state.is_alive
             state.is_alive = True
             state.pid = beat.get("pid")
             state.actor_id = beat.get("actor_id") or state.actor_id
             state.last_beat = time.time()
-        self.router.mark_dead(worker_id, is_alive=True)
+        if self.router is not None:
+            self.router.mark_dead(worker_id, is_alive=True)
         if not was_alive:
             logger.info("worker %s is back (pid %s)", worker_id, state.pid)
 

@@ -106,6 +106,7 @@ class Worker:
         self._register(snapshot=[])
         self.async_engine = AsyncLLMEngine(engine)
         self.started_at = time.time()
+        self.num_heartbeats = 0  # answered by this incarnation (one monitor asks about 4 a second)
 
     # ---- the KV manager link ------------------------------------------------------------
     def _register(self, snapshot: list[dict]) -> None:
@@ -300,12 +301,13 @@ class Worker:
     def heartbeat(self) -> dict:
         """Liveness: ``is_stalled`` when the engine loop died, or has work but has not
         made progress for ``stall_timeout_s(step_timeout_s)``."""
+        self.num_heartbeats += 1
         num_unfinished = len(self.engine.requests)
         idle_s = time.time() - self.last_progress
         is_stalled = not self.async_engine.is_running or (
             num_unfinished > 0 and idle_s > stall_timeout_s(self.step_timeout_s))
         return {"worker_id": self.worker_id, "pid": os.getpid(), "actor_id": _actor_id(),
-                "started_at": self.started_at,
+                "started_at": self.started_at, "num_heartbeats": self.num_heartbeats,
                 "num_unfinished": num_unfinished, "num_steps": self.engine.num_steps,
                 "num_generated_tokens": self.engine.num_generated_tokens,
                 "seconds_since_progress": idle_s,

@@ -386,7 +386,8 @@ class Frontend:
         """``collect_stats`` plus this replica's in-flight count."""
         stats = await collect_stats(self.handle)
         stats["server"] = {"num_in_flight": self.limiter.num_in_flight,
-                           "max_queued_requests": self.limiter.max_in_flight}
+                           "max_queued_requests": self.limiter.max_in_flight,
+                           "num_admitted": self.limiter.num_admitted, "pid": os.getpid()}
         return stats
 
     async def metrics_text(self) -> bytes:

@@ -16,6 +16,7 @@ class RequestLimiter:
     def __init__(self, max_in_flight: int) -> None:
         self.max_in_flight = max_in_flight
         self.num_in_flight = 0
+        self.num_admitted = 0
 
     def acquire(self, num_requests: int = 1) -> None:
         if self.num_in_flight + num_requests > self.max_in_flight:
@@ -23,6 +24,7 @@ class RequestLimiter:
                                 f"limit {self.max_in_flight}); retry later", "rate_limit_error",
                            code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
         self.num_in_flight += num_requests
+        self.num_admitted += num_requests
 
     def release(self, num_requests: int = 1) -> None:
         self.num_in_flight = max(0, self.num_in_flight - num_requests)

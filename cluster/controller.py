@@ -1,0 +1,183 @@
+"""The cluster controller: one actor per cluster that watches the workers, and the view of
+it that every ingress replica keeps.
+
+Only the controller probes heartbeats and restarts stalled or hung workers
+(``health.WorkerHealth`` runs in its process), so the number of ingress
+replicas never multiplies the monitors that may kill a worker. It is a named,
+restartable actor on the head node, started by ``bootstrap.start`` next to the
+KV manager and owned by the same driver as the workers, so it lives and dies
+with the cluster. Its state is soft: after a restart it rebuilds liveness from
+the next heartbeats.
+
+An ingress replica (anything holding a ``ClusterHandle``) keeps a ``HealthView``:
+it reads the controller's ``HealthReport`` a few times a second and applies it to
+its own router, and it reports request failures back. A failure a replica saw
+keeps the worker out of that replica's rotation until the controller has had a
+heartbeat answered after it. While the controller is unreachable a replica keeps
+its last report (it never restarts anything itself).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+from .health import WorkerHealth
+from .router import Router
+
+logger = logging.getLogger("pagedserve.cluster")
+
+CONTROLLER_NAME = "pagedserve-controller"
+REPORT_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    """The controller's liveness judgement, as plain data for the ingress replicas."""
+
+    alive_workers: frozenset[str]
+    liveness: dict[str, dict]   # worker id -> ``health.WorkerLiveness`` fields
+    controller_pid: int
+    reported_at: float          # the controller's clock
+
+
+class ClusterController:
+    """One per cluster: the only process that probes worker heartbeats and restarts workers.
+
+    Run as a Ray actor (``bootstrap.start``). Methods are the API that ingress
+    replicas, ``pagedserve status`` and scaling logic use; every argument and
+    result is plain data (worker actor handles aside).
+    """
+
+    def __init__(self, workers: dict, roles: dict[str, str], stall_timeout_s: float,
+                 probe_interval_s: float = 0.25) -> None:
+        self.roles = dict(roles)
+        self.health = WorkerHealth(dict(workers), None, stall_timeout_s, probe_interval_s)
+        self.health.start()
+
+    def report(self) -> HealthReport:
+        """Which workers are routable now, and what is known of each."""
+        return HealthReport(frozenset(self.health.alive_workers()), self.health.snapshot(), os.getpid(),
+                            time.time())
+
+    def note_failure(self, worker_id: str, reason: str) -> None:
+        """A replica saw a request fail on ``worker_id``: unroutable until its next good heartbeat."""
+        if worker_id in self.health.workers:
+            self.health.note_failure(worker_id, reason)
+
+    def add_worker(self, worker_id: str, worker, role: str) -> None:
+        """Start watching a worker actor (an elastic group grew)."""
+        self.roles[worker_id] = role
+        self.health.add_worker(worker_id, worker)
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Stop watching a worker (it was drained and is going away); never restarts it."""
+        self.roles.pop(worker_id, None)
+        self.health.remove_worker(worker_id)
+
+    def workers(self) -> dict[str, str]:
+        """Worker id -> role, for every worker watched."""
+        return dict(self.roles)
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def shutdown(self) -> None:
+        self.health.stop()
+
+
+class HealthView:
+    """An ingress replica's copy of the controller's liveness, applied to its router.
+
+    Offers what the handle asks of a monitor (``start``, ``stop``,
+    ``alive_workers``, ``snapshot``, ``note_failure``, ``stall_timeout_s``) without
+    probing or restarting anything itself.
+    """
+
+    def __init__(self, controller, workers: list[str], router: Router, stall_timeout_s: float,
+                 poll_interval_s: float = 0.25) -> None:
+        self.controller = controller
+        self.router = router
+        self.stall_timeout_s = stall_timeout_s
+        self.poll_interval_s = poll_interval_s
+        self._alive = set(workers)
+        self._liveness: dict[str, dict] = {}
+        self._noted: dict[str, float] = {}  # worker -> when this replica saw it fail (controller clock)
+        self._clock_offset = 0.0            # controller clock minus ours, from the last report
+        self._is_reachable = True
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Read reports in a daemon thread (idempotent)."""
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="pagedserve-health-view", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            self.refresh()
+            if self._stop.wait(self.poll_interval_s):
+                return
+
+    def refresh(self) -> None:
+        """Read one report and apply it; keep the last one if the controller does not answer."""
+        import ray
+
+        try:
+            report: HealthReport = ray.get(self.controller.report.remote(), timeout=REPORT_TIMEOUT_S)
+        except Exception as exc:
+            if self._is_reachable:
+                logger.warning("cluster controller unreachable (%r); routing on its last report", exc)
+            self._is_reachable = False
+            return
+        if not self._is_reachable:
+            logger.info("cluster controller reachable again (pid %d)", report.controller_pid)
+        self._is_reachable = True
+        self.apply(report)
+
+    def apply(self, report: HealthReport) -> None:
+        with self._lock:
+            self._clock_offset = report.reported_at - time.time()
+            for worker_id, noted_at in list(self._noted.items()):
+                if report.liveness.get(worker_id, {}).get("last_beat", 0.0) > noted_at:
+                    del self._noted[worker_id]  # answered after the failure this replica saw
+            alive = set(report.alive_workers) - set(self._noted)
+            changed = {w: w in alive for w in set(self._alive) | alive if (w in alive) != (w in self._alive)}
+            self._alive = alive
+            self._liveness = report.liveness
+        for worker_id, is_alive in changed.items():
+            self.router.mark_dead(worker_id, is_alive=is_alive)
+
+    def note_failure(self, worker_id: str, reason: str = "request failed") -> None:
+        """A request here saw the worker fail: out of this replica's rotation at once, and told
+        to the controller (which alone decides about restarts)."""
+        with self._lock:
+            self._noted[worker_id] = time.time() + self._clock_offset
+            self._alive.discard(worker_id)
+        self.router.mark_dead(worker_id)
+        try:
+            self.controller.note_failure.remote(worker_id, reason)
+        except Exception as exc:
+            logger.warning("could not tell the cluster controller that %s failed: %r", worker_id, exc)
+
+    def alive_workers(self) -> set[str]:
+        with self._lock:
+            return set(self._alive)
+
+    def snapshot(self) -> dict:
+        """The controller's per-worker liveness as of the last report."""
+        with self._lock:
+            return {w: dict(state) for w, state in self._liveness.items()}
