@@ -4,9 +4,12 @@ N simulated workers (``kv_sim.SimulatedKVWorker``: the real worker-side KV
 code, a ``LocalKVManager`` and its event log, driven like an engine with no
 model) run against the real central KV manager actor (``KVManagerService``)
 on a local Ray cluster, several per Ray actor process (``SimWorkerGroup``),
-each paced at ``steps_per_s``. Each worker publishes its event batches every
-``flush_interval_s`` (fire and forget, off the step) and asks the central
-manager only when it cannot grow (one blocking ``decide_preemption`` call).
+each paced at ``steps_per_s``. Each worker publishes its event batch every
+``flush_interval_s`` of its own simulated time (every
+``round(flush_interval_s * steps_per_s)`` steps, so a batch carries what it
+would at full speed even when this machine cannot keep the pace), fire and
+forget, off the step; it asks the central manager only when it cannot grow
+(one blocking ``decide_preemption`` call).
 
 Measured over ``seconds`` after a warm-up that fills every worker's batch:
 - ``central_cpu_us_per_worker_step``: the central actor process's CPU time
@@ -17,7 +20,11 @@ Measured over ``seconds`` after a warm-up that fills every worker's batch:
   ``central_calls_per_worker_step`` says how many calls it would add to;
 - ``blocking_calls_per_step``: blocking calls a worker made / its steps;
 - ``event_lag_p99_ms``: a batch's oldest event on the worker -> the batch
-  applied to the central index (as the central manager measures it);
+  applied to the central index, wall clock, as the central manager measures
+  it (it includes the simulated workers' own slowness when they cannot keep
+  the pace; ``publish_rtt_p99_ms``, publish -> ack seen by the worker, is the
+  delivery part, and ``flush_interval_ms + publish_rtt_p99_ms`` bounds the
+  lag of a worker that keeps the pace);
 - ``workers_supported_at_50_steps_per_s`` = 1e6 / (50 * central_cpu_us_per_worker_step);
 - ``preemptions_by_mode`` as carried out by the workers;
 - ``integrity_ok``: every pool's integrity check holds and, after a final
@@ -90,8 +97,8 @@ class _Link:
     blocking_seconds: float = 0.0
     num_publishes: int = 0
     num_resyncs: int = 0
-    pending: list = field(default_factory=list)      # ObjectRefs of acks not yet read
-    last_flush: float = 0.0
+    pending: list = field(default_factory=list)      # (ObjectRef of an ack not yet read, sent at)
+    steps_since_flush: int = 0
     last_occupancy: object = None
 
 
@@ -131,6 +138,8 @@ class SimWorkerGroup:
 
         self.workers = {w: SimulatedKVWorker(w, workload, prefixes, RemotePreemptionPolicy(remote_call(w)))
                         for w in worker_ids}
+        self.flush_every_steps = max(1, round(config.flush_interval_s * config.steps_per_s))
+        self.publish_rtts: list[tuple[float, float]] = []   # (ack seen at, seconds since sent)
         self.inbox: list[Migration] = []
         self._inbox_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -182,6 +191,10 @@ class SimWorkerGroup:
                     "num_publishes": self.links[w].num_publishes, "num_resyncs": self.links[w].num_resyncs}
                 for w, worker in self.workers.items()}
 
+    def publish_rtts_between(self, start: float, stop: float) -> list[float]:
+        """Publish round trips (seconds) whose ack was seen in [start, stop) (``time.time``)."""
+        return [rtt for seen, rtt in self.publish_rtts if start <= seen < stop]
+
     def accept_migrations(self, migrations: list[Migration]) -> bool:
         with self._inbox_lock:
             self.inbox.extend(migrations)
@@ -204,7 +217,7 @@ class SimWorkerGroup:
             if self._paced:
                 worker_id = min(due, key=due.__getitem__)
                 if due[worker_id] > now:
-                    self._flush_due(now)
+                    self._read_all_acks()
                     time.sleep(min(due[worker_id] - now, 0.005))
                     continue
                 # Behind schedule: do not build up a debt to repay in a burst.
@@ -216,7 +229,11 @@ class SimWorkerGroup:
             worker.step()
             if worker.outbox:
                 self._send_migrations(worker)
-            self._flush_due(time.perf_counter())
+            link = self.links[worker_id]
+            link.steps_since_flush += 1
+            if link.steps_since_flush >= self.flush_every_steps:
+                self.flush(worker_id)
+            self._read_all_acks()
 
     def _deliver_inbox(self) -> None:
         if not self.inbox:
@@ -237,18 +254,15 @@ class SimWorkerGroup:
             else:
                 self.groups[group_index].accept_migrations.remote(migrations)
 
-    def _flush_due(self, now: float) -> None:
-        interval = self.config.flush_interval_s
+    def _read_all_acks(self) -> None:
         for worker_id, link in self.links.items():
             self._read_acks(worker_id, link)
-            if now - link.last_flush >= interval:
-                self.flush(worker_id, now)
 
-    def flush(self, worker_id: str, now: float | None = None) -> None:
+    def flush(self, worker_id: str) -> None:
         """Publish what changed since the last flush (fire and forget)."""
         link = self.links[worker_id]
         worker = self.workers[worker_id]
-        link.last_flush = now if now is not None else time.perf_counter()
+        link.steps_since_flush = 0
         if worker.event_log.needs_snapshot:
             self._resync(worker_id)
             return
@@ -257,12 +271,13 @@ class SimWorkerGroup:
             return
         batch = worker.kv.drain_events()
         link.last_occupancy = occupancy
-        link.pending.append(self.central.publish.remote(batch.pack()))
+        link.pending.append((self.central.publish.remote(batch.pack()), time.perf_counter()))
         link.num_publishes += 1
 
     def _resync(self, worker_id: str) -> None:
         link = self.links[worker_id]
-        link.pending.append(self.central.resync.remote(self.workers[worker_id].kv.snapshot().pack()))
+        link.pending.append((self.central.resync.remote(self.workers[worker_id].kv.snapshot().pack()),
+                             time.perf_counter()))
         link.num_resyncs += 1
 
     def _read_acks(self, worker_id: str, link: _Link) -> None:
@@ -272,9 +287,15 @@ class SimWorkerGroup:
 
         if not link.pending:
             return
-        ready, link.pending = ray.wait(link.pending, num_returns=len(link.pending), timeout=0)
+        sent_at = dict(link.pending)
+        ready, waiting = ray.wait(list(sent_at), num_returns=len(sent_at), timeout=0)
+        if not ready:
+            return
+        link.pending = [(ref, sent_at[ref]) for ref in waiting]
+        now, seen_at = time.perf_counter(), time.time()
         needs_resync = False
         for ref in ready:
+            self.publish_rtts.append((seen_at, now - sent_at[ref]))
             needs_resync |= PublishAck.unpack(ray.get(ref)).needs_resync
         if needs_resync:
             self._resync(worker_id)
@@ -296,10 +317,12 @@ class SimWorkerGroup:
         self._deliver_inbox()
         for worker_id, link in self.links.items():
             self.flush(worker_id)
-            ray.get(link.pending, timeout=120)
+            ray.get([ref for ref, _ in link.pending], timeout=120)
             self._read_acks(worker_id, link)
-            ray.get(link.pending, timeout=120)
-            link.pending = []
+            ray.get([ref for ref, _ in link.pending], timeout=120)
+            self._read_acks(worker_id, link)
+            if link.pending:
+                raise RuntimeError(f"{worker_id}: the central manager still asks for resyncs")
         snapshots = []
         for worker in self.workers.values():
             worker.check_integrity()
@@ -403,11 +426,13 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
         central_before = ray.get(central.stats.remote(), timeout=60)
         ray.get(central.__ray_call__.remote(_clear_lags), timeout=60)
         counters_before = _sum_counters(ray.get([g.counters.remote() for g in groups], timeout=60))
-        window_start = time.perf_counter()
+        window_start, window_start_wall = time.perf_counter(), time.time()
         time.sleep(config.seconds)
         central_after = ray.get(central.stats.remote(), timeout=60)
         counters_after = _sum_counters(ray.get([g.counters.remote() for g in groups], timeout=60))
         window_s = time.perf_counter() - window_start
+        rtts = sorted(rtt for chunk in ray.get([g.publish_rtts_between.remote(window_start_wall, time.time())
+                                                 for g in groups], timeout=60) for rtt in chunk)
 
         ray.get([g.stop.remote() for g in groups], timeout=120)
         snapshots = [s for chunk in ray.get([g.final_flush.remote() for g in groups], timeout=600) for s in chunk]
@@ -465,6 +490,9 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
         "central_handler_cpu_us_per_worker_step": 1e6 * handler_cpu_s / num_steps,
         "central_calls_per_worker_step": num_calls / num_steps,
         "event_lag_p50_ms": central_after["event_lag_p50_ms"],
+        "publish_rtt_p99_ms": 1e3 * rtts[min(len(rtts) - 1, int(0.99 * len(rtts)))] if rtts else 0.0,
+        "flush_interval_ms": 1e3 * config.flush_interval_s,
+        "flush_every_steps": max(1, round(config.flush_interval_s * config.steps_per_s)),
         "events_per_worker_step": (central_after["num_events"] - central_before["num_events"]) / num_steps,
         "mean_blocking_call_ms": (1e3 * counters["blocking_seconds"] / counters["num_blocking_calls"]
                                   if counters["num_blocking_calls"] else 0.0),
@@ -500,6 +528,9 @@ def format_results(result: dict) -> str:
                  f"{result['central_calls_per_worker_step']:.3f} central calls and "
                  f"{result['events_per_worker_step']:.2f} events per worker-step, lag p50 "
                  f"{result['event_lag_p50_ms']:.1f} ms")
+    lines.append(f"  publish -> ack p99 {result['publish_rtt_p99_ms']:.1f} ms; a worker at pace flushes every "
+                 f"{result['flush_interval_ms']:.0f} ms ({result['flush_every_steps']} steps), so its lag is at most "
+                 f"{result['flush_interval_ms'] + result['publish_rtt_p99_ms']:.1f} ms")
     lines.append(f"  preemptions by mode {result['preemptions_by_mode']} "
                  f"({result['num_pressure_requests']} pressure requests, mean blocking call "
                  f"{result['mean_blocking_call_ms']:.2f} ms), resyncs {result['num_resyncs']}")
