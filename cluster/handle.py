@@ -27,6 +27,7 @@ from pagedserve.workers.worker import stall_timeout_s
 from .config import ClusterConfig
 from .controller import HealthView
 from .router import Router, kv_blocks_used_frac
+from .stats import gather_stats_sync, kv_manager_stats
 
 logger = logging.getLogger("pagedserve.cluster")
 
@@ -314,7 +315,8 @@ class ClusterHandle:
             return
         self._utilization_refreshed = now
         try:
-            stats = await asyncio.wait_for(self.kv_manager.stats.remote(), timeout=self.config.step_timeout_s)
+            # The same occupancy source as the stats snapshot (``stats.kv_manager_stats``).
+            stats = await asyncio.wait_for(kv_manager_stats(self), timeout=self.config.step_timeout_s)
         except Exception:
             return
         workers = stats.get("workers", {})
@@ -354,24 +356,13 @@ class ClusterHandle:
 
     # ---- introspection --------------------------------------------------------------
     def stats(self) -> dict:
-        """KV manager pools, per-worker engine stats and routing, as plain data."""
-        import ray
+        """The cluster's stats snapshot (``stats.gather_stats``), for synchronous callers."""
+        return gather_stats_sync(self, timeout_s=self.config.step_timeout_s)
 
-        timeout = self.config.step_timeout_s
-        kv_stats = ray.get(self.kv_manager.stats.remote(), timeout=timeout)
-        workers = {}
-        for worker_id, worker in self.workers.items():
-            try:
-                workers[worker_id] = ray.get(worker.stats.remote(), timeout=timeout)
-            except Exception as exc:
-                workers[worker_id] = {"worker_id": worker_id, "is_healthy": False, "error": repr(exc)}
-        return {"model": self.model_name, "kv_manager": kv_stats, "workers": workers,
-                "router": self.router.snapshot(), "num_resumed": self._num_resumed,
-                "num_migrated": self._num_migrated,
-                "num_recomputed_tokens": self._num_recomputed_tokens,
-                "num_no_capacity": self._num_no_capacity,
-                "health": self.health.snapshot(),
-                "recent_decisions": self.router.recent_decisions(20)}
+    def request_counters(self) -> dict[str, int]:
+        """Requests this handle resumed, migrated or could not place, and tokens it recomputed."""
+        return {"num_resumed": self._num_resumed, "num_migrated": self._num_migrated,
+                "num_recomputed_tokens": self._num_recomputed_tokens, "num_no_capacity": self._num_no_capacity}
 
     def check_integrity(self) -> None:
         import ray

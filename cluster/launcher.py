@@ -191,7 +191,7 @@ def stop_server(timeout_s: float = 60.0, stdout: IO[str] | None = None) -> int:
 
 
 def fetch_status(address: str | None = None, timeout_s: float = 30.0) -> dict:
-    """Stats from the running Serve application (see ``OpenAIServer.stats``)."""
+    """Stats from the running Serve application (``Frontend.stats``: ``cluster.stats.gather_stats``)."""
     state = read_state()
     if address is None:
         address = state["ray_address"] if state else "auto"

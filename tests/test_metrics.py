@@ -1,6 +1,6 @@
 """``ServerMetrics``' exposition: pagedserve's own names and vLLM's, so that a
 dashboard built for vLLM reads pagedserve unchanged. No Ray, no engine: a
-stats snapshot in ``collect_stats``' shape and hand-made observations."""
+stats snapshot in ``gather_stats``' shape and hand-made observations."""
 
 from __future__ import annotations
 

@@ -31,13 +31,14 @@ from urllib.parse import parse_qs
 from fastapi import Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
+from ..stats import gather_stats
+
 STATIC_DIR = Path(__file__).parent / "static"
 ASSETS = {"dashboard.js": "text/javascript; charset=utf-8", "dashboard.css": "text/css; charset=utf-8"}
 COOKIE_NAME = "pagedserve_dashboard_key"
 DEFAULT_MAX_CELLS = 4096
 MIN_MAX_CELLS = 16
 MAX_MAX_CELLS = 16384
-NUM_DECISIONS = 20
 QUANTILES = (0.5, 0.9, 0.99)
 MAX_KV_MANAGER_SHARE = 0.05  # the dashboard may keep the KV manager busy at most this fraction of the time
 MAX_REFRESH_S = 10.0
@@ -91,8 +92,8 @@ def latency_summary(histogram) -> dict:
 class DashboardState:
     """The dashboard's JSON state for one server, cached for ``ttl_s`` seconds.
 
-    ``handle`` is a ``ClusterHandle`` (its ``kv_manager``, ``workers``,
-    ``roles``, ``router`` and ``model_name`` are read); ``metrics`` a
+    ``handle`` is a ``ClusterHandle``, read through the cluster's one stats
+    gatherer (``cluster.stats.gather_stats``) plus its ``roles``; ``metrics`` a
     ``ServerMetrics`` whose latency histograms give the percentiles (the
     same ones ``/metrics`` exports), or None. Concurrent callers share one
     fetch; a part that fails or does not answer within ``timeout_s`` is
@@ -132,55 +133,36 @@ class DashboardState:
             pending.add_done_callback(lambda _: self._pending.pop(max_cells, None))
         return await asyncio.shield(pending)
 
-    async def _ask(self, ref, what: str, errors: list[str]):
-        try:
-            return await asyncio.wait_for(ref, self.timeout_s)
-        except Exception as exc:
-            errors.append(f"{what}: {exc!r}"[:300])
-            return None
-
     async def _fetch(self, max_cells: int) -> dict:
         handle = self.handle
-        errors: list[str] = []
-        worker_ids = list(handle.workers)
         started = time.monotonic()
-
-        async def timed_block_maps():
-            result = await self._ask(handle.kv_manager.block_maps.remote(max_cells), "KV manager block maps",
-                                     errors)
-            if result is not None:
-                elapsed = time.monotonic() - started
-                self.refresh_s = min(MAX_REFRESH_S, max(self.ttl_s, elapsed / MAX_KV_MANAGER_SHARE))
-            return result
-
-        block_maps, kv_stats, *engine_stats = await asyncio.gather(
-            timed_block_maps(),
-            self._ask(handle.kv_manager.stats.remote(), "KV manager stats", errors),
-            *(self._ask(handle.workers[w].stats.remote(), f"{w} stats", errors) for w in worker_ids))
-        block_maps = block_maps or {}
-        pools = (kv_stats or {}).get("workers", {})
+        stats = await gather_stats(handle, self.timeout_s, block_map_cells=max_cells)
+        if stats["block_maps"]:  # the slow part: keep the KV manager's share of time bounded
+            elapsed = time.monotonic() - started
+            self.refresh_s = min(MAX_REFRESH_S, max(self.ttl_s, elapsed / MAX_KV_MANAGER_SHARE))
+        pools = stats["kv_manager"].get("workers", {})
         roles = getattr(handle, "roles", {})
         workers = {}
-        for worker_id, engine in zip(worker_ids, engine_stats):
+        for worker_id, engine in stats["workers"].items():
+            answered = "error" not in engine
             workers[worker_id] = {
                 "role": roles.get(worker_id, "mixed"),
-                "is_healthy": bool(engine and engine.get("is_healthy")),
-                "tiers": block_maps.get(worker_id, {}).get("tiers", {}),
+                "is_healthy": bool(answered and engine.get("is_healthy")),
+                "tiers": stats["block_maps"].get(worker_id, {}).get("tiers", {}),
                 "pool": pools.get(worker_id),
-                "engine": engine,
+                "engine": engine if answered else None,
             }
-        router = handle.router
         state = {
-            "time": time.time(),
-            "model": handle.model_name,
+            "time": stats["time"],
+            "model": stats["model"],
             "max_cells": max_cells,
             "refresh_s": self.refresh_s,
             "workers": workers,
-            "kv_manager": {k: v for k, v in (kv_stats or {}).items() if k != "workers"},
-            "router": router.snapshot(),
-            "decisions": router.recent_decisions(NUM_DECISIONS),
+            "kv_manager": {k: v for k, v in stats["kv_manager"].items() if k not in ("workers", "error")},
+            "router": stats["router"],
+            "decisions": stats["recent_decisions"],
             "latency": self.latency(),
-            "errors": errors,
+            "errors": stats["errors"],
         }
         self.num_fetches += 1
         now = time.monotonic()

@@ -28,12 +28,12 @@ from pagedserve.workers.request import RequestOutput
 from pagedserve.workers.sampling_params import SamplingParams
 
 from ..config import ServerConfig
+from ..stats import gather_stats
 from .auth import API_KEY_ENV, check_api_key, is_open_path
 from .errors import APIError, error_from_exception, timeout_error
 from .limits import ClientLimiter, RequestLimiter
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, ModelCard, ModelList, Usage
-from .stats import collect_stats
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -383,12 +383,12 @@ class Frontend:
         return any(await asyncio.gather(*(ping(w) for w in self.handle.workers.values())))
 
     async def stats(self) -> dict:
-        """``collect_stats`` plus this replica's in-flight count."""
-        stats = await collect_stats(self.handle)
+        """The cluster's stats (``gather_stats``) plus this replica's admission figures."""
+        stats = await gather_stats(self.handle)
         stats["server"] = {"num_in_flight": self.limiter.num_in_flight,
                            "max_queued_requests": self.limiter.max_in_flight,
                            "num_admitted": self.limiter.num_admitted, "pid": os.getpid()}
         return stats
 
     async def metrics_text(self) -> bytes:
-        return self.metrics.render(await collect_stats(self.handle))
+        return self.metrics.render(await gather_stats(self.handle))

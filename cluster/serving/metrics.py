@@ -59,7 +59,7 @@ VLLM_LEGACY_ALIASES = {
 
 
 class _ClusterStatsCollector:
-    """Yields gauges and counters from the latest stats snapshot (see ``collect_stats``)."""
+    """Yields gauges and counters from the latest stats snapshot (see ``cluster.stats.gather_stats``)."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
@@ -301,7 +301,7 @@ class ServerMetrics:
                 self.tpot.labels(model).observe((finished - first_token) / (per_sample - 1))
 
     def render(self, stats: dict) -> bytes:
-        """The exposition text, with cluster figures from ``stats`` (``collect_stats``' shape)."""
+        """The exposition text, with cluster figures from ``stats`` (``cluster.stats.gather_stats``' shape)."""
         self._cluster.stats = stats
         try:
             return generate_latest(self.registry)
