@@ -20,6 +20,8 @@ import time
 import uuid
 from typing import AsyncIterator
 
+from pagedserve.workers.accumulator import OutputAccumulator
+from pagedserve.workers.protocol import GenerateRequest, Migrated, OutputDelta
 from pagedserve.workers.request import CompletionOutput, RequestOutput
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.worker import stall_timeout_s
@@ -37,11 +39,7 @@ class NoCapacityError(RuntimeError):
 
 
 class _DisaggregationFailed(Exception):
-    """A prefill or decode worker failed; ``generated`` is the last output streamed."""
-
-    def __init__(self, generated: CompletionOutput | None) -> None:
-        super().__init__("disaggregated serving failed")
-        self.generated = generated
+    """A prefill or decode worker failed; what was streamed is in the request's accumulator."""
 
 
 class ClusterHandle:
@@ -101,7 +99,11 @@ class ClusterHandle:
     async def generate(self, prompt: str | list[int] | None, params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0,
                        prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs (cumulative text and token ids, plus deltas)."""
+        """Stream a request's outputs (cumulative text and token ids, plus deltas).
+
+        Workers stream deltas (``workers.protocol``); one ``OutputAccumulator``
+        per request rebuilds the outputs, across retries, resumes and migrations.
+        """
         from ray.exceptions import ObjectLostError, RayActorError
 
         self.health.start()
@@ -117,10 +119,12 @@ class ClusterHandle:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this model's maximum "
                              f"context is {self.max_model_len} tokens, including at least one output token")
         await self._refresh_utilization()
+        accumulator = OutputAccumulator(request_id, text, prompt_token_ids)
+        attempt = 0
         if self.config.is_disaggregated and params.n == 1:
             try:
                 async for output in self._generate_disaggregated(
-                        request_id, text, prompt_token_ids, params, priority):
+                        request_id, prompt_token_ids, params, priority, accumulator):
                     yield output
                 return
             except _DisaggregationFailed as exc:
@@ -128,19 +132,10 @@ class ClusterHandle:
                 # tokens already streamed.
                 logger.warning("request %s: disaggregated path failed (%r); serving colocated",
                                request_id, exc.__cause__)
-                resume_from = exc.generated
-        else:
-            resume_from = None
-        generated: list[list[int]] = [[] for _ in range(params.n)]
-        texts = ["" for _ in range(params.n)]
+                attempt = 1 if accumulator.num_tokens() else 0
         excluded: set[str] = {w for w, role in self.roles.items() if role == "prefill"}
         max_attempts = 2 * len(self.workers) + 3
-        attempt = 0
-        if resume_from:
-            generated[0] = list(resume_from.token_ids)
-            texts[0] = resume_from.text
-            attempt = 1
-        migration: RequestOutput | None = None
+        migration: Migrated | None = None
         export_source = None  # (worker, request id) holding a migration's KV until fetched
         while True:
             attempt += 1
@@ -148,53 +143,45 @@ class ClusterHandle:
             sub_params = params
             if migration is not None:
                 # The KV manager moved the request to a worker with room: continue
-                # there from the transferred KV; its outputs already hold every token.
-                ids, prefix_tokens, prefix_text = prompt_token_ids, [], ""
-                target = migration.migrate_to
-                request = {"request_id": sub_id, "prompt_token_ids": ids, "params": params.to_dict(),
-                           "priority": priority, "kv": [migration.kv_transfer],
-                           "output_token_ids": list(generated[0])}
+                # there from the transferred KV, after the tokens already streamed.
+                ids = prompt_token_ids
+                target = migration.target
+                request = GenerateRequest(sub_id, ids, params, priority, kv=[migration.kv],
+                                          output_token_ids=accumulator.token_ids())
                 decision = self.router.choose(sub_id, len(ids), params.max_tokens, {},
                                               set(self.workers) - {target})
                 migration = None
             else:
-                resumed = attempt > 1 and params.n == 1 and generated[0]
-                ids = prompt_token_ids + generated[0] if resumed else prompt_token_ids
+                resumed = attempt > 1 and params.n == 1 and accumulator.num_tokens() > 0
+                ids = prompt_token_ids + accumulator.token_ids() if resumed else prompt_token_ids
                 if resumed:
-                    sub_params = dataclasses.replace(params, max_tokens=params.max_tokens - len(generated[0]))
+                    sub_params = dataclasses.replace(params,
+                                                     max_tokens=params.max_tokens - accumulator.num_tokens())
                 elif attempt > 1:
-                    generated = [[] for _ in range(params.n)]
-                    texts = ["" for _ in range(params.n)]
+                    accumulator.reset()
                 if attempt > 1:
                     self._num_recomputed_tokens += len(ids)
                 await self._wait_for_capacity(request_id, excluded)
-                prefix_tokens = list(generated[0]) if resumed else []
-                prefix_text = texts[0] if resumed else ""
                 cached = await self._longest_prefix(ids)
                 decision = self.router.choose(sub_id, len(ids), sub_params.max_tokens, cached, excluded)
-                request = {"request_id": sub_id, "prompt_token_ids": ids, "params": sub_params.to_dict(),
-                           "priority": priority}
+                request = GenerateRequest(sub_id, ids, sub_params, priority)
             worker = self.workers[decision.worker_id]
             finished = False
             try:
                 stream = worker.generate.options(num_returns="streaming").remote(request)
                 async for ref in stream:
-                    output: RequestOutput = await asyncio.wait_for(
+                    item: OutputDelta | Migrated = await asyncio.wait_for(
                         ref, timeout=self.config.server.limits.request_timeout_s)
                     export_source = self._release_export(export_source)
-                    merged = self._merge(output, request_id, text, prompt_token_ids, prefix_tokens,
-                                         prefix_text)
-                    for completion in merged.outputs:
-                        generated[completion.index] = list(completion.token_ids)
-                        texts[completion.index] = completion.text
-                    if output.migrate_to is not None:
-                        migration = output
-                        export_source = (worker, output.request_id)
+                    if isinstance(item, Migrated):
+                        migration = item
+                        export_source = (worker, item.request_id)
                         self._num_migrated += 1
                         finished = True  # nothing left to abort on this worker
                         break
-                    finished = merged.finished
-                    yield merged
+                    output = accumulator.add(item)
+                    finished = output.finished
+                    yield output
                     if finished:
                         return
                 if migration is not None:
@@ -225,8 +212,9 @@ class ClusterHandle:
                     except Exception:
                         pass
 
-    async def _generate_disaggregated(self, request_id: str, text: str | None, prompt_ids: list[int],
-                                      params: SamplingParams, priority: int) -> AsyncIterator[RequestOutput]:
+    async def _generate_disaggregated(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                                      priority: int, accumulator: OutputAccumulator
+                                      ) -> AsyncIterator[RequestOutput]:
         """Prompt on a prefill worker, KV through the object store, the rest on a decode worker."""
         from ray.exceptions import RayActorError
 
@@ -236,42 +224,40 @@ class ClusterHandle:
         cached = await self._longest_prefix(prompt_ids)
         decision = self.router.choose(f"{request_id}/prefill", len(prompt_ids), 1, cached,
                                       exclude=set(self.workers) - prefill_ids)
-        request = {"request_id": request_id, "prompt_token_ids": prompt_ids,
-                   "params": params.to_dict(), "priority": priority}
-        last: CompletionOutput | None = None
+        request = GenerateRequest(request_id, prompt_ids, params, priority)
         try:
             out_ref, kv_ref = self.workers[decision.worker_id].prefill.options(num_returns=2).remote(request)
-            first: RequestOutput = await asyncio.wait_for(out_ref, timeout=timeout)
+            first: OutputDelta = await asyncio.wait_for(out_ref, timeout=timeout)
         except (RayActorError, asyncio.TimeoutError) as exc:
             self.health.note_failure(decision.worker_id, f"prefill of {request_id}: {type(exc).__name__}")
-            raise _DisaggregationFailed(None) from exc
+            raise _DisaggregationFailed() from exc
         finally:
             self.router.release(decision, 1)
-        completion = first.outputs[0]
-        is_done = completion.finish_reason == "stop" or params.max_tokens == 1
-        if is_done or completion.finish_reason == "abort":
-            yield RequestOutput(request_id, text, prompt_ids, first.outputs, True, first.metrics)
+        sample = first.samples[0]
+        is_done = sample.finish_reason == "stop" or params.max_tokens == 1
+        if is_done or sample.finish_reason == "abort":
+            first.finished = True
+            yield accumulator.add(first)
             return
-        completion = dataclasses.replace(completion, finish_reason=None)
-        yield RequestOutput(request_id, text, prompt_ids, [completion], False, first.metrics)
-        last = completion
+        # The prefill worker stopped at its one token ("length"); the request goes on.
+        first.samples[0] = dataclasses.replace(sample, finish_reason=None, stop_reason=None)
+        first.finished = False
+        yield accumulator.add(first)
         decision = self.router.choose(f"{request_id}/decode", len(prompt_ids), params.max_tokens, {},
                                       exclude=set(self.workers) - decode_ids)
         worker = self.workers[decision.worker_id]
-        request = {**request, "kv": [kv_ref], "output_token_ids": list(completion.token_ids)}
+        request = dataclasses.replace(request, kv=[kv_ref], output_token_ids=accumulator.token_ids())
         finished = False
         try:
             async for ref in worker.generate.options(num_returns="streaming").remote(request):
-                output: RequestOutput = await asyncio.wait_for(ref, timeout=timeout)
-                finished = output.finished
-                last = output.outputs[0]
-                yield RequestOutput(request_id, text, prompt_ids, output.outputs, output.finished,
-                                    output.metrics)
+                delta: OutputDelta = await asyncio.wait_for(ref, timeout=timeout)
+                finished = delta.finished
+                yield accumulator.add(delta)
                 if finished:
                     return
         except (RayActorError, asyncio.TimeoutError) as exc:
             self.health.note_failure(decision.worker_id, f"decode of {request_id}: {type(exc).__name__}")
-            raise _DisaggregationFailed(last) from exc
+            raise _DisaggregationFailed() from exc
         finally:
             self.router.release(decision, params.max_tokens)
             if not finished:
@@ -287,17 +273,6 @@ class ClusterHandle:
             except Exception:
                 pass
         return None
-
-    @staticmethod
-    def _merge(output: RequestOutput, request_id: str, text: str | None, prompt_ids: list[int],
-               prefix_tokens: list[int], prefix_text: str) -> RequestOutput:
-        """Present a (possibly resumed) worker output as the original request's output."""
-        completions = [dataclasses.replace(c, token_ids=prefix_tokens + list(c.token_ids),
-                                           text=prefix_text + c.text)
-                       for c in output.outputs]
-        if prefix_tokens == [] and prefix_text == "":
-            completions = list(output.outputs)
-        return RequestOutput(request_id, text, prompt_ids, completions, output.finished, output.metrics)
 
     async def _longest_prefix(self, token_ids: list[int]) -> dict[str, int]:
         if self.config.router.policy != "cache_aware" or len(self.workers) == 1:

@@ -476,19 +476,25 @@ class LLMEngine:
 
     def _make_output(self, request: Request) -> RequestOutput:
         completions = []
+        wants_logprobs = request.params.logprobs is not None
         for seq in request.seqs:
             new_tokens = seq.output_token_ids[seq.num_streamed_tokens:]
             seq.num_streamed_tokens = len(seq.output_token_ids)
+            is_newly_finished = seq.finish_reason is not None and not seq.is_finish_streamed
+            seq.is_finish_streamed = seq.finish_reason is not None
             completions.append(CompletionOutput(
                 index=seq.sample_index,
                 text=seq.detokenizer.streamed_text,
                 token_ids=list(seq.output_token_ids),
-                cumulative_logprob=seq.cumulative_logprob if request.params.logprobs is not None else None,
-                logprobs=list(seq.logprobs) if request.params.logprobs is not None else None,
+                cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
+                logprobs=list(seq.logprobs) if wants_logprobs else None,
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.detokenizer.stop_reason,
                 delta_text=seq.delta_text,
                 delta_token_ids=new_tokens,
+                # One logprob per sampled token: the new tokens' are the last ones.
+                delta_logprobs=seq.logprobs[len(seq.logprobs) - len(new_tokens):] if wants_logprobs else None,
+                is_newly_finished=is_newly_finished,
             ))
             seq.delta_text = ""
         prompt_logprobs = None

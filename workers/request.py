@@ -37,6 +37,7 @@ class Sequence:
     # Deltas since the last output was taken, for streaming.
     delta_text: str = ""
     num_streamed_tokens: int = 0
+    is_finish_streamed: bool = False
     # Where the output stands in the request's grammar (structured outputs only).
     grammar: GrammarMatcher | None = None
 
@@ -123,8 +124,9 @@ class Request:
 
 @dataclass
 class CompletionOutput:
-    """One of a request's ``n`` samples. ``text``/``token_ids`` are cumulative;
-    ``delta_text``/``delta_token_ids`` are what is new since the previous output."""
+    """One of a request's ``n`` samples. ``text``/``token_ids``/``logprobs`` are cumulative;
+    ``delta_text``/``delta_token_ids``/``delta_logprobs`` are what is new since the previous
+    output, and ``is_newly_finished`` is true on the one output that first reports its finish."""
 
     index: int
     text: str
@@ -135,6 +137,8 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[SampleLogprobs] | None = None
+    is_newly_finished: bool = False
 
     @property
     def finished(self) -> bool:

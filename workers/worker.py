@@ -14,6 +14,7 @@ in the worker's environment (off by default).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -31,8 +32,7 @@ from .engine import EngineConfig, LLMEngine
 from .kv_transfer import KVTransfer
 from .model_runner import dtype_name
 from .model_source import ModelSource
-from .request import RequestOutput
-from .sampling_params import SamplingParams
+from .protocol import DeltaEncoder, GenerateRequest, Migrated, OutputDelta
 
 logger = logging.getLogger(__name__)
 
@@ -163,52 +163,59 @@ class Worker:
             time.sleep(seconds)
 
     # ---- requests -------------------------------------------------------------------
-    async def generate(self, request: dict) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs. ``request`` holds ``request_id``, ``prompt`` or
-        ``prompt_token_ids``, ``params`` (a SamplingParams dict) and ``priority``."""
-        params = SamplingParams.from_dict(request.get("params") or {})
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[OutputDelta | Migrated]:
+        """Stream a request's ``OutputDelta``s; a request the KV manager migrates away ends
+        with ``Migrated`` (the target worker and the held KV export)."""
         options = {}
         fetch_s = memcpy_s = 0.0
-        if request.get("kv"):
+        if request.kv:
             # The transfer arrives as a nested ObjectRef so that fetching it is timed here.
             start = time.perf_counter()
-            header, payload = await request["kv"][0]
+            header, payload = await request.kv[0]
             fetch_s = time.perf_counter() - start
             memcpy_s = _time_local_copy(payload)
-            options = {"kv_transfer": KVTransfer(header, payload),
-                       "output_token_ids": request["output_token_ids"]}
+            options = {"kv_transfer": KVTransfer(header, payload), "output_token_ids": request.output_token_ids}
         self._note_arrival()
-        stream = self.async_engine.generate(
-            request.get("prompt"), params, request.get("request_id"),
-            request.get("priority", 0), request.get("prompt_token_ids"), **options)
+        stream = self.async_engine.generate(request.prompt, request.params, request.request_id, request.priority,
+                                            request.prompt_token_ids, **options)
+        encoder = DeltaEncoder()
         noted = not options
         async for output in stream:
-            if output.kv_transfer is not None:
-                output.kv_transfer = self._hold_export(output.request_id, output.kv_transfer)
             if not noted:
                 self.async_engine.note_transfer(output.request_id, fetch_s, memcpy_s)
                 output.metrics.kv_transfer_s += fetch_s
                 output.metrics.kv_memcpy_s += memcpy_s
                 noted = True
-            yield output
+            if output.migrate_to is not None:
+                # Not an end for the caller: its last tokens (if any) and where it goes on.
+                delta = encoder.encode(output)
+                delta.samples = [dataclasses.replace(s, finish_reason=None, stop_reason=None)
+                                 for s in delta.samples if s.token_ids or s.text]
+                delta.finished = False
+                if delta.samples:
+                    yield delta
+                kv = self._hold_export(output.request_id, output.kv_transfer)
+                yield Migrated(output.request_id, output.migrate_to, kv)
+                return
+            yield encoder.encode(output)
 
-    async def prefill(self, request: dict) -> tuple[RequestOutput, tuple | None]:
+    async def prefill(self, request: GenerateRequest) -> tuple[OutputDelta, tuple | None]:
         """Run a request's prompt and sample its first token here (a prefill worker).
 
-        Returns the output and the prompt's KV transfer ``(header, payload)``;
-        call it with ``num_returns=2`` and pass the second ref, nested in a
-        list, to a decode worker's ``generate`` as ``request["kv"]``. The
-        blocks stay in this worker's prefix cache.
+        Returns the first token's delta and the prompt's KV transfer ``(header,
+        payload)``; call it with ``num_returns=2`` and pass the second ref,
+        nested in a list, to a decode worker's ``generate`` as ``request.kv``.
+        The blocks stay in this worker's prefix cache.
         """
-        params = SamplingParams.from_dict({**(request.get("params") or {}), "max_tokens": 1})
-        request_id = request["request_id"]
+        params = dataclasses.replace(request.params, max_tokens=1)
+        encoder = DeltaEncoder()
         last = None
         self._note_arrival()
         async for output in self.async_engine.generate(
-                request.get("prompt"), params, request_id, request.get("priority", 0),
-                request.get("prompt_token_ids"), export_kv=True):
-            last = output
-        transfer = self.async_engine.take_kv_export(request_id)
+                request.prompt, params, request.request_id, request.priority, request.prompt_token_ids,
+                export_kv=True):
+            last = encoder.encode(output)
+        transfer = self.async_engine.take_kv_export(request.request_id)
         if transfer is None:
             return last, None
         return last, (transfer.header, transfer.payload)

@@ -16,7 +16,8 @@ from collections.abc import AsyncIterator
 import grpc
 from pydantic import ValidationError
 
-from pagedserve.workers.request import CompletionOutput, RequestOutput
+from pagedserve.workers.request import RequestOutput
+from pagedserve.workers.sampler import SampleLogprobs
 
 from ..protos import pagedserve_pb2 as pb
 from .auth import client_key
@@ -92,12 +93,12 @@ class GrpcService:
         return request.request_id, prompt, params, request.priority, client
 
     # ---- responses --------------------------------------------------------------------------
-    def _logprobs(self, completion: CompletionOutput, start: int) -> list[pb.TokenLogprob]:
+    def _logprobs(self, samples: list[SampleLogprobs]) -> list[pb.TokenLogprob]:
         decode = self.server.token_text
         return [pb.TokenLogprob(token_id=s.token_id, token=decode(s.token_id), logprob=s.logprob,
                                 top_logprobs=[pb.TopLogprob(token_id=t, token=decode(t), logprob=lp)
                                               for t, lp in s.top])
-                for s in (completion.logprobs or [])[start:]]
+                for s in samples]
 
     def _response(self, request_id: str, generation: Generation, choices: list[pb.Choice],
                   with_usage: bool) -> pb.GenerateResponse:
@@ -134,7 +135,7 @@ class GrpcService:
             await generation.run_to_end(first)
             last = generation.progress[0].last
             choices = [pb.Choice(index=c.index, text=c.text, token_ids=c.token_ids,
-                                 logprobs=self._logprobs(c, 0), finish_reason=c.finish_reason or "")
+                                 logprobs=self._logprobs(c.logprobs or []), finish_reason=c.finish_reason or "")
                        for c in sorted(last.outputs if last else [], key=lambda c: c.index)]
             return self._response(request_id, generation, choices, with_usage=True)
         except APIError as exc:
@@ -155,12 +156,10 @@ class GrpcService:
                                                                    params, priority, client)
             if first is None:
                 return
-            sent: dict[int, int] = {}
-            finished: set[int] = set()
             item = first
             while item is not None:
                 _, output = item
-                choices = self._delta_choices(output, sent, finished)
+                choices = self._delta_choices(output)
                 if choices or output.finished:
                     yield self._response(request_id, generation, choices, with_usage=output.finished)
                 item = await anext(generation, None)
@@ -170,22 +169,11 @@ class GrpcService:
             if generation is not None:
                 await generation.aclose()
 
-    def _delta_choices(self, output: RequestOutput, sent: dict[int, int],
-                       finished: set[int]) -> list[pb.Choice]:
-        choices = []
-        for c in output.outputs:
-            if c.index in finished:
-                continue
-            start = sent.get(c.index, 0)
-            new_ids = list(c.token_ids[start:])
-            sent[c.index] = len(c.token_ids)
-            if c.finish_reason is not None:
-                finished.add(c.index)
-            if new_ids or c.delta_text or c.finish_reason is not None:
-                choices.append(pb.Choice(index=c.index, text=c.delta_text, token_ids=new_ids,
-                                         logprobs=self._logprobs(c, start),
-                                         finish_reason=c.finish_reason or ""))
-        return choices
+    def _delta_choices(self, output: RequestOutput) -> list[pb.Choice]:
+        """What is new per choice in ``output``."""
+        return [pb.Choice(index=c.index, text=c.delta_text, token_ids=c.delta_token_ids,
+                          logprobs=self._logprobs(c.delta_logprobs or []), finish_reason=c.finish_reason or "")
+                for c in output.outputs if c.delta_token_ids or c.delta_text or c.is_newly_finished]
 
 
 __all__ = ["GrpcService", "STATUS_CODES"]

@@ -7,14 +7,15 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from pagedserve.workers.request import CompletionOutput, RequestOutput
+from pagedserve.workers.request import RequestOutput
+from pagedserve.workers.sampler import SampleLogprobs
 
 from .errors import APIError
 from .frontend import Frontend, Generation
 from .protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                        ChatMessageOut, ChatStreamChoice, ChoiceLogprobs, DeltaMessage, TokenLogprob,
                        TopLogprob)
-from .sse import DONE, EventStream, StreamState, sse, stream_events
+from .sse import DONE, EventStream, sse, stream_events
 
 
 class ServingChat:
@@ -23,9 +24,10 @@ class ServingChat:
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
 
-    def _chat_logprobs(self, completion: CompletionOutput, start: int) -> ChoiceLogprobs:
+    def _chat_logprobs(self, samples: list[SampleLogprobs]) -> ChoiceLogprobs:
+        """OpenAI's chat logprobs for ``samples``."""
         content = []
-        for sample in (completion.logprobs or [])[start:]:
+        for sample in samples:
             token = self.frontend.token_text(sample.token_id)
             top = [TopLogprob(token=text, logprob=lp, bytes=list(text.encode()))
                    for text, lp in ((self.frontend.token_text(t), lp) for t, lp in sample.top)]
@@ -51,7 +53,7 @@ class ServingChat:
         await generation.run_to_end(first)
         last = generation.progress[0].last
         choices = [ChatChoice(index=c.index, message=ChatMessageOut(content=c.text),
-                              logprobs=self._chat_logprobs(c, 0) if request.logprobs else None,
+                              logprobs=self._chat_logprobs(c.logprobs or []) if request.logprobs else None,
                               finish_reason=c.finish_reason)
                    for c in (last.outputs if last else [])]
         choices.sort(key=lambda c: c.index)
@@ -60,7 +62,7 @@ class ServingChat:
 
     async def _stream_chat(self, request: ChatCompletionRequest, request_id: str, generation: Generation,
                            first) -> AsyncIterator[str]:
-        state = StreamState()
+        started: set[int] = set()  # choices whose role chunk went out
         created = int(time.time())
 
         def chunk(choice: ChatStreamChoice) -> str:
@@ -69,21 +71,16 @@ class ServingChat:
 
         def chunks(_: int, output: RequestOutput):
             for completion in output.outputs:
-                cursor = state.cursor(completion.index)
-                if cursor.is_finished:
-                    continue
-                if not cursor.is_started:
-                    cursor.is_started = True
+                if completion.index not in started:
+                    started.add(completion.index)
                     yield chunk(ChatStreamChoice(index=completion.index,
                                                  delta=DeltaMessage(role="assistant", content="")))
-                logprobs = self._chat_logprobs(completion, cursor.num_tokens) if request.logprobs else None
-                cursor.num_tokens = len(completion.token_ids)
-                cursor.is_finished = completion.finish_reason is not None
+                logprobs = self._chat_logprobs(completion.delta_logprobs or []) if request.logprobs else None
                 if completion.delta_text or (logprobs and logprobs.content):
                     yield chunk(ChatStreamChoice(index=completion.index,
                                                  delta=DeltaMessage(content=completion.delta_text),
                                                  logprobs=logprobs))
-                if cursor.is_finished:
+                if completion.is_newly_finished:
                     yield chunk(ChatStreamChoice(index=completion.index, delta=DeltaMessage(),
                                                  finish_reason=completion.finish_reason))
 

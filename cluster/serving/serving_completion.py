@@ -7,13 +7,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from pagedserve.workers.request import CompletionOutput, RequestOutput
+from pagedserve.workers.request import RequestOutput
+from pagedserve.workers.sampler import SampleLogprobs
 
 from .errors import APIError
 from .frontend import Frontend, Generation
 from .protocol import (DEFAULT_MAX_TOKENS, CompletionChoice, CompletionLogprobs, CompletionRequest,
                        CompletionResponse)
-from .sse import DONE, EventStream, StreamState, sse, stream_events
+from .sse import DONE, EventStream, sse, stream_events
 
 
 class ServingCompletion:
@@ -22,10 +23,10 @@ class ServingCompletion:
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
 
-    def _completion_logprobs(self, completion: CompletionOutput, start: int, text_offset: int
-                             ) -> CompletionLogprobs:
+    def _completion_logprobs(self, samples: list[SampleLogprobs], text_offset: int) -> CompletionLogprobs:
+        """OpenAI's logprobs for ``samples``, the first token at ``text_offset`` in the choice's text."""
         result = CompletionLogprobs()
-        for sample in (completion.logprobs or [])[start:]:
+        for sample in samples:
             token = self.frontend.token_text(sample.token_id)
             result.tokens.append(token)
             result.token_logprobs.append(sample.logprob)
@@ -62,7 +63,7 @@ class ServingCompletion:
             for completion in (progress.last.outputs if progress.last else []):
                 logprobs = None
                 if request.logprobs is not None:
-                    logprobs = self._completion_logprobs(completion, 0, len(echoes[index]))
+                    logprobs = self._completion_logprobs(completion.logprobs or [], len(echoes[index]))
                 choices.append(CompletionChoice(index=index * n + completion.index,
                                                 text=echoes[index] + completion.text, logprobs=logprobs,
                                                 finish_reason=completion.finish_reason))
@@ -72,29 +73,24 @@ class ServingCompletion:
 
     async def _stream_completion(self, request: CompletionRequest, request_id: str, generation: Generation,
                                  first, echoes: list[str]) -> AsyncIterator[str]:
-        state = StreamState()
+        started: set[int] = set()  # choices whose first chunk (with the echo) went out
         n = generation.params.n
         created = int(time.time())
 
         def chunks(index: int, output: RequestOutput):
             for completion in output.outputs:
-                cursor = state.cursor(index * n + completion.index)
-                if cursor.is_finished:
-                    continue
+                choice_index = index * n + completion.index
                 text = completion.delta_text
-                if not cursor.is_started:
-                    cursor.is_started = True
+                if choice_index not in started:
+                    started.add(choice_index)
                     text = echoes[index] + text
-                    cursor.text_offset = len(echoes[index])
                 logprobs = None
                 if request.logprobs is not None:
-                    logprobs = self._completion_logprobs(completion, cursor.num_tokens, cursor.text_offset)
-                cursor.num_tokens = len(completion.token_ids)
-                cursor.text_offset += len(completion.delta_text)
-                cursor.is_finished = completion.finish_reason is not None
-                if not text and not cursor.is_finished and not (logprobs and logprobs.tokens):
+                    offset = len(echoes[index]) + len(completion.text) - len(completion.delta_text)
+                    logprobs = self._completion_logprobs(completion.delta_logprobs or [], offset)
+                if not (text or completion.is_newly_finished or (logprobs and logprobs.tokens)):
                     continue
-                choice = CompletionChoice(index=index * n + completion.index, text=text, logprobs=logprobs,
+                choice = CompletionChoice(index=choice_index, text=text, logprobs=logprobs,
                                           finish_reason=completion.finish_reason)
                 yield sse(CompletionResponse(id=request_id, created=created, model=self.frontend.model_name,
                                              choices=[choice]))

@@ -1,5 +1,4 @@
-"""Server-sent events: the framing, a streamed response's lifetime, and what was
-already sent per choice.
+"""Server-sent events: the framing and a streamed response's lifetime.
 
 ``stream_events`` turns a ``Generation`` into SSE lines through a per-API
 ``chunks(prompt_index, output)`` function; a failure mid-stream becomes an
@@ -11,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pydantic import BaseModel
 
@@ -41,26 +40,6 @@ class EventStream:
         except RuntimeError:  # still being iterated elsewhere: closing the generation suffices
             pass
         await self.generation.aclose()
-
-
-@dataclass
-class ChoiceCursor:
-    """What was already sent for one choice of a streamed response."""
-
-    num_tokens: int = 0
-    text_offset: int = 0
-    is_started: bool = False
-    is_finished: bool = False
-
-
-@dataclass
-class StreamState:
-    """The cursors of a streamed response's choices, by choice index."""
-
-    cursors: dict[int, ChoiceCursor] = field(default_factory=dict)
-
-    def cursor(self, index: int) -> ChoiceCursor:
-        return self.cursors.setdefault(index, ChoiceCursor())
 
 
 async def stream_events(generation: Generation, first, chunks: Callable[..., Iterable[str]]

@@ -1,0 +1,119 @@
+"""The handle <-> worker stream protocol: deltas on the wire, one accumulator rebuilding
+the cumulative outputs.
+
+The oracle is the engine itself: every step's ``RequestOutput`` is encoded as the
+worker does (``DeltaEncoder``), decoded by ``OutputAccumulator``, and must equal
+the engine's own output field by field, over n > 1, logprobs, prompt logprobs,
+stop strings and sampling. The size of a streamed delta must not grow with the
+sequence, while the cumulative output it replaces does.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.workers.accumulator import OutputAccumulator
+from pagedserve.workers.protocol import DeltaEncoder, OutputDelta, SampleDelta
+from pagedserve.workers.request import RequestMetrics
+
+FIELDS = ("index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason", "stop_reason",
+          "delta_text", "delta_token_ids", "delta_logprobs", "is_newly_finished")
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    return LLM(model=tiny_model("llama"), device="cpu", dtype="float32", block_size=8,
+               num_device_blocks=256, swap_space_gb=0.001)
+
+
+def _run(llm: LLM, requests: dict[str, tuple[list[int], SamplingParams]]):
+    """Step the engine; yield every output with what the worker would send for it."""
+    engine = llm.engine
+    encoders = {}
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, None, params, prompt_token_ids=prompt)
+        encoders[request_id] = DeltaEncoder()
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            delta = encoders[output.request_id].encode(output)
+            yield output, pickle.loads(pickle.dumps(delta, protocol=5))
+
+
+def test_accumulated_outputs_equal_the_engines(llm):
+    requests = {
+        "greedy": (list(range(3, 30)), SamplingParams(temperature=0.0, max_tokens=24, logprobs=2,
+                                                      prompt_logprobs=1)),
+        "n3": (list(range(40, 52)), SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=20, logprobs=1)),
+        "stop": (list(range(5, 17)), SamplingParams(temperature=0.8, seed=3, max_tokens=30, stop=["e", " t"])),
+        "plain": (list(range(60, 64)), SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)),
+    }
+    accumulators = {rid: OutputAccumulator(rid, None, prompt) for rid, (prompt, _) in requests.items()}
+    num_finished = {rid: 0 for rid in requests}
+    last = {}
+    for output, delta in _run(llm, requests):
+        rebuilt = accumulators[output.request_id].add(delta)
+        assert rebuilt.finished == output.finished
+        assert rebuilt.prompt_logprobs == output.prompt_logprobs
+        assert rebuilt.metrics == output.metrics
+        engine_samples = sorted(output.outputs, key=lambda c: c.index)
+        assert [c.index for c in rebuilt.outputs] == [c.index for c in engine_samples]
+        for mine, theirs in zip(rebuilt.outputs, engine_samples):
+            for name in FIELDS:
+                assert getattr(mine, name) == getattr(theirs, name), (output.request_id, name)
+            num_finished[output.request_id] += mine.is_newly_finished
+        last[output.request_id] = rebuilt
+    assert num_finished == {"greedy": 1, "n3": 3, "stop": 1, "plain": 1}
+    assert len(last["n3"].outputs) == 3 and all(len(c.logprobs) == len(c.token_ids) for c in last["n3"].outputs)
+    assert len(last["greedy"].prompt_logprobs) == len(requests["greedy"][0])
+    llm.engine.check_integrity()
+    assert llm.engine.num_used_blocks() == 0
+
+
+def test_a_delta_carries_only_news(llm):
+    params = SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=12, logprobs=1)
+    for output, delta in _run(llm, {"news": (list(range(3, 20)), params)}):
+        by_index = {c.index: c for c in output.outputs}
+        for sample in delta.samples:
+            completion = by_index[sample.index]
+            assert sample.token_ids == completion.delta_token_ids
+            assert sample.logprobs == completion.delta_logprobs
+        quiet = {c.index for c in output.outputs
+                 if not (c.delta_token_ids or c.delta_text or c.is_newly_finished)}
+        assert quiet.isdisjoint(s.index for s in delta.samples)
+
+
+def test_bytes_per_streamed_token_do_not_grow_with_the_sequence(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True, logprobs=2)
+    delta_sizes, cumulative_sizes = [], []
+    for output, delta in _run(llm, {"long": (list(range(3, 11)), params)}):
+        if output.finished:
+            break
+        delta_sizes.append(len(pickle.dumps(delta, protocol=5)))
+        cumulative_sizes.append(len(pickle.dumps(output, protocol=5)))
+    assert len(delta_sizes) > 350
+    # Integers pickle in 1, 2 or 4 bytes: a delta may vary by a few bytes, never with the length.
+    assert max(delta_sizes[10:]) - min(delta_sizes[10:]) <= 16
+    assert cumulative_sizes[-1] > 10 * cumulative_sizes[10]
+
+
+def test_resumed_and_restarted_requests_keep_one_output():
+    metrics = RequestMetrics(0.0)
+    accumulator = OutputAccumulator("r", "hi", [1, 2])
+    accumulator.add(OutputDelta("r", [SampleDelta(0, [5, 6], "ab")], False, metrics))
+    # A resumed attempt (another worker, another sub-request id) continues the same output.
+    resumed = accumulator.add(OutputDelta("r~2", [SampleDelta(0, [7], "c", finish_reason="length")], True,
+                                          metrics))
+    (completion,) = resumed.outputs
+    assert resumed.request_id == "r" and resumed.prompt == "hi"
+    assert completion.token_ids == [5, 6, 7] and completion.text == "abc"
+    assert completion.delta_token_ids == [7] and completion.delta_text == "c" and completion.is_newly_finished
+    assert accumulator.token_ids() == [5, 6, 7]
+    accumulator.reset()
+    assert accumulator.num_tokens() == 0 and accumulator.token_ids() == []
+    again = accumulator.add(OutputDelta("r~3", [SampleDelta(0, [9], "z")], False, metrics))
+    assert again.outputs[0].token_ids == [9] and again.outputs[0].text == "z"
+    # Outputs already returned do not change under later deltas.
+    assert completion.token_ids == [5, 6, 7]

@@ -1,0 +1,97 @@
+"""The one place where a request's cumulative output is rebuilt from its deltas.
+
+``ClusterHandle.generate`` feeds every ``OutputDelta`` a worker streams into
+an ``OutputAccumulator`` and yields its ``RequestOutput``s; HTTP and gRPC read
+them (the cumulative fields for whole responses and usage, the ``delta_*``
+fields for streams). A resumed or migrated request keeps its accumulator, so
+its output runs on across workers as one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .protocol import OutputDelta
+from .request import CompletionOutput, RequestMetrics, RequestOutput
+from .sampler import SampleLogprobs
+
+
+@dataclass
+class _Sample:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[SampleLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class OutputAccumulator:
+    """A request's samples so far; ``add`` takes a delta and returns the request's output.
+
+    Each returned ``RequestOutput`` holds every sample seen so far, with its
+    cumulative ``token_ids``/``text``/``logprobs`` (copies: later deltas do not
+    change an output already returned) and, for the samples this delta
+    touched, ``delta_token_ids``/``delta_text``/``delta_logprobs``; a sample
+    is reported finished by exactly one output.
+    """
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int]) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self._samples: dict[int, _Sample] = {}
+        self._prompt_logprobs: list[SampleLogprobs | None] | None = None
+        self._metrics: RequestMetrics | None = None
+
+    def add(self, delta: OutputDelta) -> RequestOutput:
+        news_by_index = {}
+        for news in delta.samples:
+            sample = self._samples.setdefault(news.index, _Sample())
+            sample.token_ids.extend(news.token_ids)
+            sample.text += news.text
+            if news.logprobs is not None:
+                if sample.logprobs is None:
+                    sample.logprobs = []
+                sample.logprobs.extend(news.logprobs)
+            sample.cumulative_logprob = news.cumulative_logprob
+            news_by_index[news.index] = (news, news.finish_reason is not None and sample.finish_reason is None)
+            sample.finish_reason = news.finish_reason
+            sample.stop_reason = news.stop_reason
+        if delta.prompt_logprobs is not None:
+            self._prompt_logprobs = delta.prompt_logprobs
+        self._metrics = delta.metrics
+        completions = []
+        for index in sorted(self._samples):
+            sample = self._samples[index]
+            news, is_newly_finished = news_by_index.get(index, (None, False))
+            completions.append(CompletionOutput(
+                index=index, text=sample.text, token_ids=list(sample.token_ids),
+                cumulative_logprob=sample.cumulative_logprob,
+                logprobs=list(sample.logprobs) if sample.logprobs is not None else None,
+                finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
+                delta_text=news.text if news else "",
+                delta_token_ids=list(news.token_ids) if news else [],
+                delta_logprobs=(list(news.logprobs) if news and news.logprobs is not None
+                                else [] if sample.logprobs is not None else None),
+                is_newly_finished=is_newly_finished))
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, delta.finished,
+                             self._metrics, self._prompt_logprobs)
+
+    # ---- what a resumed attempt continues from -------------------------------------------------
+    def token_ids(self, index: int = 0) -> list[int]:
+        """Sample ``index``'s output tokens so far (a copy)."""
+        sample = self._samples.get(index)
+        return list(sample.token_ids) if sample is not None else []
+
+    def num_tokens(self, index: int = 0) -> int:
+        sample = self._samples.get(index)
+        return len(sample.token_ids) if sample is not None else 0
+
+    def reset(self) -> None:
+        """Forget every sample: the request starts again from its prompt."""
+        self._samples.clear()
+        self._prompt_logprobs = None
+
+
+__all__ = ["OutputAccumulator"]

@@ -1,0 +1,104 @@
+"""The handle <-> worker protocol: typed messages across the actor boundary.
+
+A request goes to a worker as a ``GenerateRequest``. The worker streams back
+one ``OutputDelta`` per engine step that produced something for it: only
+what is new (token ids, text, logprobs, and a sample's finish the first time
+it is seen), so the bytes per streamed token stay the same however long the
+sequence grows. Control messages are separate types: ``Migrated`` ends a
+stream whose request the KV manager moved to another worker.
+
+The cumulative view an API needs (non-streaming bodies, n > 1, resuming
+after a failure) is rebuilt from the deltas by ``accumulator.OutputAccumulator``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .request import RequestMetrics, RequestOutput
+from .sampler import SampleLogprobs
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class GenerateRequest:
+    """What a worker is asked to run.
+
+    ``kv`` (a list holding one ObjectRef of a KV transfer, nested so the worker
+    times its fetch) and ``output_token_ids`` continue a request whose prompt
+    (and first ``len(output_token_ids)`` outputs) already ran elsewhere: a
+    prefill worker's, or a migration source's.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    prompt: str | None = None
+    kv: list | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SampleDelta:
+    """What is new for one of a request's ``n`` samples since its previous delta."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[SampleLogprobs] | None = None  # one per new token, when asked for
+    cumulative_logprob: float | None = None       # the running total (a scalar)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class OutputDelta:
+    """One streamed step of a request: its samples with news, and its metrics so far.
+
+    ``prompt_logprobs`` comes once, on the delta where they are all computed.
+    """
+
+    request_id: str
+    samples: list[SampleDelta]
+    finished: bool
+    metrics: RequestMetrics
+    prompt_logprobs: list[SampleLogprobs | None] | None = None
+
+
+@dataclass
+class Migrated:
+    """The KV manager moved the request to ``target``; the stream ends here.
+
+    ``kv`` is the ObjectRef of the migrated KV (held by the source worker until
+    the handle calls its ``release_export``); continue with a ``GenerateRequest``
+    carrying ``kv=[kv]`` and the output tokens so far.
+    """
+
+    request_id: str
+    target: str
+    kv: object
+
+
+class DeltaEncoder:
+    """Turns one request's engine outputs into ``OutputDelta``s (one encoder per stream).
+
+    A sample is included when it has new tokens or text, or reports its finish
+    for the first time; the prompt logprobs go out once.
+    """
+
+    def __init__(self) -> None:
+        self._sent_prompt_logprobs = False
+
+    def encode(self, output: RequestOutput) -> OutputDelta:
+        samples = [SampleDelta(c.index, list(c.delta_token_ids), c.delta_text, c.delta_logprobs,
+                               c.cumulative_logprob, c.finish_reason, c.stop_reason)
+                   for c in output.outputs if c.delta_token_ids or c.delta_text or c.is_newly_finished]
+        prompt_logprobs = None
+        if output.prompt_logprobs is not None and not self._sent_prompt_logprobs:
+            prompt_logprobs = output.prompt_logprobs
+            self._sent_prompt_logprobs = True
+        return OutputDelta(output.request_id, samples, output.finished, output.metrics, prompt_logprobs)
+
+
+__all__ = ["DeltaEncoder", "GenerateRequest", "Migrated", "OutputDelta", "SampleDelta"]
