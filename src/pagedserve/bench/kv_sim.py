@@ -16,10 +16,12 @@ about ``context`` tokens. Once warm, a step computes the batch's decode
 tokens plus at most ``prefill_per_step`` prompt tokens (chunked prefill, as a
 GPU engine mixes them), and output lengths scale with the context (uniform in
 [L/4, 3L/4] by default), so the blocks that change per step do not grow with
-the context. ``pressure_per_s`` injects, at random, arrivals whose KV comes
-with them (disaggregated prefill) sized to take nearly all of the pool's
-free room at once, so that the next steps' growth must preempt (migrate,
-swap or recompute, decided by the central manager).
+the context. The pool holds the batch at its mean context plus
+``pool_headroom``, so it runs near full; ``pressure_per_s`` adds, at
+random, arrivals whose KV comes with them (disaggregated prefill) of up to
+``context`` tokens, taking nearly all of the free room, so that the next
+steps' growth must preempt (migrate, swap or recompute, decided by the
+central manager).
 
 Talking to the central manager is left to the caller through two hooks:
 ``preemption`` (the ``LocalKVManager``'s policy, in a cluster one blocking
@@ -56,7 +58,7 @@ class SimWorkload:
     prefill_per_step: int = 512
     warmup_token_budget: int = 16384
     host_pool_frac: float = 0.25
-    pool_headroom: float = 0.10
+    pool_headroom: float = 0.03
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -84,10 +86,11 @@ class SimWorkload:
         return 2 * self.context + self.output_range[1]
 
     def pool_config(self) -> PoolConfig:
-        """Device blocks for ``batch`` sequences at their longest (shared prefixes held
-        once) plus ``pool_headroom``; a host tier of ``host_pool_frac`` of that."""
+        """Device blocks for ``batch`` sequences at the mean context (shared prefixes held
+        once) plus ``pool_headroom``, so the pool runs near full and the batch's
+        fluctuations press on it; a host tier of ``host_pool_frac`` of that."""
         bs = self.block_size
-        per_seq = -(-(self.context - self.shared_len + self.output_range[1] // 2) // bs) + 1
+        per_seq = -(-(self.context - self.shared_len) // bs) + 1
         shared = self.num_prefixes * (self.shared_len // bs)
         num_device = int((self.batch * per_seq + shared) * (1 + self.pool_headroom))
         return PoolConfig(num_device_blocks=num_device, num_host_blocks=int(num_device * self.host_pool_frac),
@@ -214,17 +217,16 @@ class SimulatedKVWorker:
             self._new_request(num_prompt, num_output - num_done)
 
     def _maybe_add_pressure(self) -> None:
-        """Arrivals with their KV (``num_imported_tokens``) filling ~98% of the free room."""
+        """An arrival with its KV (``num_imported_tokens``) of up to ``context`` tokens,
+        taking nearly all of the free room when there is less."""
         w = self.workload
         if not self._is_warm or self.rng.random() >= w.pressure_per_s / w.steps_per_s:
             return
         device = self.kv.occupancy()["device"]
         watermark = int(self.pool_config.watermark * device.num_total) + 1
         room = (device.num_available - watermark) * w.block_size * 98 // 100
-        longest = w.max_model_len - w.output_range[1]
-        while room > w.shared_len + 2 * w.block_size:
-            num_prompt = min(room, longest)
-            room -= num_prompt + w.block_size
+        num_prompt = min(room, w.context)
+        if num_prompt > w.shared_len + 2 * w.block_size:
             self._new_request(num_prompt, self.rng.randint(*w.output_range), is_pressure=True)
             self.counters.num_pressure_requests += 1
 
@@ -280,14 +282,14 @@ class SimulatedKVWorker:
                 request.num_computed = 0
         if output.preempted:
             self.waiting.sort(key=lambda r: r.order)
-        admitted = False
+        admitted: set[str] = set()
         appended = self.pending.appended
         for scheduled in output.scheduled:
             request = self.requests[scheduled.seq_id]
             request.num_computed = scheduled.start + scheduled.num_tokens
             if not request.is_running:
                 request.is_running = True
-                admitted = True
+                admitted.add(request.seq_id)
                 self.running.append(request)
             if request.num_computed == request.num_tokens:
                 if request.num_output_left <= 0:
@@ -297,8 +299,8 @@ class SimulatedKVWorker:
                 appended.append((request.seq_id, self.tokens(request, request.num_tokens, request.num_tokens + 1)))
                 request.num_tokens += 1
             counters.num_scheduled_tokens += scheduled.num_tokens
-        if admitted:
-            self.waiting = [r for r in self.waiting if not r.is_running]
+        if admitted:  # (some may have finished in the same step)
+            self.waiting = [r for r in self.waiting if r.seq_id not in admitted]
         counters.num_steps += 1
         return output.num_scheduled_tokens
 
