@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pagedserve.workers.engine_options import EngineOptions  # the one schema; re-exported here
 from pagedserve.workers.model_source import ModelSource, is_hub_id, token_from_environment
 from pagedserve.devtools.model_factory import ARCHS, SIZES
+from pagedserve.tool_parsers import TOOL_PARSERS
 
 
 class ConfigError(ValueError):
@@ -180,7 +181,17 @@ class ServerConfig(_Strict):
     # Ingress replicas (Ray Serve), all on the head node; limits apply per replica. Worker
     # health is watched once per cluster (the controller actor), whatever this number.
     num_replicas: int = Field(1, ge=1)
+    # How "auto" tool choice reads calls out of the model's text (vLLM's --tool-call-parser):
+    # "hermes" (Hermes, Qwen 2.5/3, make-model's template) or "llama3_json".
+    tool_call_parser: str = "hermes"
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_tool_call_parser(cls, value: str) -> str:
+        if value not in TOOL_PARSERS:
+            raise ValueError(f"unknown tool-call parser {value!r}; known: {', '.join(sorted(TOOL_PARSERS))}")
+        return value
 
 
 class ClusterConfig(_Strict):

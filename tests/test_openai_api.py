@@ -183,10 +183,14 @@ def test_completion_batch_n_logprobs_echo(server):
     choices = data["choices"]
     assert [c["index"] for c in choices] == [0, 1, 2, 3]
     assert choices[2]["text"].startswith("Hello")
-    for choice in choices:
+    for choice, prompt in zip(choices, [body["prompt"][0]] * 2 + [body["prompt"][1]] * 2):
+        # Echo: the prompt's tokens first (the first without a logprob), then the 4 generated.
         logprobs = choice["logprobs"]
-        assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == 4
-        assert all(len(top) <= 2 for top in logprobs["top_logprobs"])
+        num_prompt = len(server.tokenizer.encode(prompt))
+        assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == num_prompt + 4
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        assert all(len(top) <= 3 for top in logprobs["top_logprobs"][1:])  # top 2 and the chosen token
+        assert logprobs["text_offset"] == sorted(logprobs["text_offset"])
     assert data["usage"]["completion_tokens"] == 16
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.workers.request import RequestOutput
-from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.sampling_params import SamplingParams, StructuredOutputsParams
 
 from ..config import ServerConfig
 from ..stats import gather_stats
@@ -36,6 +36,10 @@ from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, ModelCard, ModelList, Usage
 
 logger = logging.getLogger("pagedserve.server")
+
+# Chat-template variables that the server or the request's own fields set.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "tokenize", "return_dict",
+                                      "chat_template", "documents"})
 
 
 def check_unicode(text: str, param: str) -> None:
@@ -80,6 +84,8 @@ class _PromptProgress:
     arrival: float
     first_token: float | None = None
     last: RequestOutput | None = None
+    # When each sample's latest tokens arrived, and how many it had (inter-token latency).
+    token_times: dict[int, tuple[float, int]] = dataclasses.field(default_factory=dict)
 
 
 class Generation:
@@ -168,13 +174,26 @@ class Generation:
         now = time.time()
         if progress.first_token is None and any(c.token_ids for c in output.outputs):
             progress.first_token = now
+        metrics = self.server.metrics
+        for completion in output.outputs:
+            num_tokens = len(completion.token_ids)
+            previous = progress.token_times.get(completion.index)
+            if previous is not None and num_tokens > previous[1]:
+                metrics.observe_inter_token(now - previous[0], num_tokens - previous[1])
+            if num_tokens and (previous is None or num_tokens > previous[1]):
+                progress.token_times[completion.index] = (now, num_tokens)
         if output.finished:
             self.server.log_completion(f"{self.request_id}-{index}", output)
-            self.server.metrics.observe_generation(
+            timings = output.metrics
+            metrics.observe_generation(
                 progress.arrival, progress.first_token, now, len(output.prompt_token_ids),
-                output.metrics.num_cached_tokens if output.metrics else 0,
+                timings.num_cached_tokens if timings else 0,
                 sum(len(c.token_ids) for c in output.outputs),
-                [c.finish_reason or "" for c in output.outputs])
+                [c.finish_reason or "" for c in output.outputs], max_tokens=self.params.max_tokens,
+                max_sample_tokens=max((len(c.token_ids) for c in output.outputs), default=0))
+            if timings is not None:
+                metrics.observe_phases(timings.arrival_time, timings.first_scheduled_time,
+                                       timings.first_token_time, timings.finished_time)
 
     async def run_to_end(self, first) -> None:
         """Consume every output (``first`` being what ``start_generation`` returned), then close."""
@@ -274,38 +293,82 @@ class Frontend:
             raise APIError(400, f"prompt token ids must be integers in [0, {self.vocab_size}); got "
                                 f"{bad[:5]}", param=param)
 
-    def tokenize(self, prompt: str | list[int], param: str = "prompt") -> PromptInput:
+    def tokenize(self, prompt: str | list[int], param: str = "prompt",
+                 truncate_prompt_tokens: int | None = None) -> PromptInput:
         if isinstance(prompt, str):
             check_unicode(prompt, param)
             token_ids = self.tokenizer.encode(prompt)
             text = prompt
         else:
             token_ids, text = list(prompt), None
-        self.check_prompt(token_ids, param)
-        return PromptInput(text, token_ids)
+        return self._truncated(PromptInput(text, token_ids), truncate_prompt_tokens, param)
+
+    def _truncated(self, prompt: PromptInput, truncate_prompt_tokens: int | None, param: str) -> PromptInput:
+        """Keep the last ``truncate_prompt_tokens`` tokens (-1: as many as the context allows), then check."""
+        if truncate_prompt_tokens is not None:
+            keep = self.max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+            if len(prompt.token_ids) > keep:
+                prompt = PromptInput(None, prompt.token_ids[len(prompt.token_ids) - keep:])
+        self.check_prompt(prompt.token_ids, param)
+        return prompt
 
     def chat_prompt(self, request: ChatCompletionRequest) -> PromptInput:
+        """The rendered conversation: messages (assistant tool calls and tool results included),
+        the request's tools and ``chat_template_kwargs`` through the tokenizer's chat template."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, f"the model '{self.model_name}' has no chat template; use /v1/completions",
                            param="messages")
-        messages = []
-        for message in request.messages:
-            check_unicode(message.text() + (message.name or ""), "messages")
-            entry = {"role": message.role, "content": message.text()}
-            if message.name:
-                entry["name"] = message.name
-            messages.append(entry)
+        messages = [self._template_message(message) for message in request.messages]
+        kwargs: dict[str, Any] = {"add_generation_prompt": request.add_generation_prompt}
+        if request.tools:
+            kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in request.tools]
+        extra = request.chat_template_kwargs or {}
+        reserved = sorted(set(extra) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)} (set by the server "
+                                "or by the request's own fields)", param="chat_template_kwargs")
+        kwargs.update(extra)
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=request.add_generation_prompt, tokenize=False)
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
         except Exception as exc:  # the template rejects the conversation (e.g. role order)
             raise APIError(400, f"the chat template could not render these messages: {exc}",
                            param="messages") from None
+        if not isinstance(text, str):
+            raise APIError(400, "the chat template did not render text with these chat_template_kwargs",
+                           param="chat_template_kwargs")
         token_ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template adds them
-        self.check_prompt(token_ids, "messages")
-        return PromptInput(text, token_ids)
+        return self._truncated(PromptInput(text, token_ids), request.truncate_prompt_tokens, "messages")
 
-    def sampling_params(self, request, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    @staticmethod
+    def _template_message(message) -> dict[str, Any]:
+        check_unicode(message.text() + (message.name or ""), "messages")
+        entry: dict[str, Any] = {"role": message.role, "content": message.text()}
+        if message.name:
+            entry["name"] = message.name
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        if message.tool_calls:
+            calls = []
+            for call in message.tool_calls:
+                check_unicode(call.function.name + call.function.arguments, "messages")
+                try:  # templates render the arguments as an object (vLLM passes them parsed too)
+                    arguments = json.loads(call.function.arguments)
+                except ValueError:
+                    raise APIError(400, f"messages: the arguments of tool call {call.id!r} are not valid "
+                                        "JSON", param="messages") from None
+                calls.append({"id": call.id, "type": "function",
+                              "function": {"name": call.function.name, "arguments": arguments}})
+            entry["tool_calls"] = calls
+        return entry
+
+    def sampling_params(self, request, max_tokens: int, logprobs: int | None,
+                        structured_outputs: StructuredOutputsParams | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """The engine's options for ``request`` (either API's fields), 400 naming a bad one.
+
+        ``truncate_prompt_tokens`` is applied by ``tokenize``/``chat_prompt``, so the
+        prompt's token count (usage, limits) is the truncated one.
+        """
         if request.n > self.limits.max_n:
             raise APIError(400, f"n must be <= {self.limits.max_n}, got {request.n}", param="n")
         stop = request.stop_strings
@@ -322,7 +385,11 @@ class Frontend:
                 min_p=request.min_p, seed=request.seed, presence_penalty=request.presence_penalty,
                 frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
                 stop=stop, stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
-                logprobs=logprobs, skip_special_tokens=request.skip_special_tokens)
+                logprobs=logprobs, skip_special_tokens=request.skip_special_tokens,
+                spaces_between_special_tokens=request.spaces_between_special_tokens,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                min_tokens=request.min_tokens, prompt_logprobs=prompt_logprobs,
+                structured_outputs=structured_outputs)
         except ValueError as exc:
             raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
 

@@ -2,17 +2,26 @@
 
 Requests reject unknown fields, so a misspelt option is a 400 naming the
 field rather than silently ignored; numbers must be finite and integers
-within 64 bits (``priority``, token ids: 32). Besides OpenAI's fields, requests take
-vLLM's extra sampling fields (``top_k``, ``min_p``, ``repetition_penalty``,
-``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``) and ``priority``.
+within 64 bits (``priority``, token ids: 32). Besides OpenAI's fields
+(``response_format``, ``tools``/``tool_choice``/``parallel_tool_calls``,
+``stream_options``), requests take vLLM's extensions: sampling (``top_k``,
+``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
+``min_tokens``), output (``skip_special_tokens``,
+``spaces_between_special_tokens``, ``include_stop_str_in_output``,
+``prompt_logprobs``), ``truncate_prompt_tokens``, ``structured_outputs``,
+``chat_template_kwargs``, ``stream_options.continuous_usage_stats``, and
+``priority``. Structured-output specs are checked in ``structured.py``.
+
+Stream deltas (``DeltaMessage``, ``DeltaToolCall``) leave out keys that have
+no value, as OpenAI's do.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
 
 from pagedserve.workers.sampling_params import (
     MAX_LOGPROBS,
@@ -33,6 +42,22 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    # vLLM: usage on every chunk, not only in the last event.
+    continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(_Request):
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's ``response_format``: free text, any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingFields(_Request):
@@ -59,6 +84,14 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    min_tokens: int = Field(0, ge=0, le=MAX_INT64)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=MAX_INT64)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    # vLLM's StructuredOutputsParams as a mapping; checked by structured.py (naming its key).
+    structured_outputs: dict[str, Any] | None = None
     priority: int = Field(0, ge=-MAX_INT32 - 1, le=MAX_INT32)
 
     @field_validator("logit_bias")
@@ -78,12 +111,20 @@ class _SamplingFields(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every streamed chunk (vLLM's ``continuous_usage_stats``, with ``include_usage``)."""
+        return bool(self.stream_options and self.stream_options.include_usage
+                    and self.stream_options.continuous_usage_stats)
+
 
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``: a prompt (text or token ids), or a batch of them."""
 
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         description="text, token ids, or a batch of either; token ids must be in [0, vocab size)")
+    # 0 only with echo: the prompt is scored, nothing generated (vLLM).
+    max_tokens: int | None = Field(None, ge=0, le=MAX_INT64)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_INT32)
@@ -111,10 +152,23 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCallIn(_Request):
+    name: str
+    arguments: str  # JSON text, as the API returned it
+
+
+class ToolCallIn(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessageIn(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None             # a tool message answers this call
 
     def text(self) -> str:
         if self.content is None:
@@ -122,6 +176,27 @@ class ChatMessageIn(_Request):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -132,6 +207,12 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = None
+    # Default: "auto" with tools, "none" without (OpenAI's).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # Extra variables for the chat template (vLLM), e.g. {"enable_thinking": false}.
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def effective_max_tokens(self) -> int | None:
@@ -157,11 +238,25 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One candidate at a prompt position (vLLM's ``prompt_logprobs`` entries, keyed by token id).
+    ``rank`` is 1 for the most likely token; None where it is not known (a prompt token
+    outside the top k)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -187,9 +282,21 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -206,11 +313,35 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
 
 
-class DeltaMessage(BaseModel):
+class _NoNulls(BaseModel):
+    """Serialised without the keys whose value is None."""
+
+    @model_serializer(mode="wrap")
+    def _drop_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaFunctionCall(_NoNulls):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_NoNulls):
+    """A piece of call ``index``: the first carries ``id``, ``type`` and the name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class DeltaMessage(_NoNulls):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):
@@ -227,6 +358,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
+    # vLLM: the prompt's logprobs, in the first chunk only (the key is absent elsewhere).
+    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=lambda value: value is None)
 
 
 class ModelCard(BaseModel):

@@ -1,21 +1,45 @@
 """``POST /v1/chat/completions``: OpenAI chat responses and their SSE stream over
-the frontend (messages through the chat template; ``logprobs`` + ``top_logprobs``)."""
+the frontend (messages through the chat template; ``logprobs`` + ``top_logprobs``
+with raw token ``bytes``; vLLM's ``prompt_logprobs`` at the response's top level).
+
+Tool calling: the request's ``tools`` are rendered by the chat template. With
+``tool_choice`` "required" or a named function the output is constrained to
+the tools' parameter schemas (``structured.py``) and parsed by the matching
+parser; with "auto" (the default when tools are given) the model's own
+format is parsed by the server's ``tool_call_parser`` (hermes, llama3_json);
+"none" parses nothing. Parsed calls become ``message.tool_calls`` with
+``finish_reason: "tool_calls"``; streamed, they arrive as OpenAI's
+``delta.tool_calls`` pieces (id, type and name first, then argument text).
+"""
 
 from __future__ import annotations
 
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
-from pagedserve.workers.request import RequestOutput
-from pagedserve.workers.sampler import SampleLogprobs
+from pagedserve.tool_parsers import ParserDelta, ToolParser, constrained_parser, get_tool_parser
+from pagedserve.workers.request import CompletionOutput, RequestOutput
 
 from .errors import APIError
 from .frontend import Frontend, Generation
+from .logprobs import LogprobFormatter
 from .protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                       ChatMessageOut, ChatStreamChoice, ChoiceLogprobs, DeltaMessage, TokenLogprob,
-                       TopLogprob)
+                       ChatMessageOut, ChatStreamChoice, ChoiceLogprobs, DeltaFunctionCall, DeltaMessage,
+                       DeltaToolCall, FunctionCallOut, ToolCallOut)
 from .sse import DONE, EventStream, sse, stream_events
+from .structured import output_constraint
+
+
+@dataclass
+class _Cursor:
+    """What was already sent for one choice of a streamed response."""
+
+    parser: ToolParser | None
+    num_tokens: int = 0
+    is_started: bool = False
+    is_finished: bool = False
 
 
 class ServingChat:
@@ -23,70 +47,122 @@ class ServingChat:
 
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
+        self.logprobs = LogprobFormatter(frontend.tokenizer)
+        self.tool_parser = get_tool_parser(frontend.config.tool_call_parser)
 
-    def _chat_logprobs(self, samples: list[SampleLogprobs]) -> ChoiceLogprobs:
-        """OpenAI's chat logprobs for ``samples``."""
-        content = []
-        for sample in samples:
-            token = self.frontend.token_text(sample.token_id)
-            top = [TopLogprob(token=text, logprob=lp, bytes=list(text.encode()))
-                   for text, lp in ((self.frontend.token_text(t), lp) for t, lp in sample.top)]
-            content.append(TokenLogprob(token=token, logprob=sample.logprob, bytes=list(token.encode()),
-                                        top_logprobs=top))
-        return ChoiceLogprobs(content=content)
+    def _parser(self, request: ChatCompletionRequest) -> ToolParser | None:
+        """A fresh parser for one output, or None when tool calls are not parsed."""
+        tool_choice = request.tool_choice
+        if not request.tools or tool_choice == "none":
+            return None
+        if tool_choice is None or tool_choice == "auto":
+            return self.tool_parser()
+        return constrained_parser(tool_choice if isinstance(tool_choice, str) else tool_choice.model_dump())
+
+    def _chat_logprobs(self, completion: CompletionOutput, start: int) -> ChoiceLogprobs:
+        return self.logprobs.chat((completion.logprobs or [])[start:])
 
     async def create_chat_completion(self, request: ChatCompletionRequest, client: str = ""
                                      ) -> ChatCompletionResponse | EventStream:
         """The response body, or an ``EventStream`` when ``stream`` is set."""
-        self.frontend.check_model(request.model)
-        prompt = self.frontend.chat_prompt(request)
+        frontend = self.frontend
+        frontend.check_model(request.model)
+        if request.tool_choice not in (None, "none") and not request.tools:
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        constraint = output_constraint(request)
+        prompt = frontend.chat_prompt(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        max_tokens = request.effective_max_tokens or self.frontend.max_model_len - len(prompt.token_ids)
-        params = self.frontend.sampling_params(request, max_tokens, logprobs)
+        max_tokens = request.effective_max_tokens or frontend.max_model_len - len(prompt.token_ids)
+        params = frontend.sampling_params(request, max_tokens, logprobs, constraint, request.prompt_logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        generation, first = await self.frontend.start_generation(request_id, [prompt], params,
-                                                                 request.priority, client)
+        generation, first = await frontend.start_generation(request_id, [prompt], params, request.priority, client)
         if request.stream:
             return EventStream(self._stream_chat(request, request_id, generation, first), generation)
         await generation.run_to_end(first)
         last = generation.progress[0].last
-        choices = [ChatChoice(index=c.index, message=ChatMessageOut(content=c.text),
-                              logprobs=self._chat_logprobs(c.logprobs or []) if request.logprobs else None,
-                              finish_reason=c.finish_reason)
-                   for c in (last.outputs if last else [])]
+        choices = [self._choice(request, c) for c in (last.outputs if last else [])]
         choices.sort(key=lambda c: c.index)
-        return ChatCompletionResponse(id=request_id, model=self.frontend.model_name, choices=choices,
-                                      usage=generation.usage())
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None and last is not None and last.prompt_logprobs is not None:
+            prompt_logprobs = self.logprobs.prompt(last.prompt_logprobs[:len(prompt.token_ids)])
+        return ChatCompletionResponse(id=request_id, model=frontend.model_name, choices=choices,
+                                      usage=generation.usage(), prompt_logprobs=prompt_logprobs)
+
+    def _choice(self, request: ChatCompletionRequest, completion: CompletionOutput) -> ChatChoice:
+        content, calls, finish_reason = completion.text, [], completion.finish_reason
+        parser = self._parser(request)
+        if parser is not None:
+            parsed = parser.parse(completion.text)
+            content = parsed.content
+            calls = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+                     for c in parsed.tool_calls]
+            if calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        return ChatChoice(index=completion.index, message=ChatMessageOut(content=content, tool_calls=calls),
+                          logprobs=self._chat_logprobs(completion, 0) if request.logprobs else None,
+                          finish_reason=finish_reason)
 
     async def _stream_chat(self, request: ChatCompletionRequest, request_id: str, generation: Generation,
                            first) -> AsyncIterator[str]:
-        started: set[int] = set()  # choices whose role chunk went out
+        cursors: dict[int, _Cursor] = {}
         created = int(time.time())
+        model = self.frontend.model_name
 
-        def chunk(choice: ChatStreamChoice) -> str:
-            return sse(ChatCompletionChunk(id=request_id, created=created, model=self.frontend.model_name,
-                                           choices=[choice]))
+        def chunk(choice: ChatStreamChoice, with_usage: bool = True, **fields) -> str:
+            usage = generation.usage() if with_usage and request.continuous_usage else None
+            return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice],
+                                           usage=usage, **fields))
 
         def chunks(_: int, output: RequestOutput):
             for completion in output.outputs:
-                if completion.index not in started:
-                    started.add(completion.index)
+                cursor = cursors.get(completion.index)
+                if cursor is None:
+                    cursor = cursors[completion.index] = _Cursor(self._parser(request))
+                if cursor.is_finished:
+                    continue
+                if not cursor.is_started:
+                    cursor.is_started = True
+                    extra = {}
+                    if request.prompt_logprobs is not None and output.prompt_logprobs is not None:
+                        extra["prompt_logprobs"] = self.logprobs.prompt(
+                            output.prompt_logprobs[:len(output.prompt_token_ids)])
                     yield chunk(ChatStreamChoice(index=completion.index,
-                                                 delta=DeltaMessage(role="assistant", content="")))
-                logprobs = self._chat_logprobs(completion.delta_logprobs or []) if request.logprobs else None
-                if completion.delta_text or (logprobs and logprobs.content):
-                    yield chunk(ChatStreamChoice(index=completion.index,
-                                                 delta=DeltaMessage(content=completion.delta_text),
-                                                 logprobs=logprobs))
-                if completion.is_newly_finished:
+                                                 delta=DeltaMessage(role="assistant", content="")), **extra)
+                logprobs = self._chat_logprobs(completion, cursor.num_tokens) if request.logprobs else None
+                cursor.num_tokens = len(completion.token_ids)
+                cursor.is_finished = completion.finish_reason is not None
+                delta = self._delta(cursor, completion.delta_text)
+                if delta.content or delta.tool_calls or (logprobs and logprobs.content):
+                    yield chunk(ChatStreamChoice(index=completion.index, delta=delta, logprobs=logprobs))
+                if cursor.is_finished:
+                    if cursor.parser is not None:
+                        rest = self._delta(cursor, None)
+                        if rest.content or rest.tool_calls:
+                            yield chunk(ChatStreamChoice(index=completion.index, delta=rest))
+                    finish_reason = completion.finish_reason
+                    if cursor.parser is not None and cursor.parser.tool_calls and finish_reason == "stop":
+                        finish_reason = "tool_calls"
                     yield chunk(ChatStreamChoice(index=completion.index, delta=DeltaMessage(),
-                                                 finish_reason=completion.finish_reason))
+                                                 finish_reason=finish_reason))
 
         async for line in stream_events(generation, first, chunks):
             yield line
         if request.include_usage:
-            yield sse(ChatCompletionChunk(id=request_id, created=created, model=self.frontend.model_name,
-                                          choices=[], usage=generation.usage()))
+            yield sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
+                                          usage=generation.usage()))
         yield DONE
+
+    @staticmethod
+    def _delta(cursor: _Cursor, text: str | None) -> DeltaMessage:
+        """The delta for ``text`` (None: the output ended), through the choice's tool parser if any."""
+        if cursor.parser is None:
+            return DeltaMessage(content=text or None)
+        parsed: ParserDelta = cursor.parser.feed(text) if text is not None else cursor.parser.finish()
+        calls = []
+        for piece in parsed.tool_calls:
+            function = DeltaFunctionCall(name=piece.name, arguments=piece.arguments or None)
+            calls.append(DeltaToolCall(index=piece.index, id=piece.id, type="function" if piece.id else None,
+                                       function=function if (piece.name or piece.arguments) else None))
+        return DeltaMessage(content=parsed.content or None, tool_calls=calls or None)

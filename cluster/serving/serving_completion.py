@@ -1,20 +1,47 @@
 """``POST /v1/completions``: OpenAI completion responses and their SSE stream
-over the frontend (prompts as text, token ids or a batch; ``echo``, ``logprobs``)."""
+over the frontend (prompts as text, token ids or a batch; ``echo``, ``logprobs``).
+
+With ``echo``, the returned text starts with the prompt decoded from its
+tokens, and ``logprobs`` covers the prompt's tokens too (the first None),
+computed in the prefill's forward; ``max_tokens: 0`` with ``echo`` scores the
+prompt alone, as harnesses (lm-eval's ``local-completions``) and vLLM do.
+``prompt_logprobs`` (vLLM) adds the per-position candidates to each choice.
+"""
 
 from __future__ import annotations
 
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
-from pagedserve.workers.request import RequestOutput
-from pagedserve.workers.sampler import SampleLogprobs
+from pagedserve.workers.request import CompletionOutput, RequestOutput
 
 from .errors import APIError
-from .frontend import Frontend, Generation
+from .frontend import Frontend, Generation, PromptInput
+from .logprobs import LogprobFormatter, TextOffsets
 from .protocol import (DEFAULT_MAX_TOKENS, CompletionChoice, CompletionLogprobs, CompletionRequest,
-                       CompletionResponse)
+                       CompletionResponse, Usage)
 from .sse import DONE, EventStream, sse, stream_events
+from .structured import output_constraint
+
+
+@dataclass
+class _Echo:
+    """A prompt as echoed: its text and where each of its tokens starts in it."""
+
+    text: str = ""
+    offsets: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Cursor:
+    """What was already sent for one choice of a streamed response."""
+
+    num_tokens: int = 0
+    offsets: TextOffsets | None = None
+    is_started: bool = False
+    is_finished: bool = False
 
 
 class ServingCompletion:
@@ -22,82 +49,146 @@ class ServingCompletion:
 
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
+        self.logprobs = LogprobFormatter(frontend.tokenizer)
 
-    def _completion_logprobs(self, samples: list[SampleLogprobs], text_offset: int) -> CompletionLogprobs:
-        """OpenAI's logprobs for ``samples``, the first token at ``text_offset`` in the choice's text."""
-        result = CompletionLogprobs()
-        for sample in samples:
-            token = self.frontend.token_text(sample.token_id)
-            result.tokens.append(token)
-            result.token_logprobs.append(sample.logprob)
-            result.top_logprobs.append({self.frontend.token_text(t): lp for t, lp in sample.top})
-            result.text_offset.append(text_offset)
-            text_offset += len(token)
-        return result
+    def _echo(self, request: CompletionRequest, prompt: PromptInput) -> _Echo:
+        if not request.echo:
+            return _Echo()
+        offsets = TextOffsets(self.frontend.tokenizer, skip_special_tokens=request.skip_special_tokens,
+                              spaces_between_special_tokens=request.spaces_between_special_tokens)
+        positions = [offsets.add(token_id) for token_id in prompt.token_ids]
+        return _Echo(offsets.finish(), positions)
+
+    def _choice_logprobs(self, request: CompletionRequest, prompt: PromptInput, echo: _Echo,
+                         output: RequestOutput, completion: CompletionOutput, cursor: _Cursor,
+                         is_first: bool, is_scoring_only: bool) -> CompletionLogprobs | None:
+        """This chunk's entries (all of them when not streaming): the echoed prompt's the first
+        time, then the completion's new tokens."""
+        if request.logprobs is None:
+            return None
+        samples, offsets, token_ids = [], [], []
+        if is_first and request.echo:
+            samples += _prompt_entries(output, prompt)
+            offsets += echo.offsets
+            token_ids += prompt.token_ids
+        if not is_scoring_only:
+            new = (completion.logprobs or [])[cursor.num_tokens:]
+            if cursor.offsets is None:
+                cursor.offsets = TextOffsets(self.frontend.tokenizer, prompt.token_ids, len(echo.text),
+                                             request.skip_special_tokens, request.spaces_between_special_tokens)
+            samples += new
+            offsets += [cursor.offsets.add(sample.token_id) for sample in new]
+            token_ids += [sample.token_id for sample in new]
+        return self.logprobs.completion(samples, offsets, token_ids)
 
     async def create_completion(self, request: CompletionRequest, client: str = ""
                                 ) -> CompletionResponse | EventStream:
         """The response body, or an ``EventStream`` when ``stream`` is set."""
-        self.frontend.check_model(request.model)
+        frontend = self.frontend
+        frontend.check_model(request.model)
         if request.best_of is not None and request.best_of != request.n:
             raise APIError(400, "best_of must equal n (or be unset)", param="best_of")
+        is_scoring_only = request.max_tokens == 0
+        if is_scoring_only and not request.echo:
+            raise APIError(400, "max_tokens must be >= 1 (0 only with echo, to score the prompt)",
+                           param="max_tokens")
         prompts_in = request.prompts()
         if not prompts_in:
             raise APIError(400, "the prompt is empty", param="prompt")
-        prompts = [self.frontend.tokenize(p) for p in prompts_in]
-        params = self.frontend.sampling_params(request, request.max_tokens or DEFAULT_MAX_TOKENS,
-                                               request.logprobs)
-        decode = self.frontend.tokenizer.decode
-        echoes = [(p.text if p.text is not None else decode(p.token_ids)) if request.echo else ""
-                  for p in prompts]
+        prompts = [frontend.tokenize(p, truncate_prompt_tokens=request.truncate_prompt_tokens)
+                   for p in prompts_in]
+        prompt_logprobs = request.prompt_logprobs
+        if request.echo and request.logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
+        # Scoring only: one token is sampled from the prefill's own logits (no extra forward) and dropped.
+        max_tokens = 1 if is_scoring_only else (request.max_tokens or DEFAULT_MAX_TOKENS)
+        params = frontend.sampling_params(request, max_tokens, request.logprobs, output_constraint(request),
+                                          prompt_logprobs)
+        echoes = [self._echo(request, p) for p in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        generation, first = await self.frontend.start_generation(request_id, prompts, params,
-                                                                 request.priority, client)
+        generation, first = await frontend.start_generation(request_id, prompts, params, request.priority, client)
         if request.stream:
-            return EventStream(self._stream_completion(request, request_id, generation, first, echoes),
-                               generation)
+            return EventStream(self._stream_completion(request, request_id, generation, first, echoes,
+                                                       is_scoring_only), generation)
         await generation.run_to_end(first)
         choices = []
         n = params.n
         for index, progress in enumerate(generation.progress):
-            for completion in (progress.last.outputs if progress.last else []):
-                logprobs = None
-                if request.logprobs is not None:
-                    logprobs = self._completion_logprobs(completion.logprobs or [], len(echoes[index]))
-                choices.append(CompletionChoice(index=index * n + completion.index,
-                                                text=echoes[index] + completion.text, logprobs=logprobs,
-                                                finish_reason=completion.finish_reason))
+            output = progress.last
+            for completion in (output.outputs if output else []):
+                logprobs = self._choice_logprobs(request, prompts[index], echoes[index], output, completion,
+                                                 _Cursor(), True, is_scoring_only)
+                text = echoes[index].text + ("" if is_scoring_only else completion.text)
+                choices.append(CompletionChoice(
+                    index=index * n + completion.index, text=text, logprobs=logprobs,
+                    finish_reason="length" if is_scoring_only else completion.finish_reason,
+                    prompt_logprobs=self._prompt_logprobs(request, output, prompts[index])))
         choices.sort(key=lambda c: c.index)
-        return CompletionResponse(id=request_id, model=self.frontend.model_name, choices=choices,
-                                  usage=generation.usage())
+        return CompletionResponse(id=request_id, model=frontend.model_name, choices=choices,
+                                  usage=self._usage(generation, is_scoring_only))
+
+    def _prompt_logprobs(self, request: CompletionRequest, output: RequestOutput, prompt: PromptInput):
+        if request.prompt_logprobs is None:
+            return None
+        return self.logprobs.prompt(_prompt_entries(output, prompt))
+
+    @staticmethod
+    def _usage(generation: Generation, is_scoring_only: bool) -> Usage:
+        usage = generation.usage()
+        if is_scoring_only:
+            usage.completion_tokens = 0
+            usage.total_tokens = usage.prompt_tokens
+        return usage
 
     async def _stream_completion(self, request: CompletionRequest, request_id: str, generation: Generation,
-                                 first, echoes: list[str]) -> AsyncIterator[str]:
-        started: set[int] = set()  # choices whose first chunk (with the echo) went out
+                                 first, echoes: list[_Echo], is_scoring_only: bool) -> AsyncIterator[str]:
+        cursors: dict[int, _Cursor] = {}
         n = generation.params.n
         created = int(time.time())
+        model = self.frontend.model_name
+        needs_prompt_logprobs = request.echo and request.logprobs is not None or request.prompt_logprobs is not None
 
         def chunks(index: int, output: RequestOutput):
+            prompt = generation.prompts[index]
             for completion in output.outputs:
-                choice_index = index * n + completion.index
-                text = completion.delta_text
-                if choice_index not in started:
-                    started.add(choice_index)
-                    text = echoes[index] + text
-                logprobs = None
-                if request.logprobs is not None:
-                    offset = len(echoes[index]) + len(completion.text) - len(completion.delta_text)
-                    logprobs = self._completion_logprobs(completion.delta_logprobs or [], offset)
-                if not (text or completion.is_newly_finished or (logprobs and logprobs.tokens)):
+                cursor = cursors.setdefault(index * n + completion.index, _Cursor())
+                if cursor.is_finished:
                     continue
-                choice = CompletionChoice(index=choice_index, text=text, logprobs=logprobs,
-                                          finish_reason=completion.finish_reason)
-                yield sse(CompletionResponse(id=request_id, created=created, model=self.frontend.model_name,
-                                             choices=[choice]))
+                if not cursor.is_started and needs_prompt_logprobs and output.prompt_logprobs is None:
+                    continue  # the prompt's logprobs come with its first chunk
+                is_first = not cursor.is_started
+                cursor.is_started = True
+                text = echoes[index].text if is_first else ""
+                logprobs = self._choice_logprobs(request, prompt, echoes[index], output, completion, cursor,
+                                                 is_first, is_scoring_only)
+                finish_reason = completion.finish_reason
+                if is_scoring_only:
+                    finish_reason = "length"
+                else:
+                    text += completion.text if is_first else completion.delta_text
+                cursor.num_tokens = len(completion.token_ids)
+                cursor.is_finished = finish_reason is not None
+                if not text and not cursor.is_finished and not (logprobs and logprobs.tokens):
+                    continue
+                choice = CompletionChoice(index=index * n + completion.index, text=text, logprobs=logprobs,
+                                          finish_reason=finish_reason,
+                                          prompt_logprobs=self._prompt_logprobs(request, output, prompt)
+                                          if is_first else None)
+                usage = self._usage(generation, is_scoring_only) if request.continuous_usage else None
+                yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[choice],
+                                             usage=usage))
 
         async for line in stream_events(generation, first, chunks):
             yield line
         if request.include_usage:
-            yield sse(CompletionResponse(id=request_id, created=created, model=self.frontend.model_name,
-                                         choices=[], usage=generation.usage()))
+            yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[],
+                                         usage=self._usage(generation, is_scoring_only)))
         yield DONE
+
+
+def _prompt_entries(output: RequestOutput, prompt: PromptInput) -> list:
+    """The prompt's logprobs, one per prompt token (a resumed run also scored its output tokens)."""
+    if output.prompt_logprobs is None or len(output.prompt_logprobs) < len(prompt.token_ids):
+        raise APIError(500, "the prompt's logprobs are missing from the generation's output",
+                       "internal_server_error")
+    return list(output.prompt_logprobs[:len(prompt.token_ids)])

@@ -1,0 +1,110 @@
+"""What a request constrains its output to, checked once at the ingress.
+
+A request may ask for structured output in one of three ways: OpenAI's
+``response_format`` (``json_object``, ``json_schema``), vLLM's
+``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``), or a chat
+``tool_choice`` of "required" or a named function (the tools' parameter
+schemas). At most one may apply. ``output_constraint`` turns it into a
+``StructuredOutputsParams`` and compiles it (without a tokenizer), so that a
+bad schema, regex or grammar, or one over the size limit, is a 400 naming
+the field it came from, before anything reaches a worker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedserve.tool_parsers import tool_choice_constraint
+from pagedserve.workers.grammar import check_structured_outputs
+from pagedserve.workers.sampling_params import StructuredOutputsParams
+
+from .errors import APIError
+
+PREFIX = "structured_outputs"
+
+
+def output_constraint(request) -> StructuredOutputsParams | None:
+    """The constraint ``request`` asks for (None: free text); ``APIError`` 400 naming the field."""
+    sources = []
+    if request.structured_outputs is not None:
+        sources.append(("structured_outputs", _from_structured_outputs(request.structured_outputs)))
+    if request.response_format is not None and request.response_format.type != "text":
+        sources.append(("response_format", _from_response_format(request.response_format)))
+    tool_choice = getattr(request, "tool_choice", None)
+    if getattr(request, "tools", None) is not None or tool_choice is not None:
+        tool_spec = _from_tool_choice(request)
+        if tool_spec is not None:
+            sources.append(("tool_choice", tool_spec))
+    if len(sources) > 1:
+        names = " and ".join(name for name, _ in sources)
+        raise APIError(400, f"{names} both constrain the output; set only one of them", param=sources[1][0])
+    return sources[0][1] if sources else None
+
+
+def _from_structured_outputs(options: dict[str, Any]) -> StructuredOutputsParams:
+    try:
+        spec = StructuredOutputsParams.from_dict(options)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=_structured_param(str(exc), options)) from None
+    _compile(spec, f"{PREFIX}.{spec.kind}")
+    return spec
+
+
+def _from_response_format(response_format) -> StructuredOutputsParams:
+    if response_format.type == "json_object":
+        spec = StructuredOutputsParams(json_object=True)
+        _compile(spec, "response_format")
+        return spec
+    field = "response_format.json_schema"
+    if response_format.json_schema is None:
+        raise APIError(400, f"{field} is required when response_format.type is 'json_schema'", param=field)
+    schema = response_format.json_schema.schema_
+    # OpenAI's default when no schema is given: any JSON object.
+    if schema is None:
+        schema = {"type": "object"}
+    try:
+        spec = StructuredOutputsParams(json=schema)
+    except ValueError as exc:
+        raise APIError(400, _renamed(str(exc), f"{PREFIX}.json", f"{field}.schema"),
+                       param=f"{field}.schema") from None
+    _compile(spec, f"{field}.schema")
+    return spec
+
+
+def _from_tool_choice(request) -> StructuredOutputsParams | None:
+    tools = [tool.model_dump(exclude_none=True) for tool in (request.tools or [])]
+    tool_choice = request.tool_choice
+    if tool_choice is not None and not isinstance(tool_choice, str):
+        tool_choice = tool_choice.model_dump()
+    names = [tool["function"]["name"] for tool in tools]
+    if len(set(names)) != len(names):
+        raise APIError(400, f"tools: function names must be unique, got {names}", param="tools")
+    try:
+        spec = tool_choice_constraint(tools, tool_choice, request.parallel_tool_calls)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="tool_choice") from None
+    if spec is not None:
+        _compile(spec, "tools")  # the tools' parameter schemas
+    return spec
+
+
+def _compile(spec: StructuredOutputsParams, param: str) -> None:
+    try:
+        check_structured_outputs(spec)
+    except ValueError as exc:
+        raise APIError(400, _renamed(str(exc), f"{PREFIX}.{spec.kind}", param), param=param) from None
+
+
+def _renamed(message: str, name: str, param: str) -> str:
+    """The engine's message names ``structured_outputs.<kind>``; the client sent ``param``."""
+    if name == param:
+        return message
+    return message.replace(name, param, 1) if message.startswith(name) else f"{param}: {message}"
+
+
+def _structured_param(message: str, options: dict[str, Any]) -> str:
+    """The most specific field a ``StructuredOutputsParams`` error is about."""
+    for key in sorted(options, key=len, reverse=True):
+        if f"{PREFIX}.{key}" in message or (message.startswith("unknown") and key in message):
+            return f"{PREFIX}.{key}"
+    return PREFIX
