@@ -56,6 +56,9 @@ class _Router:
     def snapshot(self) -> dict:
         return {}
 
+    def recent_decisions(self, limit: int) -> list[dict]:
+        return []
+
 
 class LocalHandle:
     """The subset of ``ClusterHandle`` the server uses, over one in-process engine."""
