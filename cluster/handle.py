@@ -340,14 +340,26 @@ class ClusterHandle:
                 "num_recomputed_tokens": self._num_recomputed_tokens, "num_no_capacity": self._num_no_capacity}
 
     def check_integrity(self) -> None:
+        """Every worker's pools are consistent, and the central index holds exactly what the
+        workers cache (after each has published everything). Raises otherwise."""
         import ray
 
-        ray.get(self.kv_manager.check_integrity.remote(), timeout=self.config.step_timeout_s)
+        from pagedserve.kvmanager import IntegrityError
+
+        timeout = self.config.step_timeout_s
+        ray.get([w.check_integrity.remote() for w in self.workers.values()], timeout=timeout)
+        snapshots = ray.get([w.kv_sync.remote(timeout) for w in self.workers.values()], timeout=2 * timeout)
+        missing = [w for w, snapshot in zip(self.workers, snapshots) if snapshot is None]
+        if missing:
+            raise IntegrityError(f"workers {missing} could not publish to the central KV manager")
+        ray.get(self.kv_manager.check_consistency.remote(snapshots), timeout=timeout)
 
     def num_used_blocks(self) -> int:
+        """Device plus host blocks in use on every worker, asked of the workers."""
         import ray
 
-        return ray.get(self.kv_manager.num_used_blocks.remote(), timeout=self.config.step_timeout_s)
+        return sum(ray.get([w.num_used_blocks.remote() for w in self.workers.values()],
+                           timeout=self.config.step_timeout_s))
 
     def wait_healthy(self, timeout: float = 120.0) -> float:
         """Wait until every worker answers its heartbeat, unstalled; returns the seconds waited."""

@@ -11,14 +11,17 @@ timeout is named in ``errors`` and never raises.
 The snapshot::
 
     time, model
-    kv_manager        the KV manager's stats; its "workers" are the per-worker pools
+    kv_manager        the KV manager's stats; its "workers" are the per-worker pools: the
+                      central figures (fed by KV events, lagging a little) completed by
+                      each worker's own pool statistics (its "kv_pool", the source of truth)
     workers           worker id -> that engine's stats ({"worker_id", "is_healthy": False,
                       "error"} when it did not answer)
     router            this process's router: loads, liveness, reasons
     recent_decisions  its last routing decisions
     health            the cluster controller's liveness per worker, as this process last read it
     num_resumed, num_migrated, num_recomputed_tokens, num_no_capacity   this handle's counters
-    block_maps        worker id -> block states per tier (only when asked: ``block_map_cells``)
+    block_maps        worker id -> block states per tier, asked of each worker (only when
+                      asked: ``block_map_cells``)
     errors            "source: reason" for every source that failed
 """
 
@@ -44,9 +47,18 @@ def worker_stats(handle, worker_id: str) -> Awaitable[dict]:
     return handle.workers[worker_id].stats.remote()
 
 
-def block_maps(handle, max_cells: int) -> Awaitable[dict]:
-    """Every worker's block states per tier, at most ``max_cells`` cells per pool."""
-    return handle.kv_manager.block_maps.remote(max_cells)
+def block_map(handle, worker_id: str, max_cells: int) -> Awaitable[dict]:
+    """One worker's block states per tier, at most ``max_cells`` cells per pool; the worker
+    draws its own pools between two engine steps."""
+    return handle.workers[worker_id].block_map.remote(max_cells)
+
+
+def with_worker_pools(kv_stats: dict, workers: dict[str, dict]) -> dict:
+    """The KV manager's stats, each worker's entry under ``workers`` completed by that
+    worker's own pool statistics (``kv_pool``)."""
+    central = kv_stats.get("workers") or {}
+    pools = {w: {**central.get(w, {}), **(stats.get("kv_pool") or {})} for w, stats in workers.items()}
+    return {**kv_stats, "workers": {w: pool for w, pool in pools.items() if pool}}
 
 
 def local_figures(handle) -> dict:
@@ -74,19 +86,21 @@ async def gather_stats(handle, timeout_s: float = STATS_TIMEOUT_S, block_map_cel
     asks = [ask(kv_manager_stats(handle), "KV manager stats"),
             *(ask(worker_stats(handle, w), f"{w} stats") for w in worker_ids)]
     if block_map_cells is not None:
-        asks.append(ask(block_maps(handle, block_map_cells), "KV manager block maps"))
+        asks += [ask(block_map(handle, w, block_map_cells), f"{w} block map") for w in worker_ids]
     results = await asyncio.gather(*asks)
     kv_stats, engine_stats = results[0], results[1:1 + len(worker_ids)]
     workers = {}
     for worker_id, stats in zip(worker_ids, engine_stats):
         workers[worker_id] = stats if stats is not None else {
             "worker_id": worker_id, "is_healthy": False, "error": _error_of(errors, f"{worker_id} stats")}
+    if kv_stats is None:  # restarting: the workers' own pool figures still come
+        kv_stats = {"error": _error_of(errors, "KV manager stats")}
     snapshot = {"time": time.time(), "model": handle.model_name,
-                "kv_manager": kv_stats if kv_stats is not None else {
-                    "error": _error_of(errors, "KV manager stats")},
+                "kv_manager": with_worker_pools(kv_stats, workers),
                 "workers": workers, **local_figures(handle)}
     if block_map_cells is not None:
-        snapshot["block_maps"] = results[-1] or {}
+        maps = results[1 + len(worker_ids):]
+        snapshot["block_maps"] = {w: m for w, m in zip(worker_ids, maps) if m is not None}
     snapshot["errors"] = errors
     return snapshot
 

@@ -18,6 +18,7 @@ from .events import (AllBlocksCleared, BlockRemoved, BlockStored, EventLog, KVEv
 from .hashing import BlockHash, block_hash_key, hash_block, hash_prefix_blocks
 from .kv_manager import PREEMPTION_MODES, KVManager, PoolConfig
 from .local_manager import LocalKVManager
+from .publisher import InProcessTransport, KVPublisher, KVTransport
 from .preemption import (LocalPreemptionPolicy, PreemptionCandidate, PreemptionChoice, PreemptionDecision,
                          PreemptionRequest, RemotePreemptionPolicy, decide_preemption)
 from .sequence import SeqLocation, SequenceBlocks
@@ -25,7 +26,8 @@ from .step import NewSequence, Preemption, ScheduledSeq, StepInput, StepOutput, 
 
 __all__ = [
     "ALLOCATION_POLICIES", "AllBlocksCleared", "BlockHash", "BlockManager", "BlockPool", "BlockRemoved",
-    "BlockStored", "ClusterIndex", "ContiguousBlockPool", "EventLog", "KVEventBatch", "KVSnapshot",
+    "BlockStored", "ClusterIndex", "ContiguousBlockPool", "EventLog", "InProcessTransport", "KVEventBatch",
+    "KVPublisher", "KVSnapshot", "KVTransport",
     "LocalKVManager", "LocalPreemptionPolicy", "PreemptionCandidate", "PreemptionChoice",
     "PreemptionDecision", "PreemptionRequest", "PublishAck", "RemotePreemptionPolicy", "TierOccupancy",
     "block_hash_key", "decide_preemption",

@@ -246,8 +246,7 @@ class EventLog:
 
     Pools call ``stored``/``removed``/``cleared`` (the ``BlockPool.listener``
     protocol) on the engine's thread; the same thread calls ``drain``. Each
-    call is an append to a list; runs of one kind on one tier become one
-    event at drain time. If nobody drains for ``max_pending`` events (the
+    call is an append to a list; ``drain`` coalesces them by net effect. If nobody drains for ``max_pending`` events (the
     central manager is unreachable), the log drops them and sets
     ``needs_snapshot``: the worker must send a ``KVSnapshot`` next.
     """
@@ -297,37 +296,41 @@ class EventLog:
         return (now if now is not None else time.time()) - self._oldest_at
 
     def drain(self, occupancy: dict[str, TierOccupancy] | None = None) -> KVEventBatch:
-        """Everything since the last drain as one batch (possibly empty), numbered next."""
+        """Everything since the last drain as one batch (possibly empty), numbered next.
+
+        Changes are coalesced by net effect: for each (tier, hash) only the last
+        change counts (the receiver applies a batch as a whole), so a batch holds
+        at most one ``BlockRemoved`` and one ``BlockStored`` per tier between
+        ``AllBlocksCleared`` events.
+        """
         now = time.time()
         events: list[KVEvent] = []
-        run_kind = run_tier = None
-        run_keys: list[int] = []
+        last: dict[tuple[int, int], int] = {}   # (tier code, key) -> kind of its last change
         for kind, tier, key in self._pending:
             if kind == _CLEARED:
-                if run_keys:
-                    events.append(self._make(run_kind, run_tier, run_keys))
-                run_kind, run_keys = None, []
+                self._emit(last, events)
                 events.append(AllBlocksCleared(None if tier < 0 else TIERS[tier]))
-                continue
-            if (kind, tier) != (run_kind, run_tier) and run_keys:
-                events.append(self._make(run_kind, run_tier, run_keys))
-                run_keys = []
-            run_kind, run_tier = kind, tier
-            run_keys.append(key)
-        if run_keys:
-            events.append(self._make(run_kind, run_tier, run_keys))
+            else:
+                last[(tier, key)] = kind
+        self._emit(last, events)
         batch = KVEventBatch(self.worker_id, self.incarnation, self.next_seq, events,
                              occupancy or {}, now, self._oldest_at if self._pending else now)
         self.next_seq += len(events)
         self._pending = []
         return batch
 
+    @staticmethod
+    def _emit(last: dict[tuple[int, int], int], events: list[KVEvent]) -> None:
+        for code, tier in enumerate(TIERS):
+            removed = [key for (t, key), kind in last.items() if t == code and kind == _REMOVED]
+            stored = [key for (t, key), kind in last.items() if t == code and kind == _STORED]
+            if removed:
+                events.append(BlockRemoved(removed, tier))
+            if stored:
+                events.append(BlockStored(stored, tier))
+        last.clear()
+
     def discard_pending(self) -> None:
         """Forget undrained changes: a snapshot taken now already includes them."""
         self._pending = []
         self.needs_snapshot = False
-
-    @staticmethod
-    def _make(kind: int, tier: int, keys: list[int]) -> KVEvent:
-        cls = BlockStored if kind == _STORED else BlockRemoved
-        return cls(keys, TIERS[tier])

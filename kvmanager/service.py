@@ -22,13 +22,11 @@ import time
 import uuid
 from dataclasses import asdict
 
-import msgpack
 
 from .cluster_index import ClusterIndex
 from .events import KVEventBatch, KVSnapshot, PublishAck
-from .kv_manager import KVManager, PoolConfig
+from .kv_manager import PoolConfig
 from .preemption import MigrationTarget, PreemptionRequest, decide_preemption
-from .step import StepInput, from_wire, to_wire
 
 # Room promised to a migration is held back from later decisions this long
 # (until the target's own events show it).
@@ -57,10 +55,6 @@ class KVManagerService:
         self.preemptions_by_mode: collections.Counter[str] = collections.Counter()
         self._lags_s: collections.deque[float] = collections.deque(maxlen=LAG_WINDOW)
         self._reservations: dict[str, list[tuple[int, float]]] = {}
-        # The per-step path of the previous design; removed with the worker integration.
-        self.manager = KVManager()
-        self.num_steps = 0
-        self.step_seconds = 0.0
 
     # ---- identity and membership ---------------------------------------------------
     def get_incarnation(self) -> str:
@@ -74,19 +68,18 @@ class KVManagerService:
             return None
         return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
-    def register_worker(self, worker_id: str, config: dict, sequences: list[dict] | None = None) -> str:
+    def register_worker(self, worker_id: str, config: dict) -> str:
         """Know of a worker and its ``PoolConfig`` (as a dict); returns the incarnation.
 
-        Its entries arrive with its first snapshot (``resync``).
+        Its entries arrive with its first snapshot (``resync``), which also
+        registers it: workers need not call this.
         """
         PoolConfig(**config)  # refuse a malformed config before changing anything
         self.index.register(worker_id, config)
-        self.manager.restore_worker(worker_id, PoolConfig(**config), sequences or [])
         return self.incarnation
 
     def remove_worker(self, worker_id: str) -> bool:
-        if worker_id in self.manager.workers:
-            self.manager.remove_worker(worker_id)
+        """Forget a worker that left or died for good (a restarted one resyncs itself)."""
         self._reservations.pop(worker_id, None)
         return self.index.remove_worker(worker_id)
 
@@ -164,11 +157,7 @@ class KVManagerService:
     # ---- queries --------------------------------------------------------------------------
     def longest_prefix(self, token_ids: list[int], extra_key: str | None = None) -> dict[str, int]:
         """Cached prefix tokens per worker, from the index (hints: they may be stale)."""
-        result = self.manager.longest_prefix(token_ids, extra_key) if self.manager.workers else {}
-        fed = {w for w, v in self.index.workers.items() if not v.needs_resync}
-        if fed:
-            result.update((w, n) for w, n in self.index.longest_prefix(token_ids, extra_key).items() if w in fed)
-        return result
+        return self.index.longest_prefix(token_ids, extra_key)
 
     def occupancy(self) -> dict[str, dict[str, dict]]:
         """Per worker and tier: used, cached-free, free and total blocks, as last published."""
@@ -184,15 +173,17 @@ class KVManagerService:
         lags = sorted(self._lags_s)
         workers = {}
         for worker_id, view in self.index.workers.items():
+            config = view.pool_config
             entry = {"worker_id": worker_id, "block_size": view.block_size,
+                     "num_device_blocks": config.get("num_device_blocks", 0),
+                     "num_host_blocks": config.get("num_host_blocks", 0), "role": config.get("role", "mixed"),
+                     "is_draining": view.is_draining,
                      "needs_resync": view.needs_resync, "next_seq": view.next_seq,
                      "num_cached_device_hashes": len(view.keys["device"]),
                      "num_cached_host_hashes": len(view.keys["host"])}
             for tier, o in view.occupancy.items():
                 entry.update({f"num_{tier}_blocks": o.num_total, f"{tier}_blocks_used": o.num_used,
                               f"{tier}_blocks_cached": o.num_cached_free, f"{tier}_blocks_free": o.num_free})
-            if worker_id in self.manager.workers:
-                entry.update(self.manager.stats(worker_id))
             workers[worker_id] = entry
         return {
             "incarnation": self.incarnation,
@@ -210,35 +201,27 @@ class KVManagerService:
             "num_indexed_hashes": len(self.index.locations),
             "event_lag_p50_ms": 1e3 * lags[len(lags) // 2] if lags else 0.0,
             "event_lag_p99_ms": 1e3 * lags[min(len(lags) - 1, int(0.99 * len(lags)))] if lags else 0.0,
-            "num_steps": self.num_steps,
-            "mean_step_ms": 1e3 * self.step_seconds / self.num_steps if self.num_steps else 0.0,
             "workers": workers,
         }
 
+    def reset_window(self) -> None:
+        """Start a measurement window: zero the counters, CPU times and lag samples."""
+        self._cpu_at_start = time.process_time()
+        self.started_at = time.time()
+        self.handler_cpu_s = 0.0
+        self.num_publishes = self.num_snapshots = self.num_preemption_calls = 0
+        self.bytes_in = self.bytes_out = 0
+        self.preemptions_by_mode.clear()
+        self._lags_s.clear()
+        self.index.num_batches = self.index.num_events = self.index.num_resyncs = self.index.num_refused = 0
+
     def check_integrity(self) -> bool:
+        """Raise ``IntegrityError`` unless the index is internally consistent."""
         self.index.check_integrity()
-        self.manager.check_integrity()
         return True
 
-    # ---- the per-step path of the previous design (until the workers run locally) ----------
-    def step(self, packed_input: bytes) -> bytes:
-        """One worker's step: msgpack(StepInput wire dict) -> msgpack(StepOutput wire dict)."""
-        start = time.perf_counter()
-        step_input = from_wire(StepInput, msgpack.unpackb(packed_input))
-        output = self.manager.step(step_input)
-        packed = msgpack.packb(to_wire(output))
-        self.step_seconds += time.perf_counter() - start
-        self.num_steps += 1
-        return packed
-
-    def block_map(self, worker_id: str, max_cells: int = 4096) -> dict:
-        return self.manager.block_map(worker_id, max_cells)
-
-    def block_maps(self, max_cells: int = 4096) -> dict[str, dict]:
-        return {w: self.manager.block_map(w, max_cells) for w in self.manager.workers}
-
-    def num_used_blocks(self, worker_id: str | None = None) -> int:
-        if worker_id is None:
-            return self.manager.num_used_blocks()
-        bm = self.manager.block_manager(worker_id)
-        return bm.device.num_used_blocks + bm.host.num_used_blocks
+    def check_consistency(self, packed_snapshots: list[bytes], exact_workers: bool = True) -> bool:
+        """Raise ``IntegrityError`` unless the index holds exactly what these workers'
+        ``KVSnapshot``s say (take them after the workers flushed: ``Worker.kv_sync``)."""
+        self.index.check_consistency_with([KVSnapshot.unpack(p) for p in packed_snapshots], exact_workers)
+        return True

@@ -15,6 +15,7 @@ import pytest
 from pagedserve.cluster import stats as cluster_stats
 from pagedserve.cluster.config import RouterConfig
 from pagedserve.cluster.router import Router
+from pagedserve.kvmanager import LocalKVManager, PoolConfig
 from pagedserve.kvmanager.service import KVManagerService
 
 
@@ -36,11 +37,18 @@ class _Method:
 
 
 class _Worker:
+    """Engine figures, and block maps drawn by a real ``LocalKVManager``."""
+
     def __init__(self, worker_id: str) -> None:
         self.worker_id = worker_id
+        self.kv = LocalKVManager()
+        self.kv.add_worker(worker_id, PoolConfig(num_device_blocks=32, num_host_blocks=4))
 
     def stats(self) -> dict:
         return {"worker_id": self.worker_id, "num_running": 2, "num_waiting": 1, "is_healthy": True}
+
+    def block_map(self, max_cells: int) -> dict:
+        return self.kv.block_map(self.worker_id, max_cells)
 
 
 class _Health:
@@ -59,9 +67,9 @@ class FakeHandle:
             worker = _Worker(worker_id)
             self.workers[worker_id] = type("Actor", (), {})()
             self.workers[worker_id].stats = _Method(worker.stats, fails=broken == worker_id)
+            self.workers[worker_id].block_map = _Method(worker.block_map)
         self.kv_manager = type("Actor", (), {})()
         self.kv_manager.stats = _Method(self.service.stats, hangs=broken == "kv_manager")
-        self.kv_manager.block_maps = _Method(self.service.block_maps)
         self.router = Router(RouterConfig(), list(self.workers))
         self.health = _Health()
         self.roles = {"w0": "mixed", "w1": "mixed"}
@@ -92,7 +100,8 @@ def test_a_failed_or_silent_source_is_named_never_raised():
                                       "error": "ConnectionError('actor died')"}
     assert stats["workers"]["w0"]["is_healthy"] and stats["errors"] == ["w1 stats: ConnectionError('actor died')"]
     stats = asyncio.run(cluster_stats.gather_stats(FakeHandle(broken="kv_manager"), timeout_s=0.2))
-    assert stats["kv_manager"] == {"error": "TimeoutError()"} and stats["errors"] == ["KV manager stats: TimeoutError()"]
+    assert stats["kv_manager"] == {"error": "TimeoutError()", "workers": {}}
+    assert stats["errors"] == ["KV manager stats: TimeoutError()"]
     assert stats["workers"]["w0"]["is_healthy"]  # the others still answer
 
 

@@ -1,7 +1,8 @@
 """The KV-cache dashboard: its JSON state, its auth, and the page in a real headless Chromium.
 
 Fast tests drive the routes through FastAPI's test client over a fake cluster
-handle (whose KV manager is the real in-process ``KVManagerService``). The
+handle (whose KV manager is the real in-process ``KVManagerService`` and whose
+worker draws its block map from a real ``LocalKVManager``). The
 end-to-end tests start Ray, a two-worker cluster and the Serve application
 (with an API key), then check ``/dashboard/state`` and load ``/dashboard`` in
 Chromium through the DevTools protocol while requests run. The browser test
@@ -31,6 +32,7 @@ import pytest
 
 from pagedserve.cluster.serving.dashboard import (DashboardState, add_dashboard_routes, histogram_quantile,
                                                   latency_summary)
+from pagedserve.kvmanager import LocalKVManager, PoolConfig
 from pagedserve.kvmanager.service import KVManagerService
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
@@ -76,8 +78,18 @@ class _FakeRouter:
 
 
 class _FakeWorker:
+    """A worker without a model: its pools are a real ``LocalKVManager``."""
+
+    def __init__(self, num_device_blocks: int, num_host_blocks: int) -> None:
+        self.kv = LocalKVManager()
+        self.kv.add_worker("w0", PoolConfig(num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks))
+
     def stats(self) -> dict:
-        return {"worker_id": "w0", "num_waiting": 1, "num_running": 2, "is_healthy": True}
+        return {"worker_id": "w0", "num_waiting": 1, "num_running": 2, "is_healthy": True,
+                "kv_pool": self.kv.stats("w0")}
+
+    def block_map(self, max_cells: int) -> dict:
+        return self.kv.block_map("w0", max_cells)
 
 
 class FakeHandle:
@@ -87,8 +99,9 @@ class FakeHandle:
         self.service = KVManagerService()
         self.service.register_worker("w0", {"num_device_blocks": num_device_blocks,
                                             "num_host_blocks": num_host_blocks})
-        self.kv_manager = _FakeActor(self.service, ["block_maps", "stats"], delay_s)
-        self.workers = {"w0": _FakeActor(_FakeWorker(), ["stats"])}
+        self.kv_manager = _FakeActor(self.service, ["stats"])
+        self.workers = {"w0": _FakeActor(_FakeWorker(num_device_blocks, num_host_blocks),
+                                         ["stats", "block_map"], delay_s)}
         self.roles = {"w0": "mixed"}
         self.router = _FakeRouter()
         self.model_name = "fake-model"
@@ -148,14 +161,14 @@ def test_state_route_auth_shape_and_cache(fake_app):
     assert body["workers"]["w0"]["engine"]["num_running"] == 2
     assert body["decisions"][0]["reason"] == "only" and body["errors"] == []
     assert body["latency"]["ttft"]["count"] == 1 and body["latency"]["tpot"]["count"] == 1
-    # Many readers within the TTL share one KV manager call.
+    # Many readers within the TTL share one block-map call.
     for _ in range(5):
         client.get("/dashboard/state", headers=auth)
-    assert handle.kv_manager.block_maps.num_calls == 1 and state.num_fetches == 1
-    assert state.refresh_s == state.ttl_s == 0.5  # a fast KV manager: the shortest refresh
+    assert handle.workers["w0"].block_map.num_calls == 1 and state.num_fetches == 1
+    assert state.refresh_s == state.ttl_s == 0.5  # a fast worker: the shortest refresh
     time.sleep(state.refresh_s + 0.05)
     client.get("/dashboard/state", headers=auth)
-    assert handle.kv_manager.block_maps.num_calls == 2
+    assert handle.workers["w0"].block_map.num_calls == 2
     assert client.get("/dashboard/state?max_cells=3", headers=auth).status_code == 400
     assert client.get("/dashboard/state?max_cells=x", headers=auth).status_code in (400, 422)
 
@@ -169,10 +182,10 @@ def test_concurrent_readers_share_one_fetch():
 
     results = asyncio.run(many())
     assert all(r is results[0] for r in results)
-    assert handle.kv_manager.block_maps.num_calls == 1
+    assert handle.workers["w0"].block_map.num_calls == 1
 
 
-def test_slow_kv_manager_is_asked_less_often():
+def test_slow_worker_block_map_is_asked_less_often():
     handle = FakeHandle(delay_s=0.1)
     state = DashboardState(handle, ttl_s=0.5)
     body = asyncio.run(state.get(256))

@@ -8,12 +8,14 @@ real ``KVManagerService``, called through its msgpack wire methods.
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import asdict
 
 import pytest
 
 from pagedserve.kvmanager import (AllBlocksCleared, BlockRemoved, BlockStored, ClusterIndex, EventLog,
-                                  IntegrityError, KVEventBatch, KVManager, KVSnapshot, LocalKVManager,
+                                  InProcessTransport, IntegrityError, KVEventBatch, KVManager, KVPublisher,
+                                  KVSnapshot, LocalKVManager,
                                   NewSequence, PoolConfig, PreemptionDecision, PreemptionRequest,
                                   PublishAck, RemotePreemptionPolicy, StepInput, TierOccupancy,
                                   block_hash_key, hash_prefix_blocks)
@@ -85,7 +87,7 @@ class Driver:
 
 # ---- events ---------------------------------------------------------------------------
 
-def test_event_log_numbers_and_merges_runs_and_round_trips():
+def test_event_log_numbers_and_coalesces_by_net_effect_and_round_trips():
     log = EventLog("w", incarnation="inc")
     h = hash_prefix_blocks(list(range(12)), BS)
     log.stored("device", h[0])
@@ -97,10 +99,10 @@ def test_event_log_numbers_and_merges_runs_and_round_trips():
     occupancy = {"device": TierOccupancy(2, 1, 5, 8), "host": TierOccupancy(0, 0, 4, 4)}
     batch = log.drain(occupancy)
     keys = [block_hash_key(x) for x in h]
-    assert batch.first_seq == 0 and log.next_seq == 5
-    assert batch.events == [BlockStored(keys[:2], "device"), BlockRemoved([keys[0]], "device"),
+    assert batch.events == [BlockRemoved([keys[0]], "device"), BlockStored([keys[1]], "device"),
                             BlockStored([keys[0]], "host"), AllBlocksCleared("host"),
                             BlockStored([keys[2]], "device")]
+    assert batch.first_seq == 0 and log.next_seq == 5
     assert batch.oldest_event_at <= batch.created_at
     wire = batch.pack()
     assert KVEventBatch.unpack(wire) == batch
@@ -326,3 +328,53 @@ def test_draining_worker_migrates_through_one_central_call_and_is_no_target():
     assert service.index.workers["leaving"].is_draining
     assert [t.worker_id for t in service._migration_targets(0.0)] == ["staying"]
     leaving.check_integrity()
+
+
+# ---- the worker's publisher -----------------------------------------------------------------
+
+def test_publisher_sends_when_due_and_heals_restarts_outages_and_overflow():
+    service = KVManagerService()
+    transport = InProcessTransport(service)
+    local, worker = make_local()
+    local.event_log.max_pending = 40
+    publisher = KVPublisher(local, transport, max_batch_age_s=0.05, heartbeat_s=60.0)
+    assert publisher.maybe_flush() and service.worker_ids() == ["w0"]  # first contact: a snapshot
+    worker.step(StepInput("w0", new_sequences=[NewSequence("a", list(range(13)))], waiting=["a"]))
+    assert not publisher.maybe_flush()  # not due yet: younger than the age bound
+    time.sleep(0.06)
+    assert publisher.maybe_flush() and service.longest_prefix(list(range(13))) == {"w0": 12}
+    # The central manager restarts: the next ack says resync, the flush after it is a snapshot.
+    transport.service = service = KVManagerService()
+    worker.step(StepInput("w0", new_sequences=[NewSequence("b", list(range(50, 63)))], waiting=["b"]))
+    assert publisher.flush_and_wait(1.0)
+    service.index.check_consistency_with([local.snapshot()])
+    assert service.longest_prefix(list(range(13))) == {"w0": 12}
+    # Down: nothing arrives, the worker keeps planning; the log overflows and asks for a snapshot.
+    transport.is_down = True
+    for i in range(12):
+        seq_id = f"c{i}"
+        worker.step(StepInput("w0", new_sequences=[NewSequence(seq_id, [i] * 9 + [100 + i])],
+                              waiting=[seq_id]))
+        worker.step(StepInput("w0", finished=[seq_id]))
+        publisher.maybe_flush()
+    publisher.maybe_flush()
+    assert local.event_log.num_dropped > 0 and publisher.num_failed_calls >= 1
+    transport.is_down = False
+    assert publisher.flush_and_wait(1.0)
+    service.index.check_consistency_with([local.snapshot()])
+    local.check_integrity()
+
+
+def test_central_preemption_through_the_publisher_counts_one_blocking_call():
+    service = KVManagerService()
+    transport = InProcessTransport(service)
+    holder = {}
+    policy = RemotePreemptionPolicy(lambda request: holder["publisher"].decide_preemption(request))
+    source, worker = make_local("src", num_device=6, num_host=4, preemption=policy)
+    holder["publisher"] = KVPublisher(source, transport)
+    holder["publisher"].flush_and_wait(1.0)
+    _fill(worker, list("abcdef"), BS)
+    out = worker.step(StepInput("src", running=list("abcdef"), appended=[(s, [1]) for s in "abcdef"]))
+    assert [p.mode for p in out.preempted] == ["swap", "swap", "swap"]
+    assert holder["publisher"].num_blocking_calls == policy.num_calls == 1
+    assert service.stats()["preemptions_by_mode"] == {"swap": 3}

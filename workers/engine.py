@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from pagedserve.kvmanager import KVManager, StepInput, StepOutput
+from pagedserve.kvmanager import KVManager
 
 from .detokenizer import FINISH_STOP, StreamingDetokenizer
 from .engine_options import EngineConfig
@@ -30,14 +30,15 @@ GiB = 1 << 30
 class LLMEngine:
     """Continuous batching over a paged KV cache for one model replica.
 
-    ``add_request`` validates and queues; ``step`` runs one iteration (one KV
-    manager call, one forward pass) and returns the outputs of the requests
-    that produced tokens or finished. ``kv_step`` defaults to an in-process
-    ``KVManager``; the cluster passes a call to the central KV manager actor.
+    ``add_request`` validates and queues; ``step`` runs one iteration (one
+    in-process KV manager plan, one forward pass) and returns the outputs of
+    the requests that produced tokens or finished. ``kv_manager`` defaults to
+    a plain ``KVManager``; a cluster worker passes its ``LocalKVManager``
+    (same code, plus KV events for the central manager). ``step_hooks`` run
+    after every step, on the engine's thread (a worker publishes events there).
     """
 
     def __init__(self, config: EngineConfig, worker_id: str = "local",
-                 kv_step: Callable[[StepInput], StepOutput] | None = None,
                  kv_manager: KVManager | None = None) -> None:
         from transformers import AutoTokenizer
 
@@ -60,13 +61,10 @@ class LLMEngine:
         num_device, num_host = self._size_pools()
         self.pool_config = config.pool_config(num_device, num_host, max_len)
         self.runner.allocate_cache(config.block_size, num_device, num_host)
-        if kv_step is None:
-            self.kv_manager = kv_manager or KVManager()
-            self.kv_manager.add_worker(worker_id, self.pool_config)
-            kv_step = self.kv_manager.step
-        else:
-            self.kv_manager = kv_manager
-        self.scheduler = Scheduler(kv_step, worker_id, config.max_num_seqs,
+        self.kv_manager = kv_manager if kv_manager is not None else KVManager()
+        self.kv_manager.add_worker(worker_id, self.pool_config)
+        self.step_hooks: list[Callable[[], None]] = []
+        self.scheduler = Scheduler(self.kv_manager.step, worker_id, config.max_num_seqs,
                                    self.max_num_batched_tokens, config.scheduling_policy)
         self.sampler = Sampler(config.seed)
         if config.seed is None:
@@ -270,6 +268,13 @@ class LLMEngine:
     # ---- the loop -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run the model, sample, and report."""
+        try:
+            return self._step()
+        finally:
+            for hook in self.step_hooks:
+                hook()
+
+    def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         plan = self.scheduler.schedule()
         outputs = self._finished_outputs
@@ -330,7 +335,7 @@ class LLMEngine:
                 token_ids[position], logprobs[i], list(zip(top_ids[i], top_values[i]))))
 
     def _record_step_time(self, start: float, plan: SchedulerOutput) -> None:
-        """Wall time of a step that ran the model (KV manager call included)."""
+        """Wall time of a step that ran the model (KV planning included)."""
         elapsed = time.perf_counter() - start
         self.step_seconds += elapsed
         if all(sched.num_tokens == 1 for _, sched in plan.scheduled):
@@ -506,9 +511,7 @@ class LLMEngine:
     # ---- introspection -------------------------------------------------------------------
     def stats(self) -> dict:
         """Pool, cache and queue statistics, plain data."""
-        stats: dict[str, Any] = {}
-        if self.kv_manager is not None:
-            stats.update(self.kv_manager.stats(self.worker_id))
+        stats: dict[str, Any] = dict(self.kv_manager.stats(self.worker_id))
         cache = self.runner.kv_cache
         stats.update({
             "num_waiting": len(self.scheduler.waiting),
@@ -531,19 +534,21 @@ class LLMEngine:
         return stats
 
     def reset_prefix_cache(self) -> bool:
-        """Forget all cached prefixes; False (nothing changed) unless the engine is
-        idle and owns its KV manager."""
-        if self.kv_manager is None or self.requests or self.scheduler.num_unfinished:
+        """Forget all cached prefixes; False (nothing changed) unless the engine is idle."""
+        if self.requests or self.scheduler.num_unfinished:
             return False
         self._release_if_idle()
         return self.kv_manager.reset_prefix_cache(self.worker_id)
 
     def check_integrity(self) -> None:
-        if self.kv_manager is not None:
-            self.kv_manager.check_integrity()
+        self.kv_manager.check_integrity()
 
     def num_used_blocks(self) -> int:
-        return 0 if self.kv_manager is None else self.kv_manager.num_used_blocks()
+        return self.kv_manager.num_used_blocks()
+
+    def block_map(self, max_cells: int = 4096) -> dict:
+        """This engine's pools block by block (see ``KVManager.block_map``)."""
+        return self.kv_manager.block_map(self.worker_id, max_cells)
 
     def config_dict(self) -> dict:
         return self.config.model_dump()

@@ -1,10 +1,10 @@
-"""The engine-side scheduler: queues and policy, one KV manager call per step.
+"""The engine-side scheduler: queues and policy, one KV plan per step.
 
 The scheduler decides the order (FCFS or priority) and the limits (token
-budget, ``max_num_seqs``); the KV manager decides what fits, which prefix
-blocks are reused and whom to preempt. Everything that changed since the
-last step (new sequences, forks, sampled tokens, finished sequences) rides
-along in that one call.
+budget, ``max_num_seqs``); the engine's own (in-process) KV manager decides
+what fits, which prefix blocks are reused and whom to preempt. Everything
+that changed since the last step (new sequences, forks, sampled tokens,
+finished sequences) rides along in that one call.
 """
 
 from __future__ import annotations
@@ -47,8 +47,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._pending = StepInput(worker_id)
         self._registered: set[str] = set()
-        # Sequences the KV manager holds as of the last completed step.
-        self.known: dict[str, Sequence] = {}
         # In a cluster, preempted single-sample sequences may move to another worker.
         self.allow_migration = False
         # The worker is leaving: the KV manager migrates its running sequences away.
@@ -128,14 +126,6 @@ class Scheduler:
 
         by_id = {s.seq_id: s for s in self.running}
         by_id.update((s.seq_id, s) for s in self.waiting)
-        for new in step_input.new_sequences:
-            if new.seq_id in by_id:
-                self.known[new.seq_id] = by_id[new.seq_id]
-        for _, child_id in step_input.forks:
-            if child_id in by_id:
-                self.known[child_id] = by_id[child_id]
-        for seq_id in step_input.finished:
-            self.known.pop(seq_id, None)
         output = SchedulerOutput(kv=kv_output)
         for preemption in kv_output.preempted:
             seq = by_id[preemption.seq_id]
@@ -144,7 +134,6 @@ class Scheduler:
                 self.num_drain_migrations += step_input.is_draining
                 # The manager forgot it; this worker only exports its KV.
                 self.running.remove(seq)
-                self.known.pop(seq.seq_id, None)
                 self._registered.discard(seq.seq_id)
                 seq.status = SequenceStatus.FINISHED
                 output.migrated.append((seq, preemption.target_worker))
@@ -174,28 +163,3 @@ class Scheduler:
             self.waiting = [s for s in self.waiting if id(s) not in admitted_ids]
             self.running.extend(admitted)
         return output
-
-    def snapshot(self, failed: StepInput | None = None) -> list[dict]:
-        """What the KV manager held before ``failed`` (a step input it may not
-        have applied): sequences with their tokens and, where their KV is on
-        the device, block tables. Used to rebuild a restarted KV manager;
-        swapped-out sequences come back waiting, to be recomputed."""
-        pending_new = set()
-        num_pending_tokens: dict[str, int] = {}
-        if failed is not None:
-            pending_new = {n.seq_id for n in failed.new_sequences} | {c for _, c in failed.forks}
-            for seq_id, token_ids in failed.appended:
-                num_pending_tokens[seq_id] = num_pending_tokens.get(seq_id, 0) + len(token_ids)
-        entries = []
-        for seq_id, seq in self.known.items():
-            if seq_id in pending_new:
-                continue
-            token_ids = seq.token_ids[:len(seq.token_ids) - num_pending_tokens.get(seq_id, 0)]
-            entry = {"seq_id": seq_id, "token_ids": list(token_ids)}
-            if seq.request.params.prompt_logprobs is not None:
-                entry["skip_prefix_cache"] = True
-            if seq.block_table and seq.num_computed and not seq.is_swapped:
-                entry["num_computed"] = seq.num_computed
-                entry["block_table"] = list(seq.block_table)
-            entries.append(entry)
-        return entries

@@ -1,9 +1,13 @@
 """The worker: one model replica per GPU (or CPU slot), run as a Ray actor.
 
 It owns the model, its device block pool and its host swap pool, and runs
-the engine loop. Block accounting lives in the central KV manager actor,
-which the engine calls once per step. If that actor restarts (its state is
-then empty) or stalls, the worker re-registers what it holds and retries.
+the engine loop. Block accounting runs here, in-process (``LocalKVManager``):
+a step makes no remote call. What changed reaches the central KV manager
+actor as batched events, sent without waiting (``kv_link.CentralKVLink``);
+only a step that cannot grow asks it, once, how to preempt (migrate, swap,
+recompute), and decides locally when it does not answer in time. If the
+central manager restarts, the worker's next publish is answered "resync"
+and it sends a snapshot; meanwhile it keeps serving.
 
 ``heartbeat`` tells the cluster whether the engine loop still makes
 progress. For fault-injection tests only, ``inject_stall`` freezes the
@@ -17,6 +21,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import threading
 import time
 from dataclasses import asdict
 from typing import AsyncIterator
@@ -24,11 +29,11 @@ from typing import AsyncIterator
 import msgpack
 import numpy as np
 
-from pagedserve.kvmanager import KVManagerError, StepInput, StepOutput, UnknownWorkerError
-from pagedserve.kvmanager.step import from_wire, to_wire
+from pagedserve.kvmanager import EventLog, KVPublisher, LocalKVManager, RemotePreemptionPolicy
 
 from .async_engine import AsyncLLMEngine
 from .engine import EngineConfig, LLMEngine
+from .kv_link import RayTransport
 from .kv_transfer import KVTransfer
 from .model_runner import dtype_name
 from .model_source import ModelSource
@@ -38,9 +43,13 @@ logger = logging.getLogger(__name__)
 
 ROLES = ("mixed", "prefill", "decode")
 FAULT_INJECTION_ENV = "PAGEDSERVE_ENABLE_FAULT_INJECTION"
-# A worker with work whose engine loop has not started a step (or a KV manager
-# attempt, which may itself take one step timeout) for this many step timeouts is stalled.
+# A worker with work whose engine loop has not finished a step for this many
+# step timeouts is stalled.
 STALL_TIMEOUT_FACTOR = 2.0
+# How long a step that cannot grow waits for the central preemption decision, and
+# how long it then decides locally (migration paused) before asking again.
+PREEMPTION_TIMEOUT_S = 1.0
+PREEMPTION_BACKOFF_S = 5.0
 # A migrated sequence's KV export is kept alive here until the handle releases it
 # (the target has fetched it) or, should the handle never do so, this long.
 EXPORT_HOLD_S = 300.0
@@ -65,21 +74,15 @@ def _actor_id() -> str | None:
     return ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
 
 
-class KVManagerUnavailableError(RuntimeError):
-    """The KV manager could not be reached within the step timeout and retries."""
-
-
 class Worker:
     """A model replica with its pools and engine loop. Wrapped by ``ray.remote``.
 
-    ``kv_manager`` is the KV manager actor handle. Every blocking call on it
-    has ``step_timeout_s``; failures are retried (re-registering first) for
-    up to ``max_kv_retries`` attempts before the step fails.
+    ``kv_manager`` is the central KV manager actor handle; no engine step
+    waits for it except the rare preemption decision (``PREEMPTION_TIMEOUT_S``).
     """
 
     def __init__(self, worker_id: str, engine_config: dict, kv_manager, role: str = "mixed",
-                 step_timeout_s: float = 30.0, max_kv_retries: int = 20,
-                 model_source: dict | None = None) -> None:
+                 step_timeout_s: float = 30.0, model_source: dict | None = None) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         if model_source is not None:
@@ -88,64 +91,47 @@ class Worker:
             engine_config = {**engine_config, "model": local_dir, "tokenizer": None}
         self.worker_id = worker_id
         self.role = role
-        self.kv_manager = kv_manager
         self.step_timeout_s = step_timeout_s
-        self.max_kv_retries = max_kv_retries
-        self.num_kv_retries = 0
-        self.kv_seconds = 0.0
-        self.num_kv_calls = 0
         self.last_progress = time.time()
         self.pending_stall_s = 0.0
         self.held_exports: dict[str, tuple[object, float]] = {}
-        engine = LLMEngine(EngineConfig(**engine_config), worker_id, kv_step=self._kv_step)
+        self.preemption = RemotePreemptionPolicy(lambda request: self.kv_link.decide_preemption(request),
+                                                 backoff_s=PREEMPTION_BACKOFF_S)
+        self.local_kv = LocalKVManager(self.preemption, EventLog(worker_id))
+        engine = LLMEngine(EngineConfig(**engine_config), worker_id, kv_manager=self.local_kv)
         engine.pool_config.role = role
         engine.scheduler.allow_migration = True
         self.engine = engine
+        self.kv_link = KVPublisher(self.local_kv, RayTransport(kv_manager),
+                                   preemption_timeout_s=PREEMPTION_TIMEOUT_S)
+        engine.step_hooks.append(self._after_step)
         logger.info("worker %s: %s on %s, dtype %s (%s)", worker_id, engine.config.model, engine.runner.device,
                        dtype_name(engine.runner.dtype), engine.runner.dtype_reason)
-        self._register(snapshot=[])
+        self.kv_link.maybe_flush()  # the first snapshot: the central manager learns of this worker
         self.async_engine = AsyncLLMEngine(engine)
+        self._flush_timer = threading.Thread(target=self._flush_when_idle, name="pagedserve-kv-flush",
+                                             daemon=True)
+        self._flush_timer.start()
         self.started_at = time.time()
         self.num_heartbeats = 0  # answered by this incarnation (one monitor asks about 4 a second)
 
     # ---- the KV manager link ------------------------------------------------------------
-    def _register(self, snapshot: list[dict]) -> None:
-        import ray
-
-        ray.get(self.kv_manager.register_worker.remote(
-            self.worker_id, asdict(self.engine.pool_config), snapshot), timeout=self.step_timeout_s)
-
-    def _kv_step(self, step_input: StepInput) -> StepOutput:
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
-
+    def _after_step(self) -> None:
+        """After every engine step, on the engine thread: progress, events out (never waiting)."""
         self._note_progress()
+        self.kv_link.maybe_flush()
         self._run_injected_stall()
-        packed = msgpack.packb(to_wire(step_input))
-        last_error: Exception | None = None
-        for attempt in range(self.max_kv_retries):
-            self._note_progress()
-            start = time.perf_counter()
-            try:
-                reply = ray.get(self.kv_manager.step.remote(packed), timeout=self.step_timeout_s)
-                self.kv_seconds += time.perf_counter() - start
-                self.num_kv_calls += 1
-                return from_wire(StepOutput, msgpack.unpackb(reply))
-            except UnknownWorkerError as exc:
-                last_error = exc  # the manager restarted and lost our accounting
-            except (RayActorError, GetTimeoutError) as exc:
-                last_error = exc  # dead (Ray restarts it) or stalled: rebuild, then retry
-                time.sleep(min(0.1 * 2 ** attempt, 2.0))
-            except KVManagerError:
-                raise
-            self.num_kv_retries += 1
-            logger.warning("worker %s: KV manager step failed (%r); re-registering", self.worker_id, last_error)
-            try:
-                self._register(self.engine.scheduler.snapshot(step_input))
-            except Exception as exc:  # still restarting: try again after the back-off
-                last_error = exc
-        raise KVManagerUnavailableError(
-            f"worker {self.worker_id}: KV manager unavailable after {self.max_kv_retries} attempts: {last_error!r}")
+
+    def _flush_when_idle(self) -> None:
+        """An idle engine takes no steps: post due flushes to its thread from here."""
+        pending = None
+        while self.async_engine.is_running:
+            time.sleep(self.kv_link.max_batch_age_s / 2)
+            if (pending is None or pending.done()) and self.kv_link.is_due():
+                try:
+                    pending = self.async_engine.submit(lambda engine: self.kv_link.maybe_flush())
+                except Exception:  # shutting down
+                    return
 
     def _note_progress(self) -> None:
         self.last_progress = time.time()
@@ -278,9 +264,13 @@ class Worker:
         return {"dtype": dtype_name(runner.dtype), "dtype_reason": runner.dtype_reason}
 
     async def stats(self) -> dict:
-        """Engine, KV-link and health figures; answered between engine steps, never blocking
-        the actor's event loop."""
-        engine_stats = await asyncio.wrap_future(self.async_engine.submit(LLMEngine.stats))
+        """Engine, KV pool, KV-link and health figures; answered between engine steps, never
+        blocking the actor's event loop. ``kv_pool`` is this worker's pool statistics (the
+        source of truth; the central manager holds a lagging summary)."""
+        def gather(engine: LLMEngine) -> tuple[dict, dict, dict]:
+            return engine.stats(), engine.kv_manager.stats(engine.worker_id), self.kv_link.stats()
+
+        engine_stats, pool_stats, link_stats = await asyncio.wrap_future(self.async_engine.submit(gather))
         return {"worker_id": self.worker_id, "role": self.role, **self._dtype_info(),
                 "device": str(self.engine.runner.device),
                 "num_waiting": engine_stats["num_waiting"], "num_running": engine_stats["num_running"],
@@ -292,12 +282,39 @@ class Worker:
                 "num_preemptions_by_mode": engine_stats["num_preemptions_by_mode"],
                 "swapped_out_bytes": engine_stats["swapped_out_bytes"],
                 "swapped_in_bytes": engine_stats["swapped_in_bytes"],
-                "num_kv_calls": self.num_kv_calls, "num_kv_retries": self.num_kv_retries,
+                "kv_pool": pool_stats,
+                **link_stats,
+                "num_central_preemption_calls": self.preemption.num_calls,
+                "num_central_preemption_failures": self.preemption.num_failures,
                 "num_held_exports": len(self.held_exports),
                 "is_draining": self.engine.scheduler.is_draining,
                 "num_drain_migrations": self.engine.scheduler.num_drain_migrations,
-                "mean_kv_call_ms": 1e3 * self.kv_seconds / self.num_kv_calls if self.num_kv_calls else 0.0,
                 "is_healthy": self.async_engine.is_running}
+
+    async def block_map(self, max_cells: int = 4096) -> dict:
+        """This worker's pools block by block, for the dashboard; asked on demand and
+        answered between engine steps (``KVManager.block_map``)."""
+        return await asyncio.wrap_future(self.async_engine.submit(lambda e: e.block_map(max_cells)))
+
+    async def check_integrity(self) -> bool:
+        """Raise ``IntegrityError`` unless this worker's pools are consistent."""
+        await asyncio.wrap_future(self.async_engine.submit(LLMEngine.check_integrity))
+        return True
+
+    async def num_used_blocks(self) -> int:
+        """Device plus host blocks in use here now."""
+        return await asyncio.wrap_future(self.async_engine.submit(LLMEngine.num_used_blocks))
+
+    async def kv_sync(self, timeout_s: float = 10.0) -> bytes | None:
+        """Publish every pending KV event, wait for the acks, and return this worker's packed
+        ``KVSnapshot`` (None if the central manager did not take it all in time). For
+        consistency checks; it holds the engine thread while it waits."""
+        def sync(engine: LLMEngine) -> bytes | None:
+            if not self.kv_link.flush_and_wait(timeout_s):
+                return None
+            return self.local_kv.snapshot().pack()
+
+        return await asyncio.wrap_future(self.async_engine.submit(sync))
 
     def num_unfinished(self) -> int:
         return len(self.engine.requests)

@@ -13,8 +13,10 @@
 The page and its state check the same API key as the API (``Authorization:
 Bearer`` or that cookie). ``DashboardState`` answers from one snapshot shared
 by every open page (0.5 s old at most, longer only for pools so large that
-drawing them would otherwise take over 5% of the KV manager's time), so the
-number of open dashboards does not change the load on the KV manager.
+drawing them would otherwise take over 5% of a worker's time), so the number
+of open dashboards does not change the load on the cluster. Block maps are
+asked of the workers (each draws its own pool between two engine steps); the
+central KV manager only adds its counters.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ DEFAULT_MAX_CELLS = 4096
 MIN_MAX_CELLS = 16
 MAX_MAX_CELLS = 16384
 QUANTILES = (0.5, 0.9, 0.99)
-MAX_KV_MANAGER_SHARE = 0.05  # the dashboard may keep the KV manager busy at most this fraction of the time
+MAX_WORKER_SHARE = 0.05  # the dashboard may take at most this fraction of a worker's time
 MAX_REFRESH_S = 10.0
 LATENCY_HISTOGRAMS = {"ttft": "ttft", "tpot": "tpot", "e2e": "e2e"}  # state key -> ServerMetrics attribute
 
@@ -99,9 +101,9 @@ class DashboardState:
     fetch; a part that fails or does not answer within ``timeout_s`` is
     reported under ``errors`` and left out, never raised.
 
-    Large pools make ``block_maps`` slower; the snapshot is then kept longer
-    (up to ``MAX_REFRESH_S``), so that the dashboard takes at most
-    ``MAX_KV_MANAGER_SHARE`` of the KV manager's time. ``refresh_s`` (also in
+    Large pools make a worker's ``block_map`` slower; the snapshot is then kept
+    longer (up to ``MAX_REFRESH_S``), so that the dashboard takes at most
+    ``MAX_WORKER_SHARE`` of a worker's time. ``refresh_s`` (also in
     the state) is how old a snapshot may be.
     """
 
@@ -137,9 +139,9 @@ class DashboardState:
         handle = self.handle
         started = time.monotonic()
         stats = await gather_stats(handle, self.timeout_s, block_map_cells=max_cells)
-        if stats["block_maps"]:  # the slow part: keep the KV manager's share of time bounded
+        if stats["block_maps"]:  # the slow part: keep the workers' share of time bounded
             elapsed = time.monotonic() - started
-            self.refresh_s = min(MAX_REFRESH_S, max(self.ttl_s, elapsed / MAX_KV_MANAGER_SHARE))
+            self.refresh_s = min(MAX_REFRESH_S, max(self.ttl_s, elapsed / MAX_WORKER_SHARE))
         pools = stats["kv_manager"].get("workers", {})
         roles = getattr(handle, "roles", {})
         workers = {}

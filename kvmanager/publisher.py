@@ -1,0 +1,209 @@
+"""A worker's side of the wire to the central KV manager: events out, never blocking a step.
+
+The worker's ``LocalKVManager`` plans every step in-process. ``KVPublisher``
+ships what changed: ``maybe_flush`` (called after each engine step and by an
+idle timer, on the engine's thread) drains the event log into one batch and
+sends it fire-and-forget once the oldest pending change is
+``max_batch_age_s`` old or ``max_batch_events`` changes are pending, and at
+least every ``heartbeat_s`` (occupancy, and so a restarted central manager
+hears from every worker). Acks are read without waiting; an ack that asks
+for a resync, a new central incarnation or a failed call makes the next
+flush a full snapshot. At most ``max_in_flight`` sends are outstanding:
+while the central manager is down or slow, events accumulate in the log
+(bounded: past its cap the next flush is a snapshot) and the worker keeps
+serving.
+
+The only blocking call is ``decide_preemption``, made by the local manager's
+``RemotePreemptionPolicy`` when a step cannot grow, with its own timeout.
+
+The transport is passed in (``KVTransport``): the cluster uses Ray actor
+calls (``workers.kv_link.RayTransport``); tests and benchmarks may use
+anything that honours the protocol. No Ray import here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Protocol
+
+from .events import PublishAck
+from .local_manager import LocalKVManager
+from .preemption import PreemptionDecision, PreemptionRequest
+
+logger = logging.getLogger(__name__)
+
+
+class KVTransport(Protocol):
+    """Calls to the central ``KVManagerService`` by method name, with msgpack bytes."""
+
+    def send(self, method: str, packed: bytes) -> Any:
+        """Start ``method(packed)`` without waiting; returns a token for ``poll``/``wait``."""
+
+    def poll(self, tokens: list) -> list[tuple[Any, bytes | None, BaseException | None]]:
+        """The tokens whose calls have ended, without waiting: (token, reply, error)."""
+
+    def wait(self, tokens: list, timeout_s: float) -> None:
+        """Block until every token's call has ended, or ``timeout_s``."""
+
+    def call(self, method: str, packed: bytes, timeout_s: float) -> bytes:
+        """``method(packed)``, waiting at most ``timeout_s``; raises on failure or timeout."""
+
+
+class KVPublisher:
+    """Publishes one worker's KV events to the central ``KVManagerService``."""
+
+    def __init__(self, local: LocalKVManager, transport: KVTransport, max_batch_age_s: float = 0.05,
+                 max_batch_events: int = 1024, heartbeat_s: float = 1.0, max_in_flight: int = 8,
+                 preemption_timeout_s: float = 1.0) -> None:
+        if local.event_log is None:
+            raise ValueError("the local KV manager needs an event log")
+        self.local = local
+        self.transport = transport
+        self.max_batch_age_s = max_batch_age_s
+        self.max_batch_events = max_batch_events
+        self.heartbeat_s = heartbeat_s
+        self.max_in_flight = max_in_flight
+        self.preemption_timeout_s = preemption_timeout_s
+        self.central_incarnation: str | None = None
+        self.needs_snapshot = True     # first contact: the central manager learns everything
+        self.num_snapshots_sent = 0    # the snapshot epoch: resync answers to older sends are moot
+        self._in_flight: list[tuple[Any, int]] = []   # (token, epoch)
+        self._last_sent = float("-inf")
+        self.num_batches = 0
+        self.num_bytes_out = 0
+        self.num_bytes_in = 0
+        self.num_failed_calls = 0
+        self.num_blocking_calls = 0
+        self.blocking_seconds = 0.0
+
+    @property
+    def log(self):
+        return self.local.event_log
+
+    # ---- events out ---------------------------------------------------------------------
+    def is_due(self, now: float | None = None) -> bool:
+        """Whether ``maybe_flush`` would send now (cheap; safe to ask from another thread)."""
+        now = time.monotonic() if now is None else now
+        log = self.log
+        return (self.needs_snapshot or log.needs_snapshot or log.num_pending >= self.max_batch_events
+                or log.pending_age_s() >= self.max_batch_age_s or now - self._last_sent >= self.heartbeat_s)
+
+    def maybe_flush(self) -> bool:
+        """Send what is due without waiting for anything. True if something was sent."""
+        self._collect_acks()
+        if not self.is_due() or len(self._in_flight) >= self.max_in_flight:
+            return False  # nothing due, or the central manager is behind or down: keep accumulating
+        self._send_next()
+        return True
+
+    def flush_and_wait(self, timeout_s: float) -> bool:
+        """Send everything now and wait for every outstanding ack (checks and tests, off the
+        step path). False when the central manager did not take it all in time."""
+        deadline = time.monotonic() + timeout_s
+        for _ in range(3):  # a batch, then possibly the snapshot it asks for
+            self._send_next()
+            self.transport.wait([token for token, _ in self._in_flight],
+                                max(0.0, deadline - time.monotonic()))
+            self._collect_acks()
+            if self._in_flight:
+                return False
+            if not (self.needs_snapshot or self.log.needs_snapshot):
+                return True
+        return False
+
+    def _send_next(self) -> None:
+        if self.needs_snapshot or self.log.needs_snapshot:
+            packed = self.local.snapshot().pack()
+            self.needs_snapshot = False
+            self.num_snapshots_sent += 1
+            self._send("resync", packed)
+        else:
+            self._send("publish", self.local.drain_events().pack())
+            self.num_batches += 1
+
+    def _send(self, method: str, packed: bytes) -> None:
+        self._in_flight.append((self.transport.send(method, packed), self.num_snapshots_sent))
+        self._last_sent = time.monotonic()
+        self.num_bytes_out += len(packed)
+
+    def _collect_acks(self) -> None:
+        if not self._in_flight:
+            return
+        ended = self.transport.poll([token for token, _ in self._in_flight])
+        if not ended:
+            return
+        epochs = dict((id(token), epoch) for token, epoch in self._in_flight)
+        done = set()
+        for token, reply, error in ended:
+            done.add(id(token))
+            is_current = epochs[id(token)] == self.num_snapshots_sent
+            if error is not None:  # the central manager died (it is restarted) or refused
+                self.num_failed_calls += 1
+                if is_current:
+                    logger.warning("worker %s: KV event publish failed (%r); will resync",
+                                   self.log.worker_id, error)
+                    self.needs_snapshot = True
+                continue
+            self.num_bytes_in += len(reply)
+            ack = PublishAck.unpack(reply)
+            if self.central_incarnation != ack.incarnation:
+                if self.central_incarnation is not None:
+                    logger.warning("worker %s: the central KV manager restarted; resyncing",
+                                   self.log.worker_id)
+                    self.needs_snapshot = True
+                self.central_incarnation = ack.incarnation
+            if ack.needs_resync and is_current:
+                self.needs_snapshot = True
+        self._in_flight = [(t, e) for t, e in self._in_flight if id(t) not in done]
+
+    # ---- the rare blocking call ---------------------------------------------------------------
+    def decide_preemption(self, request: PreemptionRequest) -> PreemptionDecision:
+        """One blocking central call for a step's victims; raises on failure or timeout
+        (``RemotePreemptionPolicy`` then decides locally)."""
+        start = time.perf_counter()
+        self.num_blocking_calls += 1
+        try:
+            packed = self.transport.call("decide_preemption", request.pack(), self.preemption_timeout_s)
+        finally:
+            self.blocking_seconds += time.perf_counter() - start
+        return PreemptionDecision.unpack(packed)
+
+    def stats(self) -> dict:
+        return {"num_event_batches": self.num_batches, "num_snapshots": self.num_snapshots_sent,
+                "num_in_flight": len(self._in_flight), "num_pending_events": self.log.num_pending,
+                "num_dropped_events": self.log.num_dropped, "kv_bytes_out": self.num_bytes_out,
+                "kv_bytes_in": self.num_bytes_in, "num_failed_kv_calls": self.num_failed_calls,
+                "num_blocking_kv_calls": self.num_blocking_calls,
+                "mean_blocking_kv_call_ms": (1e3 * self.blocking_seconds / self.num_blocking_calls
+                                             if self.num_blocking_calls else 0.0),
+                "central_incarnation": self.central_incarnation}
+
+
+class InProcessTransport:
+    """A ``KVTransport`` that calls a ``KVManagerService`` object directly (tests, offline
+    benchmarks): every send has ended by the time it returns."""
+
+    def __init__(self, service) -> None:
+        self.service = service
+        self.is_down = False   # tests: every call fails while set
+        self._ended: dict[int, tuple[bytes | None, BaseException | None]] = {}
+
+    def send(self, method: str, packed: bytes):
+        token = object()
+        try:
+            self._ended[id(token)] = (self.call(method, packed, 0.0), None)
+        except Exception as exc:
+            self._ended[id(token)] = (None, exc)
+        return token
+
+    def poll(self, tokens: list):
+        return [(t, *self._ended.pop(id(t))) for t in tokens if id(t) in self._ended]
+
+    def wait(self, tokens: list, timeout_s: float) -> None:
+        return None
+
+    def call(self, method: str, packed: bytes, timeout_s: float) -> bytes:
+        if self.is_down:
+            raise ConnectionError("the central KV manager is down")
+        return getattr(self.service, method)(packed)
