@@ -112,6 +112,16 @@ async def _stream_all(handle, prompts, params, kill, when):
     return outputs, fired.is_set() and state["mid_stream"]
 
 
+def _incarnation(kv_manager) -> str | None:
+    """The KV manager's incarnation, or None while it is restarting."""
+    from ray.exceptions import RayActorError
+
+    try:
+        return ray.get(kv_manager.get_incarnation.remote(), timeout=30)
+    except RayActorError:  # ActorUnavailableError and ActorDiedError derive from it
+        return None
+
+
 def _wait_for(predicate, timeout: float, what: str):
     deadline = time.time() + timeout
     last_error = None
@@ -161,6 +171,9 @@ def test_repeated_prefix_goes_to_the_worker_that_holds_it(handle, reference):
     owner = handle.stats()["recent_decisions"][-1]["worker_id"]
     outputs = list(first)
     for prompt in prompts[1:]:   # one at a time, so load never outweighs the cached prefix
+        # The central index learns of blocks by events, a flush interval (50 ms) later.
+        _wait_for(lambda: ray.get(handle.kv_manager.longest_prefix.remote(prompt), timeout=30).get(owner, 0)
+                  >= len(prefix), 5, "the owner's blocks to reach the central index")
         outputs += handle.generate_sync([prompt], _greedy(MAX_TOKENS))
         decision = handle.stats()["recent_decisions"][-1]
         assert decision["worker_id"] == owner, decision
@@ -228,7 +241,8 @@ def test_kv_manager_killed_mid_stream_requests_complete(handle, reference):
     assert all(o.finished for o in outputs)
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
     assert _token_ids(outputs) == expected
-    assert ray.get(kv_manager.get_incarnation.remote(), timeout=60) != incarnation
+    # The streams need not wait for the restart: workers plan locally and keep serving.
+    _wait_for(lambda: _incarnation(kv_manager) not in (None, incarnation), 60, "the KV manager to restart")
     # The restarted manager was rebuilt from the workers' snapshots (they resync by themselves).
     _wait_for(lambda: ray.get(kv_manager.stats.remote(), timeout=30)["num_snapshots"] >= len(handle.workers),
               30, "every worker to resync with the new KV manager")
@@ -246,8 +260,7 @@ def test_kv_manager_restart_while_idle_keeps_every_worker_in_rotation(handle, re
     kv_manager = handle.kv_manager
     incarnation = ray.get(kv_manager.get_incarnation.remote(), timeout=30)
     ray.kill(kv_manager, no_restart=False)
-    _wait_for(lambda: ray.get(kv_manager.get_incarnation.remote(), timeout=30) != incarnation, 60,
-              "the KV manager to restart")
+    _wait_for(lambda: _incarnation(kv_manager) not in (None, incarnation), 60, "the KV manager to restart")
     # Idle workers have not re-registered yet; they must stay in rotation even when
     # the first request after the restart reaches only one of them.
     for lengths in ([8], [8, 24, 40, 56], [10, 26, 42, 58]):
