@@ -18,16 +18,18 @@ import logging
 import threading
 import time
 import uuid
+from contextlib import aclosing
+from dataclasses import dataclass
 from typing import AsyncIterator
 
-from pagedserve.workers.accumulator import OutputAccumulator
-from pagedserve.workers.protocol import GenerateRequest, Migrated, OutputDelta
+from pagedserve.workers.protocol import Migrated, OutputDelta
 from pagedserve.workers.request import CompletionOutput, RequestOutput
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.worker import stall_timeout_s
 
 from .config import ClusterConfig
 from .controller import HealthView
+from .request_flow import MIGRATE, Attempt, AttemptsExhausted, RequestFlow
 from .router import Router, kv_blocks_used_frac
 from .stats import gather_stats_sync, kv_manager_stats
 
@@ -40,6 +42,14 @@ class NoCapacityError(RuntimeError):
 
 class _DisaggregationFailed(Exception):
     """A prefill or decode worker failed; what was streamed is in the request's accumulator."""
+
+
+@dataclass
+class _Run:
+    """How one attempt went: where it ran, and the migration that ended it (if one did)."""
+
+    worker_id: str | None = None
+    migrated: Migrated | None = None
 
 
 class ClusterHandle:
@@ -101,8 +111,10 @@ class ClusterHandle:
                        prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (cumulative text and token ids, plus deltas).
 
-        Workers stream deltas (``workers.protocol``); one ``OutputAccumulator``
-        per request rebuilds the outputs, across retries, resumes and migrations.
+        Workers stream deltas (``workers.protocol``); the request's one
+        ``OutputAccumulator`` rebuilds the outputs. A run that ends unfinished
+        (a worker failed, the KV manager migrated the request, the disaggregated
+        path broke) is followed by the one ``request_flow.RequestFlow`` picks.
         """
         from ray.exceptions import ObjectLostError, RayActorError
 
@@ -119,112 +131,110 @@ class ClusterHandle:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this model's maximum "
                              f"context is {self.max_model_len} tokens, including at least one output token")
         await self._refresh_utilization()
-        accumulator = OutputAccumulator(request_id, text, prompt_token_ids)
-        attempt = 0
+        flow = RequestFlow(request_id, text, prompt_token_ids, params, priority,
+                           max_attempts=2 * len(self.workers) + 3)
         if self.config.is_disaggregated and params.n == 1:
             try:
-                async for output in self._generate_disaggregated(
-                        request_id, prompt_token_ids, params, priority, accumulator):
-                    yield output
+                async with aclosing(self._generate_disaggregated(flow, flow.start(is_disaggregated=True))) as run:
+                    async for output in run:
+                        yield output
                 return
             except _DisaggregationFailed as exc:
-                # Fall through to a colocated run on a decode worker, resuming after the
-                # tokens already streamed.
                 logger.warning("request %s: disaggregated path failed (%r); serving colocated",
                                request_id, exc.__cause__)
-                attempt = 1 if accumulator.num_tokens() else 0
-        excluded: set[str] = {w for w, role in self.roles.items() if role == "prefill"}
-        max_attempts = 2 * len(self.workers) + 3
-        migration: Migrated | None = None
-        export_source = None  # (worker, request id) holding a migration's KV until fetched
+                attempt = self._next_attempt(flow.fall_back, exc)
+        else:
+            attempt = flow.start()
+        held_export = None  # (worker, sub-request id) holding a migration's KV until the target has it
         while True:
-            attempt += 1
-            sub_id = request_id if attempt == 1 else f"{request_id}~{attempt}"
-            sub_params = params
-            if migration is not None:
-                # The KV manager moved the request to a worker with room: continue
-                # there from the transferred KV, after the tokens already streamed.
-                ids = prompt_token_ids
-                target = migration.target
-                request = GenerateRequest(sub_id, ids, params, priority, kv=[migration.kv],
-                                          output_token_ids=accumulator.token_ids())
-                decision = self.router.choose(sub_id, len(ids), params.max_tokens, {},
-                                              set(self.workers) - {target})
-                migration = None
-            else:
-                resumed = attempt > 1 and params.n == 1 and accumulator.num_tokens() > 0
-                ids = prompt_token_ids + accumulator.token_ids() if resumed else prompt_token_ids
-                if resumed:
-                    sub_params = dataclasses.replace(params,
-                                                     max_tokens=params.max_tokens - accumulator.num_tokens())
-                elif attempt > 1:
-                    accumulator.reset()
-                if attempt > 1:
-                    self._num_recomputed_tokens += len(ids)
-                await self._wait_for_capacity(request_id, excluded)
-                cached = await self._longest_prefix(ids)
-                decision = self.router.choose(sub_id, len(ids), sub_params.max_tokens, cached, excluded)
-                request = GenerateRequest(sub_id, ids, sub_params, priority)
-            worker = self.workers[decision.worker_id]
-            finished = False
+            run = _Run()
             try:
-                stream = worker.generate.options(num_returns="streaming").remote(request)
-                async for ref in stream:
-                    item: OutputDelta | Migrated = await asyncio.wait_for(
-                        ref, timeout=self.config.server.limits.request_timeout_s)
-                    export_source = self._release_export(export_source)
-                    if isinstance(item, Migrated):
-                        migration = item
-                        export_source = (worker, item.request_id)
-                        self._num_migrated += 1
-                        finished = True  # nothing left to abort on this worker
-                        break
-                    output = accumulator.add(item)
-                    finished = output.finished
-                    yield output
-                    if finished:
-                        return
-                if migration is not None:
-                    continue
-                return
+                async with aclosing(self._run_attempt(flow, attempt, run)) as outputs:
+                    async for output in outputs:
+                        held_export = self._release_export(held_export)
+                        yield output
             except ObjectLostError as exc:
                 # A migration's KV was lost with its source: recompute from the tokens instead.
                 logger.warning("request %s: transferred KV lost (%r); recomputing", request_id, exc)
                 self._num_resumed += 1
-                if attempt >= max_attempts:
-                    raise
+                attempt = self._next_attempt(flow.after_failure, exc)
+                continue
             except (RayActorError, asyncio.TimeoutError) as exc:
                 logger.warning("request %s: worker %s failed (%r); resuming elsewhere",
-                               request_id, decision.worker_id, exc)
-                self.health.note_failure(decision.worker_id, f"request {request_id}: {type(exc).__name__}")
+                               request_id, run.worker_id, exc)
+                self.health.note_failure(run.worker_id, f"request {request_id}: {type(exc).__name__}")
                 self._num_resumed += 1
-                if attempt >= max_attempts:
-                    self._num_no_capacity += 1
-                    raise NoCapacityError(f"no worker could finish request {request_id} "
-                                          f"after {attempt} attempts") from exc
+                attempt = self._next_attempt(flow.after_failure, exc)
+                continue
             finally:
-                if migration is None:
-                    export_source = self._release_export(export_source)
-                self.router.release(decision, sub_params.max_tokens)
-                if not finished:
-                    try:
-                        worker.abort.remote(sub_id)
-                    except Exception:
-                        pass
+                if run.migrated is None:
+                    held_export = self._release_export(held_export)
+            if run.migrated is None:
+                return
+            self._release_export(held_export)  # the target ran, so it had that KV
+            held_export = (self.workers[run.worker_id], run.migrated.request_id)
+            self._num_migrated += 1
+            attempt = self._next_attempt(lambda: flow.migrate(run.migrated), None)
 
-    async def _generate_disaggregated(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                                      priority: int, accumulator: OutputAccumulator
-                                      ) -> AsyncIterator[RequestOutput]:
+    def _next_attempt(self, transition, cause: BaseException | None) -> Attempt:
+        """Take ``transition``; a request out of attempts is a retryable ``NoCapacityError``."""
+        try:
+            return transition()
+        except AttemptsExhausted as exc:
+            self._num_no_capacity += 1
+            raise NoCapacityError(str(exc)) from cause
+
+    async def _run_attempt(self, flow: RequestFlow, attempt: Attempt, run: "_Run") -> AsyncIterator[RequestOutput]:
+        """Route ``attempt`` to a worker and stream its outputs; a migration ends the run with
+        ``run.migrated`` set. An unfinished run is aborted on its worker."""
+        request = attempt.request
+        num_tokens, max_tokens = len(request.prompt_token_ids), request.params.max_tokens
+        if attempt.kind == MIGRATE:
+            decision = self.router.choose(request.request_id, num_tokens, max_tokens, {},
+                                          set(self.workers) - {attempt.target})
+        else:
+            if attempt.is_recompute:
+                self._num_recomputed_tokens += num_tokens
+            excluded = {w for w, role in self.roles.items() if role == "prefill"}
+            await self._wait_for_capacity(flow.request_id, excluded)
+            cached = await self._longest_prefix(request.prompt_token_ids)
+            decision = self.router.choose(request.request_id, num_tokens, max_tokens, cached, excluded)
+        run.worker_id = decision.worker_id
+        worker = self.workers[decision.worker_id]
+        finished = False
+        try:
+            async for ref in worker.generate.options(num_returns="streaming").remote(request):
+                item: OutputDelta | Migrated = await asyncio.wait_for(
+                    ref, timeout=self.config.server.limits.request_timeout_s)
+                if isinstance(item, Migrated):
+                    run.migrated = item
+                    finished = True  # nothing left to abort on this worker
+                    return
+                output = flow.accumulator.add(item)
+                finished = output.finished
+                yield output
+                if finished:
+                    return
+        finally:
+            self.router.release(decision, max_tokens)
+            if not finished:
+                try:
+                    worker.abort.remote(request.request_id)
+                except Exception:
+                    pass
+
+    async def _generate_disaggregated(self, flow: RequestFlow, attempt: Attempt) -> AsyncIterator[RequestOutput]:
         """Prompt on a prefill worker, KV through the object store, the rest on a decode worker."""
         from ray.exceptions import RayActorError
 
         timeout = self.config.server.limits.request_timeout_s
+        request, params, accumulator = attempt.request, flow.params, flow.accumulator
+        prompt_ids, request_id = request.prompt_token_ids, request.request_id
         prefill_ids = {w for w, role in self.roles.items() if role == "prefill"}
         decode_ids = {w for w, role in self.roles.items() if role == "decode"}
         cached = await self._longest_prefix(prompt_ids)
         decision = self.router.choose(f"{request_id}/prefill", len(prompt_ids), 1, cached,
                                       exclude=set(self.workers) - prefill_ids)
-        request = GenerateRequest(request_id, prompt_ids, params, priority)
         try:
             out_ref, kv_ref = self.workers[decision.worker_id].prefill.options(num_returns=2).remote(request)
             first: OutputDelta = await asyncio.wait_for(out_ref, timeout=timeout)

@@ -1,0 +1,119 @@
+"""A request's way through failures: the handle's resilience paths as one small state machine.
+
+``ClusterHandle.generate`` runs one ``Attempt`` at a time on a worker. When an
+attempt ends without finishing the request, one transition of ``RequestFlow``
+says what runs next:
+
+* ``retry``: start again from the prompt (nothing streamed can be continued:
+  no token yet, or n > 1, whose samples cannot be recomputed one by one);
+* ``resume``: recompute the prompt plus the tokens already streamed on another
+  worker (n == 1), ``max_tokens`` reduced by them; the caller's output runs on;
+* ``migrate``: the KV manager moved the request (preemption, a draining worker):
+  continue on its target from the transferred KV, after the tokens streamed;
+* ``fall_back``: the disaggregated path (prefill worker, KV transfer, decode
+  worker) failed: continue colocated, resuming after what was streamed.
+
+The flow decides; the handle acts (routes, streams, aborts, counts). The
+flow owns the request's ``OutputAccumulator``, so every attempt continues the
+same output, and its attempt count: a transition past ``max_attempts`` raises
+``AttemptsExhausted``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from pagedserve.workers.accumulator import OutputAccumulator
+from pagedserve.workers.protocol import GenerateRequest, Migrated
+from pagedserve.workers.sampling_params import SamplingParams
+
+FIRST = "first"
+DISAGGREGATED = "disaggregated"
+RETRY = "retry"
+RESUME = "resume"
+MIGRATE = "migrate"
+FALL_BACK = "fall_back"
+
+
+class AttemptsExhausted(RuntimeError):
+    """The request failed on more attempts than it may take."""
+
+
+@dataclass
+class Attempt:
+    """One run of a request: what a worker is sent, and why this run."""
+
+    kind: str
+    number: int
+    request: GenerateRequest
+    target: str | None = None  # MIGRATE: the worker the KV manager chose
+
+    @property
+    def is_recompute(self) -> bool:
+        """Whether this run computes again what an earlier run already had (prompt and tokens)."""
+        return self.kind in (RETRY, RESUME, FALL_BACK)
+
+
+class RequestFlow:
+    """The attempts of one request (its sub-request ids are ``id``, ``id~2``, ``id~3``, ...)."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, priority: int, max_attempts: int) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.priority = priority
+        self.max_attempts = max_attempts
+        self.accumulator = OutputAccumulator(request_id, prompt, prompt_token_ids)
+        self.num_attempts = 0
+
+    # ---- the transitions -----------------------------------------------------------------------
+    def start(self, is_disaggregated: bool = False) -> Attempt:
+        """The first run: colocated, or prefill + decode workers."""
+        return self._next(DISAGGREGATED if is_disaggregated else FIRST, self.prompt_token_ids, self.params)
+
+    def after_failure(self) -> Attempt:
+        """A worker failed (died, stalled, lost a transfer): resume where possible, else retry."""
+        return self.resume() if self.can_resume else self.retry()
+
+    def retry(self) -> Attempt:
+        """Start again from the prompt, forgetting what was streamed."""
+        self.accumulator.reset()
+        return self._next(RETRY, self.prompt_token_ids, self.params)
+
+    def resume(self, kind: str = RESUME) -> Attempt:
+        """Recompute prompt + streamed tokens elsewhere and continue after them (n == 1)."""
+        if not self.can_resume:
+            raise ValueError("only a single-sample request with streamed tokens can resume")
+        num_done = self.accumulator.num_tokens()
+        params = dataclasses.replace(self.params, max_tokens=self.params.max_tokens - num_done)
+        return self._next(kind, self.prompt_token_ids + self.accumulator.token_ids(), params)
+
+    def migrate(self, migrated: Migrated) -> Attempt:
+        """Continue on ``migrated.target`` from the transferred KV, after the tokens streamed."""
+        return self._next(MIGRATE, self.prompt_token_ids, self.params, target=migrated.target,
+                          kv=[migrated.kv], output_token_ids=self.accumulator.token_ids())
+
+    def fall_back(self) -> Attempt:
+        """The disaggregated run failed: colocated, resuming after any streamed token."""
+        if self.can_resume:
+            return self.resume(FALL_BACK)
+        return self._next(FALL_BACK, self.prompt_token_ids, self.params)
+
+    # ---- state ------------------------------------------------------------------------------------
+    @property
+    def can_resume(self) -> bool:
+        return self.params.n == 1 and self.accumulator.num_tokens() > 0
+
+    def _next(self, kind: str, token_ids: list[int], params: SamplingParams, target: str | None = None,
+              **continuation) -> Attempt:
+        if self.num_attempts >= self.max_attempts:
+            raise AttemptsExhausted(f"request {self.request_id} failed on {self.num_attempts} attempts")
+        self.num_attempts += 1
+        sub_id = self.request_id if self.num_attempts == 1 else f"{self.request_id}~{self.num_attempts}"
+        request = GenerateRequest(sub_id, token_ids, params, self.priority, **continuation)
+        return Attempt(kind, self.num_attempts, request, target)
+
+
+__all__ = ["Attempt", "AttemptsExhausted", "RequestFlow"]

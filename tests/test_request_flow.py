@@ -1,0 +1,97 @@
+"""The handle's resilience paths as a state machine (``cluster/request_flow.py``): which run
+follows a failure, a migration or a broken disaggregated path, and what it is sent.
+The live paths (a worker killed mid-stream, migration, disaggregation) run in
+``test_distributed.py`` and ``test_distributed_layouts.py``."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.cluster.request_flow import (DISAGGREGATED, FALL_BACK, FIRST, MIGRATE, RESUME, RETRY,
+                                             AttemptsExhausted, RequestFlow)
+from pagedserve.workers.protocol import Migrated, OutputDelta, SampleDelta
+from pagedserve.workers.request import RequestMetrics
+from pagedserve.workers.sampling_params import SamplingParams
+
+PROMPT = [5, 6, 7]
+
+
+def _flow(n: int = 1, max_attempts: int = 5) -> RequestFlow:
+    return RequestFlow("req", "text", PROMPT, SamplingParams(n=n, max_tokens=10, temperature=1.0, seed=1), 0,
+                       max_attempts)
+
+
+def _stream(flow: RequestFlow, index: int, token_ids: list[int]) -> None:
+    flow.accumulator.add(OutputDelta("any", [SampleDelta(index, token_ids, "x" * len(token_ids))], False,
+                                     RequestMetrics(0.0)))
+
+
+def test_first_run_and_a_failure_before_any_token_retries_from_the_prompt():
+    flow = _flow()
+    first = flow.start()
+    assert (first.kind, first.number, first.request.request_id) == (FIRST, 1, "req")
+    assert first.request.prompt_token_ids == PROMPT and not first.is_recompute
+    retry = flow.after_failure()
+    assert (retry.kind, retry.request.request_id) == (RETRY, "req~2")
+    assert retry.request.prompt_token_ids == PROMPT and retry.request.params.max_tokens == 10
+    assert retry.is_recompute
+
+
+def test_a_failure_after_streamed_tokens_resumes_after_them():
+    flow = _flow()
+    flow.start()
+    _stream(flow, 0, [11, 12, 13])
+    resumed = flow.after_failure()
+    assert resumed.kind == RESUME
+    assert resumed.request.prompt_token_ids == PROMPT + [11, 12, 13]
+    assert resumed.request.params.max_tokens == 7
+    # The output runs on: the accumulator kept the tokens, the resumed run adds to them.
+    _stream(flow, 0, [14])
+    assert flow.accumulator.token_ids() == [11, 12, 13, 14]
+
+
+def test_several_samples_cannot_resume_and_start_again():
+    flow = _flow(n=2)
+    flow.start()
+    _stream(flow, 0, [11])
+    _stream(flow, 1, [21])
+    assert not flow.can_resume
+    retry = flow.after_failure()
+    assert retry.kind == RETRY and retry.request.prompt_token_ids == PROMPT
+    assert flow.accumulator.num_tokens(0) == flow.accumulator.num_tokens(1) == 0
+    with pytest.raises(ValueError):
+        flow.resume()
+
+
+def test_a_migration_continues_on_its_target_from_the_transferred_kv():
+    flow = _flow()
+    flow.start()
+    _stream(flow, 0, [11, 12])
+    kv = object()
+    moved = flow.migrate(Migrated("req", "worker-3", kv))
+    assert (moved.kind, moved.target, moved.request.request_id) == (MIGRATE, "worker-3", "req~2")
+    assert moved.request.kv == [kv] and moved.request.output_token_ids == [11, 12]
+    assert moved.request.prompt_token_ids == PROMPT and moved.request.params.max_tokens == 10
+    assert not moved.is_recompute
+
+
+def test_a_broken_disaggregated_run_falls_back_colocated():
+    flow = _flow()
+    assert flow.start(is_disaggregated=True).kind == DISAGGREGATED
+    fallback = flow.fall_back()  # nothing streamed: from the prompt
+    assert fallback.kind == FALL_BACK and fallback.request.prompt_token_ids == PROMPT
+    flow = _flow()
+    flow.start(is_disaggregated=True)
+    _stream(flow, 0, [11])  # the prefill worker's first token reached the caller
+    fallback = flow.fall_back()
+    assert fallback.kind == FALL_BACK and fallback.request.prompt_token_ids == PROMPT + [11]
+    assert fallback.request.params.max_tokens == 9
+
+
+def test_attempts_are_bounded():
+    flow = _flow(max_attempts=3)
+    flow.start()
+    flow.after_failure()
+    flow.after_failure()
+    with pytest.raises(AttemptsExhausted, match="3 attempts"):
+        flow.after_failure()
