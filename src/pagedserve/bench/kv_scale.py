@@ -4,12 +4,13 @@ N simulated workers (``kv_sim.SimulatedKVWorker``: the real worker-side KV
 code, a ``LocalKVManager`` and its event log, driven like an engine with no
 model) run against the real central KV manager actor (``KVManagerService``)
 on a local Ray cluster, several per Ray actor process (``SimWorkerGroup``),
-each paced at ``steps_per_s``. Each worker publishes its event batch every
-``flush_interval_s`` of its own simulated time (every
-``round(flush_interval_s * steps_per_s)`` steps, so a batch carries what it
-would at full speed even when this machine cannot keep the pace), fire and
-forget, off the step; it asks the central manager only when it cannot grow
-(one blocking ``decide_preemption`` call).
+each paced at ``steps_per_s``. Each worker publishes through its own
+``KVPublisher`` (the worker's code, over the Ray transport the cluster uses),
+fire and forget, off the step, every ``flush_interval_s`` of its own
+simulated time (every ``round(flush_interval_s * steps_per_s)`` steps, so a
+batch carries what it would at full speed even when this machine cannot keep
+the pace); it asks the central manager only when it cannot grow (one
+blocking ``decide_preemption`` call).
 
 Measured over ``seconds`` after a warm-up that fills every worker's batch:
 - ``central_cpu_us_per_worker_step``: the central actor process's CPU time
@@ -42,7 +43,7 @@ import json
 import math
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from .kv_sim import Migration, SimulatedKVWorker, SimWorkload
 
@@ -89,31 +90,54 @@ class KVScaleConfig:
         return -(-self.num_workers // self.workers_per_process)
 
 
-@dataclass
-class _Link:
-    """One simulated worker's traffic with the central manager."""
+class _TimedTransport:
+    """``workers.kv_link.RayTransport`` that also notes when each publish's ack arrives
+    (``observe``, polled by the stepping thread between steps), for ``publish_rtt``."""
 
-    num_blocking_calls: int = 0
-    blocking_seconds: float = 0.0
-    num_publishes: int = 0
-    num_resyncs: int = 0
-    pending: list = field(default_factory=list)      # (ObjectRef of an ack not yet read, sent at)
-    steps_since_flush: int = 0
-    last_occupancy: object = None
+    def __init__(self, inner, rtts: list) -> None:
+        self.inner = inner
+        self.rtts = rtts                 # (ack seen at, seconds since sent), shared by the group
+        self._watch: dict = {}           # token -> sent at
+
+    def send(self, method: str, packed: bytes):
+        token = self.inner.send(method, packed)
+        self._watch[token] = time.perf_counter()
+        return token
+
+    def poll(self, tokens: list) -> list:
+        return self.inner.poll(tokens)
+
+    def wait(self, tokens: list, timeout_s: float) -> None:
+        self.inner.wait(tokens, timeout_s)
+
+    def call(self, method: str, packed: bytes, timeout_s: float) -> bytes:
+        return self.inner.call(method, packed, timeout_s)
+
+    def observe(self) -> None:
+        import ray
+
+        if not self._watch:
+            return
+        ready, _ = ray.wait(list(self._watch), num_returns=len(self._watch), timeout=0)
+        now, seen_at = time.perf_counter(), time.time()
+        for token in ready:
+            self.rtts.append((seen_at, now - self._watch.pop(token)))
 
 
 class SimWorkerGroup:
     """Several simulated workers in one process, stepped by one thread at their pace.
 
-    Run as a Ray actor (``ray.remote(SimWorkerGroup)``); its methods are called
-    by the driver while the stepping thread runs, and by other groups to hand
-    over migrated sequences.
+    Each worker publishes through its own ``KVPublisher`` (the worker's code)
+    over the Ray transport the cluster uses. Run as a Ray actor
+    (``ray.remote(SimWorkerGroup)``); its methods are called by the driver
+    while the stepping thread runs, and by other groups to hand over migrated
+    sequences.
     """
 
     def __init__(self, config: KVScaleConfig, worker_ids: list[str], central, groups_by_worker: dict) -> None:
-        import ray
-
-        from pagedserve.kvmanager.preemption import PreemptionDecision, RemotePreemptionPolicy
+        from pagedserve.kvmanager.preemption import RemotePreemptionPolicy
+        from pagedserve.kvmanager.publisher import KVPublisher
+        from pagedserve.workers.kv_link import RayTransport
 
         self.config = config
         self.central = central
@@ -121,25 +145,24 @@ class SimWorkerGroup:
         self.groups: list = []                      # set by connect()
         workload = config.workload()
         prefixes = [workload.prefix(i) for i in range(workload.num_prefixes)]
-        self.links = {w: _Link() for w in worker_ids}
-
-        def remote_call(worker_id: str):
-            link = self.links[worker_id]
-
-            def call(request):
-                start = time.perf_counter()
-                link.num_blocking_calls += 1
-                try:
-                    packed = ray.get(central.decide_preemption.remote(request.pack()), timeout=30)
-                finally:
-                    link.blocking_seconds += time.perf_counter() - start
-                return PreemptionDecision.unpack(packed)
-            return call
-
-        self.workers = {w: SimulatedKVWorker(w, workload, prefixes, RemotePreemptionPolicy(remote_call(w)))
-                        for w in worker_ids}
+        self.publish_rtts: list[tuple[float, float]] = []
+        self.workers: dict[str, SimulatedKVWorker] = {}
+        self.publishers: dict = {}
+        self.transports: dict[str, _TimedTransport] = {}
+        for worker_id in worker_ids:
+            holder: dict = {}
+            policy = RemotePreemptionPolicy(lambda request, h=holder: h["publisher"].decide_preemption(request))
+            worker = SimulatedKVWorker(worker_id, workload, prefixes, policy)
+            transport = _TimedTransport(RayTransport(central), self.publish_rtts)
+            # Age 0: ``maybe_flush`` sends whatever is pending; the loop calls it every
+            # ``flush_every_steps`` steps, i.e. every ``flush_interval_s`` of simulated time.
+            holder["publisher"] = KVPublisher(worker.kv, transport, max_batch_age_s=0.0,
+                                              preemption_timeout_s=30.0)
+            self.workers[worker_id] = worker
+            self.publishers[worker_id] = holder["publisher"]
+            self.transports[worker_id] = transport
         self.flush_every_steps = max(1, round(config.flush_interval_s * config.steps_per_s))
-        self.publish_rtts: list[tuple[float, float]] = []   # (ack seen at, seconds since sent)
+        self.steps_since_flush = {w: 0 for w in worker_ids}
         self.inbox: list[Migration] = []
         self._inbox_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -153,16 +176,10 @@ class SimWorkerGroup:
 
     # ---- setup -----------------------------------------------------------------------
     def register(self) -> bool:
-        """Register every worker with the central manager and send its first snapshot."""
-        import ray
-
-        from pagedserve.kvmanager.events import PublishAck
-
-        for worker_id, worker in self.workers.items():
-            ray.get(self.central.register_worker.remote(worker_id, asdict(worker.pool_config)), timeout=60)
-            ack = PublishAck.unpack(ray.get(self.central.resync.remote(worker.kv.snapshot().pack()), timeout=60))
-            if ack.status != "ok":
-                raise RuntimeError(f"{worker_id}: first snapshot answered {ack.status!r}")
+        """Every worker's first snapshot, which registers it with the central manager."""
+        for worker_id, publisher in self.publishers.items():
+            if not publisher.flush_and_wait(60.0):
+                raise RuntimeError(f"{worker_id}: the central manager did not take the first snapshot")
         return True
 
     def start(self) -> bool:
@@ -186,10 +203,13 @@ class SimWorkerGroup:
     def counters(self) -> dict:
         if self.error:
             raise RuntimeError(self.error)
-        return {w: {**worker.counters.as_dict(), "num_blocking_calls": self.links[w].num_blocking_calls,
-                    "blocking_seconds": self.links[w].blocking_seconds,
-                    "num_publishes": self.links[w].num_publishes, "num_resyncs": self.links[w].num_resyncs}
-                for w, worker in self.workers.items()}
+        out = {}
+        for worker_id, worker in self.workers.items():
+            publisher = self.publishers[worker_id]
+            out[worker_id] = {**worker.counters.as_dict(), "num_blocking_calls": publisher.num_blocking_calls,
+                              "blocking_seconds": publisher.blocking_seconds,
+                              "num_publishes": publisher.num_batches, "num_resyncs": publisher.num_snapshots_sent}
+        return out
 
     def publish_rtts_between(self, start: float, stop: float) -> list[float]:
         """Publish round trips (seconds) whose ack was seen in [start, stop) (``time.time``)."""
@@ -214,26 +234,34 @@ class SimWorkerGroup:
         while not self._stop.is_set():
             self._deliver_inbox()
             now = time.perf_counter()
+            worker_id = min(due, key=due.__getitem__)
             if self._paced:
-                worker_id = min(due, key=due.__getitem__)
                 if due[worker_id] > now:
-                    self._read_all_acks()
+                    self._observe()
                     time.sleep(min(due[worker_id] - now, 0.005))
                     continue
                 # Behind schedule: do not build up a debt to repay in a burst.
                 due[worker_id] = max(due[worker_id] + period, now - period)
             else:
-                worker_id = min(due, key=due.__getitem__)
                 due[worker_id] = now
             worker = self.workers[worker_id]
-            worker.step()
+            try:
+                worker.step()
+            except Exception as exc:
+                raise RuntimeError(f"{worker_id}: {exc!r}; " + "; ".join(
+                    f"{w}: running {[r.seq_id for r in x.running]} waiting {[r.seq_id for r in x.waiting]} "
+                    f"held {sorted(x.kv.block_manager_of_worker.seqs)}" for w, x in self.workers.items())) from exc
             if worker.outbox:
                 self._send_migrations(worker)
-            link = self.links[worker_id]
-            link.steps_since_flush += 1
-            if link.steps_since_flush >= self.flush_every_steps:
-                self.flush(worker_id)
-            self._read_all_acks()
+            self.steps_since_flush[worker_id] += 1
+            if self.steps_since_flush[worker_id] >= self.flush_every_steps:
+                self.steps_since_flush[worker_id] = 0
+                self.publishers[worker_id].maybe_flush()
+            self._observe()
+
+    def _observe(self) -> None:
+        for transport in self.transports.values():
+            transport.observe()
 
     def _deliver_inbox(self) -> None:
         if not self.inbox:
@@ -254,52 +282,6 @@ class SimWorkerGroup:
             else:
                 self.groups[group_index].accept_migrations.remote(migrations)
 
-    def _read_all_acks(self) -> None:
-        for worker_id, link in self.links.items():
-            self._read_acks(worker_id, link)
-
-    def flush(self, worker_id: str) -> None:
-        """Publish what changed since the last flush (fire and forget)."""
-        link = self.links[worker_id]
-        worker = self.workers[worker_id]
-        link.steps_since_flush = 0
-        if worker.event_log.needs_snapshot:
-            self._resync(worker_id)
-            return
-        occupancy = worker.kv.occupancy()
-        if not worker.event_log.num_pending and occupancy == link.last_occupancy:
-            return
-        batch = worker.kv.drain_events()
-        link.last_occupancy = occupancy
-        link.pending.append((self.central.publish.remote(batch.pack()), time.perf_counter()))
-        link.num_publishes += 1
-
-    def _resync(self, worker_id: str) -> None:
-        link = self.links[worker_id]
-        link.pending.append((self.central.resync.remote(self.workers[worker_id].kv.snapshot().pack()),
-                             time.perf_counter()))
-        link.num_resyncs += 1
-
-    def _read_acks(self, worker_id: str, link: _Link) -> None:
-        import ray
-
-        from pagedserve.kvmanager.events import PublishAck
-
-        if not link.pending:
-            return
-        sent_at = dict(link.pending)
-        ready, waiting = ray.wait(list(sent_at), num_returns=len(sent_at), timeout=0)
-        if not ready:
-            return
-        link.pending = [(ref, sent_at[ref]) for ref in waiting]
-        now, seen_at = time.perf_counter(), time.time()
-        needs_resync = False
-        for ref in ready:
-            self.publish_rtts.append((seen_at, now - sent_at[ref]))
-            needs_resync |= PublishAck.unpack(ray.get(ref)).needs_resync
-        if needs_resync:
-            self._resync(worker_id)
-
     # ---- the end -------------------------------------------------------------------------
     def stop(self) -> bool:
         self._stop.set()
@@ -310,19 +292,12 @@ class SimWorkerGroup:
         return True
 
     def final_flush(self) -> list[bytes]:
-        """Deliver pending migrations, publish everything, wait for every ack; then check
+        """Deliver pending migrations, publish everything and wait for every ack; then check
         each pool and return the workers' packed snapshots."""
-        import ray
-
         self._deliver_inbox()
-        for worker_id, link in self.links.items():
-            self.flush(worker_id)
-            ray.get([ref for ref, _ in link.pending], timeout=120)
-            self._read_acks(worker_id, link)
-            ray.get([ref for ref, _ in link.pending], timeout=120)
-            self._read_acks(worker_id, link)
-            if link.pending:
-                raise RuntimeError(f"{worker_id}: the central manager still asks for resyncs")
+        for worker_id, publisher in self.publishers.items():
+            if not publisher.flush_and_wait(120.0):
+                raise RuntimeError(f"{worker_id}: the central manager did not take the final flush")
         snapshots = []
         for worker in self.workers.values():
             worker.check_integrity()
@@ -338,21 +313,6 @@ class SimWorkerGroup:
             occupancy = worker.kv.occupancy()
             used[worker_id] = occupancy["device"].num_used + occupancy["host"].num_used
         return used
-
-
-def _check_consistency(service, packed_snapshots: list[bytes]) -> bool:
-    """Run inside the central actor: its index equals the union of the snapshots."""
-    from pagedserve.kvmanager.events import KVSnapshot
-
-    service.index.check_consistency_with([KVSnapshot.unpack(s) for s in packed_snapshots])
-    service.check_integrity()
-    return True
-
-
-def _clear_lags(service) -> bool:
-    """Run inside the central actor at the start of the measured window."""
-    service._lags_s.clear()
-    return True
 
 
 def _sum_counters(per_group: list[dict]) -> dict:
@@ -404,6 +364,12 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
         groups = [group_cls.remote(config, chunk, central, groups_by_worker) for chunk in chunks]
         ray.get([g.connect.remote(groups) for g in groups], timeout=600)
         ray.get([g.register.remote() for g in groups], timeout=600)
+        # The central process's CPU with nobody calling (Ray's own threads): amortised over
+        # few worker-steps when the simulated workers are slow, so reported apart.
+        ray.get(central.reset_window.remote(), timeout=60)
+        time.sleep(3.0)
+        idle = ray.get(central.stats.remote(), timeout=60)
+        idle_cpu_frac = idle["process_cpu_s"] / idle["uptime_s"]
         log(f"kv-scale: {config.num_workers} simulated workers in {len(groups)} processes, batch {config.batch}, "
             f"context {config.context}; warming up (filling every batch)")
         warm_start = time.perf_counter()
@@ -423,8 +389,8 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
         time.sleep(min(2.0, config.seconds / 4))  # settle into the pace
         log(f"kv-scale: warm after {warmup_s:.0f} s; measuring {config.seconds:.0f} s")
 
+        ray.get(central.reset_window.remote(), timeout=60)
         central_before = ray.get(central.stats.remote(), timeout=60)
-        ray.get(central.__ray_call__.remote(_clear_lags), timeout=60)
         counters_before = _sum_counters(ray.get([g.counters.remote() for g in groups], timeout=60))
         window_start, window_start_wall = time.perf_counter(), time.time()
         time.sleep(config.seconds)
@@ -438,7 +404,8 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
         snapshots = [s for chunk in ray.get([g.final_flush.remote() for g in groups], timeout=600) for s in chunk]
         integrity_errors = []
         try:
-            ray.get(central.__ray_call__.remote(_check_consistency, snapshots), timeout=600)
+            ray.get(central.check_consistency.remote(snapshots), timeout=600)
+            ray.get(central.check_integrity.remote(), timeout=600)
         except Exception as exc:
             integrity_errors.append(f"after the final flush: {exc}")
         del snapshots
@@ -450,7 +417,8 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
             integrity_errors.append(f"blocks still in use after finishing everything: {leaked}")
         snapshots = [s for chunk in ray.get([g.final_flush.remote() for g in groups], timeout=600) for s in chunk]
         try:
-            ray.get(central.__ray_call__.remote(_check_consistency, snapshots), timeout=600)
+            ray.get(central.check_consistency.remote(snapshots), timeout=600)
+            ray.get(central.check_integrity.remote(), timeout=600)
         except Exception as exc:
             integrity_errors.append(f"after finishing everything: {exc}")
         del snapshots
@@ -488,6 +456,8 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
         "window_s": window_s,
         "warmup_s": warmup_s,
         "central_handler_cpu_us_per_worker_step": 1e6 * handler_cpu_s / num_steps,
+        "central_idle_cpu_frac": idle_cpu_frac,
+        "central_cpu_us_per_worker_step_less_idle": 1e6 * max(0.0, cpu_s - idle_cpu_frac * window_s) / num_steps,
         "central_calls_per_worker_step": num_calls / num_steps,
         "event_lag_p50_ms": central_after["event_lag_p50_ms"],
         "publish_rtt_p99_ms": 1e3 * rtts[min(len(rtts) - 1, int(0.99 * len(rtts)))] if rtts else 0.0,
@@ -524,7 +494,9 @@ def format_results(result: dict) -> str:
                      f"{'ok' if check['ok'] else 'MISSED'}")
     lines.append(f"  workers_supported_at_50_steps_per_s = {result['workers_supported_formula']}")
     lines.append(f"  central handler CPU {result['central_handler_cpu_us_per_worker_step']:.1f} us/worker-step "
-                 f"(of {result['central_cpu_us_per_worker_step']:.1f} process CPU), "
+                 f"(of {result['central_cpu_us_per_worker_step']:.1f} process CPU; "
+                 f"{result['central_cpu_us_per_worker_step_less_idle']:.1f} less the process's idle "
+                 f"{100 * result['central_idle_cpu_frac']:.1f}% of a core), "
                  f"{result['central_calls_per_worker_step']:.3f} central calls and "
                  f"{result['events_per_worker_step']:.2f} events per worker-step, lag p50 "
                  f"{result['event_lag_p50_ms']:.1f} ms")
