@@ -82,6 +82,9 @@ class LLMEngine:
         self.step_seconds = 0.0          # model-running steps only, see _record_step_time
         self.decode_step_seconds = 0.0   # steps where every sequence computed one token
         self.num_decode_steps = 0
+        self.decode_kv_seconds = 0.0     # of decode steps' time, inside the KV manager's step
+        self.hook_seconds = 0.0          # step hooks after every step (a worker's KV event flush)
+        self.num_step_calls = 0
 
     # ---- set-up -------------------------------------------------------------------
     def _eos_token_ids(self) -> list[int]:
@@ -271,8 +274,11 @@ class LLMEngine:
         try:
             return self._step()
         finally:
+            start = time.perf_counter()
             for hook in self.step_hooks:
                 hook()
+            self.hook_seconds += time.perf_counter() - start
+            self.num_step_calls += 1
 
     def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
@@ -340,6 +346,7 @@ class LLMEngine:
         self.step_seconds += elapsed
         if all(sched.num_tokens == 1 for _, sched in plan.scheduled):
             self.decode_step_seconds += elapsed
+            self.decode_kv_seconds += self.scheduler.last_kv_seconds
             self.num_decode_steps += 1
 
     def _migrate(self, seq: Sequence, target: str) -> RequestOutput:
@@ -527,6 +534,11 @@ class LLMEngine:
                                     if self.num_decode_steps else 0.0),
             "grammar_seconds": self.grammar_seconds,
             "step_seconds": self.step_seconds,
+            # The KV share of steps: time in the KV manager's step, and in the step hooks.
+            "kv_seconds": self.scheduler.kv_seconds,
+            "decode_kv_seconds": self.decode_kv_seconds,
+            "step_hook_seconds": self.hook_seconds,
+            "num_step_calls": self.num_step_calls,
         })
         if self._grammar_compiler is not None:
             stats["num_grammars_compiled"] = self._grammar_compiler.num_compiled

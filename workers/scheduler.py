@@ -9,6 +9,7 @@ finished sequences) rides along in that one call.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -52,6 +53,10 @@ class Scheduler:
         # The worker is leaving: the KV manager migrates its running sequences away.
         self.is_draining = False
         self.num_preemptions = {"swap": 0, "recompute": 0, "migrate": 0}
+        # Time inside the KV manager's step (the local plan; in a cluster, any blocking
+        # preemption call too): the last step's and the total.
+        self.last_kv_seconds = 0.0
+        self.kv_seconds = 0.0
         self.num_drain_migrations = 0
 
     # ---- changes since the last step ------------------------------------------
@@ -117,12 +122,16 @@ class Scheduler:
                                      if s.request.params.n == 1 and not s.request.export_kv
                                      and not s.request.needs_prompt_logprobs]
             step_input.is_draining = self.is_draining
+        kv_start = time.perf_counter()
         try:
             kv_output = self.kv_step(step_input)
         except BaseException:
             # A refused step changed nothing: keep its changes for the next try.
             self._pending = step_input
             raise
+        finally:
+            self.last_kv_seconds = time.perf_counter() - kv_start
+            self.kv_seconds += self.last_kv_seconds
 
         by_id = {s.seq_id: s for s in self.running}
         by_id.update((s.seq_id, s) for s in self.waiting)
