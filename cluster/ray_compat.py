@@ -161,6 +161,20 @@ def validate_launcher_config(config: dict) -> dict:
     return prepared
 
 
+def validate_autoscaler_config(config: dict) -> None:
+    """Check a cluster file the way the autoscaler of ``ray start --head
+    --autoscaling-config=FILE`` reads it: Ray's schema only, no defaults filled
+    in (the file must be complete), raises on an invalid one.
+
+    Private (``ray.autoscaler._private.util``), as above. ``prepare_config``
+    is not run: for the fake multi-node provider it loads a defaults file the
+    wheel does not ship, and the running autoscaler never calls it either.
+    """
+    from ray.autoscaler._private.util import validate_config
+
+    validate_config(config)
+
+
 def session_logs_dir() -> Path:
     """The connected Ray session's log directory (on this machine).
 
