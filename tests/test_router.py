@@ -124,3 +124,26 @@ def test_status_shows_blocks_in_use_as_kv_used():
     header, row = lines[1], lines[2]
     column = header.index("kv used")
     assert row[column - 1:column + len("kv used")].strip() == "25.0%"
+
+
+def test_the_gate_reads_the_central_occupancy_fed_by_events():
+    """The handle feeds the gate from the central manager's stats, which hold each
+    worker's occupancy as its last event batch reported it."""
+    from dataclasses import asdict
+
+    from pagedserve.kvmanager.events import EventLog, PublishAck
+    from pagedserve.kvmanager.local_manager import LocalKVManager
+    from pagedserve.kvmanager.service import KVManagerService
+
+    central = KVManagerService()
+    local = LocalKVManager(event_log=EventLog("w0"))
+    config = PoolConfig(num_device_blocks=400, block_size=16, max_model_len=4096)
+    local.add_worker("w0", config)
+    central.register_worker("w0", asdict(config))
+    assert PublishAck.unpack(central.resync(local.snapshot().pack())).status == "ok"
+    prompts = [NewSequence(f"s{i}", [i + 3] * 1024) for i in range(3)]
+    local.step(StepInput("w0", waiting=[p.seq_id for p in prompts], new_sequences=prompts, token_budget=4096))
+    local.step(StepInput("w0", finished=["s2"]))   # its 64 blocks stay cached, and count as free
+    assert PublishAck.unpack(central.publish(local.drain_events().pack())).status == "ok"
+    frac = kv_blocks_used_frac(central.stats()["workers"]["w0"])
+    assert frac == pytest.approx(128 / 400) == pytest.approx(kv_blocks_used_frac(local.stats("w0")))
