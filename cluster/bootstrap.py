@@ -12,9 +12,10 @@ from pagedserve.workers.model_support import check_servable_config
 from pagedserve.workers.worker import stall_timeout_s
 
 from . import ray_compat
-from .config import ClusterConfig, ConfigError, EngineOptions, load_config
+from .config import ClusterConfig, load_config
 from .controller import CONTROLLER_NAME, ClusterController
 from .handle import ClusterHandle
+from .worker_pool import group_engine_config, worker_actor_name
 
 logger = logging.getLogger("pagedserve.cluster")
 
@@ -23,7 +24,7 @@ KV_MANAGER_NAME = "pagedserve-kv-manager"
 
 
 def worker_name(index: int) -> str:
-    return f"pagedserve-worker-{index}"
+    return worker_actor_name(index)
 
 
 def _coerce_config(config: ClusterConfig | dict | str | Path | None) -> ClusterConfig:
@@ -99,10 +100,6 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
 
     config = _coerce_config(config)
     ready_timeout_s = ready_timeout_s or config.worker_ready_timeout_s
-    for index, group in enumerate(config.workers):
-        if group.autoscaling is not None:
-            raise ConfigError(f"workers.{index}.autoscaling: elastic worker groups are validated but not "
-                              "started by this version yet; use count")
     # Here (the head node): config and tokenizer only; every worker fetches the weights itself.
     model_path = config.model.resolve_path()
     model_source = config.model.source().to_dict()
@@ -118,12 +115,10 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
         num_cpus=config.kv_manager_num_cpus, **ray_compat.head_node_placement()).remote()
     ray.get(kv_manager.get_incarnation.remote(), timeout=ready_timeout_s)
 
-    workers, roles = {}, {}
+    workers, roles, groups = {}, {}, {}
     index = 0
-    for group in config.workers:
-        options = config.engine.model_copy(update=EngineOptions.model_validate(
-            {**config.engine.model_dump(), **group.engine}).model_dump())
-        engine_dict = options.to_engine_config(model_path).model_dump()
+    for group_index, group in enumerate(config.workers):
+        engine_dict = group_engine_config(config, group, model_path)
         for _ in range(group.min_workers):
             worker_id = f"worker-{index}"
             handle = worker_cls.options(
@@ -134,6 +129,7 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
                      model_source=model_source)
             workers[worker_id] = handle
             roles[worker_id] = group.role
+            groups[worker_id] = group_index
             index += 1
     start_time = time.time()
     try:
@@ -147,10 +143,14 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
                 pass
         raise
     logger.info("pagedserve: %d workers ready in %.1f s", len(infos), time.time() - start_time)
-    # The one health monitor of the cluster, whatever the number of ingress replicas.
+    # The one health monitor of the cluster, whatever the number of ingress replicas; it also
+    # owns the worker set from here on (elastic groups grow and shrink there).
+    pool = {"config": config.model_dump(mode="json"), "model_path": model_path, "model_source": model_source,
+            "kv_manager": kv_manager, "namespace": NAMESPACE, "groups": groups}
     controller = controller_cls.options(
         name=CONTROLLER_NAME, namespace=NAMESPACE, max_restarts=-1, max_task_retries=0, num_cpus=0,
-        **ray_compat.head_node_placement()).remote(workers, roles, stall_timeout_s(config.step_timeout_s))
+        max_concurrency=16, **ray_compat.head_node_placement()).remote(
+            workers, roles, stall_timeout_s(config.step_timeout_s), pool=pool)
     try:
         ray.get(controller.ping.remote(), timeout=ready_timeout_s)
     except BaseException:

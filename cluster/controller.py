@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from .health import WorkerHealth
 from .router import Router
+from .worker_pool import WorkerPool
 
 logger = logging.getLogger("pagedserve.cluster")
 
@@ -53,10 +54,16 @@ class ClusterController:
     """
 
     def __init__(self, workers: dict, roles: dict[str, str], stall_timeout_s: float,
-                 probe_interval_s: float = 0.25) -> None:
+                 probe_interval_s: float = 0.25, pool: dict | None = None) -> None:
         self.roles = dict(roles)
         self.health = WorkerHealth(dict(workers), None, stall_timeout_s, probe_interval_s)
         self.health.start()
+        # The worker set and elastic groups' scaling (``worker_pool.WorkerPool``): ``pool`` holds
+        # its arguments. Workers it adds or retires are watched or forgotten here.
+        self.pool = None
+        if pool is not None:
+            self.pool = WorkerPool(**pool, workers=workers, on_ready=self.add_worker,
+                                   on_gone=self.remove_worker)
 
     def report(self) -> HealthReport:
         """Which workers are routable now, and what is known of each."""
@@ -85,8 +92,24 @@ class ClusterController:
     def ping(self) -> int:
         return os.getpid()
 
+    # ---- the worker set (``worker_pool.WorkerPool``) ----------------------------------------
+    def membership(self, known_version: int = -1) -> dict | None:
+        """Workers that take or hold requests, with states; None if unchanged since ``known_version``."""
+        return self.pool.membership(known_version) if self.pool else None
+
+    def worker_states(self) -> dict:
+        """Every worker (starting, ready, draining, dead) with its state; counts; recent scaling decisions."""
+        return self.pool.status() if self.pool else {"workers": {}, "counts": {}, "decisions": []}
+
+    def drain_worker(self, worker_id: str) -> bool:
+        """Drain one ready worker now (tests, maintenance): its sequences migrate, then it goes."""
+        return self.pool.drain(worker_id) if self.pool else False
+
     def shutdown(self) -> None:
+        """Stop watching and stop every worker the pool started."""
         self.health.stop()
+        if self.pool is not None:
+            self.pool.shutdown()
 
 
 class HealthView:

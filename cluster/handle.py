@@ -35,6 +35,8 @@ from .stats import gather_stats_sync, kv_manager_stats
 
 logger = logging.getLogger("pagedserve.cluster")
 
+MEMBERSHIP_REFRESH_S = 0.5
+
 
 class NoCapacityError(RuntimeError):
     """No live worker can take the request (retryable)."""
@@ -72,6 +74,9 @@ class ClusterHandle:
         self.model_name = config.model.served_name
         self.max_model_len = info["max_model_len"]
         self.owns_ray = owns_ray
+        # The worker set as of the controller's membership version (-1: as ``start`` made it).
+        self.states = {w: "ready" for w in self.workers}
+        self._membership_version = -1
         self._init_local_state()
 
     def _init_local_state(self) -> None:
@@ -81,6 +86,7 @@ class ClusterHandle:
         self._tokenizer = None
         self._ids = itertools.count()
         self._utilization_refreshed = 0.0
+        self._membership_refreshed = 0.0
         self._num_resumed = 0
         self._num_migrated = 0
         self._num_recomputed_tokens = 0
@@ -96,6 +102,52 @@ class ClusterHandle:
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._init_local_state()
+
+    # ---- the worker set -------------------------------------------------------------
+    def _apply_membership(self, membership: dict) -> None:
+        """Take the controller's worker set: every member but the draining ones is routed to
+        (liveness comes from the health view); draining ones finish or hand over what they
+        hold; departed ones are forgotten."""
+        entries = membership["workers"]
+        self.workers = {w: e["actor"] for w, e in entries.items()}
+        self.roles = {w: e["role"] for w, e in entries.items()}
+        self.states = {w: e["state"] for w, e in entries.items()}
+        self.router.set_workers([w for w, e in entries.items() if e["state"] != "draining"])
+        self._membership_version = membership["version"]
+
+    async def refresh_workers(self, force: bool = False) -> None:
+        """Follow the worker set's changes (at most twice a second unless ``force``)."""
+        now = time.time()
+        if not force and now - self._membership_refreshed < MEMBERSHIP_REFRESH_S:
+            return
+        self._membership_refreshed = now
+        try:
+            membership = await asyncio.wait_for(self.controller.membership.remote(self._membership_version),
+                                                timeout=self.config.step_timeout_s)
+        except Exception as exc:  # keep routing over the last known set
+            logger.warning("cluster controller did not answer (%r); keeping the last worker set", exc)
+            return
+        if membership is not None:
+            self._apply_membership(membership)
+
+    def refresh_workers_sync(self) -> None:
+        import ray
+
+        self._membership_refreshed = time.time()
+        membership = ray.get(self.controller.membership.remote(self._membership_version),
+                             timeout=self.config.step_timeout_s)
+        if membership is not None:
+            self._apply_membership(membership)
+
+    def routable_workers(self) -> set[str]:
+        """Workers that are not draining and whose heartbeat is good."""
+        return self.health.alive_workers() & {w for w, state in self.states.items() if state != "draining"}
+
+    def worker_states(self) -> dict:
+        """Every worker the cluster has had (starting, ready, draining, dead) with its state."""
+        import ray
+
+        return ray.get(self.controller.worker_states.remote(), timeout=self.config.step_timeout_s)
 
     @property
     def tokenizer(self):
@@ -130,6 +182,7 @@ class ClusterHandle:
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this model's maximum "
                              f"context is {self.max_model_len} tokens, including at least one output token")
+        await self.refresh_workers()
         await self._refresh_utilization()
         flow = RequestFlow(request_id, text, prompt_token_ids, params, priority,
                            max_attempts=2 * len(self.workers) + 3)
@@ -190,8 +243,12 @@ class ClusterHandle:
         request = attempt.request
         num_tokens, max_tokens = len(request.prompt_token_ids), request.params.max_tokens
         if attempt.kind == MIGRATE:
+            if attempt.target not in self.workers:  # a worker that joined since the last refresh
+                await self.refresh_workers(force=True)
+            # Where the KV manager made room; any routable worker if this handle does not know it.
             decision = self.router.choose(request.request_id, num_tokens, max_tokens, {},
-                                          set(self.workers) - {attempt.target})
+                                          set(self.router.loads) - {attempt.target}
+                                          if attempt.target in self.router.loads else set())
         else:
             if attempt.is_recompute:
                 self._num_recomputed_tokens += num_tokens
@@ -311,11 +368,12 @@ class ClusterHandle:
         """Return once a worker outside ``excluded`` is alive; wait up to the stall
         timeout for a restart, then raise ``NoCapacityError`` (a retryable 503)."""
         deadline = time.time() + self.health.stall_timeout_s
-        while not (self.health.alive_workers() - excluded):
+        while not (self.routable_workers() - excluded):
             if time.time() > deadline:
                 self._num_no_capacity += 1
                 raise NoCapacityError(f"no live worker can take request {request_id}")
             await asyncio.sleep(0.1)
+            await self.refresh_workers()
 
     async def abort(self, request_id: str) -> None:
         for worker in self.workers.values():
@@ -388,6 +446,7 @@ class ClusterHandle:
 
         deadline = time.time() + timeout
         while time.time() < deadline:
+            self.refresh_workers_sync()
             busy = sum(ray.get([w.num_unfinished.remote() for w in self.workers.values()], timeout=timeout))
             if busy == 0 and self.num_used_blocks() == 0:
                 return
@@ -399,7 +458,11 @@ class ClusterHandle:
         import ray
 
         self.health.stop()
-        for actor in [self.controller, *self.workers.values()]:  # the controller first: no restarts
+        try:  # the controller first: it restarts nothing more, and stops the workers it started
+            ray.get(self.controller.shutdown.remote(), timeout=30)
+        except Exception:
+            pass
+        for actor in [self.controller, *self.workers.values()]:
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:

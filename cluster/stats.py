@@ -15,7 +15,9 @@ The snapshot::
                       central figures (fed by KV events, lagging a little) completed by
                       each worker's own pool statistics (its "kv_pool", the source of truth)
     workers           worker id -> that engine's stats ({"worker_id", "is_healthy": False,
-                      "error"} when it did not answer)
+                      "error"} when it did not answer) and its "state" (starting, ready,
+                      draining, dead: every worker the cluster controller knows)
+    scaling           worker counts per state and the elastic groups' recent decisions
     router            this process's router: loads, liveness, reasons
     recent_decisions  its last routing decisions
     health            the cluster controller's liveness per worker, as this process last read it
@@ -61,6 +63,25 @@ def with_worker_pools(kv_stats: dict, workers: dict[str, dict]) -> dict:
     return {**kv_stats, "workers": {w: pool for w, pool in pools.items() if pool}}
 
 
+async def worker_states(handle) -> dict:
+    """Every worker the cluster controller knows, with its state (starting, ready, draining,
+    dead), per-state counts and recent scaling decisions; the handle's worker set refreshed."""
+    controller = getattr(handle, "controller", None)
+    if controller is None:
+        return {}
+    await handle.refresh_workers(force=True)
+    return await controller.worker_states.remote()
+
+
+def with_states(workers: dict[str, dict], states: dict) -> dict[str, dict]:
+    """Engine stats per worker, each with its ``state``; workers without engine stats (starting,
+    dead) appear with what the controller knows of them."""
+    merged = dict(workers)
+    for worker_id, record in (states or {}).get("workers", {}).items():
+        merged[worker_id] = {**record, **workers.get(worker_id, {}), "state": record["state"]}
+    return merged
+
+
 def local_figures(handle) -> dict:
     """What this process knows without asking anyone: routing, liveness, request counters."""
     router = handle.router
@@ -82,6 +103,7 @@ async def gather_stats(handle, timeout_s: float = STATS_TIMEOUT_S, block_map_cel
             errors.append(f"{what}: {exc!r}"[:300])
             return None
 
+    states = await ask(worker_states(handle), "worker states")
     worker_ids = list(handle.workers)
     asks = [ask(kv_manager_stats(handle), "KV manager stats"),
             *(ask(worker_stats(handle, w), f"{w} stats") for w in worker_ids)]
@@ -97,7 +119,9 @@ async def gather_stats(handle, timeout_s: float = STATS_TIMEOUT_S, block_map_cel
         kv_stats = {"error": _error_of(errors, "KV manager stats")}
     snapshot = {"time": time.time(), "model": handle.model_name,
                 "kv_manager": with_worker_pools(kv_stats, workers),
-                "workers": workers, **local_figures(handle)}
+                "workers": with_states(workers, states),
+                "scaling": {k: (states or {}).get(k) for k in ("counts", "decisions")},
+                **local_figures(handle)}
     if block_map_cells is not None:
         maps = results[1 + len(worker_ids):]
         snapshot["block_maps"] = {w: m for w, m in zip(worker_ids, maps) if m is not None}

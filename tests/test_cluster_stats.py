@@ -86,7 +86,7 @@ def test_the_snapshot_holds_every_source():
     stats = asyncio.run(cluster_stats.gather_stats(FakeHandle(), block_map_cells=64))
     assert set(stats) == {"time", "model", "kv_manager", "workers", "router", "recent_decisions", "health",
                           "num_resumed", "num_migrated", "num_recomputed_tokens", "num_no_capacity",
-                          "block_maps", "errors"}
+                          "block_maps", "errors", "scaling"}
     assert stats["errors"] == [] and stats["model"] == "fake-model"
     assert set(stats["kv_manager"]["workers"]) == {"w0", "w1"} == set(stats["workers"]) == set(stats["block_maps"])
     assert stats["workers"]["w1"]["num_running"] == 2 and stats["num_resumed"] == 3

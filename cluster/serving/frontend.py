@@ -438,8 +438,9 @@ class Frontend:
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.max_model_len)])
 
-    async def is_healthy(self, timeout_s: float = 2.0) -> bool:
-        """True if at least one worker answers a ping within ``timeout_s``."""
+    async def health(self, timeout_s: float = 2.0) -> dict:
+        """``is_healthy``: at least one routable worker answers a ping within ``timeout_s``;
+        ``workers``: how many are starting, ready, draining and dead."""
         async def ping(worker) -> bool:
             try:
                 await asyncio.wait_for(worker.ping.remote(), timeout_s)
@@ -447,7 +448,21 @@ class Frontend:
             except Exception:
                 return False
 
-        return any(await asyncio.gather(*(ping(w) for w in self.handle.workers.values())))
+        handle = self.handle
+        if hasattr(handle, "refresh_workers"):
+            await handle.refresh_workers()
+        states = getattr(handle, "states", {})
+        routable = [w for w in handle.workers if states.get(w) != "draining"]
+        answers = await asyncio.gather(*(ping(handle.workers[w]) for w in routable))
+        try:
+            counts = (await asyncio.wait_for(handle.controller.worker_states.remote(), timeout_s))["counts"]
+        except Exception:  # no controller answer: what this replica saw
+            counts = {"ready": sum(answers)}
+        return {"is_healthy": any(answers), "workers": counts}
+
+    async def is_healthy(self, timeout_s: float = 2.0) -> bool:
+        """True if at least one routable worker answers a ping within ``timeout_s``."""
+        return (await self.health(timeout_s))["is_healthy"]
 
     async def stats(self) -> dict:
         """The cluster's stats (``gather_stats``) plus this replica's admission figures."""

@@ -233,9 +233,10 @@ def build_app(server: Frontend):
 
     @app.get("/health")
     async def health():
-        if await server.is_healthy():
-            return {"status": "ok", "model": server.model_name}
-        return _json_response({"status": "unavailable", "model": server.model_name}, 503)
+        health = await server.health()
+        body = {"status": "ok" if health["is_healthy"] else "unavailable", "model": server.model_name,
+                "workers": health["workers"]}  # starting / ready / draining / dead
+        return body if health["is_healthy"] else _json_response(body, 503)
 
     @app.get("/metrics")
     async def metrics():

@@ -1,0 +1,378 @@
+"""The cluster's worker set: which workers exist, their states, and elastic groups' sizes.
+
+Runs inside the cluster controller (``controller.ClusterController``), one
+per cluster. It adopts the workers ``bootstrap.start`` started (each group's
+``count``, or ``autoscaling.min_replicas``); for an elastic group it then asks
+a ``ScalingPolicy`` twice a second how many workers the load wants and acts:
+
+- **Growing** creates worker actors with the group's resources. When no
+  node has those resources, the actor waits and Ray's autoscaler adds a
+  node for it (its pending resource demand is what the autoscaler reads);
+  there is no node management here. The worker loads its model, registers
+  with the KV manager and becomes ``ready`` once it answers ``info``;
+  handles then route to it.
+- **Shrinking** cancels starting workers first, then marks the chosen ready
+  workers ``draining`` and calls ``Worker.drain``: handles stop routing to
+  them and the KV manager migrates their running sequences to other
+  workers. A drained worker goes once it has no request, no unfetched
+  migration export and no block in use; then it leaves the KV manager's
+  accounting and its actor is killed, so Ray's autoscaler can remove the
+  idle node.
+
+States: ``starting`` -> ``ready`` -> ``draining`` -> ``dead``; a ready
+worker that stops answering is ``dead`` until it answers again (Ray
+restarts it). Handles read ``membership`` (versioned) to follow changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+from .config import ClusterConfig, EngineOptions, WorkerGroup
+from .scaling_policy import ScalingPolicy
+
+logger = logging.getLogger("pagedserve.cluster")
+
+STATES = ("starting", "ready", "draining", "dead")
+CONTROL_INTERVAL_S = 0.5
+# A draining worker stays at least this long, so that every handle has seen it
+# leave the routing set before its actor goes.
+DRAIN_GRACE_S = 2.0
+# An elastic group stops replacing workers that fail to start after this many in a row.
+MAX_START_FAILURES = 3
+START_FAILED = "could not start"
+
+
+def group_engine_config(config: ClusterConfig, group: WorkerGroup, model_path: str) -> dict:
+    """The engine config (a plain dict) of a worker of ``group``: the cluster's engine
+    options with the group's overrides."""
+    options = config.engine.model_copy(update=EngineOptions.model_validate(
+        {**config.engine.model_dump(), **group.engine}).model_dump())
+    return options.to_engine_config(model_path).model_dump()
+
+
+def worker_actor_name(index: int) -> str:
+    """The named actor of worker ``worker-<index>``."""
+    return f"pagedserve-worker-{index}"
+
+
+@dataclass
+class WorkerRecord:
+    """One worker as the pool knows it. Plain data but for ``actor``."""
+
+    worker_id: str
+    group: int
+    role: str
+    state: str = "starting"
+    actor: Any = None
+    created_at: float = field(default_factory=time.time)
+    state_since: float = field(default_factory=time.time)
+    node_id: str | None = None
+    reason: str | None = None              # why dead, or the last error
+    num_ongoing: int = 0                   # requests on it at the last poll
+    num_drain_migrations: int = 0          # sequences it handed over while draining
+    is_drained: bool = False               # draining, and nothing left on it at the last poll
+    is_gone: bool = False                  # drained, cancelled or failed to start: never back
+    info: dict | None = None
+
+    def public(self) -> dict:
+        data = asdict(self)
+        del data["actor"], data["info"]
+        return data
+
+
+class WorkerPool:
+    """The worker set of one pagedserve cluster, with its control loop (a daemon thread).
+
+    ``config`` is a ``ClusterConfig`` dump, ``model_path`` the head node's
+    local copy (for engine configs), ``model_source`` what each worker
+    resolves on its own node. ``workers`` are the ready workers ``start``
+    brought up (id -> actor) and ``groups`` their group indices.
+    ``on_ready(worker_id, actor, role)`` and ``on_gone(worker_id)`` tell the
+    owner (the controller's heartbeat monitor) when workers join and leave.
+    """
+
+    def __init__(self, config: dict, model_path: str, model_source: dict, kv_manager, namespace: str,
+                 workers: dict, groups: dict[str, int],
+                 on_ready: Callable[[str, Any, str], None] = lambda *_: None,
+                 on_gone: Callable[[str], None] = lambda _: None,
+                 control_interval_s: float = CONTROL_INTERVAL_S) -> None:
+        import ray
+
+        from pagedserve.workers.worker import Worker
+
+        self.config = ClusterConfig.model_validate(config)
+        self.model_path = model_path
+        self.model_source = model_source
+        self.kv_manager = kv_manager
+        self.namespace = namespace
+        self.on_ready = on_ready
+        self.on_gone = on_gone
+        self.control_interval_s = control_interval_s
+        self.worker_cls = ray.remote(Worker)
+        self.records: dict[str, WorkerRecord] = {}
+        self.version = 0
+        self.policies = {index: ScalingPolicy(group.autoscaling)
+                         for index, group in enumerate(self.config.workers) if group.autoscaling}
+        self.num_start_failures = {index: 0 for index in range(len(self.config.workers))}
+        self.decisions: list[dict] = []
+        self._info_refs: dict[str, Any] = {}
+        self._status_refs: dict[str, tuple[Any, float]] = {}
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        for worker_id, actor in workers.items():
+            group = groups.get(worker_id, 0)
+            self.records[worker_id] = WorkerRecord(worker_id, group, self.config.workers[group].role,
+                                                   state="ready", actor=actor)
+        self._next_index = len(workers)
+        self._thread = threading.Thread(target=self._run, name="pagedserve-worker-pool", daemon=True)
+        self._thread.start()
+
+    # ---- queries (what handles, bootstrap and status read) ---------------------------------
+    def membership(self, known_version: int = -1) -> dict | None:
+        """Workers that started and are not gone (ready, draining, or dead while Ray restarts
+        them), with actor handles and states; None if nothing changed since ``known_version``."""
+        with self._lock:
+            if known_version == self.version:
+                return None
+            return {"version": self.version,
+                    "workers": {w: {"actor": r.actor, "role": r.role, "state": r.state, "info": r.info}
+                                for w, r in self.records.items() if r.state != "starting" and not r.is_gone}}
+
+    def status(self) -> dict:
+        """Every worker with its state (plain data), per-state counts and recent decisions."""
+        with self._lock:
+            workers = {w: r.public() for w, r in self.records.items()}
+            counts = {state: sum(1 for r in self.records.values() if r.state == state) for state in STATES}
+            return {"version": self.version, "workers": workers, "counts": counts,
+                    "decisions": list(self.decisions[-20:])}
+
+    # ---- the control loop -----------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.wait(self.control_interval_s):
+            try:
+                self.control_step()
+            except Exception:  # never let the loop die; the next tick tries again
+                logger.exception("worker pool: control step failed")
+
+    def control_step(self) -> None:
+        """Notice started workers, poll the others' load, scale elastic groups, retire drained ones."""
+        self._collect_started()
+        self._poll_load()
+        now = time.monotonic()
+        for index, policy in self.policies.items():
+            with self._lock:
+                mine = [r for r in self.records.values() if r.group == index]
+                ongoing = {r.worker_id: r.num_ongoing for r in mine if r.state in ("ready", "draining")}
+                starting = [r.worker_id for r in mine if r.state == "starting"]
+                draining = [r.worker_id for r in mine if r.state == "draining"]
+            decision = policy.tick(now, ongoing, starting, draining)
+            if decision.is_noop:
+                continue
+            self._note_decision(index, decision)
+            if self.num_start_failures[index] >= MAX_START_FAILURES and decision.num_to_start:
+                logger.error("worker pool: group %d: %d workers failed to start in a row; not starting more",
+                             index, self.num_start_failures[index])
+            else:
+                for _ in range(decision.num_to_start):
+                    self._start_worker(index)
+            for worker_id in decision.to_remove:
+                self._remove(worker_id)
+        self._retire_drained()
+
+    def _note_decision(self, group: int, decision) -> None:
+        entry = {"time": time.time(), "group": group, "num_current": decision.num_current,
+                 "num_desired": decision.num_desired, "num_to_start": decision.num_to_start,
+                 "to_remove": list(decision.to_remove)}
+        logger.info("worker pool: group %d: %s", group, entry)
+        with self._lock:
+            self.decisions.append(entry)
+            del self.decisions[:-100]
+
+    def _start_worker(self, group_index: int) -> str:
+        group = self.config.workers[group_index]
+        engine_dict = group_engine_config(self.config, group, self.model_path)
+        with self._lock:
+            index = self._free_index()
+            worker_id = f"worker-{index}"
+            actor = self.worker_cls.options(
+                name=worker_actor_name(index), namespace=self.namespace, max_restarts=-1, max_task_retries=0,
+                max_concurrency=1000, num_cpus=group.num_cpus, num_gpus=group.num_gpus,
+                resources=group.resources or None,
+            ).remote(worker_id, engine_dict, self.kv_manager, group.role, self.config.step_timeout_s,
+                     model_source=self.model_source)
+            self.records[worker_id] = WorkerRecord(worker_id, group_index, group.role, actor=actor)
+            self._info_refs[worker_id] = actor.info.remote()
+        logger.info("worker pool: starting %s (group %d)", worker_id, group_index)
+        return worker_id
+
+    def _free_index(self) -> int:
+        """The next worker index whose actor name is free (a restarted controller may find
+        workers it started before still running)."""
+        import ray
+
+        while True:
+            index = self._next_index
+            self._next_index += 1
+            try:
+                ray.get_actor(worker_actor_name(index), namespace=self.namespace)
+            except ValueError:
+                return index
+
+    def _set_state(self, record: WorkerRecord, state: str, reason: str | None = None,
+                   is_gone: bool = False) -> None:
+        with self._lock:
+            record.is_gone = record.is_gone or is_gone
+            record.state = state
+            record.state_since = time.time()
+            if reason is not None:
+                record.reason = reason
+            self.version += 1
+
+    def _collect_started(self) -> None:
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        with self._lock:
+            pending = dict(self._info_refs)
+        if not pending:
+            return
+        ready, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=0)
+        by_ref = {ref: w for w, ref in pending.items()}
+        for ref in ready:
+            worker_id = by_ref[ref]
+            with self._lock:
+                self._info_refs.pop(worker_id, None)
+                record = self.records[worker_id]
+            if record.state != "starting":
+                continue  # cancelled meanwhile
+            try:
+                info = ray.get(ref)
+            except (RayActorError, RayTaskError) as exc:
+                self.num_start_failures[record.group] += 1
+                self._set_state(record, "dead", f"{START_FAILED}: {_last_line(exc)}", is_gone=True)
+                logger.error("worker pool: %s could not start: %s", worker_id, record.reason)
+                continue
+            self.num_start_failures[record.group] = 0
+            with self._lock:
+                record.info = info
+                record.node_id = info.get("node_id")
+            self._set_state(record, "ready")
+            self.on_ready(worker_id, record.actor, record.role)
+            logger.info("worker pool: %s ready on node %s", worker_id, record.node_id)
+
+    def _poll_load(self) -> None:
+        """Read each ready or draining worker's ``drain_status`` (sent last tick), send the next."""
+        import ray
+
+        with self._lock:
+            live = {w: r for w, r in self.records.items() if r.state != "starting" and not r.is_gone}
+        now = time.time()
+        for worker_id, record in live.items():
+            probe = self._status_refs.get(worker_id)
+            if probe is not None:
+                ref, sent_at = probe
+                done, _ = ray.wait([ref], timeout=0)
+                if not done:
+                    if now - sent_at > 2 * self.config.step_timeout_s and record.state == "ready":
+                        self._set_state(record, "dead", "not answering")
+                    continue
+                del self._status_refs[worker_id]
+                try:
+                    status = ray.get(ref)
+                except Exception as exc:
+                    if record.state == "ready":
+                        self._set_state(record, "dead", f"failed: {type(exc).__name__}")
+                    continue
+                with self._lock:
+                    record.num_ongoing = status["num_unfinished"]
+                    record.num_drain_migrations = status["num_drain_migrations"]
+                    record.is_drained = (status["is_draining"] and status["num_unfinished"] == 0
+                                         and status["num_held_exports"] == 0)
+                if record.state == "dead":
+                    record.reason = None
+                    self._set_state(record, "ready")  # Ray restarted it
+            self._status_refs[worker_id] = (record.actor.drain_status.remote(), now)
+
+    def _remove(self, worker_id: str) -> None:
+        """Cancel a starting worker, or start draining a ready one."""
+        import ray
+
+        with self._lock:
+            record = self.records[worker_id]
+        if record.state == "starting":
+            with self._lock:
+                self._info_refs.pop(worker_id, None)
+            self._set_state(record, "dead", "cancelled while starting", is_gone=True)
+            ray.kill(record.actor, no_restart=True)
+            logger.info("worker pool: cancelled %s", worker_id)
+            return
+        record.is_drained = False
+        self._set_state(record, "draining")
+        record.actor.drain.remote()
+        logger.info("worker pool: draining %s (%d ongoing requests)", worker_id, record.num_ongoing)
+
+    def _retire_drained(self) -> None:
+        """Drained workers with nothing left leave the KV manager's accounting and go."""
+        import ray
+
+        with self._lock:
+            done = [r for r in self.records.values() if r.state == "draining" and r.is_drained
+                    and time.time() - r.state_since >= DRAIN_GRACE_S]
+        for record in done:
+            try:
+                num_used = ray.get(self.kv_manager.num_used_blocks.remote(record.worker_id),
+                                   timeout=self.config.step_timeout_s)
+            except Exception as exc:  # the manager restarts, or lost the worker: look again next tick
+                logger.warning("worker pool: %s: KV manager did not answer (%r)", record.worker_id, exc)
+                continue
+            if num_used:
+                logger.warning("worker pool: %s drained but holds %d blocks; waiting", record.worker_id, num_used)
+                continue
+            ray.kill(record.actor, no_restart=True)
+            try:
+                ray.get(self.kv_manager.remove_worker.remote(record.worker_id), timeout=self.config.step_timeout_s)
+            except Exception as exc:
+                logger.warning("worker pool: %s: could not leave the KV manager (%r)", record.worker_id, exc)
+            self._status_refs.pop(record.worker_id, None)
+            self._set_state(record, "dead", "drained", is_gone=True)
+            self.on_gone(record.worker_id)
+            logger.info("worker pool: %s drained (%d sequences migrated) and stopped",
+                        record.worker_id, record.num_drain_migrations)
+
+    # ---- tests and tear-down ------------------------------------------------------------------
+    def drain(self, worker_id: str) -> bool:
+        """Drain one ready worker now (tests, maintenance); False if it is not ready."""
+        with self._lock:
+            record = self.records.get(worker_id)
+            if record is None or record.state != "ready":
+                return False
+        self._remove(worker_id)
+        return True
+
+    def shutdown(self) -> None:
+        """Stop the loop and every worker."""
+        import ray
+
+        self._stop.set()
+        self._thread.join(timeout=5)
+        with self._lock:
+            records = list(self.records.values())
+        for record in records:
+            if not record.is_gone:
+                try:
+                    ray.kill(record.actor, no_restart=True)
+                except Exception:
+                    pass
+
+
+def _last_line(exc: Exception) -> str:
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__

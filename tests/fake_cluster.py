@@ -1,0 +1,100 @@
+"""An autoscaling Ray cluster on this machine: Ray's fake multi-node provider, started by
+``RAY_FAKE_CLUSTER=1 ray start --head --autoscaling-config=FILE``.
+
+Each cluster gets its own ports and temp dir, so it never meets another Ray on the
+machine, and ``stop`` ends only this cluster's processes (found by that temp dir and
+GCS port in their command lines), never ``ray stop``, which would end every Ray here.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+PROVIDER_FILE = CONFIGS / "fake-autoscaling" / "cluster.yaml"
+SERVE_FILE = CONFIGS / "fake-autoscaling" / "serve.yaml"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _node_ip() -> str:
+    import ray.util
+
+    return ray.util.get_node_ip_address()
+
+
+class FakeAutoscalingCluster:
+    """``start()`` a head (no GPU) whose autoscaler adds {CPU: 1, GPU: 1} nodes on demand."""
+
+    def __init__(self, workdir: Path, provider_file: Path = PROVIDER_FILE, head_cpus: int = 4,
+                 env: dict[str, str] | None = None) -> None:
+        self.workdir = Path(workdir)
+        self.provider_file = provider_file
+        self.head_cpus = head_cpus
+        self.port = free_port()
+        self.ip = _node_ip()
+        # Short: Ray's socket paths live under it (108 bytes at most).
+        self.temp_dir = Path(f"/tmp/psfake-{self.port}")
+        # Token auth off: a test process connects without the token (Ray reads its auth mode
+        # when imported, before a test could set it); the cluster lives only for the test.
+        self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {}), "RAY_FAKE_CLUSTER": "1"}
+
+    @property
+    def address(self) -> str:
+        return f"{self.ip}:{self.port}"
+
+    def start(self, timeout_s: float = 120.0) -> "FakeAutoscalingCluster":
+        config = yaml.safe_load(self.provider_file.read_text())
+        config["provider"]["gcs_address"] = self.address
+        config["available_node_types"]["ray.head.default"]["resources"] = {"CPU": self.head_cpus}
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        path = self.workdir / "fake-cluster.yaml"
+        path.write_text(yaml.safe_dump(config))
+        command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={self.port}",
+                   f"--num-cpus={self.head_cpus}", "--num-gpus=0", f"--temp-dir={self.temp_dir}",
+                   "--include-dashboard=false", f"--ray-client-server-port={free_port()}",
+                   f"--autoscaling-config={path}", "--disable-usage-stats"]
+        subprocess.run(command, env=self.env, check=True, timeout=timeout_s,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        return self
+
+    def pids(self) -> list[int]:
+        """This cluster's processes: their command lines name its temp dir or GCS address."""
+        marks = (str(self.temp_dir).encode(), f":{self.port}".encode())
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if any(mark in cmdline for mark in marks):
+                found.append(int(entry.name))
+        return found
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM this cluster's processes, then SIGKILL those still there."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in self.pids():
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.time() + timeout_s / 2
+            while self.pids() and time.time() < deadline:
+                time.sleep(0.5)
+            if not self.pids():
+                return
