@@ -325,10 +325,9 @@ class WorkerPool:
                     and time.time() - r.state_since >= DRAIN_GRACE_S]
         for record in done:
             try:
-                num_used = ray.get(self.kv_manager.num_used_blocks.remote(record.worker_id),
-                                   timeout=self.config.step_timeout_s)
-            except Exception as exc:  # the manager restarts, or lost the worker: look again next tick
-                logger.warning("worker pool: %s: KV manager did not answer (%r)", record.worker_id, exc)
+                num_used = ray.get(record.actor.num_used_blocks.remote(), timeout=self.config.step_timeout_s)
+            except Exception as exc:  # busy or restarting: look again next tick
+                logger.warning("worker pool: %s did not say what it holds (%r)", record.worker_id, exc)
                 continue
             if num_used:
                 logger.warning("worker pool: %s drained but holds %d blocks; waiting", record.worker_id, num_used)
