@@ -9,6 +9,7 @@ GCS port in their command lines), never ``ray stop``, which would end every Ray 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -72,7 +73,7 @@ class FakeAutoscalingCluster:
 
     def pids(self) -> list[int]:
         """This cluster's processes: their command lines name its temp dir or GCS address."""
-        marks = (str(self.temp_dir).encode(), f":{self.port}".encode())
+        mark = re.compile(re.escape(str(self.temp_dir)).encode() + rb"|:" + str(self.port).encode() + rb"(?!\d)")
         found = []
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -81,7 +82,7 @@ class FakeAutoscalingCluster:
                 cmdline = (entry / "cmdline").read_bytes()
             except OSError:
                 continue
-            if any(mark in cmdline for mark in marks):
+            if mark.search(cmdline):
                 found.append(int(entry.name))
         return found
 

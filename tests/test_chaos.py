@@ -363,3 +363,40 @@ def test_faults_under_load_lose_nothing_and_the_cluster_heals(handle, ray_cluste
     handle.check_integrity()
     assert handle.num_used_blocks() == 0
     assert handle.wait_healthy(timeout=60) < 60
+
+
+def test_worker_drained_mid_stream_under_load_loses_nothing(handle, workload):
+    """The scale-down fault: a worker drained while streams run on it. Its running sequences
+    move to the other worker through KV migration (none resumes by recompute), none fails,
+    every output equals the reference, and it leaves the KV manager's accounting empty."""
+    handle.wait_healthy(timeout=60)
+    victim = sorted(handle.workers)[-1]
+    load = SteadyLoad(handle, workload).start()
+    try:
+        _wait_busy = time.time() + 60
+        while ray.get(handle.workers[victim].num_unfinished.remote(), timeout=30) < 2:
+            assert time.time() < _wait_busy, "the load should reach the victim"
+            time.sleep(0.05)
+        stats_before = handle.stats()
+        assert ray.get(handle.controller.drain_worker.remote(victim), timeout=30)
+        deadline = time.time() + 120
+        while (record := handle.worker_states()["workers"][victim])["state"] != "dead":
+            assert record["state"] == "draining", record
+            assert time.time() < deadline, f"{victim} still draining: {record}"
+            time.sleep(0.2)
+        time.sleep(SETTLE_S)  # the load goes on over the remaining worker
+    finally:
+        load.stop()
+    stats_after = handle.stats()
+    total = load.counters
+    assert total.num_failed == 0 and total.num_no_capacity == 0, total.failures[:10]
+    assert record["reason"] == "drained" and record["num_drain_migrations"] >= 1, record
+    assert stats_after["num_resumed"] == stats_before["num_resumed"], "nothing restarts from scratch"
+    assert stats_after["num_recomputed_tokens"] == stats_before["num_recomputed_tokens"]
+    assert victim not in handle.workers
+    assert victim not in ray.get(handle.kv_manager.worker_ids.remote(), timeout=30)
+    print(f"\ndrain {victim} under load: {record['num_drain_migrations']} sequences migrated, "
+          f"{total.num_completed} requests completed, 0 failed")
+    handle.wait_idle(timeout=120.0)
+    handle.check_integrity()
+    assert handle.num_used_blocks() == 0
