@@ -36,14 +36,17 @@ class PagedAllocation:
         seq.block_table.extend(allocate() for _ in range(num_blocks))
 
     def release(self, seq: SequenceBlocks) -> None:
-        """Free the table tail first, so a sequence's tail is evicted before its head."""
+        """Free the table tail first, so a sequence's tail is evicted before its head.
+        Entries freed out of the window (-1) were returned already."""
         free = self.pool.free
-        for block in reversed(seq.block_table):
-            free(block)
-        seq.block_table.clear()
+        table = seq.block_table
+        for i in range(len(table) - 1, seq.num_freed_blocks - 1, -1):
+            free(table[i])
+        table.clear()
+        seq.num_freed_blocks = 0
 
     def held_blocks(self, seq: SequenceBlocks) -> list[int]:
-        return seq.block_table
+        return seq.block_table[seq.num_freed_blocks:]
 
 
 class ContiguousAllocation:

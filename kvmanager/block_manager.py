@@ -9,6 +9,7 @@ from .block_pool import BlockPool, ContiguousBlockPool
 from .errors import KVManagerError, NoFreeBlocksError, UnknownSequenceError
 from .hashing import BlockHash, hash_block
 from .sequence import SeqLocation, SequenceBlocks
+from .window import FREED, WindowFreeing
 
 
 @dataclass(slots=True)
@@ -44,6 +45,7 @@ class BlockManagerCounters:
     num_blocks_swapped_in: int = 0
     num_blocks_offloaded: int = 0
     num_cow_copies: int = 0
+    num_window_freed_blocks: int = 0
 
 
 class BlockManager:
@@ -53,6 +55,10 @@ class BlockManager:
     leaving the state as it was (check first, then act). Copies the worker
     must perform accumulate in ``scratch`` between ``begin_step`` and
     ``end_step``; see ``StepOutput`` for the order they must run in.
+
+    ``sliding_window`` (every layer windowed, the widest window): blocks that fall
+    wholly out of it are freed as sequences grow, their table entries set to -1
+    (``window.py``). None keeps every block. Never with contiguous allocation.
     """
 
     def __init__(
@@ -65,6 +71,7 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         watermark: float = 0.01,
         offload_evicted_to_host: bool = True,
+        sliding_window: int | None = None,
     ) -> None:
         if allocation not in ALLOCATION_POLICIES:
             raise ValueError(f"allocation must be one of {sorted(ALLOCATION_POLICIES)}, got {allocation!r}")
@@ -79,6 +86,8 @@ class BlockManager:
         self.max_model_len = max_model_len
         self.policy = ALLOCATION_POLICIES[allocation](self.device, max_model_len)
         self.enable_prefix_caching = enable_prefix_caching and self.policy.supports_sharing
+        self.window = (WindowFreeing(sliding_window, block_size)
+                       if sliding_window is not None and self.policy.supports_sharing else None)
         self.watermark_blocks = int(watermark * num_device_blocks)
         self.offload_evicted_to_host = offload_evicted_to_host and num_host_blocks > 0
         self.seqs: dict[str, SequenceBlocks] = {}
@@ -139,9 +148,10 @@ class BlockManager:
         self.seqs[child_id] = child
         if parent.location != SeqLocation.DEVICE or not self.policy.supports_sharing:
             return
-        for block in parent.block_table:
+        for block in self.policy.held_blocks(parent):
             self.device.incref(block)
         child.block_table = list(parent.block_table)
+        child.num_freed_blocks = parent.num_freed_blocks
         child.block_hashes = list(parent.block_hashes)
         child.num_indexed_blocks = parent.num_indexed_blocks
         child.num_computed = parent.num_computed
@@ -152,7 +162,8 @@ class BlockManager:
         seq = self.get(seq_id)
         self._release_device(seq)
         for block in reversed(seq.host_table):
-            self.host.free(block)
+            if block != FREED:
+                self.host.free(block)
         seq.host_table.clear()
         del self.seqs[seq_id]
 
@@ -176,10 +187,14 @@ class BlockManager:
             if table and num_computed:
                 if cdiv(num_computed, self.block_size) > len(table):
                     raise KVManagerError(f"{seq.seq_id!r}: {num_computed} tokens do not fit its table")
+                num_freed = next((i for i, b in enumerate(table) if b != FREED), len(table))
+                if FREED in table[num_freed:]:
+                    raise KVManagerError(f"{seq.seq_id!r}: freed (-1) entries after held blocks")
                 seq.block_table = table
+                seq.num_freed_blocks = num_freed
                 seq.num_computed = num_computed
                 seq.location = SeqLocation.DEVICE
-                all_blocks.extend(table)
+                all_blocks.extend(table[num_freed:])
         try:
             self.device.claim(all_blocks)
         except ValueError as exc:
@@ -232,7 +247,7 @@ class BlockManager:
             return
         self._extend_hashes(seq, num_full)
         bs = self.block_size
-        for i in range(seq.num_indexed_blocks, num_full):
+        for i in range(max(seq.num_indexed_blocks, seq.num_freed_blocks), num_full):  # -1: gone
             parent = seq.block_hashes[i - 1] if i else None
             self.device.register(seq.block_table[i], seq.block_hashes[i],
                                  seq.token_ids[i * bs:(i + 1) * bs], parent, seq.extra_key)
@@ -321,19 +336,22 @@ class BlockManager:
             return False
         return self.policy.can_grow(seq, self.num_blocks_to_grow(seq, num_tokens))
 
-    def grow(self, seq: SequenceBlocks, num_tokens: int) -> None:
+    def grow(self, seq: SequenceBlocks, num_tokens: int, free_out_of_window: bool = True) -> None:
         """Provide slots for ``num_tokens`` more tokens, or raise ``NoFreeBlocksError``."""
-        if seq.location != SeqLocation.DEVICE or not self.try_grow(seq, num_tokens):
+        if seq.location != SeqLocation.DEVICE or not self.try_grow(seq, num_tokens, free_out_of_window):
             raise NoFreeBlocksError(f"no room for {num_tokens} more tokens of {seq.seq_id!r}")
 
-    def try_grow(self, seq: SequenceBlocks, num_tokens: int) -> bool:
+    def try_grow(self, seq: SequenceBlocks, num_tokens: int, free_out_of_window: bool = True) -> bool:
         """Provide slots for ``num_tokens`` more tokens of a device-resident
         sequence and mark them computed; False, changing nothing, if the pool
         cannot.
 
         Full blocks get indexed for the prefix cache as soon as they are
         planned: within one forward pass each layer writes the KV of every
-        token before any token reads it. This is the per-step hot path.
+        token before any token reads it. With a window, blocks before this
+        step's first query's window are freed (unless ``free_out_of_window`` is
+        False: a step whose KV arrives by copy or transfer). This is the
+        per-step hot path.
         """
         bs = self.block_size
         computed = seq.num_computed
@@ -357,18 +375,38 @@ class BlockManager:
         seq.num_computed = computed + num_tokens
         if self.enable_prefix_caching and seq.num_computed // bs > seq.num_indexed_blocks:
             self._register_full_blocks(seq)
+        if self.window is not None and free_out_of_window:
+            # This step's first query sits at ``computed``: blocks before its window are done.
+            self._free_out_of_window(seq, computed)
         return True
+
+    def _free_out_of_window(self, seq: SequenceBlocks, num_computed: int) -> None:
+        """Return the blocks no query at a position >= ``num_computed`` reads (tail
+        first, like every release); their entries become -1. A hashed block stays
+        cached-free, findable by the prefix cache until it is evicted."""
+        num_out = self.window.num_out_of_window(num_computed)
+        first = seq.num_freed_blocks
+        if num_out <= first:
+            return
+        table = seq.block_table
+        free = self.device.free
+        for i in range(num_out - 1, first - 1, -1):
+            free(table[i])
+            table[i] = FREED
+        seq.num_freed_blocks = num_out
+        self.counters.num_window_freed_blocks += num_out - first
 
     # ---- preemption and swapping ----------------------------------------------
     def can_swap_out(self, seq: SequenceBlocks) -> bool:
         return (seq.location == SeqLocation.DEVICE
-                and len(seq.block_table) <= self.host.num_free_blocks)
+                and len(seq.block_table) - seq.num_freed_blocks <= self.host.num_free_blocks)
 
     def swap_out(self, seq: SequenceBlocks) -> None:
         """Move a running sequence's KV to the host pool."""
         if not self.can_swap_out(seq):
             raise NoFreeBlocksError(f"cannot swap out {seq.seq_id!r}")
-        for i, block in enumerate(seq.block_table):
+        seq.host_table.extend([FREED] * seq.num_freed_blocks)
+        for block in seq.block_table[seq.num_freed_blocks:]:
             block_hash = self.device.block_hashes[block]
             cached = None
             if block_hash is not None:
@@ -383,8 +421,10 @@ class BlockManager:
                 self.host.register(host_block, block_hash, self.device.block_tokens[block],
                                    self.device.block_parents[block], self.device.block_extra_keys[block])
             seq.host_table.append(host_block)
-        self.counters.num_blocks_swapped_out += len(seq.host_table)
+        num_freed = seq.num_freed_blocks
+        self.counters.num_blocks_swapped_out += len(seq.host_table) - num_freed
         self._release_device(seq)
+        seq.num_freed_blocks = num_freed  # the host table keeps the -1 entries
         seq.location = SeqLocation.SWAPPED
         seq.num_preemptions += 1
         self.counters.num_preemptions_swap += 1
@@ -416,7 +456,8 @@ class BlockManager:
         num_total = max(len(seq.host_table), cdiv(seq.num_computed + num_tokens, self.block_size))
         if not self.policy.supports_sharing:
             return self.policy.can_grow(seq, num_total)
-        return num_total + self.watermark_blocks <= self.device.num_free_blocks
+        num_needed = num_total - seq.num_freed_blocks
+        return num_needed + self.watermark_blocks <= self.device.num_free_blocks
 
     def swap_in(self, seq: SequenceBlocks) -> None:
         """Bring a swapped sequence's KV back to the device."""
@@ -426,7 +467,8 @@ class BlockManager:
             self.policy.grow(seq, len(seq.host_table))
             self.scratch.swap_in.extend(zip(seq.host_table, seq.block_table))
         else:
-            for host_block in seq.host_table:
+            seq.block_table.extend([FREED] * seq.num_freed_blocks)
+            for host_block in seq.host_table[seq.num_freed_blocks:]:
                 block_hash = self.host.block_hashes[host_block]
                 cached = None
                 if block_hash is not None:
@@ -442,9 +484,9 @@ class BlockManager:
                                          self.host.block_parents[host_block],
                                          self.host.block_extra_keys[host_block])
                 seq.block_table.append(block)
-        self.counters.num_blocks_swapped_in += len(seq.host_table)
+        self.counters.num_blocks_swapped_in += len(seq.host_table) - seq.num_freed_blocks
         # Host blocks stay held until the step ends: their copies run later.
-        self.scratch.host_blocks_to_release.extend(seq.host_table)
+        self.scratch.host_blocks_to_release.extend(seq.host_table[seq.num_freed_blocks:])
         seq.host_table = []
         seq.location = SeqLocation.DEVICE
         seq.is_protected = True
@@ -494,7 +536,7 @@ class BlockManager:
             elif seq.block_table or seq.reserved:
                 raise IntegrityError(f"{seq.seq_id!r} is {seq.location.value} but holds device blocks")
             if seq.location == SeqLocation.SWAPPED:
-                for block in seq.host_table:
+                for block in seq.host_table[seq.num_freed_blocks:]:
                     host_refs[block] = host_refs.get(block, 0) + 1
             elif seq.host_table:
                 raise IntegrityError(f"{seq.seq_id!r} is {seq.location.value} but holds host blocks")
@@ -507,7 +549,10 @@ class BlockManager:
                 parent = hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs], seq.extra_key)
                 if parent != block_hash:
                     raise IntegrityError(f"{seq.seq_id!r}: hash chain broken at block {i}")
+            self._check_freed_entries(seq)
             for i, block in enumerate(seq.block_table):
+                if i < seq.num_freed_blocks:
+                    continue
                 indexed = self.device.block_hashes[block]
                 if indexed is not None and (i >= len(seq.block_hashes) or indexed != seq.block_hashes[i]):
                     raise IntegrityError(f"{seq.seq_id!r}: block {block} is indexed under another prefix")
@@ -515,6 +560,26 @@ class BlockManager:
             host_refs[block] = host_refs.get(block, 0) + 1
         self.device.check_integrity(device_refs)
         self.host.check_integrity(host_refs)
+
+    def _check_freed_entries(self, seq: SequenceBlocks) -> None:
+        """-1 entries: exactly the leading ``num_freed_blocks``, all out of the window."""
+        from .errors import IntegrityError
+
+        table = seq.host_table if seq.location == SeqLocation.SWAPPED else seq.block_table
+        num_freed = seq.num_freed_blocks
+        if not num_freed:
+            if FREED in table:
+                raise IntegrityError(f"{seq.seq_id!r}: -1 entries but no freed blocks recorded")
+            return
+        if self.window is None:
+            raise IntegrityError(f"{seq.seq_id!r}: {num_freed} blocks freed without a sliding window")
+        if seq.location == SeqLocation.WAITING:
+            raise IntegrityError(f"waiting {seq.seq_id!r} records freed blocks")
+        if table[:num_freed] != [FREED] * num_freed or FREED in table[num_freed:]:
+            raise IntegrityError(f"{seq.seq_id!r}: -1 entries are not exactly its first {num_freed}")
+        if num_freed > self.window.num_out_of_window(seq.num_computed):
+            raise IntegrityError(f"{seq.seq_id!r}: a freed block is still inside the window of "
+                                 f"{seq.num_computed} computed tokens")
 
     def kv_utilization(self) -> float:
         """Tokens stored / token slots allocated on the device (shared blocks count once)."""
@@ -524,6 +589,8 @@ class BlockManager:
             if seq.location != SeqLocation.DEVICE:
                 continue
             for i, block in enumerate(seq.block_table):
+                if i < seq.num_freed_blocks:
+                    continue
                 filled = min(bs, seq.num_computed - i * bs)
                 if filled > fill.get(block, 0):
                     fill[block] = filled

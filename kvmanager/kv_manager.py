@@ -31,6 +31,10 @@ class PoolConfig:
     watermark: float = 0.01
     preemption_mode: str | None = None  # None: migrate, else swap while host space is free, else recompute
     role: str = "mixed"                 # "prefill" workers never receive migrated sequences
+    # Every attention layer windowed, the widest window: blocks wholly out of it are freed
+    # as sequences grow (window.py). None (some layer global, or no window): keep them.
+    # Not on "prefill" workers, whose prompts' KV is exported whole.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in (None, *PREEMPTION_MODES):
@@ -40,6 +44,8 @@ class PoolConfig:
             raise ValueError(f"num_device_blocks must be >= 1, got {self.num_device_blocks}")
         if self.num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
 
 
 class KVManager:
@@ -70,7 +76,8 @@ class KVManager:
     def _new_block_manager(self, config: PoolConfig) -> BlockManager:
         manager = BlockManager(
             config.num_device_blocks, config.num_host_blocks, config.block_size,
-            config.max_model_len, config.allocation, config.enable_prefix_caching, config.watermark)
+            config.max_model_len, config.allocation, config.enable_prefix_caching, config.watermark,
+            sliding_window=config.sliding_window if config.role != "prefill" else None)
         return manager
 
     def restore_worker(self, worker_id: str, config: PoolConfig, sequences: list[dict]) -> None:
@@ -136,7 +143,8 @@ class KVManager:
         output.copy_on_write = scratch.copy_on_write
         manager.last_swaps = scratch.swap_out + [(d, h) for h, d in scratch.swap_in]
         manager.last_imported = {b for s in output.scheduled if s.num_imported_tokens
-                                 for b in s.block_table[:-(-s.num_imported_tokens // manager.block_size)]}
+                                 for b in s.block_table[:-(-s.num_imported_tokens // manager.block_size)]
+                                 if b >= 0}
         return output
 
     def _validate(self, manager: BlockManager, step_input: StepInput) -> None:
@@ -205,8 +213,8 @@ class KVManager:
         wanted = {seq.seq_id: manager.num_blocks_to_grow(seq, seq.num_tokens - seq.num_computed)
                   for seq in queue[current:]}
         candidates = [
-            PreemptionCandidate(seq.seq_id, len(seq.block_table), seq.num_computed, seq.seq_id in migratable,
-                                wanted[seq.seq_id])
+            PreemptionCandidate(seq.seq_id, len(seq.block_table) - seq.num_freed_blocks, seq.num_computed,
+                                seq.seq_id in migratable and not seq.num_freed_blocks, wanted[seq.seq_id])
             for seq in (queue[j] for j in range(len(queue) - 1, current - 1, -1))
             if not seq.is_protected][:MAX_PREEMPTION_CANDIDATES]
         num_short = sum(wanted.values()) - manager.device.num_free_blocks
@@ -225,6 +233,8 @@ class KVManager:
             seq = manager.seqs.get(seq_id)
             if seq is None or seq.location != SeqLocation.DEVICE or not seq.num_computed:
                 continue
+            if seq.num_freed_blocks:
+                continue  # its out-of-window KV is gone: it cannot be exported whole
             candidates.append(PreemptionCandidate(seq_id, len(seq.block_table), seq.num_computed, True))
         if not candidates:
             return
@@ -244,7 +254,7 @@ class KVManager:
         (a victim beyond the candidates asked about) or it cannot be honoured."""
         mode = choice.mode if choice is not None else (
             "recompute" if self.configs[worker_id].preemption_mode == "recompute" else "swap")
-        if mode == "migrate" and choice.target_worker and seq.num_computed:
+        if mode == "migrate" and choice.target_worker and seq.num_computed and not seq.num_freed_blocks:
             manager.migrate_out(seq)
             output.preempted.append(Preemption(seq.seq_id, "migrate", choice.target_worker))
             return
@@ -326,7 +336,7 @@ class KVManager:
                     return
                 num_imported = manager.admit_imported(seq)
                 num_tokens = min(seq.num_uncomputed, budget)
-                manager.grow(seq, num_tokens)
+                manager.grow(seq, num_tokens, free_out_of_window=False)
                 output.scheduled.append(ScheduledSeq(seq_id, num_imported, num_tokens, list(seq.block_table),
                                                      0, num_imported))
                 budget -= num_tokens
@@ -342,7 +352,9 @@ class KVManager:
             else:
                 continue  # a fork child of a running sequence; the next step runs it
             start = seq.num_computed
-            manager.grow(seq, num_tokens)
+            # KV arriving this step (swap-in, host hits) is not in the blocks yet: free
+            # nothing out of the window before the next step.
+            manager.grow(seq, num_tokens, free_out_of_window=False)
             output.scheduled.append(
                 ScheduledSeq(seq_id, start, num_tokens, list(seq.block_table), num_cached))
             budget -= num_tokens
@@ -412,7 +424,7 @@ class KVManager:
         for seq in manager.seqs.values():
             for block in (manager.policy.held_blocks(seq) if seq.location == SeqLocation.DEVICE else []):
                 owners["device"].setdefault(block, []).append(seq.seq_id)
-            for block in (seq.host_table if seq.location == SeqLocation.SWAPPED else []):
+            for block in (seq.host_table[seq.num_freed_blocks:] if seq.location == SeqLocation.SWAPPED else []):
                 owners["host"].setdefault(block, []).append(seq.seq_id)
         moving = {"device": set(), "host": set()}
         for device_block, host_block in manager.last_swaps:

@@ -46,6 +46,9 @@ class SequenceBlocks:
     num_preemptions: int = 0
     # Prefix-cache hits are never taken for it (see NewSequence.skip_prefix_cache).
     skip_prefix_cache: bool = False
+    # Leading table entries freed out of the sliding window (-1 in block_table and,
+    # while swapped, in host_table); see window.py.
+    num_freed_blocks: int = 0
 
     @property
     def num_tokens(self) -> int:

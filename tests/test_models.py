@@ -88,10 +88,13 @@ def make_llm(path, **kwargs) -> LLM:
 # ---- the architecture matrix ----------------------------------------------------------
 
 def matrix_workload(seed: int) -> list[list[int]]:
-    """Prompts sharing a 56-token prefix (longer than every window), and long ones."""
+    """Prompts sharing a 56-token prefix (longer than every window), long ones, and short
+    ones whose outputs run past the window (decode growth is what preempts when blocks
+    leave the window: a windowed sequence's footprint stops growing once it is past it)."""
     prefix = random_prompts([56], seed)[0]
     tails = random_prompts((3, 17, 30, 1), seed + 1)
-    return [prefix + tail for tail in tails] + random_prompts((90, 121), seed + 2)
+    return ([prefix + tail for tail in tails] + random_prompts((90, 121), seed + 2)
+            + random_prompts((2, 5, 9, 4, 7, 3), seed + 3))
 
 
 @pytest.mark.parametrize("index,name", list(enumerate(MATRIX)), ids=list(MATRIX))
@@ -115,6 +118,45 @@ def test_matrix_greedy_matches_transformers(index, name, matrix_greedy):
     assert stats["prefix_cache_hit_rate"] > 0, stats
     assert max(o.metrics.num_cached_tokens for o in outputs) > 56 - block_size
     assert stats["num_steps"] > sum(map(len, prompts)) // 32  # prompts were chunked
+
+
+@pytest.mark.parametrize("swap_space_gb", [0.001, 0.0], ids=["host-cache", "no-host-cache"])
+def test_blocks_out_of_every_window_are_freed_and_prefix_hits_stay_exact(swap_space_gb, matrix_greedy):
+    """mistral (every layer windowed, 20 tokens): blocks leave the pool as the window moves;
+    a later prompt sharing a prefix longer than the window hits only an unbroken chain from
+    its first block, and stays token-identical: with a host cache the evicted blocks come
+    back from the host; without one the chain's head is evicted first and the hit stops there."""
+    llm = make_llm(ensure_matrix_model("mistral"), block_size=8, num_device_blocks=24,
+                   max_num_batched_tokens=32, swap_space_gb=swap_space_gb)
+    manager = llm.engine.kv_manager.block_manager(llm.engine.worker_id)
+    assert manager.window is not None and manager.window.sliding_window == 20
+    prefix = random_prompts([120], seed=50)[0]
+    first = llm.generate([prefix], greedy())[0]
+    assert first.outputs[0].token_ids == matrix_greedy("mistral", prefix, MAX_TOKENS)
+    assert manager.counters.num_window_freed_blocks > 10
+    others = random_prompts((70, 40, 60), seed=51)  # evict part of the prefix's chain
+    llm.generate(others, greedy(8))
+    prompts = [prefix + tail for tail in random_prompts((5, 13), seed=52)]
+    outputs = llm.generate(prompts, greedy())
+    for prompt, output in zip(prompts, outputs):
+        assert output.outputs[0].token_ids == matrix_greedy("mistral", prompt, MAX_TOKENS)
+        assert output.metrics.num_cached_tokens % 8 == 0
+    # The first of them: from the host, or from the chain's unbroken head (here none);
+    # the second hits what the first recomputed.
+    hits = [output.metrics.num_cached_tokens for output in outputs]
+    assert (hits[0] == 120) if swap_space_gb else (hits[0] < 120), hits
+    assert_idle(llm)
+
+
+def test_mixed_local_and_global_layers_keep_every_block(caplog):
+    """gemma2 alternates windowed and global layers: the global ones need every position."""
+    with caplog.at_level(logging.INFO):
+        llm = make_llm(ensure_matrix_model("gemma2"), block_size=8, num_device_blocks=64)
+    assert llm.engine.kv_manager.block_manager(llm.engine.worker_id).window is None
+    assert "attend globally: blocks out of the windows are kept" in caplog.text
+    llm.generate(random_prompts([60], seed=53), greedy(30))
+    assert llm.stats().get("num_window_freed_blocks", 0) == 0
+    assert_idle(llm)
 
 
 @pytest.mark.parametrize("name", WINDOWED)

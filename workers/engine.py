@@ -39,7 +39,7 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, worker_id: str = "local",
-                 kv_manager: KVManager | None = None) -> None:
+                 kv_manager: KVManager | None = None, role: str = "mixed") -> None:
         from transformers import AutoTokenizer
 
         self.config = config
@@ -59,7 +59,8 @@ class LLMEngine:
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, max_len)
         self.eos_token_ids = self._eos_token_ids()
         num_device, num_host = self._size_pools()
-        self.pool_config = config.pool_config(num_device, num_host, max_len)
+        self.pool_config = config.pool_config(num_device, num_host, max_len, role=role,
+                                              sliding_window=self._freeing_window(role))
         self.runner.allocate_cache(config.block_size, num_device, num_host)
         self.kv_manager = kv_manager if kv_manager is not None else KVManager()
         self.kv_manager.add_worker(worker_id, self.pool_config)
@@ -97,6 +98,28 @@ class LLMEngine:
                 if token_id not in ids:
                     ids.append(token_id)
         return ids
+
+    def _freeing_window(self, role: str) -> int | None:
+        """The window out of which blocks are freed: the widest one when every layer has
+        one. With local and global layers mixed, every block stays (said in the log), and
+        on a prefill worker, which exports its prompts' KV whole."""
+        attention = self.runner.attention
+        if not attention.has_windows:
+            return None
+        if role == "prefill":
+            logger.info("prefill worker: blocks out of the sliding window are kept (exported whole)")
+            return None
+        if not attention.is_all_windowed:
+            global_layers = [i for i, w in enumerate(attention.sliding_windows) if w is None]
+            logger.info("sliding windows on some layers, but layers %s attend globally: blocks out of "
+                        "the windows are kept (they need the whole context)", global_layers)
+            return None
+        if self.config.allocation != "paged":
+            logger.info("%s allocation keeps out-of-window blocks", self.config.allocation)
+            return None
+        window = attention.max_sliding_window
+        logger.info("every layer is windowed (widest %d tokens): blocks out of the window are freed", window)
+        return window
 
     def _size_pools(self) -> tuple[int, int]:
         """Device and host block counts: explicit count, memory budget, or GPU profile."""

@@ -78,10 +78,11 @@ class EngineOptions(BaseModel):
         return self
 
     def pool_config(self, num_device_blocks: int, num_host_blocks: int, max_model_len: int,
-                    role: str = POOL_DEFAULTS["role"]) -> PoolConfig:
-        """The KV manager's view of one worker's pools, sized by the engine."""
+                    role: str = POOL_DEFAULTS["role"], sliding_window: int | None = None) -> PoolConfig:
+        """The KV manager's view of one worker's pools, sized by the engine; ``sliding_window``
+        is the model's (every layer windowed) for freeing out-of-window blocks."""
         return PoolConfig(num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks,
-                          max_model_len=max_model_len, role=role,
+                          max_model_len=max_model_len, role=role, sliding_window=sliding_window,
                           **{name: getattr(self, name) for name in POOL_OPTIONS})
 
     def to_engine_config(self, model: str, **checkpoint: Any) -> "EngineConfig":

@@ -47,6 +47,7 @@ def export_kv(cache: KVCache, block_table: list[int], num_tokens: int, token_ids
     """Pack the KV of the first ``num_tokens`` tokens of a sequence."""
     shape = cache.shape
     num_blocks = -(-num_tokens // shape.block_size)
+    _check_held(block_table[:num_blocks], "export")
     index = torch.tensor(block_table[:num_blocks], dtype=torch.int64, device=cache.device)
     layers = []
     for k_cache, v_cache in cache.device_caches:
@@ -66,6 +67,13 @@ def export_kv(cache: KVCache, block_table: list[int], num_tokens: int, token_ids
         "block_hashes": [h.hex() for h in hash_prefix_blocks(token_ids[:num_tokens], shape.block_size)],
     })
     return KVTransfer(header, payload)
+
+
+def _check_held(blocks: list[int], what: str) -> None:
+    """A -1 entry (a block freed out of the sliding window) would index the cache's last
+    block: refuse instead of moving another sequence's KV."""
+    if any(block < 0 for block in blocks):
+        raise KVTransferError(f"cannot {what} KV of a sequence whose out-of-window blocks were freed")
 
 
 def read_header(header: bytes) -> dict:
@@ -98,6 +106,7 @@ def import_kv(cache: KVCache, transfer: KVTransfer, block_table: list[int]) -> N
     if meta["dtype"] == "bfloat16":
         payload = payload.view(torch.int16).view(torch.bfloat16)
     num_blocks = payload.shape[2]
+    _check_held(block_table[:num_blocks], "import")
     index = torch.tensor(block_table[:num_blocks], dtype=torch.int64, device=cache.device)
     for layer, (k_cache, v_cache) in enumerate(cache.device_caches):
         k_cache.index_copy_(0, index, payload[layer, 0].to(cache.device, non_blocking=True))

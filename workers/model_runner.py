@@ -235,6 +235,8 @@ class ModelRunner:
             is_decode_only=num_tokens == len(chunks),
             kv_caches=self.kv_cache.device_caches,
             backend=self.kernel_backend,
+            # Every layer windowed: tables may hold -1 before the widest window (freed blocks).
+            plan_window=self.attention.max_sliding_window,
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=device).unsqueeze(0)
         hidden = self.decoder(input_ids=ids, position_ids=pos.to(device).unsqueeze(0),

@@ -98,8 +98,7 @@ class Worker:
         self.preemption = RemotePreemptionPolicy(lambda request: self.kv_link.decide_preemption(request),
                                                  backoff_s=PREEMPTION_BACKOFF_S)
         self.local_kv = LocalKVManager(self.preemption, EventLog(worker_id))
-        engine = LLMEngine(EngineConfig(**engine_config), worker_id, kv_manager=self.local_kv)
-        engine.pool_config.role = role
+        engine = LLMEngine(EngineConfig(**engine_config), worker_id, kv_manager=self.local_kv, role=role)
         engine.scheduler.allow_migration = True
         self.engine = engine
         self.kv_link = KVPublisher(self.local_kv, RayTransport(kv_manager),
