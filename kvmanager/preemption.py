@@ -12,8 +12,9 @@ A worker's KV manager picks its victims locally (lowest priority first, see
 runs it with cluster-wide occupancy; the ``KVManager`` of one process runs
 it with the workers it holds. A worker makes at most one such call per
 step that needs it, listing every sequence that may become a victim, and
-``LocalPreemptionPolicy`` (swap while the host tier has room, else
-recompute) answers whenever the central manager cannot.
+only when one of them could migrate; ``LocalPreemptionPolicy`` (swap while
+the host tier has room, else recompute) answers whenever the central manager
+need not or cannot.
 """
 
 from __future__ import annotations
@@ -166,22 +167,32 @@ class RemotePreemptionPolicy:
     """Ask the central KV manager (``call``: a blocking call with its own timeout that
     returns a decision or raises); fall back to the local policy when it fails.
 
-    After a failure the central manager is not asked again for ``backoff_s``:
-    while it is down, migration pauses and preemption stays local.
+    Only migration needs the cluster's view: a request without a migratable
+    candidate (or with ``forced_mode`` "swap"/"recompute") is decided locally
+    by the same policy, with no call. After a failure the central manager is
+    not asked again for ``backoff_s`` (while it is down, migration pauses);
+    after an answer that found no room anywhere, not for ``no_room_backoff_s``
+    (under sustained pressure a worker does not ask at every step).
     """
 
     def __init__(self, call: Callable[[PreemptionRequest], PreemptionDecision],
-                 fallback: PreemptionPolicy | None = None, backoff_s: float = 5.0) -> None:
+                 fallback: PreemptionPolicy | None = None, backoff_s: float = 5.0,
+                 no_room_backoff_s: float = 0.5) -> None:
         self.call = call
         self.fallback = fallback or LocalPreemptionPolicy()
         self.backoff_s = backoff_s
+        self.no_room_backoff_s = no_room_backoff_s
         self.num_calls = 0
         self.num_failures = 0
+        self.num_local = 0
         self.call_seconds = 0.0
         self._skip_until = 0.0
 
     def decide(self, request: PreemptionRequest) -> PreemptionDecision:
-        if time.monotonic() < self._skip_until:
+        wants_migration = request.forced_mode in (None, "migrate") and any(
+            c.is_migratable and c.num_computed for c in request.candidates)
+        if not wants_migration or time.monotonic() < self._skip_until:
+            self.num_local += 1
             return self.fallback.decide(request)
         start = time.perf_counter()
         self.num_calls += 1
@@ -195,9 +206,10 @@ class RemotePreemptionPolicy:
             return self.fallback.decide(request)
         finally:
             self.call_seconds += time.perf_counter() - start
-        if len(decision.choices) != len(request.candidates):
-            logger.warning("worker %s: central preemption decision has %d choices for %d candidates; "
-                           "deciding locally", request.worker_id, len(decision.choices),
-                           len(request.candidates))
+        if [c.seq_id for c in decision.choices] != [c.seq_id for c in request.candidates]:
+            logger.warning("worker %s: central preemption decision does not answer the %d candidates; "
+                           "deciding locally", request.worker_id, len(request.candidates))
             return self.fallback.decide(request)
+        if not any(c.mode == "migrate" for c in decision.choices):
+            self._skip_until = time.monotonic() + self.no_room_backoff_s
         return decision

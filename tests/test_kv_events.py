@@ -365,16 +365,34 @@ def test_publisher_sends_when_due_and_heals_restarts_outages_and_overflow():
     local.check_integrity()
 
 
-def test_central_preemption_through_the_publisher_counts_one_blocking_call():
+def test_central_preemption_is_asked_only_when_migration_could_help():
     service = KVManagerService()
     transport = InProcessTransport(service)
     holder = {}
-    policy = RemotePreemptionPolicy(lambda request: holder["publisher"].decide_preemption(request))
-    source, worker = make_local("src", num_device=6, num_host=4, preemption=policy)
+    policy = RemotePreemptionPolicy(lambda request: holder["publisher"].decide_preemption(request),
+                                    no_room_backoff_s=60.0)
+    source, worker = make_local("src", num_device=12, num_host=8, preemption=policy)
     holder["publisher"] = KVPublisher(source, transport)
     holder["publisher"].flush_and_wait(1.0)
-    _fill(worker, list("abcdef"), BS)
-    out = worker.step(StepInput("src", running=list("abcdef"), appended=[(s, [1]) for s in "abcdef"]))
-    assert [p.mode for p in out.preempted] == ["swap", "swap", "swap"]
+    running = list("abcdef")
+    _fill(worker, running, BS * 2)  # two blocks each: the pool is full
+
+    def decode_until_preempted(migratable: bool) -> list:
+        for t in range(BS):
+            out = worker.step(StepInput("src", running=list(running), appended=[(s, [t]) for s in running],
+                                        migratable=list(running) if migratable else []))
+            for p in out.preempted:
+                running.remove(p.seq_id)
+            if out.preempted:
+                return [p.mode for p in out.preempted]
+        raise AssertionError("no preemption")
+
+    # Nothing migratable: swap/recompute is decided locally, without a call.
+    assert decode_until_preempted(migratable=False) == ["swap", "swap"] and policy.num_calls == 0
+    # Migratable, but no other worker: one call, and it finds no room anywhere ...
+    modes = decode_until_preempted(migratable=True)
     assert holder["publisher"].num_blocking_calls == policy.num_calls == 1
-    assert service.stats()["preemptions_by_mode"] == {"swap": 3}
+    assert sum(service.stats()["preemptions_by_mode"].values()) == len(modes) and "migrate" not in modes
+    # ... so the next pressured steps decide locally for a while.
+    assert "migrate" not in decode_until_preempted(migratable=True) and policy.num_calls == 1
+    source.check_integrity()

@@ -288,6 +288,7 @@ class Worker:
                 **link_stats,
                 "num_central_preemption_calls": self.preemption.num_calls,
                 "num_central_preemption_failures": self.preemption.num_failures,
+                "num_local_preemption_decisions": self.preemption.num_local,
                 "num_held_exports": len(self.held_exports),
                 "is_draining": self.engine.scheduler.is_draining,
                 "num_drain_migrations": self.engine.scheduler.num_drain_migrations,
