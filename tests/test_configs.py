@@ -283,16 +283,17 @@ def test_argument_types_have_one_definition():
 
 
 # ---- the fake-provider autoscaling cluster (tests and demos on one machine) ----------------------
-FAKE_CLUSTER = CONFIGS / "fake_cluster"
+FAKE_CLUSTER = CONFIGS / "fake-autoscaling"
 
 
 def test_fake_autoscaler_file_passes_rays_validator_as_the_autoscaler_reads_it():
     from pagedserve.cluster.ray_compat import validate_autoscaler_config
 
-    config = yaml.safe_load((FAKE_CLUSTER / "autoscaler.yaml").read_text())
+    config = yaml.safe_load((FAKE_CLUSTER / "cluster.yaml").read_text())
     validate_autoscaler_config(config)  # what the head's autoscaler runs: the schema, no defaults added
-    assert config["provider"] == {"type": "fake_multinode", "use_node_id_as_ip": True,
-                                  "disable_node_updaters": True, "disable_launch_config_check": True}
+    assert config["provider"]["type"] == "fake_multinode"
+    for flag in ("use_node_id_as_ip", "disable_node_updaters", "disable_launch_config_check"):
+        assert config["provider"][flag] is True, flag
     types = config["available_node_types"]
     head = types[config["head_node_type"]]
     assert config["head_node_type"] == "ray.head.default" and not head["resources"].get("GPU")
@@ -308,14 +309,14 @@ def test_fake_autoscaler_file_passes_rays_validator_as_the_autoscaler_reads_it()
 
 
 def test_fake_cluster_serve_files_fit_its_gpu_nodes():
-    gpu_type = yaml.safe_load((FAKE_CLUSTER / "autoscaler.yaml").read_text())["available_node_types"]["gpu_worker"]
-    elastic = load_config(FAKE_CLUSTER / "serve_autoscaling.yaml").workers
-    fixed = load_config(FAKE_CLUSTER / "serve_fixed.yaml").workers
+    gpu_type = yaml.safe_load((FAKE_CLUSTER / "cluster.yaml").read_text())["available_node_types"]["gpu_worker"]
+    elastic = load_config(FAKE_CLUSTER / "serve.yaml").workers
+    fixed = load_config(FAKE_CLUSTER / "serve-fixed.yaml").workers
     assert [(g.min_workers, g.max_workers, g.count) for g in elastic] == [(1, 3, None)]
     assert [(g.min_workers, g.max_workers, g.count) for g in fixed] == [(1, 1, 1)]
-    for group in (*elastic, *fixed):  # one worker per fake GPU node, and the model needs no download
+    for group in (*elastic, *fixed):  # one worker per fake GPU node
         assert (group.num_gpus, group.num_cpus) == (gpu_type["resources"]["GPU"], gpu_type["resources"]["CPU"])
     assert elastic[0].max_workers == gpu_type["max_workers"]
-    for name in ("serve_autoscaling.yaml", "serve_fixed.yaml"):
+    for name in ("serve.yaml", "serve-fixed.yaml"):  # a model built on first start: nothing to fetch
         config = load_config(FAKE_CLUSTER / name)
         assert config.model.path is None and config.model.size == "tiny" and config.server.host == "127.0.0.1"
