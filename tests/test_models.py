@@ -100,7 +100,8 @@ def matrix_workload(seed: int) -> list[list[int]]:
 @pytest.mark.parametrize("index,name", list(enumerate(MATRIX)), ids=list(MATRIX))
 def test_matrix_greedy_matches_transformers(index, name, matrix_greedy):
     """Block sizes and preemption modes alternate across the matrix; every entry runs
-    chunked prefill, prefix caching with hits past the window, and preemption."""
+    chunked prefill, prefix caching with hits past the window, and preemption (with
+    out-of-window blocks freed where every layer is windowed)."""
     block_size = (8, 16)[index % 2]
     mode = ("recompute", "swap")[index // 2 % 2]
     llm = make_llm(ensure_matrix_model(name), block_size=block_size, preemption_mode=mode,
@@ -118,6 +119,9 @@ def test_matrix_greedy_matches_transformers(index, name, matrix_greedy):
     assert stats["prefix_cache_hit_rate"] > 0, stats
     assert max(o.metrics.num_cached_tokens for o in outputs) > 56 - block_size
     assert stats["num_steps"] > sum(map(len, prompts)) // 32  # prompts were chunked
+    # Every layer windowed (mistral, phi3, mixtral): blocks left the pool as windows moved.
+    is_all_windowed = llm.engine.runner.attention.max_sliding_window is not None
+    assert (stats["num_window_freed_blocks"] > 0) == is_all_windowed, stats
 
 
 @pytest.mark.parametrize("swap_space_gb", [0.001, 0.0], ids=["host-cache", "no-host-cache"])
@@ -322,6 +326,73 @@ def test_variant_the_kernel_backend_lacks_is_refused(monkeypatch):
         make_llm(ensure_matrix_model("gemma2"))
     make_llm(ensure_matrix_model("mistral"), num_device_blocks=16)  # windows alone still load
 
+
+
+def _layer_one_calls_attention(q_heads=4, kv_heads=2, head_dim=16, value_dim=16, times=1, **call_kwargs):
+    """A MistralAttention.forward whose layer 1 calls the attention interface as told (other
+    shapes, twice, extra arguments); layer 0 is untouched."""
+    from transformers.models.mistral import modeling_mistral
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    original = modeling_mistral.MistralAttention.forward
+
+    def passed_on(kwargs):  # what MistralAttention.forward hands the interface
+        return {k: v for k, v in kwargs.items()
+                if k not in ("attention_mask", "position_embeddings", "past_key_values")}
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if self.layer_idx != 1:
+            return original(self, hidden_states, *args, **kwargs)
+        seq = hidden_states.shape[1]
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
+        for _ in range(times):
+            attention(self, torch.zeros(1, q_heads, seq, head_dim), torch.zeros(1, kv_heads, seq, head_dim),
+                      torch.zeros(1, kv_heads, seq, value_dim), None,
+                      **{"dropout": 0.0, "scaling": self.scaling, **passed_on(kwargs), **call_kwargs})
+        return torch.zeros_like(hidden_states), None
+
+    return forward
+
+
+@pytest.mark.parametrize("call,message", [
+    (dict(is_causal=False), "asks for non-causal attention"),
+    (dict(dropout=0.1), "asks for attention dropout 0.1"),
+    (dict(softcap=-1.0), "passes softcap=-1.0; expected a positive number"),
+    (dict(times=2), "layers 1 attend more or less than once"),
+    (dict(q_heads=8, kv_heads=2), r"layers differ in \(heads, kv heads, head dim\)"),
+    (dict(value_dim=8), "keys and values have different head sizes"),
+], ids=["non-causal", "dropout", "bad-softcap", "attends-twice", "layer-shapes-differ", "mla-value-dim"])
+def test_attention_calls_the_probe_cannot_honour_are_refused(call, message, monkeypatch):
+    """Each attention-call refusal of the load-time probe, naming the model type."""
+    from transformers.models.mistral import modeling_mistral
+
+    monkeypatch.setattr(modeling_mistral.MistralAttention, "forward", _layer_one_calls_attention(**call))
+    with pytest.raises(UnsupportedModelError, match="'mistral'.*" + message):
+        make_llm(ensure_matrix_model("mistral"))
+
+
+def test_attention_without_a_layer_index_is_refused(monkeypatch):
+    from transformers.models.mistral import modeling_mistral
+
+    original = modeling_mistral.MistralAttention.forward
+
+    def no_index(self, *args, **kwargs):
+        self.layer_idx = None
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_mistral.MistralAttention, "forward", no_index)
+    with pytest.raises(UnsupportedModelError, match="'mistral': MistralAttention attends without a layer index"):
+        make_llm(ensure_matrix_model("mistral"))
+
+
+def test_a_conditional_generation_class_is_refused():
+    """A config that maps to a *ForConditionalGeneration class (multimodal or encoder-decoder
+    without the usual config markers) is refused by its class."""
+    from pagedserve.workers.model_support import check_model_class
+
+    fake = type("FooForConditionalGeneration", (), {"_supports_attention_backend": True})
+    with pytest.raises(UnsupportedModelError, match="'foo' loads as FooForConditionalGeneration"):
+        check_model_class(fake, "foo")
 
 
 @pytest.mark.parametrize("name", ["gemma2", "cohere2", "granite"])
