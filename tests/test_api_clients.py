@@ -70,6 +70,7 @@ class Served:
     handle: object
     base_url: str
     model_path: str
+    grpc_target: str
 
 
 @pytest.fixture(scope="module")
@@ -105,13 +106,13 @@ def served(model_path):
         "model": {"path": path, "name": MODEL},
         "engine": ENGINE,
         "workers": [{"count": 1, "num_cpus": 0.5}],
-        "server": {"port": _free_port()},
+        "server": {"port": _free_port(), "grpc_port": _free_port()},
         "step_timeout_s": 30.0,
     })
     handle = start(config, ready_timeout_s=180.0)
     try:
         endpoints = deploy(handle, config, quiet=True)
-        yield Served(handle, endpoints["http"], path)
+        yield Served(handle, endpoints["http"], path, endpoints["grpc"])
     finally:
         serve.shutdown()
         handle.shutdown()
@@ -645,6 +646,43 @@ def test_bad_structured_input_is_a_400_and_disturbs_nothing(served, client):
     texts = running.result()
     pool.shutdown()
     assert texts and all(text == expected for text in texts)
+
+
+# ---- gRPC: the same options where the proto carries them ------------------------------------------
+def test_grpc_structured_outputs_and_prompt_logprobs(served, tokenizer, hf_prompt_logprobs):
+    grpc = pytest.importorskip("grpc")
+    from pagedserve.cluster.protos import pagedserve_pb2 as pb
+    from pagedserve.cluster.protos import pagedserve_pb2_grpc as pb_grpc
+
+    pattern = r"[a-z]{2,6}-[0-9]{3}"
+    with grpc.insecure_channel(served.grpc_target) as channel:
+        stub = pb_grpc.PagedServeStub(channel)
+        unary = stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=32, seed=4, prompt_logprobs=1,
+                                                 structured_outputs=json.dumps({"regex": pattern})), timeout=60)
+        assert unary.choices[0].finish_reason == "stop" and re.fullmatch(pattern, unary.choices[0].text)
+        prompt_ids = tokenizer.encode(PROMPT)
+        entries = unary.prompt_logprobs
+        assert [e.token_id for e in entries] == prompt_ids and not entries[0].HasField("logprob")
+        expected = hf_prompt_logprobs(prompt_ids)
+        for entry, theirs in zip(entries[1:], expected[1:]):
+            assert abs(entry.logprob - theirs) < LOGPROB_TOLERANCE and len(entry.top_logprobs) == 1
+        schema_format = json.dumps({"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}})
+        text, finish, first_prompt_logprobs = "", "", None
+        for message in stub.GenerateStream(pb.GenerateRequest(
+                messages=[pb.ChatMessage(role="user", content="A person")], max_tokens=96, seed=2,
+                response_format=schema_format, prompt_logprobs=0), timeout=60):
+            if first_prompt_logprobs is None:
+                first_prompt_logprobs = list(message.prompt_logprobs)
+            for choice in message.choices:
+                text += choice.text
+                finish = choice.finish_reason or finish
+        assert finish == "stop"
+        jsonschema.validate(json.loads(text), PERSON)
+        assert first_prompt_logprobs and not first_prompt_logprobs[0].HasField("logprob")
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Generate(pb.GenerateRequest(prompt="x", structured_outputs=json.dumps({"regex": "(("})), timeout=60)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "structured_outputs.regex" in info.value.details()
 
 
 # ---- langchain-openai --------------------------------------------------------------------------

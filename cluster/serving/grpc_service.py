@@ -10,6 +10,7 @@ token, else its peer address.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncIterator
 
@@ -24,6 +25,7 @@ from .auth import client_key
 from .errors import APIError, validation_error
 from .frontend import Frontend, Generation, PromptInput
 from .protocol import DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
+from .structured import output_constraint
 
 STATUS_CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -38,6 +40,17 @@ STATUS_CODES = {
 # Optional proto fields copied as-is into the request models when set.
 _OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed",
                     "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def _json_field(text: str, name: str):
+    """A field the proto carries as JSON text (an object)."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise APIError(400, f"{name} is not valid JSON: {exc}", param=name) from None
+    if not isinstance(value, dict):
+        raise APIError(400, f"{name} must be a JSON object", param=name)
+    return value
 
 
 class GrpcRequestError(Exception):
@@ -69,7 +82,14 @@ class GrpcService:
         if num_sources != 1:
             raise APIError(400, "set exactly one of prompt, prompt_token_ids and messages", param="prompt")
         fields = {name: getattr(request, name) for name in _OPTIONAL_FIELDS if request.HasField(name)}
-        fields.update(stop=list(request.stop), ignore_eos=request.ignore_eos, priority=request.priority)
+        fields.update(stop=list(request.stop), ignore_eos=request.ignore_eos, priority=request.priority,
+                      min_tokens=request.min_tokens, include_stop_str_in_output=request.include_stop_str_in_output)
+        for name in ("prompt_logprobs", "truncate_prompt_tokens"):
+            if request.HasField(name):
+                fields[name] = getattr(request, name)
+        for name in ("structured_outputs", "response_format"):
+            if getattr(request, name):
+                fields[name] = _json_field(getattr(request, name), name)
         try:
             if request.messages:
                 chat = ChatCompletionRequest(
@@ -83,13 +103,19 @@ class GrpcService:
         except ValidationError as exc:
             raise validation_error(exc) from None
         if request.messages:
+            constraint = output_constraint(chat)
             prompt = self.server.chat_prompt(chat)
             max_tokens = chat.effective_max_tokens or self.server.max_model_len - len(prompt.token_ids)
-            params = self.server.sampling_params(chat, max_tokens, chat.top_logprobs)
+            params = self.server.sampling_params(chat, max_tokens, chat.top_logprobs, constraint,
+                                                 chat.prompt_logprobs)
         else:
-            prompt = self.server.tokenize(completion.prompts()[0])
+            if completion.max_tokens == 0:
+                raise APIError(400, "max_tokens must be >= 1", param="max_tokens")
+            constraint = output_constraint(completion)
+            prompt = self.server.tokenize(completion.prompts()[0],
+                                          truncate_prompt_tokens=completion.truncate_prompt_tokens)
             params = self.server.sampling_params(completion, completion.max_tokens or DEFAULT_MAX_TOKENS,
-                                                 completion.logprobs)
+                                                 completion.logprobs, constraint, completion.prompt_logprobs)
         return request.request_id, prompt, params, request.priority, client
 
     # ---- responses --------------------------------------------------------------------------
@@ -99,6 +125,20 @@ class GrpcService:
                                 top_logprobs=[pb.TopLogprob(token_id=t, token=decode(t), logprob=lp)
                                               for t, lp in s.top])
                 for s in samples]
+
+    def _prompt_logprobs(self, output: RequestOutput | None, prompt: PromptInput) -> list[pb.PromptTokenLogprob]:
+        if output is None or output.prompt_logprobs is None:
+            return []
+        decode = self.server.token_text
+        entries = []
+        for token_id, sample in zip(prompt.token_ids, output.prompt_logprobs):
+            entry = pb.PromptTokenLogprob(token_id=token_id, token=decode(token_id))
+            if sample is not None:
+                entry.logprob = sample.logprob
+                entry.top_logprobs.extend(pb.TopLogprob(token_id=t, token=decode(t), logprob=lp)
+                                          for t, lp in sample.top)
+            entries.append(entry)
+        return entries
 
     def _response(self, request_id: str, generation: Generation, choices: list[pb.Choice],
                   with_usage: bool) -> pb.GenerateResponse:
@@ -142,7 +182,9 @@ class GrpcService:
             choices = [pb.Choice(index=c.index, text=c.text, token_ids=c.token_ids,
                                  logprobs=self._logprobs(c.logprobs or []), finish_reason=c.finish_reason or "")
                        for c in sorted(last.outputs if last else [], key=lambda c: c.index)]
-            return self._response(request_id, generation, choices, with_usage=True)
+            response = self._response(request_id, generation, choices, with_usage=True)
+            response.prompt_logprobs.extend(self._prompt_logprobs(last, prompt))
+            return response
         except APIError as exc:
             raise self._fail(exc, grpc_context) from None
         finally:
@@ -158,11 +200,16 @@ class GrpcService:
             if first is None:
                 return
             item = first
+            sent_prompt_logprobs = params.prompt_logprobs is None
             while item is not None:
                 _, output = item
                 choices = self._delta_choices(output)
                 if choices or output.finished:
-                    yield self._response(request_id, generation, choices, with_usage=output.finished)
+                    response = self._response(request_id, generation, choices, with_usage=output.finished)
+                    if not sent_prompt_logprobs and output.prompt_logprobs is not None:
+                        response.prompt_logprobs.extend(self._prompt_logprobs(output, prompt))
+                        sent_prompt_logprobs = True
+                    yield response
                 item = await anext(generation, None)
         except APIError as exc:
             raise self._fail(exc, grpc_context) from None
