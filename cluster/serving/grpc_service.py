@@ -183,7 +183,7 @@ class GrpcService:
                                  logprobs=self._logprobs(c.logprobs or []), finish_reason=c.finish_reason or "")
                        for c in sorted(last.outputs if last else [], key=lambda c: c.index)]
             response = self._response(request_id, generation, choices, with_usage=True)
-            response.prompt_logprobs.extend(self._prompt_logprobs(last, prompt))
+            response.prompt_logprobs.extend(self._prompt_logprobs(last, generation.prompts[0]))
             return response
         except APIError as exc:
             raise self._fail(exc, grpc_context) from None
@@ -200,14 +200,14 @@ class GrpcService:
             if first is None:
                 return
             item = first
-            sent_prompt_logprobs = params.prompt_logprobs is None
+            sent_prompt_logprobs = generation.params.prompt_logprobs is None
             while item is not None:
                 _, output = item
                 choices = self._delta_choices(output)
                 if choices or output.finished:
                     response = self._response(request_id, generation, choices, with_usage=output.finished)
                     if not sent_prompt_logprobs and output.prompt_logprobs is not None:
-                        response.prompt_logprobs.extend(self._prompt_logprobs(output, prompt))
+                        response.prompt_logprobs.extend(self._prompt_logprobs(output, generation.prompts[0]))
                         sent_prompt_logprobs = True
                     yield response
                 item = await anext(generation, None)
