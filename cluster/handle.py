@@ -54,6 +54,12 @@ class _Run:
     migrated: Migrated | None = None
 
 
+# The central KV manager's answers are routing hints: wait this long at most, and after a
+# failure route by load alone for a while.
+HINT_TIMEOUT_S = 2.0
+HINT_PAUSE_S = 2.0
+
+
 class ClusterHandle:
     """A running pagedserve cluster: the KV manager actor, the workers and a router.
 
@@ -86,6 +92,7 @@ class ClusterHandle:
         self._tokenizer = None
         self._ids = itertools.count()
         self._utilization_refreshed = 0.0
+        self._hints_paused_until = 0.0
         self._membership_refreshed = 0.0
         self._num_resumed = 0
         self._num_migrated = 0
@@ -342,13 +349,18 @@ class ClusterHandle:
         return None
 
     async def _longest_prefix(self, token_ids: list[int]) -> dict[str, int]:
-        if self.config.router.policy != "cache_aware" or len(self.workers) == 1:
+        """Cached prefix per worker from the central index: a hint, never waited on for long.
+        While the KV manager is down or slow, requests are routed by load alone (and it is not
+        asked again for ``HINT_PAUSE_S``)."""
+        if (self.config.router.policy != "cache_aware" or len(self.workers) == 1
+                or time.monotonic() < self._hints_paused_until):
             return {}
         try:
             return await asyncio.wait_for(self.kv_manager.longest_prefix.remote(token_ids),
-                                          timeout=self.config.step_timeout_s)
-        except Exception as exc:  # the KV manager is restarting: route by load alone
-            logger.warning("prefix lookup failed (%r); routing by load", exc)
+                                          timeout=HINT_TIMEOUT_S)
+        except Exception as exc:  # the KV manager is restarting or overloaded: route by load alone
+            self._hints_paused_until = time.monotonic() + HINT_PAUSE_S
+            logger.warning("prefix lookup failed (%r); routing by load for %.0f s", exc, HINT_PAUSE_S)
             return {}
 
     async def _refresh_utilization(self) -> None:
@@ -358,7 +370,7 @@ class ClusterHandle:
         self._utilization_refreshed = now
         try:
             # The same occupancy source as the stats snapshot (``stats.kv_manager_stats``).
-            stats = await asyncio.wait_for(kv_manager_stats(self), timeout=self.config.step_timeout_s)
+            stats = await asyncio.wait_for(kv_manager_stats(self), timeout=HINT_TIMEOUT_S)
         except Exception:
             return
         workers = stats.get("workers", {})
