@@ -30,6 +30,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _own_ports() -> list[str]:
+    """``ray start`` options giving the head a free port for everything Ray would otherwise put
+    on a fixed default port another cluster here may hold: the dashboard's (bound even with
+    ``--include-dashboard=false``: 8265 taken made the head time out at start), the dashboard
+    agent's (52365) and the rest. Workers take random ports (0)."""
+    options = ("dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+               "runtime-env-agent-port", "metrics-export-port", "node-manager-port", "object-manager-port")
+    return [f"--{option}={free_port()}" for option in options] + ["--min-worker-port=0", "--max-worker-port=0"]
+
+
 def _node_ip() -> str:
     import ray.util
 
@@ -65,7 +75,7 @@ class FakeAutoscalingCluster:
         path.write_text(yaml.safe_dump(config))
         command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={self.port}",
                    f"--num-cpus={self.head_cpus}", "--num-gpus=0", f"--temp-dir={self.temp_dir}",
-                   "--include-dashboard=false", f"--ray-client-server-port={free_port()}",
+                   "--include-dashboard=false", f"--ray-client-server-port={free_port()}", *_own_ports(),
                    f"--autoscaling-config={path}", "--disable-usage-stats"]
         subprocess.run(command, env=self.env, check=True, timeout=timeout_s,
                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
