@@ -40,10 +40,11 @@ def _coerce_config(config: ClusterConfig | dict | str | Path | None) -> ClusterC
 def _actor_classes():
     import ray
 
-    from pagedserve.kvmanager.service import KVManagerService
     from pagedserve.workers.worker import Worker
 
-    return ray.remote(KVManagerService), ray.remote(Worker), ray.remote(ClusterController)
+    from .kv_central import CentralKVManager
+
+    return ray.remote(CentralKVManager), ray.remote(Worker), ray.remote(ClusterController)
 
 
 class WorkerStartError(RuntimeError):
@@ -112,7 +113,8 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
     kv_cls, worker_cls, controller_cls = _actor_classes()
     kv_manager = kv_cls.options(
         name=KV_MANAGER_NAME, namespace=NAMESPACE, max_restarts=-1, max_task_retries=0,
-        num_cpus=config.kv_manager_num_cpus, **ray_compat.head_node_placement()).remote()
+        num_cpus=config.kv_manager_num_cpus, **ray_compat.head_node_placement()).remote(
+        config.kv_events.transport)
     ray.get(kv_manager.get_incarnation.remote(), timeout=ready_timeout_s)
 
     workers, roles, groups = {}, {}, {}
@@ -126,7 +128,7 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
                 max_concurrency=1000, num_cpus=group.num_cpus, num_gpus=group.num_gpus,
                 resources=group.resources or None,
             ).remote(worker_id, engine_dict, kv_manager, group.role, config.step_timeout_s,
-                     model_source=model_source)
+                     model_source=model_source, kv_events=config.kv_events.model_dump())
             workers[worker_id] = handle
             roles[worker_id] = group.role
             groups[worker_id] = group_index

@@ -204,7 +204,7 @@ class WorkerPool:
                 max_concurrency=1000, num_cpus=group.num_cpus, num_gpus=group.num_gpus,
                 resources=group.resources or None,
             ).remote(worker_id, engine_dict, self.kv_manager, group.role, self.config.step_timeout_s,
-                     model_source=self.model_source)
+                     model_source=self.model_source, kv_events=self.config.kv_events.model_dump())
             self.records[worker_id] = WorkerRecord(worker_id, group_index, group.role, actor=actor)
             self._info_refs[worker_id] = actor.info.remote()
         logger.info("worker pool: starting %s (group %d)", worker_id, group_index)

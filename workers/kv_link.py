@@ -37,6 +37,9 @@ class RayTransport:
         if tokens:
             ray.wait(tokens, num_returns=len(tokens), timeout=timeout_s)
 
+    def stats(self) -> dict:
+        return {"kv_transport": "ray"}
+
     def call(self, method: str, packed: bytes, timeout_s: float) -> bytes:
         import ray
 

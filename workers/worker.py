@@ -33,7 +33,7 @@ from pagedserve.kvmanager import EventLog, KVPublisher, LocalKVManager, RemotePr
 
 from .async_engine import AsyncLLMEngine
 from .engine import EngineConfig, LLMEngine
-from .kv_link import RayTransport
+from .kv_wire import connect_transport
 from .kv_transfer import KVTransfer
 from .model_runner import dtype_name
 from .model_source import ModelSource
@@ -82,7 +82,8 @@ class Worker:
     """
 
     def __init__(self, worker_id: str, engine_config: dict, kv_manager, role: str = "mixed",
-                 step_timeout_s: float = 30.0, model_source: dict | None = None) -> None:
+                 step_timeout_s: float = 30.0, model_source: dict | None = None,
+                 kv_events: dict | None = None) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         if model_source is not None:
@@ -101,7 +102,10 @@ class Worker:
         engine = LLMEngine(EngineConfig(**engine_config), worker_id, kv_manager=self.local_kv, role=role)
         engine.scheduler.allow_migration = True
         self.engine = engine
-        self.kv_link = KVPublisher(self.local_kv, RayTransport(kv_manager),
+        kv_events = kv_events or {}
+        self.kv_transport = connect_transport(kv_manager, kv_events.get("transport", "zmq"),
+                                              ack_timeout_s=kv_events.get("ack_timeout_s", 2.0))
+        self.kv_link = KVPublisher(self.local_kv, self.kv_transport,
                                    preemption_timeout_s=PREEMPTION_TIMEOUT_S)
         engine.step_hooks.append(self._after_step)
         logger.info("worker %s: %s on %s, dtype %s (%s)", worker_id, engine.config.model, engine.runner.device,
@@ -267,7 +271,7 @@ class Worker:
         blocking the actor's event loop. ``kv_pool`` is this worker's pool statistics (the
         source of truth; the central manager holds a lagging summary)."""
         def gather(engine: LLMEngine) -> tuple[dict, dict, dict]:
-            return engine.stats(), engine.kv_manager.stats(engine.worker_id), self.kv_link.stats()
+            return engine.stats(), engine.kv_manager.stats(engine.worker_id), {**self.kv_link.stats(), **self.kv_transport.stats()}
 
         engine_stats, pool_stats, link_stats = await asyncio.wrap_future(self.async_engine.submit(gather))
         return {"worker_id": self.worker_id, "role": self.role, **self._dtype_info(),

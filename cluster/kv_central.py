@@ -1,0 +1,68 @@
+"""The central KV manager actor: ``KVManagerService`` plus its ZeroMQ event endpoint.
+
+The service is pure Python (``kvmanager.service``); this class is what the
+cluster wraps in ``ray.remote``. It binds the event socket
+(``workers.kv_wire.EventEndpoint``), whose receiver thread applies workers'
+``publish``/``resync`` messages while Ray runs the actor's methods on the
+actor's own thread: every public service method, from either side, runs
+under one lock, so the index sees one change at a time. Without pyzmq (or a
+failed bind) ``event_endpoint()`` answers None and workers publish over Ray
+actor calls.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+
+from pagedserve.kvmanager.service import KVManagerService
+
+logger = logging.getLogger(__name__)
+
+
+def _locked(method):
+    @functools.wraps(method)
+    def under_lock(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return under_lock
+
+
+class CentralKVManager(KVManagerService):
+    """``KVManagerService`` with events taken over ZeroMQ as well as over Ray calls."""
+
+    def __init__(self, event_transport: str = "zmq") -> None:
+        self._lock = threading.RLock()
+        super().__init__()
+        self._endpoint = None
+        if event_transport == "zmq":
+            try:
+                from pagedserve.workers.kv_wire import EventEndpoint
+
+                self._endpoint = EventEndpoint(self._on_event)
+            except Exception as exc:  # no pyzmq, no bind: workers fall back to Ray calls
+                logger.warning("KV event endpoint unavailable, events go over Ray calls: %r", exc)
+
+    def _on_event(self, kind: str, payload: bytes) -> bytes:
+        return self.publish(payload) if kind == "publish" else self.resync(payload)
+
+    def event_endpoint(self) -> str | None:
+        """The tcp address workers' ``ZmqTransport`` connects to (None: use Ray calls)."""
+        return self._endpoint.address if self._endpoint is not None else None
+
+    def stats(self) -> dict:
+        stats = super().stats()
+        stats["event_endpoint"] = self.event_endpoint()
+        stats["num_zmq_messages"] = self._endpoint.num_messages if self._endpoint is not None else 0
+        return stats
+
+    def close(self) -> None:
+        if self._endpoint is not None:
+            self._endpoint.close()
+            self._endpoint = None
+
+
+for _name, _method in list(vars(KVManagerService).items()):
+    if callable(_method) and not _name.startswith("_"):
+        setattr(CentralKVManager, _name, _locked(getattr(CentralKVManager, _name)))

@@ -1,0 +1,152 @@
+"""KV events over ZeroMQ (workers/kv_wire.py, cluster/kv_central.py) against a real Ray actor.
+
+One worker's ``LocalKVManager`` publishes through the real ``KVPublisher``
+over ``ZmqTransport`` to ``CentralKVManager`` running as a restartable Ray
+actor; the central index must equal the worker's snapshot after every phase.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pagedserve.cluster.kv_central import CentralKVManager
+from pagedserve.kvmanager import KVPublisher, PublishAck
+from pagedserve.kvmanager.service import KVManagerService
+from pagedserve.workers.kv_link import RayTransport
+from pagedserve.workers.kv_wire import ZmqTransport, connect_transport
+
+from test_kv_events import Driver, make_local
+
+pytest.importorskip("zmq")
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=2, include_dashboard=False, namespace="pagedserve-kv-wire")
+    yield ray
+    ray.shutdown()
+
+
+def _central(ray, **options):
+    actor = ray.remote(CentralKVManager).options(num_cpus=0, **options).remote()
+    ray.get(actor.get_incarnation.remote(), timeout=60)
+    return actor
+
+
+def _consistent(ray, actor, local) -> bool:
+    return ray.get(actor.check_consistency.remote([local.snapshot().pack()]), timeout=30)
+
+
+def _drive(publisher, driver, steps: int) -> None:
+    for _ in range(steps):
+        driver.step()
+        publisher.maybe_flush()
+
+
+def test_events_round_trip_in_order_with_acks_while_ray_methods_run(ray_local):
+    ray = ray_local
+    actor = _central(ray)
+    transport = connect_transport(actor, "zmq")
+    assert isinstance(transport, ZmqTransport)
+    assert transport.endpoint == ray.get(actor.event_endpoint.remote()) and transport.endpoint.startswith("tcp://")
+    local, worker = make_local()
+    publisher = KVPublisher(local, transport, max_batch_age_s=0.0)
+    driver = Driver(local, worker, seed=3)
+    for _ in range(10):
+        _drive(publisher, driver, 10)
+        # Ray method calls interleave with the receiver thread's applies (one lock).
+        ray.get([actor.longest_prefix.remote(Driver.PREFIXES[0]), actor.stats.remote()], timeout=30)
+    assert publisher.flush_and_wait(10.0)
+    assert _consistent(ray, actor, local)
+    stats = ray.get(actor.stats.remote())
+    assert publisher.num_batches > 10 and publisher.num_failed_calls == 0
+    assert stats["num_publishes"] == publisher.num_batches and stats["num_snapshots"] == 1
+    assert stats["num_zmq_messages"] == publisher.num_batches + 1
+    assert publisher.central_incarnation == ray.get(actor.get_incarnation.remote())
+    assert stats["bytes_in"] == publisher.num_bytes_out and stats["bytes_out"] == publisher.num_bytes_in
+    local.check_integrity()
+    transport.close()
+    ray.kill(actor)
+
+
+def test_refused_input_is_an_error_reply_and_changes_nothing(ray_local):
+    ray = ray_local
+    actor = _central(ray)
+    transport = connect_transport(actor, "zmq")
+    local, worker = make_local()
+    publisher = KVPublisher(local, transport, max_batch_age_s=0.0)
+    _drive(publisher, Driver(local, worker, seed=4), 20)
+    assert publisher.flush_and_wait(10.0)
+    before = ray.get(actor.stats.remote())
+    token = transport.send("publish", b"not msgpack")
+    transport.wait([token], 10.0)
+    [(_, reply, error)] = transport.poll([token])
+    assert reply is None and isinstance(error, RuntimeError)
+    # A well-formed batch from the future (a gap) is answered "resync".
+    batch = local.drain_events()
+    batch.first_seq += 5
+    token = transport.send("publish", batch.pack())
+    transport.wait([token], 10.0)
+    [(_, reply, error)] = transport.poll([token])
+    assert error is None and PublishAck.unpack(reply).needs_resync
+    after = ray.get(actor.stats.remote())
+    assert after["num_events"] == before["num_events"]
+    local.event_log.needs_snapshot = True   # the batch above was taken out of the log
+    assert publisher.flush_and_wait(10.0) and _consistent(ray, actor, local)
+    transport.close()
+    ray.kill(actor)
+
+
+def test_central_restart_moves_the_endpoint_and_the_worker_reconnects_and_resyncs(ray_local):
+    ray = ray_local
+    actor = _central(ray, max_restarts=1, max_task_retries=0)
+    transport = connect_transport(actor, "zmq", ack_timeout_s=0.5)
+    local, worker = make_local()
+    publisher = KVPublisher(local, transport, max_batch_age_s=0.0, heartbeat_s=0.2)
+    driver = Driver(local, worker, seed=5)
+    _drive(publisher, driver, 30)
+    assert publisher.flush_and_wait(10.0)
+    first = publisher.central_incarnation
+    old_endpoint = transport.endpoint
+    ray.kill(actor, no_restart=False)
+    # The worker keeps planning and publishing into the void; it notices by the missing acks.
+    deadline = time.monotonic() + 60
+    while publisher.central_incarnation in (None, first) and time.monotonic() < deadline:
+        _drive(publisher, driver, 1)
+        time.sleep(0.05)
+    assert publisher.central_incarnation not in (None, first), "never heard from the restarted manager"
+    assert transport.endpoint != old_endpoint and transport.num_reconnects == 1
+    assert transport.num_timeouts >= 1 and publisher.num_failed_calls >= 1
+    _drive(publisher, driver, 20)
+    assert publisher.flush_and_wait(10.0)
+    assert _consistent(ray, actor, local)
+    assert ray.get(actor.stats.remote())["num_snapshots"] >= 1
+    local.check_integrity()
+    transport.close()
+    ray.kill(actor)
+
+
+def test_falls_back_to_ray_calls_without_an_endpoint(ray_local):
+    ray = ray_local
+    plain = ray.remote(KVManagerService).options(num_cpus=0).remote()   # has no event_endpoint
+    ray_only = _central(ray)
+    configured_ray = ray.remote(CentralKVManager).options(num_cpus=0).remote("ray")
+    assert ray.get(configured_ray.event_endpoint.remote(), timeout=60) is None
+    for actor in (plain, configured_ray):
+        transport = connect_transport(actor, "zmq", timeout_s=30)
+        assert isinstance(transport, RayTransport)
+        local, worker = make_local()
+        publisher = KVPublisher(local, transport, max_batch_age_s=0.0)
+        _drive(publisher, Driver(local, worker, seed=6), 20)
+        assert publisher.flush_and_wait(10.0) and _consistent(ray, actor, local)
+    assert isinstance(connect_transport(ray_only, "ray"), RayTransport)
+    with pytest.raises(ValueError, match="unknown KV event transport"):
+        connect_transport(ray_only, "carrier-pigeon")
+    for actor in (plain, ray_only, configured_ray):
+        ray.kill(actor)

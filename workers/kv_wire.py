@@ -1,0 +1,273 @@
+"""KV events over ZeroMQ: a worker's ``KVPublisher`` to the central KV manager.
+
+A Ray actor call costs the central process ~1 ms of CPU on a loaded node,
+far more than applying a batch of events (15-100 us), so the event stream
+bypasses Ray (vLLM publishes its KV events over ZMQ for the same reason):
+
+- central side, ``EventEndpoint``: a ROUTER socket bound to the node's IP on
+  an ephemeral port, read by one receiver thread that hands each message to
+  ``handle(kind, payload) -> reply`` (the service's ``publish``/``resync``,
+  under the lock its Ray methods take) and replies on the same socket;
+- worker side, ``ZmqTransport`` (a ``KVTransport``): one DEALER socket, so a
+  worker's batches arrive in order. ``send`` never blocks, ``poll`` reads
+  acks without waiting, ``call`` (the rare preemption decision) stays a Ray
+  actor call. A send not acked within ``ack_timeout_s`` fails (the publisher
+  then resyncs) and the transport asks the actor for its endpoint again,
+  without waiting: a restarted central manager binds a new port.
+
+Frames: worker -> central ``[request id, kind, payload]`` (the ROUTER adds
+the worker's identity), central -> worker ``[request id, "ok"|"error",
+reply or error text]``. ``pyzmq`` is imported lazily; ``connect_transport``
+falls back to Ray actor calls when it is missing or the endpoint cannot be
+had.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from typing import Callable
+
+from .kv_link import RayTransport
+
+logger = logging.getLogger(__name__)
+
+EVENT_KINDS = (b"publish", b"resync")
+_ID = struct.Struct("!Q")
+_fallback_logged = False
+
+
+class EventEndpoint:
+    """The central manager's event socket and its receiver thread."""
+
+    def __init__(self, handle: Callable[[str, bytes], bytes], host: str | None = None,
+                 poll_ms: int = 100) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self._handle = handle
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        host = host or _node_ip()
+        port = self._socket.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        self.num_messages = 0
+        self.num_errors = 0
+        self._poll_ms = poll_ms
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="pagedserve-kv-events", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        zmq = self._zmq
+        socket = self._socket
+        while not self._stop.is_set():
+            if not socket.poll(self._poll_ms, zmq.POLLIN):
+                continue
+            while True:
+                try:
+                    frames = socket.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self.num_messages += 1
+                socket.send_multipart(self._answer(frames))
+        socket.close(0)
+        self._context.term()
+
+    def _answer(self, frames: list[bytes]) -> list[bytes]:
+        if len(frames) != 4 or frames[2] not in EVENT_KINDS:
+            self.num_errors += 1
+            return [frames[0], frames[1] if len(frames) > 1 else b"", b"error", b"malformed KV event message"]
+        identity, request_id, kind, payload = frames
+        try:
+            return [identity, request_id, b"ok", self._handle(kind.decode(), payload)]
+        except Exception as exc:  # refused input: the worker resyncs
+            self.num_errors += 1
+            return [identity, request_id, b"error", repr(exc).encode()]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return "127.0.0.1"
+
+
+class _Send:
+    """A send's token: the request id on one connection, and when it left."""
+
+    __slots__ = ("request_id", "connection", "sent_at")
+
+    def __init__(self, request_id: int, connection: int, sent_at: float) -> None:
+        self.request_id = request_id
+        self.connection = connection
+        self.sent_at = sent_at
+
+
+class ZmqTransport:
+    """A ``KVTransport``: events over a DEALER socket, the blocking call over Ray.
+
+    Used from one thread (the engine's); zmq sockets are not thread-safe.
+    """
+
+    def __init__(self, actor, endpoint: str, ack_timeout_s: float = 2.0, max_queued: int = 64) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self.actor = actor
+        self.ray = RayTransport(actor)
+        self.ack_timeout_s = ack_timeout_s
+        self.max_queued = max_queued
+        self._context = zmq.Context()
+        self._socket = None
+        self.endpoint = ""
+        self.connection = 0
+        self._next_id = 0
+        self._replies: dict[int, tuple[bytes | None, BaseException | None]] = {}
+        self._endpoint_ref = None       # an outstanding ``event_endpoint`` ask
+        self.num_reconnects = 0
+        self.num_timeouts = 0
+        self._connect(endpoint)
+
+    def _connect(self, endpoint: str) -> None:
+        zmq = self._zmq
+        if self._socket is not None:
+            self._socket.close(0)
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SNDHWM, self.max_queued)
+        socket.connect(endpoint)
+        self._socket = socket
+        self.endpoint = endpoint
+        self.connection += 1
+        self._replies.clear()           # replies of an old connection never come
+
+    # ---- KVTransport -------------------------------------------------------------------
+    def send(self, method: str, packed: bytes) -> _Send:
+        token = _Send(self._next_id, self.connection, time.monotonic())
+        self._next_id += 1
+        if self._endpoint_ref is None:  # while rediscovering, the send just times out
+            try:
+                self._socket.send_multipart([_ID.pack(token.request_id), method.encode(), packed],
+                                            self._zmq.NOBLOCK, copy=False)
+            except self._zmq.Again:     # the queue to an unreachable manager is full
+                pass
+        return token
+
+    def poll(self, tokens: list) -> list:
+        self._read_replies()
+        self._check_endpoint()
+        now = time.monotonic()
+        if len(self._replies) > len(tokens) + 64:  # late acks of timed-out sends
+            wanted = {t.request_id for t in tokens}
+            self._replies = {i: r for i, r in self._replies.items() if i in wanted}
+        ended = []
+        for token in tokens:
+            if token.connection != self.connection:
+                ended.append((token, None, ConnectionError("reconnected to the central KV manager")))
+            elif token.request_id in self._replies:
+                ended.append((token, *self._replies.pop(token.request_id)))
+            elif now - token.sent_at > self.ack_timeout_s:
+                self.num_timeouts += 1
+                self._rediscover()
+                self._replies.pop(token.request_id, None)
+                ended.append((token, None, TimeoutError(
+                    f"no ack from the central KV manager at {self.endpoint} in {self.ack_timeout_s} s")))
+        return ended
+
+    def wait(self, tokens: list, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._read_replies()
+            missing = [t for t in tokens if t.connection == self.connection and t.request_id not in self._replies]
+            left = deadline - time.monotonic()
+            if not missing or left <= 0:
+                return
+            self._socket.poll(max(1, int(1e3 * min(left, 0.05))), self._zmq.POLLIN)
+
+    def call(self, method: str, packed: bytes, timeout_s: float) -> bytes:
+        return self.ray.call(method, packed, timeout_s)
+
+    # ---- connection ---------------------------------------------------------------------
+    def _read_replies(self) -> None:
+        zmq = self._zmq
+        while True:
+            try:
+                frames = self._socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 3:
+                logger.warning("malformed reply from the central KV manager (%d frames)", len(frames))
+                continue
+            request_id = _ID.unpack(frames[0])[0]
+            if frames[1] == b"ok":
+                self._replies[request_id] = (frames[2], None)
+            else:
+                self._replies[request_id] = (None, RuntimeError(frames[2].decode(errors="replace")))
+
+    def _rediscover(self) -> None:
+        if self._endpoint_ref is None:
+            self._endpoint_ref = self.actor.event_endpoint.remote()
+
+    def _check_endpoint(self) -> None:
+        if self._endpoint_ref is None:
+            return
+        import ray
+
+        ready, _ = ray.wait([self._endpoint_ref], timeout=0)
+        if not ready:
+            return
+        ref, self._endpoint_ref = self._endpoint_ref, None
+        try:
+            endpoint = ray.get(ref, timeout=0)
+        except Exception as exc:  # restarting: asked again at the next timeout
+            logger.info("the central KV manager's event endpoint is not known yet (%r)", exc)
+            return
+        if endpoint and endpoint != self.endpoint:
+            logger.warning("the central KV manager's event endpoint moved %s -> %s; reconnecting",
+                           self.endpoint, endpoint)
+            self._connect(endpoint)
+            self.num_reconnects += 1
+
+    def stats(self) -> dict:
+        return {"kv_transport": "zmq", "kv_endpoint": self.endpoint, "kv_reconnects": self.num_reconnects,
+                "kv_ack_timeouts": self.num_timeouts}
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close(0)
+            self._socket = None
+        self._context.term()
+
+
+def connect_transport(actor, kind: str = "zmq", timeout_s: float = 10.0, ack_timeout_s: float = 2.0):
+    """The worker's transport to the central KV manager: ``ZmqTransport`` for ``kind="zmq"``
+    when pyzmq is installed and the actor has an endpoint, else ``RayTransport`` (logged once)."""
+    if kind == "ray":
+        return RayTransport(actor)
+    if kind != "zmq":
+        raise ValueError(f"unknown KV event transport {kind!r}; known: zmq, ray")
+    try:
+        import ray
+
+        endpoint = ray.get(actor.event_endpoint.remote(), timeout=timeout_s)
+        if not endpoint:
+            raise RuntimeError("the central KV manager has no event endpoint")
+        return ZmqTransport(actor, endpoint, ack_timeout_s=ack_timeout_s)
+    except Exception as exc:  # no pyzmq, an actor without the endpoint, a failed bind
+        global _fallback_logged
+        if not _fallback_logged:
+            _fallback_logged = True
+            logger.warning("KV events over Ray actor calls: the ZeroMQ transport is unavailable (%r)", exc)
+        return RayTransport(actor)
