@@ -37,6 +37,12 @@ class RayTransport:
         if tokens:
             ray.wait(tokens, num_returns=len(tokens), timeout=timeout_s)
 
+    def ready(self, tokens: list) -> list:
+        """The tokens whose calls have ended, without taking their replies."""
+        import ray
+
+        return ray.wait(tokens, num_returns=len(tokens), timeout=0)[0] if tokens else []
+
     def stats(self) -> dict:
         return {"kv_transport": "ray"}
 

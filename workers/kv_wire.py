@@ -129,7 +129,7 @@ class ZmqTransport:
         self.ray = RayTransport(actor)
         self.ack_timeout_s = ack_timeout_s
         self.max_queued = max_queued
-        self._context = zmq.Context()
+        self._context = zmq.Context.instance()   # one I/O thread for every transport in the process
         self._socket = None
         self.endpoint = ""
         self.connection = 0
@@ -199,6 +199,11 @@ class ZmqTransport:
     def call(self, method: str, packed: bytes, timeout_s: float) -> bytes:
         return self.ray.call(method, packed, timeout_s)
 
+    def ready(self, tokens: list) -> list:
+        """The tokens whose acks have arrived, without taking them (benchmarks time acks)."""
+        self._read_replies()
+        return [t for t in tokens if t.connection == self.connection and t.request_id in self._replies]
+
     # ---- connection ---------------------------------------------------------------------
     def _read_replies(self) -> None:
         zmq = self._zmq
@@ -248,7 +253,6 @@ class ZmqTransport:
         if self._socket is not None:
             self._socket.close(0)
             self._socket = None
-        self._context.term()
 
 
 def connect_transport(actor, kind: str = "zmq", timeout_s: float = 10.0, ack_timeout_s: float = 2.0):

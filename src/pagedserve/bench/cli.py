@@ -248,6 +248,9 @@ def _add_kv_scale_parser(subparsers) -> None:
     parser.add_argument("--pressure-per-s", type=float, default=0.2,
                         help="per worker, random requests sized to take the pool's free room (default: 0.2)")
     parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--transport", choices=("zmq", "ray"), default="zmq",
+                        help="workers' KV events: over ZeroMQ (the cluster's default) or one Ray actor call "
+                             "per batch (default: zmq)")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     parser.set_defaults(run=_run_kv_scale)
 
@@ -260,7 +263,7 @@ def _run_kv_scale(args: argparse.Namespace) -> int:
     config = kv_scale.KVScaleConfig(
         num_workers=args.workers, batch=args.batch, context=args.context, steps_per_s=args.steps_per_s,
         seconds=args.seconds, workers_per_process=args.workers_per_process, flush_interval_s=args.flush_ms / 1e3,
-        pressure_per_s=args.pressure_per_s, seed=args.seed)
+        pressure_per_s=args.pressure_per_s, seed=args.seed, transport=args.transport)
     result = kv_scale.run_kv_scale(config, out=args.json)
     print(kv_scale.format_results(result))
     if args.json:

@@ -74,6 +74,7 @@ class KVScaleConfig:
     output_len: tuple[int, int] | None = None   # default: (context // 4, 3 * context // 4)
     prefill_per_step: int = 512
     seed: int = 0
+    transport: str = "zmq"   # the event stream: "zmq" (the cluster's default) or "ray" (actor calls)
 
     def workload(self) -> SimWorkload:
         return SimWorkload(batch=self.batch, context=self.context, num_prefixes=self.num_prefixes,
@@ -91,7 +92,7 @@ class KVScaleConfig:
 
 
 class _TimedTransport:
-    """``workers.kv_link.RayTransport`` that also notes when each publish's ack arrives
+    """A worker's ``KVTransport`` that also notes when each publish's ack arrives
     (``observe``, polled by the stepping thread between steps), for ``publish_rtt``."""
 
     def __init__(self, inner, rtts: list) -> None:
@@ -114,11 +115,9 @@ class _TimedTransport:
         return self.inner.call(method, packed, timeout_s)
 
     def observe(self) -> None:
-        import ray
-
         if not self._watch:
             return
-        ready, _ = ray.wait(list(self._watch), num_returns=len(self._watch), timeout=0)
+        ready = self.inner.ready(list(self._watch))
         now, seen_at = time.perf_counter(), time.time()
         for token in ready:
             self.rtts.append((seen_at, now - self._watch.pop(token)))
@@ -137,7 +136,7 @@ class SimWorkerGroup:
     def __init__(self, config: KVScaleConfig, worker_ids: list[str], central, groups_by_worker: dict) -> None:
         from pagedserve.kvmanager.preemption import RemotePreemptionPolicy
         from pagedserve.kvmanager.publisher import KVPublisher
-        from pagedserve.workers.kv_link import RayTransport
+        from pagedserve.workers.kv_wire import ZmqTransport, connect_transport
 
         self.config = config
         self.central = central
@@ -153,7 +152,10 @@ class SimWorkerGroup:
             holder: dict = {}
             policy = RemotePreemptionPolicy(lambda request, h=holder: h["publisher"].decide_preemption(request))
             worker = SimulatedKVWorker(worker_id, workload, prefixes, policy)
-            transport = _TimedTransport(RayTransport(central), self.publish_rtts)
+            inner = connect_transport(central, config.transport, timeout_s=120.0, ack_timeout_s=10.0)
+            if config.transport == "zmq" and not isinstance(inner, ZmqTransport):
+                raise RuntimeError("--transport zmq asked, but the ZeroMQ transport is unavailable")
+            transport = _TimedTransport(inner, self.publish_rtts)
             # Age 0: ``maybe_flush`` sends whatever is pending; the loop calls it every
             # ``flush_every_steps`` steps, i.e. every ``flush_interval_s`` of simulated time.
             holder["publisher"] = KVPublisher(worker.kv, transport, max_batch_age_s=0.0,
@@ -345,7 +347,7 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
     """Run the benchmark (starting a local Ray cluster unless one is connected)."""
     import ray
 
-    from pagedserve.kvmanager.service import KVManagerService
+    from pagedserve.cluster.kv_central import CentralKVManager
 
     owns_ray = not ray.is_initialized()
     if owns_ray:
@@ -354,7 +356,7 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
     central = None
     groups = []
     try:
-        central = ray.remote(KVManagerService).options(num_cpus=0, max_restarts=0).remote()
+        central = ray.remote(CentralKVManager).options(num_cpus=0, max_restarts=0).remote(config.transport)
         ray.get(central.get_incarnation.remote(), timeout=120)
         worker_ids = config.worker_ids
         per = config.workers_per_process
@@ -485,6 +487,7 @@ def format_results(result: dict) -> str:
     config = result["config"]
     lines = [
         f"kv-scale: {config['num_workers']} workers x batch {config['batch']} x context {config['context']}, "
+        f"events over {config.get('transport', 'ray')}, "
         f"target {config['steps_per_s']:g} steps/s per worker, achieved "
         f"{result['achieved_steps_per_s_per_worker']:.1f} ({result['worker_steps']} worker-steps in "
         f"{result['window_s']:.1f} s; figures are per worker-step)",
