@@ -600,6 +600,24 @@ def test_unknown_fields_are_named(served):
                 "structured_outputs.jsn")
 
 
+def test_vllm_metric_names_after_traffic(served, client):
+    """The wiring: inter-token latency and the worker's queue/prefill/decode phases are observed."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, extra_body={"ignore_eos": True})
+    text = httpx.get(served.base_url + "/metrics", timeout=60).text
+    samples = {s.name: s for family in text_string_to_metric_families(text) for s in family.samples
+               if s.labels.get("model_name") == MODEL and "le" not in s.labels}
+    for name in ("vllm:inter_token_latency_seconds_count", "vllm:request_queue_time_seconds_count",
+                 "vllm:request_prefill_time_seconds_count", "vllm:request_decode_time_seconds_count",
+                 "vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
+                 "vllm:generation_tokens_total", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+        assert name in samples, name
+    assert samples["vllm:inter_token_latency_seconds_count"].value >= 5
+    assert samples["vllm:request_queue_time_seconds_count"].value >= 1
+    assert samples["vllm:num_requests_running"].labels["engine"]
+
+
 # ---- bad input: a 400 naming the field, nothing else disturbed ---------------------------------
 BAD_REQUESTS = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
