@@ -3,7 +3,8 @@
 Serves the small random Llama with one worker (``pagedserve serve``), sends the
 burst with ``pagedserve bench serve --request-rate inf`` (streamed, TTFT
 timed by the client), then runs the same requests (same seed: same prompts and
-output lengths) through ``LLM.generate`` with the worker's engine settings, where
+output lengths) through ``LLM.generate`` with the worker's engine settings and
+one torch thread, as the worker actor has, where
 TTFT is first token minus arrival. Prints both distributions and the served /
 offline ratios at p50, p90 and max, and writes them as JSON.
 
@@ -54,13 +55,19 @@ def wait_ready(url: str, server: subprocess.Popen, timeout_s: float) -> None:
 
 
 def served(port: int, workdir: Path) -> list[float]:
+    """Client-side TTFTs of the burst against a fresh local Ray (never another one on the machine)."""
     url = f"http://127.0.0.1:{port}"
     log = open(workdir / "server.log", "w")
     server = subprocess.Popen([sys.executable, "-m", "pagedserve", "serve", "--set", "model.size=small",
-                               "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                               "--port", str(port), "--address", "local"], stdout=log, stderr=subprocess.STDOUT,
                               start_new_session=True)
     try:
-        wait_ready(url, server, 600)
+        try:
+            wait_ready(url, server, 600)
+        except (RuntimeError, TimeoutError):
+            log.flush()
+            print((workdir / "server.log").read_text()[-3000:], file=sys.stderr)
+            raise
         out = workdir / "serve.json"
         subprocess.run([sys.executable, "-m", "pagedserve", "bench", "serve", "--url", url,
                         "--num-requests", str(NUM_REQUESTS), "--request-rate", "inf", "--no-progress",
@@ -71,19 +78,23 @@ def served(port: int, workdir: Path) -> list[float]:
             raise RuntimeError(f"{len(failed)} served requests failed: {failed[0]['error']}")
         return [r["ttft_s"] for r in data["requests"]]
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
 
 
 def offline() -> list[float]:
+    import torch
+
     from pagedserve import LLM, SamplingParams
     from pagedserve.bench.serve import ServeBenchConfig, make_prompts
     from pagedserve.cluster.config import load_config
     from pagedserve.devtools.model_factory import ensure_model
 
+    torch.set_num_threads(1)  # as a worker actor runs (Ray sets OMP_NUM_THREADS to its 1 CPU)
     engine = load_config(None).engine  # the worker's engine settings (the embedded default)
     requests = make_prompts(ServeBenchConfig(url="http://unused", num_requests=NUM_REQUESTS, seed=0))
     llm = LLM(model=str(ensure_model("llama", "small")), block_size=engine.block_size,
