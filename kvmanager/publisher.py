@@ -16,6 +16,13 @@ serving.
 The only blocking call is ``decide_preemption``, made by the local manager's
 ``RemotePreemptionPolicy`` when a step cannot grow, with its own timeout.
 
+Two threads may share the work (``background=True``, as a worker runs it):
+the engine's thread only drains and packs into an outbox (``maybe_flush``:
+pure Python, no transport call, so a step never waits to get the GIL back
+from the transport's native code), and a sender thread runs ``pump``, which
+sends the outbox and reads acks; ``wakeup`` tells it there is work. With
+``background=False`` ``maybe_flush`` pumps itself (tests, benchmarks).
+
 The transport is passed in (``KVTransport``): the cluster uses Ray actor
 calls (``workers.kv_link.RayTransport``); tests and benchmarks may use
 anything that honours the protocol. No Ray import here.
@@ -23,7 +30,9 @@ anything that honours the protocol. No Ray import here.
 
 from __future__ import annotations
 
+import collections
 import logging
+import threading
 import time
 from typing import Any, Protocol
 
@@ -55,7 +64,7 @@ class KVPublisher:
 
     def __init__(self, local: LocalKVManager, transport: KVTransport, max_batch_age_s: float = 0.05,
                  max_batch_events: int = 1024, heartbeat_s: float = 1.0, max_in_flight: int = 8,
-                 preemption_timeout_s: float = 1.0) -> None:
+                 preemption_timeout_s: float = 1.0, background: bool = False) -> None:
         if local.event_log is None:
             raise ValueError("the local KV manager needs an event log")
         self.local = local
@@ -68,6 +77,10 @@ class KVPublisher:
         self.central_incarnation: str | None = None
         self.needs_snapshot = True     # first contact: the central manager learns everything
         self.num_snapshots_sent = 0    # the snapshot epoch: resync answers to older sends are moot
+        self.background = background
+        self.wakeup = threading.Event()   # set when the outbox has work for ``pump``
+        self._outbox: collections.deque[tuple[str, bytes, int]] = collections.deque()  # (method, packed, epoch)
+        self._pump_lock = threading.Lock()
         self._in_flight: list[tuple[Any, int]] = []   # (token, epoch)
         self._last_sent = float("-inf")
         self.num_batches = 0
@@ -90,40 +103,61 @@ class KVPublisher:
                 or log.pending_age_s() >= self.max_batch_age_s or now - self._last_sent >= self.heartbeat_s)
 
     def maybe_flush(self) -> bool:
-        """Send what is due without waiting for anything. True if something was sent."""
-        self._collect_acks()
-        if not self.is_due() or len(self._in_flight) >= self.max_in_flight:
+        """Drain and pack what is due into the outbox, without waiting for anything (the
+        engine's thread). True if something was queued."""
+        if not self.background:
+            self.pump()
+        if not self.is_due() or len(self._in_flight) + len(self._outbox) >= self.max_in_flight:
             return False  # nothing due, or the central manager is behind or down: keep accumulating
-        self._send_next()
+        self._queue_next()
+        if self.background:
+            self.wakeup.set()
+        else:
+            self.pump()
         return True
+
+    def pump(self) -> None:
+        """Send what the outbox holds and read the acks that came back, without waiting
+        (the sender thread, or ``maybe_flush`` itself when not in the background). Every
+        transport call is made under one lock: a transport is used by one thread at a time."""
+        with self._pump_lock:
+            self._pump()
+
+    def _pump(self) -> None:
+        while self._outbox:
+            method, packed, epoch = self._outbox.popleft()
+            self._in_flight.append((self.transport.send(method, packed), epoch))
+        self._collect_acks()
 
     def flush_and_wait(self, timeout_s: float) -> bool:
         """Send everything now and wait for every outstanding ack (checks and tests, off the
-        step path). False when the central manager did not take it all in time."""
+        step path; the engine's thread). False when the central manager did not take it all
+        in time."""
         deadline = time.monotonic() + timeout_s
         for _ in range(3):  # a batch, then possibly the snapshot it asks for
-            self._send_next()
-            self.transport.wait([token for token, _ in self._in_flight],
-                                max(0.0, deadline - time.monotonic()))
-            self._collect_acks()
-            if self._in_flight:
+            self._queue_next()
+            with self._pump_lock:
+                self._pump()
+                self.transport.wait([token for token, _ in self._in_flight],
+                                    max(0.0, deadline - time.monotonic()))
+                self._pump()
+            if self._in_flight or self._outbox:
                 return False
             if not (self.needs_snapshot or self.log.needs_snapshot):
                 return True
         return False
 
-    def _send_next(self) -> None:
+    def _queue_next(self) -> None:
         if self.needs_snapshot or self.log.needs_snapshot:
-            packed = self.local.snapshot().pack()
             self.needs_snapshot = False
             self.num_snapshots_sent += 1
-            self._send("resync", packed)
+            self._queue("resync", self.local.snapshot().pack())
         else:
-            self._send("publish", self.local.drain_events().pack())
+            self._queue("publish", self.local.drain_events().pack())
             self.num_batches += 1
 
-    def _send(self, method: str, packed: bytes) -> None:
-        self._in_flight.append((self.transport.send(method, packed), self.num_snapshots_sent))
+    def _queue(self, method: str, packed: bytes) -> None:
+        self._outbox.append((method, packed, self.num_snapshots_sent))
         self._last_sent = time.monotonic()
         self.num_bytes_out += len(packed)
 
@@ -171,7 +205,8 @@ class KVPublisher:
 
     def stats(self) -> dict:
         return {"num_event_batches": self.num_batches, "num_snapshots": self.num_snapshots_sent,
-                "num_in_flight": len(self._in_flight), "num_pending_events": self.log.num_pending,
+                "num_in_flight": len(self._in_flight) + len(self._outbox),
+                "num_pending_events": self.log.num_pending,
                 "num_dropped_events": self.log.num_dropped, "kv_bytes_out": self.num_bytes_out,
                 "kv_bytes_in": self.num_bytes_in, "num_failed_kv_calls": self.num_failed_calls,
                 "num_blocking_kv_calls": self.num_blocking_calls,

@@ -396,3 +396,32 @@ def test_central_preemption_is_asked_only_when_migration_could_help():
     # ... so the next pressured steps decide locally for a while.
     assert "migrate" not in decode_until_preempted(migratable=True) and policy.num_calls == 1
     source.check_integrity()
+
+
+def test_background_publisher_never_touches_the_transport_from_maybe_flush():
+    service = KVManagerService()
+
+    class CountingTransport(InProcessTransport):
+        num_sends = 0
+
+        def send(self, method, packed):
+            CountingTransport.num_sends += 1
+            return super().send(method, packed)
+
+        def poll(self, tokens):
+            CountingTransport.num_sends += 1000  # the step path must not poll either
+            return super().poll(tokens)
+
+    local, worker = make_local()
+    publisher = KVPublisher(local, CountingTransport(service), background=True)
+    assert publisher.maybe_flush() and publisher.wakeup.is_set() and CountingTransport.num_sends == 0
+    publisher.pump()  # the sender thread's part
+    assert service.worker_ids() == ["w0"] and not publisher.stats()["num_in_flight"]
+    worker.step(StepInput("w0", new_sequences=[NewSequence("a", list(range(13)))], waiting=["a"]))
+    time.sleep(0.06)
+    sends = CountingTransport.num_sends
+    assert publisher.maybe_flush() and CountingTransport.num_sends == sends
+    publisher.pump()
+    assert service.longest_prefix(list(range(13))) == {"w0": 12}
+    assert publisher.flush_and_wait(1.0)
+    service.index.check_consistency_with([local.snapshot()])

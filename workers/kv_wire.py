@@ -118,7 +118,8 @@ class _Send:
 class ZmqTransport:
     """A ``KVTransport``: events over a DEALER socket, the blocking call over Ray.
 
-    Used from one thread (the engine's); zmq sockets are not thread-safe.
+    Used by one thread at a time (``KVPublisher`` makes every transport call under one
+    lock, from the worker's sender thread); zmq sockets are not thread-safe.
     """
 
     def __init__(self, actor, endpoint: str, ack_timeout_s: float = 2.0, max_queued: int = 64) -> None:

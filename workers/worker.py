@@ -105,16 +105,17 @@ class Worker:
         kv_events = kv_events or {}
         self.kv_transport = connect_transport(kv_manager, kv_events.get("transport", "zmq"),
                                               ack_timeout_s=kv_events.get("ack_timeout_s", 2.0))
+        # The engine's thread only drains and packs; the sender thread below sends and reads acks.
         self.kv_link = KVPublisher(self.local_kv, self.kv_transport,
-                                   preemption_timeout_s=PREEMPTION_TIMEOUT_S)
+                                   preemption_timeout_s=PREEMPTION_TIMEOUT_S, background=True)
         engine.step_hooks.append(self._after_step)
         logger.info("worker %s: %s on %s, dtype %s (%s)", worker_id, engine.config.model, engine.runner.device,
                        dtype_name(engine.runner.dtype), engine.runner.dtype_reason)
         self.kv_link.maybe_flush()  # the first snapshot: the central manager learns of this worker
         self.async_engine = AsyncLLMEngine(engine)
-        self._flush_timer = threading.Thread(target=self._flush_when_idle, name="pagedserve-kv-flush",
-                                             daemon=True)
-        self._flush_timer.start()
+        self._kv_sender = threading.Thread(target=self._send_kv_events, name="pagedserve-kv-sender",
+                                           daemon=True)
+        self._kv_sender.start()
         self.started_at = time.time()
         self.num_heartbeats = 0  # answered by this incarnation (one monitor asks about 4 a second)
 
@@ -125,14 +126,22 @@ class Worker:
         self.kv_link.maybe_flush()
         self._run_injected_stall()
 
-    def _flush_when_idle(self) -> None:
-        """An idle engine takes no steps: post due flushes to its thread from here."""
+    def _send_kv_events(self) -> None:
+        """The sender thread: sends what the engine's thread packed and reads the acks (the
+        Ray calls happen here, never on the step path); an idle engine takes no steps, so
+        due flushes are posted to its thread from here."""
+        link = self.kv_link
         pending = None
         while self.async_engine.is_running:
-            time.sleep(self.kv_link.max_batch_age_s / 2)
-            if (pending is None or pending.done()) and self.kv_link.is_due():
+            link.wakeup.wait(timeout=link.max_batch_age_s / 2)
+            link.wakeup.clear()
+            try:
+                link.pump()
+            except Exception:  # never let the sender die: the next pump retries
+                logger.exception("worker %s: sending KV events failed", self.worker_id)
+            if (pending is None or pending.done()) and link.is_due():
                 try:
-                    pending = self.async_engine.submit(lambda engine: self.kv_link.maybe_flush())
+                    pending = self.async_engine.submit(lambda engine: link.maybe_flush())
                 except Exception:  # shutting down
                     return
 
