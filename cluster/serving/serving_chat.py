@@ -37,7 +37,6 @@ class _Cursor:
     """What was already sent for one choice of a streamed response."""
 
     parser: ToolParser | None
-    num_tokens: int = 0
     is_started: bool = False
     is_finished: bool = False
 
@@ -130,8 +129,7 @@ class ServingChat:
                             output.prompt_logprobs[:len(output.prompt_token_ids)])
                     yield chunk(ChatStreamChoice(index=completion.index,
                                                  delta=DeltaMessage(role="assistant", content="")), **extra)
-                logprobs = self._chat_logprobs(completion, cursor.num_tokens) if request.logprobs else None
-                cursor.num_tokens = len(completion.token_ids)
+                logprobs = self.logprobs.chat(completion.delta_logprobs or []) if request.logprobs else None
                 cursor.is_finished = completion.finish_reason is not None
                 delta = self._delta(cursor, completion.delta_text)
                 if delta.content or delta.tool_calls or (logprobs and logprobs.content):
