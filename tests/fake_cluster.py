@@ -66,7 +66,20 @@ class FakeAutoscalingCluster:
     def address(self) -> str:
         return f"{self.ip}:{self.port}"
 
-    def start(self, timeout_s: float = 120.0) -> "FakeAutoscalingCluster":
+    def start(self, timeout_s: float = 120.0, attempts: int = 3) -> "FakeAutoscalingCluster":
+        """Start the head; on a loaded machine the raylet may miss Ray's fixed 30 s start-up
+        deadline, so a failed start is cleaned up and tried again on fresh ports."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._start_once(timeout_s)
+            except (RuntimeError, subprocess.TimeoutExpired):
+                if attempt == attempts:
+                    raise
+                self.port = free_port()
+                self.temp_dir = Path(f"/tmp/psfake-{self.port}")
+        return self
+
+    def _start_once(self, timeout_s: float) -> "FakeAutoscalingCluster":
         config = yaml.safe_load(self.provider_file.read_text())
         config["provider"]["gcs_address"] = self.address
         config["available_node_types"]["ray.head.default"]["resources"] = {"CPU": self.head_cpus}
@@ -77,8 +90,15 @@ class FakeAutoscalingCluster:
                    f"--num-cpus={self.head_cpus}", "--num-gpus=0", f"--temp-dir={self.temp_dir}",
                    "--include-dashboard=false", f"--ray-client-server-port={free_port()}", *_own_ports(),
                    f"--autoscaling-config={path}", "--disable-usage-stats"]
-        subprocess.run(command, env=self.env, check=True, timeout=timeout_s,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            result = subprocess.run(command, env=self.env, timeout=timeout_s, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise
+        if result.returncode != 0:
+            self.stop()  # whatever did start of it
+            raise RuntimeError(f"ray start failed ({result.returncode}):\n{result.stdout[-3000:]}")
         return self
 
     def pids(self) -> list[int]:

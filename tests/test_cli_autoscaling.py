@@ -24,7 +24,7 @@ httpx = pytest.importorskip("httpx")
 
 from fake_cluster import SERVE_FILE, FakeAutoscalingCluster, free_port  # noqa: E402
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(900)]
 
 STATES = {"starting", "ready", "draining", "dead"}
 
@@ -43,7 +43,11 @@ def test_serve_request_status_stop_on_the_fake_autoscaling_cluster(tmp_path):
                               "--config", str(SERVE_FILE), "--port", str(port)],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output: list[str] = []
-    reader = threading.Thread(target=lambda: output.extend(serve.stdout), daemon=True)
+    def read_and_reap() -> None:
+        output.extend(serve.stdout)
+        serve.wait()  # as a shell would: `pagedserve stop` waits for the pid to vanish, not a zombie
+
+    reader = threading.Thread(target=read_and_reap, daemon=True)
     reader.start()
     base_url = f"http://127.0.0.1:{port}"
     try:
@@ -71,9 +75,12 @@ def test_serve_request_status_stop_on_the_fake_autoscaling_cluster(tmp_path):
         assert sum(w.get("num_generated_tokens", 0) for w in workers.values()) >= 8
         assert stats["scaling"]["counts"]["ready"] >= 1
 
-        stop = _cli("stop", env=env)
-        assert stop.returncode == 0, stop.stderr
+        stop_start = time.time()
+        stop = _cli("stop", "--timeout", "300", env=env, timeout=360)
+        assert stop.returncode == 0, stop.stderr + "".join(output[-40:])
         assert serve.wait(timeout=120) == 0, "".join(output)
+        print(f"\nCLI smoke: serve answered, status listed {len(workers)} worker(s), "
+              f"stop took {time.time() - stop_start:.0f} s")
     finally:
         if serve.poll() is None:
             serve.kill()
