@@ -3,7 +3,8 @@
 It owns the model, its device block pool and its host swap pool, and runs
 the engine loop. Block accounting runs here, in-process (``LocalKVManager``):
 a step makes no remote call. What changed reaches the central KV manager
-actor as batched events, sent without waiting (``kv_link.CentralKVLink``);
+actor as batched events, packed on the engine thread and sent by a sender thread
+(``kvmanager.publisher.KVPublisher``);
 only a step that cannot grow asks it, once, how to preempt (migrate, swap,
 recompute), and decides locally when it does not answer in time. If the
 central manager restarts, the worker's next publish is answered "resync"
