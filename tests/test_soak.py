@@ -190,7 +190,7 @@ def _process_ids(dashboard_url: str) -> dict[str, int]:
     address is explicit, as other Ray instances may run on this machine)."""
     from ray.util.state import list_actors
 
-    wanted = {"ServeReplica": "replica", "Worker": "worker", "KVManagerService": "kv_manager"}
+    wanted = {"ServeReplica": "replica", "Worker": "worker", "CentralKVManager": "kv_manager"}
     pids = {}
     for actor in list_actors(address=dashboard_url, filters=[("state", "=", "ALIVE")], limit=1000):
         for marker, role in wanted.items():
