@@ -212,7 +212,7 @@ def timed(fn, *args):
 def main() -> None:
     from transformers import AutoTokenizer
 
-    from pagedserve.workers.model_factory import ensure_model
+    from pagedserve.devtools.model_factory import ensure_model
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint (default: make-model llama small)")
