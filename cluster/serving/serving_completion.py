@@ -36,9 +36,8 @@ class _Echo:
 
 @dataclass
 class _Cursor:
-    """What was already sent for one choice of a streamed response."""
+    """Where one choice of a streamed response stands."""
 
-    num_tokens: int = 0
     offsets: TextOffsets | None = None
     is_started: bool = False
     is_finished: bool = False
@@ -63,7 +62,8 @@ class ServingCompletion:
                          output: RequestOutput, completion: CompletionOutput, cursor: _Cursor,
                          is_first: bool, is_scoring_only: bool) -> CompletionLogprobs | None:
         """This chunk's entries (all of them when not streaming): the echoed prompt's the first
-        time, then the completion's new tokens."""
+        time, then the completion's tokens: all so far in the first chunk (it catches up when it
+        waited for the prompt's logprobs), the output's delta after."""
         if request.logprobs is None:
             return None
         samples, offsets, token_ids = [], [], []
@@ -72,7 +72,7 @@ class ServingCompletion:
             offsets += echo.offsets
             token_ids += prompt.token_ids
         if not is_scoring_only:
-            new = (completion.logprobs or [])[cursor.num_tokens:]
+            new = (completion.logprobs if is_first else completion.delta_logprobs) or []
             if cursor.offsets is None:
                 cursor.offsets = TextOffsets(self.frontend.tokenizer, prompt.token_ids, len(echo.text),
                                              request.skip_special_tokens, request.spaces_between_special_tokens)
@@ -166,7 +166,6 @@ class ServingCompletion:
                     finish_reason = "length"
                 else:
                     text += completion.text if is_first else completion.delta_text
-                cursor.num_tokens = len(completion.token_ids)
                 cursor.is_finished = finish_reason is not None
                 if not text and not cursor.is_finished and not (logprobs and logprobs.tokens):
                     continue
