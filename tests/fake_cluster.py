@@ -40,6 +40,19 @@ def _own_ports() -> list[str]:
     return [f"--{option}={free_port()}" for option in options] + ["--min-worker-port=0", "--max-worker-port=0"]
 
 
+def _process_auth_mode() -> str:
+    """"token" or "disabled": the auth mode Ray has fixed for this process (private Ray API,
+    test-only; the product's private Ray calls live in pagedserve.cluster.ray_compat)."""
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+    if is_token_auth_enabled():
+        return "token"
+    # Say so explicitly: a later ray.init(address=...) would otherwise turn token auth on for
+    # this process when a token file exists, and no longer match the cluster.
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    return "disabled"
+
+
 def _node_ip() -> str:
     import ray.util
 
@@ -58,9 +71,10 @@ class FakeAutoscalingCluster:
         self.ip = _node_ip()
         # Short: Ray's socket paths live under it (108 bytes at most).
         self.temp_dir = Path(f"/tmp/psfake-{self.port}")
-        # Token auth off: a test process connects without the token (Ray reads its auth mode
-        # when imported, before a test could set it); the cluster lives only for the test.
-        self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {}), "RAY_FAKE_CLUSTER": "1"}
+        # The cluster's token-auth mode must be this test process's: Ray fixes a process's mode
+        # once (a first local ray.init turns token auth on), and a driver whose mode differs
+        # from the cluster's is refused ("Missing authorization header").
+        self.env = {**os.environ, "RAY_AUTH_MODE": _process_auth_mode(), **(env or {}), "RAY_FAKE_CLUSTER": "1"}
 
     @property
     def address(self) -> str:

@@ -36,7 +36,7 @@ def _cli(*args: str, env: dict, timeout: float = 180) -> subprocess.CompletedPro
 
 def test_serve_request_status_stop_on_the_fake_autoscaling_cluster(tmp_path):
     cluster = FakeAutoscalingCluster(tmp_path / "ray").start()
-    env = {**os.environ, "RAY_ADDRESS": cluster.address, "RAY_AUTH_MODE": "disabled",
+    env = {**os.environ, "RAY_ADDRESS": cluster.address, "RAY_AUTH_MODE": cluster.env["RAY_AUTH_MODE"],
            "PAGEDSERVE_CACHE_DIR": str(tmp_path / "cache" / "models")}
     port = free_port()
     serve = subprocess.Popen([sys.executable, "-m", "pagedserve", "serve", "--address", "auto",
