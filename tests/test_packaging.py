@@ -76,7 +76,10 @@ def test_every_serving_module_imports_without_the_extras():
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 def test_make_run_installs_without_test_extras_and_make_test_with_them():
     def dry_run(target: str) -> str:
-        done = subprocess.run(["make", "-n", target, "PYTHON=python3"], capture_output=True, text=True, cwd=ROOT)
+        # --no-print-directory: under `make test` (as in CI) this is a sub-make, which would
+        # otherwise print "make[1]: Entering directory ...".
+        done = subprocess.run(["make", "--no-print-directory", "-n", target, "PYTHON=python3"],
+                              capture_output=True, text=True, cwd=ROOT)
         assert done.returncode == 0, done.stderr
         return done.stdout
 
