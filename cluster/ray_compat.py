@@ -184,3 +184,11 @@ def session_logs_dir() -> Path:
     from ray._private import worker as private_worker
 
     return Path(private_worker._global_node.get_logs_dir_path())
+
+
+def process_auth_mode() -> str:
+    """"token" or "disabled": the token-auth mode Ray has fixed for this process (a first local
+    ray.init turns it on). Private: Ray 2.60 has no public way to read it."""
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+    return "token" if is_token_auth_enabled() else "disabled"

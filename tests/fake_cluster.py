@@ -41,16 +41,15 @@ def _own_ports() -> list[str]:
 
 
 def _process_auth_mode() -> str:
-    """"token" or "disabled": the auth mode Ray has fixed for this process (private Ray API,
-    test-only; the product's private Ray calls live in pagedserve.cluster.ray_compat)."""
-    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    """"token" or "disabled": the auth mode Ray has fixed for this process."""
+    from pagedserve.cluster.ray_compat import process_auth_mode
 
-    if is_token_auth_enabled():
-        return "token"
-    # Say so explicitly: a later ray.init(address=...) would otherwise turn token auth on for
-    # this process when a token file exists, and no longer match the cluster.
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    return "disabled"
+    mode = process_auth_mode()
+    if mode == "disabled":
+        # Say so explicitly: a later ray.init(address=...) would otherwise turn token auth on for
+        # this process when a token file exists, and no longer match the cluster.
+        os.environ["RAY_AUTH_MODE"] = "disabled"
+    return mode
 
 
 def _node_ip() -> str:
