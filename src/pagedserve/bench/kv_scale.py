@@ -43,7 +43,7 @@ import json
 import math
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from .kv_sim import Migration, SimulatedKVWorker, SimWorkload
 
@@ -59,28 +59,18 @@ TARGETS = {
 
 
 @dataclass(frozen=True)
-class KVScaleConfig:
+class KVScaleConfig(SimWorkload):
+    """Every simulated worker's ``SimWorkload``, and how many workers run it on Ray for how long."""
+
     num_workers: int = 32
-    batch: int = 256
-    context: int = 4096
-    steps_per_s: float = 50.0
     seconds: float = 20.0
     workers_per_process: int = 16
     flush_interval_s: float = 0.05
     warmup_timeout_s: float = 600.0
-    pressure_per_s: float = 0.2
-    num_prefixes: int = 8
-    shared_prefix_frac: float = 0.5
-    output_len: tuple[int, int] | None = None   # default: (context // 4, 3 * context // 4)
-    prefill_per_step: int = 512
-    seed: int = 0
     transport: str = "zmq"   # the event stream: "zmq" (the cluster's default) or "ray" (actor calls)
 
     def workload(self) -> SimWorkload:
-        return SimWorkload(batch=self.batch, context=self.context, num_prefixes=self.num_prefixes,
-                           shared_prefix_frac=self.shared_prefix_frac, output_len=self.output_len,
-                           pressure_per_s=self.pressure_per_s, steps_per_s=self.steps_per_s,
-                           prefill_per_step=self.prefill_per_step, seed=self.seed)
+        return SimWorkload(**{f.name: getattr(self, f.name) for f in fields(SimWorkload)})
 
     @property
     def worker_ids(self) -> list[str]:
@@ -343,6 +333,20 @@ def _delta(after: dict, before: dict) -> dict:
     return out
 
 
+def _flush_and_check_central(central, groups: list) -> str | None:
+    """Every worker flushes (and checks its pool); then the central index must equal the union
+    of their snapshots and pass its own integrity check. Returns what failed centrally, or None."""
+    import ray
+
+    snapshots = [s for chunk in ray.get([g.final_flush.remote() for g in groups], timeout=600) for s in chunk]
+    try:
+        ray.get(central.check_consistency.remote(snapshots), timeout=600)
+        ray.get(central.check_integrity.remote(), timeout=600)
+    except Exception as exc:
+        return str(exc)
+    return None
+
+
 def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> dict:
     """Run the benchmark (starting a local Ray cluster unless one is connected)."""
     import ray
@@ -403,27 +407,19 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
                                                  for g in groups], timeout=60) for rtt in chunk)
 
         ray.get([g.stop.remote() for g in groups], timeout=120)
-        snapshots = [s for chunk in ray.get([g.final_flush.remote() for g in groups], timeout=600) for s in chunk]
         integrity_errors = []
-        try:
-            ray.get(central.check_consistency.remote(snapshots), timeout=600)
-            ray.get(central.check_integrity.remote(), timeout=600)
-        except Exception as exc:
-            integrity_errors.append(f"after the final flush: {exc}")
-        del snapshots
+        central_error = _flush_and_check_central(central, groups)
+        if central_error:
+            integrity_errors.append(f"after the final flush: {central_error}")
         used = {}
         for group_used in ray.get([g.finish_all.remote() for g in groups], timeout=600):
             used.update(group_used)
         leaked = {w: n for w, n in used.items() if n}
         if leaked:
             integrity_errors.append(f"blocks still in use after finishing everything: {leaked}")
-        snapshots = [s for chunk in ray.get([g.final_flush.remote() for g in groups], timeout=600) for s in chunk]
-        try:
-            ray.get(central.check_consistency.remote(snapshots), timeout=600)
-            ray.get(central.check_integrity.remote(), timeout=600)
-        except Exception as exc:
-            integrity_errors.append(f"after finishing everything: {exc}")
-        del snapshots
+        central_error = _flush_and_check_central(central, groups)
+        if central_error:
+            integrity_errors.append(f"after finishing everything: {central_error}")
     finally:
         for actor in groups + ([central] if central is not None else []):
             ray.kill(actor)
