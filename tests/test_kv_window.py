@@ -17,54 +17,21 @@ from pagedserve.kvmanager.events import EventLog
 from pagedserve.kvmanager.local_manager import LocalKVManager
 from pagedserve.kvmanager.window import FREED, WindowFreeing
 
+from kv_simulator import SimulatedWorker
+
 WINDOW = 6
 BS = 4
 
 
-class WindowedWorker:
-    """Executes steps on a fake cache; checks exactly the positions the window reads."""
+class WindowedWorker(SimulatedWorker):
+    """The simulated worker (checking the positions its window reads), and the manager's
+    integrity after every step."""
 
-    def __init__(self, manager: KVManager, worker_id: str = "w", window: int = WINDOW) -> None:
-        bm = manager.block_manager(worker_id)
-        self.manager, self.worker_id, self.window, self.bs = manager, worker_id, window, bm.block_size
-        self.device = [[None] * bm.block_size for _ in range(bm.device.num_blocks)]
-        self.host = [[None] * bm.block_size for _ in range(bm.host.num_blocks)]
-        self.tokens: dict[str, list[int]] = {}
-
-    def execute(self, output: StepOutput) -> None:
-        for pairs in (output.swap_out, output.swap_in, output.copy_on_write):
-            assert all(a >= 0 and b >= 0 for a, b in pairs), f"a copy names a freed block: {pairs}"
-        for device_block, host_block in output.swap_out:
-            self.host[host_block] = list(self.device[device_block])
-        for host_block, device_block in output.swap_in:
-            self.device[device_block] = list(self.host[host_block])
-        for src, dst in output.copy_on_write:
-            self.device[dst] = list(self.device[src])
-        bs = self.bs
-        for sched in output.scheduled:
-            for pos in range(sched.start, sched.start + sched.num_tokens):
-                self.device[sched.block_table[pos // bs]][pos % bs] = self.tokens[sched.seq_id][pos]
-        for sched in output.scheduled:
-            tokens = self.tokens[sched.seq_id]
-            first_seen = max(0, sched.start - self.window + 1)
-            assert all(b == FREED for b in sched.block_table[:first_seen // bs]) or FREED not in \
-                sched.block_table[first_seen // bs:], sched.block_table
-            for pos in range(first_seen, sched.start + sched.num_tokens):
-                block = sched.block_table[pos // bs]
-                assert block != FREED, f"{sched.seq_id}: position {pos} (in the window) was freed"
-                assert self.device[block][pos % bs] == tokens[pos], f"{sched.seq_id}: position {pos}"
+    def __init__(self, manager: KVManager, worker_id: str = "w", window: int | None = WINDOW) -> None:
+        super().__init__(manager, worker_id, sliding_window=window)
 
     def step(self, step_input: StepInput) -> StepOutput:
-        for new in step_input.new_sequences:
-            self.tokens[new.seq_id] = list(new.token_ids)
-        for parent, child in step_input.forks:
-            self.tokens[child] = list(self.tokens[parent])
-        for seq_id, token_ids in step_input.appended:
-            self.tokens[seq_id].extend(token_ids)
-        output = self.manager.step(step_input)
-        for seq_id in step_input.finished:
-            self.tokens.pop(seq_id, None)
-        self.execute(output)
+        output = super().step(step_input)
         self.manager.check_integrity()
         return output
 
@@ -73,7 +40,7 @@ def make(num_device=32, num_host=0, window=WINDOW, manager=None, **kwargs):
     manager = manager or KVManager()
     manager.add_worker("w", PoolConfig(num_device_blocks=num_device, num_host_blocks=num_host, block_size=BS,
                                        max_model_len=256, watermark=0.0, sliding_window=window, **kwargs))
-    return manager, WindowedWorker(manager, window=window or 10**6)
+    return manager, WindowedWorker(manager, window=window)
 
 
 def decode(worker, seq_ids, num_steps, token=7, **step_kwargs):
@@ -244,7 +211,7 @@ def test_a_sequence_with_freed_blocks_is_never_migrated_and_prefill_workers_keep
                                                  watermark=0.0, sliding_window=window, role=role))
     assert manager.block_manager("pf").window is None
     assert (manager.block_manager("w").window is None) == (window is None)
-    worker = WindowedWorker(manager, window=window or 10**6)
+    worker = WindowedWorker(manager, window=window)
     bm = manager.block_manager("w")
     worker.step(StepInput("w", waiting=["a"], new_sequences=[NewSequence("a", list(range(20)))]))
     decode(worker, ["a"], 3, migratable=["a"])
