@@ -16,6 +16,14 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def detach_table(seq: SequenceBlocks) -> None:
+    """Give a released sequence a new, empty table. The old list is left as it was:
+    a plan handed it out live (``ScheduledSeq.block_table``), and its holder may still
+    read it, e.g. the worker exporting a migrated sequence's KV after this step's plan."""
+    seq.block_table = []
+    seq.first_changed_block = 0
+
+
 class PagedAllocation:
     name = "paged"
     supports_sharing = True
@@ -33,7 +41,10 @@ class PagedAllocation:
     def grow(self, seq: SequenceBlocks, num_blocks: int) -> None:
         """Append ``num_blocks`` blocks to the table (caller checked ``can_grow``)."""
         allocate = self.pool.allocate
-        seq.block_table.extend(allocate() for _ in range(num_blocks))
+        table = seq.block_table
+        if len(table) < seq.first_changed_block:
+            seq.first_changed_block = len(table)
+        table.extend([allocate() for _ in range(num_blocks)])
 
     def release(self, seq: SequenceBlocks) -> None:
         """Free the table tail first, so a sequence's tail is evicted before its head.
@@ -42,7 +53,7 @@ class PagedAllocation:
         table = seq.block_table
         for i in range(len(table) - 1, seq.num_freed_blocks - 1, -1):
             free(table[i])
-        table.clear()
+        detach_table(seq)
         seq.num_freed_blocks = 0
 
     def held_blocks(self, seq: SequenceBlocks) -> list[int]:
@@ -70,13 +81,15 @@ class ContiguousAllocation:
         if not seq.reserved:
             seq.reserved = self.pool.allocate_run(self.num_reserved_blocks)
         start = len(seq.block_table)
+        if start < seq.first_changed_block:
+            seq.first_changed_block = start
         seq.block_table.extend(seq.reserved[start:start + num_blocks])
 
     def release(self, seq: SequenceBlocks) -> None:
         for block in reversed(seq.reserved):
             self.pool.free(block)
         seq.reserved = []
-        seq.block_table.clear()
+        detach_table(seq)
 
     def held_blocks(self, seq: SequenceBlocks) -> list[int]:
         return seq.reserved

@@ -368,6 +368,8 @@ class BlockManager:
                 fresh = self.device.allocate()
                 self.device.free(shared)
                 table[i] = fresh
+                if i < seq.first_changed_block:
+                    seq.first_changed_block = i
                 self.scratch.copy_on_write.append((shared, fresh))
                 self.counters.num_cow_copies += 1
             if num_new > 0:
@@ -394,6 +396,8 @@ class BlockManager:
             free(table[i])
             table[i] = FREED
         seq.num_freed_blocks = num_out
+        if first < seq.first_changed_block:
+            seq.first_changed_block = first
         self.counters.num_window_freed_blocks += num_out - first
 
     # ---- preemption and swapping ----------------------------------------------
@@ -533,8 +537,13 @@ class BlockManager:
                 if len(seq.block_table) * self.block_size < seq.num_computed:
                     raise IntegrityError(f"{seq.seq_id!r}: {seq.num_computed} computed tokens "
                                          f"but only {len(seq.block_table)} blocks")
+                if seq.first_changed_block > len(seq.block_table):
+                    raise IntegrityError(f"{seq.seq_id!r}: first changed block {seq.first_changed_block} "
+                                         f"is past its {len(seq.block_table)} blocks")
             elif seq.block_table or seq.reserved:
                 raise IntegrityError(f"{seq.seq_id!r} is {seq.location.value} but holds device blocks")
+            elif seq.first_changed_block:
+                raise IntegrityError(f"{seq.seq_id!r} holds no device blocks but records unchanged ones")
             if seq.location == SeqLocation.SWAPPED:
                 for block in seq.host_table[seq.num_freed_blocks:]:
                     host_refs[block] = host_refs.get(block, 0) + 1

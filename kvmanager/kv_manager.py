@@ -117,8 +117,8 @@ class KVManager:
         else:
             self.draining.discard(step_input.worker_id)
         manager.begin_step()
+        output = StepOutput()
         try:
-            output = StepOutput()
             for new in step_input.new_sequences:
                 manager.add_sequence(new.seq_id, new.token_ids, new.extra_key, new.num_imported_tokens,
                                      new.skip_prefix_cache)
@@ -136,6 +136,13 @@ class KVManager:
                 self._drain(manager, step_input, output)
             budget = self._schedule_running(manager, step_input, output, step_input.token_budget)
             self._schedule_waiting(manager, step_input, output, budget)
+        except BaseException:
+            # The plan is lost: the worker never sees the tables it handed out.
+            for sched in output.scheduled:
+                seq = manager.seqs.get(sched.seq_id)
+                if seq is not None:
+                    seq.first_changed_block = 0
+            raise
         finally:
             scratch = manager.end_step()
         output.swap_out = scratch.swap_out
@@ -295,7 +302,9 @@ class KVManager:
                 victim = queue.pop(victim_index)
                 self._preempt(manager, worker_id, victim, choices.get(victim.seq_id), output)
             else:
-                scheduled.append(ScheduledSeq(seq.seq_id, start, num_tokens, seq.block_table[:]))
+                table = seq.block_table
+                scheduled.append(ScheduledSeq(seq.seq_id, start, num_tokens, table, 0, 0, seq.first_changed_block))
+                seq.first_changed_block = len(table)
                 budget -= num_tokens
                 i += 1
                 continue
@@ -337,8 +346,9 @@ class KVManager:
                 num_imported = manager.admit_imported(seq)
                 num_tokens = min(seq.num_uncomputed, budget)
                 manager.grow(seq, num_tokens, free_out_of_window=False)
-                output.scheduled.append(ScheduledSeq(seq_id, num_imported, num_tokens, list(seq.block_table),
-                                                     0, num_imported))
+                output.scheduled.append(ScheduledSeq(seq_id, num_imported, num_tokens, seq.block_table,
+                                                     0, num_imported, seq.first_changed_block))
+                seq.first_changed_block = len(seq.block_table)
                 budget -= num_tokens
                 continue
             elif seq.location == SeqLocation.WAITING:
@@ -355,8 +365,9 @@ class KVManager:
             # KV arriving this step (swap-in, host hits) is not in the blocks yet: free
             # nothing out of the window before the next step.
             manager.grow(seq, num_tokens, free_out_of_window=False)
-            output.scheduled.append(
-                ScheduledSeq(seq_id, start, num_tokens, list(seq.block_table), num_cached))
+            output.scheduled.append(ScheduledSeq(seq_id, start, num_tokens, seq.block_table, num_cached,
+                                                 0, seq.first_changed_block))
+            seq.first_changed_block = len(seq.block_table)
             budget -= num_tokens
 
     # ---- queries ----------------------------------------------------------

@@ -49,6 +49,9 @@ class SequenceBlocks:
     # Leading table entries freed out of the sliding window (-1 in block_table and,
     # while swapped, in host_table); see window.py.
     num_freed_blocks: int = 0
+    # The first ``block_table`` entry changed since the sequence was last scheduled
+    # (``ScheduledSeq.first_changed_block``): lowered by every change to the table.
+    first_changed_block: int = 0
 
     @property
     def num_tokens(self) -> int:

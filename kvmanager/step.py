@@ -63,6 +63,14 @@ class ScheduledSeq:
     taken when this sequence was admitted in this step (0 otherwise);
     ``num_imported_tokens`` the leading tokens whose transferred KV the
     worker must write into the table's blocks before this step's forward.
+
+    In-process, ``block_table`` is the manager's own live list, not a copy:
+    read-only for the worker, and valid until the next plan (whoever keeps
+    it longer copies it). ``first_changed_block`` is the index of the first
+    entry that may differ from what this sequence's table held the last time
+    it was scheduled (0 when it is new, resumed, swapped in, migrated in or
+    its table was rebuilt; 0 is always safe), so a worker keeping a
+    persistent copy of each table rewrites only the entries from there on.
     """
 
     seq_id: str
@@ -71,6 +79,7 @@ class ScheduledSeq:
     block_table: list[int]
     num_cached_tokens: int = 0
     num_imported_tokens: int = 0
+    first_changed_block: int = 0
 
 
 @dataclass(slots=True)

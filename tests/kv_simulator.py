@@ -26,6 +26,8 @@ class SimulatedWorker:
         self.host = [[None] * bm.block_size for _ in range(bm.host.num_blocks)]
         # Engine-side view: all tokens of each live sequence.
         self.tokens: dict[str, list[int]] = {}
+        # A persistent copy of each table, rewritten from ``first_changed_block`` on only.
+        self.tables: dict[str, list[int]] = {}
 
     def execute(self, output: StepOutput) -> None:
         for pairs in (output.swap_out, output.swap_in, output.copy_on_write):
@@ -36,6 +38,16 @@ class SimulatedWorker:
             self.device[device_block] = list(self.host[host_block])
         for src, dst in output.copy_on_write:
             self.device[dst] = list(self.device[src])
+        for sched in output.scheduled:
+            kept = self.tables.setdefault(sched.seq_id, [])
+            first = sched.first_changed_block
+            if first > len(kept):
+                raise AssertionError(f"{sched.seq_id}: first changed block {first} is past the "
+                                     f"{len(kept)} entries its table had")
+            kept[first:] = sched.block_table[first:]
+            if kept != sched.block_table:
+                raise AssertionError(f"{sched.seq_id}: entries before {first} changed: "
+                                     f"{kept} kept, {sched.block_table} planned")
         bs = self.block_size
         # A forward pass writes every scheduled token's KV (layer by layer)
         # before any token attends, so write all, then check all.
@@ -74,5 +86,6 @@ class SimulatedWorker:
         output = self.manager.step(step_input)
         for seq_id in step_input.finished:
             self.tokens.pop(seq_id, None)
+            self.tables.pop(seq_id, None)
         self.execute(output)
         return output
