@@ -161,7 +161,7 @@ class Scheduler:
         for sched in kv_output.scheduled:
             seq = by_id[sched.seq_id]
             seq.num_computed = sched.start + sched.num_tokens
-            seq.block_table = sched.block_table
+            seq.block_table = sched.block_table   # the manager's live table: read it, never change it
             seq.is_swapped = False
             if seq.status == SequenceStatus.WAITING:
                 admitted.append(seq)
