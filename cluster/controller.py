@@ -25,6 +25,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from .background_loop import BackgroundLoop
 from .health import WorkerHealth
 from .router import Router
 from .worker_pool import WorkerPool
@@ -132,28 +133,14 @@ class HealthView:
         self._clock_offset = 0.0            # controller clock minus ours, from the last report
         self._is_reachable = True
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loop = BackgroundLoop("pagedserve-health-view", self.refresh, poll_interval_s, tick_at_start=True)
 
     def start(self) -> None:
         """Read reports in a daemon thread (idempotent)."""
-        with self._lock:
-            if self._thread is not None and self._thread.is_alive():
-                return
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="pagedserve-health-view", daemon=True)
-            self._thread.start()
+        self._loop.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        while True:
-            self.refresh()
-            if self._stop.wait(self.poll_interval_s):
-                return
+        self._loop.stop()
 
     def refresh(self) -> None:
         """Read one report and apply it; keep the last one if the controller does not answer."""

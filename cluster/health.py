@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 
 from . import ray_compat
+from .background_loop import BackgroundLoop
 from .router import Router
 
 logger = logging.getLogger("pagedserve.cluster")
@@ -59,30 +60,15 @@ class WorkerHealth:
         self._probes: dict[str, tuple[object, float]] = {}
         self._last_sent: dict[str, float] = {}
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loop = BackgroundLoop("pagedserve-health", self.poll, probe_interval_s / 2)
 
     # ---- the background loop --------------------------------------------------------
     def start(self) -> None:
         """Poll in a daemon thread (idempotent)."""
-        with self._lock:
-            if self._thread is not None and self._thread.is_alive():
-                return
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="pagedserve-health", daemon=True)
-            self._thread.start()
+        self._loop.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.probe_interval_s / 2):
-            try:
-                self.poll()
-            except Exception:  # never let the monitor die; the next poll tries again
-                logger.exception("health poll failed")
+        self._loop.stop()
 
     # ---- probing ------------------------------------------------------------------------
     def poll(self) -> None:

@@ -32,6 +32,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
+from .background_loop import BackgroundLoop
 from .config import ClusterConfig, EngineOptions, WorkerGroup
 from .scaling_policy import ScalingPolicy
 
@@ -123,14 +124,13 @@ class WorkerPool:
         self._info_refs: dict[str, Any] = {}
         self._status_refs: dict[str, tuple[Any, float]] = {}
         self._lock = threading.RLock()
-        self._stop = threading.Event()
         for worker_id, actor in workers.items():
             group = groups.get(worker_id, 0)
             self.records[worker_id] = WorkerRecord(worker_id, group, self.config.workers[group].role,
                                                    state="ready", actor=actor)
         self._next_index = len(workers)
-        self._thread = threading.Thread(target=self._run, name="pagedserve-worker-pool", daemon=True)
-        self._thread.start()
+        self._loop = BackgroundLoop("pagedserve-worker-pool", self.control_step, control_interval_s)
+        self._loop.start()
 
     # ---- queries (what handles, bootstrap and status read) ---------------------------------
     def membership(self, known_version: int = -1) -> dict | None:
@@ -151,14 +151,7 @@ class WorkerPool:
             return {"version": self.version, "workers": workers, "counts": counts,
                     "decisions": list(self.decisions[-20:])}
 
-    # ---- the control loop -----------------------------------------------------------------
-    def _run(self) -> None:
-        while not self._stop.wait(self.control_interval_s):
-            try:
-                self.control_step()
-            except Exception:  # never let the loop die; the next tick tries again
-                logger.exception("worker pool: control step failed")
-
+    # ---- the control loop (a ``BackgroundLoop`` tick) ------------------------------------
     def control_step(self) -> None:
         """Notice started workers, poll the others' load, scale elastic groups, retire drained ones."""
         self._collect_started()
@@ -357,8 +350,7 @@ class WorkerPool:
         """Stop the loop and every worker."""
         import ray
 
-        self._stop.set()
-        self._thread.join(timeout=5)
+        self._loop.stop()
         with self._lock:
             records = list(self.records.values())
         for record in records:
