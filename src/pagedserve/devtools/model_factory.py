@@ -33,6 +33,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 # torch and transformers are imported inside the functions that use them, so
 # that reading ARCHS/SIZES (the CLI's argument choices) stays cheap.
@@ -382,17 +383,24 @@ def ensure_model(arch: str = "llama", size: str = "tiny", cache_dir=None, seed: 
     _check_arguments(arch, size, seed)
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     final = root / f"{arch}-{size}-seed{seed}-v{FACTORY_VERSION}"
-    if (final / _MARKER_FILE).is_file():
+    return build_once(final, _MARKER_FILE, lambda tmp: make_model(arch, size, tmp, seed=seed))
+
+
+def build_once(final: Path, marker_file: str, build: Callable[[Path], object]) -> Path:
+    """Return ``final``, built first unless it holds ``marker_file``: ``build(folder)`` writes a
+    temporary sibling folder that is then renamed into place, so a returned path is always
+    complete and concurrent callers in different processes all get the same checkpoint."""
+    if (final / marker_file).is_file():
         return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        make_model(arch, size, tmp, seed=seed)
+        build(tmp)
         tmp.chmod(0o755)  # mkdtemp makes it owner-only
         try:
             os.rename(tmp, final)
         except OSError:
-            if not (final / _MARKER_FILE).is_file():
+            if not (final / marker_file).is_file():
                 raise
             # Another caller finished first; its checkpoint is identical.
     finally:

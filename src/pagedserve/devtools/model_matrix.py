@@ -16,12 +16,9 @@ Shapes: hidden 64, 2 layers (one sliding, one full where layers alternate),
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
-from .model_factory import IM_END_TOKEN, SPECIAL_TOKENS, build_tokenizer, default_cache_dir
+from .model_factory import IM_END_TOKEN, SPECIAL_TOKENS, build_once, build_tokenizer, default_cache_dir
 
 MATRIX_VERSION = 1
 _MARKER_FILE = "pagedserve_matrix_model.json"
@@ -106,22 +103,7 @@ def ensure_matrix_model(name: str, cache_dir=None, seed: int = 0) -> Path:
         raise ValueError(f"unknown matrix model {name!r}; choose one of {', '.join(MATRIX)}")
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     final = root / f"matrix-{name}-v{MATRIX_VERSION}-seed{seed}"
-    if (final / _MARKER_FILE).is_file():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
-    try:
-        make_matrix_model(name, tmp, seed=seed)
-        tmp.chmod(0o755)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / _MARKER_FILE).is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return build_once(final, _MARKER_FILE, lambda tmp: make_matrix_model(name, tmp, seed=seed))
 
 
 def _init_weights(model, seed: int) -> None:
