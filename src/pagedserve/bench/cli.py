@@ -54,9 +54,13 @@ def _length(args: argparse.Namespace, name: str, default):
     return dataclasses.replace(default, **changes) if changes else default
 
 
-def _common_changes(args: argparse.Namespace) -> dict:
-    names = ("model", "arch", "size", "num_requests", "seed", "num_threads")
+def _given(args: argparse.Namespace, *names: str) -> dict:
+    """The options among ``names`` given on the command line (not None), by name."""
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
+def _common_changes(args: argparse.Namespace) -> dict:
+    return _given(args, "model", "arch", "size", "num_requests", "seed", "num_threads")
 
 
 def _finish(args, data: dict, text: str) -> int:
@@ -101,11 +105,8 @@ def _run_allocators(args: argparse.Namespace) -> int:
     from . import allocators
 
     base = allocators.QUICK_CONFIG if args.quick else allocators.DEFAULT_CONFIG
-    changes = _common_changes(args)
-    for name in ("num_device_blocks", "block_size", "max_model_len", "request_rate", "repeats",
-                 "fragmentation_trials"):
-        if getattr(args, name) is not None:
-            changes[name] = getattr(args, name)
+    changes = {**_common_changes(args), **_given(args, "num_device_blocks", "block_size", "max_model_len",
+                                                   "request_rate", "repeats", "fragmentation_trials")}
     if args.allocator:
         changes["allocators"] = tuple(dict.fromkeys(args.allocator))
     changes["prompt_len"] = _length(args, "prompt", base.prompt_len)
@@ -139,10 +140,8 @@ def _run_prefix(args: argparse.Namespace) -> int:
     from . import prefix
 
     base = prefix.QUICK_CONFIG if args.quick else prefix.DEFAULT_CONFIG
-    changes = _common_changes(args)
-    for name in ("prefix_len", "suffix_len", "max_tokens", "max_model_len", "max_concurrency"):
-        if getattr(args, name) is not None:
-            changes[name] = getattr(args, name)
+    changes = {**_common_changes(args), **_given(args, "prefix_len", "suffix_len", "max_tokens", "max_model_len",
+                                                   "max_concurrency")}
     config = dataclasses.replace(base, **changes)
     data = prefix.run_benchmark(config, out=args.out, plot_dir=args.plot_dir, show_progress=not args.no_progress)
     return _finish(args, data, prefix.format_results(data))
