@@ -24,6 +24,16 @@ def long_form(request) -> bool:
     return bool(request.config.getoption("--long-form"))
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for the module, restored after: the tiny models run fastest so,
+    and the suite shares 2 cores. Use with ``pytestmark = pytest.mark.usefixtures(...)``."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     """``tiny_model(arch) -> str``: path of the cached tiny random checkpoint of ``arch``.

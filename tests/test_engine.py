@@ -18,6 +18,8 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 MAX_TOKENS = 16
 # Mixed prompt lengths, including block-boundary ones (16, 17, 32, 64).
 PROMPT_LENGTHS = (3, 7, 16, 17, 32, 50, 64, 90, 120, 5)
@@ -72,15 +74,6 @@ def make_llm(tiny_model):
 
     make.instances = every
     return make
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny models run fastest on one thread, and the suite shares 2 cores."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 @pytest.fixture(autouse=True)

@@ -23,6 +23,8 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.devtools.model_matrix import MATRIX, ensure_matrix_model, make_matrix_model
 from pagedserve.workers.model_support import UnsupportedModelError
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 FIRST_ORDINARY_ID = 5
 VOCAB_SIZE = 1024
 MAX_TOKENS = 40
@@ -43,14 +45,6 @@ def assert_idle(llm: LLM) -> None:
     llm.check_integrity()
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.num_used_blocks() == 0, llm.stats()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 @pytest.fixture(scope="module")
