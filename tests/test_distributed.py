@@ -112,6 +112,17 @@ async def _stream_all(handle, prompts, params, kill, when):
     return outputs, fired.is_set() and state["mid_stream"]
 
 
+def _assert_streams_survive(handle, prompts, params, expected, kill) -> None:
+    """Stream every prompt and ``kill()`` once every stream is under way (two tokens or more,
+    on both workers): each must still finish, at its length, with the ``expected`` tokens."""
+    outputs, mid_stream = asyncio.run(_stream_all(handle, prompts, params, kill,
+                                                  lambda progress: all(n >= 2 for n in progress.values())))
+    assert mid_stream, "the kill should land while every stream is still running"
+    assert all(o.finished for o in outputs)
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+    assert _token_ids(outputs) == expected
+
+
 def _incarnation(kv_manager) -> str | None:
     """The KV manager's incarnation, or None while it is restarting."""
     from ray.exceptions import RayActorError
@@ -196,14 +207,7 @@ def test_worker_killed_mid_stream_requests_resume_and_worker_rejoins(handle, ref
     def kill():
         ray.kill(victim, no_restart=False)
 
-    def when(progress):  # every stream under way, on both workers
-        return all(n >= 2 for n in progress.values())
-
-    outputs, mid_stream = asyncio.run(_stream_all(handle, prompts, params, kill, when))
-    assert mid_stream, "the kill should land while every stream is still running"
-    assert all(o.finished for o in outputs)
-    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
-    assert _token_ids(outputs) == expected
+    _assert_streams_survive(handle, prompts, params, expected, kill)
     assert handle.stats()["num_resumed"] > num_resumed_before
 
     # Ray restarts the worker; it answers again and its accounting is fresh.
@@ -233,14 +237,7 @@ def test_kv_manager_killed_mid_stream_requests_complete(handle, reference):
     def kill():
         ray.kill(kv_manager, no_restart=False)
 
-    def when(progress):
-        return all(n >= 2 for n in progress.values())
-
-    outputs, mid_stream = asyncio.run(_stream_all(handle, prompts, params, kill, when))
-    assert mid_stream, "the kill should land while every stream is still running"
-    assert all(o.finished for o in outputs)
-    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
-    assert _token_ids(outputs) == expected
+    _assert_streams_survive(handle, prompts, params, expected, kill)
     # The streams need not wait for the restart: workers plan locally and keep serving.
     _wait_for(lambda: _incarnation(kv_manager) not in (None, incarnation), 60, "the KV manager to restart")
     # The restarted manager was rebuilt from the workers' snapshots (they resync by themselves).
