@@ -242,15 +242,20 @@ class BlockManager:
 
     def _register_full_blocks(self, seq: SequenceBlocks) -> None:
         """Index the blocks that are full now that ``num_computed`` tokens are planned."""
-        num_full = seq.num_computed // self.block_size
+        bs = self.block_size
+        num_full = seq.num_computed // bs
         if num_full <= seq.num_indexed_blocks:
             return
-        self._extend_hashes(seq, num_full)
-        bs = self.block_size
-        for i in range(max(seq.num_indexed_blocks, seq.num_freed_blocks), num_full):  # -1: gone
-            parent = seq.block_hashes[i - 1] if i else None
-            self.device.register(seq.block_table[i], seq.block_hashes[i],
-                                 seq.token_ids[i * bs:(i + 1) * bs], parent, seq.extra_key)
+        first = max(seq.num_indexed_blocks, seq.num_freed_blocks)  # -1 entries: gone
+        self._extend_hashes(seq, first)
+        hashes, tokens, table, extra_key = seq.block_hashes, seq.token_ids, seq.block_table, seq.extra_key
+        register = self.device.register
+        for i in range(first, num_full):
+            block_tokens = tokens[i * bs:(i + 1) * bs]
+            parent = hashes[i - 1] if i else None
+            if i == len(hashes):
+                hashes.append(hash_block(parent, block_tokens, extra_key))
+            register(table[i], hashes[i], block_tokens, parent, extra_key)
         seq.num_indexed_blocks = num_full
 
     # ---- admission and growth -------------------------------------------------

@@ -26,13 +26,10 @@ def hash_block(
     ``extra_key`` separates caches that must never share blocks even for
     equal tokens (a cache salt, an adapter name).
     """
-    hasher = hashlib.blake2b(digest_size=_DIGEST_SIZE)
-    hasher.update(parent_hash or b"root")
-    hasher.update(array("q", token_ids).tobytes())
+    data = (parent_hash or b"root") + array("q", token_ids).tobytes()
     if extra_key is not None:
-        hasher.update(b"\x00extra\x00")
-        hasher.update(extra_key.encode())
-    return hasher.digest()
+        data += b"\x00extra\x00" + extra_key.encode()
+    return hashlib.blake2b(data, digest_size=_DIGEST_SIZE).digest()
 
 
 def hash_prefix_blocks(

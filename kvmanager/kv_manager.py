@@ -135,6 +135,7 @@ class KVManager:
             if step_input.is_draining:
                 self._drain(manager, step_input, output)
             budget = self._schedule_running(manager, step_input, output, step_input.token_budget)
+            num_running_scheduled = len(output.scheduled)
             self._schedule_waiting(manager, step_input, output, budget)
         except BaseException:
             # The plan is lost: the worker never sees the tables it handed out.
@@ -149,17 +150,18 @@ class KVManager:
         output.swap_in = scratch.swap_in
         output.copy_on_write = scratch.copy_on_write
         manager.last_swaps = scratch.swap_out + [(d, h) for h, d in scratch.swap_in]
-        manager.last_imported = {b for s in output.scheduled if s.num_imported_tokens
+        manager.last_imported = {b for s in output.scheduled[num_running_scheduled:] if s.num_imported_tokens
                                  for b in s.block_table[:-(-s.num_imported_tokens // manager.block_size)]
-                                 if b >= 0}
+                                 if b >= 0}  # only admissions import KV
         return output
 
     def _validate(self, manager: BlockManager, step_input: StepInput) -> None:
-        """Refuse a malformed step before any of it is applied."""
+        """Refuse a malformed step before any of it is applied. Costs O(what changed) plus
+        one lookup per scheduled sequence."""
         known = manager.seqs
-        live = set(known)
+        added: set[str] = set()   # new sequences and fork children
         for new in step_input.new_sequences:
-            if new.seq_id in live:
+            if new.seq_id in known or new.seq_id in added:
                 raise KVManagerError(f"sequence {new.seq_id!r} already exists")
             if not new.token_ids:
                 raise KVManagerError(f"sequence {new.seq_id!r} has no tokens")
@@ -169,44 +171,57 @@ class KVManager:
             if not 0 <= new.num_imported_tokens < len(new.token_ids):
                 raise KVManagerError(f"sequence {new.seq_id!r}: {new.num_imported_tokens} imported "
                                      f"tokens of {len(new.token_ids)}")
-            live.add(new.seq_id)
+            added.add(new.seq_id)
+        children: dict[str, str] = {}
         for parent_id, child_id in step_input.forks:
-            if parent_id not in live:
+            if parent_id not in known and parent_id not in added:
                 raise UnknownSequenceError(f"fork parent {parent_id!r} is unknown")
-            if child_id in live:
+            if child_id in known or child_id in added:
                 raise KVManagerError(f"fork child {child_id!r} already exists")
-            live.add(child_id)
+            added.add(child_id)
+            children[child_id] = parent_id
         for seq_id, _ in step_input.appended:
-            if seq_id not in live:
+            if seq_id not in known and seq_id not in added:
                 raise UnknownSequenceError(f"tokens appended to unknown sequence {seq_id!r}")
         finished = set(step_input.finished)
         if len(finished) != len(step_input.finished):
             raise KVManagerError("a sequence is listed twice as finished")
         for seq_id in finished:
-            if seq_id not in live:
+            if seq_id not in known and seq_id not in added:
                 raise UnknownSequenceError(f"finished sequence {seq_id!r} is unknown")
-        live -= finished
         running = set(step_input.running)
         waiting = set(step_input.waiting)
         if (len(running) != len(step_input.running) or len(waiting) != len(step_input.waiting)
-                or running & waiting):
+                or not running.isdisjoint(waiting)):
             raise KVManagerError("a sequence is listed twice for scheduling")
-        children = {child: parent for parent, child in step_input.forks}
-        for seq_ids, must_be_on_device in ((step_input.running, True), (step_input.waiting, False)):
-            for seq_id in seq_ids:
-                origin = seq_id
-                while origin in children:
-                    origin = children[origin]
-                if origin not in live:
-                    raise UnknownSequenceError(f"scheduled sequence {seq_id!r} is unknown")
-                seq = known.get(origin)
-                on_device = seq is not None and origin not in finished and seq.location == SeqLocation.DEVICE
-                if must_be_on_device and not on_device:
-                    raise KVManagerError(f"running sequence {seq_id!r} holds no device blocks")
-                if not must_be_on_device and on_device:
-                    raise KVManagerError(f"waiting sequence {seq_id!r} already holds device blocks")
+        # A known running sequence on the device, neither finished nor a fork child, is
+        # fine; anything else takes the full check.
+        unusual = finished.union(children)
+        device = SeqLocation.DEVICE
+        get = known.get
+        for seq_id in step_input.running:
+            seq = get(seq_id)
+            if seq is None or seq.location is not device or seq_id in unusual:
+                self._check_scheduled(seq_id, True, known, added, children, finished)
+        for seq_id in step_input.waiting:
+            self._check_scheduled(seq_id, False, known, added, children, finished)
         if step_input.token_budget < 0:
             raise KVManagerError("token_budget must be >= 0")
+
+    @staticmethod
+    def _check_scheduled(seq_id: str, must_be_on_device: bool, known: dict[str, SequenceBlocks],
+                         added: set[str], children: dict[str, str], finished: set[str]) -> None:
+        origin = seq_id
+        while origin in children:
+            origin = children[origin]
+        if origin in finished or (origin not in known and origin not in added):
+            raise UnknownSequenceError(f"scheduled sequence {seq_id!r} is unknown")
+        seq = known.get(origin)
+        on_device = seq is not None and origin not in finished and seq.location == SeqLocation.DEVICE
+        if must_be_on_device and not on_device:
+            raise KVManagerError(f"running sequence {seq_id!r} holds no device blocks")
+        if not must_be_on_device and on_device:
+            raise KVManagerError(f"waiting sequence {seq_id!r} already holds device blocks")
 
     def migration_targets(self) -> list[MigrationTarget]:
         """Workers held here that may receive migrated sequences, with their room now."""
