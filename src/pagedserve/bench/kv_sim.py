@@ -167,16 +167,23 @@ class SimulatedKVWorker:
         self.counters = SimCounters()
         self._num_created = 0
         self._is_warm = False
+        self._shared_len = workload.shared_len
 
     # ---- tokens -----------------------------------------------------------------------
     def tokens(self, request: SimRequest, start: int, stop: int) -> list[int]:
         """Tokens ``[start, stop)`` of a request: its prefix, then a stream fixed by its seed."""
-        shared = self.workload.shared_len
+        shared = self._shared_len
         prefix = self.prefixes[request.prefix_index]
         out = prefix[start:min(stop, shared)]
         seed, span = request.token_seed, VOCAB_HIGH - VOCAB_LOW
         out += [VOCAB_LOW + (seed * 2654435761 + i * 40503) % 65521 % span for i in range(max(start, shared), stop)]
         return out
+
+    def token(self, request: SimRequest, position: int) -> int:
+        """``tokens(request, position, position + 1)[0]``, cheaply: a decode step's sampled token."""
+        if position < self._shared_len:
+            return self.prefixes[request.prefix_index][position]
+        return VOCAB_LOW + (request.token_seed * 2654435761 + position * 40503) % 65521 % (VOCAB_HIGH - VOCAB_LOW)
 
     # ---- requests ---------------------------------------------------------------------
     def _new_request(self, num_prompt: int, num_output: int, is_pressure: bool = False) -> SimRequest:
@@ -284,25 +291,30 @@ class SimulatedKVWorker:
             self.waiting.sort(key=lambda r: r.order)
         admitted: set[str] = set()
         appended = self.pending.appended
+        requests, token = self.requests, self.token
+        num_scheduled = num_kept = 0
         for scheduled in output.scheduled:
-            request = self.requests[scheduled.seq_id]
-            request.num_computed = scheduled.start + scheduled.num_tokens
+            request = requests[scheduled.seq_id]
+            num_tokens = scheduled.num_tokens
+            num_scheduled += num_tokens
+            num_computed = request.num_computed = scheduled.start + num_tokens
             if not request.is_running:
                 request.is_running = True
                 admitted.add(request.seq_id)
                 self.running.append(request)
-            if request.num_computed == request.num_tokens:
+            if num_computed == request.num_tokens:
                 if request.num_output_left <= 0:
                     self._finish(request)
                     continue
                 request.num_output_left -= 1
-                appended.append((request.seq_id, self.tokens(request, request.num_tokens, request.num_tokens + 1)))
-                request.num_tokens += 1
-            counters.num_scheduled_tokens += scheduled.num_tokens
+                appended.append((request.seq_id, [token(request, num_computed)]))
+                request.num_tokens = num_computed + 1
+            num_kept += num_tokens
+        counters.num_scheduled_tokens += num_kept
         if admitted:  # (some may have finished in the same step)
             self.waiting = [r for r in self.waiting if r.seq_id not in admitted]
         counters.num_steps += 1
-        return output.num_scheduled_tokens
+        return num_scheduled
 
     def _finish(self, request: SimRequest) -> None:
         self.running.remove(request)
