@@ -126,12 +126,19 @@ class BlockManager:
 
     def append_tokens(self, seq_id: str, token_ids: list[int]) -> None:
         """Add sampled tokens; their KV is computed by a later step."""
-        seq = self.seqs.get(seq_id) or self.get(seq_id)
-        if len(seq.token_ids) + len(token_ids) > self.max_model_len:
-            raise KVManagerError(f"sequence {seq_id!r} would exceed max_model_len {self.max_model_len}")
-        if token_ids:
-            seq.token_ids.extend(token_ids)
-            seq.is_protected = False
+        self.append_tokens_of([(seq_id, token_ids)])
+
+    def append_tokens_of(self, appended: list[tuple[str, list[int]]]) -> None:
+        """``append_tokens`` for each (sequence id, tokens) in turn: a step's sampled tokens."""
+        seqs, max_model_len = self.seqs, self.max_model_len
+        for seq_id, token_ids in appended:
+            seq = seqs.get(seq_id) or self.get(seq_id)
+            tokens = seq.token_ids
+            if len(tokens) + len(token_ids) > max_model_len:
+                raise KVManagerError(f"sequence {seq_id!r} would exceed max_model_len {max_model_len}")
+            if token_ids:
+                tokens += token_ids
+                seq.is_protected = False
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Make ``child_id`` a copy of ``parent_id`` sharing all its device blocks.
@@ -360,8 +367,9 @@ class BlockManager:
         """
         bs = self.block_size
         computed = seq.num_computed
+        end = computed + num_tokens
         table = seq.block_table
-        num_new = (computed + num_tokens + bs - 1) // bs - len(table)
+        num_new = (end + bs - 1) // bs - len(table)
         is_cow = computed % bs != 0 and self.device.ref_counts[table[computed // bs]] > 1
         num_needed = (num_new if num_new > 0 else 0) + is_cow
         if num_needed:
@@ -379,8 +387,8 @@ class BlockManager:
                 self.counters.num_cow_copies += 1
             if num_new > 0:
                 self.policy.grow(seq, num_new)
-        seq.num_computed = computed + num_tokens
-        if self.enable_prefix_caching and seq.num_computed // bs > seq.num_indexed_blocks:
+        seq.num_computed = end
+        if end // bs > seq.num_indexed_blocks and self.enable_prefix_caching:
             self._register_full_blocks(seq)
         if self.window is not None and free_out_of_window:
             # This step's first query sits at ``computed``: blocks before its window are done.

@@ -245,10 +245,12 @@ class EventLog:
     """The worker side: collects pool changes between drains, numbers them.
 
     Pools call ``stored``/``removed``/``cleared`` (the ``BlockPool.listener``
-    protocol) on the engine's thread; the same thread calls ``drain``. Each
-    call is an append to a list; ``drain`` coalesces them by net effect. If nobody drains for ``max_pending`` events (the
-    central manager is unreachable), the log drops them and sets
-    ``needs_snapshot``: the worker must send a ``KVSnapshot`` next.
+    protocol) on the engine's thread; the same thread calls ``drain``. Changes
+    are coalesced by net effect as they come (one dictionary store each), so
+    ``drain`` costs what is left of them. If nobody drains for
+    ``max_pending`` changes (the central manager is unreachable), the log
+    drops them and sets ``needs_snapshot``: the worker must send a
+    ``KVSnapshot`` next.
     """
 
     def __init__(self, worker_id: str, incarnation: str | None = None,
@@ -260,38 +262,50 @@ class EventLog:
         self.needs_snapshot = False
         self.num_events = 0      # raw pool changes recorded
         self.num_dropped = 0
-        self._pending: list[tuple[int, int, int]] = []   # (kind, tier code, key)
+        self._num_pending = 0    # raw changes since the last drain
         self._oldest_at = 0.0
+        # Per tier code, each key's last change (its kind) since the last drain or clear,
+        # and the segments an ``AllBlocksCleared`` ended: (their last changes, its tier code).
+        self._last: list[dict[int, int]] = [{} for _ in TIERS]
+        self._cleared: list[tuple[list[dict[int, int]], int]] = []
 
     # ---- the pool listener protocol -----------------------------------------------
     def stored(self, tier: str, block_hash: BlockHash) -> None:
-        self._record(_STORED, _TIER_CODES[tier], block_hash_key(block_hash))
+        self._last[_TIER_CODES[tier]][block_hash_key(block_hash)] = _STORED
+        self._count()
 
     def removed(self, tier: str, block_hash: BlockHash) -> None:
-        self._record(_REMOVED, _TIER_CODES[tier], block_hash_key(block_hash))
+        self._last[_TIER_CODES[tier]][block_hash_key(block_hash)] = _REMOVED
+        self._count()
 
     def cleared(self, tier: str | None) -> None:
-        self._record(_CLEARED, -1 if tier is None else _TIER_CODES[tier], 0)
+        self._cleared.append((self._last, -1 if tier is None else _TIER_CODES[tier]))
+        self._last = [{} for _ in TIERS]
+        self._count()
 
-    def _record(self, kind: int, tier: int, key: int) -> None:
-        pending = self._pending
-        if not pending:
+    def _count(self) -> None:
+        if not self._num_pending:
             self._oldest_at = time.time()
-        pending.append((kind, tier, key))
+        self._num_pending += 1
         self.num_events += 1
-        if len(pending) > self.max_pending:
-            self.num_dropped += len(pending)
-            pending.clear()
+        if self._num_pending > self.max_pending:
+            self.num_dropped += self._num_pending
+            self._forget_pending()
             self.needs_snapshot = True
+
+    def _forget_pending(self) -> None:
+        self._num_pending = 0
+        self._last = [{} for _ in TIERS]
+        self._cleared = []
 
     # ---- draining ---------------------------------------------------------------
     @property
     def num_pending(self) -> int:
-        return len(self._pending)
+        return self._num_pending
 
     def pending_age_s(self, now: float | None = None) -> float:
         """Seconds since the oldest undrained change (0 when there is none)."""
-        if not self._pending:
+        if not self._num_pending:
             return 0.0
         return (now if now is not None else time.time()) - self._oldest_at
 
@@ -305,32 +319,30 @@ class EventLog:
         """
         now = time.time()
         events: list[KVEvent] = []
-        last: dict[tuple[int, int], int] = {}   # (tier code, key) -> kind of its last change
-        for kind, tier, key in self._pending:
-            if kind == _CLEARED:
-                self._emit(last, events)
-                events.append(AllBlocksCleared(None if tier < 0 else TIERS[tier]))
-            else:
-                last[(tier, key)] = kind
-        self._emit(last, events)
+        for last, tier in self._cleared:
+            self._emit(last, events)
+            events.append(AllBlocksCleared(None if tier < 0 else TIERS[tier]))
+        self._emit(self._last, events)
         batch = KVEventBatch(self.worker_id, self.incarnation, self.next_seq, events,
-                             occupancy or {}, now, self._oldest_at if self._pending else now)
+                             occupancy or {}, now, self._oldest_at if self._num_pending else now)
         self.next_seq += len(events)
-        self._pending = []
+        self._forget_pending()
         return batch
 
     @staticmethod
-    def _emit(last: dict[tuple[int, int], int], events: list[KVEvent]) -> None:
+    def _emit(last: list[dict[int, int]], events: list[KVEvent]) -> None:
         for code, tier in enumerate(TIERS):
-            removed = [key for (t, key), kind in last.items() if t == code and kind == _REMOVED]
-            stored = [key for (t, key), kind in last.items() if t == code and kind == _STORED]
+            changes = last[code]
+            if not changes:
+                continue
+            removed = [key for key, kind in changes.items() if kind == _REMOVED]
+            stored = [key for key, kind in changes.items() if kind == _STORED]
             if removed:
                 events.append(BlockRemoved(removed, tier))
             if stored:
                 events.append(BlockStored(stored, tier))
-        last.clear()
 
     def discard_pending(self) -> None:
         """Forget undrained changes: a snapshot taken now already includes them."""
-        self._pending = []
+        self._forget_pending()
         self.needs_snapshot = False

@@ -128,8 +128,7 @@ class KVManager:
                         and child_id in step_input.running):
                     # The policy shares nothing: the child recomputes its KV.
                     output.preempted.append(Preemption(child_id, "recompute"))
-            for seq_id, token_ids in step_input.appended:
-                manager.append_tokens(seq_id, token_ids)
+            manager.append_tokens_of(step_input.appended)
             for seq_id in step_input.finished:
                 manager.free_sequence(seq_id)
             if step_input.is_draining:
