@@ -11,23 +11,17 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import yaml
+from served_cluster import free_port
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 PROVIDER_FILE = CONFIGS / "fake-autoscaling" / "cluster.yaml"
 SERVE_FILE = CONFIGS / "fake-autoscaling" / "serve.yaml"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _own_ports() -> list[str]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from served_cluster import cluster_config, free_port, running_cluster  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
@@ -57,12 +57,6 @@ PERSON = {"type": "object", "properties": {
     "age": {"type": "integer", "minimum": 0, "maximum": 120},
     "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}},
     "required": ["name", "age"], "additionalProperties": False}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -92,31 +86,12 @@ def model_path(tiny_model, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def served(model_path):
-    from ray import serve
-
-    from pagedserve.cluster.bootstrap import NAMESPACE, start
-    from pagedserve.cluster.config import ClusterConfig
     from pagedserve.cluster.serving.deployment import deploy
 
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=2, namespace=NAMESPACE, include_dashboard=False)
-    path = model_path
-    config = ClusterConfig.model_validate({
-        "model": {"path": path, "name": MODEL},
-        "engine": ENGINE,
-        "workers": [{"count": 1, "num_cpus": 0.5}],
-        "server": {"port": _free_port(), "grpc_port": _free_port()},
-        "step_timeout_s": 30.0,
-    })
-    handle = start(config, ready_timeout_s=180.0)
-    try:
-        endpoints = deploy(handle, config, quiet=True)
-        yield Served(handle, endpoints["http"], path, endpoints["grpc"])
-    finally:
-        serve.shutdown()
-        handle.shutdown()
-        ray.shutdown()
+    config = cluster_config(model_path, MODEL, ENGINE, num_workers=1, step_timeout_s=30.0, grpc_port=free_port())
+    with running_cluster(config, num_cpus=2) as cluster:
+        endpoints = deploy(cluster.handle, cluster.config, quiet=True)
+        yield Served(cluster.handle, endpoints["http"], model_path, endpoints["grpc"])
 
 
 @pytest.fixture

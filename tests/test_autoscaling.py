@@ -23,7 +23,8 @@ import yaml
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
-from fake_cluster import SERVE_FILE, FakeAutoscalingCluster, free_port  # noqa: E402
+from fake_cluster import SERVE_FILE, FakeAutoscalingCluster  # noqa: E402
+from served_cluster import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(900)]
 

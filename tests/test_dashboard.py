@@ -20,7 +20,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -34,6 +33,7 @@ from pagedserve.cluster.serving.dashboard import (DashboardState, add_dashboard_
                                                   latency_summary)
 from pagedserve.kvmanager import LocalKVManager, PoolConfig
 from pagedserve.kvmanager.service import KVManagerService
+from served_cluster import cluster_config, running_cluster
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 API_KEY = "dash-key"
@@ -241,39 +241,15 @@ def test_login_cookie_survives_any_key():
 
 
 # ---- end to end: Ray, a two-worker cluster and the Serve application -----------------------------------
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(tiny_model):
-    ray = pytest.importorskip("ray")
-    from ray import serve
-
-    from pagedserve.cluster.bootstrap import NAMESPACE, start
-    from pagedserve.cluster.config import ClusterConfig
+    pytest.importorskip("ray")
     from pagedserve.cluster.serving.deployment import deploy
 
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=4, namespace=NAMESPACE, include_dashboard=False)
-    config = ClusterConfig.model_validate({
-        "model": {"path": tiny_model("llama"), "name": "tiny-dash"},
-        "engine": ENGINE,
-        "workers": [{"count": 2, "num_cpus": 0.5}],
-        "server": {"port": _free_port(), "api_key": API_KEY},
-        "step_timeout_s": 20.0,
-    })
-    handle = start(config, ready_timeout_s=180.0)
-    try:
-        endpoints = deploy(handle, config, route_prefix="/ps", quiet=True)
-        yield handle, endpoints["http"]
-    finally:
-        serve.shutdown()
-        handle.shutdown()
-        ray.shutdown()
+    with running_cluster(cluster_config(tiny_model("llama"), "tiny-dash", ENGINE, num_workers=2,
+                                        api_key=API_KEY)) as cluster:
+        endpoints = deploy(cluster.handle, cluster.config, route_prefix="/ps", quiet=True)
+        yield cluster.handle, endpoints["http"]
 
 
 def _get(url: str, key: str | None = API_KEY) -> tuple[int, bytes]:

@@ -45,6 +45,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from pagedserve.cluster import ray_compat  # noqa: E402
 from hypothesis.errors import Unsatisfiable  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from served_cluster import cluster_config, free_port, running_cluster  # noqa: E402
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.distributed, pytest.mark.timeout(1800)]
 
@@ -59,12 +60,6 @@ ALLOWED_STATUSES = {200, 400, 404, 408, 413, 429}
 ERROR_STATUSES = ALLOWED_STATUSES - {200}
 
 TALLY: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Canary:
@@ -123,61 +118,35 @@ class Served:
     canary: Canary = field(init=False)
 
 
-def _start_ray(namespace: str, num_attempts: int = 3) -> None:
-    """A local Ray instance; on a loaded machine the raylet can miss Ray's fixed 30 s start-up wait."""
-    for attempt in range(num_attempts):
-        try:
-            ray.init(address="local", num_cpus=4, namespace=namespace, include_dashboard=False)
-            return
-        except Exception as exc:
-            ray.shutdown()
-            if "timed out during startup" not in str(exc) or attempt == num_attempts - 1:
-                raise
-            time.sleep(5)
-
-
 @pytest.fixture(scope="module")
 def served(tiny_model):
-    from ray import serve
-
-    from pagedserve.cluster.bootstrap import NAMESPACE, start
-    from pagedserve.cluster.config import ClusterConfig
     from pagedserve.cluster.serving.deployment import deploy
 
-    if ray.is_initialized():
-        ray.shutdown()
     # On a loaded machine Serve's proxy may need longer than its 5 s ready check to come up.
     for name, seconds in (("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60"),
                           ("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")):
         os.environ.setdefault(name, seconds)
-    _start_ray(NAMESPACE)
-    port, grpc_port = _free_port(), _free_port()
-    config = ClusterConfig.model_validate({
-        "model": {"path": tiny_model("llama"), "name": MODEL},
-        "engine": {"num_device_blocks": 256, "swap_space_gb": 0.001, "max_model_len": MAX_MODEL_LEN},
-        "workers": [{"count": 1, "num_cpus": 0.5}],
-        "server": {"port": port, "grpc_port": grpc_port,
-                   "limits": {"max_request_body_bytes": BODY_LIMIT, "body_read_timeout_s": BODY_READ_TIMEOUT_S,
-                              "max_queued_requests": 256, "stream_idle_timeout_s": 30}},
-        "step_timeout_s": 20.0,
-    })
-    handle = start(config, ready_timeout_s=180.0)
-    canary = None
-    try:
-        endpoints = deploy(handle, config)
-        logs_dir = ray_compat.session_logs_dir()
-        served = Served(handle, endpoints["http"], "127.0.0.1", port, endpoints["grpc"],
-                        len(handle.tokenizer), logs_dir)
-        canary = served.canary = Canary(served.url)
-        yield served
-    finally:
-        if canary is not None:
-            canary.stop()
-            TALLY["canary"].update(ok=canary.num_ok, failed=len(canary.failures))
-        _write_report()
-        serve.shutdown()
-        handle.shutdown()
-        ray.shutdown()
+    port, grpc_port = free_port(), free_port()
+    engine = {"num_device_blocks": 256, "swap_space_gb": 0.001, "max_model_len": MAX_MODEL_LEN}
+    limits = {"max_request_body_bytes": BODY_LIMIT, "body_read_timeout_s": BODY_READ_TIMEOUT_S,
+              "max_queued_requests": 256, "stream_idle_timeout_s": 30}
+    config = cluster_config(tiny_model("llama"), MODEL, engine, num_workers=1, port=port, grpc_port=grpc_port,
+                            limits=limits)
+    with running_cluster(config) as cluster:
+        handle = cluster.handle
+        canary = None
+        try:
+            endpoints = deploy(handle, cluster.config)
+            logs_dir = ray_compat.session_logs_dir()
+            served = Served(handle, endpoints["http"], "127.0.0.1", port, endpoints["grpc"],
+                            len(handle.tokenizer), logs_dir)
+            canary = served.canary = Canary(served.url)
+            yield served
+        finally:
+            if canary is not None:
+                canary.stop()
+                TALLY["canary"].update(ok=canary.num_ok, failed=len(canary.failures))
+            _write_report()
 
 
 @pytest.fixture(autouse=True)

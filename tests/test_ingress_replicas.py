@@ -8,7 +8,6 @@ One Ray instance, cluster and Serve application for the module.
 from __future__ import annotations
 
 import concurrent.futures
-import socket
 import time
 from dataclasses import dataclass
 
@@ -19,6 +18,7 @@ httpx = pytest.importorskip("httpx")
 
 from pagedserve.workers.sampling_params import SamplingParams  # noqa: E402
 from pagedserve.workers.worker import FAULT_INJECTION_ENV, stall_timeout_s  # noqa: E402
+from served_cluster import cluster_config, running_cluster  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -30,12 +30,6 @@ PROMPTS = [f"Request {i}: the paged KV cache splits every sequence into blocks" 
 MAX_TOKENS = 16
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @dataclass
 class Served:
     handle: object
@@ -44,31 +38,13 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(tiny_model):
-    from ray import serve
-
-    from pagedserve.cluster.bootstrap import NAMESPACE, start
-    from pagedserve.cluster.config import ClusterConfig
     from pagedserve.cluster.serving.deployment import deploy
 
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=4, namespace=NAMESPACE, include_dashboard=False,
-             runtime_env={"env_vars": {FAULT_INJECTION_ENV: "1"}})
-    config = ClusterConfig.model_validate({
-        "model": {"path": tiny_model("llama"), "name": MODEL},
-        "engine": ENGINE,
-        "workers": [{"count": 2, "num_cpus": 0.5}],
-        "server": {"port": _free_port(), "num_replicas": 2},
-        "step_timeout_s": STEP_TIMEOUT_S,
-    })
-    handle = start(config, ready_timeout_s=180.0)
-    try:
-        endpoints = deploy(handle, config, quiet=True)
-        yield Served(handle, endpoints["http"])
-    finally:
-        serve.shutdown()
-        handle.shutdown()
-        ray.shutdown()
+    config = cluster_config(tiny_model("llama"), MODEL, ENGINE, num_workers=2, step_timeout_s=STEP_TIMEOUT_S,
+                            num_replicas=2)
+    with running_cluster(config, runtime_env={"env_vars": {FAULT_INJECTION_ENV: "1"}}) as cluster:
+        endpoints = deploy(cluster.handle, cluster.config, quiet=True)
+        yield Served(cluster.handle, endpoints["http"])
 
 
 def _wait(predicate, timeout: float, what: str) -> None:

@@ -10,7 +10,6 @@ cluster must be idle, with no block in use and consistent accounting.
 
 from __future__ import annotations
 
-import socket
 import time
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ httpx = pytest.importorskip("httpx")
 grpc = pytest.importorskip("grpc")
 
 from pagedserve.workers.sampling_params import SamplingParams  # noqa: E402
+from served_cluster import cluster_config, free_port, running_cluster  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -29,12 +29,6 @@ MODEL = "tiny-served"
 API_KEY = "test-key"
 ENGINE = {"num_device_blocks": 256, "swap_space_gb": 0.001}
 PROMPTS = ["The paged KV cache splits every sequence into blocks, so", "Once upon a time", "Hello"]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -47,34 +41,16 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(tiny_model):
-    from ray import serve
-
-    from pagedserve.cluster.bootstrap import NAMESPACE, start
-    from pagedserve.cluster.config import ClusterConfig
     from pagedserve.cluster.serving.deployment import deploy
 
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=4, namespace=NAMESPACE, include_dashboard=False)
-    config = ClusterConfig.model_validate({
-        "model": {"path": tiny_model("llama"), "name": MODEL},
-        "engine": ENGINE,
-        "workers": [{"count": 2, "num_cpus": 0.5}],
-        "server": {"port": _free_port(), "grpc_port": _free_port()},
-        "step_timeout_s": 20.0,
-    })
-    handle = start(config, ready_timeout_s=180.0)
-    try:
-        endpoints = deploy(handle, config)
-        secure = config.model_copy(deep=True)
+    with running_cluster(cluster_config(tiny_model("llama"), MODEL, ENGINE, num_workers=2,
+                                        grpc_port=free_port())) as cluster:
+        endpoints = deploy(cluster.handle, cluster.config)
+        secure = cluster.config.model_copy(deep=True)
         secure.server.api_key = API_KEY
         secure.server.limits.max_queued_requests = 2
-        secure_endpoints = deploy(handle, secure, app_name="pagedserve-secure", route_prefix="/secure")
-        yield Served(handle, endpoints["http"], secure_endpoints["http"], endpoints["grpc"])
-    finally:
-        serve.shutdown()
-        handle.shutdown()
-        ray.shutdown()
+        secure_endpoints = deploy(cluster.handle, secure, app_name="pagedserve-secure", route_prefix="/secure")
+        yield Served(cluster.handle, endpoints["http"], secure_endpoints["http"], endpoints["grpc"])
 
 
 @pytest.fixture

@@ -23,7 +23,6 @@ import json
 import os
 import random
 import re
-import socket
 import statistics
 import threading
 import time
@@ -36,6 +35,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from pagedserve.workers.sampling_params import SamplingParams  # noqa: E402
+from served_cluster import cluster_config, running_cluster  # noqa: E402
 
 pytestmark = [pytest.mark.soak, pytest.mark.distributed, pytest.mark.timeout(3600)]
 
@@ -58,12 +58,6 @@ MAX_RSS_GROWTH_MIB = 24.0
 MAX_BLOCK_GROWTH_FRACTION = 0.10   # of the cluster's device pool
 MAX_TTFT_RATIO = 3.0
 REPORT_PATH = os.environ.get("PAGEDSERVE_SOAK_REPORT")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -115,30 +109,12 @@ def jobs(tiny_model) -> list[Job]:
 
 @pytest.fixture(scope="module")
 def served(tiny_model):
-    from ray import serve
-
-    from pagedserve.cluster.bootstrap import NAMESPACE, start
-    from pagedserve.cluster.config import ClusterConfig
     from pagedserve.cluster.serving.deployment import deploy
 
-    if ray.is_initialized():
-        ray.shutdown()
-    context = ray.init(num_cpus=4, namespace=NAMESPACE)
-    config = ClusterConfig.model_validate({
-        "model": {"path": tiny_model("llama"), "name": MODEL},
-        "engine": ENGINE,
-        "workers": [{"count": 2, "num_cpus": 1}],
-        "server": {"port": _free_port()},
-        "step_timeout_s": 20.0,
-    })
-    handle = start(config, ready_timeout_s=180.0)
-    try:
-        endpoints = deploy(handle, config, quiet=True)
-        yield handle, endpoints["http"], f"http://{context.dashboard_url}"
-    finally:
-        serve.shutdown()
-        handle.shutdown()
-        ray.shutdown()
+    config = cluster_config(tiny_model("llama"), MODEL, ENGINE, num_workers=2, worker_cpus=1)
+    with running_cluster(config, include_dashboard=None) as cluster:   # the state API finds the processes to sample
+        endpoints = deploy(cluster.handle, cluster.config, quiet=True)
+        yield cluster.handle, endpoints["http"], f"http://{cluster.dashboard_url}"
 
 
 # ---- the load -----------------------------------------------------------------------------
