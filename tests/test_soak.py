@@ -11,7 +11,7 @@ tokens, and eight shared prefixes.
 Pass: no request fails; every greedy request's text equals the same request
 served alone by the single-process ``LLM``; blocks in use and the RSS of the
 Serve replica, the workers and the KV manager do not grow over the warm part
-of the run (least-squares slopes, printed); client-side TTFT p99 stays within
+of the run (Theil-Sen slopes, printed); client-side TTFT p99 stays within
 3x p50 once warm; at the end, consistent accounting and no block in use.
 ``PAGEDSERVE_SOAK_REPORT=path`` also writes the figures as JSON.
 """
@@ -19,6 +19,7 @@ of the run (least-squares slopes, printed); client-side TTFT p99 stays within
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -206,11 +207,17 @@ class Sampler:
 
 
 def _slope_per_s(points: list[tuple[float, float]]) -> float:
-    """Least-squares slope of y over x."""
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    var = sum((x - mean_x) ** 2 for x in xs)
-    return sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var if var else 0.0
+    """Theil-Sen slope of y over x: the median of the slopes between every two points.
+
+    A steady trend (a leak) adds its own slope to it exactly, as to a least-squares
+    fit; a few outlying samples barely move it. Blocks in use have such outliers on a
+    loaded machine: the clients or the ingress stall for a moment and the pool half
+    empties for a sample or two. A least-squares line through dips early in the
+    window reads as growth: 16.8 blocks, over the 12.8 allowed, in a run with no leak
+    (2026-11-25 09:43 UTC, load 20-67); Theil-Sen read 9.5 (the test at the end).
+    """
+    slopes = [(y2 - y1) / (x2 - x1) for (x1, y1), (x2, y2) in itertools.combinations(points, 2) if x2 != x1]
+    return statistics.median(slopes) if slopes else 0.0
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -280,14 +287,15 @@ def test_soak_small_pool_many_streaming_clients(served, jobs, long_form):
     print("\nsoak:", json.dumps(report, indent=1))
     if REPORT_PATH:
         with open(REPORT_PATH, "w") as f:
-            json.dump(report, f, indent=1)
+            samples = [(round(t - run_start, 1), used) for t, used, _ in sampler.samples]
+            json.dump({**report, "blocks_in_use_samples": samples}, f, indent=1)
 
     assert not result.failures, result.failures[:10]
     assert greedy and all(r.is_equal for r in greedy), f"{report['greedy_equal']}/{len(greedy)} equal"
     assert counters["preemptions_swap"] + counters["preemptions_recompute"] > 0
     assert counters["blocks_swapped_out"] > 0 and counters["blocks_swapped_in"] > 0
     assert counters["prefix_cache_evictions"] > 0
-    assert abs(block_slope) * warm_span_s < MAX_BLOCK_GROWTH_FRACTION * pool_blocks, report
+    assert block_slope * warm_span_s < MAX_BLOCK_GROWTH_FRACTION * pool_blocks, report  # growth only: a leak
     for name, slope in rss_slopes.items():
         assert slope * warm_span_s < MAX_RSS_GROWTH_MIB, (name, report["rss_slope_mib_per_min"])
     assert p99 <= MAX_TTFT_RATIO * p50, f"TTFT p99 {p99:.3f} s > {MAX_TTFT_RATIO}x p50 {p50:.3f} s"
@@ -295,3 +303,25 @@ def test_soak_small_pool_many_streaming_clients(served, jobs, long_form):
     handle.wait_idle(timeout=120.0)
     handle.check_integrity()
     assert handle.num_used_blocks() == 0
+
+
+# Blocks in use over the warm window of a short run on a loaded machine (2026-11-25, load 20-67),
+# one sample about every 2 s: flat near 125 but for short dips, deepest early in the window.
+LOADED_MACHINE_BLOCKS = [117, 96, 118, 125, 118, 116, 122, 121, 126, 99, 114, 99, 113, 66, 55, 116, 132, 119, 128,
+                         129, 136, 128, 128, 131, 136, 129, 125, 116, 132, 96, 121, 129, 98, 127, 133, 128, 125, 129,
+                         123, 128, 122, 121, 129, 125, 119, 113, 135, 123, 127]
+
+
+def test_block_growth_check_passes_stalls_and_fails_a_leak():
+    limit = MAX_BLOCK_GROWTH_FRACTION * 2 * ENGINE["num_device_blocks"]
+    points = [(2.0 * i, used) for i, used in enumerate(LOADED_MACHINE_BLOCKS)]
+    span_s = points[-1][0]
+    assert _slope_per_s(points) * span_s < limit
+    # A leak of the allowed growth over the same window, on top of the same stalls, fails.
+    leaking = [(t, used + limit * t / span_s) for t, used in points]
+    assert _slope_per_s(leaking) * span_s >= limit
+    # Without stalls a leak is measured as it is, so any leak past the limit fails.
+    level = [(t, 125 + (-1) ** i) for i, (t, _) in enumerate(points)]
+    growth = 1.1 * limit
+    measured = _slope_per_s([(t, used + growth * t / span_s) for t, used in level]) * span_s
+    assert measured == pytest.approx(growth, abs=0.5) and measured >= limit
