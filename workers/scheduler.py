@@ -9,6 +9,7 @@ finished sequences) rides along in that one call.
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -44,8 +45,11 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
+        # Both queues are kept in scheduling order (``_order``) as sequences enter them,
+        # so a step never sorts them; ``_queued`` finds either queue's sequences by id.
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self._queued: dict[str, Sequence] = {}
         self._pending = StepInput(worker_id)
         self._registered: set[str] = set()
         # In a cluster, preempted single-sample sequences may move to another worker.
@@ -62,7 +66,7 @@ class Scheduler:
     # ---- changes since the last step ------------------------------------------
     def add(self, seq: Sequence, num_imported_tokens: int = 0) -> None:
         """Queue a new sequence; it registers with the KV manager at the next step."""
-        self.waiting.append(seq)
+        self._enqueue(self.waiting, seq)
         self._pending.new_sequences.append(
             NewSequence(seq.seq_id, list(seq.token_ids), num_imported_tokens=num_imported_tokens,
                         skip_prefix_cache=seq.request.params.prompt_logprobs is not None))
@@ -75,7 +79,7 @@ class Scheduler:
         child.status = SequenceStatus.RUNNING
         child.num_computed = parent.num_computed
         child.block_table = list(parent.block_table)
-        self.running.insert(self.running.index(parent) + 1, child)
+        self._enqueue(self.running, child)
 
     def append_token(self, seq: Sequence, token_id: int) -> None:
         self._pending.appended.append((seq.seq_id, [token_id]))
@@ -86,6 +90,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self._queued.pop(seq.seq_id, None)
         seq.status = SequenceStatus.FINISHED
         if seq.seq_id in self._registered:
             self._registered.discard(seq.seq_id)
@@ -107,10 +112,12 @@ class Scheduler:
             return (request.priority, request.arrival_time, request.order, seq.sample_index)
         return (request.arrival_time, request.order, seq.sample_index)
 
+    def _enqueue(self, queue: list[Sequence], seq: Sequence) -> None:
+        bisect.insort(queue, seq, key=self._order)
+        self._queued[seq.seq_id] = seq
+
     def schedule(self) -> SchedulerOutput:
         """Ask the KV manager for this step's plan and update the queues from it."""
-        self.running.sort(key=self._order)
-        self.waiting.sort(key=self._order)
         step_input = self._pending
         self._pending = StepInput(self.worker_id)
         step_input.running = [s.seq_id for s in self.running]
@@ -133,8 +140,7 @@ class Scheduler:
             self.last_kv_seconds = time.perf_counter() - kv_start
             self.kv_seconds += self.last_kv_seconds
 
-        by_id = {s.seq_id: s for s in self.running}
-        by_id.update((s.seq_id, s) for s in self.waiting)
+        by_id = self._queued
         output = SchedulerOutput(kv=kv_output)
         for preemption in kv_output.preempted:
             seq = by_id[preemption.seq_id]
@@ -144,12 +150,13 @@ class Scheduler:
                 # The manager forgot it; this worker only exports its KV.
                 self.running.remove(seq)
                 self._registered.discard(seq.seq_id)
+                del self._queued[seq.seq_id]
                 seq.status = SequenceStatus.FINISHED
                 output.migrated.append((seq, preemption.target_worker))
                 continue
             if seq in self.running:
                 self.running.remove(seq)
-                self.waiting.append(seq)
+                self._enqueue(self.waiting, seq)
             seq.status = SequenceStatus.WAITING
             seq.is_swapped = preemption.mode == "swap"
             if not seq.is_swapped:
@@ -170,5 +177,6 @@ class Scheduler:
         if admitted:
             admitted_ids = {id(s) for s in admitted}
             self.waiting = [s for s in self.waiting if id(s) not in admitted_ids]
-            self.running.extend(admitted)
+            for seq in admitted:
+                self._enqueue(self.running, seq)
         return output
