@@ -159,7 +159,8 @@ class SimulatedKVWorker:
         self.kv = LocalKVManager(preemption, self.event_log)
         self.pool_config = workload.pool_config()
         self.kv.add_worker(worker_id, self.pool_config)
-        self.requests: dict[str, SimRequest] = {}
+        self.requests: dict[str, SimRequest] = {}      # every live request: running or waiting
+        self.pressure: dict[str, SimRequest] = {}      # the live pressure requests among them (few)
         self.running: list[SimRequest] = []
         self.waiting: list[SimRequest] = []
         self.pending = StepInput(worker_id)
@@ -195,6 +196,7 @@ class SimulatedKVWorker:
         if is_pressure:
             request.order = -request.order  # ahead of the queue
             self.requests[request.seq_id] = request
+            self.pressure[request.seq_id] = request
             self.waiting.insert(0, request)
             self.pending.new_sequences.append(NewSequence(request.seq_id, self.tokens(request, 0, num_prompt),
                                                           num_imported_tokens=num_imported))
@@ -215,8 +217,7 @@ class SimulatedKVWorker:
         (a longer prompt, fewer tokens left), so they do not all finish together.
         """
         w = self.workload
-        num_regular = sum(1 for r in self.running if not r.is_pressure) + sum(
-            1 for r in self.waiting if not r.is_pressure)
+        num_regular = len(self.requests) - len(self.pressure)
         for _ in range(w.batch - num_regular):
             num_output = self.rng.randint(*w.output_range)
             num_done = 0 if self._is_warm else self.rng.randrange(num_output)
@@ -260,7 +261,8 @@ class SimulatedKVWorker:
         self._maybe_add_pressure()
         step_input, self.pending = self.pending, StepInput(self.worker_id)
         step_input.running = [r.seq_id for r in self.running]
-        num_free_slots = max(0, self.workload.batch - sum(1 for r in self.running if not r.is_pressure))
+        num_pressure_running = sum(1 for r in self.pressure.values() if r.is_running)
+        num_free_slots = max(0, self.workload.batch - (len(self.running) - num_pressure_running))
         waiting = [r.seq_id for r in self.waiting if r.is_pressure]
         waiting += [r.seq_id for r in self.waiting if not r.is_pressure][:num_free_slots]
         step_input.waiting = waiting
@@ -277,6 +279,7 @@ class SimulatedKVWorker:
                 request.is_running = False
             if preemption.mode == "migrate":
                 del self.requests[request.seq_id]
+                self.pressure.pop(request.seq_id, None)
                 if request in self.waiting:
                     self.waiting.remove(request)
                 self.outbox.append(Migration(preemption.target_worker, request.seq_id, request.prefix_index,
@@ -320,6 +323,7 @@ class SimulatedKVWorker:
         self.running.remove(request)
         request.is_running = False
         del self.requests[request.seq_id]
+        self.pressure.pop(request.seq_id, None)
         self.pending.finished.append(request.seq_id)
         self.counters.num_finished += 1
 
@@ -328,6 +332,7 @@ class SimulatedKVWorker:
         never registered with the manager are simply dropped."""
         registered = sorted(self.kv.block_manager_of_worker.seqs)
         self.requests.clear()
+        self.pressure.clear()
         self.running.clear()
         self.waiting.clear()
         self.pending = StepInput(self.worker_id)
