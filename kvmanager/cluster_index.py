@@ -1,8 +1,12 @@
 """The central KV manager's view of the cluster, fed by the workers' KV events.
 
-``ClusterIndex`` holds, per block-hash key, which workers cache it on which
-tier; per worker its occupancy per tier and the seq of its next event. It is
-soft state: every worker is the source of truth for its own pool, and the
+``ClusterIndex`` holds, per worker, the set of block-hash keys it caches on
+each tier, its occupancy per tier and the seq of its next event. A batch is
+applied with one set operation per event (``update``, ``difference_update``,
+``clear``: C speed per key), so the central CPU per batch grows with the keys
+that changed at a few ns each, never with Python work per key. Queries walk
+the workers instead: ``longest_prefix`` costs a few Python operations per
+worker plus one C-speed set lookup per matched block. It is soft state: every worker is the source of truth for its own pool, and the
 index can always be rebuilt from their snapshots (``resync``). A batch that
 does not follow the previous one (a gap, an unknown worker or incarnation)
 is refused with "resync"; the index keeps the worker's old entries as hints
@@ -13,13 +17,12 @@ correctness.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import islice, takewhile
 
 from .errors import IntegrityError, UnknownWorkerError
 from .events import (TIERS, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVSnapshot,
                      TierOccupancy)
 from .hashing import block_hash_key, hash_prefix_blocks
-
-_TIER_BITS = {tier: 1 << i for i, tier in enumerate(TIERS)}
 
 
 @dataclass(slots=True)
@@ -51,10 +54,9 @@ class ApplyResult:
 
 
 class ClusterIndex:
-    """Block-hash key -> {worker: tier bits}, occupancy and event seqs per worker."""
+    """Per worker: cached block-hash keys per tier, occupancy and event seqs."""
 
     def __init__(self) -> None:
-        self.locations: dict[int, dict[str, int]] = {}
         self.workers: dict[str, WorkerView] = {}
         self.num_batches = 0
         self.num_events = 0
@@ -72,12 +74,7 @@ class ClusterIndex:
 
     def remove_worker(self, worker_id: str) -> bool:
         """Forget a worker and everything it cached. False if it was unknown."""
-        view = self.workers.pop(worker_id, None)
-        if view is None:
-            return False
-        for tier, keys in view.keys.items():
-            self._drop_keys(worker_id, tier, keys)
-        return True
+        return self.workers.pop(worker_id, None) is not None
 
     # ---- feeding ----------------------------------------------------------------
     def apply(self, batch: KVEventBatch, now: float = 0.0) -> ApplyResult:
@@ -98,26 +95,18 @@ class ClusterIndex:
         if batch.first_seq > view.next_seq:
             view.needs_resync = True
             return self._refuse(view.next_seq, f"gap: expected seq {view.next_seq}, got {batch.first_seq}")
-        worker_id = batch.worker_id
+        keys = view.keys
         for event in batch.events:
-            if isinstance(event, BlockStored):
-                bit = _TIER_BITS[event.medium]
-                view.keys[event.medium].update(event.block_hashes)
-                locations = self.locations
-                for key in event.block_hashes:
-                    holders = locations.get(key)
-                    if holders is None:
-                        locations[key] = {worker_id: bit}
-                    else:
-                        holders[worker_id] = holders.get(worker_id, 0) | bit
-            elif isinstance(event, BlockRemoved):
-                keys = view.keys[event.medium]
-                keys.difference_update(event.block_hashes)
-                self._drop_keys(worker_id, event.medium, event.block_hashes)
-            elif isinstance(event, AllBlocksCleared):
+            if type(event) is BlockStored:
+                keys[event.medium].update(event.block_hashes)
+            elif type(event) is BlockRemoved:
+                keys[event.medium].difference_update(event.block_hashes)
+            elif type(event) is AllBlocksCleared:
                 for tier in ([event.medium] if event.medium else TIERS):
-                    self._drop_keys(worker_id, tier, view.keys[tier])
-                    view.keys[tier] = set()
+                    keys[tier].clear()
+            else:  # never from a decoded batch; the partial apply is dropped by a resync
+                view.needs_resync = True
+                raise TypeError(f"not a KV event: {event!r}")
         view.next_seq = batch.next_seq
         if batch.occupancy:
             view.occupancy = dict(batch.occupancy)
@@ -131,14 +120,7 @@ class ClusterIndex:
         """Replace everything known of a worker by its snapshot (registers it if new)."""
         self.register(snapshot.worker_id, snapshot.pool_config)
         view = self.workers[snapshot.worker_id]
-        for tier in TIERS:
-            self._drop_keys(view.worker_id, tier, view.keys[tier])
-            keys = set(snapshot.block_hashes.get(tier, ()))
-            view.keys[tier] = keys
-            bit = _TIER_BITS[tier]
-            for key in keys:
-                holders = self.locations.setdefault(key, {})
-                holders[view.worker_id] = holders.get(view.worker_id, 0) | bit
+        view.keys = {tier: set(snapshot.block_hashes.get(tier, ())) for tier in TIERS}
         view.incarnation = snapshot.worker_incarnation
         view.next_seq = snapshot.next_seq
         view.occupancy = dict(snapshot.occupancy)
@@ -151,21 +133,6 @@ class ClusterIndex:
         self.num_refused += 1
         return ApplyResult("resync", expected_seq, reason)
 
-    def _drop_keys(self, worker_id: str, tier: str, keys) -> None:
-        bit = _TIER_BITS[tier]
-        locations = self.locations
-        for key in keys:
-            holders = locations.get(key)
-            if holders is None:
-                continue
-            bits = holders.get(worker_id, 0) & ~bit
-            if bits:
-                holders[worker_id] = bits
-            else:
-                holders.pop(worker_id, None)
-                if not holders:
-                    del locations[key]
-
     # ---- queries ------------------------------------------------------------------
     def longest_prefix(self, token_ids: list[int], extra_key: str | None = None,
                        block_size: int | None = None) -> dict[str, int]:
@@ -173,29 +140,22 @@ class ClusterIndex:
 
         Uses the hash chain of ``hashing.hash_prefix_blocks`` over the blocks
         before the last token (whose logits are always computed). Only
-        workers of ``block_size`` are considered when it is given.
+        workers of ``block_size`` are considered when it is given. Costs the
+        prompt's hashing, then per worker a few Python operations plus one
+        C-speed set lookup per block of its match.
         """
-        result = {w: 0 for w, v in self.workers.items() if block_size in (None, v.block_size)}
-        by_size: dict[int, list[str]] = {}
-        for worker_id in result:
-            by_size.setdefault(self.workers[worker_id].block_size, []).append(worker_id)
-        for bs, worker_ids in by_size.items():
-            num_blocks = (len(token_ids) - 1) // bs if token_ids else 0
-            alive = set(worker_ids)
-            num_matched = 0
-            for block_hash in hash_prefix_blocks(token_ids, bs, extra_key, num_blocks):
-                holders = self.locations.get(block_hash_key(block_hash))
-                if not holders:
-                    break
-                still = {w for w in alive if w in holders}
-                for worker_id in alive - still:
-                    result[worker_id] = num_matched * bs
-                alive = still
-                if not alive:
-                    break
-                num_matched += 1
-            for worker_id in alive:
-                result[worker_id] = num_matched * bs
+        result: dict[str, int] = {}
+        chains: dict[int, list[int]] = {}   # block size -> the prompt's keys
+        for worker_id, view in self.workers.items():
+            bs = view.block_size
+            if block_size not in (None, bs):
+                continue
+            chain = chains.get(bs)
+            if chain is None:
+                num_blocks = (len(token_ids) - 1) // bs if token_ids else 0
+                chain = chains[bs] = [block_hash_key(h)
+                                      for h in hash_prefix_blocks(token_ids, bs, extra_key, num_blocks)]
+            result[worker_id] = _num_leading_cached(chain, [k for k in view.keys.values() if k]) * bs
         return result
 
     def occupancy(self, worker_id: str) -> dict[str, TierOccupancy]:
@@ -207,20 +167,24 @@ class ClusterIndex:
     def num_cached_blocks(self, worker_id: str, tier: str = "device") -> int:
         return len(self.workers[worker_id].keys[tier])
 
+    def num_entries(self) -> int:
+        """Cached (worker, tier, hash key) entries, all workers together."""
+        return sum(len(keys) for view in self.workers.values() for keys in view.keys.values())
+
     # ---- checks -------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """The location map and the per-worker key sets describe the same thing."""
-        expected: dict[int, dict[str, int]] = {}
+        """Each worker's view is well formed: one key set per tier, never more cached
+        keys on a tier than its pool has blocks (each cached hash holds a block)."""
         for worker_id, view in self.workers.items():
-            for tier, keys in view.keys.items():
-                for key in keys:
-                    holders = expected.setdefault(key, {})
-                    holders[worker_id] = holders.get(worker_id, 0) | _TIER_BITS[tier]
-        if expected != self.locations:
-            wrong = [k for k in set(expected) | set(self.locations)
-                     if expected.get(k) != self.locations.get(k)]
-            raise IntegrityError(f"cluster index: {len(wrong)} keys disagree with the workers' key sets, "
-                                 f"e.g. {wrong[:3]}")
+            if set(view.keys) != set(TIERS) or not all(type(k) is set for k in view.keys.values()):
+                raise IntegrityError(f"cluster index: worker {worker_id!r} has key sets "
+                                     f"{ {t: type(k).__name__ for t, k in view.keys.items()} }")
+            if view.next_seq < 0:
+                raise IntegrityError(f"cluster index: worker {worker_id!r} at seq {view.next_seq}")
+            for tier, occupancy in view.occupancy.items():
+                if len(view.keys.get(tier, ())) > occupancy.num_total:
+                    raise IntegrityError(f"cluster index: worker {worker_id!r} caches {len(view.keys[tier])} "
+                                         f"keys on {tier}, which has {occupancy.num_total} blocks")
 
     def check_consistency_with(self, snapshots: list[KVSnapshot], exact_workers: bool = True) -> None:
         """Raise ``IntegrityError`` unless the index holds exactly what the workers'
@@ -249,3 +213,16 @@ class ClusterIndex:
                 if view.occupancy.get(tier) != snapshot.occupancy.get(tier):
                     raise IntegrityError(f"worker {worker_id!r} {tier}: index occupancy "
                                          f"{view.occupancy.get(tier)} != pool {snapshot.occupancy.get(tier)}")
+
+
+def _num_leading_cached(chain: list[int], tiers: list[set[int]]) -> int:
+    """How many of ``chain``'s keys, from the first, are each in one of ``tiers``."""
+    num_matched = 0
+    while num_matched < len(chain):
+        start = num_matched
+        for keys in tiers:
+            if num_matched < len(chain) and chain[num_matched] in keys:
+                num_matched += len(list(takewhile(keys.__contains__, islice(chain, num_matched, None))))
+        if num_matched == start:
+            break
+    return num_matched

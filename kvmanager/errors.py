@@ -29,3 +29,7 @@ class DoubleFreeError(KVManagerError):
 
 class IntegrityError(KVManagerError):
     """``check_integrity()`` found the accounting inconsistent."""
+
+
+class WireFormatError(KVManagerError, ValueError):
+    """A message on the worker <-> central KV wire is truncated, malformed or of another version."""

@@ -11,14 +11,21 @@ A batch also carries a constant-size occupancy summary per tier, so the cost
 of a batch grows with what changed, never with context length or pool size.
 
 Hashes travel as 8-byte keys (``hashing.block_hash_key``: a prefix of the
-16-byte blake2b digest) packed into one bytes object per event. The central
-index uses them only as routing hints; a colliding key costs a cache miss
-(the worker's own pool checks full hashes and tokens), never a wrong token.
-No torch, no Ray: plain data and msgpack.
+16-byte blake2b digest), little-endian, one array per event, decoded at C
+speed. The central index uses them only as routing hints; a colliding key
+costs a cache miss (the worker's own pool checks full hashes and tokens),
+never a wrong token.
+
+A batch, the message sent every ~50 ms by every worker, is fixed-layout
+binary (``struct``): a header, the two ids, then per event its kind, tier,
+key count and keys. Snapshots (rare) and acks are small. Every decoder
+checks lengths and codes and raises ``WireFormatError`` (the receiver then
+asks for a resync) before anything is applied. No torch, no Ray.
 """
 
 from __future__ import annotations
 
+import struct
 import sys
 import time
 import uuid
@@ -28,12 +35,23 @@ from typing import Union
 
 import msgpack
 
+from .errors import WireFormatError
 from .hashing import BlockHash, block_hash_key
 
 TIERS = ("device", "host")
 _TIER_CODES = {tier: code for code, tier in enumerate(TIERS)}
 _STORED, _REMOVED, _CLEARED = 0, 1, 2
-_WIRE_VERSION = 1
+_ALL_TIERS = 255          # the tier code of an ``AllBlocksCleared`` for every tier
+_BATCH_WIRE_VERSION = 2
+_SNAPSHOT_WIRE_VERSION = 1
+# version, is_draining, len(worker_id), len(incarnation), number of events, first_seq,
+# created_at, oldest_event_at, occupancy (4 counts per tier)
+_BATCH_HEADER = struct.Struct(f"<BBBBHQdd{4 * len(TIERS)}I")
+_EVENT_HEADER = struct.Struct("<BBI")    # kind, tier code, number of keys
+_KEY_SIZE = 8
+_ACK = struct.Struct("<BQ")              # status code, expected seq; the incarnation follows
+_ACK_STATUSES = ("ok", "duplicate", "resync")
+_ACK_CODES = {status: code for code, status in enumerate(_ACK_STATUSES)}
 # A worker that cannot publish (the central manager is down) keeps at most this
 # many pending events; past it they are dropped and the next publish is a snapshot.
 DEFAULT_MAX_PENDING_EVENTS = 100_000
@@ -46,7 +64,10 @@ def _pack_keys(keys: list[int]) -> bytes:
     return packed.tobytes()
 
 
-def _unpack_keys(data: bytes) -> list[int]:
+def _unpack_keys(data) -> list[int]:
+    """8-byte little-endian keys from a bytes-like object (a whole number of keys)."""
+    if len(data) % _KEY_SIZE:
+        raise WireFormatError(f"{len(data)} bytes of hash keys is not a whole number of 8-byte keys")
     packed = array("Q")
     packed.frombytes(data)
     if sys.byteorder == "big":
@@ -122,25 +143,43 @@ def occupancy_from_wire(flat: list[int]) -> dict[str, TierOccupancy]:
     return {tier: TierOccupancy(*flat[4 * i:4 * i + 4]) for i, tier in enumerate(TIERS)}
 
 
-def _event_to_wire(event: KVEvent) -> list:
+def _event_to_wire(event: KVEvent) -> bytes:
     if isinstance(event, BlockStored):
-        return [_STORED, _TIER_CODES[event.medium], _pack_keys(event.block_hashes)]
-    if isinstance(event, BlockRemoved):
-        return [_REMOVED, _TIER_CODES[event.medium], _pack_keys(event.block_hashes)]
-    if isinstance(event, AllBlocksCleared):
-        return [_CLEARED, -1 if event.medium is None else _TIER_CODES[event.medium], b""]
-    raise TypeError(f"not a KV event: {event!r}")
+        kind, tier, keys = _STORED, _TIER_CODES[event.medium], event.block_hashes
+    elif isinstance(event, BlockRemoved):
+        kind, tier, keys = _REMOVED, _TIER_CODES[event.medium], event.block_hashes
+    elif isinstance(event, AllBlocksCleared):
+        kind, tier, keys = _CLEARED, _ALL_TIERS if event.medium is None else _TIER_CODES[event.medium], []
+    else:
+        raise TypeError(f"not a KV event: {event!r}")
+    return _EVENT_HEADER.pack(kind, tier, len(keys)) + _pack_keys(keys)
 
 
-def _event_from_wire(data: list) -> KVEvent:
-    kind, tier, keys = data
-    if kind == _STORED:
-        return BlockStored(_unpack_keys(keys), TIERS[tier])
-    if kind == _REMOVED:
-        return BlockRemoved(_unpack_keys(keys), TIERS[tier])
-    if kind == _CLEARED:
-        return AllBlocksCleared(None if tier < 0 else TIERS[tier])
-    raise ValueError(f"unknown KV event kind {kind!r}")
+def _events_from_wire(view: memoryview, offset: int, num_events: int) -> tuple[list[KVEvent], int]:
+    """``num_events`` events starting at ``offset``; returns them and the offset past them."""
+    events: list[KVEvent] = []
+    size = len(view)
+    for _ in range(num_events):
+        if offset + _EVENT_HEADER.size > size:
+            raise WireFormatError(f"KV event batch truncated: event {len(events)} of {num_events} "
+                                  f"starts at byte {offset} of {size}")
+        kind, tier, num_keys = _EVENT_HEADER.unpack_from(view, offset)
+        offset += _EVENT_HEADER.size
+        end = offset + _KEY_SIZE * num_keys
+        if end > size:
+            raise WireFormatError(f"KV event batch truncated: event {len(events)} has {num_keys} keys, "
+                                  f"{size - offset} bytes left")
+        if kind == _CLEARED:
+            if num_keys or (tier != _ALL_TIERS and tier >= len(TIERS)):
+                raise WireFormatError(f"malformed AllBlocksCleared event (tier code {tier}, {num_keys} keys)")
+            events.append(AllBlocksCleared(None if tier == _ALL_TIERS else TIERS[tier]))
+        elif kind in (_STORED, _REMOVED) and tier < len(TIERS):
+            keys = _unpack_keys(view[offset:end])
+            events.append(BlockStored(keys, TIERS[tier]) if kind == _STORED else BlockRemoved(keys, TIERS[tier]))
+        else:
+            raise WireFormatError(f"unknown KV event kind {kind} or tier code {tier}")
+        offset = end
+    return events, offset
 
 
 @dataclass(slots=True)
@@ -166,18 +205,37 @@ class KVEventBatch:
         return self.first_seq + len(self.events)
 
     def pack(self) -> bytes:
-        return msgpack.packb([_WIRE_VERSION, self.worker_id, self.worker_incarnation, self.first_seq,
-                              self.created_at, self.oldest_event_at, occupancy_to_wire(self.occupancy),
-                              [_event_to_wire(e) for e in self.events], self.is_draining])
+        worker_id, incarnation = self.worker_id.encode(), self.worker_incarnation.encode()
+        if len(self.events) > 0xFFFF or len(worker_id) > 0xFF or len(incarnation) > 0xFF:
+            raise ValueError(f"KV event batch too large to pack: {len(self.events)} events, ids of "
+                             f"{len(worker_id)} and {len(incarnation)} bytes")
+        header = _BATCH_HEADER.pack(_BATCH_WIRE_VERSION, self.is_draining, len(worker_id), len(incarnation),
+                                    len(self.events), self.first_seq, self.created_at, self.oldest_event_at,
+                                    *occupancy_to_wire(self.occupancy))
+        return b"".join([header, worker_id, incarnation, *map(_event_to_wire, self.events)])
 
     @classmethod
-    def unpack(cls, data: bytes) -> "KVEventBatch":
-        version, worker_id, incarnation, first_seq, created_at, oldest, occupancy, events, draining = \
-            msgpack.unpackb(data)
-        if version != _WIRE_VERSION:
-            raise ValueError(f"KV event batch wire version {version}, expected {_WIRE_VERSION}")
-        return cls(worker_id, incarnation, first_seq, [_event_from_wire(e) for e in events],
-                   occupancy_from_wire(occupancy), created_at, oldest, draining)
+    def unpack(cls, data) -> "KVEventBatch":
+        """Decode a packed batch (bytes-like); ``WireFormatError`` if it is not exactly one."""
+        view = memoryview(data)
+        if len(view) < _BATCH_HEADER.size or view[0] != _BATCH_WIRE_VERSION:
+            raise WireFormatError(f"not a KV event batch of wire version {_BATCH_WIRE_VERSION} "
+                                  f"({len(view)} bytes, first byte {view[0] if len(view) else None})")
+        version, draining, id_len, incarnation_len, num_events, first_seq, created_at, oldest, *occupancy = \
+            _BATCH_HEADER.unpack_from(view)
+        offset = _BATCH_HEADER.size + id_len + incarnation_len
+        if offset > len(view):
+            raise WireFormatError(f"KV event batch truncated in its ids ({len(view)} bytes)")
+        try:
+            worker_id = str(view[_BATCH_HEADER.size:_BATCH_HEADER.size + id_len], "utf-8")
+            incarnation = str(view[_BATCH_HEADER.size + id_len:offset], "utf-8")
+        except UnicodeDecodeError as exc:
+            raise WireFormatError(f"KV event batch ids are not UTF-8: {exc}") from None
+        events, offset = _events_from_wire(view, offset, num_events)
+        if offset != len(view):
+            raise WireFormatError(f"KV event batch has {len(view) - offset} bytes after its {num_events} events")
+        return cls(worker_id, incarnation, first_seq, events, occupancy_from_wire(occupancy), created_at, oldest,
+                   bool(draining))
 
 
 @dataclass(slots=True)
@@ -199,17 +257,26 @@ class KVSnapshot:
     taken_at: float = 0.0
 
     def pack(self) -> bytes:
-        return msgpack.packb([_WIRE_VERSION, self.worker_id, self.worker_incarnation, self.next_seq,
+        return msgpack.packb([_SNAPSHOT_WIRE_VERSION, self.worker_id, self.worker_incarnation, self.next_seq,
                               self.pool_config,
                               [_pack_keys(self.block_hashes.get(tier, [])) for tier in TIERS],
                               occupancy_to_wire(self.occupancy), self.taken_at])
 
     @classmethod
-    def unpack(cls, data: bytes) -> "KVSnapshot":
-        version, worker_id, incarnation, next_seq, pool_config, keys, occupancy, taken_at = \
-            msgpack.unpackb(data)
-        if version != _WIRE_VERSION:
-            raise ValueError(f"KV snapshot wire version {version}, expected {_WIRE_VERSION}")
+    def unpack(cls, data) -> "KVSnapshot":
+        """Decode a packed snapshot; ``WireFormatError`` if it is not one."""
+        try:
+            version, worker_id, incarnation, next_seq, pool_config, keys, occupancy, taken_at = \
+                msgpack.unpackb(data)
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            raise WireFormatError(f"not a KV snapshot: {exc!r}") from None
+        if version != _SNAPSHOT_WIRE_VERSION:
+            raise WireFormatError(f"KV snapshot wire version {version}, expected {_SNAPSHOT_WIRE_VERSION}")
+        if (not isinstance(worker_id, str) or not isinstance(incarnation, str) or not isinstance(next_seq, int)
+                or not isinstance(pool_config, dict) or not isinstance(keys, list) or len(keys) != len(TIERS)
+                or not all(isinstance(k, bytes) for k in keys)
+                or not isinstance(occupancy, list) or len(occupancy) != 4 * len(TIERS)):
+            raise WireFormatError("malformed KV snapshot")
         return cls(worker_id, incarnation, next_seq, pool_config,
                    {tier: _unpack_keys(k) for tier, k in zip(TIERS, keys)},
                    occupancy_from_wire(occupancy), taken_at)
@@ -233,12 +300,16 @@ class PublishAck:
         return self.status == "resync"
 
     def pack(self) -> bytes:
-        return msgpack.packb([self.status, self.incarnation, self.expected_seq])
+        return _ACK.pack(_ACK_CODES[self.status], self.expected_seq) + self.incarnation.encode()
 
     @classmethod
-    def unpack(cls, data: bytes) -> "PublishAck":
-        status, incarnation, expected_seq = msgpack.unpackb(data)
-        return cls(status, incarnation, expected_seq)
+    def unpack(cls, data) -> "PublishAck":
+        if len(data) < _ACK.size:
+            raise WireFormatError(f"KV publish ack truncated ({len(data)} bytes)")
+        code, expected_seq = _ACK.unpack_from(data)
+        if code >= len(_ACK_STATUSES):
+            raise WireFormatError(f"unknown KV publish ack status code {code}")
+        return cls(_ACK_STATUSES[code], bytes(data[_ACK.size:]).decode(), expected_seq)
 
 
 class EventLog:

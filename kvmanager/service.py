@@ -24,6 +24,7 @@ from dataclasses import asdict
 
 
 from .cluster_index import ClusterIndex
+from .errors import WireFormatError
 from .events import KVEventBatch, KVSnapshot, PublishAck
 from .kv_manager import PoolConfig
 from .preemption import MigrationTarget, PreemptionRequest, decide_preemption
@@ -89,8 +90,41 @@ class KVManagerService:
     # ---- the event wire ---------------------------------------------------------------
     def publish(self, packed_batch: bytes) -> bytes:
         """Apply one worker's ``KVEventBatch``; returns a packed ``PublishAck``."""
+        return self._timed(self._publish, packed_batch)
+
+    def resync(self, packed_snapshot: bytes) -> bytes:
+        """Replace a worker's entries by its ``KVSnapshot`` (registering it if new)."""
+        return self._timed(self._resync, packed_snapshot)
+
+    def _timed(self, handler, payload: bytes) -> bytes:
+        start = time.thread_time()
+        try:
+            return handler(payload, time.time())
+        finally:
+            self.handler_cpu_s += time.thread_time() - start
+
+    def handle_events(self, messages: list[tuple[str, bytes]]) -> list[tuple[bool, bytes]]:
+        """Apply a run of received messages in order, each ``("publish", packed batch)`` or
+        ``("resync", packed snapshot)``: per message ``(True, packed ack)``, or ``(False,
+        error text)`` for refused input, which changes nothing (the worker then resyncs).
+        One clock read for the run: the receiver calls this once per drain of its socket."""
         start = time.thread_time()
         now = time.time()
+        replies: list[tuple[bool, bytes]] = []
+        for method, payload in messages:
+            try:
+                if method == "publish":
+                    replies.append((True, self._publish(payload, now)))
+                elif method == "resync":
+                    replies.append((True, self._resync(payload, now)))
+                else:
+                    raise WireFormatError(f"unknown KV event message kind {method!r}")
+            except Exception as exc:  # refused input (or a bug): the worker resyncs
+                replies.append((False, repr(exc).encode()))
+        self.handler_cpu_s += time.thread_time() - start
+        return replies
+
+    def _publish(self, packed_batch: bytes, now: float) -> bytes:
         batch = KVEventBatch.unpack(packed_batch)
         result = self.index.apply(batch, now)
         if result.status == "ok" and batch.events:
@@ -99,20 +133,16 @@ class KVManagerService:
         self.num_publishes += 1
         self.bytes_in += len(packed_batch)
         self.bytes_out += len(ack)
-        self.handler_cpu_s += time.thread_time() - start
         return ack
 
-    def resync(self, packed_snapshot: bytes) -> bytes:
-        """Replace a worker's entries by its ``KVSnapshot`` (registering it if new)."""
-        start = time.thread_time()
+    def _resync(self, packed_snapshot: bytes, now: float) -> bytes:
         snapshot = KVSnapshot.unpack(packed_snapshot)
         PoolConfig(**snapshot.pool_config)
-        result = self.index.resync(snapshot, time.time())
+        result = self.index.resync(snapshot, now)
         ack = PublishAck(result.status, self.incarnation, result.expected_seq).pack()
         self.num_snapshots += 1
         self.bytes_in += len(packed_snapshot)
         self.bytes_out += len(ack)
-        self.handler_cpu_s += time.thread_time() - start
         return ack
 
     # ---- decisions ----------------------------------------------------------------------
@@ -198,7 +228,7 @@ class KVManagerService:
             "preemptions_by_mode": dict(self.preemptions_by_mode),  # likely victims' decided modes
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
-            "num_indexed_hashes": len(self.index.locations),
+            "num_indexed_hashes": self.index.num_entries(),   # (worker, tier, hash) entries
             "event_lag_p50_ms": 1e3 * lags[len(lags) // 2] if lags else 0.0,
             "event_lag_p99_ms": 1e3 * lags[min(len(lags) - 1, int(0.99 * len(lags)))] if lags else 0.0,
             "workers": workers,

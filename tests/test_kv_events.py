@@ -2,7 +2,7 @@
 
 Workers are ``LocalKVManager``s driven by a ``SimulatedWorker`` (which checks
 every block table against the tokens it must hold); the central side is the
-real ``KVManagerService``, called through its msgpack wire methods.
+real ``KVManagerService``, called through its wire methods (packed bytes).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pagedserve.kvmanager import (AllBlocksCleared, BlockRemoved, BlockStored, C
                                   NewSequence, PoolConfig, PreemptionDecision, PreemptionRequest,
                                   PublishAck, RemotePreemptionPolicy, StepInput, TierOccupancy,
                                   block_hash_key, hash_prefix_blocks)
+from pagedserve.kvmanager.errors import WireFormatError
 from pagedserve.kvmanager.service import KVManagerService
 
 from kv_simulator import SimulatedWorker
@@ -137,6 +138,117 @@ def test_event_log_overflow_asks_for_a_snapshot():
     assert log.needs_snapshot and log.num_dropped == 4 and log.num_pending == 1
 
 
+# ---- the wire format ------------------------------------------------------------------------
+
+def _wire_batch() -> KVEventBatch:
+    keys = [block_hash_key(h) for h in hash_prefix_blocks(list(range(40)), BS)]
+    return KVEventBatch("w0", "inc", 7, [BlockRemoved(keys[:2], "device"), BlockStored(keys[2:9], "device"),
+                                         BlockStored([0, 2 ** 64 - 1], "host"), AllBlocksCleared("host"),
+                                         AllBlocksCleared(None)],
+                        {"device": TierOccupancy(2, 1, 5, 8), "host": TierOccupancy(0, 0, 4, 4)},
+                        123.5, 120.25, is_draining=True)
+
+
+def test_wire_round_trips_batches_snapshots_and_acks():
+    batch = _wire_batch()
+    wire = batch.pack()
+    assert KVEventBatch.unpack(wire) == batch == KVEventBatch.unpack(memoryview(b"xx" + wire)[2:])
+    # Keys are raw 8-byte little-endian arrays: the keys' bytes are most of the batch.
+    assert len(wire) < 100 + 8 * 11 + 6 * 5
+    snapshot = KVSnapshot("w0", "inc", 3, asdict(PoolConfig(8, block_size=BS)), {"device": [1, 2], "host": [3]},
+                          batch.occupancy, 9.0)
+    assert KVSnapshot.unpack(snapshot.pack()) == snapshot
+    for status in ("ok", "duplicate", "resync"):
+        ack = PublishAck(status, "0123456789abcdef", 2 ** 40)
+        assert PublishAck.unpack(ack.pack()) == ack
+
+
+@pytest.mark.parametrize("corrupt", ["truncated", "trailing", "version", "kind", "tier", "num_events",
+                                     "num_keys", "ids", "empty"])
+def test_bad_batches_are_refused_with_a_clear_error_and_change_nothing(corrupt):
+    wire = bytearray(_wire_batch().pack())
+    header = 62  # the fixed part of a batch
+    first_event = header + len(b"w0inc")
+    if corrupt == "truncated":
+        bad = [bytes(wire[:n]) for n in range(len(wire))]   # cut at every byte
+    elif corrupt == "trailing":
+        bad = [bytes(wire) + b"\0"]
+    elif corrupt == "version":
+        bad = [b"\x01" + bytes(wire[1:]), b"\x93\xa1a\x01\x02"]   # the old msgpack format is refused too
+    elif corrupt == "kind":
+        bad = [bytes(wire[:first_event]) + b"\x07" + bytes(wire[first_event + 1:])]
+    elif corrupt == "tier":
+        bad = [bytes(wire[:first_event + 1]) + b"\x05" + bytes(wire[first_event + 2:])]
+    elif corrupt == "num_events":
+        bad = [bytes(wire[:4]) + (6).to_bytes(2, "little") + bytes(wire[6:]),
+               bytes(wire[:4]) + (4).to_bytes(2, "little") + bytes(wire[6:])]
+    elif corrupt == "num_keys":
+        bad = [bytes(wire[:first_event + 2]) + (3).to_bytes(4, "little") + bytes(wire[first_event + 6:])]
+    elif corrupt == "ids":
+        bad = [bytes(wire[:header]) + b"\xff\xfe" + bytes(wire[header + 2:])]
+    else:
+        bad = [b""]
+    service = KVManagerService()
+    local, worker = make_local()
+    worker.step(StepInput("w0", new_sequences=[NewSequence("a", list(range(13)))], waiting=["a"]))
+    connect(service, local)
+    before = service.stats()
+    for payload in bad:
+        with pytest.raises(WireFormatError):
+            KVEventBatch.unpack(payload)
+        with pytest.raises(WireFormatError):
+            service.publish(payload)
+        [(ok, error)] = service.handle_events([("publish", payload)])
+        assert not ok and b"WireFormatError" in error
+    after = service.stats()
+    assert (after["num_events"], after["num_publishes"], after["num_refused_batches"]) == (
+        before["num_events"], before["num_publishes"], before["num_refused_batches"])
+    service.index.check_consistency_with([local.snapshot()])
+
+
+def test_bad_snapshots_and_messages_are_refused_and_the_publisher_resyncs():
+    service = KVManagerService()
+    good = KVSnapshot("w0", "inc", 0, asdict(PoolConfig(8, block_size=BS)), {"device": [1]}).pack()
+    for payload in (b"", good[:-3], b"\x95\x01\x02\x03\x04\x05", good.replace(b"\xa3inc", b"\x01\x02\x03\x04")):
+        with pytest.raises(WireFormatError):
+            service.resync(payload)
+    [(ok, error)] = service.handle_events([("bogus", good)])
+    assert not ok and b"unknown KV event message kind" in error and service.worker_ids() == []
+
+    # The publisher's batches are cut short on the way: each is refused, the worker resyncs,
+    # and the index always ends up exactly as the pool.
+    class Truncating(InProcessTransport):
+        def send(self, method, packed):
+            return super().send(method, packed[:-5] if method == "publish" else packed)
+
+    local, worker = make_local()
+    publisher = KVPublisher(local, Truncating(service), max_batch_age_s=0.0)
+    driver = Driver(local, worker, seed=11)
+    for _ in range(30):
+        driver.step()
+        publisher.maybe_flush()
+    publisher.maybe_flush()
+    assert publisher.num_failed_calls > 0 and publisher.num_snapshots_sent > 1
+    assert service.stats()["num_publishes"] == 0   # not one truncated batch was applied
+    service.index.check_consistency_with([local.snapshot()])
+
+
+def test_handle_events_applies_a_drained_run_in_order():
+    service = KVManagerService()
+    local, worker = make_local()
+    messages = [("resync", local.snapshot().pack())]
+    driver = Driver(local, worker, seed=12)
+    for _ in range(20):
+        driver.step()
+        messages.append(("publish", local.drain_events().pack()))
+    messages.insert(5, ("publish", b"garbage"))
+    replies = service.handle_events(messages)
+    assert [ok for ok, _ in replies] == [True] * 5 + [False] + [True] * 16
+    assert all(PublishAck.unpack(reply).status == "ok" for ok, reply in replies if ok)
+    assert service.stats()["num_publishes"] == 20 and service.handler_cpu_s > 0
+    service.index.check_consistency_with([local.snapshot()])
+
+
 # ---- the index --------------------------------------------------------------------------
 
 def test_index_follows_random_local_operations_exactly():
@@ -203,15 +315,21 @@ def test_central_restart_is_rebuilt_from_snapshots():
     restarted.index.check_consistency_with([local.snapshot()])
     assert restarted.longest_prefix(list(range(13))) == {"w0": 12}
     restarted.remove_worker("w0")
-    assert restarted.index.locations == {} and restarted.longest_prefix(list(range(13))) == {}
+    assert restarted.index.workers == {} and restarted.index.num_entries() == 0
+    assert restarted.longest_prefix(list(range(13))) == {}
 
 
 def test_index_integrity_check_catches_corruption():
     index = ClusterIndex()
-    index.resync(KVSnapshot("w", "i", 0, asdict(PoolConfig(8, block_size=BS)), {"device": [1, 2]}))
+    index.resync(KVSnapshot("w", "i", 0, asdict(PoolConfig(8, block_size=BS)), {"device": [1, 2]},
+                            {"device": TierOccupancy(num_used=2, num_total=2)}))
     index.check_integrity()
-    index.locations[3] = {"w": 1}
-    with pytest.raises(IntegrityError):
+    index.workers["w"].keys["device"].add(3)   # more cached keys than the tier has blocks
+    with pytest.raises(IntegrityError, match="3 keys on device, which has 2 blocks"):
+        index.check_integrity()
+    index.workers["w"].keys["device"].discard(3)
+    index.workers["w"].keys["host"] = [4]
+    with pytest.raises(IntegrityError, match="key sets"):
         index.check_integrity()
 
 
