@@ -40,12 +40,9 @@ class CentralKVManager(KVManagerService):
             try:
                 from pagedserve.workers.kv_wire import EventEndpoint
 
-                self._endpoint = EventEndpoint(self._on_event)
+                self._endpoint = EventEndpoint(self.handle_events)   # locked: once per drain
             except Exception as exc:  # no pyzmq, no bind: workers fall back to Ray calls
                 logger.warning("KV event endpoint unavailable, events go over Ray calls: %r", exc)
-
-    def _on_event(self, kind: str, payload: bytes) -> bytes:
-        return self.publish(payload) if kind == "publish" else self.resync(payload)
 
     def event_endpoint(self) -> str | None:
         """The tcp address workers' ``ZmqTransport`` connects to (None: use Ray calls)."""
@@ -55,6 +52,7 @@ class CentralKVManager(KVManagerService):
         stats = super().stats()
         stats["event_endpoint"] = self.event_endpoint()
         stats["num_zmq_messages"] = self._endpoint.num_messages if self._endpoint is not None else 0
+        stats["num_zmq_drains"] = self._endpoint.num_drains if self._endpoint is not None else 0
         return stats
 
     def close(self) -> None:

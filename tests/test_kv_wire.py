@@ -49,6 +49,43 @@ def _drive(publisher, driver, steps: int) -> None:
         publisher.maybe_flush()
 
 
+def test_receiver_drains_a_burst_in_one_go_and_acks_every_message_in_order():
+    """No Ray: the endpoint of an in-process ``CentralKVManager`` and a raw DEALER socket."""
+    import zmq
+
+    central = CentralKVManager()
+    local, worker = make_local()
+    driver = Driver(local, worker, seed=7)
+    messages = [(b"r", local.snapshot().pack())]
+    for _ in range(40):
+        driver.step()
+        messages.append((b"p", local.drain_events().pack()))
+    messages.insert(3, (b"x", b"an unknown kind"))
+    messages.insert(6, (b"p", b"\x02 a truncated batch"))
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(central.event_endpoint())
+    try:
+        for request_id, (kind, payload) in enumerate(messages):
+            socket.send(request_id.to_bytes(8, "big") + kind + payload)
+        socket.send_multipart([b"two", b"frames"])
+        replies = []
+        while len(replies) < len(messages) + 1 and socket.poll(10_000):
+            replies.append(socket.recv())
+        stats = central.stats()
+    finally:
+        socket.close()
+        central.close()
+    assert [int.from_bytes(r[:8], "big") for r in replies[:-1]] == list(range(len(messages)))
+    statuses = [r[8:9] for r in replies]
+    assert statuses == [b"o"] * 3 + [b"e"] + [b"o"] * 2 + [b"e"] + [b"o"] * 36 + [b"e"]
+    assert b"malformed" in replies[3] and b"WireFormatError" in replies[6] and b"malformed" in replies[-1]
+    assert all(PublishAck.unpack(r[9:]).status == "ok" for r in replies if r[8:9] == b"o")
+    assert stats["num_zmq_messages"] == len(messages) + 1 and stats["num_publishes"] == 40
+    assert stats["num_zmq_drains"] < stats["num_zmq_messages"] / 2   # a burst is drained, not polled per message
+    central.index.check_consistency_with([local.snapshot()])
+
+
 def test_events_round_trip_in_order_with_acks_while_ray_methods_run(ray_local):
     ray = ray_local
     actor = _central(ray)

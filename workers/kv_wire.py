@@ -5,9 +5,12 @@ far more than applying a batch of events (15-100 us), so the event stream
 bypasses Ray (vLLM publishes its KV events over ZMQ for the same reason):
 
 - central side, ``EventEndpoint``: a ROUTER socket bound to the node's IP on
-  an ephemeral port, read by one receiver thread that hands each message to
-  ``handle(kind, payload) -> reply`` (the service's ``publish``/``resync``,
-  under the lock its Ray methods take) and replies on the same socket;
+  an ephemeral port, read by one receiver thread that, per wake-up, drains
+  every message waiting (up to ``max_drain``), hands them to one
+  ``handle([(kind, payload), ...]) -> [(ok, reply), ...]`` call (the
+  service's ``handle_events``: one lock acquisition and one CPU clock read per
+  drain) and sends every reply (the acks workers use to detect a lost batch
+  or a restarted central manager);
 - worker side, ``ZmqTransport`` (a ``KVTransport``): one DEALER socket, so a
   worker's batches arrive in order. ``send`` never blocks, ``poll`` reads
   acks without waiting, ``call`` (the rare preemption decision) stays a Ray
@@ -15,9 +18,10 @@ bypasses Ray (vLLM publishes its KV events over ZMQ for the same reason):
   then resyncs) and the transport asks the actor for its endpoint again,
   without waiting: a restarted central manager binds a new port.
 
-Frames: worker -> central ``[request id, kind, payload]`` (the ROUTER adds
-the worker's identity), central -> worker ``[request id, "ok"|"error",
-reply or error text]``. ``pyzmq`` is imported lazily; ``connect_transport``
+One frame each way, so a message costs one receive and one send: worker ->
+central ``request id (8 bytes) + kind (b"p" publish, b"r" resync) + payload``
+(the ROUTER adds the worker's identity frame), central -> worker ``request id
++ status (b"o" ok, b"e" error) + ack or error text``. ``pyzmq`` is imported lazily; ``connect_transport``
 falls back to Ray actor calls when it is missing or the endpoint cannot be
 had.
 """
@@ -34,16 +38,18 @@ from .kv_link import RayTransport
 
 logger = logging.getLogger(__name__)
 
-EVENT_KINDS = (b"publish", b"resync")
-_ID = struct.Struct("!Q")
+_HEAD = struct.Struct("!QB")     # request id, kind or status
+_KIND_CODES = {"publish": ord("p"), "resync": ord("r")}
+_KINDS = {code: kind for kind, code in _KIND_CODES.items()}
+_OK, _ERROR = ord("o"), ord("e")
 _fallback_logged = False
 
 
 class EventEndpoint:
     """The central manager's event socket and its receiver thread."""
 
-    def __init__(self, handle: Callable[[str, bytes], bytes], host: str | None = None,
-                 poll_ms: int = 100) -> None:
+    def __init__(self, handle: Callable[[list[tuple[str, memoryview]]], list[tuple[bool, bytes]]],
+                 host: str | None = None, poll_ms: int = 100, max_drain: int = 256) -> None:
         import zmq
 
         self._zmq = zmq
@@ -55,8 +61,10 @@ class EventEndpoint:
         port = self._socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self.num_messages = 0
+        self.num_drains = 0
         self.num_errors = 0
         self._poll_ms = poll_ms
+        self._max_drain = max_drain
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="pagedserve-kv-events", daemon=True)
         self._thread.start()
@@ -64,29 +72,44 @@ class EventEndpoint:
     def _serve(self) -> None:
         zmq = self._zmq
         socket = self._socket
+        recv, send, again = socket.recv_multipart, socket.send_multipart, zmq.Again
         while not self._stop.is_set():
             if not socket.poll(self._poll_ms, zmq.POLLIN):
                 continue
-            while True:
+            received = []
+            while len(received) < self._max_drain:
                 try:
-                    frames = socket.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
+                    received.append(recv(zmq.NOBLOCK))
+                except again:
                     break
-                self.num_messages += 1
-                socket.send_multipart(self._answer(frames))
+            for reply in self._answer(received):
+                send(reply)
         socket.close(0)
         self._context.term()
 
-    def _answer(self, frames: list[bytes]) -> list[bytes]:
-        if len(frames) != 4 or frames[2] not in EVENT_KINDS:
-            self.num_errors += 1
-            return [frames[0], frames[1] if len(frames) > 1 else b"", b"error", b"malformed KV event message"]
-        identity, request_id, kind, payload = frames
-        try:
-            return [identity, request_id, b"ok", self._handle(kind.decode(), payload)]
-        except Exception as exc:  # refused input: the worker resyncs
-            self.num_errors += 1
-            return [identity, request_id, b"error", repr(exc).encode()]
+    def _answer(self, received: list[list[bytes]]) -> list[list[bytes]]:
+        """One reply per received message, in order; the well-formed ones handled together."""
+        self.num_messages += len(received)
+        self.num_drains += 1
+        replies: list[list[bytes] | None] = []
+        messages, answered_at = [], []
+        for frames in received:
+            body = frames[-1]
+            kind = _KINDS.get(body[_HEAD.size - 1]) if len(frames) == 2 and len(body) >= _HEAD.size else None
+            if kind is None:
+                self.num_errors += 1
+                replies.append([frames[0], body[:8].ljust(8, b"\0") + b"e" + b"malformed KV event message"])
+                continue
+            answered_at.append(len(replies))
+            replies.append(None)
+            messages.append((kind, memoryview(body)[_HEAD.size:]))
+        if messages:
+            for index, (ok, reply) in zip(answered_at, self._handle(messages)):
+                identity, body = received[index]
+                if not ok:
+                    self.num_errors += 1
+                replies[index] = [identity, body[:8] + (b"o" if ok else b"e") + reply]
+        return replies
 
     def close(self) -> None:
         self._stop.set()
@@ -160,8 +183,7 @@ class ZmqTransport:
         self._next_id += 1
         if self._endpoint_ref is None:  # while rediscovering, the send just times out
             try:
-                self._socket.send_multipart([_ID.pack(token.request_id), method.encode(), packed],
-                                            self._zmq.NOBLOCK, copy=False)
+                self._socket.send(_HEAD.pack(token.request_id, _KIND_CODES[method]) + packed, self._zmq.NOBLOCK)
             except self._zmq.Again:     # the queue to an unreachable manager is full
                 pass
         return token
@@ -213,14 +235,15 @@ class ZmqTransport:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(frames) != 3:
+            if len(frames) != 1 or len(frames[0]) < _HEAD.size:
                 logger.warning("malformed reply from the central KV manager (%d frames)", len(frames))
                 continue
-            request_id = _ID.unpack(frames[0])[0]
-            if frames[1] == b"ok":
-                self._replies[request_id] = (frames[2], None)
+            body = frames[0]
+            request_id, status = _HEAD.unpack_from(body)
+            if status == _OK:
+                self._replies[request_id] = (body[_HEAD.size:], None)
             else:
-                self._replies[request_id] = (None, RuntimeError(frames[2].decode(errors="replace")))
+                self._replies[request_id] = (None, RuntimeError(body[_HEAD.size:].decode(errors="replace")))
 
     def _rediscover(self) -> None:
         if self._endpoint_ref is None:
