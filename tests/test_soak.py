@@ -25,7 +25,6 @@ import os
 import random
 import re
 import statistics
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -35,6 +34,7 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+from pagedserve.cluster.background_loop import BackgroundLoop  # noqa: E402
 from pagedserve.workers.sampling_params import SamplingParams  # noqa: E402
 from served_cluster import cluster_config, running_cluster  # noqa: E402
 
@@ -183,27 +183,25 @@ def _rss_mib(pid: int) -> float:
 
 
 class Sampler:
-    """Blocks in use and per-process RSS every ``SAMPLE_EVERY_S``, in a thread."""
+    """Blocks in use and per-process RSS every ``SAMPLE_EVERY_S``, in a thread (a sample that
+    fails, e.g. a worker slow to answer on a loaded machine, is logged and skipped)."""
 
     def __init__(self, handle, pids: dict[str, int]) -> None:
         self.handle = handle
         self.pids = pids
         self.samples: list[tuple[float, int, dict[str, float]]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._loop = BackgroundLoop("soak-sampler", self._sample, SAMPLE_EVERY_S, join_timeout_s=30)
 
     def __enter__(self) -> "Sampler":
-        self._thread.start()
+        self._loop.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
+        self._loop.stop()
 
-    def _run(self) -> None:
-        while not self._stop.wait(SAMPLE_EVERY_S):
-            rss = {name: _rss_mib(pid) for name, pid in self.pids.items()}
-            self.samples.append((time.time(), self.handle.num_used_blocks(), rss))
+    def _sample(self) -> None:
+        rss = {name: _rss_mib(pid) for name, pid in self.pids.items()}
+        self.samples.append((time.time(), self.handle.num_used_blocks(), rss))
 
 
 def _slope_per_s(points: list[tuple[float, float]]) -> float:
