@@ -278,6 +278,7 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
+                self.runner.release_block_table(seq.seq_id)
                 seq.detokenizer.finish_reason = "abort"
         request.metrics.finished_time = time.time()
         self._finished_outputs.append(self._make_output(request))
@@ -308,6 +309,8 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         outputs = self._finished_outputs
         self._finished_outputs = []
+        for preemption in plan.kv.preempted:  # migrated ones too
+            self.runner.release_block_table(preemption.seq_id)
         for seq, target in plan.migrated:
             outputs.append(self._migrate(seq, target))
         # The copies run even when nothing is scheduled: a sequence that preempted
@@ -326,7 +329,8 @@ class LLMEngine:
         for seq, sched in plan.scheduled:
             end = sched.start + sched.num_tokens
             chunk = SeqChunk(seq.token_ids[sched.start:end], sched.start, sched.block_table,
-                             end == len(seq.token_ids))
+                             end == len(seq.token_ids), seq.seq_id,
+                             getattr(sched, "first_changed_block", 0))
             if seq.request.needs_prompt_logprobs and seq.sample_index == 0:
                 # Position p scores token p + 1, up to the prompt's last token.
                 chunk.score_token_ids = seq.token_ids[sched.start + 1:min(end + 1, seq.num_prompt_tokens)]
@@ -451,6 +455,7 @@ class LLMEngine:
                 request.metrics.first_token_time = now
             if delta.is_finished:
                 self.scheduler.finish(seq)
+                self.runner.release_block_table(seq.seq_id)
             else:
                 self.scheduler.append_token(seq, token_id)
             touched[request.request_id] = request
@@ -576,7 +581,9 @@ class LLMEngine:
         return self.kv_manager.reset_prefix_cache(self.worker_id)
 
     def check_integrity(self) -> None:
+        """The KV accounting holds, and only running sequences hold block-table rows."""
         self.kv_manager.check_integrity()
+        self.runner.block_tables.check({seq.seq_id for seq in self.scheduler.running})
 
     def num_used_blocks(self) -> int:
         return self.kv_manager.num_used_blocks()

@@ -11,6 +11,7 @@ from pagedserve.kernels import select_backend
 from pagedserve.kernels.gpu_targets import check_dtype, check_shared_memory
 
 from .attention import PagedAttentionMetadata, register_paged_attention
+from .block_tables import BlockTableRows
 from .host_memory import retain_freed_host_memory
 from .kv_cache import CacheShape, KVCache
 from .model_head import ModelHead
@@ -77,6 +78,10 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 class SeqChunk:
     """One sequence's share of a step: tokens ``[start, start + len(token_ids))``.
 
+    ``block_table`` is read during ``execute`` only, from ``first_changed_block``
+    on: the entries before it are those the sequence's table held the last time
+    it ran (see ``BlockTableRows``).
+
     ``score_token_ids`` asks for the logprobs of the tokens that follow the
     chunk's first positions (position ``start + i`` scores
     ``score_token_ids[i]``), with ``num_top_logprobs`` alternatives each: the
@@ -87,6 +92,8 @@ class SeqChunk:
     start: int
     block_table: list[int]
     needs_logits: bool
+    seq_id: str
+    first_changed_block: int = 0
     score_token_ids: list[int] | None = None
     num_top_logprobs: int = 0
 
@@ -107,6 +114,49 @@ class ExecuteOutput:
 
     logits: torch.Tensor
     scores: list[TokenScores | None]
+
+
+@dataclass
+class FlatBatch:
+    """A step's chunks flattened into one varlen batch (host tensors, except
+    ``block_tables``, which is on the model's device)."""
+
+    input_ids: torch.Tensor      # [num_tokens] int64
+    positions: torch.Tensor      # [num_tokens] int64
+    cu_seqlens: torch.Tensor     # [num_seqs + 1] int32
+    seq_lens: torch.Tensor       # [num_seqs] int32
+    slot_mapping: torch.Tensor   # [num_tokens] int64
+    block_tables: torch.Tensor   # [num_seqs, max_blocks] int32
+    logits_rows: list[int]       # token rows whose logits are sampled
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def flatten_chunks(chunks: list[SeqChunk], block_tables: BlockTableRows, block_size: int) -> FlatBatch:
+    """The forward pass's inputs: O(tokens + sequences + changed table entries) of Python."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    cu_seqlens = [0]
+    seq_lens = []
+    logits_rows = []
+    for chunk in chunks:
+        num = len(chunk.token_ids)
+        input_ids.extend(chunk.token_ids)
+        positions.extend(range(chunk.start, chunk.start + num))
+        cu_seqlens.append(cu_seqlens[-1] + num)
+        seq_lens.append(chunk.start + num)
+        if chunk.needs_logits:
+            logits_rows.append(cu_seqlens[-1] - 1)
+    tables = block_tables.prepare([c.seq_id for c in chunks], [c.block_table for c in chunks],
+                                  [c.first_changed_block for c in chunks])
+    pos = torch.tensor(positions, dtype=torch.int64)
+    cu = torch.tensor(cu_seqlens, dtype=torch.int32)
+    token_rows = torch.repeat_interleave(tables.rows, cu[1:] - cu[:-1])
+    slot_mapping = tables.host[token_rows, pos // block_size].to(torch.int64) * block_size + pos % block_size
+    return FlatBatch(torch.tensor(input_ids, dtype=torch.int64), pos, cu,
+                     torch.tensor(seq_lens, dtype=torch.int32), slot_mapping, tables.block_tables, logits_rows)
 
 
 # Positions whose full-vocabulary logits are materialised at once when scoring.
@@ -164,6 +214,7 @@ class ModelRunner:
         self.max_context_len, self.context_limit_reason = context_limit(config)
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
         self.kv_cache: KVCache | None = None
+        self.block_tables = BlockTableRows(self.device)
         self._kernels_checked: set[int] = set()  # block sizes whose kernels fit this GPU
 
     def cache_shape(self, block_size: int) -> CacheShape:
@@ -190,7 +241,8 @@ class ModelRunner:
         saved, self.kv_cache = self.kv_cache, None
         self.allocate_cache(block_size, num_blocks, 0)
         torch.cuda.reset_peak_memory_stats(self.device)
-        self.execute([SeqChunk([0] * num_tokens, 0, list(range(num_blocks)), True)])
+        self.execute([SeqChunk([0] * num_tokens, 0, list(range(num_blocks)), True, "profile")])
+        self.block_tables.release("profile")
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         self.kv_cache = saved
@@ -204,51 +256,34 @@ class ModelRunner:
         if self.kv_cache is None:
             raise RuntimeError("allocate_cache() must run before execute()")
         device = self.device
-        block_size = self.kv_cache.shape.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        cu_seqlens = [0]
-        seq_lens = []
-        logits_rows = []
-        max_blocks = max(len(c.block_table) for c in chunks)
-        padded_tables = []
-        for chunk in chunks:
-            num = len(chunk.token_ids)
-            input_ids.extend(chunk.token_ids)
-            positions.extend(range(chunk.start, chunk.start + num))
-            cu_seqlens.append(cu_seqlens[-1] + num)
-            seq_lens.append(chunk.start + num)
-            padded_tables.append(list(chunk.block_table) + [0] * (max_blocks - len(chunk.block_table)))
-            if chunk.needs_logits:
-                logits_rows.append(cu_seqlens[-1] - 1)
-        tables = torch.tensor(padded_tables, dtype=torch.int32)
-        num_tokens = len(input_ids)
-        pos = torch.tensor(positions, dtype=torch.int64)
-        cu = torch.tensor(cu_seqlens, dtype=torch.int32)
-        seq_index = torch.repeat_interleave(torch.arange(len(chunks)), cu[1:] - cu[:-1])
-        slot_mapping = tables[seq_index, pos // block_size].to(torch.int64) * block_size + pos % block_size
+        batch = flatten_chunks(chunks, self.block_tables, self.kv_cache.shape.block_size)
         meta = PagedAttentionMetadata(
-            slot_mapping=slot_mapping.to(device),
-            block_tables=tables.to(device),
-            cu_seqlens_q=cu.to(device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            is_decode_only=num_tokens == len(chunks),
+            slot_mapping=batch.slot_mapping.to(device),
+            block_tables=batch.block_tables,
+            cu_seqlens_q=batch.cu_seqlens.to(device),
+            seq_lens=batch.seq_lens.to(device),
+            is_decode_only=batch.num_tokens == len(chunks),
             kv_caches=self.kv_cache.device_caches,
             backend=self.kernel_backend,
             # Every layer windowed: tables may hold -1 before the widest window (freed blocks).
             plan_window=self.attention.max_sliding_window,
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=device).unsqueeze(0)
-        hidden = self.decoder(input_ids=ids, position_ids=pos.to(device).unsqueeze(0),
+        hidden = self.decoder(input_ids=batch.input_ids.to(device).unsqueeze(0),
+                              position_ids=batch.positions.to(device).unsqueeze(0),
                               paged_metadata=meta, use_cache=False).last_hidden_state[0]
+        cu_seqlens = batch.cu_seqlens.tolist()
         scores = [self._score(hidden[cu_seqlens[i]:cu_seqlens[i + 1]], chunk)
                   if chunk.score_token_ids else None for i, chunk in enumerate(chunks)]
-        if not logits_rows:
+        if not batch.logits_rows:
             logits = torch.empty((0, self.vocab_size), dtype=torch.float32, device=device)
         else:
-            rows = torch.tensor(logits_rows, dtype=torch.int64, device=device)
+            rows = torch.tensor(batch.logits_rows, dtype=torch.int64, device=device)
             logits = self.compute_logits(hidden.index_select(0, rows))
         return ExecuteOutput(logits, scores)
+
+    def release_block_table(self, seq_id: str) -> None:
+        """The sequence left the running batch (finished, preempted, migrated): free its row."""
+        self.block_tables.release(seq_id)
 
     def _score(self, hidden: torch.Tensor, chunk: SeqChunk) -> TokenScores:
         """Logprobs of ``chunk.score_token_ids`` from the chunk's hidden states, a slice
