@@ -330,7 +330,7 @@ class LLMEngine:
             end = sched.start + sched.num_tokens
             chunk = SeqChunk(seq.token_ids[sched.start:end], sched.start, sched.block_table,
                              end == len(seq.token_ids), seq.seq_id,
-                             getattr(sched, "first_changed_block", 0))
+                             sched.first_changed_block)
             if seq.request.needs_prompt_logprobs and seq.sample_index == 0:
                 # Position p scores token p + 1, up to the prompt's last token.
                 chunk.score_token_ids = seq.token_ids[sched.start + 1:min(end + 1, seq.num_prompt_tokens)]
