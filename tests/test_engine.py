@@ -557,6 +557,34 @@ def test_step_outputs_stream_consistently(make_llm):
             assert final.token_ids[:len(completion.token_ids)] == completion.token_ids
 
 
+def test_outputs_read_late_equal_outputs_read_at_once(make_llm):
+    """Cumulative fields are prefixes copied on first read: read after the run, every
+    step's output equals what it held when returned (the sequence's streamed text,
+    tokens and logprobs then), with logprobs, stop strings, n = 2 and a resumed request."""
+    llm = make_llm("llama", block_size=8)
+    engine = llm.engine
+    prompts = random_prompts((19, 33, 8), seed=31)
+    first = llm.generate(prompts[:1], greedy(6))[0].outputs[0].token_ids
+    engine.add_request("plain", prompts[0], greedy(20, logprobs=2, n=2))
+    engine.add_request("stopped", prompts[1], greedy(20, stop=["a", "e", "o"], logprobs=0))
+    engine.add_request("resumed", prompts[0], greedy(20), output_token_ids=first)
+    at_once, late = [], []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            request = engine.requests.get(output.request_id)
+            for completion in output.outputs:
+                late.append(completion)
+                seq = request.seqs[completion.index] if request is not None else None
+                at_once.append((completion.num_tokens, list(completion.token_ids), completion.text,
+                                completion.logprobs and list(completion.logprobs),
+                                seq.detokenizer.streamed_text if seq is not None else completion.text))
+    assert len(late) > 20
+    for completion, (num_tokens, token_ids, text, logprobs, streamed_text) in zip(late, at_once):
+        assert (completion.num_tokens, completion.token_ids, completion.text, completion.logprobs) == (
+            num_tokens, token_ids, text, logprobs)
+        assert text == streamed_text
+
+
 # ---- failures mid-step ---------------------------------------------------------------
 
 def test_interrupted_generate_leaves_the_engine_clean(make_llm, hf_greedy):

@@ -12,14 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .protocol import OutputDelta
-from .request import CompletionOutput, RequestMetrics, RequestOutput
+from .request import CompletionOutput, ListPrefix, RequestMetrics, RequestOutput, TextPrefix
 from .sampler import SampleLogprobs
 
 
 @dataclass
 class _Sample:
+    """One sample's news so far; the lists only ever grow (outputs hold prefixes of them)."""
+
     token_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    text_pieces: list[str] = field(default_factory=list)
     logprobs: list[SampleLogprobs] | None = None
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
@@ -30,8 +32,9 @@ class OutputAccumulator:
     """A request's samples so far; ``add`` takes a delta and returns the request's output.
 
     Each returned ``RequestOutput`` holds every sample seen so far, with its
-    cumulative ``token_ids``/``text``/``logprobs`` (copies: later deltas do not
-    change an output already returned) and, for the samples this delta
+    cumulative ``token_ids``/``text``/``logprobs`` (prefixes copied on first
+    read: later deltas do not change an output already returned, and a
+    consumer of the deltas alone pays O(new tokens) per ``add``) and, for the samples this delta
     touched, ``delta_token_ids``/``delta_text``/``delta_logprobs``; a sample
     is reported finished by exactly one output.
     """
@@ -49,7 +52,8 @@ class OutputAccumulator:
         for news in delta.samples:
             sample = self._samples.setdefault(news.index, _Sample())
             sample.token_ids.extend(news.token_ids)
-            sample.text += news.text
+            if news.text:
+                sample.text_pieces.append(news.text)
             if news.logprobs is not None:
                 if sample.logprobs is None:
                     sample.logprobs = []
@@ -66,9 +70,9 @@ class OutputAccumulator:
             sample = self._samples[index]
             news, is_newly_finished = news_by_index.get(index, (None, False))
             completions.append(CompletionOutput(
-                index=index, text=sample.text, token_ids=list(sample.token_ids),
+                index=index, text=TextPrefix(sample.text_pieces), token_ids=ListPrefix(sample.token_ids),
                 cumulative_logprob=sample.cumulative_logprob,
-                logprobs=list(sample.logprobs) if sample.logprobs is not None else None,
+                logprobs=ListPrefix(sample.logprobs) if sample.logprobs is not None else None,
                 finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
                 delta_text=news.text if news else "",
                 delta_token_ids=list(news.token_ids) if news else [],

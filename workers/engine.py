@@ -17,7 +17,8 @@ from .engine_options import EngineConfig
 from .grammar import GrammarCompiler
 from .kv_transfer import KVTransfer, check_compatible, export_kv, import_kv, read_header
 from .model_runner import ModelRunner, SeqChunk, TokenScores
-from .request import CompletionOutput, Request, RequestOutput, Sequence, SequenceStatus
+from .request import (CompletionOutput, ListPrefix, Request, RequestOutput, Sequence, SequenceStatus,
+                      TextPrefix)
 from .sampler import SampleLogprobs, Sampler, SamplingState
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
@@ -219,8 +220,10 @@ class LLMEngine:
             request.prompt_logprobs = [None]
         seq = self._new_sequence(request, 0, list(token_ids))
         for token_id in output_token_ids or []:
-            seq.token_ids.append(token_id)
+            seq.append_token(token_id)
             seq.detokenizer.append(token_id)
+        if seq.detokenizer.streamed_text:
+            seq.streamed_text_pieces.append(seq.detokenizer.streamed_text)
         if seq.grammar is not None and not seq.grammar.accept_all(output_token_ids or []):
             # A resumed or migrated sequence replays its output through the grammar.
             raise ValueError("output_token_ids do not follow the request's structured_outputs "
@@ -439,7 +442,7 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         for seq, token_id, logprob in zip(owners, result.token_ids, result.logprobs):
             request = seq.request
-            seq.token_ids.append(token_id)
+            seq.append_token(token_id)
             if logprob is not None:
                 seq.logprobs.append(logprob)
                 seq.cumulative_logprob += logprob.logprob
@@ -515,6 +518,8 @@ class LLMEngine:
             self.runner.kv_cache.execute_copies(kv.swap_out, kv.swap_in, kv.copy_on_write)
 
     def _make_output(self, request: Request) -> RequestOutput:
+        """The request's output now: deltas since the last one, and prefixes of the
+        sequences' growing lists for the cumulative fields (O(new tokens) per call)."""
         completions = []
         wants_logprobs = request.params.logprobs is not None
         for seq in request.seqs:
@@ -522,12 +527,14 @@ class LLMEngine:
             seq.num_streamed_tokens = len(seq.output_token_ids)
             is_newly_finished = seq.finish_reason is not None and not seq.is_finish_streamed
             seq.is_finish_streamed = seq.finish_reason is not None
+            if seq.delta_text:
+                seq.streamed_text_pieces.append(seq.delta_text)
             completions.append(CompletionOutput(
                 index=seq.sample_index,
-                text=seq.detokenizer.streamed_text,
-                token_ids=list(seq.output_token_ids),
+                text=TextPrefix(seq.streamed_text_pieces),
+                token_ids=ListPrefix(seq.output_token_ids),
                 cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
-                logprobs=list(seq.logprobs) if wants_logprobs else None,
+                logprobs=ListPrefix(seq.logprobs) if wants_logprobs else None,
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.detokenizer.stop_reason,
                 delta_text=seq.delta_text,
@@ -539,7 +546,7 @@ class LLMEngine:
             seq.delta_text = ""
         prompt_logprobs = None
         if request.prompt_logprobs is not None and not request.needs_prompt_logprobs:
-            prompt_logprobs = list(request.prompt_logprobs)
+            prompt_logprobs = request.prompt_logprobs  # complete: never changes again (shared, read-only)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              completions, request.is_finished, request.metrics, prompt_logprobs)
 

@@ -18,9 +18,62 @@ class SequenceStatus(str, enum.Enum):
     FINISHED = "finished"
 
 
+class ListPrefix:
+    """The first ``length`` items of an append-only list, copied only when read.
+
+    Outputs hold these instead of copies of a sequence's growing lists, so
+    building a step's outputs costs O(new items), not O(length); the list
+    must only ever grow while a prefix of it is held.
+    """
+
+    __slots__ = ("_items", "_length")
+
+    def __init__(self, items: list, length: int | None = None) -> None:
+        self._items = items
+        self._length = len(items) if length is None else length
+
+    def __len__(self) -> int:
+        return self._length
+
+    def copy(self) -> list:
+        return self._items[:self._length]
+
+
+class TextPrefix(ListPrefix):
+    """The text of the first ``length`` pieces of an append-only list of strings."""
+
+    __slots__ = ()
+
+    def copy(self) -> str:
+        return "".join(self._items[:self._length])
+
+
+class _CopiedOnRead:
+    """A field that may hold a ``ListPrefix``/``TextPrefix``: its copy replaces it on first read."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        value = getattr(obj, self.slot)
+        if isinstance(value, ListPrefix):
+            value = value.copy()
+            setattr(obj, self.slot, value)
+        return value
+
+    def __set__(self, obj, value) -> None:
+        setattr(obj, self.slot, value)
+
+
 @dataclass(eq=False)
 class Sequence:
-    """One sample of a request: prompt plus generated tokens, and its text stream."""
+    """One sample of a request: prompt plus generated tokens, and its text stream.
+
+    ``append_token`` adds a sampled token; ``output_token_ids`` and
+    ``streamed_text_pieces`` only ever grow (outputs hold prefixes of them).
+    """
 
     seq_id: str
     request: "Request"
@@ -34,6 +87,9 @@ class Sequence:
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
     is_swapped: bool = False
+    # The sampled tokens (token_ids past the prompt), and the text streamed so far, in pieces.
+    output_token_ids: list[int] = field(default_factory=list)
+    streamed_text_pieces: list[str] = field(default_factory=list)
     # Deltas since the last output was taken, for streaming.
     delta_text: str = ""
     num_streamed_tokens: int = 0
@@ -41,13 +97,16 @@ class Sequence:
     # Where the output stands in the request's grammar (structured outputs only).
     grammar: GrammarMatcher | None = None
 
+    def __post_init__(self) -> None:
+        self.output_token_ids = self.token_ids[self.num_prompt_tokens:]
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.request.prompt_token_ids)
 
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
 
     @property
     def finish_reason(self) -> str | None:
@@ -122,27 +181,67 @@ class Request:
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
 
-@dataclass
 class CompletionOutput:
     """One of a request's ``n`` samples. ``text``/``token_ids``/``logprobs`` are cumulative;
     ``delta_text``/``delta_token_ids``/``delta_logprobs`` are what is new since the previous
-    output, and ``is_newly_finished`` is true on the one output that first reports its finish."""
+    output, and ``is_newly_finished`` is true on the one output that first reports its finish.
 
-    index: int
-    text: str
-    token_ids: list[int]
-    cumulative_logprob: float | None
-    logprobs: list[SampleLogprobs] | None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    delta_text: str = ""
-    delta_token_ids: list[int] = field(default_factory=list)
-    delta_logprobs: list[SampleLogprobs] | None = None
-    is_newly_finished: bool = False
+    The cumulative fields may be given as ``TextPrefix``/``ListPrefix`` of the producer's
+    growing lists: they are copied on first read (a consumer reading only deltas, and
+    ``num_tokens``, never pays for them), and later outputs never change them.
+    """
+
+    text: str = _CopiedOnRead()
+    token_ids: list[int] = _CopiedOnRead()
+    logprobs: list[SampleLogprobs] | None = _CopiedOnRead()
+
+    def __init__(self, index: int, text: str | TextPrefix, token_ids: list[int] | ListPrefix,
+                 cumulative_logprob: float | None, logprobs: list[SampleLogprobs] | ListPrefix | None,
+                 finish_reason: str | None = None, stop_reason: str | int | None = None,
+                 delta_text: str = "", delta_token_ids: list[int] | None = None,
+                 delta_logprobs: list[SampleLogprobs] | None = None, is_newly_finished: bool = False) -> None:
+        self.index = index
+        self.text = text
+        self.token_ids = token_ids
+        self.cumulative_logprob = cumulative_logprob
+        self.logprobs = logprobs
+        self.finish_reason = finish_reason
+        self.stop_reason = stop_reason
+        self.delta_text = delta_text
+        self.delta_token_ids = [] if delta_token_ids is None else delta_token_ids
+        self.delta_logprobs = delta_logprobs
+        self.is_newly_finished = is_newly_finished
+
+    @property
+    def num_tokens(self) -> int:
+        """``len(token_ids)``, without copying them."""
+        return len(self._token_ids)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def _fields(self) -> dict:
+        names = ("index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason",
+                 "stop_reason", "delta_text", "delta_token_ids", "delta_logprobs", "is_newly_finished")
+        return {name: getattr(self, name) for name in names}
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CompletionOutput):
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    __hash__ = None  # mutable, like the dataclass it replaces
+
+    def __repr__(self) -> str:
+        return "CompletionOutput(" + ", ".join(f"{k}={v!r}" for k, v in self._fields().items()) + ")"
+
+    def __reduce__(self):
+        return (_completion_output, (self._fields(),))
+
+
+def _completion_output(fields: dict) -> CompletionOutput:
+    return CompletionOutput(**fields)
 
 
 @dataclass

@@ -172,11 +172,11 @@ class Generation:
         progress = self.progress[index]
         progress.last = output
         now = time.time()
-        if progress.first_token is None and any(c.token_ids for c in output.outputs):
+        if progress.first_token is None and any(c.num_tokens for c in output.outputs):
             progress.first_token = now
         metrics = self.server.metrics
         for completion in output.outputs:
-            num_tokens = len(completion.token_ids)
+            num_tokens = completion.num_tokens
             previous = progress.token_times.get(completion.index)
             if previous is not None and num_tokens > previous[1]:
                 metrics.observe_inter_token(now - previous[0], num_tokens - previous[1])
@@ -188,9 +188,9 @@ class Generation:
             metrics.observe_generation(
                 progress.arrival, progress.first_token, now, len(output.prompt_token_ids),
                 timings.num_cached_tokens if timings else 0,
-                sum(len(c.token_ids) for c in output.outputs),
+                sum(c.num_tokens for c in output.outputs),
                 [c.finish_reason or "" for c in output.outputs], max_tokens=self.params.max_tokens,
-                max_sample_tokens=max((len(c.token_ids) for c in output.outputs), default=0))
+                max_sample_tokens=max((c.num_tokens for c in output.outputs), default=0))
             if timings is not None:
                 metrics.observe_phases(timings.arrival_time, timings.first_scheduled_time,
                                        timings.first_token_time, timings.finished_time)
@@ -223,7 +223,7 @@ class Generation:
         for prompt, progress in zip(self.prompts, self.progress):
             usage.prompt_tokens += len(prompt.token_ids)
             if progress.last is not None:
-                usage.completion_tokens += sum(len(c.token_ids) for c in progress.last.outputs)
+                usage.completion_tokens += sum(c.num_tokens for c in progress.last.outputs)
                 if progress.last.metrics is not None:
                     usage.prompt_tokens_details.cached_tokens += progress.last.metrics.num_cached_tokens
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
