@@ -41,6 +41,7 @@ from pagedserve.kvmanager.local_manager import LocalKVManager
 from pagedserve.kvmanager.preemption import PreemptionPolicy
 
 VOCAB_LOW, VOCAB_HIGH = 3, 250   # small ints: Python shares their objects, so long contexts stay small
+TOKEN_MODULUS = 65521
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,10 @@ class SimRequest:
     num_computed: int = 0
     is_running: bool = False
     is_pressure: bool = False   # beyond the batch: admitted whatever the number running
+    token_base: int = field(init=False)   # the seed's term of every generated token, reduced
+
+    def __post_init__(self) -> None:
+        self.token_base = self.token_seed * 2654435761 % TOKEN_MODULUS
 
 
 @dataclass
@@ -176,15 +181,15 @@ class SimulatedKVWorker:
         shared = self._shared_len
         prefix = self.prefixes[request.prefix_index]
         out = prefix[start:min(stop, shared)]
-        seed, span = request.token_seed, VOCAB_HIGH - VOCAB_LOW
-        out += [VOCAB_LOW + (seed * 2654435761 + i * 40503) % 65521 % span for i in range(max(start, shared), stop)]
+        base, span = request.token_base, VOCAB_HIGH - VOCAB_LOW
+        out += [VOCAB_LOW + (base + i * 40503) % TOKEN_MODULUS % span for i in range(max(start, shared), stop)]
         return out
 
     def token(self, request: SimRequest, position: int) -> int:
         """``tokens(request, position, position + 1)[0]``, cheaply: a decode step's sampled token."""
         if position < self._shared_len:
             return self.prefixes[request.prefix_index][position]
-        return VOCAB_LOW + (request.token_seed * 2654435761 + position * 40503) % 65521 % (VOCAB_HIGH - VOCAB_LOW)
+        return VOCAB_LOW + (request.token_base + position * 40503) % TOKEN_MODULUS % (VOCAB_HIGH - VOCAB_LOW)
 
     # ---- requests ---------------------------------------------------------------------
     def _new_request(self, num_prompt: int, num_output: int, is_pressure: bool = False) -> SimRequest:
