@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from .allocation import ALLOCATION_POLICIES, cdiv
 from .block_pool import BlockPool, ContiguousBlockPool
 from .errors import KVManagerError, NoFreeBlocksError, UnknownSequenceError
-from .hashing import BlockHash, hash_block
+from .hashing import BlockHash, hash_block, hash_blocks
 from .sequence import SeqLocation, SequenceBlocks
 from .window import FREED, WindowFreeing
 
@@ -242,10 +242,9 @@ class BlockManager:
     def _extend_hashes(self, seq: SequenceBlocks, num_blocks: int) -> None:
         bs = self.block_size
         hashes = seq.block_hashes
-        while len(hashes) < num_blocks:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs], seq.extra_key))
+        if len(hashes) < num_blocks:
+            hashes += hash_blocks(hashes[-1] if hashes else None,
+                                  seq.token_ids[len(hashes) * bs:num_blocks * bs], bs, seq.extra_key)
 
     def _register_full_blocks(self, seq: SequenceBlocks) -> None:
         """Index the blocks that are full now that ``num_computed`` tokens are planned."""

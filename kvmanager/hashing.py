@@ -32,6 +32,27 @@ def hash_block(
     return hashlib.blake2b(data, digest_size=_DIGEST_SIZE).digest()
 
 
+def hash_blocks(
+    parent_hash: BlockHash | None,
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_key: str | None = None,
+) -> list[BlockHash]:
+    """The chain of ``hash_block`` over the consecutive full blocks of ``token_ids``
+    (a partial last block is ignored) after ``parent_hash``, in one pass over one buffer."""
+    tokens = array("q", token_ids)
+    data = tokens.tobytes()
+    suffix = b"" if extra_key is None else b"\x00extra\x00" + extra_key.encode()
+    step = tokens.itemsize * block_size
+    blake2b = hashlib.blake2b
+    parent = parent_hash or b"root"
+    hashes: list[BlockHash] = []
+    for offset in range(0, len(data) - step + 1, step):
+        parent = blake2b(parent + data[offset:offset + step] + suffix, digest_size=_DIGEST_SIZE).digest()
+        hashes.append(parent)
+    return hashes
+
+
 def hash_prefix_blocks(
     token_ids: Sequence[int],
     block_size: int,
@@ -42,12 +63,7 @@ def hash_prefix_blocks(
     num_full = len(token_ids) // block_size
     if num_blocks is not None:
         num_full = min(num_full, num_blocks)
-    hashes: list[BlockHash] = []
-    parent: BlockHash | None = None
-    for i in range(num_full):
-        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra_key)
-        hashes.append(parent)
-    return hashes
+    return hash_blocks(None, token_ids[:num_full * block_size], block_size, extra_key)
 
 
 def block_hash_key(block_hash: BlockHash) -> int:
