@@ -229,8 +229,9 @@ class KVManager:
                 if self.configs[w].role != "prefill" and w not in self.draining]
 
     def _ask_preemption(self, manager: BlockManager, worker_id: str, queue: list[SequenceBlocks],
-                        current: int, migratable: set[str]) -> dict[str, PreemptionChoice]:
+                        current: int, migratable_ids: list[str]) -> dict[str, PreemptionChoice]:
         """One policy call for every sequence that may become a victim this step."""
+        migratable = set(migratable_ids)
         wanted = {seq.seq_id: manager.num_blocks_to_grow(seq, seq.num_tokens - seq.num_computed)
                   for seq in queue[current:]}
         candidates = [
@@ -295,7 +296,7 @@ class KVManager:
         worker_id = step_input.worker_id
         try_grow = manager.try_grow
         scheduled = output.scheduled
-        migratable = set(step_input.migratable)
+        migratable = step_input.migratable
         choices: dict[str, PreemptionChoice] | None = None
         i = 0
         while i < len(queue):
