@@ -72,11 +72,20 @@ def test_check_finds_leaked_rows():
         rows.check({"a"})
 
 
-def test_random_tables_with_exact_hints_stay_exact():
+class MirroredRows(BlockTableRows):
+    """The CUDA layout on the CPU: a separate device copy, updated with the changes only."""
+
+    def _to_device(self, host):
+        return host.clone()
+
+
+@pytest.mark.parametrize("rows_class", [BlockTableRows, MirroredRows])
+def test_random_tables_with_exact_hints_stay_exact(rows_class):
     """Tables grow, get rebuilt, copy-on-write, leave and come back, with the hint a KV
-    manager gives; the gathered tables always equal the true ones."""
+    manager gives; the gathered tables always equal the true ones (and a device copy
+    equals the host rows)."""
     rng = random.Random(0)
-    rows = BlockTableRows(torch.device("cpu"), num_rows=2, num_columns=2)
+    rows = rows_class(torch.device("cpu"), num_rows=2, num_columns=2)
     true: dict[str, list[int]] = {}
     seen: dict[str, list[int]] = {}  # what each table was when last prepared
     for _ in range(300):
@@ -105,6 +114,8 @@ def test_random_tables_with_exact_hints_stay_exact():
         for s in batch:
             seen[s] = list(true[s])
         rows.check(set(true))
+        if rows.mirror is not None:
+            assert rows.mirror is not rows.host and torch.equal(rows.mirror, rows.host)
 
 
 # ---- end to end: kernels never read past a table -------------------------------------
