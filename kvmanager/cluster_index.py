@@ -3,10 +3,18 @@
 ``ClusterIndex`` holds, per worker, the set of block-hash keys it caches on
 each tier, its occupancy per tier and the seq of its next event. A batch is
 applied with one set operation per event (``update``, ``difference_update``,
-``clear``: C speed per key), so the central CPU per batch grows with the keys
-that changed at a few ns each, never with Python work per key. Queries walk
-the workers instead: ``longest_prefix`` costs a few Python operations per
-worker plus one C-speed set lookup per matched block. It is soft state: every worker is the source of truth for its own pool, and the
+``clear``: C speed per key): no Python work per key, and only small per-worker
+structures are touched (a global key -> holders map would cost ~0.5 us per
+changed key in cache misses alone, measured at 32 workers).
+
+``longest_prefix`` asks, per block of the prompt, which workers cache it.
+Those answers are memoised (``_holders``: key -> one bit per worker), so a
+popular prefix costs one dictionary lookup per block, and O(workers) only the
+first time a key is asked about (the memo holds at most ``max_memoised_keys``); applying a batch keeps the memo exact by
+intersecting its keys with the memo's (C speed; Python work only for memoised
+keys that changed). A resync or a removed worker clears the memo.
+
+It is soft state: every worker is the source of truth for its own pool, and the
 index can always be rebuilt from their snapshots (``resync``). A batch that
 does not follow the previous one (a gap, an unknown worker or incarnation)
 is refused with "resync"; the index keeps the worker's old entries as hints
@@ -17,7 +25,6 @@ correctness.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import islice, takewhile
 
 from .errors import IntegrityError, UnknownWorkerError
 from .events import (TIERS, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVSnapshot,
@@ -38,6 +45,11 @@ class WorkerView:
     keys: dict[str, set[int]] = field(default_factory=lambda: {tier: set() for tier in TIERS})
     last_update_at: float = 0.0
     is_draining: bool = False
+    slot: int = 0    # its bit in the holders memo: 1 << slot
+
+    def caches(self, key: int) -> bool:
+        """Whether any tier of this worker caches ``key``."""
+        return any(key in keys for keys in self.keys.values())
 
     @property
     def block_size(self) -> int:
@@ -56,8 +68,11 @@ class ApplyResult:
 class ClusterIndex:
     """Per worker: cached block-hash keys per tier, occupancy and event seqs."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_memoised_keys: int = 1 << 16) -> None:
         self.workers: dict[str, WorkerView] = {}
+        self.max_memoised_keys = max_memoised_keys
+        self._holders: dict[int, int] = {}          # memo: key -> bits of the workers caching it
+        self._slot_owners: list[str | None] = []    # slot -> worker id (None: free)
         self.num_batches = 0
         self.num_events = 0
         self.num_resyncs = 0
@@ -68,13 +83,23 @@ class ClusterIndex:
         """Know of a worker (no entries yet: its first snapshot brings them)."""
         view = self.workers.get(worker_id)
         if view is None:
-            self.workers[worker_id] = WorkerView(worker_id, dict(pool_config))
+            owners = self._slot_owners
+            slot = owners.index(None) if None in owners else len(owners)
+            if slot == len(owners):
+                owners.append(None)
+            owners[slot] = worker_id
+            self.workers[worker_id] = WorkerView(worker_id, dict(pool_config), slot=slot)
         else:
             view.pool_config = dict(pool_config)
 
     def remove_worker(self, worker_id: str) -> bool:
         """Forget a worker and everything it cached. False if it was unknown."""
-        return self.workers.pop(worker_id, None) is not None
+        view = self.workers.pop(worker_id, None)
+        if view is None:
+            return False
+        self._slot_owners[view.slot] = None
+        self._holders.clear()
+        return True
 
     # ---- feeding ----------------------------------------------------------------
     def apply(self, batch: KVEventBatch, now: float = 0.0) -> ApplyResult:
@@ -95,15 +120,21 @@ class ClusterIndex:
         if batch.first_seq > view.next_seq:
             view.needs_resync = True
             return self._refuse(view.next_seq, f"gap: expected seq {view.next_seq}, got {batch.first_seq}")
-        keys = view.keys
+        keys, memo = view.keys, self._holders
         for event in batch.events:
             if type(event) is BlockStored:
                 keys[event.medium].update(event.block_hashes)
+                if memo:
+                    self._memo_stored(view, memo.keys() & event.block_hashes)
             elif type(event) is BlockRemoved:
                 keys[event.medium].difference_update(event.block_hashes)
+                if memo:
+                    self._memo_removed(view, memo.keys() & event.block_hashes)
             elif type(event) is AllBlocksCleared:
                 for tier in ([event.medium] if event.medium else TIERS):
-                    keys[tier].clear()
+                    touched = memo.keys() & keys[tier] if memo else ()
+                    keys[tier] = set()
+                    self._memo_removed(view, touched)
             else:  # never from a decoded batch; the partial apply is dropped by a resync
                 view.needs_resync = True
                 raise TypeError(f"not a KV event: {event!r}")
@@ -121,6 +152,7 @@ class ClusterIndex:
         self.register(snapshot.worker_id, snapshot.pool_config)
         view = self.workers[snapshot.worker_id]
         view.keys = {tier: set(snapshot.block_hashes.get(tier, ())) for tier in TIERS}
+        self._holders.clear()
         view.incarnation = snapshot.worker_incarnation
         view.next_seq = snapshot.next_seq
         view.occupancy = dict(snapshot.occupancy)
@@ -133,6 +165,36 @@ class ClusterIndex:
         self.num_refused += 1
         return ApplyResult("resync", expected_seq, reason)
 
+    def _memo_stored(self, view: WorkerView, memoised: set[int]) -> None:
+        bit = 1 << view.slot
+        for key in memoised:
+            self._holders[key] |= bit
+
+    def _memo_removed(self, view: WorkerView, memoised) -> None:
+        """``memoised``: keys the worker dropped from one tier (it may hold them on another)."""
+        keep = ~(1 << view.slot)
+        for key in memoised:
+            if not view.caches(key):
+                self._holders[key] &= keep
+
+    def _memoise(self, keys: list[int]) -> dict[int, int]:
+        """The memo, holding (at least) ``keys``: a key not memoised yet costs, per worker
+        and tier, a C-speed set intersection, then Python work per worker caching it."""
+        memo = self._holders
+        if len(memo) + len(keys) > self.max_memoised_keys:
+            memo.clear()
+        missing = set(keys).difference(memo)
+        if missing:
+            found = dict.fromkeys(missing, 0)
+            for view in self.workers.values():
+                bit = 1 << view.slot
+                for tier_keys in view.keys.values():
+                    if tier_keys:
+                        for key in tier_keys.intersection(missing):
+                            found[key] |= bit
+            memo.update(found)
+        return memo
+
     # ---- queries ------------------------------------------------------------------
     def longest_prefix(self, token_ids: list[int], extra_key: str | None = None,
                        block_size: int | None = None) -> dict[str, int]:
@@ -141,22 +203,43 @@ class ClusterIndex:
         Uses the hash chain of ``hashing.hash_prefix_blocks`` over the blocks
         before the last token (whose logits are always computed). Only
         workers of ``block_size`` are considered when it is given. Costs the
-        prompt's hashing, then per worker a few Python operations plus one
-        C-speed set lookup per block of its match.
+        prompt's hashing, a dictionary lookup and a few integer operations per
+        matched block, and a little per worker; blocks not asked about since
+        the memo was last cleared cost one set lookup per worker and tier (C
+        speed) plus a little per worker caching them.
         """
         result: dict[str, int] = {}
-        chains: dict[int, list[int]] = {}   # block size -> the prompt's keys
+        by_size: dict[int, int] = {}   # block size -> bits of its workers
         for worker_id, view in self.workers.items():
             bs = view.block_size
-            if block_size not in (None, bs):
-                continue
-            chain = chains.get(bs)
-            if chain is None:
-                num_blocks = (len(token_ids) - 1) // bs if token_ids else 0
-                chain = chains[bs] = [block_hash_key(h)
-                                      for h in hash_prefix_blocks(token_ids, bs, extra_key, num_blocks)]
-            result[worker_id] = _num_leading_cached(chain, [k for k in view.keys.values() if k]) * bs
+            if block_size in (None, bs):
+                result[worker_id] = 0
+                by_size[bs] = by_size.get(bs, 0) | 1 << view.slot
+        for bs, alive in by_size.items():
+            num_blocks = (len(token_ids) - 1) // bs if token_ids else 0
+            chain = [block_hash_key(h) for h in hash_prefix_blocks(token_ids, bs, extra_key, num_blocks)]
+            num_matched, chunk = 0, 16
+            while alive and num_matched < len(chain):   # memoise in doubling chunks, not far past the match
+                part = chain[num_matched:num_matched + chunk]
+                memo = self._memoise(part)
+                for key in part:
+                    still = alive & memo[key]
+                    if still != alive:
+                        self._set_lengths(result, alive & ~still, num_matched * bs)
+                        alive = still
+                        if not alive:
+                            break
+                    num_matched += 1
+                chunk *= 2
+            self._set_lengths(result, alive, num_matched * bs)
         return result
+
+    def _set_lengths(self, result: dict[str, int], slots: int, num_tokens: int) -> None:
+        """``result[worker] = num_tokens`` for each worker whose bit is set in ``slots``."""
+        while slots:
+            low = slots & -slots
+            result[self._slot_owners[low.bit_length() - 1]] = num_tokens
+            slots ^= low
 
     def occupancy(self, worker_id: str) -> dict[str, TierOccupancy]:
         view = self.workers.get(worker_id)
@@ -173,8 +256,9 @@ class ClusterIndex:
 
     # ---- checks -------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Each worker's view is well formed: one key set per tier, never more cached
-        keys on a tier than its pool has blocks (each cached hash holds a block)."""
+        """Each worker's view is well formed (one key set per tier, never more cached keys
+        on a tier than its pool has blocks: each cached hash holds a block, its own slot),
+        and every memoised answer equals the workers' key sets'."""
         for worker_id, view in self.workers.items():
             if set(view.keys) != set(TIERS) or not all(type(k) is set for k in view.keys.values()):
                 raise IntegrityError(f"cluster index: worker {worker_id!r} has key sets "
@@ -185,6 +269,14 @@ class ClusterIndex:
                 if len(view.keys.get(tier, ())) > occupancy.num_total:
                     raise IntegrityError(f"cluster index: worker {worker_id!r} caches {len(view.keys[tier])} "
                                          f"keys on {tier}, which has {occupancy.num_total} blocks")
+            if self._slot_owners[view.slot] != worker_id:
+                raise IntegrityError(f"cluster index: worker {worker_id!r}'s slot {view.slot} is "
+                                     f"{self._slot_owners[view.slot]!r}'s")
+        wrong = [key for key, bits in self._holders.items()
+                 if bits != sum(1 << v.slot for v in self.workers.values() if v.caches(key))]
+        if wrong:
+            raise IntegrityError(f"cluster index: {len(wrong)} memoised keys' holders disagree with the "
+                                 f"workers' key sets, e.g. {wrong[:3]}")
 
     def check_consistency_with(self, snapshots: list[KVSnapshot], exact_workers: bool = True) -> None:
         """Raise ``IntegrityError`` unless the index holds exactly what the workers'
@@ -214,15 +306,3 @@ class ClusterIndex:
                     raise IntegrityError(f"worker {worker_id!r} {tier}: index occupancy "
                                          f"{view.occupancy.get(tier)} != pool {snapshot.occupancy.get(tier)}")
 
-
-def _num_leading_cached(chain: list[int], tiers: list[set[int]]) -> int:
-    """How many of ``chain``'s keys, from the first, are each in one of ``tiers``."""
-    num_matched = 0
-    while num_matched < len(chain):
-        start = num_matched
-        for keys in tiers:
-            if num_matched < len(chain) and chain[num_matched] in keys:
-                num_matched += len(list(takewhile(keys.__contains__, islice(chain, num_matched, None))))
-        if num_matched == start:
-            break
-    return num_matched

@@ -325,6 +325,14 @@ class KVClusterMachine(RuleBasedStateMachine):
     def worker_starts(self, mode) -> None:
         self._new_worker(mode)
 
+    # ---- routing -----------------------------------------------------------------------------
+    @precondition(lambda self: self.ready and self.central_up)
+    @rule(prefix=st.sampled_from(range(len(PREFIXES))), suffix=st.lists(st.integers(0, 99), max_size=8))
+    def route(self, prefix, suffix) -> None:
+        """A router's lookup between batches: the index memoises its answers, and the batches
+        applied after it must keep them exact (``check_integrity`` compares)."""
+        self.central.longest_prefix(PREFIXES[prefix] + suffix)
+
     # ---- checks ------------------------------------------------------------------------------
     @precondition(lambda self: self.ready)
     @rule()
@@ -348,6 +356,12 @@ class KVClusterMachine(RuleBasedStateMachine):
             self.central.remove_worker(worker_id)
         snapshots = [w.kv.snapshot() for w in self.workers.values()]
         self.central.index.check_consistency_with(snapshots)
+        for prefix in PREFIXES:   # the index's answers are the pools' own (which compare tokens too)
+            tokens = prefix + [98, 99]
+            expected = {}
+            for worker in self.workers.values():
+                expected.update(worker.kv.longest_prefix(tokens))
+            assert self.central.longest_prefix(tokens) == expected, (tokens, expected)
         occupancy = self.central.occupancy()
         for worker in self.workers.values():
             expected = {tier: asdict(o) for tier, o in worker.kv.occupancy().items()}

@@ -257,21 +257,29 @@ def test_index_follows_random_local_operations_exactly():
     for local, _ in locals_:
         connect(service, local)
     drivers = [Driver(local, worker, seed) for seed, (local, worker) in enumerate(locals_)]
+    # Same answers as the pools themselves (KVManager.longest_prefix checks tokens too), also
+    # while batches change keys the index has memoised answers for.
+    probe = KVManager()
+    for local, _ in locals_:
+        probe.workers[local.worker_id] = local.workers[local.worker_id]
+        probe.configs[local.worker_id] = local.configs[local.worker_id]
     for round_ in range(150):
         for driver in drivers:
             driver.step()
             if random.Random(round_).random() < 0.5:
                 assert publish(service, driver.local).status == "ok"
+        if round_ % 10 == 0:
+            for local, _ in locals_:
+                publish(service, local)
+            for prefix in Driver.PREFIXES:
+                tokens = prefix + [150, 151, 152, 153, 154]
+                assert service.index.longest_prefix(tokens) == probe.longest_prefix(tokens)
+            service.index.check_integrity()
     for local, _ in locals_:
         publish(service, local)
         local.check_integrity()
     service.index.check_consistency_with([local.snapshot() for local, _ in locals_])
     assert service.stats()["num_events"] > 0
-    # Same answers as the pools themselves (KVManager.longest_prefix checks tokens too).
-    probe = KVManager()
-    for local, _ in locals_:
-        probe.workers[local.worker_id] = local.workers[local.worker_id]
-        probe.configs[local.worker_id] = local.configs[local.worker_id]
     for prefix in Driver.PREFIXES:
         tokens = prefix + [150, 151, 152, 153, 154]
         assert service.index.longest_prefix(tokens) == probe.longest_prefix(tokens)
@@ -328,6 +336,12 @@ def test_index_integrity_check_catches_corruption():
     with pytest.raises(IntegrityError, match="3 keys on device, which has 2 blocks"):
         index.check_integrity()
     index.workers["w"].keys["device"].discard(3)
+    assert index.longest_prefix(list(range(9))) == {"w": 0}   # memoises the first block's holders
+    index.check_integrity()
+    index._holders[7] = 1                                     # a wrong memoised answer
+    with pytest.raises(IntegrityError, match="memoised"):
+        index.check_integrity()
+    index._holders.clear()
     index.workers["w"].keys["host"] = [4]
     with pytest.raises(IntegrityError, match="key sets"):
         index.check_integrity()
