@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import pickle
 
+import random
+
 import pytest
 import torch
 
@@ -483,6 +485,34 @@ def test_stop_string_included_when_asked(tokenizer):
     stream, pieces = _stream(tokenizer, "héllo wörld: naïve café, déjà vu", params)
     assert stream.output_text == "héllo wörld: naïve café"
     assert "".join(pieces) == stream.output_text
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_on_long_streams_cut_at_the_earliest_match(tokenizer, include):
+    """Random stop strings (1-12 characters, some never present) over a long text: the
+    output is the text up to the earliest match, and the streamed pieces add up to it."""
+    rng = random.Random(5)
+    words = ["the", "quick", "brown", "fox", "café", "naïve", "déjà", "vu", "jumps", "over", "lazy", "dog", "😀"]
+    for trial in range(30):
+        text = " ".join(rng.choice(words) for _ in range(300))
+        ids = tokenizer.encode(text).ids
+        full = tokenizer.decode(ids)
+        stops = []
+        for _ in range(rng.randrange(1, 4)):
+            start = rng.randrange(len(full) // 3, len(full) - 12) if trial % 3 else 0
+            stops.append(full[start:start + rng.randrange(1, 13)] if trial % 5 else "zzz" + str(trial))
+        params = SamplingParams(stop=stops, include_stop_str_in_output=include, max_tokens=len(ids) + 1)
+        stream, pieces = _stream(tokenizer, text, params)
+        found = [(full.find(stop), stop) for stop in stops if stop in full]
+        if found:
+            index, stop = min(found, key=lambda item: (item[0], -len(item[1])))
+            assert stream.finish_reason == "stop"
+            expected = full[:index + len(stream.stop_reason)] if include else full[:index]
+            assert full.find(stream.stop_reason) == index
+        else:
+            expected = full
+        assert stream.output_text == expected
+        assert "".join(pieces) == expected
 
 
 def test_stream_holds_back_possible_stop_prefix(tokenizer):

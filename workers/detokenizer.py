@@ -173,7 +173,7 @@ class StopStringMatcher:
     def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False) -> None:
         self.stop = [s for s in stop if s]
         self.include_stop_str_in_output = include_stop_str_in_output
-        self._max_len = max((len(s) for s in self.stop), default=0)
+        self.max_len = max((len(s) for s in self.stop), default=0)
 
     def find(self, text: str, num_new_chars: int) -> tuple[int, str] | None:
         """Earliest stop string that ends in the last ``num_new_chars`` of ``text``.
@@ -197,7 +197,7 @@ class StopStringMatcher:
 
     def num_held_back(self, text: str) -> int:
         """Length of the longest tail of ``text`` that could start a stop string."""
-        for length in range(min(self._max_len - 1, len(text)), 0, -1):
+        for length in range(min(self.max_len - 1, len(text)), 0, -1):
             tail = text[-length:]
             if any(stop.startswith(tail) for stop in self.stop):
                 return length
@@ -248,7 +248,13 @@ class StreamingDetokenizer:
         )
         self._stop_matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         self.output_token_ids: list[int] = []
-        self.output_text = ""
+        # The output text in pieces (appending to one string copies it whole, O(length) a
+        # token), and its recent part, from _recent_start on: what stop strings and the
+        # next delta can still need (the text not streamed yet and the longest stop's tail).
+        self._pieces: list[str] = []
+        self._num_chars = 0
+        self._recent = ""
+        self._recent_start = 0
         self._num_streamed_chars = 0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -256,6 +262,13 @@ class StreamingDetokenizer:
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def output_text(self) -> str:
+        """The output's text so far (joined on read)."""
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
 
     @property
     def streamed_text(self) -> str:
@@ -283,13 +296,13 @@ class StreamingDetokenizer:
             new_text = self._detokenizer.append(token_id)
         if finish_reason is not None:
             new_text += self._detokenizer.flush()
-        self.output_text += new_text
+        self._add_text(new_text)
         match = None
         if len(self.output_token_ids) > self.params.min_tokens:
-            match = self._stop_matcher.find(self.output_text, len(new_text))
+            match = self._stop_matcher.find(self._recent, len(new_text))
         if match is not None:
             keep, stop = match
-            self.output_text = self.output_text[:keep]
+            self._truncate(self._recent_start + keep)
             finish_reason, self.stop_reason = FINISH_STOP, stop
         self.finish_reason = finish_reason
         return TextDelta(self._take_streamable(), finish_reason, self.stop_reason)
@@ -299,17 +312,35 @@ class StreamingDetokenizer:
         text held back and return what is left to stream."""
         if self.is_finished:
             raise ValueError("sequence already finished")
-        self.output_text += self._detokenizer.flush()
+        self._add_text(self._detokenizer.flush())
         self.finish_reason = finish_reason
         return TextDelta(self._take_streamable(), finish_reason, self.stop_reason)
 
+    def _add_text(self, text: str) -> None:
+        if text:
+            self._pieces.append(text)
+            self._num_chars += len(text)
+            self._recent += text
+
+    def _truncate(self, num_chars: int) -> None:
+        """Cut the text to its first ``num_chars`` (a stop string ends it: once)."""
+        self._pieces = [self.output_text[:num_chars]]
+        self._num_chars = num_chars
+        self._recent = self._recent[:num_chars - self._recent_start]
+
     def _take_streamable(self) -> str:
-        end = len(self.output_text)
+        end = self._num_chars
         if not self.is_finished:
-            end -= self._stop_matcher.num_held_back(self.output_text)
+            end -= self._stop_matcher.num_held_back(self._recent)
         end = max(end, self._num_streamed_chars)
-        text = self.output_text[self._num_streamed_chars : end]
+        start = self._recent_start
+        text = self._recent[self._num_streamed_chars - start : end - start]
         self._num_streamed_chars = end
+        # Keep what a later stop string or delta can reach: the unstreamed text and the
+        # longest stop string's length - 1 before the end.
+        new_start = max(start, min(self._num_streamed_chars, self._num_chars - self._stop_matcher.max_len))
+        self._recent = self._recent[new_start - start:]
+        self._recent_start = new_start
         return text
 
 
