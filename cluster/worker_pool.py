@@ -123,6 +123,7 @@ class WorkerPool:
         self.decisions: list[dict] = []
         self._info_refs: dict[str, Any] = {}
         self._status_refs: dict[str, tuple[Any, float]] = {}
+        self._kv_leaves_pending: set[str] = set()   # gone workers the KV manager still lists
         self._lock = threading.RLock()
         for worker_id, actor in workers.items():
             group = groups.get(worker_id, 0)
@@ -192,6 +193,7 @@ class WorkerPool:
         with self._lock:
             index = self._free_index()
             worker_id = f"worker-{index}"
+            self._kv_leaves_pending.discard(worker_id)   # the id is taken again
             actor = self.worker_cls.options(
                 name=worker_actor_name(index), namespace=self.namespace, max_restarts=-1, max_task_retries=0,
                 max_concurrency=1000, num_cpus=group.num_cpus, num_gpus=group.num_gpus,
@@ -309,9 +311,24 @@ class WorkerPool:
         record.actor.drain.remote()
         logger.info("worker pool: draining %s (%d ongoing requests)", worker_id, record.num_ongoing)
 
+    def _leave_kv_manager(self, worker_id: str) -> None:
+        """Take a gone worker out of the central KV index; one that fails (a busy or
+        restarting manager) is tried again on the next tick."""
+        import ray
+
+        try:
+            ray.get(self.kv_manager.remove_worker.remote(worker_id), timeout=self.config.step_timeout_s)
+            self._kv_leaves_pending.discard(worker_id)
+        except Exception as exc:
+            self._kv_leaves_pending.add(worker_id)
+            logger.warning("worker pool: %s: could not leave the KV manager yet (%r)", worker_id, exc)
+
     def _retire_drained(self) -> None:
         """Drained workers with nothing left leave the KV manager's accounting and go."""
         import ray
+
+        for worker_id in list(self._kv_leaves_pending):
+            self._leave_kv_manager(worker_id)
 
         with self._lock:
             done = [r for r in self.records.values() if r.state == "draining" and r.is_drained
@@ -326,10 +343,7 @@ class WorkerPool:
                 logger.warning("worker pool: %s drained but holds %d blocks; waiting", record.worker_id, num_used)
                 continue
             ray.kill(record.actor, no_restart=True)
-            try:
-                ray.get(self.kv_manager.remove_worker.remote(record.worker_id), timeout=self.config.step_timeout_s)
-            except Exception as exc:
-                logger.warning("worker pool: %s: could not leave the KV manager (%r)", record.worker_id, exc)
+            self._leave_kv_manager(record.worker_id)
             self._status_refs.pop(record.worker_id, None)
             self._set_state(record, "dead", "drained", is_gone=True)
             self.on_gone(record.worker_id)

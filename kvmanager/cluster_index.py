@@ -65,6 +65,9 @@ class ApplyResult:
     reason: str = ""
 
 
+MAX_REMOVED_WORKERS = 4096   # removed workers remembered, so their late snapshots are refused
+
+
 class ClusterIndex:
     """Per worker: cached block-hash keys per tier, occupancy and event seqs."""
 
@@ -73,6 +76,7 @@ class ClusterIndex:
         self.max_memoised_keys = max_memoised_keys
         self._holders: dict[int, int] = {}          # memo: key -> bits of the workers caching it
         self._slot_owners: list[str | None] = []    # slot -> worker id (None: free)
+        self._removed: dict[str, str] = {}          # removed worker -> its incarnation then
         self.num_batches = 0
         self.num_events = 0
         self.num_resyncs = 0
@@ -81,6 +85,7 @@ class ClusterIndex:
     # ---- membership -------------------------------------------------------------
     def register(self, worker_id: str, pool_config: dict) -> None:
         """Know of a worker (no entries yet: its first snapshot brings them)."""
+        self._removed.pop(worker_id, None)
         view = self.workers.get(worker_id)
         if view is None:
             owners = self._slot_owners
@@ -97,6 +102,12 @@ class ClusterIndex:
         view = self.workers.pop(worker_id, None)
         if view is None:
             return False
+        # A message the worker sent before it went may still be queued: its snapshot
+        # must not bring the worker back (a new incarnation of the id may).
+        if view.incarnation is not None:
+            self._removed[worker_id] = view.incarnation
+        while len(self._removed) > MAX_REMOVED_WORKERS:
+            del self._removed[next(iter(self._removed))]
         self._slot_owners[view.slot] = None
         self._holders.clear()
         return True
@@ -148,7 +159,10 @@ class ClusterIndex:
         return ApplyResult("ok", view.next_seq)
 
     def resync(self, snapshot: KVSnapshot, now: float = 0.0) -> ApplyResult:
-        """Replace everything known of a worker by its snapshot (registers it if new)."""
+        """Replace everything known of a worker by its snapshot (registers it if new,
+        unless this incarnation of it was removed)."""
+        if self._removed.get(snapshot.worker_id) == snapshot.worker_incarnation:
+            return self._refuse(0, "removed worker")
         self.register(snapshot.worker_id, snapshot.pool_config)
         view = self.workers[snapshot.worker_id]
         view.keys = {tier: set(snapshot.block_hashes.get(tier, ())) for tier in TIERS}

@@ -318,7 +318,13 @@ class KVClusterMachine(RuleBasedStateMachine):
         worker = self._worker(data)
         del self.workers[worker.worker_id]
         if self.central_up:
+            late = worker.kv.snapshot().pack()   # still queued on the central's socket
+            view = self.central.index.workers.get(worker.worker_id)
+            was_indexed = view is not None and view.incarnation == worker.kv.event_log.incarnation
             self.central.remove_worker(worker.worker_id)   # the health monitor tells it
+            if was_indexed and data.draw(st.booleans(), label="its snapshot arrives after it was removed"):
+                assert PublishAck.unpack(self.central.resync(late)).needs_resync
+                assert worker.worker_id not in self.central.index.workers
 
     @precondition(lambda self: self.ready and len(self.workers) < 3)
     @rule(mode=st.sampled_from([None, "swap", "recompute"]))

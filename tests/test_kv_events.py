@@ -325,6 +325,13 @@ def test_central_restart_is_rebuilt_from_snapshots():
     restarted.remove_worker("w0")
     assert restarted.index.workers == {} and restarted.index.num_entries() == 0
     assert restarted.longest_prefix(list(range(13))) == {}
+    # A snapshot the removed worker sent before it went, applied late, does not bring it back;
+    # a new incarnation under the same id (a replacement worker) is taken.
+    assert PublishAck.unpack(restarted.resync(local.snapshot().pack())).needs_resync
+    assert restarted.index.workers == {}
+    replacement, _ = make_local("w0")
+    assert not PublishAck.unpack(restarted.resync(replacement.snapshot().pack())).needs_resync
+    assert list(restarted.index.workers) == ["w0"]
 
 
 def test_index_integrity_check_catches_corruption():
