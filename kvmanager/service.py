@@ -198,7 +198,8 @@ class KVManagerService:
 
         ``process_cpu_s`` is the whole process's CPU time since start (Ray's
         own threads included); ``handler_cpu_s`` only the time inside this
-        service's wire methods.
+        service's wire methods. ``num_indexed_hashes`` counts (worker, tier,
+        hash key) entries.
         """
         lags = sorted(self._lags_s)
         workers = {}

@@ -1,16 +1,16 @@
 """KV events over ZeroMQ: a worker's ``KVPublisher`` to the central KV manager.
 
 A Ray actor call costs the central process ~1 ms of CPU on a loaded node,
-far more than applying a batch of events (15-100 us), so the event stream
+far more than applying a batch of events (tens of us), so the event stream
 bypasses Ray (vLLM publishes its KV events over ZMQ for the same reason):
 
 - central side, ``EventEndpoint``: a ROUTER socket bound to the node's IP on
   an ephemeral port, read by one receiver thread that, per wake-up (at most
-  one per ``gather_s``), drains every message waiting (up to ``max_drain``), hands them to one
-  ``handle([(kind, payload), ...]) -> [(ok, reply), ...]`` call (the
-  service's ``handle_events``: one lock acquisition and one CPU clock read per
-  drain) and sends every reply (the acks workers use to detect a lost batch
-  or a restarted central manager);
+  one per ``gather_s``), drains every message waiting (up to ``max_drain``),
+  hands them to one ``handle([(kind, payload), ...]) -> [(ok, reply), ...]``
+  call (the service's ``handle_events``: one lock acquisition and one CPU
+  clock read per drain) and sends every reply (the acks workers use to detect
+  a lost batch or a restarted central manager);
 - worker side, ``ZmqTransport`` (a ``KVTransport``): one DEALER socket, so a
   worker's batches arrive in order. ``send`` never blocks, ``poll`` reads
   acks without waiting, ``call`` (the rare preemption decision) stays a Ray
