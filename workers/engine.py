@@ -551,9 +551,11 @@ class LLMEngine:
                              completions, request.is_finished, request.metrics, prompt_logprobs)
 
     # ---- introspection -------------------------------------------------------------------
-    def stats(self) -> dict:
-        """Pool, cache and queue statistics, plain data."""
-        stats: dict[str, Any] = dict(self.kv_manager.stats(self.worker_id))
+    def stats(self, pool_stats: dict | None = None) -> dict:
+        """Pool, cache and queue statistics, plain data. ``pool_stats``: this step's
+        ``KVManager.stats`` when the caller already has it (it walks every block table)."""
+        stats: dict[str, Any] = dict(pool_stats if pool_stats is not None
+                                     else self.kv_manager.stats(self.worker_id))
         cache = self.runner.kv_cache
         stats.update({
             "num_waiting": len(self.scheduler.waiting),

@@ -281,7 +281,9 @@ class Worker:
         blocking the actor's event loop. ``kv_pool`` is this worker's pool statistics (the
         source of truth; the central manager holds a lagging summary)."""
         def gather(engine: LLMEngine) -> tuple[dict, dict, dict]:
-            return engine.stats(), engine.kv_manager.stats(engine.worker_id), {**self.kv_link.stats(), **self.kv_transport.stats()}
+            pool_stats = engine.kv_manager.stats(engine.worker_id)   # once: it walks every block table
+            return (engine.stats(pool_stats), pool_stats,
+                    {**self.kv_link.stats(), **self.kv_transport.stats()})
 
         engine_stats, pool_stats, link_stats = await asyncio.wrap_future(self.async_engine.submit(gather))
         return {"worker_id": self.worker_id, "role": self.role, **self._dtype_info(),
