@@ -42,6 +42,7 @@ _HEAD = struct.Struct("!QB")     # request id, kind or status
 _KIND_CODES = {"publish": ord("p"), "resync": ord("r")}
 _KINDS = {code: kind for kind, code in _KIND_CODES.items()}
 _OK, _ERROR = ord("o"), ord("e")
+ASK_AGAIN_S = 0.25   # after a failed ``event_endpoint`` ask (the manager is restarting)
 _fallback_logged = False
 
 
@@ -169,6 +170,7 @@ class ZmqTransport:
         self._next_id = 0
         self._replies: dict[int, tuple[bytes | None, BaseException | None]] = {}
         self._endpoint_ref = None       # an outstanding ``event_endpoint`` ask
+        self._ask_again_at = 0.0        # a failed ask (manager restarting) is repeated then
         self.num_reconnects = 0
         self.num_timeouts = 0
         self._connect(endpoint)
@@ -201,6 +203,8 @@ class ZmqTransport:
         self._read_replies()
         self._check_endpoint()
         now = time.monotonic()
+        if self._ask_again_at and now >= self._ask_again_at:
+            self._rediscover()
         if len(self._replies) > len(tokens) + 64:  # late acks of timed-out sends
             wanted = {t.request_id for t in tokens}
             self._replies = {i: r for i, r in self._replies.items() if i in wanted}
@@ -222,6 +226,7 @@ class ZmqTransport:
         deadline = time.monotonic() + timeout_s
         while True:
             self._read_replies()
+            self._check_endpoint()      # a reconnect ends the old connection's waits
             missing = [t for t in tokens if t.connection == self.connection and t.request_id not in self._replies]
             left = deadline - time.monotonic()
             if not missing or left <= 0:
@@ -256,6 +261,7 @@ class ZmqTransport:
 
     def _rediscover(self) -> None:
         if self._endpoint_ref is None:
+            self._ask_again_at = 0.0
             self._endpoint_ref = self.actor.event_endpoint.remote()
 
     def _check_endpoint(self) -> None:
@@ -269,8 +275,9 @@ class ZmqTransport:
         ref, self._endpoint_ref = self._endpoint_ref, None
         try:
             endpoint = ray.get(ref, timeout=0)
-        except Exception as exc:  # restarting: asked again at the next timeout
+        except Exception as exc:  # restarting: asked again shortly, not only at the next ack timeout
             logger.info("the central KV manager's event endpoint is not known yet (%r)", exc)
+            self._ask_again_at = time.monotonic() + ASK_AGAIN_S
             return
         if endpoint and endpoint != self.endpoint:
             logger.warning("the central KV manager's event endpoint moved %s -> %s; reconnecting",
