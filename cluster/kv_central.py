@@ -53,6 +53,7 @@ class CentralKVManager(KVManagerService):
         stats["event_endpoint"] = self.event_endpoint()
         stats["num_zmq_messages"] = self._endpoint.num_messages if self._endpoint is not None else 0
         stats["num_zmq_drains"] = self._endpoint.num_drains if self._endpoint is not None else 0
+        stats["num_zmq_replies"] = self._endpoint.num_replies if self._endpoint is not None else 0
         return stats
 
     def close(self) -> None:

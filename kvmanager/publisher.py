@@ -8,7 +8,12 @@ sends it fire-and-forget once the oldest pending change is
 least every ``heartbeat_s`` (occupancy, and so a restarted central manager
 hears from every worker). Acks are read without waiting; an ack that asks
 for a resync, a new central incarnation or a failed call makes the next
-flush a full snapshot. At most ``max_in_flight`` sends are outstanding:
+flush a full snapshot. A publish asks for an ack of its own only every
+``ack_interval_s`` (or when the in-flight window is half full): a transport
+that can (``ZmqTransport``) replies to the others only when something is
+wrong, and they count as acknowledged by the next reply, since replies come
+in order. That halves the central manager's messages; a lost batch is still
+found, by the gap or the ack timeout. At most ``max_in_flight`` sends are outstanding:
 while the central manager is down or slow, events accumulate in the log
 (bounded: past its cap the next flush is a snapshot) and the worker keeps
 serving.
@@ -46,11 +51,14 @@ logger = logging.getLogger(__name__)
 class KVTransport(Protocol):
     """Calls to the central ``KVManagerService`` by method name, with msgpack bytes."""
 
-    def send(self, method: str, packed: bytes) -> Any:
-        """Start ``method(packed)`` without waiting; returns a token for ``poll``/``wait``."""
+    def send(self, method: str, packed: bytes, want_ack: bool = True) -> Any:
+        """Start ``method(packed)`` without waiting; returns a token for ``poll``/``wait``.
+        ``want_ack=False`` (a publish): the central manager need not reply unless something is
+        wrong; the call then ends with reply None once a later call's reply has come."""
 
     def poll(self, tokens: list) -> list[tuple[Any, bytes | None, BaseException | None]]:
-        """The tokens whose calls have ended, without waiting: (token, reply, error)."""
+        """The tokens whose calls have ended, without waiting: (token, reply, error); reply
+        None for a ``want_ack=False`` send acknowledged by a later reply."""
 
     def wait(self, tokens: list, timeout_s: float) -> None:
         """Block until every token's call has ended, or ``timeout_s``."""
@@ -64,7 +72,8 @@ class KVPublisher:
 
     def __init__(self, local: LocalKVManager, transport: KVTransport, max_batch_age_s: float = 0.05,
                  max_batch_events: int = 1024, heartbeat_s: float = 1.0, max_in_flight: int = 8,
-                 preemption_timeout_s: float = 1.0, background: bool = False) -> None:
+                 ack_interval_s: float = 0.2, preemption_timeout_s: float = 1.0,
+                 background: bool = False) -> None:
         if local.event_log is None:
             raise ValueError("the local KV manager needs an event log")
         self.local = local
@@ -73,16 +82,20 @@ class KVPublisher:
         self.max_batch_events = max_batch_events
         self.heartbeat_s = heartbeat_s
         self.max_in_flight = max_in_flight
+        self.ack_interval_s = ack_interval_s
         self.preemption_timeout_s = preemption_timeout_s
         self.central_incarnation: str | None = None
         self.needs_snapshot = True     # first contact: the central manager learns everything
         self.num_snapshots_sent = 0    # the snapshot epoch: resync answers to older sends are moot
         self.background = background
         self.wakeup = threading.Event()   # set when the outbox has work for ``pump``
-        self._outbox: collections.deque[tuple[str, bytes, int]] = collections.deque()  # (method, packed, epoch)
+        # (method, packed, snapshot epoch, whether it asks for an ack of its own)
+        self._outbox: collections.deque[tuple[str, bytes, int, bool]] = collections.deque()
         self._pump_lock = threading.Lock()
         self._in_flight: list[tuple[Any, int]] = []   # (token, epoch)
         self._last_sent = float("-inf")
+        self._last_ack_asked = float("-inf")
+        self._unconfirmed_quiet = False    # a send without an ack of its own came after the last that asked
         self.num_batches = 0
         self.num_bytes_out = 0
         self.num_bytes_in = 0
@@ -100,7 +113,8 @@ class KVPublisher:
         now = time.monotonic() if now is None else now
         log = self.log
         return (self.needs_snapshot or log.needs_snapshot or log.num_pending >= self.max_batch_events
-                or log.pending_age_s() >= self.max_batch_age_s or now - self._last_sent >= self.heartbeat_s)
+                or log.pending_age_s() >= self.max_batch_age_s or now - self._last_sent >= self.heartbeat_s
+                or (self._unconfirmed_quiet and now - self._last_ack_asked >= self.ack_interval_s))
 
     def maybe_flush(self) -> bool:
         """Drain and pack what is due into the outbox, without waiting for anything (the
@@ -125,8 +139,8 @@ class KVPublisher:
 
     def _pump(self) -> None:
         while self._outbox:
-            method, packed, epoch = self._outbox.popleft()
-            self._in_flight.append((self.transport.send(method, packed), epoch))
+            method, packed, epoch, want_ack = self._outbox.popleft()
+            self._in_flight.append((self.transport.send(method, packed, want_ack), epoch))
         self._collect_acks()
 
     def flush_and_wait(self, timeout_s: float) -> bool:
@@ -135,7 +149,7 @@ class KVPublisher:
         in time."""
         deadline = time.monotonic() + timeout_s
         for _ in range(3):  # a batch, then possibly the snapshot it asks for
-            self._queue_next()
+            self._queue_next(want_ack=True)
             with self._pump_lock:
                 self._pump()
                 self.transport.wait([token for token, _ in self._in_flight],
@@ -147,18 +161,24 @@ class KVPublisher:
                 return True
         return False
 
-    def _queue_next(self) -> None:
+    def _queue_next(self, want_ack: bool = False) -> None:
         if self.needs_snapshot or self.log.needs_snapshot:
             self.needs_snapshot = False
             self.num_snapshots_sent += 1
-            self._queue("resync", self.local.snapshot().pack())
+            self._queue("resync", self.local.snapshot().pack(), True)
         else:
-            self._queue("publish", self.local.drain_events().pack())
+            self._queue("publish", self.local.drain_events().pack(), want_ack)
             self.num_batches += 1
 
-    def _queue(self, method: str, packed: bytes) -> None:
-        self._outbox.append((method, packed, self.num_snapshots_sent))
-        self._last_sent = time.monotonic()
+    def _queue(self, method: str, packed: bytes, want_ack: bool) -> None:
+        now = time.monotonic()
+        want_ack = (want_ack or now - self._last_ack_asked >= self.ack_interval_s
+                    or 2 * (len(self._in_flight) + len(self._outbox) + 1) >= self.max_in_flight)
+        if want_ack:
+            self._last_ack_asked = now
+        self._unconfirmed_quiet = not want_ack
+        self._outbox.append((method, packed, self.num_snapshots_sent, want_ack))
+        self._last_sent = now
         self.num_bytes_out += len(packed)
 
     def _collect_acks(self) -> None:
@@ -178,6 +198,8 @@ class KVPublisher:
                     logger.warning("worker %s: KV event publish failed (%r); will resync",
                                    self.log.worker_id, error)
                     self.needs_snapshot = True
+                continue
+            if reply is None:  # no ack of its own: a later reply acknowledged it
                 continue
             self.num_bytes_in += len(reply)
             ack = PublishAck.unpack(reply)
@@ -224,7 +246,7 @@ class InProcessTransport:
         self.is_down = False   # tests: every call fails while set
         self._ended: dict[int, tuple[bytes | None, BaseException | None]] = {}
 
-    def send(self, method: str, packed: bytes):
+    def send(self, method: str, packed: bytes, want_ack: bool = True):
         token = object()
         try:
             self._ended[id(token)] = (self.call(method, packed, 0.0), None)

@@ -103,18 +103,20 @@ class KVManagerService:
         finally:
             self.handler_cpu_s += time.thread_time() - start
 
-    def handle_events(self, messages: list[tuple[str, bytes]]) -> list[tuple[bool, bytes]]:
-        """Apply a run of received messages in order, each ``("publish", packed batch)`` or
-        ``("resync", packed snapshot)``: per message ``(True, packed ack)``, or ``(False,
-        error text)`` for refused input, which changes nothing (the worker then resyncs).
-        One clock read for the run: the receiver calls this once per drain of its socket."""
+    def handle_events(self, messages: list[tuple[str, bytes]]) -> list[tuple[bool, bytes | None]]:
+        """Apply a run of received messages in order, each ``("publish", packed batch)``,
+        ``("quiet_publish", packed batch)`` or ``("resync", packed snapshot)``: per message
+        ``(True, packed ack)``, ``(True, None)`` for a quiet publish that was applied (or was
+        a duplicate: its sender counts it acknowledged by the next reply), or ``(False, error
+        text)`` for refused input, which changes nothing (the worker then resyncs). One clock
+        read for the run: the receiver calls this once per drain of its socket."""
         start = time.thread_time()
         now = time.time()
-        replies: list[tuple[bool, bytes]] = []
+        replies: list[tuple[bool, bytes | None]] = []
         for method, payload in messages:
             try:
-                if method == "publish":
-                    replies.append((True, self._publish(payload, now)))
+                if method == "publish" or method == "quiet_publish":
+                    replies.append((True, self._publish(payload, now, method == "quiet_publish")))
                 elif method == "resync":
                     replies.append((True, self._resync(payload, now)))
                 else:
@@ -124,14 +126,16 @@ class KVManagerService:
         self.handler_cpu_s += time.thread_time() - start
         return replies
 
-    def _publish(self, packed_batch: bytes, now: float) -> bytes:
+    def _publish(self, packed_batch: bytes, now: float, quiet: bool = False) -> bytes | None:
         batch = KVEventBatch.unpack(packed_batch)
         result = self.index.apply(batch, now)
         if result.status == "ok" and batch.events:
             self._lags_s.append(now - batch.oldest_event_at)
-        ack = PublishAck(result.status, self.incarnation, result.expected_seq).pack()
         self.num_publishes += 1
         self.bytes_in += len(packed_batch)
+        if quiet and result.status != "resync":
+            return None
+        ack = PublishAck(result.status, self.incarnation, result.expected_seq).pack()
         self.bytes_out += len(ack)
         return ack
 

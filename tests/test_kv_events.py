@@ -218,8 +218,8 @@ def test_bad_snapshots_and_messages_are_refused_and_the_publisher_resyncs():
     # The publisher's batches are cut short on the way: each is refused, the worker resyncs,
     # and the index always ends up exactly as the pool.
     class Truncating(InProcessTransport):
-        def send(self, method, packed):
-            return super().send(method, packed[:-5] if method == "publish" else packed)
+        def send(self, method, packed, want_ack=True):
+            return super().send(method, packed[:-5] if method == "publish" else packed, want_ack)
 
     local, worker = make_local()
     publisher = KVPublisher(local, Truncating(service), max_batch_age_s=0.0)
@@ -543,9 +543,9 @@ def test_background_publisher_never_touches_the_transport_from_maybe_flush():
     class CountingTransport(InProcessTransport):
         num_sends = 0
 
-        def send(self, method, packed):
+        def send(self, method, packed, want_ack=True):
             CountingTransport.num_sends += 1
-            return super().send(method, packed)
+            return super().send(method, packed, want_ack)
 
         def poll(self, tokens):
             CountingTransport.num_sends += 1000  # the step path must not poll either

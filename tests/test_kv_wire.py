@@ -86,6 +86,79 @@ def test_receiver_drains_a_burst_in_one_go_and_acks_every_message_in_order():
     central.index.check_consistency_with([local.snapshot()])
 
 
+def test_quiet_publishes_are_answered_only_when_something_is_wrong():
+    """No Ray: b"q" publishes that apply get no reply; one that leaves a gap (a lost batch)
+    or is malformed does, in order with the asked-for acks."""
+    import zmq
+
+    central = CentralKVManager()
+    local, worker = make_local()
+    driver = Driver(local, worker, seed=8)
+    messages = [(b"r", local.snapshot().pack())]
+    for _ in range(12):
+        driver.step()
+        messages.append((b"q", local.drain_events().pack()))
+    messages.append((b"p", local.drain_events().pack()))           # asks for its ack
+    driver.step()
+    lost = local.drain_events()                                       # never sent
+    driver.step()
+    messages.append((b"q", local.drain_events().pack()))             # after the lost one: a gap
+    messages.append((b"q", b"\x02 a truncated batch"))
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(central.event_endpoint())
+    try:
+        for request_id, (kind, payload) in enumerate(messages):
+            socket.send(request_id.to_bytes(8, "big") + kind + payload)
+        replies = []
+        while len(replies) < 4 and socket.poll(10_000):
+            replies.append(socket.recv())
+        assert not socket.poll(300)     # nothing more: the quiet publishes that applied got none
+        stats = central.stats()
+    finally:
+        socket.close()
+        central.close()
+    assert lost.events
+    assert [int.from_bytes(r[:8], "big") for r in replies] == [0, 13, 14, 15]
+    assert [r[8:9] for r in replies] == [b"o", b"o", b"o", b"e"]
+    assert PublishAck.unpack(replies[2][9:]).needs_resync and b"WireFormatError" in replies[3]
+    assert stats["num_zmq_replies"] == 4 and stats["num_zmq_messages"] == len(messages)
+    assert stats["bytes_out"] == sum(len(r) - 9 for r in replies[:3])   # only acks sent are counted
+
+
+def test_a_quiet_send_is_acknowledged_by_a_later_reply_and_times_out_without_one(ray_local):
+    ray = ray_local
+    actor = _central(ray)
+    transport = connect_transport(actor, "zmq", ack_timeout_s=1.0)
+    local, worker = make_local()
+    publisher = KVPublisher(local, transport, max_batch_age_s=0.0)
+    driver = Driver(local, worker, seed=9)
+    _drive(publisher, driver, 5)
+    assert publisher.flush_and_wait(10.0)
+    driver.step()
+    quiet = transport.send("publish", local.drain_events().pack(), want_ack=False)
+    time.sleep(0.3)
+    assert transport.poll([quiet]) == []            # applied, but no reply of its own yet
+    driver.step()
+    loud = transport.send("publish", local.drain_events().pack())
+    transport.wait([quiet, loud], 10.0)
+    ended = dict((token, (reply, error)) for token, reply, error in transport.poll([quiet, loud]))
+    assert ended[quiet] == (None, None) and ended[loud][1] is None
+    assert PublishAck.unpack(ended[loud][0]).status == "ok"
+    # With no later send, a quiet send ends by the ack timeout (the publisher then resyncs).
+    driver.step()
+    quiet = transport.send("publish", local.drain_events().pack(), want_ack=False)
+    time.sleep(1.2)
+    [(_, reply, error)] = transport.poll([quiet])
+    assert reply is None and isinstance(error, TimeoutError)
+    time.sleep(0.5)         # the timeout made the transport ask the actor for its endpoint again:
+    transport.poll([])      # sends made until the answer is read would time out too
+    local.event_log.needs_snapshot = True
+    assert publisher.flush_and_wait(10.0) and _consistent(ray, actor, local)
+    transport.close()
+    ray.kill(actor)
+
+
 def test_events_round_trip_in_order_with_acks_while_ray_methods_run(ray_local):
     ray = ray_local
     actor = _central(ray)
@@ -105,6 +178,7 @@ def test_events_round_trip_in_order_with_acks_while_ray_methods_run(ray_local):
     assert publisher.num_batches >= 5 and publisher.num_failed_calls == 0   # (acks come <= gather_s late)
     assert stats["num_publishes"] == publisher.num_batches and stats["num_snapshots"] == 1
     assert stats["num_zmq_messages"] == publisher.num_batches + 1
+    assert stats["num_zmq_replies"] < stats["num_zmq_messages"]   # quiet publishes (ack_interval_s)
     assert publisher.central_incarnation == ray.get(actor.get_incarnation.remote())
     assert stats["bytes_in"] == publisher.num_bytes_out and stats["bytes_out"] == publisher.num_bytes_in
     local.check_integrity()

@@ -14,7 +14,7 @@ class RayTransport:
     def __init__(self, actor) -> None:
         self.actor = actor
 
-    def send(self, method: str, packed: bytes):
+    def send(self, method: str, packed: bytes, want_ack: bool = True):
         return getattr(self.actor, method).remote(packed)
 
     def poll(self, tokens: list) -> list:

@@ -10,7 +10,7 @@ bypasses Ray (vLLM publishes its KV events over ZMQ for the same reason):
   hands them to one ``handle([(kind, payload), ...]) -> [(ok, reply), ...]``
   call (the service's ``handle_events``: one lock acquisition and one CPU
   clock read per drain) and sends every reply (the acks workers use to detect
-  a lost batch or a restarted central manager);
+  a lost batch or a restarted central manager; None: no reply);
 - worker side, ``ZmqTransport`` (a ``KVTransport``): one DEALER socket, so a
   worker's batches arrive in order. ``send`` never blocks, ``poll`` reads
   acks without waiting, ``call`` (the rare preemption decision) stays a Ray
@@ -18,10 +18,14 @@ bypasses Ray (vLLM publishes its KV events over ZMQ for the same reason):
   then resyncs) and the transport asks the actor for its endpoint again,
   without waiting: a restarted central manager binds a new port.
 
-One frame each way, so a message costs one receive and one send: worker ->
-central ``request id (8 bytes) + kind (b"p" publish, b"r" resync) + payload``
-(the ROUTER adds the worker's identity frame), central -> worker ``request id
-+ status (b"o" ok, b"e" error) + ack or error text``. ``pyzmq`` is imported lazily; ``connect_transport``
+One frame each way: worker -> central ``request id (8 bytes) + kind (b"p"
+publish, b"q" publish wanting no routine ack, b"r" resync) + payload`` (the
+ROUTER adds the worker's identity frame), central -> worker ``request id +
+status (b"o" ok, b"e" error) + ack or error text``. A b"q" publish is
+answered only when refused or when its ack asks for a resync; the worker
+counts it acknowledged once a later reply arrives (one connection, handled
+and answered in order), so most batches cost the central side a receive
+and no send. ``pyzmq`` is imported lazily; ``connect_transport``
 falls back to Ray actor calls when it is missing or the endpoint cannot be
 had.
 """
@@ -40,7 +44,8 @@ logger = logging.getLogger(__name__)
 
 _HEAD = struct.Struct("!QB")     # request id, kind or status
 _KIND_CODES = {"publish": ord("p"), "resync": ord("r")}
-_KINDS = {code: kind for kind, code in _KIND_CODES.items()}
+_QUIET_PUBLISH = ord("q")    # a publish that wants a reply only when something is wrong
+_KINDS = {**{code: kind for kind, code in _KIND_CODES.items()}, _QUIET_PUBLISH: "quiet_publish"}
 _OK, _ERROR = ord("o"), ord("e")
 ASK_AGAIN_S = 0.25   # after a failed ``event_endpoint`` ask (the manager is restarting)
 _fallback_logged = False
@@ -65,6 +70,7 @@ class EventEndpoint:
         self.num_messages = 0
         self.num_drains = 0
         self.num_errors = 0
+        self.num_replies = 0
         self._poll_ms = poll_ms
         self._max_drain = max_drain
         self._gather_s = gather_s
@@ -88,7 +94,8 @@ class EventEndpoint:
                 except again:
                     break
             for reply in self._answer(received):
-                send(reply)
+                if reply is not None:
+                    send(reply)
             # Let the next messages gather (unless this drain was cut short): a wake-up (poll,
             # thread switch, cold caches) costs more than a message, and gather_s more of lag is
             # small against the workers' 50 ms flushes (measured in the README's kv-scale runs).
@@ -97,8 +104,9 @@ class EventEndpoint:
         socket.close(0)
         self._context.term()
 
-    def _answer(self, received: list[list[bytes]]) -> list[list[bytes]]:
-        """One reply per received message, in order; the well-formed ones handled together."""
+    def _answer(self, received: list[list[bytes]]) -> list[list[bytes] | None]:
+        """Per received message, in order, its reply (None: a quiet publish that went well);
+        the well-formed ones handled together."""
         self.num_messages += len(received)
         self.num_drains += 1
         replies: list[list[bytes] | None] = []
@@ -118,7 +126,10 @@ class EventEndpoint:
                 identity, body = received[index]
                 if not ok:
                     self.num_errors += 1
+                elif reply is None:   # a quiet publish that went well
+                    continue
                 replies[index] = [identity, body[:8] + (b"o" if ok else b"e") + reply]
+        self.num_replies += sum(reply is not None for reply in replies)
         return replies
 
     def close(self) -> None:
@@ -140,12 +151,13 @@ def _node_ip() -> str:
 class _Send:
     """A send's token: the request id on one connection, and when it left."""
 
-    __slots__ = ("request_id", "connection", "sent_at")
+    __slots__ = ("request_id", "connection", "sent_at", "wants_ack")
 
-    def __init__(self, request_id: int, connection: int, sent_at: float) -> None:
+    def __init__(self, request_id: int, connection: int, sent_at: float, wants_ack: bool) -> None:
         self.request_id = request_id
         self.connection = connection
         self.sent_at = sent_at
+        self.wants_ack = wants_ack
 
 
 class ZmqTransport:
@@ -169,6 +181,7 @@ class ZmqTransport:
         self.connection = 0
         self._next_id = 0
         self._replies: dict[int, tuple[bytes | None, BaseException | None]] = {}
+        self._last_reply_id = -1        # on this connection: every quiet send before it is acknowledged
         self._endpoint_ref = None       # an outstanding ``event_endpoint`` ask
         self._ask_again_at = 0.0        # a failed ask (manager restarting) is repeated then
         self.num_reconnects = 0
@@ -187,14 +200,17 @@ class ZmqTransport:
         self.endpoint = endpoint
         self.connection += 1
         self._replies.clear()           # replies of an old connection never come
+        self._last_reply_id = -1
 
     # ---- KVTransport -------------------------------------------------------------------
-    def send(self, method: str, packed: bytes) -> _Send:
-        token = _Send(self._next_id, self.connection, time.monotonic())
+    def send(self, method: str, packed: bytes, want_ack: bool = True) -> _Send:
+        wants_ack = want_ack or method != "publish"
+        token = _Send(self._next_id, self.connection, time.monotonic(), wants_ack)
         self._next_id += 1
         if self._endpoint_ref is None:  # while rediscovering, the send just times out
+            kind = _KIND_CODES[method] if wants_ack else _QUIET_PUBLISH
             try:
-                self._socket.send(_HEAD.pack(token.request_id, _KIND_CODES[method]) + packed, self._zmq.NOBLOCK)
+                self._socket.send(_HEAD.pack(token.request_id, kind) + packed, self._zmq.NOBLOCK)
             except self._zmq.Again:     # the queue to an unreachable manager is full
                 pass
         return token
@@ -214,6 +230,8 @@ class ZmqTransport:
                 ended.append((token, None, ConnectionError("reconnected to the central KV manager")))
             elif token.request_id in self._replies:
                 ended.append((token, *self._replies.pop(token.request_id)))
+            elif self._acknowledged_later(token):
+                ended.append((token, None, None))
             elif now - token.sent_at > self.ack_timeout_s:
                 self.num_timeouts += 1
                 self._rediscover()
@@ -227,7 +245,8 @@ class ZmqTransport:
         while True:
             self._read_replies()
             self._check_endpoint()      # a reconnect ends the old connection's waits
-            missing = [t for t in tokens if t.connection == self.connection and t.request_id not in self._replies]
+            missing = [t for t in tokens if t.connection == self.connection and t.request_id not in self._replies
+                       and not self._acknowledged_later(t)]
             left = deadline - time.monotonic()
             if not missing or left <= 0:
                 return
@@ -239,7 +258,12 @@ class ZmqTransport:
     def ready(self, tokens: list) -> list:
         """The tokens whose acks have arrived, without taking them (benchmarks time acks)."""
         self._read_replies()
-        return [t for t in tokens if t.connection == self.connection and t.request_id in self._replies]
+        return [t for t in tokens if t.connection == self.connection
+                and (t.request_id in self._replies or self._acknowledged_later(t))]
+
+    def _acknowledged_later(self, token: _Send) -> bool:
+        """A quiet publish is acknowledged by any reply to a later send on its connection."""
+        return not token.wants_ack and token.connection == self.connection and token.request_id < self._last_reply_id
 
     # ---- connection ---------------------------------------------------------------------
     def _read_replies(self) -> None:
@@ -254,6 +278,7 @@ class ZmqTransport:
                 continue
             body = frames[0]
             request_id, status = _HEAD.unpack_from(body)
+            self._last_reply_id = max(self._last_reply_id, request_id)
             if status == _OK:
                 self._replies[request_id] = (body[_HEAD.size:], None)
             else:

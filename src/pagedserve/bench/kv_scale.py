@@ -18,7 +18,8 @@ Measured over ``seconds`` after a warm-up that fills every worker's batch:
 - ``bytes_per_worker_step``: payload bytes both ways (event batches,
   snapshots, preemption requests and their answers, as counted by the
   central manager) / worker-steps; Ray's per-call framing is not included,
-  ``central_calls_per_worker_step`` says how many calls it would add to;
+  ``central_calls_per_worker_step`` says how many calls it would add to
+  (``central_zmq_replies_per_worker_step``: how many ZeroMQ replies the central side sent);
 - ``blocking_calls_per_step``: blocking calls a worker made / its steps;
 - ``event_lag_p99_ms``: a batch's oldest event on the worker -> the batch
   applied to the central index, wall clock, as the central manager measures
@@ -90,8 +91,8 @@ class _TimedTransport:
         self.rtts = rtts                 # (ack seen at, seconds since sent), shared by the group
         self._watch: dict = {}           # token -> sent at
 
-    def send(self, method: str, packed: bytes):
-        token = self.inner.send(method, packed)
+    def send(self, method: str, packed: bytes, want_ack: bool = True):
+        token = self.inner.send(method, packed, want_ack)
         self._watch[token] = time.perf_counter()
         return token
 
@@ -457,6 +458,8 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
         "central_idle_cpu_frac": idle_cpu_frac,
         "central_cpu_us_per_worker_step_less_idle": 1e6 * max(0.0, cpu_s - idle_cpu_frac * window_s) / num_steps,
         "central_calls_per_worker_step": num_calls / num_steps,
+        "central_zmq_replies_per_worker_step": (central_after["num_zmq_replies"]
+                                            - central_before["num_zmq_replies"]) / num_steps,
         "event_lag_p50_ms": central_after["event_lag_p50_ms"],
         "publish_rtt_p99_ms": 1e3 * rtts[min(len(rtts) - 1, int(0.99 * len(rtts)))] if rtts else 0.0,
         "flush_interval_ms": 1e3 * config.flush_interval_s,
