@@ -18,6 +18,7 @@ rebuild it.
 from __future__ import annotations
 
 import collections
+import os
 import time
 import uuid
 from dataclasses import asdict
@@ -222,6 +223,7 @@ class KVManagerService:
             workers[worker_id] = entry
         return {
             "incarnation": self.incarnation,
+            "pid": os.getpid(),
             "uptime_s": time.time() - self.started_at,
             "process_cpu_s": time.process_time() - self._cpu_at_start,
             "handler_cpu_s": self.handler_cpu_s,

@@ -250,6 +250,10 @@ def _add_kv_scale_parser(subparsers) -> None:
     parser.add_argument("--transport", choices=("zmq", "ray"), default="zmq",
                         help="workers' KV events: over ZeroMQ (the cluster's default) or one Ray actor call "
                              "per batch (default: zmq)")
+    parser.add_argument("--central-cpus", type=non_negative_int, nargs="+", metavar="CPU",
+                        help="pin the central KV manager's process to these CPUs and every other process "
+                             "of the run (simulated workers, Ray's own) to the rest, as a central manager "
+                             "on its own host would run (Linux; default: no pinning)")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     parser.set_defaults(run=_run_kv_scale)
 
@@ -262,7 +266,8 @@ def _run_kv_scale(args: argparse.Namespace) -> int:
     config = kv_scale.KVScaleConfig(
         num_workers=args.workers, batch=args.batch, context=args.context, steps_per_s=args.steps_per_s,
         seconds=args.seconds, workers_per_process=args.workers_per_process, flush_interval_s=args.flush_ms / 1e3,
-        pressure_per_s=args.pressure_per_s, seed=args.seed, transport=args.transport)
+        pressure_per_s=args.pressure_per_s, seed=args.seed, transport=args.transport,
+        central_cpus=tuple(args.central_cpus or ()))
     result = kv_scale.run_kv_scale(config, out=args.json)
     print(kv_scale.format_results(result))
     if args.json:

@@ -35,13 +35,17 @@ Measured over ``seconds`` after a warm-up that fills every worker's batch:
 
 If the simulated workers cannot keep up with ``steps_per_s`` on this
 machine, the achieved rate is reported and every figure stays per
-worker-step.
+worker-step. ``central_cpus`` pins the central process to those CPUs and
+every other process of the run to the rest (Linux), as when the central
+manager has a host of its own: on a small machine the simulated workers
+otherwise take the central's CPU and caches between its wake-ups.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 import time
 from dataclasses import asdict, dataclass, fields
@@ -69,6 +73,7 @@ class KVScaleConfig(SimWorkload):
     flush_interval_s: float = 0.05
     warmup_timeout_s: float = 600.0
     transport: str = "zmq"   # the event stream: "zmq" (the cluster's default) or "ray" (actor calls)
+    central_cpus: tuple[int, ...] = ()   # pin the central process here, everything else elsewhere
 
     def workload(self) -> SimWorkload:
         return SimWorkload(**{f.name: getattr(self, f.name) for f in fields(SimWorkload)})
@@ -83,8 +88,8 @@ class KVScaleConfig(SimWorkload):
 
 
 class _TimedTransport:
-    """A worker's ``KVTransport`` that also notes when each publish's ack arrives
-    (``observe``, polled by the stepping thread between steps), for ``publish_rtt``."""
+    """A worker's ``KVTransport`` that also notes when each publish that asked for an ack
+    gets it (``observe``, polled by the stepping thread between steps), for ``publish_rtt``."""
 
     def __init__(self, inner, rtts: list) -> None:
         self.inner = inner
@@ -93,7 +98,8 @@ class _TimedTransport:
 
     def send(self, method: str, packed: bytes, want_ack: bool = True):
         token = self.inner.send(method, packed, want_ack)
-        self._watch[token] = time.perf_counter()
+        if want_ack:   # a quiet publish's ack is the next reply, whenever a later send asks for one
+            self._watch[token] = time.perf_counter()
         return token
 
     def poll(self, tokens: list) -> list:
@@ -166,6 +172,9 @@ class SimWorkerGroup:
     def connect(self, groups: list) -> bool:
         self.groups = groups
         return True
+
+    def pid(self) -> int:
+        return os.getpid()
 
     # ---- setup -----------------------------------------------------------------------
     def register(self) -> bool:
@@ -348,12 +357,37 @@ def _flush_and_check_central(central, groups: list) -> str | None:
     return None
 
 
+def _pin_process(pid: int, cpus: set[int]) -> None:
+    """Every thread of process ``pid`` onto ``cpus`` (threads it starts later inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # a thread that just ended
+            pass
+
+
+def _split_cpus(central_cpus: tuple[int, ...]) -> tuple[set[int], set[int]]:
+    """(the central's CPUs, everything else's), or ValueError naming what is wrong."""
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError("--central-cpus needs Linux (os.sched_setaffinity)")
+    available = os.sched_getaffinity(0)
+    central = set(central_cpus)
+    if not central <= available or not available - central:
+        raise ValueError(f"--central-cpus {sorted(central)}: this process may run on CPUs {sorted(available)}; "
+                         f"the central's must be among them and leave at least one for the rest")
+    return central, available - central
+
+
 def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> dict:
     """Run the benchmark (starting a local Ray cluster unless one is connected)."""
     import ray
 
     from pagedserve.cluster.kv_central import CentralKVManager
 
+    pinned = _split_cpus(config.central_cpus) if config.central_cpus else None
+    driver_cpus = os.sched_getaffinity(0) if pinned else None
+    if pinned:
+        os.sched_setaffinity(0, pinned[1])   # Ray's processes started below inherit it
     owns_ray = not ray.is_initialized()
     if owns_ray:
         ray.init(address="local", include_dashboard=False, log_to_driver=False,
@@ -363,6 +397,8 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
     try:
         central = ray.remote(CentralKVManager).options(num_cpus=0, max_restarts=0).remote(config.transport)
         ray.get(central.get_incarnation.remote(), timeout=120)
+        if pinned:
+            _pin_process(ray.get(central.stats.remote(), timeout=60)["pid"], pinned[0])
         worker_ids = config.worker_ids
         per = config.workers_per_process
         chunks = [worker_ids[i:i + per] for i in range(0, len(worker_ids), per)]
@@ -370,6 +406,9 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
         group_cls = ray.remote(SimWorkerGroup).options(num_cpus=0, max_concurrency=4)
         groups = [group_cls.remote(config, chunk, central, groups_by_worker) for chunk in chunks]
         ray.get([g.connect.remote(groups) for g in groups], timeout=600)
+        if pinned:
+            for pid in ray.get([g.pid.remote() for g in groups], timeout=60):
+                _pin_process(pid, pinned[1])
         ray.get([g.register.remote() for g in groups], timeout=600)
         # The central process's CPU with nobody calling (Ray's own threads): amortised over
         # few worker-steps when the simulated workers are slow, so reported apart.
@@ -426,6 +465,8 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
             ray.kill(actor)
         if owns_ray:
             ray.shutdown()
+        if driver_cpus:
+            os.sched_setaffinity(0, driver_cpus)
 
     counters = _delta(counters_after, counters_before)
     num_steps = counters["num_steps"]
@@ -489,7 +530,9 @@ def format_results(result: dict) -> str:
         f"events over {config.get('transport', 'ray')}, "
         f"target {config['steps_per_s']:g} steps/s per worker, achieved "
         f"{result['achieved_steps_per_s_per_worker']:.1f} ({result['worker_steps']} worker-steps in "
-        f"{result['window_s']:.1f} s; figures are per worker-step)",
+        f"{result['window_s']:.1f} s; figures are per worker-step)"
+        + (f"; central pinned to CPUs {list(config['central_cpus'])}, the rest elsewhere"
+           if config.get("central_cpus") else ""),
     ]
     for key, check in result["targets"].items():
         lines.append(f"  {key:<38} {result[key]:>12.3f}   target {check['target']:<8} "
