@@ -11,7 +11,11 @@ not count, its cache pressure does):
 - ``publish_us``: ``drain_events().pack()`` (the publisher's work on the
   engine's thread), amortised over ``--flush-every`` steps;
 - ``sim_us``: the simulated engine around them (queues, sampled tokens),
-  which a real engine replaces with its own.
+  which a real engine replaces with its own;
+- ``stats_us``: one ``LocalKVManager.stats`` call (what a /metrics or dashboard
+  poll costs the engine's thread), taken every ``--stats-every`` steps and not
+  counted in the step's figures (``stats_wall_median_us``: the median wall time).
+  Its ``kv_utilization`` figures are compared between the runs too.
 
 With ``--baseline REV`` the same measurement also runs on that git revision's
 ``kvmanager`` and ``kv_sim`` (extracted to a temporary directory that shadows
@@ -39,7 +43,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def measure(batch: int, context: int, num_steps: int, flush_every: int) -> dict:
+def measure(batch: int, context: int, num_steps: int, flush_every: int, stats_every: int) -> dict:
     """Per-step costs of one simulated worker, warm, in this process."""
     import pagedserve.kvmanager
     from pagedserve.bench.kv_sim import SimulatedKVWorker, SimWorkload
@@ -71,6 +75,9 @@ def measure(batch: int, context: int, num_steps: int, flush_every: int) -> dict:
 
     worker.kv.step = timed_plan
     step_cpu, publish_cpu = [], []
+    stats_cpu: list[float] = []
+    stats_wall: list[float] = []
+    utilizations: list[float] = []
     for i in range(num_steps):
         cpu = time.thread_time()
         worker.step()
@@ -79,6 +86,12 @@ def measure(batch: int, context: int, num_steps: int, flush_every: int) -> dict:
             cpu = time.thread_time()
             worker.kv.drain_events().pack()
             publish_cpu.append(time.thread_time() - cpu)
+        if (i + 1) % stats_every == 0:
+            wall, cpu = time.perf_counter(), time.thread_time()
+            stats = worker.kv.stats(worker.worker_id)
+            stats_cpu.append(time.thread_time() - cpu)
+            stats_wall.append(time.perf_counter() - wall)
+            utilizations.append(stats["kv_utilization"])
     worker.kv.step = plan
     worker.check_integrity()
     us = 1e6
@@ -88,6 +101,9 @@ def measure(batch: int, context: int, num_steps: int, flush_every: int) -> dict:
         "plan_wall_median_us": round(us * statistics.median(plan_wall), 1),
         "publish_us": round(us * sum(publish_cpu) / num_steps, 1),
         "sim_us": round(us * (sum(step_cpu) - sum(plan_cpu)) / num_steps, 1),
+        "stats_us": round(us * statistics.fmean(stats_cpu), 1) if stats_cpu else None,
+        "stats_wall_median_us": round(us * statistics.median(stats_wall), 1) if stats_wall else None,
+        "kv_utilizations": utilizations,
         "counters": worker.counters.as_dict(),
         "kvmanager_from": str(Path(pagedserve.kvmanager.__file__).parent),
     }
@@ -116,7 +132,8 @@ def run_in_subprocess(pythonpath: Path | None, args: argparse.Namespace, context
     if pythonpath is not None:
         env["PYTHONPATH"] = f"{pythonpath}{os.pathsep}{env.get('PYTHONPATH', '')}"
     out = subprocess.run([sys.executable, __file__, "--measure", "--batch", str(args.batch), "--contexts",
-                          str(context), "--steps", str(args.steps), "--flush-every", str(args.flush_every)],
+                          str(context), "--steps", str(args.steps), "--flush-every", str(args.flush_every),
+                          "--stats-every", str(args.stats_every)],
                          env=env, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -127,6 +144,7 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--flush-every", type=int, default=2, help="steps per publish (kv-scale: 2 at 50/s)")
+    parser.add_argument("--stats-every", type=int, default=10, help="steps per timed stats() call")
     parser.add_argument("--baseline", help="a git revision to measure side by side (e.g. main)")
     parser.add_argument("--candidate", help="a git revision to measure instead of the working tree")
     parser.add_argument("--rounds", type=int, default=2, help="alternating runs per variant and context")
@@ -134,7 +152,7 @@ def main() -> None:
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
-        print(json.dumps(measure(args.batch, args.contexts[0], args.steps, args.flush_every)))
+        print(json.dumps(measure(args.batch, args.contexts[0], args.steps, args.flush_every, args.stats_every)))
         return
 
     load = os.getloadavg()
@@ -152,12 +170,16 @@ def main() -> None:
             row = {"context": context, "batch": args.batch}
             for name, measured in runs.items():
                 row[name] = {key: statistics.median(m[key] for m in measured)
-                             for key in ("plan_us", "plan_wall_median_us", "publish_us", "sim_us")}
+                             for key in ("plan_us", "plan_wall_median_us", "publish_us", "sim_us",
+                                         "stats_us", "stats_wall_median_us")}
                 row[name]["counters"] = measured[0]["counters"]
+                row[name]["kv_utilizations"] = measured[0]["kv_utilizations"]
             if baseline is not None:
                 base, cur = row[variants[1][0]], row["current"]
                 row["plan_speedup"] = round(base["plan_us"] / cur["plan_us"], 2)
+                row["stats_speedup"] = round(base["stats_us"] / cur["stats_us"], 1)
                 row["same_workload"] = base["counters"] == cur["counters"]
+                row["same_stats"] = base["kv_utilizations"] == cur["kv_utilizations"]
             results.append(row)
             print(format_row(row, [name for name, _ in variants]), flush=True)
     report = {"load_before": load, "load_after": os.getloadavg(), "results": results}
@@ -171,9 +193,11 @@ def format_row(row: dict, names: list[str]) -> str:
     for name in names:
         r = row[name]
         lines.append(f"  {name:>16}: plan {r['plan_us']:6.0f} us/step (wall median {r['plan_wall_median_us']:.0f}), "
-                     f"publish {r['publish_us']:4.0f} us/step, sim {r['sim_us']:5.0f} us/step (CPU)")
+                     f"publish {r['publish_us']:4.0f} us/step, sim {r['sim_us']:5.0f} us/step (CPU); "
+                     f"stats() {r['stats_us']:7.0f} us/call (wall median {r['stats_wall_median_us']:.0f})")
     if "plan_speedup" in row:
-        lines.append(f"  plan speedup x{row['plan_speedup']}, same workload: {row['same_workload']}")
+        lines.append(f"  plan speedup x{row['plan_speedup']}, stats() speedup x{row['stats_speedup']}, "
+                     f"same workload: {row['same_workload']}, same kv_utilization: {row['same_stats']}")
     return "\n".join(lines)
 
 

@@ -8,6 +8,8 @@ consecutive blocks up front, first fit, and shares nothing.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from .block_pool import BlockPool, ContiguousBlockPool
 from .sequence import SequenceBlocks
 
@@ -59,6 +61,10 @@ class PagedAllocation:
     def held_blocks(self, seq: SequenceBlocks) -> list[int]:
         return seq.block_table[seq.num_freed_blocks:]
 
+    def num_untabled_blocks(self, seqs: Iterable[SequenceBlocks]) -> int:
+        """Blocks the sequences hold outside their tables' entries: none, a table holds its own."""
+        return 0
+
 
 class ContiguousAllocation:
     name = "contiguous"
@@ -93,6 +99,11 @@ class ContiguousAllocation:
 
     def held_blocks(self, seq: SequenceBlocks) -> list[int]:
         return seq.reserved
+
+    def num_untabled_blocks(self, seqs: Iterable[SequenceBlocks]) -> int:
+        """Blocks the sequences hold outside their tables' entries: each reservation's unused
+        tail (a table is a prefix of its reservation). O(sequences)."""
+        return sum(len(seq.reserved) - len(seq.block_table) for seq in seqs if seq.reserved)
 
 
 ALLOCATION_POLICIES = {"paged": PagedAllocation, "contiguous": ContiguousAllocation}

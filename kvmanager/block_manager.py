@@ -581,6 +581,10 @@ class BlockManager:
             host_refs[block] = host_refs.get(block, 0) + 1
         self.device.check_integrity(device_refs)
         self.host.check_integrity(host_refs)
+        num_stored, num_walked = self.num_stored_tokens(), self._num_stored_tokens_by_walk()
+        if num_stored != num_walked:
+            raise IntegrityError(f"device blocks store {num_walked} tokens (every table entry read), "
+                                 f"but num_stored_tokens says {num_stored}")
 
     def _check_freed_entries(self, seq: SequenceBlocks) -> None:
         """-1 entries: exactly the leading ``num_freed_blocks``, all out of the window."""
@@ -603,7 +607,64 @@ class BlockManager:
                                  f"{seq.num_computed} computed tokens")
 
     def kv_utilization(self) -> float:
-        """Tokens stored / token slots allocated on the device (shared blocks count once)."""
+        """Tokens stored / token slots of the device blocks in use: a block shared by
+        several tables counts once, a block in use outside every table (a contiguous
+        reservation's unused part) counts as empty. O(device sequences): see
+        ``num_stored_tokens``."""
+        num_slots = self.device.num_used_blocks * self.block_size
+        return self.num_stored_tokens() / num_slots if num_slots else 0.0
+
+    def num_stored_tokens(self) -> int:
+        """Tokens held by the device blocks in use, each block counted once, at its
+        fullest holder's fill. Costs O(device sequences), not O(their blocks).
+
+        Every block in use is held by a sequence, and a block's ref count is the number
+        of held entries naming it (``check_integrity``); they are table entries but for
+        the policy's ``num_untabled_blocks``, which store nothing. Each sequence's held
+        entries before its first non-full one are full blocks, so only the entries from
+        there on are read (its partial last block; more only in a restored table longer
+        than its tokens). Such a block stores its largest fill among those entries,
+        unless a holder has it full: then its ref count exceeds the entries read.
+        ``check_integrity`` compares this with the walk over every entry.
+        """
+        bs = self.block_size
+        device = SeqLocation.DEVICE
+        ref_counts = self.device.ref_counts
+        num_empty = 0                 # empty slots of the unshared blocks read
+        fills: dict[int, int] = {}    # a shared block read -> its largest fill among those entries
+        repeats: dict[int, int] = {}  # a shared block read more than once -> how many times
+        for seq in self.seqs.values():
+            if seq.location is not device:
+                continue
+            computed = seq.num_computed
+            i = computed // bs
+            if i < seq.num_freed_blocks:
+                i = seq.num_freed_blocks
+            table = seq.block_table
+            while i < len(table):
+                block = table[i]
+                filled = computed - i * bs
+                if filled < 0:
+                    filled = 0
+                if ref_counts[block] == 1:
+                    num_empty += bs - filled
+                else:
+                    largest = fills.get(block)
+                    if largest is None:
+                        fills[block] = filled
+                    else:
+                        repeats[block] = repeats.get(block, 1) + 1
+                        if filled > largest:
+                            fills[block] = filled
+                i += 1
+        for block, filled in fills.items():
+            if ref_counts[block] == repeats.get(block, 1):  # no holder has it full
+                num_empty += bs - filled
+        num_tabled = self.device.num_used_blocks - self.policy.num_untabled_blocks(self.seqs.values())
+        return num_tabled * bs - num_empty
+
+    def _num_stored_tokens_by_walk(self) -> int:
+        """``num_stored_tokens`` by reading every held table entry: the reference."""
         fill: dict[int, int] = {}
         bs = self.block_size
         for seq in self.seqs.values():
@@ -615,5 +676,4 @@ class BlockManager:
                 filled = min(bs, seq.num_computed - i * bs)
                 if filled > fill.get(block, 0):
                     fill[block] = filled
-        num_slots = self.device.num_used_blocks * bs
-        return sum(fill.values()) / num_slots if num_slots else 0.0
+        return sum(fill.values())

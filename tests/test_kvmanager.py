@@ -9,7 +9,7 @@ import sys
 import msgpack
 import pytest
 
-from pagedserve.kvmanager import (BlockPool, ContiguousBlockPool, DoubleFreeError, IntegrityError,
+from pagedserve.kvmanager import (BlockManager, BlockPool, ContiguousBlockPool, DoubleFreeError, IntegrityError,
                                   KVManager, KVManagerError, NewSequence, NoFreeBlocksError,
                                   PoolConfig, StepInput, StepOutput, UnknownSequenceError,
                                   UnknownWorkerError, from_wire, hash_block, to_wire)
@@ -289,6 +289,90 @@ def test_contiguous_allocation_reserves_max_len():
     assert stats["device_blocks_used"] == 32
     assert stats["kv_utilization"] == pytest.approx(10 / 128)
     manager.check_integrity()
+
+
+def _utilization(bm) -> tuple[int, int]:
+    """(tokens stored, token slots in use), after checking kv_utilization against the walk
+    over every table entry (check_integrity compares the two stored-token counts)."""
+    bm.check_integrity()
+    num_slots = bm.device.num_used_blocks * bm.block_size
+    assert bm.kv_utilization() == (bm.num_stored_tokens() / num_slots if num_slots else 0.0)
+    return bm.num_stored_tokens(), num_slots
+
+
+def _admit(bm, seq_id, tokens, **kwargs):
+    seq = bm.add_sequence(seq_id, tokens, **kwargs)
+    bm.admit(seq, bm.match_prefix(seq))
+    bm.grow(seq, len(tokens) - seq.num_computed)
+    return seq
+
+
+def test_kv_utilization_counts_each_shared_block_once_at_its_fill():
+    bm = BlockManager(32, num_host_blocks=16, block_size=4, max_model_len=64, watermark=0.0)
+    a = _admit(bm, "a", list(range(10)))                     # 4 + 4 + 2
+    assert _utilization(bm) == (10, 12)
+    bm.fork("a", "b")                                        # shares all three, the partial one too
+    assert _utilization(bm) == (10, 12)
+    bm.append_tokens("b", [50])
+    bm.grow(bm.seqs["b"], 1)                                 # copy-on-write: b's own 3-token block
+    assert _utilization(bm) == (13, 16)
+    c = _admit(bm, "c", list(range(8)) + [60, 61])           # two prefix-cache hits + 2 tokens
+    assert bm.counters.num_prefix_hit_tokens == 8
+    assert _utilization(bm) == (15, 20)
+    bm.swap_out(c)                                           # its shared blocks stay with a and b
+    assert _utilization(bm) == (13, 16)
+    bm.swap_in(c)
+    bm.end_step()
+    assert _utilization(bm) == (15, 20)
+    imported = bm.add_sequence("i", list(range(100, 107)), num_imported_tokens=6)
+    bm.admit_imported(imported)                              # 6 transferred tokens: 4 + 2
+    assert _utilization(bm) == (21, 28)
+    bm.migrate_out(imported)
+    bm.preempt_recompute(a)
+    assert _utilization(bm) == (13, 16)                      # only a's 2-token block goes: b, c hold the rest
+    for seq_id in ("b", "c", "a"):
+        bm.free_sequence(seq_id)
+    assert _utilization(bm) == (0, 0) and bm.kv_utilization() == 0.0
+
+
+def test_kv_utilization_skips_blocks_freed_out_of_the_window():
+    bm = BlockManager(16, block_size=4, max_model_len=64, watermark=0.0, sliding_window=4)
+    seq = _admit(bm, "a", list(range(12)))
+    bm.append_tokens("a", [1])
+    bm.grow(seq, 1)                                          # the first query at 12: blocks 0, 1 go
+    assert seq.num_freed_blocks == 2
+    assert _utilization(bm) == (5, 8)
+    bm.fork("a", "b")                                        # the child shares the -1 entries' state
+    assert _utilization(bm) == (5, 8)
+
+
+def test_kv_utilization_counts_a_contiguous_reservation_as_empty_slots():
+    bm = BlockManager(12, block_size=4, max_model_len=16, allocation="contiguous", watermark=0.0)
+    _admit(bm, "a", list(range(5)))                          # 2 of 4 reserved blocks in the table
+    _admit(bm, "b", list(range(9)))
+    assert _utilization(bm) == (14, 32)
+
+
+def test_kv_utilization_of_restored_tables_takes_each_blocks_fullest_holder():
+    bm = BlockManager(16, block_size=4, max_model_len=64, watermark=0.0, enable_prefix_caching=False)
+    bm.restore_sequences([
+        # Block 1 is full in p, empty in q (q's table is longer than its 4 tokens); 2 is only q's.
+        {"seq_id": "p", "token_ids": list(range(9)), "num_computed": 8, "block_table": [0, 1]},
+        {"seq_id": "q", "token_ids": list(range(9)), "num_computed": 4, "block_table": [0, 1, 2]},
+        # Block 5 is partial in both, 2 and 3 tokens: it stores 3.
+        {"seq_id": "r", "token_ids": list(range(9)), "num_computed": 6, "block_table": [4, 5]},
+        {"seq_id": "s", "token_ids": list(range(9)), "num_computed": 7, "block_table": [4, 5]},
+    ])
+    assert _utilization(bm) == (8 + 7, 20)
+
+
+def test_integrity_check_compares_the_stored_token_count_with_the_walk(monkeypatch):
+    bm = BlockManager(8, block_size=4, max_model_len=64, watermark=0.0)
+    _admit(bm, "a", list(range(6)))
+    bm.check_integrity()
+    monkeypatch.setattr(BlockManager, "num_stored_tokens", lambda self: 5)
+    with pytest.raises(IntegrityError, match="store 6 tokens"):
+        bm.check_integrity()
 
 
 def test_host_tier_is_a_second_level_prefix_cache():

@@ -27,14 +27,16 @@ class KVManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.num_created = 0
 
-    def setup(self, block_size: int, num_device: int, num_host: int, mode, allocation: str) -> None:
+    def setup(self, block_size: int, num_device: int, num_host: int, mode, allocation: str,
+              window: int | None = None) -> None:
         self.manager = KVManager()
         self.max_model_len = MAX_MODEL_LEN
         config = PoolConfig(num_device_blocks=num_device, num_host_blocks=num_host,
                             block_size=block_size, max_model_len=self.max_model_len,
-                            allocation=allocation, preemption_mode=mode, watermark=0.0)
+                            allocation=allocation, preemption_mode=mode, watermark=0.0,
+                            sliding_window=window)
         self.manager.add_worker("w0", config)
-        self.worker = SimulatedWorker(self.manager, "w0")
+        self.worker = SimulatedWorker(self.manager, "w0", sliding_window=window)
         self.running: list[str] = []
         self.waiting: list[str] = []
         self.computed: dict[str, int] = {}
@@ -47,11 +49,13 @@ class KVManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: not self.ready)
     @rule(block_size=st.sampled_from([2, 4, 8]), num_device=st.integers(6, 24),
           num_host=st.integers(0, 12), mode=st.sampled_from([None, "swap", "recompute"]),
-          allocation=st.sampled_from(["paged", "paged", "contiguous"]))
-    def configure(self, block_size, num_device, num_host, mode, allocation) -> None:
+          allocation=st.sampled_from(["paged", "paged", "contiguous"]),
+          window=st.sampled_from([None, None, 5, 12]))
+    def configure(self, block_size, num_device, num_host, mode, allocation, window) -> None:
         if allocation == "contiguous":
             num_device = max(num_device, -(-MAX_MODEL_LEN // block_size))
-        self.setup(block_size, num_device, num_host, mode, allocation)
+            window = None  # never with contiguous allocation
+        self.setup(block_size, num_device, num_host, mode, allocation, window)
 
     @precondition(lambda self: self.ready)
     @rule(prefix=st.sampled_from(range(len(PREFIXES))), suffix=st.lists(st.integers(0, 99), max_size=20))

@@ -281,7 +281,7 @@ class Worker:
         blocking the actor's event loop. ``kv_pool`` is this worker's pool statistics (the
         source of truth; the central manager holds a lagging summary)."""
         def gather(engine: LLMEngine) -> tuple[dict, dict, dict]:
-            pool_stats = engine.kv_manager.stats(engine.worker_id)   # once: it walks every block table
+            pool_stats = engine.kv_manager.stats(engine.worker_id)   # once: O(sequences) on the engine thread
             return (engine.stats(pool_stats), pool_stats,
                     {**self.kv_link.stats(), **self.kv_transport.stats()})
 
