@@ -1,4 +1,5 @@
-"""KV block accounting: pools, block tables, prefix cache, preemption. Pure Python.
+"""KV block accounting: pools, block tables, prefix cache, preemption. Pure Python (one optional
+C extension, ``keyset``'s, with a Python fallback).
 
 Nothing here imports torch: inputs and outputs are plain data. Two levels:
 each worker runs ``LocalKVManager`` (the same ``KVManager`` code) on its own

@@ -1,18 +1,21 @@
 """The central KV manager's view of the cluster, fed by the workers' KV events.
 
 ``ClusterIndex`` holds, per worker, the set of block-hash keys it caches on
-each tier, its occupancy per tier and the seq of its next event. A batch is
-applied with one set operation per event (``update``, ``difference_update``,
-``clear``: C speed per key): no Python work per key, and only small per-worker
-structures are touched (a global key -> holders map would cost ~0.5 us per
-changed key in cache misses alone, measured at 32 workers).
+each tier (a ``keyset.KeySet``: 8-byte keys inline, no object per key), its
+occupancy per tier and the seq of its next event. A batch is applied with one
+set operation per event, straight from the wire's packed keys when the batch
+was decoded with ``packed_keys`` (``add_packed``, ``discard_packed``,
+``clear``: C speed per key, no int per key): no Python work per key, and only
+per-worker structures are touched (a global key -> holders map would cost
+~0.5 us per changed key in cache misses alone, measured at 32 workers).
 
 ``longest_prefix`` asks, per block of the prompt, which workers cache it.
 Those answers are memoised (``_holders``: key -> one bit per worker), so a
 popular prefix costs one dictionary lookup per block, and O(workers) only the
-first time a key is asked about (the memo holds at most ``max_memoised_keys``); applying a batch keeps the memo exact by
-intersecting its keys with the memo's (C speed; Python work only for memoised
-keys that changed). A resync or a removed worker clears the memo.
+first time a key is asked about (the memo holds at most ``max_memoised_keys``);
+applying a batch keeps the memo exact by looking its keys up in the memo (only
+while the memo is not empty; C speed, Python work only for memoised keys that
+changed). A resync or a removed worker clears the memo.
 
 It is soft state: every worker is the source of truth for its own pool, and the
 index can always be rebuilt from their snapshots (``resync``). A batch that
@@ -27,9 +30,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .errors import IntegrityError, UnknownWorkerError
-from .events import (TIERS, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVSnapshot,
+from .events import (TIERS, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVSnapshot, PackedKeys,
                      TierOccupancy)
 from .hashing import block_hash_key, hash_prefix_blocks
+from .keyset import KeySet, keys_in
 
 
 @dataclass(slots=True)
@@ -42,7 +46,7 @@ class WorkerView:
     next_seq: int = 0
     needs_resync: bool = True
     occupancy: dict[str, TierOccupancy] = field(default_factory=dict)
-    keys: dict[str, set[int]] = field(default_factory=lambda: {tier: set() for tier in TIERS})
+    keys: dict[str, KeySet] = field(default_factory=lambda: {tier: KeySet() for tier in TIERS})
     last_update_at: float = 0.0
     is_draining: bool = False
     slot: int = 0    # its bit in the holders memo: 1 << slot
@@ -63,6 +67,11 @@ class ApplyResult:
     status: str
     expected_seq: int = 0
     reason: str = ""
+
+
+def _memoised(memo: dict[int, int], hashes: list[int] | PackedKeys):
+    """The keys of an event that the holders memo holds."""
+    return keys_in(hashes.data, memo) if type(hashes) is PackedKeys else memo.keys() & hashes
 
 
 MAX_REMOVED_WORKERS = 4096   # removed workers remembered, so their late snapshots are refused
@@ -134,17 +143,25 @@ class ClusterIndex:
         keys, memo = view.keys, self._holders
         for event in batch.events:
             if type(event) is BlockStored:
-                keys[event.medium].update(event.block_hashes)
+                hashes = event.block_hashes
+                if type(hashes) is PackedKeys:
+                    keys[event.medium].add_packed(hashes.data)
+                else:
+                    keys[event.medium].update(hashes)
                 if memo:
-                    self._memo_stored(view, memo.keys() & event.block_hashes)
+                    self._memo_stored(view, _memoised(memo, hashes))
             elif type(event) is BlockRemoved:
-                keys[event.medium].difference_update(event.block_hashes)
+                hashes = event.block_hashes
+                if type(hashes) is PackedKeys:
+                    keys[event.medium].discard_packed(hashes.data)
+                else:
+                    keys[event.medium].difference_update(hashes)
                 if memo:
-                    self._memo_removed(view, memo.keys() & event.block_hashes)
+                    self._memo_removed(view, _memoised(memo, hashes))
             elif type(event) is AllBlocksCleared:
                 for tier in ([event.medium] if event.medium else TIERS):
-                    touched = memo.keys() & keys[tier] if memo else ()
-                    keys[tier] = set()
+                    touched = keys[tier].intersection(memo) if memo else ()
+                    keys[tier].clear()
                     self._memo_removed(view, touched)
             else:  # never from a decoded batch; the partial apply is dropped by a resync
                 view.needs_resync = True
@@ -165,7 +182,7 @@ class ClusterIndex:
             return self._refuse(0, "removed worker")
         self.register(snapshot.worker_id, snapshot.pool_config)
         view = self.workers[snapshot.worker_id]
-        view.keys = {tier: set(snapshot.block_hashes.get(tier, ())) for tier in TIERS}
+        view.keys = {tier: KeySet(snapshot.block_hashes.get(tier, ())) for tier in TIERS}
         self._holders.clear()
         view.incarnation = snapshot.worker_incarnation
         view.next_seq = snapshot.next_seq
@@ -274,7 +291,7 @@ class ClusterIndex:
         on a tier than its pool has blocks: each cached hash holds a block, its own slot),
         and every memoised answer equals the workers' key sets'."""
         for worker_id, view in self.workers.items():
-            if set(view.keys) != set(TIERS) or not all(type(k) is set for k in view.keys.values()):
+            if set(view.keys) != set(TIERS) or not all(type(k) is KeySet for k in view.keys.values()):
                 raise IntegrityError(f"cluster index: worker {worker_id!r} has key sets "
                                      f"{ {t: type(k).__name__ for t, k in view.keys.items()} }")
             if view.next_seq < 0:
@@ -313,6 +330,7 @@ class ClusterIndex:
             for tier in TIERS:
                 have, want = view.keys[tier], set(snapshot.block_hashes.get(tier, ()))
                 if have != want:
+                    have = have.to_set()
                     raise IntegrityError(
                         f"worker {worker_id!r} {tier}: index has {len(have - want)} keys the pool lacks "
                         f"and lacks {len(want - have)} it caches")

@@ -57,15 +57,18 @@ _ACK_CODES = {status: code for code, status in enumerate(_ACK_STATUSES)}
 DEFAULT_MAX_PENDING_EVENTS = 100_000
 
 
-def _pack_keys(keys: list[int]) -> bytes:
+def _pack_keys(keys) -> bytes:
+    if isinstance(keys, PackedKeys):
+        return bytes(keys.data)
     packed = array("Q", keys)
     if sys.byteorder == "big":
         packed.byteswap()
     return packed.tobytes()
 
 
-def _unpack_keys(data) -> list[int]:
-    """8-byte little-endian keys from a bytes-like object (a whole number of keys)."""
+def unpack_keys(data) -> list[int]:
+    """8-byte little-endian keys from a bytes-like object (a whole number of keys;
+    ``WireFormatError`` otherwise)."""
     if len(data) % _KEY_SIZE:
         raise WireFormatError(f"{len(data)} bytes of hash keys is not a whole number of 8-byte keys")
     packed = array("Q")
@@ -73,6 +76,42 @@ def _unpack_keys(data) -> list[int]:
     if sys.byteorder == "big":
         packed.byteswap()
     return packed.tolist()
+
+
+class PackedKeys:
+    """Hash keys as they came off the wire (8-byte little-endian), not decoded to ints.
+
+    What the central service's events hold (``KVEventBatch.unpack(...,
+    packed_keys=True)``): the cluster index applies them straight from these
+    bytes (``keyset.KeySet.add_packed``). Iterating decodes them; equal to a
+    list of the same keys in the same order.
+    """
+
+    __slots__ = ("data",)
+
+    def __init__(self, data) -> None:
+        if len(data) % _KEY_SIZE:
+            raise WireFormatError(f"{len(data)} bytes of hash keys is not a whole number of 8-byte keys")
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data) // _KEY_SIZE
+
+    def __iter__(self):
+        return iter(unpack_keys(self.data))
+
+    def tolist(self) -> list[int]:
+        return unpack_keys(self.data)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, PackedKeys):
+            return bytes(self.data) == bytes(other.data)
+        return isinstance(other, list) and unpack_keys(self.data) == other
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"PackedKeys({self.tolist()!r})"
 
 
 @dataclass(slots=True)
@@ -84,7 +123,7 @@ class BlockStored:
     them out keeps a decode step's events to a few bytes per new full block.
     """
 
-    block_hashes: list[int]
+    block_hashes: list[int] | PackedKeys
     medium: str = "device"
 
 
@@ -92,7 +131,7 @@ class BlockStored:
 class BlockRemoved:
     """Blocks whose hashes are no longer cached on ``medium`` (evicted, reset)."""
 
-    block_hashes: list[int]
+    block_hashes: list[int] | PackedKeys
     medium: str = "device"
 
 
@@ -155,8 +194,10 @@ def _event_to_wire(event: KVEvent) -> bytes:
     return _EVENT_HEADER.pack(kind, tier, len(keys)) + _pack_keys(keys)
 
 
-def _events_from_wire(view: memoryview, offset: int, num_events: int) -> tuple[list[KVEvent], int]:
-    """``num_events`` events starting at ``offset``; returns them and the offset past them."""
+def _events_from_wire(view: memoryview, offset: int, num_events: int,
+                      packed_keys: bool) -> tuple[list[KVEvent], int]:
+    """``num_events`` events starting at ``offset``; returns them and the offset past them.
+    With ``packed_keys`` their keys are ``PackedKeys`` slices of ``view``, else lists of ints."""
     events: list[KVEvent] = []
     size = len(view)
     for _ in range(num_events):
@@ -174,7 +215,7 @@ def _events_from_wire(view: memoryview, offset: int, num_events: int) -> tuple[l
                 raise WireFormatError(f"malformed AllBlocksCleared event (tier code {tier}, {num_keys} keys)")
             events.append(AllBlocksCleared(None if tier == _ALL_TIERS else TIERS[tier]))
         elif kind in (_STORED, _REMOVED) and tier < len(TIERS):
-            keys = _unpack_keys(view[offset:end])
+            keys = PackedKeys(view[offset:end]) if packed_keys else unpack_keys(view[offset:end])
             events.append(BlockStored(keys, TIERS[tier]) if kind == _STORED else BlockRemoved(keys, TIERS[tier]))
         else:
             raise WireFormatError(f"unknown KV event kind {kind} or tier code {tier}")
@@ -215,8 +256,13 @@ class KVEventBatch:
         return b"".join([header, worker_id, incarnation, *map(_event_to_wire, self.events)])
 
     @classmethod
-    def unpack(cls, data) -> "KVEventBatch":
-        """Decode a packed batch (bytes-like); ``WireFormatError`` if it is not exactly one."""
+    def unpack(cls, data, packed_keys: bool = False) -> "KVEventBatch":
+        """Decode a packed batch (bytes-like); ``WireFormatError`` if it is not exactly one.
+
+        ``packed_keys``: the events' keys are ``PackedKeys`` views into ``data``
+        (no int per key; ``data`` must not change while the batch is used), else
+        lists of ints. Both check the whole batch alike before returning.
+        """
         view = memoryview(data)
         if len(view) < _BATCH_HEADER.size or view[0] != _BATCH_WIRE_VERSION:
             raise WireFormatError(f"not a KV event batch of wire version {_BATCH_WIRE_VERSION} "
@@ -231,7 +277,7 @@ class KVEventBatch:
             incarnation = str(view[_BATCH_HEADER.size + id_len:offset], "utf-8")
         except UnicodeDecodeError as exc:
             raise WireFormatError(f"KV event batch ids are not UTF-8: {exc}") from None
-        events, offset = _events_from_wire(view, offset, num_events)
+        events, offset = _events_from_wire(view, offset, num_events, packed_keys)
         if offset != len(view):
             raise WireFormatError(f"KV event batch has {len(view) - offset} bytes after its {num_events} events")
         return cls(worker_id, incarnation, first_seq, events, occupancy_from_wire(occupancy), created_at, oldest,
@@ -278,7 +324,7 @@ class KVSnapshot:
                 or not isinstance(occupancy, list) or len(occupancy) != 4 * len(TIERS)):
             raise WireFormatError("malformed KV snapshot")
         return cls(worker_id, incarnation, next_seq, pool_config,
-                   {tier: _unpack_keys(k) for tier, k in zip(TIERS, keys)},
+                   {tier: unpack_keys(k) for tier, k in zip(TIERS, keys)},
                    occupancy_from_wire(occupancy), taken_at)
 
 

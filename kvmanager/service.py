@@ -128,7 +128,7 @@ class KVManagerService:
         return replies
 
     def _publish(self, packed_batch: bytes, now: float, quiet: bool = False) -> bytes | None:
-        batch = KVEventBatch.unpack(packed_batch)
+        batch = KVEventBatch.unpack(packed_batch, packed_keys=True)   # checked whole before it is applied
         result = self.index.apply(batch, now)
         if result.status == "ok" and batch.events:
             self._lags_s.append(now - batch.oldest_event_at)

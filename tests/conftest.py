@@ -109,3 +109,19 @@ def ray_cluster(request):
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+
+
+@pytest.fixture(params=["native", "python"])
+def keyset_impl(request, monkeypatch):
+    """The central index's ``KeySet`` for the test: the native one (skipped where it is not
+    built) or the pure-Python fallback, patched into ``cluster_index`` for the test."""
+    from pagedserve.kvmanager import cluster_index, keyset
+
+    if request.param == "native":
+        if not keyset.NATIVE:
+            pytest.skip("the native key set (kvmanager/_keyset.c) is not built")
+        assert cluster_index.KeySet is keyset.KeySet
+        return keyset.KeySet
+    monkeypatch.setattr(cluster_index, "KeySet", keyset.PyKeySet)
+    monkeypatch.setattr(cluster_index, "keys_in", keyset.py_keys_in)
+    return keyset.PyKeySet

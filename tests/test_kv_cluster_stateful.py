@@ -397,7 +397,7 @@ class KVClusterMachine(RuleBasedStateMachine):
         self._flush_all_and_compare()
 
 
-def test_central_index_matches_the_workers_pools(long_form):
+def test_central_index_matches_the_workers_pools(long_form, keyset_impl):
     run_state_machine_as_test(KVClusterMachine, settings=settings(
         max_examples=NUM_EXAMPLES * (LONG_FORM_FACTOR if long_form else 1), stateful_step_count=80,
         deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))

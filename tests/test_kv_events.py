@@ -20,6 +20,7 @@ from pagedserve.kvmanager import (AllBlocksCleared, BlockRemoved, BlockStored, C
                                   PublishAck, RemotePreemptionPolicy, StepInput, TierOccupancy,
                                   block_hash_key, hash_prefix_blocks)
 from pagedserve.kvmanager.errors import WireFormatError
+from pagedserve.kvmanager.events import PackedKeys
 from pagedserve.kvmanager.service import KVManagerService
 
 from kv_simulator import SimulatedWorker
@@ -153,6 +154,11 @@ def test_wire_round_trips_batches_snapshots_and_acks():
     batch = _wire_batch()
     wire = batch.pack()
     assert KVEventBatch.unpack(wire) == batch == KVEventBatch.unpack(memoryview(b"xx" + wire)[2:])
+    # The central service's decode: the same events, keys left packed (views into the wire bytes).
+    lean = KVEventBatch.unpack(wire, packed_keys=True)
+    assert lean == batch and lean.pack() == wire
+    assert [type(e.block_hashes) for e in lean.events[:3]] == [PackedKeys] * 3
+    assert [list(e.block_hashes) for e in lean.events[:3]] == [e.block_hashes for e in batch.events[:3]]
     # Keys are raw 8-byte little-endian arrays: the keys' bytes are most of the batch.
     assert len(wire) < 100 + 8 * 11 + 6 * 5
     snapshot = KVSnapshot("w0", "inc", 3, asdict(PoolConfig(8, block_size=BS)), {"device": [1, 2], "host": [3]},
@@ -165,7 +171,7 @@ def test_wire_round_trips_batches_snapshots_and_acks():
 
 @pytest.mark.parametrize("corrupt", ["truncated", "trailing", "version", "kind", "tier", "num_events",
                                      "num_keys", "ids", "empty"])
-def test_bad_batches_are_refused_with_a_clear_error_and_change_nothing(corrupt):
+def test_bad_batches_are_refused_with_a_clear_error_and_change_nothing(corrupt, keyset_impl):
     wire = bytearray(_wire_batch().pack())
     header = 62  # the fixed part of a batch
     first_event = header + len(b"w0inc")
@@ -196,6 +202,8 @@ def test_bad_batches_are_refused_with_a_clear_error_and_change_nothing(corrupt):
     for payload in bad:
         with pytest.raises(WireFormatError):
             KVEventBatch.unpack(payload)
+        with pytest.raises(WireFormatError):
+            KVEventBatch.unpack(payload, packed_keys=True)
         with pytest.raises(WireFormatError):
             service.publish(payload)
         [(ok, error)] = service.handle_events([("publish", payload)])
@@ -233,7 +241,7 @@ def test_bad_snapshots_and_messages_are_refused_and_the_publisher_resyncs():
     service.index.check_consistency_with([local.snapshot()])
 
 
-def test_handle_events_applies_a_drained_run_in_order():
+def test_handle_events_applies_a_drained_run_in_order(keyset_impl):
     service = KVManagerService()
     local, worker = make_local()
     messages = [("resync", local.snapshot().pack())]
@@ -251,7 +259,7 @@ def test_handle_events_applies_a_drained_run_in_order():
 
 # ---- the index --------------------------------------------------------------------------
 
-def test_index_follows_random_local_operations_exactly():
+def test_index_follows_random_local_operations_exactly(keyset_impl):
     service = KVManagerService()
     locals_ = [make_local(f"w{i}", num_device=12, num_host=6) for i in range(3)]
     for local, _ in locals_:
@@ -280,12 +288,13 @@ def test_index_follows_random_local_operations_exactly():
         local.check_integrity()
     service.index.check_consistency_with([local.snapshot() for local, _ in locals_])
     assert service.stats()["num_events"] > 0
+    assert all(type(k) is keyset_impl for view in service.index.workers.values() for k in view.keys.values())
     for prefix in Driver.PREFIXES:
         tokens = prefix + [150, 151, 152, 153, 154]
         assert service.index.longest_prefix(tokens) == probe.longest_prefix(tokens)
 
 
-def test_gap_unknown_incarnation_and_duplicates():
+def test_gap_unknown_incarnation_and_duplicates(keyset_impl):
     service = KVManagerService()
     local, worker = make_local()
     connect(service, local)
@@ -309,7 +318,7 @@ def test_gap_unknown_incarnation_and_duplicates():
     assert PublishAck.unpack(service.publish(KVEventBatch("nobody", "x", 0).pack())).needs_resync
 
 
-def test_central_restart_is_rebuilt_from_snapshots():
+def test_central_restart_is_rebuilt_from_snapshots(keyset_impl):
     service = KVManagerService()
     local, worker = make_local()
     connect(service, local)
@@ -334,7 +343,7 @@ def test_central_restart_is_rebuilt_from_snapshots():
     assert list(restarted.index.workers) == ["w0"]
 
 
-def test_index_integrity_check_catches_corruption():
+def test_index_integrity_check_catches_corruption(keyset_impl):
     index = ClusterIndex()
     index.resync(KVSnapshot("w", "i", 0, asdict(PoolConfig(8, block_size=BS)), {"device": [1, 2]},
                             {"device": TierOccupancy(num_used=2, num_total=2)}))
@@ -354,7 +363,7 @@ def test_index_integrity_check_catches_corruption():
         index.check_integrity()
 
 
-def test_reset_prefix_cache_publishes_all_blocks_cleared():
+def test_reset_prefix_cache_publishes_all_blocks_cleared(keyset_impl):
     service = KVManagerService()
     local, worker = make_local()
     connect(service, local)
