@@ -5,7 +5,10 @@ pagedserve group with ``autoscaling: {min_replicas: 1, max_replicas: 3}`` follow
 streaming load from the official ``openai`` client: worker actors waiting for a GPU
 make Ray's autoscaler add nodes, and the new workers join routing once ready. When the
 load falls while long streams still run, the group shrinks to one worker: the surplus
-workers drain, handing their running sequences over through KV migration.
+workers drain, handing their running sequences over through KV migration. The long
+streams are held mid-flight through the scale-down: from when they have started until
+the group has shrunk, every worker's engine pauses after each step (``Pacer``), so they
+cannot finish before the drain, however fast the machine.
 
 Asserted: no request fails; every greedy output equals the same request served alone
 (a stream closed early is a prefix of it); at least one drained sequence moved by
@@ -26,10 +29,15 @@ openai = pytest.importorskip("openai")
 from fake_cluster import SERVE_FILE, FakeAutoscalingCluster  # noqa: E402
 from served_cluster import free_port  # noqa: E402
 
+from pagedserve.workers.worker import FAULT_INJECTION_ENV  # noqa: E402
+
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(900)]
 
 FILLER_TOKENS = 48
 LONG_TOKENS = 490
+# While paced, each engine step is followed by this pause: a long stream (485+ tokens left
+# when pacing starts) would need over 8 minutes to finish, past every wait below.
+PACE_STALL_S = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +53,8 @@ def elastic(tmp_path_factory, tiny_model):
     cluster = FakeAutoscalingCluster(tmp_path_factory.mktemp("fake-cluster")).start()
     handle = None
     try:
-        ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
+        ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False,
+                 runtime_env={"env_vars": {FAULT_INJECTION_ENV: "1"}})  # for Pacer
         data = yaml.safe_load(SERVE_FILE.read_text())
         data["model"] = {"path": tiny_model("llama")}
         data["server"] = {"port": free_port()}
@@ -136,6 +145,59 @@ class Load:
         return thread
 
 
+class Pacer:
+    """Slows every live worker's engine to about one step per ``PACE_STALL_S``: a thread
+    re-arms ``Worker.inject_stall`` on each ready or draining worker four times per pause,
+    so each step is followed by one. Requests, aborts, drains and migrations all still go
+    on, one step at a time."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+        self.stop = threading.Event()
+        self.errors: list[str] = []
+        self.num_rounds = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "Pacer":
+        self.thread.start()
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        self.stop.set()
+        self.thread.join(timeout=60)
+        if exc_type is None:
+            assert not self.errors, self.errors
+
+    def _run(self) -> None:
+        from ray.exceptions import RayActorError
+
+        from pagedserve.cluster.bootstrap import NAMESPACE
+        from pagedserve.cluster.worker_pool import worker_actor_name
+
+        while not self.stop.is_set():
+            try:
+                workers = self.handle.worker_states()["workers"]
+                live = [w for w, r in workers.items() if r["state"] in ("ready", "draining")]
+                refs = []
+                for worker_id in live:
+                    index = int(worker_id.rsplit("-", 1)[1])
+                    try:
+                        actor = ray.get_actor(worker_actor_name(index), namespace=NAMESPACE)
+                    except ValueError:
+                        continue  # drained and gone meanwhile
+                    refs.append(actor.inject_stall.remote(PACE_STALL_S))
+                for ref in refs:
+                    try:
+                        ray.get(ref, timeout=30)
+                    except RayActorError:
+                        pass  # drained and gone meanwhile
+                self.num_rounds += 1
+            except Exception as exc:  # fault injection off, a controller that does not answer
+                self.errors.append(repr(exc))
+                return
+            self.stop.wait(PACE_STALL_S / 4)
+
+
 def test_workers_follow_load_and_drain_through_migration(elastic):
     handle, base_url = elastic
     assert _pool_status(handle)["counts"]["ready"] == 1
@@ -148,8 +210,15 @@ def test_workers_follow_load_and_drain_through_migration(elastic):
         workers = handle.stats()["workers"]
         return {w for w, s in workers.items() if s.get("num_generated_tokens", 0) > 0}
 
-    used = _wait_for(lambda: (lambda u: u if len(u) >= 2 else None)(used_workers()), 120,
-                     "routing to use a second worker")
+    def ready_and_used() -> set[str] | None:
+        ready = {w for w, r in _pool_status(handle)["workers"].items() if r["state"] == "ready"}
+        used = used_workers()
+        return used if len(used) >= 2 and ready <= used else None
+
+    # Every ready worker carries filler load before the long streams start, so that least-loaded
+    # routing spreads them rather than sending all three to a worker that has just become ready
+    # (it would then keep them all, and the drained workers would hold none).
+    used = _wait_for(ready_and_used, 120, "routing to use a second worker, and every ready one")
     assert len(used) >= 2
     num_ready_peak = _pool_status(handle)["counts"]["ready"]
 
@@ -157,13 +226,17 @@ def test_workers_follow_load_and_drain_through_migration(elastic):
     progress: dict[str, int] = {}
     longs = [load.start_long(f"long stream {i}:", progress) for i in range(3)]
     _wait_for(lambda: len(progress) == 3 and min(progress.values()) >= 5, 120, "the long streams to start")
-    load.stop.set()
-    for thread in load.threads:
-        thread.join(timeout=120)
-    # 3 ongoing long streams at target 3 per worker want one worker: the surplus drains.
-    _wait_for(lambda: (lambda c: c["ready"] == 1 and c["draining"] == 0 and c["starting"] == 0)(
-        _pool_status(handle)["counts"]), 240, "the group to shrink to one worker")
-    # (Whether a long stream was still running when its worker drained shows below: >= 1 moved.)
+    with Pacer(handle) as pacer:  # the long streams stay mid-flight until the group has shrunk
+        load.stop.set()
+        for thread in load.threads:
+            thread.join(timeout=120)
+        # 3 ongoing long streams at target 3 per worker want one worker: the surplus drains.
+        _wait_for(lambda: (lambda c: c["ready"] == 1 and c["draining"] == 0 and c["starting"] == 0)(
+            _pool_status(handle)["counts"]), 240, "the group to shrink to one worker")
+        assert all(not thread.is_alive() for thread in load.threads)
+        assert all(thread.is_alive() for thread in longs), "a long stream finished before the drain"
+        progress_at_shrink = sorted(progress.values())
+    assert pacer.num_rounds > 0
     for thread in longs:
         thread.join(timeout=300)
 
@@ -194,4 +267,5 @@ def test_workers_follow_load_and_drain_through_migration(elastic):
     handle.check_integrity()
     assert handle.num_used_blocks() == 0
     print(f"\nelastic: peak {num_ready_peak} ready workers, {len(drained)} drained, "
-          f"{num_moved} sequences moved by migration, {len(load.results)} streams, 0 failed")
+          f"{num_moved} sequences moved by migration, {len(load.results)} streams, 0 failed; "
+          f"long streams at {progress_at_shrink} of {LONG_TOKENS} chunks when the group had shrunk")
