@@ -2,10 +2,11 @@
 
 ``ClusterIndex`` holds, per worker, the set of block-hash keys it caches on
 each tier (a ``keyset.KeySet``: 8-byte keys inline, no object per key), its
-occupancy per tier and the seq of its next event. A batch is applied with one
-set operation per event, straight from the wire's packed keys when the batch
-was decoded with ``packed_keys`` (``add_packed``, ``discard_packed``,
-``clear``: C speed per key, no int per key): no Python work per key, and only
+occupancy per tier and the seq of its next event. A batch is applied as
+``events.decode_batch`` gives it, with one set operation per event, straight
+from the wire's packed keys (``add_packed``, ``discard_packed``, ``clear``:
+C speed per key, no int per key; occupancy is decoded only when read): no
+Python work per key, no object per event, and only
 per-worker structures are touched (a global key -> holders map would cost
 ~0.5 us per changed key in cache misses alone, measured at 32 workers).
 
@@ -30,8 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .errors import IntegrityError, UnknownWorkerError
-from .events import (TIERS, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVSnapshot, PackedKeys,
-                     TierOccupancy)
+from .events import (ALL_TIERS, STORED, REMOVED, TIERS, KVEventBatch, KVSnapshot, PackedKeys, TierOccupancy,
+                     WireBatch, decode_batch, occupancy_from_wire)
 from .hashing import block_hash_key, hash_prefix_blocks
 from .keyset import KeySet, keys_in
 
@@ -45,11 +46,20 @@ class WorkerView:
     incarnation: str | None = None
     next_seq: int = 0
     needs_resync: bool = True
-    occupancy: dict[str, TierOccupancy] = field(default_factory=dict)
+    # Per tier, or a batch's flat wire counts, decoded to ``TierOccupancy`` when first read.
+    occupancy_source: dict[str, TierOccupancy] | tuple[int, ...] = field(default_factory=dict, repr=False)
     keys: dict[str, KeySet] = field(default_factory=lambda: {tier: KeySet() for tier in TIERS})
     last_update_at: float = 0.0
     is_draining: bool = False
     slot: int = 0    # its bit in the holders memo: 1 << slot
+
+    @property
+    def occupancy(self) -> dict[str, TierOccupancy]:
+        """Per tier, as last published (empty until the first snapshot)."""
+        source = self.occupancy_source
+        if type(source) is tuple:
+            source = self.occupancy_source = occupancy_from_wire(source)
+        return source
 
     def caches(self, key: int) -> bool:
         """Whether any tier of this worker caches ``key``."""
@@ -69,9 +79,12 @@ class ApplyResult:
     reason: str = ""
 
 
-def _memoised(memo: dict[int, int], hashes: list[int] | PackedKeys):
-    """The keys of an event that the holders memo holds."""
-    return keys_in(hashes.data, memo) if type(hashes) is PackedKeys else memo.keys() & hashes
+def _key_set(hashes: list[int] | PackedKeys) -> KeySet:
+    if type(hashes) is PackedKeys:
+        keys = KeySet()
+        keys.add_packed(hashes.data)
+        return keys
+    return KeySet(hashes)
 
 
 MAX_REMOVED_WORKERS = 4096   # removed workers remembered, so their late snapshots are refused
@@ -122,8 +135,11 @@ class ClusterIndex:
         return True
 
     # ---- feeding ----------------------------------------------------------------
-    def apply(self, batch: KVEventBatch, now: float = 0.0) -> ApplyResult:
-        """Apply one worker's batch in order, or say why a resync is needed."""
+    def apply(self, batch: WireBatch | KVEventBatch, now: float = 0.0) -> ApplyResult:
+        """Apply one worker's batch (as ``events.decode_batch`` gives it; a ``KVEventBatch``
+        is packed and decoded first) in order, or say why a resync is needed."""
+        if type(batch) is not WireBatch:
+            batch = decode_batch(batch.pack())
         view = self.workers.get(batch.worker_id)
         if view is None:
             return self._refuse(0, "unknown worker")
@@ -132,48 +148,36 @@ class ClusterIndex:
             return self._refuse(view.next_seq, "unknown incarnation")
         if view.needs_resync:
             return self._refuse(view.next_seq, "waiting for a snapshot")
-        if batch.first_seq < view.next_seq:
-            if batch.next_seq <= view.next_seq:
+        first_seq, events = batch.first_seq, batch.events
+        next_seq = first_seq + len(events)
+        if first_seq != view.next_seq:
+            if first_seq < view.next_seq and next_seq <= view.next_seq:
                 return ApplyResult("duplicate", view.next_seq)  # sent before the last snapshot
             view.needs_resync = True
-            return self._refuse(view.next_seq, f"overlap: expected seq {view.next_seq}, got {batch.first_seq}")
-        if batch.first_seq > view.next_seq:
-            view.needs_resync = True
-            return self._refuse(view.next_seq, f"gap: expected seq {view.next_seq}, got {batch.first_seq}")
+            problem = "overlap" if first_seq < view.next_seq else "gap"
+            return self._refuse(view.next_seq, f"{problem}: expected seq {view.next_seq}, got {first_seq}")
         keys, memo = view.keys, self._holders
-        for event in batch.events:
-            if type(event) is BlockStored:
-                hashes = event.block_hashes
-                if type(hashes) is PackedKeys:
-                    keys[event.medium].add_packed(hashes.data)
-                else:
-                    keys[event.medium].update(hashes)
+        for kind, tier, packed in events:
+            if kind == STORED:
+                keys[TIERS[tier]].add_packed(packed)
                 if memo:
-                    self._memo_stored(view, _memoised(memo, hashes))
-            elif type(event) is BlockRemoved:
-                hashes = event.block_hashes
-                if type(hashes) is PackedKeys:
-                    keys[event.medium].discard_packed(hashes.data)
-                else:
-                    keys[event.medium].difference_update(hashes)
+                    self._memo_stored(view, keys_in(packed, memo))
+            elif kind == REMOVED:
+                keys[TIERS[tier]].discard_packed(packed)
                 if memo:
-                    self._memo_removed(view, _memoised(memo, hashes))
-            elif type(event) is AllBlocksCleared:
-                for tier in ([event.medium] if event.medium else TIERS):
-                    touched = keys[tier].intersection(memo) if memo else ()
-                    keys[tier].clear()
+                    self._memo_removed(view, keys_in(packed, memo))
+            else:
+                for name in (TIERS if tier == ALL_TIERS else (TIERS[tier],)):
+                    touched = keys[name].intersection(memo) if memo else ()
+                    keys[name].clear()
                     self._memo_removed(view, touched)
-            else:  # never from a decoded batch; the partial apply is dropped by a resync
-                view.needs_resync = True
-                raise TypeError(f"not a KV event: {event!r}")
-        view.next_seq = batch.next_seq
-        if batch.occupancy:
-            view.occupancy = dict(batch.occupancy)
+        view.next_seq = next_seq
+        view.occupancy_source = batch.occupancy
         view.is_draining = batch.is_draining
         view.last_update_at = now
         self.num_batches += 1
-        self.num_events += len(batch.events)
-        return ApplyResult("ok", view.next_seq)
+        self.num_events += len(events)
+        return ApplyResult("ok", next_seq)
 
     def resync(self, snapshot: KVSnapshot, now: float = 0.0) -> ApplyResult:
         """Replace everything known of a worker by its snapshot (registers it if new,
@@ -182,11 +186,11 @@ class ClusterIndex:
             return self._refuse(0, "removed worker")
         self.register(snapshot.worker_id, snapshot.pool_config)
         view = self.workers[snapshot.worker_id]
-        view.keys = {tier: KeySet(snapshot.block_hashes.get(tier, ())) for tier in TIERS}
+        view.keys = {tier: _key_set(snapshot.block_hashes.get(tier, ())) for tier in TIERS}
         self._holders.clear()
         view.incarnation = snapshot.worker_incarnation
         view.next_seq = snapshot.next_seq
-        view.occupancy = dict(snapshot.occupancy)
+        view.occupancy_source = dict(snapshot.occupancy)
         view.needs_resync = False
         view.last_update_at = now
         self.num_resyncs += 1

@@ -40,8 +40,8 @@ from .hashing import BlockHash, block_hash_key
 
 TIERS = ("device", "host")
 _TIER_CODES = {tier: code for code, tier in enumerate(TIERS)}
-_STORED, _REMOVED, _CLEARED = 0, 1, 2
-_ALL_TIERS = 255          # the tier code of an ``AllBlocksCleared`` for every tier
+STORED, REMOVED, CLEARED = 0, 1, 2   # event kinds on the wire (``WireBatch.events``)
+ALL_TIERS = 255          # the tier code of an ``AllBlocksCleared`` for every tier
 _BATCH_WIRE_VERSION = 2
 _SNAPSHOT_WIRE_VERSION = 1
 # version, is_draining, len(worker_id), len(incarnation), number of events, first_seq,
@@ -81,9 +81,9 @@ def unpack_keys(data) -> list[int]:
 class PackedKeys:
     """Hash keys as they came off the wire (8-byte little-endian), not decoded to ints.
 
-    What the central service's events hold (``KVEventBatch.unpack(...,
-    packed_keys=True)``): the cluster index applies them straight from these
-    bytes (``keyset.KeySet.add_packed``). Iterating decodes them; equal to a
+    What ``KVEventBatch.unpack(..., packed_keys=True)``'s events and
+    ``KVSnapshot.unpack(..., packed_keys=True)`` hold: the cluster index applies
+    such bytes straight (``keyset.KeySet.add_packed``). Iterating decodes them; equal to a
     list of the same keys in the same order.
     """
 
@@ -184,43 +184,105 @@ def occupancy_from_wire(flat: list[int]) -> dict[str, TierOccupancy]:
 
 def _event_to_wire(event: KVEvent) -> bytes:
     if isinstance(event, BlockStored):
-        kind, tier, keys = _STORED, _TIER_CODES[event.medium], event.block_hashes
+        kind, tier, keys = STORED, _TIER_CODES[event.medium], event.block_hashes
     elif isinstance(event, BlockRemoved):
-        kind, tier, keys = _REMOVED, _TIER_CODES[event.medium], event.block_hashes
+        kind, tier, keys = REMOVED, _TIER_CODES[event.medium], event.block_hashes
     elif isinstance(event, AllBlocksCleared):
-        kind, tier, keys = _CLEARED, _ALL_TIERS if event.medium is None else _TIER_CODES[event.medium], []
+        kind, tier, keys = CLEARED, ALL_TIERS if event.medium is None else _TIER_CODES[event.medium], []
     else:
         raise TypeError(f"not a KV event: {event!r}")
     return _EVENT_HEADER.pack(kind, tier, len(keys)) + _pack_keys(keys)
 
 
-def _events_from_wire(view: memoryview, offset: int, num_events: int,
-                      packed_keys: bool) -> tuple[list[KVEvent], int]:
-    """``num_events`` events starting at ``offset``; returns them and the offset past them.
-    With ``packed_keys`` their keys are ``PackedKeys`` slices of ``view``, else lists of ints."""
-    events: list[KVEvent] = []
+@dataclass(slots=True)
+class WireBatch:
+    """A ``KVEventBatch`` as decoded for the central index (``decode_batch``): no object per
+    event beyond a tuple, occupancy left as the wire's counts.
+
+    ``events``: per event ``(kind, tier code, keys)``, kind ``STORED``, ``REMOVED`` or
+    ``CLEARED``, tier code an index into ``TIERS`` (``ALL_TIERS`` for a clear of every tier),
+    keys the event's 8-byte little-endian keys as a slice of the decoded data (bytes from
+    bytes, else a memoryview; None for a clear). ``occupancy``: ``occupancy_to_wire``'s
+    flat counts.
+    """
+
+    worker_id: str
+    worker_incarnation: str
+    first_seq: int
+    events: list[tuple[int, int, bytes | memoryview | None]]
+    occupancy: tuple[int, ...]
+    created_at: float
+    oldest_event_at: float
+    is_draining: bool
+
+    @property
+    def next_seq(self) -> int:
+        return self.first_seq + len(self.events)
+
+    def to_batch(self, packed_keys: bool = False) -> "KVEventBatch":
+        """The same batch as event dataclasses: keys as ``PackedKeys`` or lists of ints."""
+        events: list[KVEvent] = []
+        for kind, tier, keys in self.events:
+            if kind == CLEARED:
+                events.append(AllBlocksCleared(None if tier == ALL_TIERS else TIERS[tier]))
+            else:
+                keys = PackedKeys(keys) if packed_keys else unpack_keys(keys)
+                events.append((BlockStored if kind == STORED else BlockRemoved)(keys, TIERS[tier]))
+        return KVEventBatch(self.worker_id, self.worker_incarnation, self.first_seq, events,
+                            occupancy_from_wire(self.occupancy), self.created_at, self.oldest_event_at,
+                            self.is_draining)
+
+
+_NUM_TIERS = len(TIERS)
+_HEADER_SIZE, _EVENT_HEADER_SIZE = _BATCH_HEADER.size, _EVENT_HEADER.size
+_unpack_header, _unpack_event_header = _BATCH_HEADER.unpack_from, _EVENT_HEADER.unpack_from
+
+
+def decode_batch(data) -> WireBatch:
+    """Decode a packed ``KVEventBatch`` (bytes-like) without building event objects;
+    ``WireFormatError`` if it is not exactly one batch (every length and code is checked
+    before this returns). Unless ``data`` is bytes, its keys are views into it, which must
+    not change while the batch is used."""
+    view = data if type(data) is bytes else memoryview(data)   # slicing bytes: cheaper than views
     size = len(view)
+    if size < _HEADER_SIZE or view[0] != _BATCH_WIRE_VERSION:
+        raise WireFormatError(f"not a KV event batch of wire version {_BATCH_WIRE_VERSION} "
+                              f"({size} bytes, first byte {view[0] if size else None})")
+    header = _unpack_header(view)
+    id_end = _HEADER_SIZE + header[2]
+    offset = id_end + header[3]
+    if offset > size:
+        raise WireFormatError(f"KV event batch truncated in its ids ({size} bytes)")
+    try:
+        worker_id = str(view[_HEADER_SIZE:id_end], "utf-8")
+        incarnation = str(view[id_end:offset], "utf-8")
+    except UnicodeDecodeError as exc:
+        raise WireFormatError(f"KV event batch ids are not UTF-8: {exc}") from None
+    num_events = header[4]
+    events: list[tuple[int, int, bytes | memoryview | None]] = []
     for _ in range(num_events):
-        if offset + _EVENT_HEADER.size > size:
+        try:
+            kind, tier, num_keys = _unpack_event_header(view, offset)
+        except struct.error:
             raise WireFormatError(f"KV event batch truncated: event {len(events)} of {num_events} "
-                                  f"starts at byte {offset} of {size}")
-        kind, tier, num_keys = _EVENT_HEADER.unpack_from(view, offset)
-        offset += _EVENT_HEADER.size
-        end = offset + _KEY_SIZE * num_keys
-        if end > size:
+                                  f"starts at byte {offset} of {size}") from None
+        start = offset + _EVENT_HEADER_SIZE
+        offset = start + 8 * num_keys   # _KEY_SIZE
+        if offset > size:
             raise WireFormatError(f"KV event batch truncated: event {len(events)} has {num_keys} keys, "
-                                  f"{size - offset} bytes left")
-        if kind == _CLEARED:
-            if num_keys or (tier != _ALL_TIERS and tier >= len(TIERS)):
-                raise WireFormatError(f"malformed AllBlocksCleared event (tier code {tier}, {num_keys} keys)")
-            events.append(AllBlocksCleared(None if tier == _ALL_TIERS else TIERS[tier]))
-        elif kind in (_STORED, _REMOVED) and tier < len(TIERS):
-            keys = PackedKeys(view[offset:end]) if packed_keys else unpack_keys(view[offset:end])
-            events.append(BlockStored(keys, TIERS[tier]) if kind == _STORED else BlockRemoved(keys, TIERS[tier]))
+                                  f"{size - start} bytes left")
+        if kind < CLEARED and tier < _NUM_TIERS:
+            events.append((kind, tier, view[start:offset]))
+        elif kind == CLEARED and not num_keys and (tier < _NUM_TIERS or tier == ALL_TIERS):
+            events.append((kind, tier, None))
+        elif kind == CLEARED:
+            raise WireFormatError(f"malformed AllBlocksCleared event (tier code {tier}, {num_keys} keys)")
         else:
             raise WireFormatError(f"unknown KV event kind {kind} or tier code {tier}")
-        offset = end
-    return events, offset
+    if offset != size:
+        raise WireFormatError(f"KV event batch has {size - offset} bytes after its {num_events} events")
+    return WireBatch(worker_id, incarnation, header[5], events, header[8:], header[6], header[7],
+                     bool(header[1]))
 
 
 @dataclass(slots=True)
@@ -259,29 +321,12 @@ class KVEventBatch:
     def unpack(cls, data, packed_keys: bool = False) -> "KVEventBatch":
         """Decode a packed batch (bytes-like); ``WireFormatError`` if it is not exactly one.
 
-        ``packed_keys``: the events' keys are ``PackedKeys`` views into ``data``
-        (no int per key; ``data`` must not change while the batch is used), else
-        lists of ints. Both check the whole batch alike before returning.
+        ``packed_keys``: the events' keys are ``PackedKeys`` slices of ``data``
+        (no int per key; views unless ``data`` is bytes: it must not change while the
+        batch is used), else lists of ints. Both check the whole batch alike before returning
+        (``decode_batch``, which the central index applies directly).
         """
-        view = memoryview(data)
-        if len(view) < _BATCH_HEADER.size or view[0] != _BATCH_WIRE_VERSION:
-            raise WireFormatError(f"not a KV event batch of wire version {_BATCH_WIRE_VERSION} "
-                                  f"({len(view)} bytes, first byte {view[0] if len(view) else None})")
-        version, draining, id_len, incarnation_len, num_events, first_seq, created_at, oldest, *occupancy = \
-            _BATCH_HEADER.unpack_from(view)
-        offset = _BATCH_HEADER.size + id_len + incarnation_len
-        if offset > len(view):
-            raise WireFormatError(f"KV event batch truncated in its ids ({len(view)} bytes)")
-        try:
-            worker_id = str(view[_BATCH_HEADER.size:_BATCH_HEADER.size + id_len], "utf-8")
-            incarnation = str(view[_BATCH_HEADER.size + id_len:offset], "utf-8")
-        except UnicodeDecodeError as exc:
-            raise WireFormatError(f"KV event batch ids are not UTF-8: {exc}") from None
-        events, offset = _events_from_wire(view, offset, num_events, packed_keys)
-        if offset != len(view):
-            raise WireFormatError(f"KV event batch has {len(view) - offset} bytes after its {num_events} events")
-        return cls(worker_id, incarnation, first_seq, events, occupancy_from_wire(occupancy), created_at, oldest,
-                   bool(draining))
+        return decode_batch(data).to_batch(packed_keys)
 
 
 @dataclass(slots=True)
@@ -298,7 +343,7 @@ class KVSnapshot:
     worker_incarnation: str
     next_seq: int
     pool_config: dict
-    block_hashes: dict[str, list[int]] = field(default_factory=dict)  # tier -> keys
+    block_hashes: dict[str, list[int] | PackedKeys] = field(default_factory=dict)  # tier -> keys
     occupancy: dict[str, TierOccupancy] = field(default_factory=dict)
     taken_at: float = 0.0
 
@@ -309,8 +354,12 @@ class KVSnapshot:
                               occupancy_to_wire(self.occupancy), self.taken_at])
 
     @classmethod
-    def unpack(cls, data) -> "KVSnapshot":
-        """Decode a packed snapshot; ``WireFormatError`` if it is not one."""
+    def unpack(cls, data, packed_keys: bool = False) -> "KVSnapshot":
+        """Decode a packed snapshot; ``WireFormatError`` if it is not one.
+
+        ``packed_keys``: each tier's keys are ``PackedKeys`` (the wire's bytes, no int
+        per key: the central index builds its key sets straight from them), else lists
+        of ints."""
         try:
             version, worker_id, incarnation, next_seq, pool_config, keys, occupancy, taken_at = \
                 msgpack.unpackb(data)
@@ -324,7 +373,7 @@ class KVSnapshot:
                 or not isinstance(occupancy, list) or len(occupancy) != 4 * len(TIERS)):
             raise WireFormatError("malformed KV snapshot")
         return cls(worker_id, incarnation, next_seq, pool_config,
-                   {tier: unpack_keys(k) for tier, k in zip(TIERS, keys)},
+                   {tier: (PackedKeys if packed_keys else unpack_keys)(k) for tier, k in zip(TIERS, keys)},
                    occupancy_from_wire(occupancy), taken_at)
 
 
@@ -346,7 +395,7 @@ class PublishAck:
         return self.status == "resync"
 
     def pack(self) -> bytes:
-        return _ACK.pack(_ACK_CODES[self.status], self.expected_seq) + self.incarnation.encode()
+        return pack_ack(self.status, self.expected_seq, self.incarnation.encode())
 
     @classmethod
     def unpack(cls, data) -> "PublishAck":
@@ -356,6 +405,12 @@ class PublishAck:
         if code >= len(_ACK_STATUSES):
             raise WireFormatError(f"unknown KV publish ack status code {code}")
         return cls(_ACK_STATUSES[code], bytes(data[_ACK.size:]).decode(), expected_seq)
+
+
+def pack_ack(status: str, expected_seq: int, incarnation: bytes) -> bytes:
+    """``PublishAck(status, incarnation.decode(), expected_seq).pack()``, with no object
+    built: the central service's reply to each batch that wants one."""
+    return _ACK.pack(_ACK_CODES[status], expected_seq) + incarnation
 
 
 class EventLog:
@@ -388,11 +443,11 @@ class EventLog:
 
     # ---- the pool listener protocol -----------------------------------------------
     def stored(self, tier: str, block_hash: BlockHash) -> None:
-        self._last[_TIER_CODES[tier]][block_hash_key(block_hash)] = _STORED
+        self._last[_TIER_CODES[tier]][block_hash_key(block_hash)] = STORED
         self._count()
 
     def removed(self, tier: str, block_hash: BlockHash) -> None:
-        self._last[_TIER_CODES[tier]][block_hash_key(block_hash)] = _REMOVED
+        self._last[_TIER_CODES[tier]][block_hash_key(block_hash)] = REMOVED
         self._count()
 
     def cleared(self, tier: str | None) -> None:
@@ -452,8 +507,8 @@ class EventLog:
             changes = last[code]
             if not changes:
                 continue
-            removed = [key for key, kind in changes.items() if kind == _REMOVED]
-            stored = [key for key, kind in changes.items() if kind == _STORED]
+            removed = [key for key, kind in changes.items() if kind == REMOVED]
+            stored = [key for key, kind in changes.items() if kind == STORED]
             if removed:
                 events.append(BlockRemoved(removed, tier))
             if stored:

@@ -26,7 +26,7 @@ from dataclasses import asdict
 
 from .cluster_index import ClusterIndex
 from .errors import WireFormatError
-from .events import KVEventBatch, KVSnapshot, PublishAck
+from .events import KVSnapshot, PublishAck, decode_batch, pack_ack
 from .kv_manager import PoolConfig
 from .preemption import MigrationTarget, PreemptionRequest, decide_preemption
 
@@ -128,20 +128,20 @@ class KVManagerService:
         return replies
 
     def _publish(self, packed_batch: bytes, now: float, quiet: bool = False) -> bytes | None:
-        batch = KVEventBatch.unpack(packed_batch, packed_keys=True)   # checked whole before it is applied
+        batch = decode_batch(packed_batch)   # checked whole before it is applied
         result = self.index.apply(batch, now)
-        if result.status == "ok" and batch.events:
+        if batch.events and result.status == "ok":
             self._lags_s.append(now - batch.oldest_event_at)
         self.num_publishes += 1
         self.bytes_in += len(packed_batch)
         if quiet and result.status != "resync":
             return None
-        ack = PublishAck(result.status, self.incarnation, result.expected_seq).pack()
+        ack = pack_ack(result.status, result.expected_seq, self.incarnation.encode())
         self.bytes_out += len(ack)
         return ack
 
     def _resync(self, packed_snapshot: bytes, now: float) -> bytes:
-        snapshot = KVSnapshot.unpack(packed_snapshot)
+        snapshot = KVSnapshot.unpack(packed_snapshot, packed_keys=True)
         PoolConfig(**snapshot.pool_config)
         result = self.index.resync(snapshot, now)
         ack = PublishAck(result.status, self.incarnation, result.expected_seq).pack()

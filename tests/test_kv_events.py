@@ -20,7 +20,9 @@ from pagedserve.kvmanager import (AllBlocksCleared, BlockRemoved, BlockStored, C
                                   PublishAck, RemotePreemptionPolicy, StepInput, TierOccupancy,
                                   block_hash_key, hash_prefix_blocks)
 from pagedserve.kvmanager.errors import WireFormatError
-from pagedserve.kvmanager.events import PackedKeys
+import msgpack
+
+from pagedserve.kvmanager.events import ALL_TIERS, CLEARED, REMOVED, STORED, PackedKeys, decode_batch
 from pagedserve.kvmanager.service import KVManagerService
 
 from kv_simulator import SimulatedWorker
@@ -159,11 +161,21 @@ def test_wire_round_trips_batches_snapshots_and_acks():
     assert lean == batch and lean.pack() == wire
     assert [type(e.block_hashes) for e in lean.events[:3]] == [PackedKeys] * 3
     assert [list(e.block_hashes) for e in lean.events[:3]] == [e.block_hashes for e in batch.events[:3]]
+    # What the central index applies: (kind, tier code, packed keys) per event, occupancy as counts.
+    for data in (wire, bytearray(wire)):
+        decoded = decode_batch(data)
+        assert [(kind, tier) for kind, tier, _ in decoded.events] == [
+            (REMOVED, 0), (STORED, 0), (STORED, 1), (CLEARED, 1), (CLEARED, ALL_TIERS)]
+        assert [bytes(keys) for _, _, keys in decoded.events[:3]] == [bytes(e.block_hashes.data) for e in lean.events[:3]]
+        assert decoded.occupancy == (2, 1, 5, 8, 0, 0, 4, 4) and decoded.next_seq == batch.next_seq == 12
+        assert decoded.to_batch() == batch
     # Keys are raw 8-byte little-endian arrays: the keys' bytes are most of the batch.
     assert len(wire) < 100 + 8 * 11 + 6 * 5
     snapshot = KVSnapshot("w0", "inc", 3, asdict(PoolConfig(8, block_size=BS)), {"device": [1, 2], "host": [3]},
                           batch.occupancy, 9.0)
     assert KVSnapshot.unpack(snapshot.pack()) == snapshot
+    lean_snapshot = KVSnapshot.unpack(snapshot.pack(), packed_keys=True)
+    assert lean_snapshot == snapshot and type(lean_snapshot.block_hashes["device"]) is PackedKeys
     for status in ("ok", "duplicate", "resync"):
         ack = PublishAck(status, "0123456789abcdef", 2 ** 40)
         assert PublishAck.unpack(ack.pack()) == ack
@@ -205,6 +217,8 @@ def test_bad_batches_are_refused_with_a_clear_error_and_change_nothing(corrupt, 
         with pytest.raises(WireFormatError):
             KVEventBatch.unpack(payload, packed_keys=True)
         with pytest.raises(WireFormatError):
+            decode_batch(payload)
+        with pytest.raises(WireFormatError):
             service.publish(payload)
         [(ok, error)] = service.handle_events([("publish", payload)])
         assert not ok and b"WireFormatError" in error
@@ -217,7 +231,10 @@ def test_bad_batches_are_refused_with_a_clear_error_and_change_nothing(corrupt, 
 def test_bad_snapshots_and_messages_are_refused_and_the_publisher_resyncs():
     service = KVManagerService()
     good = KVSnapshot("w0", "inc", 0, asdict(PoolConfig(8, block_size=BS)), {"device": [1]}).pack()
-    for payload in (b"", good[:-3], b"\x95\x01\x02\x03\x04\x05", good.replace(b"\xa3inc", b"\x01\x02\x03\x04")):
+    ragged_keys = msgpack.packb([1, "w0", "inc", 0, asdict(PoolConfig(8, block_size=BS)), [b"\0" * 7, b""],
+                                 [0] * 8, 0.0])   # 7 bytes: not a whole key
+    for payload in (b"", good[:-3], b"\x95\x01\x02\x03\x04\x05", good.replace(b"\xa3inc", b"\x01\x02\x03\x04"),
+                    ragged_keys):
         with pytest.raises(WireFormatError):
             service.resync(payload)
     [(ok, error)] = service.handle_events([("bogus", good)])
