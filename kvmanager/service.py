@@ -46,6 +46,7 @@ class KVManagerService:
     def __init__(self) -> None:
         self.index = ClusterIndex()
         self.incarnation = uuid.uuid4().hex[:16]
+        self._incarnation_wire = self.incarnation.encode()   # the tail of every ack
         self.started_at = time.time()
         self._cpu_at_start = time.process_time()
         self.handler_cpu_s = 0.0
@@ -91,7 +92,11 @@ class KVManagerService:
     # ---- the event wire ---------------------------------------------------------------
     def publish(self, packed_batch: bytes) -> bytes:
         """Apply one worker's ``KVEventBatch``; returns a packed ``PublishAck``."""
-        return self._timed(self._publish, packed_batch)
+        start = time.thread_time()   # as _timed, one call less per batch
+        try:
+            return self._publish(packed_batch, time.time())
+        finally:
+            self.handler_cpu_s += time.thread_time() - start
 
     def resync(self, packed_snapshot: bytes) -> bytes:
         """Replace a worker's entries by its ``KVSnapshot`` (registering it if new)."""
@@ -136,7 +141,7 @@ class KVManagerService:
         self.bytes_in += len(packed_batch)
         if quiet and result.status != "resync":
             return None
-        ack = pack_ack(result.status, result.expected_seq, self.incarnation.encode())
+        ack = pack_ack(result.status, result.expected_seq, self._incarnation_wire)
         self.bytes_out += len(ack)
         return ack
 
