@@ -71,6 +71,7 @@ class EventEndpoint:
         self.num_drains = 0
         self.num_errors = 0
         self.num_replies = 0
+        self.receiver_cpu_s = 0.0
         self._poll_ms = poll_ms
         self._max_drain = max_drain
         self._gather_s = gather_s
@@ -85,6 +86,7 @@ class EventEndpoint:
         poller.register(socket, zmq.POLLIN)
         recv, send, again = socket.recv_multipart, socket.send_multipart, zmq.Again
         while not self._stop.is_set():
+            self.receiver_cpu_s = time.thread_time()   # this thread's CPU since it started
             if not poller.poll(self._poll_ms):
                 continue
             received = []

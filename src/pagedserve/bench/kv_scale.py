@@ -28,6 +28,9 @@ Measured over ``seconds`` after a warm-up that fills every worker's batch:
   delivery part, and ``flush_interval_ms + publish_rtt_p99_ms`` bounds the
   lag of a worker that keeps the pace);
 - ``workers_supported_at_50_steps_per_s`` = 1e6 / (50 * central_cpu_us_per_worker_step);
+  ``central_receiver_cpu_us_per_worker_step``: the event receiver thread's share
+  (its wake-ups, socket reads and the handlers; the rest is ZeroMQ's I/O thread
+  and Ray's threads);
 - ``preemptions_by_mode`` as carried out by the workers;
 - ``integrity_ok``: every pool's integrity check holds and, after a final
   flush, the central index equals the union of the workers' snapshots; and
@@ -499,6 +502,8 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
         "central_idle_cpu_frac": idle_cpu_frac,
         "central_cpu_us_per_worker_step_less_idle": 1e6 * max(0.0, cpu_s - idle_cpu_frac * window_s) / num_steps,
         "central_calls_per_worker_step": num_calls / num_steps,
+        "central_receiver_cpu_us_per_worker_step": 1e6 * (central_after["receiver_cpu_s"]
+                                                          - central_before["receiver_cpu_s"]) / num_steps,
         "central_zmq_replies_per_worker_step": (central_after["num_zmq_replies"]
                                             - central_before["num_zmq_replies"]) / num_steps,
         "event_lag_p50_ms": central_after["event_lag_p50_ms"],
@@ -539,7 +544,8 @@ def format_results(result: dict) -> str:
                      f"{'ok' if check['ok'] else 'MISSED'}")
     lines.append(f"  workers_supported_at_50_steps_per_s = {result['workers_supported_formula']}")
     lines.append(f"  central handler CPU {result['central_handler_cpu_us_per_worker_step']:.1f} us/worker-step "
-                 f"(of {result['central_cpu_us_per_worker_step']:.1f} process CPU; "
+                 f"(receiver thread {result['central_receiver_cpu_us_per_worker_step']:.1f}, "
+                 f"of {result['central_cpu_us_per_worker_step']:.1f} process CPU; "
                  f"{result['central_cpu_us_per_worker_step_less_idle']:.1f} less the process's idle "
                  f"{100 * result['central_idle_cpu_frac']:.1f}% of a core), "
                  f"{result['central_calls_per_worker_step']:.3f} central calls and "
