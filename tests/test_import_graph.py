@@ -51,6 +51,8 @@ def _modules() -> dict[str, Path]:
     for package, path in _package_dirs().items():
         for file in path.glob("*.py"):
             modules[package if file.stem == "__init__" else f"{package}.{file.stem}"] = file
+        for file in path.glob("*.c"):   # a C extension (setup.py): a module that imports no package module
+            modules[f"{package}.{file.stem}"] = file
     return modules
 
 
@@ -62,6 +64,8 @@ def _is_type_checking(node: ast.If) -> bool:
 
 def _imports(name: str, file: Path, modules: dict[str, Path]) -> set[str]:
     """The package modules ``name`` imports (a ``from pkg import sub`` counts as ``pkg.sub``)."""
+    if file.suffix != ".py":
+        return set()
     is_package = file.stem == "__init__"
     found: set[str] = set()
 
