@@ -145,18 +145,19 @@ class SteadyLoad:
         while not self._stop.is_set():
             prompt, max_tokens, reference = rng.choice(self.workload)
             outcome = await self._one(prompt, max_tokens, reference, f"chaos-{index}-{num}")
+            answered_at = time.time()  # stamped before the client's pause below
             num += 1
-            if outcome == "no_capacity":
-                await asyncio.sleep(RETRY_AFTER_S)
             with self._lock:
                 if outcome == "ok":
                     self.counters.num_completed += 1
                 elif outcome == "no_capacity":
                     self.counters.num_no_capacity += 1
-                    self.counters.no_capacity_times.append(time.time())
+                    self.counters.no_capacity_times.append(answered_at)
                 else:
                     self.counters.num_failed += 1
                     self.counters.failures.append(outcome)
+            if outcome == "no_capacity":
+                await asyncio.sleep(RETRY_AFTER_S)
 
     async def _one(self, prompt, max_tokens, reference, request_id) -> str:
         last = None
