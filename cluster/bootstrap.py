@@ -15,6 +15,7 @@ from . import ray_compat
 from .config import ClusterConfig, load_config
 from .controller import CONTROLLER_NAME, ClusterController
 from .handle import ClusterHandle
+from .kv_relay import node_relay
 from .worker_pool import group_engine_config, worker_actor_name
 
 logger = logging.getLogger("pagedserve.cluster")
@@ -128,7 +129,8 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
                 max_concurrency=1000, num_cpus=group.num_cpus, num_gpus=group.num_gpus,
                 resources=group.resources or None,
             ).remote(worker_id, engine_dict, kv_manager, group.role, config.step_timeout_s,
-                     model_source=model_source, kv_events=config.kv_events.model_dump())
+                     model_source=model_source, kv_events=config.kv_events.model_dump(),
+                     kv_relay=node_relay)
             workers[worker_id] = handle
             roles[worker_id] = group.role
             groups[worker_id] = group_index

@@ -29,6 +29,7 @@ from pagedserve.workers.worker import stall_timeout_s
 
 from .config import ClusterConfig
 from .controller import HealthView
+from .kv_relay import kill_relays
 from .request_flow import MIGRATE, Attempt, AttemptsExhausted, RequestFlow
 from .router import Router, kv_blocks_used_frac
 from .stats import gather_stats_sync, kv_manager_stats
@@ -466,7 +467,8 @@ class ClusterHandle:
         raise TimeoutError(f"cluster still busy after {timeout} s")
 
     def shutdown(self) -> None:
-        """Stop the workers and the KV manager (and Ray, if ``start`` started it)."""
+        """Stop the workers, the KV manager and the nodes' KV event relays (and Ray, if
+        ``start`` started it)."""
         import ray
 
         self.health.stop()
@@ -481,6 +483,10 @@ class ClusterHandle:
                 pass
         try:
             ray.kill(self.kv_manager, no_restart=True)
+        except Exception:
+            pass
+        try:  # the nodes' KV event relays (detached: they outlive the workers that made them)
+            kill_relays(ray.get_runtime_context().namespace)
         except Exception:
             pass
         if self.owns_ray:

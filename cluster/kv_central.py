@@ -54,6 +54,9 @@ class CentralKVManager(KVManagerService):
         stats["num_zmq_messages"] = self._endpoint.num_messages if self._endpoint is not None else 0
         stats["num_zmq_drains"] = self._endpoint.num_drains if self._endpoint is not None else 0
         stats["num_zmq_replies"] = self._endpoint.num_replies if self._endpoint is not None else 0
+        # Of the messages, relays' bundles, and the worker messages they carried.
+        stats["num_zmq_bundles"] = self._endpoint.num_bundles if self._endpoint is not None else 0
+        stats["num_zmq_bundled"] = self._endpoint.num_bundled if self._endpoint is not None else 0
         stats["receiver_cpu_s"] = self._endpoint.receiver_cpu_s if self._endpoint is not None else 0.0
         return stats
 

@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 from .background_loop import BackgroundLoop
 from .config import ClusterConfig, EngineOptions, WorkerGroup
+from .kv_relay import node_relay
 from .scaling_policy import ScalingPolicy
 
 logger = logging.getLogger("pagedserve.cluster")
@@ -199,7 +200,8 @@ class WorkerPool:
                 max_concurrency=1000, num_cpus=group.num_cpus, num_gpus=group.num_gpus,
                 resources=group.resources or None,
             ).remote(worker_id, engine_dict, self.kv_manager, group.role, self.config.step_timeout_s,
-                     model_source=self.model_source, kv_events=self.config.kv_events.model_dump())
+                     model_source=self.model_source, kv_events=self.config.kv_events.model_dump(),
+                     kv_relay=node_relay)
             self.records[worker_id] = WorkerRecord(worker_id, group_index, group.role, actor=actor)
             self._info_refs[worker_id] = actor.info.remote()
         logger.info("worker pool: starting %s (group %d)", worker_id, group_index)

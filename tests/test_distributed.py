@@ -1,6 +1,7 @@
 """The cluster on a multi-node Ray cluster (one machine): placement, greedy
-equivalence with the single-process engine, cache-aware routing, and a
-worker kill and a KV manager kill mid-stream with nothing lost.
+equivalence with the single-process engine, cache-aware routing, KV events
+through one relay per node, and a worker kill, a KV manager kill and a KV
+relay kill mid-stream with nothing lost.
 
 One ``ray.cluster_utils.Cluster`` per module: a head node (the KV manager)
 plus two worker nodes that each declare one (fake) GPU, so the workers go
@@ -160,6 +161,42 @@ def test_placement_one_worker_per_node_and_kv_manager_on_head(handle, ray_cluste
     assert head_id not in worker_nodes
     assert ray.get(handle.kv_manager.node_id.remote(), timeout=60) == head_id
     assert sorted(ray.get(handle.kv_manager.worker_ids.remote(), timeout=60)) == sorted(handle.workers)
+
+
+def _relay_endpoints(handle) -> dict[str, str]:
+    """Worker id -> the endpoint its KV events go to."""
+    stats = ray.get([w.stats.remote() for w in handle.workers.values()], timeout=60)
+    return {w: s["kv_endpoint"] for w, s in zip(handle.workers, stats)}
+
+
+def test_kv_events_go_through_one_relay_per_node_and_survive_a_relay_kill(handle, reference):
+    from pagedserve.cluster.kv_relay import relay_name
+
+    infos = ray.get([w.info.remote() for w in handle.workers.values()], timeout=60)
+    relays = {info["worker_id"]: ray.get_actor(relay_name(info["node_id"]), namespace="pagedserve")
+              for info in infos}
+    endpoints = {w: ray.get(r.event_endpoint.remote(), timeout=60) for w, r in relays.items()}
+    assert len(set(endpoints.values())) == NUM_WORKER_NODES          # one relay per node
+    assert _relay_endpoints(handle) == endpoints                      # each worker publishes through its node's
+    stats = ray.get(handle.kv_manager.stats.remote(), timeout=60)
+    # Every message central received was a relay's bundle.
+    assert stats["num_zmq_bundles"] > 0 and stats["num_zmq_messages"] == stats["num_zmq_bundles"]
+
+    victim_id = sorted(relays)[0]
+    prompts = _prompts(seed=9)
+    expected = reference(prompts, MAX_TOKENS_FAULT)
+    _assert_streams_survive(handle, prompts, _greedy(MAX_TOKENS_FAULT), expected,
+                            lambda: ray.kill(relays[victim_id], no_restart=False))
+    # Ray restarts the relay on a new port; its node's worker times out, resyncs and asks it again.
+    _wait_for(lambda: ray.get(relays[victim_id].event_endpoint.remote(), timeout=30) != endpoints[victim_id],
+              60, "the relay to restart")
+    new_endpoint = ray.get(relays[victim_id].event_endpoint.remote(), timeout=30)
+    _wait_for(lambda: _relay_endpoints(handle)[victim_id] == new_endpoint, 60,
+              "the worker to reconnect to its restarted relay")
+    # Nothing lost: central holds exactly what every worker caches (the fixture checks it too).
+    _wait_for(lambda: handle.check_integrity() is None, 60, "the central index to match the workers")
+    stats = ray.get(handle.kv_manager.stats.remote(), timeout=60)
+    assert stats["num_zmq_messages"] == stats["num_zmq_bundles"]
 
 
 def test_greedy_matches_single_process_engine(handle, reference):

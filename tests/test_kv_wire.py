@@ -152,7 +152,7 @@ def test_a_quiet_send_is_acknowledged_by_a_later_reply_and_times_out_without_one
     [(_, reply, error)] = transport.poll([quiet])
     assert reply is None and isinstance(error, TimeoutError)
     time.sleep(0.5)         # the timeout made the transport ask the actor for its endpoint again:
-    transport.poll([])      # sends made until the answer is read would time out too
+    transport.poll([])      # reads the answer (the same endpoint: no reconnect)
     local.event_log.needs_snapshot = True
     assert publisher.flush_and_wait(10.0) and _consistent(ray, actor, local)
     transport.close()

@@ -25,9 +25,25 @@ status (b"o" ok, b"e" error) + ack or error text``. A b"q" publish is
 answered only when refused or when its ack asks for a resync; the worker
 counts it acknowledged once a later reply arrives (one connection, handled
 and answered in order), so most batches cost the central side a receive
-and no send. ``pyzmq`` is imported lazily; ``connect_transport``
-falls back to Ray actor calls when it is missing or the endpoint cannot be
-had.
+and no send.
+
+Bundles (a node's ``workers.kv_relay.EventRelay`` forwarding its workers'
+messages as one): relay -> central ``[head: bundle id (8 bytes) + b"B"
+(wants a reply) or b"b" (a reply only when it holds something), route 1,
+message 1, route 2, message 2, ...]``, each message exactly the one frame a
+worker sent (its request id, kind and payload; the relay does not open it)
+and each route the relay's short id of that worker's connection (at most
+``MAX_ROUTE_BYTES``). Central handles the sub-messages in order, in the same
+``handle`` call as the rest of the drain, exactly as if each had come on its
+own connection, and answers ``[bundle id + b"o", route a, reply a, ...]``
+with only the sub-replies that exist (each the reply that worker would have
+had directly, a malformed sub-message's error included), in order; a
+malformed bundle as a whole gets ``bundle id + b"e" + text``. A relay's
+upstream is a ``ZmqTransport`` too (method "bundle"); a worker's transport
+behind a relay asks the relay actor (``endpoint_source``) for its endpoint.
+
+``pyzmq`` is imported lazily; ``connect_transport`` falls back to Ray actor
+calls when it is missing or the endpoint cannot be had.
 """
 
 from __future__ import annotations
@@ -47,6 +63,8 @@ _KIND_CODES = {"publish": ord("p"), "resync": ord("r")}
 _QUIET_PUBLISH = ord("q")    # a publish that wants a reply only when something is wrong
 _KINDS = {**{code: kind for kind, code in _KIND_CODES.items()}, _QUIET_PUBLISH: "quiet_publish"}
 _OK, _ERROR = ord("o"), ord("e")
+_BUNDLE, _QUIET_BUNDLE = ord("B"), ord("b")   # a relay's bundle: always answered / only when needed
+MAX_ROUTE_BYTES = 16
 ASK_AGAIN_S = 0.25   # after a failed ``event_endpoint`` ask (the manager is restarting)
 _fallback_logged = False
 
@@ -71,6 +89,8 @@ class EventEndpoint:
         self.num_drains = 0
         self.num_errors = 0
         self.num_replies = 0
+        self.num_bundles = 0     # of the messages, relays' bundles
+        self.num_bundled = 0     # the worker messages those bundles carried
         self.receiver_cpu_s = 0.0
         self._poll_ms = poll_ms
         self._max_drain = max_drain
@@ -107,36 +127,88 @@ class EventEndpoint:
         self._context.term()
 
     def _answer(self, received: list[list[bytes]]) -> list[list[bytes] | None]:
-        """Per received message, in order, its reply (None: a quiet publish that went well);
-        the well-formed ones handled together."""
+        """Per received message, in order, its reply (None: nothing to say: a quiet publish,
+        or a quiet bundle, that went well); every well-formed message, bundled or not,
+        handled in one ``handle`` call, in order of arrival."""
         self.num_messages += len(received)
         self.num_drains += 1
-        replies: list[list[bytes] | None] = []
-        messages, answered_at = [], []
+        # Per received message: [identity, bundle head or None, [route, reply body or None], ...]
+        answers: list[list] = []
+        messages, slots = [], []   # what ``handle`` gets, and where each reply goes
         for frames in received:
-            body = frames[-1]
-            kind = _KINDS.get(body[_HEAD.size - 1]) if len(frames) == 2 and len(body) >= _HEAD.size else None
-            if kind is None:
+            identity, rest = frames[0], frames[1:]
+            bundle_code = _bundle_code(rest)
+            if len(rest) == 1 and bundle_code is None:     # a worker's own message
+                answer = [identity, None, [None, None]]
+                self._take(rest[0], answer[2], messages, slots)
+            elif bundle_code is not None:
+                answer = [identity, rest[0]]
+                self.num_bundles += 1
+                self.num_bundled += (len(rest) - 1) // 2
+                for route, body in zip(rest[1::2], rest[2::2]):
+                    entry = [route, None]
+                    answer.append(entry)
+                    if len(route) > MAX_ROUTE_BYTES:
+                        entry[1] = _error_body(body, "malformed KV event bundle: route too long")
+                        self.num_errors += 1
+                    else:
+                        self._take(body, entry, messages, slots)
+            else:
                 self.num_errors += 1
-                replies.append([frames[0], body[:8].ljust(8, b"\0") + b"e" + b"malformed KV event message"])
-                continue
-            answered_at.append(len(replies))
-            replies.append(None)
-            messages.append((kind, memoryview(body)[_HEAD.size:]))
+                head = rest[0] if rest else b""
+                answer = [identity, None, [None, _error_body(head, "malformed KV event message")]]
+            answers.append(answer)
         if messages:
-            for index, (ok, reply) in zip(answered_at, self._handle(messages)):
-                identity, body = received[index]
+            for (entry, body), (ok, reply) in zip(slots, self._handle(messages)):
                 if not ok:
                     self.num_errors += 1
                 elif reply is None:   # a quiet publish that went well
                     continue
-                replies[index] = [identity, body[:8] + (b"o" if ok else b"e") + reply]
+                entry[1] = body[:8] + (b"o" if ok else b"e") + reply
+        replies: list[list[bytes] | None] = []
+        for identity, head, *entries in answers:
+            if head is None:       # a single message: its reply, if any
+                body = entries[0][1]
+                replies.append(None if body is None else [identity, body])
+                continue
+            frames = [identity, head[:8] + b"o"]
+            for route, body in entries:
+                if body is not None:
+                    frames += (route, body)
+            wants_reply = head[_HEAD.size - 1] == _BUNDLE
+            replies.append(frames if len(frames) > 2 or wants_reply else None)
         self.num_replies += sum(reply is not None for reply in replies)
         return replies
+
+    def _take(self, body: bytes, entry: list, messages: list, slots: list) -> None:
+        """Queue one worker message for ``handle`` (its reply goes to ``entry[1]``), or answer
+        a malformed one right away."""
+        kind = _KINDS.get(body[_HEAD.size - 1]) if len(body) >= _HEAD.size else None
+        if kind is None:
+            self.num_errors += 1
+            entry[1] = _error_body(body, "malformed KV event message")
+            return
+        messages.append((kind, memoryview(body)[_HEAD.size:]))
+        slots.append((entry, body))
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5.0)
+
+
+def _bundle_code(rest: list[bytes]) -> int | None:
+    """The bundle kind of a message's frames (after the identity), or None if it is no
+    well-formed bundle (a bundle head, then route and message pairs)."""
+    if len(rest) % 2 != 1 or len(rest[0]) != _HEAD.size:
+        return None
+    head = rest[0]
+    code = head[_HEAD.size - 1]
+    return code if code in (_BUNDLE, _QUIET_BUNDLE) else None
+
+
+def _error_body(body: bytes, text: str) -> bytes:
+    """An error reply to ``body``'s request id (zero-padded when it is too short to hold one)."""
+    return body[:8].ljust(8, b"\0") + b"e" + text.encode()
 
 
 def _node_ip() -> str:
@@ -169,11 +241,15 @@ class ZmqTransport:
     lock, from the worker's sender thread); zmq sockets are not thread-safe.
     """
 
-    def __init__(self, actor, endpoint: str, ack_timeout_s: float = 2.0, max_queued: int = 64) -> None:
+    def __init__(self, actor, endpoint: str, ack_timeout_s: float = 2.0, max_queued: int = 64,
+                 endpoint_source=None) -> None:
         import zmq
 
         self._zmq = zmq
         self.actor = actor
+        # Asked for the endpoint again after an ack timeout: the central actor, or the node's
+        # relay actor when the events go through one (``workers.kv_relay``).
+        self.endpoint_source = endpoint_source if endpoint_source is not None else actor
         self.ray = RayTransport(actor)
         self.ack_timeout_s = ack_timeout_s
         self.max_queued = max_queued
@@ -205,16 +281,25 @@ class ZmqTransport:
         self._last_reply_id = -1
 
     # ---- KVTransport -------------------------------------------------------------------
-    def send(self, method: str, packed: bytes, want_ack: bool = True) -> _Send:
-        wants_ack = want_ack or method != "publish"
+    def send(self, method: str, packed: bytes | list[bytes], want_ack: bool = True) -> _Send:
+        """``method`` "publish", "resync", or "bundle" (a relay: ``packed`` is the list of
+        route and message frames; its reply is the list of route and reply frames)."""
+        wants_ack = want_ack or method not in ("publish", "bundle")
         token = _Send(self._next_id, self.connection, time.monotonic(), wants_ack)
         self._next_id += 1
-        if self._endpoint_ref is None:  # while rediscovering, the send just times out
-            kind = _KIND_CODES[method] if wants_ack else _QUIET_PUBLISH
-            try:
+        # Sent on the current connection even while its endpoint is being asked for again: most
+        # asks find it unchanged, and a send dropped in that window would time out and start
+        # another ask (with sends every few ms, e.g. a relay's, an endless cycle of resyncs); if
+        # the endpoint did move, the reconnect ends this connection's sends.
+        try:
+            if method == "bundle":
+                head = _HEAD.pack(token.request_id, _BUNDLE if wants_ack else _QUIET_BUNDLE)
+                self._socket.send_multipart([head, *packed], self._zmq.NOBLOCK)
+            else:
+                kind = _KIND_CODES[method] if wants_ack else _QUIET_PUBLISH
                 self._socket.send(_HEAD.pack(token.request_id, kind) + packed, self._zmq.NOBLOCK)
-            except self._zmq.Again:     # the queue to an unreachable manager is full
-                pass
+        except self._zmq.Again:     # the queue to an unreachable manager is full
+            pass
         return token
 
     def poll(self, tokens: list) -> list:
@@ -275,13 +360,15 @@ class ZmqTransport:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(frames) != 1 or len(frames[0]) < _HEAD.size:
+            if len(frames) % 2 != 1 or len(frames[0]) < _HEAD.size:
                 logger.warning("malformed reply from the central KV manager (%d frames)", len(frames))
                 continue
             body = frames[0]
             request_id, status = _HEAD.unpack_from(body)
             self._last_reply_id = max(self._last_reply_id, request_id)
-            if status == _OK:
+            if len(frames) > 1:   # a bundle's sub-replies (an empty bundle reply is one frame: b"")
+                self._replies[request_id] = (frames[1:], None)
+            elif status == _OK:
                 self._replies[request_id] = (body[_HEAD.size:], None)
             else:
                 self._replies[request_id] = (None, RuntimeError(body[_HEAD.size:].decode(errors="replace")))
@@ -289,7 +376,7 @@ class ZmqTransport:
     def _rediscover(self) -> None:
         if self._endpoint_ref is None:
             self._ask_again_at = 0.0
-            self._endpoint_ref = self.actor.event_endpoint.remote()
+            self._endpoint_ref = self.endpoint_source.event_endpoint.remote()
 
     def _check_endpoint(self) -> None:
         if self._endpoint_ref is None:
@@ -312,6 +399,11 @@ class ZmqTransport:
             self._connect(endpoint)
             self.num_reconnects += 1
 
+    @property
+    def socket(self):
+        """The current DEALER socket (a relay polls it; replaced on a reconnect)."""
+        return self._socket
+
     def stats(self) -> dict:
         return {"kv_transport": "zmq", "kv_endpoint": self.endpoint, "kv_reconnects": self.num_reconnects,
                 "kv_ack_timeouts": self.num_timeouts}
@@ -322,9 +414,13 @@ class ZmqTransport:
             self._socket = None
 
 
-def connect_transport(actor, kind: str = "zmq", timeout_s: float = 10.0, ack_timeout_s: float = 2.0):
+def connect_transport(actor, kind: str = "zmq", timeout_s: float = 10.0, ack_timeout_s: float = 2.0,
+                      relay=None):
     """The worker's transport to the central KV manager: ``ZmqTransport`` for ``kind="zmq"``
-    when pyzmq is installed and the actor has an endpoint, else ``RayTransport`` (logged once)."""
+    when pyzmq is installed and the actor has an endpoint, else ``RayTransport`` (logged once).
+    With ``relay`` (its node's relay actor, ``workers.kv_relay``) the events go to the relay's
+    endpoint and the transport asks the relay for it again after an ack timeout; without a
+    relay endpoint they go to the central actor's."""
     if kind == "ray":
         return RayTransport(actor)
     if kind != "zmq":
@@ -332,6 +428,13 @@ def connect_transport(actor, kind: str = "zmq", timeout_s: float = 10.0, ack_tim
     try:
         import ray
 
+        if relay is not None:
+            try:
+                endpoint = ray.get(relay.event_endpoint.remote(), timeout=timeout_s)
+                if endpoint:
+                    return ZmqTransport(actor, endpoint, ack_timeout_s=ack_timeout_s, endpoint_source=relay)
+            except Exception as exc:  # the relay could not start: straight to the central actor
+                logger.warning("KV events straight to the central KV manager: no node relay (%r)", exc)
         endpoint = ray.get(actor.event_endpoint.remote(), timeout=timeout_s)
         if not endpoint:
             raise RuntimeError("the central KV manager has no event endpoint")

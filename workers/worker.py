@@ -80,11 +80,14 @@ class Worker:
 
     ``kv_manager`` is the central KV manager actor handle; no engine step
     waits for it except the rare preemption decision (``PREEMPTION_TIMEOUT_S``).
+    ``kv_relay(kv_manager, kv_events) -> actor`` (passed in by the cluster:
+    ``cluster.kv_relay.node_relay``) gets this node's KV event relay; with
+    ``kv_events["relay"]`` the events go through it (``workers.kv_relay``).
     """
 
     def __init__(self, worker_id: str, engine_config: dict, kv_manager, role: str = "mixed",
                  step_timeout_s: float = 30.0, model_source: dict | None = None,
-                 kv_events: dict | None = None) -> None:
+                 kv_events: dict | None = None, kv_relay=None) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         if model_source is not None:
@@ -104,7 +107,16 @@ class Worker:
         engine.scheduler.allow_migration = True
         self.engine = engine
         kv_events = kv_events or {}
-        self.kv_transport = connect_transport(kv_manager, kv_events.get("transport", "zmq"),
+        transport = kv_events.get("transport", "zmq")
+        relay = None
+        if kv_relay is not None and transport == "zmq" and kv_events.get("relay", False):
+            try:  # this node's relay actor (``cluster.kv_relay.node_relay``, passed in)
+                relay = kv_relay(kv_manager, kv_events)
+            except Exception as exc:
+                logger.warning("worker %s: no KV event relay on this node (%r); publishing to the "
+                               "central KV manager directly", worker_id, exc)
+        # A new relay starts a process on this node: on a loaded node that takes seconds.
+        self.kv_transport = connect_transport(kv_manager, transport, relay=relay, timeout_s=60.0,
                                               ack_timeout_s=kv_events.get("ack_timeout_s", 2.0))
         # The engine's thread only drains and packs; the sender thread below sends and reads acks.
         self.kv_link = KVPublisher(self.local_kv, self.kv_transport,

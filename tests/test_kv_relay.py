@@ -1,0 +1,218 @@
+"""A node's KV event relay (workers/kv_relay.py) and central's bundles (workers/kv_wire.py).
+
+Without Ray: a raw DEALER sends bundles to an in-process ``CentralKVManager``
+(sub-messages handled in order, one bundled reply with only the sub-replies
+that exist, malformed input answered, never fatal); then real
+``KVPublisher``s publish through an in-process ``EventRelay`` and the central
+index must equal every worker's snapshot. With Ray: the relay actor
+(``cluster.kv_relay``) is killed mid-way and restarted, then the central
+actor; the workers resync through the relay (which finds central's new
+endpoint by itself) and central ends consistent. (The cluster path, relays created by
+the workers of a multi-node cluster, is in test_distributed.py.)
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pagedserve.cluster.kv_central import CentralKVManager
+from pagedserve.kvmanager import KVPublisher, PublishAck
+from pagedserve.workers.kv_relay import EventRelay
+from pagedserve.workers.kv_wire import ZmqTransport
+
+from test_kv_events import Driver, make_local
+
+zmq = pytest.importorskip("zmq")
+
+
+def _head(request_id: int, kind: bytes) -> bytes:
+    return request_id.to_bytes(8, "big") + kind
+
+
+def _recv_all(socket, count: int, timeout_ms: int = 10_000) -> list[list[bytes]]:
+    replies = []
+    while len(replies) < count and socket.poll(timeout_ms):
+        replies.append(socket.recv_multipart())
+    return replies
+
+
+def test_a_bundle_is_handled_in_order_and_answered_with_only_the_sub_replies_that_exist():
+    central = CentralKVManager()
+    (local_a, worker_a), (local_b, worker_b) = make_local("a"), make_local("b")
+    driver_a, driver_b = Driver(local_a, worker_a, seed=1), Driver(local_b, worker_b, seed=2)
+    bundle = [b"ra", _head(0, b"r") + local_a.snapshot().pack(), b"rb", _head(0, b"r") + local_b.snapshot().pack()]
+    for step in range(6):
+        driver_a.step()
+        driver_b.step()
+        bundle += [b"ra", _head(1 + step, b"q") + local_a.drain_events().pack(),
+                   b"rb", _head(1 + step, b"q") + local_b.drain_events().pack()]
+    bundle += [b"rb", _head(7, b"x") + b"an unknown kind", b"ra", _head(7, b"p") + local_a.drain_events().pack()]
+    driver_b.step()
+    lost = local_b.drain_events()                   # never sent: b's next publish leaves a gap
+    driver_b.step()
+    bundle += [b"rb", _head(8, b"q") + local_b.drain_events().pack(), b"rb", b"short"]
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(central.event_endpoint())
+    try:
+        socket.send_multipart([_head(100, b"b"), *bundle])
+        [reply] = _recv_all(socket, 1)
+        # A quiet bundle that needs no sub-reply gets no reply; one that asks for a reply does.
+        driver_a.step()
+        socket.send_multipart([_head(101, b"b"), b"ra", _head(9, b"q") + local_a.drain_events().pack()])
+        socket.send_multipart([_head(102, b"B")])
+        # Malformed bundles are answered with an error, and the receiver keeps going.
+        socket.send_multipart([_head(103, b"B"), b"ra"])
+        socket.send_multipart([_head(104, b"B"), b"r" * 17, _head(10, b"p") + b"x"])
+        later = _recv_all(socket, 3)
+        stats = central.stats()
+        central.index.check_consistency_with([local_a.snapshot()], exact_workers=False)
+    finally:
+        socket.close()
+        central.close()
+    assert lost.events
+    assert reply[0] == _head(100, b"o")
+    subs = list(zip(reply[1::2], reply[2::2]))
+    # The two snapshots' acks, then only what was asked for or went wrong, in order.
+    assert [(route, body[:9]) for route, body in subs] == [
+        (b"ra", _head(0, b"o")), (b"rb", _head(0, b"o")), (b"rb", _head(7, b"e")), (b"ra", _head(7, b"o")),
+        (b"rb", _head(8, b"o")), (b"rb", b"short\0\0\0e")]
+    assert PublishAck.unpack(subs[3][1][9:]).status == "ok"
+    assert PublishAck.unpack(subs[4][1][9:]).needs_resync         # the gap
+    assert b"malformed" in subs[5][1] and b"malformed" in subs[2][1]
+    assert later[0] == [_head(102, b"o")]
+    assert later[1][0][:9] == _head(103, b"e") and b"malformed" in later[1][0]
+    assert later[2][0] == _head(104, b"o") and later[2][1] == b"r" * 17 and later[2][2][:9] == _head(10, b"e")
+    assert stats["num_zmq_bundles"] == 4 and stats["num_zmq_bundled"] == len(bundle) // 2 + 1 + 1
+    assert stats["num_zmq_messages"] == 5 and stats["num_publishes"] == 8 + 7
+
+
+def _publishers(endpoint: str, count: int, ack_timeout_s: float = 10.0):
+    out = []
+    for i in range(count):
+        local, worker = make_local(f"w{i}")
+        transport = ZmqTransport(None, endpoint, ack_timeout_s=ack_timeout_s)
+        out.append((KVPublisher(local, transport, max_batch_age_s=0.0), Driver(local, worker, seed=10 + i),
+                    local, transport))
+    return out
+
+
+def test_workers_publish_through_a_relay_in_order_and_central_matches_every_worker():
+    central = CentralKVManager()
+    relay = EventRelay(ZmqTransport(None, central.event_endpoint(), ack_timeout_s=10.0), host="127.0.0.1",
+                       flush_s=0.02)
+    workers = _publishers(relay.address, 4)
+    try:
+        for _ in range(60):
+            for publisher, driver, _, _ in workers:
+                driver.step()
+                publisher.maybe_flush()
+            time.sleep(0.003)
+        for publisher, *_ in workers:
+            assert publisher.flush_and_wait(10.0)
+        stats, relay_stats = central.stats(), relay.stats()
+        central.index.check_consistency_with([local.snapshot() for _, _, local, _ in workers])
+        central.check_integrity()
+    finally:
+        for *_, transport in workers:
+            transport.close()
+        relay.close()
+        central.close()
+    sent = sum(p.num_batches + p.num_snapshots_sent for p, *_ in workers)
+    assert sum(p.num_failed_calls for p, *_ in workers) == 0
+    assert sum(p.num_snapshots_sent for p, *_ in workers) == 4   # the first ones: no resync needed
+    assert relay_stats["num_messages"] == sent == stats["num_zmq_bundled"]
+    assert stats["num_zmq_messages"] == stats["num_zmq_bundles"] == relay_stats["num_bundles"]
+    assert relay_stats["num_bundles"] < sent / 2          # the workers' messages went in bundles
+    assert relay_stats["num_replies"] >= 4 and relay_stats["num_failed_bundles"] == 0
+
+
+# ---- the relay actor, on Ray ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="pagedserve-kv-relay")
+    yield ray
+    ray.shutdown()
+
+
+def test_the_relay_actor_killed_mid_way_restarts_and_the_workers_resync_through_it(ray_local):
+    from pagedserve.cluster.kv_relay import kill_relays, node_relay, relay_name
+    from pagedserve.workers.kv_wire import connect_transport
+
+    ray = ray_local
+    central = ray.remote(CentralKVManager).options(num_cpus=0, max_restarts=-1).remote()
+    ray.get(central.get_incarnation.remote(), timeout=60)
+    kv_events = {"relay": True, "relay_flush_s": 0.02, "ack_timeout_s": 1.0}
+    relay = node_relay(central, kv_events)
+    assert node_relay(central, kv_events)._actor_id == relay._actor_id     # one per node
+    assert ray.get_actor(relay_name(ray.get_runtime_context().get_node_id()))._actor_id == relay._actor_id
+    workers = []
+    for i in range(3):
+        local, worker = make_local(f"w{i}")
+        transport = connect_transport(central, "zmq", timeout_s=60.0, ack_timeout_s=1.0, relay=relay)
+        assert isinstance(transport, ZmqTransport) and transport.endpoint_source is relay
+        workers.append((KVPublisher(local, transport, max_batch_age_s=0.0), Driver(local, worker, seed=20 + i),
+                        local, transport))
+    first_endpoint = ray.get(relay.event_endpoint.remote(), timeout=30)
+
+    def run(steps: int) -> None:
+        for _ in range(steps):
+            for publisher, driver, _, _ in workers:
+                driver.step()
+                publisher.maybe_flush()
+            time.sleep(0.005)
+
+    def consistent() -> bool:
+        return ray.get(central.check_consistency.remote([local.snapshot().pack() for _, _, local, _ in workers]),
+                       timeout=30)
+
+    try:
+        run(30)
+        for publisher, *_ in workers:
+            assert publisher.flush_and_wait(10.0)
+        assert consistent()
+        ray.kill(relay, no_restart=False)       # mid-way: Ray restarts it, on a new port
+        run(30)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:      # the workers time out, resync, ask the relay again
+            run(1)
+            if all(t.endpoint != first_endpoint for *_, t in workers) and all(
+                    p.flush_and_wait(2.0) for p, *_ in workers):
+                break
+        assert all(t.num_reconnects >= 1 for *_, t in workers)
+        assert consistent()
+        relay_endpoint = ray.get(relay.event_endpoint.remote(), timeout=30)
+        incarnation = ray.get(central.get_incarnation.remote(), timeout=30)
+        ray.kill(central, no_restart=False)     # the central manager restarts on a new port
+        run(30)
+        deadline = time.monotonic() + 60
+        new_incarnation = incarnation
+        while new_incarnation == incarnation and time.monotonic() < deadline:
+            try:
+                new_incarnation = ray.get(central.get_incarnation.remote(), timeout=60)
+            except ray.exceptions.RayActorError:   # restarting
+                time.sleep(0.2)
+        while time.monotonic() < deadline:      # the relay's own sends time out: it asks central again
+            run(1)
+            if all(p.central_incarnation == new_incarnation and p.flush_and_wait(2.0) for p, *_ in workers):
+                break
+        assert new_incarnation != incarnation
+        assert all(t.endpoint == relay_endpoint for *_, t in workers)     # the workers stayed
+        relay_stats = ray.get(relay.stats.remote(), timeout=30)
+        assert relay_stats["upstream_reconnects"] >= 1
+        assert consistent(), (relay_stats, [p.stats() for p, *_ in workers])
+        stats = ray.get(central.stats.remote(), timeout=30)
+        assert stats["num_zmq_bundles"] > 0 and stats["num_zmq_bundled"] > stats["num_zmq_bundles"]
+        assert stats["num_zmq_messages"] == stats["num_zmq_bundles"]     # nothing came around the relay
+        assert ray.get(relay.stats.remote(), timeout=30)["num_bundles"] > 0
+    finally:
+        for *_, transport in workers:
+            transport.close()
+        assert kill_relays(ray.get_runtime_context().namespace) == 1
+        ray.kill(central)

@@ -1,0 +1,175 @@
+"""A node's KV event relay: its workers' messages reach the central KV manager as one.
+
+The central manager's CPU goes mostly to per-message costs (a wake-up, a
+socket read, a reply: tens of us each, whatever the payload), so one
+``EventRelay`` per node gathers its workers' event messages and forwards
+them as one bundle per flush:
+
+- workers' side: a ROUTER socket bound to the node's IP on an ephemeral port.
+  A worker's ``ZmqTransport`` connects to it exactly as it would to the
+  central ``EventEndpoint`` (same frames: ``workers.kv_wire``); the ROUTER's
+  identity of its connection (5 bytes) is the route id of its messages;
+- central side: one ``ZmqTransport`` (the workers' own transport class, so
+  its ack timeout, and asking the central actor for its endpoint again after
+  one, are the workers'). Each bundle is one multipart message: ``[head,
+  route 1, message 1, route 2, message 2, ...]`` (``kv_wire``'s bundle wire
+  format), the messages untouched and in arrival order;
+- the receiver thread sleeps until a worker message arrives, then lets the
+  node's other workers' messages gather for ``flush_s`` (wall time), and
+  sends everything waiting as one bundle (several when more than
+  ``max_bundle_messages`` messages or ``max_bundle_bytes`` bytes wait:
+  a large bundle, a snapshot say, goes at once instead of growing); the
+  central manager's bundled reply holds only the sub-replies that exist,
+  and each goes back to its worker's connection, in order.
+
+Order: a worker's messages arrive on one connection, stay in order in the
+bundle, central handles a bundle's messages in order, and the sub-replies
+come back in order, so "a quiet publish is acknowledged by any later reply
+on its connection" holds through the relay. Nothing is retried here: a
+bundle lost (central down, its queue full, the relay restarted) loses its
+messages, which central's per-worker sequence numbers (a gap: resync) and
+the workers' ack timeouts (resync, then ask the relay actor for its
+endpoint again) find. Bundles ask central for a reply of their own every
+``ack_interval_s`` (the others only when they carry a sub-reply), so a
+silent central manager is noticed within the upstream ack timeout.
+
+Pure sockets and one thread; ``cluster.kv_relay`` runs it as a Ray actor.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from .kv_wire import ZmqTransport, _node_ip
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_FLUSH_S = 0.02
+
+
+class EventRelay:
+    """The relay's two sockets and its thread (see the module docstring)."""
+
+    def __init__(self, upstream: ZmqTransport, host: str | None = None, flush_s: float = DEFAULT_FLUSH_S,
+                 max_bundle_messages: int = 256, max_bundle_bytes: int = 4 << 20,
+                 ack_interval_s: float = 0.2, poll_ms: int = 100) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self.upstream = upstream
+        self.flush_s = flush_s
+        self.max_bundle_messages = max_bundle_messages
+        self.max_bundle_bytes = max_bundle_bytes
+        self.ack_interval_s = ack_interval_s
+        self._poll_ms = poll_ms
+        self._context = zmq.Context.instance()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        host = host or _node_ip()
+        port = self._socket.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        self._in_flight: list = []          # upstream tokens of bundles sent
+        self._last_ack_asked = float("-inf")
+        self.num_messages = 0       # worker messages received
+        self.num_bundles = 0        # bundles sent upstream
+        self.num_replies = 0        # sub-replies routed back to workers
+        self.num_failed_bundles = 0  # bundles not acknowledged (their workers resync)
+        self.thread_cpu_s = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="pagedserve-kv-relay", daemon=True)
+        self._thread.start()
+
+    # ---- the thread ----------------------------------------------------------------------
+    def _serve(self) -> None:
+        zmq = self._zmq
+        poller, polled = zmq.Poller(), None
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            self.thread_cpu_s = time.thread_time()
+            upstream_socket = self.upstream.socket
+            if upstream_socket is not polled:      # (re)connected upstream
+                if polled is not None:
+                    poller.unregister(polled)
+                poller.register(upstream_socket, zmq.POLLIN)
+                polled = upstream_socket
+            ready = dict(poller.poll(self._poll_ms))
+            self._route_replies()                  # also times out bundles and rediscovers central
+            if ready.get(self._socket):
+                # Let the node's other workers' messages join this bundle.
+                self._stop.wait(self.flush_s)
+                self._forward()
+                self._route_replies()
+        self._socket.close(0)
+        self.upstream.close()
+
+    def _forward(self) -> None:
+        """Everything waiting from the workers, as bundles (capped in messages and bytes)."""
+        zmq = self._zmq
+        recv = self._socket.recv_multipart
+        while True:
+            frames: list[bytes] = []
+            size = 0
+            while len(frames) < 2 * self.max_bundle_messages and size < self.max_bundle_bytes:
+                try:
+                    message = recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if len(message) != 2:   # a worker sends one frame: the ROUTER adds its identity
+                    logger.warning("KV relay: dropped a malformed worker message (%d frames)", len(message))
+                    continue
+                frames += message        # route (the connection's identity), message
+                size += len(message[1])
+            if not frames:
+                return
+            self.num_messages += len(frames) // 2
+            self._send(frames)
+            if len(frames) < 2 * self.max_bundle_messages and size < self.max_bundle_bytes:
+                return                   # drained; otherwise more may wait
+
+    def _send(self, frames: list[bytes]) -> None:
+        now = time.monotonic()
+        want_ack = now - self._last_ack_asked >= self.ack_interval_s
+        if want_ack:
+            self._last_ack_asked = now
+        self._in_flight.append(self.upstream.send("bundle", frames, want_ack))
+        self.num_bundles += 1
+
+    def _route_replies(self) -> None:
+        if not self._in_flight:
+            self.upstream.poll([])         # a pending endpoint ask still completes
+            return
+        ended = self.upstream.poll(self._in_flight)
+        if not ended:
+            return
+        send = self._socket.send_multipart
+        done = set()
+        for token, reply, error in ended:
+            done.add(id(token))
+            if error is not None:
+                self.num_failed_bundles += 1
+                logger.warning("KV relay: a bundle to the central KV manager failed (%r); its workers "
+                               "will resync", error)
+            elif isinstance(reply, list):    # route, reply, route, reply, ...
+                for route, body in zip(reply[0::2], reply[1::2]):
+                    try:
+                        send([route, body], self._zmq.NOBLOCK)
+                    except self._zmq.Again:  # that worker's queue is full: it times out and resyncs
+                        continue
+                    self.num_replies += 1
+        # Replies come in the order the bundles were sent.
+        self._in_flight = [t for t in self._in_flight if id(t) not in done]
+
+    # ---- outside -------------------------------------------------------------------------
+    def stats(self) -> dict:
+        return {"relay_endpoint": self.address, "upstream_endpoint": self.upstream.endpoint,
+                "num_messages": self.num_messages, "num_bundles": self.num_bundles,
+                "num_replies": self.num_replies, "num_failed_bundles": self.num_failed_bundles,
+                "num_in_flight": len(self._in_flight), "thread_cpu_s": self.thread_cpu_s,
+                "upstream_reconnects": self.upstream.num_reconnects,
+                "upstream_ack_timeouts": self.upstream.num_timeouts}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
