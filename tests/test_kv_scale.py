@@ -92,7 +92,7 @@ def test_workload_is_validated():
 def test_kv_scale_runs_end_to_end_on_ray_and_reports_every_key(tmp_path):
     out = tmp_path / "kv_scale.json"
     config = KVScaleConfig(num_workers=4, batch=8, context=128, steps_per_s=20, seconds=2.0,
-                           workers_per_process=2, pressure_per_s=2.0, num_prefixes=2)
+                           workers_per_process=2, pressure_per_s=2.0, num_prefixes=2, workers_per_node=2)
     result = run_kv_scale(config, out=str(out), log=lambda _: None)
     written = json.loads(out.read_text())
     for key in RESULT_KEYS:
@@ -105,8 +105,13 @@ def test_kv_scale_runs_end_to_end_on_ray_and_reports_every_key(tmp_path):
         1e6 / (50 * written["central_cpu_us_per_worker_step"]))
     assert written["workers_supported_formula"] == "1e6 / (50 * central_cpu_us_per_worker_step)"
     assert set(written["targets"]) == set(TARGETS)
+    # Two simulated nodes: every worker's messages reached central in its relay's bundles.
+    assert written["num_relays"] == 2 and written["relay_cpu_us_per_worker_step"] > 0
+    assert written["relay_messages_per_bundle"] >= 1
+    assert 0 < written["central_messages_per_worker_step"] < written["central_calls_per_worker_step"]
     text = format_results(result)
     assert "integrity ok" in text and "1e6 / (50 * central_cpu_us_per_worker_step)" in text
+    assert "2 relays" in text
 
 
 def test_kv_scale_cli_parses():
@@ -116,5 +121,7 @@ def test_kv_scale_cli_parses():
                                       "16384", "--steps-per-s", "50", "--seconds", "30", "--json", "x.json"])
     assert (args.workers, args.batch, args.context, args.steps_per_s, args.seconds, args.json) == (
         64, 256, 16384, 50.0, 30.0, "x.json")
+    assert (args.workers_per_node, args.relay_flush_ms) == (8, 20.0)
+    assert build_parser().parse_args(["bench", "kv-scale", "--workers-per-node", "0"]).workers_per_node == 0
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "kv-scale", "--workers", "0"])

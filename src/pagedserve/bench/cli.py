@@ -250,6 +250,13 @@ def _add_kv_scale_parser(subparsers) -> None:
     parser.add_argument("--transport", choices=("zmq", "ray"), default="zmq",
                         help="workers' KV events: over ZeroMQ (the cluster's default) or one Ray actor call "
                              "per batch (default: zmq)")
+    parser.add_argument("--workers-per-node", type=non_negative_int, default=8,
+                        help="simulated workers per node: each node's workers publish through one KV event "
+                             "relay actor (--transport zmq), N / K relays in all; 0: no relays, every worker "
+                             "straight to the central manager (default: 8)")
+    parser.add_argument("--relay-flush-ms", type=positive_float, default=20.0,
+                        help="a relay forwards what its workers sent as one message this often, wall time "
+                             "(default: 20, the cluster's kv_events.relay_flush_s)")
     parser.add_argument("--central-cpus", type=non_negative_int, nargs="+", metavar="CPU",
                         help="pin the central KV manager's process to these CPUs and every other process "
                              "of the run (simulated workers, Ray's own) to the rest, as a central manager "
@@ -267,7 +274,9 @@ def _run_kv_scale(args: argparse.Namespace) -> int:
         num_workers=args.workers, batch=args.batch, context=args.context, steps_per_s=args.steps_per_s,
         seconds=args.seconds, workers_per_process=args.workers_per_process, flush_interval_s=args.flush_ms / 1e3,
         pressure_per_s=args.pressure_per_s, seed=args.seed, transport=args.transport,
-        central_cpus=tuple(args.central_cpus or ()))
+        central_cpus=tuple(args.central_cpus or ()),
+        workers_per_node=args.workers_per_node if args.transport == "zmq" else 0,
+        relay_flush_s=args.relay_flush_ms / 1e3)
     result = kv_scale.run_kv_scale(config, out=args.json)
     print(kv_scale.format_results(result))
     if args.json:

@@ -10,7 +10,17 @@ fire and forget, off the step, every ``flush_interval_s`` of its own
 simulated time (every ``round(flush_interval_s * steps_per_s)`` steps, so a
 batch carries what it would at full speed even when this machine cannot keep
 the pace); it asks the central manager only when it cannot grow (one
-blocking ``decide_preemption`` call).
+blocking ``decide_preemption`` call). With ``workers_per_node`` K > 0 (and
+the ZeroMQ transport) every K consecutive workers are one simulated node
+whose messages go through that node's relay actor (``cluster.kv_relay``, the
+cluster's, N / K of them on this machine), which forwards them to central as
+one bundle every ``relay_flush_s`` of wall time. The workers' flushes are in
+simulated time and the relay's in wall time: when the simulated workers run
+slower than ``steps_per_s`` (a small machine), a bundle holds fewer worker
+messages than it would at pace (a node's 8 workers at 50 steps/s and 50 ms
+flushes send 160 messages/s: ~3 per 20 ms bundle; at 15 steps/s, ~1), so
+``central_messages_per_worker_step`` is higher here than on a node at pace,
+while the relay adds up to ``relay_flush_s`` to ``event_lag`` either way.
 
 Measured over ``seconds`` after a warm-up that fills every worker's batch:
 - ``central_cpu_us_per_worker_step``: the central actor process's CPU time
@@ -31,6 +41,10 @@ Measured over ``seconds`` after a warm-up that fills every worker's batch:
   ``central_receiver_cpu_us_per_worker_step``: the event receiver thread's share
   (its wake-ups, socket reads and the handlers; the rest is ZeroMQ's I/O thread
   and Ray's threads);
+- ``central_messages_per_worker_step``: messages the central socket received
+  (bundles, with relays) / worker-steps; ``relay_cpu_us_per_worker_step``:
+  the relay processes' CPU (``process_cpu_s``, Ray's threads included) / all
+  worker-steps, and ``relay_messages_per_bundle``;
 - ``preemptions_by_mode`` as carried out by the workers;
 - ``integrity_ok``: every pool's integrity check holds and, after a final
   flush, the central index equals the union of the workers' snapshots; and
@@ -77,6 +91,8 @@ class KVScaleConfig(SimWorkload):
     warmup_timeout_s: float = 600.0
     transport: str = "zmq"   # the event stream: "zmq" (the cluster's default) or "ray" (actor calls)
     central_cpus: tuple[int, ...] = ()   # pin the central process here, everything else elsewhere
+    workers_per_node: int = 8   # "zmq": workers per simulated node, each node's through one relay; 0: none
+    relay_flush_s: float = 0.02   # a relay's bundles, wall time (the cluster's kv_events.relay_flush_s)
 
     def workload(self) -> SimWorkload:
         return SimWorkload(**{f.name: getattr(self, f.name) for f in fields(SimWorkload)})
@@ -88,6 +104,16 @@ class KVScaleConfig(SimWorkload):
     @property
     def num_processes(self) -> int:
         return -(-self.num_workers // self.workers_per_process)
+
+    @property
+    def num_relays(self) -> int:
+        if self.transport != "zmq" or self.workers_per_node <= 0:
+            return 0
+        return -(-self.num_workers // self.workers_per_node)
+
+    def relay_index(self, worker_id: str) -> int:
+        """The simulated node (and so the relay) of a worker."""
+        return int(worker_id.rsplit("-", 1)[1]) // self.workers_per_node
 
 
 class _TimedTransport:
@@ -133,7 +159,8 @@ class SimWorkerGroup:
     sequences.
     """
 
-    def __init__(self, config: KVScaleConfig, worker_ids: list[str], central, groups_by_worker: dict) -> None:
+    def __init__(self, config: KVScaleConfig, worker_ids: list[str], central, groups_by_worker: dict,
+                 relays: list | None = None) -> None:
         from pagedserve.kvmanager.preemption import RemotePreemptionPolicy
         from pagedserve.kvmanager.publisher import KVPublisher
         from pagedserve.workers.kv_wire import ZmqTransport, connect_transport
@@ -152,9 +179,12 @@ class SimWorkerGroup:
             holder: dict = {}
             policy = RemotePreemptionPolicy(lambda request, h=holder: h["publisher"].decide_preemption(request))
             worker = SimulatedKVWorker(worker_id, workload, prefixes, policy)
-            inner = connect_transport(central, config.transport, timeout_s=120.0, ack_timeout_s=10.0)
+            relay = relays[config.relay_index(worker_id)] if relays else None
+            inner = connect_transport(central, config.transport, timeout_s=120.0, ack_timeout_s=10.0, relay=relay)
             if config.transport == "zmq" and not isinstance(inner, ZmqTransport):
                 raise RuntimeError("--transport zmq asked, but the ZeroMQ transport is unavailable")
+            if relay is not None and inner.endpoint_source is not relay:
+                raise RuntimeError(f"{worker_id}: its node's KV event relay is unavailable")
             transport = _TimedTransport(inner, self.publish_rtts)
             # Age 0: ``maybe_flush`` sends whatever is pending; the loop calls it every
             # ``flush_every_steps`` steps, i.e. every ``flush_interval_s`` of simulated time.
@@ -386,6 +416,7 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
     import ray
 
     from pagedserve.cluster.kv_central import CentralKVManager
+    from pagedserve.cluster.kv_relay import KVRelay
 
     pinned = _split_cpus(config.central_cpus) if config.central_cpus else None
     driver_cpus = os.sched_getaffinity(0) if pinned else None
@@ -396,7 +427,7 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
         ray.init(address="local", include_dashboard=False, log_to_driver=False,
                  num_cpus=config.num_processes + 1)
     central = None
-    groups = []
+    groups, relays = [], []
     try:
         central = ray.remote(CentralKVManager).options(num_cpus=0, max_restarts=0).remote(config.transport)
         ray.get(central.get_incarnation.remote(), timeout=120)
@@ -406,8 +437,15 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
         per = config.workers_per_process
         chunks = [worker_ids[i:i + per] for i in range(0, len(worker_ids), per)]
         groups_by_worker = {w: i for i, chunk in enumerate(chunks) for w in chunk}
+        # One relay per simulated node (the cluster starts one per Ray node; here they share this one).
+        relay_cls = ray.remote(KVRelay).options(num_cpus=0, max_restarts=0)
+        relays = [relay_cls.remote(central, config.relay_flush_s, 10.0) for _ in range(config.num_relays)]
+        relay_pids = [s["pid"] for s in ray.get([r.stats.remote() for r in relays], timeout=120)]
+        if pinned:
+            for pid in relay_pids:
+                _pin_process(pid, pinned[1])
         group_cls = ray.remote(SimWorkerGroup).options(num_cpus=0, max_concurrency=4)
-        groups = [group_cls.remote(config, chunk, central, groups_by_worker) for chunk in chunks]
+        groups = [group_cls.remote(config, chunk, central, groups_by_worker, relays) for chunk in chunks]
         ray.get([g.connect.remote(groups) for g in groups], timeout=600)
         if pinned:
             for pid in ray.get([g.pid.remote() for g in groups], timeout=60):
@@ -440,10 +478,12 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
 
         ray.get(central.reset_window.remote(), timeout=60)
         central_before = ray.get(central.stats.remote(), timeout=60)
+        relays_before = ray.get([r.stats.remote() for r in relays], timeout=60)
         counters_before = _sum_counters(ray.get([g.counters.remote() for g in groups], timeout=60))
         window_start, window_start_wall = time.perf_counter(), time.time()
         time.sleep(config.seconds)
         central_after = ray.get(central.stats.remote(), timeout=60)
+        relays_after = ray.get([r.stats.remote() for r in relays], timeout=60)
         counters_after = _sum_counters(ray.get([g.counters.remote() for g in groups], timeout=60))
         window_s = time.perf_counter() - window_start
         rtts = sorted(rtt for chunk in ray.get([g.publish_rtts_between.remote(window_start_wall, time.time())
@@ -464,7 +504,7 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
         if central_error:
             integrity_errors.append(f"after finishing everything: {central_error}")
     finally:
-        for actor in groups + ([central] if central is not None else []):
+        for actor in groups + relays + ([central] if central is not None else []):
             ray.kill(actor)
         if owns_ray:
             ray.shutdown()
@@ -482,6 +522,10 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
     num_calls = sum(central_after[k] - central_before[k]
                     for k in ("num_publishes", "num_snapshots", "num_preemption_calls"))
     cpu_us = 1e6 * cpu_s / num_steps
+    relay_cpu_s = sum(a["process_cpu_s"] - b["process_cpu_s"] for a, b in zip(relays_after, relays_before))
+    relay_messages = sum(a["num_messages"] - b["num_messages"] for a, b in zip(relays_after, relays_before))
+    relay_bundles = sum(a["num_bundles"] - b["num_bundles"] for a, b in zip(relays_after, relays_before))
+    central_messages = central_after["num_zmq_messages"] - central_before["num_zmq_messages"]
     result = {
         "config": asdict(config),
         "central_cpu_us_per_worker_step": cpu_us,
@@ -506,6 +550,11 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
                                                           - central_before["receiver_cpu_s"]) / num_steps,
         "central_zmq_replies_per_worker_step": (central_after["num_zmq_replies"]
                                             - central_before["num_zmq_replies"]) / num_steps,
+        "central_messages_per_worker_step": central_messages / num_steps,
+        "num_relays": len(relays),
+        "relay_cpu_us_per_worker_step": 1e6 * relay_cpu_s / num_steps,
+        "relay_messages_per_bundle": relay_messages / relay_bundles if relay_bundles else 0.0,
+        "relay_flush_ms": 1e3 * config.relay_flush_s if relays else 0.0,
         "event_lag_p50_ms": central_after["event_lag_p50_ms"],
         "publish_rtt_p99_ms": 1e3 * rtts[min(len(rtts) - 1, int(0.99 * len(rtts)))] if rtts else 0.0,
         "flush_interval_ms": 1e3 * config.flush_interval_s,
@@ -551,6 +600,15 @@ def format_results(result: dict) -> str:
                  f"{result['central_calls_per_worker_step']:.3f} central calls and "
                  f"{result['events_per_worker_step']:.2f} events per worker-step, lag p50 "
                  f"{result['event_lag_p50_ms']:.1f} ms")
+    if result.get("num_relays"):
+        lines.append(f"  {result['num_relays']} relays ({config['workers_per_node']} workers each, bundles every "
+                     f"{result['relay_flush_ms']:.0f} ms of wall time, {result['relay_messages_per_bundle']:.1f} "
+                     f"messages per bundle): relay CPU {result['relay_cpu_us_per_worker_step']:.1f} us/worker-step "
+                     f"(processes, all relays), central messages "
+                     f"{result['central_messages_per_worker_step']:.3f} per worker-step")
+    else:
+        lines.append(f"  no relays: central messages {result['central_messages_per_worker_step']:.3f} "
+                     f"per worker-step")
     lines.append(f"  publish -> ack p99 {result['publish_rtt_p99_ms']:.1f} ms; a worker at pace flushes every "
                  f"{result['flush_interval_ms']:.0f} ms ({result['flush_every_steps']} steps), so its lag is at most "
                  f"{result['flush_interval_ms'] + result['publish_rtt_p99_ms']:.1f} ms")
