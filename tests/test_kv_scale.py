@@ -79,6 +79,39 @@ def test_simulated_workers_keep_the_central_index_exact_through_pressure_and_mig
     central.index.check_consistency_with([w.kv.snapshot() for w in workers])
 
 
+def test_publish_round_trips_are_timed_even_when_the_publisher_reads_the_ack_first():
+    """``_TimedTransport`` (kv-scale's ack timing) over a real ``ZmqTransport`` to an in-process
+    central endpoint: an ack the publisher's own poll takes is still timed, and an ended send is
+    no longer watched (a token left behind was re-asked about by every ``observe`` of the
+    stepping loop, and its round trip never counted)."""
+    pytest.importorskip("zmq")
+    from test_kv_events import Driver, make_local
+
+    from pagedserve.bench.kv_scale import _TimedTransport
+    from pagedserve.cluster.kv_central import CentralKVManager
+    from pagedserve.kvmanager.publisher import KVPublisher
+    from pagedserve.workers.kv_wire import ZmqTransport
+
+    central = CentralKVManager()
+    rtts: list = []
+    inner = ZmqTransport(None, central.event_endpoint(), ack_timeout_s=10.0)
+    transport = _TimedTransport(inner, rtts)
+    local, worker = make_local()
+    publisher = KVPublisher(local, transport, max_batch_age_s=0.0)
+    driver = Driver(local, worker, seed=3)
+    try:
+        assert publisher.flush_and_wait(10.0)       # the snapshot: the publisher's poll reads its ack
+        for _ in range(3):
+            driver.step()
+            assert publisher.flush_and_wait(10.0)   # batches that ask for an ack
+        transport.observe()
+    finally:
+        inner.close()
+        central.close()
+    assert len(rtts) == 4 and all(rtt >= 0 for _, rtt in rtts)
+    assert not transport._watch
+
+
 def test_workload_is_validated():
     with pytest.raises(ValueError, match="context"):
         SimWorkload(context=8)
