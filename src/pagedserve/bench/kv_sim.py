@@ -300,6 +300,7 @@ class SimulatedKVWorker:
         admitted: set[str] = set()
         appended = self.pending.appended
         requests, token = self.requests, self.token
+        shared_len, span = self._shared_len, VOCAB_HIGH - VOCAB_LOW
         num_scheduled = num_kept = 0
         for scheduled in output.scheduled:
             request = requests[scheduled.seq_id]
@@ -315,7 +316,10 @@ class SimulatedKVWorker:
                     self._finish(request)
                     continue
                 request.num_output_left -= 1
-                appended.append((request.seq_id, [token(request, num_computed)]))
+                # ``token(request, num_computed)``, inlined past the shared prefix (every decode step)
+                sampled = (VOCAB_LOW + (request.token_base + num_computed * 40503) % TOKEN_MODULUS % span
+                           if num_computed >= shared_len else token(request, num_computed))
+                appended.append((request.seq_id, [sampled]))
                 request.num_tokens = num_computed + 1
             num_kept += num_tokens
         counters.num_scheduled_tokens += num_kept
