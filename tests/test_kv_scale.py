@@ -140,6 +140,7 @@ def test_kv_scale_runs_end_to_end_on_ray_and_reports_every_key(tmp_path):
     assert set(written["targets"]) == set(TARGETS)
     # Two simulated nodes: every worker's messages reached central in its relay's bundles.
     assert written["num_relays"] == 2 and written["relay_cpu_us_per_worker_step"] > 0
+    assert 0 < written["relay_thread_cpu_us_per_worker_step"] < written["relay_cpu_us_per_worker_step"]
     assert written["relay_messages_per_bundle"] >= 1
     assert 0 < written["central_messages_per_worker_step"] < written["central_calls_per_worker_step"]
     text = format_results(result)

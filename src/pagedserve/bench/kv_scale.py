@@ -44,7 +44,8 @@ Measured over ``seconds`` after a warm-up that fills every worker's batch:
 - ``central_messages_per_worker_step``: messages the central socket received
   (bundles, with relays) / worker-steps; ``relay_cpu_us_per_worker_step``:
   the relay processes' CPU (``process_cpu_s``, Ray's threads included) / all
-  worker-steps, and ``relay_messages_per_bundle``;
+  worker-steps (``relay_thread_cpu_us_per_worker_step``: the relay threads'
+  share, without ZeroMQ's I/O threads and Ray's), and ``relay_messages_per_bundle``;
 - ``preemptions_by_mode`` as carried out by the workers;
 - ``integrity_ok``: every pool's integrity check holds and, after a final
   flush, the central index equals the union of the workers' snapshots; and
@@ -535,6 +536,7 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
                     for k in ("num_publishes", "num_snapshots", "num_preemption_calls"))
     cpu_us = 1e6 * cpu_s / num_steps
     relay_cpu_s = sum(a["process_cpu_s"] - b["process_cpu_s"] for a, b in zip(relays_after, relays_before))
+    relay_thread_cpu_s = sum(a["thread_cpu_s"] - b["thread_cpu_s"] for a, b in zip(relays_after, relays_before))
     relay_messages = sum(a["num_messages"] - b["num_messages"] for a, b in zip(relays_after, relays_before))
     relay_bundles = sum(a["num_bundles"] - b["num_bundles"] for a, b in zip(relays_after, relays_before))
     central_messages = central_after["num_zmq_messages"] - central_before["num_zmq_messages"]
@@ -565,6 +567,7 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
         "central_messages_per_worker_step": central_messages / num_steps,
         "num_relays": len(relays),
         "relay_cpu_us_per_worker_step": 1e6 * relay_cpu_s / num_steps,
+        "relay_thread_cpu_us_per_worker_step": 1e6 * relay_thread_cpu_s / num_steps,
         "relay_messages_per_bundle": relay_messages / relay_bundles if relay_bundles else 0.0,
         "relay_flush_ms": 1e3 * config.relay_flush_s if relays else 0.0,
         "event_lag_p50_ms": central_after["event_lag_p50_ms"],
@@ -616,7 +619,8 @@ def format_results(result: dict) -> str:
         lines.append(f"  {result['num_relays']} relays ({config['workers_per_node']} workers each, bundles every "
                      f"{result['relay_flush_ms']:.0f} ms of wall time, {result['relay_messages_per_bundle']:.1f} "
                      f"messages per bundle): relay CPU {result['relay_cpu_us_per_worker_step']:.1f} us/worker-step "
-                     f"(processes, all relays), central messages "
+                     f"(processes, all relays; their relay threads "
+                     f"{result['relay_thread_cpu_us_per_worker_step']:.1f}), central messages "
                      f"{result['central_messages_per_worker_step']:.3f} per worker-step")
     else:
         lines.append(f"  no relays: central messages {result['central_messages_per_worker_step']:.3f} "
