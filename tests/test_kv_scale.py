@@ -159,3 +159,35 @@ def test_kv_scale_cli_parses():
     assert build_parser().parse_args(["bench", "kv-scale", "--workers-per-node", "0"]).workers_per_node == 0
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "kv-scale", "--workers", "0"])
+
+
+def _sweep_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_kv_scale_sweep.py"
+    spec = importlib.util.spec_from_file_location("bench_kv_scale_sweep", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sweep_splits_central_cpu_into_fixed_and_per_worker_step():
+    """Runs whose central CPU is 20 ms/s + 30 us per worker-step give back those two figures,
+    and at 32 workers x 50 steps/s: 20,000 / 1,600 + 30 us per worker-step."""
+    sweep = _sweep_module()
+    runs = []
+    for num_workers, steps_per_s in ((8, 40.0), (16, 25.0), (32, 13.0)):
+        rate = num_workers * steps_per_s
+        runs.append({"config": {"num_workers": num_workers}, "worker_steps": int(rate * 20), "window_s": 20.0,
+                     "central_cpu_us_per_worker_step": (20_000 + 30 * rate) / rate,
+                     "workers_supported_at_50_steps_per_s": 0.0, "achieved_steps_per_s_per_worker": steps_per_s,
+                     "central_messages_per_worker_step": 0.1, "event_lag_p99_ms": 0.0, "integrity_ok": True})
+    summary = sweep.summarise(runs, operating_workers=32)
+    assert summary["fixed_central_cpu_us_per_s"] == pytest.approx(20_000)
+    assert summary["marginal_central_cpu_us_per_worker_step"] == pytest.approx(30)
+    assert summary["central_cpu_us_per_worker_step_at_operating_point"] == pytest.approx(20_000 / 1_600 + 30)
+    assert summary["workers_supported_at_50_steps_per_s_fitted"] == pytest.approx((1e6 - 20_000) / (50 * 30))
+    assert all(abs(p["fit_residual_us_per_s"]) < 1e-6 for p in summary["points"])
+    with pytest.raises(ValueError):
+        sweep.fit_line([1.0, 1.0], [2.0, 3.0])
