@@ -150,8 +150,12 @@ def test_the_relay_actor_killed_mid_way_restarts_and_the_workers_resync_through_
     ray.get(central.get_incarnation.remote(), timeout=60)
     kv_events = {"relay": True, "relay_flush_s": 0.02, "ack_timeout_s": 1.0}
     relay = node_relay(central, kv_events)
-    assert node_relay(central, kv_events)._actor_id == relay._actor_id     # one per node
-    assert ray.get_actor(relay_name(ray.get_runtime_context().get_node_id()))._actor_id == relay._actor_id
+    def pid(actor) -> int:
+        return ray.get(actor.stats.remote(), timeout=60)["pid"]
+
+    relay_pid = pid(relay)   # one per node: asked again, or by name, the same process answers
+    assert pid(node_relay(central, kv_events)) == relay_pid
+    assert pid(ray.get_actor(relay_name(ray.get_runtime_context().get_node_id()))) == relay_pid
     workers = []
     for i in range(3):
         local, worker = make_local(f"w{i}")
