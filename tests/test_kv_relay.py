@@ -129,6 +129,25 @@ def test_workers_publish_through_a_relay_in_order_and_central_matches_every_work
     assert relay_stats["num_replies"] >= 4 and relay_stats["num_failed_bundles"] == 0
 
 
+def test_the_relay_and_central_bind_to_the_public_node_ip():
+    """``node_ip`` is kv_wire's public answer to "which address do I bind": without Ray here,
+    127.0.0.1 (the Ray case is checked on the relay actor below)."""
+    import ray
+
+    from pagedserve.workers.kv_wire import node_ip
+
+    if ray.is_initialized():
+        pytest.skip("another test module left Ray running")
+    central = CentralKVManager()
+    relay = EventRelay(ZmqTransport(None, central.event_endpoint(), ack_timeout_s=10.0), flush_s=0.02)
+    try:
+        assert node_ip() == "127.0.0.1"
+        assert relay.address.startswith("tcp://127.0.0.1:") and central.event_endpoint().startswith("tcp://127.0.0.1:")
+    finally:
+        relay.close()
+        central.close()
+
+
 # ---- the relay actor, on Ray ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ray_local():
@@ -143,7 +162,7 @@ def ray_local():
 
 def test_the_relay_actor_killed_mid_way_restarts_and_the_workers_resync_through_it(ray_local):
     from pagedserve.cluster.kv_relay import kill_relays, node_relay, relay_name
-    from pagedserve.workers.kv_wire import connect_transport
+    from pagedserve.workers.kv_wire import connect_transport, node_ip
 
     ray = ray_local
     central = ray.remote(CentralKVManager).options(num_cpus=0, max_restarts=-1).remote()
@@ -164,6 +183,7 @@ def test_the_relay_actor_killed_mid_way_restarts_and_the_workers_resync_through_
         workers.append((KVPublisher(local, transport, max_batch_age_s=0.0), Driver(local, worker, seed=20 + i),
                         local, transport))
     first_endpoint = ray.get(relay.event_endpoint.remote(), timeout=30)
+    assert first_endpoint.startswith(f"tcp://{node_ip()}:")   # the node's IP, not loopback
 
     def run(steps: int) -> None:
         for _ in range(steps):

@@ -42,7 +42,7 @@ import logging
 import threading
 import time
 
-from .kv_wire import ZmqTransport, _node_ip
+from .kv_wire import ZmqTransport, node_ip
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class EventRelay:
         self._context = zmq.Context.instance()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        host = host or _node_ip()
+        host = host or node_ip()
         port = self._socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self._in_flight: list = []          # upstream tokens of bundles sent

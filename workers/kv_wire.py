@@ -82,7 +82,7 @@ class EventEndpoint:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        host = host or _node_ip()
+        host = host or node_ip()
         port = self._socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self.num_messages = 0
@@ -211,7 +211,9 @@ def _error_body(body: bytes, text: str) -> bytes:
     return body[:8].ljust(8, b"\0") + b"e" + text.encode()
 
 
-def _node_ip() -> str:
+def node_ip() -> str:
+    """The address this process's sockets bind to: the Ray node's IP when Ray is running here
+    (other nodes' workers and relays must reach it), else 127.0.0.1 (tests, one process)."""
     try:
         import ray
 
