@@ -129,6 +129,48 @@ def test_workers_publish_through_a_relay_in_order_and_central_matches_every_work
     assert relay_stats["num_replies"] >= 4 and relay_stats["num_failed_bundles"] == 0
 
 
+def test_a_malformed_worker_message_is_answered_by_the_relay_in_order_and_never_forwarded():
+    """A raw worker connection sends multi-frame messages among good ones: each gets central's
+    error reply from the relay (a too-short request id zero-padded), in order with the replies
+    to its good messages; nothing malformed goes upstream, and another worker carries on."""
+    central = CentralKVManager()
+    relay = EventRelay(ZmqTransport(None, central.event_endpoint(), ack_timeout_s=10.0), host="127.0.0.1",
+                       flush_s=0.02)
+    [(publisher, driver, local_b, transport)] = _publishers(relay.address, 1)
+    local, worker = make_local("raw")
+    raw_driver = Driver(local, worker, seed=3)
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(relay.address)
+    try:
+        socket.send(_head(0, b"r") + local.snapshot().pack())
+        socket.send_multipart([_head(1, b"p") + b"x", b"a second frame"])
+        socket.send_multipart([b"ab", b"cd"])
+        raw_driver.step()
+        socket.send(_head(2, b"p") + local.drain_events().pack())
+        replies = _recv_all(socket, 4, timeout_ms=5_000)
+        for _ in range(20):
+            driver.step()
+            publisher.maybe_flush()
+            time.sleep(0.003)
+        assert publisher.flush_and_wait(10.0)
+        relay_stats, stats = relay.stats(), central.stats()
+        central.index.check_consistency_with([local.snapshot(), local_b.snapshot()])
+    finally:
+        socket.close()
+        transport.close()
+        relay.close()
+        central.close()
+    assert [len(reply) for reply in replies] == [1, 1, 1, 1]
+    assert [reply[0][:9] for reply in replies] == [_head(0, b"o"), _head(1, b"e"), b"ab\0\0\0\0\0\0e",
+                                                   _head(2, b"o")]
+    assert all(reply[0][9:] == b"malformed KV event message" for reply in replies[1:3])
+    assert PublishAck.unpack(replies[3][0][9:]).status == "ok"
+    assert relay_stats["num_malformed"] == 2 and relay_stats["num_failed_bundles"] == 0
+    assert relay_stats["num_messages"] == stats["num_zmq_bundled"]     # nothing malformed went upstream
+    assert publisher.num_failed_calls == 0
+
+
 def test_the_relay_and_central_bind_to_the_public_node_ip():
     """``node_ip`` is kv_wire's public answer to "which address do I bind": without Ray here,
     127.0.0.1 (the Ray case is checked on the relay actor below)."""

@@ -20,7 +20,11 @@ them as one bundle per flush:
   ``max_bundle_messages`` messages or ``max_bundle_bytes`` bytes wait:
   a large bundle, a snapshot say, goes at once instead of growing); the
   central manager's bundled reply holds only the sub-replies that exist,
-  and each goes back to its worker's connection, in order.
+  and each goes back to its worker's connection, in order;
+- a malformed worker message (not the one frame a worker sends) is never
+  forwarded: the relay answers it with the error central would give
+  (``kv_wire.error_body``), after the replies to the bundles sent before it,
+  and counts it (``num_malformed``).
 
 Order: a worker's messages arrive on one connection, stay in order in the
 bundle, central handles a bundle's messages in order, and the sub-replies
@@ -42,7 +46,7 @@ import logging
 import threading
 import time
 
-from .kv_wire import ZmqTransport, node_ip
+from .kv_wire import ZmqTransport, error_body, node_ip
 
 logger = logging.getLogger(__name__)
 
@@ -71,11 +75,13 @@ class EventRelay:
         port = self._socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self._in_flight: list = []          # upstream tokens of bundles sent
+        self._held: dict[int, list] = {}    # id(token): error replies to send once that bundle ends
         self._last_ack_asked = float("-inf")
         self.num_messages = 0       # worker messages received
         self.num_bundles = 0        # bundles sent upstream
         self.num_replies = 0        # sub-replies routed back to workers
         self.num_failed_bundles = 0  # bundles not acknowledged (their workers resync)
+        self.num_malformed = 0      # worker messages answered here with an error, never forwarded
         self.thread_cpu_s = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="pagedserve-kv-relay", daemon=True)
@@ -106,35 +112,50 @@ class EventRelay:
 
     def _forward(self) -> None:
         """Everything waiting from the workers, as bundles (capped in messages and bytes)."""
-        zmq = self._zmq
-        recv = self._socket.recv_multipart
+        recv, again = self._socket.recv_multipart, self._zmq.Again
+        frames: list[bytes] = []
+        size = 0
         while True:
-            frames: list[bytes] = []
-            size = 0
-            while len(frames) < 2 * self.max_bundle_messages and size < self.max_bundle_bytes:
-                try:
-                    message = recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                if len(message) != 2:   # a worker sends one frame: the ROUTER adds its identity
-                    logger.warning("KV relay: dropped a malformed worker message (%d frames)", len(message))
-                    continue
-                frames += message        # route (the connection's identity), message
-                size += len(message[1])
-            if not frames:
-                return
-            self.num_messages += len(frames) // 2
+            try:
+                message = recv(self._zmq.NOBLOCK)
+            except again:
+                break
+            if len(message) != 2:   # a worker sends one frame: the ROUTER adds its identity
+                self._answer_malformed(message, frames)
+                frames, size = [], 0
+                continue
+            frames += message        # route (the connection's identity), message
+            size += len(message[1])
+            if len(frames) >= 2 * self.max_bundle_messages or size >= self.max_bundle_bytes:
+                self._send(frames)
+                frames, size = [], 0
+        if frames:
             self._send(frames)
-            if len(frames) < 2 * self.max_bundle_messages and size < self.max_bundle_bytes:
-                return                   # drained; otherwise more may wait
 
-    def _send(self, frames: list[bytes]) -> None:
+    def _answer_malformed(self, message: list[bytes], frames: list[bytes]) -> None:
+        """Answer a malformed worker message as central would (``error_body``), on its route.
+        The reply waits for the bundles before it (``frames``, gathered so far, go now): sent
+        earlier, it would make that worker count its earlier quiet publishes acknowledged (any
+        later reply does) before central has handled them. The bundle it waits for asks for a
+        reply (an empty one if need be), so the wait is a round trip, not an ack timeout."""
+        self.num_malformed += 1
+        logger.warning("KV relay: answered a malformed worker message (%d frames) with an error", len(message))
+        reply = (message[0], error_body(message[1] if len(message) > 1 else b"", "malformed KV event message"))
+        if frames or (self._in_flight and not self._in_flight[-1].wants_ack):
+            self._send(frames, want_ack=True)
+        if self._in_flight:
+            self._held.setdefault(id(self._in_flight[-1]), []).append(reply)
+        else:
+            self._to_workers([reply])
+
+    def _send(self, frames: list[bytes], want_ack: bool = False) -> None:
         now = time.monotonic()
-        want_ack = now - self._last_ack_asked >= self.ack_interval_s
+        want_ack = want_ack or now - self._last_ack_asked >= self.ack_interval_s
         if want_ack:
             self._last_ack_asked = now
         self._in_flight.append(self.upstream.send("bundle", frames, want_ack))
         self.num_bundles += 1
+        self.num_messages += len(frames) // 2
 
     def _route_replies(self) -> None:
         if not self._in_flight:
@@ -143,7 +164,6 @@ class EventRelay:
         ended = self.upstream.poll(self._in_flight)
         if not ended:
             return
-        send = self._socket.send_multipart
         done = set()
         for token, reply, error in ended:
             done.add(id(token))
@@ -152,20 +172,28 @@ class EventRelay:
                 logger.warning("KV relay: a bundle to the central KV manager failed (%r); its workers "
                                "will resync", error)
             elif isinstance(reply, list):    # route, reply, route, reply, ...
-                for route, body in zip(reply[0::2], reply[1::2]):
-                    try:
-                        send([route, body], self._zmq.NOBLOCK)
-                    except self._zmq.Again:  # that worker's queue is full: it times out and resyncs
-                        continue
-                    self.num_replies += 1
+                self.num_replies += self._to_workers(zip(reply[0::2], reply[1::2]))
+            self._to_workers(self._held.pop(id(token), ()))
         # Replies come in the order the bundles were sent.
         self._in_flight = [t for t in self._in_flight if id(t) not in done]
+
+    def _to_workers(self, replies) -> int:
+        """Send each (route, body) to its worker's connection; how many went."""
+        sent = 0
+        for route, body in replies:
+            try:
+                self._socket.send_multipart([route, body], self._zmq.NOBLOCK)
+            except self._zmq.Again:  # that worker's queue is full: it times out and resyncs
+                continue
+            sent += 1
+        return sent
 
     # ---- outside -------------------------------------------------------------------------
     def stats(self) -> dict:
         return {"relay_endpoint": self.address, "upstream_endpoint": self.upstream.endpoint,
                 "num_messages": self.num_messages, "num_bundles": self.num_bundles,
                 "num_replies": self.num_replies, "num_failed_bundles": self.num_failed_bundles,
+                "num_malformed": self.num_malformed,
                 "num_in_flight": len(self._in_flight), "thread_cpu_s": self.thread_cpu_s,
                 "upstream_reconnects": self.upstream.num_reconnects,
                 "upstream_ack_timeouts": self.upstream.num_timeouts}

@@ -149,14 +149,14 @@ class EventEndpoint:
                     entry = [route, None]
                     answer.append(entry)
                     if len(route) > MAX_ROUTE_BYTES:
-                        entry[1] = _error_body(body, "malformed KV event bundle: route too long")
+                        entry[1] = error_body(body, "malformed KV event bundle: route too long")
                         self.num_errors += 1
                     else:
                         self._take(body, entry, messages, slots)
             else:
                 self.num_errors += 1
                 head = rest[0] if rest else b""
-                answer = [identity, None, [None, _error_body(head, "malformed KV event message")]]
+                answer = [identity, None, [None, error_body(head, "malformed KV event message")]]
             answers.append(answer)
         if messages:
             for (entry, body), (ok, reply) in zip(slots, self._handle(messages)):
@@ -186,7 +186,7 @@ class EventEndpoint:
         kind = _KINDS.get(body[_HEAD.size - 1]) if len(body) >= _HEAD.size else None
         if kind is None:
             self.num_errors += 1
-            entry[1] = _error_body(body, "malformed KV event message")
+            entry[1] = error_body(body, "malformed KV event message")
             return
         messages.append((kind, memoryview(body)[_HEAD.size:]))
         slots.append((entry, body))
@@ -206,8 +206,9 @@ def _bundle_code(rest: list[bytes]) -> int | None:
     return code if code in (_BUNDLE, _QUIET_BUNDLE) else None
 
 
-def _error_body(body: bytes, text: str) -> bytes:
-    """An error reply to ``body``'s request id (zero-padded when it is too short to hold one)."""
+def error_body(body: bytes, text: str) -> bytes:
+    """An error reply to ``body``'s request id (zero-padded when it is too short to hold one):
+    what central, or a node's relay, answers a malformed worker message with."""
     return body[:8].ljust(8, b"\0") + b"e" + text.encode()
 
 
