@@ -6,7 +6,9 @@ namespace and pinned to its node; the first worker on a node to ask
 others get the same one. It is detached (a worker that dies must not take
 its node's relay with it) and restartable: after a restart it binds a new
 port, and the workers, once their sends time out, resync and ask it for its
-endpoint again. ``kill_relays`` ends them when the cluster shuts down.
+endpoint again (a relay gone for good: they send to the central manager
+directly, ``workers.kv_wire.ZmqTransport``). ``kill_relays`` ends them when
+the cluster shuts down.
 """
 
 from __future__ import annotations

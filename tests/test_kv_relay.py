@@ -7,7 +7,8 @@ that exist, malformed input answered, never fatal); then real
 index must equal every worker's snapshot. With Ray: the relay actor
 (``cluster.kv_relay``) is killed mid-way and restarted, then the central
 actor; the workers resync through the relay (which finds central's new
-endpoint by itself) and central ends consistent. (The cluster path, relays created by
+endpoint by itself) and central ends consistent. A relay actor killed for
+good: the workers go straight to central, resync, and central matches them. (The cluster path, relays created by
 the workers of a multi-node cluster, is in test_distributed.py.)
 """
 
@@ -252,6 +253,7 @@ def test_the_relay_actor_killed_mid_way_restarts_and_the_workers_resync_through_
                     p.flush_and_wait(2.0) for p, *_ in workers):
                 break
         assert all(t.num_reconnects >= 1 for *_, t in workers)
+        assert all(t.endpoint_source is relay and t.num_relay_fallbacks == 0 for *_, t in workers)  # a restart
         assert consistent()
         relay_endpoint = ray.get(relay.event_endpoint.remote(), timeout=30)
         incarnation = ray.get(central.get_incarnation.remote(), timeout=30)
@@ -281,4 +283,121 @@ def test_the_relay_actor_killed_mid_way_restarts_and_the_workers_resync_through_
         for *_, transport in workers:
             transport.close()
         assert kill_relays(ray.get_runtime_context().namespace) == 1
+        ray.kill(central)
+
+
+def test_a_relay_actor_gone_for_good_sends_its_workers_straight_to_central(ray_local, caplog):
+    from pagedserve.cluster.kv_relay import KVRelay
+    from pagedserve.workers.kv_wire import connect_transport
+
+    ray = ray_local
+    central = ray.remote(CentralKVManager).options(num_cpus=0).remote()
+    ray.get(central.get_incarnation.remote(), timeout=60)
+    # As node_relay makes it (restartable), but unnamed: the other test's relay may still be dying.
+    relay = ray.remote(KVRelay).options(num_cpus=0, max_restarts=-1, max_task_retries=0).remote(central, 0.02, 1.0)
+    workers = []
+    for i in range(2):
+        local, worker = make_local(f"w{i}")
+        transport = connect_transport(central, "zmq", timeout_s=60.0, ack_timeout_s=1.0, relay=relay)
+        assert isinstance(transport, ZmqTransport) and transport.endpoint_source is relay
+        workers.append((KVPublisher(local, transport, max_batch_age_s=0.0), Driver(local, worker, seed=30 + i),
+                        local, transport))
+    central_endpoint = ray.get(central.event_endpoint.remote(), timeout=30)
+
+    def run(steps: int) -> None:
+        for _ in range(steps):
+            for publisher, driver, _, _ in workers:
+                driver.step()
+                publisher.maybe_flush()
+            time.sleep(0.005)
+
+    def consistent() -> bool:
+        return ray.get(central.check_consistency.remote([local.snapshot().pack() for _, _, local, _ in workers]),
+                       timeout=30)
+
+    try:
+        run(20)
+        for publisher, *_ in workers:
+            assert publisher.flush_and_wait(10.0)
+        assert consistent() and all(t.endpoint != central_endpoint for *_, t in workers)
+        snapshots = [p.num_snapshots_sent for p, *_ in workers]
+        before = ray.get(central.stats.remote(), timeout=30)
+        ray.kill(relay, no_restart=True)      # gone for good: asking it again fails for ever
+        with caplog.at_level("WARNING", logger="pagedserve.workers.kv_wire"):
+            run(20)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:   # ack timeout, failed asks, then central's endpoint
+                run(1)
+                if all(t.endpoint == central_endpoint for *_, t in workers) and all(
+                        p.flush_and_wait(2.0) for p, *_ in workers):
+                    break
+        assert all(t.endpoint == central_endpoint and t.endpoint_source is central for *_, t in workers)
+        assert [t.stats()["kv_relay_fallbacks"] for *_, t in workers] == [1, 1]
+        assert len([r for r in caplog.records if "relay is gone" in r.getMessage()]) == 2   # once each
+        assert all(p.num_snapshots_sent > n for (p, *_), n in zip(workers, snapshots))   # resynced
+        assert consistent()
+        after = ray.get(central.stats.remote(), timeout=30)
+        # The workers' own messages now, no bundles.
+        assert after["num_zmq_bundles"] == before["num_zmq_bundles"]
+        assert after["num_zmq_messages"] > before["num_zmq_messages"]
+    finally:
+        for *_, transport in workers:
+            transport.close()
+        ray.kill(relay, no_restart=True)
+        ray.kill(central)
+
+
+@pytest.mark.parametrize("restarting", [False, True], ids=["failing", "restarting"])
+def test_a_relay_failing_every_ask_is_given_up_after_a_bounded_while(ray_local, monkeypatch, restarting):
+    """Failing: after ``MAX_FAILED_RELAY_ASKS`` asks. Restarting (``ActorUnavailableError``):
+    not after a few asks, only once it has been so for ``RELAY_RESTART_S`` (1 s here)."""
+    class _BrokenRelay:   # here, not at module level: Ray's workers cannot import this module
+        """A relay actor alive but never able to say where it listens (``restarting``: failing as
+        Ray fails asks to a restarting actor)."""
+
+        def __init__(self, restarting: bool) -> None:
+            self.restarting = restarting
+            self.num_asks = 0
+
+        def event_endpoint(self) -> str:
+            from ray.exceptions import ActorUnavailableError
+
+            self.num_asks += 1
+            if self.restarting:
+                raise ActorUnavailableError("The actor is restarting.", None)
+            raise RuntimeError("no endpoint")
+
+        def asks(self) -> int:
+            return self.num_asks
+
+    from pagedserve.workers import kv_wire
+
+    monkeypatch.setattr(kv_wire, "RELAY_RESTART_S", 1.0)
+    ray = ray_local
+    central = ray.remote(CentralKVManager).options(num_cpus=0).remote()
+    broken = ray.remote(_BrokenRelay).options(num_cpus=0).remote(restarting)
+    central_endpoint = ray.get(central.event_endpoint.remote(), timeout=60)
+    assert ray.get(broken.asks.remote(), timeout=60) == 0     # alive: its asks fail, not its creation
+    transport = ZmqTransport(central, "tcp://127.0.0.1:9", ack_timeout_s=0.2, endpoint_source=broken)
+    try:
+        token = transport.send("resync", b"")
+        started = time.monotonic()
+        while transport.endpoint != central_endpoint and time.monotonic() < started + 30:
+            transport.poll([token])
+            time.sleep(0.02)
+        took = time.monotonic() - started
+        assert transport.endpoint == central_endpoint and transport.endpoint_source is central
+        assert transport.num_relay_fallbacks == 1
+        asks = ray.get(broken.asks.remote(), timeout=30)
+        if restarting:
+            assert took >= 1.0 and asks > kv_wire.MAX_FAILED_RELAY_ASKS
+        else:
+            assert asks == kv_wire.MAX_FAILED_RELAY_ASKS == 3
+        token = transport.send("resync", b"")      # central answers (an empty snapshot: an error reply)
+        transport.wait([token], 10.0)
+        [(_, _, error)] = transport.poll([token])
+        assert not isinstance(error, TimeoutError)
+    finally:
+        transport.close()
+        ray.kill(broken)
         ray.kill(central)

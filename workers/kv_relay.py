@@ -33,7 +33,8 @@ on its connection" holds through the relay. Nothing is retried here: a
 bundle lost (central down, its queue full, the relay restarted) loses its
 messages, which central's per-worker sequence numbers (a gap: resync) and
 the workers' ack timeouts (resync, then ask the relay actor for its
-endpoint again) find. Bundles ask central for a reply of their own every
+endpoint again; the central actor's once the relay actor is gone for good)
+find. Bundles ask central for a reply of their own every
 ``ack_interval_s`` (the others only when they carry a sub-reply), so a
 silent central manager is noticed within the upstream ack timeout.
 

@@ -40,7 +40,11 @@ with only the sub-replies that exist (each the reply that worker would have
 had directly, a malformed sub-message's error included), in order; a
 malformed bundle as a whole gets ``bundle id + b"e" + text``. A relay's
 upstream is a ``ZmqTransport`` too (method "bundle"); a worker's transport
-behind a relay asks the relay actor (``endpoint_source``) for its endpoint.
+behind a relay asks the relay actor (``endpoint_source``) for its endpoint,
+and the central actor instead once the relay is gone (an ask fails with
+``ActorDiedError``, the relay has been restarting for ``RELAY_RESTART_S``, or
+``MAX_FAILED_RELAY_ASKS`` asks in a row fail otherwise): central takes a
+worker's own messages as well as bundles.
 
 ``pyzmq`` is imported lazily; ``connect_transport`` falls back to Ray actor
 calls when it is missing or the endpoint cannot be had.
@@ -66,6 +70,8 @@ _OK, _ERROR = ord("o"), ord("e")
 _BUNDLE, _QUIET_BUNDLE = ord("B"), ord("b")   # a relay's bundle: always answered / only when needed
 MAX_ROUTE_BYTES = 16
 ASK_AGAIN_S = 0.25   # after a failed ``event_endpoint`` ask (the manager is restarting)
+MAX_FAILED_RELAY_ASKS = 3   # asks failing in a row before a worker gives up on its relay (ZmqTransport)
+RELAY_RESTART_S = 30.0      # how long its relay may be restarting before that
 _fallback_logged = False
 
 
@@ -242,6 +248,15 @@ class ZmqTransport:
 
     Used by one thread at a time (``KVPublisher`` makes every transport call under one
     lock, from the worker's sender thread); zmq sockets are not thread-safe.
+
+    Behind a relay, the endpoint is asked of the relay actor until it is gone: then of the
+    central actor, for good (logged, ``kv_relay_fallbacks``). Gone means an ask failed with
+    ``ActorDiedError`` (Ray's word for an actor that will not come back), or the asks have
+    failed with ``ActorUnavailableError`` (restarting: on Ray 2.60 every ask made during a
+    restart can fail so, one per ``ASK_AGAIN_S``, seen on a loaded node) for
+    ``RELAY_RESTART_S``, ample for a restart, or ``MAX_FAILED_RELAY_ASKS`` asks in a row
+    failed with any other error (a relay that cannot answer: about ``2 * ASK_AGAIN_S``).
+    Either way a worker is kept from central for a bounded time, never forever.
     """
 
     def __init__(self, actor, endpoint: str, ack_timeout_s: float = 2.0, max_queued: int = 64,
@@ -265,6 +280,9 @@ class ZmqTransport:
         self._last_reply_id = -1        # on this connection: every quiet send before it is acknowledged
         self._endpoint_ref = None       # an outstanding ``event_endpoint`` ask
         self._ask_again_at = 0.0        # a failed ask (manager restarting) is repeated then
+        self._failed_asks = 0           # of the relay's endpoint, in a row, other than "restarting"
+        self._failing_since = None      # when the relay's asks began to fail
+        self.num_relay_fallbacks = 0
         self.num_reconnects = 0
         self.num_timeouts = 0
         self._connect(endpoint)
@@ -393,14 +411,42 @@ class ZmqTransport:
         try:
             endpoint = ray.get(ref, timeout=0)
         except Exception as exc:  # restarting: asked again shortly, not only at the next ack timeout
+            if self._relay_gone(exc):
+                self._fall_back_to_central(exc)
+                return
             logger.info("the central KV manager's event endpoint is not known yet (%r)", exc)
             self._ask_again_at = time.monotonic() + ASK_AGAIN_S
             return
+        self._failed_asks, self._failing_since = 0, None
         if endpoint and endpoint != self.endpoint:
             logger.warning("the central KV manager's event endpoint moved %s -> %s; reconnecting",
                            self.endpoint, endpoint)
             self._connect(endpoint)
             self.num_reconnects += 1
+
+    def _relay_gone(self, exc: BaseException) -> bool:
+        """Whether this failed ask shows the relay gone for good (see the class docstring)."""
+        if self.endpoint_source is self.actor or self.actor is None:
+            return False
+        from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+        now = time.monotonic()
+        if self._failing_since is None:
+            self._failing_since = now
+        if isinstance(exc, ActorDiedError):
+            return True
+        if isinstance(exc, ActorUnavailableError):
+            return now - self._failing_since >= RELAY_RESTART_S
+        self._failed_asks += 1
+        return self._failed_asks >= MAX_FAILED_RELAY_ASKS
+
+    def _fall_back_to_central(self, exc: BaseException) -> None:
+        logger.warning("KV events straight to the central KV manager: the node's relay is gone (its "
+                       "endpoint asks failing for %.1f s, the last %r)", time.monotonic() - self._failing_since, exc)
+        self.endpoint_source = self.actor
+        self._failed_asks, self._failing_since = 0, None
+        self.num_relay_fallbacks += 1
+        self._rediscover()      # now: the sends to the relay's endpoint go nowhere
 
     @property
     def socket(self):
@@ -409,7 +455,7 @@ class ZmqTransport:
 
     def stats(self) -> dict:
         return {"kv_transport": "zmq", "kv_endpoint": self.endpoint, "kv_reconnects": self.num_reconnects,
-                "kv_ack_timeouts": self.num_timeouts}
+                "kv_ack_timeouts": self.num_timeouts, "kv_relay_fallbacks": self.num_relay_fallbacks}
 
     def close(self) -> None:
         if self._socket is not None:
@@ -422,8 +468,9 @@ def connect_transport(actor, kind: str = "zmq", timeout_s: float = 10.0, ack_tim
     """The worker's transport to the central KV manager: ``ZmqTransport`` for ``kind="zmq"``
     when pyzmq is installed and the actor has an endpoint, else ``RayTransport`` (logged once).
     With ``relay`` (its node's relay actor, ``workers.kv_relay``) the events go to the relay's
-    endpoint and the transport asks the relay for it again after an ack timeout; without a
-    relay endpoint they go to the central actor's."""
+    endpoint and the transport asks the relay for it again after an ack timeout (the central
+    actor once the relay is gone: ``ZmqTransport``); without a relay endpoint they go to the
+    central actor's."""
     if kind == "ray":
         return RayTransport(actor)
     if kind != "zmq":
