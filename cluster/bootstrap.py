@@ -115,7 +115,7 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
     kv_manager = kv_cls.options(
         name=KV_MANAGER_NAME, namespace=NAMESPACE, max_restarts=-1, max_task_retries=0,
         num_cpus=config.kv_manager_num_cpus, **ray_compat.head_node_placement()).remote(
-        config.kv_events.transport)
+        config.kv_events.transport, config.kv_events.relay_flush_s)
     ray.get(kv_manager.get_incarnation.remote(), timeout=ready_timeout_s)
 
     workers, roles, groups = {}, {}, {}

@@ -18,6 +18,8 @@ import threading
 
 from pagedserve.kvmanager.service import KVManagerService
 
+from .thread_cpu import cpu_by_role
+
 logger = logging.getLogger(__name__)
 
 
@@ -32,7 +34,9 @@ def _locked(method):
 class CentralKVManager(KVManagerService):
     """``KVManagerService`` with events taken over ZeroMQ as well as over Ray calls."""
 
-    def __init__(self, event_transport: str = "zmq") -> None:
+    def __init__(self, event_transport: str = "zmq", event_tick_s: float = 0.04) -> None:
+        """``event_tick_s``: the event receiver drains once per this period of wall time, just
+        after the relays forward (the cluster's ``kv_events.relay_flush_s``: the same clock)."""
         self._lock = threading.RLock()
         super().__init__()
         self._endpoint = None
@@ -40,7 +44,7 @@ class CentralKVManager(KVManagerService):
             try:
                 from pagedserve.workers.kv_wire import EventEndpoint
 
-                self._endpoint = EventEndpoint(self.handle_events)   # locked: once per drain
+                self._endpoint = EventEndpoint(self.handle_events, gather_s=event_tick_s)   # locked per drain
             except Exception as exc:  # no pyzmq, no bind: workers fall back to Ray calls
                 logger.warning("KV event endpoint unavailable, events go over Ray calls: %r", exc)
 
@@ -58,6 +62,10 @@ class CentralKVManager(KVManagerService):
         stats["num_zmq_bundles"] = self._endpoint.num_bundles if self._endpoint is not None else 0
         stats["num_zmq_bundled"] = self._endpoint.num_bundled if self._endpoint is not None else 0
         stats["receiver_cpu_s"] = self._endpoint.receiver_cpu_s if self._endpoint is not None else 0.0
+        # This process's CPU per thread role: "receiver" (the event thread, the handler included),
+        # "main" (Ray's task loop and the actor's methods), "zeromq", "other" (Ray's threads).
+        roles = {self._endpoint.native_thread_id: "receiver"} if self._endpoint is not None else {}
+        stats["cpu_by_thread_s"] = cpu_by_role(roles)
         return stats
 
     def close(self) -> None:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 import time
 
+from .thread_cpu import cpu_by_role
+
 logger = logging.getLogger(__name__)
 
 RELAY_NAME_PREFIX = "pagedserve-kv-relay-"
@@ -48,7 +50,8 @@ class KVRelay:
         import os
 
         return {**self._relay.stats(), "process_cpu_s": time.process_time() - self._cpu_at_start,
-                "uptime_s": time.time() - self._started_at, "pid": os.getpid()}
+                "uptime_s": time.time() - self._started_at, "pid": os.getpid(),
+                "cpu_by_thread_s": cpu_by_role({self._relay.native_thread_id: "relay"})}
 
     def ping(self) -> bool:
         return True
@@ -70,7 +73,7 @@ def node_relay(central, kv_events: dict):
         name=relay_name(node_id), namespace=context.namespace, get_if_exists=True, lifetime="detached",
         num_cpus=0, max_restarts=-1, max_task_retries=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(central, kv_events.get("relay_flush_s", 0.02), kv_events.get("ack_timeout_s", 2.0))
+    ).remote(central, kv_events.get("relay_flush_s", 0.04), kv_events.get("ack_timeout_s", 2.0))
 
 
 def kill_relays(namespace: str) -> int:

@@ -21,7 +21,7 @@ import pytest
 from pagedserve.cluster.kv_central import CentralKVManager
 from pagedserve.kvmanager import KVPublisher, PublishAck
 from pagedserve.workers.kv_relay import EventRelay
-from pagedserve.workers.kv_wire import ZmqTransport
+from pagedserve.workers.kv_wire import ZmqTransport, next_tick, pack_bundle, unpack_bundle
 
 from test_kv_events import Driver, make_local
 
@@ -43,39 +43,41 @@ def test_a_bundle_is_handled_in_order_and_answered_with_only_the_sub_replies_tha
     central = CentralKVManager()
     (local_a, worker_a), (local_b, worker_b) = make_local("a"), make_local("b")
     driver_a, driver_b = Driver(local_a, worker_a, seed=1), Driver(local_b, worker_b, seed=2)
-    bundle = [b"ra", _head(0, b"r") + local_a.snapshot().pack(), b"rb", _head(0, b"r") + local_b.snapshot().pack()]
+    bundle = [(b"ra", _head(0, b"r") + local_a.snapshot().pack()), (b"rb", _head(0, b"r") + local_b.snapshot().pack())]
     for step in range(6):
         driver_a.step()
         driver_b.step()
-        bundle += [b"ra", _head(1 + step, b"q") + local_a.drain_events().pack(),
-                   b"rb", _head(1 + step, b"q") + local_b.drain_events().pack()]
-    bundle += [b"rb", _head(7, b"x") + b"an unknown kind", b"ra", _head(7, b"p") + local_a.drain_events().pack()]
+        bundle += [(b"ra", _head(1 + step, b"q") + local_a.drain_events().pack()),
+                   (b"rb", _head(1 + step, b"q") + local_b.drain_events().pack())]
+    bundle += [(b"rb", _head(7, b"x") + b"an unknown kind"), (b"ra", _head(7, b"p") + local_a.drain_events().pack())]
     driver_b.step()
     lost = local_b.drain_events()                   # never sent: b's next publish leaves a gap
     driver_b.step()
-    bundle += [b"rb", _head(8, b"q") + local_b.drain_events().pack(), b"rb", b"short"]
+    bundle += [(b"rb", _head(8, b"q") + local_b.drain_events().pack()), (b"rb", b"short")]
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     socket.connect(central.event_endpoint())
     try:
-        socket.send_multipart([_head(100, b"b"), *bundle])
+        socket.send_multipart([_head(100, b"b"), pack_bundle(bundle)])
         [reply] = _recv_all(socket, 1)
         # A quiet bundle that needs no sub-reply gets no reply; one that asks for a reply does.
         driver_a.step()
-        socket.send_multipart([_head(101, b"b"), b"ra", _head(9, b"q") + local_a.drain_events().pack()])
-        socket.send_multipart([_head(102, b"B")])
-        # Malformed bundles are answered with an error, and the receiver keeps going.
-        socket.send_multipart([_head(103, b"B"), b"ra"])
-        socket.send_multipart([_head(104, b"B"), b"r" * 17, _head(10, b"p") + b"x"])
-        later = _recv_all(socket, 3)
+        socket.send_multipart([_head(101, b"b"), pack_bundle([(b"ra", _head(9, b"q") + local_a.drain_events().pack())])])
+        socket.send_multipart([_head(102, b"B"), b""])
+        # Malformed bundles are answered with an error, and the receiver keeps going: records
+        # that overrun the frame, a route too long, frames of the old multi-frame format.
+        socket.send_multipart([_head(103, b"B"), pack_bundle([(b"ra", b"x" * 20)])[:-1]])
+        socket.send_multipart([_head(104, b"B"), pack_bundle([(b"r" * 17, _head(10, b"p") + b"x")])])
+        socket.send_multipart([_head(105, b"B"), b"ra", _head(10, b"p") + b"x"])
+        later = _recv_all(socket, 4)
         stats = central.stats()
         central.index.check_consistency_with([local_a.snapshot()], exact_workers=False)
     finally:
         socket.close()
         central.close()
     assert lost.events
-    assert reply[0] == _head(100, b"o")
-    subs = list(zip(reply[1::2], reply[2::2]))
+    assert reply[0] == _head(100, b"o") and len(reply) == 2
+    subs = [(route, bytes(body)) for route, body in unpack_bundle(reply[1])]
     # The two snapshots' acks, then only what was asked for or went wrong, in order.
     assert [(route, body[:9]) for route, body in subs] == [
         (b"ra", _head(0, b"o")), (b"rb", _head(0, b"o")), (b"rb", _head(7, b"e")), (b"ra", _head(7, b"o")),
@@ -83,11 +85,22 @@ def test_a_bundle_is_handled_in_order_and_answered_with_only_the_sub_replies_tha
     assert PublishAck.unpack(subs[3][1][9:]).status == "ok"
     assert PublishAck.unpack(subs[4][1][9:]).needs_resync         # the gap
     assert b"malformed" in subs[5][1] and b"malformed" in subs[2][1]
-    assert later[0] == [_head(102, b"o")]
-    assert later[1][0][:9] == _head(103, b"e") and b"malformed" in later[1][0]
-    assert later[2][0] == _head(104, b"o") and later[2][1] == b"r" * 17 and later[2][2][:9] == _head(10, b"e")
-    assert stats["num_zmq_bundles"] == 4 and stats["num_zmq_bundled"] == len(bundle) // 2 + 1 + 1
-    assert stats["num_zmq_messages"] == 5 and stats["num_publishes"] == 8 + 7
+    assert later[0] == [_head(102, b"o"), b""]
+    for malformed, request_id in zip(later[1:], (103, 104, 105)):
+        assert len(malformed) == 1 and malformed[0][:9] == _head(request_id, b"e") and b"malformed" in malformed[0]
+    assert stats["num_zmq_bundles"] == 3 and stats["num_zmq_bundled"] == len(bundle) + 1
+    assert stats["num_zmq_messages"] == 6 and stats["num_publishes"] == 8 + 7
+
+
+def test_bundle_records_round_trip_and_the_shared_clock():
+    records = [(b"", b""), (b"r" * 16, b"x" * 70_000), (b"ab", b"y")]
+    assert [(route, bytes(body)) for route, body in unpack_bundle(pack_bundle(records))] == records
+    assert unpack_bundle(b"") == []
+    # The relays' ticks (offset 0) and central's (just after) share one wall clock.
+    assert next_tick(10.001, 0.02) == pytest.approx(10.02)
+    assert next_tick(10.0201, 0.02) == pytest.approx(10.04)
+    assert next_tick(10.021, 0.02, 0.005) == pytest.approx(10.025)
+    assert next_tick(10.026, 0.02, 0.005) == pytest.approx(10.045)
 
 
 def _publishers(endpoint: str, count: int, ack_timeout_s: float = 10.0):

@@ -11,16 +11,18 @@ them as one bundle per flush:
   identity of its connection (5 bytes) is the route id of its messages;
 - central side: one ``ZmqTransport`` (the workers' own transport class, so
   its ack timeout, and asking the central actor for its endpoint again after
-  one, are the workers'). Each bundle is one multipart message: ``[head,
-  route 1, message 1, route 2, message 2, ...]`` (``kv_wire``'s bundle wire
-  format), the messages untouched and in arrival order;
+  one, are the workers'). Each bundle is two frames: a head and the records
+  of its messages, ``(route, message)``, in one frame (``kv_wire``'s bundle
+  wire format), the messages untouched and in arrival order;
 - the receiver thread sleeps until a worker message arrives, then lets the
-  node's other workers' messages gather for ``flush_s`` (wall time), and
-  sends everything waiting as one bundle (several when more than
-  ``max_bundle_messages`` messages or ``max_bundle_bytes`` bytes wait:
-  a large bundle, a snapshot say, goes at once instead of growing); the
-  central manager's bundled reply holds only the sub-replies that exist,
-  and each goes back to its worker's connection, in order;
+  node's other workers' messages gather until the next multiple of
+  ``flush_s`` of wall time (the tick that central's receiver drains just
+  after: ``kv_wire.next_tick``), and sends everything waiting as one bundle
+  (several when more than ``max_bundle_messages`` messages or
+  ``max_bundle_bytes`` bytes wait: a large bundle, a snapshot say, goes at
+  once instead of growing); the central manager's bundled reply holds only
+  the sub-replies that exist, and each goes back to its worker's
+  connection, in order;
 - a malformed worker message (not the one frame a worker sends) is never
   forwarded: the relay answers it with the error central would give
   (``kv_wire.error_body``), after the replies to the bundles sent before it,
@@ -47,11 +49,11 @@ import logging
 import threading
 import time
 
-from .kv_wire import ZmqTransport, error_body, node_ip
+from .kv_wire import ZmqTransport, error_body, next_tick, node_ip, pack_bundle
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_FLUSH_S = 0.02
+DEFAULT_FLUSH_S = 0.04
 
 
 class EventRelay:
@@ -93,6 +95,7 @@ class EventRelay:
         zmq = self._zmq
         poller, polled = zmq.Poller(), None
         poller.register(self._socket, zmq.POLLIN)
+        busy = False     # the last tick forwarded something: expect more by the next
         while not self._stop.is_set():
             self.thread_cpu_s = time.thread_time()
             upstream_socket = self.upstream.socket
@@ -101,62 +104,73 @@ class EventRelay:
                     poller.unregister(polled)
                 poller.register(upstream_socket, zmq.POLLIN)
                 polled = upstream_socket
-            ready = dict(poller.poll(self._poll_ms))
+            # While the workers keep sending, one wake-up per tick (a wake-up, with its thread
+            # switch and cold caches, costs more than a message); when they stop, sleep until
+            # one sends (or central replies), then until the tick.
+            ready = {self._socket: True} if busy else dict(poller.poll(self._poll_ms))
             self._route_replies()                  # also times out bundles and rediscovers central
+            busy = False
             if ready.get(self._socket):
-                # Let the node's other workers' messages join this bundle.
-                self._stop.wait(self.flush_s)
-                self._forward()
+                # Let the node's other workers' messages join this bundle, until the tick
+                # (central drains just after it: ``kv_wire.next_tick``).
+                delay = next_tick(time.time(), self.flush_s) - time.time()
+                if delay > 0 and not self._stop.is_set():
+                    time.sleep(delay)   # not Event.wait: half the CPU; close() waits one tick at most
+                busy = self._forward()
                 self._route_replies()
         self._socket.close(0)
         self.upstream.close()
 
-    def _forward(self) -> None:
-        """Everything waiting from the workers, as bundles (capped in messages and bytes)."""
+    def _forward(self) -> bool:
+        """Everything waiting from the workers, as bundles (capped in messages and bytes);
+        whether there was anything."""
         recv, again = self._socket.recv_multipart, self._zmq.Again
-        frames: list[bytes] = []
+        records: list[list[bytes]] = []
         size = 0
+        forwarded = False
         while True:
             try:
                 message = recv(self._zmq.NOBLOCK)
             except again:
                 break
+            forwarded = True
             if len(message) != 2:   # a worker sends one frame: the ROUTER adds its identity
-                self._answer_malformed(message, frames)
-                frames, size = [], 0
+                self._answer_malformed(message, records)
+                records, size = [], 0
                 continue
-            frames += message        # route (the connection's identity), message
+            records.append(message)  # route (the connection's identity), message
             size += len(message[1])
-            if len(frames) >= 2 * self.max_bundle_messages or size >= self.max_bundle_bytes:
-                self._send(frames)
-                frames, size = [], 0
-        if frames:
-            self._send(frames)
+            if len(records) >= self.max_bundle_messages or size >= self.max_bundle_bytes:
+                self._send(records)
+                records, size = [], 0
+        if records:
+            self._send(records)
+        return forwarded
 
-    def _answer_malformed(self, message: list[bytes], frames: list[bytes]) -> None:
+    def _answer_malformed(self, message: list[bytes], records: list[list[bytes]]) -> None:
         """Answer a malformed worker message as central would (``error_body``), on its route.
-        The reply waits for the bundles before it (``frames``, gathered so far, go now): sent
+        The reply waits for the bundles before it (``records``, gathered so far, go now): sent
         earlier, it would make that worker count its earlier quiet publishes acknowledged (any
         later reply does) before central has handled them. The bundle it waits for asks for a
         reply (an empty one if need be), so the wait is a round trip, not an ack timeout."""
         self.num_malformed += 1
         logger.warning("KV relay: answered a malformed worker message (%d frames) with an error", len(message))
         reply = (message[0], error_body(message[1] if len(message) > 1 else b"", "malformed KV event message"))
-        if frames or (self._in_flight and not self._in_flight[-1].wants_ack):
-            self._send(frames, want_ack=True)
+        if records or (self._in_flight and not self._in_flight[-1].wants_ack):
+            self._send(records, want_ack=True)
         if self._in_flight:
             self._held.setdefault(id(self._in_flight[-1]), []).append(reply)
         else:
             self._to_workers([reply])
 
-    def _send(self, frames: list[bytes], want_ack: bool = False) -> None:
+    def _send(self, records: list[list[bytes]], want_ack: bool = False) -> None:
         now = time.monotonic()
         want_ack = want_ack or now - self._last_ack_asked >= self.ack_interval_s
         if want_ack:
             self._last_ack_asked = now
-        self._in_flight.append(self.upstream.send("bundle", frames, want_ack))
+        self._in_flight.append(self.upstream.send("bundle", pack_bundle(records), want_ack))
         self.num_bundles += 1
-        self.num_messages += len(frames) // 2
+        self.num_messages += len(records)
 
     def _route_replies(self) -> None:
         if not self._in_flight:
@@ -172,8 +186,8 @@ class EventRelay:
                 self.num_failed_bundles += 1
                 logger.warning("KV relay: a bundle to the central KV manager failed (%r); its workers "
                                "will resync", error)
-            elif isinstance(reply, list):    # route, reply, route, reply, ...
-                self.num_replies += self._to_workers(zip(reply[0::2], reply[1::2]))
+            elif isinstance(reply, list):    # (route, reply) pairs
+                self.num_replies += self._to_workers(reply)
             self._to_workers(self._held.pop(id(token), ()))
         # Replies come in the order the bundles were sent.
         self._in_flight = [t for t in self._in_flight if id(t) not in done]
@@ -198,6 +212,11 @@ class EventRelay:
                 "num_in_flight": len(self._in_flight), "thread_cpu_s": self.thread_cpu_s,
                 "upstream_reconnects": self.upstream.num_reconnects,
                 "upstream_ack_timeouts": self.upstream.num_timeouts}
+
+    @property
+    def native_thread_id(self) -> int | None:
+        """The relay thread's OS thread id (``cluster.thread_cpu`` tells its CPU apart)."""
+        return self._thread.native_id
 
     def close(self) -> None:
         self._stop.set()

@@ -6,7 +6,8 @@ bypasses Ray (vLLM publishes its KV events over ZMQ for the same reason):
 
 - central side, ``EventEndpoint``: a ROUTER socket bound to the node's IP on
   an ephemeral port, read by one receiver thread that, per wake-up (at most
-  one per ``gather_s``), drains every message waiting (up to ``max_drain``),
+  one per ``gather_s``, on a clock shared with the relays: below), drains
+  every message waiting (up to ``max_drain``),
   hands them to one ``handle([(kind, payload), ...]) -> [(ok, reply), ...]``
   call (the service's ``handle_events``: one lock acquisition and one CPU
   clock read per drain) and sends every reply (the acks workers use to detect
@@ -28,23 +29,37 @@ and answered in order), so most batches cost the central side a receive
 and no send.
 
 Bundles (a node's ``workers.kv_relay.EventRelay`` forwarding its workers'
-messages as one): relay -> central ``[head: bundle id (8 bytes) + b"B"
-(wants a reply) or b"b" (a reply only when it holds something), route 1,
-message 1, route 2, message 2, ...]``, each message exactly the one frame a
-worker sent (its request id, kind and payload; the relay does not open it)
-and each route the relay's short id of that worker's connection (at most
-``MAX_ROUTE_BYTES``). Central handles the sub-messages in order, in the same
-``handle`` call as the rest of the drain, exactly as if each had come on its
-own connection, and answers ``[bundle id + b"o", route a, reply a, ...]``
-with only the sub-replies that exist (each the reply that worker would have
-had directly, a malformed sub-message's error included), in order; a
-malformed bundle as a whole gets ``bundle id + b"e" + text``. A relay's
-upstream is a ``ZmqTransport`` too (method "bundle"); a worker's transport
-behind a relay asks the relay actor (``endpoint_source``) for its endpoint,
-and the central actor instead once the relay is gone (an ask fails with
-``ActorDiedError``, the relay has been restarting for ``RELAY_RESTART_S``, or
+messages as one): relay -> central two frames, ``[head: bundle id (8 bytes)
++ b"B" (wants a reply) or b"b" (a reply only when it holds something),
+records]``, the records (``pack_bundle``) each ``route length (1 byte) +
+route + message length (4 bytes) + message``: the message exactly the one
+frame a worker sent (its request id, kind and payload; the relay does not
+open it), the route the relay's short id of that worker's connection (at
+most ``MAX_ROUTE_BYTES``). One frame for all of them, not a frame each:
+ZeroMQ and pyzmq cost a few us per frame at both ends, more than slicing a
+buffer. Central handles the sub-messages in order, in the same ``handle``
+call as the rest of the drain, exactly as if each had come on its own
+connection, and answers ``[bundle id + b"o", records]`` with only the
+sub-replies that exist (each the reply that worker would have had directly,
+a malformed sub-message's error included), in order; a malformed bundle as
+a whole gets one frame, ``bundle id + b"e" + text``. A relay's upstream is a
+``ZmqTransport`` too (method "bundle"); a worker's transport behind a relay
+asks the relay actor (``endpoint_source``) for its endpoint, and the central
+actor instead once the relay is gone (an ask fails with ``ActorDiedError``,
+the relay has been restarting for ``RELAY_RESTART_S``, or
 ``MAX_FAILED_RELAY_ASKS`` asks in a row fail otherwise): central takes a
 worker's own messages as well as bundles.
+
+The receiver's clock: it drains at ``tick_offset_s`` past every multiple of
+``gather_s`` of wall time (``next_tick``), and relays forward at every
+multiple of their ``flush_s``, the same period (``kv_events.relay_flush_s``):
+one wake-up per period takes every node's bundle of that period, however
+many nodes there are, and adds only ``tick_offset_s`` to their lag (a
+bundle that misses its tick waits one period more). Node clocks are kept
+within a few ms of each other in a cluster (NTP); with clocks further apart
+nothing is lost, bundles only wait longer. A message that comes between
+ticks (a worker with no relay, a late bundle) wakes the receiver, which
+then sleeps until the next tick.
 
 ``pyzmq`` is imported lazily; ``connect_transport`` falls back to Ray actor
 calls when it is missing or the endpoint cannot be had.
@@ -53,10 +68,13 @@ calls when it is missing or the endpoint cannot be had.
 from __future__ import annotations
 
 import logging
+import math
 import struct
 import threading
 import time
 from typing import Callable
+
+from pagedserve.kvmanager.errors import WireFormatError
 
 from .kv_link import RayTransport
 
@@ -69,6 +87,7 @@ _KINDS = {**{code: kind for kind, code in _KIND_CODES.items()}, _QUIET_PUBLISH: 
 _OK, _ERROR = ord("o"), ord("e")
 _BUNDLE, _QUIET_BUNDLE = ord("B"), ord("b")   # a relay's bundle: always answered / only when needed
 MAX_ROUTE_BYTES = 16
+_BODY_LENGTH = struct.Struct("!I")
 ASK_AGAIN_S = 0.25   # after a failed ``event_endpoint`` ask (the manager is restarting)
 MAX_FAILED_RELAY_ASKS = 3   # asks failing in a row before a worker gives up on its relay (ZmqTransport)
 RELAY_RESTART_S = 30.0      # how long its relay may be restarting before that
@@ -80,7 +99,7 @@ class EventEndpoint:
 
     def __init__(self, handle: Callable[[list[tuple[str, memoryview]]], list[tuple[bool, bytes]]],
                  host: str | None = None, poll_ms: int = 100, max_drain: int = 256,
-                 gather_s: float = 0.02) -> None:
+                 gather_s: float = 0.02, tick_offset_s: float | None = None) -> None:
         import zmq
 
         self._zmq = zmq
@@ -100,7 +119,9 @@ class EventEndpoint:
         self.receiver_cpu_s = 0.0
         self._poll_ms = poll_ms
         self._max_drain = max_drain
-        self._gather_s = gather_s
+        self.gather_s = gather_s
+        # Past the relays' tick: their forwarding and the network (a few ms on a busy node).
+        self.tick_offset_s = min(0.005, gather_s / 4) if tick_offset_s is None else tick_offset_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="pagedserve-kv-events", daemon=True)
         self._thread.start()
@@ -113,24 +134,31 @@ class EventEndpoint:
         recv, send, again = socket.recv_multipart, socket.send_multipart, zmq.Again
         while not self._stop.is_set():
             self.receiver_cpu_s = time.thread_time()   # this thread's CPU since it started
-            if not poller.poll(self._poll_ms):
-                continue
             received = []
             while len(received) < self._max_drain:
                 try:
                     received.append(recv(zmq.NOBLOCK))
                 except again:
                     break
+            if not received:
+                # Nothing at this tick: sleep until a message comes, then until the next tick
+                # (a wake-up, with its thread switch and cold caches, costs more than a message).
+                if poller.poll(self._poll_ms):
+                    self._sleep_until(next_tick(time.time(), self.gather_s, self.tick_offset_s))
+                continue
             for reply in self._answer(received):
                 if reply is not None:
                     send(reply)
-            # Let the next messages gather (unless this drain was cut short): a wake-up (poll,
-            # thread switch, cold caches) costs more than a message, and gather_s more of lag is
-            # small against the workers' 50 ms flushes (measured in the README's kv-scale runs).
-            if len(received) < self._max_drain:
-                self._stop.wait(self._gather_s)
+            if len(received) < self._max_drain:   # else more wait: drain on at once
+                self._sleep_until(next_tick(time.time(), self.gather_s, self.tick_offset_s))
         socket.close(0)
         self._context.term()
+
+    def _sleep_until(self, wall_time: float) -> None:
+        # time.sleep, not Event.wait: half the CPU per wake-up; close() waits at most one tick.
+        delay = wall_time - time.time()
+        if delay > 0 and not self._stop.is_set():
+            time.sleep(delay)
 
     def _answer(self, received: list[list[bytes]]) -> list[list[bytes] | None]:
         """Per received message, in order, its reply (None: nothing to say: a quiet publish,
@@ -143,22 +171,24 @@ class EventEndpoint:
         messages, slots = [], []   # what ``handle`` gets, and where each reply goes
         for frames in received:
             identity, rest = frames[0], frames[1:]
-            bundle_code = _bundle_code(rest)
-            if len(rest) == 1 and bundle_code is None:     # a worker's own message
+            if len(rest) == 1:                 # a worker's own message
                 answer = [identity, None, [None, None]]
                 self._take(rest[0], answer[2], messages, slots)
-            elif bundle_code is not None:
+            elif _is_bundle_head(rest):
+                try:
+                    records = unpack_bundle(rest[1])
+                except WireFormatError as exc:
+                    self.num_errors += 1
+                    answer = [identity, None, [None, error_body(rest[0], str(exc))]]
+                    answers.append(answer)
+                    continue
                 answer = [identity, rest[0]]
                 self.num_bundles += 1
-                self.num_bundled += (len(rest) - 1) // 2
-                for route, body in zip(rest[1::2], rest[2::2]):
+                self.num_bundled += len(records)
+                for route, body in records:
                     entry = [route, None]
                     answer.append(entry)
-                    if len(route) > MAX_ROUTE_BYTES:
-                        entry[1] = error_body(body, "malformed KV event bundle: route too long")
-                        self.num_errors += 1
-                    else:
-                        self._take(body, entry, messages, slots)
+                    self._take(body, entry, messages, slots)
             else:
                 self.num_errors += 1
                 head = rest[0] if rest else b""
@@ -170,25 +200,22 @@ class EventEndpoint:
                     self.num_errors += 1
                 elif reply is None:   # a quiet publish that went well
                     continue
-                entry[1] = body[:8] + (b"o" if ok else b"e") + reply
+                entry[1] = b"".join((body[:8], b"o" if ok else b"e", reply))
         replies: list[list[bytes] | None] = []
         for identity, head, *entries in answers:
             if head is None:       # a single message: its reply, if any
                 body = entries[0][1]
                 replies.append(None if body is None else [identity, body])
                 continue
-            frames = [identity, head[:8] + b"o"]
-            for route, body in entries:
-                if body is not None:
-                    frames += (route, body)
+            records = [(route, body) for route, body in entries if body is not None]
             wants_reply = head[_HEAD.size - 1] == _BUNDLE
-            replies.append(frames if len(frames) > 2 or wants_reply else None)
+            replies.append([identity, head[:8] + b"o", pack_bundle(records)] if records or wants_reply else None)
         self.num_replies += sum(reply is not None for reply in replies)
         return replies
 
-    def _take(self, body: bytes, entry: list, messages: list, slots: list) -> None:
-        """Queue one worker message for ``handle`` (its reply goes to ``entry[1]``), or answer
-        a malformed one right away."""
+    def _take(self, body, entry: list, messages: list, slots: list) -> None:
+        """Queue one worker message (bytes, or a slice of a bundle) for ``handle`` (its reply
+        goes to ``entry[1]``), or answer a malformed one right away."""
         kind = _KINDS.get(body[_HEAD.size - 1]) if len(body) >= _HEAD.size else None
         if kind is None:
             self.num_errors += 1
@@ -197,25 +224,58 @@ class EventEndpoint:
         messages.append((kind, memoryview(body)[_HEAD.size:]))
         slots.append((entry, body))
 
+    @property
+    def native_thread_id(self) -> int | None:
+        """The receiver thread's OS thread id (``cluster.thread_cpu`` tells its CPU apart)."""
+        return self._thread.native_id
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5.0)
 
 
-def _bundle_code(rest: list[bytes]) -> int | None:
-    """The bundle kind of a message's frames (after the identity), or None if it is no
-    well-formed bundle (a bundle head, then route and message pairs)."""
-    if len(rest) % 2 != 1 or len(rest[0]) != _HEAD.size:
-        return None
-    head = rest[0]
-    code = head[_HEAD.size - 1]
-    return code if code in (_BUNDLE, _QUIET_BUNDLE) else None
+def _is_bundle_head(rest: list[bytes]) -> bool:
+    """Whether a message's frames (after the identity) are a bundle: a head, then records."""
+    return len(rest) == 2 and len(rest[0]) == _HEAD.size and rest[0][_HEAD.size - 1] in (_BUNDLE, _QUIET_BUNDLE)
 
 
-def error_body(body: bytes, text: str) -> bytes:
+def pack_bundle(records) -> bytes:
+    """``(route, message)`` pairs as one bundle frame (see the module docstring)."""
+    parts = []
+    for route, body in records:
+        parts += (bytes((len(route),)), route, _BODY_LENGTH.pack(len(body)), body)
+    return b"".join(parts)
+
+
+def unpack_bundle(frame) -> list[tuple[bytes, memoryview]]:
+    """A bundle frame's ``(route, message)`` pairs, each message a slice of ``frame``;
+    raises ``WireFormatError`` when the records do not fill the frame exactly."""
+    view = memoryview(frame)
+    size = len(view)
+    records, position = [], 0
+    while position < size:
+        route_end = position + 1 + view[position]
+        if route_end - position - 1 > MAX_ROUTE_BYTES or route_end + _BODY_LENGTH.size > size:
+            raise WireFormatError("malformed KV event bundle: a record overruns it or its route is too long")
+        (length,) = _BODY_LENGTH.unpack_from(view, route_end)
+        end = route_end + _BODY_LENGTH.size + length
+        if end > size:
+            raise WireFormatError("malformed KV event bundle: a record overruns it")
+        records.append((view[position + 1:route_end].tobytes(), view[route_end + _BODY_LENGTH.size:end]))
+        position = end
+    return records
+
+
+def error_body(body, text: str) -> bytes:
     """An error reply to ``body``'s request id (zero-padded when it is too short to hold one):
     what central, or a node's relay, answers a malformed worker message with."""
-    return body[:8].ljust(8, b"\0") + b"e" + text.encode()
+    return bytes(body[:8]).ljust(8, b"\0") + b"e" + text.encode()
+
+
+def next_tick(now: float, period_s: float, offset_s: float = 0.0) -> float:
+    """The first wall time after ``now`` that is ``offset_s`` past a multiple of ``period_s``:
+    the relays' (offset 0) and the central receiver's shared clock."""
+    return (math.floor((now - offset_s) / period_s) + 1) * period_s + offset_s
 
 
 def node_ip() -> str:
@@ -303,8 +363,8 @@ class ZmqTransport:
 
     # ---- KVTransport -------------------------------------------------------------------
     def send(self, method: str, packed: bytes | list[bytes], want_ack: bool = True) -> _Send:
-        """``method`` "publish", "resync", or "bundle" (a relay: ``packed`` is the list of
-        route and message frames; its reply is the list of route and reply frames)."""
+        """``method`` "publish", "resync", or "bundle" (a relay: ``packed`` is the records
+        frame, ``pack_bundle``; its reply is the list of ``(route, reply)`` pairs)."""
         wants_ack = want_ack or method not in ("publish", "bundle")
         token = _Send(self._next_id, self.connection, time.monotonic(), wants_ack)
         self._next_id += 1
@@ -315,7 +375,7 @@ class ZmqTransport:
         try:
             if method == "bundle":
                 head = _HEAD.pack(token.request_id, _BUNDLE if wants_ack else _QUIET_BUNDLE)
-                self._socket.send_multipart([head, *packed], self._zmq.NOBLOCK)
+                self._socket.send_multipart([head, packed], self._zmq.NOBLOCK)
             else:
                 kind = _KIND_CODES[method] if wants_ack else _QUIET_PUBLISH
                 self._socket.send(_HEAD.pack(token.request_id, kind) + packed, self._zmq.NOBLOCK)
@@ -381,15 +441,22 @@ class ZmqTransport:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(frames) % 2 != 1 or len(frames[0]) < _HEAD.size:
+            if len(frames) > 2 or len(frames[0]) < _HEAD.size:
                 logger.warning("malformed reply from the central KV manager (%d frames)", len(frames))
                 continue
             body = frames[0]
             request_id, status = _HEAD.unpack_from(body)
+            if len(frames) == 2:   # a bundle's sub-replies
+                try:
+                    records = unpack_bundle(frames[1])
+                except WireFormatError:
+                    logger.warning("malformed bundle reply from the central KV manager")
+                    continue
+                self._last_reply_id = max(self._last_reply_id, request_id)
+                self._replies[request_id] = (records, None)
+                continue
             self._last_reply_id = max(self._last_reply_id, request_id)
-            if len(frames) > 1:   # a bundle's sub-replies (an empty bundle reply is one frame: b"")
-                self._replies[request_id] = (frames[1:], None)
-            elif status == _OK:
+            if status == _OK:
                 self._replies[request_id] = (body[_HEAD.size:], None)
             else:
                 self._replies[request_id] = (None, RuntimeError(body[_HEAD.size:].decode(errors="replace")))
