@@ -204,6 +204,26 @@ def test_the_relay_and_central_bind_to_the_public_node_ip():
         central.close()
 
 
+def test_quiet_bundles_at_the_end_of_a_burst_are_confirmed_not_timed_out():
+    central = CentralKVManager()
+    relay = EventRelay(ZmqTransport(None, central.event_endpoint(), ack_timeout_s=0.6), host="127.0.0.1",
+                       flush_s=0.02, ack_interval_s=0.1)
+    [(publisher, driver, local, transport)] = _publishers(relay.address, 1)
+    try:
+        for _ in range(8):                  # a burst: the relay's first bundle asks, the next are quiet
+            driver.step()
+            publisher.maybe_flush()
+            time.sleep(0.01)
+        time.sleep(1.5)                     # then nothing, past the upstream ack timeout
+        stats = relay.stats()
+    finally:
+        transport.close()
+        relay.close()
+        central.close()
+    assert stats["num_bundles"] >= 3 and stats["num_failed_bundles"] == 0 and stats["num_in_flight"] == 0
+    assert stats["upstream_ack_timeouts"] == 0 and stats["num_errors"] == 0
+
+
 # ---- the relay actor, on Ray ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ray_local():
@@ -334,8 +354,17 @@ def test_a_relay_actor_gone_for_good_sends_its_workers_straight_to_central(ray_l
             assert publisher.flush_and_wait(10.0)
         assert consistent() and all(t.endpoint != central_endpoint for *_, t in workers)
         snapshots = [p.num_snapshots_sent for p, *_ in workers]
-        before = ray.get(central.stats.remote(), timeout=30)
         ray.kill(relay, no_restart=True)      # gone for good: asking it again fails for ever
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:    # (the kill takes effect asynchronously)
+            try:
+                ray.get(relay.ping.remote(), timeout=30)
+                time.sleep(0.05)
+            except ray.exceptions.RayActorError:
+                break
+        else:
+            pytest.fail("the killed relay actor still answers")
+        before = ray.get(central.stats.remote(), timeout=30)   # (the relay's last bundles included)
         with caplog.at_level("WARNING", logger="pagedserve.workers.kv_wire"):
             run(20)
             deadline = time.monotonic() + 60

@@ -54,6 +54,7 @@ from .kv_wire import ZmqTransport, error_body, next_tick, node_ip, pack_bundle
 logger = logging.getLogger(__name__)
 
 DEFAULT_FLUSH_S = 0.04
+ERROR_PAUSE_S = 0.1   # after an unexpected error in the relay thread, before going on
 
 
 class EventRelay:
@@ -84,6 +85,7 @@ class EventRelay:
         self.num_bundles = 0        # bundles sent upstream
         self.num_replies = 0        # sub-replies routed back to workers
         self.num_failed_bundles = 0  # bundles not acknowledged (their workers resync)
+        self.num_errors = 0          # unexpected errors in the relay thread (logged; it goes on)
         self.num_malformed = 0      # worker messages answered here with an error, never forwarded
         self.thread_cpu_s = 0.0
         self._stop = threading.Event()
@@ -108,16 +110,22 @@ class EventRelay:
             # switch and cold caches, costs more than a message); when they stop, sleep until
             # one sends (or central replies), then until the tick.
             ready = {self._socket: True} if busy else dict(poller.poll(self._poll_ms))
-            self._route_replies()                  # also times out bundles and rediscovers central
             busy = False
-            if ready.get(self._socket):
-                # Let the node's other workers' messages join this bundle, until the tick
-                # (central drains just after it: ``kv_wire.next_tick``).
-                delay = next_tick(time.time(), self.flush_s) - time.time()
-                if delay > 0 and not self._stop.is_set():
-                    time.sleep(delay)   # not Event.wait: half the CPU; close() waits one tick at most
-                busy = self._forward()
-                self._route_replies()
+            try:
+                self._route_replies()              # also times out bundles and rediscovers central
+                self._confirm_quiet_tail()
+                if ready.get(self._socket):
+                    # Let the node's other workers' messages join this bundle, until the tick
+                    # (central drains just after it: ``kv_wire.next_tick``).
+                    delay = next_tick(time.time(), self.flush_s) - time.time()
+                    if delay > 0 and not self._stop.is_set():
+                        time.sleep(delay)   # not Event.wait: half the CPU; close() waits a tick at most
+                    busy = self._forward()
+                    self._route_replies()
+            except Exception:  # never let the thread die (its workers would time out forever)
+                self.num_errors += 1
+                logger.exception("KV relay: relaying failed; going on")
+                time.sleep(ERROR_PAUSE_S)
         self._socket.close(0)
         self.upstream.close()
 
@@ -172,6 +180,13 @@ class EventRelay:
         self.num_bundles += 1
         self.num_messages += len(records)
 
+    def _confirm_quiet_tail(self) -> None:
+        """When the workers stop sending, the last bundles may be quiet ones that no later reply
+        acknowledges: ask central with an empty bundle, so they do not time out as if lost."""
+        last = self._in_flight[-1] if self._in_flight else None
+        if last is not None and not last.wants_ack and time.monotonic() - last.sent_at >= self.ack_interval_s:
+            self._send([], want_ack=True)
+
     def _route_replies(self) -> None:
         if not self._in_flight:
             self.upstream.poll([])         # a pending endpoint ask still completes
@@ -208,7 +223,7 @@ class EventRelay:
         return {"relay_endpoint": self.address, "upstream_endpoint": self.upstream.endpoint,
                 "num_messages": self.num_messages, "num_bundles": self.num_bundles,
                 "num_replies": self.num_replies, "num_failed_bundles": self.num_failed_bundles,
-                "num_malformed": self.num_malformed,
+                "num_errors": self.num_errors, "num_malformed": self.num_malformed,
                 "num_in_flight": len(self._in_flight), "thread_cpu_s": self.thread_cpu_s,
                 "upstream_reconnects": self.upstream.num_reconnects,
                 "upstream_ack_timeouts": self.upstream.num_timeouts}
