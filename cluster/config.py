@@ -203,11 +203,16 @@ class KVEventsConfig(_Strict):
     # A batch not acked in this time counts as lost: the worker resyncs, and asks the
     # central actor for its (possibly new) endpoint.
     ack_timeout_s: float = Field(2.0, gt=0)
+    # A worker publishes what changed once its oldest unpublished change is this old: after
+    # every step at GPU pace (a decode step takes 10-30 ms), the first part of the event lag.
+    max_batch_age_s: float = Field(0.02, gt=0, le=1.0)
     # "zmq" only: each node's workers publish through one relay actor on their node, which
-    # forwards their messages to the central manager as one bundle per ``relay_flush_s``
-    # (fewer messages at central: its CPU goes mostly per message).
+    # forwards their messages to the central manager as one bundle at every multiple of
+    # ``relay_flush_s`` of wall time; the central manager drains them all just after each
+    # (fewer messages and wake-ups at central: its CPU goes mostly per message and wake-up).
+    # Half of it is the relays' mean share of the event lag.
     relay: bool = True
-    relay_flush_s: float = Field(0.02, gt=0, le=1.0)
+    relay_flush_s: float = Field(0.04, gt=0, le=1.0)
 
 
 class ClusterConfig(_Strict):

@@ -155,7 +155,12 @@ def test_kv_scale_cli_parses():
                                       "16384", "--steps-per-s", "50", "--seconds", "30", "--json", "x.json"])
     assert (args.workers, args.batch, args.context, args.steps_per_s, args.seconds, args.json) == (
         64, 256, 16384, 50.0, 30.0, "x.json")
-    assert (args.workers_per_node, args.relay_flush_ms) == (8, 20.0)
+    # The benchmark's defaults are the cluster's.
+    from pagedserve.cluster.config import KVEventsConfig
+
+    defaults = KVEventsConfig()
+    assert args.workers_per_node == 8
+    assert (args.flush_ms, args.relay_flush_ms) == (1e3 * defaults.max_batch_age_s, 1e3 * defaults.relay_flush_s)
     assert build_parser().parse_args(["bench", "kv-scale", "--workers-per-node", "0"]).workers_per_node == 0
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "kv-scale", "--workers", "0"])

@@ -51,6 +51,7 @@ STALL_TIMEOUT_FACTOR = 2.0
 # how long it then decides locally (migration paused) before asking again.
 PREEMPTION_TIMEOUT_S = 1.0
 PREEMPTION_BACKOFF_S = 5.0
+IDLE_SENDER_WAKEUP_S = 0.025   # an idle engine's due flushes and acks: no need to wake more often
 # A migrated sequence's KV export is kept alive here until the handle releases it
 # (the target has fetched it) or, should the handle never do so, this long.
 EXPORT_HOLD_S = 300.0
@@ -120,6 +121,7 @@ class Worker:
                                               ack_timeout_s=kv_events.get("ack_timeout_s", 2.0))
         # The engine's thread only drains and packs; the sender thread below sends and reads acks.
         self.kv_link = KVPublisher(self.local_kv, self.kv_transport,
+                                   max_batch_age_s=kv_events.get("max_batch_age_s", 0.02),
                                    preemption_timeout_s=PREEMPTION_TIMEOUT_S, background=True)
         engine.step_hooks.append(self._after_step)
         logger.info("worker %s: %s on %s, dtype %s (%s)", worker_id, engine.config.model, engine.runner.device,
@@ -146,7 +148,7 @@ class Worker:
         link = self.kv_link
         pending = None
         while self.async_engine.is_running:
-            link.wakeup.wait(timeout=link.max_batch_age_s / 2)
+            link.wakeup.wait(timeout=max(link.max_batch_age_s / 2, IDLE_SENDER_WAKEUP_S))
             link.wakeup.clear()
             try:
                 link.pump()

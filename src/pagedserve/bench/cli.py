@@ -242,8 +242,9 @@ def _add_kv_scale_parser(subparsers) -> None:
     parser.add_argument("--steps-per-s", type=positive_float, default=50.0, help="steps/s per worker R")
     parser.add_argument("--seconds", type=positive_float, default=20.0, help="measured seconds S")
     parser.add_argument("--workers-per-process", type=positive_int, default=16)
-    parser.add_argument("--flush-ms", type=positive_float, default=50.0,
-                        help="each worker publishes its KV events this often (default: 50)")
+    parser.add_argument("--flush-ms", type=positive_float, default=20.0,
+                        help="each worker publishes its KV events this often, in simulated time "
+                             "(default: 20, the cluster's kv_events.max_batch_age_s: every step at 50 steps/s)")
     parser.add_argument("--pressure-per-s", type=float, default=0.2,
                         help="per worker, random requests sized to take the pool's free room (default: 0.2)")
     parser.add_argument("--seed", type=non_negative_int, default=0)
@@ -254,9 +255,10 @@ def _add_kv_scale_parser(subparsers) -> None:
                         help="simulated workers per node: each node's workers publish through one KV event "
                              "relay actor (--transport zmq), N / K relays in all; 0: no relays, every worker "
                              "straight to the central manager (default: 8)")
-    parser.add_argument("--relay-flush-ms", type=positive_float, default=20.0,
-                        help="a relay forwards what its workers sent as one message this often, wall time "
-                             "(default: 20, the cluster's kv_events.relay_flush_s)")
+    parser.add_argument("--relay-flush-ms", type=positive_float, default=40.0,
+                        help="relays forward what their workers sent, one message each, at every multiple "
+                             "of this much wall time, and the central manager drains just after (default: "
+                             "40, the cluster's kv_events.relay_flush_s)")
     parser.add_argument("--central-cpus", type=non_negative_int, nargs="+", metavar="CPU",
                         help="pin the central KV manager's process to these CPUs and every other process "
                              "of the run (simulated workers, Ray's own) to the rest, as a central manager "

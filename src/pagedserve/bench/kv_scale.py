@@ -14,13 +14,15 @@ blocking ``decide_preemption`` call). With ``workers_per_node`` K > 0 (and
 the ZeroMQ transport) every K consecutive workers are one simulated node
 whose messages go through that node's relay actor (``cluster.kv_relay``, the
 cluster's, N / K of them on this machine), which forwards them to central as
-one bundle every ``relay_flush_s`` of wall time. The workers' flushes are in
-simulated time and the relay's in wall time: when the simulated workers run
-slower than ``steps_per_s`` (a small machine), a bundle holds fewer worker
-messages than it would at pace (a node's 8 workers at 50 steps/s and 50 ms
-flushes send 160 messages/s: ~3 per 20 ms bundle; at 15 steps/s, ~1), so
-``central_messages_per_worker_step`` is higher here than on a node at pace,
-while the relay adds up to ``relay_flush_s`` to ``event_lag`` either way.
+one bundle at every multiple of ``relay_flush_s`` of wall time; central
+drains every relay's bundle just after (``workers.kv_wire.next_tick``). The
+workers' flushes are in simulated time and the relays' in wall time: when
+the simulated workers run slower than ``steps_per_s`` (a small machine), a
+bundle holds fewer worker messages than it would at pace (a node's 8 workers
+at 50 steps/s and 20 ms flushes send 400 messages/s: ~16 per 40 ms bundle;
+at 17 steps/s, ~5), so ``central_messages_per_worker_step`` is higher here
+than on a node at pace, and each batch's lag includes a simulated step's
+wall time (~60 ms at 17 steps/s, against 20 ms at pace).
 
 Measured over ``seconds`` after a warm-up that fills every worker's batch:
 - ``central_cpu_us_per_worker_step``: the central actor process's CPU time
@@ -89,12 +91,12 @@ class KVScaleConfig(SimWorkload):
     num_workers: int = 32
     seconds: float = 20.0
     workers_per_process: int = 16
-    flush_interval_s: float = 0.05
+    flush_interval_s: float = 0.02   # the cluster's kv_events.max_batch_age_s
     warmup_timeout_s: float = 600.0
     transport: str = "zmq"   # the event stream: "zmq" (the cluster's default) or "ray" (actor calls)
     central_cpus: tuple[int, ...] = ()   # pin the central process here, everything else elsewhere
     workers_per_node: int = 8   # "zmq": workers per simulated node, each node's through one relay; 0: none
-    relay_flush_s: float = 0.02   # a relay's bundles, wall time (the cluster's kv_events.relay_flush_s)
+    relay_flush_s: float = 0.04   # relays' and central's tick, wall time (the cluster's kv_events.relay_flush_s)
 
     def workload(self) -> SimWorkload:
         return SimWorkload(**{f.name: getattr(self, f.name) for f in fields(SimWorkload)})
@@ -442,7 +444,8 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
     central = None
     groups, relays = [], []
     try:
-        central = ray.remote(CentralKVManager).options(num_cpus=0, max_restarts=0).remote(config.transport)
+        central = ray.remote(CentralKVManager).options(num_cpus=0, max_restarts=0).remote(
+            config.transport, config.relay_flush_s)
         ray.get(central.get_incarnation.remote(), timeout=120)
         if pinned:
             _pin_process(ray.get(central.stats.remote(), timeout=60)["pid"], pinned[0])
@@ -565,6 +568,7 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
         "central_zmq_replies_per_worker_step": (central_after["num_zmq_replies"]
                                             - central_before["num_zmq_replies"]) / num_steps,
         "central_messages_per_worker_step": central_messages / num_steps,
+        "central_drains_per_s": (central_after["num_zmq_drains"] - central_before["num_zmq_drains"]) / window_s,
         "num_relays": len(relays),
         "relay_cpu_us_per_worker_step": 1e6 * relay_cpu_s / num_steps,
         "relay_thread_cpu_us_per_worker_step": 1e6 * relay_thread_cpu_s / num_steps,
@@ -582,6 +586,12 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
         "num_pressure_requests": counters["num_pressure_requests"],
         "num_migrated_in": counters["num_migrated_in"],
         "num_indexed_hashes": central_after["num_indexed_hashes"],
+        # per thread role (Linux): receiver (its handler included), main (Ray's task loop), zeromq, other
+        "central_cpu_us_per_worker_step_by_thread": _per_step(central_after.get("cpu_by_thread_s", {}),
+                                                              central_before.get("cpu_by_thread_s", {}), num_steps),
+        "relay_cpu_us_per_worker_step_by_thread": _per_step(
+            _sum_roles(r.get("cpu_by_thread_s", {}) for r in relays_after),
+            _sum_roles(r.get("cpu_by_thread_s", {}) for r in relays_before), num_steps),
     }
     result["targets"] = {key: {"target": f"{op} {bound:g}", "ok": (result[key] <= bound if op == "<=" else
                                                                      result[key] >= bound)}
@@ -590,6 +600,23 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
         with open(out, "w") as f:
             json.dump(result, f, indent=2, default=str)
     return result
+
+
+def _sum_roles(per_process) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for roles in per_process:
+        for role, seconds in roles.items():
+            totals[role] = totals.get(role, 0.0) + seconds
+    return totals
+
+
+def _per_step(after: dict[str, float], before: dict[str, float], num_steps: int) -> dict[str, float]:
+    """CPU us per worker-step per thread role, over the window."""
+    return {role: 1e6 * (seconds - before.get(role, 0.0)) / num_steps for role, seconds in sorted(after.items())}
+
+
+def _roles_line(per_role: dict[str, float]) -> str:
+    return ", ".join(f"{role} {us:.1f}" for role, us in per_role.items())
 
 
 def format_results(result: dict) -> str:
@@ -615,6 +642,12 @@ def format_results(result: dict) -> str:
                  f"{result['central_calls_per_worker_step']:.3f} central calls and "
                  f"{result['events_per_worker_step']:.2f} events per worker-step, lag p50 "
                  f"{result['event_lag_p50_ms']:.1f} ms")
+    if result.get("central_cpu_us_per_worker_step_by_thread"):
+        lines.append("  central CPU us/worker-step by thread: "
+                     + _roles_line(result["central_cpu_us_per_worker_step_by_thread"]))
+    if result.get("relay_cpu_us_per_worker_step_by_thread"):
+        lines.append("  relays' CPU us/worker-step by thread: "
+                     + _roles_line(result["relay_cpu_us_per_worker_step_by_thread"]))
     if result.get("num_relays"):
         lines.append(f"  {result['num_relays']} relays ({config['workers_per_node']} workers each, bundles every "
                      f"{result['relay_flush_ms']:.0f} ms of wall time, {result['relay_messages_per_bundle']:.1f} "
