@@ -212,7 +212,7 @@ class KVEventsConfig(_Strict):
     # (fewer messages and wake-ups at central: its CPU goes mostly per message and wake-up).
     # Half of it is the relays' mean share of the event lag.
     relay: bool = True
-    relay_flush_s: float = Field(0.04, gt=0, le=1.0)
+    relay_flush_s: float = Field(0.06, gt=0, le=1.0)
 
 
 class ClusterConfig(_Strict):

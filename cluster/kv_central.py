@@ -34,7 +34,7 @@ def _locked(method):
 class CentralKVManager(KVManagerService):
     """``KVManagerService`` with events taken over ZeroMQ as well as over Ray calls."""
 
-    def __init__(self, event_transport: str = "zmq", event_tick_s: float = 0.04) -> None:
+    def __init__(self, event_transport: str = "zmq", event_tick_s: float = 0.06) -> None:
         """``event_tick_s``: the event receiver drains once per this period of wall time, just
         after the relays forward (the cluster's ``kv_events.relay_flush_s``: the same clock)."""
         self._lock = threading.RLock()

@@ -53,7 +53,7 @@ from .kv_wire import ZmqTransport, error_body, next_tick, node_ip, pack_bundle
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_FLUSH_S = 0.04
+DEFAULT_FLUSH_S = 0.06
 ERROR_PAUSE_S = 0.1   # after an unexpected error in the relay thread, before going on
 
 

@@ -255,10 +255,10 @@ def _add_kv_scale_parser(subparsers) -> None:
                         help="simulated workers per node: each node's workers publish through one KV event "
                              "relay actor (--transport zmq), N / K relays in all; 0: no relays, every worker "
                              "straight to the central manager (default: 8)")
-    parser.add_argument("--relay-flush-ms", type=positive_float, default=40.0,
+    parser.add_argument("--relay-flush-ms", type=positive_float, default=60.0,
                         help="relays forward what their workers sent, one message each, at every multiple "
                              "of this much wall time, and the central manager drains just after (default: "
-                             "40, the cluster's kv_events.relay_flush_s)")
+                             "60, the cluster's kv_events.relay_flush_s)")
     parser.add_argument("--central-cpus", type=non_negative_int, nargs="+", metavar="CPU",
                         help="pin the central KV manager's process to these CPUs and every other process "
                              "of the run (simulated workers, Ray's own) to the rest, as a central manager "

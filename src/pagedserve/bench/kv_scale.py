@@ -19,10 +19,12 @@ drains every relay's bundle just after (``workers.kv_wire.next_tick``). The
 workers' flushes are in simulated time and the relays' in wall time: when
 the simulated workers run slower than ``steps_per_s`` (a small machine), a
 bundle holds fewer worker messages than it would at pace (a node's 8 workers
-at 50 steps/s and 20 ms flushes send 400 messages/s: ~16 per 40 ms bundle;
-at 17 steps/s, ~5), so ``central_messages_per_worker_step`` is higher here
-than on a node at pace, and each batch's lag includes a simulated step's
-wall time (~60 ms at 17 steps/s, against 20 ms at pace).
+at 50 steps/s and 20 ms flushes send 400 messages/s: ~24 per 60 ms bundle;
+at 20 steps/s, ~10), so ``central_messages_per_worker_step`` is higher here
+than on a node at pace. A batch's lag counts from its oldest event: with a
+flush after every step (the default) that is the step's own time, not the
+pause between steps; a flush every k steps adds k - 1 of those pauses (50 ms
+each at 20 steps/s here, 20 ms at pace).
 
 Measured over ``seconds`` after a warm-up that fills every worker's batch:
 - ``central_cpu_us_per_worker_step``: the central actor process's CPU time
@@ -96,7 +98,7 @@ class KVScaleConfig(SimWorkload):
     transport: str = "zmq"   # the event stream: "zmq" (the cluster's default) or "ray" (actor calls)
     central_cpus: tuple[int, ...] = ()   # pin the central process here, everything else elsewhere
     workers_per_node: int = 8   # "zmq": workers per simulated node, each node's through one relay; 0: none
-    relay_flush_s: float = 0.04   # relays' and central's tick, wall time (the cluster's kv_events.relay_flush_s)
+    relay_flush_s: float = 0.06   # relays' and central's tick, wall time (the cluster's kv_events.relay_flush_s)
 
     def workload(self) -> SimWorkload:
         return SimWorkload(**{f.name: getattr(self, f.name) for f in fields(SimWorkload)})
