@@ -224,6 +224,25 @@ def test_quiet_bundles_at_the_end_of_a_burst_are_confirmed_not_timed_out():
     assert stats["upstream_ack_timeouts"] == 0 and stats["num_errors"] == 0
 
 
+def _runner(workers):
+    """Steps every worker ``steps`` times, each step followed by a publish."""
+    def run(steps: int) -> None:
+        for _ in range(steps):
+            for publisher, driver, _, _ in workers:
+                driver.step()
+                publisher.maybe_flush()
+            time.sleep(0.005)
+    return run
+
+
+def _consistency_check(ray, central, workers):
+    """Whether the central actor's index matches every worker's snapshot."""
+    def consistent() -> bool:
+        return ray.get(central.check_consistency.remote([local.snapshot().pack() for _, _, local, _ in workers]),
+                       timeout=30)
+    return consistent
+
+
 # ---- the relay actor, on Ray ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ray_local():
@@ -261,16 +280,7 @@ def test_the_relay_actor_killed_mid_way_restarts_and_the_workers_resync_through_
     first_endpoint = ray.get(relay.event_endpoint.remote(), timeout=30)
     assert first_endpoint.startswith(f"tcp://{node_ip()}:")   # the node's IP, not loopback
 
-    def run(steps: int) -> None:
-        for _ in range(steps):
-            for publisher, driver, _, _ in workers:
-                driver.step()
-                publisher.maybe_flush()
-            time.sleep(0.005)
-
-    def consistent() -> bool:
-        return ray.get(central.check_consistency.remote([local.snapshot().pack() for _, _, local, _ in workers]),
-                       timeout=30)
+    run, consistent = _runner(workers), _consistency_check(ray, central, workers)
 
     try:
         run(30)
@@ -337,16 +347,7 @@ def test_a_relay_actor_gone_for_good_sends_its_workers_straight_to_central(ray_l
                         local, transport))
     central_endpoint = ray.get(central.event_endpoint.remote(), timeout=30)
 
-    def run(steps: int) -> None:
-        for _ in range(steps):
-            for publisher, driver, _, _ in workers:
-                driver.step()
-                publisher.maybe_flush()
-            time.sleep(0.005)
-
-    def consistent() -> bool:
-        return ray.get(central.check_consistency.remote([local.snapshot().pack() for _, _, local, _ in workers]),
-                       timeout=30)
+    run, consistent = _runner(workers), _consistency_check(ray, central, workers)
 
     try:
         run(20)
