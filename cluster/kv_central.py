@@ -17,6 +17,7 @@ import logging
 import threading
 
 from pagedserve.kvmanager.service import KVManagerService
+from pagedserve.workers.kv_wire import DEFAULT_TICK_S
 
 from .thread_cpu import cpu_by_role
 
@@ -34,7 +35,7 @@ def _locked(method):
 class CentralKVManager(KVManagerService):
     """``KVManagerService`` with events taken over ZeroMQ as well as over Ray calls."""
 
-    def __init__(self, event_transport: str = "zmq", event_tick_s: float = 0.06) -> None:
+    def __init__(self, event_transport: str = "zmq", event_tick_s: float = DEFAULT_TICK_S) -> None:
         """``event_tick_s``: the event receiver drains once per this period of wall time, just
         after the relays forward (the cluster's ``kv_events.relay_flush_s``: the same clock)."""
         self._lock = threading.RLock()

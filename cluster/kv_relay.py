@@ -67,13 +67,15 @@ def node_relay(central, kv_events: dict):
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from pagedserve.workers.kv_wire import DEFAULT_TICK_S
+
     context = ray.get_runtime_context()
     node_id = context.get_node_id()
     return ray.remote(KVRelay).options(
         name=relay_name(node_id), namespace=context.namespace, get_if_exists=True, lifetime="detached",
         num_cpus=0, max_restarts=-1, max_task_retries=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(central, kv_events.get("relay_flush_s", 0.06), kv_events.get("ack_timeout_s", 2.0))
+    ).remote(central, kv_events.get("relay_flush_s", DEFAULT_TICK_S), kv_events.get("ack_timeout_s", 2.0))
 
 
 def kill_relays(namespace: str) -> int:

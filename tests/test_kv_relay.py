@@ -224,6 +224,21 @@ def test_quiet_bundles_at_the_end_of_a_burst_are_confirmed_not_timed_out():
     assert stats["upstream_ack_timeouts"] == 0 and stats["num_errors"] == 0
 
 
+def _relayed_publishers(central, relay, count: int, seed: int):
+    """``count`` publishers connected as a cluster worker is (``connect_transport``) through
+    ``relay``, a relay actor: (publisher, driver, local manager, transport) each."""
+    from pagedserve.workers.kv_wire import connect_transport
+
+    out = []
+    for i in range(count):
+        local, worker = make_local(f"w{i}")
+        transport = connect_transport(central, "zmq", timeout_s=60.0, ack_timeout_s=1.0, relay=relay)
+        assert isinstance(transport, ZmqTransport) and transport.endpoint_source is relay
+        out.append((KVPublisher(local, transport, max_batch_age_s=0.0), Driver(local, worker, seed=seed + i),
+                    local, transport))
+    return out
+
+
 def _runner(workers):
     """Steps every worker ``steps`` times, each step followed by a publish."""
     def run(steps: int) -> None:
@@ -257,7 +272,7 @@ def ray_local():
 
 def test_the_relay_actor_killed_mid_way_restarts_and_the_workers_resync_through_it(ray_local):
     from pagedserve.cluster.kv_relay import kill_relays, node_relay, relay_name
-    from pagedserve.workers.kv_wire import connect_transport, node_ip
+    from pagedserve.workers.kv_wire import node_ip
 
     ray = ray_local
     central = ray.remote(CentralKVManager).options(num_cpus=0, max_restarts=-1).remote()
@@ -270,13 +285,7 @@ def test_the_relay_actor_killed_mid_way_restarts_and_the_workers_resync_through_
     relay_pid = pid(relay)   # one per node: asked again, or by name, the same process answers
     assert pid(node_relay(central, kv_events)) == relay_pid
     assert pid(ray.get_actor(relay_name(ray.get_runtime_context().get_node_id()))) == relay_pid
-    workers = []
-    for i in range(3):
-        local, worker = make_local(f"w{i}")
-        transport = connect_transport(central, "zmq", timeout_s=60.0, ack_timeout_s=1.0, relay=relay)
-        assert isinstance(transport, ZmqTransport) and transport.endpoint_source is relay
-        workers.append((KVPublisher(local, transport, max_batch_age_s=0.0), Driver(local, worker, seed=20 + i),
-                        local, transport))
+    workers = _relayed_publishers(central, relay, 3, seed=20)
     first_endpoint = ray.get(relay.event_endpoint.remote(), timeout=30)
     assert first_endpoint.startswith(f"tcp://{node_ip()}:")   # the node's IP, not loopback
 
@@ -331,20 +340,13 @@ def test_the_relay_actor_killed_mid_way_restarts_and_the_workers_resync_through_
 
 def test_a_relay_actor_gone_for_good_sends_its_workers_straight_to_central(ray_local, caplog):
     from pagedserve.cluster.kv_relay import KVRelay
-    from pagedserve.workers.kv_wire import connect_transport
 
     ray = ray_local
     central = ray.remote(CentralKVManager).options(num_cpus=0).remote()
     ray.get(central.get_incarnation.remote(), timeout=60)
     # As node_relay makes it (restartable), but unnamed: the other test's relay may still be dying.
     relay = ray.remote(KVRelay).options(num_cpus=0, max_restarts=-1, max_task_retries=0).remote(central, 0.02, 1.0)
-    workers = []
-    for i in range(2):
-        local, worker = make_local(f"w{i}")
-        transport = connect_transport(central, "zmq", timeout_s=60.0, ack_timeout_s=1.0, relay=relay)
-        assert isinstance(transport, ZmqTransport) and transport.endpoint_source is relay
-        workers.append((KVPublisher(local, transport, max_batch_age_s=0.0), Driver(local, worker, seed=30 + i),
-                        local, transport))
+    workers = _relayed_publishers(central, relay, 2, seed=30)
     central_endpoint = ray.get(central.event_endpoint.remote(), timeout=30)
 
     run, consistent = _runner(workers), _consistency_check(ray, central, workers)

@@ -49,18 +49,17 @@ import logging
 import threading
 import time
 
-from .kv_wire import ZmqTransport, error_body, next_tick, node_ip, pack_bundle
+from .kv_wire import DEFAULT_TICK_S, ZmqTransport, error_body, node_ip, pack_bundle, sleep_to_tick
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_FLUSH_S = 0.06
 ERROR_PAUSE_S = 0.1   # after an unexpected error in the relay thread, before going on
 
 
 class EventRelay:
     """The relay's two sockets and its thread (see the module docstring)."""
 
-    def __init__(self, upstream: ZmqTransport, host: str | None = None, flush_s: float = DEFAULT_FLUSH_S,
+    def __init__(self, upstream: ZmqTransport, host: str | None = None, flush_s: float = DEFAULT_TICK_S,
                  max_bundle_messages: int = 256, max_bundle_bytes: int = 4 << 20,
                  ack_interval_s: float = 0.2, poll_ms: int = 100) -> None:
         import zmq
@@ -117,9 +116,7 @@ class EventRelay:
                 if ready.get(self._socket):
                     # Let the node's other workers' messages join this bundle, until the tick
                     # (central drains just after it: ``kv_wire.next_tick``).
-                    delay = next_tick(time.time(), self.flush_s) - time.time()
-                    if delay > 0 and not self._stop.is_set():
-                        time.sleep(delay)   # not Event.wait: half the CPU; close() waits a tick at most
+                    sleep_to_tick(self.flush_s, 0.0, self._stop)
                     busy = self._forward()
                     self._route_replies()
             except Exception:  # never let the thread die (its workers would time out forever)

@@ -87,6 +87,7 @@ _KINDS = {**{code: kind for kind, code in _KIND_CODES.items()}, _QUIET_PUBLISH: 
 _OK, _ERROR = ord("o"), ord("e")
 _BUNDLE, _QUIET_BUNDLE = ord("B"), ord("b")   # a relay's bundle: always answered / only when needed
 MAX_ROUTE_BYTES = 16
+DEFAULT_TICK_S = 0.06   # the relays' and central's shared tick (the cluster's kv_events.relay_flush_s)
 _BODY_LENGTH = struct.Struct("!I")
 ASK_AGAIN_S = 0.25   # after a failed ``event_endpoint`` ask (the manager is restarting)
 MAX_FAILED_RELAY_ASKS = 3   # asks failing in a row before a worker gives up on its relay (ZmqTransport)
@@ -99,7 +100,7 @@ class EventEndpoint:
 
     def __init__(self, handle: Callable[[list[tuple[str, memoryview]]], list[tuple[bool, bytes]]],
                  host: str | None = None, poll_ms: int = 100, max_drain: int = 256,
-                 gather_s: float = 0.02, tick_offset_s: float | None = None) -> None:
+                 gather_s: float = DEFAULT_TICK_S, tick_offset_s: float | None = None) -> None:
         import zmq
 
         self._zmq = zmq
@@ -144,21 +145,15 @@ class EventEndpoint:
                 # Nothing at this tick: sleep until a message comes, then until the next tick
                 # (a wake-up, with its thread switch and cold caches, costs more than a message).
                 if poller.poll(self._poll_ms):
-                    self._sleep_until(next_tick(time.time(), self.gather_s, self.tick_offset_s))
+                    sleep_to_tick(self.gather_s, self.tick_offset_s, self._stop)
                 continue
             for reply in self._answer(received):
                 if reply is not None:
                     send(reply)
             if len(received) < self._max_drain:   # else more wait: drain on at once
-                self._sleep_until(next_tick(time.time(), self.gather_s, self.tick_offset_s))
+                sleep_to_tick(self.gather_s, self.tick_offset_s, self._stop)
         socket.close(0)
         self._context.term()
-
-    def _sleep_until(self, wall_time: float) -> None:
-        # time.sleep, not Event.wait: half the CPU per wake-up; close() waits at most one tick.
-        delay = wall_time - time.time()
-        if delay > 0 and not self._stop.is_set():
-            time.sleep(delay)
 
     def _answer(self, received: list[list[bytes]]) -> list[list[bytes] | None]:
         """Per received message, in order, its reply (None: nothing to say: a quiet publish,
@@ -276,6 +271,14 @@ def next_tick(now: float, period_s: float, offset_s: float = 0.0) -> float:
     """The first wall time after ``now`` that is ``offset_s`` past a multiple of ``period_s``:
     the relays' (offset 0) and the central receiver's shared clock."""
     return (math.floor((now - offset_s) / period_s) + 1) * period_s + offset_s
+
+
+def sleep_to_tick(period_s: float, offset_s: float, stop: threading.Event) -> None:
+    """Sleep until the next tick (``next_tick``) unless ``stop`` is set. ``time.sleep``, not
+    ``stop.wait``: half the CPU per wake-up; whoever sets ``stop`` waits one tick at most."""
+    delay = next_tick(time.time(), period_s, offset_s) - time.time()
+    if delay > 0 and not stop.is_set():
+        time.sleep(delay)
 
 
 def node_ip() -> str:
