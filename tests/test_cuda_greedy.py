@@ -1,0 +1,131 @@
+"""Greedy generation on CUDA against transformers on the same GPU.
+
+float32: token-identical to ``generate(do_sample=False)``, as on CPU (TF32 stays off: torch's
+default for matmuls, and the Triton kernels use IEEE dots for float32 caches).
+
+bfloat16 / float16: exact equality is not a fair demand, since two correct implementations
+round differently and then part at the first near-tie. The tolerance is transformers' own:
+on each prompt, transformers in the same dtype is measured against transformers in float32
+(the largest error of its chosen tokens' logprobs before it first parts from float32), and
+pagedserve must be no further from float32 than twice that, plus a small floor for prompts
+where transformers happens to round luckily. Where pagedserve parts from float32's tokens,
+it must be at a near-tie: float32's margin between its token and ours within that same
+tolerance. The figures are printed for the README.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+PROMPT_LENGTHS = (3, 16, 17, 64, 120, 200, 33, 90)
+MAX_TOKENS = 48
+FIRST_ORDINARY_ID = 5
+VOCAB_SIZE = 1024
+# Floors on the logprob tolerance: a few units in the last place of a logprob of size ~7
+# (ln 1024), 2^-8 relative for bfloat16 and 2^-11 for float16.
+LOGPROB_FLOOR = {torch.bfloat16: 0.1, torch.float16: 0.02}
+
+
+def random_prompts(seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(FIRST_ORDINARY_ID, VOCAB_SIZE) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+def hf_generate(path: str, dtype: torch.dtype, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens and the float32 log-softmax of each step's logits, on CUDA."""
+    model = _hf_model(path, dtype)
+    ids = torch.tensor([prompt], device="cuda")
+    with torch.inference_mode():
+        result = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                max_new_tokens=MAX_TOKENS, output_logits=True, return_dict_in_generate=True)
+    tokens = result.sequences[0, len(prompt):].tolist()
+    logprobs = torch.stack([torch.log_softmax(step[0].float(), dim=-1) for step in result.logits])
+    return tokens, logprobs.cpu()
+
+
+_HF_MODELS: dict = {}
+
+
+def _hf_model(path: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    key = (path, dtype)
+    if key not in _HF_MODELS:
+        _HF_MODELS[key] = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to("cuda").eval()
+    return _HF_MODELS[key]
+
+
+def ours(path: str, dtype: str, prompts: list[list[int]]):
+    llm = LLM(path, device="cuda", dtype=dtype, num_device_blocks=256, swap_space_gb=0.001)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0))
+    llm.check_integrity()
+    assert llm.engine.num_used_blocks() == 0
+    return [output.outputs[0] for output in outputs]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def logprob_error(tokens: list[int], logprobs: list[float], reference: torch.Tensor, steps: int) -> float:
+    """Largest |logprob - float32's| of the chosen tokens over the first ``steps`` steps."""
+    errors = [abs(logprobs[i] - reference[i, tokens[i]].item()) for i in range(steps)]
+    return max(errors, default=0.0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_float32_greedy_on_cuda_is_token_identical(arch, tiny_model, hf_greedy):
+    path = tiny_model(arch)
+    prompts = random_prompts(seed=1)
+    completions = ours(path, "float32", prompts)
+    for prompt, completion in zip(prompts, completions):
+        reference, _ = hf_generate(path, torch.float32, prompt)
+        assert completion.token_ids == reference, f"prompt of {len(prompt)} tokens diverged"
+        cpu_reference = hf_greedy(arch, prompt, MAX_TOKENS)
+        if cpu_reference != reference:  # transformers itself parted, CPU against CUDA: say so
+            print(f"note: transformers float32 CPU and CUDA part at step {common_prefix(cpu_reference, reference)}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_half_precision_is_as_close_to_float32_as_transformers(arch, dtype, tiny_model):
+    path = tiny_model(arch)
+    prompts = random_prompts(seed=2)
+    completions = ours(path, str(dtype).removeprefix("torch."), prompts)
+    rows = []
+    for prompt, completion in zip(prompts, completions):
+        exact, exact_logprobs = hf_generate(path, torch.float32, prompt)
+        theirs, theirs_logprobs = hf_generate(path, dtype, prompt)
+        their_steps = common_prefix(theirs, exact)
+        their_error = max((abs(theirs_logprobs[i, theirs[i]].item() - exact_logprobs[i, theirs[i]].item())
+                           for i in range(their_steps)), default=0.0)
+        tolerance = 2 * their_error + LOGPROB_FLOOR[dtype]
+        tokens = completion.token_ids
+        logprobs = [entry.logprob for entry in completion.logprobs]
+        our_steps = common_prefix(tokens, exact)
+        our_error = logprob_error(tokens, logprobs, exact_logprobs, our_steps)
+        rows.append((len(prompt), our_steps, their_steps, our_error, their_error))
+        assert our_error <= tolerance, (len(prompt), our_error, their_error)
+        if our_steps < min(len(exact), len(tokens)):
+            margin = exact_logprobs[our_steps, exact[our_steps]] - exact_logprobs[our_steps, tokens[our_steps]]
+            assert margin.item() <= tolerance, (
+                f"prompt of {len(prompt)} tokens left float32's tokens at step {our_steps} "
+                f"where float32's margin is {margin.item():.4f} > {tolerance:.4f}")
+    print(f"\n{arch} {dtype}: prompt len, steps equal to float32 (ours, transformers), "
+          f"max chosen-logprob error (ours, transformers)")
+    for row in rows:
+        print("  %4d  %2d %2d  %.4f %.4f" % row)
+    ours_equal = sum(r[1] for r in rows) / (len(rows) * MAX_TOKENS)
+    theirs_equal = sum(r[2] for r in rows) / (len(rows) * MAX_TOKENS)
+    print(f"  tokens equal to float32 before the first parting: ours {ours_equal:.1%}, "
+          f"transformers {theirs_equal:.1%}")
