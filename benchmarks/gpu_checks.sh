@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The checks a lent GPU machine runs, in one go, most important first; each step has its own
+# time limit so that one hang cannot eat the rest. Logs go to $OUT (or ./gpu-logs).
+#
+#   bash benchmarks/gpu_checks.sh [--quick]
+#
+# Needs torch with CUDA, triton and transformers installed. Python packages that machine
+# lacks travel as wheels in .whl/ (installed to /tmp/site), and .whl/site/ holds packages
+# copied as they are (an abi3 build, say).
+set -u
+OUT=${OUT:-gpu-logs}
+mkdir -p "$OUT"
+QUICK=${1:-}
+export PYTHONUNBUFFERED=1 PAGEDSERVE_CACHE_DIR=/tmp/pagedserve-models
+
+step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log, say how it ended
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: exit $rc after $((SECONDS - start)) s"
+    tail -n 25 "$OUT/$name.log"
+}
+
+nvidia-smi -L
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
+'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
+
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    [ -d .whl/site ] && cp -r .whl/site/. /tmp/site/
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+# pagedserve itself, with its optional native key set if this machine's compiler builds it.
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . > "$OUT/install.log" 2>&1 \
+    || { echo "pip install of pagedserve failed:"; tail -5 "$OUT/install.log"; exit 1; }
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+
+step tests 300 python3 -m pytest -q -p no:cacheprovider -o addopts= \
+    tests/test_cuda_greedy.py tests/test_kernels_triton.py tests/test_kernels_torch.py tests/test_sampler.py \
+    tests/test_gpu_targets.py tests/test_sampling_extensions.py "tests/test_structured_outputs.py::test_structured_outputs_on_cuda" \
+    -rs -s
+step bench_kernels 150 python3 benchmarks/bench_kernels_gpu.py
+if [ -f benchmarks/bench_engine_gpu.py ]; then
+    step bench_engine 240 python3 benchmarks/bench_engine_gpu.py $QUICK --json "$OUT/bench_engine.json"
+fi
