@@ -37,11 +37,11 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tm
     || { echo "pip install of pagedserve failed:"; tail -5 "$OUT/install.log"; exit 1; }
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 
+step bench_kernels 150 python3 benchmarks/bench_kernels_gpu.py
 step tests 300 python3 -m pytest -q -p no:cacheprovider -o addopts= \
     tests/test_cuda_greedy.py tests/test_kernels_triton.py tests/test_kernels_torch.py tests/test_sampler.py \
     tests/test_gpu_targets.py tests/test_sampling_extensions.py "tests/test_structured_outputs.py::test_structured_outputs_on_cuda" \
     -rs -s
-step bench_kernels 150 python3 benchmarks/bench_kernels_gpu.py
 if [ -f benchmarks/bench_engine_gpu.py ]; then
     step bench_engine 240 python3 benchmarks/bench_engine_gpu.py $QUICK --json "$OUT/bench_engine.json"
 fi
