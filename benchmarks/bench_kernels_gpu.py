@@ -27,6 +27,9 @@ def parse_args(argv):
     parser.add_argument("--num-kv-heads", type=int, default=4)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtypes", default="float16,bfloat16")
+    parser.add_argument("--sweep", action="store_true",
+                        help="instead: decode time for each split count over batches x contexts (first dtype), "
+                             "against the heuristic's choice")
     return parser.parse_args(argv)
 
 
@@ -49,17 +52,8 @@ def run_config(args, dtype, copy_bytes_per_s):
 
     batch, context, head_dim = args.batch, args.context, args.head_dim
     num_heads, num_kv_heads, block_size = args.num_heads, args.num_kv_heads, args.block_size
-    blocks_per_seq = -(-context // block_size)
-    num_blocks = batch * blocks_per_seq
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, device="cuda", dtype=dtype,
-                          generator=generator)
-    v_cache = torch.randn_like(k_cache)
-    # Scattered pages, as after a while of serving.
-    block_tables = torch.randperm(num_blocks, device="cuda", generator=generator).view(batch, blocks_per_seq)
-    block_tables = block_tables.to(torch.int32)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, num_heads, head_dim, device="cuda", dtype=dtype, generator=generator)
+    q, k_cache, v_cache, block_tables, seq_lens = paged_inputs(batch, context, num_heads, num_kv_heads, head_dim,
+                                                               block_size, dtype)
     scale = head_dim ** -0.5
     out = torch.empty_like(q)
 
@@ -105,6 +99,48 @@ def run_config(args, dtype, copy_bytes_per_s):
               f"{sdpa_ms / ms:7.2f}x {error:9.2e}")
 
 
+def paged_inputs(batch: int, context: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 dtype: torch.dtype):
+    """Random q and a paged K/V cache with scattered pages, as after a while of serving."""
+    blocks_per_seq = -(-context // block_size)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    k_cache = torch.randn(batch * blocks_per_seq, block_size, num_kv_heads, head_dim, device="cuda", dtype=dtype,
+                          generator=generator)
+    v_cache = torch.randn_like(k_cache)
+    block_tables = torch.randperm(batch * blocks_per_seq, device="cuda", generator=generator)
+    block_tables = block_tables.view(batch, blocks_per_seq).to(torch.int32)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, num_heads, head_dim, device="cuda", dtype=dtype, generator=generator)
+    return q, k_cache, v_cache, block_tables, seq_lens
+
+
+def split_sweep(args, dtype: torch.dtype, copy_bytes_per_s: float) -> None:
+    """Decode time per split count, per (batch, context): the data the split heuristic is judged on."""
+    from pagedserve.kernels import triton_ops
+
+    choices = (1, 2, 4, 8, 16)
+    print(f"\n== split sweep, {dtype}, heads {args.num_heads}/{args.num_kv_heads}, head_dim {args.head_dim}: "
+          f"us per decode for splits {choices}, the heuristic's, and its share of the copy bandwidth")
+    print(f"{'batch':>6s} {'context':>8s} " + " ".join(f"{c:>7d}" for c in choices) + f" {'auto':>7s} "
+          f"{'auto/best':>9s} {'best of copy':>12s}")
+    for context in (1024, 4096, 16384):
+        for batch in (4, 16, 64, 256):
+            q, k_cache, v_cache, block_tables, seq_lens = paged_inputs(
+                batch, context, args.num_heads, args.num_kv_heads, args.head_dim, args.block_size, dtype)
+            out = torch.empty_like(q)
+            times = {}
+            for num_splits in (*choices, None):
+                times[num_splits] = bench_ms(lambda n=num_splits: triton_ops.paged_decode_attention(
+                    q, k_cache, v_cache, block_tables, seq_lens, out=out, num_splits=n))
+            best = min(times[c] for c in choices)
+            moved = 2 * k_cache.numel() * k_cache.element_size()
+            print(f"{batch:6d} {context:8d} " + " ".join(f"{times[c] * 1e3:7.1f}" for c in choices)
+                  + f" {times[None] * 1e3:7.1f} {times[None] / best:9.2f} "
+                  f"{moved / (best * 1e-3) / copy_bytes_per_s:12.1%}")
+            del q, k_cache, v_cache, block_tables, seq_lens, out
+            torch.cuda.empty_cache()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -114,6 +150,9 @@ def main(argv=None) -> int:
     kv_bytes = 2 * args.batch * args.context * args.num_kv_heads * args.head_dim * 2
     copy_bytes_per_s = copy_bandwidth(kv_bytes)
     print(f"device-to-device copy of {kv_bytes / 1e6:.0f} MB: {copy_bytes_per_s / 1e9:.0f} GB/s (read + write)")
+    if args.sweep:
+        split_sweep(args, getattr(torch, args.dtypes.split(",")[0].strip()), copy_bytes_per_s)
+        return 0
     for name in args.dtypes.split(","):
         run_config(args, getattr(torch, name.strip()), copy_bytes_per_s)
     return 0

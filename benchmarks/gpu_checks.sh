@@ -2,7 +2,7 @@
 # The checks a lent GPU machine runs, in one go, most important first; each step has its own
 # time limit so that one hang cannot eat the rest. Logs go to $OUT (or ./gpu-logs).
 #
-#   bash benchmarks/gpu_checks.sh [--quick]
+#   [STEPS="kernels tests engine sweep"] bash benchmarks/gpu_checks.sh [--quick]
 #
 # Needs torch with CUDA, triton and transformers installed. Python packages that machine
 # lacks travel as wheels in .whl/ (installed to /tmp/site), and .whl/site/ holds packages
@@ -37,11 +37,16 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tm
     || { echo "pip install of pagedserve failed:"; tail -5 "$OUT/install.log"; exit 1; }
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 
-step bench_kernels 150 python3 benchmarks/bench_kernels_gpu.py
-step tests 300 python3 -m pytest -q -p no:cacheprovider -o addopts= \
-    tests/test_cuda_greedy.py tests/test_kernels_triton.py tests/test_kernels_torch.py tests/test_sampler.py \
-    tests/test_gpu_targets.py tests/test_sampling_extensions.py "tests/test_structured_outputs.py::test_structured_outputs_on_cuda" \
-    -rs -s
-if [ -f benchmarks/bench_engine_gpu.py ]; then
-    step bench_engine 240 python3 benchmarks/bench_engine_gpu.py $QUICK --json "$OUT/bench_engine.json"
-fi
+TESTS=(tests/test_cuda_greedy.py tests/test_kernels_triton.py tests/test_kernels_torch.py tests/test_sampler.py
+       tests/test_gpu_targets.py tests/test_sampling_extensions.py
+       "tests/test_structured_outputs.py::test_structured_outputs_on_cuda")
+for name in ${STEPS:-kernels tests engine sweep}; do
+    case $name in
+        kernels) step bench_kernels 150 python3 benchmarks/bench_kernels_gpu.py ;;
+        tests) step tests 300 python3 -m pytest -q -p no:cacheprovider -o addopts= -rs -s "${TESTS[@]}" ;;
+        structured) step structured 120 python3 -m pytest -q -p no:cacheprovider -o addopts= -rs "${TESTS[6]}" ;;
+        engine) step bench_engine 240 python3 benchmarks/bench_engine_gpu.py $QUICK --json "$OUT/bench_engine.json" ;;
+        sweep) step split_sweep 150 python3 benchmarks/bench_kernels_gpu.py --sweep --dtypes float16 ;;
+        *) echo "unknown step $name" ;;
+    esac
+done
