@@ -17,7 +17,11 @@ size   hidden  intermediate  layers  heads  kv heads  vocab  max pos  parameters
 =====  ======  ============  ======  =====  ========  =====  =======  ==========
 tiny   64      176           2       4      2         1024   512      ~0.2M
 small  512     1408          8       8      2         2048   2048     ~24.7M
+1b     2048    5632          16      16     4         32000  4096     ~852M
 =====  ======  ============  ======  =====  ========  =====  =======  ==========
+
+``1b`` is for GPU benchmarks (a float32 checkpoint of 3.4 GB); its tokenizer's
+merges past what the built-in corpus yields are learned from made-up words.
 
 Embeddings are *not* tied to the LM head: with random weights a tied head
 mostly predicts the token it was fed, which makes greedy output degenerate.
@@ -29,7 +33,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
+import string
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +45,7 @@ from typing import Callable
 # that reading ARCHS/SIZES (the CLI's argument choices) stays cheap.
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
-SIZES = ("tiny", "small")
+SIZES = ("tiny", "small", "1b")
 
 PAD_TOKEN = "<|pad|>"
 BOS_TOKEN = "<|bos|>"
@@ -120,6 +126,7 @@ class ModelShape:
 SHAPES = {
     "tiny": ModelShape(64, 176, 2, 4, 2, 1024, 512),
     "small": ModelShape(512, 1408, 8, 8, 2, 2048, 2048),
+    "1b": ModelShape(2048, 5632, 16, 16, 4, 32000, 4096),
 }
 
 # Init scales, chosen so random logits vary across positions (std 0.02, the
@@ -264,6 +271,10 @@ def build_tokenizer(vocab_size: int, model_max_length: int | None = None):
     # distinct pairs to reach a few thousand tokens.
     lines = (_CORPUS + _CORPUS.upper()).splitlines(keepends=True)
     tokenizer.train_from_iterator(lines, trainer=trainer)
+    if tokenizer.get_vocab_size() < vocab_size:
+        # A large vocab: learn the remaining merges from made-up words (the sizes the corpus
+        # covers keep exactly the tokenizer they always had).
+        tokenizer.train_from_iterator(lines + _made_up_lines(2 * vocab_size), trainer=trainer)
     if tokenizer.get_vocab_size() != vocab_size:
         raise ValueError(
             f"built-in corpus yields only {tokenizer.get_vocab_size()} tokens, "
@@ -282,6 +293,13 @@ def build_tokenizer(vocab_size: int, model_max_length: int | None = None):
         clean_up_tokenization_spaces=False,
         model_max_length=model_max_length,
     )
+
+
+def _made_up_lines(num_words: int, words_per_line: int = 12) -> list[str]:
+    """``num_words`` seeded random lower-case words of 4 to 12 letters, as lines of text."""
+    rng = random.Random(0)
+    words = ["".join(rng.choices(string.ascii_lowercase, k=rng.randint(4, 12))) for _ in range(num_words)]
+    return [" " + " ".join(words[i:i + words_per_line]) + "\n" for i in range(0, num_words, words_per_line)]
 
 
 def build_config(arch: str, size: str):
@@ -346,8 +364,12 @@ def make_model(arch: str, size: str, out_dir, seed: int = 0) -> Path:
     config = build_config(arch, size)
     tokenizer = build_tokenizer(config.vocab_size, config.max_position_embeddings)
 
-    with torch.random.fork_rng(devices=[]):  # keep the caller's global RNG untouched
+    # Built on the meta device, then given storage: transformers' own random init, which
+    # _init_weights overwrites anyway, took half of the 1b build. Non-persistent buffers
+    # (RoPE frequencies) are left unset; they are not saved, and the model is only saved.
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):  # the caller's global RNG untouched
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = model.to_empty(device="cpu")
     _init_weights(model, seed)
     model.eval()
 
