@@ -56,27 +56,58 @@ QUICK_CONFIG = dataclasses.replace(DEFAULT_CONFIG, size="tiny", num_requests=16,
 
 
 # ---- timing shared with benchmarks/bench_engine.py ----------------------------------------
-def matmul_flops_per_s(m: int = 256, k: int = 512, n: int = 1408, seconds: float = 1.0) -> float:
-    """Best FLOP rate of a float32 [m x k] x [k x n] matmul over repeated timings."""
+def matmul_flops_per_s(m: int = 256, k: int = 512, n: int = 1408, seconds: float = 1.0,
+                       device: str = "cpu", dtype=None) -> float:
+    """Best FLOP rate of a [m x k] x [k x n] matmul (float32 unless ``dtype``) on ``device``
+    over repeated timings."""
+    return _best_rate(lambda a, b: a @ b, 2 * m * k * n, seconds, device,
+                      _random_operands((m, k), (k, n), device, dtype))
+
+
+def copy_bytes_per_s(num_bytes: int = 1 << 30, seconds: float = 1.0, device: str = "cpu") -> float:
+    """Best rate of a ``num_bytes`` tensor copy on ``device``, counting bytes read and written
+    (the practical ceiling of a memory-bound kernel)."""
     import torch
 
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(m, k, generator=gen)
-    b = torch.randn(k, n, generator=gen)
+    source = torch.empty(num_bytes, dtype=torch.uint8, device=device).fill_(1)
+    return _best_rate(lambda src, dst: dst.copy_(src), 2 * num_bytes, seconds, device,
+                      (source, torch.empty_like(source)))
+
+
+def _random_operands(shape_a, shape_b, device: str, dtype):
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    return tuple(torch.randn(shape, generator=gen, device=device).to(dtype or torch.float32)
+                 for shape in (shape_a, shape_b))
+
+
+def _best_rate(op, amount: float, seconds: float, device: str, operands) -> float:
+    """``amount`` over the best per-call time of ``op(*operands)``, timed in runs of 10
+    (synchronised on CUDA) for about ``seconds``."""
+    import torch
+
+    def sync():
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+
     for _ in range(10):
-        a @ b
+        op(*operands)
+    sync()
     best = float("inf")
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         start = time.perf_counter()
         for _ in range(10):
-            a @ b
+            op(*operands)
+        sync()
         best = min(best, (time.perf_counter() - start) / 10)
-    return 2 * m * k * n / best
+    return amount / best
 
 
 def run_static_generate(model, prompts, output_len: int, batch_size: int, pad_id: int):
-    """``model.generate`` over static batches with left padding; returns (outputs, seconds)."""
+    """``model.generate`` over static batches with left padding, on the model's device;
+    returns (outputs, seconds)."""
     import torch
 
     outputs = []
@@ -90,7 +121,8 @@ def run_static_generate(model, prompts, output_len: int, batch_size: int, pad_id
             ids[row, width - len(prompt):] = torch.tensor(prompt)
             mask[row, width - len(prompt):] = 1
         with torch.inference_mode():
-            generated = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+            generated = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                                       do_sample=False,
                                        max_new_tokens=output_len, min_new_tokens=output_len,
                                        pad_token_id=pad_id)
         outputs.extend(generated[:, width:].tolist())
@@ -121,7 +153,8 @@ def run_generate_batch_fixed_length(model, prompts, output_len: int, max_batch_t
 
 
 def agreement(ours: list[list[int]], reference: list[list[int]]) -> dict:
-    """Share of requests with identical outputs, and of tokens before the first divergence."""
+    """Share of requests with identical outputs, and of tokens before the first divergence
+    (also as the mean number of matching tokens per request)."""
     identical = sum(a == b for a, b in zip(ours, reference))
     prefix = 0
     for a, b in zip(ours, reference):
@@ -132,7 +165,8 @@ def agreement(ours: list[list[int]], reference: list[list[int]]) -> dict:
     total = sum(len(b) for b in reference)
     return {"identical_requests": identical, "num_requests": len(reference),
             "identical_fraction": identical / max(1, len(reference)),
-            "matching_prefix_token_fraction": prefix / max(1, total)}
+            "matching_prefix_token_fraction": prefix / max(1, total),
+            "mean_matching_prefix_len": prefix / max(1, len(reference))}
 
 
 def forward_flops(prompt_lens: list[int], output_lens: list[int], num_decoder_linear_parameters: int,
