@@ -65,9 +65,12 @@ def free_device_memory(device: str) -> None:
 
     gc.collect()
     if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-        log(f"device memory after freeing: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated, "
-            f"{torch.cuda.memory_reserved() / 2**30:.2f} GiB reserved")
+        try:  # after a failed contender the device may be unusable: still report what ran
+            torch.cuda.empty_cache()
+            log(f"device memory after freeing: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated, "
+                f"{torch.cuda.memory_reserved() / 2**30:.2f} GiB reserved")
+        except Exception as error:  # noqa: BLE001
+            log(f"freeing device memory failed: {type(error).__name__}: {error}")
 
 
 def environment(device: str) -> dict:
