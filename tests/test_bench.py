@@ -287,6 +287,29 @@ def test_offline_runs_all_contenders(tmp_path, tiny_model):
     assert (tmp_path / "offline_throughput.png").is_file()
 
 
+def test_gpu_engine_bench_smoke_on_cpu(tmp_path, tiny_model):
+    """benchmarks/bench_engine_gpu.py's every path but CUDA: three contenders, one report."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_engine_gpu.py"
+    out = tmp_path / "gpu.json"
+    done = subprocess.run([sys.executable, str(script), "--model", tiny_model("llama"), "--device", "cpu",
+                           "--dtype", "float32", "--num-requests", "4", "--min-prompt", "8", "--max-prompt", "24",
+                           "--output-len", "4", "--static-batch", "2", "--matmul-size", "64", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "greedy agreement of pagedserve LLM.generate with static generate: 4/4" in done.stdout
+    data = json.loads(out.read_text())
+    assert not data["errors"]
+    assert set(data["results"]) == {"pagedserve LLM.generate", "transformers generate (static)",
+                                    "transformers generate_batch"}
+    assert all(0 < r["mfu"] < 1 for r in data["results"].values())
+    assert data["greedy_agreement_vs_static"]["pagedserve LLM.generate"]["mean_matching_prefix_len"] == 4
+    assert data["results"]["pagedserve LLM.generate"]["num_decode_steps"] == 3
+
+
 # ---- command line ------------------------------------------------------------------------
 def test_bench_cli_parses():
     parser = build_parser()
