@@ -44,9 +44,9 @@ for name in ${STEPS:-kernels tests engine sweep}; do
     case $name in
         kernels) step bench_kernels 150 python3 benchmarks/bench_kernels_gpu.py ;;
         tests) step tests 300 python3 -m pytest -q -p no:cacheprovider -o addopts= -rs -s "${TESTS[@]}" ;;
-        structured) step structured 120 python3 -m pytest -q -p no:cacheprovider -o addopts= -rs "${TESTS[6]}" ;;
-        engine) step bench_engine 240 python3 benchmarks/bench_engine_gpu.py $QUICK --json "$OUT/bench_engine.json" ;;
-        sweep) step split_sweep 150 python3 benchmarks/bench_kernels_gpu.py --sweep --dtypes float16 ;;
+        structured) step structured 60 python3 -m pytest -q -p no:cacheprovider -o addopts= -rs "${TESTS[6]}" ;;
+        engine) step bench_engine 330 python3 benchmarks/bench_engine_gpu.py $QUICK --json "$OUT/bench_engine.json" ;;
+        sweep) step split_sweep 100 python3 benchmarks/bench_kernels_gpu.py --sweep --dtypes float16 ;;
         *) echo "unknown step $name" ;;
     esac
 done
