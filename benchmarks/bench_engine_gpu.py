@@ -28,9 +28,11 @@ weight bytes read per step x steps/s against a device copy measured in the same 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import os
 import platform
+import pstats
 import random
 import sys
 import time
@@ -131,8 +133,18 @@ def bench_pagedserve(args, path: str, prompts, warm_prompts, state: dict) -> dic
     before = (engine.num_steps, engine.num_decode_steps, engine.decode_step_seconds)
     log(f"pagedserve: timing {len(prompts)} requests")
     synchronize(args.device)
+    profiler = cProfile.Profile() if args.profile else None
+    if profiler:
+        profiler.enable()
     outputs, seconds = run_pagedserve(llm, [(p, args.output_len) for p in prompts])
     synchronize(args.device)
+    if profiler:
+        profiler.disable()
+        with open(args.profile, "w") as f:
+            stats = pstats.Stats(profiler, stream=f)
+            stats.sort_stats("tottime").print_stats(40)
+            stats.sort_stats("cumulative").print_stats(40)
+        log(f"pagedserve: profile of the timed run (host time by function) in {args.profile}")
     num_steps, num_decode_steps, decode_seconds = (after - first for after, first in zip(
         (engine.num_steps, engine.num_decode_steps, engine.decode_step_seconds), before))
     result = {"seconds": seconds, "outputs": outputs, "num_steps": num_steps,
@@ -302,6 +314,8 @@ def parse_args(argv=None):
                         help="comma-separated, from: pagedserve, static, batch")
     parser.add_argument("--quick", action="store_true",
                         help="64 requests, prompts 128-512, 64 output tokens (a fallback run)")
+    parser.add_argument("--profile", metavar="PATH",
+                        help="profile pagedserve's timed run with cProfile; top functions by own time to PATH")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON (after every contender too)")
     args = parser.parse_args(argv)
     if args.quick:

@@ -2,7 +2,7 @@
 # The checks a lent GPU machine runs, in one go, most important first; each step has its own
 # time limit so that one hang cannot eat the rest. Logs go to $OUT (or ./gpu-logs).
 #
-#   [STEPS="kernels tests engine sweep"] bash benchmarks/gpu_checks.sh [--quick]
+#   [STEPS="kernels tests engine sweep profile ..."] bash benchmarks/gpu_checks.sh [--quick]
 #
 # Needs torch with CUDA, triton and transformers installed. Python packages that machine
 # lacks travel as wheels in .whl/ (installed to /tmp/site), and .whl/site/ holds packages
@@ -47,6 +47,9 @@ for name in ${STEPS:-kernels tests engine sweep}; do
         structured) step structured 60 python3 -m pytest -q -p no:cacheprovider -o addopts= -rs "${TESTS[6]}" ;;
         engine) step bench_engine 330 python3 benchmarks/bench_engine_gpu.py $QUICK --json "$OUT/bench_engine.json" ;;
         sweep) step split_sweep 100 python3 benchmarks/bench_kernels_gpu.py --sweep --dtypes float16 ;;
+        profile) step profile 90 python3 benchmarks/bench_engine_gpu.py --contenders pagedserve --num-requests 128 \
+                     --output-len 128 --profile "$OUT/profile_top.txt"
+                 head -c 4000 "$OUT/profile_top.txt" ;;
         *) echo "unknown step $name" ;;
     esac
 done

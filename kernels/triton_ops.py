@@ -23,9 +23,14 @@ from . import triton_attention_kernels as attention_kernels
 from . import triton_cache_kernels as cache_kernels
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Context tokens one decode split should cover at least; below that, splitting costs more in
-# partial-buffer traffic than it gains in parallelism.
-_MIN_SPLIT_TOKENS = 256
+# Context tokens one decode split should cover at least. Measured on an H200 (fp16, 32/4 heads,
+# head_dim 128; `bench_kernels_gpu.py --sweep`): at 1k and 4k contexts one split was fastest at
+# every batch from 4 to 256, since the split path's second kernel and partial buffers cost more
+# than the parallelism gains; at 16k, 2-16 splits won below 1024 programs.
+_MIN_SPLIT_TOKENS = 4096
+# Resident decode programs per SM the heuristic aims for (two were enough to reach the copy
+# bandwidth on that sweep; four split batches of 64 at 1k into 3, 3.5x slower than one).
+_PROGRAMS_PER_SM = 2
 _MAX_SPLITS = 64
 
 
@@ -201,7 +206,7 @@ def _choose_num_splits(device: torch.device, num_programs: int, max_context: int
     else:
         num_sms = 1  # interpreter: programs run one after another, splitting only adds work
     # A few resident programs per SM keep enough loads in flight to saturate HBM.
-    wanted = triton.cdiv(4 * num_sms, max(1, num_programs))
+    wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, max(1, num_programs))
     return max(1, min(wanted, triton.cdiv(max_context, _MIN_SPLIT_TOKENS), _MAX_SPLITS))
 
 

@@ -139,7 +139,10 @@ def run_generate_batch_fixed_length(model, prompts, output_len: int, max_batch_t
     config = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=None,
                               pad_token_id=0)
     num_blocks = sum(-(-(len(p) + output_len) // page_size) for p in prompts) + 8
-    batching = ContinuousBatchingConfig(page_size=page_size, num_blocks=num_blocks,
+    # The block length's name changed: block_size (transformers 5.17), page_size (5.24).
+    fields = getattr(ContinuousBatchingConfig, "__dataclass_fields__", {})
+    size_name = "block_size" if "block_size" in fields and "page_size" not in fields else "page_size"
+    batching = ContinuousBatchingConfig(**{size_name: page_size}, num_blocks=num_blocks,
                                         max_batch_tokens=max_batch_tokens)
     start = time.perf_counter()
     with torch.inference_mode():
@@ -239,7 +242,10 @@ def run_generate_batch(model, requests, max_batch_tokens: int, page_size: int = 
                                                max_batch_tokens, page_size)
     config = GenerationConfig(max_new_tokens=max(lengths), do_sample=False, eos_token_id=None, pad_token_id=0)
     num_blocks = sum(-(-(len(p) + n) // page_size) for p, n in requests) + 8
-    batching = ContinuousBatchingConfig(page_size=page_size, num_blocks=num_blocks,
+    # The block length's name changed: block_size (transformers 5.17), page_size (5.24).
+    fields = getattr(ContinuousBatchingConfig, "__dataclass_fields__", {})
+    size_name = "block_size" if "block_size" in fields and "page_size" not in fields else "page_size"
+    batching = ContinuousBatchingConfig(**{size_name: page_size}, num_blocks=num_blocks,
                                         max_batch_tokens=max_batch_tokens)
     start = time.perf_counter()
     with torch.inference_mode(), model.continuous_batching_context_manager(
