@@ -23,14 +23,14 @@ from . import triton_attention_kernels as attention_kernels
 from . import triton_cache_kernels as cache_kernels
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Context tokens one decode split should cover at least. Measured on an H200 (fp16, 32/4 heads,
-# head_dim 128; `bench_kernels_gpu.py --sweep`): at 1k and 4k contexts one split was fastest at
-# every batch from 4 to 256, since the split path's second kernel and partial buffers cost more
-# than the parallelism gains; at 16k, 2-16 splits won below 1024 programs.
-_MIN_SPLIT_TOKENS = 4096
-# Resident decode programs per SM the heuristic aims for (two were enough to reach the copy
-# bandwidth on that sweep; four split batches of 64 at 1k into 3, 3.5x slower than one).
-_PROGRAMS_PER_SM = 2
+# Context tokens one decode split should cover at least, and the resident decode programs per SM
+# the heuristic aims for. Chosen on two H200 sweeps (fp16, 32/4 heads, head_dim 128, batches 4-256
+# at 1k/4k/16k; `bench_kernels_gpu.py --sweep`), which disagreed on what a split costs the host:
+# against the best split count per shape, these values come out 1.07x and 1.05x slower (geometric
+# mean; 1.36x and 1.57x at worst), where 256 tokens gave 1.27x and 1.05x (3.06x at worst: three
+# splits of a 64 x 1k batch) and 4,096 tokens at 2 per SM (fitted to the first sweep) 1.01x and 1.35x.
+_MIN_SPLIT_TOKENS = 1024
+_PROGRAMS_PER_SM = 4
 _MAX_SPLITS = 64
 
 
