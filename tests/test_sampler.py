@@ -15,6 +15,7 @@ from pagedserve.workers.detokenizer import (
     StopStringMatcher,
     StreamingDetokenizer,
     check_stop,
+    decode_function,
 )
 from pagedserve.workers.sampler import (
     Sampler,
@@ -415,6 +416,34 @@ def test_incremental_detokenizer_with_transformers_tokenizer(tokenizer):
     detokenizer = IncrementalDetokenizer(hf, [])
     streamed = "".join(detokenizer.append(t) for t in ids) + detokenizer.flush()
     assert streamed == text
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decode_function_equals_transformers_decode(tokenizer, tiny_model, skip_special_tokens):
+    """The engine's decode goes straight to a fast tokenizer's Rust backend: the same text
+    as transformers' ``decode`` (spaces not cleaned up) on random ids, specials included."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    class OwnDecode(PreTrainedTokenizerFast):
+        def _decode(self, token_ids, **kwargs):
+            return "[" + super()._decode(token_ids, **kwargs) + "]"
+
+    rng = random.Random(7)
+    for hf in (PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|eos|>"),
+               AutoTokenizer.from_pretrained(tiny_model("llama")),
+               OwnDecode(tokenizer_object=tokenizer, eos_token="<|eos|>")):
+        decode = decode_function(hf, skip_special_tokens)
+        for _ in range(200):
+            ids = [rng.randrange(len(hf)) for _ in range(rng.randint(0, 12))]
+            assert decode(ids) == hf.decode(ids, skip_special_tokens=skip_special_tokens,
+                                            clean_up_tokenization_spaces=False), ids
+        # The direct route never enters transformers' Python; an overridden _decode is kept.
+        hf._decode = None
+        if type(hf) is OwnDecode:
+            with pytest.raises(TypeError):
+                decode([5])
+        else:
+            assert decode([5]) == hf.backend_tokenizer.decode([5], skip_special_tokens=skip_special_tokens)
 
 
 def test_incremental_detokenizer_skips_special_tokens(tokenizer):
