@@ -523,6 +523,11 @@ class ZmqTransport:
         """The current DEALER socket (a relay polls it; replaced on a reconnect)."""
         return self._socket
 
+    @property
+    def has_read_replies(self) -> bool:
+        """Whether replies were read from the socket and not yet taken by ``poll``."""
+        return bool(self._replies)
+
     def stats(self) -> dict:
         return {"kv_transport": "zmq", "kv_endpoint": self.endpoint, "kv_reconnects": self.num_reconnects,
                 "kv_ack_timeouts": self.num_timeouts, "kv_relay_fallbacks": self.num_relay_fallbacks}
