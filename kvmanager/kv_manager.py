@@ -317,15 +317,11 @@ class KVManager:
                 continue
             table = seq.block_table
             end = start + num_tokens
-            if (fast and end <= len(table) * bs and (not indexes or end // bs <= seq.num_indexed_blocks)
-                    and (start % bs == 0 or ref_counts[table[start // bs]] == 1)):
+            fits = (fast and end <= len(table) * bs and (not indexes or end // bs <= seq.num_indexed_blocks)
+                    and (start % bs == 0 or ref_counts[table[start // bs]] == 1))
+            if fits:
                 seq.num_computed = end
-                scheduled.append(ScheduledSeq(seq.seq_id, start, num_tokens, table, 0, 0, seq.first_changed_block))
-                seq.first_changed_block = len(table)
-                budget -= num_tokens
-                i += 1
-                continue
-            while not try_grow(seq, num_tokens):
+            while not fits and not try_grow(seq, num_tokens):
                 victim_index = self._pick_victim(queue, i)
                 if victim_index is None:
                     break
