@@ -82,7 +82,6 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
     ) -> None:
-        self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._decode_ids = decode_function(tokenizer, skip_special_tokens)
         # Kept special tokens are decoded on their own and joined to their
@@ -160,11 +159,11 @@ def decode_function(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list
     cheapest exact route: a transformers fast tokenizer that does not override decoding
     is asked through its Rust tokenizer directly (its Python wrapper costs ~5x the decode,
     and the engine decodes twice per output token)."""
-    kwargs = _decode_kwargs(tokenizer, skip_special_tokens)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and _decodes_through_backend(type(tokenizer)):
         decode = backend.decode
         return lambda ids: decode(ids, skip_special_tokens=skip_special_tokens)
+    kwargs = _decode_kwargs(tokenizer, skip_special_tokens)
     decode = tokenizer.decode
     return lambda ids: decode(ids, **kwargs)
 
