@@ -129,21 +129,28 @@ def run_static_generate(model, prompts, output_len: int, batch_size: int, pad_id
     return outputs, time.perf_counter() - start
 
 
+def continuous_batching_config(page_size: int, num_blocks: int, max_batch_tokens: int):
+    """transformers' ``ContinuousBatchingConfig``, whose block length is ``block_size`` in
+    transformers 5.17 and ``page_size`` in 5.24."""
+    from transformers import ContinuousBatchingConfig
+
+    fields = getattr(ContinuousBatchingConfig, "__dataclass_fields__", {})
+    size_name = "block_size" if "block_size" in fields and "page_size" not in fields else "page_size"
+    return ContinuousBatchingConfig(**{size_name: page_size}, num_blocks=num_blocks,
+                                    max_batch_tokens=max_batch_tokens)
+
+
 def run_generate_batch_fixed_length(model, prompts, output_len: int, max_batch_tokens: int,
                                     page_size: int = 256):
     """``model.generate_batch`` (transformers' continuous batching), ``output_len`` tokens per
     prompt; returns (outputs, seconds)."""
     import torch
-    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers import GenerationConfig
 
     config = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=None,
                               pad_token_id=0)
     num_blocks = sum(-(-(len(p) + output_len) // page_size) for p in prompts) + 8
-    # The block length's name changed: block_size (transformers 5.17), page_size (5.24).
-    fields = getattr(ContinuousBatchingConfig, "__dataclass_fields__", {})
-    size_name = "block_size" if "block_size" in fields and "page_size" not in fields else "page_size"
-    batching = ContinuousBatchingConfig(**{size_name: page_size}, num_blocks=num_blocks,
-                                        max_batch_tokens=max_batch_tokens)
+    batching = continuous_batching_config(page_size, num_blocks, max_batch_tokens)
     start = time.perf_counter()
     with torch.inference_mode():
         results = model.generate_batch(inputs=prompts, generation_config=config,
@@ -234,7 +241,7 @@ def run_static_batches(model, requests, batch_size: int, pad_id: int) -> tuple[l
 def run_generate_batch(model, requests, max_batch_tokens: int, page_size: int = 256):
     """transformers ``generate_batch``'s manager with each request's own output length."""
     import torch
-    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers import GenerationConfig
 
     lengths = [n for _, n in requests]
     if len(set(lengths)) == 1:
@@ -242,11 +249,7 @@ def run_generate_batch(model, requests, max_batch_tokens: int, page_size: int = 
                                                max_batch_tokens, page_size)
     config = GenerationConfig(max_new_tokens=max(lengths), do_sample=False, eos_token_id=None, pad_token_id=0)
     num_blocks = sum(-(-(len(p) + n) // page_size) for p, n in requests) + 8
-    # The block length's name changed: block_size (transformers 5.17), page_size (5.24).
-    fields = getattr(ContinuousBatchingConfig, "__dataclass_fields__", {})
-    size_name = "block_size" if "block_size" in fields and "page_size" not in fields else "page_size"
-    batching = ContinuousBatchingConfig(**{size_name: page_size}, num_blocks=num_blocks,
-                                        max_batch_tokens=max_batch_tokens)
+    batching = continuous_batching_config(page_size, num_blocks, max_batch_tokens)
     start = time.perf_counter()
     with torch.inference_mode(), model.continuous_batching_context_manager(
             generation_config=config, continuous_batching_config=batching, block=True, timeout=5,
