@@ -30,7 +30,6 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     [ -d .whl/site ] && cp -r .whl/site/. /tmp/site/
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 # pagedserve itself, with its optional native key set if this machine's compiler builds it.
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . > "$OUT/install.log" 2>&1 \

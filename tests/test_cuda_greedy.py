@@ -107,8 +107,8 @@ def test_half_precision_is_as_close_to_float32_as_transformers(arch, dtype, tiny
         exact, exact_logprobs = hf_generate(path, torch.float32, prompt)
         theirs, theirs_logprobs = hf_generate(path, dtype, prompt)
         their_steps = common_prefix(theirs, exact)
-        their_error = max((abs(theirs_logprobs[i, theirs[i]].item() - exact_logprobs[i, theirs[i]].item())
-                           for i in range(their_steps)), default=0.0)
+        their_chosen = [theirs_logprobs[i, token].item() for i, token in enumerate(theirs)]
+        their_error = logprob_error(theirs, their_chosen, exact_logprobs, their_steps)
         tolerance = 2 * their_error + LOGPROB_FLOOR[dtype]
         tokens = completion.token_ids
         logprobs = [entry.logprob for entry in completion.logprobs]
