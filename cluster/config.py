@@ -206,6 +206,12 @@ class KVEventsConfig(_Strict):
     # A worker publishes what changed once its oldest unpublished change is this old: after
     # every step at GPU pace (a decode step takes 10-30 ms), the first part of the event lag.
     max_batch_age_s: float = Field(0.02, gt=0, le=1.0)
+    # "zmq" only: a worker's sender thread drains and sends its changes just before each tick
+    # of ``relay_flush_s`` (the tick its relay forwards, and central drains, on): one batch
+    # per tick, not one per step (a third as many at 50 steps/s), and every batch's oldest
+    # change a tick old (``kvmanager.publisher``). Off by default: see the README's kv-scale
+    # figures for the trade-off as measured.
+    publish_on_tick: bool = False
     # "zmq" only: each node's workers publish through one relay actor on their node, which
     # forwards their messages to the central manager as one bundle at every multiple of
     # ``relay_flush_s`` of wall time; the central manager drains them all just after each

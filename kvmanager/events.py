@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import struct
 import sys
+import threading
 import time
 import uuid
 from array import array
@@ -422,7 +423,8 @@ class EventLog:
     ``drain`` costs what is left of them. If nobody drains for
     ``max_pending`` changes (the central manager is unreachable), the log
     drops them and sets ``needs_snapshot``: the worker must send a
-    ``KVSnapshot`` next.
+    ``KVSnapshot`` next. A publisher on a tick drains from its sender thread
+    (``KVPublisher.flush_on_tick``): recording and draining take a lock.
     """
 
     def __init__(self, worker_id: str, incarnation: str | None = None,
@@ -440,20 +442,26 @@ class EventLog:
         # and the segments an ``AllBlocksCleared`` ended: (their last changes, its tier code).
         self._last: list[dict[int, int]] = [{} for _ in TIERS]
         self._cleared: list[tuple[list[dict[int, int]], int]] = []
+        self._lock = threading.Lock()
 
     # ---- the pool listener protocol -----------------------------------------------
     def stored(self, tier: str, block_hash: BlockHash) -> None:
-        self._last[_TIER_CODES[tier]][block_hash_key(block_hash)] = STORED
-        self._count()
+        key = block_hash_key(block_hash)
+        with self._lock:
+            self._last[_TIER_CODES[tier]][key] = STORED
+            self._count()
 
     def removed(self, tier: str, block_hash: BlockHash) -> None:
-        self._last[_TIER_CODES[tier]][block_hash_key(block_hash)] = REMOVED
-        self._count()
+        key = block_hash_key(block_hash)
+        with self._lock:
+            self._last[_TIER_CODES[tier]][key] = REMOVED
+            self._count()
 
     def cleared(self, tier: str | None) -> None:
-        self._cleared.append((self._last, -1 if tier is None else _TIER_CODES[tier]))
-        self._last = [{} for _ in TIERS]
-        self._count()
+        with self._lock:
+            self._cleared.append((self._last, -1 if tier is None else _TIER_CODES[tier]))
+            self._last = [{} for _ in TIERS]
+            self._count()
 
     def _count(self) -> None:
         if not self._num_pending:
@@ -489,16 +497,19 @@ class EventLog:
         at most one ``BlockRemoved`` and one ``BlockStored`` per tier between
         ``AllBlocksCleared`` events.
         """
-        now = time.time()
-        events: list[KVEvent] = []
-        for last, tier in self._cleared:
+        with self._lock:
+            now = time.time()
+            oldest_at = self._oldest_at if self._num_pending else now
+            segments, last = self._cleared, self._last
+            self._forget_pending()
+            events: list[KVEvent] = []
+            for cleared_last, tier in segments:
+                self._emit(cleared_last, events)
+                events.append(AllBlocksCleared(None if tier < 0 else TIERS[tier]))
             self._emit(last, events)
-            events.append(AllBlocksCleared(None if tier < 0 else TIERS[tier]))
-        self._emit(self._last, events)
-        batch = KVEventBatch(self.worker_id, self.incarnation, self.next_seq, events,
-                             occupancy or {}, now, self._oldest_at if self._num_pending else now)
-        self.next_seq += len(events)
-        self._forget_pending()
+            batch = KVEventBatch(self.worker_id, self.incarnation, self.next_seq, events,
+                                 occupancy or {}, now, oldest_at)
+            self.next_seq += len(events)
         return batch
 
     @staticmethod
@@ -516,5 +527,6 @@ class EventLog:
 
     def discard_pending(self) -> None:
         """Forget undrained changes: a snapshot taken now already includes them."""
-        self._forget_pending()
-        self.needs_snapshot = False
+        with self._lock:
+            self._forget_pending()
+            self.needs_snapshot = False

@@ -26,11 +26,12 @@ from .preemption import LocalPreemptionPolicy, PreemptionPolicy
 
 
 def pool_occupancy(manager: BlockManager) -> dict[str, TierOccupancy]:
-    """The constant-size occupancy summary of a block manager's two tiers."""
+    """The constant-size occupancy summary of a block manager's two tiers. Another thread (a
+    publisher's tick) may read it mid-step: then the counts are clamped, never negative."""
     out = {}
     for pool in (manager.device, manager.host):
         cached = pool.num_cached_free_blocks
-        out[pool.tier] = TierOccupancy(pool.num_used_blocks, cached, pool.num_free_blocks - cached,
+        out[pool.tier] = TierOccupancy(max(0, pool.num_used_blocks), cached, max(0, pool.num_free_blocks - cached),
                                        pool.num_blocks)
     return out
 

@@ -530,6 +530,64 @@ def test_publisher_sends_when_due_and_heals_restarts_outages_and_overflow():
     local.check_integrity()
 
 
+def test_publisher_on_a_tick_sends_once_per_tick_from_its_sender_thread():
+    """On a tick, steps send nothing but snapshots; ``flush_on_tick`` sends what changed, once."""
+    service = KVManagerService()
+    transport = InProcessTransport(service)
+    local, worker = make_local(num_device=256, max_model_len=2048)
+    publisher = KVPublisher(local, transport, heartbeat_s=60.0, tick_s=0.05, send_margin_s=0.005)
+    assert publisher.maybe_flush()   # first contact: the snapshot goes from the engine's thread
+    assert not publisher.flush_on_tick()   # nothing changed since
+    worker.step(StepInput("w0", new_sequences=[NewSequence("a", list(range(40)))], waiting=["a"]))
+    assert local.event_log.num_pending and not publisher.maybe_flush()   # waits for the tick
+    assert publisher.flush_on_tick() and not local.event_log.num_pending
+    service.index.check_consistency_with([local.snapshot()])
+    # The next flush is the margin before the next tick of wall time.
+    assert publisher.next_flush_at(1000.031) == pytest.approx(1000.045, abs=1e-9)
+    assert publisher.next_flush_at(1000.046) == pytest.approx(1000.095, abs=1e-9)
+    # A resync is the engine's: the tick leaves it alone.
+    publisher.needs_snapshot = True
+    worker.step(StepInput("w0", finished=["a"]))
+    assert not publisher.flush_on_tick() and publisher.maybe_flush()
+    service.index.check_consistency_with([local.snapshot()])
+    local.check_integrity()
+
+
+def test_publisher_tick_drains_race_the_engine_thread_and_lose_nothing():
+    """A sender thread drains on ticks while the engine's thread keeps changing the pool: every
+    change reaches the central index, in order (no gap, no resync)."""
+    import threading
+
+    service = KVManagerService()
+    transport = InProcessTransport(service)
+    local, worker = make_local(num_device=64, num_host=32, max_model_len=512)
+    publisher = KVPublisher(local, transport, heartbeat_s=60.0, tick_s=0.001, send_margin_s=0.0)
+    assert publisher.maybe_flush()
+    stop = threading.Event()
+
+    def sender():
+        while not stop.is_set():
+            publisher.flush_on_tick()
+
+    thread = threading.Thread(target=sender)
+    thread.start()
+    rng = random.Random(3)
+    try:
+        for i in range(400):
+            seq_id = f"s{i}"
+            prompt = [rng.randrange(4)] * 16 + [rng.randrange(1000) for _ in range(rng.randrange(1, 40))]
+            worker.step(StepInput("w0", new_sequences=[NewSequence(seq_id, prompt)], waiting=[seq_id]))
+            worker.step(StepInput("w0", finished=[seq_id]))
+            publisher.maybe_flush()
+    finally:
+        stop.set()
+        thread.join()
+    assert publisher.flush_and_wait(1.0)
+    assert publisher.num_batches > 10 and service.stats()["num_refused_batches"] == 0
+    service.index.check_consistency_with([local.snapshot()])
+    local.check_integrity()
+
+
 def test_central_preemption_is_asked_only_when_migration_could_help():
     service = KVManagerService()
     transport = InProcessTransport(service)

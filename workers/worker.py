@@ -34,7 +34,7 @@ from pagedserve.kvmanager import EventLog, KVPublisher, LocalKVManager, RemotePr
 
 from .async_engine import AsyncLLMEngine
 from .engine import EngineConfig, LLMEngine
-from .kv_wire import connect_transport
+from .kv_wire import DEFAULT_TICK_S, ZmqTransport, connect_transport
 from .kv_transfer import KVTransfer
 from .model_runner import dtype_name
 from .model_source import ModelSource
@@ -120,9 +120,11 @@ class Worker:
         self.kv_transport = connect_transport(kv_manager, transport, relay=relay, timeout_s=60.0,
                                               ack_timeout_s=kv_events.get("ack_timeout_s", 2.0))
         # The engine's thread only drains and packs; the sender thread below sends and reads acks.
+        on_tick = isinstance(self.kv_transport, ZmqTransport) and kv_events.get("publish_on_tick", False)
         self.kv_link = KVPublisher(self.local_kv, self.kv_transport,
                                    max_batch_age_s=kv_events.get("max_batch_age_s", 0.02),
-                                   preemption_timeout_s=PREEMPTION_TIMEOUT_S, background=True)
+                                   preemption_timeout_s=PREEMPTION_TIMEOUT_S, background=True,
+                                   tick_s=kv_events.get("relay_flush_s", DEFAULT_TICK_S) if on_tick else None)
         engine.step_hooks.append(self._after_step)
         logger.info("worker %s: %s on %s, dtype %s (%s)", worker_id, engine.config.model, engine.runner.device,
                        dtype_name(engine.runner.dtype), engine.runner.dtype_reason)
@@ -143,14 +145,20 @@ class Worker:
 
     def _send_kv_events(self) -> None:
         """The sender thread: sends what the engine's thread packed and reads the acks (the
-        Ray calls happen here, never on the step path); an idle engine takes no steps, so
-        due flushes are posted to its thread from here."""
+        Ray calls happen here, never on the step path); on a tick, it also drains and sends
+        the events just before each tick (``KVPublisher.flush_on_tick``); an idle engine takes
+        no steps, so due flushes are posted to its thread from here."""
         link = self.kv_link
         pending = None
+        wait_s = max(link.max_batch_age_s / 2, IDLE_SENDER_WAKEUP_S)
+        flush_at = link.next_flush_at() if link.tick_s is not None else None
         while self.async_engine.is_running:
-            link.wakeup.wait(timeout=max(link.max_batch_age_s / 2, IDLE_SENDER_WAKEUP_S))
+            link.wakeup.wait(timeout=wait_s if flush_at is None else min(wait_s, max(0.0, flush_at - time.time())))
             link.wakeup.clear()
             try:
+                if flush_at is not None and time.time() >= flush_at:
+                    flush_at = link.next_flush_at()
+                    link.flush_on_tick()
                 link.pump()
             except Exception:  # never let the sender die: the next pump retries
                 logger.exception("worker %s: sending KV events failed", self.worker_id)
