@@ -58,6 +58,8 @@ class CentralKVManager(KVManagerService):
         stats["event_endpoint"] = self.event_endpoint()
         stats["num_zmq_messages"] = self._endpoint.num_messages if self._endpoint is not None else 0
         stats["num_zmq_drains"] = self._endpoint.num_drains if self._endpoint is not None else 0
+        # Wake-ups past a tick for a relay's late bundle.
+        stats["num_zmq_late_wakeups"] = self._endpoint.num_late_wakeups if self._endpoint is not None else 0
         stats["num_zmq_replies"] = self._endpoint.num_replies if self._endpoint is not None else 0
         # Of the messages, relays' bundles, and the worker messages they carried.
         stats["num_zmq_bundles"] = self._endpoint.num_bundles if self._endpoint is not None else 0

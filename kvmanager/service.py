@@ -57,6 +57,7 @@ class KVManagerService:
         self.bytes_out = 0
         self.preemptions_by_mode: collections.Counter[str] = collections.Counter()
         self._lags_s: collections.deque[float] = collections.deque(maxlen=LAG_WINDOW)
+        self._deliveries_s: collections.deque[float] = collections.deque(maxlen=LAG_WINDOW)   # sent -> applied
         self._reservations: dict[str, list[tuple[int, float]]] = {}
 
     # ---- identity and membership ---------------------------------------------------
@@ -137,6 +138,7 @@ class KVManagerService:
         result = self.index.apply(batch, now)
         if batch.events and result.status == "ok":
             self._lags_s.append(now - batch.oldest_event_at)
+            self._deliveries_s.append(now - batch.created_at)
         self.num_publishes += 1
         self.bytes_in += len(packed_batch)
         if quiet and result.status != "resync":
@@ -211,7 +213,7 @@ class KVManagerService:
         service's wire methods. ``num_indexed_hashes`` counts (worker, tier,
         hash key) entries.
         """
-        lags = sorted(self._lags_s)
+        lags, deliveries = sorted(self._lags_s), sorted(self._deliveries_s)
         workers = {}
         for worker_id, view in self.index.workers.items():
             config = view.pool_config
@@ -243,6 +245,10 @@ class KVManagerService:
             "num_indexed_hashes": self.index.num_entries(),   # (worker, tier, hash) entries
             "event_lag_p50_ms": 1e3 * lags[len(lags) // 2] if lags else 0.0,
             "event_lag_p99_ms": 1e3 * lags[min(len(lags) - 1, int(0.99 * len(lags)))] if lags else 0.0,
+            # Of it, from the batch's drain on the worker: the wire, the relay's and central's ticks.
+            "event_delivery_p50_ms": 1e3 * deliveries[len(deliveries) // 2] if deliveries else 0.0,
+            "event_delivery_p99_ms": (1e3 * deliveries[min(len(deliveries) - 1, int(0.99 * len(deliveries)))]
+                                      if deliveries else 0.0),
             "workers": workers,
         }
 
@@ -255,6 +261,7 @@ class KVManagerService:
         self.bytes_in = self.bytes_out = 0
         self.preemptions_by_mode.clear()
         self._lags_s.clear()
+        self._deliveries_s.clear()
         self.index.num_batches = self.index.num_events = self.index.num_resyncs = self.index.num_refused = 0
 
     def check_integrity(self) -> bool:

@@ -54,8 +54,11 @@ The receiver's clock: it drains at ``tick_offset_s`` past every multiple of
 ``gather_s`` of wall time (``next_tick``), and relays forward at every
 multiple of their ``flush_s``, the same period (``kv_events.relay_flush_s``):
 one wake-up per period takes every node's bundle of that period, however
-many nodes there are, and adds only ``tick_offset_s`` to their lag (a
-bundle that misses its tick waits one period more). Node clocks are kept
+many nodes there are, and adds only ``tick_offset_s`` to their lag. A
+relay that sent a bundle at the last tick and has not at this one (a busy
+node) is waited for up to ``late_s`` more (a quarter of the period), its
+bundle taken as it comes, rather than one period more. Workers on a tick
+(``KVPublisher.flush_on_tick``) send just before it. Node clocks are kept
 within a few ms of each other in a cluster (NTP); with clocks further apart
 nothing is lost, bundles only wait longer. A message that comes between
 ticks (a worker with no relay, a late bundle) wakes the receiver, which
@@ -68,13 +71,13 @@ calls when it is missing or the endpoint cannot be had.
 from __future__ import annotations
 
 import logging
-import math
 import struct
 import threading
 import time
 from typing import Callable
 
 from pagedserve.kvmanager.errors import WireFormatError
+from pagedserve.kvmanager.publisher import next_tick
 
 from .kv_link import RayTransport
 
@@ -121,8 +124,11 @@ class EventEndpoint:
         self._poll_ms = poll_ms
         self._max_drain = max_drain
         self.gather_s = gather_s
-        # Past the relays' tick: their forwarding and the network (a few ms on a busy node).
+        # Past the relays' tick: their forwarding and the network (a few ms on a busy node); then
+        # up to ``late_s`` more for the bundles of relays that sent at the last tick and not yet.
         self.tick_offset_s = min(0.005, gather_s / 4) if tick_offset_s is None else tick_offset_s
+        self.late_s = gather_s / 4
+        self.num_late_wakeups = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="pagedserve-kv-events", daemon=True)
         self._thread.start()
@@ -133,25 +139,43 @@ class EventEndpoint:
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
         recv, send, again = socket.recv_multipart, socket.send_multipart, zmq.Again
-        while not self._stop.is_set():
-            self.receiver_cpu_s = time.thread_time()   # this thread's CPU since it started
+
+        def drain_and_answer() -> int:
             received = []
             while len(received) < self._max_drain:
                 try:
                     received.append(recv(zmq.NOBLOCK))
                 except again:
                     break
-            if not received:
+            if received:
+                for reply in self._answer(received):
+                    if reply is not None:
+                        send(reply)
+            return len(received)
+
+        expected_bundles = 0   # the relays' bundles the last tick brought
+        while not self._stop.is_set():
+            self.receiver_cpu_s = time.thread_time()   # this thread's CPU since it started
+            bundles_before = self.num_bundles
+            num_received = drain_and_answer()
+            if not num_received:
                 # Nothing at this tick: sleep until a message comes, then until the next tick
                 # (a wake-up, with its thread switch and cold caches, costs more than a message).
                 if poller.poll(self._poll_ms):
                     sleep_to_tick(self.gather_s, self.tick_offset_s, self._stop)
                 continue
-            for reply in self._answer(received):
-                if reply is not None:
-                    send(reply)
-            if len(received) < self._max_drain:   # else more wait: drain on at once
-                sleep_to_tick(self.gather_s, self.tick_offset_s, self._stop)
+            if num_received >= self._max_drain:
+                continue   # more wait: drain on at once
+            # A relay late for this tick (a busy node) is waited for a little, not a whole tick.
+            late_until = time.time() + self.late_s
+            while self.num_bundles - bundles_before < expected_bundles:
+                left = late_until - time.time()
+                if left <= 0 or not poller.poll(max(1, int(1e3 * left))):
+                    break
+                self.num_late_wakeups += 1
+                drain_and_answer()
+            expected_bundles = self.num_bundles - bundles_before
+            sleep_to_tick(self.gather_s, self.tick_offset_s, self._stop)
         socket.close(0)
         self._context.term()
 
@@ -265,12 +289,6 @@ def error_body(body, text: str) -> bytes:
     """An error reply to ``body``'s request id (zero-padded when it is too short to hold one):
     what central, or a node's relay, answers a malformed worker message with."""
     return bytes(body[:8]).ljust(8, b"\0") + b"e" + text.encode()
-
-
-def next_tick(now: float, period_s: float, offset_s: float = 0.0) -> float:
-    """The first wall time after ``now`` that is ``offset_s`` past a multiple of ``period_s``:
-    the relays' (offset 0) and the central receiver's shared clock."""
-    return (math.floor((now - offset_s) / period_s) + 1) * period_s + offset_s
 
 
 def sleep_to_tick(period_s: float, offset_s: float, stop: threading.Event) -> None:
