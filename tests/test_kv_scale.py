@@ -148,6 +148,21 @@ def test_kv_scale_runs_end_to_end_on_ray_and_reports_every_key(tmp_path):
     assert "2 relays" in text
 
 
+@pytest.mark.timeout(600)
+def test_kv_scale_publishing_on_a_tick_sends_a_batch_per_tick_and_keeps_the_index_exact():
+    """The sender thread's drains race the stepping thread's pool changes: nothing is lost."""
+    config = KVScaleConfig(num_workers=4, batch=8, context=128, steps_per_s=50, seconds=2.0,
+                           workers_per_process=2, pressure_per_s=2.0, num_prefixes=2, workers_per_node=2,
+                           publish_on_tick=True, relay_flush_s=0.2)
+    result = run_kv_scale(config, log=lambda _: None)
+    assert result["integrity_ok"] is True, result["integrity_errors"]
+    assert result["publish_on_tick"] and result["num_resyncs"] == 0
+    # Steps every 20 ms or more, a 200 ms tick: a batch per ~10 steps, where per-step publishing sends 1.
+    assert 0 < result["worker_batches_per_worker_step"] < 0.3
+    assert 0 < result["event_delivery_p50_ms"] <= result["event_delivery_p99_ms"]
+    assert "before each 200 ms tick" in format_results(result)
+
+
 def test_kv_scale_cli_parses():
     from pagedserve.cluster.cli import build_parser
 
@@ -161,6 +176,7 @@ def test_kv_scale_cli_parses():
     defaults = KVEventsConfig()
     assert args.workers_per_node == 8
     assert (args.flush_ms, args.relay_flush_ms) == (1e3 * defaults.max_batch_age_s, 1e3 * defaults.relay_flush_s)
+    assert args.publish_on_tick == defaults.publish_on_tick
     assert build_parser().parse_args(["bench", "kv-scale", "--workers-per-node", "0"]).workers_per_node == 0
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "kv-scale", "--workers", "0"])

@@ -243,8 +243,13 @@ def _add_kv_scale_parser(subparsers) -> None:
     parser.add_argument("--seconds", type=positive_float, default=20.0, help="measured seconds S")
     parser.add_argument("--workers-per-process", type=positive_int, default=16)
     parser.add_argument("--flush-ms", type=positive_float, default=20.0,
-                        help="each worker publishes its KV events this often, in simulated time "
-                             "(default: 20, the cluster's kv_events.max_batch_age_s: every step at 50 steps/s)")
+                        help="each worker publishes its KV events this often, in simulated time (every "
+                             "round(flush_ms * R / 1000) steps, whatever this machine's pace; default: 20, the "
+                             "cluster's kv_events.max_batch_age_s: every step at 50 steps/s; 60: the message "
+                             "rate of --publish-on-tick at pace)")
+    parser.add_argument("--publish-on-tick", action="store_true",
+                        help="workers publish as the cluster's kv_events.publish_on_tick has them: drained "
+                             "and sent just before each --relay-flush-ms tick of wall time (--flush-ms unused)")
     parser.add_argument("--pressure-per-s", type=float, default=0.2,
                         help="per worker, random requests sized to take the pool's free room (default: 0.2)")
     parser.add_argument("--seed", type=non_negative_int, default=0)
@@ -274,7 +279,8 @@ def _run_kv_scale(args: argparse.Namespace) -> int:
         raise SystemExit("--pressure-per-s must be >= 0")
     config = kv_scale.KVScaleConfig(
         num_workers=args.workers, batch=args.batch, context=args.context, steps_per_s=args.steps_per_s,
-        seconds=args.seconds, workers_per_process=args.workers_per_process, flush_interval_s=args.flush_ms / 1e3,
+        seconds=args.seconds, workers_per_process=args.workers_per_process,
+        publish_on_tick=args.publish_on_tick, flush_interval_s=args.flush_ms / 1e3,
         pressure_per_s=args.pressure_per_s, seed=args.seed, transport=args.transport,
         central_cpus=tuple(args.central_cpus or ()),
         workers_per_node=args.workers_per_node if args.transport == "zmq" else 0,
