@@ -281,6 +281,7 @@ class KVPublisher:
 
     def stats(self) -> dict:
         return {"num_event_batches": self.num_batches, "num_snapshots": self.num_snapshots_sent,
+                "kv_publish_tick_s": self.tick_s,
                 "num_in_flight": len(self._in_flight) + len(self._outbox),
                 "num_pending_events": self.log.num_pending,
                 "num_dropped_events": self.log.num_dropped, "kv_bytes_out": self.num_bytes_out,
