@@ -9,7 +9,7 @@ each paced at ``steps_per_s``. Each worker publishes through its own
 fire and forget, off the step; it asks the central manager only when it
 cannot grow (one blocking ``decide_preemption`` call). With
 ``publish_on_tick`` (the cluster's option, ZeroMQ only) the publisher is the
-cluster's: the stepping thread, as each worker's sender thread would, drains
+cluster's: a sender thread per process, as each worker runs one, drains
 and sends every worker's events just before each ``relay_flush_s`` tick of
 wall time (``KVPublisher.flush_on_tick``), so a worker slower than
 ``steps_per_s`` (this machine) sends more batches per step than one at pace
@@ -223,7 +223,7 @@ class SimWorkerGroup:
             if relay is not None and inner.endpoint_source is not relay:
                 raise RuntimeError(f"{worker_id}: its node's KV event relay is unavailable")
             transport = _TimedTransport(inner, self.publish_rtts)
-            if config.on_tick:   # the cluster's publisher, called after every step
+            if config.on_tick:   # the cluster's publisher: the group's sender thread sends on the tick
                 holder["publisher"] = KVPublisher(worker.kv, transport, max_batch_age_s=config.flush_interval_s,
                                                   preemption_timeout_s=30.0, tick_s=config.relay_flush_s,
                                                   background=True)
