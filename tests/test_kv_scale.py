@@ -178,6 +178,7 @@ def test_kv_scale_cli_parses():
     assert (args.flush_ms, args.relay_flush_ms) == (1e3 * defaults.max_batch_age_s, 1e3 * defaults.relay_flush_s)
     assert args.publish_on_tick == defaults.publish_on_tick
     assert build_parser().parse_args(["bench", "kv-scale", "--workers-per-node", "0"]).workers_per_node == 0
+    assert not args.replay and build_parser().parse_args(["bench", "kv-scale", "--replay"]).replay
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "kv-scale", "--workers", "0"])
 

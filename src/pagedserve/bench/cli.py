@@ -247,6 +247,11 @@ def _add_kv_scale_parser(subparsers) -> None:
                              "round(flush_ms * R / 1000) steps, whatever this machine's pace; default: 20, the "
                              "cluster's kv_events.max_batch_age_s: every step at 50 steps/s; 60: the message "
                              "rate of --publish-on-tick at pace)")
+    parser.add_argument("--replay", action="store_true",
+                        help="each worker records its KV code's steps before the window (unpaced) and replays "
+                             "their pool changes at the pace in it, through the real event log, publisher, "
+                             "relays and central manager: the pace on a machine too small to run the KV code "
+                             "at it (preemptions are decided locally while recording, so nothing migrates)")
     parser.add_argument("--publish-on-tick", action="store_true",
                         help="workers publish as the cluster's kv_events.publish_on_tick has them: drained "
                              "and sent just before each --relay-flush-ms tick of wall time (--flush-ms unused)")
@@ -280,7 +285,7 @@ def _run_kv_scale(args: argparse.Namespace) -> int:
     config = kv_scale.KVScaleConfig(
         num_workers=args.workers, batch=args.batch, context=args.context, steps_per_s=args.steps_per_s,
         seconds=args.seconds, workers_per_process=args.workers_per_process,
-        publish_on_tick=args.publish_on_tick, flush_interval_s=args.flush_ms / 1e3,
+        publish_on_tick=args.publish_on_tick, replay=args.replay, flush_interval_s=args.flush_ms / 1e3,
         pressure_per_s=args.pressure_per_s, seed=args.seed, transport=args.transport,
         central_cpus=tuple(args.central_cpus or ()),
         workers_per_node=args.workers_per_node if args.transport == "zmq" else 0,

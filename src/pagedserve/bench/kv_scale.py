@@ -110,6 +110,7 @@ class KVScaleConfig(SimWorkload):
     central_cpus: tuple[int, ...] = ()   # pin the central process here, everything else elsewhere
     workers_per_node: int = 8   # "zmq": workers per simulated node, each node's through one relay; 0: none
     relay_flush_s: float = 0.06   # relays' and central's tick, wall time (the cluster's kv_events.relay_flush_s)
+    replay: bool = False   # workers record their KV code before the window and replay it at the pace (kv_replay)
 
     def workload(self) -> SimWorkload:
         return SimWorkload(**{f.name: getattr(self, f.name) for f in fields(SimWorkload)})
@@ -136,6 +137,12 @@ class KVScaleConfig(SimWorkload):
         if self.transport != "zmq" or self.workers_per_node <= 0:
             return 0
         return -(-self.num_workers // self.workers_per_node)
+
+    @property
+    def replay_steps(self) -> int:
+        """Steps each worker records with ``replay``: the window at pace, plus its settling and
+        the driver's calls around it, with room to spare."""
+        return math.ceil(self.steps_per_s * (self.seconds + 15.0))
 
     def relay_index(self, worker_id: str) -> int:
         """The simulated node (and so the relay) of a worker."""
@@ -202,6 +209,8 @@ class SimWorkerGroup:
         from pagedserve.kvmanager.publisher import KVPublisher
         from pagedserve.workers.kv_wire import ZmqTransport, connect_transport
 
+        from .kv_replay import ReplayedKVWorker
+
         self.config = config
         self.central = central
         self.groups_by_worker = groups_by_worker   # worker id -> group index
@@ -209,13 +218,17 @@ class SimWorkerGroup:
         workload = config.workload()
         prefixes = [workload.prefix(i) for i in range(workload.num_prefixes)]
         self.publish_rtts: list[tuple[float, float]] = []
-        self.workers: dict[str, SimulatedKVWorker] = {}
+        self.workers: dict = {}   # worker id -> SimulatedKVWorker, or ReplayedKVWorker with ``replay``
         self.publishers: dict = {}
         self.transports: dict[str, _TimedTransport] = {}
         for worker_id in worker_ids:
             holder: dict = {}
             policy = RemotePreemptionPolicy(lambda request, h=holder: h["publisher"].decide_preemption(request))
-            worker = SimulatedKVWorker(worker_id, workload, prefixes, policy)
+            if config.replay:
+                recorder = SimulatedKVWorker(worker_id, workload, prefixes, ReplayedKVWorker.recording_policy())
+                worker = ReplayedKVWorker(recorder, policy)
+            else:
+                worker = SimulatedKVWorker(worker_id, workload, prefixes, policy)
             relay = relays[config.relay_index(worker_id)] if relays else None
             inner = connect_transport(central, config.transport, timeout_s=120.0, ack_timeout_s=10.0, relay=relay)
             if config.transport == "zmq" and not isinstance(inner, ZmqTransport):
@@ -312,10 +325,22 @@ class SimWorkerGroup:
     # ---- the stepping thread -----------------------------------------------------------
     def _run(self) -> None:
         try:
+            if self.config.replay:
+                self._record()
             self._loop()
         except BaseException as exc:  # reported to the driver by the next call
             import traceback
             self.error = f"{exc!r}\n{traceback.format_exc()}"
+
+    def _record(self) -> None:
+        """``replay``: every worker records its steps (unpaced, before the window), then
+        publishes its recording's starting state as a snapshot."""
+        for worker_id, worker in self.workers.items():
+            worker.record(self.config.replay_steps)
+            publisher = self.publishers[worker_id]
+            publisher.needs_snapshot = True
+            publisher.maybe_flush()
+        gc.collect()
 
     def _loop(self) -> None:
         period = 1.0 / self.config.steps_per_s
@@ -336,9 +361,14 @@ class SimWorkerGroup:
             else:
                 due[worker_id] = now
             worker = self.workers[worker_id]
+            if self.config.replay and not self._paced:
+                time.sleep(0.005)   # recorded: replay at the pace only
+                continue
             try:
                 worker.step()
             except Exception as exc:
+                if self.config.replay:
+                    raise
                 raise RuntimeError(f"{worker_id}: {exc!r}; " + "; ".join(
                     f"{w}: running {[r.seq_id for r in x.running]} waiting {[r.seq_id for r in x.waiting]} "
                     f"held {sorted(x.kv.block_manager_of_worker.seqs)}" for w, x in self.workers.items())) from exc
@@ -435,9 +465,19 @@ class SimWorkerGroup:
         for worker_id, worker in self.workers.items():
             worker.finish_all()
             worker.check_integrity()
+            if self.config.replay:   # the recording worker finished everything after recording
+                used[worker_id] = worker.blocks_in_use_after_finish
+                continue
             occupancy = worker.kv.occupancy()
             used[worker_id] = occupancy["device"].num_used + occupancy["host"].num_used
         return used
+
+    def replay_status(self) -> dict:
+        """``replay``: steps recorded per worker, and the workers whose recording ran out."""
+        if not self.config.replay:
+            return {}
+        return {"steps_recorded": min(len(w.steps) for w in self.workers.values()),
+                "exhausted": [w for w, worker in self.workers.items() if worker.is_exhausted]}
 
 
 def _sum_counters(per_group: list[dict]) -> dict:
@@ -581,6 +621,7 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
                                                  for g in groups], timeout=60) for rtt in chunk)
 
         ray.get([g.stop.remote() for g in groups], timeout=120)
+        replay = ray.get([g.replay_status.remote() for g in groups], timeout=60) if config.replay else []
         integrity_errors = []
         central_error = _flush_and_check_central(central, groups)
         if central_error:
@@ -629,6 +670,9 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
         "preemptions_by_mode": counters["preemptions_by_mode"],
         "integrity_ok": not integrity_errors,
         "integrity_errors": integrity_errors,
+        "worker_kv_code": "recorded, replayed at the pace" if config.replay else "live",
+        "replay_steps_recorded": min((r["steps_recorded"] for r in replay), default=0),
+        "replay_workers_exhausted": sum(len(r["exhausted"]) for r in replay),
         # context for the figures above
         "achieved_steps_per_s_per_worker": num_steps / window_s / config.num_workers,
         "worker_steps": num_steps,
@@ -709,6 +753,9 @@ def format_results(result: dict) -> str:
         + (f"; central pinned to CPUs {list(config['central_cpus'])}, the rest elsewhere"
            if config.get("central_cpus") else ""),
     ]
+    if config.get("replay"):
+        lines.append(f"  workers replay a recording of their own KV code ({result['replay_steps_recorded']} steps "
+                     f"each, made before the window; {result['replay_workers_exhausted']} ran out)")
     for key, check in result["targets"].items():
         lines.append(f"  {key:<38} {result[key]:>12.3f}   target {check['target']:<8} "
                      f"{'ok' if check['ok'] else 'MISSED'}")
