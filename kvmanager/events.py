@@ -235,6 +235,10 @@ class WireBatch:
 
 
 _NUM_TIERS = len(TIERS)
+try:   # built by setup.py where a C compiler is available; same result, same checks
+    from ._eventwire import decode_batch_fields as _native_decode
+except ImportError:
+    _native_decode = None
 _HEADER_SIZE, _EVENT_HEADER_SIZE = _BATCH_HEADER.size, _EVENT_HEADER.size
 _unpack_header, _unpack_event_header = _BATCH_HEADER.unpack_from, _EVENT_HEADER.unpack_from
 
@@ -242,8 +246,19 @@ _unpack_header, _unpack_event_header = _BATCH_HEADER.unpack_from, _EVENT_HEADER.
 def decode_batch(data) -> WireBatch:
     """Decode a packed ``KVEventBatch`` (bytes-like) without building event objects;
     ``WireFormatError`` if it is not exactly one batch (every length and code is checked
-    before this returns). Unless ``data`` is bytes, its keys are views into it, which must
-    not change while the batch is used."""
+    before this returns). Natively (``_eventwire``, ~4x faster: the central manager decodes
+    every worker's every batch) where built, each event's keys a bytes copy; in Python
+    otherwise, and for a batch the native decoder refuses, to say why."""
+    if _native_decode is not None:
+        fields = _native_decode(data)
+        if fields is not None:
+            return WireBatch(*fields)
+    return _decode_batch_py(data)
+
+
+def _decode_batch_py(data) -> WireBatch:
+    """``decode_batch`` in Python. Unless ``data`` is bytes, its keys are views into it, which
+    must not change while the batch is used."""
     view = data if type(data) is bytes else memoryview(data)   # slicing bytes: cheaper than views
     size = len(view)
     if size < _HEADER_SIZE or view[0] != _BATCH_WIRE_VERSION:

@@ -22,6 +22,7 @@ from pagedserve.kvmanager import (AllBlocksCleared, BlockRemoved, BlockStored, C
 from pagedserve.kvmanager.errors import WireFormatError
 import msgpack
 
+from pagedserve.kvmanager import events as events_module
 from pagedserve.kvmanager.events import ALL_TIERS, CLEARED, REMOVED, STORED, PackedKeys, decode_batch
 from pagedserve.kvmanager.service import KVManagerService
 
@@ -179,6 +180,59 @@ def test_wire_round_trips_batches_snapshots_and_acks():
     for status in ("ok", "duplicate", "resync"):
         ack = PublishAck(status, "0123456789abcdef", 2 ** 40)
         assert PublishAck.unpack(ack.pack()) == ack
+
+
+@pytest.mark.skipif(events_module._native_decode is None, reason="the native decoder (_eventwire) is not built")
+def test_the_native_batch_decoder_accepts_and_refuses_exactly_what_the_python_one_does():
+    """Random batches, then every cut and many random byte changes of them: the same WireBatch
+    (keys compared as bytes), or both refuse."""
+    rng = random.Random(7)
+
+    def decoded(decode, data):
+        try:
+            batch = decode(data)
+        except WireFormatError:
+            return None
+        return (batch.worker_id, batch.worker_incarnation, batch.first_seq, batch.occupancy, batch.created_at,
+                batch.oldest_event_at, batch.is_draining,
+                [(kind, tier, None if keys is None else bytes(keys)) for kind, tier, keys in batch.events])
+
+    def python_decode(data):
+        return events_module._decode_batch_py(data)
+
+    def native_decode(data):
+        fields = events_module._native_decode(data)
+        if fields is None:
+            raise WireFormatError("refused")
+        return events_module.WireBatch(*fields)
+
+    num_accepted = num_refused = 0
+    for _ in range(40):
+        kinds = [BlockStored, BlockRemoved, AllBlocksCleared]
+        batch_events = []
+        for _ in range(rng.randrange(6)):
+            kind = rng.choice(kinds)
+            tier = rng.choice(["device", "host"])
+            if kind is AllBlocksCleared:
+                batch_events.append(AllBlocksCleared(rng.choice([tier, None])))
+            else:
+                batch_events.append(kind([rng.getrandbits(64) for _ in range(rng.randrange(5))], tier))
+        batch = KVEventBatch(rng.choice(["w0", "wörker-1", ""]), "inc" * rng.randrange(3), rng.getrandbits(40),
+                             batch_events, {"device": TierOccupancy(1, 2, 3, 6), "host": TierOccupancy(0, 0, 4, 4)},
+                             rng.random() * 1e9, rng.random() * 1e9, is_draining=rng.random() < 0.5)
+        wire = batch.pack()
+        variants = [wire, bytearray(wire), memoryview(b"x" + wire)[1:]] + [wire[:n] for n in range(len(wire))]
+        for _ in range(30):
+            changed = bytearray(wire)
+            changed[rng.randrange(len(wire))] = rng.randrange(256)
+            variants.append(bytes(changed))
+        for data in variants:
+            expected = decoded(python_decode, data)
+            assert decoded(native_decode, data) == expected
+            num_accepted += expected is not None
+            num_refused += expected is None
+        assert decoded(decode_batch, wire) == decoded(python_decode, wire) is not None
+    assert num_accepted > 100 and num_refused > 1000
 
 
 @pytest.mark.parametrize("corrupt", ["truncated", "trailing", "version", "kind", "tier", "num_events",
