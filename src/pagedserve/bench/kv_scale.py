@@ -66,7 +66,10 @@ Measured over ``seconds`` after a warm-up that fills every worker's batch:
 
 If the simulated workers cannot keep up with ``steps_per_s`` on this
 machine, the achieved rate is reported and every figure stays per
-worker-step. ``central_cpus`` pins the central process to those CPUs and
+worker-step. With ``replay`` (``kv_replay``) each worker records its KV
+code's steps before the window and replays their pool changes in it through
+the real event log and publisher, which keeps the pace on a small machine
+(``worker_kv_code`` says which ran). ``central_cpus`` pins the central process to those CPUs and
 every other process of the run to the rest (Linux), as when the central
 manager has a host of its own: on a small machine the simulated workers
 otherwise take the central's CPU and caches between its wake-ups.
