@@ -35,14 +35,12 @@ import time
 from array import array
 from dataclasses import asdict, dataclass
 
-from pagedserve.kvmanager.events import (AllBlocksCleared, BlockStored, EventLog, KVEventBatch, KVSnapshot,
-                                         TierOccupancy)
+from pagedserve.kvmanager.events import (CLEARED, REMOVED, STORED, TIERS, AllBlocksCleared, BlockStored, EventLog,
+                                         KVEventBatch, KVSnapshot, TierOccupancy)
 from pagedserve.kvmanager.preemption import LocalPreemptionPolicy, PreemptionPolicy, PreemptionRequest
 
 from .kv_sim import SimCounters, SimulatedKVWorker
 
-TIERS = ("device", "host")
-_STORED, _REMOVED, _CLEARED = 0, 1, 2
 # SimCounters' scalar fields, then its preemptions by mode, as recorded after every step.
 _COUNTER_FIELDS = ("num_scheduled_tokens", "num_finished", "num_admitted", "num_pressure_requests",
                    "num_migrated_in")
@@ -93,11 +91,11 @@ class ReplayedKV:
         """The step's changes, block by block, as a pool reports them to its listener."""
         log = self.event_log
         for kind, tier, keys in step.changes:
-            if kind == _CLEARED:
+            if kind == CLEARED:
                 for name in (TIERS if tier is None else (tier,)):
                     self.keys[name].clear()
                 log.cleared(tier)
-            elif kind == _STORED:
+            elif kind == STORED:
                 self.keys[tier].update(keys)
                 for key in keys:
                     log.stored(tier, key.to_bytes(8, "little"))
@@ -236,8 +234,8 @@ def _changes(batch: KVEventBatch) -> tuple[tuple[int, str | None, array], ...]:
     changes = []
     for event in batch.events:
         if isinstance(event, AllBlocksCleared):
-            changes.append((_CLEARED, event.medium, array("Q")))
+            changes.append((CLEARED, event.medium, array("Q")))
         else:
-            kind = _STORED if isinstance(event, BlockStored) else _REMOVED
+            kind = STORED if isinstance(event, BlockStored) else REMOVED
             changes.append((kind, event.medium, array("Q", event.block_hashes)))
     return tuple(changes)
