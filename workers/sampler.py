@@ -59,10 +59,95 @@ class SampleLogprobs:
 
 @dataclass
 class SamplerOutput:
-    """One sampled token per row; ``logprobs[i]`` is None unless row i asked for them."""
+    """One sampled token per row; ``logprobs[i]`` is None unless row i asked for them.
+
+    ``token_tensor`` holds the same ids on the logits' device (int64), for a
+    caller that keeps them there (the next step's inputs).
+    """
 
     token_ids: list[int]
     logprobs: list[SampleLogprobs | None]
+    token_tensor: torch.Tensor | None = None
+
+
+@dataclass
+class PenaltyRow:
+    """A row whose logits are penalised: its params' penalties and the token ids they count."""
+
+    row: int
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+
+
+@dataclass
+class SamplingBatch:
+    """A step's sampling parameters, one row per row of logits.
+
+    The common parameters are host tensors, gathered from a persistent batch
+    with one index per step (``temperature`` is 1 on greedy rows, ``top_k``
+    -1 where off). What only some rows use is listed sparsely, so a row that
+    uses none of it costs no Python: penalties, seeded draws (the row's uniform,
+    already drawn), tokens banned by ``min_tokens``, grammar bitmasks
+    (``bitmask[j]`` for row ``bitmask_rows[j]``) and logprobs (row, k).
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    is_greedy: torch.Tensor
+    penalties: list[PenaltyRow] = field(default_factory=list)
+    seeded_uniforms: dict[int, float] = field(default_factory=dict)
+    banned: list[tuple[int, Sequence[int]]] = field(default_factory=list)
+    bitmask_rows: list[int] = field(default_factory=list)
+    bitmask: torch.Tensor | None = None
+    num_logprobs: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_rows(self) -> int:
+        return self.temperature.shape[0]
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams]) -> "SamplingBatch":
+        """The dense part for ``params`` (one per row); the sparse lists start empty."""
+        greedy = [p.is_greedy for p in params]
+        return cls(
+            temperature=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                                     dtype=torch.float32),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
+            is_greedy=torch.tensor(greedy, dtype=torch.bool),
+        )
+
+    @classmethod
+    def from_states(cls, states: Sequence[SamplingState]) -> "SamplingBatch":
+        """The batch of a list of per-row ``SamplingState`` (tests, small callers)."""
+        batch = cls.from_params([state.params for state in states])
+        masks = []
+        for row, state in enumerate(states):
+            params = state.params
+            if params.has_penalties:
+                batch.penalties.append(PenaltyRow(
+                    row, state.prompt_token_ids if params.repetition_penalty != 1.0 else (),
+                    state.output_token_ids, params.repetition_penalty, params.frequency_penalty,
+                    params.presence_penalty))
+            if params.seed is not None and not params.is_greedy:
+                batch.seeded_uniforms[row] = seeded_uniform(params.seed, state.sample_index,
+                                                            len(state.output_token_ids))
+            if state.banned_token_ids:
+                batch.banned.append((row, state.banned_token_ids))
+            if state.token_bitmask is not None:
+                batch.bitmask_rows.append(row)
+                masks.append(state.token_bitmask)
+            if params.logprobs is not None:
+                batch.num_logprobs.append((row, params.logprobs))
+        if masks:
+            batch.bitmask = torch.stack(masks)
+        return batch
 
 
 class Sampler:
@@ -77,75 +162,87 @@ class Sampler:
         self.seed = fresh_seed() if seed is None else seed
         self._generator = torch.Generator().manual_seed(self.seed)
 
+    @staticmethod
+    def greedy(logits: torch.Tensor) -> torch.Tensor:
+        """The argmax of every row: a batch with neither random rows nor constraints."""
+        return logits.argmax(dim=-1)
+
     def sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
         """Return one token id per row of ``logits`` ([num_seqs, vocab_size])."""
-        _check_inputs(logits, states)
-        if logits.shape[0] == 0:
+        _check_inputs(logits, len(states))
+        return self.sample_batch(logits, SamplingBatch.from_states(states))
+
+    def sample_batch(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """``sample`` for a ``SamplingBatch``: one host sync (the ids' copy to the host)."""
+        _check_inputs(logits, batch.num_rows)
+        num_rows = logits.shape[0]
+        if num_rows == 0:
             return SamplerOutput([], [])
-        params = [state.params for state in states]
-        constrained = apply_constraints(logits, states)
-        if all(p.is_greedy and not p.has_penalties for p in params):
+        constrained = apply_constraints(logits, batch.bitmask_rows, batch.bitmask, batch.banned)
+        if not batch.penalties and bool(batch.is_greedy.all()):
             token_ids = constrained.argmax(dim=-1)
         else:
-            token_ids = self._sample_general(constrained.float(), states)
-        logprobs = compute_logprobs(logits, token_ids, [p.logprobs for p in params])
-        return SamplerOutput(token_ids.tolist(), logprobs)
+            token_ids = self._sample_general(constrained.float(), batch)
+        logprobs = compute_logprobs(logits, token_ids, batch.num_logprobs, num_rows)
+        return SamplerOutput(token_ids.tolist(), logprobs, token_ids)
 
-    def _sample_general(
-        self, logits: torch.Tensor, states: Sequence[SamplingState]
-    ) -> torch.Tensor:
-        logits = apply_penalties_to_states(logits, states)
-        greedy_rows = [i for i, state in enumerate(states) if state.params.is_greedy]
-        if len(greedy_rows) == len(states):
+    def _sample_general(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        logits = apply_penalty_rows(logits, batch.penalties)
+        is_greedy = batch.is_greedy
+        num_greedy = int(is_greedy.sum())
+        if num_greedy == batch.num_rows:
             return logits.argmax(dim=-1)
-        token_ids = torch.empty(len(states), dtype=torch.long, device=logits.device)
-        if greedy_rows:
+        device = logits.device
+        random_rows = (~is_greedy).nonzero().squeeze(1)
+        token_ids = torch.empty(batch.num_rows, dtype=torch.long, device=device)
+        raw = logits
+        if num_greedy:
+            greedy_rows = is_greedy.nonzero().squeeze(1).to(device)
             token_ids[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
-        random_rows = [i for i, state in enumerate(states) if not state.params.is_greedy]
-        random_states = [states[i] for i in random_rows]
-        if greedy_rows:
-            logits = logits[random_rows]
-        processed = process_logits(logits, [s.params for s in random_states])
-        probs = argmax_where_not_finite(processed.softmax(dim=-1), logits)
-        sampled = sample_from_probs(probs, self._uniforms(random_states))
-        if not greedy_rows:
+            raw = logits[random_rows.to(device)]
+        processed = process_logits(raw, batch.temperature[random_rows], batch.top_k[random_rows],
+                                   batch.top_p[random_rows], batch.min_p[random_rows])
+        probs = argmax_where_not_finite(processed.softmax(dim=-1), raw)
+        sampled = sample_from_probs(probs, self._uniforms(random_rows.tolist(), batch.seeded_uniforms))
+        if not num_greedy:
             return sampled
-        token_ids[random_rows] = sampled
+        token_ids[random_rows.to(device)] = sampled
         return token_ids
 
-    def _uniforms(self, states: Sequence[SamplingState]) -> torch.Tensor:
-        uniforms = torch.rand(len(states), dtype=torch.float64, generator=self._generator)
-        for row, state in enumerate(states):
-            if state.params.seed is not None:
-                uniforms[row] = seeded_uniform(
-                    state.params.seed, state.sample_index, len(state.output_token_ids)
-                )
+    def _uniforms(self, rows: list[int], seeded: dict[int, float]) -> torch.Tensor:
+        """One draw per sampled row: the generator's, or the row's own seeded draw."""
+        uniforms = torch.rand(len(rows), dtype=torch.float64, generator=self._generator)
+        if seeded:
+            for position, row in enumerate(rows):
+                draw = seeded.get(row)
+                if draw is not None:
+                    uniforms[position] = draw
         return uniforms
 
 
-def apply_constraints(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+def apply_constraints(logits: torch.Tensor, bitmask_rows: Sequence[int], bitmask: torch.Tensor | None,
+                      banned: Sequence[tuple[int, Sequence[int]]]) -> torch.Tensor:
     """Logits with each row's disallowed tokens at -inf (``logits`` itself if no row is
     constrained; the input is never modified).
 
-    A row's bitmask wins over its banned tokens: a ban that would leave the row
-    nothing to sample is dropped for that row.
+    ``bitmask[j]`` constrains row ``bitmask_rows[j]``; ``banned`` lists (row, token
+    ids) that cannot be sampled. A row's bitmask wins over its banned tokens: a ban
+    that would leave the row nothing to sample is dropped for that row.
     """
-    mask_rows = [i for i, state in enumerate(states) if state.token_bitmask is not None]
-    ban_rows = [i for i, state in enumerate(states) if state.banned_token_ids]
-    if not mask_rows and not ban_rows:
+    if not bitmask_rows and not banned:
         return logits
     logits = logits.clone()
-    if mask_rows:
-        words = torch.stack([states[i].token_bitmask for i in mask_rows])
-        logits[mask_rows] = apply_token_bitmask(logits[mask_rows], words)
-    if ban_rows:
-        banned = logits[ban_rows]
-        columns = [list(states[i].banned_token_ids) for i in ban_rows]
-        rows = [j for j, ids in enumerate(columns) for _ in ids]
-        flat = [t for ids in columns for t in ids]
-        banned[rows, flat] = float("-inf")
-        keeps_some = torch.isfinite(banned).any(dim=-1)
-        logits[ban_rows] = torch.where(keeps_some.unsqueeze(1), banned, logits[ban_rows])
+    if bitmask_rows:
+        rows = list(bitmask_rows)
+        logits[rows] = apply_token_bitmask(logits[rows], bitmask)
+    if banned:
+        ban_rows = [row for row, _ in banned]
+        selected = logits[ban_rows]
+        rows = [j for j, (_, ids) in enumerate(banned) for _ in ids]
+        flat = [t for _, ids in banned for t in ids]
+        selected[rows, flat] = float("-inf")
+        keeps_some = torch.isfinite(selected).any(dim=-1)
+        logits[ban_rows] = torch.where(keeps_some.unsqueeze(1), selected, logits[ban_rows])
     return logits
 
 
@@ -204,34 +301,33 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     return torch.searchsorted(cdf, targets, right=True).squeeze(1)
 
 
-def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p masks (to -inf), one row per params.
+def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                   top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masks (to -inf), one row per entry of
+    the (host) parameter tensors.
 
-    ``logits`` should already carry penalties. Greedy rows are left at
+    ``logits`` should already carry penalties. Greedy rows are expected at
     temperature 1; their distribution is the argmax (see ``processed_probs``).
     """
     logits = logits.float()
     device = logits.device
     vocab_size = logits.shape[-1]
-    temperatures = [1.0 if p.is_greedy else p.temperature for p in params]
-    if any(t != 1.0 for t in temperatures):
-        logits = logits / torch.tensor(temperatures, device=device).unsqueeze(1)
-    top_ks = [p.top_k for p in params]
-    top_ps = [p.top_p for p in params]
-    if any(0 < k < vocab_size for k in top_ks) or any(p < 1.0 for p in top_ps):
-        logits = apply_top_k_top_p(logits, top_ks, top_ps)
-    min_ps = [p.min_p for p in params]
-    if any(m > 0.0 for m in min_ps):
-        logits = apply_min_p(logits, torch.tensor(min_ps, device=device))
+    if bool((temperature != 1.0).any()):
+        logits = logits / temperature.to(device).unsqueeze(1)
+    if bool(((top_k > 0) & (top_k < vocab_size)).any()) or bool((top_p < 1.0).any()):
+        logits = apply_top_k_top_p(logits, top_k, top_p)
+    if bool((min_p > 0.0).any()):
+        logits = apply_min_p(logits, min_p.to(device))
     return logits
 
 
 def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """The exact distribution each row samples from (greedy rows: one-hot at argmax)."""
-    logits = process_logits(logits, params)
+    batch = SamplingBatch.from_params(params)
+    logits = process_logits(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p)
     probs = logits.softmax(dim=-1)
-    is_greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
-    if bool(is_greedy.any()):
+    is_greedy = batch.is_greedy.to(logits.device)
+    if bool(batch.is_greedy.any()):
         one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
         probs = torch.where(is_greedy.unsqueeze(1), one_hot, probs)
     return probs
@@ -241,37 +337,35 @@ def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
 NUM_TOP_P_CANDIDATES = 64
 
 
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]
-) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask (to -inf) logits below each row's top-k and top-p cut-offs.
 
     Top-k keeps logits >= the k-th largest; then top-p keeps the most likely of
     those, in order, until their renormalised probability reaches p. Both cut-offs
     are values, so tokens tied with the last kept one are kept too (as vLLM), and
     the result does not depend on how a sort orders ties. ``top_k`` <= 0 or >=
-    vocab size and ``top_p`` >= 1 disable the filters for that row. Uses
-    ``topk`` on as few candidates as possible rather than a full sort.
+    vocab size and ``top_p`` >= 1 disable the filters for that row (both host
+    tensors, one entry per row). Uses ``topk`` on as few candidates as possible
+    rather than a full sort.
     """
     num_rows, vocab_size = logits.shape
     device = logits.device
-    ks = [k if 0 < k < vocab_size else vocab_size for k in top_k]
-    if any(k < vocab_size for k in ks):
-        values = logits.topk(max(k for k in ks if k < vocab_size), dim=-1).values
-        kth_index = [min(k, values.shape[1]) - 1 for k in ks]
-        kth = values.gather(1, torch.tensor(kth_index, device=device).unsqueeze(1))
-        is_disabled = torch.tensor([k >= vocab_size for k in ks], device=device).unsqueeze(1)
-        kth = kth.masked_fill(is_disabled, float("-inf"))
+    is_k_off = (top_k <= 0) | (top_k >= vocab_size)
+    if not bool(is_k_off.all()):
+        values = logits.topk(int(top_k[~is_k_off].max()), dim=-1).values
+        kth_index = top_k.clamp(1, values.shape[1]) - 1
+        kth = values.gather(1, kth_index.to(device).unsqueeze(1))
+        kth = kth.masked_fill(is_k_off.to(device).unsqueeze(1), float("-inf"))
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    p_rows = [i for i, p in enumerate(top_p) if p < 1.0]
-    if len(p_rows) == num_rows:
-        thresholds = _top_p_thresholds(logits, torch.tensor(top_p, device=device))
+    is_p_on = top_p < 1.0
+    num_p_rows = int(is_p_on.sum())
+    if num_p_rows == num_rows:
+        thresholds = _top_p_thresholds(logits, top_p.to(device))
         logits = logits.masked_fill(logits < thresholds, float("-inf"))
-    elif p_rows:
+    elif num_p_rows:
+        p_rows = is_p_on.nonzero().squeeze(1).to(device)
         thresholds = torch.full((num_rows, 1), float("-inf"), device=device)
-        thresholds[p_rows] = _top_p_thresholds(
-            logits[p_rows], torch.tensor([top_p[i] for i in p_rows], device=device)
-        )
+        thresholds[p_rows] = _top_p_thresholds(logits[p_rows], top_p[is_p_on].to(device))
         logits = logits.masked_fill(logits < thresholds, float("-inf"))
     return logits
 
@@ -347,47 +441,51 @@ def apply_penalties(
     return logits
 
 
-def apply_penalties_to_states(
-    logits: torch.Tensor, states: Sequence[SamplingState]
-) -> torch.Tensor:
-    """Penalise the rows whose params ask for it; other rows are returned untouched."""
-    rows = [i for i, state in enumerate(states) if state.params.has_penalties]
+def apply_penalty_rows(logits: torch.Tensor, rows: Sequence[PenaltyRow]) -> torch.Tensor:
+    """Penalise the listed rows; other rows are returned untouched (``logits`` itself
+    when none is listed)."""
     if not rows:
         return logits
     device = logits.device
-    penalised = [states[i] for i in rows]
-    needs_prompt = [s.params.repetition_penalty != 1.0 for s in penalised]
+    index = [r.row for r in rows]
     logits = logits.clone()
-    logits[rows] = apply_penalties(
-        logits[rows],
-        [s.prompt_token_ids if need else () for s, need in zip(penalised, needs_prompt)],
-        [s.output_token_ids for s in penalised],
-        torch.tensor([s.params.repetition_penalty for s in penalised], device=device),
-        torch.tensor([s.params.frequency_penalty for s in penalised], device=device),
-        torch.tensor([s.params.presence_penalty for s in penalised], device=device),
+    logits[index] = apply_penalties(
+        logits[index],
+        [r.prompt_token_ids for r in rows],
+        [r.output_token_ids for r in rows],
+        torch.tensor([r.repetition_penalty for r in rows], device=device),
+        torch.tensor([r.frequency_penalty for r in rows], device=device),
+        torch.tensor([r.presence_penalty for r in rows], device=device),
     )
     return logits
 
 
-def compute_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: Sequence[int | None]
-) -> list[SampleLogprobs | None]:
-    """Raw-logit logprobs of the sampled tokens plus each row's top alternatives."""
-    result: list[SampleLogprobs | None] = [None] * len(num_logprobs)
-    rows = [i for i, k in enumerate(num_logprobs) if k is not None]
-    if not rows:
+def apply_penalties_to_states(
+    logits: torch.Tensor, states: Sequence[SamplingState]
+) -> torch.Tensor:
+    """Penalise the rows whose params ask for it; other rows are returned untouched."""
+    return apply_penalty_rows(logits, SamplingBatch.from_states(states).penalties)
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: Sequence[tuple[int, int]],
+                     num_rows: int) -> list[SampleLogprobs | None]:
+    """Raw-logit logprobs of the sampled tokens plus each listed row's top k alternatives
+    (``num_logprobs``: (row, k)); None for the other rows."""
+    result: list[SampleLogprobs | None] = [None] * num_rows
+    if not num_logprobs:
         return result
+    rows = [row for row, _ in num_logprobs]
     logprobs = logits[rows].float().log_softmax(dim=-1)
-    sampled = logprobs.gather(1, token_ids[rows].unsqueeze(1)).squeeze(1).tolist()
-    max_k = max(num_logprobs[i] for i in rows)
+    row_ids = token_ids[rows]
+    sampled = logprobs.gather(1, row_ids.unsqueeze(1)).squeeze(1).tolist()
+    max_k = max(k for _, k in num_logprobs)
     top_values: list[list[float]] = [[] for _ in rows]
     top_ids: list[list[int]] = [[] for _ in rows]
     if max_k > 0:
         values, ids = logprobs.topk(min(max_k, logprobs.shape[-1]), dim=-1)
         top_values, top_ids = values.tolist(), ids.tolist()
-    sampled_ids = token_ids[rows].tolist()
-    for j, row in enumerate(rows):
-        k = num_logprobs[row]
+    sampled_ids = row_ids.tolist()
+    for j, (row, k) in enumerate(num_logprobs):
         top = list(zip(top_ids[j][:k], top_values[j][:k]))
         result[row] = SampleLogprobs(sampled_ids[j], sampled[j], top)
     return result
@@ -403,10 +501,10 @@ def _flat_token_index(token_ids: Sequence[Sequence[int]], vocab_size: int) -> to
     return rows * vocab_size + flat_ids
 
 
-def _check_inputs(logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
+def _check_inputs(logits: torch.Tensor, num_rows: int) -> None:
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise ValueError("logits must be a 2-D tensor [num_seqs, vocab_size]")
     if not logits.is_floating_point():
         raise ValueError(f"logits must be floating point, got {logits.dtype}")
-    if logits.shape[0] != len(states):
-        raise ValueError(f"got {logits.shape[0]} rows of logits for {len(states)} sampling states")
+    if logits.shape[0] != num_rows:
+        raise ValueError(f"got {logits.shape[0]} rows of logits for {num_rows} sampling rows")
