@@ -126,23 +126,33 @@ POISONS = {
 }
 
 
-def _poison_past_tables(rows: BlockTableRows, value: int, monkeypatch) -> list[int]:
+def _poison_past_tables(engine, value: int, monkeypatch) -> list[int]:
     """After every gather: each sequence's entries past its table become ``value`` and
     the entries within it must equal the table (a reused row shows no stale entry).
     Returns [steps, table entries the steps' tables held]."""
     counts = [0, 0]
-    prepare = rows.prepare
+    rows, scheduler = engine.runner.block_tables, engine.scheduler
+    gather, schedule = rows.gather, scheduler.schedule
+    plans = []
 
-    def poisoned(seq_ids, tables, first_changed):
-        step = prepare(seq_ids, tables, first_changed)
-        _check_gathered(step, tables)
+    def planned():
+        plans.append(schedule())
+        return plans[-1]
+
+    def poisoned(row_index, num_blocks):
+        gathered = gather(row_index, num_blocks)
+        # The forward gathers its rows in the plan's order.
+        tables = [sched.block_table for _, sched in plans[-1].scheduled]
+        assert row_index.tolist() == [seq.batch_row for seq, _ in plans[-1].scheduled]
         for i, table in enumerate(tables):
-            step.block_tables[i, len(table):] = value
+            assert gathered[i, :len(table)].tolist() == list(table)
+            gathered[i, len(table):] = value
         counts[0] += 1
         counts[1] += sum(len(table) for table in tables)
-        return step
+        return gathered
 
-    monkeypatch.setattr(rows, "prepare", poisoned)
+    monkeypatch.setattr(scheduler, "schedule", planned)
+    monkeypatch.setattr(rows, "gather", poisoned)
     return counts
 
 
@@ -158,7 +168,7 @@ def test_poisoned_entries_past_each_table_change_no_token(poison, kernel, tiny_m
     llm = LLM(tiny_model("llama"), device="cpu", dtype="float32", swap_space_gb=0.001, block_size=8,
               num_device_blocks=num_blocks, max_num_batched_tokens=32)
     rows = llm.engine.runner.block_tables
-    counts = _poison_past_tables(rows, POISONS[poison](num_blocks), monkeypatch)
+    counts = _poison_past_tables(llm.engine, POISONS[poison](num_blocks), monkeypatch)
     rng = random.Random(3)
     base = [rng.randrange(5, 1024) for _ in range(48)]
     prompts = [base[:24 + 3 * i] + [rng.randrange(5, 1024) for _ in range(j)]

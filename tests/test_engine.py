@@ -577,7 +577,7 @@ def test_outputs_read_late_equal_outputs_read_at_once(make_llm):
                 seq = request.seqs[completion.index] if request is not None else None
                 at_once.append((completion.num_tokens, list(completion.token_ids), completion.text,
                                 completion.logprobs and list(completion.logprobs),
-                                seq.detokenizer.streamed_text if seq is not None else completion.text))
+                                seq.stream.text.streamed_text if seq is not None else completion.text))
     assert len(late) > 20
     for completion, (num_tokens, token_ids, text, logprobs, streamed_text) in zip(late, at_once):
         assert (completion.num_tokens, completion.token_ids, completion.text, completion.logprobs) == (
@@ -596,11 +596,11 @@ def test_interrupted_generate_leaves_the_engine_clean(make_llm, hf_greedy):
     execute = runner.execute
     calls = []
 
-    def interrupted(chunks):
-        calls.append(len(chunks))
+    def interrupted(model_input):
+        calls.append(model_input.num_chunks)
         if len(calls) == 2:
             raise KeyboardInterrupt
-        return execute(chunks)
+        return execute(model_input)
 
     runner.execute = interrupted
     with pytest.raises(KeyboardInterrupt):
@@ -824,9 +824,10 @@ class KVShadow:
             self.plan = schedule()
             return self.plan
 
-        def shadow_execute(chunks):
-            self._forward(chunks)
-            return execute(chunks)
+        def shadow_execute(model_input):
+            result = execute(model_input)  # brings the persistent block tables up to date first
+            self._forward(model_input, runner.block_tables.host)
+            return result
 
         cache.execute_copies, runner.execute, scheduler.schedule = (
             shadow_copies, shadow_execute, shadow_schedule)
@@ -839,11 +840,13 @@ class KVShadow:
     def _slot(self, block_table, position) -> tuple[int, int]:
         return block_table[position // self.block_size], position % self.block_size
 
-    def _forward(self, chunks) -> None:
+    def _forward(self, model_input, tables) -> None:
         scheduled = self.plan.scheduled
-        assert len(scheduled) == len(chunks)
-        for (seq, sched), chunk in zip(scheduled, chunks):
-            assert (chunk.start, chunk.block_table) == (sched.start, sched.block_table)
+        assert len(scheduled) == model_input.num_chunks
+        for (seq, sched), row, start in zip(scheduled, model_input.rows, model_input.starts):
+            # The persistent row the forward read must hold the plan's whole table.
+            num_blocks = len(sched.block_table)
+            assert (start, tables[row, :num_blocks].tolist()) == (sched.start, sched.block_table)
             for position in range(sched.start, sched.start + sched.num_tokens):
                 self.device[self._slot(sched.block_table, position)] = hash(
                     tuple(seq.token_ids[:position + 1]))

@@ -61,39 +61,76 @@ class BlockTableRows:
     def holders(self) -> set[str]:
         return set(self._row_of)
 
+    @property
+    def num_rows(self) -> int:
+        return self.host.shape[0]
+
+    def row_of(self, seq_id: str) -> int | None:
+        return self._row_of.get(seq_id)
+
+    def take_row(self, seq_id: str) -> int:
+        """Give ``seq_id`` a row (growing the tensor if every row is held); its entries
+        are stale until ``write`` fills them from entry 0."""
+        if seq_id in self._row_of:
+            raise ValueError(f"{seq_id!r} already holds row {self._row_of[seq_id]}")
+        if not self._free_rows:
+            num_rows, num_columns = self.host.shape
+            self._resize(2 * num_rows, num_columns)
+            self._free_rows = list(range(2 * num_rows - 1, num_rows - 1, -1))
+        row = self._free_rows.pop()
+        self._row_of[seq_id] = row
+        return row
+
+    def write(self, updates: Sequence[tuple[int, Sequence[int], int]]) -> None:
+        """Bring rows up to date: each (row, whole table, first changed entry) writes the
+        table's entries from there on (one batched write, and its copy on the device)."""
+        change_rows: list[int] = []
+        change_columns: list[int] = []
+        change_values: list[int] = []
+        max_blocks = 1
+        for row, table, first in updates:
+            num_blocks = len(table)
+            if num_blocks > max_blocks:
+                max_blocks = num_blocks
+            change_rows.extend([row] * (num_blocks - first))
+            change_columns.extend(range(first, num_blocks))
+            change_values.extend(table[first:])
+        self._ensure_columns(max_blocks)
+        if change_values:
+            self._write(change_rows, change_columns, change_values)
+
+    def gather(self, rows: torch.Tensor, num_blocks: int) -> torch.Tensor:
+        """The first ``num_blocks`` entries of ``rows`` (int64, on the CPU), as a
+        ``[len(rows), num_blocks]`` int32 tensor on the model's device."""
+        self._ensure_columns(num_blocks)
+        if self.mirror is None:
+            return self.host[:, :num_blocks].index_select(0, rows)
+        return self.mirror[:, :num_blocks].index_select(0, rows.to(self.device, non_blocking=True))
+
     def prepare(self, seq_ids: Sequence[str], tables: Sequence[Sequence[int]],
                 first_changed: Sequence[int]) -> StepTables:
-        """Bring the rows of this step's sequences up to date and gather them.
+        """Bring the rows of these sequences up to date and gather them (a row is
+        taken for a sequence seen for the first time).
 
         ``tables[i]`` is sequence ``seq_ids[i]``'s whole block table (read, not
         kept); entries before ``first_changed[i]`` are taken as unchanged since
         the sequence was last prepared, unless its row is new.
         """
         rows: list[int] = []
-        change_rows: list[int] = []
-        change_columns: list[int] = []
-        change_values: list[int] = []
+        updates = []
         max_blocks = 1
         for seq_id, table, first in zip(seq_ids, tables, first_changed, strict=True):
             row = self._row_of.get(seq_id)
             if row is None:
-                row = self._take_row(seq_id)
+                row = self.take_row(seq_id)
                 first = 0
             rows.append(row)
-            num_blocks = len(table)
-            max_blocks = max(max_blocks, num_blocks)
-            if first < num_blocks:
-                change_rows.extend([row] * (num_blocks - first))
-                change_columns.extend(range(first, num_blocks))
-                change_values.extend(table[first:])
-        self._ensure_columns(max_blocks)
-        if change_values:
-            self._write(change_rows, change_columns, change_values)
+            max_blocks = max(max_blocks, len(table))
+            if first < len(table):
+                updates.append((row, table, first))
+        self.write(updates)
         row_index = torch.tensor(rows, dtype=torch.int64)
-        source = self.mirror if self.mirror is not None else self.host
-        device_rows = row_index if self.mirror is None else row_index.to(self.device)
-        block_tables = source[:, :max_blocks].index_select(0, device_rows)
-        return StepTables(block_tables, row_index, self.host)
+        return StepTables(self.gather(row_index, max_blocks), row_index, self.host)
 
     def release(self, seq_id: str) -> None:
         """Give the sequence's row back (nothing if it holds none)."""
@@ -115,15 +152,6 @@ class BlockTableRows:
     # ---- internals ------------------------------------------------------------------
     def _to_device(self, host: torch.Tensor) -> torch.Tensor | None:
         return None if self.device.type == "cpu" else host.to(self.device)
-
-    def _take_row(self, seq_id: str) -> int:
-        if not self._free_rows:
-            num_rows, num_columns = self.host.shape
-            self._resize(2 * num_rows, num_columns)
-            self._free_rows = list(range(2 * num_rows - 1, num_rows - 1, -1))
-        row = self._free_rows.pop()
-        self._row_of[seq_id] = row
-        return row
 
     def _ensure_columns(self, num_blocks: int) -> None:
         num_rows, num_columns = self.host.shape

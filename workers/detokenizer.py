@@ -25,6 +25,8 @@ NUM_CONTEXT_TOKENS = 5
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
+# ``StreamingDetokenizer.append``'s default: find the finish reason with ``check_stop``.
+CHECK_STOP = object()
 
 
 def check_stop(
@@ -303,18 +305,19 @@ class StreamingDetokenizer:
         (it excludes a tail held back as a possible stop string)."""
         return self.output_text[: self._num_streamed_chars]
 
-    def append(self, token_id: int) -> TextDelta:
-        """Account for one sampled token; return the text to stream now."""
+    def append(self, token_id: int, finish_reason: str | None | object = CHECK_STOP) -> TextDelta:
+        """Account for one sampled token; return the text to stream now.
+
+        ``finish_reason`` is what ``check_stop`` says of the outputs with this
+        token: computed here unless the caller already knows it (the engine
+        checks a whole batch at once).
+        """
         if self.is_finished:
             raise ValueError("sequence already finished; no more tokens may be appended")
         self.output_token_ids.append(token_id)
-        finish_reason = check_stop(
-            self.params,
-            self.output_token_ids,
-            self._eos_token_id,
-            self._num_prompt_tokens,
-            self._max_model_len,
-        )
+        if finish_reason is CHECK_STOP:
+            finish_reason = check_stop(self.params, self.output_token_ids, self._eos_token_id,
+                                       self._num_prompt_tokens, self._max_model_len)
         is_stop_token = finish_reason == FINISH_STOP
         if is_stop_token and token_id in self.params.stop_token_ids:
             self.stop_reason = token_id

@@ -12,14 +12,16 @@ import torch
 
 from pagedserve.kvmanager import KVManager
 
-from .detokenizer import FINISH_STOP, StreamingDetokenizer
+from .detokenizer import FINISH_STOP, check_stop
 from .engine_options import EngineConfig
 from .grammar import GrammarCompiler
+from .input_batch import (EXPORTS_KV, FORKS, GRAMMAR, MIN_TOKENS, PER_ROW, RANDOM, STOP_TOKEN_IDS, TEXT,
+                          InputBatch)
 from .kv_transfer import KVTransfer, check_compatible, export_kv, import_kv, read_header
-from .model_runner import ModelRunner, SeqChunk, TokenScores
-from .request import (CompletionOutput, ListPrefix, Request, RequestOutput, Sequence, SequenceStatus,
-                      TextPrefix)
-from .sampler import SampleLogprobs, Sampler, SamplingState
+from .model_runner import ModelInput, ModelRunner, ScoreRequest, TokenScores, int64_tensor
+from .output_processor import OUTPUT_KINDS, EngineStep, OutputProcessor, SeqFinish, new_stream
+from .request import Request, RequestOutput, Sequence
+from .sampler import SampleLogprobs, Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 
@@ -68,6 +70,8 @@ class LLMEngine:
         self.step_hooks: list[Callable[[], None]] = []
         self.scheduler = Scheduler(self.kv_manager.step, worker_id, config.max_num_seqs,
                                    self.max_num_batched_tokens, config.scheduling_policy)
+        self.batch = InputBatch(self.runner.block_tables, self.eos_token_ids, max_len)
+        self.output_processor = OutputProcessor()
         self.sampler = Sampler(config.seed)
         if config.seed is None:
             logger.info("sampler seed %d (fresh; set engine seed to reproduce unseeded requests)",
@@ -77,7 +81,8 @@ class LLMEngine:
         self.grammar_seconds = 0.0       # bitmask filling and matcher updates
         self.requests: dict[str, Request] = {}
         self._order = itertools.count()
-        self._finished_outputs: list[RequestOutput] = []
+        # What happened between steps (aborts), for the next step's output processing.
+        self._pending = EngineStep()
         self.kv_exports: dict[str, KVTransfer] = {}
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -150,17 +155,20 @@ class LLMEngine:
                     prompt_token_ids: list[int] | None = None,
                     arrival_time: float | None = None, export_kv: bool = False,
                     kv_transfer: KVTransfer | None = None,
-                    output_token_ids: list[int] | None = None) -> Request:
+                    output_token_ids: list[int] | None = None, output_kind: str = "stream") -> Request:
         """Validate and queue a request. Raises ValueError, changing nothing, if it is bad.
 
         Disaggregated serving: ``export_kv`` keeps a copy of the prompt's KV
         when the first token is sampled (see ``take_kv_export``); a request
         with ``kv_transfer`` continues one prefilled elsewhere, whose
-        ``output_token_ids`` were already sampled there.
+        ``output_token_ids`` were already sampled there. ``output_kind``
+        "stream" returns an output at every step that has news for the
+        request; "final" only its last one.
         """
         request = self.make_request(request_id, prompt, params, priority, prompt_token_ids,
                                     arrival_time=arrival_time, export_kv=export_kv,
-                                    kv_transfer=kv_transfer, output_token_ids=output_token_ids)
+                                    kv_transfer=kv_transfer, output_token_ids=output_token_ids,
+                                    output_kind=output_kind)
         self.admit(request)
         return request
 
@@ -169,7 +177,7 @@ class LLMEngine:
                      prompt_token_ids: list[int] | None = None,
                      arrival_time: float | None = None, export_kv: bool = False,
                      kv_transfer: KVTransfer | None = None,
-                     output_token_ids: list[int] | None = None) -> Request:
+                     output_token_ids: list[int] | None = None, output_kind: str = "stream") -> Request:
         """Validate and build a request (``add_request``'s arguments) without queueing it.
 
         Reads only what never changes after start-up (tokenizer, model limits,
@@ -184,6 +192,8 @@ class LLMEngine:
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {priority!r}")
+        if output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {output_kind!r}")
         text, token_ids = self._tokenize(prompt, prompt_token_ids)
         if params.truncate_prompt_tokens is not None:
             keep = params.truncate_prompt_tokens
@@ -216,20 +226,17 @@ class LLMEngine:
         request.export_kv = export_kv
         request.kv_transfer = kv_transfer
         request.grammar = grammar
+        request.output_kind = output_kind
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
-        seq = self._new_sequence(request, 0, list(token_ids))
+        # Tokens sampled elsewhere were already streamed from there.
+        seq = self._new_sequence(request, 0, list(token_ids), list(output_token_ids or []))
         for token_id in output_token_ids or []:
             seq.append_token(token_id)
-            seq.detokenizer.append(token_id)
-        if seq.detokenizer.streamed_text:
-            seq.streamed_text_pieces.append(seq.detokenizer.streamed_text)
         if seq.grammar is not None and not seq.grammar.accept_all(output_token_ids or []):
             # A resumed or migrated sequence replays its output through the grammar.
             raise ValueError("output_token_ids do not follow the request's structured_outputs "
                              f"grammar: {seq.grammar.error}")
-        # Tokens sampled elsewhere were already streamed from there.
-        seq.num_streamed_tokens = len(seq.output_token_ids)
         request.num_transferred_tokens = num_imported
         return request
 
@@ -263,10 +270,11 @@ class LLMEngine:
                                                          self.eos_token_ids)
         return self._grammar_compiler
 
-    def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
-        detokenizer = StreamingDetokenizer(self.tokenizer, request.prompt_token_ids, request.params,
-                                           self.eos_token_ids, self.max_model_len)
-        seq = Sequence(f"{request.request_id}#{index}", request, index, token_ids, detokenizer)
+    def _new_sequence(self, request: Request, index: int, token_ids: list[int],
+                      streamed_token_ids: list[int] | None = None) -> Sequence:
+        seq = Sequence(f"{request.request_id}#{index}", request, index, token_ids)
+        seq.stream = new_stream(seq, self.tokenizer, self.eos_token_ids, self.max_model_len,
+                                streamed_token_ids or [])
         if request.grammar is not None:
             seq.grammar = request.grammar.matcher()
         request.seqs.append(seq)
@@ -281,23 +289,49 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
-                self.runner.release_block_table(seq.seq_id)
-                seq.detokenizer.finish_reason = "abort"
-        request.metrics.finished_time = time.time()
-        self._finished_outputs.append(self._make_output(request))
+                self.batch.remove(seq)
+                seq.finish_reason = "abort"
+        self._pending.aborted.append(request)
         self._release_if_idle()
         return True
+
+    def stop_sequences(self, seqs: list[Sequence]) -> None:
+        """End sequences a stop string ended (the output processor found it in their
+        text); those already ended are left alone."""
+        for seq in seqs:
+            if seq.is_finished:
+                continue
+            seq.finish_reason = FINISH_STOP
+            self._end_sequence(seq)
+        self._release_if_idle()
+
+    def _end_sequence(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self.batch.remove(seq)
+        request = seq.request
+        if request.is_finished:
+            self.requests.pop(request.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     def has_pending_outputs(self) -> bool:
         """Outputs (aborts) that the next ``step`` returns even with nothing to run."""
-        return bool(self._finished_outputs)
+        pending = self._pending
+        return bool(pending.aborted or pending.migrated or pending.finished)
 
     # ---- the loop -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run the model, sample, and report."""
+        processed = self.output_processor.process(self.step_tokens())
+        if processed.stopped:
+            self.stop_sequences(processed.stopped)
+        return processed.outputs
+
+    def step_tokens(self) -> EngineStep:
+        """``step`` without its output processing: what the step sampled and ended, for
+        an ``OutputProcessor`` (on this thread or another); its ``stopped`` sequences
+        must come back through ``stop_sequences``."""
         try:
             return self._step()
         finally:
@@ -307,15 +341,14 @@ class LLMEngine:
             self.hook_seconds += time.perf_counter() - start
             self.num_step_calls += 1
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self) -> EngineStep:
         start = time.perf_counter()
         plan = self.scheduler.schedule()
-        outputs = self._finished_outputs
-        self._finished_outputs = []
-        for preemption in plan.kv.preempted:  # migrated ones too
-            self.runner.release_block_table(preemption.seq_id)
+        result, self._pending = self._pending, EngineStep()
+        for seq in plan.preempted:  # migrated ones too
+            self.batch.remove(seq)
         for seq, target in plan.migrated:
-            outputs.append(self._migrate(seq, target))
+            result.migrated.append(self._migrate(seq, target))
         # The copies run even when nothing is scheduled: a sequence that preempted
         # itself by swapping still needs its KV on the host.
         kv = plan.kv
@@ -323,37 +356,93 @@ class LLMEngine:
         if plan.is_empty:
             if self.scheduler.num_unfinished and not kv.preempted and not self.scheduler.running:
                 self._check_can_progress()
-            return outputs
+                result.aborted.extend(self._pending.aborted)
+                self._pending.aborted.clear()
+            return result
         if not plan.scheduled:
-            return outputs
+            return result
         self.num_steps += 1
-        chunks = []
-        now = time.time()
-        for seq, sched in plan.scheduled:
-            end = sched.start + sched.num_tokens
-            chunk = SeqChunk(seq.token_ids[sched.start:end], sched.start, sched.block_table,
-                             end == len(seq.token_ids), seq.seq_id,
-                             sched.first_changed_block)
-            if seq.request.needs_prompt_logprobs and seq.sample_index == 0:
+        model_input, sampling_seqs, sampling_rows, scored, first_samples = self._prepare(plan)
+        execute_output = self.runner.execute(model_input)
+        for index, scores in execute_output.scores.items():
+            seq, first_position = scored[index]
+            self._add_prompt_logprobs(seq.request, first_position, scores)
+        if sampling_seqs:
+            self._postprocess(sampling_seqs, sampling_rows, execute_output.logits, first_samples, result)
+        self._record_step_time(start, model_input.is_decode_only)
+        return result
+
+    def _prepare(self, plan: SchedulerOutput):
+        """The forward's input from the plan: O(1) Python per sequence on a decode
+        step (no per-sequence objects); a new row, a prefill chunk, prompt logprobs or
+        imported KV take the longer path."""
+        rows: list[int] = []
+        starts: list[int] = []
+        input_ids: list[int] = []
+        updates: list[tuple[int, list[int], int]] = []
+        num_tokens: list[int] | None = None
+        logits_indexes: list[int] | None = None
+        scores: list[ScoreRequest] = []
+        scored: dict[int, tuple[Sequence, int]] = {}
+        sampling_seqs: list[Sequence] = []
+        sampling_rows: list[int] = []
+        first_samples: list[Sequence] = []   # sequences that may sample their first token
+        for index, (seq, sched) in enumerate(plan.scheduled):
+            row = seq.batch_row
+            table = sched.block_table
+            if row < 0:
+                row = self.batch.add(seq)
+                updates.append((row, table, 0))
+                first_samples.append(seq)
+                self._on_admitted(seq, sched)
+            elif sched.first_changed_block < len(table):
+                updates.append((row, table, sched.first_changed_block))
+            rows.append(row)
+            start = sched.start
+            starts.append(start)
+            tokens = seq.token_ids
+            if sched.num_tokens == 1 and start + 1 == len(tokens):
+                input_ids.append(tokens[start])
+                sampling_seqs.append(seq)
+                sampling_rows.append(row)
+                if num_tokens is not None:
+                    num_tokens.append(1)
+                if logits_indexes is not None:
+                    logits_indexes.append(index)
+                continue
+            # A prefill chunk (or a single token that does not sample).
+            end = start + sched.num_tokens
+            if sched.num_tokens != 1 and num_tokens is None:
+                num_tokens = [1] * index
+            if num_tokens is not None:
+                num_tokens.append(sched.num_tokens)
+            samples = end == len(tokens)
+            if not samples and logits_indexes is None:
+                logits_indexes = list(range(index))
+            if samples:
+                sampling_seqs.append(seq)
+                sampling_rows.append(row)
+                first_samples.append(seq)
+                if logits_indexes is not None:
+                    logits_indexes.append(index)
+            input_ids.extend(tokens[start:end])
+            request = seq.request
+            if request.needs_prompt_logprobs and seq.sample_index == 0:
                 # Position p scores token p + 1, up to the prompt's last token.
-                chunk.score_token_ids = seq.token_ids[sched.start + 1:min(end + 1, seq.num_prompt_tokens)]
-                chunk.num_top_logprobs = seq.request.params.prompt_logprobs
-            chunks.append(chunk)
-            metrics = seq.request.metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
-            metrics.num_cached_tokens = max(metrics.num_cached_tokens, sched.num_cached_tokens)
-        for seq, sched in plan.scheduled:
-            if sched.num_imported_tokens:
-                self._import_kv(seq, sched)
-        result = self.runner.execute(chunks)
-        for (seq, sched), scores in zip(plan.scheduled, result.scores):
-            if scores is not None:
-                self._add_prompt_logprobs(seq.request, sched.start + 1, scores)
-        sampling = [seq for (seq, _), chunk in zip(plan.scheduled, chunks) if chunk.needs_logits]
-        outputs = outputs + self._postprocess(sampling, result.logits)
-        self._record_step_time(start, plan)
-        return outputs
+                scores.append(ScoreRequest(index, tokens[start + 1:min(end + 1, seq.num_prompt_tokens)],
+                                           request.params.prompt_logprobs))
+                scored[index] = (seq, start + 1)
+        model_input = ModelInput(rows, starts, input_ids, updates, num_tokens, logits_indexes, scores or None)
+        return model_input, sampling_seqs, sampling_rows, scored, first_samples
+
+    def _on_admitted(self, seq: Sequence, sched) -> None:
+        """A sequence took a row (admitted, resumed or forked): its first-step bookkeeping."""
+        metrics = seq.request.metrics
+        if metrics.first_scheduled_time is None:
+            metrics.first_scheduled_time = time.time()
+        metrics.num_cached_tokens = max(metrics.num_cached_tokens, sched.num_cached_tokens)
+        if sched.num_imported_tokens:
+            self._import_kv(seq, sched)
 
     @staticmethod
     def _add_prompt_logprobs(request: Request, first_position: int, scores: TokenScores) -> None:
@@ -370,27 +459,23 @@ class LLMEngine:
             request.prompt_logprobs.append(SampleLogprobs(
                 token_ids[position], logprobs[i], list(zip(top_ids[i], top_values[i]))))
 
-    def _record_step_time(self, start: float, plan: SchedulerOutput) -> None:
+    def _record_step_time(self, start: float, is_decode_only: bool) -> None:
         """Wall time of a step that ran the model (KV planning included)."""
         elapsed = time.perf_counter() - start
         self.step_seconds += elapsed
-        if all(sched.num_tokens == 1 for _, sched in plan.scheduled):
+        if is_decode_only:
             self.decode_step_seconds += elapsed
             self.decode_kv_seconds += self.scheduler.last_kv_seconds
             self.num_decode_steps += 1
 
-    def _migrate(self, seq: Sequence, target: str) -> RequestOutput:
+    def _migrate(self, seq: Sequence, target: str) -> tuple[Sequence, tuple, str]:
         """Export a migrated sequence's KV (before this step reuses its blocks) and hand
         the request over: its last output carries the transfer and the target."""
         request = seq.request
         transfer = export_kv(self.runner.kv_cache, seq.block_table, seq.num_computed, seq.token_ids)
-        seq.detokenizer.finish_reason = "migrated"
+        seq.finish_reason = "migrated"
         self.requests.pop(request.request_id, None)
-        request.metrics.finished_time = time.time()
-        output = self._make_output(request)
-        output.kv_transfer = (transfer.header, transfer.payload)
-        output.migrate_to = target
-        return output
+        return seq, (transfer.header, transfer.payload), target
 
     def _import_kv(self, seq: Sequence, sched) -> None:
         request = seq.request
@@ -410,67 +495,122 @@ class LLMEngine:
             logger.error("request %s needs %d blocks but the pool has %d; aborted",
                          head.request.request_id, need, self.pool_config.num_device_blocks)
 
-    def _postprocess(self, sampling: list[Sequence], logits: torch.Tensor) -> list[RequestOutput]:
-        states: list[SamplingState] = []
-        rows: list[int] = []
-        owners: list[Sequence] = []
+    # ---- sampling and finishing ---------------------------------------------------------
+    def _postprocess(self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor,
+                     first_samples: list[Sequence], result: EngineStep) -> None:
+        """Sample one token per sequence (n per sequence whose samples fork now), find
+        which sequences end, and record both in ``result``. Per sequence this costs two
+        list appends; the parameters and finish checks are tensor ops on the persistent
+        batch, and only the rows flagged as needing more are visited one by one."""
+        step_rows = self.batch.step_rows(seqs, rows)
+        row_index, flags = step_rows.rows, step_rows.flags
+        per_row = step_rows.per_row_positions
         forked: list[tuple[Sequence, Sequence]] = []
-        for row, seq in enumerate(sampling):
-            request = seq.request
-            group = [seq]
-            if request.params.n > 1 and len(request.seqs) == 1 and not seq.output_token_ids:
-                # First token of an n > 1 request: the n samples share the prompt's blocks.
-                for index in range(1, request.params.n):
-                    child = self._new_sequence(request, index, list(seq.token_ids))
-                    forked.append((seq, child))
-                    group.append(child)
-            for member in group:
-                states.append(SamplingState(request.params, request.prompt_token_ids,
-                                            member.output_token_ids, member.sample_index,
-                                            banned_token_ids=self._banned_token_ids(member)))
-                rows.append(row)
-                owners.append(member)
-        if not owners:
-            return []
-        if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        self._add_token_bitmasks(owners, states)
-        result = self.sampler.sample(logits, states)
+        if per_row:
+            flag_values = flags.tolist()
+            if any(flag_values[p] & FORKS for p in per_row):
+                seqs, index = self._fork(seqs, flag_values, forked)
+                index_tensor = torch.tensor(index, dtype=torch.int64)
+                logits = logits[index_tensor.to(logits.device)]
+                row_index, flags = row_index[index_tensor], flags[index_tensor]
+                flag_values = flags.tolist()
+                per_row = [p for p, value in enumerate(flag_values) if value & PER_ROW]
+        if not per_row and not bool((flags & RANDOM).any()):
+            token_tensor = self.sampler.greedy(logits)   # greedy, unconstrained: the common case
+            token_ids = token_tensor.tolist()
+            logprobs = None
+        else:
+            batch = self.batch.sampling_batch(row_index)
+            for p in per_row:
+                self.batch.add_per_row(batch, p, seqs[p], flag_values[p], self._banned_token_ids(seqs[p]))
+            grammar_positions = [p for p in per_row if flag_values[p] & GRAMMAR]
+            if grammar_positions:
+                self._add_token_bitmasks(seqs, grammar_positions, batch)
+            sampled = self.sampler.sample_batch(logits, batch)
+            token_tensor, token_ids = sampled.token_tensor, sampled.token_ids
+            logprobs = sampled.logprobs if batch.num_logprobs else None
         for parent, child in forked:
             self.scheduler.fork(parent, child)
+        for seq, token_id in zip(seqs, token_ids):
+            seq.token_ids.append(token_id)
+            seq.output_token_ids.append(token_id)
+        self.scheduler.append_tokens(seqs, token_ids)
+        self.num_generated_tokens += len(seqs)
+        host_tokens = token_tensor if token_tensor.device.type == "cpu" else int64_tensor(token_ids)
+        candidates = self.batch.count_outputs(row_index, host_tokens).nonzero().squeeze(1).tolist()
+        ends: dict[int, tuple[str, bool]] = {}
+        if candidates or per_row:
+            self._find_ends(seqs, token_ids, logprobs, candidates, per_row, flag_values if per_row else None,
+                            ends)
         now = time.time()
-        touched: dict[str, Request] = {}
-        for seq, token_id, logprob in zip(owners, result.token_ids, result.logprobs):
+        for seq in first_samples:
+            metrics = seq.request.metrics
+            if metrics.first_token_time is None and seq.output_token_ids:
+                metrics.first_token_time = now
+        for parent, _ in forked:
+            self.batch.refresh_flags(parent)
+        for p, (reason, by_token) in ends.items():
+            seq = seqs[p]
+            seq.finish_reason = reason
+            self._end_sequence(seq)
+            result.finished.append(SeqFinish(seq, reason, by_token))
+        result.seqs, result.token_ids, result.logprobs = seqs, token_ids, logprobs
+        text = flags & TEXT
+        if not bool(text.any()):
+            result.text_positions = []
+        elif not bool(text.all()):
+            result.text_positions = text.nonzero().squeeze(1).tolist()
+        self._release_if_idle()
+
+    def _fork(self, seqs: list[Sequence], flag_values: list[int],
+              forked: list[tuple[Sequence, Sequence]]) -> tuple[list[Sequence], list[int]]:
+        """The first token of an n > 1 request: its n samples share the prompt's blocks
+        and sample from the same logits row. Returns the sampling rows' sequences and,
+        per row, the logits row it reads."""
+        owners: list[Sequence] = []
+        index: list[int] = []
+        for p, seq in enumerate(seqs):
+            owners.append(seq)
+            index.append(p)
             request = seq.request
-            seq.append_token(token_id)
-            if logprob is not None:
-                seq.logprobs.append(logprob)
-                seq.cumulative_logprob += logprob.logprob
-            if request.export_kv and request.request_id not in self.kv_exports:
+            if flag_values[p] & FORKS and len(request.seqs) == 1 and not seq.output_token_ids:
+                for sample_index in range(1, request.params.n):
+                    child = self._new_sequence(request, sample_index, list(seq.token_ids))
+                    forked.append((seq, child))
+                    owners.append(child)
+                    index.append(p)
+        return owners, index
+
+    def _find_ends(self, seqs: list[Sequence], token_ids: list[int],
+                   logprobs: list[SampleLogprobs | None] | None, candidates: list[int], per_row: list[int],
+                   flag_values: list[int] | None, ends: dict[int, tuple[str, bool]]) -> None:
+        """The finish reasons of the sequences that end now (``check_stop`` decides, for the
+        candidates the batch's counters found and the rows with stop token ids), and the
+        per-row work that follows a token: logprobs, grammars, KV exports, min_tokens."""
+        eos, max_model_len = self.eos_token_ids, self.max_model_len
+        for p in candidates:
+            seq = seqs[p]
+            reason = check_stop(seq.request.params, seq.output_token_ids, eos, seq.num_prompt_tokens, max_model_len)
+            if reason is None:
+                raise RuntimeError(f"{seq.seq_id}: the batch's counters end it after "
+                                   f"{len(seq.output_token_ids)} outputs, but check_stop does not")
+            ends[p] = (reason, True)
+        for p in per_row:
+            seq, value = seqs[p], flag_values[p]
+            request = seq.request
+            if value & STOP_TOKEN_IDS and p not in ends and token_ids[p] in request.params.stop_token_ids:
+                ends[p] = (FINISH_STOP, True)
+            if logprobs is not None and logprobs[p] is not None:
+                seq.logprobs.append(logprobs[p])
+            if value & EXPORTS_KV and request.request_id not in self.kv_exports:
                 self.kv_exports[request.request_id] = export_kv(
                     self.runner.kv_cache, seq.block_table, seq.num_computed, seq.token_ids)
-            delta = seq.detokenizer.append(token_id)
-            if seq.grammar is not None and not delta.is_finished:
-                delta = self._advance_grammar(seq, token_id, delta)
-            seq.delta_text += delta.text
-            self.num_generated_tokens += 1
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            if delta.is_finished:
-                self.scheduler.finish(seq)
-                self.runner.release_block_table(seq.seq_id)
-            else:
-                self.scheduler.append_token(seq, token_id)
-            touched[request.request_id] = request
-        outputs = []
-        for request in touched.values():
-            request.metrics.num_generated_tokens = sum(len(s.output_token_ids) for s in request.seqs)
-            if request.is_finished:
-                request.metrics.finished_time = now
-                self.requests.pop(request.request_id, None)
-            outputs.append(self._make_output(request))
-        self._release_if_idle()
-        return outputs
+            if value & GRAMMAR and p not in ends:
+                reason = self._advance_grammar(seq, token_ids[p])
+                if reason is not None:
+                    ends[p] = (reason, False)
+            if value & MIN_TOKENS and p not in ends:
+                self.batch.refresh_flags(seq)
 
     def _banned_token_ids(self, seq: Sequence) -> list[int]:
         """EOS and stop tokens while fewer than ``min_tokens`` outputs exist."""
@@ -480,75 +620,33 @@ class LLMEngine:
         eos = [] if params.ignore_eos else self.eos_token_ids
         return [t for t in dict.fromkeys(eos + params.stop_token_ids) if t < self.runner.vocab_size]
 
-    def _add_token_bitmasks(self, owners: list[Sequence], states: list[SamplingState]) -> None:
+    def _add_token_bitmasks(self, seqs: list[Sequence], positions: list[int], batch) -> None:
         """Fill the grammar bitmask of every constrained row (one batched call)."""
-        rows = [i for i, seq in enumerate(owners) if seq.grammar is not None]
-        if not rows:
-            return
         start = time.perf_counter()
         compiler = self.grammar_compiler
-        bitmask = compiler.allocate_bitmask(len(rows))
-        compiler.fill_bitmask([owners[i].grammar for i in rows], bitmask)
-        for j, i in enumerate(rows):
-            states[i].token_bitmask = bitmask[j]
+        bitmask = compiler.allocate_bitmask(len(positions))
+        compiler.fill_bitmask([seqs[p].grammar for p in positions], bitmask)
+        batch.bitmask_rows, batch.bitmask = positions, bitmask
         self.grammar_seconds += time.perf_counter() - start
 
-    def _advance_grammar(self, seq: Sequence, token_id: int, delta):
-        """Move the sequence's grammar past ``token_id``; end it once the grammar is
-        complete ("stop"), or if the token broke it ("abort", which the mask rules out)."""
+    def _advance_grammar(self, seq: Sequence, token_id: int) -> str | None:
+        """Move the sequence's grammar past ``token_id``: the finish reason if that ends
+        it (its grammar is complete: "stop"; the token broke it: "abort", which the mask
+        rules out), else None."""
         start = time.perf_counter()
         is_ok = seq.grammar.accept(token_id)
         self.grammar_seconds += time.perf_counter() - start
         if not is_ok:
             logger.error("request %s: token %d rejected by its grammar (%s); aborting the sequence",
                          seq.request.request_id, token_id, seq.grammar.error)
-            reason = "abort"
-        elif seq.grammar.is_finished:
-            reason = FINISH_STOP
-        else:
-            return delta
-        end = seq.detokenizer.finish(reason)
-        end.text = delta.text + end.text
-        return end
+            return "abort"
+        return FINISH_STOP if seq.grammar.is_finished else None
 
     def _release_if_idle(self) -> None:
         """With no request left, hand the last finished blocks back now, not at the next step."""
         if not self.requests and self.scheduler.has_pending_changes:
             kv = self.scheduler.schedule().kv
             self.runner.kv_cache.execute_copies(kv.swap_out, kv.swap_in, kv.copy_on_write)
-
-    def _make_output(self, request: Request) -> RequestOutput:
-        """The request's output now: deltas since the last one, and prefixes of the
-        sequences' growing lists for the cumulative fields (O(new tokens) per call)."""
-        completions = []
-        wants_logprobs = request.params.logprobs is not None
-        for seq in request.seqs:
-            new_tokens = seq.output_token_ids[seq.num_streamed_tokens:]
-            seq.num_streamed_tokens = len(seq.output_token_ids)
-            is_newly_finished = seq.finish_reason is not None and not seq.is_finish_streamed
-            seq.is_finish_streamed = seq.finish_reason is not None
-            if seq.delta_text:
-                seq.streamed_text_pieces.append(seq.delta_text)
-            completions.append(CompletionOutput(
-                index=seq.sample_index,
-                text=TextPrefix(seq.streamed_text_pieces),
-                token_ids=ListPrefix(seq.output_token_ids),
-                cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
-                logprobs=ListPrefix(seq.logprobs) if wants_logprobs else None,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.detokenizer.stop_reason,
-                delta_text=seq.delta_text,
-                delta_token_ids=new_tokens,
-                # One logprob per sampled token: the new tokens' are the last ones.
-                delta_logprobs=seq.logprobs[len(seq.logprobs) - len(new_tokens):] if wants_logprobs else None,
-                is_newly_finished=is_newly_finished,
-            ))
-            seq.delta_text = ""
-        prompt_logprobs = None
-        if request.prompt_logprobs is not None and not request.needs_prompt_logprobs:
-            prompt_logprobs = request.prompt_logprobs  # complete: never changes again (shared, read-only)
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
-                             completions, request.is_finished, request.metrics, prompt_logprobs)
 
     # ---- introspection -------------------------------------------------------------------
     def stats(self, pool_stats: dict | None = None) -> dict:
@@ -592,7 +690,7 @@ class LLMEngine:
     def check_integrity(self) -> None:
         """The KV accounting holds, and only running sequences hold block-table rows."""
         self.kv_manager.check_integrity()
-        self.runner.block_tables.check({seq.seq_id for seq in self.scheduler.running})
+        self.batch.check(self.scheduler.running)
 
     def num_used_blocks(self) -> int:
         return self.kv_manager.num_used_blocks()

@@ -49,7 +49,7 @@ class LLM:
             for prompt, param, prio in zip(prompts, params, priorities):
                 request_id = f"offline-{self._next_id}"
                 self._next_id += 1
-                self.engine.add_request(request_id, prompt, param, prio)
+                self.engine.add_request(request_id, prompt, param, prio, output_kind="final")
                 ids.append(request_id)
         except Exception:
             for request_id in ids:

@@ -6,10 +6,14 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from .detokenizer import StreamingDetokenizer
+from typing import TYPE_CHECKING
+
 from .grammar import CompiledGrammar, GrammarMatcher
 from .sampler import SampleLogprobs
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .output_processor import SequenceStream
 
 
 class SequenceStatus(str, enum.Enum):
@@ -69,33 +73,34 @@ class _CopiedOnRead:
 
 @dataclass(eq=False)
 class Sequence:
-    """One sample of a request: prompt plus generated tokens, and its text stream.
+    """One sample of a request: prompt plus generated tokens.
 
-    ``append_token`` adds a sampled token; ``output_token_ids`` and
-    ``streamed_text_pieces`` only ever grow (outputs hold prefixes of them).
+    The engine's thread owns everything here but ``stream``, which belongs to the
+    output processor (the text and deltas its caller has seen). ``append_token``
+    adds a sampled token; ``token_ids``, ``output_token_ids`` and ``logprobs`` only
+    ever grow (outputs hold prefixes of them).
     """
 
     seq_id: str
     request: "Request"
     sample_index: int
     token_ids: list[int]
-    detokenizer: StreamingDetokenizer
     status: SequenceStatus = SequenceStatus.WAITING
     logprobs: list[SampleLogprobs] = field(default_factory=list)
-    cumulative_logprob: float = 0.0
     # The KV manager's view as of the last step: tokens with KV, and where.
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
     is_swapped: bool = False
-    # The sampled tokens (token_ids past the prompt), and the text streamed so far, in pieces.
+    # The sampled tokens (token_ids past the prompt).
     output_token_ids: list[int] = field(default_factory=list)
-    streamed_text_pieces: list[str] = field(default_factory=list)
-    # Deltas since the last output was taken, for streaming.
-    delta_text: str = ""
-    num_streamed_tokens: int = 0
-    is_finish_streamed: bool = False
+    # Why the engine ended it (None while it runs).
+    finish_reason: str | None = None
     # Where the output stands in the request's grammar (structured outputs only).
     grammar: GrammarMatcher | None = None
+    # Its row in the engine's persistent batch while it runs (-1: none).
+    batch_row: int = -1
+    # Its stream, as the output processor follows it.
+    stream: "SequenceStream | None" = None
 
     def __post_init__(self) -> None:
         self.output_token_ids = self.token_ids[self.num_prompt_tokens:]
@@ -107,10 +112,6 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.detokenizer.finish_reason
 
     @property
     def is_finished(self) -> bool:
@@ -163,6 +164,10 @@ class Request:
     # Prompt logprobs by position (the first is None), while params.prompt_logprobs
     # asks for them; complete once there is one per prompt token.
     prompt_logprobs: list[SampleLogprobs | None] | None = None
+    # "stream": an output at every step with news; "final": one output, at the end.
+    output_kind: str = "stream"
+    # The output processor delivered its final output (its own flag: the engine may not know yet).
+    is_final_streamed: bool = False
 
     def __post_init__(self) -> None:
         if self.metrics is None:
@@ -174,6 +179,12 @@ class Request:
         if self.is_aborted:
             return True
         return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+
+    @property
+    def follows_text(self) -> bool:
+        """Whether its text is decoded token by token (else once, at its end): streamed,
+        or needed to find its stop strings."""
+        return self.output_kind != "final" or bool(self.params.stop)
 
     @property
     def needs_prompt_logprobs(self) -> bool:

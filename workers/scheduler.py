@@ -29,6 +29,8 @@ class SchedulerOutput:
     kv: StepOutput = field(default_factory=StepOutput)
     # Sequences the KV manager moved to another worker: (sequence, target worker).
     migrated: list[tuple[Sequence, str]] = field(default_factory=list)
+    # Every sequence preempted this step (migrated ones too): they left the running batch.
+    preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -83,6 +85,10 @@ class Scheduler:
 
     def append_token(self, seq: Sequence, token_id: int) -> None:
         self._pending.appended.append((seq.seq_id, [token_id]))
+
+    def append_tokens(self, seqs: list[Sequence], token_ids: list[int]) -> None:
+        """``append_token`` for each sequence and its token (a step's samples)."""
+        self._pending.appended.extend([(seq.seq_id, [token_id]) for seq, token_id in zip(seqs, token_ids)])
 
     def finish(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence; its blocks are freed at the next step."""
@@ -144,6 +150,7 @@ class Scheduler:
         output = SchedulerOutput(kv=kv_output)
         for preemption in kv_output.preempted:
             seq = by_id[preemption.seq_id]
+            output.preempted.append(seq)
             if preemption.mode == "migrate":
                 self.num_preemptions["migrate"] += 1
                 self.num_drain_migrations += step_input.is_draining

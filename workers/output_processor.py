@@ -1,0 +1,257 @@
+"""From sampled tokens to what each request's caller sees: text, stop strings, outputs.
+
+The engine's step ends with token ids (an ``EngineStep``); the ``OutputProcessor``
+turns them into ``RequestOutput`` objects, as vLLM's output processor does. It may
+run on the engine's own thread (``LLMEngine.step``) or on a thread of its own
+(``AsyncLLMEngine``), so that detokenizing and building outputs stay off the
+step's path. Either way it alone touches the per-sequence ``SequenceStream``
+state, and reads of the engine's lists (output token ids, logprobs) are bounded
+by the counts it keeps itself: those lists only grow.
+
+The engine decides the token-level finishes (EOS, stop token ids, length,
+grammars, aborts). Stop strings are found here, on the text: such a sequence is
+reported in ``ProcessedStep.stopped`` and the engine ends it when it is told
+(at once on its own thread; a step or two later from another thread, whose
+tokens are then dropped here).
+
+A request with ``output_kind="final"`` (the offline ``LLM.generate``) and no stop
+strings gets one output, at its end, and its text is decoded then: its tokens
+cost nothing here while it runs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .detokenizer import StreamingDetokenizer
+from .request import CompletionOutput, ListPrefix, Request, RequestOutput, Sequence, TextPrefix
+from .sampler import SampleLogprobs
+
+OUTPUT_KINDS = ("stream", "final")
+
+
+@dataclass
+class SeqFinish:
+    """The engine ended ``seq`` this step. ``by_token``: the sampled token itself decided it
+    (EOS or a stop token id: "stop"; the length limit: "length"); otherwise the sequence
+    ended after that token (its grammar completed or failed) or without one (abort)."""
+
+    seq: Sequence
+    reason: str
+    by_token: bool = True
+
+
+@dataclass
+class EngineStep:
+    """What one engine step produced, for the output processor.
+
+    ``seqs[i]`` sampled ``token_ids[i]`` (``logprobs[i]`` when its request asked;
+    ``logprobs`` is None when none did). ``text_positions`` lists the positions
+    whose text is followed token by token (None: all of them). ``finished``: the
+    sequences the engine ended; ``aborted``: requests aborted since the last step;
+    ``migrated``: (sequence, KV transfer (header, payload), target worker).
+    """
+
+    seqs: list[Sequence] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[SampleLogprobs | None] | None = None
+    text_positions: list[int] | None = None
+    finished: list[SeqFinish] = field(default_factory=list)
+    aborted: list[Request] = field(default_factory=list)
+    migrated: list[tuple[Sequence, tuple, str]] = field(default_factory=list)
+
+
+@dataclass
+class ProcessedStep:
+    """The outputs of one ``EngineStep``, and the sequences stop strings ended."""
+
+    outputs: list[RequestOutput]
+    stopped: list[Sequence]
+
+
+class SequenceStream:
+    """One sample's stream as its caller sees it: text, deltas and finish."""
+
+    def __init__(self, text: StreamingDetokenizer, num_initial_tokens: int) -> None:
+        self.text = text
+        self.num_tokens = num_initial_tokens           # output tokens accounted for
+        self.num_logprobs = 0
+        self.num_streamed_tokens = num_initial_tokens
+        self.streamed_text_pieces: list[str] = []
+        self.delta_text = ""
+        self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.is_finish_streamed = False
+        self.kv_transfer: tuple | None = None
+        self.migrate_to: str | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add_token(self, token_id: int, reason: str | None) -> None:
+        delta = self.text.append(token_id, reason)
+        self.num_tokens += 1
+        self.delta_text += delta.text
+        if delta.is_finished:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
+    def end(self, reason: str) -> None:
+        """End after the tokens so far (a grammar, an abort, a migration)."""
+        if self.text.is_finished:   # a stop string ended it on the same token
+            self.finish_reason, self.stop_reason = self.text.finish_reason, self.text.stop_reason
+            return
+        self.delta_text += self.text.finish(reason).text
+        self.finish_reason, self.stop_reason = reason, self.text.stop_reason
+
+    def add_logprob(self, logprob: SampleLogprobs) -> None:
+        self.num_logprobs += 1
+        self.cumulative_logprob += logprob.logprob
+
+
+def new_stream(seq: Sequence, tokenizer, eos_token_ids: list[int], max_model_len: int,
+               output_token_ids: list[int]) -> SequenceStream:
+    """A sequence's stream, primed with output tokens already streamed elsewhere (a
+    resumed or migrated request): they count as streamed, and its text continues them."""
+    request = seq.request
+    text = StreamingDetokenizer(tokenizer, request.prompt_token_ids, request.params, eos_token_ids,
+                                max_model_len)
+    for token_id in output_token_ids:
+        text.append(token_id)
+    stream = SequenceStream(text, len(output_token_ids))
+    if text.streamed_text:
+        stream.streamed_text_pieces.append(text.streamed_text)
+    return stream
+
+
+class OutputProcessor:
+    """Turns ``EngineStep``s into ``RequestOutput``s (see the module docstring).
+
+    Not thread-safe: one thread processes the steps, in order.
+    """
+
+    def __init__(self) -> None:
+        self.num_tokens_processed = 0
+
+    def process(self, step: EngineStep) -> ProcessedStep:
+        touched: dict[str, Request] = {}
+        stopped: list[Sequence] = []
+        logprobs = step.logprobs
+        seqs, token_ids = step.seqs, step.token_ids
+        finishes = {id(f.seq): f for f in step.finished}
+        positions = range(len(seqs)) if step.text_positions is None else step.text_positions
+        for i in positions:
+            seq = seqs[i]
+            stream = seq.stream
+            if stream.is_finished:
+                continue  # a stop string ended it; the engine had not heard yet
+            finish = finishes.get(id(seq))
+            stream.add_token(token_ids[i], finish.reason if finish is not None and finish.by_token else None)
+            if logprobs is not None and logprobs[i] is not None:
+                stream.add_logprob(logprobs[i])
+            if stream.is_finished and finish is None:
+                stopped.append(seq)
+            touched[seq.request.request_id] = seq.request
+        self.num_tokens_processed += len(positions)
+        for finish in step.finished:
+            seq, stream = finish.seq, finish.seq.stream
+            if stream.is_finish_streamed:
+                continue  # a stop string ended it before the engine did
+            if not seq.request.follows_text:
+                self._catch_up(seq, finish.reason if finish.by_token else None)
+            if not stream.is_finished:
+                stream.end(finish.reason)
+            touched[seq.request.request_id] = seq.request
+        for seq, transfer, target in step.migrated:
+            self._end(seq, "migrated")
+            seq.stream.kv_transfer, seq.stream.migrate_to = transfer, target
+            touched[seq.request.request_id] = seq.request
+        for request in step.aborted:
+            for seq in request.seqs:
+                self._end(seq, "abort")
+            touched[request.request_id] = request
+        aborted = {id(request) for request in step.aborted}
+        outputs = []
+        for request in touched.values():
+            if request.is_final_streamed:
+                continue  # ended by stop strings, then aborted or migrated before the engine heard
+            # Not ``request.is_aborted``: the engine may have aborted it since this step ran.
+            is_finished = id(request) in aborted or (
+                len(request.seqs) == request.params.n and all(s.stream.is_finished for s in request.seqs))
+            if is_finished or request.output_kind != "final":
+                outputs.append(self._make_output(request, is_finished))
+                request.is_final_streamed = is_finished
+        return ProcessedStep(outputs, stopped)
+
+    def _end(self, seq: Sequence, reason: str) -> None:
+        if not seq.request.follows_text:
+            self._catch_up(seq, None)
+        if not seq.stream.is_finished:
+            seq.stream.end(reason)
+
+    @staticmethod
+    def _catch_up(seq: Sequence, last_reason: str | None) -> None:
+        """Account for the tokens of a sequence decoded only at its end (its list is
+        final: the engine appends nothing to an ended sequence); ``last_reason`` is
+        the finish its last token decided, if it decided one."""
+        stream = seq.stream
+        token_ids = seq.output_token_ids
+        num_tokens = len(token_ids)
+        for i in range(stream.num_tokens, num_tokens):
+            stream.add_token(token_ids[i], last_reason if i == num_tokens - 1 else None)
+            if stream.is_finished:
+                break
+        for logprob in seq.logprobs[stream.num_logprobs:]:
+            stream.add_logprob(logprob)
+
+    @staticmethod
+    def _make_output(request: Request, is_finished: bool) -> RequestOutput:
+        """The request's output now: deltas since the last one, and prefixes of the
+        sequences' growing lists for the cumulative fields (O(new tokens) per call)."""
+        completions = []
+        wants_logprobs = request.params.logprobs is not None
+        transfer = migrate_to = None
+        for seq in request.seqs:
+            stream = seq.stream
+            num_tokens = stream.num_tokens
+            if not num_tokens and not stream.is_finished and seq.sample_index:
+                continue  # forked, but its first token is in a later step than this one
+            new_tokens = seq.output_token_ids[stream.num_streamed_tokens:num_tokens]
+            num_new = num_tokens - stream.num_streamed_tokens
+            stream.num_streamed_tokens = num_tokens
+            is_newly_finished = stream.finish_reason is not None and not stream.is_finish_streamed
+            stream.is_finish_streamed = stream.finish_reason is not None
+            if stream.delta_text:
+                stream.streamed_text_pieces.append(stream.delta_text)
+            num_logprobs = stream.num_logprobs
+            completions.append(CompletionOutput(
+                index=seq.sample_index,
+                text=TextPrefix(stream.streamed_text_pieces),
+                token_ids=ListPrefix(seq.output_token_ids, num_tokens),
+                cumulative_logprob=stream.cumulative_logprob if wants_logprobs else None,
+                logprobs=ListPrefix(seq.logprobs, num_logprobs) if wants_logprobs else None,
+                finish_reason=stream.finish_reason,
+                stop_reason=stream.stop_reason,
+                delta_text=stream.delta_text,
+                delta_token_ids=new_tokens,
+                # One logprob per sampled token: the new tokens' are the last ones.
+                delta_logprobs=(seq.logprobs[max(0, num_logprobs - num_new):num_logprobs]
+                                if wants_logprobs else None),
+                is_newly_finished=is_newly_finished,
+            ))
+            stream.delta_text = ""
+            if stream.kv_transfer is not None:
+                transfer, migrate_to = stream.kv_transfer, stream.migrate_to
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None and not request.needs_prompt_logprobs:
+            prompt_logprobs = request.prompt_logprobs  # complete: never changes again (shared, read-only)
+        metrics = request.metrics
+        metrics.num_generated_tokens = sum(seq.stream.num_tokens for seq in request.seqs)
+        if is_finished and metrics.finished_time is None:
+            metrics.finished_time = time.time()
+        output = RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                               completions, is_finished, metrics, prompt_logprobs)
+        output.kv_transfer, output.migrate_to = transfer, migrate_to
+        return output
