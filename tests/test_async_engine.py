@@ -63,7 +63,7 @@ def test_the_callers_event_loop_never_waits_for_a_step(tiny_model):
               num_device_blocks=64, swap_space_gb=0.001)
     engine = AsyncLLMEngine(llm.engine)
     in_step, release = threading.Event(), threading.Event()
-    step = llm.engine.step
+    step = llm.engine.step_tokens
 
     def gated_step():
         if not release.is_set():
@@ -72,7 +72,7 @@ def test_the_callers_event_loop_never_waits_for_a_step(tiny_model):
         return step()
 
     expected = llm.generate([list(range(3, 20))], _greedy(6))[0].outputs[0].token_ids
-    llm.engine.step = gated_step
+    llm.engine.step_tokens = gated_step
 
     async def main():
         first = asyncio.create_task(_collect(engine, list(range(3, 20)), 6))

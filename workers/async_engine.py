@@ -5,10 +5,15 @@ The engine loop runs in one background thread, which alone touches the
 validates its request on the caller's thread (``LLMEngine.make_request`` reads
 only what never changes), then posts it to an inbox that the engine thread
 drains between steps; aborts and introspection calls go through the same
-inbox. Each request's outputs go to its own asyncio queue on the caller's
-event loop, so an event loop that serves many streams is never blocked by the
-engine. A caller that stops iterating (a client that disconnects, a cancelled
-task) aborts its request, so its blocks return to the pool at once.
+inbox. A second thread, the output thread, turns each step's sampled tokens
+into outputs (``OutputProcessor``: detokenizing, stop strings, deltas), so the
+engine thread goes on to the next step meanwhile; sequences a stop string
+ended go back to the engine thread through the inbox, before their final
+output is delivered. Each request's outputs go to its own asyncio queue on the
+caller's event loop, so an event loop that serves many streams is never
+blocked by the engine. A caller that stops iterating (a client that
+disconnects, a cancelled task) aborts its request, so its blocks return to the
+pool at once.
 """
 
 from __future__ import annotations
@@ -17,12 +22,14 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import queue
 import threading
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from .engine import EngineConfig, LLMEngine
-from .request import Request, RequestOutput
+from .output_processor import EngineStep
+from .request import Request, RequestOutput, Sequence
 from .sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -50,6 +57,15 @@ class _Call:
     future: concurrent.futures.Future
 
 
+@dataclass
+class _Stop:
+    seqs: list[Sequence]   # stop strings ended them (found by the output thread)
+
+
+# Ends the output thread's queue.
+_NO_MORE_STEPS = None
+
+
 class AsyncLLMEngine:
     """Thread-safe, streaming front of an ``LLMEngine``.
 
@@ -73,7 +89,11 @@ class AsyncLLMEngine:
         self._ids = itertools.count()
         self._stopped = False
         self.error: BaseException | None = None
+        self._steps: queue.SimpleQueue[EngineStep | None] = queue.SimpleQueue()
+        self._output_thread = threading.Thread(target=self._process_outputs, name="pagedserve-outputs",
+                                               daemon=True)
         self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        self._output_thread.start()
         self._thread.start()
 
     @classmethod
@@ -164,7 +184,7 @@ class AsyncLLMEngine:
             return len(self._streams)
 
     # ---- the loop -------------------------------------------------------------------
-    def _post(self, command: _Add | _Abort | _Call) -> bool:
+    def _post(self, command: _Add | _Abort | _Call | _Stop) -> bool:
         """Queue a command for the engine thread; False once it no longer takes any."""
         with self._inbox_lock:
             if not self._is_accepting:
@@ -173,7 +193,7 @@ class AsyncLLMEngine:
         self._wakeup.set()
         return True
 
-    def _take_inbox(self) -> list[_Add | _Abort | _Call]:
+    def _take_inbox(self) -> list[_Add | _Abort | _Call | _Stop]:
         with self._inbox_lock:
             commands, self._inbox = self._inbox, []
         return commands
@@ -187,14 +207,35 @@ class AsyncLLMEngine:
                 if not (engine.has_unfinished_requests() or engine.has_pending_outputs()):
                     self._wakeup.wait(timeout=IDLE_WAIT_S)
                     continue
-                self._deliver_all(engine.step())
+                self._steps.put(engine.step_tokens())
         except Exception as exc:  # a bug or a device failure: fail loudly, keep nothing hanging
             logger.exception("engine step failed")
             self.error = exc
         finally:
             self._close()
 
-    def _apply(self, commands: list[_Add | _Abort | _Call]) -> None:
+    def _process_outputs(self) -> None:
+        """The output thread: each step's tokens become outputs, in step order."""
+        processor = self.engine.output_processor
+        while True:
+            step = self._steps.get()
+            if step is _NO_MORE_STEPS:
+                return
+            try:
+                processed = processor.process(step)
+            except Exception as exc:  # a bug: end everything rather than leave streams hanging
+                logger.exception("output processing failed")
+                self.error = self.error or exc
+                self._stopped = True
+                self._wakeup.set()
+                return
+            if processed.stopped:
+                # Before the final outputs: a call posted after one (a caller checking that
+                # the blocks are back) finds the sequences ended.
+                self._post(_Stop(processed.stopped))
+            self._deliver_all(processed.outputs)
+
+    def _apply(self, commands: list[_Add | _Abort | _Call | _Stop]) -> None:
         """Carry out queued commands in the order they were posted (engine thread)."""
         for command in commands:
             if isinstance(command, _Add):
@@ -204,6 +245,8 @@ class AsyncLLMEngine:
                     self._end_stream(command.request.request_id, exc)
             elif isinstance(command, _Abort):
                 self.engine.abort_request(command.request_id)
+            elif isinstance(command, _Stop):
+                self.engine.stop_sequences(command.seqs)
             else:
                 _run_call(self.engine, command)
 
@@ -226,9 +269,13 @@ class AsyncLLMEngine:
             return self._streams.pop(request_id, None)
 
     def _close(self) -> None:
-        """The thread ends: refuse new commands, answer queued calls, end every stream."""
+        """The thread ends: refuse new commands, deliver the outputs of the steps that
+        ran, answer queued calls, end every stream."""
         with self._inbox_lock:
             self._is_accepting = False
+        self._steps.put(_NO_MORE_STEPS)
+        if threading.current_thread() is not self._output_thread:
+            self._output_thread.join(timeout=10)
         for command in self._take_inbox():
             if isinstance(command, _Call):
                 _run_call(self.engine, command)
