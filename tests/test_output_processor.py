@@ -1,0 +1,183 @@
+"""Sampled tokens to outputs, on the engine's thread or behind it.
+
+- The persistent batch's vectorized finish checks find exactly the sequences that
+  ``check_stop`` ends, for any params and token stream.
+- An output processor that runs steps behind the engine (as the async engine's
+  output thread does), with aborts, stop strings, n > 1, preemption and both output
+  kinds interleaved at random, gives every request exactly the outputs the engine
+  gives when it processes each step at once, ends every request, and leaks no block.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.workers.block_tables import BlockTableRows
+from pagedserve.workers.detokenizer import check_stop
+from pagedserve.workers.input_batch import STOP_TOKEN_IDS, InputBatch
+from pagedserve.workers.request import Request, Sequence
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+EOS = [2, 3]
+
+
+@settings(max_examples=200, deadline=None)
+@given(params=st.fixed_dictionaries({
+           "max_tokens": st.integers(1, 12), "ignore_eos": st.booleans(),
+           "stop_token_ids": st.lists(st.integers(0, 9), max_size=2)}),
+       prompt_len=st.integers(1, 20), max_model_len=st.integers(8, 40),
+       tokens=st.lists(st.integers(0, 9), min_size=1, max_size=14), batch_size=st.integers(1, 5))
+def test_vectorized_finish_checks_agree_with_check_stop(params, prompt_len, max_model_len, tokens, batch_size):
+    """Each of ``batch_size`` sequences (same params, staggered streams) samples the
+    tokens; the batch's counters plus the per-row stop-id check end a sequence exactly
+    when ``check_stop`` says it ends."""
+    if prompt_len >= max_model_len:
+        prompt_len = max_model_len - 1
+    sampling = SamplingParams(temperature=0.0, **params)
+    batch = InputBatch(BlockTableRows(torch.device("cpu"), num_rows=2), EOS, max_model_len)
+    seqs = []
+    for i in range(batch_size):
+        request = Request(f"r{i}", None, list(range(10, 10 + prompt_len)), sampling)
+        seq = Sequence(f"r{i}#0", request, 0, list(request.prompt_token_ids))
+        request.seqs.append(seq)
+        batch.add(seq)
+        seqs.append(seq)
+    for step in range(len(tokens) + batch_size):
+        live = [s for s in seqs if s.batch_row >= 0]
+        if not live:
+            break
+        sampled = [tokens[(step + int(s.seq_id[1])) % len(tokens)] for s in live]
+        rows = torch.tensor([s.batch_row for s in live])
+        flags = batch.flags[rows].tolist()
+        ends = batch.count_outputs(rows, torch.tensor(sampled)).tolist()
+        for seq, token, end, flag in zip(live, sampled, ends, flags):
+            seq.append_token(token)
+            if flag & STOP_TOKEN_IDS and token in sampling.stop_token_ids:
+                end = True
+            expected = check_stop(sampling, seq.output_token_ids, EOS, prompt_len, max_model_len)
+            assert end == (expected is not None), (seq.output_token_ids, expected)
+            if end:
+                batch.remove(seq)
+
+
+# ---- an output processor behind the engine ------------------------------------------------
+
+STOPS = (None, ["a"], ["e", "o"])
+PROMPT_IDS = range(5, 1024)
+
+
+class LaggedOutputs(RuleBasedStateMachine):
+    """The engine steps while the processor works through a queue of unprocessed steps
+    (as ``AsyncLLMEngine``'s output thread does), and sequences ended by stop strings go
+    back to the engine when the processor gets to them."""
+
+    llm: LLM = None
+    reference: dict = None
+
+    @initialize()
+    def start(self) -> None:
+        self.engine = self.llm.engine
+        self.queue: deque = deque()
+        self.requests: dict[str, tuple] = {}
+        self.outputs: dict[str, list] = {}
+        self.aborted: set[str] = set()
+        self.num_added = 0
+
+    @rule(seed=st.integers(0, 10_000), prompt_len=st.integers(1, 40), max_tokens=st.integers(1, 24),
+          n=st.sampled_from([1, 1, 2]), stop=st.sampled_from(STOPS), kind=st.sampled_from(["stream", "final"]))
+    def add(self, seed, prompt_len, max_tokens, n, stop, kind) -> None:
+        rng = random.Random(seed)
+        prompt = [rng.choice(PROMPT_IDS) for _ in range(prompt_len)]
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, n=n, stop=stop)
+        request_id = f"req-{self.num_added}"
+        self.num_added += 1
+        self.engine.add_request(request_id, prompt, params, output_kind=kind)
+        self.requests[request_id] = (prompt, params, kind)
+        self.outputs[request_id] = []
+
+    @precondition(lambda self: self.engine.has_unfinished_requests() or self.engine.has_pending_outputs())
+    @rule()
+    def step(self) -> None:
+        self.queue.append(self.engine.step_tokens())
+
+    @precondition(lambda self: self.queue)
+    @rule()
+    def process(self) -> None:
+        processed = self.engine.output_processor.process(self.queue.popleft())
+        if processed.stopped:
+            self.engine.stop_sequences(processed.stopped)
+        for output in processed.outputs:
+            self.outputs[output.request_id].append(output)
+
+    @precondition(lambda self: self.engine.requests)
+    @rule(data=st.data())
+    def abort(self, data) -> None:
+        request_id = data.draw(st.sampled_from(sorted(self.engine.requests)))
+        self.engine.abort_request(request_id)
+        self.aborted.add(request_id)
+
+    @invariant()
+    def accounting_holds(self) -> None:
+        if hasattr(self, "engine"):
+            self.engine.check_integrity()
+
+    def teardown(self) -> None:
+        if not hasattr(self, "engine"):
+            return
+        for _ in range(10_000):
+            if self.queue:
+                self.process()
+            elif self.engine.has_unfinished_requests() or self.engine.has_pending_outputs():
+                self.step()
+            else:
+                break
+        self.engine.check_integrity()
+        assert self.engine.num_used_blocks() == 0
+        for request_id, (prompt, params, kind) in self.requests.items():
+            self._check_request(request_id, prompt, params, kind)
+
+    def _check_request(self, request_id, prompt, params, kind) -> None:
+        outputs = self.outputs[request_id]
+        assert outputs and outputs[-1].finished, f"{request_id} never ended"
+        assert all(not o.finished for o in outputs[:-1]), f"{request_id}: an output after its final one"
+        if kind == "final":
+            assert len(outputs) == 1
+        final = outputs[-1]
+        for completion in final.outputs:
+            deltas = [c for o in outputs for c in o.outputs if c.index == completion.index]
+            assert "".join(c.delta_text for c in deltas) == completion.text
+            assert sum((c.delta_token_ids for c in deltas), []) == completion.token_ids
+            assert sum(c.is_newly_finished for c in deltas) == 1
+        if request_id in self.aborted:
+            return
+        key = (tuple(prompt), params.max_tokens, params.n, tuple(params.stop))
+        if key not in self.reference:
+            self.reference[key] = LaggedOutputs.reference_llm.generate([prompt], params)[0]
+        expected = self.reference[key]
+        got = sorted((c.index, c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in final.outputs)
+        assert got == sorted((c.index, c.token_ids, c.text, c.finish_reason, c.stop_reason)
+                             for c in expected.outputs)
+
+
+@pytest.mark.parametrize("pool", [dict(num_device_blocks=512), dict(num_device_blocks=24, swap_space_gb=0.0005)])
+def test_outputs_behind_the_engine_equal_outputs_at_once(pool, tiny_model, long_form):
+    LaggedOutputs.llm = LLM(tiny_model("llama"), device="cpu", dtype="float32", block_size=4,
+                            max_num_batched_tokens=48, **pool)
+    LaggedOutputs.reference_llm = LLM(tiny_model("llama"), device="cpu", dtype="float32", block_size=4,
+                                      num_device_blocks=256)
+    LaggedOutputs.reference = {}
+    runner = LaggedOutputs.TestCase()
+    runner.settings = settings(max_examples=40 if long_form else 8, stateful_step_count=40, deadline=None,
+                               suppress_health_check=list(HealthCheck))
+    runner.runTest()
+    stats = LaggedOutputs.llm.stats()
+    assert stats["num_generated_tokens"] > 0
