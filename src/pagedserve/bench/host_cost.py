@@ -1,0 +1,121 @@
+"""The engine's host cost per decoding sequence per step.
+
+B sequences decode together (prompts of ``prompt_len`` random tokens, greedy, EOS
+ignored); each measured step is a decode step of all B. The figure is the median
+step time at the large batch minus that at the small one, over the difference in
+sequences: what one more decoding sequence costs a step.
+
+The forward pass (the transformer stack, the LM head and the sampler's tensor
+math) runs on the same CPU here, and its cost grows with the batch too; on a GPU
+it is device work. So each step's time inside them is measured as well, and the
+host cost is the rest: planning, the persistent batch's inputs, the finish checks,
+and the output processing of the step. Outputs are taken as ``LLM.generate``
+takes them (``output_kind="final"``); ``stream`` adds what a server's output thread
+pays per token (detokenizing and building each step's outputs), timed on its own.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from typing import Callable
+
+from pagedserve.workers.engine import EngineConfig, LLMEngine
+from pagedserve.workers.sampling_params import SamplingParams
+
+
+def _timed(function: Callable, counter: list[float]) -> Callable:
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            counter[0] += time.perf_counter() - start
+    return wrapper
+
+
+class HostCostProbe:
+    """One engine whose forward and output processing are timed step by step."""
+
+    def __init__(self, model: str, max_num_seqs: int, seed: int = 0) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(
+            model=model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max(8192, 64 * max_num_seqs),
+            num_device_blocks=64 * max_num_seqs, enable_prefix_caching=False))
+        self.device_seconds = [0.0]
+        self.output_seconds = [0.0]
+        runner, sampler = self.engine.runner, self.engine.sampler
+        runner.decoder = _timed(runner.decoder, self.device_seconds)
+        runner.compute_logits = _timed(runner.compute_logits, self.device_seconds)
+        sampler.greedy = _timed(sampler.greedy, self.device_seconds)
+        sampler.sample_batch = _timed(sampler.sample_batch, self.device_seconds)
+        processor = self.engine.output_processor
+        processor.process = _timed(processor.process, self.output_seconds)
+        self._rng = random.Random(seed)
+        self._num_requests = 0
+
+    def run(self, batch: int, num_steps: int, prompt_len: int, output_kind: str) -> dict:
+        """Medians over ``num_steps`` decode steps of ``batch`` sequences (seconds)."""
+        engine, vocab = self.engine, self.engine.runner.vocab_size
+        params = SamplingParams(temperature=0.0, max_tokens=num_steps + 2, ignore_eos=True)
+        for _ in range(batch):
+            self._num_requests += 1
+            engine.add_request(f"probe-{self._num_requests}",
+                               [self._rng.randrange(8, vocab) for _ in range(prompt_len)], params,
+                               output_kind=output_kind)
+        engine.step()   # every prompt is prefilled in one step
+        step, device, output = [], [], []
+        for _ in range(num_steps):
+            self.device_seconds[0] = self.output_seconds[0] = 0.0
+            start = time.perf_counter()
+            engine.step()
+            step.append(time.perf_counter() - start)
+            device.append(self.device_seconds[0])
+            output.append(self.output_seconds[0])
+        while engine.has_unfinished_requests():
+            engine.step()
+        return {"step": statistics.median(step), "device": statistics.median(device),
+                "output": statistics.median(output)}
+
+
+def measure_host_cost(model: str, small: int = 4, large: int = 256, num_steps: int = 48,
+                      prompt_len: int = 16, repeats: int = 3, output_kind: str = "final") -> dict:
+    """Per-sequence step, device and host cost between ``small`` and ``large`` batches,
+    the two measured alternately ``repeats`` times (medians of the repeats)."""
+    probe = HostCostProbe(model, large)
+    probe.run(small, 4, prompt_len, output_kind)   # warm-up
+    probe.run(large, 4, prompt_len, output_kind)
+    runs: dict[int, list[dict]] = {small: [], large: []}
+    for _ in range(repeats):
+        for batch in (small, large):
+            runs[batch].append(probe.run(batch, num_steps, prompt_len, output_kind))
+    median = {batch: {key: statistics.median(r[key] for r in results) for key in results[0]}
+              for batch, results in runs.items()}
+    num_more = large - small
+
+    def per_seq_us(key: str) -> float:
+        return (median[large][key] - median[small][key]) / num_more * 1e6
+
+    host = {batch: m["step"] - m["device"] for batch, m in median.items()}
+    probe.engine.check_integrity()
+    return {
+        "output_kind": output_kind, "batches": [small, large], "num_steps": num_steps,
+        "prompt_len": prompt_len, "repeats": repeats,
+        "step_ms": {str(b): m["step"] * 1e3 for b, m in median.items()},
+        "host_ms": {str(b): h * 1e3 for b, h in host.items()},
+        "step_per_seq_us": per_seq_us("step"),
+        "device_per_seq_us": per_seq_us("device"),
+        "output_processing_per_seq_us": per_seq_us("output"),
+        "host_per_seq_us": (host[large] - host[small]) / num_more * 1e6,
+    }
+
+
+def format_host_cost(result: dict) -> str:
+    small, large = result["batches"]
+    return (f"host cost per decoding sequence per step ({result['output_kind']} outputs): "
+            f"{result['host_per_seq_us']:.2f} us (step {result['step_ms'][str(small)]:.2f} ms at "
+            f"{small} sequences, {result['step_ms'][str(large)]:.2f} ms at {large}: "
+            f"{result['step_per_seq_us']:.2f} us per sequence, of which the forward and sampling "
+            f"{result['device_per_seq_us']:.2f} us and output processing "
+            f"{result['output_processing_per_seq_us']:.2f} us; host {result['host_ms'][str(small)]:.2f} ms "
+            f"at {small})")
