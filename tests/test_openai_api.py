@@ -1,4 +1,4 @@
-"""The OpenAI-compatible API without Ray: ``OpenAIServer``'s FastAPI app over an
+"""The OpenAI-compatible API without Ray: the ``Frontend``'s FastAPI app over an
 in-process engine, driven through httpx's ASGI transport. Error shapes and
 statuses, limits, auth, SSE framing, usage and metrics; the live Ray Serve
 deployment is covered by ``test_server.py``.
@@ -7,100 +7,27 @@ deployment is covered by ``test_server.py``.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import pickle
 import time
 import uuid
-from contextlib import aclosing
 
 import pytest
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from pagedserve.cluster.config import ServerConfig  # noqa: E402
+from local_frontend import MODEL, LocalHandle, call  # noqa: E402
+from local_frontend import assert_error as _assert_error  # noqa: E402
+from local_frontend import events as _events  # noqa: E402
+from local_frontend import make_frontend as _server  # noqa: E402
+
 from pagedserve.cluster.handle import NoCapacityError  # noqa: E402
 from pagedserve.cluster.serving.auth import check_api_key, client_key  # noqa: E402
-from pagedserve.cluster.serving.frontend import Frontend as OpenAIServer  # noqa: E402
-from pagedserve.cluster.serving.http_app import build_app  # noqa: E402
 from pagedserve.cluster.serving.limits import ClientLimiter, RequestLimiter  # noqa: E402
-from pagedserve.workers.async_engine import AsyncLLMEngine  # noqa: E402
-from pagedserve.workers.engine import EngineConfig  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
-
-MODEL = "tiny-test"
-
-
-class _Remote:
-    """Stands in for a Ray actor method: ``.remote()`` returns an awaitable."""
-
-    def __init__(self, fn) -> None:
-        self._fn = fn
-
-    def remote(self, *args):
-        async def call():
-            return self._fn(*args)
-        return call()
-
-
-class _Actor:
-    def __init__(self, **methods) -> None:
-        for name, fn in methods.items():
-            setattr(self, name, _Remote(fn))
-
-
-class _Router:
-    def snapshot(self) -> dict:
-        return {}
-
-    def recent_decisions(self, limit: int) -> list[dict]:
-        return []
-
-
-class LocalHandle:
-    """The subset of ``ClusterHandle`` the server uses, over one in-process engine."""
-
-    def __init__(self, model_path: str) -> None:
-        self.engine = AsyncLLMEngine.from_config(
-            EngineConfig(model=model_path, num_device_blocks=128, swap_space_gb=0.001))
-        core = self.engine.engine
-        self.model_path = model_path
-        self.model_name = MODEL
-        self.max_model_len = core.max_model_len
-        self.tokenizer = core.tokenizer
-        self.router = _Router()
-        self.fail_with: BaseException | None = None
-        self.stall_s = 0.0  # > 0: a pause after every output (a slow or stuck generation)
-        self.kv_manager = _Actor(stats=lambda: {"workers": {"worker-0": core.kv_manager.stats("worker-0")}})
-        self.workers = {"worker-0": _Actor(stats=lambda: {"is_healthy": True, **self.engine.stats()},
-                                           ping=lambda: "worker-0")}
-
-    def generate(self, prompt, params, request_id=None, priority=0, prompt_token_ids=None):
-        if self.fail_with is not None:
-            return self._fail()
-        stream = self.engine.generate(prompt, params, request_id, priority, prompt_token_ids)
-        return self._stalled(stream, self.stall_s) if self.stall_s else stream
-
-    @staticmethod
-    async def _stalled(stream, stall_s: float):
-        async with aclosing(stream):
-            async for output in stream:
-                yield output
-                await asyncio.sleep(stall_s)
-
-    async def _fail(self):
-        raise self.fail_with
-        yield  # pragma: no cover - makes this an async generator
-
-    def num_used_blocks(self) -> int:
-        return self.engine.num_used_blocks()
-
-    def has_streams(self) -> bool:
-        """True while some request's stream has not had its final output delivered."""
-        return bool(self.engine._streams)
 
 
 @pytest.fixture(scope="module")
@@ -108,40 +35,6 @@ def local_handle(tiny_model):
     handle = LocalHandle(tiny_model("llama"))
     yield handle
     handle.engine.shutdown()
-
-
-def _server(handle, **server_fields) -> OpenAIServer:
-    return OpenAIServer(handle, ServerConfig.model_validate(server_fields))
-
-
-def call(server: OpenAIServer, method: str, path: str, **kwargs) -> httpx.Response:
-    """One request against ``server``'s app, in a fresh event loop."""
-    async def run():
-        transport = httpx.ASGITransport(app=build_app(server))
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            response = await client.request(method, path, **kwargs)
-        # The engine thread delivers an aborted request's final output to this loop: keep it open
-        # until then (a closed loop there stops AsyncLLMEngine's thread).
-        deadline = time.monotonic() + 10
-        while server.handle.has_streams() and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        return response
-    return asyncio.run(run())
-
-
-def _events(response: httpx.Response) -> list:
-    lines = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(line) for line in lines[:-1]]
-
-
-def _assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    if param is not None:
-        assert error["param"] == param
-    return error
 
 
 @pytest.fixture(scope="module")
@@ -513,15 +406,19 @@ def test_grpc_every_method_needs_the_key(local_handle):
 
     service = GrpcService(_server(local_handle, api_key="sekrit"))
     rpc_names = {m.name for m in pb.DESCRIPTOR.services_by_name["PagedServe"].methods}
-    assert rpc_names == {"Generate", "GenerateStream"}
+    assert rpc_names == {"Generate", "GenerateStream", "Chat", "ChatStream"}
     assert all(hasattr(pb_grpc.PagedServeServicer, name) for name in rpc_names)
     request = pb.GenerateRequest(prompt="x", max_tokens=2)
+    chat = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="x")], max_tokens=2)
 
     async def stream(context):
         return [m async for m in service.generate_stream(request, context)]
 
+    async def chat_stream(context):
+        return [m async for m in service.chat_stream(chat, context)]
+
     for metadata in ((), (("authorization", "Bearer wrong"),)):
-        for run in (lambda c: service.generate(request, c), stream):
+        for run in (lambda c: service.generate(request, c), stream, lambda c: service.chat(chat, c), chat_stream):
             context = _GrpcContext(metadata)
             with pytest.raises(Exception):
                 asyncio.run(run(context))
