@@ -170,6 +170,10 @@ def test_unknown_model_404_and_unknown_route(server):
     error = _assert_error(call(server, "POST", "/v1/completions", json={"model": "gpt-9", "prompt": "x"}),
                           404, "model")
     assert error["code"] == "model_not_found"
+    # Both conventions' words: Ray Serve LLM's clients look for "Could not find", vLLM's for its sentence.
+    assert error["message"] == (f"Could not find model 'gpt-9': the model `gpt-9` does not exist; this server "
+                                f"serves '{MODEL}'")
+    assert call(server, "GET", "/v1/models/gpt-9").json()["error"]["message"] == error["message"]
     _assert_error(call(server, "GET", "/v1/nothing"), 404)
 
 
