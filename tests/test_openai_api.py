@@ -7,9 +7,11 @@ deployment is covered by ``test_server.py``.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import pickle
+import re
 import time
 import uuid
 
@@ -496,3 +498,65 @@ def test_grpc_undecodable_bytes_are_invalid_argument(local_handle):
         with pytest.raises(Exception):
             asyncio.run(service.generate(None, context))
         assert context.code == code
+
+
+# ---- fields of Ray Serve LLM's and vLLM's APIs -----------------------------------------------------
+NUMBER = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["n"], "additionalProperties": False}
+
+
+def test_ray_serve_llm_json_mode_constrains_to_the_schema(server):
+    chat = {"messages": [{"role": "user", "content": "A digit, as JSON."}], "max_tokens": 48}
+    num_valid = 0
+    for seed, schema in enumerate([NUMBER, json.dumps(NUMBER)] * 3):  # an object, or its JSON text
+        body = {**chat, "seed": seed, "response_format": {"type": "json_object", "schema": schema}}
+        choice = call(server, "POST", "/v1/chat/completions", json=body).json()["choices"][0]
+        if choice["finish_reason"] == "stop":
+            value = json.loads(choice["message"]["content"])
+            assert set(value) == {"n"} and 0 <= value["n"] <= 9, value
+            num_valid += 1
+    assert num_valid >= 3
+    bad = {**chat, "response_format": {"type": "json_object", "schema": {"type": "nope"}}}
+    assert "response_format.schema" in _assert_error(call(server, "POST", "/v1/chat/completions", json=bad),
+                                                     400, "response_format.schema")["message"]
+    misplaced = {**chat, "response_format": {"type": "json_schema", "schema": NUMBER,
+                                             "json_schema": {"name": "n", "schema": NUMBER}}}
+    _assert_error(call(server, "POST", "/v1/chat/completions", json=misplaced), 400, "response_format.schema")
+
+
+def test_vllm_guided_fields_request_id_and_continue_final_message(server):
+    body = {"prompt": "Pick one:", "max_tokens": 8, "guided_choice": ["yes", "no"], "seed": 1,
+            "request_id": "my-request-7"}
+    data = call(server, "POST", "/v1/completions", json=body).json()
+    assert data["id"] == "my-request-7" and data["choices"][0]["text"] in ("yes", "no")
+    regex = call(server, "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 8,
+                                                          "guided_regex": "[0-9]{3}"}).json()
+    assert re.fullmatch("[0-9]{3}", regex["choices"][0]["text"])
+    both = {"prompt": "x", "guided_json": NUMBER, "structured_outputs": {"regex": "a"}}
+    _assert_error(call(server, "POST", "/v1/completions", json=both), 400, "guided_json")
+    messages = [{"role": "user", "content": "Tell a story"}, {"role": "assistant", "content": "Once upon a"}]
+    body = {"messages": messages, "max_tokens": 3, "continue_final_message": True, "add_generation_prompt": False}
+    assert call(server, "POST", "/v1/chat/completions", json=body).status_code == 200
+    _assert_error(call(server, "POST", "/v1/chat/completions", json={**body, "add_generation_prompt": True}), 400,
+                  "continue_final_message")
+
+
+@pytest.mark.parametrize(("field", "value", "path"), [
+    ("store", True, "/v1/chat/completions"), ("metadata", {"a": "b"}, "/v1/chat/completions"),
+    ("service_tier", "flex", "/v1/chat/completions"), ("reasoning_effort", "high", "/v1/chat/completions"),
+    ("functions", [{"name": "f"}], "/v1/chat/completions"), ("modalities", ["audio"], "/v1/chat/completions"),
+    ("echo", True, "/v1/chat/completions"), ("chat_template", "{{ 1 }}", "/v1/chat/completions"),
+    ("allowed_token_ids", [1, 2], "/v1/completions"), ("cache_salt", "s", "/v1/completions"),
+    ("guided_whitespace_pattern", " ", "/v1/completions"), ("logit_bias", {"5": 1.0}, "/v1/completions"),
+])
+def test_fields_we_cannot_honour_are_refused_with_the_reason(server, field, value, path):
+    body = {"prompt": "x", "max_tokens": 2} if path == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    error = _assert_error(call(server, "POST", path, json={**body, field: value}), 400, field)
+    assert "unknown field" not in error["message"] and len(error["message"]) > len(field) + 30, error
+
+
+def test_harmless_values_of_those_fields_pass(server):
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "store": False,
+            "service_tier": "auto", "modalities": ["text"], "guided_decoding_backend": "guidance"}
+    assert call(server, "POST", "/v1/chat/completions", json=body).status_code == 200

@@ -345,7 +345,13 @@ class Frontend:
             raise APIError(400, f"the model '{self.model_name}' has no chat template; use /v1/completions",
                            param="messages")
         messages = [self._template_message(message) for message in request.messages]
-        kwargs: dict[str, Any] = {"add_generation_prompt": request.add_generation_prompt}
+        if request.continue_final_message and request.add_generation_prompt:
+            raise APIError(400, "continue_final_message continues the last message; it needs "
+                                "add_generation_prompt: false", param="continue_final_message")
+        if request.continue_final_message and request.messages[-1].role != "assistant":
+            raise APIError(400, "continue_final_message needs an assistant message last", param="messages")
+        kwargs: dict[str, Any] = {"add_generation_prompt": request.add_generation_prompt,
+                                  "continue_final_message": request.continue_final_message}
         if request.tools:
             kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in request.tools]
         extra = request.chat_template_kwargs or {}
@@ -362,7 +368,8 @@ class Frontend:
         if not isinstance(text, str):
             raise APIError(400, "the chat template did not render text with these chat_template_kwargs",
                            param="chat_template_kwargs")
-        token_ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template adds them
+        # The template writes the special tokens; add_special_tokens (vLLM) adds the tokenizer's too.
+        token_ids = self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
         return self._truncated(PromptInput(text, token_ids), request.truncate_prompt_tokens, "messages")
 
     @staticmethod

@@ -93,8 +93,11 @@ class ServingChat:
         """The response body, or a ``ChunkStream`` of ``ChatCompletionChunk`` when ``stream`` is set."""
         frontend = self.frontend
         prompt, params = self.prepare(request)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        generation, first = await frontend.start_generation(request_id, [prompt], params, request.priority, client)
+        # The engine's ids are always the server's own (clients' ids may collide); vLLM's
+        # request_id names the response.
+        engine_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id = request.request_id or engine_id
+        generation, first = await frontend.start_generation(engine_id, [prompt], params, request.priority, client)
         if request.stream:
             return ChunkStream(self._stream_chat(request, request_id, generation, first), generation)
         await generation.run_to_end(first)

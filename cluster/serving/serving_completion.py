@@ -119,8 +119,11 @@ class ServingCompletion:
         prompts, params = self.prepare(request)
         is_scoring_only = request.max_tokens == 0
         echoes = [self._echo(request, p) for p in prompts]
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        generation, first = await frontend.start_generation(request_id, prompts, params, request.priority, client)
+        # The engine's ids are always the server's own (clients' ids may collide); vLLM's
+        # request_id names the response.
+        engine_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id = request.request_id or engine_id
+        generation, first = await frontend.start_generation(engine_id, prompts, params, request.priority, client)
         if request.stream:
             return ChunkStream(self._stream_completion(request, request_id, generation, first, echoes,
                                                        is_scoring_only), generation)

@@ -1,8 +1,10 @@
 """What a request constrains its output to, checked once at the ingress.
 
-A request may ask for structured output in one of three ways: OpenAI's
-``response_format`` (``json_object``, ``json_schema``), vLLM's
-``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``), or a chat
+A request may ask for structured output in one of these ways: OpenAI's
+``response_format`` (``json_object``, ``json_schema``; Ray Serve LLM's
+``json_object`` with a ``schema``), vLLM's ``structured_outputs`` (``json``,
+``regex``, ``choice``, ``grammar``) or its earlier ``guided_json``,
+``guided_regex``, ``guided_choice`` and ``guided_grammar``, or a chat
 ``tool_choice`` of "required" or a named function (the tools' parameter
 schemas). At most one may apply. ``output_constraint`` turns it into a
 ``StructuredOutputsParams`` and compiles it (without a tokenizer), so that a
@@ -21,6 +23,7 @@ from pagedserve.workers.sampling_params import StructuredOutputsParams
 from .errors import APIError
 
 PREFIX = "structured_outputs"
+GUIDED_KINDS = ("json", "regex", "choice", "grammar")
 
 
 def output_constraint(request) -> StructuredOutputsParams | None:
@@ -28,6 +31,10 @@ def output_constraint(request) -> StructuredOutputsParams | None:
     sources = []
     if request.structured_outputs is not None:
         sources.append(("structured_outputs", _from_structured_outputs(request.structured_outputs)))
+    for kind in GUIDED_KINDS:
+        value = getattr(request, f"guided_{kind}", None)
+        if value is not None:
+            sources.append((f"guided_{kind}", _from_guided(kind, value)))
     if request.response_format is not None and request.response_format.type != "text":
         sources.append(("response_format", _from_response_format(request.response_format)))
     tool_choice = getattr(request, "tool_choice", None)
@@ -50,24 +57,43 @@ def _from_structured_outputs(options: dict[str, Any]) -> StructuredOutputsParams
     return spec
 
 
+def _from_guided(kind: str, value) -> StructuredOutputsParams:
+    """vLLM's earlier ``guided_<kind>`` fields: the same specs as ``structured_outputs.<kind>``."""
+    param = f"guided_{kind}"
+    try:
+        spec = StructuredOutputsParams(**{kind: value})
+    except ValueError as exc:
+        raise APIError(400, _renamed(str(exc), f"{PREFIX}.{kind}", param), param=param) from None
+    _compile(spec, param)
+    return spec
+
+
 def _from_response_format(response_format) -> StructuredOutputsParams:
     if response_format.type == "json_object":
+        if response_format.schema_ is not None:  # Ray Serve LLM's JSON mode: an object of this schema
+            return _schema_spec(response_format.schema_, "response_format.schema")
         spec = StructuredOutputsParams(json_object=True)
         _compile(spec, "response_format")
         return spec
+    if response_format.schema_ is not None:
+        raise APIError(400, "response_format.schema goes with type 'json_object' (Ray Serve LLM's JSON mode); "
+                            "with 'json_schema' send response_format.json_schema.schema",
+                       param="response_format.schema")
     field = "response_format.json_schema"
     if response_format.json_schema is None:
         raise APIError(400, f"{field} is required when response_format.type is 'json_schema'", param=field)
     schema = response_format.json_schema.schema_
     # OpenAI's default when no schema is given: any JSON object.
-    if schema is None:
-        schema = {"type": "object"}
+    return _schema_spec({"type": "object"} if schema is None else schema, f"{field}.schema")
+
+
+def _schema_spec(schema, param: str) -> StructuredOutputsParams:
+    """A JSON-schema constraint (the schema as an object or its JSON text), checked, 400 naming ``param``."""
     try:
         spec = StructuredOutputsParams(json=schema)
     except ValueError as exc:
-        raise APIError(400, _renamed(str(exc), f"{PREFIX}.json", f"{field}.schema"),
-                       param=f"{field}.schema") from None
-    _compile(spec, f"{field}.schema")
+        raise APIError(400, _renamed(str(exc), f"{PREFIX}.json", param), param=param) from None
+    _compile(spec, param)
     return spec
 
 
