@@ -560,3 +560,13 @@ def test_harmless_values_of_those_fields_pass(server):
     body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "store": False,
             "service_tier": "auto", "modalities": ["text"], "guided_decoding_backend": "guidance"}
     assert call(server, "POST", "/v1/chat/completions", json=body).status_code == 200
+
+
+def test_vllm_disable_any_whitespace_option(server):
+    body = {"prompt": "{", "max_tokens": 64, "response_format": {"type": "json_object", "schema": NUMBER},
+            "guided_decoding_backend": "guidance:disable-any-whitespace"}
+    for seed in range(3):
+        choice = call(server, "POST", "/v1/completions", json={**body, "seed": seed}).json()["choices"][0]
+        assert choice["finish_reason"] == "stop" and re.fullmatch(r'\{"n":[0-9]\}', choice["text"]), choice
+    _assert_error(call(server, "POST", "/v1/completions", json={**body, "guided_decoding_backend": "xgrammar"}),
+                  400, "guided_decoding_backend")

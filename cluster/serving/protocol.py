@@ -96,13 +96,24 @@ REFUSED_FIELDS = {
     "structural_tag": "structural tags are not supported; use structured_outputs",
     "guided_whitespace_pattern": "a custom whitespace pattern is not supported; use "
                                  "structured_outputs.disable_any_whitespace",
-    "guided_decoding_backend": "the grammar engine is llguidance ('guidance')",
+    "guided_decoding_backend": "the grammar engine is llguidance ('guidance'), whose one option here "
+                               "is 'disable-any-whitespace'",
 }
 HARMLESS_VALUES: dict[str, tuple] = {
     "store": (False,), "service_tier": ("auto", "default"), "modalities": (["text"],),
     "return_tokens_as_token_ids": (False,), "return_token_ids": (False,),
-    "guided_decoding_backend": ("auto", "guidance", "llguidance"),
 }
+# vLLM's guided_decoding_backend: "<backend>" or "<backend>:<option>,..."; the grammar engine is
+# llguidance ("guidance"), and its one option here is vLLM's disable-any-whitespace.
+GRAMMAR_BACKENDS = ("auto", "guidance", "llguidance")
+GRAMMAR_BACKEND_OPTIONS = ("disable-any-whitespace",)
+
+
+def _is_harmless(field: str, value) -> bool:
+    if field == "guided_decoding_backend" and isinstance(value, str):
+        backend, _, options = value.partition(":")
+        return backend in GRAMMAR_BACKENDS and all(o in GRAMMAR_BACKEND_OPTIONS for o in options.split(",") if o)
+    return value in HARMLESS_VALUES.get(field, ())
 
 
 class _RefusedFields(_Request):
@@ -137,7 +148,7 @@ class _RefusedFields(_Request):
     @field_validator(*REFUSED_FIELDS)
     @classmethod
     def _refuse(cls, value, info):
-        if value is None or value in HARMLESS_VALUES.get(info.field_name, ()):
+        if value is None or _is_harmless(info.field_name, value):
             return value
         raise ValueError(f"{info.field_name} cannot be honoured: {REFUSED_FIELDS[info.field_name]}")
 
@@ -189,6 +200,12 @@ class _SamplingFields(_RefusedFields):
         if value:
             raise ValueError("logit_bias is not supported")
         return value
+
+    @property
+    def disables_any_whitespace(self) -> bool:
+        """vLLM's ``guided_decoding_backend`` option ``disable-any-whitespace`` is set."""
+        options = (self.guided_decoding_backend or "").partition(":")[2]
+        return "disable-any-whitespace" in options.split(",")
 
     @property
     def stop_strings(self) -> list[str]:

@@ -6,7 +6,10 @@ A request may ask for structured output in one of these ways: OpenAI's
 ``regex``, ``choice``, ``grammar``) or its earlier ``guided_json``,
 ``guided_regex``, ``guided_choice`` and ``guided_grammar``, or a chat
 ``tool_choice`` of "required" or a named function (the tools' parameter
-schemas). At most one may apply. ``output_constraint`` turns it into a
+schemas). At most one may apply. JSON may carry at most one space or line
+break between tokens (``workers/grammar.py``), none with vLLM's
+``disable_any_whitespace`` (``structured_outputs.disable_any_whitespace``, or
+``guided_decoding_backend: "guidance:disable-any-whitespace"``). ``output_constraint`` turns it into a
 ``StructuredOutputsParams`` and compiles it (without a tokenizer), so that a
 bad schema, regex or grammar, or one over the size limit, is a 400 naming
 the field it came from, before anything reaches a worker.
@@ -14,6 +17,7 @@ the field it came from, before anything reaches a worker.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from pagedserve.tool_parsers import tool_choice_constraint
@@ -45,7 +49,11 @@ def output_constraint(request) -> StructuredOutputsParams | None:
     if len(sources) > 1:
         names = " and ".join(name for name, _ in sources)
         raise APIError(400, f"{names} both constrain the output; set only one of them", param=sources[1][0])
-    return sources[0][1] if sources else None
+    spec = sources[0][1] if sources else None
+    if spec is not None and spec.kind in ("json", "json_object") and getattr(request, "disables_any_whitespace",
+                                                                               False):
+        spec = dataclasses.replace(spec, disable_any_whitespace=True)
+    return spec
 
 
 def _from_structured_outputs(options: dict[str, Any]) -> StructuredOutputsParams:
