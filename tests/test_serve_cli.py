@@ -13,10 +13,12 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -152,7 +154,7 @@ def test_private_ray_by_default_and_a_named_cluster_with_its_token(tmp_path, tin
                          env={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}).start()
     base = {key: value for key, value in os.environ.items()
             if key not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
-    base["PAGEDSERVE_CACHE_DIR"] = str(tmp_path / "cache" / "models")  # its own serve.json
+    base["PAGEDSERVE_CACHE_DIR"] = str(tmp_path / "cache")  # its own serve.json
     model = ["--served-model-name", "tiny-cli", "--set", "workers.0.num_cpus=1",
              "--set", "engine.num_device_blocks=64", "--set", "engine.swap_space_gb=0.001"]
     servers: list[ServeProcess] = []
@@ -174,10 +176,15 @@ def test_private_ray_by_default_and_a_named_cluster_with_its_token(tmp_path, tin
         assert server.process.wait(timeout=60) == 0
         assert other.pids(), "the joined cluster must outlive the server"
 
-        # 2. No address: a private Ray, although another runs on the machine; the other one
-        #    stopping takes nothing with it.
+        # 2. No address: a private Ray, although another runs and is the one Ray would find
+        #    (``ray.init()`` reads the last cluster's address from <RAY_TMPDIR>/ray, where it
+        #    is written here); the other one stopping takes nothing with it.
+        discovery = Path(f"/tmp/psdisc-{other.port}")  # short: Ray's socket paths live under it
+        (discovery / "ray").mkdir(parents=True, exist_ok=True)
+        (discovery / "ray" / "ray_current_cluster").write_text(other.address)
+        private = {**base, "RAY_TMPDIR": str(discovery)}
         port = free_port()
-        server = ServeProcess([tiny_model("llama"), "--port", str(port), *model], base)
+        server = ServeProcess([tiny_model("llama"), "--port", str(port), *model], private)
         servers.append(server)
         server.wait_serving()
         state = json.loads((tmp_path / "cache" / "serve.json").read_text())
@@ -187,12 +194,13 @@ def test_private_ray_by_default_and_a_named_cluster_with_its_token(tmp_path, tin
         time.sleep(2)
         assert server.process.poll() is None, "".join(server.output)
         assert _complete(port) == 4
-        status = _cli("status", "--json", env=base)
+        status = _cli("status", "--json", env=private)
         assert status.returncode == 0, status.stderr
-        stop = _cli("stop", "--timeout", "120", env=base, timeout=180)
+        stop = _cli("stop", "--timeout", "120", env=private, timeout=180)
         assert stop.returncode == 0, stop.stderr + "".join(server.output[-30:])
         assert server.process.wait(timeout=60) == 0
     finally:
         for server in servers:
             server.kill()
         other.stop()
+        shutil.rmtree(f"/tmp/psdisc-{other.port}", ignore_errors=True)
