@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -127,7 +128,8 @@ class LocalRayHead:
         return found
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM this cluster's processes, then SIGKILL those still there."""
+        """SIGTERM this cluster's processes, then SIGKILL those still there; once none is
+        left, remove its temp dir."""
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid in self.pids():
                 try:
@@ -138,6 +140,7 @@ class LocalRayHead:
             while self.pids() and time.time() < deadline:
                 time.sleep(0.5)
             if not self.pids():
+                shutil.rmtree(self.temp_dir, ignore_errors=True)
                 return
 
 
