@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from .worker_pool import group_engine_config, worker_actor_name
 logger = logging.getLogger("pagedserve.cluster")
 
 NAMESPACE = "pagedserve"
+RAY_ADDRESS_ENV = "RAY_ADDRESS"
 KV_MANAGER_NAME = "pagedserve-kv-manager"
 
 
@@ -88,13 +90,29 @@ def _wait_ready(refs: dict[str, Any], timeout_s: float, show_progress: bool) -> 
     return [infos[worker_id] for worker_id in refs]
 
 
+def init_ray(address: str | None = None, **ray_init_kwargs: Any) -> bool:
+    """Connect this process to Ray in pagedserve's namespace; True if it started its own.
+
+    ``address`` (else ``$RAY_ADDRESS``) names a running cluster to join, with its
+    token authentication as for one Ray finds itself; without either, a new
+    private Ray starts (``address="local"``) that ends with this process, never
+    a cluster that happens to run on the machine.
+    """
+    import ray
+
+    address = address or os.environ.get(RAY_ADDRESS_ENV) or None
+    ray_compat.enable_token_auth_for(address)
+    ray.init(address=address or "local", namespace=NAMESPACE, **ray_init_kwargs)
+    return address is None or address == "local"
+
+
 def start(config: ClusterConfig | dict | str | Path | None = None, address: str | None = None,
           ready_timeout_s: float | None = None, show_progress: bool = False,
           **ray_init_kwargs: Any) -> ClusterHandle:
     """Start the KV manager and the workers the config asks for; return a handle.
 
-    Joins the Ray cluster at ``address`` (or the one this process is already
-    connected to), starting a local one otherwise. The KV manager is one
+    Uses the Ray this process is connected to, else ``init_ray(address)``: the
+    cluster at ``address`` (or ``$RAY_ADDRESS``), or a new private one. The KV manager is one
     named, restartable actor, placed on the head node; workers are
     restartable actors, one per worker slot (``num_gpus`` per group).
     """
@@ -109,8 +127,7 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
     check_servable_config(model_path)
     owns_ray = False
     if not ray.is_initialized():
-        ray.init(address=address, namespace=NAMESPACE, **ray_init_kwargs)
-        owns_ray = address is None
+        owns_ray = init_ray(address, **ray_init_kwargs)
     kv_cls, worker_cls, controller_cls = _actor_classes()
     kv_manager = kv_cls.options(
         name=KV_MANAGER_NAME, namespace=NAMESPACE, max_restarts=-1, max_task_retries=0,

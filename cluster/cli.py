@@ -17,7 +17,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pagedserve.argtypes import non_negative_int, port
+from pagedserve.argtypes import non_negative_float, non_negative_int, port, positive_float, positive_int
 from pagedserve.devtools.model_factory import ARCHS, SIZES
 
 
@@ -119,10 +119,13 @@ def _add_config_parser(subparsers) -> None:
     actions = parser.add_subparsers(dest="config_action", metavar="ACTION", required=True)
     validate = actions.add_parser("validate", help="check FILE; exit 1 with every problem listed")
     validate.add_argument("file")
-    show = actions.add_parser("show", help="print the merged effective configuration as YAML")
+    show = actions.add_parser(
+        "show", help="print the merged effective configuration as YAML",
+        description="The configuration 'serve' would run with the same FILE, --set and flags: "
+                    "defaults, then the file, then --set, then the flags.")
     show.add_argument("file", nargs="?")
-    show.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                      help="override a key by its dotted path, e.g. engine.block_size=32")
+    show.add_argument("--model", help="checkpoint directory or hub id (model.path; 'serve' takes it as MODEL)")
+    _add_config_sources(show, with_file=False)
     parser.set_defaults(run=_run_config)
 
 
@@ -132,7 +135,10 @@ def _run_config(args: argparse.Namespace) -> int:
     from pagedserve.cluster.config import load_config
 
     try:
-        config = load_config(args.file, getattr(args, "overrides", None))
+        if args.config_action == "validate":
+            config = load_config(args.file)
+        else:
+            config = load_config(args.file, _overrides(args))
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -143,28 +149,114 @@ def _run_config(args: argparse.Namespace) -> int:
     return 0
 
 
+# vLLM's `vllm serve` flags and the configuration keys they set (a flag wins over the file and --set).
+VLLM_ENGINE_FLAGS = (
+    ("--max-model-len", "engine.max_model_len", positive_int, "context length (prompt plus output)"),
+    ("--gpu-memory-utilization", "engine.gpu_memory_utilization", positive_float,
+     "fraction of GPU memory for weights, activations and KV cache (default 0.9)"),
+    ("--max-num-seqs", "engine.max_num_seqs", positive_int, "sequences per engine step (default 256)"),
+    ("--max-num-batched-tokens", "engine.max_num_batched_tokens", positive_int, "tokens per engine step"),
+    ("--block-size", "engine.block_size", positive_int, "tokens per KV block (default 16)"),
+    ("--swap-space", "engine.swap_space_gb", non_negative_float, "host swap space per worker, GiB"),
+    ("--seed", "engine.seed", non_negative_int, "the engines' sampler seed (default: random)"),
+)
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+
+
+def _add_config_sources(parser: argparse.ArgumentParser, with_file: bool = True) -> None:
+    """``--config``/``--set`` and vLLM's engine and server flags, shared by ``serve`` and ``config show``."""
+    if with_file:
+        parser.add_argument("--config", metavar="FILE", help="YAML configuration (default: the embedded default)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a key by its dotted path, e.g. engine.block_size=32 (repeatable)")
+    vllm = parser.add_argument_group("vLLM's flags (each sets its configuration key and wins over the file)")
+    vllm.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                      help="the model id clients send (model.name; one name)")
+    vllm.add_argument("--revision", help="hub revision: branch, tag or commit (model.revision)")
+    vllm.add_argument("--download-dir", help="hub download cache on every node (model.download_dir)")
+    vllm.add_argument("--tensor-parallel-size", "-tp", type=positive_int,
+                      help="GPUs per model replica; only 1 for now: tensor parallelism is not implemented yet")
+    vllm.add_argument("--dtype", choices=DTYPES, help="weights and activations (engine.dtype; default auto)")
+    for flag, key, kind, text in VLLM_ENGINE_FLAGS:
+        vllm.add_argument(flag, type=kind, help=f"{text} ({key})")
+    vllm.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                      help="reuse cached prompt prefixes (engine.enable_prefix_caching; default on)")
+    vllm.add_argument("--tool-call-parser", help="how 'auto' tool choice reads calls (server.tool_call_parser)")
+    vllm.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help="accepted for vLLM's command lines: 'auto' tool choice is always on here")
+    vllm.add_argument("--host", help="HTTP host (server.host; default 127.0.0.1, loopback only: other "
+                                     "interfaces, e.g. 0.0.0.0, only when set explicitly)")
+    vllm.add_argument("--port", type=port, help="HTTP port (server.port)")
+    vllm.add_argument("--grpc-port", type=port, help="gRPC port (server.grpc_port; default: off)")
+    vllm.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (server.api_key, or "
+                                        "$PAGEDSERVE_API_KEY)")
+
+
+class FlagError(ValueError):
+    """A flag's value cannot be served (the message names the flag)."""
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    """``--set`` overrides, then the flags' own (so a flag wins over ``--set`` and the file)."""
+    overrides = list(args.overrides)
+    model = getattr(args, "model", None) or getattr(args, "model_flag", None)
+    if model:
+        overrides.append(f"model.path={_yaml_text(model)}")
+    names = args.served_model_name or []
+    if len(names) > 1:
+        raise FlagError(f"--served-model-name: one name is served, got {len(names)} ({', '.join(names)})")
+    if names:
+        overrides.append(f"model.name={_yaml_text(names[0])}")
+    if args.tensor_parallel_size is not None and args.tensor_parallel_size != 1:
+        raise FlagError(f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not "
+                        "implemented yet; a model replica runs on one GPU (--tensor-parallel-size 1). "
+                        "More GPUs serve more replicas: set workers[].count")
+    for attribute, key in (("revision", "model.revision"), ("download_dir", "model.download_dir"),
+                           ("dtype", "engine.dtype"), ("tool_call_parser", "server.tool_call_parser"),
+                           ("host", "server.host")):
+        value = getattr(args, attribute)
+        if value is not None:
+            overrides.append(f"{key}={_yaml_text(value)}")
+    for flag, key, _, _ in VLLM_ENGINE_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            overrides.append(f"{key}={value}")
+    if args.enable_prefix_caching is not None:
+        overrides.append(f"engine.enable_prefix_caching={str(args.enable_prefix_caching).lower()}")
+    for attribute in ("port", "grpc_port"):
+        if getattr(args, attribute) is not None:
+            overrides.append(f"server.{attribute}={getattr(args, attribute)}")
+    if getattr(args, "log_requests", False):
+        overrides.append("server.log_requests=true")
+    return overrides
+
+
+def _yaml_text(value: str) -> str:
+    """``value`` as a YAML string scalar, so that ``--set``'s parsing keeps it a string."""
+    import json
+
+    return json.dumps(value)
+
+
 def _add_serve_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "serve",
         help="serve the OpenAI-compatible HTTP API (and gRPC) on Ray Serve",
-        description=("Start Ray (or join --address), the KV manager and the workers the config asks for, "
-                     "and the Ray Serve application; print the endpoints and block until Ctrl-C or "
-                     "SIGTERM ('pagedserve stop'). With no arguments: a local Ray, one CPU worker and the "
-                     "tiny model (built on first start)."),
+        description=("Start a private Ray (or join --address / $RAY_ADDRESS), the KV manager and the workers "
+                     "the config asks for, and the Ray Serve application; print the endpoints and block "
+                     "until Ctrl-C or SIGTERM ('pagedserve stop'). With no arguments: one CPU worker and the "
+                     "tiny model (built on first start). Takes vLLM's flags: 'pagedserve serve MODEL "
+                     "--max-model-len 8192' as 'vllm serve' would."),
     )
-    parser.add_argument("--config", metavar="FILE", help="YAML configuration (default: the embedded default)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a key by its dotted path, e.g. engine.block_size=32 (repeatable)")
-    parser.add_argument("--host", help="HTTP host (config server.host; default 127.0.0.1, loopback only: "
-                                       "other interfaces, e.g. 0.0.0.0, only when set explicitly)")
-    parser.add_argument("--port", type=port, help="HTTP port (config server.port)")
-    parser.add_argument("--grpc-port", type=port, help="gRPC port (config server.grpc_port; default: off)")
-    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (config server.api_key, "
-                                          "or $PAGEDSERVE_API_KEY)")
+    parser.add_argument("model", nargs="?", metavar="MODEL",
+                        help="checkpoint directory or hub id (model.path; default: the built tiny model)")
+    parser.add_argument("--model", dest="model_flag", metavar="MODEL", help=argparse.SUPPRESS)
+    _add_config_sources(parser)
     parser.add_argument("--log-requests", action="store_true",
                         help="log prompts and completions (config server.log_requests; default: off)")
     parser.add_argument("--address", metavar="RAY_ADDRESS",
-                        help="join this Ray cluster ('auto' for the local one)")
+                        help="join this Ray cluster ('auto': the one running on this machine; default: "
+                             "$RAY_ADDRESS if set, else a private Ray that stops with the server)")
     parser.set_defaults(run=_run_serve)
 
 
@@ -174,21 +266,15 @@ def _run_serve(args: argparse.Namespace) -> int:
     from pagedserve.cluster.config import load_config
     from pagedserve.cluster.launcher import serve_forever
 
-    overrides = list(args.overrides)
-    for key, value in (("host", args.host), ("port", args.port), ("grpc_port", args.grpc_port)):
-        if value is not None:
-            overrides.append(f"server.{key}={value}")
-    if args.log_requests:
-        overrides.append("server.log_requests=true")
     try:
-        config = load_config(args.config, overrides)
+        config = load_config(args.config, _overrides(args))
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     api_key = args.api_key or config.server.api_key or os.environ.get("PAGEDSERVE_API_KEY")
     if api_key:
         config.server.api_key = api_key  # not through --set: a key must stay a string
-    return serve_forever(config, address=args.address)
+    return serve_forever(config, address=args.address or os.environ.get("RAY_ADDRESS") or None)
 
 
 def _add_status_parser(subparsers) -> None:

@@ -1,6 +1,7 @@
 """What ``pagedserve serve``, ``status`` and ``stop`` do.
 
-``serve`` starts Ray (or joins ``--address``), the KV manager and workers,
+``serve`` starts a private Ray (or joins ``--address``, else ``$RAY_ADDRESS``;
+token authentication as Ray uses it for a cluster it finds), the KV manager and workers,
 and the Serve application, then writes a small state file (pid, Ray
 address, endpoints) to ``$PAGEDSERVE_CACHE_DIR/serve.json`` (default
 ``~/.cache/pagedserve/serve.json``) and blocks until SIGINT/SIGTERM, when it
@@ -102,7 +103,7 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
     import ray
     from ray import serve
 
-    from .bootstrap import NAMESPACE, start
+    from .bootstrap import init_ray, start
     from .serving.deployment import APP_NAME, deploy
 
     progress = progress or Progress()
@@ -110,12 +111,12 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the driver's "app ready" chatter
     stopping = threading.Event()
     previous: dict = {}
-    owns_ray = not ray.is_initialized()
+    owns_ray = is_private_ray = not ray.is_initialized()
     handle = None
     try:
         if owns_ray:
-            with progress.stage(f"joining the Ray cluster at {address}" if address else "starting Ray"):
-                ray.init(address=address, namespace=NAMESPACE, logging_level="WARNING")
+            with progress.stage(f"joining the Ray cluster at {address}" if address else "starting a private Ray"):
+                is_private_ray = init_ray(address, logging_level="WARNING")
         if not config.model.path:
             model = config.model
             with progress.stage(f"building the {model.arch}-{model.size} model (first start only)"):
@@ -157,7 +158,7 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
         if state and state.get("pid") == os.getpid():
             state_file().unlink(missing_ok=True)
         with contextlib.suppress(Exception):
-            if owns_ray and not address:
+            if is_private_ray:
                 serve.shutdown()
             else:
                 serve.delete(APP_NAME)
@@ -201,11 +202,11 @@ def fetch_status(address: str | None = None, timeout_s: float = 30.0) -> dict:
     import ray
     from ray import serve
 
-    from .bootstrap import NAMESPACE
+    from .bootstrap import init_ray
     from .serving.deployment import APP_NAME
 
     if not ray.is_initialized():
-        ray.init(address=address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
+        init_ray(address, logging_level="ERROR", log_to_driver=False)
     return serve.get_app_handle(APP_NAME).status.remote().result(timeout_s=timeout_s)
 
 

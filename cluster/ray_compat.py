@@ -192,3 +192,21 @@ def process_auth_mode() -> str:
     from ray._private.authentication.authentication_utils import is_token_auth_enabled
 
     return "token" if is_token_auth_enabled() else "disabled"
+
+
+def enable_token_auth_for(address: str | None) -> None:
+    """Before ``ray.init`` joins a running cluster by an explicit address (``--address``,
+    ``$RAY_ADDRESS``): turn token authentication on when a token is available (``~/.ray/
+    auth_token``, ``$RAY_AUTH_TOKEN``, ``$RAY_AUTH_TOKEN_PATH``) and ``RAY_AUTH_MODE`` is unset,
+    as Ray 2.60 itself does only for a cluster it finds (address None or "auto"). An explicit
+    ``RAY_AUTH_MODE`` (e.g. "disabled" for a cluster without tokens) is respected.
+
+    Private (``ray._private.authentication``): Ray has no public call for it.
+    """
+    if address in (None, "auto", "local"):
+        return
+    from ray._private.authentication.authentication_token_setup import (
+        maybe_enable_token_auth_if_token_available,
+    )
+
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)

@@ -1,5 +1,6 @@
-"""An autoscaling Ray cluster on this machine: Ray's fake multi-node provider, started by
-``RAY_FAKE_CLUSTER=1 ray start --head --autoscaling-config=FILE``.
+"""Ray clusters of a test's own on this machine, started by ``ray start --head``:
+``LocalRayHead`` (a plain head) and ``FakeAutoscalingCluster`` (Ray's fake multi-node
+provider: ``RAY_FAKE_CLUSTER=1 ray start --head --autoscaling-config=FILE``).
 
 Each cluster gets its own ports and temp dir, so it never meets another Ray on the
 machine, and ``stop`` ends only this cluster's processes (found by that temp dir and
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -52,28 +54,35 @@ def _node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
-class FakeAutoscalingCluster:
-    """``start()`` a head (no GPU) whose autoscaler adds {CPU: 1, GPU: 1} nodes on demand."""
+class LocalRayHead:
+    """``start()`` a plain Ray head (no GPU) with ``head_cpus`` CPUs, on ports and a temp dir of its own.
 
-    def __init__(self, workdir: Path, provider_file: Path = PROVIDER_FILE, head_cpus: int = 4,
-                 env: dict[str, str] | None = None) -> None:
+    ``env`` is the ``ray start`` environment on top of this process's; by default the
+    cluster takes this test process's token-auth mode (Ray fixes a process's mode once, a
+    first local ray.init turns token auth on, and a driver whose mode differs from the
+    cluster's is refused: "Missing authorization header").
+    """
+
+    def __init__(self, workdir: Path, head_cpus: int = 4, env: dict[str, str] | None = None) -> None:
         self.workdir = Path(workdir)
-        self.provider_file = provider_file
         self.head_cpus = head_cpus
         self.port = free_port()
         self.ip = _node_ip()
         # Short: Ray's socket paths live under it (108 bytes at most).
         self.temp_dir = Path(f"/tmp/psfake-{self.port}")
-        # The cluster's token-auth mode must be this test process's: Ray fixes a process's mode
-        # once (a first local ray.init turns token auth on), and a driver whose mode differs
-        # from the cluster's is refused ("Missing authorization header").
-        self.env = {**os.environ, "RAY_AUTH_MODE": _process_auth_mode(), **(env or {}), "RAY_FAKE_CLUSTER": "1"}
+        env = env or {}
+        mode = env["RAY_AUTH_MODE"] if "RAY_AUTH_MODE" in env else _process_auth_mode()
+        self.env = {**os.environ, **env, "RAY_AUTH_MODE": mode}
+
+    def _head_options(self) -> list[str]:
+        """More ``ray start --head`` options (none for a plain head)."""
+        return []
 
     @property
     def address(self) -> str:
         return f"{self.ip}:{self.port}"
 
-    def start(self, timeout_s: float = 120.0, attempts: int = 3) -> "FakeAutoscalingCluster":
+    def start(self, timeout_s: float = 120.0, attempts: int = 3) -> "LocalRayHead":
         """Start the head; on a loaded machine the raylet may miss Ray's fixed 30 s start-up
         deadline, so a failed start is cleaned up and tried again on fresh ports."""
         for attempt in range(1, attempts + 1):
@@ -86,17 +95,12 @@ class FakeAutoscalingCluster:
                 self.temp_dir = Path(f"/tmp/psfake-{self.port}")
         return self
 
-    def _start_once(self, timeout_s: float) -> "FakeAutoscalingCluster":
-        config = yaml.safe_load(self.provider_file.read_text())
-        config["provider"]["gcs_address"] = self.address
-        config["available_node_types"]["ray.head.default"]["resources"] = {"CPU": self.head_cpus}
+    def _start_once(self, timeout_s: float) -> "LocalRayHead":
         self.workdir.mkdir(parents=True, exist_ok=True)
-        path = self.workdir / "fake-cluster.yaml"
-        path.write_text(yaml.safe_dump(config))
         command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={self.port}",
                    f"--num-cpus={self.head_cpus}", "--num-gpus=0", f"--temp-dir={self.temp_dir}",
                    "--include-dashboard=false", f"--ray-client-server-port={free_port()}", *_own_ports(),
-                   f"--autoscaling-config={path}", "--disable-usage-stats"]
+                   *self._head_options(), "--disable-usage-stats"]
         try:
             result = subprocess.run(command, env=self.env, timeout=timeout_s, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -124,7 +128,8 @@ class FakeAutoscalingCluster:
         return found
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM this cluster's processes, then SIGKILL those still there."""
+        """SIGTERM this cluster's processes, then SIGKILL those still there; once none is
+        left, remove its temp dir."""
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid in self.pids():
                 try:
@@ -135,4 +140,23 @@ class FakeAutoscalingCluster:
             while self.pids() and time.time() < deadline:
                 time.sleep(0.5)
             if not self.pids():
+                shutil.rmtree(self.temp_dir, ignore_errors=True)
                 return
+
+
+class FakeAutoscalingCluster(LocalRayHead):
+    """``start()`` a head (no GPU) whose autoscaler adds {CPU: 1, GPU: 1} nodes on demand."""
+
+    def __init__(self, workdir: Path, provider_file: Path = PROVIDER_FILE, head_cpus: int = 4,
+                 env: dict[str, str] | None = None) -> None:
+        super().__init__(workdir, head_cpus, env)
+        self.provider_file = provider_file
+        self.env["RAY_FAKE_CLUSTER"] = "1"
+
+    def _head_options(self) -> list[str]:
+        config = yaml.safe_load(self.provider_file.read_text())
+        config["provider"]["gcs_address"] = self.address
+        config["available_node_types"]["ray.head.default"]["resources"] = {"CPU": self.head_cpus}
+        path = self.workdir / "fake-cluster.yaml"
+        path.write_text(yaml.safe_dump(config))
+        return [f"--autoscaling-config={path}"]

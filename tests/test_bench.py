@@ -318,7 +318,8 @@ def test_bench_cli_parses():
     assert args.quick and args.allocator == ["paged"] and math.isinf(args.request_rate)
     args = parser.parse_args(["bench", "serve", "--url", "http://h:1", "--max-concurrency", "4"])
     assert args.max_concurrency == 4
-    for bad in (["bench"], ["bench", "serve"], ["bench", "prefix", "--num-requests", "0"],
+    for bad in (["bench"], ["bench", "serve", "--endpoint", "/v1/chat/completions"],
+                ["bench", "prefix", "--num-requests", "0"],
                 ["bench", "allocators", "--allocator", "buddy"]):
         with pytest.raises(SystemExit) as exc:
             parser.parse_args(bad)

@@ -1,5 +1,6 @@
 """The package's import graph: no circles anywhere, and the layer rules of
-DESIGN.md (nothing imports upward; HTTP and gRPC meet only in the frontend).
+DESIGN.md (nothing imports upward; HTTP and gRPC meet only in the transport-neutral
+serving modules: the frontend, serving_chat, serving_completion, streaming).
 
 Every ``import`` counts, deferred ones inside functions too: a circle closed
 by a function-level import is still a circle (the old ``server`` <->
@@ -17,7 +18,7 @@ import pytest
 import pagedserve
 
 PACKAGE = "pagedserve"
-HTTP_MODULES = ("http_app", "serving_chat", "serving_completion", "sse")
+HTTP_MODULES = ("http_app", "sse")
 GRPC_MODULES = ("grpc_service",)
 # Which top-level subpackages each one may import (DESIGN.md, "Layers").
 LAYERS = {

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible API without Ray: ``OpenAIServer``'s FastAPI app over an
+"""The OpenAI-compatible API without Ray: the ``Frontend``'s FastAPI app over an
 in-process engine, driven through httpx's ASGI transport. Error shapes and
 statuses, limits, auth, SSE framing, usage and metrics; the live Ray Serve
 deployment is covered by ``test_server.py``.
@@ -11,96 +11,25 @@ import json
 import logging
 import os
 import pickle
+import re
 import time
 import uuid
-from contextlib import aclosing
 
 import pytest
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from pagedserve.cluster.config import ServerConfig  # noqa: E402
+from local_frontend import MODEL, LocalHandle, call  # noqa: E402
+from local_frontend import assert_error as _assert_error  # noqa: E402
+from local_frontend import events as _events  # noqa: E402
+from local_frontend import make_frontend as _server  # noqa: E402
+
 from pagedserve.cluster.handle import NoCapacityError  # noqa: E402
 from pagedserve.cluster.serving.auth import check_api_key, client_key  # noqa: E402
-from pagedserve.cluster.serving.frontend import Frontend as OpenAIServer  # noqa: E402
-from pagedserve.cluster.serving.http_app import build_app  # noqa: E402
 from pagedserve.cluster.serving.limits import ClientLimiter, RequestLimiter  # noqa: E402
-from pagedserve.workers.async_engine import AsyncLLMEngine  # noqa: E402
-from pagedserve.workers.engine import EngineConfig  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
-
-MODEL = "tiny-test"
-
-
-class _Remote:
-    """Stands in for a Ray actor method: ``.remote()`` returns an awaitable."""
-
-    def __init__(self, fn) -> None:
-        self._fn = fn
-
-    def remote(self, *args):
-        async def call():
-            return self._fn(*args)
-        return call()
-
-
-class _Actor:
-    def __init__(self, **methods) -> None:
-        for name, fn in methods.items():
-            setattr(self, name, _Remote(fn))
-
-
-class _Router:
-    def snapshot(self) -> dict:
-        return {}
-
-    def recent_decisions(self, limit: int) -> list[dict]:
-        return []
-
-
-class LocalHandle:
-    """The subset of ``ClusterHandle`` the server uses, over one in-process engine."""
-
-    def __init__(self, model_path: str) -> None:
-        self.engine = AsyncLLMEngine.from_config(
-            EngineConfig(model=model_path, num_device_blocks=128, swap_space_gb=0.001))
-        core = self.engine.engine
-        self.model_path = model_path
-        self.model_name = MODEL
-        self.max_model_len = core.max_model_len
-        self.tokenizer = core.tokenizer
-        self.router = _Router()
-        self.fail_with: BaseException | None = None
-        self.stall_s = 0.0  # > 0: a pause after every output (a slow or stuck generation)
-        self.kv_manager = _Actor(stats=lambda: {"workers": {"worker-0": core.kv_manager.stats("worker-0")}})
-        self.workers = {"worker-0": _Actor(stats=lambda: {"is_healthy": True, **self.engine.stats()},
-                                           ping=lambda: "worker-0")}
-
-    def generate(self, prompt, params, request_id=None, priority=0, prompt_token_ids=None):
-        if self.fail_with is not None:
-            return self._fail()
-        stream = self.engine.generate(prompt, params, request_id, priority, prompt_token_ids)
-        return self._stalled(stream, self.stall_s) if self.stall_s else stream
-
-    @staticmethod
-    async def _stalled(stream, stall_s: float):
-        async with aclosing(stream):
-            async for output in stream:
-                yield output
-                await asyncio.sleep(stall_s)
-
-    async def _fail(self):
-        raise self.fail_with
-        yield  # pragma: no cover - makes this an async generator
-
-    def num_used_blocks(self) -> int:
-        return self.engine.num_used_blocks()
-
-    def has_streams(self) -> bool:
-        """True while some request's stream has not had its final output delivered."""
-        return bool(self.engine._streams)
 
 
 @pytest.fixture(scope="module")
@@ -108,40 +37,6 @@ def local_handle(tiny_model):
     handle = LocalHandle(tiny_model("llama"))
     yield handle
     handle.engine.shutdown()
-
-
-def _server(handle, **server_fields) -> OpenAIServer:
-    return OpenAIServer(handle, ServerConfig.model_validate(server_fields))
-
-
-def call(server: OpenAIServer, method: str, path: str, **kwargs) -> httpx.Response:
-    """One request against ``server``'s app, in a fresh event loop."""
-    async def run():
-        transport = httpx.ASGITransport(app=build_app(server))
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            response = await client.request(method, path, **kwargs)
-        # The engine thread delivers an aborted request's final output to this loop: keep it open
-        # until then (a closed loop there stops AsyncLLMEngine's thread).
-        deadline = time.monotonic() + 10
-        while server.handle.has_streams() and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        return response
-    return asyncio.run(run())
-
-
-def _events(response: httpx.Response) -> list:
-    lines = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(line) for line in lines[:-1]]
-
-
-def _assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    if param is not None:
-        assert error["param"] == param
-    return error
 
 
 @pytest.fixture(scope="module")
@@ -277,6 +172,10 @@ def test_unknown_model_404_and_unknown_route(server):
     error = _assert_error(call(server, "POST", "/v1/completions", json={"model": "gpt-9", "prompt": "x"}),
                           404, "model")
     assert error["code"] == "model_not_found"
+    # Both conventions' words: Ray Serve LLM's clients look for "Could not find", vLLM's for its sentence.
+    assert error["message"] == (f"Could not find model 'gpt-9': the model `gpt-9` does not exist; this server "
+                                f"serves '{MODEL}'")
+    assert call(server, "GET", "/v1/models/gpt-9").json()["error"]["message"] == error["message"]
     _assert_error(call(server, "GET", "/v1/nothing"), 404)
 
 
@@ -513,15 +412,19 @@ def test_grpc_every_method_needs_the_key(local_handle):
 
     service = GrpcService(_server(local_handle, api_key="sekrit"))
     rpc_names = {m.name for m in pb.DESCRIPTOR.services_by_name["PagedServe"].methods}
-    assert rpc_names == {"Generate", "GenerateStream"}
+    assert rpc_names == {"Generate", "GenerateStream", "Chat", "ChatStream"}
     assert all(hasattr(pb_grpc.PagedServeServicer, name) for name in rpc_names)
     request = pb.GenerateRequest(prompt="x", max_tokens=2)
+    chat = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="x")], max_tokens=2)
 
     async def stream(context):
         return [m async for m in service.generate_stream(request, context)]
 
+    async def chat_stream(context):
+        return [m async for m in service.chat_stream(chat, context)]
+
     for metadata in ((), (("authorization", "Bearer wrong"),)):
-        for run in (lambda c: service.generate(request, c), stream):
+        for run in (lambda c: service.generate(request, c), stream, lambda c: service.chat(chat, c), chat_stream):
             context = _GrpcContext(metadata)
             with pytest.raises(Exception):
                 asyncio.run(run(context))
@@ -595,3 +498,75 @@ def test_grpc_undecodable_bytes_are_invalid_argument(local_handle):
         with pytest.raises(Exception):
             asyncio.run(service.generate(None, context))
         assert context.code == code
+
+
+# ---- fields of Ray Serve LLM's and vLLM's APIs -----------------------------------------------------
+NUMBER = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["n"], "additionalProperties": False}
+
+
+def test_ray_serve_llm_json_mode_constrains_to_the_schema(server):
+    chat = {"messages": [{"role": "user", "content": "A digit, as JSON."}], "max_tokens": 48}
+    num_valid = 0
+    for seed, schema in enumerate([NUMBER, json.dumps(NUMBER)] * 3):  # an object, or its JSON text
+        body = {**chat, "seed": seed, "response_format": {"type": "json_object", "schema": schema}}
+        choice = call(server, "POST", "/v1/chat/completions", json=body).json()["choices"][0]
+        if choice["finish_reason"] == "stop":
+            value = json.loads(choice["message"]["content"])
+            assert set(value) == {"n"} and 0 <= value["n"] <= 9, value
+            num_valid += 1
+    assert num_valid >= 3
+    bad = {**chat, "response_format": {"type": "json_object", "schema": {"type": "nope"}}}
+    assert "response_format.schema" in _assert_error(call(server, "POST", "/v1/chat/completions", json=bad),
+                                                     400, "response_format.schema")["message"]
+    misplaced = {**chat, "response_format": {"type": "json_schema", "schema": NUMBER,
+                                             "json_schema": {"name": "n", "schema": NUMBER}}}
+    _assert_error(call(server, "POST", "/v1/chat/completions", json=misplaced), 400, "response_format.schema")
+
+
+def test_vllm_guided_fields_request_id_and_continue_final_message(server):
+    body = {"prompt": "Pick one:", "max_tokens": 8, "guided_choice": ["yes", "no"], "seed": 1,
+            "request_id": "my-request-7"}
+    data = call(server, "POST", "/v1/completions", json=body).json()
+    assert data["id"] == "my-request-7" and data["choices"][0]["text"] in ("yes", "no")
+    regex = call(server, "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 8,
+                                                          "guided_regex": "[0-9]{3}"}).json()
+    assert re.fullmatch("[0-9]{3}", regex["choices"][0]["text"])
+    both = {"prompt": "x", "guided_json": NUMBER, "structured_outputs": {"regex": "a"}}
+    _assert_error(call(server, "POST", "/v1/completions", json=both), 400, "guided_json")
+    messages = [{"role": "user", "content": "Tell a story"}, {"role": "assistant", "content": "Once upon a"}]
+    body = {"messages": messages, "max_tokens": 3, "continue_final_message": True, "add_generation_prompt": False}
+    assert call(server, "POST", "/v1/chat/completions", json=body).status_code == 200
+    _assert_error(call(server, "POST", "/v1/chat/completions", json={**body, "add_generation_prompt": True}), 400,
+                  "continue_final_message")
+
+
+@pytest.mark.parametrize(("field", "value", "path"), [
+    ("store", True, "/v1/chat/completions"), ("metadata", {"a": "b"}, "/v1/chat/completions"),
+    ("service_tier", "flex", "/v1/chat/completions"), ("reasoning_effort", "high", "/v1/chat/completions"),
+    ("functions", [{"name": "f"}], "/v1/chat/completions"), ("modalities", ["audio"], "/v1/chat/completions"),
+    ("echo", True, "/v1/chat/completions"), ("chat_template", "{{ 1 }}", "/v1/chat/completions"),
+    ("allowed_token_ids", [1, 2], "/v1/completions"), ("cache_salt", "s", "/v1/completions"),
+    ("guided_whitespace_pattern", " ", "/v1/completions"), ("logit_bias", {"5": 1.0}, "/v1/completions"),
+])
+def test_fields_we_cannot_honour_are_refused_with_the_reason(server, field, value, path):
+    body = {"prompt": "x", "max_tokens": 2} if path == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    error = _assert_error(call(server, "POST", path, json={**body, field: value}), 400, field)
+    assert "unknown field" not in error["message"] and len(error["message"]) > len(field) + 30, error
+
+
+def test_harmless_values_of_those_fields_pass(server):
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "store": False,
+            "service_tier": "auto", "modalities": ["text"], "guided_decoding_backend": "guidance"}
+    assert call(server, "POST", "/v1/chat/completions", json=body).status_code == 200
+
+
+def test_vllm_disable_any_whitespace_option(server):
+    body = {"prompt": "{", "max_tokens": 64, "response_format": {"type": "json_object", "schema": NUMBER},
+            "guided_decoding_backend": "guidance:disable-any-whitespace"}
+    for seed in range(3):
+        choice = call(server, "POST", "/v1/completions", json={**body, "seed": seed}).json()["choices"][0]
+        assert choice["finish_reason"] == "stop" and re.fullmatch(r'\{"n":[0-9]\}', choice["text"]), choice
+    _assert_error(call(server, "POST", "/v1/completions", json={**body, "guided_decoding_backend": "xgrammar"}),
+                  400, "guided_decoding_backend")

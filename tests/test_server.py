@@ -273,3 +273,16 @@ def test_grpc_unary_stream_and_errors(served):
         keyed = stub.Generate(pb.GenerateRequest(prompt="x", max_tokens=2), timeout=60,
                               metadata=secure + (("authorization", f"Bearer {API_KEY}"),))
         assert keyed.usage.completion_tokens == 2
+
+        # Chat through Serve's gRPC proxy: unary and streamed agree; its refusals are HTTP's.
+        chat = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content=PROMPTS[1])], max_tokens=6,
+                              temperature=0, ignore_eos=True, logprobs=True)
+        reply = stub.Chat(chat, metadata=app, timeout=60)
+        assert reply.choices[0].finish_reason == "length" and len(reply.choices[0].logprobs) == 6
+        pieces = list(stub.ChatStream(chat, metadata=app, timeout=60))
+        assert "".join(c.content for m in pieces for c in m.choices) == reply.choices[0].content
+        assert pieces[-1].usage.completion_tokens == 6
+        assert code_of(lambda: stub.Chat(pb.ChatRequest(messages=chat.messages, max_tokens=100000), metadata=app,
+                                         timeout=60)) == grpc.StatusCode.INVALID_ARGUMENT
+        assert code_of(lambda: list(stub.ChatStream(pb.ChatRequest(model="nope", messages=chat.messages),
+                                                    metadata=app, timeout=60))) == grpc.StatusCode.NOT_FOUND

@@ -120,9 +120,28 @@ def test_json_object_and_compact_whitespace(llm):
         num_stop += 1
         assert completion.finish_reason == "stop"
         assert isinstance(json.loads(completion.text), dict)
+        outside_strings = re.sub(r'"(?:[^"\\]|\\.)*"', "", completion.text)
         if i % 2 == 0:  # compact: no whitespace outside string literals
-            assert not re.search(r"\s", re.sub(r'"(?:[^"\\]|\\.)*"', "", completion.text)), completion.text
+            assert not re.search(r"\s", outside_strings), completion.text
+        else:  # the default: at most one space or line break between tokens
+            assert not re.search(r"\s\s|\t", outside_strings), completion.text
     assert num_stop >= 3
+
+
+def test_bounded_schemas_finish_inside_a_compact_answers_budget(tiny_model):
+    """The whitespace benchmark's measurement, short: a random-weight model under bounded schemas,
+    each request's max_tokens the most bytes a compact answer can take, always finishes valid
+    under the default whitespace rule and under disable_any_whitespace."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_json_whitespace.py"
+    spec = importlib.util.spec_from_file_location("bench_json_whitespace", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for rule in ("default", "compact"):
+        result = bench.run_rule(tiny_model("llama"), rule, num_samples=6)
+        assert result["finished_in_budget"] == 1.0 and result["valid"] == result["requests"], result
 
 
 def test_regex_choice_and_grammar(llm):

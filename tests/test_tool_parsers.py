@@ -231,3 +231,46 @@ def test_named_and_required_parsers_on_cut_output():
     assert NamedToolParser("add").parse('{"a": 1').tool_calls == []
     parsed = RequiredToolParser().parse('[{"name": "add", "parameters": {"a": 1, "b": 2}}, {"name": "no')
     assert [c.name for c in parsed.tool_calls] == ["add"]
+
+
+REQUIRED_TEXT = '[{"name": "add", "parameters": {"a": 1, "b": 2}}, {"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+NAMED_TEXT = '{"city": "Paris", "unit": "c"}'
+CUT_OFF_PARSERS = [(HermesToolParser, HERMES_TEXT), (RequiredToolParser, REQUIRED_TEXT),
+                   (lambda new_id: NamedToolParser("get_weather", new_id), NAMED_TEXT),
+                   (Llama3JsonToolParser, LLAMA_TEXT)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=st.sampled_from(CUT_OFF_PARSERS), cut=st.floats(0, 1), size=st.integers(1, 9))
+def test_cut_off_output_streams_what_parse_returns(case, cut, size):
+    """An output cut off anywhere (max_tokens): streamed piece by piece, the deltas rebuild
+    exactly what ``parse(..., is_cut_off=True)`` returns, as vLLM returns truncated calls."""
+    make, text = case
+    text = text[:int(len(text) * cut)]
+    whole = make(ids()).parse(text, is_cut_off=True)
+    content, calls = stream(make(ids()), [text[i:i + size] for i in range(0, len(text), size)])
+    assert content == (whole.content or "")
+    assert calls == {i: (c.id, c.name, c.arguments) for i, c in enumerate(whole.tool_calls)}
+
+
+def test_cut_off_calls_keep_their_partial_arguments_and_no_wrapper_is_content():
+    named = NamedToolParser("add").parse('{"a": 1', is_cut_off=True)
+    assert named.content is None and [(c.name, c.arguments) for c in named.tool_calls] == [("add", '{"a": 1')]
+    # Cut before the first call's name is complete: "required"'s wrapper is no content.
+    for text in ("", "[", '[{"name": "final_result', '[{"name": "add'):
+        wrapper = RequiredToolParser().parse(text, is_cut_off=True)
+        assert wrapper.content is None and wrapper.tool_calls == [], text
+    # Once the name is complete the call has started (streaming sent its id and name).
+    started = RequiredToolParser().parse('[{"name": "add", "param', is_cut_off=True)
+    assert [(c.name, c.arguments) for c in started.tool_calls] == [("add", "")]
+    required = RequiredToolParser().parse('[{"name": "add", "parameters": {"a": 1, "b": 2}}, '
+                                          '{"name": "get_weather", "parameters": {"ci', is_cut_off=True)
+    assert required.content is None
+    assert [(c.name, c.arguments) for c in required.tool_calls] == [("add", '{"a": 1, "b": 2}'),
+                                                                    ("get_weather", '{"ci')]
+    hermes = HermesToolParser().parse('Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1',
+                                      is_cut_off=True)
+    assert hermes.content == "Let me add."
+    assert [(c.name, c.arguments) for c in hermes.tool_calls] == [("add", '{"a": 1')]
+    # Not cut off (the model ended a malformed call itself): still content, whole.
+    assert NamedToolParser("add").parse('{"a": 1').tool_calls == []

@@ -41,9 +41,9 @@ class StructuredOutputsParams:
       - ``choice``: the output is exactly one of the strings;
       - ``grammar``: a context-free grammar in Lark or GBNF/EBNF syntax.
     ``disable_any_whitespace`` (JSON kinds) allows no whitespace at all between
-    tokens (``{"a":1,"b":[2]}``); by default the whitespace a JSON printer
-    produces is allowed between tokens: at most one line break, then up to 24
-    spaces or tabs (bounded, so that a model cannot loop on whitespace).
+    tokens (``{"a":1,"b":[2]}``); by default at most one space or one line break
+    may stand between two tokens (bounded, so that a model cannot spend its
+    budget on whitespace).
 
     Only the shape is checked here (types, one kind, the size limit); whether the
     schema, regex or grammar compiles is checked when a request is added, with a

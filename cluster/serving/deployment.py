@@ -1,5 +1,5 @@
 """The Ray Serve deployment: one replica class serving HTTP (FastAPI ingress) and
-gRPC (``Generate``/``GenerateStream``) over one ``Frontend``, and ``deploy``,
+gRPC (``Generate``/``GenerateStream``, ``Chat``/``ChatStream``) over one ``Frontend``, and ``deploy``,
 which starts Serve and runs the application.
 """
 
@@ -32,7 +32,8 @@ def is_loopback(host: str) -> bool:
 
 
 class PagedServeDeployment:
-    """The Serve replica: HTTP through FastAPI, gRPC through ``Generate``/``GenerateStream``.
+    """The Serve replica: HTTP through FastAPI, gRPC through ``Generate``/``GenerateStream``
+    and ``Chat``/``ChatStream``.
 
     Decorated with ``serve.ingress`` by ``build_application``; holds the
     cluster handle it is constructed with.
@@ -50,6 +51,13 @@ class PagedServeDeployment:
 
     async def GenerateStream(self, request, grpc_context=None):  # noqa: N802 - the RPC's name
         async for response in self.grpc.generate_stream(request, grpc_context):
+            yield response
+
+    async def Chat(self, request, grpc_context=None):  # noqa: N802 - the RPC's name
+        return await self.grpc.chat(request, grpc_context)
+
+    async def ChatStream(self, request, grpc_context=None):  # noqa: N802 - the RPC's name
+        async for response in self.grpc.chat_stream(request, grpc_context):
             yield response
 
     async def status(self) -> dict:

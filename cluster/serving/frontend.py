@@ -119,13 +119,12 @@ class Generation:
             self._tasks.append(asyncio.create_task(self._pump(index, prompt)))
 
     async def _pump(self, index: int, prompt: PromptInput) -> None:
-        limit = self.server.max_model_len - len(prompt.token_ids)
-        params = self.params
-        if params.max_tokens > limit:  # the engine would stop there anyway; keep routing estimates honest
-            params = dataclasses.replace(params, max_tokens=limit)
-        stream = self.server.handle.generate(prompt.text, params, f"{self.request_id}-{index}",
-                                             self.priority, prompt_token_ids=prompt.token_ids)
+        # Whatever fails here reaches the consumer, and the end marker always follows: a prompt
+        # whose stream never started must not leave the request waiting for it.
         try:
+            params = self._fitted(prompt)
+            stream = self.server.handle.generate(prompt.text, params, f"{self.request_id}-{index}",
+                                                 self.priority, prompt_token_ids=prompt.token_ids)
             async with aclosing(stream):
                 async for output in stream:
                     self._queue.put_nowait((index, output))
@@ -135,6 +134,16 @@ class Generation:
             self._queue.put_nowait((index, exc))
         finally:
             self._queue.put_nowait((index, None))
+
+    def _fitted(self, prompt: PromptInput) -> SamplingParams:
+        """The request's params with ``max_tokens`` (a default, since ``Frontend.check_output_fits``
+        refused a stated one that does not fit) cut to what the context leaves after ``prompt``:
+        the engine would stop there anyway, and routing estimates stay honest."""
+        room = self.server.max_model_len - len(prompt.token_ids)
+        params = self.params
+        if params.max_tokens > room:
+            params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+        return params
 
     def __aiter__(self) -> "Generation":
         return self
@@ -276,9 +285,26 @@ class Frontend:
         check_api_key(self.api_key, authorization)
 
     def check_model(self, model: str | None) -> None:
+        """404 for a model this server does not serve, worded so that both Ray Serve LLM's
+        ("Could not find model") and vLLM's ("The model `x` does not exist.") clients recognise it."""
         if model and model != self.model_name:
-            raise APIError(404, f"the model '{model}' does not exist; this server serves "
-                                f"'{self.model_name}'", param="model", code="model_not_found")
+            raise APIError(404, f"Could not find model '{model}': the model `{model}` does not exist; "
+                                f"this server serves '{self.model_name}'", param="model",
+                           code="model_not_found")
+
+    def check_output_fits(self, prompts: list[PromptInput], max_tokens: int | None, min_tokens: int,
+                          max_tokens_param: str = "max_tokens") -> None:
+        """400 when the longest prompt plus the ``max_tokens`` the client stated (None: it stated
+        none), or plus ``min_tokens``, exceeds the context: the request could never finish as
+        asked. vLLM and OpenAI refuse these too; the message names the field and both numbers."""
+        num_prompt_tokens = max(len(prompt.token_ids) for prompt in prompts)
+        room = self.max_model_len - num_prompt_tokens
+        for value, param in ((max_tokens, max_tokens_param), (min_tokens, "min_tokens")):
+            if value is not None and value > room:
+                raise APIError(400, f"'{param}' is too large: {value}. This model's maximum context length "
+                                    f"is {self.max_model_len} tokens and your request has {num_prompt_tokens} "
+                                    f"input tokens ({value} > {self.max_model_len} - {num_prompt_tokens})",
+                               param=param, code="context_length_exceeded")
 
     def check_prompt(self, token_ids: list[int], param: str = "prompt") -> None:
         if not token_ids:
@@ -319,7 +345,13 @@ class Frontend:
             raise APIError(400, f"the model '{self.model_name}' has no chat template; use /v1/completions",
                            param="messages")
         messages = [self._template_message(message) for message in request.messages]
-        kwargs: dict[str, Any] = {"add_generation_prompt": request.add_generation_prompt}
+        if request.continue_final_message and request.add_generation_prompt:
+            raise APIError(400, "continue_final_message continues the last message; it needs "
+                                "add_generation_prompt: false", param="continue_final_message")
+        if request.continue_final_message and request.messages[-1].role != "assistant":
+            raise APIError(400, "continue_final_message needs an assistant message last", param="messages")
+        kwargs: dict[str, Any] = {"add_generation_prompt": request.add_generation_prompt,
+                                  "continue_final_message": request.continue_final_message}
         if request.tools:
             kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in request.tools]
         extra = request.chat_template_kwargs or {}
@@ -336,7 +368,8 @@ class Frontend:
         if not isinstance(text, str):
             raise APIError(400, "the chat template did not render text with these chat_template_kwargs",
                            param="chat_template_kwargs")
-        token_ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template adds them
+        # The template writes the special tokens; add_special_tokens (vLLM) adds the tokenizer's too.
+        token_ids = self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
         return self._truncated(PromptInput(text, token_ids), request.truncate_prompt_tokens, "messages")
 
     @staticmethod

@@ -1,7 +1,10 @@
 """The gRPC transport (``protos/pagedserve.proto``) over the same ``Frontend`` as HTTP.
 
-Requests are validated with the HTTP API's models, so both APIs accept and
-reject the same things. Failures set the gRPC status from the HTTP one:
+``Generate``/``GenerateStream`` take a prompt (or plain chat messages);
+``Chat``/``ChatStream`` are ``/v1/chat/completions`` with tools, ``tool_choice``,
+structured outputs and logprobs. Requests become the HTTP API's models and go
+through the same serving code (``ServingCompletion.prepare``, ``ServingChat``),
+so both APIs accept and reject the same things and answer alike. Failures set the gRPC status from the HTTP one:
 400/413 INVALID_ARGUMENT, 401 UNAUTHENTICATED, 404 NOT_FOUND, 408 DEADLINE_EXCEEDED,
 429 RESOURCE_EXHAUSTED, 503 UNAVAILABLE, anything else INTERNAL. Every RPC
 checks the API key first; the per-client limit counts the caller's bearer
@@ -24,8 +27,10 @@ from ..protos import pagedserve_pb2 as pb
 from .auth import client_key
 from .errors import APIError, validation_error
 from .frontend import Frontend, Generation, PromptInput
-from .protocol import DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
-from .structured import output_constraint
+from .protocol import (ChatChoice, ChatCompletionRequest, ChatStreamChoice, ChoiceLogprobs, CompletionRequest,
+                       PromptLogprobs, Usage)
+from .serving_chat import ServingChat
+from .serving_completion import ServingCompletion
 
 STATUS_CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -57,11 +62,54 @@ class GrpcRequestError(Exception):
     """Raised to Serve's gRPC proxy after the status code was set on the context."""
 
 
+def _messages(messages) -> list[dict]:
+    """The proto's chat messages as the HTTP API's (validated there)."""
+    result = []
+    for message in messages:
+        entry: dict = {"role": message.role, "content": message.content}
+        if message.name:
+            entry["name"] = message.name
+        if message.tool_call_id:
+            entry["tool_call_id"] = message.tool_call_id
+        if message.tool_calls:
+            entry["tool_calls"] = [{"id": call.id, "type": "function",
+                                    "function": {"name": call.name, "arguments": call.arguments}}
+                                   for call in message.tool_calls]
+        result.append(entry)
+    return result
+
+
+def _tools(tools) -> list[dict]:
+    result = []
+    for index, tool in enumerate(tools):
+        function: dict = {"name": tool.name}
+        if tool.description:
+            function["description"] = tool.description
+        if tool.parameters:
+            function["parameters"] = _json_field(tool.parameters, f"tools.{index}.function.parameters")
+        if tool.HasField("strict"):
+            function["strict"] = tool.strict
+        result.append({"type": "function", "function": function})
+    return result
+
+
+def _tool_choice(request: pb.ChatRequest):
+    if not request.HasField("tool_choice"):
+        return None
+    kind = request.tool_choice.WhichOneof("choice")
+    if kind == "function":
+        return {"type": "function", "function": {"name": request.tool_choice.function}}
+    return request.tool_choice.mode if kind == "mode" else None
+
+
 class GrpcService:
-    """``Generate`` (unary) and ``GenerateStream`` (server-streaming) for one replica."""
+    """``Generate``/``GenerateStream`` and ``Chat``/``ChatStream`` for one replica, over the
+    same transport-neutral serving code as HTTP (``ServingCompletion``, ``ServingChat``)."""
 
     def __init__(self, server: Frontend) -> None:
         self.server = server
+        self.completions = ServingCompletion(server)
+        self.chats = ServingChat(server)
 
     # ---- request translation ------------------------------------------------------------------
     def _authenticate(self, grpc_context) -> str:
@@ -72,6 +120,17 @@ class GrpcService:
         peer = grpc_context.peer() if grpc_context is not None and hasattr(grpc_context, "peer") else None
         return client_key(authorization, peer)
 
+    @staticmethod
+    def _common_fields(request, optional: tuple[str, ...]) -> dict:
+        """The fields ``GenerateRequest`` and ``ChatRequest`` share, as the HTTP API's."""
+        fields = {name: getattr(request, name) for name in optional if request.HasField(name)}
+        fields.update(stop=list(request.stop), ignore_eos=request.ignore_eos, priority=request.priority,
+                      min_tokens=request.min_tokens, include_stop_str_in_output=request.include_stop_str_in_output)
+        for name in ("structured_outputs", "response_format"):
+            if getattr(request, name):
+                fields[name] = _json_field(getattr(request, name), name)
+        return fields
+
     def _prepare(self, request: pb.GenerateRequest | None, grpc_context
                  ) -> tuple[str, PromptInput, object, int, str]:
         client = self._authenticate(grpc_context)
@@ -81,20 +140,11 @@ class GrpcService:
         num_sources = sum([bool(request.prompt), bool(request.prompt_token_ids), bool(request.messages)])
         if num_sources != 1:
             raise APIError(400, "set exactly one of prompt, prompt_token_ids and messages", param="prompt")
-        fields = {name: getattr(request, name) for name in _OPTIONAL_FIELDS if request.HasField(name)}
-        fields.update(stop=list(request.stop), ignore_eos=request.ignore_eos, priority=request.priority,
-                      min_tokens=request.min_tokens, include_stop_str_in_output=request.include_stop_str_in_output)
-        for name in ("prompt_logprobs", "truncate_prompt_tokens"):
-            if request.HasField(name):
-                fields[name] = getattr(request, name)
-        for name in ("structured_outputs", "response_format"):
-            if getattr(request, name):
-                fields[name] = _json_field(getattr(request, name), name)
+        fields = self._common_fields(request, _OPTIONAL_FIELDS + ("prompt_logprobs", "truncate_prompt_tokens"))
         try:
             if request.messages:
                 chat = ChatCompletionRequest(
-                    messages=[{"role": m.role, "content": m.content} for m in request.messages],
-                    logprobs=request.HasField("logprobs"),
+                    messages=_messages(request.messages), logprobs=request.HasField("logprobs"),
                     top_logprobs=request.logprobs if request.HasField("logprobs") else None, **fields)
             else:
                 completion = CompletionRequest(
@@ -103,20 +153,32 @@ class GrpcService:
         except ValidationError as exc:
             raise validation_error(exc) from None
         if request.messages:
-            constraint = output_constraint(chat)
-            prompt = self.server.chat_prompt(chat)
-            max_tokens = chat.effective_max_tokens or self.server.max_model_len - len(prompt.token_ids)
-            params = self.server.sampling_params(chat, max_tokens, chat.top_logprobs, constraint,
-                                                 chat.prompt_logprobs)
+            prompt, params = self.chats.prepare(chat)
         else:
             if completion.max_tokens == 0:
                 raise APIError(400, "max_tokens must be >= 1", param="max_tokens")
-            constraint = output_constraint(completion)
-            prompt = self.server.tokenize(completion.prompts()[0],
-                                          truncate_prompt_tokens=completion.truncate_prompt_tokens)
-            params = self.server.sampling_params(completion, completion.max_tokens or DEFAULT_MAX_TOKENS,
-                                                 completion.logprobs, constraint, completion.prompt_logprobs)
+            [prompt], params = self.completions.prepare(completion)
         return request.request_id, prompt, params, request.priority, client
+
+    def _chat_request(self, request: pb.ChatRequest | None, stream: bool) -> ChatCompletionRequest:
+        """The HTTP API's request for a ``ChatRequest``: validated by the same model."""
+        if request is None:  # see protos/servicer.py: the bytes were no ChatRequest
+            raise APIError(400, "the request is not a valid pagedserve.ChatRequest message")
+        fields = self._common_fields(request, _OPTIONAL_FIELDS + (
+            "top_logprobs", "prompt_logprobs", "truncate_prompt_tokens", "parallel_tool_calls",
+            "add_generation_prompt"))
+        if request.chat_template_kwargs:
+            fields["chat_template_kwargs"] = _json_field(request.chat_template_kwargs, "chat_template_kwargs")
+        if request.tools:
+            fields["tools"] = _tools(request.tools)
+        if stream:
+            fields["stream_options"] = {"include_usage": True}
+        try:
+            return ChatCompletionRequest(model=request.model or None, messages=_messages(request.messages),
+                                         logprobs=request.logprobs, tool_choice=_tool_choice(request),
+                                         stream=stream, **fields)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
 
     # ---- responses --------------------------------------------------------------------------
     def _logprobs(self, samples: list[SampleLogprobs]) -> list[pb.TokenLogprob]:
@@ -217,11 +279,84 @@ class GrpcService:
             if generation is not None:
                 await generation.aclose()
 
+    async def chat(self, request: pb.ChatRequest | None, grpc_context=None) -> pb.ChatResponse:
+        """``/v1/chat/completions`` run to completion: the whole message per choice."""
+        try:
+            client = self._authenticate(grpc_context)
+            response = await self.chats.create_chat_completion(self._chat_request(request, stream=False), client)
+            return self._chat_response(request.request_id or response.id, response.choices, response.usage,
+                                       response.prompt_logprobs)
+        except APIError as exc:
+            raise self._fail(exc, grpc_context) from None
+
+    async def chat_stream(self, request: pb.ChatRequest | None, grpc_context=None
+                          ) -> AsyncIterator[pb.ChatResponse]:
+        """``/v1/chat/completions`` streamed: one message per chunk (content and tool-call
+        pieces, finish reasons); the last one carries the usage and no choices."""
+        stream = None
+        try:
+            client = self._authenticate(grpc_context)
+            stream = await self.chats.create_chat_completion(self._chat_request(request, stream=True), client)
+            async for chunk in stream.chunks:
+                yield self._chat_response(request.request_id or chunk.id, chunk.choices, chunk.usage,
+                                          chunk.prompt_logprobs)
+        except APIError as exc:
+            raise self._fail(exc, grpc_context) from None
+        finally:
+            if stream is not None:
+                await stream.aclose()
+
+    def _chat_response(self, request_id: str, choices: list[ChatChoice | ChatStreamChoice],
+                       usage: Usage | None, prompt_logprobs: PromptLogprobs | None) -> pb.ChatResponse:
+        response = pb.ChatResponse(request_id=request_id, model=self.server.model_name,
+                                   choices=[_chat_choice(choice) for choice in choices])
+        if usage is not None:
+            response.usage.CopyFrom(pb.Usage(
+                prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                total_tokens=usage.total_tokens, cached_tokens=usage.prompt_tokens_details.cached_tokens))
+        for position in prompt_logprobs or []:
+            response.prompt_logprobs.append(pb.PromptPosition(candidates=[
+                pb.PromptCandidate(token_id=int(token_id), logprob=entry.logprob, rank=entry.rank,
+                                   decoded_token=entry.decoded_token)
+                for token_id, entry in (position or {}).items()]))
+        return response
+
     def _delta_choices(self, output: RequestOutput) -> list[pb.Choice]:
         """What is new per choice in ``output``."""
         return [pb.Choice(index=c.index, text=c.delta_text, token_ids=c.delta_token_ids,
                           logprobs=self._logprobs(c.delta_logprobs or []), finish_reason=c.finish_reason or "")
                 for c in output.outputs if c.delta_token_ids or c.delta_text or c.is_newly_finished]
+
+
+def _chat_logprobs(logprobs: ChoiceLogprobs | None) -> list[pb.ChatLogprob]:
+    return [pb.ChatLogprob(token=entry.token, logprob=entry.logprob, bytes=bytes(entry.bytes or ()),
+                           top_logprobs=[pb.ChatLogprob(token=top.token, logprob=top.logprob,
+                                                        bytes=bytes(top.bytes or ()))
+                                         for top in entry.top_logprobs])
+            for entry in (logprobs.content or [] if logprobs is not None else [])]
+
+
+def _chat_choice(choice: ChatChoice | ChatStreamChoice) -> pb.ChatChoice:
+    """A unary choice (``message``: whole calls) or a streamed one (``delta``: pieces)."""
+    result = pb.ChatChoice(index=choice.index, finish_reason=choice.finish_reason or "",
+                           logprobs=_chat_logprobs(choice.logprobs))
+    if isinstance(choice, ChatChoice):
+        message = choice.message
+        result.tool_calls.extend(pb.ToolCall(index=index, id=call.id, name=call.function.name,
+                                             arguments=call.function.arguments)
+                                 for index, call in enumerate(message.tool_calls))
+    else:
+        message = choice.delta
+        for piece in message.tool_calls or []:
+            function = piece.function
+            result.tool_calls.append(pb.ToolCall(index=piece.index, id=piece.id or "",
+                                                 name=function.name or "" if function else "",
+                                                 arguments=function.arguments or "" if function else ""))
+    if message.role:
+        result.role = message.role
+    if message.content is not None:
+        result.content = message.content
+    return result
 
 
 __all__ = ["GrpcService", "STATUS_CODES"]

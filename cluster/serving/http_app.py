@@ -210,7 +210,7 @@ def build_app(server: Frontend):
         server.metrics.observe_response(api, 200)
         if isinstance(result, BaseModel):
             return _json_response(result.model_dump())
-        return _SSEResponse(result)
+        return _SSEResponse(EventStream(result))
 
     @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest),
               responses=_responses(CompletionResponse, is_streamable=True))

@@ -10,7 +10,12 @@ within 64 bits (``priority``, token ids: 32). Besides OpenAI's fields
 ``spaces_between_special_tokens``, ``include_stop_str_in_output``,
 ``prompt_logprobs``), ``truncate_prompt_tokens``, ``structured_outputs``,
 ``chat_template_kwargs``, ``stream_options.continuous_usage_stats``, and
-``priority``. Structured-output specs are checked in ``structured.py``.
+``priority``, ``request_id`` (the response's id), vLLM's earlier ``guided_json``/
+``guided_regex``/``guided_choice``/``guided_grammar``, chat's ``continue_final_message``
+and ``add_special_tokens``, and Ray Serve LLM's JSON mode (``response_format``
+``json_object`` with a ``schema``). Fields those APIs accept that this server
+cannot honour (``REFUSED_FIELDS``) are a 400 naming the field and the reason.
+Structured-output specs are checked in ``structured.py``.
 
 Stream deltas (``DeltaMessage``, ``DeltaToolCall``) leave out keys that have
 no value, as OpenAI's do.
@@ -54,13 +59,101 @@ class JsonSchemaFormat(_Request):
 
 
 class ResponseFormat(_Request):
-    """OpenAI's ``response_format``: free text, any JSON object, or a JSON schema."""
+    """OpenAI's ``response_format``: free text, any JSON object, or a JSON schema; and Ray Serve
+    LLM's JSON mode, ``json_object`` with a ``schema`` (an object or its JSON text)."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | str | None = Field(None, alias="schema")
 
 
-class _SamplingFields(_Request):
+# Fields that OpenAI's, vLLM's or Ray Serve LLM's APIs accept and that this server cannot honour
+# (with any value but the harmless ones of ``HARMLESS_VALUES``): each is a 400 naming the field
+# and why, rather than "unknown field", and never silently ignored.
+REFUSED_FIELDS = {
+    "store": "stored completions are not kept by this server",
+    "metadata": "metadata belongs to stored completions, which this server does not keep",
+    "service_tier": "this server has one service tier ('auto' or 'default')",
+    "reasoning_effort": "reasoning effort needs a reasoning model's chat template",
+    "verbosity": "verbosity needs a model trained for it",
+    "functions": "the deprecated functions field is not supported; send tools",
+    "function_call": "the deprecated function_call field is not supported; send tool_choice",
+    "modalities": "this server generates text only (modalities ['text'])",
+    "audio": "this server generates text only",
+    "prediction": "predicted outputs (speculative decoding) are not supported",
+    "web_search_options": "this server does not search the web",
+    "documents": "documents for retrieval templates are not supported",
+    "chat_template": "a request may not bring its own chat template (server-side templates only)",
+    "allowed_token_ids": "allowed_token_ids is not supported; constrain with structured_outputs",
+    "bad_words": "bad_words is not supported",
+    "return_tokens_as_token_ids": "tokens are returned as text",
+    "return_token_ids": "token ids are returned over gRPC, not in this API's responses",
+    "cache_salt": "prefix-cache isolation per request (cache_salt) is not supported",
+    "logits_processors": "custom logits processors are not supported",
+    "vllm_xargs": "vLLM's extra arguments (vllm_xargs) are not supported",
+    "kv_transfer_params": "KV transfer between servers is managed by the cluster, not the request",
+    "mm_processor_kwargs": "this server serves text-only models",
+    "structural_tag": "structural tags are not supported; use structured_outputs",
+    "guided_whitespace_pattern": "a custom whitespace pattern is not supported; use "
+                                 "structured_outputs.disable_any_whitespace",
+    "guided_decoding_backend": "the grammar engine is llguidance ('guidance'), whose one option here "
+                               "is 'disable-any-whitespace'",
+}
+HARMLESS_VALUES: dict[str, tuple] = {
+    "store": (False,), "service_tier": ("auto", "default"), "modalities": (["text"],),
+    "return_tokens_as_token_ids": (False,), "return_token_ids": (False,),
+}
+# vLLM's guided_decoding_backend: "<backend>" or "<backend>:<option>,..."; the grammar engine is
+# llguidance ("guidance"), and its one option here is vLLM's disable-any-whitespace.
+GRAMMAR_BACKENDS = ("auto", "guidance", "llguidance")
+GRAMMAR_BACKEND_OPTIONS = ("disable-any-whitespace",)
+
+
+def _is_harmless(field: str, value) -> bool:
+    if field == "guided_decoding_backend" and isinstance(value, str):
+        backend, _, options = value.partition(":")
+        return backend in GRAMMAR_BACKENDS and all(o in GRAMMAR_BACKEND_OPTIONS for o in options.split(",") if o)
+    return value in HARMLESS_VALUES.get(field, ())
+
+
+class _RefusedFields(_Request):
+    """The ``REFUSED_FIELDS`` a request body may carry: None or a harmless value passes."""
+
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    functions: Any = None
+    function_call: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    documents: Any = None
+    chat_template: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    cache_salt: Any = None
+    logits_processors: Any = None
+    vllm_xargs: Any = None
+    kv_transfer_params: Any = None
+    mm_processor_kwargs: Any = None
+    structural_tag: Any = None
+    guided_whitespace_pattern: Any = None
+    guided_decoding_backend: Any = None
+
+    @field_validator(*REFUSED_FIELDS)
+    @classmethod
+    def _refuse(cls, value, info):
+        if value is None or _is_harmless(info.field_name, value):
+            return value
+        raise ValueError(f"{info.field_name} cannot be honoured: {REFUSED_FIELDS[info.field_name]}")
+
+
+class _SamplingFields(_RefusedFields):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -92,6 +185,13 @@ class _SamplingFields(_Request):
     response_format: ResponseFormat | None = None
     # vLLM's StructuredOutputsParams as a mapping; checked by structured.py (naming its key).
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's earlier names for structured_outputs' kinds (Ray Serve LLM's clients still send them).
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # vLLM: the id of the request, returned as the response's id.
+    request_id: str | None = Field(None, min_length=1, max_length=256)
     priority: int = Field(0, ge=-MAX_INT32 - 1, le=MAX_INT32)
 
     @field_validator("logit_bias")
@@ -100,6 +200,12 @@ class _SamplingFields(_Request):
         if value:
             raise ValueError("logit_bias is not supported")
         return value
+
+    @property
+    def disables_any_whitespace(self) -> bool:
+        """vLLM's ``guided_decoding_backend`` option ``disable-any-whitespace`` is set."""
+        options = (self.guided_decoding_backend or "").partition(":")[2]
+        return "disable-any-whitespace" in options.split(",")
 
     @property
     def stop_strings(self) -> list[str]:
@@ -213,6 +319,20 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True
     # Extra variables for the chat template (vLLM), e.g. {"enable_thinking": false}.
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM: the last (assistant) message is continued rather than a new one started.
+    continue_final_message: bool = False
+    # vLLM: the tokenizer's special tokens (BOS) on top of what the template writes.
+    add_special_tokens: bool = False
+
+    # vLLM echoes the last message in chat; here echo is a completions option only.
+    echo: bool = False
+
+    @field_validator("echo")
+    @classmethod
+    def _no_chat_echo(cls, value):
+        if value:
+            raise ValueError("echo cannot be honoured in chat completions; use /v1/completions with echo")
+        return value
 
     @property
     def effective_max_tokens(self) -> int | None:

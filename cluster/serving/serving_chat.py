@@ -10,6 +10,13 @@ format is parsed by the server's ``tool_call_parser`` (hermes, llama3_json);
 "none" parses nothing. Parsed calls become ``message.tool_calls`` with
 ``finish_reason: "tool_calls"``; streamed, they arrive as OpenAI's
 ``delta.tool_calls`` pieces (id, type and name first, then argument text).
+An output cut off by ``max_tokens`` inside a call returns, as vLLM does, the
+calls it started with the arguments written so far, and ``finish_reason:
+"length"``; the constrained formats' wrapper never reaches ``content``.
+
+Transport-neutral: the response is a ``ChatCompletionResponse``, or, when
+streaming, a ``ChunkStream`` of ``ChatCompletionChunk``; HTTP frames them as
+server-sent events, gRPC as ``ChatResponse`` messages.
 """
 
 from __future__ import annotations
@@ -21,14 +28,15 @@ from dataclasses import dataclass
 
 from pagedserve.tool_parsers import ParserDelta, ToolParser, constrained_parser, get_tool_parser
 from pagedserve.workers.request import CompletionOutput, RequestOutput
+from pagedserve.workers.sampling_params import SamplingParams
 
 from .errors import APIError
-from .frontend import Frontend, Generation
+from .frontend import Frontend, Generation, PromptInput
 from .logprobs import LogprobFormatter
 from .protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                        ChatMessageOut, ChatStreamChoice, ChoiceLogprobs, DeltaFunctionCall, DeltaMessage,
                        DeltaToolCall, FunctionCallOut, ToolCallOut)
-from .sse import DONE, EventStream, sse, stream_events
+from .streaming import ChunkStream, generation_chunks
 from .structured import output_constraint
 
 
@@ -61,9 +69,9 @@ class ServingChat:
     def _chat_logprobs(self, completion: CompletionOutput, start: int) -> ChoiceLogprobs:
         return self.logprobs.chat((completion.logprobs or [])[start:])
 
-    async def create_chat_completion(self, request: ChatCompletionRequest, client: str = ""
-                                     ) -> ChatCompletionResponse | EventStream:
-        """The response body, or an ``EventStream`` when ``stream`` is set."""
+    def prepare(self, request: ChatCompletionRequest) -> tuple[PromptInput, SamplingParams]:
+        """Check ``request`` and build its prompt and sampling params (``APIError`` naming what is
+        wrong); what both transports run before a chat completion starts."""
         frontend = self.frontend
         frontend.check_model(request.model)
         if request.tool_choice not in (None, "none") and not request.tools:
@@ -73,12 +81,25 @@ class ServingChat:
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        max_tokens = request.effective_max_tokens or frontend.max_model_len - len(prompt.token_ids)
+        stated = request.effective_max_tokens
+        frontend.check_output_fits([prompt], stated, request.min_tokens,
+                                   "max_completion_tokens" if request.max_completion_tokens else "max_tokens")
+        max_tokens = stated or frontend.max_model_len - len(prompt.token_ids)
         params = frontend.sampling_params(request, max_tokens, logprobs, constraint, request.prompt_logprobs)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        generation, first = await frontend.start_generation(request_id, [prompt], params, request.priority, client)
+        return prompt, params
+
+    async def create_chat_completion(self, request: ChatCompletionRequest, client: str = ""
+                                     ) -> ChatCompletionResponse | ChunkStream:
+        """The response body, or a ``ChunkStream`` of ``ChatCompletionChunk`` when ``stream`` is set."""
+        frontend = self.frontend
+        prompt, params = self.prepare(request)
+        # The engine's ids are always the server's own (clients' ids may collide); vLLM's
+        # request_id names the response.
+        engine_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id = request.request_id or engine_id
+        generation, first = await frontend.start_generation(engine_id, [prompt], params, request.priority, client)
         if request.stream:
-            return EventStream(self._stream_chat(request, request_id, generation, first), generation)
+            return ChunkStream(self._stream_chat(request, request_id, generation, first), generation)
         await generation.run_to_end(first)
         last = generation.progress[0].last
         choices = [self._choice(request, c) for c in (last.outputs if last else [])]
@@ -93,7 +114,7 @@ class ServingChat:
         content, calls, finish_reason = completion.text, [], completion.finish_reason
         parser = self._parser(request)
         if parser is not None:
-            parsed = parser.parse(completion.text)
+            parsed = parser.parse(completion.text, is_cut_off=finish_reason == "length")
             content = parsed.content
             calls = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
                      for c in parsed.tool_calls]
@@ -104,15 +125,15 @@ class ServingChat:
                           finish_reason=finish_reason)
 
     async def _stream_chat(self, request: ChatCompletionRequest, request_id: str, generation: Generation,
-                           first) -> AsyncIterator[str]:
+                           first) -> AsyncIterator[ChatCompletionChunk]:
         cursors: dict[int, _Cursor] = {}
         created = int(time.time())
         model = self.frontend.model_name
 
-        def chunk(choice: ChatStreamChoice, with_usage: bool = True, **fields) -> str:
-            usage = generation.usage() if with_usage and request.continuous_usage else None
-            return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice],
-                                           usage=usage, **fields))
+        def chunk(choice: ChatStreamChoice, **fields) -> ChatCompletionChunk:
+            usage = generation.usage() if request.continuous_usage else None
+            return ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice],
+                                       usage=usage, **fields)
 
         def chunks(_: int, output: RequestOutput):
             for completion in output.outputs:
@@ -145,12 +166,11 @@ class ServingChat:
                     yield chunk(ChatStreamChoice(index=completion.index, delta=DeltaMessage(),
                                                  finish_reason=finish_reason))
 
-        async for line in stream_events(generation, first, chunks):
-            yield line
+        async for item in generation_chunks(generation, first, chunks):
+            yield item
         if request.include_usage:
-            yield sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
-                                          usage=generation.usage()))
-        yield DONE
+            yield ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
+                                      usage=generation.usage())
 
     @staticmethod
     def _delta(cursor: _Cursor, text: str | None) -> DeltaMessage:

@@ -6,6 +6,10 @@ tokens, and ``logprobs`` covers the prompt's tokens too (the first None),
 computed in the prefill's forward; ``max_tokens: 0`` with ``echo`` scores the
 prompt alone, as harnesses (lm-eval's ``local-completions``) and vLLM do.
 ``prompt_logprobs`` (vLLM) adds the per-position candidates to each choice.
+
+Transport-neutral: the response is a ``CompletionResponse``, or, when
+streaming, a ``ChunkStream`` of them (one choice each); ``prepare`` is the
+checking and building that gRPC's ``Generate`` shares.
 """
 
 from __future__ import annotations
@@ -16,13 +20,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from pagedserve.workers.request import CompletionOutput, RequestOutput
+from pagedserve.workers.sampling_params import SamplingParams
 
 from .errors import APIError
 from .frontend import Frontend, Generation, PromptInput
 from .logprobs import LogprobFormatter, TextOffsets
 from .protocol import (DEFAULT_MAX_TOKENS, CompletionChoice, CompletionLogprobs, CompletionRequest,
                        CompletionResponse, Usage)
-from .sse import DONE, EventStream, sse, stream_events
+from .streaming import ChunkStream, generation_chunks
 from .structured import output_constraint
 
 
@@ -81,9 +86,9 @@ class ServingCompletion:
             token_ids += [sample.token_id for sample in new]
         return self.logprobs.completion(samples, offsets, token_ids)
 
-    async def create_completion(self, request: CompletionRequest, client: str = ""
-                                ) -> CompletionResponse | EventStream:
-        """The response body, or an ``EventStream`` when ``stream`` is set."""
+    def prepare(self, request: CompletionRequest) -> tuple[list[PromptInput], SamplingParams]:
+        """Check ``request`` and build its prompts and sampling params (``APIError`` naming what
+        is wrong); what both transports run before a completion starts."""
         frontend = self.frontend
         frontend.check_model(request.model)
         if request.best_of is not None and request.best_of != request.n:
@@ -97,6 +102,7 @@ class ServingCompletion:
             raise APIError(400, "the prompt is empty", param="prompt")
         prompts = [frontend.tokenize(p, truncate_prompt_tokens=request.truncate_prompt_tokens)
                    for p in prompts_in]
+        frontend.check_output_fits(prompts, request.max_tokens or None, request.min_tokens)
         prompt_logprobs = request.prompt_logprobs
         if request.echo and request.logprobs is not None:
             prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
@@ -104,11 +110,22 @@ class ServingCompletion:
         max_tokens = 1 if is_scoring_only else (request.max_tokens or DEFAULT_MAX_TOKENS)
         params = frontend.sampling_params(request, max_tokens, request.logprobs, output_constraint(request),
                                           prompt_logprobs)
+        return prompts, params
+
+    async def create_completion(self, request: CompletionRequest, client: str = ""
+                                ) -> CompletionResponse | ChunkStream:
+        """The response body, or a ``ChunkStream`` of ``CompletionResponse`` when ``stream`` is set."""
+        frontend = self.frontend
+        prompts, params = self.prepare(request)
+        is_scoring_only = request.max_tokens == 0
         echoes = [self._echo(request, p) for p in prompts]
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        generation, first = await frontend.start_generation(request_id, prompts, params, request.priority, client)
+        # The engine's ids are always the server's own (clients' ids may collide); vLLM's
+        # request_id names the response.
+        engine_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id = request.request_id or engine_id
+        generation, first = await frontend.start_generation(engine_id, prompts, params, request.priority, client)
         if request.stream:
-            return EventStream(self._stream_completion(request, request_id, generation, first, echoes,
+            return ChunkStream(self._stream_completion(request, request_id, generation, first, echoes,
                                                        is_scoring_only), generation)
         await generation.run_to_end(first)
         choices = []
@@ -141,7 +158,8 @@ class ServingCompletion:
         return usage
 
     async def _stream_completion(self, request: CompletionRequest, request_id: str, generation: Generation,
-                                 first, echoes: list[_Echo], is_scoring_only: bool) -> AsyncIterator[str]:
+                                 first, echoes: list[_Echo], is_scoring_only: bool
+                                 ) -> AsyncIterator[CompletionResponse]:
         cursors: dict[int, _Cursor] = {}
         n = generation.params.n
         created = int(time.time())
@@ -174,15 +192,14 @@ class ServingCompletion:
                                           prompt_logprobs=self._prompt_logprobs(request, output, prompt)
                                           if is_first else None)
                 usage = self._usage(generation, is_scoring_only) if request.continuous_usage else None
-                yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[choice],
-                                             usage=usage))
+                yield CompletionResponse(id=request_id, created=created, model=model, choices=[choice],
+                                         usage=usage)
 
-        async for line in stream_events(generation, first, chunks):
-            yield line
+        async for item in generation_chunks(generation, first, chunks):
+            yield item
         if request.include_usage:
-            yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[],
-                                         usage=self._usage(generation, is_scoring_only)))
-        yield DONE
+            yield CompletionResponse(id=request_id, created=created, model=model, choices=[],
+                                     usage=self._usage(generation, is_scoring_only))
 
 
 def _prompt_entries(output: RequestOutput, prompt: PromptInput) -> list:

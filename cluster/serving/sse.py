@@ -1,21 +1,19 @@
-"""Server-sent events: the framing and a streamed response's lifetime.
+"""Server-sent events: how the HTTP transport frames a ``ChunkStream``.
 
-``stream_events`` turns a ``Generation`` into SSE lines through a per-API
-``chunks(prompt_index, output)`` function; a failure mid-stream becomes an
-error event (the status line was already sent), and the generation is closed
-however the stream ends.
+Every chunk is one ``data:`` event with the chunk as JSON, and the stream
+ends with ``data: [DONE]``. A failure mid-stream becomes an error event in
+OpenAI's error shape (the status line was already sent), then ``[DONE]``.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 
 from pydantic import BaseModel
 
 from .errors import APIError
-from .frontend import Generation
+from .streaming import ChunkStream
 
 DONE = "data: [DONE]\n\n"
 
@@ -26,33 +24,27 @@ def sse(payload: BaseModel | dict) -> str:
     return f"data: {text}\n\n"
 
 
-@dataclass
 class EventStream:
-    """A streamed response: its SSE lines and the generation they come from."""
+    """A ``ChunkStream`` as SSE lines (``lines``); ``aclose`` releases the request."""
 
-    lines: AsyncIterator[str]
-    generation: Generation
+    def __init__(self, stream: ChunkStream) -> None:
+        self.stream = stream
+        self.lines: AsyncIterator[str] = self._lines()
+
+    async def _lines(self) -> AsyncIterator[str]:
+        try:
+            async for chunk in self.stream.chunks:
+                yield sse(chunk)
+        except APIError as exc:
+            yield sse(exc.body())
+        finally:
+            await self.stream.aclose()
+        yield DONE
 
     async def aclose(self) -> None:
         """Stop streaming and release the request, even if iteration never started."""
         try:
             await self.lines.aclose()
-        except RuntimeError:  # still being iterated elsewhere: closing the generation suffices
+        except RuntimeError:  # still being iterated elsewhere: closing the stream suffices
             pass
-        await self.generation.aclose()
-
-
-async def stream_events(generation: Generation, first, chunks: Callable[..., Iterable[str]]
-                        ) -> AsyncIterator[str]:
-    """SSE lines for every output; a failure mid-stream becomes an error event."""
-    try:
-        if first is not None:
-            for line in chunks(*first):
-                yield line
-            async for index, output in generation:
-                for line in chunks(index, output):
-                    yield line
-    except APIError as exc:
-        yield sse(exc.body())
-    finally:
-        await generation.aclose()
+        await self.stream.aclose()

@@ -1,10 +1,15 @@
 """What a request constrains its output to, checked once at the ingress.
 
-A request may ask for structured output in one of three ways: OpenAI's
-``response_format`` (``json_object``, ``json_schema``), vLLM's
-``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``), or a chat
+A request may ask for structured output in one of these ways: OpenAI's
+``response_format`` (``json_object``, ``json_schema``; Ray Serve LLM's
+``json_object`` with a ``schema``), vLLM's ``structured_outputs`` (``json``,
+``regex``, ``choice``, ``grammar``) or its earlier ``guided_json``,
+``guided_regex``, ``guided_choice`` and ``guided_grammar``, or a chat
 ``tool_choice`` of "required" or a named function (the tools' parameter
-schemas). At most one may apply. ``output_constraint`` turns it into a
+schemas). At most one may apply. JSON may carry at most one space or line
+break between tokens (``workers/grammar.py``), none with vLLM's
+``disable_any_whitespace`` (``structured_outputs.disable_any_whitespace``, or
+``guided_decoding_backend: "guidance:disable-any-whitespace"``). ``output_constraint`` turns it into a
 ``StructuredOutputsParams`` and compiles it (without a tokenizer), so that a
 bad schema, regex or grammar, or one over the size limit, is a 400 naming
 the field it came from, before anything reaches a worker.
@@ -12,6 +17,7 @@ the field it came from, before anything reaches a worker.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from pagedserve.tool_parsers import tool_choice_constraint
@@ -21,6 +27,7 @@ from pagedserve.workers.sampling_params import StructuredOutputsParams
 from .errors import APIError
 
 PREFIX = "structured_outputs"
+GUIDED_KINDS = ("json", "regex", "choice", "grammar")
 
 
 def output_constraint(request) -> StructuredOutputsParams | None:
@@ -28,6 +35,10 @@ def output_constraint(request) -> StructuredOutputsParams | None:
     sources = []
     if request.structured_outputs is not None:
         sources.append(("structured_outputs", _from_structured_outputs(request.structured_outputs)))
+    for kind in GUIDED_KINDS:
+        value = getattr(request, f"guided_{kind}", None)
+        if value is not None:
+            sources.append((f"guided_{kind}", _from_guided(kind, value)))
     if request.response_format is not None and request.response_format.type != "text":
         sources.append(("response_format", _from_response_format(request.response_format)))
     tool_choice = getattr(request, "tool_choice", None)
@@ -38,7 +49,11 @@ def output_constraint(request) -> StructuredOutputsParams | None:
     if len(sources) > 1:
         names = " and ".join(name for name, _ in sources)
         raise APIError(400, f"{names} both constrain the output; set only one of them", param=sources[1][0])
-    return sources[0][1] if sources else None
+    spec = sources[0][1] if sources else None
+    if spec is not None and spec.kind in ("json", "json_object") and getattr(request, "disables_any_whitespace",
+                                                                               False):
+        spec = dataclasses.replace(spec, disable_any_whitespace=True)
+    return spec
 
 
 def _from_structured_outputs(options: dict[str, Any]) -> StructuredOutputsParams:
@@ -50,24 +65,43 @@ def _from_structured_outputs(options: dict[str, Any]) -> StructuredOutputsParams
     return spec
 
 
+def _from_guided(kind: str, value) -> StructuredOutputsParams:
+    """vLLM's earlier ``guided_<kind>`` fields: the same specs as ``structured_outputs.<kind>``."""
+    param = f"guided_{kind}"
+    try:
+        spec = StructuredOutputsParams(**{kind: value})
+    except ValueError as exc:
+        raise APIError(400, _renamed(str(exc), f"{PREFIX}.{kind}", param), param=param) from None
+    _compile(spec, param)
+    return spec
+
+
 def _from_response_format(response_format) -> StructuredOutputsParams:
     if response_format.type == "json_object":
+        if response_format.schema_ is not None:  # Ray Serve LLM's JSON mode: an object of this schema
+            return _schema_spec(response_format.schema_, "response_format.schema")
         spec = StructuredOutputsParams(json_object=True)
         _compile(spec, "response_format")
         return spec
+    if response_format.schema_ is not None:
+        raise APIError(400, "response_format.schema goes with type 'json_object' (Ray Serve LLM's JSON mode); "
+                            "with 'json_schema' send response_format.json_schema.schema",
+                       param="response_format.schema")
     field = "response_format.json_schema"
     if response_format.json_schema is None:
         raise APIError(400, f"{field} is required when response_format.type is 'json_schema'", param=field)
     schema = response_format.json_schema.schema_
     # OpenAI's default when no schema is given: any JSON object.
-    if schema is None:
-        schema = {"type": "object"}
+    return _schema_spec({"type": "object"} if schema is None else schema, f"{field}.schema")
+
+
+def _schema_spec(schema, param: str) -> StructuredOutputsParams:
+    """A JSON-schema constraint (the schema as an object or its JSON text), checked, 400 naming ``param``."""
     try:
         spec = StructuredOutputsParams(json=schema)
     except ValueError as exc:
-        raise APIError(400, _renamed(str(exc), f"{PREFIX}.json", f"{field}.schema"),
-                       param=f"{field}.schema") from None
-    _compile(spec, f"{field}.schema")
+        raise APIError(400, _renamed(str(exc), f"{PREFIX}.json", param), param=param) from None
+    _compile(spec, param)
     return spec
 
 

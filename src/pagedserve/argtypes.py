@@ -40,6 +40,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    value = _parse_number(text, float, "a number")
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text}")
+    return value
+
+
 def port(text: str) -> int:
     """argparse type: a TCP port, 0..65535."""
     value = non_negative_int(text)

@@ -12,7 +12,7 @@ import dataclasses
 import math
 import sys
 
-from pagedserve.argtypes import non_negative_int, positive_float, positive_int
+from pagedserve.argtypes import non_negative_float, non_negative_int, port, positive_float, positive_int
 
 SIZES = ("tiny", "small")
 DISTRIBUTIONS = ("lognormal", "uniform", "fixed")
@@ -153,43 +153,106 @@ def _add_serve_parser(subparsers) -> None:
         "serve", help="online load against an OpenAI-compatible server (vllm bench serve's metrics)",
         description=("Stream /v1/completions requests with Poisson arrivals (or a fixed concurrency) and "
                      "report request and output-token throughput, TTFT, TPOT, ITL and end-to-end latency "
-                     "(mean, median, p90, p99) and errors, under vllm bench serve's names."))
-    parser.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--model", help="model name to send (default: the first of /v1/models)")
-    parser.add_argument("--num-requests", type=positive_int, default=64)
+                     "(mean, median, p90, p99) and errors, under vllm bench serve's names. Takes "
+                     "vllm bench serve's main flags (--base-url, --num-prompts, --random-input-len, ...)."))
+    parser.add_argument("--url", "--base-url", dest="url",
+                        help="server base URL, e.g. http://127.0.0.1:8000 (default: http://HOST:PORT)")
+    parser.add_argument("--host", default="127.0.0.1", help="server host when no --base-url (default 127.0.0.1)")
+    parser.add_argument("--port", type=port, default=8000, help="server port when no --base-url (default 8000)")
+    parser.add_argument("--backend", choices=("vllm", "openai"), default="openai",
+                        help="vllm bench serve's backends that stream /v1/completions (both the same here)")
+    parser.add_argument("--endpoint", choices=("/v1/completions",), default="/v1/completions")
+    parser.add_argument("--model", "--served-model-name", dest="model",
+                        help="model name to send (default: the first of /v1/models)")
+    parser.add_argument("--num-requests", "--num-prompts", dest="num_requests", type=positive_int, default=64)
     parser.add_argument("--request-rate", type=positive_float, default=math.inf,
                         help="requests/s, Poisson (default: inf, all at once)")
+    parser.add_argument("--burstiness", type=positive_float, default=1.0,
+                        help="vllm's arrival shape; only 1.0 (Poisson) here")
     parser.add_argument("--max-concurrency", type=positive_int, default=None)
+    parser.add_argument("--dataset-name", choices=("random",), default="random",
+                        help="random token-id prompts (vllm's 'random' dataset)")
+    parser.add_argument("--random-input-len", type=positive_int, default=None,
+                        help="prompt tokens, uniform in [N(1-R), N(1+R)] with R = --random-range-ratio")
+    parser.add_argument("--random-output-len", type=positive_int, default=None, help="output tokens, likewise")
+    parser.add_argument("--random-range-ratio", type=non_negative_float, default=0.0,
+                        help="spread of the random lengths, in [0, 1) (default 0: fixed lengths)")
     parser.add_argument("--prompt-format", choices=("token-ids", "text"), default="token-ids")
     parser.add_argument("--vocab-size", type=positive_int, default=1000, help="range of random prompt ids")
-    parser.add_argument("--no-ignore-eos", action="store_true", help="let EOS end a request early")
+    eos = parser.add_mutually_exclusive_group()
+    eos.add_argument("--ignore-eos", action="store_true", help="generate every output token (the default here)")
+    eos.add_argument("--no-ignore-eos", action="store_true", help="let EOS end a request early")
     parser.add_argument("--max-duration", type=positive_float, default=600.0,
                         help="seconds after which no new request starts")
     parser.add_argument("--request-timeout", type=positive_float, default=300.0)
     parser.add_argument("--api-key", default=None, help="Bearer key (default: $OPENAI_API_KEY if set)")
+    parser.add_argument("--save-result", action="store_true", help="write the results as JSON into --result-dir")
+    parser.add_argument("--result-dir", default=".", help="with --save-result (default: the current directory)")
+    parser.add_argument("--result-filename", default=None,
+                        help="with --save-result (default: <backend>-<rate>qps-<model>-<time>.json)")
+    parser.add_argument("--disable-tqdm", dest="no_progress", action="store_true", help="hide the progress bar")
     _add_length_arguments(parser, "input", "prompt")
     _add_length_arguments(parser, "output", "output")
     _add_output_arguments(parser)
     parser.set_defaults(run=_run_serve)
 
 
-def _run_serve(args: argparse.Namespace) -> int:
+def _random_length(args: argparse.Namespace, name: str, default):
+    """vllm's ``--random-<name>-len`` with ``--random-range-ratio``, else ``--<name>-len-*``."""
+    from .workload import LengthDist
+
+    mean = getattr(args, f"random_{name}_len")
+    if mean is None:
+        return _length(args, name, default)
+    ratio = args.random_range_ratio
+    if not 0 <= ratio < 1:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {ratio}")
+    if ratio == 0:
+        return LengthDist(mean=mean, low=mean, high=mean, kind="fixed")
+    return LengthDist(mean=mean, low=max(1, round(mean * (1 - ratio))), high=round(mean * (1 + ratio)),
+                      kind="uniform")
+
+
+def serve_bench_config(args: argparse.Namespace):
+    """The ``ServeBenchConfig`` of ``bench serve``'s arguments; ValueError naming a bad one."""
     import os
 
     from . import serve
 
+    if args.burstiness != 1.0:
+        raise ValueError(f"--burstiness {args.burstiness}: only Poisson arrivals (1.0) are supported")
     defaults = serve.ServeBenchConfig(url="http://placeholder")
+    return serve.ServeBenchConfig(
+        url=args.url or f"http://{args.host}:{args.port}", model=args.model, num_requests=args.num_requests,
+        request_rate=args.request_rate, max_concurrency=args.max_concurrency,
+        input_len=_random_length(args, "input", defaults.input_len),
+        output_len=_random_length(args, "output", defaults.output_len), prompt_format=args.prompt_format,
+        vocab_size=args.vocab_size, ignore_eos=not args.no_ignore_eos, max_duration_s=args.max_duration,
+        request_timeout_s=args.request_timeout, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+        seed=args.seed or 0)
+
+
+def _result_path(args: argparse.Namespace, config) -> str | None:
+    if args.out or not args.save_result:
+        return args.out
+    import datetime
+    from pathlib import Path
+
+    name = args.result_filename or (f"{args.backend}-{config.request_rate:g}qps-"
+                                    f"{(config.model or 'model').replace('/', '-')}-"
+                                    f"{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
+    return str(Path(args.result_dir) / name)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from . import serve
+
     try:
-        config = serve.ServeBenchConfig(
-            url=args.url, model=args.model, num_requests=args.num_requests, request_rate=args.request_rate,
-            max_concurrency=args.max_concurrency, input_len=_length(args, "input", defaults.input_len),
-            output_len=_length(args, "output", defaults.output_len), prompt_format=args.prompt_format,
-            vocab_size=args.vocab_size, ignore_eos=not args.no_ignore_eos, max_duration_s=args.max_duration,
-            request_timeout_s=args.request_timeout, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
-            seed=args.seed or 0)
+        config = serve_bench_config(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    args.out = _result_path(args, config)
     data = serve.run_benchmark(config, out=args.out, plot_dir=args.plot_dir, show_progress=not args.no_progress)
     _finish(args, data, serve.format_results(data))
     return 0 if data["completed"] else 1

@@ -77,19 +77,22 @@ class ToolParser(ABC):
     def finish(self) -> ParserDelta:
         """The output ended: return everything still held back."""
 
-    def parse(self, text: str) -> ParsedOutput:
+    def parse(self, text: str, is_cut_off: bool = False) -> ParsedOutput:
         """Parse a whole output (the same path as streaming it in one piece).
 
-        Only complete calls count; an output whose only calls were cut off (it ran
-        out of tokens) is returned as content, whole.
+        ``is_cut_off``: the output ran out of tokens (``finish_reason`` "length"). Then
+        every call it started counts, the last one with the arguments written so
+        far, as vLLM returns them and as streaming sent them. Otherwise only
+        complete calls count, and an output whose only calls are incomplete (the
+        model ended a malformed call) is returned as content, whole.
         """
         self.feed(text)
         self.finish()
-        calls = self.tool_calls
+        calls = self.started_calls if is_cut_off else self.tool_calls
         if self._calls and not calls:
             return ParsedOutput(text, [])
         content = "".join(self._content)
-        if calls and not content.strip():
+        if not content.strip() and (calls or is_cut_off):
             content = None
         return ParsedOutput(content, calls)
 
@@ -97,6 +100,11 @@ class ToolParser(ABC):
     def tool_calls(self) -> list[ToolCall]:
         """The calls completed so far."""
         return [call for call in self._calls if call.is_complete]
+
+    @property
+    def started_calls(self) -> list[ToolCall]:
+        """Every call started so far (its name is known), complete or not."""
+        return list(self._calls)
 
     # ---- helpers for subclasses ----------------------------------------------------------
     def _emit_content(self, delta: ParserDelta, text: str) -> None:

@@ -100,7 +100,10 @@ class Llama3JsonToolParser(ToolParser):
 
 class RequiredToolParser(ToolParser):
     """The output of ``tool_choice: "required"``: a JSON array of
-    ``{"name": ..., "parameters": {...}}`` objects (generation is constrained to it)."""
+    ``{"name": ..., "parameters": {...}}`` objects (generation is constrained to it).
+
+    The array is this server's wrapper, not the model's words: none of it is ever
+    content, even when the output was cut off before a call's name was complete."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -123,10 +126,7 @@ class RequiredToolParser(ToolParser):
         return delta
 
     def finish(self) -> ParserDelta:
-        delta = ParserDelta()
-        if not self._calls:
-            self._emit_content(delta, self._text)
-        return delta
+        return ParserDelta()
 
 
 class NamedToolParser(ToolParser):

@@ -1,0 +1,229 @@
+"""The API without Ray: a ``Frontend`` over one in-process engine, for the API tests.
+
+``LocalHandle`` stands in for ``ClusterHandle`` (one ``AsyncLLMEngine``, with
+switches to fail or stall its streams); ``call`` drives the FastAPI app through
+httpx's ASGI transport; ``GrpcServer`` serves the production gRPC registration
+(``protos/servicer.py``) and ``GrpcService`` on a real local port, so tests use a
+real ``grpcio`` client. It stands in for Ray Serve's gRPC proxy only in how a
+failed RPC's status reaches the client (the proxy reads the code the service set
+on its context; here the status is sent with ``abort``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from contextlib import aclosing
+
+import httpx
+
+from pagedserve.cluster.config import ServerConfig
+from pagedserve.cluster.serving.frontend import Frontend
+from pagedserve.cluster.serving.grpc_service import GrpcRequestError, GrpcService
+from pagedserve.cluster.serving.http_app import build_app
+from pagedserve.workers.async_engine import AsyncLLMEngine
+from pagedserve.workers.engine import EngineConfig
+
+MODEL = "tiny-test"
+
+
+class _Remote:
+    """Stands in for a Ray actor method: ``.remote()`` returns an awaitable."""
+
+    def __init__(self, fn) -> None:
+        self._fn = fn
+
+    def remote(self, *args):
+        async def call():
+            return self._fn(*args)
+        return call()
+
+
+class _Actor:
+    def __init__(self, **methods) -> None:
+        for name, fn in methods.items():
+            setattr(self, name, _Remote(fn))
+
+
+class _Router:
+    def snapshot(self) -> dict:
+        return {}
+
+    def recent_decisions(self, limit: int) -> list[dict]:
+        return []
+
+
+class LocalHandle:
+    """The subset of ``ClusterHandle`` the server uses, over one in-process engine."""
+
+    def __init__(self, model_path: str, **engine_options) -> None:
+        options = {"num_device_blocks": 128, "swap_space_gb": 0.001, **engine_options}
+        self.engine = AsyncLLMEngine.from_config(EngineConfig(model=model_path, **options))
+        core = self.engine.engine
+        self.model_path = model_path
+        self.model_name = MODEL
+        self.max_model_len = core.max_model_len
+        self.tokenizer = core.tokenizer
+        self.router = _Router()
+        self.fail_with: BaseException | None = None
+        self.stall_s = 0.0  # > 0: a pause after every output (a slow or stuck generation)
+        self.kv_manager = _Actor(stats=lambda: {"workers": {"worker-0": core.kv_manager.stats("worker-0")}})
+        self.workers = {"worker-0": _Actor(stats=lambda: {"is_healthy": True, **self.engine.stats()},
+                                           ping=lambda: "worker-0")}
+
+    def generate(self, prompt, params, request_id=None, priority=0, prompt_token_ids=None):
+        if self.fail_with is not None:
+            return self._fail()
+        stream = self.engine.generate(prompt, params, request_id, priority, prompt_token_ids)
+        return self._stalled(stream, self.stall_s) if self.stall_s else stream
+
+    @staticmethod
+    async def _stalled(stream, stall_s: float):
+        async with aclosing(stream):
+            async for output in stream:
+                yield output
+                await asyncio.sleep(stall_s)
+
+    async def _fail(self):
+        raise self.fail_with
+        yield  # pragma: no cover - makes this an async generator
+
+    def num_used_blocks(self) -> int:
+        return self.engine.num_used_blocks()
+
+    def has_streams(self) -> bool:
+        """True while some request's stream has not had its final output delivered."""
+        return bool(self.engine._streams)
+
+
+def make_frontend(handle, **server_fields) -> Frontend:
+    return Frontend(handle, ServerConfig.model_validate(server_fields))
+
+
+def call(server: Frontend, method: str, path: str, **kwargs) -> httpx.Response:
+    """One request against ``server``'s app, in a fresh event loop."""
+    async def run():
+        transport = httpx.ASGITransport(app=build_app(server))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            response = await client.request(method, path, **kwargs)
+        # The engine thread delivers an aborted request's final output to this loop: keep it open
+        # until then (a closed loop there stops AsyncLLMEngine's thread).
+        deadline = time.monotonic() + 10
+        while server.handle.has_streams() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return response
+    return asyncio.run(run())
+
+
+def events(response: httpx.Response) -> list:
+    """The JSON events of an SSE response (which must end with ``[DONE]``)."""
+    lines = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    """The OpenAI error body of ``response``, which must have ``status`` (and name ``param``)."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+class _Servicer:
+    """The deployment's RPC methods over ``GrpcService``; a failed RPC's status is sent with
+    ``abort`` (Serve's proxy reads it from the context instead)."""
+
+    def __init__(self, service: GrpcService) -> None:
+        self.service = service
+
+    @staticmethod
+    async def _abort(context, exc: GrpcRequestError):
+        await context.abort(context.code(), context.details() or str(exc))
+
+    async def Generate(self, request, context):  # noqa: N802 - the RPC's name
+        try:
+            return await self.service.generate(request, context)
+        except GrpcRequestError as exc:
+            await self._abort(context, exc)
+
+    async def Chat(self, request, context):  # noqa: N802
+        try:
+            return await self.service.chat(request, context)
+        except GrpcRequestError as exc:
+            await self._abort(context, exc)
+
+    async def GenerateStream(self, request, context):  # noqa: N802
+        try:
+            async for response in self.service.generate_stream(request, context):
+                yield response
+        except GrpcRequestError as exc:
+            await self._abort(context, exc)
+
+    async def ChatStream(self, request, context):  # noqa: N802
+        try:
+            async for response in self.service.chat_stream(request, context):
+                yield response
+        except GrpcRequestError as exc:
+            await self._abort(context, exc)
+
+
+class GrpcServer:
+    """``frontend``'s gRPC service on ``127.0.0.1:<port>`` in a thread of its own (its own loop),
+    registered by the production ``add_servicer_to_server``. Use as a context manager."""
+
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+        self.target = ""
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server = None
+
+    def __enter__(self) -> "GrpcServer":
+        import grpc
+
+        from pagedserve.cluster.protos.servicer import add_servicer_to_server
+
+        async def start():
+            server = grpc.aio.server()
+            add_servicer_to_server(_Servicer(GrpcService(self.frontend)), server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            return server, port
+
+        self._thread.start()
+        self._server, port = asyncio.run_coroutine_threadsafe(start(), self._loop).result(30)
+        self.target = f"127.0.0.1:{port}"
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        asyncio.run_coroutine_threadsafe(self._server.stop(grace=1), self._loop).result(30)
+        # The engine delivers aborted requests' final outputs to this loop: let them land.
+        deadline = time.monotonic() + 10
+        while self.frontend.handle.has_streams() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+def with_context_length(source: str, target, context_length: int) -> str:
+    """A copy of checkpoint ``source`` in ``target`` whose context is ``context_length`` tokens:
+    the same weights, so the same logits at every position (a chat template's tools need more
+    room than the tiny model's 512 tokens)."""
+    import shutil
+    from pathlib import Path
+
+    path = Path(target)
+    shutil.copytree(source, path)
+    for name, key in (("config.json", "max_position_embeddings"), ("tokenizer_config.json", "model_max_length")):
+        file = path / name
+        if file.exists():
+            data = json.loads(file.read_text())
+            if key in data:
+                data[key] = context_length
+                file.write_text(json.dumps(data))
+    return str(path)

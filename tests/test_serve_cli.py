@@ -1,0 +1,206 @@
+"""``pagedserve serve`` as vLLM and Ray users run it: vLLM's flags mapped onto the
+configuration (``config show`` prints what they make), a private Ray unless an
+address is named, and joining a running cluster by its address with the
+cluster's token authentication (``serve``, ``status``, ``stop``).
+
+The end-to-end test starts a Ray head of its own first (``fake_cluster.LocalRayHead``:
+its own ports and temp dir, token auth with a token of the test's, never
+``ray stop``) and runs the CLI as a user would, in subprocesses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pagedserve.cluster.cli import build_parser, main
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+
+def _show(*args: str, capsys) -> dict:
+    assert main(["config", "show", *args]) == 0
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+# ---- vLLM's command line ------------------------------------------------------------------------
+def test_vllm_flags_set_the_configuration_and_win_over_file_and_set(tmp_path, capsys):
+    file = tmp_path / "serve.yaml"
+    file.write_text(yaml.safe_dump({"engine": {"block_size": 8, "max_num_seqs": 4},
+                                    "server": {"port": 7000}, "model": {"name": "from-file"}}))
+    config = _show(str(file), "--model", "Qwen/Qwen2.5-7B-Instruct", "--set", "engine.block_size=32",
+                   "--block-size", "64", "--max-model-len", "8192", "--gpu-memory-utilization", "0.8",
+                   "--dtype", "bfloat16", "--served-model-name", "qwen", "--no-enable-prefix-caching",
+                   "--max-num-seqs", "128", "--port", "9001", "--host", "0.0.0.0", "--swap-space", "2",
+                   "--tool-call-parser", "llama3_json", "-tp", "1", capsys=capsys)
+    assert config["model"]["path"] == "Qwen/Qwen2.5-7B-Instruct" and config["model"]["name"] == "qwen"
+    engine = config["engine"]
+    assert (engine["block_size"], engine["max_model_len"], engine["gpu_memory_utilization"]) == (64, 8192, 0.8)
+    assert (engine["dtype"], engine["enable_prefix_caching"], engine["max_num_seqs"]) == ("bfloat16", False, 128)
+    assert engine["swap_space_gb"] == 2.0
+    assert (config["server"]["port"], config["server"]["host"]) == (9001, "0.0.0.0")
+    assert config["server"]["tool_call_parser"] == "llama3_json"
+    # Without flags, the file and --set stand.
+    config = _show(str(file), "--set", "engine.max_num_seqs=16", capsys=capsys)
+    assert (config["engine"]["block_size"], config["engine"]["max_num_seqs"]) == (8, 16)
+    assert config["server"]["port"] == 7000 and config["model"]["name"] == "from-file"
+
+
+def test_serve_takes_the_model_positionally_like_vllm():
+    args = build_parser().parse_args(["serve", "Qwen/Qwen2.5-7B-Instruct", "--tensor-parallel-size", "1",
+                                      "--max-model-len", "8192", "--enable-prefix-caching", "--api-key", "k"])
+    assert args.model == "Qwen/Qwen2.5-7B-Instruct" and args.max_model_len == 8192
+    assert args.enable_prefix_caching is True and args.api_key == "k" and args.address is None
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--tensor-parallel-size", "2"], "tensor parallelism is not implemented yet"),
+    (["-tp", "4"], "--tensor-parallel-size 4"),
+    (["--served-model-name", "a", "b"], "one name is served"),
+    (["--block-size", "24"], "block_size must be a power of two"),
+    (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization"),
+])
+def test_flags_that_cannot_be_served_are_refused(flags, message, capsys):
+    assert main(["config", "show", *flags]) == 1
+    assert message in capsys.readouterr().err
+    assert main(["serve", *flags]) == 2  # refused before anything starts
+    assert message in capsys.readouterr().err
+
+
+def test_bench_serve_takes_vllm_bench_serve_flags():
+    args = build_parser().parse_args([
+        "bench", "serve", "--backend", "vllm", "--base-url", "http://127.0.0.1:8123", "--endpoint",
+        "/v1/completions", "--model", "m", "--dataset-name", "random", "--num-prompts", "7",
+        "--random-input-len", "100", "--random-output-len", "20", "--random-range-ratio", "0.5",
+        "--request-rate", "4", "--max-concurrency", "3", "--seed", "5", "--ignore-eos", "--disable-tqdm",
+        "--save-result", "--result-dir", "/tmp", "--result-filename", "r.json"])
+    from pagedserve.bench.cli import serve_bench_config
+
+    config = serve_bench_config(args)
+    assert config.url == "http://127.0.0.1:8123" and config.num_requests == 7 and config.model == "m"
+    assert (config.input_len.low, config.input_len.high, config.input_len.kind) == (50, 150, "uniform")
+    assert (config.output_len.low, config.output_len.high) == (10, 30)
+    assert config.request_rate == 4 and config.max_concurrency == 3 and config.seed == 5 and config.ignore_eos
+    args = build_parser().parse_args(["bench", "serve", "--host", "127.0.0.2", "--port", "9000",
+                                      "--random-input-len", "64", "--random-range-ratio", "0"])
+    config = serve_bench_config(args)
+    assert config.url == "http://127.0.0.2:9000" and config.input_len.kind == "fixed"
+    assert config.input_len.mean == 64
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "serve", "--endpoint", "/v1/embeddings"])
+
+
+# ---- a private Ray, or a named one with its token ------------------------------------------------
+class ServeProcess:
+    """``pagedserve serve ...`` in a subprocess, its output collected and the process reaped
+    as a shell would (``pagedserve stop`` waits for the pid to vanish, not a zombie)."""
+
+    def __init__(self, args: list[str], env: dict) -> None:
+        self.process = subprocess.Popen([sys.executable, "-m", "pagedserve", "serve", *args], env=env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.output: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        self.output.extend(self.process.stdout)
+        self.process.wait()
+
+    def wait_serving(self, timeout_s: float = 300) -> None:
+        deadline = time.time() + timeout_s
+        while not any("pagedserve is serving" in line for line in self.output):
+            assert self.process.poll() is None, "".join(self.output)
+            assert time.time() < deadline, "".join(self.output)
+            time.sleep(0.5)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=30)
+
+
+def _cli(*args: str, env: dict, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pagedserve", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _complete(port: int) -> int:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+    completion = client.completions.create(model="tiny-cli", prompt="Hello", max_tokens=4, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    return completion.usage.completion_tokens
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_private_ray_by_default_and_a_named_cluster_with_its_token(tmp_path, tiny_model):
+    from fake_cluster import LocalRayHead
+    from served_cluster import free_port
+
+    token = secrets.token_hex(32)
+    other = LocalRayHead(tmp_path / "ray", head_cpus=4,
+                         env={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}).start()
+    base = {key: value for key, value in os.environ.items()
+            if key not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    base["PAGEDSERVE_CACHE_DIR"] = str(tmp_path / "cache")  # its own serve.json
+    model = ["--served-model-name", "tiny-cli", "--set", "workers.0.num_cpus=1",
+             "--set", "engine.num_device_blocks=64", "--set", "engine.swap_space_gb=0.001"]
+    servers: list[ServeProcess] = []
+    try:
+        # 1. Joined by its address: the token comes along (RAY_AUTH_MODE unset, as Ray leaves
+        #    it for an address it finds); status and stop work; the cluster stays up after.
+        joining = {**base, "RAY_AUTH_TOKEN": token}
+        port = free_port()
+        server = ServeProcess([tiny_model("llama"), "--address", other.address, "--port", str(port), *model],
+                              joining)
+        servers.append(server)
+        server.wait_serving()
+        assert _complete(port) == 4
+        status = _cli("status", "--address", other.address, "--json", env=joining)
+        assert status.returncode == 0, status.stderr
+        assert json.loads(status.stdout)["model"] == "tiny-cli"
+        stop = _cli("stop", "--timeout", "120", env=joining, timeout=180)
+        assert stop.returncode == 0, stop.stderr + "".join(server.output[-30:])
+        assert server.process.wait(timeout=60) == 0
+        assert other.pids(), "the joined cluster must outlive the server"
+
+        # 2. No address: a private Ray, although another runs and is the one Ray would find
+        #    (``ray.init()`` reads the last cluster's address from <RAY_TMPDIR>/ray, where it
+        #    is written here); the other one stopping takes nothing with it.
+        discovery = Path(f"/tmp/psdisc-{other.port}")  # short: Ray's socket paths live under it
+        (discovery / "ray").mkdir(parents=True, exist_ok=True)
+        (discovery / "ray" / "ray_current_cluster").write_text(other.address)
+        private = {**base, "RAY_TMPDIR": str(discovery)}
+        port = free_port()
+        server = ServeProcess([tiny_model("llama"), "--port", str(port), *model], private)
+        servers.append(server)
+        server.wait_serving()
+        state = json.loads((tmp_path / "cache" / "serve.json").read_text())
+        assert state["ray_address"] != other.address
+        other.stop()
+        assert other.pids() == []
+        time.sleep(2)
+        assert server.process.poll() is None, "".join(server.output)
+        assert _complete(port) == 4
+        status = _cli("status", "--json", env=private)
+        assert status.returncode == 0, status.stderr
+        stop = _cli("stop", "--timeout", "120", env=private, timeout=180)
+        assert stop.returncode == 0, stop.stderr + "".join(server.output[-30:])
+        assert server.process.wait(timeout=60) == 0
+    finally:
+        for server in servers:
+            server.kill()
+        other.stop()
+        shutil.rmtree(f"/tmp/psdisc-{other.port}", ignore_errors=True)
