@@ -5,6 +5,7 @@ from __future__ import annotations
 import array
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -201,10 +202,16 @@ class ModelRunner:
     float32 logits of the chunks that sample, in order (with any prompt
     logprobs the chunks asked for), through the model's own head (final
     soft-cap, logit scaling: see ``compute_logits``).
+
+    ``shard``, for one rank of a tensor-parallel group, cuts the loaded model
+    down to that rank's part in place (``workers/tp_rank.py``) before it moves
+    to the device; every size read from the model after that (heads, KV heads,
+    parameters) is the rank's.
     """
 
     def __init__(self, model: str, dtype=None, device=None, trust_remote_code: bool = False,
-                 kernel_backend: str | None = None) -> None:
+                 kernel_backend: str | None = None,
+                 shard: Callable[[torch.nn.Module], None] | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         self.device = resolve_device(device)
@@ -223,6 +230,8 @@ class ModelRunner:
         self.model = AutoModelForCausalLM.from_pretrained(
             model, dtype=self.dtype, attn_implementation=attn, trust_remote_code=trust_remote_code)
         check_model_class(type(self.model), config.model_type)
+        if shard is not None:
+            shard(self.model)
         self.model.to(self.device).eval()
         self.config = config
         self.attention = probe_attention(self.model, config, self.device)
