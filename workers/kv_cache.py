@@ -81,16 +81,18 @@ class KVCache:
             kernels.swap_blocks(src_k, dst_k, block_pairs)
             kernels.swap_blocks(src_v, dst_v, block_pairs)
 
-    def read_blocks(self, block_ids: list[int], tier: str = "device") -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Copies of the given blocks from every layer (for transfers and tests)."""
-        caches = self.device_caches if tier == "device" else self.host_caches
-        index = torch.tensor(block_ids, dtype=torch.int64)
-        return [(k.index_select(0, index.to(k.device)).cpu(), v.index_select(0, index.to(v.device)).cpu())
-                for k, v in caches]
-
-    def write_blocks(self, block_ids: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Write blocks read by ``read_blocks`` (possibly on another worker) into the device pool."""
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A CPU copy of the given device blocks, every layer, keys and values:
+        ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (transfers)."""
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        for (k_cache, v_cache), (k, v) in zip(self.device_caches, layers):
-            k_cache.index_copy_(0, index, k.to(self.device, k_cache.dtype))
-            v_cache.index_copy_(0, index, v.to(self.device, v_cache.dtype))
+        layers = [torch.stack([k_cache.index_select(0, index), v_cache.index_select(0, index)])
+                  for k_cache, v_cache in self.device_caches]
+        return torch.stack(layers).cpu().contiguous()
+
+    def write_blocks(self, block_ids: list[int], payload: torch.Tensor) -> None:
+        """Write ``payload`` (``read_blocks``'s layout, possibly from another worker) into
+        the given device blocks."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        for layer, (k_cache, v_cache) in enumerate(self.device_caches):
+            k_cache.index_copy_(0, index, payload[layer, 0].to(self.device, k_cache.dtype, non_blocking=True))
+            v_cache.index_copy_(0, index, payload[layer, 1].to(self.device, v_cache.dtype, non_blocking=True))

@@ -48,11 +48,7 @@ def export_kv(cache: KVCache, block_table: list[int], num_tokens: int, token_ids
     shape = cache.shape
     num_blocks = -(-num_tokens // shape.block_size)
     _check_held(block_table[:num_blocks], "export")
-    index = torch.tensor(block_table[:num_blocks], dtype=torch.int64, device=cache.device)
-    layers = []
-    for k_cache, v_cache in cache.device_caches:
-        layers.append(torch.stack([k_cache.index_select(0, index), v_cache.index_select(0, index)]))
-    stacked = torch.stack(layers).cpu().contiguous()
+    stacked = cache.read_blocks(block_table[:num_blocks])
     if shape.dtype == torch.bfloat16:
         payload = stacked.view(torch.int16).numpy().view(np.uint16)
     else:
@@ -107,7 +103,4 @@ def import_kv(cache: KVCache, transfer: KVTransfer, block_table: list[int]) -> N
         payload = payload.view(torch.int16).view(torch.bfloat16)
     num_blocks = payload.shape[2]
     _check_held(block_table[:num_blocks], "import")
-    index = torch.tensor(block_table[:num_blocks], dtype=torch.int64, device=cache.device)
-    for layer, (k_cache, v_cache) in enumerate(cache.device_caches):
-        k_cache.index_copy_(0, index, payload[layer, 0].to(cache.device, non_blocking=True))
-        v_cache.index_copy_(0, index, payload[layer, 1].to(cache.device, non_blocking=True))
+    cache.write_blocks(block_table[:num_blocks], payload)
