@@ -81,6 +81,17 @@ class BlockTableRows:
         self._row_of[seq_id] = row
         return row
 
+    def ensure_rows(self, num_rows: int) -> None:
+        """Hold at least ``num_rows`` rows, by doubling. For a tensor-parallel rank's copy of
+        the tables, whose rows rank 0 hands out: its ``write`` may name any row rank 0 has."""
+        old_rows, num_columns = self.host.shape
+        new_rows = old_rows
+        while new_rows < num_rows:
+            new_rows *= 2
+        if new_rows != old_rows:
+            self._resize(new_rows, num_columns)
+            self._free_rows[:0] = range(new_rows - 1, old_rows - 1, -1)
+
     def write(self, updates: Sequence[tuple[int, Sequence[int], int]]) -> None:
         """Bring rows up to date: each (row, whole table, first changed entry) writes the
         table's entries from there on (one batched write, and its copy on the device)."""
