@@ -16,9 +16,14 @@ Shapes (the same for every architecture):
 size   hidden  intermediate  layers  heads  kv heads  vocab  max pos  parameters
 =====  ======  ============  ======  =====  ========  =====  =======  ==========
 tiny   64      176           2       4      2         1024   512      ~0.2M
+tiny-tp 128    352           2       8      4         1024   512      ~0.6M
 small  512     1408          8       8      2         2048   2048     ~24.7M
 1b     2048    5632          16      16     4         32000  4096     ~852M
 =====  ======  ============  ======  =====  ========  =====  =======  ==========
+
+``tiny-tp`` is ``tiny`` with head counts that divide by 2 and 4 (tensor-parallel
+tests). ``qwen3_moe`` is a mixture of experts: every layer routes each token to
+2 of 4 experts of width ``intermediate // 2``.
 
 ``1b`` is for GPU benchmarks (a float32 checkpoint of 3.4 GB); its tokenizer's
 merges past what the built-in corpus yields are learned from made-up words.
@@ -44,8 +49,8 @@ from typing import Callable
 # torch and transformers are imported inside the functions that use them, so
 # that reading ARCHS/SIZES (the CLI's argument choices) stays cheap.
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
-SIZES = ("tiny", "small", "1b")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
+SIZES = ("tiny", "tiny-tp", "small", "1b")
 
 PAD_TOKEN = "<|pad|>"
 BOS_TOKEN = "<|bos|>"
@@ -125,6 +130,7 @@ class ModelShape:
 
 SHAPES = {
     "tiny": ModelShape(64, 176, 2, 4, 2, 1024, 512),
+    "tiny-tp": ModelShape(128, 352, 2, 8, 4, 1024, 512),
     "small": ModelShape(512, 1408, 8, 8, 2, 2048, 2048),
     "1b": ModelShape(2048, 5632, 16, 16, 4, 32000, 4096),
 }
@@ -305,7 +311,7 @@ def _made_up_lines(num_words: int, words_per_line: int = 12) -> list[str]:
 def build_config(arch: str, size: str):
     """Return the transformers config for ``arch`` at ``size`` (no weights)."""
     _check_arch_size(arch, size)
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     shape = SHAPES[size]
     common = dict(
@@ -331,6 +337,11 @@ def build_config(arch: str, size: str):
         config = Qwen2Config(**common, use_sliding_window=False)
     elif arch == "qwen3":
         config = Qwen3Config(**common, head_dim=shape.head_dim, attention_bias=False, use_sliding_window=False)
+    elif arch == "qwen3_moe":
+        config = Qwen3MoeConfig(**common, head_dim=shape.head_dim, attention_bias=False, use_sliding_window=False,
+                                num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                                moe_intermediate_size=shape.intermediate_size // 2, decoder_sparse_step=1,
+                                mlp_only_layers=[])
     else:
         config = MistralConfig(**common, head_dim=shape.head_dim, sliding_window=None)
     return config
@@ -453,6 +464,8 @@ def _init_weights(model, seed: int) -> None:
                 param[: len(SPECIAL_TOKENS)] = 0.0
             elif param.dim() == 2:  # linear [out, in]: unit-variance outputs for unit-variance inputs
                 param.normal_(0.0, param.shape[1] ** -0.5, generator=generator)
+            elif param.dim() == 3:  # stacked experts [experts, out, in]: as linear, per expert
+                param.normal_(0.0, param.shape[2] ** -0.5, generator=generator)
             else:
                 raise RuntimeError(f"no init rule for parameter {name} of shape {tuple(param.shape)}")
 
