@@ -18,9 +18,10 @@ from .grammar import GrammarCompiler
 from .input_batch import (EXPORTS_KV, FORKS, GRAMMAR, MIN_TOKENS, PER_ROW, RANDOM, STOP_TOKEN_IDS, TEXT,
                           InputBatch)
 from .kv_transfer import KVTransfer, check_compatible, export_kv, import_kv, read_header
-from .model_runner import ModelInput, ModelRunner, ScoreRequest, TokenScores, int64_tensor
+from .model_runner import ModelInput, ScoreRequest, TokenScores, int64_tensor
 from .output_processor import OUTPUT_KINDS, EngineStep, OutputProcessor, SeqFinish, new_stream
 from .request import Request, RequestOutput, Sequence
+from .runners import build_runner
 from .sampler import SampleLogprobs, Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
@@ -47,8 +48,7 @@ class LLMEngine:
 
         self.config = config
         self.worker_id = worker_id
-        self.runner = ModelRunner(config.model, config.dtype, config.device,
-                                  config.trust_remote_code, config.kernel_backend)
+        self.runner = build_runner(config)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model,
                                                        trust_remote_code=config.trust_remote_code)
         max_len = config.max_model_len or self.runner.max_context_len

@@ -40,6 +40,7 @@ Allocation = Literal[tuple(ALLOCATION_POLICIES)]  # type: ignore[valid-type]
 PreemptionMode = Literal[PREEMPTION_MODES]  # type: ignore[valid-type]
 SchedulingPolicy = Literal[SCHEDULING_POLICIES]  # type: ignore[valid-type]
 KernelBackend = Literal[BACKENDS]  # type: ignore[valid-type]
+ExecutorBackend = Literal["mp", "ray"]
 
 
 class EngineOptions(BaseModel):
@@ -64,6 +65,12 @@ class EngineOptions(BaseModel):
     watermark: float = Field(POOL_DEFAULTS["watermark"], ge=0, lt=1)
     seed: int | None = Field(None, ge=0, lt=2**63)          # None: a fresh random seed per engine
     kernel_backend: KernelBackend | None = None             # None: triton on CUDA if installed, else torch
+    # Ranks (GPUs) one model replica spans; the model must have a tensor-parallel plan whose
+    # head counts divide by it (workers/tp_plan.py).
+    tensor_parallel_size: int = Field(1, ge=1)
+    # How ranks 1 and up start: "mp" local processes, "ray" actors in this worker's placement
+    # group; None: "ray" inside a placement group with a bundle per rank, else "mp".
+    distributed_executor_backend: ExecutorBackend | None = None
 
     @field_validator("block_size")
     @classmethod
