@@ -162,6 +162,12 @@ def receive_payload(group: TensorParallelGroup, layout: list[int], dtype: str) -
     return raw.view(torch_dtype)
 
 
+def share_cpu(size: int) -> None:
+    """On the CPU, a rank computes with its share of the cores: ``size`` processes with a thread
+    per core each would spin against each other between the forward pass's all-reduces."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+
+
 def publish_rank_info(group: TensorParallelGroup, **extra) -> None:
     """What rank 0 reports of this rank (status, dashboard), through the group's store."""
     info = {"rank": group.rank, "device": str(group.device), "node_id": node_key(),
@@ -177,7 +183,10 @@ def run_rank(spec: dict, rank: int, gpu_index: int) -> None:
     """Entry point of rank ``rank`` >= 1 (a local process or a Ray actor's task): join the
     group, load the shard, run commands until rank 0 stops or is gone."""
     spec = RankSpec.from_dict(spec)
-    group = TensorParallelGroup(spec.rendezvous, rank, rank_device(spec.device, gpu_index))
+    device = rank_device(spec.device, gpu_index)
+    if device.type == "cpu":
+        share_cpu(spec.rendezvous.size)
+    group = TensorParallelGroup(spec.rendezvous, rank, device)
     publish_rank_info(group)
     runner = load_rank_runner(spec, group)
     channel = open_channel(group, node_key())

@@ -1,0 +1,351 @@
+"""Tensor parallelism: a model split across ranks must compute what the whole model computes.
+
+Greedy outputs of TP = 2 and TP = 4 groups (gloo, float32, CPU) must be
+token-identical to transformers ``generate(do_sample=False)`` for llama,
+qwen3, mistral and a mixture of experts (qwen3_moe), through prefix-cache
+hits, preemption by swap and by recompute, an abort in the middle of a
+stream, and KV moved between groups of different sizes. Models whose plan or
+head counts do not allow a split are refused with the reason.
+
+The plan, shard and channel tests run their ranks as threads of this process
+(each with its own gloo process group); the engine tests start real rank
+processes, as ``LLM(..., tensor_parallel_size=N)`` does.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.devtools.model_factory import ensure_model
+from pagedserve.workers.kv_transfer import export_kv
+from pagedserve.workers.tp_dispatch import BroadcastChannel, GroupBrokenError, PipeChannel
+from pagedserve.workers.tp_group import TensorParallelGroup, host_store
+from pagedserve.workers.tp_messages import KVCopies, RunStep, WriteBlocks, pack, unpack
+from pagedserve.workers.tp_plan import (TensorParallelError, check_tensor_parallel, shard_decoder, shard_slice,
+                                        tensor_parallel_plan)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+ARCHS = ("llama", "qwen3", "mistral", "qwen3_moe")
+FIRST_ORDINARY_ID = 5
+VOCAB_SIZE = 1024
+
+
+def random_prompts(lengths, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(FIRST_ORDINARY_ID, VOCAB_SIZE) for _ in range(n)] for n in lengths]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+
+@pytest.fixture(scope="module")
+def tp_model():
+    """``tp_model(arch) -> str``: the tiny checkpoint whose head counts divide by 2 and 4."""
+    return lambda arch: str(ensure_model(arch, "tiny-tp"))
+
+
+@pytest.fixture(scope="module")
+def reference(tp_model):
+    """``reference(arch, prompt, max_tokens)``: transformers' greedy tokens (memoised)."""
+    from transformers import AutoModelForCausalLM
+
+    models, cache = {}, {}
+
+    def generate(arch: str, prompt: list[int], max_tokens: int) -> list[int]:
+        key = (arch, tuple(prompt), max_tokens)
+        if key not in cache:
+            if arch not in models:
+                models[arch] = AutoModelForCausalLM.from_pretrained(tp_model(arch), dtype=torch.float32).eval()
+            ids = torch.tensor([prompt])
+            with torch.inference_mode():
+                out = models[arch].generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                            max_new_tokens=max_tokens)
+            cache[key] = out[0, len(prompt):].tolist()
+        return cache[key]
+
+    return generate
+
+
+def run_ranks(size: int, work) -> list:
+    """``work(group)`` on each rank of a group whose ranks are threads of this process."""
+    store, rendezvous = host_store(size, "127.0.0.1")
+    results, errors = [None] * size, []
+
+    def rank_main(rank: int) -> None:
+        try:
+            group = TensorParallelGroup(rendezvous, rank, torch.device("cpu"), store if rank == 0 else None)
+            results[rank] = work(group)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    if errors:
+        raise errors[0]
+    return results
+
+
+# ---- plans: refused at config validation, with the reason ---------------------------------
+
+def test_head_counts_that_do_not_divide_are_refused(tp_model):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(ensure_model("llama", "tiny")))   # 4 heads over 2 KV heads
+    check_tensor_parallel(config, 2)
+    with pytest.raises(TensorParallelError, match=r"tensor_parallel_size 4: model type 'llama' has 2 "
+                                                  r"key/value heads, which do not divide by 4"):
+        check_tensor_parallel(config, 4)
+    config = AutoConfig.from_pretrained(tp_model("llama"))
+    with pytest.raises(TensorParallelError, match="8 attention heads, which do not divide by 3"):
+        check_tensor_parallel(config, 3)
+
+
+def test_models_without_a_plan_we_implement_are_refused():
+    from transformers import CONFIG_MAPPING
+
+    with pytest.raises(TensorParallelError, match="'stablelm' has no tensor-parallel plan in transformers"):
+        check_tensor_parallel(CONFIG_MAPPING["stablelm"](), 2)
+    with pytest.raises(TensorParallelError, match="'colwise_gather_output' .*which pagedserve does not implement"):
+        check_tensor_parallel(CONFIG_MAPPING["phi3"](num_attention_heads=8, num_key_value_heads=4), 2)
+    check_tensor_parallel(CONFIG_MAPPING["stablelm"](), 1)   # one rank needs no plan
+
+
+def test_split_widths_must_divide(tp_model):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tp_model("qwen3_moe"))
+    config.moe_intermediate_size = 90
+    with pytest.raises(TensorParallelError, match="moe_intermediate_size 90 does not divide by 4"):
+        check_tensor_parallel(config, 4)
+
+
+def test_engine_refuses_before_starting_ranks(tiny_model):
+    with pytest.raises(TensorParallelError, match="do not divide by 4"):
+        LLM(tiny_model("llama"), tensor_parallel_size=4, device="cpu", num_device_blocks=16)
+
+
+def test_shard_slice_splits_fused_halves_alike():
+    fused = torch.arange(8).reshape(8, 1)          # [gate 0..3; up 4..7]
+    assert shard_slice(fused, 0, 0, 2, num_parts=2).flatten().tolist() == [0, 1, 4, 5]
+    assert shard_slice(fused, 0, 1, 2, num_parts=2).flatten().tolist() == [2, 3, 6, 7]
+    assert shard_slice(fused, 0, 1, 2).flatten().tolist() == [4, 5, 6, 7]
+
+
+# ---- shards: the split model computes the whole model's logits ------------------------------
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("size", [2, 4])
+def test_sharded_forward_matches_whole_model_with_two_all_reduces_per_layer(arch, size, tp_model):
+    from transformers import AutoModelForCausalLM
+
+    path = tp_model(arch)
+    ids = torch.tensor([random_prompts([12], seed=1)[0]])
+    whole = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    with torch.inference_mode():
+        expected = whole(ids).logits
+
+    def work(group: TensorParallelGroup):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+        decoder = model.get_decoder()
+        shard_decoder(decoder, tensor_parallel_plan(model.config), group.rank, group.size, group.all_reduce)
+        attention = decoder.layers[0].self_attn
+        local_heads = attention.k_proj.weight.shape[0] // attention.head_dim
+        with torch.inference_mode():
+            logits = model(ids).logits
+        return logits, group.num_all_reduces, local_heads
+
+    for logits, num_all_reduces, local_heads in run_ranks(size, work):
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+        assert num_all_reduces == 2 * whole.config.num_hidden_layers   # after attention, after the MLP
+        assert local_heads == whole.config.num_key_value_heads // size
+
+
+# ---- messages and channels ----------------------------------------------------------------
+
+def test_commands_round_trip_with_their_copies():
+    step = RunStep([0, 3], [5, 0], [11, 12, 13], [(3, [7, 8], 0)], [1, 2])
+    copies = [KVCopies([(1, 2)], [], [(4, 5)]), KVCopies([], [(2, 9)], [])]
+    command, batches = unpack(pack(step, copies))
+    assert command == RunStep([0, 3], [5, 0], [11, 12, 13], [[3, [7, 8], 0]], [1, 2])
+    assert [(b.swap_out, b.swap_in, b.copy_on_write) for b in batches] == [
+        ([[1, 2]], [], [[4, 5]]), ([], [[2, 9]], [])]
+    assert unpack(pack(WriteBlocks([1], [2, 2, 1, 4, 2, 8], "bfloat16")))[0].dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("kind", ["pipe", "broadcast"])
+def test_channels_deliver_in_order_including_long_commands(kind):
+    messages = [b"x", bytes(range(256)) * 40, b"", os.urandom(100_000)]   # one frame, several, none
+
+    def work(group: TensorParallelGroup):
+        if kind == "broadcast":
+            channel = BroadcastChannel(group)
+        else:
+            channel = PipeChannel.writer(group) if group.rank == 0 else PipeChannel.reader(group)
+            group.barrier()
+        try:
+            if group.rank == 0:
+                for message in messages:
+                    channel.send(message)
+                return None
+            return [channel.receive() for _ in messages]
+        finally:
+            channel.close()
+
+    received = run_ranks(3, work)
+    assert received[1] == messages and received[2] == messages
+
+
+def test_pipe_channel_reports_a_rank_that_is_gone():
+    def work(group: TensorParallelGroup):
+        channel = PipeChannel.writer(group) if group.rank == 0 else PipeChannel.reader(group)
+        group.barrier()
+        if group.rank == 1:
+            channel.close()                      # rank 1 leaves
+            group.barrier()
+            return None
+        group.barrier()
+        with pytest.raises(GroupBrokenError, match="rank is gone"):
+            channel.send(b"step")
+        channel.close()
+        return True
+
+    assert run_ranks(2, work)[0] is True
+
+
+# ---- the engine on a group of rank processes ----------------------------------------------
+
+def make_engine(path: str, size: int, **kwargs) -> LLM:
+    kwargs.setdefault("block_size", 8)
+    kwargs.setdefault("num_device_blocks", 256)
+    kwargs.setdefault("swap_space_gb", 0.001)
+    return LLM(path, tensor_parallel_size=size, device="cpu", dtype="float32",
+               distributed_executor_backend="mp", **kwargs)
+
+
+def rank_block_bytes(path: str, size: int, block_size: int = 8) -> int:
+    """Bytes of one float32 block of one rank's pool (its share of the KV heads)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    return 2 * config.num_hidden_layers * block_size * (config.num_key_value_heads // size) * config.head_dim * 4
+
+
+def assert_idle(llm: LLM) -> None:
+    llm.check_integrity()
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.num_used_blocks() == 0, llm.stats()
+
+
+def assert_matches(outputs, arch: str, max_tokens: int, reference) -> None:
+    for output in outputs:
+        expected = reference(arch, output.prompt_token_ids, max_tokens)
+        assert output.outputs[0].token_ids == expected, (
+            f"{arch}: {output.request_id} (prompt of {len(output.prompt_token_ids)}) diverged")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_transformers_through_prefix_hits_preemption_and_abort(arch, size, tp_model, reference):
+    path = tp_model(arch)
+    # 24 blocks of 8 tokens: one sequence always fits, all of them at once never do; the host
+    # pool holds 6 blocks, so some preemptions swap and, once it is full, others recompute.
+    llm = make_engine(path, size, num_device_blocks=24, swap_space_gb=6 * rank_block_bytes(path, size) / 2**30)
+    try:
+        assert llm.engine.pool_config.num_host_blocks == 6
+        max_tokens = 20
+        shared = random_prompts([24], seed=3)[0]
+        prompts = [shared + tail for tail in random_prompts((5, 17, 30, 9), seed=4)]
+        prompts += random_prompts((40, 13, 52, 26), seed=5)
+        outputs = llm.generate(prompts, greedy(max_tokens))
+        assert_matches(outputs, arch, max_tokens, reference)
+        preemptions = llm.stats()["num_preemptions_by_mode"]
+        assert preemptions["swap"] > 0 and preemptions["recompute"] > 0, preemptions
+        assert sum(o.metrics.num_cached_tokens for o in outputs) > 0      # the shared prefix hit
+        assert_idle(llm)
+
+        # An abort in the middle of the streams: the others go on, exactly.
+        engine = llm.engine
+        for i, prompt in enumerate(prompts[:4]):
+            engine.add_request(f"abort-{i}", prompt, greedy(max_tokens))
+        finished = {}
+        for step in range(200):
+            if step == 6:
+                assert engine.abort_request("abort-1")
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+            if not engine.has_unfinished_requests() and len(finished) == 4:
+                break
+        assert finished["abort-1"].outputs[0].finish_reason == "abort"
+        assert_matches([finished[f"abort-{i}"] for i in (0, 2, 3)], arch, max_tokens, reference)
+        assert_idle(llm)
+    finally:
+        llm.engine.runner.shutdown()
+
+
+@pytest.mark.slow
+def test_kv_moves_between_groups_of_different_sizes(tp_model, reference):
+    """A sequence migrated mid-stream from a TP = 2 group goes on, exactly, on a TP = 4 group
+    and on one device: a transfer holds every head, gathered from one group's ranks and split
+    across the other's."""
+    path = tp_model("llama")
+    source = make_engine(path, 2)
+    targets = {"tp4": make_engine(path, 4),
+               "single": LLM(path, device="cpu", dtype="float32", block_size=8, num_device_blocks=256,
+                             swap_space_gb=0.001)}
+    try:
+        max_tokens = 16
+        for i, prompt in enumerate(random_prompts((21, 40), seed=7)):
+            engine = source.engine
+            engine.add_request(f"src{i}", prompt, greedy(max_tokens))
+            while len(engine.requests[f"src{i}"].seqs[0].output_token_ids) < 5:
+                engine.step()
+            seq = engine.requests[f"src{i}"].seqs[0]
+            transfer = export_kv(engine.runner.kv_cache, seq.block_table, seq.num_computed, seq.token_ids)
+            assert transfer.payload.shape[4] == 4      # every KV head of the model
+            done = list(seq.output_token_ids)
+            engine.abort_request(f"src{i}")
+            engine.step()
+            for name, target in targets.items():
+                target.engine.add_request(f"dst{i}", prompt, greedy(max_tokens), kv_transfer=transfer,
+                                          output_token_ids=done)
+                final = None
+                while target.engine.has_unfinished_requests():
+                    for output in target.engine.step():
+                        final = output
+                assert final.outputs[0].token_ids == reference("llama", prompt, max_tokens), name
+        for llm in (source, *targets.values()):
+            assert_idle(llm)
+    finally:
+        source.engine.runner.shutdown()
+        targets["tp4"].engine.runner.shutdown()
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_breaks_the_group(tp_model):
+    llm = make_engine(tp_model("llama"), 2)
+    try:
+        llm.generate([random_prompts([8], seed=9)[0]], greedy(4))
+        ranks = llm.engine.runner.ranks
+        ranks.processes[0].kill()
+        ranks.processes[0].join(timeout=30)
+        for _ in range(100):
+            if ranks.is_broken():
+                break
+            threading.Event().wait(0.1)
+        with pytest.raises(GroupBrokenError, match="rank of the tensor-parallel group is gone"):
+            llm.generate([random_prompts([8], seed=10)[0]], greedy(4))
+    finally:
+        llm.engine.runner.shutdown()
