@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.workers.model_support import check_servable_config
+from pagedserve.workers.tp_plan import check_tensor_parallel
 from pagedserve.workers.worker import stall_timeout_s
 
 from . import ray_compat
@@ -17,7 +18,8 @@ from .config import ClusterConfig, load_config
 from .controller import CONTROLLER_NAME, ClusterController
 from .handle import ClusterHandle
 from .kv_relay import node_relay
-from .worker_pool import group_engine_config, worker_actor_name
+from .placement import remove_worker_placement, worker_actor_options
+from .worker_pool import group_engine_config, group_tensor_parallel_size, worker_actor_name
 
 logger = logging.getLogger("pagedserve.cluster")
 
@@ -90,6 +92,15 @@ def _wait_ready(refs: dict[str, Any], timeout_s: float, show_progress: bool) -> 
     return [infos[worker_id] for worker_id in refs]
 
 
+def check_model(config: ClusterConfig, model_path: str) -> None:
+    """Refuse, with the reason, a model the workers cannot serve exactly, or whose layers
+    cannot be split across a worker group's ``tensor_parallel_size`` ranks (no tensor-parallel
+    plan, head counts that do not divide). Reads the model's config only."""
+    model_config = check_servable_config(model_path)
+    for group in config.workers:
+        check_tensor_parallel(model_config, group_tensor_parallel_size(config, group))
+
+
 def init_ray(address: str | None = None, **ray_init_kwargs: Any) -> bool:
     """Connect this process to Ray in pagedserve's namespace; True if it started its own.
 
@@ -123,8 +134,9 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
     # Here (the head node): config and tokenizer only; every worker fetches the weights itself.
     model_path = config.model.resolve_path()
     model_source = config.model.source().to_dict()
-    # A model we cannot serve exactly is refused here, before Ray or any worker starts.
-    check_servable_config(model_path)
+    # A model we cannot serve exactly, or not split across a group's ranks, is refused here,
+    # before Ray or any worker starts.
+    check_model(config, model_path)
     owns_ray = False
     if not ray.is_initialized():
         owns_ray = init_ray(address, **ray_init_kwargs)
@@ -141,10 +153,8 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
         engine_dict = group_engine_config(config, group, model_path)
         for _ in range(group.min_workers):
             worker_id = f"worker-{index}"
-            handle = worker_cls.options(
-                name=worker_name(index), namespace=NAMESPACE, max_restarts=-1, max_task_retries=0,
-                max_concurrency=1000, num_cpus=group.num_cpus, num_gpus=group.num_gpus,
-                resources=group.resources or None,
+            handle = worker_cls.options(**worker_actor_options(
+                group, group_tensor_parallel_size(config, group), worker_name(index), NAMESPACE),
             ).remote(worker_id, engine_dict, kv_manager, group.role, config.step_timeout_s,
                      model_source=model_source, kv_events=config.kv_events.model_dump(),
                      kv_relay=node_relay)
@@ -162,6 +172,8 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
                 ray.kill(actor, no_restart=True)
             except Exception:
                 pass
+        for i in range(index):
+            remove_worker_placement(worker_name(i), NAMESPACE)
         raise
     logger.info("pagedserve: %d workers ready in %.1f s", len(infos), time.time() - start_time)
     # The one health monitor of the cluster, whatever the number of ingress replicas; it also
@@ -180,6 +192,8 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
                 ray.kill(actor, no_restart=True)
             except Exception:
                 pass
+        for i in range(index):
+            remove_worker_placement(worker_name(i), NAMESPACE)
         raise
     return ClusterHandle(config, model_path, kv_manager, workers, roles, infos[0], controller,
                          owns_ray=owns_ray)

@@ -112,6 +112,12 @@ class WorkerGroup(_Strict):
     num_cpus: float = Field(1, ge=0)
     num_gpus: float = Field(0, ge=0)
     resources: dict[str, float] = Field(default_factory=dict)
+    # Ranks (GPUs) per worker: a worker of N ranks is N actors, each with the resources above,
+    # in one placement group (None: engine.tensor_parallel_size). The cluster sees one worker.
+    tensor_parallel_size: int | None = Field(None, ge=1)
+    # STRICT_PACK: every rank of a worker on one node (pipes carry its steps); PACK lets the
+    # ranks spread over nodes when one cannot hold them all (gloo broadcasts carry its steps).
+    placement_strategy: Literal["STRICT_PACK", "PACK"] = "STRICT_PACK"
     # Per-group engine overrides (say, a smaller pool on smaller GPUs).
     engine: dict[str, Any] = Field(default_factory=dict)
 
@@ -125,6 +131,13 @@ class WorkerGroup(_Strict):
     def _count_or_autoscaling(self) -> "WorkerGroup":
         if self.autoscaling is not None and self.count is not None:
             raise ValueError("set count (a fixed size) or autoscaling (a size that follows load), not both")
+        return self
+
+    @model_validator(mode="after")
+    def _ranks_have_resources(self) -> "WorkerGroup":
+        if (self.tensor_parallel_size or 1) > 1 and not (self.num_cpus or self.num_gpus or self.resources):
+            raise ValueError("a worker of several ranks needs resources per rank (num_cpus, num_gpus or "
+                             "resources) for its placement group's bundles")
         return self
 
     @property

@@ -30,8 +30,10 @@ from pagedserve.workers.worker import stall_timeout_s
 from .config import ClusterConfig
 from .controller import HealthView
 from .kv_relay import kill_relays
+from .placement import remove_worker_placement
 from .request_flow import MIGRATE, Attempt, AttemptsExhausted, RequestFlow
 from .router import Router, kv_blocks_used_frac
+from .worker_pool import actor_name_of
 from .stats import gather_stats_sync, kv_manager_stats
 
 logger = logging.getLogger("pagedserve.cluster")
@@ -481,6 +483,8 @@ class ClusterHandle:
                 ray.kill(actor, no_restart=True)
             except Exception:
                 pass
+        for worker_id in self.workers:   # the bundles of workers of several ranks
+            remove_worker_placement(actor_name_of(worker_id))
         try:
             ray.kill(self.kv_manager, no_restart=True)
         except Exception:

@@ -35,6 +35,7 @@ from typing import Any, Callable
 from .background_loop import BackgroundLoop
 from .config import ClusterConfig, EngineOptions, WorkerGroup
 from .kv_relay import node_relay
+from .placement import remove_worker_placement, worker_actor_options
 from .scaling_policy import ScalingPolicy
 
 logger = logging.getLogger("pagedserve.cluster")
@@ -51,15 +52,32 @@ START_FAILED = "could not start"
 
 def group_engine_config(config: ClusterConfig, group: WorkerGroup, model_path: str) -> dict:
     """The engine config (a plain dict) of a worker of ``group``: the cluster's engine
-    options with the group's overrides."""
+    options with the group's overrides; a worker of several ranks starts them as Ray actors
+    in its placement group."""
+    overrides = dict(group.engine)
+    if group.tensor_parallel_size is not None:
+        overrides["tensor_parallel_size"] = group.tensor_parallel_size
     options = config.engine.model_copy(update=EngineOptions.model_validate(
-        {**config.engine.model_dump(), **group.engine}).model_dump())
+        {**config.engine.model_dump(), **overrides}).model_dump())
+    if options.tensor_parallel_size > 1:
+        options = options.model_copy(update={"distributed_executor_backend": "ray"})
     return options.to_engine_config(model_path).model_dump()
+
+
+def group_tensor_parallel_size(config: ClusterConfig, group: WorkerGroup) -> int:
+    """Ranks per worker of ``group``."""
+    return group.tensor_parallel_size or EngineOptions.model_validate(
+        {**config.engine.model_dump(), **group.engine}).tensor_parallel_size
 
 
 def worker_actor_name(index: int) -> str:
     """The named actor of worker ``worker-<index>``."""
     return f"pagedserve-worker-{index}"
+
+
+def actor_name_of(worker_id: str) -> str:
+    """``worker-3`` -> its actor's name."""
+    return worker_actor_name(int(worker_id.rsplit("-", 1)[1]))
 
 
 @dataclass
@@ -195,10 +213,8 @@ class WorkerPool:
             index = self._free_index()
             worker_id = f"worker-{index}"
             self._kv_leaves_pending.discard(worker_id)   # the id is taken again
-            actor = self.worker_cls.options(
-                name=worker_actor_name(index), namespace=self.namespace, max_restarts=-1, max_task_retries=0,
-                max_concurrency=1000, num_cpus=group.num_cpus, num_gpus=group.num_gpus,
-                resources=group.resources or None,
+            actor = self.worker_cls.options(**worker_actor_options(
+                group, group_tensor_parallel_size(self.config, group), worker_actor_name(index), self.namespace),
             ).remote(worker_id, engine_dict, self.kv_manager, group.role, self.config.step_timeout_s,
                      model_source=self.model_source, kv_events=self.config.kv_events.model_dump(),
                      kv_relay=node_relay)
@@ -306,6 +322,7 @@ class WorkerPool:
                 self._info_refs.pop(worker_id, None)
             self._set_state(record, "dead", "cancelled while starting", is_gone=True)
             ray.kill(record.actor, no_restart=True)
+            remove_worker_placement(actor_name_of(worker_id), self.namespace)
             logger.info("worker pool: cancelled %s", worker_id)
             return
         record.is_drained = False
@@ -345,6 +362,7 @@ class WorkerPool:
                 logger.warning("worker pool: %s drained but holds %d blocks; waiting", record.worker_id, num_used)
                 continue
             ray.kill(record.actor, no_restart=True)
+            remove_worker_placement(actor_name_of(record.worker_id), self.namespace)
             self._leave_kv_manager(record.worker_id)
             self._status_refs.pop(record.worker_id, None)
             self._set_state(record, "dead", "drained", is_gone=True)
@@ -375,6 +393,7 @@ class WorkerPool:
                     ray.kill(record.actor, no_restart=True)
                 except Exception:
                     pass
+                remove_worker_placement(actor_name_of(record.worker_id), self.namespace)
 
 
 def _last_line(exc: Exception) -> str:

@@ -291,7 +291,15 @@ class Worker:
                 "block_size": self.engine.config.block_size,
                 "num_device_blocks": self.engine.pool_config.num_device_blocks,
                 "num_parameters": self.engine.runner.num_parameters,
-                "device": str(self.engine.runner.device), "node_id": _node_id(), **self._dtype_info()}
+                "device": str(self.engine.runner.device), "node_id": _node_id(), **self._dtype_info(),
+                **self._parallel_info()}
+
+    def _parallel_info(self) -> dict:
+        """The ranks this worker spans (one for a single-device worker) and each rank's pool."""
+        runner = self.engine.runner
+        size = getattr(runner, "tensor_parallel_size", 1)
+        return {"tensor_parallel_size": size, "ranks": runner.describe_ranks() if size > 1 else [],
+                "kv_capacity_tokens": self.engine.pool_config.num_device_blocks * self.engine.config.block_size}
 
     def _dtype_info(self) -> dict:
         """The dtype this worker chose and why (an explicit engine.dtype, or auto for its device)."""
@@ -330,6 +338,7 @@ class Worker:
                 "num_held_exports": len(self.held_exports),
                 "is_draining": self.engine.scheduler.is_draining,
                 "num_drain_migrations": self.engine.scheduler.num_drain_migrations,
+                **self._parallel_info(),
                 "is_healthy": self.async_engine.is_running}
 
     async def block_map(self, max_cells: int = 4096) -> dict:
@@ -389,6 +398,9 @@ class Worker:
 
     def shutdown(self) -> None:
         self.async_engine.shutdown()
+        stop_ranks = getattr(self.engine.runner, "shutdown", None)
+        if stop_ranks is not None:   # a worker of several ranks
+            stop_ranks()
 
 
 def _time_local_copy(array: np.ndarray, repeats: int = 3) -> float:
