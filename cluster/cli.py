@@ -175,7 +175,8 @@ def _add_config_sources(parser: argparse.ArgumentParser, with_file: bool = True)
     vllm.add_argument("--revision", help="hub revision: branch, tag or commit (model.revision)")
     vllm.add_argument("--download-dir", help="hub download cache on every node (model.download_dir)")
     vllm.add_argument("--tensor-parallel-size", "-tp", type=positive_int,
-                      help="GPUs per model replica; only 1 for now: tensor parallelism is not implemented yet")
+                      help="GPUs (ranks) per model replica (engine.tensor_parallel_size; a worker group's "
+                           "workers[].tensor_parallel_size wins); the model's head counts must divide by it")
     vllm.add_argument("--dtype", choices=DTYPES, help="weights and activations (engine.dtype; default auto)")
     for flag, key, kind, text in VLLM_ENGINE_FLAGS:
         vllm.add_argument(flag, type=kind, help=f"{text} ({key})")
@@ -207,10 +208,8 @@ def _overrides(args: argparse.Namespace) -> list[str]:
         raise FlagError(f"--served-model-name: one name is served, got {len(names)} ({', '.join(names)})")
     if names:
         overrides.append(f"model.name={_yaml_text(names[0])}")
-    if args.tensor_parallel_size is not None and args.tensor_parallel_size != 1:
-        raise FlagError(f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not "
-                        "implemented yet; a model replica runs on one GPU (--tensor-parallel-size 1). "
-                        "More GPUs serve more replicas: set workers[].count")
+    if args.tensor_parallel_size is not None:
+        overrides.append(f"engine.tensor_parallel_size={args.tensor_parallel_size}")
     for attribute, key in (("revision", "model.revision"), ("download_dir", "model.download_dir"),
                            ("dtype", "engine.dtype"), ("tool_call_parser", "server.tool_call_parser"),
                            ("host", "server.host")):
@@ -263,11 +262,13 @@ def _add_serve_parser(subparsers) -> None:
 def _run_serve(args: argparse.Namespace) -> int:
     import os
 
+    from pagedserve.cluster.bootstrap import check_model
     from pagedserve.cluster.config import load_config
     from pagedserve.cluster.launcher import serve_forever
 
     try:
         config = load_config(args.config, _overrides(args))
+        check_model(config, config.model.resolve_path())   # refused before anything starts
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

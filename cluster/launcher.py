@@ -210,6 +210,23 @@ def fetch_status(address: str | None = None, timeout_s: float = 30.0) -> dict:
     return serve.get_app_handle(APP_NAME).status.remote().result(timeout_s=timeout_s)
 
 
+def _rank_lines(worker: dict) -> list[str]:
+    """A worker of several ranks: its KV capacity, then one line per rank with its pool."""
+    ranks = worker.get("ranks") or []
+    if not ranks:
+        return []
+    lines = [f"  tensor parallel {worker.get('tensor_parallel_size')}: KV capacity "
+             f"{worker.get('kv_capacity_tokens', '?')} tokens (each rank holds 1/{len(ranks)} of the KV heads, "
+             "so capacity grows with the ranks)"]
+    for rank in ranks:
+        pool_mib = rank.get("device_pool_bytes", 0) / 2**20
+        lines.append(f"  rank {rank['rank']}: {rank.get('device')} on {rank.get('host')} "
+                     f"(node {str(rank.get('node_id'))[:12]}, pid {rank.get('pid')}): "
+                     f"{rank.get('num_kv_heads', '?')} KV heads, {rank.get('num_device_blocks', '?')} device "
+                     f"blocks ({pool_mib:.1f} MiB), {rank.get('num_host_blocks', '?')} host blocks")
+    return lines
+
+
 def format_status(stats: dict) -> str:
     """A human-readable table of ``fetch_status``'s result."""
     lines = [f"model {stats.get('model')}"]
@@ -234,6 +251,7 @@ def format_status(stats: dict) -> str:
             f"{pool.get('num_preemptions_swap', 0)}/{pool.get('num_preemptions_recompute', 0):<9}")
         if worker.get("error"):
             lines.append(f"  {worker_id}: {worker['error']}")
+        lines.extend(_rank_lines(worker))
     reasons = stats.get("router", {}).get("reasons")
     if reasons:
         lines.append("routing decisions: " + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())))

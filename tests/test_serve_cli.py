@@ -64,9 +64,16 @@ def test_serve_takes_the_model_positionally_like_vllm():
     assert args.enable_prefix_caching is True and args.api_key == "k" and args.address is None
 
 
+def test_tensor_parallel_size_sets_the_engine_option_and_serve_checks_the_model(capsys):
+    config = _show("--tensor-parallel-size", "2", capsys=capsys)
+    assert config["engine"]["tensor_parallel_size"] == 2
+    assert _show("-tp", "4", capsys=capsys)["engine"]["tensor_parallel_size"] == 4
+    # The default model (tiny llama: 4 heads over 2 KV heads) splits in 2, not in 4.
+    assert main(["serve", "-tp", "4"]) == 2  # refused before anything starts
+    assert "has 2 key/value heads, which do not divide by 4" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("flags", "message"), [
-    (["--tensor-parallel-size", "2"], "tensor parallelism is not implemented yet"),
-    (["-tp", "4"], "--tensor-parallel-size 4"),
     (["--served-model-name", "a", "b"], "one name is served"),
     (["--block-size", "24"], "block_size must be a power of two"),
     (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization"),
