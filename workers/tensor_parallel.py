@@ -18,6 +18,7 @@ ranks, so groups of any TP size (and single-GPU workers) exchange KV.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -33,6 +34,9 @@ from .tp_rank import (HEAD_DIM_OF_PAYLOAD, RankSpec, broadcast_payload, load_ran
                       publish_rank_info, rank_device, read_rank_info)
 
 logger = logging.getLogger(__name__)
+
+# After a failed collective, how long to wait for the rank's death to show.
+RANK_LOSS_WAIT_S = 5.0
 
 
 class GroupKVCache:
@@ -69,8 +73,9 @@ class GroupKVCache:
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Every head of these device blocks, gathered from the ranks."""
-        self.runner.send(ReadBlocks(list(block_ids)))
-        parts = self.runner.group.gather_control(self.local.read_blocks(block_ids))
+        with self.runner.on_group():
+            self.runner.send(ReadBlocks(list(block_ids)))
+            parts = self.runner.group.gather_control(self.local.read_blocks(block_ids))
         return torch.cat(parts, dim=HEAD_DIM_OF_PAYLOAD)
 
     def write_blocks(self, block_ids: list[int], payload: torch.Tensor) -> None:
@@ -81,8 +86,10 @@ class GroupKVCache:
             raise ValueError(f"a KV payload of {payload.shape[HEAD_DIM_OF_PAYLOAD]} heads for a group "
                              f"of {expected}")
         payload = payload.contiguous()
-        self.runner.send(WriteBlocks(list(block_ids), list(payload.shape), str(payload.dtype).removeprefix("torch.")))
-        broadcast_payload(group, payload)
+        with self.runner.on_group():
+            self.runner.send(WriteBlocks(list(block_ids), list(payload.shape),
+                                         str(payload.dtype).removeprefix("torch.")))
+            broadcast_payload(group, payload)
         self.local.write_blocks(block_ids, local_heads(payload, 0, group.size))
 
 
@@ -138,7 +145,8 @@ class TensorParallelRunner:
         return self.local.cache_shape(block_size)
 
     def allocate_cache(self, block_size: int, num_device_blocks: int, num_host_blocks: int) -> GroupKVCache:
-        self.send(AllocateCache(block_size, num_device_blocks, num_host_blocks))
+        with self.on_group():
+            self.send(AllocateCache(block_size, num_device_blocks, num_host_blocks))
         local = self.local.allocate_cache(block_size, num_device_blocks, num_host_blocks)
         self.kv_cache = GroupKVCache(self, local)
         return self.kv_cache
@@ -147,19 +155,36 @@ class TensorParallelRunner:
         """Rank 0's peak (every rank runs the same shapes)."""
         if self.local.device.type != "cuda":
             return 0
-        self.send(ProfilePeak(num_tokens, block_size))
-        return self.local.profile_peak_memory(num_tokens, block_size)
+        with self.on_group():
+            self.send(ProfilePeak(num_tokens, block_size))
+            return self.local.profile_peak_memory(num_tokens, block_size)
 
     def execute(self, model_input: ModelInput) -> ExecuteOutput:
-        self.send(RunStep(model_input.rows, model_input.starts, model_input.input_ids,
-                          model_input.table_updates, model_input.num_tokens))
-        self.num_steps += 1
-        return self.local.execute(model_input)
+        with self.on_group():
+            self.send(RunStep(model_input.rows, model_input.starts, model_input.input_ids,
+                              model_input.table_updates, model_input.num_tokens))
+            self.num_steps += 1
+            return self.local.execute(model_input)
 
     def release_block_table(self, seq_id: str) -> None:
         self.local.release_block_table(seq_id)
 
     # ---- the group --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def on_group(self):
+        """Around whatever involves the other ranks: a rank found gone ends the group as one
+        (``RankSet.fail``: under Ray this process exits, so the cluster restarts the worker)."""
+        try:
+            yield
+        except GroupBrokenError as exc:
+            self.ranks.fail(str(exc))
+            raise
+        except RuntimeError as exc:   # gloo and NCCL report a lost peer so
+            if not self.ranks.wait_broken(RANK_LOSS_WAIT_S):
+                raise
+            self.ranks.fail(f"a collective failed ({str(exc).splitlines()[0]})")
+            raise GroupBrokenError(f"a rank of the tensor-parallel group is gone: {exc}") from exc
+
     def send(self, command) -> None:
         """Hand ``command`` (with the copies made since the last one) to the other ranks."""
         if self.channel is None:

@@ -40,6 +40,12 @@ class RankSet(Protocol):
     def is_broken(self) -> bool:
         """A rank ended while the group was in use."""
 
+    def wait_broken(self, timeout_s: float) -> bool:
+        """Whether a rank has ended, waiting up to ``timeout_s`` for one to."""
+
+    def fail(self, reason: str) -> None:
+        """The group cannot go on: under Ray this process exits; else the caller raises."""
+
     def stop(self) -> None:
         """End every rank (after rank 0 sent ``Stop``, or to clean up)."""
 
@@ -65,6 +71,16 @@ class ProcessRanks:
 
     def is_broken(self) -> bool:
         return self._broken is not None
+
+    def wait_broken(self, timeout_s: float) -> bool:
+        from multiprocessing.connection import wait
+
+        if self._broken is None and wait([p.sentinel for p in self.processes], timeout=timeout_s):
+            self._broken = "a rank process ended"
+        return self._broken is not None
+
+    def fail(self, reason: str) -> None:
+        self._broken = self._broken or reason
 
     def _watch(self) -> None:
         from multiprocessing.connection import wait
@@ -126,6 +142,18 @@ class RayRanks:
     def is_broken(self) -> bool:
         return self._broken is not None
 
+    def wait_broken(self, timeout_s: float) -> bool:
+        import ray
+
+        done, _ = ray.wait(list(self.runs), num_returns=1, timeout=timeout_s)
+        return bool(done) or self._broken is not None
+
+    def fail(self, reason: str) -> None:
+        self._broken = reason
+        logger.error("tensor-parallel group broken: %s; this worker exits so that the cluster restarts "
+                     "the whole group", reason)
+        os._exit(1)
+
     def _watch(self) -> None:
         import ray
 
@@ -138,10 +166,7 @@ class RayRanks:
                     reason = "a rank left its command loop"
                 except Exception as exc:
                     reason = f"a rank died ({type(exc).__name__})"
-                self._broken = reason
-                logger.error("tensor-parallel group broken: %s; this worker exits so that the "
-                             "cluster restarts the whole group", reason)
-                os._exit(1)
+                self.fail(reason)
 
     def stop(self) -> None:
         import ray
