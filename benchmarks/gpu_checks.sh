@@ -2,7 +2,9 @@
 # The checks a lent GPU machine runs, in one go, most important first; each step has its own
 # time limit so that one hang cannot eat the rest. Logs go to $OUT (or ./gpu-logs).
 #
-#   [STEPS="kernels tests engine sweep profile ..."] bash benchmarks/gpu_checks.sh [--quick]
+#   [STEPS="kernels tests engine sweep profile tp ..."] bash benchmarks/gpu_checks.sh [--quick]
+#
+# "tp" is for a machine with several GPUs (it says so and passes on one).
 #
 # Needs torch with CUDA, triton and transformers installed. Python packages that machine
 # lacks travel as wheels in .whl/ (installed to /tmp/site), and .whl/site/ holds packages
@@ -46,6 +48,7 @@ for name in ${STEPS:-kernels tests engine sweep}; do
         structured) step structured 60 python3 -m pytest -q -p no:cacheprovider -o addopts= -rs "${TESTS[6]}" ;;
         engine) step bench_engine 330 python3 benchmarks/bench_engine_gpu.py $QUICK --json "$OUT/bench_engine.json" ;;
         sweep) step split_sweep 100 python3 benchmarks/bench_kernels_gpu.py --sweep --dtypes float16 ;;
+        tp) step tp 420 python3 benchmarks/bench_tp_gpu.py --json "$OUT/tp.json" ;;   # several GPUs: NCCL greedy, all-reduce ms/step
         profile) step profile 90 python3 benchmarks/bench_engine_gpu.py --contenders pagedserve --num-requests 128 \
                      --output-len 128 --profile "$OUT/profile_top.txt"
                  head -c 4000 "$OUT/profile_top.txt" ;;
