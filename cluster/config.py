@@ -116,7 +116,8 @@ class WorkerGroup(_Strict):
     # in one placement group (None: engine.tensor_parallel_size). The cluster sees one worker.
     tensor_parallel_size: int | None = Field(None, ge=1)
     # STRICT_PACK: every rank of a worker on one node (pipes carry its steps); PACK lets the
-    # ranks spread over nodes when one cannot hold them all (gloo broadcasts carry its steps).
+    # ranks spread over nodes when one cannot hold them all (gloo broadcasts carry its steps;
+    # every node then needs the checkpoint at the path rank 0 loaded it from).
     placement_strategy: Literal["STRICT_PACK", "PACK"] = "STRICT_PACK"
     # Per-group engine overrides (say, a smaller pool on smaller GPUs).
     engine: dict[str, Any] = Field(default_factory=dict)

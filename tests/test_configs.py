@@ -63,10 +63,14 @@ def test_launcher_files_pass_rays_validator(path):
 # What each launcher's GPU nodes carry: (GPU memory in GB, compute capability). The on-prem file
 # names no instance type; its header asks for GPUs of 24 GB or more.
 GPU_OF_LAUNCHER = {"cluster-aws.yaml": (24, (8, 6)),     # g5.2xlarge: A10G
+                   "cluster-aws-70b.yaml": (80, (8, 0)),  # p4de.24xlarge: 8 x A100 80 GB
                    "cluster-gcp.yaml": (16, (7, 5)),     # nvidia-tesla-t4
                    "cluster-onprem.yaml": (24, (8, 0))}
 # Parameter counts of the models the launchers serve (from their model cards).
-HUB_MODEL_PARAMS = {"Qwen/Qwen2.5-7B-Instruct": 7.62e9, "Qwen/Qwen2.5-1.5B-Instruct": 1.54e9}
+HUB_MODEL_PARAMS = {"Qwen/Qwen2.5-7B-Instruct": 7.62e9, "Qwen/Qwen2.5-1.5B-Instruct": 1.54e9,
+                    "meta-llama/Llama-3.3-70B-Instruct": 70.6e9}
+# Parameters every tensor-parallel rank holds whole (embeddings and LM head).
+HUB_MODEL_REPLICATED_PARAMS = {"meta-llama/Llama-3.3-70B-Instruct": 2 * 128256 * 8192}
 
 
 def _served_config(launcher: dict) -> Path:
@@ -117,7 +121,10 @@ def test_each_launcher_serves_a_model_that_fits_its_gpu(path):
     else:
         dtype = resolve_dtype(served.engine.dtype, torch.device("cpu"))
     check_dtype(capability, dtype)
-    weights_gb = params * dtype.itemsize / 1e9
+    # A worker of N ranks: each GPU holds 1/N of the layers plus the parameters every rank keeps whole.
+    ranks = max(group.tensor_parallel_size or served.engine.tensor_parallel_size for group in served.workers)
+    replicated = HUB_MODEL_REPLICATED_PARAMS.get(served.model.path, 0) if ranks > 1 else 0
+    weights_gb = ((params - replicated) / ranks + replicated) * dtype.itemsize / 1e9
     usable_gb = memory_gb * served.engine.gpu_memory_utilization
     assert weights_gb <= 0.75 * usable_gb, f"{served.model.path}: {weights_gb:.1f} GB of weights on {memory_gb} GB"
     if capability < (8, 0):

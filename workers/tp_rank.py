@@ -183,6 +183,11 @@ def run_rank(spec: dict, rank: int, gpu_index: int) -> None:
     """Entry point of rank ``rank`` >= 1 (a local process or a Ray actor's task): join the
     group, load the shard, run commands until rank 0 stops or is gone."""
     spec = RankSpec.from_dict(spec)
+    if not os.path.isdir(spec.model):
+        raise FileNotFoundError(
+            f"tensor-parallel rank {rank} on {socket.gethostname()}: the model directory {spec.model} that "
+            "rank 0 loaded is not on this node; ranks placed on other nodes (placement_strategy PACK) need "
+            "the checkpoint at the same path on every node (shared storage, or a pre-filled hub cache)")
     device = rank_device(spec.device, gpu_index)
     if device.type == "cpu":
         share_cpu(spec.rendezvous.size)
