@@ -128,6 +128,11 @@ def test_split_widths_must_divide(tp_model):
     config.moe_intermediate_size = 90
     with pytest.raises(TensorParallelError, match="moe_intermediate_size 90 does not divide by 4"):
         check_tensor_parallel(config, 4)
+    config.moe_intermediate_size = 88
+    with pytest.raises(TensorParallelError, match="experts 22 wide per rank; .* a multiple of 8"):
+        check_tensor_parallel(config, 4)
+    config.moe_intermediate_size = 96
+    check_tensor_parallel(config, 4)
 
 
 def test_engine_refuses_before_starting_ranks(tiny_model):

@@ -38,6 +38,9 @@ SUPPORTED_STYLES = (COLWISE, ROWWISE, PACKED_COLWISE, PACKED_ROWWISE, MOE_EXPERT
 
 # Config fields whose width a colwise/rowwise pair splits, when the model has them.
 _SPLIT_WIDTHS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
+# Stacked expert weights go through a grouped matmul whose rows must be a multiple of 16 bytes:
+# 8 elements in 16-bit dtypes.
+_EXPERT_WIDTH_MULTIPLE = 8
 _KEY_PROJECTIONS = ("k_proj",)
 
 AllReduce = Callable[[torch.Tensor], None]   # sums a tensor across the ranks, in place
@@ -96,6 +99,12 @@ def check_tensor_parallel(config, tensor_parallel_size: int) -> None:
             raise TensorParallelError(
                 f"{where}: {name} {width} does not divide by {tensor_parallel_size}, so the ranks' slices "
                 "of those layers would differ in width")
+    expert_width = getattr(text_config, "moe_intermediate_size", None)
+    if (isinstance(expert_width, int) and any(style == MOE_EXPERTS for style in plan.values())
+            and (expert_width // tensor_parallel_size) % _EXPERT_WIDTH_MULTIPLE):
+        raise TensorParallelError(
+            f"{where}: moe_intermediate_size {expert_width} splits into experts {expert_width // tensor_parallel_size} "
+            f"wide per rank; transformers' grouped expert matmul needs a multiple of {_EXPERT_WIDTH_MULTIPLE}")
 
 
 def shard_slice(tensor: torch.Tensor, dim: int, rank: int, size: int, num_parts: int = 1) -> torch.Tensor:

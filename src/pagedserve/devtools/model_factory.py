@@ -23,8 +23,9 @@ small  512     1408          8       8      2         2048   2048     ~24.7M
 
 ``tiny-tp`` is ``tiny`` with head counts that divide by 2 and 4 (tensor-parallel
 tests). ``qwen3_moe`` is a mixture of experts: every layer routes each token to
-2 of 4 experts of width ``intermediate // 4`` (as many MLP parameters as the
-dense architectures, half of them active per token).
+2 of 4 experts of width ``intermediate // 4`` rounded up to a multiple of 32
+(about as many MLP parameters as the dense architectures, half of them active
+per token; a width that splits in 2 and 4 into whole 16-byte rows).
 
 ``1b`` is for GPU benchmarks (a float32 checkpoint of 3.4 GB); its tokenizer's
 merges past what the built-in corpus yields are learned from made-up words.
@@ -341,7 +342,7 @@ def build_config(arch: str, size: str):
     elif arch == "qwen3_moe":
         config = Qwen3MoeConfig(**common, head_dim=shape.head_dim, attention_bias=False, use_sliding_window=False,
                                 num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
-                                moe_intermediate_size=shape.intermediate_size // 4, decoder_sparse_step=1,
+                                moe_intermediate_size=-(-shape.intermediate_size // 4 // 32) * 32, decoder_sparse_step=1,
                                 mlp_only_layers=[])
     else:
         config = MistralConfig(**common, head_dim=shape.head_dim, sliding_window=None)
