@@ -27,6 +27,7 @@ DEFAULTS = {
     "enable_prefix_caching": True, "preemption_mode": None, "max_num_seqs": 256,
     "max_num_batched_tokens": None, "max_model_len": None, "scheduling_policy": "fcfs",
     "allocation": "paged", "watermark": 0.01, "seed": None, "kernel_backend": None,
+    "tensor_parallel_size": 1, "distributed_executor_backend": None,
 }
 
 # option -> values every form must refuse (the old forms disagreed on several).
@@ -45,6 +46,8 @@ BAD_VALUES = {
     "watermark": [-0.01, 1.0, 2],
     "seed": [-1, 2**63],
     "kernel_backend": ["cuda"],
+    "tensor_parallel_size": [0, -2, 1.5],
+    "distributed_executor_backend": ["uni", "threads"],
 }
 
 
