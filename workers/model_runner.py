@@ -203,15 +203,16 @@ class ModelRunner:
     logprobs the chunks asked for), through the model's own head (final
     soft-cap, logit scaling: see ``compute_logits``).
 
-    ``shard``, for one rank of a tensor-parallel group, cuts the loaded model
-    down to that rank's part in place (``workers/tp_rank.py``) before it moves
-    to the device; every size read from the model after that (heads, KV heads,
+    ``load``, for one rank of a tensor-parallel group, builds the model in
+    place of ``from_pretrained``: ``load(path, dtype, attn_implementation,
+    trust_remote_code)`` returns that rank's part of it (``workers/tp_load.py``),
+    on the CPU; every size read from the model after that (heads, KV heads,
     parameters) is the rank's.
     """
 
     def __init__(self, model: str, dtype=None, device=None, trust_remote_code: bool = False,
                  kernel_backend: str | None = None,
-                 shard: Callable[[torch.nn.Module], None] | None = None) -> None:
+                 load: Callable[[str, torch.dtype, str, bool], torch.nn.Module] | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         self.device = resolve_device(device)
@@ -227,11 +228,12 @@ class ModelRunner:
             check_dtype(torch.cuda.get_device_capability(self.device), self.dtype)
         config = check_servable_config(model, trust_remote_code)
         attn = register_paged_attention()
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model, dtype=self.dtype, attn_implementation=attn, trust_remote_code=trust_remote_code)
+        if load is None:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                model, dtype=self.dtype, attn_implementation=attn, trust_remote_code=trust_remote_code)
+        else:
+            self.model = load(model, self.dtype, attn, trust_remote_code)
         check_model_class(type(self.model), config.model_type)
-        if shard is not None:
-            shard(self.model)
         self.model.to(self.device).eval()
         self.config = config
         self.attention = probe_attention(self.model, config, self.device)
