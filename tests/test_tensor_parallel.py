@@ -27,8 +27,9 @@ from pagedserve.workers.kv_transfer import export_kv
 from pagedserve.workers.tp_dispatch import BroadcastChannel, GroupBrokenError, PipeChannel
 from pagedserve.workers.tp_group import TensorParallelGroup, host_store
 from pagedserve.workers.tp_messages import KVCopies, RunStep, WriteBlocks, pack, unpack
-from pagedserve.workers.tp_plan import (TensorParallelError, check_tensor_parallel, shard_decoder, shard_slice,
-                                        tensor_parallel_plan)
+from pagedserve.workers.tp_load import load_sliced, shard_loader
+from pagedserve.workers.tp_plan import (SliceSpec, TensorParallelError, check_tensor_parallel, shard_decoder,
+                                        shard_slice, tensor_parallel_plan)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -161,9 +162,8 @@ def test_sharded_forward_matches_whole_model_with_two_all_reduces_per_layer(arch
         expected = whole(ids).logits
 
     def work(group: TensorParallelGroup):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+        model = shard_loader(group.rank, group.size, group.all_reduce)(path, torch.float32, "sdpa", False)
         decoder = model.get_decoder()
-        shard_decoder(decoder, tensor_parallel_plan(model.config), group.rank, group.size, group.all_reduce)
         attention = decoder.layers[0].self_attn
         local_heads = attention.k_proj.weight.shape[0] // attention.head_dim
         with torch.inference_mode():
@@ -174,6 +174,44 @@ def test_sharded_forward_matches_whole_model_with_two_all_reduces_per_layer(arch
         torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
         assert num_all_reduces == 2 * whole.config.num_hidden_layers   # after attention, after the MLP
         assert local_heads == whole.config.num_key_value_heads // size
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_rank_reads_only_its_slices_and_gets_what_cutting_the_whole_model_gives(arch, tp_model, tiny_model):
+    """Dense checkpoints (tensor names = parameter names) are read slice by slice; the shard equals
+    the whole model cut down, RoPE buffers included. qwen2's q/k/v biases are cut with their heads."""
+    from transformers import AutoModelForCausalLM
+
+    path = tp_model(arch) if arch == "llama" else tiny_model(arch)
+    size = 2
+
+    def work(group: TensorParallelGroup):
+        sliced = load_sliced(path, torch.float32, "sdpa", False, group.rank, size, group.all_reduce)
+        whole = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+        shard_decoder(whole.get_decoder(), tensor_parallel_plan(whole.config), group.rank, size, group.all_reduce)
+        return sliced, whole
+
+    for sliced, whole in run_ranks(size, work):
+        assert sliced is not None
+        expected = dict(whole.named_parameters()) | dict(whole.named_buffers())
+        got = dict(sliced.named_parameters()) | dict(sliced.named_buffers())
+        assert got.keys() == expected.keys()
+        for name, tensor in expected.items():
+            assert torch.equal(got[name], tensor), name
+
+
+def test_checkpoints_converted_on_load_are_loaded_whole_then_cut(tp_model):
+    def work(group: TensorParallelGroup):
+        return load_sliced(tp_model("qwen3_moe"), torch.float32, "sdpa", False, group.rank, 2, group.all_reduce)
+
+    assert run_ranks(2, work) == [None, None]     # experts stored one by one, fused by transformers
+
+
+def test_a_rowwise_bias_is_added_once():
+    spec = SliceSpec(0, 1, 1, 2, is_summed_bias=True)
+    bias = torch.ones(4)
+    assert torch.equal(spec.cut(bias), torch.zeros(4))
+    assert torch.equal(SliceSpec(0, 1, 0, 2, is_summed_bias=True).cut(bias), bias)
 
 
 # ---- messages and channels ----------------------------------------------------------------

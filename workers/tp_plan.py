@@ -20,6 +20,7 @@ whole on every rank.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -48,6 +49,26 @@ AllReduce = Callable[[torch.Tensor], None]   # sums a tensor across the ranks, i
 
 class TensorParallelError(UnsupportedModelError):
     """The model cannot be split across this many ranks; the message says why."""
+
+
+@dataclass(frozen=True)
+class SliceSpec:
+    """How a parameter was cut: rank ``rank`` of ``size`` along ``dim``, each of its ``num_parts``
+    fused parts alike (what a loader reads from the checkpoint for this rank). ``is_summed_bias``:
+    the bias of a rowwise layer, whole on rank 0 and zero elsewhere, so that the sum of the
+    ranks' outputs adds it once."""
+
+    dim: int
+    num_parts: int
+    rank: int
+    size: int
+    is_summed_bias: bool = False
+
+    def cut(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the whole ``tensor``."""
+        if self.is_summed_bias:
+            return tensor if self.rank == 0 else torch.zeros_like(tensor)
+        return shard_slice(tensor, self.dim, self.rank, self.size, self.num_parts)
 
 
 def layer_pattern(name: str) -> str:
@@ -123,66 +144,71 @@ def shard_slice(tensor: torch.Tensor, dim: int, rank: int, size: int, num_parts:
 
 
 def shard_decoder(decoder: torch.nn.Module, plan: dict[str, str], rank: int, size: int,
-                  all_reduce: AllReduce) -> int:
+                  all_reduce: AllReduce) -> dict[str, SliceSpec]:
     """Cut ``decoder`` (a transformers base model) down to rank ``rank`` of ``size`` in place,
-    following ``plan``, and install the all-reduces. Returns the number of plan matches."""
+    following ``plan``, and install the all-reduces. Works on meta tensors too. Returns how
+    each cut parameter (by its name in ``decoder``) was cut."""
+    cuts: dict[str, SliceSpec] = {}
     if size == 1:
-        return 0
-    num_matched = 0
+        return cuts
     for module_name, module in list(decoder.named_modules()):
         pattern = layer_pattern(module_name)
+        prefix = f"{module_name}." if module_name else ""
         style = plan.get(pattern)
         if style is not None:
-            _apply_module_style(module, style, rank, size, all_reduce)
-            num_matched += 1
+            for name, spec in _apply_module_style(module, style, rank, size, all_reduce).items():
+                cuts[prefix + name] = spec
         for param_name, param in list(module.named_parameters(recurse=False)):
             param_style = plan.get(f"{pattern}.{param_name}" if pattern else param_name)
-            if param_style is not None:
-                _set(module, param_name, _split_param(param, param_style, rank, size))
-                num_matched += 1
-    return num_matched
+            if param_style is not None and f"{prefix}{param_name}" not in cuts:
+                spec = _slice_spec(param, param_style, rank, size)
+                if spec is not None:
+                    _set(module, param_name, _cut(param, spec))
+                    cuts[prefix + param_name] = spec
+    return cuts
 
 
-def _apply_module_style(module: torch.nn.Module, style: str, rank: int, size: int, all_reduce: AllReduce) -> None:
+def _apply_module_style(module: torch.nn.Module, style: str, rank: int, size: int,
+                        all_reduce: AllReduce) -> dict[str, SliceSpec]:
+    cuts: dict[str, SliceSpec] = {}
     if style in REPLICATED:
-        return
-    if style in (COLWISE, PACKED_COLWISE):
+        return cuts
+    if style in (COLWISE, PACKED_COLWISE, ROWWISE, PACKED_ROWWISE):
+        is_rowwise = style in (ROWWISE, PACKED_ROWWISE)
         for name, param in list(module.named_parameters(recurse=False)):
-            _set(module, name, _split_param(param, style, rank, size))
-        _shrink_features(module, "out_features", size)
-        return
-    if style in (ROWWISE, PACKED_ROWWISE):
-        bias = None
-        for name, param in list(module.named_parameters(recurse=False)):
-            if name == "bias":   # added once, after the sum
-                bias = param
-                module.bias = None
+            if name == "bias" and is_rowwise:
+                spec = SliceSpec(0, 1, rank, size, is_summed_bias=True)
             else:
-                _set(module, name, _split_param(param, style, rank, size))
-        _shrink_features(module, "in_features", size)
-        module.register_forward_hook(_summing_hook(all_reduce, bias))
-        return
+                spec = _slice_spec(param, style, rank, size)
+            if spec is not None:
+                _set(module, name, _cut(param, spec))
+                cuts[name] = spec
+        _shrink_features(module, "in_features" if is_rowwise else "out_features", size)
+        if is_rowwise:
+            module.register_forward_hook(_summing_hook(all_reduce))
+        return cuts
     if style in (MOE_EXPERTS, ALL_REDUCE):
-        module.register_forward_hook(_summing_hook(all_reduce, None))
-        return
+        module.register_forward_hook(_summing_hook(all_reduce))
+        return cuts
     raise TensorParallelError(f"tensor-parallel style {style!r} is not implemented")
 
 
-def _split_param(param: torch.Tensor, style: str, rank: int, size: int) -> torch.nn.Parameter:
+def _slice_spec(param: torch.Tensor, style: str, rank: int, size: int) -> SliceSpec | None:
+    """How ``style`` cuts ``param`` for this rank; None: it stays whole."""
     ndim = param.dim()
-    if style in REPLICATED or style in (MOE_EXPERTS, ALL_REDUCE):
-        return param
     if style in (COLWISE, PACKED_COLWISE):
-        dim = max(ndim - 2, 0)
-        parts = 2 if style == PACKED_COLWISE else 1
-    elif style in (ROWWISE, PACKED_ROWWISE):
+        return SliceSpec(max(ndim - 2, 0), 2 if style == PACKED_COLWISE else 1, rank, size)
+    if style in (ROWWISE, PACKED_ROWWISE):
         if ndim == 1:   # a bias on a rowwise parameter entry: added after the sum, whole
-            return param
-        dim = ndim - 1
-        parts = 2 if style == PACKED_ROWWISE else 1
-    else:
-        raise TensorParallelError(f"tensor-parallel style {style!r} is not implemented")
-    return torch.nn.Parameter(shard_slice(param.data, dim, rank, size, parts), requires_grad=False)
+            return None
+        return SliceSpec(ndim - 1, 2 if style == PACKED_ROWWISE else 1, rank, size)
+    if style in REPLICATED or style in (MOE_EXPERTS, ALL_REDUCE):
+        return None
+    raise TensorParallelError(f"tensor-parallel style {style!r} is not implemented")
+
+
+def _cut(param: torch.Tensor, spec: SliceSpec) -> torch.nn.Parameter:
+    return torch.nn.Parameter(spec.cut(param.data).contiguous(), requires_grad=False)
 
 
 def _set(module: torch.nn.Module, name: str, value: torch.nn.Parameter) -> None:
@@ -196,12 +222,8 @@ def _shrink_features(module: torch.nn.Module, attribute: str, size: int) -> None
         setattr(module, attribute, getattr(module, attribute) // size)
 
 
-def _summing_hook(all_reduce: AllReduce, bias: torch.Tensor | None):
+def _summing_hook(all_reduce: AllReduce):
     def hook(module, args, output):
-        tensor = output[0] if isinstance(output, tuple) else output
-        all_reduce(tensor)
-        if bias is not None:
-            tensor = tensor + bias
-            return (tensor, *output[1:]) if isinstance(output, tuple) else tensor
+        all_reduce(output[0] if isinstance(output, tuple) else output)
         return output
     return hook

@@ -24,7 +24,8 @@ from .tp_dispatch import CommandChannel, GroupBrokenError, open_channel
 from .tp_group import Rendezvous, TensorParallelGroup
 from .tp_messages import (AllocateCache, KVCopies, ProfilePeak, ReadBlocks, RunStep, Stop, WriteBlocks,
                           unpack)
-from .tp_plan import TensorParallelError, check_tensor_parallel, shard_decoder, shard_slice, tensor_parallel_plan
+from .tp_load import shard_loader
+from .tp_plan import TensorParallelError, check_tensor_parallel, shard_slice
 
 logger = logging.getLogger(__name__)
 
@@ -73,15 +74,8 @@ def load_rank_runner(spec: RankSpec, group: TensorParallelGroup) -> ModelRunner:
     """This rank's ``ModelRunner``: the model cut down to its shard, all-reducing over ``group``."""
     config = load_config(spec.model, spec.trust_remote_code)
     check_tensor_parallel(config, group.size)
-    plan = tensor_parallel_plan(config)
-
-    def shard(model: torch.nn.Module) -> None:
-        if not shard_decoder(model.get_decoder(), plan, group.rank, group.size, group.all_reduce):
-            raise TensorParallelError(f"model type {config.model_type!r}: no layer matches its "
-                                      "tensor-parallel plan")
-
     runner = ModelRunner(spec.model, spec.dtype, group.device, spec.trust_remote_code, spec.kernel_backend,
-                         shard=shard)
+                         load=shard_loader(group.rank, group.size, group.all_reduce))
     text_config = config.get_text_config()
     num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
     if runner.num_kv_heads * group.size != num_kv_heads:
