@@ -141,9 +141,26 @@
         container.append(root);
       }
       view.root.classList.toggle("unhealthy", !worker.is_healthy);
-      view.title.textContent = id + " · " + worker.role + (worker.is_healthy ? "" : " · not answering");
+      view.title.textContent = id + " · " + worker.role + rankSummary(worker.engine)
+        + (worker.is_healthy ? "" : " · not answering");
+      view.title.title = rankDetails(worker.engine);
       for (const tier of TIERS) renderTier(view, id, tier, (worker.tiers || {})[tier]);
     }
+  }
+
+  // A worker of several ranks (tensor parallelism): one pool per rank, same block ids, a share of the heads each.
+  function rankSummary(engine) {
+    const ranks = (engine && engine.ranks) || [];
+    if (ranks.length < 2) return "";
+    const mib = (ranks[0].device_pool_bytes || 0) / 1048576;
+    return " · " + ranks.length + " ranks × " + (ranks[0].num_kv_heads || "?") + " KV heads, "
+      + mib.toFixed(1) + " MiB pool each · " + (engine.kv_capacity_tokens || "?") + " tokens";
+  }
+
+  function rankDetails(engine) {
+    return ((engine && engine.ranks) || []).map((r) => "rank " + r.rank + ": " + r.device + " on " + r.host
+      + " (pid " + r.pid + "), " + r.num_device_blocks + " device blocks, " + r.num_host_blocks + " host blocks")
+      .join("\n");
   }
 
   function renderTier(view, id, tier, data) {
