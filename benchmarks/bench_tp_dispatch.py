@@ -17,8 +17,9 @@ and in spawned rank processes:
   of a group spanning nodes; forced here by giving each rank a node name of
   its own).
 
-``dispatch`` = step(tp) - step(single) at the median and at p99, and the time
-inside ``send`` alone. A stubbed forward never waits for the other ranks, so
+``dispatch`` = step(tp) - step(single) at the median and at p99, in wall time
+and in rank 0's CPU time; and ``send``: the time rank 0 spends packing the
+command and writing it to the channel. A stubbed forward never waits for the other ranks, so
 this is what rank 0 pays. How late the plan reaches the ranks shows up only
 at the forward pass's first all-reduce; ``--delivery`` also measures that: the
 stub then all-reduces one float on every rank, and the group's step is
@@ -131,15 +132,18 @@ def percentiles(samples: list[float]) -> dict:
             "mean_us": 1e6 * statistics.fmean(ordered)}
 
 
-def time_steps(execute, inputs, num_warmup: int) -> list[float]:
-    times = []
+def time_steps(execute, inputs, num_warmup: int) -> dict:
+    """Wall-time percentiles of the steps, and of the CPU time of this thread in them
+    (``cpu``: what rank 0 itself spends, whether or not the shared machine deschedules it)."""
+    times, cpu_times = [], []
     for i, model_input in enumerate(inputs):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         execute(model_input)
-        elapsed = time.perf_counter() - start
+        elapsed, cpu_elapsed = time.perf_counter() - start, time.thread_time() - cpu_start
         if i >= num_warmup:
             times.append(elapsed)
-    return times
+            cpu_times.append(cpu_elapsed)
+    return {**percentiles(times), "cpu": percentiles(cpu_times)}
 
 
 def run_single(path: str, inputs, num_warmup: int, block_size: int) -> dict:
@@ -150,7 +154,7 @@ def run_single(path: str, inputs, num_warmup: int, block_size: int) -> dict:
     stub_forward(runner)
     for row in range(len(inputs[0].rows)):
         runner.block_tables.take_row(f"s{row}")
-    return percentiles(time_steps(runner.execute, inputs, num_warmup))
+    return time_steps(runner.execute, inputs, num_warmup)
 
 
 def run_group(path: str, size: int, mode: str, inputs, num_warmup: int, block_size: int) -> dict:
@@ -170,18 +174,18 @@ def run_group(path: str, size: int, mode: str, inputs, num_warmup: int, block_si
         for row in range(len(inputs[0].rows)):
             runner.local.block_tables.take_row(f"s{row}")
         send_times = []
-        channel_send = runner.channel.send
+        runner_send = runner.send
 
-        def timed_send(data: bytes) -> None:
+        def timed_send(command) -> None:   # packing the command and writing it to the channel
             start = time.perf_counter()
-            channel_send(data)
+            runner_send(command)
             send_times.append(time.perf_counter() - start)
 
-        runner.channel.send = timed_send
+        runner.send = timed_send
         execute = runner.local.execute if base_mode == "reduce-only" else runner.execute
-        result = percentiles(time_steps(execute, inputs, num_warmup))
+        result = time_steps(execute, inputs, num_warmup)
         if send_times:
-            result["send"] = percentiles(send_times[num_warmup + 1:])  # +1: the AllocateCache command
+            result["send"] = percentiles(send_times[num_warmup:])
         result["channel"] = runner.channel.name
         return result
     finally:
@@ -214,18 +218,23 @@ def main() -> None:
     single = results["single"]
     print(f"workload: decode steps of {args.batch} sequences, context ~{args.context}, {args.steps} steps; "
           f"forward stubbed; TP={args.tp}; torch threads per process {torch.get_num_threads()}")
-    print(f"{'configuration':<24}{'p50 us':>10}{'p99 us':>10}{'send p50':>10}{'send p99':>10}")
+    print(f"{'configuration':<24}{'p50 us':>10}{'p99 us':>10}{'cpu p50':>10}{'cpu p99':>10}"
+          f"{'send p50':>10}{'send p99':>10}")
     for name, result in results.items():
-        send = result.get("send", {})
-        print(f"{name:<24}{result['p50_us']:>10.1f}{result['p99_us']:>10.1f}"
-              f"{send.get('p50_us', float('nan')):>10.1f}{send.get('p99_us', float('nan')):>10.1f}")
+        send, cpu = result.get("send", {}), result["cpu"]
+        print(f"{name:<24}{result['p50_us']:>10.1f}{result['p99_us']:>10.1f}{cpu['p50_us']:>10.1f}"
+              f"{cpu['p99_us']:>10.1f}{send.get('p50_us', float('nan')):>10.1f}{send.get('p99_us', float('nan')):>10.1f}")
     summary = {}
     for mode in ("step", "step-broadcast"):
         group = results[f"tp{args.tp}-{mode}"]
         summary[mode] = {"dispatch_p50_us": group["p50_us"] - single["p50_us"],
-                         "dispatch_p99_us": group["p99_us"] - single["p99_us"]}
+                         "dispatch_p99_us": group["p99_us"] - single["p99_us"],
+                         "dispatch_cpu_p50_us": group["cpu"]["p50_us"] - single["cpu"]["p50_us"],
+                         "dispatch_cpu_p99_us": group["cpu"]["p99_us"] - single["cpu"]["p99_us"]}
         print(f"dispatch ({group['channel']}): step(tp{args.tp}) - step(single) = "
-              f"{summary[mode]['dispatch_p50_us']:.1f} us at p50, {summary[mode]['dispatch_p99_us']:.1f} us at p99")
+              f"{summary[mode]['dispatch_p50_us']:.1f} us at p50, {summary[mode]['dispatch_p99_us']:.1f} us at p99 "
+              f"(rank 0's CPU time: {summary[mode]['dispatch_cpu_p50_us']:.1f} / "
+              f"{summary[mode]['dispatch_cpu_p99_us']:.1f} us)")
     if args.delivery:
         reduce_only, delivery = results[f"tp{args.tp}-reduce-only"], results[f"tp{args.tp}-delivery"]
         summary["delivery"] = {"p50_us": delivery["p50_us"] - reduce_only["p50_us"],
