@@ -339,6 +339,42 @@ def test_greedy_matches_transformers_through_prefix_hits_preemption_and_abort(ar
 
 
 @pytest.mark.slow
+def test_an_abort_that_arrives_while_a_step_runs(tp_model, reference):
+    """The engine thread steps the group on its own; an abort sent from the event loop lands while
+    steps run and is applied between two of them: that stream ends "abort", the others exactly."""
+    import asyncio
+
+    from pagedserve.workers.async_engine import AsyncLLMEngine
+
+    llm = make_engine(tp_model("qwen3"), 2)
+    engine = AsyncLLMEngine(llm.engine)
+    max_tokens = 24
+    prompts = random_prompts((12, 30, 7, 21), seed=11)
+
+    async def stream(i: int, prompt: list[int]):
+        last = None
+        async for output in engine.generate(prompt, greedy(max_tokens), request_id=f"a{i}"):
+            last = output
+            if i == 1 and len(output.outputs[0].token_ids) == 3:
+                assert engine.abort("a1")
+        return last
+
+    async def run_all():
+        return await asyncio.gather(*(stream(i, p) for i, p in enumerate(prompts)))
+
+    try:
+        outputs = asyncio.run(run_all())
+        assert outputs[1].outputs[0].finish_reason == "abort"
+        assert 3 <= len(outputs[1].outputs[0].token_ids) < max_tokens
+        assert_matches([outputs[i] for i in (0, 2, 3)], "qwen3", max_tokens, reference)
+        assert engine.submit(lambda e: e.num_used_blocks()).result(timeout=60) == 0
+        engine.submit(lambda e: e.check_integrity()).result(timeout=60)
+    finally:
+        engine.shutdown()
+        llm.engine.runner.shutdown()
+
+
+@pytest.mark.slow
 def test_kv_moves_between_groups_of_different_sizes(tp_model, reference):
     """A sequence migrated mid-stream from a TP = 2 group goes on, exactly, on a TP = 4 group
     and on one device: a transfer holds every head, gathered from one group's ranks and split
