@@ -141,6 +141,18 @@ def test_engine_refuses_before_starting_ranks(tiny_model):
         LLM(tiny_model("llama"), tensor_parallel_size=4, device="cpu", num_device_blocks=16)
 
 
+def test_the_cluster_refuses_a_group_whose_size_the_model_cannot_take(tiny_model, tp_model):
+    from pagedserve.cluster.bootstrap import check_model
+    from pagedserve.cluster.config import ClusterConfig
+
+    config = ClusterConfig.model_validate({"workers": [{"count": 1}, {"count": 1, "tensor_parallel_size": 4}]})
+    with pytest.raises(TensorParallelError, match="has 2 key/value heads, which do not divide by 4"):
+        check_model(config, tiny_model("llama"))
+    check_model(config, tp_model("llama"))
+    with pytest.raises(ValueError, match="needs resources per rank"):
+        ClusterConfig.model_validate({"workers": [{"tensor_parallel_size": 2, "num_cpus": 0}]})
+
+
 def test_shard_slice_splits_fused_halves_alike():
     fused = torch.arange(8).reshape(8, 1)          # [gate 0..3; up 4..7]
     assert shard_slice(fused, 0, 0, 2, num_parts=2).flatten().tolist() == [0, 1, 4, 5]

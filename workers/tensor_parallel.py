@@ -25,7 +25,7 @@ import time
 import torch
 
 from .kv_cache import CacheShape, KVCache
-from .model_runner import ExecuteOutput, ModelInput, ModelRunner
+from .model_runner import ExecuteOutput, ModelInput
 from .tp_dispatch import CommandChannel, GroupBrokenError, open_channel
 from .tp_group import TensorParallelGroup, host_store
 from .tp_launch import RankLauncher, RankSet
