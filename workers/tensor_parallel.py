@@ -19,6 +19,7 @@ ranks, so groups of any TP size (and single-GPU workers) exchange KV.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 
@@ -138,6 +139,16 @@ class TensorParallelRunner:
     @property
     def tensor_parallel_size(self) -> int:
         return self.group.size
+
+    @functools.cached_property
+    def num_parameters(self) -> int:
+        """The whole model's parameters (rank 0 holds ``local.num_parameters`` of them)."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(self.local.config,
+                                                     trust_remote_code=self.spec.trust_remote_code)
+        return sum(p.numel() for p in model.parameters())
 
     # ---- the interface the engine uses ---------------------------------------------------
     def cache_shape(self, block_size: int) -> CacheShape:
