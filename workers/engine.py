@@ -65,6 +65,8 @@ class LLMEngine:
         self.pool_config = config.pool_config(num_device, num_host, max_len, role=role,
                                               sliding_window=self._freeing_window(role))
         self.runner.allocate_cache(config.block_size, num_device, num_host)
+        if self._uses_graphs:
+            self.runner.enable_decode_graphs(config.graph_sizes(), -(-max_len // config.block_size))
         self.kv_manager = kv_manager if kv_manager is not None else KVManager()
         self.kv_manager.add_worker(worker_id, self.pool_config)
         self.step_hooks: list[Callable[[], None]] = []
@@ -94,6 +96,11 @@ class LLMEngine:
         self.num_step_calls = 0
 
     # ---- set-up -------------------------------------------------------------------
+    @property
+    def _uses_graphs(self) -> bool:
+        """Decode steps replay CUDA graphs: the default on CUDA (``enforce_eager`` turns it off)."""
+        return self.runner.device.type == "cuda" and not self.config.enforce_eager
+
     def _eos_token_ids(self) -> list[int]:
         ids: list[int] = []
         generation = getattr(self.runner.model, "generation_config", None)
@@ -137,7 +144,11 @@ class LLMEngine:
         if config.kv_cache_memory_gb is not None:
             budget = config.kv_cache_memory_gb * GiB
         elif self.runner.device.type == "cuda":
-            peak = self.runner.profile_peak_memory(self.max_num_batched_tokens, config.block_size)
+            # The forward's peak and the CUDA graphs' pool come out of the budget first.
+            peak = self.runner.profile_peak_memory(
+                self.max_num_batched_tokens, config.block_size,
+                config.graph_sizes() if self._uses_graphs else None,
+                -(-self.max_model_len // config.block_size))
             total = torch.cuda.get_device_properties(self.runner.device).total_memory
             budget = total * config.gpu_memory_utilization - peak
         else:
@@ -675,6 +686,11 @@ class LLMEngine:
             "step_hook_seconds": self.hook_seconds,
             "num_step_calls": self.num_step_calls,
         })
+        graphs = self.runner.decode_graphs
+        if graphs is not None:
+            stats.update({"num_cuda_graphs": len(graphs.graphs), "cuda_graph_memory_bytes": graphs.memory_bytes,
+                          "num_padded_decode_steps": graphs.num_runs, "num_graph_replays": graphs.num_replays,
+                          "num_padded_rows": graphs.num_padded_rows})
         if self._grammar_compiler is not None:
             stats["num_grammars_compiled"] = self._grammar_compiler.num_compiled
             stats["num_grammar_cache_hits"] = self._grammar_compiler.num_cache_hits

@@ -64,6 +64,10 @@ class EngineOptions(BaseModel):
     watermark: float = Field(POOL_DEFAULTS["watermark"], ge=0, lt=1)
     seed: int | None = Field(None, ge=0, lt=2**63)          # None: a fresh random seed per engine
     kernel_backend: KernelBackend | None = None             # None: triton on CUDA if installed, else torch
+    enforce_eager: bool = False                             # CUDA: no CUDA graphs, every step eager
+    # CUDA: decode batch sizes captured as graphs; None: 1, 2, 4, 8, every 8 to 256, every 16 beyond,
+    # up to max_num_seqs
+    cuda_graph_sizes: list[int] | None = None
 
     @field_validator("block_size")
     @classmethod
@@ -71,6 +75,22 @@ class EngineOptions(BaseModel):
         if block_size not in BLOCK_SIZES:
             raise ValueError(f"block_size must be a power of two up to {BLOCK_SIZES[-1]}, got {block_size}")
         return block_size
+
+    @field_validator("cuda_graph_sizes")
+    @classmethod
+    def _graph_sizes(cls, sizes: list[int] | None) -> list[int] | None:
+        if sizes is not None and (not sizes or min(sizes) < 1):
+            raise ValueError(f"cuda_graph_sizes must be a non-empty list of positive batch sizes, got {sizes}")
+        return sizes
+
+    def graph_sizes(self) -> list[int]:
+        """The decode batch sizes to capture (``cuda_graph_sizes`` or the default), at most
+        ``max_num_seqs``."""
+        from .decode_graphs import default_graph_sizes
+
+        if self.cuda_graph_sizes is None:
+            return default_graph_sizes(self.max_num_seqs)
+        return sorted({min(size, self.max_num_seqs) for size in self.cuda_graph_sizes})
 
     @model_validator(mode="after")
     def _pool_accepts(self) -> "EngineOptions":

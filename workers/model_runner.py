@@ -13,6 +13,7 @@ from pagedserve.kernels.gpu_targets import check_dtype, check_shared_memory
 
 from .attention import PagedAttentionMetadata, register_paged_attention
 from .block_tables import BlockTableRows
+from .decode_graphs import DecodeGraphs
 from .host_memory import retain_freed_host_memory
 from .kv_cache import CacheShape, KVCache
 from .model_head import ModelHead
@@ -244,6 +245,8 @@ class ModelRunner:
         self.kv_cache: KVCache | None = None
         self.block_tables = BlockTableRows(self.device)
         self._kernels_checked: set[int] = set()  # block sizes whose kernels fit this GPU
+        # Decode steps on static padded buffers (CUDA graphs on CUDA); None: every step eager.
+        self.decode_graphs: DecodeGraphs | None = None
 
     def cache_shape(self, block_size: int) -> CacheShape:
         return CacheShape(self.num_layers, block_size, self.num_kv_heads, self.head_dim, self.dtype)
@@ -258,8 +261,10 @@ class ModelRunner:
                                 self.device)
         return self.kv_cache
 
-    def profile_peak_memory(self, num_tokens: int, block_size: int) -> int:
-        """Peak CUDA bytes of one forward pass over ``num_tokens`` prompt tokens.
+    def profile_peak_memory(self, num_tokens: int, block_size: int,
+                            graph_sizes: list[int] | None = None, max_blocks_per_seq: int = 1) -> int:
+        """Peak CUDA bytes of one forward pass over ``num_tokens`` prompt tokens, plus the
+        memory pool of the CUDA graphs of ``graph_sizes`` (captured here, then dropped).
 
         Runs against a throwaway cache just big enough for them; 0 off CUDA.
         """
@@ -277,9 +282,34 @@ class ModelRunner:
             self.block_tables.release("profile")
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
+        graph_bytes = 0
+        if graph_sizes:
+            graphs = self._try_graphs(graph_sizes, max_blocks_per_seq)
+            graph_bytes = graphs.memory_bytes if graphs is not None else 0
+            del graphs
         self.kv_cache = saved
         torch.cuda.empty_cache()
-        return peak
+        return peak + graph_bytes
+
+    def enable_decode_graphs(self, sizes: list[int], max_blocks_per_seq: int, capture: bool = True) -> bool:
+        """Run decode steps of up to ``max(sizes)`` sequences padded on static buffers,
+        captured as CUDA graphs when ``capture`` (CUDA only). A model whose forward
+        cannot be captured says why in the log and stays eager; returns whether the
+        padded path is on."""
+        if capture and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.decode_graphs = (self._try_graphs(sizes, max_blocks_per_seq) if capture
+                              else DecodeGraphs(self, sizes, max_blocks_per_seq, capture=False))
+        return self.decode_graphs is not None
+
+    def _try_graphs(self, sizes: list[int], max_blocks_per_seq: int) -> DecodeGraphs | None:
+        try:
+            return DecodeGraphs(self, sizes, max_blocks_per_seq, capture=True)
+        except Exception as error:  # a forward that syncs with the host or has dynamic shapes
+            logger.warning("decode steps run eagerly: the forward of %s cannot be captured as a "
+                           "CUDA graph (%s: %s)", type(self.model).__name__, type(error).__name__, error)
+            torch.cuda.synchronize(self.device)
+            return None
 
     @torch.inference_mode()
     def execute(self, model_input: ModelInput) -> ExecuteOutput:
@@ -287,6 +317,10 @@ class ModelRunner:
         sample ([num_sampling_chunks, vocab]) and the scores the chunks asked for."""
         if self.kv_cache is None:
             raise RuntimeError("allocate_cache() must run before execute()")
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_run(model_input):
+            self.block_tables.write(model_input.table_updates)
+            return ExecuteOutput(graphs.run(model_input), {})
         device = self.device
         batch = flatten(model_input, self.block_tables, self.kv_cache.shape.block_size)
         meta = PagedAttentionMetadata(
