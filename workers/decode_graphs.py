@@ -23,14 +23,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from .attention import PagedAttentionMetadata
+from .host_lists import int64_tensor
 
 if TYPE_CHECKING:
     from .model_runner import ModelInput, ModelRunner
 
 logger = logging.getLogger(__name__)
 
-# Rows of the staging tensor: what one step copies to the device.
-_IDS, _POSITIONS, _SLOTS, _LENS, _ROWS = range(5)
+# Rows of the staging tensor: what one step copies to the device; the last two say which
+# ids are pending (overlapped scheduling): at which position, from which sampled row.
+_IDS, _POSITIONS, _SLOTS, _LENS, _ROWS, _PENDING_AT, _PENDING_FROM = range(7)
 
 
 def default_graph_sizes(max_num_seqs: int) -> list[int]:
@@ -57,8 +59,11 @@ class DecodeGraphs:
         self.block_size = runner.kv_cache.shape.block_size
         device = runner.device
         self.device = device
-        self.staging = torch.zeros((5, self.max_size), dtype=torch.int64, pin_memory=device.type == "cuda")
-        self.inputs = torch.zeros((5, self.max_size), dtype=torch.int64, device=device)
+        # Two staging tensors, alternating: a step never writes the one the step before it
+        # may still be copying from (overlapped scheduling).
+        self.stagings = [torch.zeros((7, self.max_size), dtype=torch.int64, pin_memory=device.type == "cuda")
+                         for _ in range(2)]
+        self.inputs = torch.zeros((7, self.max_size), dtype=torch.int64, device=device)
         self.block_tables = torch.zeros((self.max_size, max_blocks_per_seq), dtype=torch.int32, device=device)
         self.cu_seqlens = torch.arange(self.max_size + 1, dtype=torch.int32, device=device)
         runner.block_tables.reserve_columns(max_blocks_per_seq)
@@ -82,18 +87,20 @@ class DecodeGraphs:
         return (model_input.is_decode_only and model_input.logits_indexes is None
                 and not model_input.scores and 0 < model_input.num_chunks <= self.max_size)
 
-    def run(self, model_input: "ModelInput") -> torch.Tensor:
+    def run(self, model_input: "ModelInput", pending_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """The step's logits ``[num_seqs, vocab]`` (a view of a static buffer, valid until
-        the next ``run``). The block tables' rows must already hold the step's updates."""
-        from .model_runner import int64_tensor
-
+        the next ``run``). The block tables' rows must already hold the step's updates;
+        ``pending_tokens`` holds the ids ``model_input.pending`` refers to."""
         num_seqs = model_input.num_chunks
         size = self.padded_size(num_seqs)
         rows = int64_tensor(model_input.rows)
         starts = int64_tensor(model_input.starts)
         block_size = self.block_size
         host_tables = self.runner.block_tables.host
-        staging = self.staging
+        staging = self.stagings[self.num_runs % 2]
+        pending = model_input.pending or []
+        if pending:
+            staging[_PENDING_AT:, :len(pending)] = int64_tensor([i for pair in pending for i in pair]).view(-1, 2).T
         staging[_IDS, :num_seqs] = int64_tensor(model_input.input_ids)
         staging[_POSITIONS, :num_seqs] = starts
         staging[_SLOTS, :num_seqs] = (host_tables[rows, starts // block_size].to(torch.int64) * block_size
@@ -104,6 +111,10 @@ class DecodeGraphs:
             staging[:, num_seqs:size] = 0
             staging[_SLOTS, num_seqs:size] = -1
         self.inputs[:, :size].copy_(staging[:, :size], non_blocking=True)
+        if pending:
+            ids = self.inputs[_IDS]
+            ids.index_copy_(0, self.inputs[_PENDING_AT, :len(pending)],
+                            pending_tokens.index_select(0, self.inputs[_PENDING_FROM, :len(pending)]))
         source = self.runner.block_tables.source
         torch.index_select(source[:, :self.max_blocks_per_seq], 0, self.inputs[_ROWS, :num_seqs],
                            out=self.block_tables[:num_seqs])
@@ -141,9 +152,8 @@ class DecodeGraphs:
         """Capture every size, largest first, into one memory pool. The buffers hold only
         padding meanwhile: nothing is written to the KV cache."""
         start = time.perf_counter()
-        self.staging.zero_()
-        self.staging[_SLOTS] = -1
-        self.inputs.copy_(self.staging)
+        self.inputs.zero_()
+        self.inputs[_SLOTS] = -1
         memory_before = torch.cuda.memory_reserved(self.device)
         pool = None
         for size in reversed(self.sizes):

@@ -65,6 +65,8 @@ class EngineOptions(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**63)          # None: a fresh random seed per engine
     kernel_backend: KernelBackend | None = None             # None: triton on CUDA if installed, else torch
     enforce_eager: bool = False                             # CUDA: no CUDA graphs, every step eager
+    # Plan and launch step n + 1 before reading step n's sampled ids; None: on with CUDA
+    async_scheduling: bool | None = None
     # CUDA: decode batch sizes captured as graphs; None: 1, 2, 4, 8, every 8 to 256, every 16 beyond,
     # up to max_num_seqs
     cuda_graph_sizes: list[int] | None = None

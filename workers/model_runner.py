@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import array
 import logging
 from dataclasses import dataclass
 
@@ -14,6 +13,7 @@ from pagedserve.kernels.gpu_targets import check_dtype, check_shared_memory
 from .attention import PagedAttentionMetadata, register_paged_attention
 from .block_tables import BlockTableRows
 from .decode_graphs import DecodeGraphs
+from .host_lists import int64_tensor
 from .host_memory import retain_freed_host_memory
 from .kv_cache import CacheShape, KVCache
 from .model_head import ModelHead
@@ -94,7 +94,9 @@ class ModelInput:
     sequence whose block table is row ``rows[i]`` of the runner's
     ``BlockTableRows``; ``input_ids`` are the chunks' tokens, flattened. A
     decode-only step (one token per chunk, every chunk sampling) leaves
-    ``num_tokens`` and ``logits_indexes`` None. ``table_updates`` (row, whole
+    ``num_tokens`` and ``logits_indexes`` None. An ``input_ids`` entry listed in
+    ``pending`` is ``PENDING_TOKEN``, to be taken from the running step's sampled ids
+    on the device. ``table_updates`` (row, whole
     table, first changed entry) bring rows up to date before the forward:
     entries before the first changed one are those the row already holds.
     """
@@ -106,6 +108,9 @@ class ModelInput:
     num_tokens: list[int] | None = None
     logits_indexes: list[int] | None = None    # chunks that sample; None: all
     scores: list[ScoreRequest] | None = None
+    # Tokens sampled by the step still running: (position in input_ids, its row in that
+    # step's sampled ids), taken on the device (overlapped scheduling).
+    pending: list[tuple[int, int]] | None = None
 
     @property
     def num_chunks(self) -> int:
@@ -149,11 +154,6 @@ class FlatBatch:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
-
-
-def int64_tensor(values: list[int]) -> torch.Tensor:
-    """A CPU int64 tensor of a list of ints (a C array's buffer: ~4x faster than ``torch.tensor``)."""
-    return torch.frombuffer(array.array("q", values), dtype=torch.int64) if values else torch.empty(0, dtype=torch.int64)
 
 
 def flatten(model_input: ModelInput, block_tables: BlockTableRows, block_size: int) -> FlatBatch:
@@ -312,17 +312,26 @@ class ModelRunner:
             return None
 
     @torch.inference_mode()
-    def execute(self, model_input: ModelInput) -> ExecuteOutput:
+    def execute(self, model_input: ModelInput, pending_tokens: torch.Tensor | None = None) -> ExecuteOutput:
         """One forward pass over every chunk: the float32 logits of the chunks that
-        sample ([num_sampling_chunks, vocab]) and the scores the chunks asked for."""
+        sample ([num_sampling_chunks, vocab]) and the scores the chunks asked for.
+        ``pending_tokens``: the running step's sampled ids, on the device, that
+        ``model_input.pending`` entries take."""
         if self.kv_cache is None:
             raise RuntimeError("allocate_cache() must run before execute()")
+        if model_input.pending and pending_tokens is None:
+            raise ValueError("the step has pending tokens but no sampled ids to take them from")
         graphs = self.decode_graphs
         if graphs is not None and graphs.can_run(model_input):
             self.block_tables.write(model_input.table_updates)
-            return ExecuteOutput(graphs.run(model_input), {})
+            return ExecuteOutput(graphs.run(model_input, pending_tokens), {})
         device = self.device
         batch = flatten(model_input, self.block_tables, self.kv_cache.shape.block_size)
+        input_ids = batch.input_ids.to(device, non_blocking=True)
+        if model_input.pending:
+            positions, sources = zip(*model_input.pending)
+            input_ids[int64_tensor(list(positions)).to(device)] = pending_tokens[
+                int64_tensor(list(sources)).to(device)]
         meta = PagedAttentionMetadata(
             slot_mapping=batch.slot_mapping.to(device, non_blocking=True),
             block_tables=batch.block_tables,
@@ -334,7 +343,7 @@ class ModelRunner:
             # Every layer windowed: tables may hold -1 before the widest window (freed blocks).
             plan_window=self.attention.max_sliding_window,
         )
-        hidden = self.decoder(input_ids=batch.input_ids.to(device, non_blocking=True).unsqueeze(0),
+        hidden = self.decoder(input_ids=input_ids.unsqueeze(0),
                               position_ids=batch.positions.to(device, non_blocking=True).unsqueeze(0),
                               paged_metadata=meta, use_cache=False).last_hidden_state[0]
         scores = {}

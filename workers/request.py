@@ -99,6 +99,8 @@ class Sequence:
     grammar: GrammarMatcher | None = None
     # Its row in the engine's persistent batch while it runs (-1: none).
     batch_row: int = -1
+    # Its sampling row in the step still running, whose id its pending token takes.
+    pending_source: int = -1
     # Its stream, as the output processor follows it.
     stream: "SequenceStream | None" = None
 

@@ -43,9 +43,9 @@ def record_steps(runner) -> StepShapes:
     shapes = StepShapes()
     execute = runner.execute
 
-    def recording(model_input):
+    def recording(model_input, *args, **kwargs):
         shapes.add(model_input)
-        return execute(model_input)
+        return execute(model_input, *args, **kwargs)
 
     runner.execute = recording
     return shapes
