@@ -50,7 +50,9 @@ class EngineStep:
     ``logprobs`` is None when none did). ``text_positions`` lists the positions
     whose text is followed token by token (None: all of them). ``finished``: the
     sequences the engine ended; ``aborted``: requests aborted since the last step;
-    ``migrated``: (sequence, KV transfer (header, payload), target worker).
+    ``migrated``: (sequence, KV transfer (header, payload), target worker);
+    ``final_outputs``: requests the engine finished with outputs of its own (beam
+    search), passed on as they are.
     """
 
     seqs: list[Sequence] = field(default_factory=list)
@@ -60,6 +62,7 @@ class EngineStep:
     finished: list[SeqFinish] = field(default_factory=list)
     aborted: list[Request] = field(default_factory=list)
     migrated: list[tuple[Sequence, tuple, str]] = field(default_factory=list)
+    final_outputs: list[RequestOutput] = field(default_factory=list)
 
 
 @dataclass
@@ -183,6 +186,7 @@ class OutputProcessor:
             if is_finished or request.output_kind != "final":
                 outputs.append(self._make_output(request, is_finished))
                 request.is_final_streamed = is_finished
+        outputs.extend(step.final_outputs)
         return ProcessedStep(outputs, stopped)
 
     def _end(self, seq: Sequence, reason: str) -> None:
