@@ -13,6 +13,7 @@ from .sampler import SampleLogprobs
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from .beam_groups import BeamGroup
     from .output_processor import SequenceStream
 
 
@@ -168,6 +169,9 @@ class Request:
     output_kind: str = "stream"
     # The output processor delivered its final output (its own flag: the engine may not know yet).
     is_final_streamed: bool = False
+    # Beam search (params.use_beam_search): its live beams and hypotheses; its running
+    # beams are ``seqs``.
+    beam_group: "BeamGroup | None" = None
 
     def __post_init__(self) -> None:
         if self.metrics is None:
