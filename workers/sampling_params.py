@@ -248,6 +248,9 @@ class SamplingParams:
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             raise ValueError(f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}")
         if not self.use_beam_search:
+            if self.length_penalty != 1.0 or self.early_stopping is not False:
+                name = "length_penalty" if self.length_penalty != 1.0 else "early_stopping"
+                raise ValueError(f"{name} applies to beam search only: set use_beam_search")
             return
         unsupported = [name for name, is_set in (
             ("temperature", self.temperature != 0.0),
