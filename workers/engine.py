@@ -228,6 +228,7 @@ class LLMEngine:
         request = Request(request_id, text, token_ids, params, priority,
                           arrival_time if arrival_time is not None else time.time(), next(self._order))
         request.export_kv = export_kv
+        request.is_migratable = params.n == 1 and not export_kv and not params.use_beam_search
         request.kv_transfer = kv_transfer
         request.grammar = grammar
         request.output_kind = output_kind

@@ -172,6 +172,9 @@ class Request:
     # Beam search (params.use_beam_search): its live beams and hypotheses; its running
     # beams are ``seqs``.
     beam_group: "BeamGroup | None" = None
+    # Its sequence may move to another worker when preempted (one sample, no KV export, no
+    # beam search): decided once, when the request is built.
+    is_migratable: bool = False
 
     def __post_init__(self) -> None:
         if self.metrics is None:
