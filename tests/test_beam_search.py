@@ -261,6 +261,27 @@ def test_abort_of_a_beam_group_returns_every_block(make_llm, hf_beams):
         assert_beams_match(outputs[f"r{i}"], hf_beams(prompts[i], 4, 16))
 
 
+def test_beam_searches_are_never_offered_for_migration(make_llm):
+    """A worker may move a preempted single-sample sequence elsewhere; a beam (even of
+    width 1) is part of its group's state here, so it is never offered."""
+    llm = make_llm(num_device_blocks=512)
+    scheduler = llm.engine.scheduler
+    offered: list[str] = []
+    kv_step = scheduler.kv_step
+
+    def recording_step(step_input):
+        offered.extend(step_input.migratable)
+        return kv_step(step_input)
+
+    scheduler.kv_step, scheduler.allow_migration = recording_step, True
+    try:
+        [prompt] = random_prompts((10,), seed=8)
+        llm.generate([prompt] * 3, [SamplingParams(max_tokens=3), beams(1, 3), SamplingParams(n=2, max_tokens=3)])
+    finally:
+        scheduler.kv_step, scheduler.allow_migration = kv_step, False
+    assert offered and {seq_id.split("#")[0] for seq_id in offered} == {"offline-" + str(llm._next_id - 3)}
+
+
 class BeamGroupMachine(RuleBasedStateMachine):
     """Beam searches and sampled requests arrive, steps run, requests are aborted, on a
     pool small enough to preempt (by swap or recompute, prefix caching on or off).
