@@ -517,7 +517,7 @@ class LLMEngine:
         forked: list[tuple[Sequence, Sequence]] = []
         if per_row:
             flag_values = flags.tolist()
-            if any(flag_values[p] & BEAM for p in per_row):
+            if bool((flags & BEAM).any()):
                 seqs, logits, row_index, flags = self._take_beam_rows(seqs, logits, row_index, flags,
                                                                       flag_values, result)
                 flag_values = flags.tolist()
