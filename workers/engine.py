@@ -585,6 +585,7 @@ class LLMEngine:
         index = torch.tensor(beam, dtype=torch.int64)
         result.final_outputs.extend(self.beam_groups.advance([seqs[p] for p in beam],
                                                              logits[index.to(logits.device)]))
+        self.num_generated_tokens += len(beam)
         index = torch.tensor(rest, dtype=torch.int64)
         return [seqs[p] for p in rest], logits[index.to(logits.device)], row_index[index], flags[index]
 
