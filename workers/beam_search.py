@@ -5,8 +5,9 @@ live beams (and their token ids); it answers which continuations live on (a pare
 beam and a token each) and keeps the finished hypotheses. Which sequences, blocks
 and forks carry the beams is the engine's business (``beam_groups.py``).
 
-The rule is transformers' (``GenerationMixin._beam_search``, 4.50 onwards), step
-for step and in float32, so that its output is the oracle's:
+The rule is transformers' (``GenerationMixin._beam_search``, the vectorized one of
+its PR #35802, read in the installed 5.24), step for step and in float32, so that its
+output is the oracle's:
   - the ``max(2, 1 + number of stop tokens) * k`` best continuations of all live
     beams, by summed log-probability, are candidates; the best ``k`` of those
     that do not end (on EOS or a stop token id, or at the length limit) are the
