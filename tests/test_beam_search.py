@@ -193,6 +193,12 @@ def test_early_stopping_takes_transformers_values(value):
         SamplingParams(use_beam_search=True, temperature=0.0, early_stopping=value)
 
 
+@pytest.mark.parametrize("value", [1e308, -11.0, float("nan"), float("inf")])
+def test_length_penalty_is_bounded(value):
+    with pytest.raises(ValueError, match="length_penalty must"):
+        SamplingParams(use_beam_search=True, temperature=0.0, length_penalty=value)
+
+
 # ---- shared blocks --------------------------------------------------------------------------
 
 def test_beams_share_their_prefix_blocks(make_llm):

@@ -27,6 +27,9 @@ MAX_REPETITION_PENALTY = 100.0
 # be at most this large: grammar compilation and matching grow with it.
 MAX_STRUCTURED_OUTPUT_BYTES = 64 * 1024
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# Beam scores divide by (output length) ** length_penalty: beyond this the power
+# overflows a float for long outputs (2**30 ** 10 is 2**300).
+MAX_ABS_LENGTH_PENALTY = 10.0
 
 
 @dataclass
@@ -245,6 +248,9 @@ class SamplingParams:
         if not isinstance(self.use_beam_search, bool):
             raise ValueError(f"use_beam_search must be a bool, got {self.use_beam_search!r}")
         self.length_penalty = _as_float("length_penalty", self.length_penalty)
+        if not -MAX_ABS_LENGTH_PENALTY <= self.length_penalty <= MAX_ABS_LENGTH_PENALTY:
+            raise ValueError(f"length_penalty must be in [-{MAX_ABS_LENGTH_PENALTY:g}, {MAX_ABS_LENGTH_PENALTY:g}], "
+                             f"got {self.length_penalty}")
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             raise ValueError(f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}")
         if not self.use_beam_search:
