@@ -13,8 +13,10 @@ enough that nothing is preempted. After every engine step it reads:
     written);
   - copy per beam: the blocks the same beams would hold if each had its own copy of
     everything it reads, the sum over running beams of the blocks in their tables.
-The ratio of the two peaks is the seeds' ratio. Every run ends with zero blocks in
-use and the pool's integrity checked.
+The ratio of the two peaks is the seeds' ratio. For scale, "prompt only" is the
+ratio if the beams shared nothing but the prompt's full blocks (each diverging at
+its first token); measured CoW beats it where beams also share output prefixes.
+Every run ends with zero blocks in use and the pool's integrity checked.
 
     python benchmarks/bench_beam_blocks.py [--model-size small] [--block-size 16] [--requests 4]
 """
@@ -74,14 +76,17 @@ def main(argv=None) -> None:
     print(f"llama-{args.model_size}, block size {args.block_size}, {args.requests} beam searches at once, "
           f"ignore_eos, prefix caching off ({bytes_per_block} bytes of KV per block)")
     print(f"{'prompt':>6} {'output':>6} {'beams':>5} {'copy/beam':>9} {'CoW':>6} {'ratio':>6} "
-          f"{'seeds':>6} {'seconds':>7}")
+          f"{'prompt only':>11} {'seeds':>6} {'seconds':>7}")
     for prompt_len, max_tokens in shapes:
         prompts = [[rng.randrange(5, 1000) for _ in range(prompt_len)] for _ in range(args.requests)]
         for width in WIDTHS:
             shared, copied, elapsed = measure(llm, prompts, width, max_tokens)
             without, with_cow = SEEDS_GB[width]
+            num_prompt_blocks = prompt_len // args.block_size
+            num_own_blocks = -(-(prompt_len + max_tokens) // args.block_size) - num_prompt_blocks
+            prompt_only = copied / (args.requests * (num_prompt_blocks + width * num_own_blocks))
             print(f"{prompt_len:>6} {max_tokens:>6} {width:>5} {copied:>9} {shared:>6} {copied / shared:>5.2f}x "
-                  f"{without / with_cow:>5.2f}x {elapsed:>7.1f}")
+                  f"{prompt_only:>10.2f}x {without / with_cow:>5.2f}x {elapsed:>7.1f}")
 
 
 if __name__ == "__main__":
