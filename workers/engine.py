@@ -12,10 +12,11 @@ import torch
 
 from pagedserve.kvmanager import PENDING_TOKEN, KVManager
 
+from .beam_groups import BeamGroups
 from .detokenizer import FINISH_STOP, check_stop
 from .engine_options import EngineConfig
 from .grammar import GrammarCompiler
-from .input_batch import (EXPORTS_KV, FORKS, GRAMMAR, MIN_TOKENS, PER_ROW, RANDOM, STOP_TOKEN_IDS, TEXT,
+from .input_batch import (BEAM, EXPORTS_KV, FORKS, GRAMMAR, MIN_TOKENS, PER_ROW, RANDOM, STOP_TOKEN_IDS, TEXT,
                           InputBatch)
 from .kv_transfer import KVTransfer, check_compatible, export_kv, import_kv, read_header
 from .host_lists import int64_tensor
@@ -82,6 +83,9 @@ class LLMEngine:
         self._in_flight: SampledStep | None = None
         self.num_ended = 0   # sequences ended (finished, aborted, stopped): a step's samples of them are dropped
         self._readback = TokenReadback(self.runner.device, config.max_num_seqs)
+        self.beam_groups = BeamGroups(self.scheduler, self.batch, self._new_sequence,
+                                      lambda request: self.requests.pop(request.request_id, None),
+                                      self.tokenizer, self.eos_token_ids, max_len)
         self.sampler = Sampler(config.seed)
         if config.seed is None:
             logger.info("sampler seed %d (fresh; set engine seed to reproduce unseeded requests)",
@@ -234,15 +238,16 @@ class LLMEngine:
             all_tokens = token_ids + list(output_token_ids or [])
             check_compatible(self.runner.kv_cache, meta, all_tokens)
             num_imported = meta["num_tokens"]
-            if params.n != 1 or not 0 < num_imported < len(all_tokens):
-                raise ValueError("a transferred request needs n == 1 and at least one token "
-                                 "left to compute")
+            if params.n != 1 or params.use_beam_search or not 0 < num_imported < len(all_tokens):
+                raise ValueError("a transferred request needs n == 1, no beam search and at least one "
+                                 "token left to compute")
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.grammar_compiler.compile(params.structured_outputs)
         request = Request(request_id, text, token_ids, params, priority,
                           arrival_time if arrival_time is not None else time.time(), next(self._order))
         request.export_kv = export_kv
+        request.is_migratable = params.n == 1 and not export_kv and not params.use_beam_search
         request.kv_transfer = kv_transfer
         request.grammar = grammar
         request.output_kind = output_kind
@@ -257,6 +262,10 @@ class LLMEngine:
             raise ValueError("output_token_ids do not follow the request's structured_outputs "
                              f"grammar: {seq.grammar.error}")
         request.num_transferred_tokens = num_imported
+        if params.use_beam_search:
+            if output_token_ids or export_kv:
+                raise ValueError("a beam search cannot continue sampled output or export its KV")
+            self.beam_groups.start(request)
         return request
 
     def admit(self, request: Request) -> None:
@@ -397,7 +406,9 @@ class LLMEngine:
         if sampling_seqs:
             sampled = self._sample(sampling_seqs, sampling_rows, execute_output.logits, first_samples, result)
             previous = self._in_flight
-            if sampled.token_ids is None:
+            if not sampled.seqs:
+                self._release_if_idle()  # every row was a beam, taken by its group
+            elif sampled.token_ids is None:
                 self._launch(sampled)
             else:
                 self._finish(sampled, result)
@@ -556,6 +567,11 @@ class LLMEngine:
         flag_values = None
         if per_row:
             flag_values = flags.tolist()
+            if bool((flags & BEAM).any()):
+                seqs, logits, row_index, flags = self._take_beam_rows(seqs, logits, row_index, flags,
+                                                                      flag_values, result)
+                flag_values = flags.tolist()
+                per_row = [p for p, value in enumerate(flag_values) if value & PER_ROW]
             if any(flag_values[p] & FORKS for p in per_row):
                 seqs, index = self._fork(seqs, flag_values, forked)
                 index_tensor = torch.tensor(index, dtype=torch.int64)
@@ -698,6 +714,19 @@ class LLMEngine:
             tokens.text_positions = text.nonzero().squeeze(1).tolist()
         result.tokens.append(tokens)
         self._release_if_idle()
+
+    def _take_beam_rows(self, seqs: list[Sequence], logits: torch.Tensor, row_index: torch.Tensor,
+                        flags: torch.Tensor, flag_values: list[int], result: EngineStep):
+        """Hand the beam-search rows to their groups (``BeamGroups``); the other rows'
+        sequences, logits, batch rows and flags go on to sampling."""
+        beam = [p for p, value in enumerate(flag_values) if value & BEAM]
+        rest = [p for p, value in enumerate(flag_values) if not value & BEAM]
+        index = torch.tensor(beam, dtype=torch.int64)
+        result.final_outputs.extend(self.beam_groups.advance([seqs[p] for p in beam],
+                                                             logits[index.to(logits.device)]))
+        self.num_generated_tokens += len(beam)
+        index = torch.tensor(rest, dtype=torch.int64)
+        return [seqs[p] for p in rest], logits[index.to(logits.device)], row_index[index], flags[index]
 
     def _fork(self, seqs: list[Sequence], flag_values: list[int],
               forked: list[tuple[Sequence, Sequence]]) -> tuple[list[Sequence], list[int]]:

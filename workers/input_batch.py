@@ -8,8 +8,8 @@ and flags for the features only some sequences use. They are written once, when
 the row is taken; a step reads its rows with one gather per tensor, so work per
 step that is proportional to the number of sequences happens in tensor ops, not
 in Python. Only the rows whose flags say they need more (penalties, seeds,
-grammars, logprobs, stop token ids, ``min_tokens``, a pending fork or KV export)
-are looked at one by one.
+grammars, logprobs, stop token ids, ``min_tokens``, a pending fork or KV export,
+beam search) are looked at one by one.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ STOP_TOKEN_IDS = 64
 FORKS = 128         # n > 1: the samples fork at the first token
 EXPORTS_KV = 256    # disaggregated prefill: the prompt's KV is kept at the first token
 TEXT = 512          # its text is followed token by token (streamed, or has stop strings)
+BEAM = 1024         # a beam of a beam search: its logits go to its group, not to sampling
 # Any of these sends the row through the per-row path of the step's sampling.
-PER_ROW = PENALTIES | SEEDED | MIN_TOKENS | LOGPROBS | GRAMMAR | STOP_TOKEN_IDS | FORKS | EXPORTS_KV
+PER_ROW = PENALTIES | SEEDED | MIN_TOKENS | LOGPROBS | GRAMMAR | STOP_TOKEN_IDS | FORKS | EXPORTS_KV | BEAM
 
 
 @dataclass
@@ -122,6 +123,8 @@ class InputBatch:
     def _flags_of(seq: Sequence) -> int:
         request = seq.request
         params = request.params
+        if params.use_beam_search:
+            return BEAM
         flags = 0 if params.is_greedy else RANDOM
         if params.has_penalties:
             flags |= PENALTIES

@@ -60,12 +60,15 @@ class StepTokens:
 class EngineStep:
     """What one call of the engine's step produced, for the output processor: the tokens
     of the steps it read (two with overlapped scheduling when it had to read the running
-    step's early; in order), the requests aborted since the last call, and the sequences
-    migrated (sequence, KV transfer (header, payload), target worker)."""
+    step's early; in order), the requests aborted since the last call, the sequences
+    migrated (sequence, KV transfer (header, payload), target worker), and the outputs
+    of requests the engine finished with outputs of its own (beam search), passed on as
+    they are."""
 
     tokens: list[StepTokens] = field(default_factory=list)
     aborted: list[Request] = field(default_factory=list)
     migrated: list[tuple[Sequence, tuple, str]] = field(default_factory=list)
+    final_outputs: list[RequestOutput] = field(default_factory=list)
 
 
 @dataclass
@@ -165,6 +168,7 @@ class OutputProcessor:
             if is_finished or request.output_kind != "final":
                 outputs.append(self._make_output(request, is_finished))
                 request.is_final_streamed = is_finished
+        outputs.extend(step.final_outputs)
         return ProcessedStep(outputs, stopped)
 
     def _take_tokens(self, tokens: StepTokens, touched: dict[str, Request], stopped: list[Sequence]) -> None:

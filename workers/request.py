@@ -13,6 +13,7 @@ from .sampler import SampleLogprobs
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from .beam_groups import BeamGroup
     from .output_processor import SequenceStream
 
 
@@ -170,6 +171,12 @@ class Request:
     output_kind: str = "stream"
     # The output processor delivered its final output (its own flag: the engine may not know yet).
     is_final_streamed: bool = False
+    # Beam search (params.use_beam_search): its live beams and hypotheses; its running
+    # beams are ``seqs``.
+    beam_group: "BeamGroup | None" = None
+    # Its sequence may move to another worker when preempted (one sample, no KV export, no
+    # beam search): decided once, when the request is built.
+    is_migratable: bool = False
 
     def __post_init__(self) -> None:
         if self.metrics is None:

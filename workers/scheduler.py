@@ -136,8 +136,7 @@ class Scheduler:
         step_input.token_budget = self.max_num_batched_tokens
         if self.allow_migration:
             step_input.migratable = [s.seq_id for s in self.running
-                                     if s.request.params.n == 1 and not s.request.export_kv
-                                     and not s.request.needs_prompt_logprobs]
+                                     if s.request.is_migratable and not s.request.needs_prompt_logprobs]
             step_input.is_draining = self.is_draining
         kv_start = time.perf_counter()
         try:

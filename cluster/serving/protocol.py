@@ -193,6 +193,11 @@ class _SamplingFields(_RefusedFields):
     # vLLM: the id of the request, returned as the response's id.
     request_id: str | None = Field(None, min_length=1, max_length=256)
     priority: int = Field(0, ge=-MAX_INT32 - 1, le=MAX_INT32)
+    # vLLM's beam search extension: n beams, the n best returned (temperature unset or 0);
+    # early_stopping is transformers' rule (vLLM 0.x's field).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     @field_validator("logit_bias")
     @classmethod
@@ -332,6 +337,14 @@ class ChatCompletionRequest(_SamplingFields):
     def _no_chat_echo(cls, value):
         if value:
             raise ValueError("echo cannot be honoured in chat completions; use /v1/completions with echo")
+        return value
+
+    @field_validator("use_beam_search")
+    @classmethod
+    def _no_chat_beam_search(cls, value):
+        if value:
+            raise ValueError("use_beam_search cannot be honoured in chat completions; use /v1/completions "
+                             "(or gRPC Generate) with use_beam_search")
         return value
 
     @property
