@@ -28,11 +28,14 @@ def _padded_llm(tiny_model, arch="llama", sizes=(1, 2, 4, 8), **kwargs):
     return llm
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_padded_decode_gives_the_eager_and_transformers_tokens(arch, tiny_model, hf_greedy):
+def test_padded_decode_gives_the_eager_and_transformers_tokens(arch, async_scheduling, tiny_model, hf_greedy):
     """Requests of different lengths finish at different steps, so the batch shrinks
-    through several padded sizes; a batch larger than the largest size runs eagerly."""
-    llm = _padded_llm(tiny_model, arch, sizes=(1, 2, 4, 8), num_device_blocks=256)
+    through several padded sizes; a batch larger than the largest size runs eagerly. With
+    overlapped scheduling the padded inputs take the running step's ids on the device."""
+    llm = _padded_llm(tiny_model, arch, sizes=(1, 2, 4, 8), num_device_blocks=256,
+                      async_scheduling=async_scheduling)
     prompts = _prompts((5, 17, 30, 9, 41, 3, 22, 12, 8, 60, 33), seed=7)
     params = [SamplingParams(temperature=0.0, max_tokens=4 + 3 * i) for i in range(len(prompts))]
     outputs = llm.generate(prompts, params)
