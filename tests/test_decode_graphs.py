@@ -107,3 +107,17 @@ def test_capture_needs_cuda(tiny_model):
     with pytest.raises(ValueError, match="CUDA"):
         llm.engine.runner.enable_decode_graphs([1, 2], 4, capture=True)
     assert llm.engine.runner.decode_graphs is None
+
+
+def test_block_copy_warm_up_changes_no_block(tiny_model):
+    """What CUDA runs at load so that no copy kernel compiles inside a request: block 0
+    onto itself, and out to the host pool and back."""
+    llm = LLM(tiny_model("llama"), device="cpu", dtype="float32", num_device_blocks=8, swap_space_gb=0.001)
+    cache = llm.engine.runner.kv_cache
+    for k, v in cache.device_caches:
+        k.normal_(), v.normal_()
+    before = [k.clone() for k, _ in cache.device_caches]
+    llm.engine.runner.warm_up_block_copies()
+    assert all(torch.equal(k, old) for (k, _), old in zip(cache.device_caches, before))
+    assert torch.equal(cache.host_caches[0][0][0], before[0][0])
+    llm.check_integrity()

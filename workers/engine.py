@@ -68,6 +68,8 @@ class LLMEngine:
         self.pool_config = config.pool_config(num_device, num_host, max_len, role=role,
                                               sliding_window=self._freeing_window(role))
         self.runner.allocate_cache(config.block_size, num_device, num_host)
+        if self.runner.device.type == "cuda":
+            self.runner.warm_up_block_copies()
         if self._uses_graphs:
             self.runner.enable_decode_graphs(config.graph_sizes(), -(-max_len // config.block_size))
         self.kv_manager = kv_manager if kv_manager is not None else KVManager()

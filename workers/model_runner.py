@@ -291,6 +291,20 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak + graph_bytes
 
+    def warm_up_block_copies(self) -> None:
+        """Compile the block copy and swap kernels at load, not in the first request that
+        preempts or forks: block 0 copied onto itself, and out to the host pool and back
+        (the pools hold nothing yet)."""
+        from pagedserve import kernels
+
+        pairs = torch.tensor([[0, 0]], dtype=torch.int64, device=self.device)
+        caches = self.kv_cache.device_caches
+        kernels.copy_blocks([k for k, _ in caches], [v for _, v in caches], pairs)
+        if self.kv_cache.num_host_blocks:
+            k_cache, host_k = caches[0][0], self.kv_cache.host_caches[0][0]
+            kernels.swap_blocks(k_cache, host_k, pairs.cpu())
+            kernels.swap_blocks(host_k, k_cache, pairs.cpu())
+
     def enable_decode_graphs(self, sizes: list[int], max_blocks_per_seq: int, capture: bool = True) -> bool:
         """Run decode steps of up to ``max(sizes)`` sequences padded on static buffers,
         captured as CUDA graphs when ``capture`` (CUDA only). A model whose forward
