@@ -138,13 +138,16 @@ def test_beam_searches_stay_on_their_worker_under_migration_and_disaggregation(r
                      {"role": "decode", "count": 1, "num_gpus": 1, "num_cpus": 1}]):
         handle = _start(tiny_model, workers, router={"policy": "round_robin"})
         try:
-            outputs = handle.generate_sync(prompts + prompts[:2], [_beams(w, 20) for w in widths]
-                                           + [_greedy(40)] * 2)
+            # Two 100-token greedy requests per worker need the whole of worker-0's 18 blocks:
+            # running together (they are sent together) they preempt, whatever the timing.
+            outputs = handle.generate_sync(prompts + prompts, [_beams(w, 20) for w in widths]
+                                           + [_greedy(100)] * 4)
             for prompt, width, output in zip(prompts, widths, outputs):
                 assert [list(c.token_ids) for c in output.outputs] == beam_reference(prompt, width, 20)
             if "role" not in workers[0]:
                 preemptions = handle.stats()["workers"]["worker-0"]["num_preemptions_by_mode"]
-                assert sum(preemptions.values()) > 0, preemptions
+                assert sum(preemptions.values()) > 0, (
+                    f"assumed: worker-0's two long greedy requests run together and preempt; {preemptions}")
             _finish(handle)
         finally:
             handle.shutdown()
