@@ -4,7 +4,8 @@ One Ray instance, a one-worker cluster (so that concurrent requests share
 engine steps) and the Ray Serve application per module, driven by real
 clients: the official ``openai`` client, ``langchain-openai``
 (``with_structured_output`` in each mode, ``bind_tools``), ``litellm`` (its
-OpenAI-compatible and vLLM providers) and lm-eval's ``local-completions``
+OpenAI-compatible and vLLM providers), ``pydantic-ai`` agents (structured
+output, a tool round trip, streaming) and lm-eval's ``local-completions``
 model on a small local task. The model has random
 weights, so only the grammar makes structured output valid: every
 structured answer that finishes with ``stop`` must parse and validate.
@@ -14,6 +15,7 @@ After every test the cluster is idle with no block in use.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import shutil
@@ -21,7 +23,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import pydantic
 import pytest
@@ -914,4 +916,128 @@ def test_litellm_errors_name_the_problem(litellm, served, provider):
             litellm.completion(**{"messages": messages, **args, **fields})
         assert too_long.value.status_code == 400
         assert re.search(pattern, too_long.value.message), too_long.value.message
+
+
+# ---- pydantic-ai ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def agent_model(served):
+    """``agent_model(http_client=None)``: a pydantic-ai chat model on the server through its vLLM
+    provider (OpenAI-compatible). One per event loop: its async HTTP client binds to the first."""
+    pytest.importorskip("pydantic_ai")
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.vllm import VLLMProvider
+
+    def make(http_client=None):
+        provider = VLLMProvider(base_url=served.base_url + "/v1", api_key="unused", http_client=http_client)
+        return OpenAIChatModel(MODEL, provider=provider)
+
+    return make
+
+
+def test_pydantic_ai_structured_output_validates(agent_model):
+    """No output retries: the first answer must validate, which only the grammar makes sure of."""
+    from pydantic_ai import Agent, NativeOutput
+
+    for output_type in (Person, NativeOutput(Person)):  # an output tool (the default), then response_format
+        for seed in range(3):
+            agent = Agent(agent_model(), output_type=output_type, retries=0,
+                          model_settings={"max_tokens": 128, "seed": seed, "parallel_tool_calls": False})
+            result = agent.run_sync("Describe a person")
+            assert isinstance(result.output, Person)
+            jsonschema.validate(result.output.model_dump(), PERSON)
+            assert result.response.finish_reason in ("tool_call", "stop"), result.response
+
+
+def test_pydantic_ai_tool_round_trip(agent_model, tokenizer):
+    httpx2 = pytest.importorskip("httpx2")  # pydantic-ai's HTTP client
+    from pydantic_ai import Agent, RunContext
+
+    bodies: list[dict] = []
+    calls: list[tuple[int, int]] = []
+
+    async def record(request) -> None:
+        bodies.append(json.loads(request.content))
+
+    def settings(ctx: RunContext) -> dict:
+        # Random weights call whatever they like: the tool on the first step, then the answer.
+        return {"max_tokens": 96, "seed": 3, "parallel_tool_calls": False,
+                "tool_choice": ["add"] if ctx.run_step == 1 else ["final_result"]}
+
+    async def run():
+        async with httpx2.AsyncClient(event_hooks={"request": [record]}) as http:
+            agent = Agent(agent_model(http), output_type=Person, model_settings=settings, retries=0)
+
+            @agent.tool_plain
+            def add(a: Annotated[int, pydantic.Field(ge=-99, le=99)],
+                    b: Annotated[int, pydantic.Field(ge=-99, le=99)]) -> int:
+                """Add two integers."""
+                calls.append((a, b))
+                return a + b
+
+            return await agent.run("What is 2 + 3?")
+
+    result = asyncio.run(run())
+    jsonschema.validate(result.output.model_dump(), PERSON)
+    assert len(calls) == 1 and len(bodies) == 2, (calls, bodies)
+    (a, b), = calls
+    call = next(m for m in bodies[1]["messages"] if m.get("tool_calls"))["tool_calls"][0]
+    assert call["function"]["name"] == "add" and json.loads(call["function"]["arguments"]) == {"a": a, "b": b}
+    tool = next(m for m in bodies[1]["messages"] if m["role"] == "tool")
+    assert tool["tool_call_id"] == call["id"] and tool["content"] == str(a + b)
+    rendered = _rendered_chat(tokenizer, bodies[1]["messages"], bodies[1]["tools"])
+    assert f"<tool_response>\n{a + b}\n</tool_response>" in rendered
+    assert result.response.usage.input_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
+
+
+def test_pydantic_ai_streams_text_and_structured_output(agent_model):
+    from pydantic_ai import Agent, NativeOutput
+
+    async def run():
+        text_agent = Agent(agent_model(), model_settings={"max_tokens": 12, "seed": 3,
+                                                          "extra_body": {"ignore_eos": True}})
+        async with text_agent.run_stream("Hello") as streamed:
+            deltas = [delta async for delta in streamed.stream_text(delta=True, debounce_by=None)]
+            num_output_tokens = streamed.usage.output_tokens
+        whole = await text_agent.run("Hello")
+        assert len(deltas) > 1 and "".join(deltas) == whole.output and num_output_tokens == 12
+        for output_type in (Person, NativeOutput(Person)):
+            agent = Agent(agent_model(), output_type=output_type, retries=0,
+                          model_settings={"max_tokens": 128, "seed": 3, "parallel_tool_calls": False})
+            async with agent.run_stream("Describe a person") as streamed:
+                partials = [partial async for partial in streamed.stream_output(debounce_by=None)]
+                final = await streamed.get_output()
+            assert len(partials) > 1 and partials[-1] == final
+            jsonschema.validate(final.model_dump(), PERSON)
+
+    asyncio.run(run())
+
+
+def test_pydantic_ai_truncated_output_tool_is_an_incomplete_tool_call(agent_model):
+    """A forced call cut by max_tokens comes back inside ``tool_calls`` with ``finish_reason:
+    "length"`` (vLLM's way), never as content; once its arguments have begun, pydantic-ai names
+    the limit (``IncompleteToolCall``)."""
+    from pydantic_ai import Agent, ModelResponse, ToolCallPart, capture_run_messages
+    from pydantic_ai.exceptions import IncompleteToolCall, UnexpectedModelBehavior
+
+    outcomes = {}
+    for max_tokens in range(20, 44, 4):
+        agent = Agent(agent_model(), output_type=Person, retries=0,
+                      model_settings={"max_tokens": max_tokens, "seed": 3, "parallel_tool_calls": False})
+        with capture_run_messages() as messages:
+            try:
+                result = agent.run_sync("Describe a person")
+            except UnexpectedModelBehavior as raised:
+                error = raised
+            else:
+                jsonschema.validate(result.output.model_dump(), PERSON)
+                outcomes[max_tokens] = "complete"
+                continue
+        response = next(m for m in reversed(messages) if isinstance(m, ModelResponse))
+        assert response.finish_reason == "length", response
+        # Cut before the call's name ended there is no call yet, and never text in its place.
+        assert all(isinstance(part, ToolCallPart) and part.tool_name == "final_result" for part in response.parts)
+        if isinstance(error, IncompleteToolCall):
+            assert f"limit ({max_tokens}) exceeded while generating a tool call" in str(error)
+        outcomes[max_tokens] = type(error).__name__
+    assert "IncompleteToolCall" in outcomes.values(), outcomes
 
