@@ -5,8 +5,8 @@ engine steps) and the Ray Serve application per module, driven by real
 clients: the official ``openai`` client, ``langchain-openai``
 (``with_structured_output`` in each mode, ``bind_tools``), ``litellm`` (its
 OpenAI-compatible and vLLM providers), ``pydantic-ai`` agents (structured
-output, a tool round trip, streaming) and lm-eval's ``local-completions``
-model on a small local task. The model has random
+output, a tool round trip, streaming), lm-eval's ``local-completions`` model
+on a small local task and a short guidellm streaming run. The model has random
 weights, so only the grammar makes structured output valid: every
 structured answer that finishes with ``stop`` must parse and validate.
 Log-probabilities are compared with transformers on the same checkpoint.
@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -1041,3 +1044,34 @@ def test_pydantic_ai_truncated_output_tool_is_an_incomplete_tool_call(agent_mode
         outcomes[max_tokens] = type(error).__name__
     assert "IncompleteToolCall" in outcomes.values(), outcomes
 
+
+# ---- guidellm --------------------------------------------------------------------------------------
+GUIDELLM_REQUESTS = 32
+GUIDELLM_OUTPUT_TOKENS = 16
+
+
+def test_guidellm_short_streaming_run(served, tmp_path):
+    """guidellm's command line as its users run it: a constant rate of streamed chat requests
+    (it asks for continuous usage stats and ignore_eos); every request finishes, none errs."""
+    pytest.importorskip("guidellm")
+    report_path = tmp_path / "benchmarks.json"
+    command = [sys.executable, "-m", "guidellm", "run",
+               "--backend", f"kind=openai_http,target={served.base_url},model={MODEL}",
+               "--profile", "kind=constant,rate=8",
+               "--constraint", f"kind=max_requests,count={GUIDELLM_REQUESTS}",
+               "--data", f"kind=synthetic_text,prompt_tokens=32,output_tokens={GUIDELLM_OUTPUT_TOKENS}",
+               "--tokenizer", f"kind=huggingface_auto,model={served.model_path}",
+               "--output", f"kind=json,path={report_path}", "--disable-console-interactive"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    from guidellm.benchmark import GenerativeBenchmarksReport
+
+    (benchmark,) = GenerativeBenchmarksReport.load_file(report_path).benchmarks
+    totals = benchmark.metrics.request_totals
+    assert (totals.successful, totals.errored, totals.incomplete) == (GUIDELLM_REQUESTS, 0, 0)
+    for request in benchmark.requests.successful:
+        assert json.loads(request.request_args)["body"]["stream"] is True
+        assert request.output_tokens == GUIDELLM_OUTPUT_TOKENS
+        assert request.output_tokens_per_iteration < GUIDELLM_OUTPUT_TOKENS  # in pieces, not one chunk
+        assert 0 < request.time_to_first_token_ms < request.request_latency * 1000
