@@ -20,7 +20,7 @@ from pagedserve.kvmanager import BlockManager, PoolConfig
 from pagedserve.workers.engine_options import (BLOCK_SIZES, POOL_OPTIONS, EngineConfig, EngineOptions)
 
 # The defaults table, written out once more on purpose: changing a default is a
-# decision that this test makes visible (and the README's tuning table states).
+# decision that this test makes visible (and docs/configuration.md, generated from the schema, states).
 DEFAULTS = {
     "dtype": None, "device": None, "block_size": 16, "num_device_blocks": None,
     "kv_cache_memory_gb": None, "gpu_memory_utilization": 0.9, "swap_space_gb": 0.25,
