@@ -2,8 +2,12 @@
 ``RAY_FAKE_CLUSTER=1 ray start --head --autoscaling-config=FILE``.
 
 Each cluster gets its own ports and temp dir, so it never meets another Ray on the
-machine, and ``stop`` ends only this cluster's processes (found by that temp dir and
-GCS port in their command lines), never ``ray stop``, which would end every Ray here.
+machine, and ``stop`` ends only this cluster's processes, never ``ray stop``, which would
+end every Ray here. A process is this cluster's when its command line names the temp dir
+or the GCS port, or when it holds a file open under the temp dir: Ray's agents and Serve's
+actors rename themselves (their command lines then name nothing), but keep their logs,
+which Ray writes under the temp dir, open. They also ignore SIGTERM, so ``stop`` ends with
+SIGKILL.
 """
 
 from __future__ import annotations
@@ -109,7 +113,8 @@ class FakeAutoscalingCluster:
         return self
 
     def pids(self) -> list[int]:
-        """This cluster's processes: their command lines name its temp dir or GCS address."""
+        """This cluster's processes: their command lines name its temp dir or GCS address, or
+        they hold a file open under its temp dir (renamed agents and actors: their logs)."""
         mark = re.compile(re.escape(str(self.temp_dir)).encode() + rb"|:" + str(self.port).encode() + rb"(?!\d)")
         found = []
         for entry in Path("/proc").iterdir():
@@ -119,9 +124,16 @@ class FakeAutoscalingCluster:
                 cmdline = (entry / "cmdline").read_bytes()
             except OSError:
                 continue
-            if mark.search(cmdline):
+            if mark.search(cmdline) or self._holds_a_file_under_temp_dir(entry):
                 found.append(int(entry.name))
         return found
+
+    def _holds_a_file_under_temp_dir(self, entry: Path) -> bool:
+        prefix = f"{self.temp_dir}/"
+        try:
+            return any(os.readlink(fd).startswith(prefix) for fd in (entry / "fd").iterdir())
+        except OSError:  # gone, or not ours to read
+            return False
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM this cluster's processes, then SIGKILL those still there."""
