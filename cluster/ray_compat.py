@@ -192,3 +192,13 @@ def process_auth_mode() -> str:
     from ray._private.authentication.authentication_utils import is_token_auth_enabled
 
     return "token" if is_token_auth_enabled() else "disabled"
+
+
+def set_process_title(title: str) -> None:
+    """Rename this process the way Ray renames its workers and agents (``ray::...``): Ray's own
+    ``setproctitle``, which writes over the command line and over the environment that
+    ``/proc/PID/environ`` shows. Private (``ray._raylet``). The suite uses it to model Ray's
+    renamed agents (``tests/test_ray_leftovers.py``)."""
+    from ray import _raylet
+
+    _raylet.setproctitle(title)

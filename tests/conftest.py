@@ -15,7 +15,8 @@ from ray_leftovers import SuiteScope, kill, wait_for_exit
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Before any Ray starts: what existed before the suite, and the mark its processes inherit.
+# Before any Ray starts: what existed before the suite, the mark its processes inherit, and
+# the directory its Ray clusters keep their sessions in (ray_leftovers).
 SUITE = SuiteScope.begin()
 # How long a module's Ray processes may take to exit after its fixtures shut Ray down.
 LEFTOVER_GRACE_S = 30.0

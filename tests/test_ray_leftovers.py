@@ -1,4 +1,5 @@
-"""The suite's leftover check finds what stopping a Ray cluster by its PIDs misses."""
+"""The suite's leftover check finds what stopping a Ray cluster by its PIDs misses, and
+nothing that is not the suite's."""
 
 from __future__ import annotations
 
@@ -10,47 +11,56 @@ import sys
 import pytest
 from ray_leftovers import SESSION_MARK, SuiteScope, kill, wait_for_exit
 
-# What Ray's agents do: take a new name (so neither the command line nor /proc's view of the
-# environment says where they came from) and ignore SIGTERM.
+# What Ray's agents do: keep a log file open in their Ray session's directory, take a new name
+# (so neither the command line nor /proc's view of the environment says where they came
+# from), and ignore SIGTERM.
 AGENT = """
 import signal, sys, time
-import ray._raylet
+from pagedserve.cluster.ray_compat import set_process_title
+log = open(sys.argv[2], "w")
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 if sys.argv[1] == "rename":
-    ray._raylet.setproctitle("ray::DashboardAgent")
+    set_process_title("ray::DashboardAgent")
 print("ready", flush=True)
 time.sleep(300)
 """
 
 
-def start(mark: str, how: str) -> subprocess.Popen:
-    child = subprocess.Popen([sys.executable, "-c", AGENT, how, "ray-like"], env={**os.environ, SESSION_MARK: mark},
+def start(how: str, log_file, mark: str | None) -> subprocess.Popen:
+    env = {key: value for key, value in os.environ.items() if key != SESSION_MARK}
+    if mark is not None:
+        env[SESSION_MARK] = mark
+    child = subprocess.Popen([sys.executable, "-c", AGENT, how, str(log_file)], env=env,
                              stdout=subprocess.PIPE, text=True)
     assert child.stdout.readline().strip() == "ready"
     return child
 
 
-def test_a_renamed_agent_that_ignores_sigterm_is_found_and_killed_and_nothing_else():
-    before = start("suite", "rename")  # existed before the suite: not the suite's
-    children = [before]
+def test_a_renamed_agent_that_ignores_sigterm_is_found_and_killed_and_nothing_else(tmp_path):
+    ray_root, elsewhere = tmp_path / "suite-ray", tmp_path / "other-ray"
+    ray_root.mkdir()
+    elsewhere.mkdir()
+    children = [start("rename", ray_root / "before.log", "suite")]   # existed before the suite
     try:
-        scope = SuiteScope.begin(mark="suite")
-        renamed = start("suite", "rename")
-        children.append(renamed)
-        other_suite = start("another suite", "keep-name")  # its environment names another suite
-        children.append(other_suite)
+        scope = SuiteScope.of("suite", str(ray_root))
+        ours = start("rename", ray_root / "dashboard_agent.log", "suite")
+        children.append(ours)
+        children += [start("rename", elsewhere / "agent.log", "another suite"),  # renamed, another session
+                     start("keep-name", ray_root / "x.log", "another suite"),    # its environment says whose
+                     start("keep-name", elsewhere / "y.log", None)]               # no mark: someone else's
 
         found = scope.leftovers()
-        assert [p.pid for p in found] == [renamed.pid]
-        assert found[0].name.startswith("ray::") and found[0].mark is None, \
-            "setproctitle no longer hides the environment: the test no longer models Ray's agents"
-        os.kill(renamed.pid, signal.SIGTERM)
+        assert [p.pid for p in found] == [ours.pid]
+        assert found[0].name.startswith("ray::") and found[0].is_environ_blank, \
+            "setproctitle no longer blanks the environment: the test no longer models Ray's agents"
+        os.kill(ours.pid, signal.SIGTERM)
         with pytest.raises(subprocess.TimeoutExpired):
-            renamed.wait(timeout=1)  # assumes SIG_IGN holds for 1 s: SIGTERM alone leaves it
+            ours.wait(timeout=1)  # assumes SIG_IGN holds for 1 s: SIGTERM alone leaves it
         kill(found)
-        assert renamed.wait(timeout=30) == -signal.SIGKILL
+        assert ours.wait(timeout=30) == -signal.SIGKILL
         assert wait_for_exit(scope.leftovers, timeout_s=10) == []
-        assert before.poll() is None and other_suite.poll() is None, "a process not the suite's was killed"
+        assert all(child.poll() is None for child in children if child is not ours), \
+            "a process not the suite's was killed"
     finally:
         for child in children:
             child.kill()
