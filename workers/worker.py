@@ -79,16 +79,21 @@ def _actor_id() -> str | None:
 class Worker:
     """A model replica with its pools and engine loop. Wrapped by ``ray.remote``.
 
-    ``kv_manager`` is the central KV manager actor handle; no engine step
-    waits for it except the rare preemption decision (``PREEMPTION_TIMEOUT_S``).
-    ``kv_relay(kv_manager, kv_events) -> actor`` (passed in by the cluster:
-    ``cluster.kv_relay.node_relay``) gets this node's KV event relay; with
-    ``kv_events["relay"]`` the events go through it (``workers.kv_relay``).
+    ``kv_manager`` is the name of the central KV manager actor, in ``namespace``
+    (None: this job's), looked up here: passed as a handle, the argument would
+    live in the object store and Ray's restart of this actor would depend on its
+    creator. No engine step waits for the KV manager except the rare preemption
+    decision (``PREEMPTION_TIMEOUT_S``). ``kv_relay(kv_manager, namespace,
+    kv_events) -> actor`` (passed in by the cluster: ``cluster.kv_relay.node_relay``)
+    gets this node's KV event relay; with ``kv_events["relay"]`` the events go
+    through it (``workers.kv_relay``).
     """
 
-    def __init__(self, worker_id: str, engine_config: dict, kv_manager, role: str = "mixed",
+    def __init__(self, worker_id: str, engine_config: dict, kv_manager: str, role: str = "mixed",
                  step_timeout_s: float = 30.0, model_source: dict | None = None,
-                 kv_events: dict | None = None, kv_relay=None) -> None:
+                 kv_events: dict | None = None, kv_relay=None, namespace: str | None = None) -> None:
+        import ray
+
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         if model_source is not None:
@@ -101,6 +106,7 @@ class Worker:
         self.last_progress = time.time()
         self.pending_stall_s = 0.0
         self.held_exports: dict[str, tuple[object, float]] = {}
+        kv_manager_name, kv_manager = kv_manager, ray.get_actor(kv_manager, namespace=namespace)
         self.preemption = RemotePreemptionPolicy(lambda request: self.kv_link.decide_preemption(request),
                                                  backoff_s=PREEMPTION_BACKOFF_S)
         self.local_kv = LocalKVManager(self.preemption, EventLog(worker_id))
@@ -112,7 +118,7 @@ class Worker:
         relay = None
         if kv_relay is not None and transport == "zmq" and kv_events.get("relay", False):
             try:  # this node's relay actor (``cluster.kv_relay.node_relay``, passed in)
-                relay = kv_relay(kv_manager, kv_events)
+                relay = kv_relay(kv_manager_name, namespace, kv_events)
             except Exception as exc:
                 logger.warning("worker %s: no KV event relay on this node (%r); publishing to the "
                                "central KV manager directly", worker_id, exc)
