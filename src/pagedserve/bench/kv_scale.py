@@ -219,7 +219,7 @@ class SimWorkerGroup:
         self.groups_by_worker = groups_by_worker   # worker id -> group index
         self.groups: list = []                      # set by connect()
         workload = config.workload()
-        prefixes = [workload.prefix(i) for i in range(workload.num_prefixes)]
+        prefixes = workload.prefixes()
         self.publish_rtts: list[tuple[float, float]] = []
         self.workers: dict = {}   # worker id -> SimulatedKVWorker, or ReplayedKVWorker with ``replay``
         self.publishers: dict = {}
