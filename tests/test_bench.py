@@ -305,7 +305,11 @@ def test_gpu_engine_bench_smoke_on_cpu(tmp_path, tiny_model):
     assert not data["errors"]
     assert set(data["results"]) == {"pagedserve LLM.generate", "transformers generate (static)",
                                     "transformers generate_batch"}
-    assert all(0 < r["mfu"] < 1 for r in data["results"].values())
+    # Only the arithmetic, not a bound: the reference is the best of a 64-wide matmul's timings,
+    # mostly call overhead and at the mercy of a loaded machine (an upper bound of 1 failed twice
+    # on 2026-11-26 at load 6-8; quiet, the figures are about 1e-4).
+    mfus = {name: r["mfu"] for name, r in data["results"].items()}
+    assert all(math.isfinite(mfu) and mfu > 0 for mfu in mfus.values()), mfus
     assert data["greedy_agreement_vs_static"]["pagedserve LLM.generate"]["mean_matching_prefix_len"] == 4
     assert data["results"]["pagedserve LLM.generate"]["num_decode_steps"] == 3
 

@@ -1,6 +1,6 @@
 """Soak: the served API (Ray Serve, two mixed CPU workers) with a deliberately
 small KV pool, under 64 concurrent streaming clients on loopback for a
-bounded time (1 minute; 30 under ``--long-form``, ``make test-all``).
+bounded time (2 minutes; 30 under ``--long-form``, ``make test-all``).
 
 The pool (64 device blocks and about 26 host blocks per worker) is small
 enough that preemption, swapping and prefix-cache eviction all happen; the
@@ -58,15 +58,15 @@ ENGINE = {"num_device_blocks": 64, "swap_space_gb": 0.0002, "max_model_len": 512
 NUM_CLIENTS = 64
 NUM_PREFIXES = 8
 NUM_GREEDY_PROMPTS = 48
-SHORT_S, LONG_S = 60.0, 1800.0
+SHORT_S, LONG_S = 120.0, 1800.0
 DURATION_OVERRIDE_S = os.environ.get("PAGEDSERVE_SOAK_SECONDS")  # any other length, by hand
 WARMUP_S = 20.0
 SAMPLE_EVERY_S = 2.0
 # Growth allowed over the warm part of the run, from the fitted slope. The short
-# run serves about 250 requests in its warm part, so this catches a leak of 100 KiB
-# a request (a lost KV export of a dozen blocks, say) and, over the long run's ~10k
-# requests, of 2.5 KiB (a request's token lists); Python's allocator and Ray's
-# buffers wander by a few MiB.
+# run serves about 600 requests, so this catches a leak of 40 KiB a request (one
+# lost KV export of a few blocks, say) and, over the long run's ~10k requests,
+# of 2.5 KiB (a request's token lists); Python's allocator and Ray's buffers
+# wander by a few MiB.
 MAX_RSS_GROWTH_MIB = 24.0
 MAX_TTFT_RATIO = 3.0
 REPORT_PATH = os.environ.get("PAGEDSERVE_SOAK_REPORT")
@@ -320,7 +320,11 @@ def test_soak_small_pool_many_streaming_clients(served, jobs, long_form):
         f"{sampler.num_integrity_checks} integrity checks ran under load: a worker never answered one"
     for name, slope in rss_slopes.items():
         assert slope * warm_span_s < MAX_RSS_GROWTH_MIB, (name, report["rss_slope_mib_per_min"])
-    assert p99 <= MAX_TTFT_RATIO * p50, f"TTFT p99 {p99:.3f} s > {MAX_TTFT_RATIO}x p50 {p50:.3f} s"
+    assert p99 <= MAX_TTFT_RATIO * p50, (
+        f"TTFT p99 {p99:.3f} s > {MAX_TTFT_RATIO}x p50 {p50:.3f} s; assumes the warm part is a steady "
+        f"state of {NUM_CLIENTS} closed-loop clients queueing on 2 workers, where a first token waits "
+        f"mostly in the queue and so about as long for every request (a 1-minute run, still filling "
+        f"the pool, read 3.45x, 2026-11-26)")
 
     handle.wait_idle(timeout=120.0)
     handle.check_integrity()
