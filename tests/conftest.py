@@ -1,9 +1,9 @@
-"""Shared fixtures: tiny checkpoints built once, and greedy references from transformers."""
+"""Shared fixtures (tiny checkpoints built once, greedy references from transformers, Ray
+clusters) and the suite-wide check that no Ray process outlives the module that started it."""
 
 from __future__ import annotations
 
 import os
-
 import time
 
 import pytest
@@ -20,11 +20,13 @@ if not torch.cuda.is_available():
 SUITE = SuiteScope.begin()
 # How long a module's Ray processes may take to exit after its fixtures shut Ray down.
 LEFTOVER_GRACE_S = 30.0
-_LEFTOVERS = pytest.StashKey[list]()
+_LEFTOVERS = pytest.StashKey[list]()        # (where, seconds waited, processes) per finding
+_LEFTOVER_WAIT_S = pytest.StashKey[list]()  # seconds each module's check waited
 
 
 def pytest_configure(config):
     config.stash[_LEFTOVERS] = []
+    config.stash[_LEFTOVER_WAIT_S] = []
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -35,9 +37,11 @@ def no_ray_leftovers(request):
     yield
     started = time.monotonic()
     leftovers = wait_for_exit(SUITE.leftovers, LEFTOVER_GRACE_S)
+    waited_s = time.monotonic() - started
+    request.config.stash[_LEFTOVER_WAIT_S].append(waited_s)
     if leftovers:
         request.config.stash[_LEFTOVERS].append(
-            (request.module.__name__, round(time.monotonic() - started, 1), [str(p) for p in leftovers]))
+            (request.module.__name__, round(waited_s, 1), [str(p) for p in leftovers]))
         kill(leftovers)
 
 
@@ -51,6 +55,10 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_terminal_summary(terminalreporter, config):
+    waits = config.stash.get(_LEFTOVER_WAIT_S, [])
+    if any(w >= 0.5 for w in waits):
+        terminalreporter.line(f"Ray processes took {sum(waits):.1f} s in all to exit after module teardowns "
+                              f"(longest {max(waits):.1f} s)")
     found = config.stash.get(_LEFTOVERS, [])
     if not found:
         return
