@@ -3,17 +3,18 @@ nothing that is not the suite's."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
 import sys
 
 import pytest
-from ray_leftovers import SESSION_MARK, SuiteScope, kill, wait_for_exit
+from ray_leftovers import SESSION_MARK, SuiteScope, kill, processes, wait_for_exit
 
 # What Ray's agents do: keep a log file open in their Ray session's directory, take a new name
-# (so neither the command line nor /proc's view of the environment says where they came
-# from), and ignore SIGTERM.
+# (so the command line no longer says where they came from, and /proc's view of the
+# environment may be blank), and ignore SIGTERM.
 AGENT = """
 import signal, sys, time
 from pagedserve.cluster.ray_compat import set_process_title
@@ -50,9 +51,12 @@ def test_a_renamed_agent_that_ignores_sigterm_is_found_and_killed_and_nothing_el
                      start("keep-name", elsewhere / "y.log", None)]               # no mark: someone else's
 
         found = scope.leftovers()
-        assert [p.pid for p in found] == [ours.pid]
-        assert found[0].name.startswith("ray::") and found[0].is_environ_blank, \
-            "setproctitle no longer blanks the environment: the test no longer models Ray's agents"
+        assert [p.pid for p in found] == [ours.pid] and found[0].name.startswith("ray::")
+        # Renaming may or may not blank /proc's view of the environment (both were seen, in
+        # different runs): with it blank, the files a process holds decide, whoever renamed it.
+        by_pid = {p.pid: p for p in processes()}
+        assert scope.owns(dataclasses.replace(by_pid[ours.pid], mark=None, is_environ_blank=True))
+        assert not scope.owns(dataclasses.replace(by_pid[children[2].pid], mark=None, is_environ_blank=True))
         os.kill(ours.pid, signal.SIGTERM)
         with pytest.raises(subprocess.TimeoutExpired):
             ours.wait(timeout=1)  # assumes SIG_IGN holds for 1 s: SIGTERM alone leaves it
