@@ -25,7 +25,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .background_loop import BackgroundLoop
+from pagedserve.workers.background_loop import BackgroundLoop
+
 from .health import WorkerHealth
 from .router import Router
 from .worker_pool import WorkerPool

@@ -32,7 +32,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from .background_loop import BackgroundLoop
+from pagedserve.workers.background_loop import BackgroundLoop
+
 from .config import ClusterConfig, EngineOptions, WorkerGroup
 from .kv_relay import node_relay
 from .scaling_policy import ScalingPolicy

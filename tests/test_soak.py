@@ -49,7 +49,7 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from pagedserve.cluster.background_loop import BackgroundLoop  # noqa: E402
+from pagedserve.workers.background_loop import BackgroundLoop  # noqa: E402
 from pagedserve.workers.sampling_params import SamplingParams  # noqa: E402
 from served_cluster import cluster_config, running_cluster  # noqa: E402
 
