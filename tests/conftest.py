@@ -3,6 +3,7 @@ clusters) and the suite-wide check that no Ray process outlives the module that 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -46,6 +47,8 @@ def no_ray_leftovers(request):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    with contextlib.suppress(OSError):   # only when no Ray ran: Ray's sessions (logs) are kept
+        os.rmdir(SUITE.ray_root)
     leftovers = SUITE.leftovers()
     if leftovers:
         session.config.stash[_LEFTOVERS].append(("the session's end", 0.0, [str(p) for p in leftovers]))
