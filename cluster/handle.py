@@ -81,6 +81,11 @@ class ClusterHandle:
         self.model_name = config.model.served_name
         self.max_model_len = info["max_model_len"]
         self.owns_ray = owns_ray
+        # The actors ``start`` created, whose handles this process owns. Ray ends a (non-detached)
+        # actor once its owner holds no handle to it and lends none out; the controller finds
+        # the workers by name (no lent handle), and ``self.workers`` follows the controller's
+        # membership, so the creator keeps its own handles here for the cluster's lifetime.
+        self._created = [kv_manager, controller, *workers.values()]
         # The worker set as of the controller's membership version (-1: as ``start`` made it).
         self.states = {w: "ready" for w in self.workers}
         self._membership_version = -1
@@ -103,7 +108,7 @@ class ClusterHandle:
 
     def __getstate__(self):
         state = {k: v for k, v in self.__dict__.items()
-                 if k not in ("router", "health", "_tokenizer", "_ids", "_lock")}
+                 if k not in ("router", "health", "_tokenizer", "_ids", "_lock", "_created")}
         state["owns_ray"] = False
         return state
 

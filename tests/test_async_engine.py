@@ -35,7 +35,8 @@ def test_a_caller_whose_event_loop_closes_does_not_kill_the_engine(tiny_model):
     llm = LLM(model=tiny_model("llama"), device="cpu", dtype="float32", block_size=8,
               num_device_blocks=64, swap_space_gb=0.001)
     prompt = list(range(3, 40))
-    # Before the engine thread starts: nothing else may step the engine once it runs.
+    # Before the engine thread starts: it steps whatever the engine holds, so a synchronous
+    # generate beside it would be two threads stepping one engine.
     expected = llm.generate([prompt], _greedy(12))[0].outputs[0].token_ids
     engine = AsyncLLMEngine(llm.engine)
     try:
@@ -62,8 +63,7 @@ def test_the_callers_event_loop_never_waits_for_a_step(tiny_model):
     """
     llm = LLM(model=tiny_model("llama"), device="cpu", dtype="float32", block_size=8,
               num_device_blocks=64, swap_space_gb=0.001)
-    # Before the engine thread starts: nothing else may step the engine once it runs.
-    expected = llm.generate([list(range(3, 20))], _greedy(6))[0].outputs[0].token_ids
+    expected = llm.generate([list(range(3, 20))], _greedy(6))[0].outputs[0].token_ids  # before the thread
     engine = AsyncLLMEngine(llm.engine)
     in_step, release = threading.Event(), threading.Event()
     step = llm.engine.step_tokens

@@ -305,13 +305,18 @@ def test_gpu_engine_bench_smoke_on_cpu(tmp_path, tiny_model):
     assert not data["errors"]
     assert set(data["results"]) == {"pagedserve LLM.generate", "pagedserve LLM.generate (eager)",
                                     "transformers generate (static)", "transformers generate_batch"}
-    assert all(0 < r["mfu"] < 1 for r in data["results"].values())
+    # Only the arithmetic, not a bound: the reference is the best of a 64-wide matmul's timings,
+    # mostly call overhead and at the mercy of a loaded machine (an upper bound of 1 failed twice
+    # on 2026-11-26 at load 6-8; quiet, the figures are about 1e-4).
+    mfus = {name: r["mfu"] for name, r in data["results"].items()}
+    assert all(math.isfinite(mfu) and mfu > 0 for mfu in mfus.values()), mfus
     for name in ("pagedserve LLM.generate", "pagedserve LLM.generate (eager)"):
         assert data["greedy_agreement_vs_static"][name]["mean_matching_prefix_len"] == 4
         ours = data["results"][name]
         assert ours["num_decode_steps"] == 3
-        # The run's roofline: its own steps at the measured rates, never above the measured time.
-        assert 0 < ours["roofline_fraction"] < 1 and ours["roofline_seconds"] > 0
+        # The run's roofline: its own steps at the measured rates (a positive time; a fraction
+        # of the measured time, which on this loaded machine is its only check).
+        assert ours["roofline_seconds"] > 0 and 0 < ours["roofline_fraction"] < 1
 
 
 def test_host_cost_probe_measures_both_batches(tiny_model):

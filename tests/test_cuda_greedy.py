@@ -10,7 +10,7 @@ on each prompt, transformers in the same dtype is measured against transformers 
 pagedserve must be no further from float32 than twice that, plus a small floor for prompts
 where transformers happens to round luckily. Where pagedserve parts from float32's tokens,
 it must be at a near-tie: float32's margin between its token and ours within that same
-tolerance. The figures are printed for the README.
+tolerance. The figures are printed for docs/benchmarks.md.
 """
 
 from __future__ import annotations
