@@ -26,7 +26,8 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
+from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator,
+                      model_serializer, model_validator)
 
 from pagedserve.workers.sampling_params import (
     MAX_LOGPROBS,
@@ -43,6 +44,17 @@ TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """An explicit null for a field with a default takes the default, as OpenAI's API and
+        vLLM read it (clients send ``"n": null``, ``"stream": null``, ...)."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {name: value for name, value in data.items()
+                if value is not None or name not in fields or fields[name].default is None}
 
 
 class StreamOptions(_Request):
@@ -169,6 +181,10 @@ class _SamplingFields(_RefusedFields):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # OpenAI's caching and abuse-monitoring hints: the prefix cache needs no key (every
+    # prompt's prefix is cached), and the identifier is kept like ``user``.
+    prompt_cache_key: str | None = Field(None, max_length=1024)
+    safety_identifier: str | None = Field(None, max_length=1024)
     # Extensions (vLLM's names).
     top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
     min_p: float = Field(0.0, ge=0, le=1)
