@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install install-test run test test-all bench clean
+.PHONY: install install-test run test test-all docs bench clean
 
 # torch==2.13.0 is pinned first so a CPU machine takes the CPU build on disk
 # instead of downloading a CUDA build; a GPU machine can install its own torch first.
@@ -20,8 +20,18 @@ install-test:
 run: install
 	$(PYTHON) -m pagedserve serve
 
+# `test`: every behaviour, short forms (what CI runs). `test-all`: adds the long forms
+# (soak, chaos, fuzz) and the multi-node sweeps. Every run ends with the ten slowest tests
+# (pyproject.toml's addopts).
 test: install-test
 	$(PYTHON) -m pytest -q
+
+test-all: install-test
+	$(PYTHON) -m pytest -q --long-form
+
+# docs/configuration.md from the configuration schema (tests/test_config_doc.py checks it).
+docs:
+	$(PYTHON) -m pagedserve.cluster.config_doc docs/configuration.md
 
 bench: install
 	$(PYTHON) benchmarks/bench_kvmanager.py

@@ -19,7 +19,9 @@ layers: 2 x weights per token through the decoder, the LM head only where a toke
 sampled; causal attention: 4 x context x query heads x head_dim per layer), the output
 tok/s and speedup over static ``generate`` if all of them ran at the matmul rate, and
 the fraction of that ceiling pagedserve reached. Also checks that pagedserve's greedy
-outputs equal static ``generate``'s.
+outputs equal static ``generate``'s, and measures the engine's host cost per decoding
+sequence per step (``pagedserve.bench.host_cost``, tiny model, in its own process; skip
+it with ``--skip-host-cost``).
 
     python benchmarks/bench_engine.py [--quick] [--json out.json] [--skip-transformers]
 """
@@ -36,6 +38,7 @@ import sys
 import tempfile
 import time
 
+from pagedserve.bench.host_cost import format_host_cost
 from pagedserve.bench.offline import (agreement, decoder_linear_parameters, forward_flops,
                                               matmul_flops_per_s, run_generate_batch_fixed_length,
                                               run_static_generate)
@@ -178,6 +181,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--quick", action="store_true", help="16 requests of 32 output tokens (smoke run)")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--skip-host-cost", action="store_true")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument(
         "--omp-wait-policy", choices=("auto", "active", "passive", "env"), default="auto",
@@ -285,9 +289,30 @@ def main() -> None:
             print(f"{label} vs static generate, greedy: {agree['identical_requests']}/{agree['num_requests']} "
                   f"requests identical, {agree['matching_prefix_token_fraction']:.1%} of tokens "
                   "before the first divergence")
+    if not args.skip_host_cost:
+        summary["host_cost"] = measure_host_cost(threads, args.omp_wait_policy)
+        print()
+        for result in summary["host_cost"]:
+            print(format_host_cost(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2)
+
+
+def measure_host_cost(threads: int, policy: str) -> list[dict]:
+    """``pagedserve.bench.host_cost`` in a fresh process (tiny model, greedy, EOS ignored)."""
+    with tempfile.TemporaryDirectory(prefix="bench_engine.host.") as workdir:
+        out_path = os.path.join(workdir, "host_cost.json")
+        env = dict(os.environ)
+        if policy not in ("env", "auto"):
+            env["OMP_WAIT_POLICY"] = policy.upper()
+        command = [sys.executable, "-m", "pagedserve.bench.host_cost", "--threads", str(threads),
+                   "--json", out_path]
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"host cost failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+        with open(out_path) as f:
+            return json.load(f)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ one set of requests (random token ids from a fixed seed, prompts of
 ignored), greedy throughout. Contenders, in this order, each after a warm-up, the device
 synchronised around every timing:
 
-- pagedserve ``LLM.generate`` (KV pool of ``--kv-cache-gb``);
+- pagedserve ``LLM.generate`` (KV pool of ``--kv-cache-gb``), decode steps replaying CUDA
+  graphs (the default on CUDA);
+- the same with ``enforce_eager=True`` (every step eager);
 - transformers ``generate`` in static batches of ``--static-batch`` (left padding);
 - transformers ``generate_batch`` (its continuous batching); a failure is reported, not fatal.
 
@@ -19,7 +21,10 @@ Reports output tok/s, pagedserve's ratio to each baseline, greedy agreement with
 make outputs diverge), MFU = ``2 x parameters x output tok/s`` over a bf16 [n x n] x [n x n]
 matmul rate measured in the same run (``--matmul-size``, 8192 on CUDA), the FLOP
 utilisation counting every token's forward FLOPs (prompts included), and for decode the
-weight bytes read per step x steps/s against a device copy measured in the same run.
+weight bytes read per step x steps/s against a device copy measured in the same run, and
+for pagedserve the run's roofline (``pagedserve.bench.roofline``: the sum over its own steps
+of max(FLOPs / matmul rate, bytes moved / copy rate), weights, K/V read and K/V written
+counted) with the measured time as a fraction of it.
 
     python benchmarks/bench_engine_gpu.py [--quick] [--json out.json]
     python benchmarks/bench_engine_gpu.py --device cpu --dtype float32 --size tiny --quick  # smoke
@@ -44,10 +49,11 @@ from pagedserve.bench.offline import (agreement, copy_bytes_per_s, decoder_linea
                                       forward_flops, matmul_flops_per_s, run_generate_batch_fixed_length,
                                       run_pagedserve, run_static_generate)
 from pagedserve.bench.report import format_table, write_json  # noqa: E402
+from pagedserve.bench.roofline import record_steps, roofline_seconds  # noqa: E402
 from pagedserve.bench.workload import random_token_ids  # noqa: E402
 
-LABELS = {"pagedserve": "pagedserve LLM.generate", "static": "transformers generate (static)",
-          "batch": "transformers generate_batch"}
+LABELS = {"pagedserve": "pagedserve LLM.generate", "eager": "pagedserve LLM.generate (eager)",
+          "static": "transformers generate (static)", "batch": "transformers generate_batch"}
 _START = time.perf_counter()
 
 
@@ -112,17 +118,19 @@ def model_counts(decoder, lm_head, config) -> dict:
 
 
 # ---- the contenders ----------------------------------------------------------------------------
-def bench_pagedserve(args, path: str, prompts, warm_prompts, state: dict) -> dict:
+def bench_pagedserve(args, path: str, prompts, warm_prompts, state: dict, enforce_eager: bool = False) -> dict:
     from pagedserve import LLM
 
     options = {"device": args.device, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
-               "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed}
+               "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed,
+               "enforce_eager": enforce_eager}
     if args.kv_cache_gb:
         options["kv_cache_memory_gb"] = args.kv_cache_gb
     log(f"pagedserve: loading LLM({path!r}, {options})")
     llm = LLM(path, **options)
     engine, runner = llm.engine, llm.engine.runner
     state.setdefault("counts", model_counts(runner.decoder, runner.lm_head, runner.model.config))
+    state["counts"].setdefault("kv_bytes_per_token", runner.cache_shape(1).bytes_per_block)
     log(f"pagedserve: {engine.pool_config.num_device_blocks} KV blocks of {engine.pool_config.block_size} "
         f"tokens, {runner.dtype}, triton kernels: {getattr(runner, 'uses_triton', '?')}; warming up")
     # Prefills of the timed lengths, then a batch as large as the timed one (the Triton
@@ -132,6 +140,7 @@ def bench_pagedserve(args, path: str, prompts, warm_prompts, state: dict) -> dic
     llm.reset_prefix_cache()
     before = (engine.num_steps, engine.num_decode_steps, engine.decode_step_seconds)
     log(f"pagedserve: timing {len(prompts)} requests")
+    shapes = record_steps(runner)
     synchronize(args.device)
     profiler = cProfile.Profile() if args.profile else None
     if profiler:
@@ -147,8 +156,10 @@ def bench_pagedserve(args, path: str, prompts, warm_prompts, state: dict) -> dic
         log(f"pagedserve: profile of the timed run (host time by function) in {args.profile}")
     num_steps, num_decode_steps, decode_seconds = (after - first for after, first in zip(
         (engine.num_steps, engine.num_decode_steps, engine.decode_step_seconds), before))
+    stats = engine.stats()
     result = {"seconds": seconds, "outputs": outputs, "num_steps": num_steps,
-              "num_decode_steps": num_decode_steps, "decode_seconds": decode_seconds}
+              "num_decode_steps": num_decode_steps, "decode_seconds": decode_seconds, "step_shapes": shapes,
+              "num_cuda_graphs": stats.get("num_cuda_graphs", 0), "num_graph_replays": stats.get("num_graph_replays", 0)}
     del llm, engine, runner
     return result
 
@@ -230,7 +241,20 @@ def summarise(args, env: dict, prompts, runs: dict, errors: dict, rates: dict, s
         if counts and copy and run.get("num_decode_steps") and run.get("decode_seconds"):
             steps_per_s = run["num_decode_steps"] / run["decode_seconds"]
             row["decode_steps_per_s"] = steps_per_s
+            row["decode_step_ms"] = 1e3 / steps_per_s
             row["decode_weight_bandwidth_fraction"] = counts["decode_weight_bytes"] * steps_per_s / copy
+        if counts and matmul and copy and run.get("step_shapes") is not None:
+            roofline = roofline_seconds(
+                run["step_shapes"], num_linear=counts["num_decoder_linear_parameters"],
+                num_lm_head=counts["num_lm_head_parameters"], num_layers=counts["num_layers"],
+                attention_width=counts["attention_width"], kv_bytes_per_token=counts["kv_bytes_per_token"],
+                weight_bytes=counts["decode_weight_bytes"], matmul_flops_per_s=matmul, copy_bytes_per_s=copy)
+            row["roofline_seconds"] = roofline["seconds"]
+            row["roofline_fraction"] = roofline["seconds"] / run["seconds"]
+            row["roofline_flop_bound_fraction"] = roofline["flop_bound_fraction"]
+        for name in ("num_cuda_graphs", "num_graph_replays"):
+            if name in run:
+                row[name] = run[name]
         results[LABELS[key]] = row
     data = {"environment": env,
             "workload": {"model": args.model or f"{args.arch}-{args.size}", "num_requests": len(prompts),
@@ -275,13 +299,18 @@ def format_report(data: dict) -> str:
     rows = [[name, f"{r['seconds']:.2f}", f"{r['output_tok_per_s']:.0f}", percent(r.get("mfu")),
              percent(r.get("all_token_flop_utilisation")),
              percent(r.get("decode_weight_bandwidth_fraction"), 1),
+             "-" if r.get("decode_step_ms") is None else f"{r['decode_step_ms']:.2f}",
+             percent(r.get("roofline_fraction"), 1),
              "-" if name not in ratios else f"{ratios[name]:.2f}x"]
             for name, r in data["results"].items()]
     lines.append(format_table(["contender", "seconds", "out tok/s", "MFU", "all-token FLOP util",
-                               "decode weight B/W of copy", "pagedserve vs it"], rows))
+                               "decode weight B/W of copy", "decode step ms", "of roofline",
+                               "pagedserve vs it"], rows))
     lines.append("  MFU: 2 x params x out tok/s / matmul rate. All-token: every forward FLOP (prompts "
                  "too) / seconds / matmul rate. Decode B/W: weight bytes x decode steps/s / copy rate "
-                 "(static: steps over its whole time, prefills included; KV reads not counted).")
+                 "(static: steps over its whole time, prefills included; KV reads not counted). "
+                 "Roofline: the sum over the run's own steps of max(FLOPs / matmul rate, bytes / copy "
+                 "rate), weights and K/V read and written; 'of roofline' = roofline / measured time.")
     for name, agree in data.get("greedy_agreement_vs_static", {}).items():
         lines.append(f"greedy agreement of {name} with static generate: {agree['identical_requests']}/"
                      f"{agree['num_requests']} requests identical, mean matching prefix "
@@ -310,8 +339,9 @@ def parse_args(argv=None):
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--matmul-size", type=int, default=None, help="default: 8192 on CUDA, 512 on CPU")
-    parser.add_argument("--contenders", default="pagedserve,static,batch",
-                        help="comma-separated, from: pagedserve, static, batch")
+    parser.add_argument("--contenders", default="pagedserve,eager,static,batch",
+                        help="comma-separated, from: pagedserve, eager (pagedserve with enforce_eager), "
+                             "static, batch")
     parser.add_argument("--quick", action="store_true",
                         help="64 requests, prompts 128-512, 64 output tokens (a fallback run)")
     parser.add_argument("--profile", metavar="PATH",
@@ -394,6 +424,9 @@ def main(argv=None) -> int:
 
     if "pagedserve" in args.keys:
         attempt("pagedserve", lambda: bench_pagedserve(args, path, prompts, warm_prompts, state))
+        free_device_memory(args.device)
+    if "eager" in args.keys:
+        attempt("eager", lambda: bench_pagedserve(args, path, prompts, warm_prompts, state, enforce_eager=True))
         free_device_memory(args.device)
     hf_keys = [k for k in ("static", "batch") if k in args.keys]
     if hf_keys:

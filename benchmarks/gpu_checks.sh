@@ -41,12 +41,17 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 TESTS=(tests/test_cuda_greedy.py tests/test_kernels_triton.py tests/test_kernels_torch.py tests/test_sampler.py
        tests/test_gpu_targets.py tests/test_sampling_extensions.py
        "tests/test_structured_outputs.py::test_structured_outputs_on_cuda")
-for name in ${STEPS:-kernels tests engine sweep}; do
+for name in ${STEPS:-tests engine host kernels sweep}; do
     case $name in
         kernels) step bench_kernels 150 python3 benchmarks/bench_kernels_gpu.py ;;
+        # test_cuda_greedy runs with CUDA graphs on and off.
         tests) step tests 300 python3 -m pytest -q -p no:cacheprovider -o addopts= -rs -s "${TESTS[@]}" ;;
+        # Decode step time at 4 and 256 sequences, llama-1b in bf16, CUDA graphs on.
+        host) step host_cost 120 python3 -m pagedserve.bench.host_cost --size 1b --device cuda --dtype bfloat16 \
+                  --steps 32 --repeats 2 --output-kinds final --json "$OUT/host_cost.json" ;;
         structured) step structured 60 python3 -m pytest -q -p no:cacheprovider -o addopts= -rs "${TESTS[6]}" ;;
-        engine) step bench_engine 330 python3 benchmarks/bench_engine_gpu.py $QUICK --json "$OUT/bench_engine.json" ;;
+        # pagedserve with graphs and eager, transformers' two; the roofline column.
+        engine) step bench_engine 360 python3 benchmarks/bench_engine_gpu.py $QUICK --json "$OUT/bench_engine.json" ;;
         sweep) step split_sweep 100 python3 benchmarks/bench_kernels_gpu.py --sweep --dtypes float16 ;;
         tp) step tp 420 python3 benchmarks/bench_tp_gpu.py --json "$OUT/tp.json" ;;   # several GPUs: NCCL greedy, all-reduce ms/step
         profile) step profile 90 python3 benchmarks/bench_engine_gpu.py --contenders pagedserve --num-requests 128 \

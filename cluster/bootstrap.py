@@ -147,7 +147,7 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
         config.kv_events.transport, config.kv_events.relay_flush_s)
     ray.get(kv_manager.get_incarnation.remote(), timeout=ready_timeout_s)
 
-    workers, roles, groups = {}, {}, {}
+    workers, names, roles, groups = {}, {}, {}, {}
     index = 0
     for group_index, group in enumerate(config.workers):
         engine_dict = group_engine_config(config, group, model_path)
@@ -155,10 +155,11 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
             worker_id = f"worker-{index}"
             handle = worker_cls.options(**worker_actor_options(
                 group, group_tensor_parallel_size(config, group), worker_name(index), NAMESPACE),
-            ).remote(worker_id, engine_dict, kv_manager, group.role, config.step_timeout_s,
+            ).remote(worker_id, engine_dict, KV_MANAGER_NAME, group.role, config.step_timeout_s,
                      model_source=model_source, kv_events=config.kv_events.model_dump(),
-                     kv_relay=node_relay)
+                     kv_relay=node_relay, namespace=NAMESPACE)
             workers[worker_id] = handle
+            names[worker_id] = worker_name(index)
             roles[worker_id] = group.role
             groups[worker_id] = group_index
             index += 1
@@ -179,11 +180,11 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
     # The one health monitor of the cluster, whatever the number of ingress replicas; it also
     # owns the worker set from here on (elastic groups grow and shrink there).
     pool = {"config": config.model_dump(mode="json"), "model_path": model_path, "model_source": model_source,
-            "kv_manager": kv_manager, "namespace": NAMESPACE, "groups": groups}
+            "kv_manager_name": KV_MANAGER_NAME, "groups": groups}
     controller = controller_cls.options(
         name=CONTROLLER_NAME, namespace=NAMESPACE, max_restarts=-1, max_task_retries=0, num_cpus=0,
         max_concurrency=16, **ray_compat.head_node_placement()).remote(
-            workers, roles, stall_timeout_s(config.step_timeout_s), pool=pool)
+            names, roles, stall_timeout_s(config.step_timeout_s), pool=pool, namespace=NAMESPACE)
     try:
         ray.get(controller.ping.remote(), timeout=ready_timeout_s)
     except BaseException:

@@ -24,7 +24,8 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False,
+                              use_attribute_docstrings=True)
 
 
 class ModelConfig(_Strict):
@@ -33,14 +34,21 @@ class ModelConfig(_Strict):
     """
 
     path: str | None = None
-    # Hub ids only: a branch, tag or commit (default: main).
+    """A Hugging Face hub id, or a checkpoint directory at the same path on every node. Unset:
+    the random-weight model of ``arch`` and ``size``, built on first use."""
     revision: str | None = Field(None, min_length=1)
-    # Hub ids only: each node's download cache (default: $HF_HOME, ~/.cache/huggingface).
+    """Hub ids only: a branch, tag or commit (default: main)."""
     download_dir: str | None = Field(None, min_length=1)
+    """Hub ids only: each node's download cache (default: $HF_HOME, ~/.cache/huggingface)."""
     arch: Literal[ARCHS] = "llama"  # type: ignore[valid-type]
+    """Without ``path``: the random-weight model's family."""
     size: Literal[SIZES] = "tiny"  # type: ignore[valid-type]
+    """Without ``path``: the random-weight model's size."""
     seed: int = Field(0, ge=0)
-    name: str | None = None  # the id clients send as "model"; default: derived from the above
+    """Without ``path``: the random-weight model's weight seed."""
+    name: str | None = None
+    """The id clients send as "model". Unset: the hub id, the directory's name, or
+    pagedserve-ARCH-SIZE."""
 
     @model_validator(mode="after")
     def _hub_options_need_a_path(self) -> "ModelConfig":
@@ -89,10 +97,15 @@ class AutoscalingConfig(_Strict):
     """
 
     min_replicas: int = Field(1, ge=1)
+    """Workers at least; ``serve`` returns once these are ready. At most ``max_replicas``."""
     max_replicas: int = Field(1, ge=1)
+    """Workers at most."""
     target_ongoing_requests: float = Field(2.0, gt=0)
+    """Running plus queued requests per worker the group aims at."""
     upscale_delay_s: float = Field(30.0, ge=0)
+    """How long a larger size must be wanted before the group grows."""
     downscale_delay_s: float = Field(600.0, ge=0)
+    """How long a smaller size must be wanted before the group drains its surplus."""
 
     @model_validator(mode="after")
     def _bounds_in_order(self) -> "AutoscalingConfig":
@@ -107,20 +120,27 @@ class WorkerGroup(_Strict):
     many as load asks for within ``autoscaling``'s bounds (not both)."""
 
     role: Literal["mixed", "prefill", "decode"] = "mixed"
-    count: int | None = Field(None, ge=1)  # default 1 without autoscaling
+    """"mixed" runs whole requests; "prefill" and "decode" groups (both or neither) split the
+    two phases, the prompt's KV moving from a prefill worker to a decode worker."""
+    count: int | None = Field(None, ge=1)
+    """Workers in the group (default 1); not with ``autoscaling``."""
     autoscaling: AutoscalingConfig | None = None
+    """A size that follows load instead of ``count``."""
     num_cpus: float = Field(1, ge=0)
+    """CPUs Ray reserves per worker actor (per rank, for a worker of several)."""
     num_gpus: float = Field(0, ge=0)
+    """GPUs Ray reserves per worker actor (1: one worker per GPU; per rank, for a worker of several)."""
     resources: dict[str, float] = Field(default_factory=dict)
-    # Ranks (GPUs) per worker: a worker of N ranks is N actors, each with the resources above,
-    # in one placement group (None: engine.tensor_parallel_size). The cluster sees one worker.
+    """Custom Ray resources per worker actor (per rank, for a worker of several)."""
     tensor_parallel_size: int | None = Field(None, ge=1)
-    # STRICT_PACK: every rank of a worker on one node (pipes carry its steps); PACK lets the
-    # ranks spread over nodes when one cannot hold them all (gloo broadcasts carry its steps;
-    # every node then needs the checkpoint at the path rank 0 loaded it from).
+    """Ranks (GPUs) per worker: a worker of N ranks is N actors, each with the resources above,
+    in one placement group; the cluster sees one worker. Unset: ``engine.tensor_parallel_size``."""
     placement_strategy: Literal["STRICT_PACK", "PACK"] = "STRICT_PACK"
-    # Per-group engine overrides (say, a smaller pool on smaller GPUs).
+    """Where a worker's ranks go: "STRICT_PACK" all on one node (pipes carry each step's plan);
+    "PACK" spread over nodes when one cannot hold them (gloo broadcasts carry it, and every node
+    needs the checkpoint at the path rank 0 loaded it from)."""
     engine: dict[str, Any] = Field(default_factory=dict)
+    """Per-group overrides of ``engine`` keys (say, a smaller pool on smaller GPUs)."""
 
     @field_validator("engine")
     @classmethod
@@ -155,50 +175,62 @@ class RouterConfig(_Strict):
     """Cache-aware routing: prefer cached prefixes, but never overload one worker."""
 
     policy: Literal["cache_aware", "least_loaded", "round_robin"] = "cache_aware"
-    # A cached token is worth this many queued tokens of load.
+    """"cache_aware" scores prefix_weight x cached prompt tokens - in-flight tokens;
+    "least_loaded" ignores the cache; "round_robin" ignores both."""
     prefix_weight: float = Field(1.0, ge=0)
-    # At this fraction of device blocks in use (cached-free blocks count as free),
-    # a worker is skipped if another has room.
+    """A cached token is worth this many queued tokens of load."""
     max_kv_utilization: float = Field(0.95, gt=0, le=1)
+    """At this fraction of device blocks in use (cached-free blocks count as free), a worker is
+    skipped if another has room."""
     max_queue_per_worker: int = Field(256, ge=1)
+    """A worker with this many in-flight requests is skipped while another has room."""
 
 
 class LimitsConfig(_Strict):
-    """Limits that protect the service (per Serve replica); README "Limits and security" lists them."""
+    """Limits that protect the service, per Serve replica (docs/api.md lists what each answers)."""
 
     max_request_body_bytes: int = Field(1 << 20, ge=1024)
+    """A larger body is a 413."""
     max_n: int = Field(16, ge=1)
+    """Choices per request (``n``) at most; more is a 400."""
     max_stop_strings: int = Field(16, ge=0)
+    """Stop strings per request at most; more is a 400."""
     max_queued_requests: int = Field(1024, ge=1)
-    # Admitted, unfinished requests of one client (its API key, else its address).
+    """Unfinished requests at most (a batch counts each prompt); more is a 429 with Retry-After."""
     max_requests_per_client: int = Field(512, ge=1)
-    # A whole request, from admission to its last token.
+    """Admitted, unfinished requests of one client (its API key, else its address) at most."""
     request_timeout_s: float = Field(600, gt=0)
-    # A stream (or a non-streamed generation) with no new output for this long ends.
+    """A whole request, from admission to its last token, at most (else a 408)."""
     stream_idle_timeout_s: float = Field(60, gt=0)
-    # Reading the request body (slow clients) may take at most this long.
+    """A generation with no new output for this long after its first ends with a 408."""
     body_read_timeout_s: float = Field(30, gt=0)
+    """Reading the request body (slow clients) may take at most this long."""
 
 
 class ServerConfig(_Strict):
     """The HTTP/gRPC front: where it listens, who may call it, its limits."""
 
-    # Loopback only unless set explicitly (e.g. 0.0.0.0 on a cluster's head node).
     host: str = "127.0.0.1"
+    """HTTP host: loopback only unless set explicitly (e.g. 0.0.0.0 on a cluster's head node)."""
     port: int = Field(8000, ge=0, le=65535)
+    """HTTP port."""
     grpc_port: int | None = Field(None, ge=0, le=65535)
+    """gRPC port; unset: no gRPC."""
     api_key: str | None = None
-    # With an API key set, /metrics needs it too unless this is False (for scrapers).
+    """Every route but /health needs ``Authorization: Bearer KEY`` (also --api-key,
+    $PAGEDSERVE_API_KEY)."""
     metrics_require_api_key: bool = True
-    # Log prompts and completions (INFO, logger "pagedserve.server"); off by default.
+    """With an API key set, /metrics needs it too unless this is false (for scrapers)."""
     log_requests: bool = False
-    # Ingress replicas (Ray Serve), all on the head node; limits apply per replica. Worker
-    # health is watched once per cluster (the controller actor), whatever this number.
+    """Log prompts and completions (INFO, logger "pagedserve.server")."""
     num_replicas: int = Field(1, ge=1)
-    # How "auto" tool choice reads calls out of the model's text (vLLM's --tool-call-parser):
-    # "hermes" (Hermes, Qwen 2.5/3, make-model's template) or "llama3_json".
+    """Ingress replicas (Ray Serve), all on the head node; limits apply per replica. Worker
+    health is watched once per cluster (the controller actor), whatever this number."""
     tool_call_parser: str = "hermes"
+    """How "auto" tool choice reads calls out of the model's text (vLLM's --tool-call-parser):
+    "hermes" (Hermes, Qwen 2.5/3, make-model's template) or "llama3_json"."""
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    """Limits that protect the service."""
 
     @field_validator("tool_call_parser")
     @classmethod
@@ -211,44 +243,51 @@ class ServerConfig(_Strict):
 class KVEventsConfig(_Strict):
     """How workers' KV event batches reach the central KV manager."""
 
-    # "zmq": a ZeroMQ socket to the central actor (~20x less central CPU per batch than a
-    # Ray actor call); falls back to "ray" (one actor call per batch) without pyzmq.
     transport: Literal["zmq", "ray"] = "zmq"
-    # A batch not acked in this time counts as lost: the worker resyncs, and asks the
-    # central actor for its (possibly new) endpoint.
+    """"zmq": a ZeroMQ socket to the central actor (~20x less central CPU per batch than a Ray
+    actor call); falls back to "ray" (one actor call per batch) without pyzmq."""
     ack_timeout_s: float = Field(2.0, gt=0)
-    # A worker publishes what changed once its oldest unpublished change is this old: after
-    # every step at GPU pace (a decode step takes 10-30 ms), the first part of the event lag.
+    """A batch not acked in this time counts as lost: the worker resyncs, and asks the central
+    actor for its (possibly new) endpoint."""
     max_batch_age_s: float = Field(0.02, gt=0, le=1.0)
-    # "zmq" only: a worker's sender thread drains and sends its changes just before each tick
-    # of ``relay_flush_s`` (the tick its relay forwards, and central drains, on): one batch
-    # per tick, not one per step (a third as many at 50 steps/s), and every batch's oldest
-    # change a tick old (``kvmanager.publisher``). Off by default: see the README's kv-scale
-    # figures for the trade-off as measured.
+    """A worker publishes what changed once its oldest unpublished change is this old: after
+    every step at GPU pace (a decode step takes 10-30 ms), the first part of the event lag."""
     publish_on_tick: bool = False
-    # "zmq" only: each node's workers publish through one relay actor on their node, which
-    # forwards their messages to the central manager as one bundle at every multiple of
-    # ``relay_flush_s`` of wall time; the central manager drains them all just after each
-    # (fewer messages and wake-ups at central: its CPU goes mostly per message and wake-up).
-    # Half of it is the relays' mean share of the event lag.
+    """"zmq" only: a worker's sender thread drains and sends its changes just before each tick of
+    ``relay_flush_s``: one batch per tick, not one per step (a third as many at 50 steps/s),
+    every batch's oldest change a tick old. Off: its event lag missed the target at 16k
+    contexts (docs/benchmarks.md)."""
     relay: bool = True
+    """"zmq" only: each node's workers publish through one relay actor on their node, which
+    forwards their messages to the central manager as one bundle per tick of
+    ``relay_flush_s``: fewer messages and wake-ups at central, up to a tick more event lag."""
     relay_flush_s: float = Field(0.06, gt=0, le=1.0)
+    """The relays' tick, in seconds of wall time; the central manager drains just after each."""
 
 
 class ClusterConfig(_Strict):
     """Everything ``pagedserve.cluster.start`` and ``pagedserve serve`` need."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
+    """Which checkpoint to serve."""
     engine: EngineOptions = Field(default_factory=EngineOptions)
+    """The engine options every worker uses (``LLM(...)`` takes the same names)."""
     workers: list[WorkerGroup] = Field(default_factory=lambda: [WorkerGroup()])
+    """Worker groups; at least one."""
     router: RouterConfig = Field(default_factory=RouterConfig)
+    """How requests are routed to workers."""
     server: ServerConfig = Field(default_factory=ServerConfig)
+    """The HTTP/gRPC front."""
     kv_manager_num_cpus: float = Field(0.5, ge=0)
+    """CPUs Ray reserves for the central KV manager actor."""
     kv_events: KVEventsConfig = Field(default_factory=KVEventsConfig)
+    """How workers' KV events reach the central KV manager."""
     step_timeout_s: float = Field(30.0, gt=0)
-    # How long `serve` waits for its first workers: on a fresh cluster that includes a GPU node
-    # booting, installing this checkout and fetching the model.
+    """Timeout of the handle's calls to workers and the controller. A worker with work and no
+    engine progress for twice this long counts as stalled and is restarted."""
     worker_ready_timeout_s: float = Field(600.0, gt=0)
+    """How long ``serve`` waits for its first workers: on a fresh cluster that includes a GPU node
+    booting, installing this checkout and fetching the model."""
 
     @field_validator("workers")
     @classmethod

@@ -25,7 +25,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .background_loop import BackgroundLoop
+from pagedserve.workers.background_loop import BackgroundLoop
+
 from .health import WorkerHealth
 from .router import Router
 from .worker_pool import WorkerPool
@@ -52,19 +53,28 @@ class ClusterController:
     Run as a Ray actor (``bootstrap.start``). Methods are the API that ingress
     replicas, ``pagedserve status`` and scaling logic use; every argument and
     result is plain data (worker actor handles aside).
+
+    ``workers`` maps each worker id to its actor's name in ``namespace``; the
+    controller looks them up (and the KV manager, ``pool["kv_manager_name"]``):
+    actor handles as constructor arguments would live in the object store, and
+    Ray could not restart the controller once they were lost.
     """
 
-    def __init__(self, workers: dict, roles: dict[str, str], stall_timeout_s: float,
-                 probe_interval_s: float = 0.25, pool: dict | None = None) -> None:
+    def __init__(self, workers: dict[str, str], roles: dict[str, str], stall_timeout_s: float,
+                 probe_interval_s: float = 0.25, pool: dict | None = None, namespace: str | None = None) -> None:
+        import ray
+
+        handles = {worker_id: ray.get_actor(name, namespace=namespace) for worker_id, name in workers.items()}
         self.roles = dict(roles)
-        self.health = WorkerHealth(dict(workers), None, stall_timeout_s, probe_interval_s)
+        self.health = WorkerHealth(handles, None, stall_timeout_s, probe_interval_s)
         self.health.start()
         # The worker set and elastic groups' scaling (``worker_pool.WorkerPool``): ``pool`` holds
         # its arguments. Workers it adds or retires are watched or forgotten here.
         self.pool = None
         if pool is not None:
-            self.pool = WorkerPool(**pool, workers=workers, on_ready=self.add_worker,
-                                   on_gone=self.remove_worker)
+            kv_manager = ray.get_actor(pool["kv_manager_name"], namespace=namespace)
+            self.pool = WorkerPool(**pool, kv_manager=kv_manager, namespace=namespace, workers=handles,
+                                   on_ready=self.add_worker, on_gone=self.remove_worker)
 
     def report(self) -> HealthReport:
         """Which workers are routable now, and what is known of each."""

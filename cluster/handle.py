@@ -83,6 +83,11 @@ class ClusterHandle:
         self.model_name = config.model.served_name
         self.max_model_len = info["max_model_len"]
         self.owns_ray = owns_ray
+        # The actors ``start`` created, whose handles this process owns. Ray ends a (non-detached)
+        # actor once its owner holds no handle to it and lends none out; the controller finds
+        # the workers by name (no lent handle), and ``self.workers`` follows the controller's
+        # membership, so the creator keeps its own handles here for the cluster's lifetime.
+        self._created = [kv_manager, controller, *workers.values()]
         # The worker set as of the controller's membership version (-1: as ``start`` made it).
         self.states = {w: "ready" for w in self.workers}
         self._membership_version = -1
@@ -105,7 +110,7 @@ class ClusterHandle:
 
     def __getstate__(self):
         state = {k: v for k, v in self.__dict__.items()
-                 if k not in ("router", "health", "_tokenizer", "_ids", "_lock")}
+                 if k not in ("router", "health", "_tokenizer", "_ids", "_lock", "_created")}
         state["owns_ray"] = False
         return state
 
@@ -196,7 +201,7 @@ class ClusterHandle:
         await self._refresh_utilization()
         flow = RequestFlow(request_id, text, prompt_token_ids, params, priority,
                            max_attempts=2 * len(self.workers) + 3)
-        if self.config.is_disaggregated and params.n == 1:
+        if self.config.is_disaggregated and params.n == 1 and not params.use_beam_search:
             try:
                 async with aclosing(self._generate_disaggregated(flow, flow.start(is_disaggregated=True))) as run:
                     async for output in run:

@@ -25,8 +25,9 @@ import threading
 import time
 from dataclasses import dataclass
 
+from pagedserve.workers.background_loop import BackgroundLoop
+
 from . import ray_compat
-from .background_loop import BackgroundLoop
 from .router import Router
 
 logger = logging.getLogger("pagedserve.cluster")

@@ -4,7 +4,10 @@ One relay per node, named ``pagedserve-kv-relay-<node id>`` in the cluster's
 namespace and pinned to its node; the first worker on a node to ask
 (``node_relay``, passed to the workers by the cluster) creates it, the
 others get the same one. It is detached (a worker that dies must not take
-its node's relay with it) and restartable: after a restart it binds a new
+its node's relay with it) and restartable. Its constructor takes the central
+manager's name, not its handle: a handle argument lives in the object store,
+owned by the worker that created the relay, and once that worker died Ray could
+not restart the relay. After a restart it binds a new
 port, and the workers, once their sends time out, resync and ask it for its
 endpoint again (a relay gone for good: they send to the central manager
 directly, ``workers.kv_wire.ZmqTransport``). ``kill_relays`` ends them when
@@ -25,9 +28,10 @@ ENDPOINT_TIMEOUT_S = 60.0
 
 
 class KVRelay:
-    """An ``EventRelay`` between this node's workers and the central KV manager actor."""
+    """An ``EventRelay`` between this node's workers and the central KV manager actor, named
+    ``central_name`` in ``namespace``."""
 
-    def __init__(self, central, flush_s: float, ack_timeout_s: float) -> None:
+    def __init__(self, central_name: str, namespace: str | None, flush_s: float, ack_timeout_s: float) -> None:
         import ray
 
         from pagedserve.workers.kv_relay import EventRelay
@@ -35,6 +39,7 @@ class KVRelay:
 
         self._cpu_at_start = time.process_time()
         self._started_at = time.time()
+        central = ray.get_actor(central_name, namespace=namespace)
         endpoint = ray.get(central.event_endpoint.remote(), timeout=ENDPOINT_TIMEOUT_S)
         if not endpoint:
             raise RuntimeError("the central KV manager has no event endpoint to relay to")
@@ -61,9 +66,10 @@ def relay_name(node_id: str) -> str:
     return f"{RELAY_NAME_PREFIX}{node_id}"
 
 
-def node_relay(central, kv_events: dict):
-    """This node's relay actor (created if none runs yet), for a worker on this node; the
-    cluster passes this function to its workers (``Worker(kv_relay=...)``)."""
+def node_relay(central_name: str, namespace: str | None, kv_events: dict):
+    """This node's relay actor (created if none runs yet) to the central KV manager actor
+    named ``central_name`` in ``namespace``, for a worker on this node; the cluster passes this
+    function to its workers (``Worker(kv_relay=...)``)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -75,7 +81,8 @@ def node_relay(central, kv_events: dict):
         name=relay_name(node_id), namespace=context.namespace, get_if_exists=True, lifetime="detached",
         num_cpus=0, max_restarts=-1, max_task_retries=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(central, kv_events.get("relay_flush_s", DEFAULT_TICK_S), kv_events.get("ack_timeout_s", 2.0))
+    ).remote(central_name, namespace, kv_events.get("relay_flush_s", DEFAULT_TICK_S),
+             kv_events.get("ack_timeout_s", 2.0))
 
 
 def kill_relays(namespace: str) -> int:

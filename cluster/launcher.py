@@ -33,6 +33,7 @@ from .router import kv_blocks_used_frac
 
 STATE_FILE_NAME = "serve.json"
 RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"  # "token" when the cluster needs ~/.ray/auth_token
+SERVE_LOGGER = "ray.serve"          # Ray Serve's logger in this process (its client's INFO lines)
 
 
 def state_file() -> Path:
@@ -108,7 +109,7 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
 
     progress = progress or Progress()
     stdout = stdout or sys.stdout
-    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the driver's "app ready" chatter
+    logging.getLogger(SERVE_LOGGER).setLevel(logging.WARNING)  # the driver's "app ready" chatter
     stopping = threading.Event()
     previous: dict = {}
     owns_ray = is_private_ray = not ray.is_initialized()
@@ -207,6 +208,9 @@ def fetch_status(address: str | None = None, timeout_s: float = 30.0) -> dict:
 
     if not ray.is_initialized():
         init_ray(address, logging_level="ERROR", log_to_driver=False)
+    # Serve's client logs its routing set-up at INFO ("Started <...LongPollClient>"): not the
+    # user's business before the status table.
+    logging.getLogger(SERVE_LOGGER).setLevel(logging.WARNING)
     return serve.get_app_handle(APP_NAME).status.remote().result(timeout_s=timeout_s)
 
 

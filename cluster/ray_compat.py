@@ -210,3 +210,13 @@ def enable_token_auth_for(address: str | None) -> None:
     )
 
     maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def set_process_title(title: str) -> None:
+    """Rename this process the way Ray renames its workers and agents (``ray::...``): Ray's own
+    ``setproctitle``, which writes over the command line and over the environment that
+    ``/proc/PID/environ`` shows. Private (``ray._raylet``). The suite uses it to model Ray's
+    renamed agents (``tests/test_ray_leftovers.py``)."""
+    from ray import _raylet
+
+    _raylet.setproctitle(title)

@@ -32,7 +32,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from .background_loop import BackgroundLoop
+from pagedserve.workers.background_loop import BackgroundLoop
+
 from .config import ClusterConfig, EngineOptions, WorkerGroup
 from .kv_relay import node_relay
 from .placement import remove_worker_placement, worker_actor_options
@@ -110,14 +111,16 @@ class WorkerPool:
 
     ``config`` is a ``ClusterConfig`` dump, ``model_path`` the head node's
     local copy (for engine configs), ``model_source`` what each worker
-    resolves on its own node. ``workers`` are the ready workers ``start``
+    resolves on its own node, ``kv_manager`` the central KV manager's handle (for the
+    pool's own calls) and ``kv_manager_name`` its name in ``namespace`` (what new workers
+    look up). ``workers`` are the ready workers ``start``
     brought up (id -> actor) and ``groups`` their group indices.
     ``on_ready(worker_id, actor, role)`` and ``on_gone(worker_id)`` tell the
     owner (the controller's heartbeat monitor) when workers join and leave.
     """
 
-    def __init__(self, config: dict, model_path: str, model_source: dict, kv_manager, namespace: str,
-                 workers: dict, groups: dict[str, int],
+    def __init__(self, config: dict, model_path: str, model_source: dict, kv_manager, kv_manager_name: str,
+                 namespace: str, workers: dict, groups: dict[str, int],
                  on_ready: Callable[[str, Any, str], None] = lambda *_: None,
                  on_gone: Callable[[str], None] = lambda _: None,
                  control_interval_s: float = CONTROL_INTERVAL_S) -> None:
@@ -129,6 +132,7 @@ class WorkerPool:
         self.model_path = model_path
         self.model_source = model_source
         self.kv_manager = kv_manager
+        self.kv_manager_name = kv_manager_name
         self.namespace = namespace
         self.on_ready = on_ready
         self.on_gone = on_gone
@@ -215,9 +219,9 @@ class WorkerPool:
             self._kv_leaves_pending.discard(worker_id)   # the id is taken again
             actor = self.worker_cls.options(**worker_actor_options(
                 group, group_tensor_parallel_size(self.config, group), worker_actor_name(index), self.namespace),
-            ).remote(worker_id, engine_dict, self.kv_manager, group.role, self.config.step_timeout_s,
+            ).remote(worker_id, engine_dict, self.kv_manager_name, group.role, self.config.step_timeout_s,
                      model_source=self.model_source, kv_events=self.config.kv_events.model_dump(),
-                     kv_relay=node_relay)
+                     kv_relay=node_relay, namespace=self.namespace)
             self.records[worker_id] = WorkerRecord(worker_id, group_index, group.role, actor=actor)
             self._info_refs[worker_id] = actor.info.remote()
         logger.info("worker pool: starting %s (group %d)", worker_id, group_index)

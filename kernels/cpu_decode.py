@@ -54,6 +54,11 @@ static void attend_one(const float *q, int64_t q_head_stride, const float *k_cac
                        int64_t out_head_stride, int num_heads, int num_kv_heads, int head_dim,
                        int block_size, float scale, float softcap, const float *sinks, int window,
                        float *scores, float *acc) {
+    if (len <= 0) {  /* a padded row: no context, zeros */
+        for (int h = 0; h < num_heads; ++h)
+            for (int d = 0; d < head_dim; ++d) out[h * out_head_stride + d] = 0;
+        return;
+    }
     const int group = num_heads / num_kv_heads;
     const int64_t row = (int64_t)num_kv_heads * head_dim;
     const int start = window > 0 && len > window ? len - window : 0;
@@ -205,7 +210,8 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float, 
                      logit_softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
     """Write into ``out`` the attention of ``q`` ``[n, num_heads, head_dim]`` (one query
     per sequence, at position ``seq_lens[i] - 1``) over the last ``sliding_window`` (all
-    without a window) of each sequence's ``seq_lens[i]`` cached positions.
+    without a window) of each sequence's ``seq_lens[i]`` cached positions; a sequence of
+    length 0 (a padded row) gets zeros.
 
     Scores are ``q.k * scale``, then ``logit_softcap * tanh(score / logit_softcap)`` with a
     soft-cap; ``sinks`` (``[num_heads]``) adds one logit per head to the softmax

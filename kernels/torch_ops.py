@@ -107,6 +107,7 @@ class DecodePlan:
     block_tables: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     sliding_window: int | None = None
+    empty_rows: torch.Tensor | None = None   # padded rows (length 0), left out of ``order``
 
 
 @dataclass
@@ -244,7 +245,7 @@ def plan_decode(block_tables, seq_lens, lens: list[int], cache_shape, is_native:
     num_blocks, block_size, num_kv_heads, head_dim = cache_shape
     num_seqs = len(lens)
     # Positions gathered per sequence: from the start of the block its window starts in.
-    spans = [n - _first_visible(n - 1, sliding_window) // block_size * block_size for n in lens]
+    spans = [n - _first_visible(n - 1, sliding_window) // block_size * block_size if n else 0 for n in lens]
     order = sorted(range(num_seqs), key=spans.__getitem__, reverse=True)
     if is_native:
         tables = block_tables.to(torch.int32).contiguous()
@@ -253,18 +254,24 @@ def plan_decode(block_tables, seq_lens, lens: list[int], cache_shape, is_native:
         order_tensor = torch.tensor(order, dtype=torch.int64)
         return DecodePlan(order_tensor, [], True, tables, lens_tensor, sliding_window)
     elements_per_position = num_kv_heads * head_dim
+    # Padded rows (length 0) read nothing: they are left out of the order and get zeros.
+    num_empty = sum(1 for n in lens if n == 0)
+    empty_rows = None
+    if num_empty:
+        empty_rows = torch.tensor(order[num_seqs - num_empty:], device=block_tables.device)
+        order = order[:num_seqs - num_empty]
     sorted_spans = [spans[seq] for seq in order]
     if order == list(range(num_seqs)):
         order_tensor, tables, lens_tensor = None, block_tables, seq_lens
     else:
-        order_tensor = torch.tensor(order, device=block_tables.device)
+        order_tensor = torch.tensor(order, dtype=torch.int64, device=block_tables.device)
         tables = block_tables.index_select(0, order_tensor)
         lens_tensor = seq_lens.index_select(0, order_tensor)
     chunks = [
         _plan_decode_chunk(tables, lens_tensor, sorted_spans, start, end, block_size, sliding_window)
         for start, end in _plan_decode_chunks(sorted_spans, elements_per_position)
     ]
-    return DecodePlan(order_tensor, chunks, sliding_window=sliding_window)
+    return DecodePlan(order_tensor, chunks, sliding_window=sliding_window, empty_rows=empty_rows)
 
 
 def _gather_blocks(cache, chunk: DecodeChunk, compute_dtype):
@@ -316,16 +323,19 @@ def _decode_attention(q, k_cache, v_cache, plan: DecodePlan, scale, out, logit_s
                                     out, plan.order, sliding_window=plan.sliding_window,
                                     logit_softcap=logit_softcap, sinks=sinks)
         return
-    num_seqs, num_heads, head_dim = q.shape
+    _, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     compute_dtype = _compute_dtype(q.dtype)
     queries = q if plan.order is None else q.index_select(0, plan.order)
+    num_seqs = queries.shape[0]
     # The query heads sharing a kv head become that head's query rows: [n, kv_heads, group, d].
     queries = queries.to(compute_dtype).reshape(num_seqs, num_kv_heads, group, head_dim)
     is_plain = logit_softcap is None and sinks is None
     sink_logits = None if sinks is None else sinks.to(compute_dtype).view(1, num_kv_heads, group, 1)
-    result = out if plan.order is None else torch.empty_like(q)
+    result = out if plan.order is None else q.new_empty((num_seqs, num_heads, head_dim))
+    if plan.empty_rows is not None:
+        out.index_fill_(0, plan.empty_rows, 0)
     for chunk in plan.chunks:
         k = _gather_blocks(k_cache, chunk, compute_dtype)
         v = _gather_blocks(v_cache, chunk, compute_dtype)
@@ -409,8 +419,6 @@ def plan_decode_attention(k_cache, block_tables, seq_lens, sliding_window=None) 
     block_size = k_cache.shape[1]
     lens = seq_lens.tolist()
     _check_seq_lens(lens, block_tables.shape[1] * block_size)
-    if lens and min(lens) < 1:
-        raise ValueError("paged_decode_attention needs seq_lens >= 1 (the query's own token)")
     plan = AttentionPlan(len(lens), len(lens), block_tables, seq_lens, lens, None,
                          tuple(k_cache.shape), _is_native(k_cache))
     plan.for_window(sliding_window)

@@ -23,7 +23,8 @@ from .publisher import InProcessTransport, KVPublisher, KVTransport
 from .preemption import (LocalPreemptionPolicy, PreemptionCandidate, PreemptionChoice, PreemptionDecision,
                          PreemptionRequest, RemotePreemptionPolicy, decide_preemption)
 from .sequence import SeqLocation, SequenceBlocks
-from .step import NewSequence, Preemption, ScheduledSeq, StepInput, StepOutput, from_wire, to_wire
+from .step import (PENDING_TOKEN, NewSequence, Preemption, ScheduledSeq, StepInput, StepOutput, from_wire,
+                   to_wire)
 
 __all__ = [
     "ALLOCATION_POLICIES", "AllBlocksCleared", "BlockHash", "BlockManager", "BlockPool", "BlockRemoved",
@@ -33,7 +34,7 @@ __all__ = [
     "PreemptionDecision", "PreemptionRequest", "PublishAck", "RemotePreemptionPolicy", "TierOccupancy",
     "block_hash_key", "decide_preemption",
     "DoubleFreeError", "IntegrityError", "KVManager", "KVManagerError", "NewSequence",
-    "NoFreeBlocksError", "PREEMPTION_MODES", "PoolConfig", "Preemption", "PrefixMatch",
+    "NoFreeBlocksError", "PENDING_TOKEN", "PREEMPTION_MODES", "PoolConfig", "Preemption", "PrefixMatch",
     "ScheduledSeq", "SeqLocation", "SequenceBlocks", "StepInput", "StepOutput",
     "UnknownSequenceError", "UnknownWorkerError", "from_wire", "hash_block",
     "hash_prefix_blocks", "to_wire",

@@ -9,6 +9,7 @@ from .block_pool import BlockPool, ContiguousBlockPool
 from .errors import KVManagerError, NoFreeBlocksError, UnknownSequenceError
 from .hashing import BlockHash, hash_block, hash_blocks
 from .sequence import SeqLocation, SequenceBlocks
+from .step import PENDING_TOKEN
 from .window import FREED, WindowFreeing
 
 
@@ -129,7 +130,9 @@ class BlockManager:
         self.append_tokens_of([(seq_id, token_ids)])
 
     def append_tokens_of(self, appended: list[tuple[str, list[int]]]) -> None:
-        """``append_tokens`` for each (sequence id, tokens) in turn: a step's sampled tokens."""
+        """``append_tokens`` for each (sequence id, tokens) in turn: a step's sampled tokens.
+        ``PENDING_TOKEN`` entries count as pending (their values come with ``resolve_tokens_of``);
+        a known token after a pending one is an error."""
         seqs, max_model_len = self.seqs, self.max_model_len
         for seq_id, token_ids in appended:
             seq = seqs.get(seq_id) or self.get(seq_id)
@@ -137,8 +140,25 @@ class BlockManager:
             if len(tokens) + len(token_ids) > max_model_len:
                 raise KVManagerError(f"sequence {seq_id!r} would exceed max_model_len {max_model_len}")
             if token_ids:
+                if seq.num_pending or token_ids[-1] == PENDING_TOKEN or PENDING_TOKEN in token_ids:
+                    num_pending = token_ids.count(PENDING_TOKEN)
+                    if (num_pending != len(token_ids) if seq.num_pending else
+                            token_ids[-num_pending:] != [PENDING_TOKEN] * num_pending):
+                        raise KVManagerError(f"sequence {seq_id!r}: a known token appended after a pending one")
+                    seq.num_pending += num_pending
                 tokens += token_ids
                 seq.is_protected = False
+
+    def resolve_tokens_of(self, resolved: list[tuple[str, list[int]]]) -> None:
+        """The values of each sequence's oldest pending tokens, in order."""
+        for seq_id, values in resolved:
+            seq = self.get(seq_id)
+            if len(values) > seq.num_pending or PENDING_TOKEN in values:
+                raise KVManagerError(f"sequence {seq_id!r}: {len(values)} values for its {seq.num_pending} "
+                                     "pending tokens")
+            start = len(seq.token_ids) - seq.num_pending
+            seq.token_ids[start:start + len(values)] = values
+            seq.num_pending -= len(values)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Make ``child_id`` a copy of ``parent_id`` sharing all its device blocks.
@@ -151,7 +171,7 @@ class BlockManager:
             raise KVManagerError(f"sequence {child_id!r} already exists")
         if parent.location == SeqLocation.SWAPPED:
             raise KVManagerError(f"cannot fork swapped-out sequence {parent_id!r}")
-        child = SequenceBlocks(child_id, list(parent.token_ids), parent.extra_key)
+        child = SequenceBlocks(child_id, list(parent.token_ids), parent.extra_key, num_pending=parent.num_pending)
         self.seqs[child_id] = child
         if parent.location != SeqLocation.DEVICE or not self.policy.supports_sharing:
             return
@@ -247,9 +267,10 @@ class BlockManager:
                                   seq.token_ids[len(hashes) * bs:num_blocks * bs], bs, seq.extra_key)
 
     def _register_full_blocks(self, seq: SequenceBlocks) -> None:
-        """Index the blocks that are full now that ``num_computed`` tokens are planned."""
+        """Index the blocks that are full now that ``num_computed`` tokens are planned (and
+        whose tokens are all known)."""
         bs = self.block_size
-        num_full = seq.num_computed // bs
+        num_full = min(seq.num_computed, len(seq.token_ids) - seq.num_pending) // bs
         if num_full <= seq.num_indexed_blocks:
             return
         first = max(seq.num_indexed_blocks, seq.num_freed_blocks)  # -1 entries: gone
@@ -563,6 +584,12 @@ class BlockManager:
                 raise IntegrityError(f"{seq.seq_id!r} is {seq.location.value} but holds host blocks")
             if seq.location == SeqLocation.WAITING and seq.num_computed:
                 raise IntegrityError(f"waiting {seq.seq_id!r} claims computed tokens")
+            num_known = len(seq.token_ids) - seq.num_pending
+            if (seq.num_pending < 0 or PENDING_TOKEN in seq.token_ids[:num_known]
+                    or seq.token_ids[num_known:] != [PENDING_TOKEN] * seq.num_pending):
+                raise IntegrityError(f"{seq.seq_id!r}: {seq.num_pending} pending tokens, not exactly its last")
+            if len(seq.block_hashes) * self.block_size > num_known:
+                raise IntegrityError(f"{seq.seq_id!r}: a block holding a pending token is hashed")
             # The sequence's own hash chain must describe its tokens.
             bs = self.block_size
             parent = None

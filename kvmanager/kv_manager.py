@@ -128,6 +128,8 @@ class KVManager:
                         and child_id in step_input.running):
                     # The policy shares nothing: the child recomputes its KV.
                     output.preempted.append(Preemption(child_id, "recompute"))
+            if step_input.resolved:
+                manager.resolve_tokens_of(step_input.resolved)
             manager.append_tokens_of(step_input.appended)
             for seq_id in step_input.finished:
                 manager.free_sequence(seq_id)
@@ -182,6 +184,13 @@ class KVManager:
         for seq_id, _ in step_input.appended:
             if seq_id not in known and seq_id not in added:
                 raise UnknownSequenceError(f"tokens appended to unknown sequence {seq_id!r}")
+        for seq_id, values in step_input.resolved:
+            seq = known.get(seq_id)
+            if seq is None:
+                raise UnknownSequenceError(f"tokens resolved for unknown sequence {seq_id!r}")
+            if len(values) > seq.num_pending:
+                raise KVManagerError(f"sequence {seq_id!r}: {len(values)} values for its "
+                                     f"{seq.num_pending} pending tokens")
         finished = set(step_input.finished)
         if len(finished) != len(step_input.finished):
             raise KVManagerError("a sequence is listed twice as finished")

@@ -62,6 +62,8 @@ from .preemption import PreemptionDecision, PreemptionRequest
 
 logger = logging.getLogger(__name__)
 
+WAIT_SLICE_S = 0.05   # flush_and_wait reads acks (and applies ack timeouts) at least this often
+
 
 def next_tick(now: float, period_s: float, offset_s: float = 0.0) -> float:
     """The first wall time after ``now`` that is ``offset_s`` past a multiple of ``period_s``:
@@ -199,21 +201,30 @@ class KVPublisher:
     def flush_and_wait(self, timeout_s: float) -> bool:
         """Send everything now and wait for every outstanding ack (checks and tests, off the
         step path; the engine's thread). False when the central manager did not take it all
-        in time."""
+        in time.
+
+        It waits in slices of ``WAIT_SLICE_S`` and reads acks between them, so a send that
+        will never be answered (lost while the central manager or a relay restarted) ends at
+        its ack timeout, and the snapshot that replaces it goes out then, not after the
+        whole budget has been spent waiting for the lost reply."""
         deadline = time.monotonic() + timeout_s
-        for _ in range(3):  # a batch, then possibly the snapshot it asks for
-            with self._queue_lock:
-                self._queue_next(want_ack=True)
+        with self._queue_lock:
+            self._queue_next(want_ack=True)
+        while True:
             with self._pump_lock:
                 self._pump()
-                self.transport.wait([token for token, _ in self._in_flight],
-                                    max(0.0, deadline - time.monotonic()))
-                self._pump()
-            if self._in_flight or self._outbox:
-                return False
-            if not (self.needs_snapshot or self.log.needs_snapshot):
+                in_flight = [token for token, _ in self._in_flight]
+            if not (in_flight or self._outbox or self.needs_snapshot or self.log.needs_snapshot):
                 return True
-        return False
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if not (in_flight or self._outbox):
+                with self._queue_lock:     # a resync was asked for, or a send failed
+                    self._queue_next(want_ack=True)
+                continue
+            with self._pump_lock:
+                self.transport.wait(in_flight, min(left, WAIT_SLICE_S))
 
     def _queue_next(self, want_ack: bool = False) -> None:
         if self.needs_snapshot or self.log.needs_snapshot:

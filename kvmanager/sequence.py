@@ -52,10 +52,17 @@ class SequenceBlocks:
     # The first ``block_table`` entry changed since the sequence was last scheduled
     # (``ScheduledSeq.first_changed_block``): lowered by every change to the table.
     first_changed_block: int = 0
+    # Trailing tokens whose values are not known yet (``PENDING_TOKEN``): blocks holding
+    # them are indexed for the prefix cache only once they are resolved.
+    num_pending: int = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        return len(self.token_ids) - self.num_pending
 
     @property
     def num_uncomputed(self) -> int:

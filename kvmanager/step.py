@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+# A token sampled by a step that is still running (overlapped scheduling): its KV is
+# computed by the next step on the device's copy of it; its value comes later.
+PENDING_TOKEN = -1
+
 
 @dataclass(slots=True)
 class NewSequence:
@@ -32,8 +36,11 @@ class StepInput:
     """What one worker's engine asks of the KV manager for its next step.
 
     Applied in this order: ``new_sequences``, ``forks`` (parent, child),
-    ``appended`` (tokens sampled last step, by sequence), ``finished``
-    (finished or aborted: their blocks return to the pool), then scheduling:
+    ``resolved`` (the values of pending tokens, by sequence, oldest first),
+    ``appended`` (tokens sampled last step, by sequence; ``PENDING_TOKEN`` for
+    one sampled by a step still running, whose value comes later in
+    ``resolved``), ``finished`` (finished or aborted: their blocks return to
+    the pool), then scheduling:
     ``running`` in priority order (highest first; victims for preemption are
     taken from its tail), then ``waiting`` in priority order (new, preempted
     and swapped-out sequences), until ``token_budget`` tokens are granted.
@@ -44,6 +51,7 @@ class StepInput:
     waiting: list[str] = field(default_factory=list)
     new_sequences: list[NewSequence] = field(default_factory=list)
     forks: list[tuple[str, str]] = field(default_factory=list)
+    resolved: list[tuple[str, list[int]]] = field(default_factory=list)
     appended: list[tuple[str, list[int]]] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     token_budget: int = 8192
@@ -148,7 +156,7 @@ def from_wire(cls: type, data: dict) -> Any:
             value = [from_wire(_NESTED[f.name], v) for v in value]
         elif f.name in ("forks", "swap_out", "swap_in", "copy_on_write"):
             value = [tuple(v) for v in value]
-        elif f.name == "appended":
+        elif f.name in ("appended", "resolved"):
             value = [(seq_id, list(tokens)) for seq_id, tokens in value]
         kwargs[f.name] = value
     return cls(**kwargs)

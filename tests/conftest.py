@@ -1,16 +1,75 @@
-"""Shared fixtures: tiny checkpoints built once, and greedy references from transformers."""
+"""Shared fixtures (tiny checkpoints built once, greedy references from transformers, Ray
+clusters) and the suite-wide check that no Ray process outlives the module that started it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 
 import pytest
 import torch
+from ray_leftovers import SuiteScope, kill, wait_for_exit
 
 # Triton reads TRITON_INTERPRET when it is first imported (transformers and ray
 # import it too), so CPU machines must choose the interpreter before any test does.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Before any Ray starts: what existed before the suite, the mark its processes inherit, and
+# the directory its Ray clusters keep their sessions in (ray_leftovers).
+SUITE = SuiteScope.begin()
+# How long a module's Ray processes may take to exit after its fixtures shut Ray down.
+LEFTOVER_GRACE_S = 30.0
+_LEFTOVERS = pytest.StashKey[list]()        # (where, seconds waited, processes) per finding
+_LEFTOVER_WAIT_S = pytest.StashKey[list]()  # seconds each module's check waited
+
+
+def pytest_configure(config):
+    config.stash[_LEFTOVERS] = []
+    config.stash[_LEFTOVER_WAIT_S] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_ray_leftovers(request):
+    """After each module (its fixtures torn down first): every Ray process it started has ended.
+    Leftovers are recorded against the module, killed so they do not slow the rest of the
+    suite, and fail the session at its end (``pytest_sessionfinish``)."""
+    yield
+    started = time.monotonic()
+    leftovers = wait_for_exit(SUITE.leftovers, LEFTOVER_GRACE_S)
+    waited_s = time.monotonic() - started
+    request.config.stash[_LEFTOVER_WAIT_S].append(waited_s)
+    if leftovers:
+        request.config.stash[_LEFTOVERS].append(
+            (request.module.__name__, round(waited_s, 1), [str(p) for p in leftovers]))
+        kill(leftovers)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    with contextlib.suppress(OSError):   # only when no Ray ran: Ray's sessions (logs) are kept
+        os.rmdir(SUITE.ray_root)
+    leftovers = SUITE.leftovers()
+    if leftovers:
+        session.config.stash[_LEFTOVERS].append(("the session's end", 0.0, [str(p) for p in leftovers]))
+        kill(leftovers)
+    if session.config.stash[_LEFTOVERS] and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    waits = config.stash.get(_LEFTOVER_WAIT_S, [])
+    if any(w >= 0.5 for w in waits):
+        terminalreporter.line(f"Ray processes took {sum(waits):.1f} s in all to exit after module teardowns "
+                              f"(longest {max(waits):.1f} s)")
+    found = config.stash.get(_LEFTOVERS, [])
+    if not found:
+        return
+    terminalreporter.section("Ray processes left behind", sep="=", red=True, bold=True)
+    for where, waited_s, processes in found:
+        terminalreporter.line(f"after {where} (still alive {waited_s} s after its teardown; killed):", red=True)
+        for process in processes:
+            terminalreporter.line(f"    {process}")
 
 
 def pytest_addoption(parser):

@@ -3,8 +3,10 @@
 One Ray instance, a one-worker cluster (so that concurrent requests share
 engine steps) and the Ray Serve application per module, driven by real
 clients: the official ``openai`` client, ``langchain-openai``
-(``with_structured_output`` in each mode, ``bind_tools``) and lm-eval's
-``local-completions`` model on a small local task. The model has random
+(``with_structured_output`` in each mode, ``bind_tools``), ``litellm`` (its
+OpenAI-compatible and vLLM providers), ``pydantic-ai`` agents (structured
+output, a tool round trip, streaming), lm-eval's ``local-completions`` model
+on a small local task and a short guidellm streaming run. The model has random
 weights, so only the grammar makes structured output valid: every
 structured answer that finishes with ``stop`` must parse and validate.
 Log-probabilities are compared with transformers on the same checkpoint.
@@ -13,14 +15,20 @@ After every test the cluster is idle with no block in use.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Literal
 
+import pydantic
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -57,6 +65,16 @@ PERSON = {"type": "object", "properties": {
     "age": {"type": "integer", "minimum": 0, "maximum": 120},
     "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}},
     "required": ["name", "age"], "additionalProperties": False}
+
+
+class Person(pydantic.BaseModel):
+    """``PERSON`` as the pydantic model that litellm and pydantic-ai take for a schema."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    name: str = pydantic.Field(max_length=10)
+    age: int = pydantic.Field(ge=0, le=120)
+    tags: list[Literal["a", "b", "c"]] = pydantic.Field(default=[], max_length=3)
 
 
 @dataclass
@@ -301,6 +319,19 @@ def _validate_calls(calls: list[dict]) -> None:
     for call in calls:
         assert call["id"] and call["id"].startswith("call_")
         jsonschema.validate(json.loads(call["arguments"]), functions[call["name"]]["parameters"])
+
+
+def _rendered_chat(tokenizer, messages: list[dict], tools: list[dict] | None) -> str:
+    """A conversation as the checkpoint's chat template writes it, from the wire's messages (the
+    template takes a call's arguments as an object, the wire carries them as JSON text)."""
+    rendered = []
+    for message in messages:
+        if message.get("tool_calls"):
+            message = {**message, "content": message.get("content") or "", "tool_calls": [
+                {**call, "function": {**call["function"], "arguments": json.loads(call["function"]["arguments"])}}
+                for call in message["tool_calls"]]}
+        rendered.append(message)
+    return tokenizer.apply_chat_template(rendered, tools=tools, add_generation_prompt=True, tokenize=False)
 
 
 def _calls(message) -> list[dict]:
@@ -783,3 +814,264 @@ def test_lm_eval_local_completions_loglikelihoods_equal_transformers(served, tmp
             num_checked += 1
     assert num_checked == sum(len(doc["choices"]) for doc in LM_EVAL_DOCS)
     assert all(float(sample["resps"][0][0][0]) < 0.0 for sample in samples)
+
+
+# ---- litellm ----------------------------------------------------------------------------------------
+LITELLM_PROVIDERS = ["openai", "hosted_vllm"]  # its generic OpenAI-compatible provider, and its vLLM one
+
+
+@pytest.fixture(scope="module")
+def litellm():
+    """litellm on its bundled model catalogue: with no network it would try to fetch one at import,
+    retrying for seconds."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LITELLM_OFFLINE_MODE", "true")
+        patch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "true")
+        yield pytest.importorskip("litellm")
+
+
+def _litellm_args(served, provider: str = "openai") -> dict:
+    return {"model": f"{provider}/{MODEL}", "api_base": served.base_url + "/v1", "api_key": "unused",
+            "num_retries": 0, "timeout": 120}
+
+
+@pytest.mark.parametrize("provider", LITELLM_PROVIDERS)
+def test_litellm_completion_chat_and_stream(litellm, served, client, provider):
+    args = _litellm_args(served, provider)
+    greedy = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].text
+    text = litellm.text_completion(prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"ignore_eos": True},
+                                   **args)
+    assert text.choices[0].text == greedy and text.usage.completion_tokens == 6
+    messages = [{"role": "user", "content": "Hello"}]
+    kwargs = dict(messages=messages, max_tokens=8, seed=1, extra_body={"ignore_eos": True}, **args)
+    chat = litellm.completion(**kwargs)
+    assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 8
+    chunks = list(litellm.completion(stream=True, stream_options={"include_usage": True}, **kwargs))
+    assert sum(1 for chunk in chunks if chunk.choices and chunk.choices[0].delta.content) > 1
+    rebuilt = litellm.stream_chunk_builder(chunks, messages=messages)
+    assert rebuilt.choices[0].message.content == chat.choices[0].message.content
+    assert rebuilt.choices[0].finish_reason == "length"
+    assert rebuilt.usage.completion_tokens == 8 and rebuilt.usage.prompt_tokens == chat.usage.prompt_tokens
+
+
+def test_litellm_tool_calls_forced_streamed_and_answered(litellm, served, tokenizer):
+    args = _litellm_args(served)
+    messages = [{"role": "user", "content": "What is 2 + 3, and the weather in Oslo?"}]
+    named = litellm.completion(messages=messages, tools=TOOLS, max_tokens=64, seed=1,
+                               tool_choice={"type": "function", "function": {"name": "add"}}, **args).choices[0]
+    assert named.finish_reason == "tool_calls" and not named.message.content
+    calls = _calls(named.message)
+    _validate_calls(calls)
+    assert [call["name"] for call in calls] == ["add"]
+    chunks = list(litellm.completion(messages=messages, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                                     max_tokens=128, seed=1, stream=True, **args))
+    streamed = litellm.stream_chunk_builder(chunks, messages=messages).choices[0]
+    assert streamed.finish_reason == "tool_calls"
+    assert len(_calls(streamed.message)) == 1
+    _validate_calls(_calls(streamed.message))
+    # litellm's own assistant message goes back as it is (no "content" key), then the tool's result.
+    arguments = json.loads(calls[0]["arguments"])
+    result = {"role": "tool", "tool_call_id": calls[0]["id"], "content": str(arguments["a"] + arguments["b"])}
+    answer = litellm.completion(messages=[*messages, named.message, result], tools=TOOLS, max_tokens=4,
+                                temperature=0, **args)
+    assert answer.choices[0].message.content
+    sent = [*messages, {"role": "assistant", "tool_calls": [
+        {"id": calls[0]["id"], "type": "function", "function": {"name": "add", "arguments": calls[0]["arguments"]}}]},
+        result]
+    rendered = _rendered_chat(tokenizer, sent, TOOLS)
+    assert f"<tool_response>\n{result['content']}\n</tool_response>" in rendered
+    assert answer.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
+
+
+def test_litellm_structured_output_validates(litellm, served):
+    args = _litellm_args(served)
+    messages = [{"role": "user", "content": "Describe a person"}]
+    for seed in range(3):
+        choice = litellm.completion(messages=messages, response_format=Person, max_tokens=96, seed=seed,
+                                    **args).choices[0]
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+    # Ray Serve LLM's JSON mode: json_object with a schema.
+    choice = litellm.completion(messages=messages, response_format={"type": "json_object", "schema": PERSON},
+                                max_tokens=96, seed=0, **args).choices[0]
+    assert choice.finish_reason == "stop", choice
+    jsonschema.validate(json.loads(choice.message.content), PERSON)
+
+
+@pytest.mark.parametrize("provider", LITELLM_PROVIDERS)
+def test_litellm_errors_name_the_problem(litellm, served, provider):
+    args = _litellm_args(served, provider)
+    messages = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(litellm.NotFoundError) as missing:
+        litellm.completion(messages=messages, max_tokens=4, **{**args, "model": f"{provider}/no-such-model"})
+    assert missing.value.status_code == 404
+    assert "Could not find model 'no-such-model'" in missing.value.message
+    assert "`no-such-model` does not exist" in missing.value.message and MODEL in missing.value.message
+    # Requests that cannot fit the context are refused up front; litellm classifies them by the wording.
+    shapes = [(dict(max_tokens=5000), r"'max_tokens' is too large: 5000\. This model's maximum context length "
+                                      rf"is {CONTEXT_LENGTH} tokens"),
+              (dict(max_tokens=8, extra_body={"min_tokens": 3000}), r"'min_tokens' is too large: 3000\."),
+              (dict(max_tokens=8, messages=[{"role": "user", "content": "hello " * CONTEXT_LENGTH}]),
+               rf"the prompt has \d+ tokens, but this model's maximum context length is {CONTEXT_LENGTH}")]
+    for fields, pattern in shapes:
+        with pytest.raises(litellm.ContextWindowExceededError) as too_long:
+            litellm.completion(**{"messages": messages, **args, **fields})
+        assert too_long.value.status_code == 400
+        assert re.search(pattern, too_long.value.message), too_long.value.message
+
+
+# ---- pydantic-ai ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def agent_model(served):
+    """``agent_model(http_client=None)``: a pydantic-ai chat model on the server through its vLLM
+    provider (OpenAI-compatible). One per event loop: its async HTTP client binds to the first."""
+    pytest.importorskip("pydantic_ai")
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.vllm import VLLMProvider
+
+    def make(http_client=None):
+        provider = VLLMProvider(base_url=served.base_url + "/v1", api_key="unused", http_client=http_client)
+        return OpenAIChatModel(MODEL, provider=provider)
+
+    return make
+
+
+def test_pydantic_ai_structured_output_validates(agent_model):
+    """No output retries: the first answer must validate, which only the grammar makes sure of."""
+    from pydantic_ai import Agent, NativeOutput
+
+    for output_type in (Person, NativeOutput(Person)):  # an output tool (the default), then response_format
+        for seed in range(3):
+            agent = Agent(agent_model(), output_type=output_type, retries=0,
+                          model_settings={"max_tokens": 128, "seed": seed, "parallel_tool_calls": False})
+            result = agent.run_sync("Describe a person")
+            assert isinstance(result.output, Person)
+            jsonschema.validate(result.output.model_dump(), PERSON)
+            assert result.response.finish_reason in ("tool_call", "stop"), result.response
+
+
+def test_pydantic_ai_tool_round_trip(agent_model, tokenizer):
+    httpx2 = pytest.importorskip("httpx2")  # pydantic-ai's HTTP client
+    from pydantic_ai import Agent, RunContext
+
+    bodies: list[dict] = []
+    calls: list[tuple[int, int]] = []
+
+    async def record(request) -> None:
+        bodies.append(json.loads(request.content))
+
+    def settings(ctx: RunContext) -> dict:
+        # Random weights call whatever they like: the tool on the first step, then the answer.
+        return {"max_tokens": 96, "seed": 3, "parallel_tool_calls": False,
+                "tool_choice": ["add"] if ctx.run_step == 1 else ["final_result"]}
+
+    async def run():
+        async with httpx2.AsyncClient(event_hooks={"request": [record]}) as http:
+            agent = Agent(agent_model(http), output_type=Person, model_settings=settings, retries=0)
+
+            @agent.tool_plain
+            def add(a: Annotated[int, pydantic.Field(ge=-99, le=99)],
+                    b: Annotated[int, pydantic.Field(ge=-99, le=99)]) -> int:
+                """Add two integers."""
+                calls.append((a, b))
+                return a + b
+
+            return await agent.run("What is 2 + 3?")
+
+    result = asyncio.run(run())
+    jsonschema.validate(result.output.model_dump(), PERSON)
+    assert len(calls) == 1 and len(bodies) == 2, (calls, bodies)
+    (a, b), = calls
+    call = next(m for m in bodies[1]["messages"] if m.get("tool_calls"))["tool_calls"][0]
+    assert call["function"]["name"] == "add" and json.loads(call["function"]["arguments"]) == {"a": a, "b": b}
+    tool = next(m for m in bodies[1]["messages"] if m["role"] == "tool")
+    assert tool["tool_call_id"] == call["id"] and tool["content"] == str(a + b)
+    rendered = _rendered_chat(tokenizer, bodies[1]["messages"], bodies[1]["tools"])
+    assert f"<tool_response>\n{a + b}\n</tool_response>" in rendered
+    assert result.response.usage.input_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
+
+
+def test_pydantic_ai_streams_text_and_structured_output(agent_model):
+    from pydantic_ai import Agent, NativeOutput
+
+    async def run():
+        text_agent = Agent(agent_model(), model_settings={"max_tokens": 12, "seed": 3,
+                                                          "extra_body": {"ignore_eos": True}})
+        async with text_agent.run_stream("Hello") as streamed:
+            deltas = [delta async for delta in streamed.stream_text(delta=True, debounce_by=None)]
+            num_output_tokens = streamed.usage.output_tokens
+        whole = await text_agent.run("Hello")
+        assert len(deltas) > 1 and "".join(deltas) == whole.output and num_output_tokens == 12
+        for output_type in (Person, NativeOutput(Person)):
+            agent = Agent(agent_model(), output_type=output_type, retries=0,
+                          model_settings={"max_tokens": 128, "seed": 3, "parallel_tool_calls": False})
+            async with agent.run_stream("Describe a person") as streamed:
+                partials = [partial async for partial in streamed.stream_output(debounce_by=None)]
+                final = await streamed.get_output()
+            assert len(partials) > 1 and partials[-1] == final
+            jsonschema.validate(final.model_dump(), PERSON)
+
+    asyncio.run(run())
+
+
+def test_pydantic_ai_truncated_output_tool_is_an_incomplete_tool_call(agent_model):
+    """A forced call cut by max_tokens comes back inside ``tool_calls`` with ``finish_reason:
+    "length"`` (vLLM's way), never as content; once its arguments have begun, pydantic-ai names
+    the limit (``IncompleteToolCall``)."""
+    from pydantic_ai import Agent, ModelResponse, ToolCallPart, capture_run_messages
+    from pydantic_ai.exceptions import IncompleteToolCall, UnexpectedModelBehavior
+
+    outcomes = {}
+    for max_tokens in range(20, 44, 4):
+        agent = Agent(agent_model(), output_type=Person, retries=0,
+                      model_settings={"max_tokens": max_tokens, "seed": 3, "parallel_tool_calls": False})
+        with capture_run_messages() as messages:
+            try:
+                result = agent.run_sync("Describe a person")
+            except UnexpectedModelBehavior as raised:
+                error = raised
+            else:
+                jsonschema.validate(result.output.model_dump(), PERSON)
+                outcomes[max_tokens] = "complete"
+                continue
+        response = next(m for m in reversed(messages) if isinstance(m, ModelResponse))
+        assert response.finish_reason == "length", response
+        # Cut before the call's name ended there is no call yet, and never text in its place.
+        assert all(isinstance(part, ToolCallPart) and part.tool_name == "final_result" for part in response.parts)
+        if isinstance(error, IncompleteToolCall):
+            assert f"limit ({max_tokens}) exceeded while generating a tool call" in str(error)
+        outcomes[max_tokens] = type(error).__name__
+    assert "IncompleteToolCall" in outcomes.values(), outcomes
+
+
+# ---- guidellm --------------------------------------------------------------------------------------
+GUIDELLM_REQUESTS = 32
+GUIDELLM_OUTPUT_TOKENS = 16
+
+
+def test_guidellm_short_streaming_run(served, tmp_path):
+    """guidellm's command line as its users run it: a constant rate of streamed chat requests
+    (it asks for continuous usage stats and ignore_eos); every request finishes, none errs."""
+    pytest.importorskip("guidellm")
+    report_path = tmp_path / "benchmarks.json"
+    command = [sys.executable, "-m", "guidellm", "run",
+               "--backend", f"kind=openai_http,target={served.base_url},model={MODEL}",
+               "--profile", "kind=constant,rate=8",
+               "--constraint", f"kind=max_requests,count={GUIDELLM_REQUESTS}",
+               "--data", f"kind=synthetic_text,prompt_tokens=32,output_tokens={GUIDELLM_OUTPUT_TOKENS}",
+               "--tokenizer", f"kind=huggingface_auto,model={served.model_path}",
+               "--output", f"kind=json,path={report_path}", "--disable-console-interactive"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    from guidellm.benchmark import GenerativeBenchmarksReport
+
+    (benchmark,) = GenerativeBenchmarksReport.load_file(report_path).benchmarks
+    totals = benchmark.metrics.request_totals
+    assert (totals.successful, totals.errored, totals.incomplete) == (GUIDELLM_REQUESTS, 0, 0)
+    for request in benchmark.requests.successful:
+        assert json.loads(request.request_args)["body"]["stream"] is True
+        assert request.output_tokens == GUIDELLM_OUTPUT_TOKENS
+        assert request.output_tokens_per_iteration < GUIDELLM_OUTPUT_TOKENS  # in pieces, not one chunk
+        assert 0 < request.time_to_first_token_ms < request.request_latency * 1000

@@ -34,10 +34,12 @@ async def _collect(engine: AsyncLLMEngine, prompt: list[int], max_tokens: int) -
 def test_a_caller_whose_event_loop_closes_does_not_kill_the_engine(tiny_model):
     llm = LLM(model=tiny_model("llama"), device="cpu", dtype="float32", block_size=8,
               num_device_blocks=64, swap_space_gb=0.001)
-    engine = AsyncLLMEngine(llm.engine)
     prompt = list(range(3, 40))
+    # Before the engine thread starts: it steps whatever the engine holds, so a synchronous
+    # generate beside it would be two threads stepping one engine.
+    expected = llm.generate([prompt], _greedy(12))[0].outputs[0].token_ids
+    engine = AsyncLLMEngine(llm.engine)
     try:
-        expected = llm.generate([prompt], _greedy(12))[0].outputs[0].token_ids
         gone_loop = asyncio.new_event_loop()
         stream = engine.generate(prompt, _greedy(200), request_id="gone")
         gone_loop.run_until_complete(stream.__anext__())
@@ -61,6 +63,7 @@ def test_the_callers_event_loop_never_waits_for_a_step(tiny_model):
     """
     llm = LLM(model=tiny_model("llama"), device="cpu", dtype="float32", block_size=8,
               num_device_blocks=64, swap_space_gb=0.001)
+    expected = llm.generate([list(range(3, 20))], _greedy(6))[0].outputs[0].token_ids  # before the thread
     engine = AsyncLLMEngine(llm.engine)
     in_step, release = threading.Event(), threading.Event()
     step = llm.engine.step_tokens
@@ -71,7 +74,6 @@ def test_the_callers_event_loop_never_waits_for_a_step(tiny_model):
             release.wait(timeout=20)  # never forever, even if the caller's loop is blocked
         return step()
 
-    expected = llm.generate([list(range(3, 20))], _greedy(6))[0].outputs[0].token_ids
     llm.engine.step_tokens = gated_step
 
     async def main():

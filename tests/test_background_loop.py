@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from pagedserve.cluster.background_loop import BackgroundLoop
+from pagedserve.workers.background_loop import BackgroundLoop
 
 
 def _wait_for(event: threading.Event) -> None:
@@ -57,4 +57,37 @@ def test_tick_at_start_runs_before_the_first_interval():
     loop.start()
     _wait_for(ticked)
     loop.stop()  # wakes the hour-long wait at once
+    assert not loop.is_running
+
+
+def test_a_wakeup_brings_the_next_tick_at_once_and_the_interval_may_move():
+    wakeup = threading.Event()
+    ticked = threading.Event()
+    waits = []
+
+    def interval_s() -> float:
+        waits.append(1)
+        return 3600.0   # only the wakeup can bring a tick within the test
+
+    loop = BackgroundLoop("test-woken-loop", ticked.set, interval_s, wakeup=wakeup)
+    loop.start()
+    wakeup.set()
+    _wait_for(ticked)
+    assert len(waits) >= 1, "the interval is asked before each wait"
+    loop.stop()  # sets the wakeup too: the hour-long wait ends at once
+    assert not loop.is_running
+
+
+def test_a_tick_may_stop_its_own_loop():
+    stopped = threading.Event()
+    holder = {}
+
+    def tick():
+        holder["loop"].stop()
+        stopped.set()
+
+    holder["loop"] = loop = BackgroundLoop("test-self-stopping-loop", tick, 0.01)
+    loop.start()
+    _wait_for(stopped)
+    loop._thread.join(timeout=10)
     assert not loop.is_running

@@ -288,7 +288,7 @@ def test_offline_runs_all_contenders(tmp_path, tiny_model):
 
 
 def test_gpu_engine_bench_smoke_on_cpu(tmp_path, tiny_model):
-    """benchmarks/bench_engine_gpu.py's every path but CUDA: three contenders, one report."""
+    """benchmarks/bench_engine_gpu.py's every path but CUDA: four contenders, one report."""
     import subprocess
     import sys
     from pathlib import Path
@@ -303,11 +303,32 @@ def test_gpu_engine_bench_smoke_on_cpu(tmp_path, tiny_model):
     assert "greedy agreement of pagedserve LLM.generate with static generate: 4/4" in done.stdout
     data = json.loads(out.read_text())
     assert not data["errors"]
-    assert set(data["results"]) == {"pagedserve LLM.generate", "transformers generate (static)",
-                                    "transformers generate_batch"}
-    assert all(0 < r["mfu"] < 1 for r in data["results"].values())
-    assert data["greedy_agreement_vs_static"]["pagedserve LLM.generate"]["mean_matching_prefix_len"] == 4
-    assert data["results"]["pagedserve LLM.generate"]["num_decode_steps"] == 3
+    assert set(data["results"]) == {"pagedserve LLM.generate", "pagedserve LLM.generate (eager)",
+                                    "transformers generate (static)", "transformers generate_batch"}
+    # Only the arithmetic, not a bound: the reference is the best of a 64-wide matmul's timings,
+    # mostly call overhead and at the mercy of a loaded machine (an upper bound of 1 failed twice
+    # on 2026-11-26 at load 6-8; quiet, the figures are about 1e-4).
+    mfus = {name: r["mfu"] for name, r in data["results"].items()}
+    assert all(math.isfinite(mfu) and mfu > 0 for mfu in mfus.values()), mfus
+    for name in ("pagedserve LLM.generate", "pagedserve LLM.generate (eager)"):
+        assert data["greedy_agreement_vs_static"][name]["mean_matching_prefix_len"] == 4
+        ours = data["results"][name]
+        assert ours["num_decode_steps"] == 3
+        # The run's roofline: its own steps at the measured rates (a positive time; a fraction
+        # of the measured time, which on this loaded machine is its only check).
+        assert ours["roofline_seconds"] > 0 and 0 < ours["roofline_fraction"] < 1
+
+
+def test_host_cost_probe_measures_both_batches(tiny_model):
+    from pagedserve.bench.host_cost import format_host_cost, measure_host_cost
+
+    result = measure_host_cost(tiny_model("llama"), small=2, large=6, num_steps=4, repeats=1, output_kind="stream")
+    assert result["batches"] == [2, 6] and set(result["step_ms"]) == {"2", "6"}
+    assert all(ms > 0 for ms in result["step_ms"].values())
+    # Streamed outputs are processed every step; the figures are differences, so only their
+    # presence is checked here (their values are the benchmark's business).
+    assert result["output_kind"] == "stream" and "output_processing_per_seq_us" in result
+    assert "host cost per decoding sequence per step (stream outputs)" in format_host_cost(result)
 
 
 # ---- command line ------------------------------------------------------------------------

@@ -10,7 +10,7 @@ on each prompt, transformers in the same dtype is measured against transformers 
 pagedserve must be no further from float32 than twice that, plus a small floor for prompts
 where transformers happens to round luckily. Where pagedserve parts from float32's tokens,
 it must be at a near-tie: float32's margin between its token and ours within that same
-tolerance. The figures are printed for the README.
+tolerance. The figures are printed for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -62,11 +62,17 @@ def _hf_model(path: str, dtype: torch.dtype):
     return _HF_MODELS[key]
 
 
-def ours(path: str, dtype: str, prompts: list[list[int]]):
-    llm = LLM(path, device="cuda", dtype=dtype, num_device_blocks=256, swap_space_gb=0.001)
+def ours(path: str, dtype: str, prompts: list[list[int]], enforce_eager: bool = False):
+    llm = LLM(path, device="cuda", dtype=dtype, num_device_blocks=256, swap_space_gb=0.001,
+              enforce_eager=enforce_eager, cuda_graph_sizes=[1, 2, 4, 8])
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0))
     llm.check_integrity()
     assert llm.engine.num_used_blocks() == 0
+    stats = llm.stats()
+    if enforce_eager:
+        assert "num_graph_replays" not in stats
+    else:  # the decode steps of up to 8 sequences replayed their graphs
+        assert stats["num_cuda_graphs"] == 4 and stats["num_graph_replays"] > 0, stats
     return [output.outputs[0] for output in outputs]
 
 
@@ -83,11 +89,12 @@ def logprob_error(tokens: list[int], logprobs: list[float], reference: torch.Ten
     return max(errors, default=0.0)
 
 
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
-def test_float32_greedy_on_cuda_is_token_identical(arch, tiny_model, hf_greedy):
+def test_float32_greedy_on_cuda_is_token_identical(arch, enforce_eager, tiny_model, hf_greedy):
     path = tiny_model(arch)
     prompts = random_prompts(seed=1)
-    completions = ours(path, "float32", prompts)
+    completions = ours(path, "float32", prompts, enforce_eager)
     for prompt, completion in zip(prompts, completions):
         reference, _ = hf_generate(path, torch.float32, prompt)
         assert completion.token_ids == reference, f"prompt of {len(prompt)} tokens diverged"
@@ -96,12 +103,13 @@ def test_float32_greedy_on_cuda_is_token_identical(arch, tiny_model, hf_greedy):
             print(f"note: transformers float32 CPU and CUDA part at step {common_prefix(cpu_reference, reference)}")
 
 
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_half_precision_is_as_close_to_float32_as_transformers(arch, dtype, tiny_model):
+def test_half_precision_is_as_close_to_float32_as_transformers(arch, dtype, enforce_eager, tiny_model):
     path = tiny_model(arch)
     prompts = random_prompts(seed=2)
-    completions = ours(path, str(dtype).removeprefix("torch."), prompts)
+    completions = ours(path, str(dtype).removeprefix("torch."), prompts, enforce_eager)
     rows = []
     for prompt, completion in zip(prompts, completions):
         exact, exact_logprobs = hf_generate(path, torch.float32, prompt)

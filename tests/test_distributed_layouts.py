@@ -105,3 +105,49 @@ def test_preemption_migrates_to_a_worker_with_room(ray_cluster, tiny_model, refe
         _finish(handle)
     finally:
         handle.shutdown()
+
+
+def _beams(width: int, max_tokens: int) -> SamplingParams:
+    return SamplingParams(n=width, temperature=0.0, max_tokens=max_tokens, use_beam_search=True)
+
+
+@pytest.fixture(scope="module")
+def beam_reference(tiny_model):
+    from pagedserve.workers.llm import LLM
+
+    llm = LLM(tiny_model("llama"), **ENGINE)
+
+    def run(prompt, width, max_tokens):
+        [output] = llm.generate([prompt], _beams(width, max_tokens))
+        llm.check_integrity()
+        return [list(c.token_ids) for c in output.outputs]
+
+    return run
+
+
+def test_beam_searches_stay_on_their_worker_under_migration_and_disaggregation(ray_cluster, tiny_model,
+                                                                               beam_reference):
+    """Beam searches (width 1 too) next to sampled requests on the migrating layout, and on
+    the disaggregated one: a beam group is never migrated nor split into prefill and
+    decode, and each search equals the single-process engine's."""
+    prompts = _prompts(17, [30, 26, 33, 28])
+    widths = [1, 3, 2, 3]
+    for workers in ([{"count": 1, "num_gpus": 1, "num_cpus": 1, "engine": {"num_device_blocks": 18}},
+                     {"count": 1, "num_gpus": 1, "num_cpus": 1, "engine": {"num_device_blocks": 256}}],
+                    [{"role": "prefill", "count": 1, "num_gpus": 1, "num_cpus": 1},
+                     {"role": "decode", "count": 1, "num_gpus": 1, "num_cpus": 1}]):
+        handle = _start(tiny_model, workers, router={"policy": "round_robin"})
+        try:
+            # Two 100-token greedy requests per worker need the whole of worker-0's 18 blocks:
+            # running together (they are sent together) they preempt, whatever the timing.
+            outputs = handle.generate_sync(prompts + prompts, [_beams(w, 20) for w in widths]
+                                           + [_greedy(100)] * 4)
+            for prompt, width, output in zip(prompts, widths, outputs):
+                assert [list(c.token_ids) for c in output.outputs] == beam_reference(prompt, width, 20)
+            if "role" not in workers[0]:
+                preemptions = handle.stats()["workers"]["worker-0"]["num_preemptions_by_mode"]
+                assert sum(preemptions.values()) > 0, (
+                    f"assumed: worker-0's two long greedy requests run together and preempt; {preemptions}")
+            _finish(handle)
+        finally:
+            handle.shutdown()

@@ -20,19 +20,21 @@ from pagedserve.kvmanager import BlockManager, PoolConfig
 from pagedserve.workers.engine_options import (BLOCK_SIZES, POOL_OPTIONS, EngineConfig, EngineOptions)
 
 # The defaults table, written out once more on purpose: changing a default is a
-# decision that this test makes visible (and the README's tuning table states).
+# decision that this test makes visible (and docs/configuration.md, generated from the schema, states).
 DEFAULTS = {
     "dtype": None, "device": None, "block_size": 16, "num_device_blocks": None,
     "kv_cache_memory_gb": None, "gpu_memory_utilization": 0.9, "swap_space_gb": 0.25,
     "enable_prefix_caching": True, "preemption_mode": None, "max_num_seqs": 256,
     "max_num_batched_tokens": None, "max_model_len": None, "scheduling_policy": "fcfs",
     "allocation": "paged", "watermark": 0.01, "seed": None, "kernel_backend": None,
+    "enforce_eager": False, "async_scheduling": None, "cuda_graph_sizes": None,
     "tensor_parallel_size": 1, "distributed_executor_backend": None,
 }
 
 # option -> values every form must refuse (the old forms disagreed on several).
 BAD_VALUES = {
     "block_size": [0, -16, 12, 24, 256, 1.5, "x"],
+    "cuda_graph_sizes": [[], [0, 8], [-1], "8", [1.5]],
     "num_device_blocks": [0, -1, 2.5],
     "kv_cache_memory_gb": [0, -1.0, float("inf"), float("nan")],
     "gpu_memory_utilization": [0, 1.01, -0.5],

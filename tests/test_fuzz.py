@@ -473,7 +473,9 @@ def test_slow_headers_and_idle_connections_do_not_block_others(served):
             sock.close()
 
 
-def _stream_body(n: int = 8, max_tokens: int = 56) -> bytes:
+def _stream_body(n: int = 8, max_tokens: int = 36) -> bytes:
+    """A streamed request that fits the context: its prompt is ~23 of MAX_MODEL_LEN's 64 tokens, and
+    a stated ``max_tokens`` that cannot fit is refused (400), not cut."""
     return json.dumps({"prompt": f"{MARKER} once upon a time", "max_tokens": max_tokens, "n": n,
                        "ignore_eos": True, "stream": True}).encode()
 
@@ -505,7 +507,8 @@ def test_half_closed_and_abandoned_streams_free_their_blocks(served):
                     chunk = sock.recv(4096)
                     assert chunk, "the server closed before the first event"
                     data += chunk
-                assert int(data.split(b" ", 2)[1]) == 200
+                    # A refusal has no events: fail on it at once rather than wait out the timeout.
+                    assert not data.startswith(b"HTTP/") or b" 200 " in data.split(b"\r\n", 1)[0], data[:300]
                 if mode.endswith("reset"):
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
                 outcomes[mode] += 1
@@ -521,7 +524,7 @@ def test_half_closed_and_abandoned_streams_free_their_blocks(served):
 
 def test_concurrent_abandoned_streams(served):
     """Many clients start long streams and vanish at once; the canary keeps its answer meanwhile."""
-    body = _stream_body(n=4, max_tokens=60)
+    body = _stream_body(n=4, max_tokens=40)
     sockets = []
     try:
         for _ in range(16):

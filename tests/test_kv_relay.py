@@ -275,15 +275,15 @@ def test_the_relay_actor_killed_mid_way_restarts_and_the_workers_resync_through_
     from pagedserve.workers.kv_wire import node_ip
 
     ray = ray_local
-    central = ray.remote(CentralKVManager).options(num_cpus=0, max_restarts=-1).remote()
+    central = ray.remote(CentralKVManager).options(num_cpus=0, max_restarts=-1, name="central-1").remote()
     ray.get(central.get_incarnation.remote(), timeout=60)
     kv_events = {"relay": True, "relay_flush_s": 0.02, "ack_timeout_s": 1.0}
-    relay = node_relay(central, kv_events)
+    relay = node_relay("central-1", None, kv_events)
     def pid(actor) -> int:
         return ray.get(actor.stats.remote(), timeout=60)["pid"]
 
     relay_pid = pid(relay)   # one per node: asked again, or by name, the same process answers
-    assert pid(node_relay(central, kv_events)) == relay_pid
+    assert pid(node_relay("central-1", None, kv_events)) == relay_pid
     assert pid(ray.get_actor(relay_name(ray.get_runtime_context().get_node_id()))) == relay_pid
     workers = _relayed_publishers(central, relay, 3, seed=20)
     first_endpoint = ray.get(relay.event_endpoint.remote(), timeout=30)
@@ -342,10 +342,11 @@ def test_a_relay_actor_gone_for_good_sends_its_workers_straight_to_central(ray_l
     from pagedserve.cluster.kv_relay import KVRelay
 
     ray = ray_local
-    central = ray.remote(CentralKVManager).options(num_cpus=0).remote()
+    central = ray.remote(CentralKVManager).options(num_cpus=0, name="central-2").remote()
     ray.get(central.get_incarnation.remote(), timeout=60)
     # As node_relay makes it (restartable), but unnamed: the other test's relay may still be dying.
-    relay = ray.remote(KVRelay).options(num_cpus=0, max_restarts=-1, max_task_retries=0).remote(central, 0.02, 1.0)
+    relay = ray.remote(KVRelay).options(num_cpus=0, max_restarts=-1, max_task_retries=0).remote(
+        "central-2", None, 0.02, 1.0)
     workers = _relayed_publishers(central, relay, 2, seed=30)
     central_endpoint = ray.get(central.event_endpoint.remote(), timeout=30)
 

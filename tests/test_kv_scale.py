@@ -20,7 +20,7 @@ RESULT_KEYS = ("central_cpu_us_per_worker_step", "bytes_per_worker_step", "block
 
 def _in_process_cluster(num_workers: int, workload: SimWorkload):
     central = KVManagerService()
-    prefixes = [workload.prefix(i) for i in range(workload.num_prefixes)]
+    prefixes = workload.prefixes()
     workers = []
     for i in range(num_workers):
         def call(request):

@@ -513,3 +513,40 @@ def test_block_map_shows_each_blocks_state():
     assert device["counts"]["c"] == 2 and device["counts"]["u"] == 0
     dense = manager.block_map("w", max_cells=3)["tiers"]["device"]
     assert dense["blocks_per_cell"] == 3 and len(dense["density"]) == 3 and "states" not in dense
+
+
+def test_pending_tokens_are_computed_but_indexed_only_once_resolved():
+    """Overlapped scheduling: a token sampled by a running step is appended as pending;
+    its block is planned (computed from the device's copy) but enters the prefix index
+    only when its value is resolved."""
+    from pagedserve.kvmanager import PENDING_TOKEN, KVManagerError, StepInput
+
+    manager = KVManager()
+    manager.add_worker("w", PoolConfig(num_device_blocks=8, block_size=4, max_model_len=64))
+    prompt = list(range(10, 17))  # 7 tokens: the 8th fills the second block
+
+    def step(**changes):
+        running = [] if changes.get("finished") else ["s"]
+        return manager.step(StepInput("w", running=running, **changes))
+
+    first = manager.step(StepInput("w", waiting=["s"], new_sequences=[NewSequence("s", prompt)]))
+    assert first.scheduled[0].num_tokens == 7
+    plan = step(appended=[("s", [PENDING_TOKEN])])
+    assert (plan.scheduled[0].start, plan.scheduled[0].num_tokens) == (7, 1)
+    seq = manager.block_manager("w").seqs["s"]
+    assert seq.num_pending == 1 and seq.num_indexed_blocks == 1  # the full second block waits
+    manager.check_integrity()
+    plan = step(appended=[("s", [PENDING_TOKEN])])  # the next one launched before the first is read
+    assert seq.num_pending == 2
+    with pytest.raises(KVManagerError, match="after a pending one"):
+        step(appended=[("s", [5])])
+    with pytest.raises(KVManagerError, match="pending tokens"):
+        step(resolved=[("s", [1, 2, 3])])
+    plan = step(resolved=[("s", [99])], appended=[("s", [PENDING_TOKEN])])
+    assert seq.token_ids[7:] == [99, PENDING_TOKEN, PENDING_TOKEN] and seq.num_indexed_blocks == 2
+    manager.check_integrity()
+    step(resolved=[("s", [98, 97])], finished=["s"])
+    # The resolved block is in the prefix index: a new sequence with those tokens hits it.
+    hit = manager.step(StepInput("w", waiting=["t"], new_sequences=[NewSequence("t", prompt + [99, 98, 97])]))
+    assert hit.scheduled[0].num_cached_tokens == 8
+    manager.check_integrity()

@@ -570,3 +570,26 @@ def test_vllm_disable_any_whitespace_option(server):
         assert choice["finish_reason"] == "stop" and re.fullmatch(r'\{"n":[0-9]\}', choice["text"]), choice
     _assert_error(call(server, "POST", "/v1/completions", json={**body, "guided_decoding_backend": "xgrammar"}),
                   400, "guided_decoding_backend")
+
+
+def test_explicit_nulls_take_the_defaults_as_openai_and_vllm_read_them():
+    """Clients send ``null`` for unset optional fields (``n``, ``stream``, the penalties,
+    chat's ``logprobs`` and ``parallel_tool_calls``): they take the defaults, not a 400.
+    OpenAI's caching and safety hints are accepted; a required field stays required."""
+    from pydantic import ValidationError
+
+    from pagedserve.cluster.serving.protocol import ChatCompletionRequest, CompletionRequest
+
+    nulls = {"n": None, "stream": None, "presence_penalty": None, "frequency_penalty": None,
+             "max_tokens": None, "min_p": None, "ignore_eos": None}
+    completion = CompletionRequest.model_validate({"prompt": "x", **nulls, "prompt_cache_key": "k",
+                                                   "safety_identifier": "user-1"})
+    assert (completion.n, completion.stream, completion.presence_penalty, completion.min_p) == (1, False, 0.0, 0.0)
+    assert completion.max_tokens is None and completion.ignore_eos is False
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                                 "logprobs": None, "parallel_tool_calls": None, **nulls})
+    assert (chat.logprobs, chat.parallel_tool_calls, chat.n) == (False, True, 1)
+    with pytest.raises(ValidationError, match="messages"):
+        ChatCompletionRequest.model_validate({"messages": None})
+    with pytest.raises(ValidationError, match="n"):
+        CompletionRequest.model_validate({"prompt": "x", "n": 0})

@@ -58,7 +58,7 @@ def test_vectorized_finish_checks_agree_with_check_stop(params, prompt_len, max_
         sampled = [tokens[(step + int(s.seq_id[1])) % len(tokens)] for s in live]
         rows = torch.tensor([s.batch_row for s in live])
         flags = batch.flags[rows].tolist()
-        ends = batch.count_outputs(rows, torch.tensor(sampled)).tolist()
+        ends = (batch.count_samples(rows) | batch.ends_on_eos(rows, torch.tensor(sampled))).tolist()
         for seq, token, end, flag in zip(live, sampled, ends, flags):
             seq.append_token(token)
             if flag & STOP_TOKEN_IDS and token in sampling.stop_token_ids:
@@ -168,10 +168,14 @@ class LaggedOutputs(RuleBasedStateMachine):
                              for c in expected.outputs)
 
 
-@pytest.mark.parametrize("pool", [dict(num_device_blocks=512), dict(num_device_blocks=24, swap_space_gb=0.0005)])
-def test_outputs_behind_the_engine_equal_outputs_at_once(pool, tiny_model, long_form):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("pool", [dict(num_device_blocks=512), dict(num_device_blocks=24, swap_space_gb=0.0005)],
+                         ids=["roomy", "preempting"])
+def test_outputs_behind_the_engine_equal_outputs_at_once(pool, async_scheduling, tiny_model, long_form):
+    """With overlapped scheduling too: aborts, stop strings and preemption land between a
+    step's launch and the reading of its samples."""
     LaggedOutputs.llm = LLM(tiny_model("llama"), device="cpu", dtype="float32", block_size=4,
-                            max_num_batched_tokens=48, **pool)
+                            max_num_batched_tokens=48, async_scheduling=async_scheduling, **pool)
     LaggedOutputs.reference_llm = LLM(tiny_model("llama"), device="cpu", dtype="float32", block_size=4,
                                       num_device_blocks=256)
     LaggedOutputs.reference = {}

@@ -1,6 +1,6 @@
 """Soak: the served API (Ray Serve, two mixed CPU workers) with a deliberately
 small KV pool, under 64 concurrent streaming clients on loopback for a
-bounded time (2 minutes; 30 under ``--long-form``).
+bounded time (2 minutes; 30 under ``--long-form``, ``make test-all``).
 
 The pool (64 device blocks and about 26 host blocks per worker) is small
 enough that preemption, swapping and prefix-cache eviction all happen; the
@@ -9,10 +9,25 @@ Requests mix greedy and sampled ones, lengths from a few to a few hundred
 tokens, and eight shared prefixes.
 
 Pass: no request fails; every greedy request's text equals the same request
-served alone by the single-process ``LLM``; blocks in use and the RSS of the
-Serve replica, the workers and the KV manager do not grow over the warm part
-of the run (Theil-Sen slopes, printed); client-side TTFT p99 stays within
-3x p50 once warm; at the end, consistent accounting and no block in use.
+served alone by the single-process ``LLM``; every worker's pools pass their
+integrity check at every sample during the load (a block in use that no
+sequence's table holds, or a wrong ref count, is a leak the moment it
+happens); the RSS of the Serve replica, the workers and the KV manager does
+not grow over the warm part of the run (Theil-Sen slopes, printed);
+no request waits for its first token more than 3 mean request cycles once
+warm (a cycle: clients / completed requests per second, Little's law: what
+a request waits behind the others when the queue is served in order); at
+the end, every
+request finished, consistent accounting and no block in use.
+
+Blocks in use are sampled and their slope printed, not asserted: with 64
+clients on 128 device blocks the pool is full, so the level reads how well
+the clients and the ingress keep up on this machine (they stall for a few
+seconds under load and the pool half empties), not a leak, which the
+integrity samples and the end state catch exactly. Its least-squares slope
+read 16.8 and 15.4 blocks of growth (limit 12.8) in two leak-free runs at
+load 20-67 (2026-11-25), Theil-Sen 9.5 and 7.8: a bound on a level the load
+moves cannot separate a leak from a busy machine.
 ``PAGEDSERVE_SOAK_REPORT=path`` also writes the figures as JSON.
 """
 
@@ -34,7 +49,7 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from pagedserve.cluster.background_loop import BackgroundLoop  # noqa: E402
+from pagedserve.workers.background_loop import BackgroundLoop  # noqa: E402
 from pagedserve.workers.sampling_params import SamplingParams  # noqa: E402
 from served_cluster import cluster_config, running_cluster  # noqa: E402
 
@@ -56,8 +71,11 @@ SAMPLE_EVERY_S = 2.0
 # of 2.5 KiB (a request's token lists); Python's allocator and Ray's buffers
 # wander by a few MiB.
 MAX_RSS_GROWTH_MIB = 24.0
-MAX_BLOCK_GROWTH_FRACTION = 0.10   # of the cluster's device pool
-MAX_TTFT_RATIO = 3.0
+# A first token within this many mean request cycles (NUM_CLIENTS / throughput). Measured
+# 2026-11-26: p99 / cycle 0.66 (1-minute run) and 1.38 (2 minutes); the old bound, 3x the
+# TTFT median, read 3.45x and 4.5x on those runs: the faster the machine serves, the less of
+# a first token's wait is queueing and the more skewed the distribution, with no request starved.
+MAX_TTFT_CYCLES = 3.0
 REPORT_PATH = os.environ.get("PAGEDSERVE_SOAK_REPORT")
 
 
@@ -183,13 +201,16 @@ def _rss_mib(pid: int) -> float:
 
 
 class Sampler:
-    """Blocks in use and per-process RSS every ``SAMPLE_EVERY_S``, in a thread (a sample that
-    fails, e.g. a worker slow to answer on a loaded machine, is logged and skipped)."""
+    """Every ``SAMPLE_EVERY_S``, in a thread: each worker's integrity check (between two of its
+    engine steps), blocks in use and per-process RSS. A failed check is recorded; a sample
+    that cannot be taken (a worker slow to answer on a loaded machine) is logged and skipped."""
 
     def __init__(self, handle, pids: dict[str, int]) -> None:
         self.handle = handle
         self.pids = pids
         self.samples: list[tuple[float, int, dict[str, float]]] = []
+        self.num_integrity_checks = 0
+        self.integrity_failures: list[str] = []
         self._loop = BackgroundLoop("soak-sampler", self._sample, SAMPLE_EVERY_S, join_timeout_s=30)
 
     def __enter__(self) -> "Sampler":
@@ -200,6 +221,14 @@ class Sampler:
         self._loop.stop()
 
     def _sample(self) -> None:
+        from pagedserve.kvmanager import IntegrityError
+
+        for worker_id, worker in self.handle.workers.items():
+            try:
+                ray.get(worker.check_integrity.remote(), timeout=60)
+                self.num_integrity_checks += 1
+            except IntegrityError as exc:   # Ray raises the worker's error as this type too
+                self.integrity_failures.append(f"{worker_id} at {time.time():.1f}: {exc}")
         rss = {name: _rss_mib(pid) for name, pid in self.pids.items()}
         self.samples.append((time.time(), self.handle.num_used_blocks(), rss))
 
@@ -262,6 +291,8 @@ def test_soak_small_pool_many_streaming_clients(served, jobs, long_form):
     run_start = min(r.start - r.ttft for r in result.records)
     warm = [r for r in result.records if r.start - r.ttft >= run_start + WARMUP_S]
     ttfts = [r.ttft for r in warm]
+    warm_span = max(r.start for r in warm) - min(r.start - r.ttft for r in warm)
+    cycle_s = NUM_CLIENTS / (len(warm) / warm_span)   # Little's law: mean time a request takes
     p50, p99 = _percentile(ttfts, 0.50), _percentile(ttfts, 0.99)
     greedy = [r for r in result.records if r.is_greedy]
     warm_samples = [s for s in sampler.samples if run_start + WARMUP_S <= s[0] <= result.deadline]
@@ -280,7 +311,8 @@ def test_soak_small_pool_many_streaming_clients(served, jobs, long_form):
             for k in rss_slopes},
         "rss_mib_first_last": {k: (warm_samples[0][2][k], warm_samples[-1][2][k]) for k in rss_slopes},
         "ttft_p50_s": p50, "ttft_p99_s": p99, "ttft_ratio": p99 / p50, "num_warm": len(warm),
-        "warm_span_s": warm_span_s,
+        "request_cycle_s": cycle_s,
+        "warm_span_s": warm_span_s, "integrity_checks_under_load": sampler.num_integrity_checks,
     }
     print("\nsoak:", json.dumps(report, indent=1))
     if REPORT_PATH:
@@ -293,33 +325,16 @@ def test_soak_small_pool_many_streaming_clients(served, jobs, long_form):
     assert counters["preemptions_swap"] + counters["preemptions_recompute"] > 0
     assert counters["blocks_swapped_out"] > 0 and counters["blocks_swapped_in"] > 0
     assert counters["prefix_cache_evictions"] > 0
-    assert block_slope * warm_span_s < MAX_BLOCK_GROWTH_FRACTION * pool_blocks, report  # growth only: a leak
+    assert not sampler.integrity_failures, sampler.integrity_failures[:5]
+    assert sampler.num_integrity_checks >= len(handle.workers), \
+        f"{sampler.num_integrity_checks} integrity checks ran under load: a worker never answered one"
     for name, slope in rss_slopes.items():
         assert slope * warm_span_s < MAX_RSS_GROWTH_MIB, (name, report["rss_slope_mib_per_min"])
-    assert p99 <= MAX_TTFT_RATIO * p50, f"TTFT p99 {p99:.3f} s > {MAX_TTFT_RATIO}x p50 {p50:.3f} s"
+    assert p99 <= MAX_TTFT_CYCLES * cycle_s, (
+        f"TTFT p99 {p99:.3f} s > {MAX_TTFT_CYCLES} mean request cycles of {cycle_s:.3f} s: some requests "
+        f"waited for their first token far longer than the whole queue takes to turn over; assumes "
+        f"the {NUM_CLIENTS} clients keep the queue full and it is served in order")
 
     handle.wait_idle(timeout=120.0)
     handle.check_integrity()
     assert handle.num_used_blocks() == 0
-
-
-# Blocks in use over the warm window of a short run on a loaded machine (2026-11-25, load 20-67),
-# one sample about every 2 s: flat near 125 but for short dips, deepest early in the window.
-LOADED_MACHINE_BLOCKS = [117, 96, 118, 125, 118, 116, 122, 121, 126, 99, 114, 99, 113, 66, 55, 116, 132, 119, 128,
-                         129, 136, 128, 128, 131, 136, 129, 125, 116, 132, 96, 121, 129, 98, 127, 133, 128, 125, 129,
-                         123, 128, 122, 121, 129, 125, 119, 113, 135, 123, 127]
-
-
-def test_block_growth_check_passes_stalls_and_fails_a_leak():
-    limit = MAX_BLOCK_GROWTH_FRACTION * 2 * ENGINE["num_device_blocks"]
-    points = [(2.0 * i, used) for i, used in enumerate(LOADED_MACHINE_BLOCKS)]
-    span_s = points[-1][0]
-    assert _slope_per_s(points) * span_s < limit
-    # A leak of the allowed growth over the same window, on top of the same stalls, fails.
-    leaking = [(t, used + limit * t / span_s) for t, used in points]
-    assert _slope_per_s(leaking) * span_s >= limit
-    # Without stalls a leak is measured as it is, so any leak past the limit fails.
-    level = [(t, 125 + (-1) ** i) for i, (t, _) in enumerate(points)]
-    growth = 1.1 * limit
-    measured = _slope_per_s([(t, used + growth * t / span_s) for t, used in level]) * span_s
-    assert measured == pytest.approx(growth, abs=0.5) and measured >= limit

@@ -62,11 +62,13 @@ def check_json(text: str, schema: dict) -> None:
     validator.validate(json.loads(text))
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_model):
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "overlap"])
+def llm(request, tiny_model):
+    """Without and with overlapped scheduling (a constrained row reads the running step's
+    samples first: its grammar must have taken them)."""
     torch.set_num_threads(1)
     return LLM(tiny_model("llama"), device="cpu", dtype="float32", block_size=8,
-               num_device_blocks=512, swap_space_gb=0.001)
+               num_device_blocks=512, swap_space_gb=0.001, async_scheduling=request.param)
 
 
 @pytest.fixture(autouse=True)

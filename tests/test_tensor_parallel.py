@@ -351,6 +351,36 @@ def test_greedy_matches_transformers_through_prefix_hits_preemption_and_abort(ar
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_overlapped_scheduling_hands_the_running_steps_ids_to_every_rank(arch, tp_model, reference):
+    """With async_scheduling, a step's input ids are the running step's samples, still on rank 0's
+    device: they reach the other ranks by a broadcast over the model group, and outputs stay exact
+    (through preemption too)."""
+    path = tp_model(arch)
+    llm = make_engine(path, 2, num_device_blocks=24, swap_space_gb=6 * rank_block_bytes(path, 2) / 2**30,
+                      async_scheduling=True)
+    runner = llm.engine.runner
+    send, num_pending = runner.send, []
+
+    def counting_send(command):
+        num_pending.append(bool(getattr(command, "pending", None)))
+        send(command)
+
+    runner.send = counting_send
+    try:
+        assert llm.engine.async_scheduling
+        max_tokens = 20
+        prompts = random_prompts((40, 13, 52, 26, 9, 33), seed=12)
+        outputs = llm.generate(prompts, greedy(max_tokens))
+        assert_matches(outputs, arch, max_tokens, reference)
+        assert sum(num_pending) > 10, "steps should take their ids from the running step"
+        assert sum(llm.stats()["num_preemptions_by_mode"].values()) > 0
+        assert_idle(llm)
+    finally:
+        llm.engine.runner.shutdown()
+
+
+@pytest.mark.slow
 def test_an_abort_that_arrives_while_a_step_runs(tp_model, reference):
     """The engine thread steps the group on its own; an abort sent from the event loop lands while
     steps run and is applied between two of them: that stream ends "abort", the others exactly."""

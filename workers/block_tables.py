@@ -65,6 +65,15 @@ class BlockTableRows:
     def num_rows(self) -> int:
         return self.host.shape[0]
 
+    @property
+    def source(self) -> torch.Tensor:
+        """The rows on the model's device (the device copy, or the host tensor on the CPU)."""
+        return self.host if self.mirror is None else self.mirror
+
+    def reserve_columns(self, num_columns: int) -> None:
+        """Make room for tables of ``num_columns`` entries now (a static user's width)."""
+        self._ensure_columns(num_columns)
+
     def row_of(self, seq_id: str) -> int | None:
         return self._row_of.get(seq_id)
 

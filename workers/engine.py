@@ -10,18 +10,21 @@ from typing import Any, Callable
 
 import torch
 
-from pagedserve.kvmanager import KVManager
+from pagedserve.kvmanager import PENDING_TOKEN, KVManager
 
+from .beam_groups import BeamGroups
 from .detokenizer import FINISH_STOP, check_stop
 from .engine_options import EngineConfig
 from .grammar import GrammarCompiler
-from .input_batch import (EXPORTS_KV, FORKS, GRAMMAR, MIN_TOKENS, PER_ROW, RANDOM, STOP_TOKEN_IDS, TEXT,
+from .input_batch import (BEAM, EXPORTS_KV, FORKS, GRAMMAR, MIN_TOKENS, PER_ROW, RANDOM, STOP_TOKEN_IDS, TEXT,
                           InputBatch)
 from .kv_transfer import KVTransfer, check_compatible, export_kv, import_kv, read_header
-from .model_runner import ModelInput, ScoreRequest, TokenScores, int64_tensor
-from .output_processor import OUTPUT_KINDS, EngineStep, OutputProcessor, SeqFinish, new_stream
+from .host_lists import int64_tensor
+from .model_runner import ModelInput, ScoreRequest, TokenScores
+from .output_processor import OUTPUT_KINDS, EngineStep, OutputProcessor, SeqFinish, StepTokens, new_stream
 from .request import Request, RequestOutput, Sequence
 from .runners import build_runner
+from .sampled_step import SampledStep, TokenReadback
 from .sampler import SampleLogprobs, Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
@@ -65,6 +68,10 @@ class LLMEngine:
         self.pool_config = config.pool_config(num_device, num_host, max_len, role=role,
                                               sliding_window=self._freeing_window(role))
         self.runner.allocate_cache(config.block_size, num_device, num_host)
+        if self.runner.device.type == "cuda":
+            self.runner.warm_up_block_copies()
+        if self._uses_graphs:
+            self.runner.enable_decode_graphs(config.graph_sizes(), -(-max_len // config.block_size))
         self.kv_manager = kv_manager if kv_manager is not None else KVManager()
         self.kv_manager.add_worker(worker_id, self.pool_config)
         self.step_hooks: list[Callable[[], None]] = []
@@ -72,6 +79,15 @@ class LLMEngine:
                                    self.max_num_batched_tokens, config.scheduling_policy)
         self.batch = InputBatch(self.runner.block_tables, self.eos_token_ids, max_len)
         self.output_processor = OutputProcessor()
+        # Overlapped scheduling: step n + 1 is planned and launched before step n's ids are read.
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.runner.device.type == "cuda")
+        self._in_flight: SampledStep | None = None
+        self.num_ended = 0   # sequences ended (finished, aborted, stopped): a step's samples of them are dropped
+        self._readback = TokenReadback(self.runner.device, config.max_num_seqs)
+        self.beam_groups = BeamGroups(self.scheduler, self.batch, self._new_sequence,
+                                      lambda request: self.requests.pop(request.request_id, None),
+                                      self.tokenizer, self.eos_token_ids, max_len)
         self.sampler = Sampler(config.seed)
         if config.seed is None:
             logger.info("sampler seed %d (fresh; set engine seed to reproduce unseeded requests)",
@@ -94,6 +110,11 @@ class LLMEngine:
         self.num_step_calls = 0
 
     # ---- set-up -------------------------------------------------------------------
+    @property
+    def _uses_graphs(self) -> bool:
+        """Decode steps replay CUDA graphs: the default on CUDA (``enforce_eager`` turns it off)."""
+        return self.runner.device.type == "cuda" and not self.config.enforce_eager
+
     def _eos_token_ids(self) -> list[int]:
         ids: list[int] = []
         generation = getattr(self.runner.model, "generation_config", None)
@@ -137,7 +158,11 @@ class LLMEngine:
         if config.kv_cache_memory_gb is not None:
             budget = config.kv_cache_memory_gb * GiB
         elif self.runner.device.type == "cuda":
-            peak = self.runner.profile_peak_memory(self.max_num_batched_tokens, config.block_size)
+            # The forward's peak and the CUDA graphs' pool come out of the budget first.
+            peak = self.runner.profile_peak_memory(
+                self.max_num_batched_tokens, config.block_size,
+                config.graph_sizes() if self._uses_graphs else None,
+                -(-self.max_model_len // config.block_size))
             total = torch.cuda.get_device_properties(self.runner.device).total_memory
             budget = total * config.gpu_memory_utilization - peak
         else:
@@ -215,15 +240,16 @@ class LLMEngine:
             all_tokens = token_ids + list(output_token_ids or [])
             check_compatible(self.runner.kv_cache, meta, all_tokens)
             num_imported = meta["num_tokens"]
-            if params.n != 1 or not 0 < num_imported < len(all_tokens):
-                raise ValueError("a transferred request needs n == 1 and at least one token "
-                                 "left to compute")
+            if params.n != 1 or params.use_beam_search or not 0 < num_imported < len(all_tokens):
+                raise ValueError("a transferred request needs n == 1, no beam search and at least one "
+                                 "token left to compute")
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.grammar_compiler.compile(params.structured_outputs)
         request = Request(request_id, text, token_ids, params, priority,
                           arrival_time if arrival_time is not None else time.time(), next(self._order))
         request.export_kv = export_kv
+        request.is_migratable = params.n == 1 and not export_kv and not params.use_beam_search
         request.kv_transfer = kv_transfer
         request.grammar = grammar
         request.output_kind = output_kind
@@ -238,6 +264,10 @@ class LLMEngine:
             raise ValueError("output_token_ids do not follow the request's structured_outputs "
                              f"grammar: {seq.grammar.error}")
         request.num_transferred_tokens = num_imported
+        if params.use_beam_search:
+            if output_token_ids or export_kv:
+                raise ValueError("a beam search cannot continue sampled output or export its KV")
+            self.beam_groups.start(request)
         return request
 
     def admit(self, request: Request) -> None:
@@ -286,8 +316,10 @@ class LLMEngine:
         if request is None:
             return False
         request.is_aborted = True
+        self.num_ended += 1
         for seq in request.seqs:
             if not seq.is_finished:
+                _drop_pending_tokens(seq)
                 self.scheduler.finish(seq)
                 self.batch.remove(seq)
                 seq.finish_reason = "abort"
@@ -306,6 +338,8 @@ class LLMEngine:
         self._release_if_idle()
 
     def _end_sequence(self, seq: Sequence) -> None:
+        self.num_ended += 1
+        _drop_pending_tokens(seq)
         self.scheduler.finish(seq)
         self.batch.remove(seq)
         request = seq.request
@@ -316,9 +350,10 @@ class LLMEngine:
         return bool(self.requests)
 
     def has_pending_outputs(self) -> bool:
-        """Outputs (aborts) that the next ``step`` returns even with nothing to run."""
+        """Outputs that the next ``step`` returns even with nothing to run: aborts, and the
+        samples of a step still running (overlapped scheduling)."""
         pending = self._pending
-        return bool(pending.aborted or pending.migrated or pending.finished)
+        return bool(pending.aborted or pending.migrated or pending.tokens) or self._in_flight is not None
 
     # ---- the loop -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -347,28 +382,44 @@ class LLMEngine:
         result, self._pending = self._pending, EngineStep()
         for seq in plan.preempted:  # migrated ones too
             self.batch.remove(seq)
+        if plan.migrated and self._in_flight is not None:
+            self._resolve(result)  # an export carries the sequence's tokens: all of them known
         for seq, target in plan.migrated:
             result.migrated.append(self._migrate(seq, target))
         # The copies run even when nothing is scheduled: a sequence that preempted
         # itself by swapping still needs its KV on the host.
         kv = plan.kv
         self.runner.kv_cache.execute_copies(kv.swap_out, kv.swap_in, kv.copy_on_write)
-        if plan.is_empty:
-            if self.scheduler.num_unfinished and not kv.preempted and not self.scheduler.running:
+        if plan.is_empty or not plan.scheduled:
+            if plan.is_empty and self.scheduler.num_unfinished and not kv.preempted and not self.scheduler.running:
                 self._check_can_progress()
                 result.aborted.extend(self._pending.aborted)
                 self._pending.aborted.clear()
-            return result
-        if not plan.scheduled:
+            if self._in_flight is not None:
+                self._resolve(result)
             return result
         self.num_steps += 1
         model_input, sampling_seqs, sampling_rows, scored, first_samples = self._prepare(plan)
-        execute_output = self.runner.execute(model_input)
+        in_flight = self._in_flight
+        execute_output = self.runner.execute(model_input, in_flight.token_tensor if in_flight else None)
         for index, scores in execute_output.scores.items():
             seq, first_position = scored[index]
             self._add_prompt_logprobs(seq.request, first_position, scores)
         if sampling_seqs:
-            self._postprocess(sampling_seqs, sampling_rows, execute_output.logits, first_samples, result)
+            sampled = self._sample(sampling_seqs, sampling_rows, execute_output.logits, first_samples, result)
+            previous = self._in_flight
+            if not sampled.seqs:
+                self._release_if_idle()  # every row was a beam, taken by its group
+            elif sampled.token_ids is None:
+                self._launch(sampled)
+            else:
+                self._finish(sampled, result)
+            if previous is not None:
+                # Its ids are ready (this step is queued behind it). Sequences it ends drop the
+                # pending token the launch just gave them.
+                self._resolve(result, previous)
+        elif self._in_flight is not None:
+            self._resolve(result)
         self._record_step_time(start, model_input.is_decode_only)
         return result
 
@@ -387,6 +438,7 @@ class LLMEngine:
         sampling_seqs: list[Sequence] = []
         sampling_rows: list[int] = []
         first_samples: list[Sequence] = []   # sequences that may sample their first token
+        pending: list[tuple[int, int]] = []  # (input position, sampling row of the running step)
         for index, (seq, sched) in enumerate(plan.scheduled):
             row = seq.batch_row
             table = sched.block_table
@@ -402,7 +454,10 @@ class LLMEngine:
             starts.append(start)
             tokens = seq.token_ids
             if sched.num_tokens == 1 and start + 1 == len(tokens):
-                input_ids.append(tokens[start])
+                token = tokens[start]
+                if token == PENDING_TOKEN:  # sampled by the step still running: its id is on the device
+                    pending.append((len(input_ids), seq.pending_source))
+                input_ids.append(token)
                 sampling_seqs.append(seq)
                 sampling_rows.append(row)
                 if num_tokens is not None:
@@ -432,7 +487,8 @@ class LLMEngine:
                 scores.append(ScoreRequest(index, tokens[start + 1:min(end + 1, seq.num_prompt_tokens)],
                                            request.params.prompt_logprobs))
                 scored[index] = (seq, start + 1)
-        model_input = ModelInput(rows, starts, input_ids, updates, num_tokens, logits_indexes, scores or None)
+        model_input = ModelInput(rows, starts, input_ids, updates, num_tokens, logits_indexes, scores or None,
+                                 pending or None)
         return model_input, sampling_seqs, sampling_rows, scored, first_samples
 
     def _on_admitted(self, seq: Sequence, sched) -> None:
@@ -496,18 +552,28 @@ class LLMEngine:
                          head.request.request_id, need, self.pool_config.num_device_blocks)
 
     # ---- sampling and finishing ---------------------------------------------------------
-    def _postprocess(self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor,
-                     first_samples: list[Sequence], result: EngineStep) -> None:
-        """Sample one token per sequence (n per sequence whose samples fork now), find
-        which sequences end, and record both in ``result``. Per sequence this costs two
-        list appends; the parameters and finish checks are tensor ops on the persistent
-        batch, and only the rows flagged as needing more are visited one by one."""
+    def _sample(self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor,
+                first_samples: list[Sequence], result: EngineStep) -> SampledStep:
+        """Sample one token per sequence (n per sequence whose samples fork now). The
+        parameters are gathered from the persistent batch; only rows flagged as needing
+        more are visited one by one, and those need the running step's ids first. With
+        overlapped scheduling and no such row, the ids stay on the device (``token_ids``
+        None) for ``_launch``; otherwise they are read here."""
+        num_ended = self.num_ended
         step_rows = self.batch.step_rows(seqs, rows)
         row_index, flags = step_rows.rows, step_rows.flags
         per_row = step_rows.per_row_positions
+        if per_row and self._in_flight is not None:
+            self._resolve(result)  # penalties, grammars and forks read the sequences' last tokens
         forked: list[tuple[Sequence, Sequence]] = []
+        flag_values = None
         if per_row:
             flag_values = flags.tolist()
+            if bool((flags & BEAM).any()):
+                seqs, logits, row_index, flags = self._take_beam_rows(seqs, logits, row_index, flags,
+                                                                      flag_values, result)
+                flag_values = flags.tolist()
+                per_row = [p for p, value in enumerate(flag_values) if value & PER_ROW]
             if any(flag_values[p] & FORKS for p in per_row):
                 seqs, index = self._fork(seqs, flag_values, forked)
                 index_tensor = torch.tensor(index, dtype=torch.int64)
@@ -515,10 +581,12 @@ class LLMEngine:
                 row_index, flags = row_index[index_tensor], flags[index_tensor]
                 flag_values = flags.tolist()
                 per_row = [p for p, value in enumerate(flag_values) if value & PER_ROW]
+        sampled = SampledStep(seqs, row_index, flags, logits, first_samples, per_row=per_row,
+                              flag_values=flag_values, forked=forked, num_ended=num_ended)
         if not per_row and not bool((flags & RANDOM).any()):
-            token_tensor = self.sampler.greedy(logits)   # greedy, unconstrained: the common case
-            token_ids = token_tensor.tolist()
-            logprobs = None
+            sampled.token_tensor = self.sampler.greedy(logits)   # greedy, unconstrained: the common case
+        elif not per_row:
+            sampled.token_tensor = self.sampler.sample_tokens(logits, self.batch.sampling_batch(row_index))
         else:
             batch = self.batch.sampling_batch(row_index)
             for p in per_row:
@@ -526,41 +594,141 @@ class LLMEngine:
             grammar_positions = [p for p in per_row if flag_values[p] & GRAMMAR]
             if grammar_positions:
                 self._add_token_bitmasks(seqs, grammar_positions, batch)
-            sampled = self.sampler.sample_batch(logits, batch)
-            token_tensor, token_ids = sampled.token_tensor, sampled.token_ids
-            logprobs = sampled.logprobs if batch.num_logprobs else None
-        for parent, child in forked:
+            output = self.sampler.sample_batch(logits, batch)
+            sampled.token_tensor, sampled.token_ids = output.token_tensor, output.token_ids
+            sampled.logprobs = output.logprobs if batch.num_logprobs else None
+        if sampled.token_ids is None and not self.async_scheduling:
+            sampled.token_ids = sampled.token_tensor.tolist()
+        return sampled
+
+    def _launch(self, sampled: SampledStep) -> None:
+        """Leave a step's ids on the device and go on: each sequence gets a pending token,
+        which the next step computes from the device's copy and ``_resolve`` fills in. A
+        sequence whose sample is the last it may have gets none: it ends with it."""
+        seqs = sampled.seqs
+        sampled.last = self.batch.count_samples(sampled.rows).nonzero().squeeze(1).tolist()
+        positions = []
+        for index, seq in enumerate(seqs):
+            positions.append(len(seq.token_ids))
+            seq.pending_source = index
+            seq.token_ids.append(PENDING_TOKEN)
+            seq.output_token_ids.append(PENDING_TOKEN)
+        pending = seqs
+        if sampled.last:
+            for p in sampled.last:
+                seqs[p].token_ids.pop()
+                seqs[p].output_token_ids.pop()
+                positions[p] = -1
+            pending = [seq for seq, position in zip(seqs, positions) if position >= 0]
+        self.scheduler.append_tokens(pending, [PENDING_TOKEN] * len(pending))
+        sampled.positions = positions
+        sampled.num_row_releases = self.batch.num_row_releases
+        sampled.readback = self._readback.start(sampled.token_tensor)
+        self._in_flight = sampled
+
+    def _resolve(self, result: EngineStep, sampled: SampledStep | None = None) -> None:
+        """Read a launched step's ids (the running one by default) and finish it: the
+        pending tokens get their values (a sequence's last token is appended). Sequences
+        that ended since the launch (a finish found meanwhile, an abort, a stop string)
+        drop their sample."""
+        if sampled is None:
+            sampled, self._in_flight = self._in_flight, None
+        sampled.token_ids, sampled.host_tokens = self._readback.read(sampled.readback)
+        self._drop_ended(sampled)
+        seqs, positions, last, token_ids = sampled.seqs, sampled.positions, sampled.last, sampled.token_ids
+        resolved_seqs, resolved_ids = seqs, token_ids
+        if last:
+            resolved_seqs = [seq for seq, position in zip(seqs, positions) if position >= 0]
+            resolved_ids = [t for t, position in zip(token_ids, positions) if position >= 0]
+        for seq, position, token_id in zip(seqs, positions, token_ids):
+            if position < 0:
+                seq.token_ids.append(token_id)
+                seq.output_token_ids.append(token_id)
+            else:
+                seq.token_ids[position] = token_id
+                seq.output_token_ids[position - seq.num_prompt_tokens] = token_id
+        self.scheduler.resolve_tokens(resolved_seqs, resolved_ids)
+        self._finish(sampled, result, is_resolved=True)
+
+    def _drop_ended(self, sampled: SampledStep) -> None:
+        """Drop the samples of sequences that ended since the step was planned."""
+        if self.num_ended != sampled.num_ended:
+            kept = [p for p, seq in enumerate(sampled.seqs) if not seq.is_finished]
+            if len(kept) < len(sampled.seqs):
+                sampled.keep(kept)
+
+    def _finish(self, sampled: SampledStep, result: EngineStep, is_resolved: bool = False) -> None:
+        """Account for a step's samples: append them (unless resolved from pending tokens),
+        find the sequences that end, and record both in ``result``. Per sequence this is
+        two list appends; the finish checks are tensor ops on the persistent batch."""
+        if not is_resolved:
+            token_tensor = sampled.token_tensor
+            sampled.host_tokens = (token_tensor if token_tensor.device.type == "cpu"
+                                   else int64_tensor(sampled.token_ids))
+            self._drop_ended(sampled)  # ended while the step's previous one was read
+        seqs, token_ids, host_tokens = sampled.seqs, sampled.token_ids, sampled.host_tokens
+        for parent, child in sampled.forked:
             self.scheduler.fork(parent, child)
-        for seq, token_id in zip(seqs, token_ids):
-            seq.token_ids.append(token_id)
-            seq.output_token_ids.append(token_id)
-        self.scheduler.append_tokens(seqs, token_ids)
+        if not is_resolved:
+            for seq, token_id in zip(seqs, token_ids):
+                seq.token_ids.append(token_id)
+                seq.output_token_ids.append(token_id)
+            self.scheduler.append_tokens(seqs, token_ids)
         self.num_generated_tokens += len(seqs)
-        host_tokens = token_tensor if token_tensor.device.type == "cpu" else int64_tensor(token_ids)
-        candidates = self.batch.count_outputs(row_index, host_tokens).nonzero().squeeze(1).tolist()
+        rows, per_row = sampled.rows, sampled.per_row
+        if is_resolved:
+            candidates = set(sampled.last)   # counted at the launch
+            if sampled.num_row_releases != self.batch.num_row_releases:
+                # Rows were released since the launch: read only rows still held by the same
+                # sequence; the others (preempted meanwhile) are checked one by one.
+                held = [p for p, seq in enumerate(seqs) if seq.batch_row == int(rows[p])]
+                candidates.update(p for p in range(len(seqs)) if seq_row_lost(seqs[p], int(rows[p])))
+                index = torch.tensor(held, dtype=torch.int64)
+                eos = self.batch.ends_on_eos(rows[index], host_tokens[index]).nonzero().squeeze(1).tolist()
+                candidates.update(held[i] for i in eos)
+            else:
+                candidates.update(self.batch.ends_on_eos(rows, host_tokens).nonzero().squeeze(1).tolist())
+        else:
+            ends_now = self.batch.count_samples(rows) | self.batch.ends_on_eos(rows, host_tokens)
+            candidates = ends_now.nonzero().squeeze(1).tolist()
         ends: dict[int, tuple[str, bool]] = {}
-        if candidates or per_row:
-            self._find_ends(seqs, token_ids, logprobs, candidates, per_row, flag_values if per_row else None,
-                            ends)
+        if candidates:
+            self._check_ends(seqs, sorted(candidates), ends)
+        if per_row:
+            self._per_row_after_sampling(seqs, token_ids, sampled.logprobs, per_row, sampled.flag_values, ends)
         now = time.time()
-        for seq in first_samples:
+        for seq in sampled.first_samples:
             metrics = seq.request.metrics
             if metrics.first_token_time is None and seq.output_token_ids:
                 metrics.first_token_time = now
-        for parent, _ in forked:
+        for parent, _ in sampled.forked:
             self.batch.refresh_flags(parent)
+        tokens = StepTokens(seqs, token_ids, sampled.logprobs)
         for p, (reason, by_token) in ends.items():
             seq = seqs[p]
             seq.finish_reason = reason
             self._end_sequence(seq)
-            result.finished.append(SeqFinish(seq, reason, by_token))
-        result.seqs, result.token_ids, result.logprobs = seqs, token_ids, logprobs
-        text = flags & TEXT
+            tokens.finished.append(SeqFinish(seq, reason, by_token))
+        text = sampled.flags & TEXT
         if not bool(text.any()):
-            result.text_positions = []
+            tokens.text_positions = []
         elif not bool(text.all()):
-            result.text_positions = text.nonzero().squeeze(1).tolist()
+            tokens.text_positions = text.nonzero().squeeze(1).tolist()
+        result.tokens.append(tokens)
         self._release_if_idle()
+
+    def _take_beam_rows(self, seqs: list[Sequence], logits: torch.Tensor, row_index: torch.Tensor,
+                        flags: torch.Tensor, flag_values: list[int], result: EngineStep):
+        """Hand the beam-search rows to their groups (``BeamGroups``); the other rows'
+        sequences, logits, batch rows and flags go on to sampling."""
+        beam = [p for p, value in enumerate(flag_values) if value & BEAM]
+        rest = [p for p, value in enumerate(flag_values) if not value & BEAM]
+        index = torch.tensor(beam, dtype=torch.int64)
+        result.final_outputs.extend(self.beam_groups.advance([seqs[p] for p in beam],
+                                                             logits[index.to(logits.device)]))
+        self.num_generated_tokens += len(beam)
+        index = torch.tensor(rest, dtype=torch.int64)
+        return [seqs[p] for p in rest], logits[index.to(logits.device)], row_index[index], flags[index]
 
     def _fork(self, seqs: list[Sequence], flag_values: list[int],
               forked: list[tuple[Sequence, Sequence]]) -> tuple[list[Sequence], list[int]]:
@@ -581,20 +749,21 @@ class LLMEngine:
                     index.append(p)
         return owners, index
 
-    def _find_ends(self, seqs: list[Sequence], token_ids: list[int],
-                   logprobs: list[SampleLogprobs | None] | None, candidates: list[int], per_row: list[int],
-                   flag_values: list[int] | None, ends: dict[int, tuple[str, bool]]) -> None:
-        """The finish reasons of the sequences that end now (``check_stop`` decides, for the
-        candidates the batch's counters found and the rows with stop token ids), and the
-        per-row work that follows a token: logprobs, grammars, KV exports, min_tokens."""
+    def _check_ends(self, seqs: list[Sequence], positions: list[int], ends: dict[int, tuple[str, bool]]) -> None:
+        """``check_stop`` decides, for the candidates the batch's counters found (or
+        sequences without a row), whether and why each ends."""
         eos, max_model_len = self.eos_token_ids, self.max_model_len
-        for p in candidates:
+        for p in positions:
             seq = seqs[p]
             reason = check_stop(seq.request.params, seq.output_token_ids, eos, seq.num_prompt_tokens, max_model_len)
-            if reason is None:
-                raise RuntimeError(f"{seq.seq_id}: the batch's counters end it after "
-                                   f"{len(seq.output_token_ids)} outputs, but check_stop does not")
-            ends[p] = (reason, True)
+            if reason is not None:
+                ends[p] = (reason, True)
+
+    def _per_row_after_sampling(self, seqs: list[Sequence], token_ids: list[int],
+                                logprobs: list[SampleLogprobs | None] | None, per_row: list[int],
+                                flag_values: list[int], ends: dict[int, tuple[str, bool]]) -> None:
+        """The per-row work that follows a token: stop token ids, logprobs, grammars, KV
+        exports, min_tokens."""
         for p in per_row:
             seq, value = seqs[p], flag_values[p]
             request = seq.request
@@ -675,6 +844,11 @@ class LLMEngine:
             "step_hook_seconds": self.hook_seconds,
             "num_step_calls": self.num_step_calls,
         })
+        graphs = self.runner.decode_graphs
+        if graphs is not None:
+            stats.update({"num_cuda_graphs": len(graphs.graphs), "cuda_graph_memory_bytes": graphs.memory_bytes,
+                          "num_padded_decode_steps": graphs.num_runs, "num_graph_replays": graphs.num_replays,
+                          "num_padded_rows": graphs.num_padded_rows})
         if self._grammar_compiler is not None:
             stats["num_grammars_compiled"] = self._grammar_compiler.num_compiled
             stats["num_grammar_cache_hits"] = self._grammar_compiler.num_cache_hits
@@ -701,3 +875,15 @@ class LLMEngine:
 
     def config_dict(self) -> dict:
         return self.config.model_dump()
+
+
+def _drop_pending_tokens(seq: Sequence) -> None:
+    """An ended sequence forgets the tokens a still-running step was computing for it."""
+    while seq.output_token_ids and seq.output_token_ids[-1] == PENDING_TOKEN:
+        seq.output_token_ids.pop()
+        seq.token_ids.pop()
+
+
+def seq_row_lost(seq: Sequence, row: int) -> bool:
+    """The sequence no longer holds ``row``, the row it sampled from (preempted since)."""
+    return seq.batch_row != row

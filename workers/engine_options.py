@@ -46,31 +46,65 @@ ExecutorBackend = Literal["mp", "ray"]
 class EngineOptions(BaseModel):
     """Per-worker engine options; unknown names and bad values are errors naming the option."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False,
+                              use_attribute_docstrings=True)
 
-    dtype: str | None = None                  # None/"auto": float32 on CPU, bfloat16 on CUDA
-    device: str | None = None                 # None/"auto", "cpu" or "cuda"
+    dtype: str | None = None
+    """Weights' and KV cache's dtype. Unset or "auto": bfloat16 on GPUs with native bf16 (sm_80
+    and newer), float16 on older GPUs, float32 on CPU."""
+    device: str | None = None
+    """"cpu" or "cuda"; unset or "auto": cuda where present."""
     block_size: int = POOL_DEFAULTS["block_size"]
-    num_device_blocks: int | None = Field(None, ge=1)      # wins over the memory budgets
-    kv_cache_memory_gb: float | None = Field(None, gt=0)   # KV budget; default 1 GiB on CPU
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # CUDA only, after profiling a forward pass
-    swap_space_gb: float = Field(0.25, ge=0)                # host swap pool (and evicted prefix blocks)
+    """Tokens per KV block: a power of two up to 128."""
+    num_device_blocks: int | None = Field(None, ge=1)
+    """KV blocks on the device; wins over the memory budgets below."""
+    kv_cache_memory_gb: float | None = Field(None, gt=0)
+    """The device KV pool's budget; unset: 1 GiB on CPU, profiled on CUDA."""
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """CUDA only: the fraction of GPU memory for weights, activations and KV cache; the KV pool
+    takes what a profiled forward pass leaves."""
+    swap_space_gb: float = Field(0.25, ge=0)
+    """Host memory for swapped-out sequences and prefix blocks evicted from the device."""
     enable_prefix_caching: bool = POOL_DEFAULTS["enable_prefix_caching"]
-    preemption_mode: PreemptionMode | None = POOL_DEFAULTS["preemption_mode"]  # None: migrate/swap/recompute
+    """Share full blocks of identical prefixes between requests (chained block hashes)."""
+    preemption_mode: PreemptionMode | None = POOL_DEFAULTS["preemption_mode"]
+    """How a sequence that cannot grow is preempted. Unset: migrate to another worker with room,
+    else swap while host space is free, else recompute."""
     max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int | None = Field(None, ge=1)  # default: max(2048, max_model_len)
-    max_model_len: int | None = Field(None, ge=2)           # default: the longest context computed exactly
+    """Running sequences per worker at most (the decode batch)."""
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    """Token budget per step; long prompts are chunked to fit. Unset: max(2048, max_model_len)."""
+    max_model_len: int | None = Field(None, ge=2)
+    """Prompt plus output tokens per sequence at most. Unset: the longest context the model
+    computes exactly."""
     scheduling_policy: SchedulingPolicy = "fcfs"
-    allocation: Allocation = POOL_DEFAULTS["allocation"]    # "contiguous": the benchmarks' baseline
+    """"fcfs" (arrival order) or "priority" (the request's priority, lower first, then arrival)."""
+    allocation: Allocation = POOL_DEFAULTS["allocation"]
+    """"paged"; "contiguous" reserves max_model_len per sequence (the benchmarks' baseline)."""
     watermark: float = Field(POOL_DEFAULTS["watermark"], ge=0, lt=1)
-    seed: int | None = Field(None, ge=0, lt=2**63)          # None: a fresh random seed per engine
-    kernel_backend: KernelBackend | None = None             # None: triton on CUDA if installed, else torch
-    # Ranks (GPUs) one model replica spans; the model must have a tensor-parallel plan whose
-    # head counts divide by it (workers/tp_plan.py).
+    """Fraction of device blocks kept free at admission, so running sequences can grow."""
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    """Seed of the sampler stream of requests without their own seed. Unset: a fresh random seed
+    per engine (logged)."""
+    kernel_backend: KernelBackend | None = None
+    """Attention kernels: "triton" or "torch". Unset: triton on CUDA where installed, else torch."""
+    enforce_eager: bool = False
+    """CUDA: run every step eagerly, without CUDA graphs (vLLM's name)."""
+    async_scheduling: bool | None = None
+    """Plan and launch step n + 1 before step n's sampled ids are read: they stay on the device
+    for n + 1's inputs (vLLM's name). Unset: on with CUDA, off on the CPU (where the forward does
+    not run asynchronously, so it gains nothing)."""
+    cuda_graph_sizes: list[int] | None = None
+    """CUDA: the decode batch sizes captured as CUDA graphs (vLLM's name); a decode step runs at
+    the smallest size that holds it. Unset: 1, 2, 4, 8, then every 8 up to 256 and every 16
+    beyond, up to max_num_seqs."""
     tensor_parallel_size: int = Field(1, ge=1)
-    # How ranks 1 and up start: "mp" local processes, "ray" actors in this worker's placement
-    # group; None: "ray" inside a placement group with a bundle per rank, else "mp".
+    """Ranks (GPUs) one model replica spans (vLLM's name). The model needs a tensor-parallel plan
+    in transformers (``base_model_tp_plan``) and head counts that divide by it."""
     distributed_executor_backend: ExecutorBackend | None = None
+    """How ranks 1 and up of a tensor-parallel group start (vLLM's name): "mp" local processes,
+    "ray" actors in this worker's placement group. Unset: "ray" inside a placement group with a
+    bundle per rank, else "mp"."""
 
     @field_validator("block_size")
     @classmethod
@@ -78,6 +112,22 @@ class EngineOptions(BaseModel):
         if block_size not in BLOCK_SIZES:
             raise ValueError(f"block_size must be a power of two up to {BLOCK_SIZES[-1]}, got {block_size}")
         return block_size
+
+    @field_validator("cuda_graph_sizes")
+    @classmethod
+    def _graph_sizes(cls, sizes: list[int] | None) -> list[int] | None:
+        if sizes is not None and (not sizes or min(sizes) < 1):
+            raise ValueError(f"cuda_graph_sizes must be a non-empty list of positive batch sizes, got {sizes}")
+        return sizes
+
+    def graph_sizes(self) -> list[int]:
+        """The decode batch sizes to capture (``cuda_graph_sizes`` or the default), at most
+        ``max_num_seqs``."""
+        from .decode_graphs import default_graph_sizes
+
+        if self.cuda_graph_sizes is None:
+            return default_graph_sizes(self.max_num_seqs)
+        return sorted({min(size, self.max_num_seqs) for size in self.cuda_graph_sizes})
 
     @model_validator(mode="after")
     def _pool_accepts(self) -> "EngineOptions":

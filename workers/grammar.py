@@ -1,7 +1,7 @@
 """Grammar-constrained decoding: structured-output specs compiled once, matched per sequence.
 
-The grammar engine is llguidance (a maintained Rust library; see the README's
-"Structured outputs" for why it was chosen over xgrammar). Three pieces:
+The grammar engine is llguidance (a maintained Rust library; see
+docs/benchmarks.md, "Structured outputs", for why it was chosen over xgrammar). Three pieces:
   - ``grammar_source`` turns a ``StructuredOutputsParams`` into llguidance's
     grammar text, and ``check_structured_outputs`` validates it without a
     tokenizer (what an ingress can do before a request reaches a worker);

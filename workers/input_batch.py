@@ -8,8 +8,8 @@ and flags for the features only some sequences use. They are written once, when
 the row is taken; a step reads its rows with one gather per tensor, so work per
 step that is proportional to the number of sequences happens in tensor ops, not
 in Python. Only the rows whose flags say they need more (penalties, seeds,
-grammars, logprobs, stop token ids, ``min_tokens``, a pending fork or KV export)
-are looked at one by one.
+grammars, logprobs, stop token ids, ``min_tokens``, a pending fork or KV export,
+beam search) are looked at one by one.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .block_tables import BlockTableRows
-from .model_runner import int64_tensor
+from .host_lists import int64_tensor
 from .request import Sequence
 from .sampler import PenaltyRow, SamplingBatch, seeded_uniform
 
@@ -34,8 +34,9 @@ STOP_TOKEN_IDS = 64
 FORKS = 128         # n > 1: the samples fork at the first token
 EXPORTS_KV = 256    # disaggregated prefill: the prompt's KV is kept at the first token
 TEXT = 512          # its text is followed token by token (streamed, or has stop strings)
+BEAM = 1024         # a beam of a beam search: its logits go to its group, not to sampling
 # Any of these sends the row through the per-row path of the step's sampling.
-PER_ROW = PENALTIES | SEEDED | MIN_TOKENS | LOGPROBS | GRAMMAR | STOP_TOKEN_IDS | FORKS | EXPORTS_KV
+PER_ROW = PENALTIES | SEEDED | MIN_TOKENS | LOGPROBS | GRAMMAR | STOP_TOKEN_IDS | FORKS | EXPORTS_KV | BEAM
 
 
 @dataclass
@@ -65,6 +66,7 @@ class InputBatch:
         self.block_tables = block_tables
         self.max_model_len = max_model_len
         self.eos_token_ids = torch.tensor(eos_token_ids or [-1], dtype=torch.int64)
+        self.num_row_releases = 0
         self._allocate(block_tables.num_rows)
 
     def _allocate(self, num_rows: int) -> None:
@@ -107,6 +109,8 @@ class InputBatch:
 
     def remove(self, seq: Sequence) -> None:
         """Take back ``seq``'s row (nothing if it holds none)."""
+        if seq.batch_row >= 0:
+            self.num_row_releases += 1
         self.block_tables.release(seq.seq_id)
         seq.batch_row = -1
 
@@ -119,6 +123,8 @@ class InputBatch:
     def _flags_of(seq: Sequence) -> int:
         request = seq.request
         params = request.params
+        if params.use_beam_search:
+            return BEAM
         flags = 0 if params.is_greedy else RANDOM
         if params.has_penalties:
             flags |= PENALTIES
@@ -169,14 +175,18 @@ class InputBatch:
         if flags & LOGPROBS:
             batch.num_logprobs.append((position, params.logprobs))
 
-    def count_outputs(self, rows: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        """Count one more output on each of ``rows`` (sampled ``token_ids``, CPU) and return
-        a bool per row: the sequence ends here by EOS or by length (its ``max_tokens``
-        or the model's context). Stop token ids are checked per row (``STOP_TOKEN_IDS``)."""
+    def count_samples(self, rows: torch.Tensor) -> torch.Tensor:
+        """Count one more sampled output on each of ``rows`` (int64, CPU) and return a bool
+        per row: it was the last its sequence may have (its ``max_tokens``, or the model's
+        context), so the sequence ends with it, whatever its value."""
         num_outputs = self.num_outputs.index_select(0, rows) + 1
         self.num_outputs.index_copy_(0, rows, num_outputs)
-        is_eos = torch.isin(token_ids, self.eos_token_ids) & self.stops_on_eos.index_select(0, rows)
-        return is_eos | (num_outputs >= self.max_outputs.index_select(0, rows))
+        return num_outputs >= self.max_outputs.index_select(0, rows)
+
+    def ends_on_eos(self, rows: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """A bool per row: its sampled id (``token_ids``, CPU) is an EOS that ends it. Stop
+        token ids are checked per row (``STOP_TOKEN_IDS``)."""
+        return torch.isin(token_ids, self.eos_token_ids) & self.stops_on_eos.index_select(0, rows)
 
     def check(self, running: list[Sequence]) -> None:
         """Raise unless exactly the running sequences hold rows, each the one it says."""

@@ -79,7 +79,7 @@ from typing import Callable
 from pagedserve.kvmanager.errors import WireFormatError
 from pagedserve.kvmanager.publisher import next_tick
 
-from .kv_link import RayTransport
+from .kv_link import RayCall, RayTransport, call_result
 
 logger = logging.getLogger(__name__)
 
@@ -359,7 +359,7 @@ class ZmqTransport:
         self._next_id = 0
         self._replies: dict[int, tuple[bytes | None, BaseException | None]] = {}
         self._last_reply_id = -1        # on this connection: every quiet send before it is acknowledged
-        self._endpoint_ref = None       # an outstanding ``event_endpoint`` ask
+        self._endpoint_ask: RayCall | None = None   # an outstanding ``event_endpoint`` ask
         self._ask_again_at = 0.0        # a failed ask (manager restarting) is repeated then
         self._failed_asks = 0           # of the relay's endpoint, in a row, other than "restarting"
         self._failing_since = None      # when the relay's asks began to fail
@@ -483,21 +483,16 @@ class ZmqTransport:
                 self._replies[request_id] = (None, RuntimeError(body[_HEAD.size:].decode(errors="replace")))
 
     def _rediscover(self) -> None:
-        if self._endpoint_ref is None:
+        if self._endpoint_ask is None:
             self._ask_again_at = 0.0
-            self._endpoint_ref = self.endpoint_source.event_endpoint.remote()
+            self._endpoint_ask = RayCall(self.endpoint_source.event_endpoint.remote())
 
     def _check_endpoint(self) -> None:
-        if self._endpoint_ref is None:
+        if self._endpoint_ask is None or not self._endpoint_ask.future.done():
             return
-        import ray
-
-        ready, _ = ray.wait([self._endpoint_ref], timeout=0)
-        if not ready:
-            return
-        ref, self._endpoint_ref = self._endpoint_ref, None
+        ask, self._endpoint_ask = self._endpoint_ask, None
         try:
-            endpoint = ray.get(ref, timeout=0)
+            endpoint = ask.future.result()
         except Exception as exc:  # restarting: asked again shortly, not only at the next ack timeout
             if self._relay_gone(exc):
                 self._fall_back_to_central(exc)
@@ -569,16 +564,14 @@ def connect_transport(actor, kind: str = "zmq", timeout_s: float = 10.0, ack_tim
     if kind != "zmq":
         raise ValueError(f"unknown KV event transport {kind!r}; known: zmq, ray")
     try:
-        import ray
-
         if relay is not None:
             try:
-                endpoint = ray.get(relay.event_endpoint.remote(), timeout=timeout_s)
+                endpoint = call_result(relay.event_endpoint.remote(), timeout_s)
                 if endpoint:
                     return ZmqTransport(actor, endpoint, ack_timeout_s=ack_timeout_s, endpoint_source=relay)
             except Exception as exc:  # the relay could not start: straight to the central actor
                 logger.warning("KV events straight to the central KV manager: no node relay (%r)", exc)
-        endpoint = ray.get(actor.event_endpoint.remote(), timeout=timeout_s)
+        endpoint = call_result(actor.event_endpoint.remote(), timeout_s)
         if not endpoint:
             raise RuntimeError("the central KV manager has no event endpoint")
         return ZmqTransport(actor, endpoint, ack_timeout_s=ack_timeout_s)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from .engine import EngineConfig, LLMEngine
 from .request import RequestOutput
 from .sampling_params import SamplingParams
@@ -72,6 +73,24 @@ class LLM:
             raise
         return [finished[request_id] for request_id in ids]
 
+    def beam_search(self, prompts: Sequence[str | Sequence[int] | dict], params: BeamSearchParams
+                    ) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: the ``params.beam_width`` best beams of each prompt,
+        best first, in input order. A prompt is a string, a list of token ids, or vLLM's
+        ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``. The beams share their
+        prefix's KV blocks (see ``beam_groups.py``); the search is transformers'
+        ``generate(num_beams=beam_width, do_sample=False)``.
+        """
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = [_prompt_of(p) for p in prompts]
+        outputs = self.generate(prompts, params.to_sampling_params())
+        return [BeamSearchOutput([BeamSearchSequence(output.prompt_token_ids + completion.token_ids,
+                                                     completion.cumulative_logprob, completion.text,
+                                                     completion.finish_reason, completion.stop_reason)
+                                  for completion in output.outputs])
+                for output in outputs]
+
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes (only while idle); True if done."""
         return self.engine.reset_prefix_cache()
@@ -81,3 +100,14 @@ class LLM:
 
     def check_integrity(self) -> None:
         self.engine.check_integrity()
+
+
+def _prompt_of(prompt: str | Sequence[int] | dict) -> str | list[int]:
+    """A prompt as ``generate`` takes it (vLLM's dict forms unwrapped)."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if set(prompt) == {"prompt"}:
+        return prompt["prompt"]
+    if set(prompt) == {"prompt_token_ids"}:
+        return list(prompt["prompt_token_ids"])
+    raise ValueError(f"a prompt dict has either 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")

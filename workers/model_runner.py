@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import array
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -14,6 +13,8 @@ from pagedserve.kernels.gpu_targets import check_dtype, check_shared_memory
 
 from .attention import PagedAttentionMetadata, register_paged_attention
 from .block_tables import BlockTableRows
+from .decode_graphs import DecodeGraphs
+from .host_lists import int64_tensor
 from .host_memory import retain_freed_host_memory
 from .kv_cache import CacheShape, KVCache
 from .model_head import ModelHead
@@ -94,7 +95,9 @@ class ModelInput:
     sequence whose block table is row ``rows[i]`` of the runner's
     ``BlockTableRows``; ``input_ids`` are the chunks' tokens, flattened. A
     decode-only step (one token per chunk, every chunk sampling) leaves
-    ``num_tokens`` and ``logits_indexes`` None. ``table_updates`` (row, whole
+    ``num_tokens`` and ``logits_indexes`` None. An ``input_ids`` entry listed in
+    ``pending`` is ``PENDING_TOKEN``, to be taken from the running step's sampled ids
+    on the device. ``table_updates`` (row, whole
     table, first changed entry) bring rows up to date before the forward:
     entries before the first changed one are those the row already holds.
     """
@@ -106,6 +109,9 @@ class ModelInput:
     num_tokens: list[int] | None = None
     logits_indexes: list[int] | None = None    # chunks that sample; None: all
     scores: list[ScoreRequest] | None = None
+    # Tokens sampled by the step still running: (position in input_ids, its row in that
+    # step's sampled ids), taken on the device (overlapped scheduling).
+    pending: list[tuple[int, int]] | None = None
 
     @property
     def num_chunks(self) -> int:
@@ -149,11 +155,6 @@ class FlatBatch:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
-
-
-def int64_tensor(values: list[int]) -> torch.Tensor:
-    """A CPU int64 tensor of a list of ints (a C array's buffer: ~4x faster than ``torch.tensor``)."""
-    return torch.frombuffer(array.array("q", values), dtype=torch.int64) if values else torch.empty(0, dtype=torch.int64)
 
 
 def flatten(model_input: ModelInput, block_tables: BlockTableRows, block_size: int) -> FlatBatch:
@@ -255,6 +256,8 @@ class ModelRunner:
         self.kv_cache: KVCache | None = None
         self.block_tables = BlockTableRows(self.device)
         self._kernels_checked: set[int] = set()  # block sizes whose kernels fit this GPU
+        # Decode steps on static padded buffers (CUDA graphs on CUDA); None: every step eager.
+        self.decode_graphs: DecodeGraphs | None = None
 
     def cache_shape(self, block_size: int) -> CacheShape:
         return CacheShape(self.num_layers, block_size, self.num_kv_heads, self.head_dim, self.dtype)
@@ -269,8 +272,10 @@ class ModelRunner:
                                 self.device)
         return self.kv_cache
 
-    def profile_peak_memory(self, num_tokens: int, block_size: int) -> int:
-        """Peak CUDA bytes of one forward pass over ``num_tokens`` prompt tokens.
+    def profile_peak_memory(self, num_tokens: int, block_size: int,
+                            graph_sizes: list[int] | None = None, max_blocks_per_seq: int = 1) -> int:
+        """Peak CUDA bytes of one forward pass over ``num_tokens`` prompt tokens, plus the
+        memory pool of the CUDA graphs of ``graph_sizes`` (captured here, then dropped).
 
         Runs against a throwaway cache just big enough for them; 0 off CUDA.
         """
@@ -288,18 +293,70 @@ class ModelRunner:
             self.block_tables.release("profile")
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
+        graph_bytes = 0
+        if graph_sizes:
+            graphs = self._try_graphs(graph_sizes, max_blocks_per_seq)
+            graph_bytes = graphs.memory_bytes if graphs is not None else 0
+            del graphs
         self.kv_cache = saved
         torch.cuda.empty_cache()
-        return peak
+        return peak + graph_bytes
+
+    def warm_up_block_copies(self) -> None:
+        """Compile the block copy and swap kernels at load, not in the first request that
+        preempts or forks: block 0 copied onto itself, and out to the host pool and back
+        (the pools hold nothing yet)."""
+        from pagedserve import kernels
+
+        pairs = torch.tensor([[0, 0]], dtype=torch.int64, device=self.device)
+        caches = self.kv_cache.device_caches
+        kernels.copy_blocks([k for k, _ in caches], [v for _, v in caches], pairs)
+        if self.kv_cache.num_host_blocks:
+            k_cache, host_k = caches[0][0], self.kv_cache.host_caches[0][0]
+            kernels.swap_blocks(k_cache, host_k, pairs.cpu())
+            kernels.swap_blocks(host_k, k_cache, pairs.cpu())
+
+    def enable_decode_graphs(self, sizes: list[int], max_blocks_per_seq: int, capture: bool = True) -> bool:
+        """Run decode steps of up to ``max(sizes)`` sequences padded on static buffers,
+        captured as CUDA graphs when ``capture`` (CUDA only). A model whose forward
+        cannot be captured says why in the log and stays eager; returns whether the
+        padded path is on."""
+        if capture and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.decode_graphs = (self._try_graphs(sizes, max_blocks_per_seq) if capture
+                              else DecodeGraphs(self, sizes, max_blocks_per_seq, capture=False))
+        return self.decode_graphs is not None
+
+    def _try_graphs(self, sizes: list[int], max_blocks_per_seq: int) -> DecodeGraphs | None:
+        try:
+            return DecodeGraphs(self, sizes, max_blocks_per_seq, capture=True)
+        except Exception as error:  # a forward that syncs with the host or has dynamic shapes
+            logger.warning("decode steps run eagerly: the forward of %s cannot be captured as a "
+                           "CUDA graph (%s: %s)", type(self.model).__name__, type(error).__name__, error)
+            torch.cuda.synchronize(self.device)
+            return None
 
     @torch.inference_mode()
-    def execute(self, model_input: ModelInput) -> ExecuteOutput:
+    def execute(self, model_input: ModelInput, pending_tokens: torch.Tensor | None = None) -> ExecuteOutput:
         """One forward pass over every chunk: the float32 logits of the chunks that
-        sample ([num_sampling_chunks, vocab]) and the scores the chunks asked for."""
+        sample ([num_sampling_chunks, vocab]) and the scores the chunks asked for.
+        ``pending_tokens``: the running step's sampled ids, on the device, that
+        ``model_input.pending`` entries take."""
         if self.kv_cache is None:
             raise RuntimeError("allocate_cache() must run before execute()")
+        if model_input.pending and pending_tokens is None:
+            raise ValueError("the step has pending tokens but no sampled ids to take them from")
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_run(model_input):
+            self.block_tables.write(model_input.table_updates)
+            return ExecuteOutput(graphs.run(model_input, pending_tokens), {})
         device = self.device
         batch = flatten(model_input, self.block_tables, self.kv_cache.shape.block_size)
+        input_ids = batch.input_ids.to(device, non_blocking=True)
+        if model_input.pending:
+            positions, sources = zip(*model_input.pending)
+            input_ids[int64_tensor(list(positions)).to(device)] = pending_tokens[
+                int64_tensor(list(sources)).to(device)]
         meta = PagedAttentionMetadata(
             slot_mapping=batch.slot_mapping.to(device, non_blocking=True),
             block_tables=batch.block_tables,
@@ -311,7 +368,7 @@ class ModelRunner:
             # Every layer windowed: tables may hold -1 before the widest window (freed blocks).
             plan_window=self.attention.max_sliding_window,
         )
-        hidden = self.decoder(input_ids=batch.input_ids.to(device, non_blocking=True).unsqueeze(0),
+        hidden = self.decoder(input_ids=input_ids.unsqueeze(0),
                               position_ids=batch.positions.to(device, non_blocking=True).unsqueeze(0),
                               paged_metadata=meta, use_cache=False).last_hidden_state[0]
         scores = {}

@@ -43,23 +43,32 @@ class SeqFinish:
 
 
 @dataclass
-class EngineStep:
-    """What one engine step produced, for the output processor.
+class StepTokens:
+    """The tokens one step sampled: ``seqs[i]`` sampled ``token_ids[i]`` (``logprobs[i]``
+    when its request asked; ``logprobs`` is None when none did). ``text_positions`` lists
+    the positions whose text is followed token by token (None: all of them);
+    ``finished``: the sequences that end with these tokens."""
 
-    ``seqs[i]`` sampled ``token_ids[i]`` (``logprobs[i]`` when its request asked;
-    ``logprobs`` is None when none did). ``text_positions`` lists the positions
-    whose text is followed token by token (None: all of them). ``finished``: the
-    sequences the engine ended; ``aborted``: requests aborted since the last step;
-    ``migrated``: (sequence, KV transfer (header, payload), target worker).
-    """
-
-    seqs: list[Sequence] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
+    seqs: list[Sequence]
+    token_ids: list[int]
     logprobs: list[SampleLogprobs | None] | None = None
     text_positions: list[int] | None = None
     finished: list[SeqFinish] = field(default_factory=list)
+
+
+@dataclass
+class EngineStep:
+    """What one call of the engine's step produced, for the output processor: the tokens
+    of the steps it read (two with overlapped scheduling when it had to read the running
+    step's early; in order), the requests aborted since the last call, the sequences
+    migrated (sequence, KV transfer (header, payload), target worker), and the outputs
+    of requests the engine finished with outputs of its own (beam search), passed on as
+    they are."""
+
+    tokens: list[StepTokens] = field(default_factory=list)
     aborted: list[Request] = field(default_factory=list)
     migrated: list[tuple[Sequence, tuple, str]] = field(default_factory=list)
+    final_outputs: list[RequestOutput] = field(default_factory=list)
 
 
 @dataclass
@@ -138,32 +147,8 @@ class OutputProcessor:
     def process(self, step: EngineStep) -> ProcessedStep:
         touched: dict[str, Request] = {}
         stopped: list[Sequence] = []
-        logprobs = step.logprobs
-        seqs, token_ids = step.seqs, step.token_ids
-        finishes = {id(f.seq): f for f in step.finished}
-        positions = range(len(seqs)) if step.text_positions is None else step.text_positions
-        for i in positions:
-            seq = seqs[i]
-            stream = seq.stream
-            if stream.is_finished:
-                continue  # a stop string ended it; the engine had not heard yet
-            finish = finishes.get(id(seq))
-            stream.add_token(token_ids[i], finish.reason if finish is not None and finish.by_token else None)
-            if logprobs is not None and logprobs[i] is not None:
-                stream.add_logprob(logprobs[i])
-            if stream.is_finished and finish is None:
-                stopped.append(seq)
-            touched[seq.request.request_id] = seq.request
-        self.num_tokens_processed += len(positions)
-        for finish in step.finished:
-            seq, stream = finish.seq, finish.seq.stream
-            if stream.is_finish_streamed:
-                continue  # a stop string ended it before the engine did
-            if not seq.request.follows_text:
-                self._catch_up(seq, finish.reason if finish.by_token else None)
-            if not stream.is_finished:
-                stream.end(finish.reason)
-            touched[seq.request.request_id] = seq.request
+        for tokens in step.tokens:
+            self._take_tokens(tokens, touched, stopped)
         for seq, transfer, target in step.migrated:
             self._end(seq, "migrated")
             seq.stream.kv_transfer, seq.stream.migrate_to = transfer, target
@@ -183,7 +168,36 @@ class OutputProcessor:
             if is_finished or request.output_kind != "final":
                 outputs.append(self._make_output(request, is_finished))
                 request.is_final_streamed = is_finished
+        outputs.extend(step.final_outputs)
         return ProcessedStep(outputs, stopped)
+
+    def _take_tokens(self, tokens: StepTokens, touched: dict[str, Request], stopped: list[Sequence]) -> None:
+        logprobs = tokens.logprobs
+        seqs, token_ids = tokens.seqs, tokens.token_ids
+        finishes = {id(f.seq): f for f in tokens.finished}
+        positions = range(len(seqs)) if tokens.text_positions is None else tokens.text_positions
+        for i in positions:
+            seq = seqs[i]
+            stream = seq.stream
+            if stream.is_finished:
+                continue  # a stop string ended it; the engine had not heard yet
+            finish = finishes.get(id(seq))
+            stream.add_token(token_ids[i], finish.reason if finish is not None and finish.by_token else None)
+            if logprobs is not None and logprobs[i] is not None:
+                stream.add_logprob(logprobs[i])
+            if stream.is_finished and finish is None:
+                stopped.append(seq)
+            touched[seq.request.request_id] = seq.request
+        self.num_tokens_processed += len(positions)
+        for finish in tokens.finished:
+            seq, stream = finish.seq, finish.seq.stream
+            if stream.is_finish_streamed:
+                continue  # a stop string ended it before the engine did
+            if not seq.request.follows_text:
+                self._catch_up(seq, finish.reason if finish.by_token else None)
+            if not stream.is_finished:
+                stream.end(finish.reason)
+            touched[seq.request.request_id] = seq.request
 
     def _end(self, seq: Sequence, reason: str) -> None:
         if not seq.request.follows_text:

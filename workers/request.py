@@ -13,6 +13,7 @@ from .sampler import SampleLogprobs
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from .beam_groups import BeamGroup
     from .output_processor import SequenceStream
 
 
@@ -99,6 +100,8 @@ class Sequence:
     grammar: GrammarMatcher | None = None
     # Its row in the engine's persistent batch while it runs (-1: none).
     batch_row: int = -1
+    # Its sampling row in the step still running, whose id its pending token takes.
+    pending_source: int = -1
     # Its stream, as the output processor follows it.
     stream: "SequenceStream | None" = None
 
@@ -168,6 +171,12 @@ class Request:
     output_kind: str = "stream"
     # The output processor delivered its final output (its own flag: the engine may not know yet).
     is_final_streamed: bool = False
+    # Beam search (params.use_beam_search): its live beams and hypotheses; its running
+    # beams are ``seqs``.
+    beam_group: "BeamGroup | None" = None
+    # Its sequence may move to another worker when preempted (one sample, no KV export, no
+    # beam search): decided once, when the request is built.
+    is_migratable: bool = False
 
     def __post_init__(self) -> None:
         if self.metrics is None:

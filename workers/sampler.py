@@ -178,13 +178,17 @@ class Sampler:
         num_rows = logits.shape[0]
         if num_rows == 0:
             return SamplerOutput([], [])
-        constrained = apply_constraints(logits, batch.bitmask_rows, batch.bitmask, batch.banned)
-        if not batch.penalties and bool(batch.is_greedy.all()):
-            token_ids = constrained.argmax(dim=-1)
-        else:
-            token_ids = self._sample_general(constrained.float(), batch)
+        token_ids = self.sample_tokens(logits, batch)
         logprobs = compute_logprobs(logits, token_ids, batch.num_logprobs, num_rows)
         return SamplerOutput(token_ids.tolist(), logprobs, token_ids)
+
+    def sample_tokens(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The sampled ids on the logits' device, without waiting for the device (logprobs,
+        which are read on the host, are ``sample_batch``'s)."""
+        constrained = apply_constraints(logits, batch.bitmask_rows, batch.bitmask, batch.banned)
+        if not batch.penalties and bool(batch.is_greedy.all()):
+            return constrained.argmax(dim=-1)
+        return self._sample_general(constrained.float(), batch)
 
     def _sample_general(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits = apply_penalty_rows(logits, batch.penalties)
@@ -276,15 +280,11 @@ def seeded_uniform(seed: int, sample_index: int, step: int) -> float:
 def argmax_where_not_finite(probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """Rows whose distribution is not finite (overflowing penalties or logits) become
     a one-hot at the argmax of ``logits``, so a bad row never yields an invalid token."""
-    is_bad = ~torch.isfinite(probs).all(dim=-1)
-    if not bool(is_bad.any()):
-        return probs
-    probs = probs.clone()
-    bad_rows = is_bad.nonzero().squeeze(1)
-    fallback = torch.nan_to_num(logits[bad_rows].float(), nan=float("-inf")).argmax(dim=-1)
-    probs[bad_rows] = 0.0
-    probs[bad_rows, fallback] = 1.0
-    return probs
+    is_bad = ~torch.isfinite(probs).all(dim=-1, keepdim=True)
+    if probs.device.type == "cpu" and not bool(is_bad.any()):
+        return probs  # on the host the check is free; on a device it would wait for it
+    fallback = torch.nan_to_num(logits.float(), nan=float("-inf")).argmax(dim=-1, keepdim=True)
+    return torch.where(is_bad, torch.zeros_like(probs).scatter_(1, fallback, 1.0), probs)
 
 
 def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

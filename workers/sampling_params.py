@@ -27,6 +27,9 @@ MAX_REPETITION_PENALTY = 100.0
 # be at most this large: grammar compilation and matching grow with it.
 MAX_STRUCTURED_OUTPUT_BYTES = 64 * 1024
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# Beam scores divide by (output length) ** length_penalty: beyond this the power
+# overflows a float for long outputs (2**30 ** 10 is 2**300).
+MAX_ABS_LENGTH_PENALTY = 10.0
 
 
 @dataclass
@@ -156,6 +159,15 @@ class SamplingParams:
         many as the model's context allows, leaving room for one output token).
       - ``structured_outputs``: see ``StructuredOutputsParams``; the output is
         constrained during decoding and ends ("stop") once the grammar is complete.
+      - ``use_beam_search`` (vLLM's extension): beam search of width ``n``, as
+        transformers' ``generate(num_beams=n, do_sample=False)``: ``n`` outputs,
+        the best first, each scored by its summed log-probability over (output
+        length) ** ``length_penalty``; ``early_stopping`` (True, False or
+        "never") is transformers' stopping rule. EOS and ``stop_token_ids`` end
+        a hypothesis. It is deterministic and scores raw log-probabilities, so
+        ``temperature`` must be 0, and what would reshape the distribution or
+        needs per-token sampling (top-k/p, min-p, penalties, stop strings,
+        ``min_tokens``, logprobs, prompt logprobs, structured outputs) is refused.
     """
 
     n: int = 1
@@ -179,6 +191,9 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         self.n = _as_int("n", self.n, minimum=1)
@@ -227,6 +242,40 @@ class SamplingParams:
                                                                   StructuredOutputsParams):
             raise ValueError("structured_outputs must be StructuredOutputsParams or a mapping, "
                              f"got {type(self.structured_outputs).__name__}")
+        self._check_beam_search()
+
+    def _check_beam_search(self) -> None:
+        if not isinstance(self.use_beam_search, bool):
+            raise ValueError(f"use_beam_search must be a bool, got {self.use_beam_search!r}")
+        self.length_penalty = _as_float("length_penalty", self.length_penalty)
+        if not -MAX_ABS_LENGTH_PENALTY <= self.length_penalty <= MAX_ABS_LENGTH_PENALTY:
+            raise ValueError(f"length_penalty must be in [-{MAX_ABS_LENGTH_PENALTY:g}, {MAX_ABS_LENGTH_PENALTY:g}], "
+                             f"got {self.length_penalty}")
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise ValueError(f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}")
+        if not self.use_beam_search:
+            if self.length_penalty != 1.0 or self.early_stopping is not False:
+                name = "length_penalty" if self.length_penalty != 1.0 else "early_stopping"
+                raise ValueError(f"{name} applies to beam search only: set use_beam_search")
+            return
+        unsupported = [name for name, is_set in (
+            ("temperature", self.temperature != 0.0),
+            ("top_p", self.top_p != 1.0),
+            ("top_k", self.top_k != -1),
+            ("min_p", self.min_p != 0.0),
+            ("presence_penalty", self.presence_penalty != 0.0),
+            ("frequency_penalty", self.frequency_penalty != 0.0),
+            ("repetition_penalty", self.repetition_penalty != 1.0),
+            ("stop", bool(self.stop)),
+            ("min_tokens", self.min_tokens != 0),
+            ("logprobs", self.logprobs is not None),
+            ("prompt_logprobs", self.prompt_logprobs is not None),
+            ("structured_outputs", self.structured_outputs is not None),
+        ) if is_set]
+        if unsupported:
+            raise ValueError(f"{unsupported[0]} cannot be used with use_beam_search: beam search keeps the "
+                             "n most likely continuations of the raw log-probabilities (temperature 0), "
+                             f"so it does not honour {', '.join(unsupported)}")
 
     @property
     def is_greedy(self) -> bool:

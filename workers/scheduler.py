@@ -86,6 +86,10 @@ class Scheduler:
     def append_token(self, seq: Sequence, token_id: int) -> None:
         self._pending.appended.append((seq.seq_id, [token_id]))
 
+    def resolve_tokens(self, seqs: list[Sequence], token_ids: list[int]) -> None:
+        """The values of the sequences' oldest pending tokens (one each)."""
+        self._pending.resolved.extend([(seq.seq_id, [token_id]) for seq, token_id in zip(seqs, token_ids)])
+
     def append_tokens(self, seqs: list[Sequence], token_ids: list[int]) -> None:
         """``append_token`` for each sequence and its token (a step's samples)."""
         self._pending.appended.extend([(seq.seq_id, [token_id]) for seq, token_id in zip(seqs, token_ids)])
@@ -105,7 +109,7 @@ class Scheduler:
     @property
     def has_pending_changes(self) -> bool:
         p = self._pending
-        return bool(p.new_sequences or p.forks or p.appended or p.finished)
+        return bool(p.new_sequences or p.forks or p.resolved or p.appended or p.finished)
 
     @property
     def num_unfinished(self) -> int:
@@ -132,8 +136,7 @@ class Scheduler:
         step_input.token_budget = self.max_num_batched_tokens
         if self.allow_migration:
             step_input.migratable = [s.seq_id for s in self.running
-                                     if s.request.params.n == 1 and not s.request.export_kv
-                                     and not s.request.needs_prompt_logprobs]
+                                     if s.request.is_migratable and not s.request.needs_prompt_logprobs]
             step_input.is_draining = self.is_draining
         kv_start = time.perf_counter()
         try:

@@ -30,7 +30,8 @@ from .model_runner import ExecuteOutput, ModelInput
 from .tp_dispatch import CommandChannel, GroupBrokenError, open_channel
 from .tp_group import TensorParallelGroup, host_store
 from .tp_launch import RankLauncher, RankSet
-from .tp_messages import AllocateCache, KVCopies, ProfilePeak, ReadBlocks, RunStep, Stop, WriteBlocks, pack
+from .tp_messages import (AllocateCache, KVCopies, ProfilePeak, ReadBlocks, RunStep, Stop, WarmUpCopies, WriteBlocks,
+                          pack)
 from .tp_rank import (HEAD_DIM_OF_PAYLOAD, RankSpec, broadcast_payload, load_rank_runner, local_heads, node_key,
                       publish_rank_info, rank_device, read_rank_info)
 
@@ -162,20 +163,44 @@ class TensorParallelRunner:
         self.kv_cache = GroupKVCache(self, local)
         return self.kv_cache
 
-    def profile_peak_memory(self, num_tokens: int, block_size: int) -> int:
-        """Rank 0's peak (every rank runs the same shapes)."""
+    def profile_peak_memory(self, num_tokens: int, block_size: int, graph_sizes: list[int] | None = None,
+                            max_blocks_per_seq: int = 1) -> int:
+        """Rank 0's peak (every rank runs the same shapes); no CUDA graphs (see
+        ``enable_decode_graphs``), so ``graph_sizes`` take no memory."""
         if self.local.device.type != "cuda":
             return 0
         with self.on_group():
             self.send(ProfilePeak(num_tokens, block_size))
             return self.local.profile_peak_memory(num_tokens, block_size)
 
-    def execute(self, model_input: ModelInput) -> ExecuteOutput:
+    def warm_up_block_copies(self) -> None:
+        with self.on_group():
+            self.send(WarmUpCopies())
+        self.local.warm_up_block_copies()
+
+    def enable_decode_graphs(self, sizes: list[int], max_blocks_per_seq: int, capture: bool = True) -> bool:
+        """Decode steps of a group run eagerly: capturing CUDA graphs whose forward holds
+        all-reduces needs every rank to capture and replay in step, which this runner does not
+        do yet. Returns False (the engine's answer when a model cannot be captured)."""
+        logger.info("tensor-parallel group: decode steps run eagerly (no CUDA graphs across ranks)")
+        return False
+
+    @property
+    def decode_graphs(self):
+        return None
+
+    def execute(self, model_input: ModelInput, pending_tokens: torch.Tensor | None = None) -> ExecuteOutput:
+        pending = model_input.pending
         with self.on_group():
             self.send(RunStep(model_input.rows, model_input.starts, model_input.input_ids,
-                              model_input.table_updates, model_input.num_tokens))
+                              model_input.table_updates, model_input.num_tokens, pending,
+                              0 if not pending else len(pending_tokens),
+                              None if not pending else str(pending_tokens.dtype).removeprefix("torch.")))
+            if pending:
+                pending_tokens = pending_tokens.contiguous()
+                self.group.broadcast_model(pending_tokens)
             self.num_steps += 1
-            return self.local.execute(model_input)
+            return self.local.execute(model_input, pending_tokens)
 
     def release_block_table(self, seq_id: str) -> None:
         self.local.release_block_table(seq_id)

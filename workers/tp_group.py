@@ -96,6 +96,12 @@ class TensorParallelGroup:
         self.model.allreduce([tensor]).wait()
         self.num_all_reduces += 1
 
+    def broadcast_model(self, tensor: torch.Tensor) -> None:
+        """Rank 0's ``tensor`` (on the rank's device) into every rank's, over the model group."""
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self.model.broadcast([tensor], options).wait()
+
     def broadcast_control(self, tensor: torch.Tensor) -> None:
         """Rank 0's CPU ``tensor`` into every rank's ``tensor`` (same shape and dtype)."""
         options = dist.BroadcastOptions()

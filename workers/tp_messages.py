@@ -31,7 +31,10 @@ class KVCopies:
 
 @dataclass
 class RunStep:
-    """One forward pass: the fields of ``ModelInput`` the other ranks need."""
+    """One forward pass: the fields of ``ModelInput`` the other ranks need. With ``pending``
+    (overlapped scheduling), rank 0 broadcasts the running step's ``num_pending_sources``
+    sampled ids (of ``pending_dtype``) over the model group right after this command, device
+    to device, so that no rank waits for them on the host."""
 
     TAG: ClassVar[int] = 1
     rows: list[int]
@@ -39,6 +42,9 @@ class RunStep:
     input_ids: list[int]
     table_updates: list[tuple[int, list[int], int]]
     num_tokens: list[int] | None = None
+    pending: list[tuple[int, int]] | None = None
+    num_pending_sources: int = 0
+    pending_dtype: str | None = None
 
 
 @dataclass
@@ -79,15 +85,22 @@ class WriteBlocks:
 
 
 @dataclass
+class WarmUpCopies:
+    """Compile the block copy and swap kernels now (``ModelRunner.warm_up_block_copies``)."""
+
+    TAG: ClassVar[int] = 7
+
+
+@dataclass
 class Stop:
     """Leave the command loop; the group is shutting down."""
 
     TAG: ClassVar[int] = 6
 
 
-Command = RunStep | AllocateCache | ProfilePeak | ReadBlocks | WriteBlocks | Stop
+Command = RunStep | AllocateCache | ProfilePeak | ReadBlocks | WriteBlocks | WarmUpCopies | Stop
 COMMANDS: dict[int, type] = {cls.TAG: cls for cls in (RunStep, AllocateCache, ProfilePeak, ReadBlocks,
-                                                        WriteBlocks, Stop)}
+                                                        WriteBlocks, WarmUpCopies, Stop)}
 _FIELDS: dict[type, tuple[str, ...]] = {cls: tuple(f.name for f in fields(cls)) for cls in COMMANDS.values()}
 
 

@@ -22,8 +22,8 @@ from .model_runner import ModelInput, ModelRunner, resolve_device
 from .model_support import load_config
 from .tp_dispatch import CommandChannel, GroupBrokenError, open_channel
 from .tp_group import Rendezvous, TensorParallelGroup
-from .tp_messages import (AllocateCache, KVCopies, ProfilePeak, ReadBlocks, RunStep, Stop, WriteBlocks,
-                          unpack)
+from .tp_messages import (AllocateCache, KVCopies, ProfilePeak, ReadBlocks, RunStep, Stop, WarmUpCopies,
+                          WriteBlocks, unpack)
 from .tp_load import shard_loader
 from .tp_plan import TensorParallelError, check_tensor_parallel, shard_slice
 
@@ -113,10 +113,18 @@ class RankExecutor:
         if isinstance(command, RunStep):
             if command.rows:
                 runner.block_tables.ensure_rows(max(command.rows) + 1)
+            pending_tokens = None
+            if command.pending:
+                pending_tokens = torch.empty(command.num_pending_sources, dtype=getattr(torch, command.pending_dtype),
+                                             device=self.group.device)
+                self.group.broadcast_model(pending_tokens)
             # The other ranks never sample: hidden states only (logits_indexes=[]).
             runner.execute(ModelInput(command.rows, command.starts, command.input_ids, command.table_updates,
-                                      command.num_tokens, logits_indexes=[]))
+                                      command.num_tokens, logits_indexes=[], pending=command.pending),
+                           pending_tokens)
             self.num_steps += 1
+        elif isinstance(command, WarmUpCopies):
+            runner.warm_up_block_copies()
         elif isinstance(command, AllocateCache):
             runner.allocate_cache(command.block_size, command.num_device_blocks, command.num_host_blocks)
         elif isinstance(command, ProfilePeak):

@@ -22,7 +22,6 @@ import asyncio
 import dataclasses
 import logging
 import os
-import threading
 import time
 from dataclasses import asdict
 from typing import AsyncIterator
@@ -33,6 +32,7 @@ import numpy as np
 from pagedserve.kvmanager import EventLog, KVPublisher, LocalKVManager, RemotePreemptionPolicy
 
 from .async_engine import AsyncLLMEngine
+from .background_loop import BackgroundLoop
 from .engine import EngineConfig, LLMEngine
 from .kv_wire import DEFAULT_TICK_S, ZmqTransport, connect_transport
 from .kv_transfer import KVTransfer
@@ -79,16 +79,21 @@ def _actor_id() -> str | None:
 class Worker:
     """A model replica with its pools and engine loop. Wrapped by ``ray.remote``.
 
-    ``kv_manager`` is the central KV manager actor handle; no engine step
-    waits for it except the rare preemption decision (``PREEMPTION_TIMEOUT_S``).
-    ``kv_relay(kv_manager, kv_events) -> actor`` (passed in by the cluster:
-    ``cluster.kv_relay.node_relay``) gets this node's KV event relay; with
-    ``kv_events["relay"]`` the events go through it (``workers.kv_relay``).
+    ``kv_manager`` is the name of the central KV manager actor, in ``namespace``
+    (None: this job's), looked up here: passed as a handle, the argument would
+    live in the object store and Ray's restart of this actor would depend on its
+    creator. No engine step waits for the KV manager except the rare preemption
+    decision (``PREEMPTION_TIMEOUT_S``). ``kv_relay(kv_manager, namespace,
+    kv_events) -> actor`` (passed in by the cluster: ``cluster.kv_relay.node_relay``)
+    gets this node's KV event relay; with ``kv_events["relay"]`` the events go
+    through it (``workers.kv_relay``).
     """
 
-    def __init__(self, worker_id: str, engine_config: dict, kv_manager, role: str = "mixed",
+    def __init__(self, worker_id: str, engine_config: dict, kv_manager: str, role: str = "mixed",
                  step_timeout_s: float = 30.0, model_source: dict | None = None,
-                 kv_events: dict | None = None, kv_relay=None) -> None:
+                 kv_events: dict | None = None, kv_relay=None, namespace: str | None = None) -> None:
+        import ray
+
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         if model_source is not None:
@@ -101,6 +106,7 @@ class Worker:
         self.last_progress = time.time()
         self.pending_stall_s = 0.0
         self.held_exports: dict[str, tuple[object, float]] = {}
+        kv_manager_name, kv_manager = kv_manager, ray.get_actor(kv_manager, namespace=namespace)
         self.preemption = RemotePreemptionPolicy(lambda request: self.kv_link.decide_preemption(request),
                                                  backoff_s=PREEMPTION_BACKOFF_S)
         self.local_kv = LocalKVManager(self.preemption, EventLog(worker_id))
@@ -112,7 +118,7 @@ class Worker:
         relay = None
         if kv_relay is not None and transport == "zmq" and kv_events.get("relay", False):
             try:  # this node's relay actor (``cluster.kv_relay.node_relay``, passed in)
-                relay = kv_relay(kv_manager, kv_events)
+                relay = kv_relay(kv_manager_name, namespace, kv_events)
             except Exception as exc:
                 logger.warning("worker %s: no KV event relay on this node (%r); publishing to the "
                                "central KV manager directly", worker_id, exc)
@@ -130,8 +136,10 @@ class Worker:
                        dtype_name(engine.runner.dtype), engine.runner.dtype_reason)
         self.kv_link.maybe_flush()  # the first snapshot: the central manager learns of this worker
         self.async_engine = AsyncLLMEngine(engine)
-        self._kv_sender = threading.Thread(target=self._send_kv_events, name="pagedserve-kv-sender",
-                                           daemon=True)
+        self._kv_flush_at = self.kv_link.next_flush_at() if self.kv_link.tick_s is not None else None
+        self._kv_flush_pending = None   # the due flush posted to the engine's thread, if any
+        self._kv_sender = BackgroundLoop("pagedserve-kv-sender", self._send_kv_events, self._kv_sender_wait_s,
+                                         wakeup=self.kv_link.wakeup)
         self._kv_sender.start()
         self.started_at = time.time()
         self.num_heartbeats = 0  # answered by this incarnation (one monitor asks about 4 a second)
@@ -143,30 +151,37 @@ class Worker:
         self.kv_link.maybe_flush()
         self._run_injected_stall()
 
+    def _kv_sender_wait_s(self) -> float:
+        """How long the sender thread may sleep: until the engine's thread posts work
+        (``kv_link.wakeup``), a due flush or ack is likely, or the next tick's flush."""
+        wait_s = max(self.kv_link.max_batch_age_s / 2, IDLE_SENDER_WAKEUP_S)
+        if self._kv_flush_at is None:
+            return wait_s
+        return min(wait_s, max(0.0, self._kv_flush_at - time.time()))
+
     def _send_kv_events(self) -> None:
-        """The sender thread: sends what the engine's thread packed and reads the acks (the
-        Ray calls happen here, never on the step path); on a tick, it also drains and sends
-        the events just before each tick (``KVPublisher.flush_on_tick``); an idle engine takes
-        no steps, so due flushes are posted to its thread from here."""
+        """One round of the sender thread (``BackgroundLoop``): sends what the engine's thread
+        packed and reads the acks (the Ray calls happen here, never on the step path); on a
+        tick, it also drains and sends the events just before each tick
+        (``KVPublisher.flush_on_tick``); an idle engine takes no steps, so due flushes are
+        posted to its thread from here. Ends with the engine."""
         link = self.kv_link
-        pending = None
-        wait_s = max(link.max_batch_age_s / 2, IDLE_SENDER_WAKEUP_S)
-        flush_at = link.next_flush_at() if link.tick_s is not None else None
-        while self.async_engine.is_running:
-            link.wakeup.wait(timeout=wait_s if flush_at is None else min(wait_s, max(0.0, flush_at - time.time())))
-            link.wakeup.clear()
+        if not self.async_engine.is_running:
+            self._kv_sender.stop()
+            return
+        try:
+            if self._kv_flush_at is not None and time.time() >= self._kv_flush_at:
+                self._kv_flush_at = link.next_flush_at()
+                link.flush_on_tick()
+            link.pump()
+        except Exception:  # never let the sender stop: the next pump retries
+            logger.exception("worker %s: sending KV events failed", self.worker_id)
+        pending = self._kv_flush_pending
+        if (pending is None or pending.done()) and link.is_due():
             try:
-                if flush_at is not None and time.time() >= flush_at:
-                    flush_at = link.next_flush_at()
-                    link.flush_on_tick()
-                link.pump()
-            except Exception:  # never let the sender die: the next pump retries
-                logger.exception("worker %s: sending KV events failed", self.worker_id)
-            if (pending is None or pending.done()) and link.is_due():
-                try:
-                    pending = self.async_engine.submit(lambda engine: link.maybe_flush())
-                except Exception:  # shutting down
-                    return
+                self._kv_flush_pending = self.async_engine.submit(lambda engine: link.maybe_flush())
+            except Exception:  # shutting down
+                self._kv_sender.stop()
 
     def _note_progress(self) -> None:
         self.last_progress = time.time()

@@ -410,10 +410,11 @@ class Frontend:
                                 f"{len(stop)}", param="stop")
         for text in stop:
             check_unicode(text, "stop")
+        default_temperature = 0.0 if request.use_beam_search else 1.0
         try:
             return SamplingParams(
                 n=request.n, max_tokens=max_tokens,
-                temperature=1.0 if request.temperature is None else request.temperature,
+                temperature=default_temperature if request.temperature is None else request.temperature,
                 top_p=1.0 if request.top_p is None else request.top_p, top_k=request.top_k,
                 min_p=request.min_p, seed=request.seed, presence_penalty=request.presence_penalty,
                 frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
@@ -422,7 +423,8 @@ class Frontend:
                 spaces_between_special_tokens=request.spaces_between_special_tokens,
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 min_tokens=request.min_tokens, prompt_logprobs=prompt_logprobs,
-                structured_outputs=structured_outputs)
+                structured_outputs=structured_outputs, use_beam_search=request.use_beam_search,
+                length_penalty=request.length_penalty, early_stopping=request.early_stopping)
         except ValueError as exc:
             raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
 

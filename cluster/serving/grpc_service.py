@@ -62,6 +62,12 @@ class GrpcRequestError(Exception):
     """Raised to Serve's gRPC proxy after the status code was set on the context."""
 
 
+def _early_stopping(text: str) -> bool | str:
+    """``GenerateRequest.early_stopping``: "" or "false", "true", "never" (other text: the
+    request model's 400 names it)."""
+    return {"": False, "false": False, "true": True}.get(text, text)
+
+
 def _messages(messages) -> list[dict]:
     """The proto's chat messages as the HTTP API's (validated there)."""
     result = []
@@ -140,7 +146,10 @@ class GrpcService:
         num_sources = sum([bool(request.prompt), bool(request.prompt_token_ids), bool(request.messages)])
         if num_sources != 1:
             raise APIError(400, "set exactly one of prompt, prompt_token_ids and messages", param="prompt")
-        fields = self._common_fields(request, _OPTIONAL_FIELDS + ("prompt_logprobs", "truncate_prompt_tokens"))
+        fields = self._common_fields(request, _OPTIONAL_FIELDS + ("prompt_logprobs", "truncate_prompt_tokens",
+                                                                  "length_penalty"))
+        fields.update(use_beam_search=request.use_beam_search,
+                      early_stopping=_early_stopping(request.early_stopping))
         try:
             if request.messages:
                 chat = ChatCompletionRequest(

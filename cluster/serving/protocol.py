@@ -26,7 +26,8 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
+from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator,
+                      model_serializer, model_validator)
 
 from pagedserve.workers.sampling_params import (
     MAX_LOGPROBS,
@@ -43,6 +44,17 @@ TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """An explicit null for a field with a default takes the default, as OpenAI's API and
+        vLLM read it (clients send ``"n": null``, ``"stream": null``, ...)."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {name: value for name, value in data.items()
+                if value is not None or name not in fields or fields[name].default is None}
 
 
 class StreamOptions(_Request):
@@ -169,6 +181,10 @@ class _SamplingFields(_RefusedFields):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # OpenAI's caching and abuse-monitoring hints: the prefix cache needs no key (every
+    # prompt's prefix is cached), and the identifier is kept like ``user``.
+    prompt_cache_key: str | None = Field(None, max_length=1024)
+    safety_identifier: str | None = Field(None, max_length=1024)
     # Extensions (vLLM's names).
     top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
     min_p: float = Field(0.0, ge=0, le=1)
@@ -193,6 +209,11 @@ class _SamplingFields(_RefusedFields):
     # vLLM: the id of the request, returned as the response's id.
     request_id: str | None = Field(None, min_length=1, max_length=256)
     priority: int = Field(0, ge=-MAX_INT32 - 1, le=MAX_INT32)
+    # vLLM's beam search extension: n beams, the n best returned (temperature unset or 0);
+    # early_stopping is transformers' rule (vLLM 0.x's field).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     @field_validator("logit_bias")
     @classmethod
@@ -332,6 +353,14 @@ class ChatCompletionRequest(_SamplingFields):
     def _no_chat_echo(cls, value):
         if value:
             raise ValueError("echo cannot be honoured in chat completions; use /v1/completions with echo")
+        return value
+
+    @field_validator("use_beam_search")
+    @classmethod
+    def _no_chat_beam_search(cls, value):
+        if value:
+            raise ValueError("use_beam_search cannot be honoured in chat completions; use /v1/completions "
+                             "(or gRPC Generate) with use_beam_search")
         return value
 
     @property

@@ -29,7 +29,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser, threads: bool = True) 
     parser.add_argument("--model", help="checkpoint directory or hub id (default: the built random model)")
     parser.add_argument("--arch", default=None, help="arch of the built model (default: llama)")
     parser.add_argument("--size", choices=SIZES, default=None,
-                        help="size of the built model (default: the preset's; see the README)")
+                        help="size of the built model (default: the preset's; see docs/benchmarks.md)")
     parser.add_argument("--num-requests", type=positive_int, default=None)
     parser.add_argument("--quick", action="store_true", help="a smaller run (under 3 minutes on 2 CPU cores)")
     if threads:

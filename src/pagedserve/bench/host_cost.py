@@ -36,12 +36,13 @@ def _timed(function: Callable, counter: list[float]) -> Callable:
 
 
 class HostCostProbe:
-    """One engine whose forward and output processing are timed step by step."""
+    """One engine whose forward and output processing are timed step by step (on CUDA the
+    forward is asynchronous: only the step times mean anything there)."""
 
-    def __init__(self, model: str, max_num_seqs: int, seed: int = 0) -> None:
+    def __init__(self, model: str, max_num_seqs: int, seed: int = 0, **engine_options) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(
             model=model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max(8192, 64 * max_num_seqs),
-            num_device_blocks=64 * max_num_seqs, enable_prefix_caching=False))
+            num_device_blocks=64 * max_num_seqs, enable_prefix_caching=False, **engine_options))
         self.device_seconds = [0.0]
         self.output_seconds = [0.0]
         runner, sampler = self.engine.runner, self.engine.sampler
@@ -79,10 +80,11 @@ class HostCostProbe:
 
 
 def measure_host_cost(model: str, small: int = 4, large: int = 256, num_steps: int = 48,
-                      prompt_len: int = 16, repeats: int = 3, output_kind: str = "final") -> dict:
+                      prompt_len: int = 16, repeats: int = 3, output_kind: str = "final",
+                      **engine_options) -> dict:
     """Per-sequence step, device and host cost between ``small`` and ``large`` batches,
     the two measured alternately ``repeats`` times (medians of the repeats)."""
-    probe = HostCostProbe(model, large)
+    probe = HostCostProbe(model, large, **engine_options)
     probe.run(small, 4, prompt_len, output_kind)   # warm-up
     probe.run(large, 4, prompt_len, output_kind)
     runs: dict[int, list[dict]] = {small: [], large: []}
@@ -99,6 +101,8 @@ def measure_host_cost(model: str, small: int = 4, large: int = 256, num_steps: i
     host = {batch: m["step"] - m["device"] for batch, m in median.items()}
     probe.engine.check_integrity()
     return {
+        "device": str(probe.engine.runner.device), "dtype": str(probe.engine.runner.dtype),
+        "decode_graphs": probe.engine.runner.decode_graphs is not None,
         "output_kind": output_kind, "batches": [small, large], "num_steps": num_steps,
         "prompt_len": prompt_len, "repeats": repeats,
         "step_ms": {str(b): m["step"] * 1e3 for b, m in median.items()},
@@ -119,3 +123,42 @@ def format_host_cost(result: dict) -> str:
             f"{result['device_per_seq_us']:.2f} us and output processing "
             f"{result['output_processing_per_seq_us']:.2f} us; host {result['host_ms'][str(small)]:.2f} ms "
             f"at {small})")
+
+
+def main(argv=None) -> None:
+    import argparse
+    import json
+    import os
+
+    import torch
+
+    from pagedserve.devtools.model_factory import ensure_model
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", default="llama")
+    parser.add_argument("--size", default="tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: one per core)")
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--output-kinds", default="final,stream")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    model = str(ensure_model(args.arch, args.size))
+    results = []
+    for kind in args.output_kinds.split(","):
+        result = measure_host_cost(model, num_steps=args.steps, repeats=args.repeats, output_kind=kind,
+                                   device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager)
+        result.update(model=f"{args.arch}-{args.size}", threads=torch.get_num_threads())
+        results.append(result)
+        print(format_host_cost(result), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -219,7 +219,7 @@ class SimWorkerGroup:
         self.groups_by_worker = groups_by_worker   # worker id -> group index
         self.groups: list = []                      # set by connect()
         workload = config.workload()
-        prefixes = [workload.prefix(i) for i in range(workload.num_prefixes)]
+        prefixes = workload.prefixes()
         self.publish_rtts: list[tuple[float, float]] = []
         self.workers: dict = {}   # worker id -> SimulatedKVWorker, or ReplayedKVWorker with ``replay``
         self.publishers: dict = {}
@@ -562,7 +562,8 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
     central = None
     groups, relays = [], []
     try:
-        central = ray.remote(CentralKVManager).options(num_cpus=0, max_restarts=0).remote(
+        central_name = f"kv-scale-central-{os.getpid()}"   # the relays look it up by name
+        central = ray.remote(CentralKVManager).options(num_cpus=0, max_restarts=0, name=central_name).remote(
             config.transport, config.relay_flush_s)
         ray.get(central.get_incarnation.remote(), timeout=120)
         if pinned:
@@ -573,7 +574,9 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
         groups_by_worker = {w: i for i, chunk in enumerate(chunks) for w in chunk}
         # One relay per simulated node (the cluster starts one per Ray node; here they share this one).
         relay_cls = ray.remote(KVRelay).options(num_cpus=0, max_restarts=0)
-        relays = [relay_cls.remote(central, config.relay_flush_s, 10.0) for _ in range(config.num_relays)]
+        namespace = ray.get_runtime_context().namespace
+        relays = [relay_cls.remote(central_name, namespace, config.relay_flush_s, 10.0)
+                  for _ in range(config.num_relays)]
         relay_pids = [s["pid"] for s in ray.get([r.stats.remote() for r in relays], timeout=120)]
         if pinned:
             for pid in relay_pids:

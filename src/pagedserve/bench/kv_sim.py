@@ -101,6 +101,11 @@ class SimWorkload:
         rng = random.Random(f"prefix-{self.seed}-{index}")
         return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(self.shared_len)]
 
+    def prefixes(self) -> list[list[int]]:
+        """Every shared prefix, for the workload's ``SimulatedKVWorker``s (one list may serve
+        many workers of a process)."""
+        return [self.prefix(index) for index in range(self.num_prefixes)]
+
 
 @dataclass(slots=True)
 class SimRequest:

@@ -1,0 +1,128 @@
+"""Kernels launched per decode step and per decoder layer, from the torch profiler.
+
+B sequences decode (greedy, EOS ignored); the profiler records ``--steps`` decode steps
+of the engine. A decoder layer's share is what runs inside its forward (marked with a
+profiler range by forward hooks). On CUDA the count is device kernels (with CUDA graphs
+replayed, a replay counts as one launch, and so does each kernel outside it); on the CPU
+it is the aten ops called from Python that compute (views and shape bookkeeping left out),
+each of which would be about one kernel launch on a device.
+
+    python benchmarks/bench_launches.py [--size tiny --device cpu --batch 4 --steps 4]
+    python benchmarks/bench_launches.py --size 1b --device cuda --dtype bfloat16 [--enforce-eager]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from collections import Counter
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.devtools.model_factory import ensure_model
+
+LAYER_RANGE = "pagedserve.decoder_layer"
+# Ops that only make views or read metadata: no kernel.
+NO_KERNEL = frozenset(f"aten::{name}" for name in (
+    "view", "_unsafe_view", "as_strided", "reshape", "_reshape_alias", "expand", "t", "transpose",
+    "permute", "slice", "select", "unsqueeze", "squeeze", "detach", "alias", "resolve_conj", "resolve_neg",
+    "empty", "empty_strided", "result_type", "lift_fresh", "unbind", "split", "chunk", "contiguous",
+    "_local_scalar_dense", "item", "size", "stride", "is_nonzero", "to", "_to_copy"))
+
+
+def mark_layers(decoder) -> None:
+    """Wrap every decoder layer's forward in a profiler range."""
+    for layer in decoder.layers:
+        ranges = []
+        layer.register_forward_pre_hook(lambda *_: ranges.append(record_function(LAYER_RANGE).__enter__()))
+        layer.register_forward_hook(lambda *_: ranges.pop().__exit__(None, None, None))
+
+
+def in_layer(event) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name == LAYER_RANGE:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def count_launches(events, on_cuda: bool) -> tuple[int, int, Counter]:
+    """(launches in the step, launches inside decoder layers, the in-layer ops by name)."""
+    total = inside = 0
+    names: Counter = Counter()
+    for event in events:
+        if event.name == LAYER_RANGE:
+            continue
+        if on_cuda:
+            if event.name in ("cudaGraphLaunch", "cuGraphLaunch"):
+                total += 1
+                continue
+            launches = len(event.kernels)
+        else:
+            parent = event.cpu_parent
+            is_top = parent is None or not parent.name.startswith("aten::")
+            launches = 1 if event.name.startswith("aten::") and is_top and event.name not in NO_KERNEL else 0
+        if not launches:
+            continue
+        total += launches
+        if in_layer(event):
+            inside += launches
+            names[event.name] += launches
+    return total, inside, names
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", default="llama")
+    parser.add_argument("--size", default="tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args()
+    llm = LLM(str(ensure_model(args.arch, args.size)), device=args.device, dtype=args.dtype,
+              enforce_eager=args.enforce_eager, max_num_seqs=max(args.batch, 1))
+    engine, runner = llm.engine, llm.engine.runner
+    mark_layers(runner.decoder)
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 8, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request(f"r{i}", [rng.randrange(8, runner.vocab_size) for _ in range(16)], params,
+                           output_kind="final")
+    for _ in range(3):   # the prefill, then decode steps: every kernel compiled and warm
+        engine.step()
+    on_cuda = runner.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(args.steps):
+            engine.step()
+        if on_cuda:
+            torch.cuda.synchronize()
+    while engine.has_unfinished_requests():
+        engine.step()
+    total, inside, names = count_launches(prof.events(), on_cuda)
+    num_layers = len(runner.decoder.layers)
+    result = {"model": f"{args.arch}-{args.size}", "device": str(runner.device), "batch": args.batch,
+              "decode_graphs": runner.decode_graphs is not None and bool(runner.decode_graphs.graphs),
+              "unit": "CUDA kernels" if on_cuda else "compute ops",
+              "per_step": total / args.steps, "per_layer": inside / args.steps / num_layers,
+              "outside_layers_per_step": (total - inside) / args.steps, "num_layers": num_layers,
+              "per_layer_by_op": {name: count / args.steps / num_layers for name, count in names.most_common()}}
+    print(f"{result['model']} on {result['device']}, {args.batch} sequences, graphs: {result['decode_graphs']}: "
+          f"{result['per_step']:.0f} {result['unit']} per decode step, {result['per_layer']:.1f} per layer "
+          f"({num_layers} layers), {result['outside_layers_per_step']:.0f} outside the layers")
+    for name, count in result["per_layer_by_op"].items():
+        print(f"  {count:5.1f}  {name}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""A run's roofline: the least time its own steps could take on this device.
+
+Each forward the engine runs is recorded by shape (tokens computed, rows sampled,
+every chunk's context). A step cannot take less than the larger of its FLOPs at the
+measured matmul rate and its bytes at the measured copy rate; the roofline is the sum
+of that over the run's steps. FLOPs: 2 x decoder linear weights per token, 2 x LM head
+weights per sampled row, 4 x attention width x layers per (query, key) pair attended.
+Bytes: every weight read once a step, each chunk's context of K/V read once, and the
+step's new K/V written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepShapes:
+    """Per recorded forward: tokens, sampled rows, (query, key) pairs, K/V positions read."""
+
+    num_tokens: list[int] = field(default_factory=list)
+    num_sampled: list[int] = field(default_factory=list)
+    num_attended_pairs: list[int] = field(default_factory=list)
+    num_kv_read: list[int] = field(default_factory=list)
+
+    def add(self, model_input) -> None:
+        starts = model_input.starts
+        counts = model_input.num_tokens or [1] * len(starts)
+        pairs = kv_read = 0
+        for start, num in zip(starts, counts):
+            end = start + num
+            pairs += num * end - num * (num - 1) // 2   # query at position p sees p + 1 keys
+            kv_read += end
+        self.num_tokens.append(sum(counts))
+        self.num_sampled.append(len(starts) if model_input.logits_indexes is None
+                                else len(model_input.logits_indexes))
+        self.num_attended_pairs.append(pairs)
+        self.num_kv_read.append(kv_read)
+
+
+def record_steps(runner) -> StepShapes:
+    """Record the shape of every forward ``runner`` executes from now on."""
+    shapes = StepShapes()
+    execute = runner.execute
+
+    def recording(model_input, *args, **kwargs):
+        shapes.add(model_input)
+        return execute(model_input, *args, **kwargs)
+
+    runner.execute = recording
+    return shapes
+
+
+def roofline_seconds(shapes: StepShapes, *, num_linear: int, num_lm_head: int, num_layers: int,
+                     attention_width: int, kv_bytes_per_token: int, weight_bytes: int,
+                     matmul_flops_per_s: float, copy_bytes_per_s: float) -> dict:
+    """The roofline of the recorded steps, and how much of it is bound by FLOPs or bytes."""
+    total = flop_bound = 0.0
+    for tokens, sampled, pairs, kv_read in zip(shapes.num_tokens, shapes.num_sampled,
+                                               shapes.num_attended_pairs, shapes.num_kv_read):
+        flops = 2 * num_linear * tokens + 2 * num_lm_head * sampled + 4 * attention_width * num_layers * pairs
+        moved = weight_bytes + kv_bytes_per_token * (kv_read + tokens)
+        flop_seconds, byte_seconds = flops / matmul_flops_per_s, moved / copy_bytes_per_s
+        total += max(flop_seconds, byte_seconds)
+        flop_bound += flop_seconds if flop_seconds >= byte_seconds else 0.0
+    return {"seconds": total, "num_steps": len(shapes.num_tokens),
+            "flop_bound_fraction": flop_bound / total if total else 0.0}

@@ -1,0 +1,176 @@
+"""Decode steps on static, padded buffers: what CUDA graphs replay.
+
+A decode-only step of B sequences runs at the smallest graph batch size P >= B. Its
+inputs go into static device buffers through one pinned staging tensor and one
+host-to-device copy; rows B..P are padding (sequence length 0: the attention kernels
+read nothing and give zeros; slot -1: no K/V is written), and the logits of the first
+B rows are returned. Block tables are gathered on the device into a static
+``[P, max_blocks_per_seq]`` buffer, so every kernel's launch grid depends on P only.
+
+On CUDA each size's forward (the transformer stack, the LM head) is captured once as a
+CUDA graph, largest first so that all share one memory pool, after warm-up runs on a
+side stream (which also compile every Triton variant a size needs). A replay is one
+launch. Elsewhere (CPU) the same padded forward runs eagerly: it is how the path is
+tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from .attention import PagedAttentionMetadata
+from .host_lists import int64_tensor
+
+if TYPE_CHECKING:
+    from .model_runner import ModelInput, ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# Rows of the staging tensor: what one step copies to the device; the last two say which
+# ids are pending (overlapped scheduling): at which position, from which sampled row.
+_IDS, _POSITIONS, _SLOTS, _LENS, _ROWS, _PENDING_AT, _PENDING_FROM = range(7)
+
+
+def default_graph_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to 256 and every 16 beyond, up to ``max_num_seqs``."""
+    sizes = [1, 2, 4, 8, *range(16, 257, 8), *range(272, max_num_seqs + 1, 16)]
+    return sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})
+
+
+class DecodeGraphs:
+    """Padded decode steps for a runner, captured as CUDA graphs when ``capture``.
+
+    ``sizes`` are the padded batch sizes; ``max_blocks_per_seq`` the widest block table
+    a sequence can have (``max_model_len`` over the block size).
+    """
+
+    def __init__(self, runner: "ModelRunner", sizes: list[int], max_blocks_per_seq: int,
+                 capture: bool) -> None:
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"graph batch sizes must be positive, got {sizes}")
+        self.runner = runner
+        self.sizes = sorted(set(sizes))
+        self.max_size = self.sizes[-1]
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.block_size = runner.kv_cache.shape.block_size
+        device = runner.device
+        self.device = device
+        # Two staging tensors, alternating: a step never writes the one the step before it
+        # may still be copying from (overlapped scheduling).
+        self.stagings = [torch.zeros((7, self.max_size), dtype=torch.int64, pin_memory=device.type == "cuda")
+                         for _ in range(2)]
+        self.inputs = torch.zeros((7, self.max_size), dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros((self.max_size, max_blocks_per_seq), dtype=torch.int32, device=device)
+        self.cu_seqlens = torch.arange(self.max_size + 1, dtype=torch.int32, device=device)
+        runner.block_tables.reserve_columns(max_blocks_per_seq)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.memory_bytes = 0     # the graphs' memory pool, once captured
+        self.num_runs = 0         # padded steps, replayed or eager
+        self.num_replays = 0
+        self.num_padded_rows = 0
+        if capture:
+            self._capture()
+
+    # ---- a step ----------------------------------------------------------------------------
+    def padded_size(self, num_seqs: int) -> int | None:
+        for size in self.sizes:
+            if size >= num_seqs:
+                return size
+        return None
+
+    def can_run(self, model_input: "ModelInput") -> bool:
+        """A decode-only step, every sequence sampling, no scores, within the sizes."""
+        return (model_input.is_decode_only and model_input.logits_indexes is None
+                and not model_input.scores and 0 < model_input.num_chunks <= self.max_size)
+
+    def run(self, model_input: "ModelInput", pending_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's logits ``[num_seqs, vocab]`` (a view of a static buffer, valid until
+        the next ``run``). The block tables' rows must already hold the step's updates;
+        ``pending_tokens`` holds the ids ``model_input.pending`` refers to."""
+        num_seqs = model_input.num_chunks
+        size = self.padded_size(num_seqs)
+        rows = int64_tensor(model_input.rows)
+        starts = int64_tensor(model_input.starts)
+        block_size = self.block_size
+        host_tables = self.runner.block_tables.host
+        staging = self.stagings[self.num_runs % 2]
+        pending = model_input.pending or []
+        if pending:
+            staging[_PENDING_AT:, :len(pending)] = int64_tensor([i for pair in pending for i in pair]).view(-1, 2).T
+        staging[_IDS, :num_seqs] = int64_tensor(model_input.input_ids)
+        staging[_POSITIONS, :num_seqs] = starts
+        staging[_SLOTS, :num_seqs] = (host_tables[rows, starts // block_size].to(torch.int64) * block_size
+                                      + starts % block_size)
+        staging[_LENS, :num_seqs] = starts + 1
+        staging[_ROWS, :num_seqs] = rows
+        if size > num_seqs:
+            staging[:, num_seqs:size] = 0
+            staging[_SLOTS, num_seqs:size] = -1
+        # The whole staging tensor (a few KiB): one contiguous copy from pinned memory.
+        self.inputs.copy_(staging, non_blocking=True)
+        if pending:
+            ids = self.inputs[_IDS]
+            ids.index_copy_(0, self.inputs[_PENDING_AT, :len(pending)],
+                            pending_tokens.index_select(0, self.inputs[_PENDING_FROM, :len(pending)]))
+        source = self.runner.block_tables.source
+        torch.index_select(source[:, :self.max_blocks_per_seq], 0, self.inputs[_ROWS, :num_seqs],
+                           out=self.block_tables[:num_seqs])
+        self.num_padded_rows += size - num_seqs
+        self.num_runs += 1
+        graph = self.graphs.get(size)
+        if graph is None:
+            return self._forward(size)[:num_seqs]
+        graph[0].replay()
+        self.num_replays += 1
+        return graph[1][:num_seqs]
+
+    def _forward(self, size: int) -> torch.Tensor:
+        """The padded forward of ``size`` rows, on the static buffers only (capturable)."""
+        runner = self.runner
+        inputs = self.inputs
+        meta = PagedAttentionMetadata(
+            slot_mapping=inputs[_SLOTS, :size],
+            block_tables=self.block_tables[:size],
+            cu_seqlens_q=self.cu_seqlens[:size + 1],
+            seq_lens=inputs[_LENS, :size].to(torch.int32),
+            is_decode_only=True,
+            kv_caches=runner.kv_cache.device_caches,
+            backend=runner.kernel_backend,
+            plan_window=runner.attention.max_sliding_window,
+        )
+        hidden = runner.decoder(input_ids=inputs[_IDS, :size].unsqueeze(0),
+                                position_ids=inputs[_POSITIONS, :size].unsqueeze(0),
+                                paged_metadata=meta, use_cache=False).last_hidden_state[0]
+        return runner.compute_logits(hidden)
+
+    # ---- capture -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        """Capture every size, largest first, into one memory pool. The buffers hold only
+        padding meanwhile: nothing is written to the KV cache."""
+        start = time.perf_counter()
+        self.inputs.zero_()
+        self.inputs[_SLOTS] = -1
+        memory_before = torch.cuda.memory_reserved(self.device)
+        pool = None
+        for size in reversed(self.sizes):
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):   # compiles the size's kernels; cuBLAS picks its algorithms
+                    self._forward(size)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._forward(size)
+            pool = graph.pool()
+            self.graphs[size] = (graph, logits)
+        torch.cuda.synchronize(self.device)
+        self.memory_bytes = torch.cuda.memory_reserved(self.device) - memory_before
+        logger.info("captured %d CUDA graphs (decode batch sizes %d..%d) in %.1f s, %.0f MiB",
+                    len(self.graphs), self.sizes[0], self.max_size, time.perf_counter() - start,
+                    self.memory_bytes / 2**20)
