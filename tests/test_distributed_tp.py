@@ -192,6 +192,9 @@ def test_draining_the_group_migrates_its_sequences_and_frees_its_placement_group
     from pagedserve.cluster.worker_pool import actor_name_of
 
     handle.wait_healthy(timeout=120)
+    # The pool drains only a worker it sees ready (after the restart above, its next poll says so).
+    _wait_for(lambda: handle.worker_states()["workers"][TP_WORKER]["state"] == "ready", 60,
+              "the worker pool to see the group ready")
     prompts = _prompts(seed=5)
     expected = reference(prompts, MAX_TOKENS_FAULT)
     stats_before = handle.stats()
