@@ -189,7 +189,9 @@ def test_slow_worker_block_map_is_asked_less_often():
     handle = FakeHandle(delay_s=0.1)
     state = DashboardState(handle, ttl_s=0.5)
     body = asyncio.run(state.get(256))
-    assert 2.0 <= state.refresh_s == body["refresh_s"] <= 10.0  # >= 0.1 s / 5 %
+    # >= 0.1 s / 5 %, less the event loop's timer slack (a 0.1 s sleep measured 0.0999 s once).
+    assert 1.9 <= state.refresh_s == body["refresh_s"] <= 10.0, (
+        f"assumed: the block map's 0.1 s delay sets the refresh to about 2 s; got {state.refresh_s}")
 
 
 def test_large_pool_comes_as_density_map():

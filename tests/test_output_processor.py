@@ -185,3 +185,43 @@ def test_outputs_behind_the_engine_equal_outputs_at_once(pool, async_scheduling,
     runner.runTest()
     stats = LaggedOutputs.llm.stats()
     assert stats["num_generated_tokens"] > 0
+
+
+def test_a_migrated_stream_mid_character_continues_without_a_replacement_char(tiny_model):
+    """A stream cut by a migration (or an abort) emits no text it was holding back: the
+    target, its decoder primed with the tokens so far, emits the completed character, so
+    the client's text equals the uninterrupted one."""
+    from transformers import AutoTokenizer
+
+    from pagedserve.workers.output_processor import EngineStep, OutputProcessor, StepTokens, new_stream
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model("llama"))
+    output = tokenizer.encode("hello 你好 world", add_special_tokens=False)
+    cut = next(i for i in range(1, len(output)) if tokenizer.decode(output[:i]).endswith("\ufffd"))
+    params = SamplingParams(temperature=0.0, max_tokens=len(output), ignore_eos=True)
+
+    def stream_of(request_id: str, tokens_so_far: list[int]) -> Sequence:
+        request = Request(request_id, None, [10, 11, 12], params)
+        seq = Sequence(f"{request_id}#0", request, 0, [10, 11, 12] + tokens_so_far)
+        seq.stream = new_stream(seq, tokenizer, [2], 512, tokens_so_far)
+        request.seqs.append(seq)
+        return seq
+
+    def run(processor: OutputProcessor, seq: Sequence, tokens: list[int], migrate: bool) -> str:
+        text = ""
+        for i, token in enumerate(tokens):
+            seq.append_token(token)
+            step = EngineStep(tokens=[StepTokens([seq], [token])])
+            if migrate and i == len(tokens) - 1:
+                step.migrated.append((seq, (b"header", b"payload"), "worker-1"))
+            for out in processor.process(step).outputs:
+                text += out.outputs[0].delta_text
+        return text
+
+    source = stream_of("src", [])
+    before = run(OutputProcessor(), source, output[:cut], migrate=True)
+    assert "\ufffd" not in before and source.stream.finish_reason == "migrated"
+    target = stream_of("dst", output[:cut])
+    after = run(OutputProcessor(), target, output[cut:], migrate=False)
+    whole = stream_of("whole", [])
+    assert before + after == run(OutputProcessor(), whole, output, migrate=False) == "hello 你好 world"

@@ -108,12 +108,22 @@ class SequenceStream:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
     def end(self, reason: str) -> None:
-        """End after the tokens so far (a grammar, an abort, a migration)."""
+        """End after the tokens so far, its text complete (a grammar completed or failed):
+        what was held back (an unfinished character, a possible stop string) is emitted."""
         if self.text.is_finished:   # a stop string ended it on the same token
             self.finish_reason, self.stop_reason = self.text.finish_reason, self.text.stop_reason
             return
         self.delta_text += self.text.finish(reason).text
         self.finish_reason, self.stop_reason = reason, self.text.stop_reason
+
+    def cut(self, reason: str) -> None:
+        """End here without completing the text (an abort, a migration): text held back
+        stays unemitted. A migrated stream continues elsewhere from its tokens, whose
+        decoder emits that text once the tokens after it complete it."""
+        if self.text.is_finished:
+            self.finish_reason, self.stop_reason = self.text.finish_reason, self.text.stop_reason
+        else:
+            self.finish_reason = reason
 
     def add_logprob(self, logprob: SampleLogprobs) -> None:
         self.num_logprobs += 1
@@ -200,10 +210,11 @@ class OutputProcessor:
             touched[seq.request.request_id] = seq.request
 
     def _end(self, seq: Sequence, reason: str) -> None:
+        """An abort or a migration: the stream stops where it is."""
         if not seq.request.follows_text:
             self._catch_up(seq, None)
         if not seq.stream.is_finished:
-            seq.stream.end(reason)
+            seq.stream.cut(reason)
 
     @staticmethod
     def _catch_up(seq: Sequence, last_reason: str | None) -> None:
