@@ -12,6 +12,7 @@ on its context; here the status is sent with ``abort``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -208,6 +209,27 @@ class GrpcServer:
             time.sleep(0.01)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+
+
+@contextlib.contextmanager
+def grpc_stub(frontend: Frontend):
+    """A real ``grpcio`` client's ``PagedServeStub`` on ``frontend``'s gRPC service."""
+    import grpc
+
+    from pagedserve.cluster.protos import pagedserve_pb2_grpc as pb_grpc
+
+    with GrpcServer(frontend) as server, grpc.insecure_channel(server.target) as channel:
+        yield pb_grpc.PagedServeStub(channel)
+
+
+def assert_idle(handle: LocalHandle, timeout_s: float = 10.0) -> None:
+    """Once the engine hands back its last blocks (a stream's end reaches the engine a
+    moment after the client): none held, and the accounting checks."""
+    deadline = time.time() + timeout_s
+    while handle.num_used_blocks() and time.time() < deadline:
+        time.sleep(0.05)
+    assert handle.num_used_blocks() == 0
+    handle.engine.check_integrity()
 
 
 def with_context_length(source: str, target, context_length: int) -> str:

@@ -9,7 +9,6 @@ cannot honour is a 400 (gRPC INVALID_ARGUMENT) naming it.
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -17,10 +16,10 @@ import torch
 grpc = pytest.importorskip("grpc")
 httpx = pytest.importorskip("httpx")
 
-from local_frontend import GrpcServer, LocalHandle, assert_error, call, events, make_frontend  # noqa: E402
+from local_frontend import (LocalHandle, assert_error, assert_idle, call, events, grpc_stub,  # noqa: E402
+                            make_frontend)
 
 from pagedserve.cluster.protos import pagedserve_pb2 as pb  # noqa: E402
-from pagedserve.cluster.protos import pagedserve_pb2_grpc as pb_grpc  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -41,8 +40,8 @@ def frontend(handle):
 
 @pytest.fixture(scope="module")
 def stub(frontend):
-    with GrpcServer(frontend) as server, grpc.insecure_channel(server.target) as channel:
-        yield pb_grpc.PagedServeStub(channel)
+    with grpc_stub(frontend) as stub:
+        yield stub
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +66,7 @@ def hf_beams(tiny_model):
 @pytest.fixture(autouse=True)
 def idle_after(handle):
     yield
-    deadline = time.time() + 10
-    while handle.num_used_blocks() and time.time() < deadline:
-        time.sleep(0.05)
-    assert handle.num_used_blocks() == 0
-    handle.engine.check_integrity()
+    assert_idle(handle)
 
 
 def texts(frontend, beams: list[list[int]]) -> list[str]:

@@ -9,7 +9,6 @@ arguments and ``finish_reason: "length"``, streamed or not, never as content.
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -17,11 +16,10 @@ grpc = pytest.importorskip("grpc")
 httpx = pytest.importorskip("httpx")
 jsonschema = pytest.importorskip("jsonschema")
 
-from local_frontend import (MODEL, GrpcServer, LocalHandle, assert_error, call, events,  # noqa: E402
-                            make_frontend, with_context_length)
+from local_frontend import (MODEL, GrpcServer, LocalHandle, assert_error, assert_idle, call,  # noqa: E402
+                            events, grpc_stub, make_frontend, with_context_length)
 
 from pagedserve.cluster.protos import pagedserve_pb2 as pb  # noqa: E402
-from pagedserve.cluster.protos import pagedserve_pb2_grpc as pb_grpc  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -65,18 +63,14 @@ def frontend(handle):
 
 @pytest.fixture(scope="module")
 def stub(frontend):
-    with GrpcServer(frontend) as server, grpc.insecure_channel(server.target) as channel:
-        yield pb_grpc.PagedServeStub(channel)
+    with grpc_stub(frontend) as stub:
+        yield stub
 
 
 @pytest.fixture(autouse=True)
 def idle_after(handle):
     yield
-    deadline = time.time() + 10
-    while handle.num_used_blocks() and time.time() < deadline:
-        time.sleep(0.05)
-    assert handle.num_used_blocks() == 0
-    handle.engine.check_integrity()
+    assert_idle(handle)
 
 
 def grpc_error(call_rpc) -> grpc.RpcError:

@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 grpc = pytest.importorskip("grpc")
 httpx = pytest.importorskip("httpx")
 
-from local_frontend import GrpcServer, LocalHandle, assert_error, call, events, make_frontend  # noqa: E402
+from local_frontend import (LocalHandle, assert_error, assert_idle, call, events, grpc_stub,  # noqa: E402
+                            make_frontend)
 
 from pagedserve.cluster.protos import pagedserve_pb2 as pb  # noqa: E402
-from pagedserve.cluster.protos import pagedserve_pb2_grpc as pb_grpc  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -49,18 +49,14 @@ def frontend(handle):
 
 @pytest.fixture(scope="module")
 def stub(frontend):
-    with GrpcServer(frontend) as server, grpc.insecure_channel(server.target) as channel:
-        yield pb_grpc.PagedServeStub(channel)
+    with grpc_stub(frontend) as stub:
+        yield stub
 
 
 @pytest.fixture(autouse=True)
 def idle_after(handle):
     yield
-    deadline = time.time() + 10
-    while handle.num_used_blocks() and time.time() < deadline:
-        time.sleep(0.05)
-    assert handle.num_used_blocks() == 0
-    handle.engine.check_integrity()
+    assert_idle(handle)
 
 
 def num_tokens(handle, text: str) -> int:
@@ -226,7 +222,4 @@ def test_every_request_completes_or_is_refused_within_its_bound(frontend, stub, 
     elapsed = time.monotonic() - start
     event(f"{transport}: {outcome}")
     assert elapsed <= _bound_s(handle, num_prompt, fields), (request, elapsed)
-    deadline = time.time() + 10
-    while handle.num_used_blocks() and time.time() < deadline:
-        time.sleep(0.05)
-    assert handle.num_used_blocks() == 0
+    assert_idle(handle)
