@@ -8,7 +8,8 @@ ignored), greedy throughout. Contenders, in this order, each after a warm-up, th
 synchronised around every timing:
 
 - pagedserve ``LLM.generate`` (KV pool of ``--kv-cache-gb``), decode steps replaying CUDA
-  graphs (the default on CUDA);
+  graphs of the torch.compile'd forward (the default on CUDA);
+- the same with ``torch_compile=False`` (graphs of the uncompiled forward);
 - the same with ``enforce_eager=True`` (every step eager);
 - transformers ``generate`` in static batches of ``--static-batch`` (left padding);
 - transformers ``generate_batch`` (its continuous batching); a failure is reported, not fatal.
@@ -52,7 +53,8 @@ from pagedserve.bench.report import format_table, write_json  # noqa: E402
 from pagedserve.bench.roofline import record_steps, roofline_seconds  # noqa: E402
 from pagedserve.bench.workload import random_token_ids  # noqa: E402
 
-LABELS = {"pagedserve": "pagedserve LLM.generate", "eager": "pagedserve LLM.generate (eager)",
+LABELS = {"pagedserve": "pagedserve LLM.generate", "uncompiled": "pagedserve LLM.generate (uncompiled)",
+          "eager": "pagedserve LLM.generate (eager)",
           "static": "transformers generate (static)", "batch": "transformers generate_batch"}
 _START = time.perf_counter()
 
@@ -118,12 +120,13 @@ def model_counts(decoder, lm_head, config) -> dict:
 
 
 # ---- the contenders ----------------------------------------------------------------------------
-def bench_pagedserve(args, path: str, prompts, warm_prompts, state: dict, enforce_eager: bool = False) -> dict:
+def bench_pagedserve(args, path: str, prompts, warm_prompts, state: dict, enforce_eager: bool = False,
+                     torch_compile: bool | None = None) -> dict:
     from pagedserve import LLM
 
     options = {"device": args.device, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
                "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed,
-               "enforce_eager": enforce_eager}
+               "enforce_eager": enforce_eager, "torch_compile": torch_compile}
     if args.kv_cache_gb:
         options["kv_cache_memory_gb"] = args.kv_cache_gb
     log(f"pagedserve: loading LLM({path!r}, {options})")
@@ -339,9 +342,9 @@ def parse_args(argv=None):
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--matmul-size", type=int, default=None, help="default: 8192 on CUDA, 512 on CPU")
-    parser.add_argument("--contenders", default="pagedserve,eager,static,batch",
-                        help="comma-separated, from: pagedserve, eager (pagedserve with enforce_eager), "
-                             "static, batch")
+    parser.add_argument("--contenders", default="pagedserve,uncompiled,eager,static,batch",
+                        help="comma-separated, from: pagedserve, uncompiled (pagedserve with "
+                             "torch_compile=False), eager (pagedserve with enforce_eager), static, batch")
     parser.add_argument("--quick", action="store_true",
                         help="64 requests, prompts 128-512, 64 output tokens (a fallback run)")
     parser.add_argument("--profile", metavar="PATH",
@@ -424,6 +427,9 @@ def main(argv=None) -> int:
 
     if "pagedserve" in args.keys:
         attempt("pagedserve", lambda: bench_pagedserve(args, path, prompts, warm_prompts, state))
+        free_device_memory(args.device)
+    if "uncompiled" in args.keys:
+        attempt("uncompiled", lambda: bench_pagedserve(args, path, prompts, warm_prompts, state, torch_compile=False))
         free_device_memory(args.device)
     if "eager" in args.keys:
         attempt("eager", lambda: bench_pagedserve(args, path, prompts, warm_prompts, state, enforce_eager=True))

@@ -7,8 +7,14 @@ replayed, a replay counts as one launch, and so does each kernel outside it); on
 it is the aten ops called from Python that compute (views and shape bookkeeping left out),
 each of which would be about one kernel launch on a device.
 
+With ``--torch-compile`` the decoder stack runs compiled (layer hooks would break its
+graph, so none is set): a layer's share is then the compiled region's kernels over the
+number of layers (the embedding and the final norm, one or two kernels, included). On the
+CPU a fused kernel inductor generates (``cpp_fused_*``, profiled by name) counts as one.
+
     python benchmarks/bench_launches.py [--size tiny --device cpu --batch 4 --steps 4]
     python benchmarks/bench_launches.py --size 1b --device cuda --dtype bfloat16 [--enforce-eager]
+    python benchmarks/bench_launches.py --torch-compile [--graph-sizes 4]
 """
 
 from __future__ import annotations
@@ -41,17 +47,47 @@ def mark_layers(decoder) -> None:
         layer.register_forward_hook(lambda *_: ranges.pop().__exit__(None, None, None))
 
 
-def in_layer(event) -> bool:
+# The profiler range around a compiled graph's call ("## Call CompiledFxGraph <hash>").
+COMPILED_RANGE = "CompiledFxGraph"
+
+
+def within(event, is_range) -> bool:
     parent = event.cpu_parent
     while parent is not None:
-        if parent.name == LAYER_RANGE:
+        if is_range(parent.name):
             return True
         parent = parent.cpu_parent
     return False
 
 
-def count_launches(events, on_cuda: bool) -> tuple[int, int, Counter]:
-    """(launches in the step, launches inside decoder layers, the in-layer ops by name)."""
+def in_layer(event) -> bool:
+    return within(event, lambda name: name == LAYER_RANGE)
+
+
+def in_compiled_region(event) -> bool:
+    return within(event, lambda name: COMPILED_RANGE in name)
+
+
+def cpu_launches(event) -> int:
+    """1 for a compute op called from Python or from a compiled graph, or a fused kernel."""
+    if "cpp_fused" in event.name:
+        return 1
+    parent = event.cpu_parent
+    is_top = parent is None or not parent.name.startswith("aten::")
+    return 1 if event.name.startswith("aten::") and is_top and event.name not in NO_KERNEL else 0
+
+
+def kernel_name(name: str) -> str:
+    """An inductor kernel's name without its graph prefix and running number."""
+    if "cpp_fused" not in name:
+        return name
+    return "cpp_fused" + name.split("cpp_fused", 1)[1].rstrip("_0123456789")
+
+
+def count_launches(events, on_cuda: bool, compiled: bool = False) -> tuple[int, int, Counter]:
+    """(launches in the step, launches inside decoder layers (``compiled``: inside the
+    compiled region), those ops or kernels by name)."""
+    inside_of = in_compiled_region if compiled else in_layer
     total = inside = 0
     names: Counter = Counter()
     for event in events:
@@ -63,15 +99,13 @@ def count_launches(events, on_cuda: bool) -> tuple[int, int, Counter]:
                 continue
             launches = len(event.kernels)
         else:
-            parent = event.cpu_parent
-            is_top = parent is None or not parent.name.startswith("aten::")
-            launches = 1 if event.name.startswith("aten::") and is_top and event.name not in NO_KERNEL else 0
+            launches = cpu_launches(event)
         if not launches:
             continue
         total += launches
-        if in_layer(event):
+        if inside_of(event):
             inside += launches
-            names[event.name] += launches
+            names[kernel_name(event.name)] += launches
     return total, inside, names
 
 
@@ -84,12 +118,23 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--torch-compile", action="store_true", default=None,
+                        help="compile the decode forward (on CUDA the default where graphs are)")
+    parser.add_argument("--graph-sizes", type=int, nargs="+", default=None,
+                        help="the padded decode batch sizes (cuda_graph_sizes)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
+    if args.torch_compile and args.device == "cpu":
+        import torch._inductor.config
+
+        torch._inductor.config.cpp.enable_kernel_profile = True   # each fused kernel named
     llm = LLM(str(ensure_model(args.arch, args.size)), device=args.device, dtype=args.dtype,
-              enforce_eager=args.enforce_eager, max_num_seqs=max(args.batch, 1))
+              enforce_eager=args.enforce_eager, max_num_seqs=max(args.batch, 1),
+              torch_compile=args.torch_compile, cuda_graph_sizes=args.graph_sizes)
     engine, runner = llm.engine, llm.engine.runner
-    mark_layers(runner.decoder)
+    compiled = runner.decode_graphs is not None and runner.decode_graphs.is_compiled
+    if not compiled:
+        mark_layers(runner.decoder)
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 8, ignore_eos=True)
     for i in range(args.batch):
@@ -106,15 +151,17 @@ def main() -> None:
             torch.cuda.synchronize()
     while engine.has_unfinished_requests():
         engine.step()
-    total, inside, names = count_launches(prof.events(), on_cuda)
+    total, inside, names = count_launches(prof.events(), on_cuda, compiled)
     num_layers = len(runner.decoder.layers)
     result = {"model": f"{args.arch}-{args.size}", "device": str(runner.device), "batch": args.batch,
               "decode_graphs": runner.decode_graphs is not None and bool(runner.decode_graphs.graphs),
+              "torch_compile": compiled,
               "unit": "CUDA kernels" if on_cuda else "compute ops",
               "per_step": total / args.steps, "per_layer": inside / args.steps / num_layers,
               "outside_layers_per_step": (total - inside) / args.steps, "num_layers": num_layers,
               "per_layer_by_op": {name: count / args.steps / num_layers for name, count in names.most_common()}}
-    print(f"{result['model']} on {result['device']}, {args.batch} sequences, graphs: {result['decode_graphs']}: "
+    print(f"{result['model']} on {result['device']}, {args.batch} sequences, graphs: {result['decode_graphs']}, "
+          f"compiled: {compiled}: "
           f"{result['per_step']:.0f} {result['unit']} per decode step, {result['per_layer']:.1f} per layer "
           f"({num_layers} layers), {result['outside_layers_per_step']:.0f} outside the layers")
     for name, count in result["per_layer_by_op"].items():

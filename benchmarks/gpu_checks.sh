@@ -41,16 +41,19 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 TESTS=(tests/test_cuda_greedy.py tests/test_kernels_triton.py tests/test_kernels_torch.py tests/test_sampler.py
        tests/test_gpu_targets.py tests/test_sampling_extensions.py
        "tests/test_structured_outputs.py::test_structured_outputs_on_cuda")
-for name in ${STEPS:-tests engine host kernels sweep}; do
+for name in ${STEPS:-tests engine host launches kernels sweep}; do
     case $name in
         kernels) step bench_kernels 150 python3 benchmarks/bench_kernels_gpu.py ;;
-        # test_cuda_greedy runs with CUDA graphs on and off.
+        # test_cuda_greedy runs with CUDA graphs of the compiled forward, of the uncompiled one, and eager.
         tests) step tests 300 python3 -m pytest -q -p no:cacheprovider -o addopts= -rs -s "${TESTS[@]}" ;;
         # Decode step time at 4 and 256 sequences, llama-1b in bf16, CUDA graphs on.
         host) step host_cost 120 python3 -m pagedserve.bench.host_cost --size 1b --device cuda --dtype bfloat16 \
                   --steps 32 --repeats 2 --output-kinds final --json "$OUT/host_cost.json" ;;
+        # Kernels per decode step and per layer, llama-1b bf16: compiled (graph replays count 1,
+        # so the compiled forward runs without graphs here) against eager.
+        launches) step launches 150 bash -c "python3 benchmarks/bench_launches.py --size 1b --device cuda --dtype bfloat16 --enforce-eager --torch-compile --json $OUT/launches_compiled.json && python3 benchmarks/bench_launches.py --size 1b --device cuda --dtype bfloat16 --enforce-eager --json $OUT/launches_eager.json" ;;
         structured) step structured 60 python3 -m pytest -q -p no:cacheprovider -o addopts= -rs "${TESTS[6]}" ;;
-        # pagedserve with graphs and eager, transformers' two; the roofline column.
+        # pagedserve with compiled graphs, uncompiled graphs and eager, transformers' two; the roofline column.
         engine) step bench_engine 360 python3 benchmarks/bench_engine_gpu.py $QUICK --json "$OUT/bench_engine.json" ;;
         sweep) step split_sweep 100 python3 benchmarks/bench_kernels_gpu.py --sweep --dtypes float16 ;;
         tp) step tp 420 python3 benchmarks/bench_tp_gpu.py --json "$OUT/tp.json" ;;   # several GPUs: NCCL greedy, all-reduce ms/step

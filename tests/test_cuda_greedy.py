@@ -62,17 +62,23 @@ def _hf_model(path: str, dtype: torch.dtype):
     return _HF_MODELS[key]
 
 
-def ours(path: str, dtype: str, prompts: list[list[int]], enforce_eager: bool = False):
+# How decode steps run: CUDA graphs of the compiled forward (the default), CUDA graphs of
+# the uncompiled forward, every step eager.
+MODES = {"compiled": {}, "graphs": {"torch_compile": False}, "eager": {"enforce_eager": True}}
+
+
+def ours(path: str, dtype: str, prompts: list[list[int]], mode: str = "compiled"):
     llm = LLM(path, device="cuda", dtype=dtype, num_device_blocks=256, swap_space_gb=0.001,
-              enforce_eager=enforce_eager, cuda_graph_sizes=[1, 2, 4, 8])
+              cuda_graph_sizes=[1, 2, 4, 8], **MODES[mode])
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0))
     llm.check_integrity()
     assert llm.engine.num_used_blocks() == 0
     stats = llm.stats()
-    if enforce_eager:
+    if mode == "eager":
         assert "num_graph_replays" not in stats
     else:  # the decode steps of up to 8 sequences replayed their graphs
         assert stats["num_cuda_graphs"] == 4 and stats["num_graph_replays"] > 0, stats
+        assert stats["decode_compiled"] == (mode == "compiled"), stats
     return [output.outputs[0] for output in outputs]
 
 
@@ -89,12 +95,12 @@ def logprob_error(tokens: list[int], logprobs: list[float], reference: torch.Ten
     return max(errors, default=0.0)
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
-def test_float32_greedy_on_cuda_is_token_identical(arch, enforce_eager, tiny_model, hf_greedy):
+def test_float32_greedy_on_cuda_is_token_identical(arch, mode, tiny_model, hf_greedy):
     path = tiny_model(arch)
     prompts = random_prompts(seed=1)
-    completions = ours(path, "float32", prompts, enforce_eager)
+    completions = ours(path, "float32", prompts, mode)
     for prompt, completion in zip(prompts, completions):
         reference, _ = hf_generate(path, torch.float32, prompt)
         assert completion.token_ids == reference, f"prompt of {len(prompt)} tokens diverged"
@@ -103,13 +109,13 @@ def test_float32_greedy_on_cuda_is_token_identical(arch, enforce_eager, tiny_mod
             print(f"note: transformers float32 CPU and CUDA part at step {common_prefix(cpu_reference, reference)}")
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_half_precision_is_as_close_to_float32_as_transformers(arch, dtype, enforce_eager, tiny_model):
+def test_half_precision_is_as_close_to_float32_as_transformers(arch, dtype, mode, tiny_model):
     path = tiny_model(arch)
     prompts = random_prompts(seed=2)
-    completions = ours(path, str(dtype).removeprefix("torch."), prompts, enforce_eager)
+    completions = ours(path, str(dtype).removeprefix("torch."), prompts, mode)
     rows = []
     for prompt, completion in zip(prompts, completions):
         exact, exact_logprobs = hf_generate(path, torch.float32, prompt)

@@ -27,7 +27,7 @@ DEFAULTS = {
     "enable_prefix_caching": True, "preemption_mode": None, "max_num_seqs": 256,
     "max_num_batched_tokens": None, "max_model_len": None, "scheduling_policy": "fcfs",
     "allocation": "paged", "watermark": 0.01, "seed": None, "kernel_backend": None,
-    "enforce_eager": False, "async_scheduling": None, "cuda_graph_sizes": None,
+    "enforce_eager": False, "async_scheduling": None, "cuda_graph_sizes": None, "torch_compile": None,
     "tensor_parallel_size": 1, "distributed_executor_backend": None,
 }
 
@@ -35,6 +35,7 @@ DEFAULTS = {
 BAD_VALUES = {
     "block_size": [0, -16, 12, 24, 256, 1.5, "x"],
     "cuda_graph_sizes": [[], [0, 8], [-1], "8", [1.5]],
+    "torch_compile": ["sometimes", 2],
     "num_device_blocks": [0, -1, 2.5],
     "kv_cache_memory_gb": [0, -1.0, float("inf"), float("nan")],
     "gpu_memory_utilization": [0, 1.01, -0.5],

@@ -10,12 +10,21 @@ Each layer's call says how it attends (scaling, sliding window, soft-cap,
 sinks); ``AttentionVariant.from_call`` reads that and refuses any argument
 it does not know, so a model feature pagedserve cannot honour is an error,
 never a silently different result.
+
+Under ``torch.compile`` the metadata (a Python object holding the step's plan)
+cannot be a graph input. A compiled forward passes ``FROM_CONTEXT`` instead and
+runs inside ``attention_context(meta)``; each layer then calls the custom op
+``pagedserve::paged_attention`` with tensors and constants only. The op is opaque
+to the compiler, which fuses everything around it, and reads the metadata from
+the context when it runs (or when a CUDA graph captures it).
 """
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -147,6 +156,28 @@ class AttentionProbe:
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
 
 
+class _FromContext:
+    """The ``paged_metadata`` of a compiled forward: read ``attention_context``'s metadata."""
+
+    def __repr__(self) -> str:
+        return "FROM_CONTEXT"
+
+
+FROM_CONTEXT = _FromContext()
+_context = threading.local()
+
+
+@contextmanager
+def attention_context(meta: PagedAttentionMetadata) -> Iterator[None]:
+    """Layers called with ``paged_metadata=FROM_CONTEXT`` in this thread attend with ``meta``."""
+    previous = getattr(_context, "meta", None)
+    _context.meta = meta
+    try:
+        yield
+    finally:
+        _context.meta = previous
+
+
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None,
                             dropout=0.0, paged_metadata: PagedAttentionMetadata | None = None,
                             **kwargs):
@@ -163,25 +194,56 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     variant = AttentionVariant.from_call(module, scaling, dropout, kwargs)
     if isinstance(paged_metadata, AttentionProbe):
         return paged_metadata.record(module, query, key, value, variant), None
-    meta = paged_metadata
-    k_cache, v_cache = meta.kv_caches[module.layer_idx]
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
+    sinks = kwargs["s_aux"] if variant.has_sinks else None
+    if paged_metadata is FROM_CONTEXT:
+        out = torch.ops.pagedserve.paged_attention(q, k, v, module.layer_idx, variant.scale,
+                                                   variant.sliding_window, variant.logit_softcap, sinks)
+    else:
+        out = _attend(paged_metadata, module.layer_idx, q, k, v, variant.scale, variant.sliding_window,
+                      variant.logit_softcap, sinks)
+    return out.unsqueeze(0), None
+
+
+def _attend(meta: PagedAttentionMetadata, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
+            v: torch.Tensor, scale: float | None, sliding_window: int | None,
+            logit_softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Write one layer's K/V rows ``[tokens, kv heads, dim]`` and attend: ``[tokens, heads, dim]``."""
+    k_cache, v_cache = meta.kv_caches[layer_idx]
     kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=meta.backend)
     # Contiguous, so that transformers' reshape of the output to [1, tokens, hidden] is a view.
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    variants = dict(sliding_window=variant.sliding_window, logit_softcap=variant.logit_softcap,
-                    sinks=kwargs["s_aux"] if variant.has_sinks else None)
+    variants = dict(sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks)
     if meta.is_decode_only:
         kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                       variant.scale, out=out, backend=meta.backend, plan=meta.plan,
+                                       scale, out=out, backend=meta.backend, plan=meta.plan,
                                        **variants)
     else:
         kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
-                                meta.seq_lens, variant.scale, out=out, backend=meta.backend,
+                                meta.seq_lens, scale, out=out, backend=meta.backend,
                                 plan=meta.plan, **variants)
-    return out.unsqueeze(0), None
+    return out
+
+
+# The KV caches it writes are not arguments: they come with the context's metadata, like
+# the plan. The compiler cannot reorder it against another layer's call, whose input
+# depends on its output.
+@torch.library.custom_op("pagedserve::paged_attention", mutates_args=())
+def paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
+                       scale: float | None, sliding_window: int | None, logit_softcap: float | None,
+                       sinks: torch.Tensor | None) -> torch.Tensor:
+    """One layer's paged attention with ``attention_context``'s metadata (``_attend``)."""
+    meta = getattr(_context, "meta", None)
+    if meta is None:
+        raise RuntimeError("pagedserve::paged_attention runs only inside attention_context(meta)")
+    return _attend(meta, layer_idx, query, key, value, scale, sliding_window, logit_softcap, sinks)
+
+
+@paged_attention_op.register_fake
+def _(query, key, value, layer_idx, scale, sliding_window, logit_softcap, sinks):
+    return torch.empty(query.shape, dtype=query.dtype, device=query.device)
 
 
 def _no_mask(*args, **kwargs):

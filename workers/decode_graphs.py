@@ -12,6 +12,10 @@ CUDA graph, largest first so that all share one memory pool, after warm-up runs 
 side stream (which also compile every Triton variant a size needs). A replay is one
 launch. Elsewhere (CPU) the same padded forward runs eagerly: it is how the path is
 tested without a GPU.
+
+With ``torch_compile``, the decoder stack runs through ``torch.compile`` (dynamic batch size,
+attention the opaque custom op of ``attention``), so the elementwise work around each
+matmul fuses into few kernels; the warm-ups compile it before any capture.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .attention import PagedAttentionMetadata
+from .attention import FROM_CONTEXT, PagedAttentionMetadata, attention_context
 from .host_lists import int64_tensor
 
 if TYPE_CHECKING:
@@ -45,11 +49,13 @@ class DecodeGraphs:
     """Padded decode steps for a runner, captured as CUDA graphs when ``capture``.
 
     ``sizes`` are the padded batch sizes; ``max_blocks_per_seq`` the widest block table
-    a sequence can have (``max_model_len`` over the block size).
+    a sequence can have (``max_model_len`` over the block size); ``compile``: the decoder
+    stack runs compiled (``compile_backend``: torch.compile's backend), warmed up at every
+    size here, so that nothing compiles inside a request.
     """
 
     def __init__(self, runner: "ModelRunner", sizes: list[int], max_blocks_per_seq: int,
-                 capture: bool) -> None:
+                 capture: bool, torch_compile: bool = False, compile_backend: str = "inductor") -> None:
         if not sizes or min(sizes) < 1:
             raise ValueError(f"graph batch sizes must be positive, got {sizes}")
         self.runner = runner
@@ -67,6 +73,10 @@ class DecodeGraphs:
         self.block_tables = torch.zeros((self.max_size, max_blocks_per_seq), dtype=torch.int32, device=device)
         self.cu_seqlens = torch.arange(self.max_size + 1, dtype=torch.int32, device=device)
         runner.block_tables.reserve_columns(max_blocks_per_seq)
+        self.is_compiled = torch_compile
+        # The decoder stack's forward on the static buffers, compiled or not.
+        self.decode_stack = (torch.compile(self._decode_eager, dynamic=True, backend=compile_backend)
+                        if torch_compile else self._decode_eager)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.memory_bytes = 0     # the graphs' memory pool, once captured
         self.num_runs = 0         # padded steps, replayed or eager
@@ -74,6 +84,8 @@ class DecodeGraphs:
         self.num_padded_rows = 0
         if capture:
             self._capture()
+        elif torch_compile:
+            self._warm_up()
 
     # ---- a step ----------------------------------------------------------------------------
     def padded_size(self, num_seqs: int) -> int | None:
@@ -142,19 +154,38 @@ class DecodeGraphs:
             backend=runner.kernel_backend,
             plan_window=runner.attention.max_sliding_window,
         )
-        hidden = runner.decoder(input_ids=inputs[_IDS, :size].unsqueeze(0),
-                                position_ids=inputs[_POSITIONS, :size].unsqueeze(0),
-                                paged_metadata=meta, use_cache=False).last_hidden_state[0]
+        with attention_context(meta):
+            hidden = self.decode_stack(inputs[_IDS, :size], inputs[_POSITIONS, :size])
         return runner.compute_logits(hidden)
 
+    def _decode_eager(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The decoder stack's last hidden states ``[size, hidden]`` (what ``torch_compile`` compiles)."""
+        return self.runner.decoder(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
+                                   paged_metadata=FROM_CONTEXT, use_cache=False).last_hidden_state[0]
+
     # ---- capture -----------------------------------------------------------------------------
+    def _pad_only(self) -> None:
+        """Every row padding: a forward then writes no KV and reads none."""
+        self.inputs.zero_()
+        self.inputs[_SLOTS] = -1
+        self.block_tables.zero_()
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """Run every size once on padding: the compiler compiles what each size needs."""
+        start = time.perf_counter()
+        self._pad_only()
+        for size in reversed(self.sizes):
+            self._forward(size)
+        logger.info("compiled the decode forward for batch sizes %d..%d in %.1f s",
+                    self.sizes[0], self.max_size, time.perf_counter() - start)
+
     @torch.inference_mode()
     def _capture(self) -> None:
         """Capture every size, largest first, into one memory pool. The buffers hold only
         padding meanwhile: nothing is written to the KV cache."""
         start = time.perf_counter()
-        self.inputs.zero_()
-        self.inputs[_SLOTS] = -1
+        self._pad_only()
         memory_before = torch.cuda.memory_reserved(self.device)
         pool = None
         for size in reversed(self.sizes):

@@ -70,8 +70,9 @@ class LLMEngine:
         self.runner.allocate_cache(config.block_size, num_device, num_host)
         if self.runner.device.type == "cuda":
             self.runner.warm_up_block_copies()
-        if self._uses_graphs:
-            self.runner.enable_decode_graphs(config.graph_sizes(), -(-max_len // config.block_size))
+        if self._uses_graphs or self._uses_compile:
+            self.runner.enable_decode_graphs(config.graph_sizes(), -(-max_len // config.block_size),
+                                             capture=self._uses_graphs, torch_compile=self._uses_compile)
         self.kv_manager = kv_manager if kv_manager is not None else KVManager()
         self.kv_manager.add_worker(worker_id, self.pool_config)
         self.step_hooks: list[Callable[[], None]] = []
@@ -114,6 +115,13 @@ class LLMEngine:
     def _uses_graphs(self) -> bool:
         """Decode steps replay CUDA graphs: the default on CUDA (``enforce_eager`` turns it off)."""
         return self.runner.device.type == "cuda" and not self.config.enforce_eager
+
+    @property
+    def _uses_compile(self) -> bool:
+        """Decode steps run through torch.compile: ``torch_compile``, else with CUDA graphs."""
+        if self.config.torch_compile is not None:
+            return self.config.torch_compile
+        return self._uses_graphs
 
     def _eos_token_ids(self) -> list[int]:
         ids: list[int] = []
@@ -162,7 +170,7 @@ class LLMEngine:
             peak = self.runner.profile_peak_memory(
                 self.max_num_batched_tokens, config.block_size,
                 config.graph_sizes() if self._uses_graphs else None,
-                -(-self.max_model_len // config.block_size))
+                -(-self.max_model_len // config.block_size), self._uses_compile)
             total = torch.cuda.get_device_properties(self.runner.device).total_memory
             budget = total * config.gpu_memory_utilization - peak
         else:
@@ -848,7 +856,8 @@ class LLMEngine:
         if graphs is not None:
             stats.update({"num_cuda_graphs": len(graphs.graphs), "cuda_graph_memory_bytes": graphs.memory_bytes,
                           "num_padded_decode_steps": graphs.num_runs, "num_graph_replays": graphs.num_replays,
-                          "num_padded_rows": graphs.num_padded_rows})
+                          "num_padded_rows": graphs.num_padded_rows,
+                          "decode_compiled": graphs.is_compiled})
         if self._grammar_compiler is not None:
             stats["num_grammars_compiled"] = self._grammar_compiler.num_compiled
             stats["num_grammar_cache_hits"] = self._grammar_compiler.num_cache_hits

@@ -98,6 +98,12 @@ class EngineOptions(BaseModel):
     """CUDA: the decode batch sizes captured as CUDA graphs (vLLM's name); a decode step runs at
     the smallest size that holds it. Unset: 1, 2, 4, 8, then every 8 up to 256 and every 16
     beyond, up to max_num_seqs."""
+    torch_compile: bool | None = None
+    """Run the decode forward through torch.compile, attention an opaque custom op, so the
+    elementwise work around each matmul fuses into few kernels (vLLM compiles the same way);
+    on CUDA the compiled forward is what the CUDA graphs capture. Compiling takes time at load.
+    A model that fails to compile says why in the log and runs uncompiled. Unset: on where
+    CUDA graphs are (CUDA, not enforce_eager, one rank), off on the CPU."""
     tensor_parallel_size: int = Field(1, ge=1)
     """Ranks (GPUs) one model replica spans (vLLM's name). The model needs a tensor-parallel plan
     in transformers (``base_model_tp_plan``) and head counts that divide by it."""
@@ -128,6 +134,14 @@ class EngineOptions(BaseModel):
         if self.cuda_graph_sizes is None:
             return default_graph_sizes(self.max_num_seqs)
         return sorted({min(size, self.max_num_seqs) for size in self.cuda_graph_sizes})
+
+    @model_validator(mode="after")
+    def _compile_on_one_rank(self) -> "EngineOptions":
+        if self.torch_compile and self.tensor_parallel_size > 1:
+            raise ValueError("torch_compile runs on one rank only; a tensor-parallel group "
+                             f"(tensor_parallel_size={self.tensor_parallel_size}) runs eagerly: "
+                             "leave torch_compile unset or false")
+        return self
 
     @model_validator(mode="after")
     def _pool_accepts(self) -> "EngineOptions":

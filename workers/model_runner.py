@@ -273,9 +273,11 @@ class ModelRunner:
         return self.kv_cache
 
     def profile_peak_memory(self, num_tokens: int, block_size: int,
-                            graph_sizes: list[int] | None = None, max_blocks_per_seq: int = 1) -> int:
+                            graph_sizes: list[int] | None = None, max_blocks_per_seq: int = 1,
+                            torch_compile: bool = False) -> int:
         """Peak CUDA bytes of one forward pass over ``num_tokens`` prompt tokens, plus the
-        memory pool of the CUDA graphs of ``graph_sizes`` (captured here, then dropped).
+        memory pool of the CUDA graphs of ``graph_sizes`` (captured here, compiled with
+        ``torch_compile``, then dropped).
 
         Runs against a throwaway cache just big enough for them; 0 off CUDA.
         """
@@ -295,7 +297,7 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device)
         graph_bytes = 0
         if graph_sizes:
-            graphs = self._try_graphs(graph_sizes, max_blocks_per_seq)
+            graphs = self._try_graphs(graph_sizes, max_blocks_per_seq, torch_compile)
             graph_bytes = graphs.memory_bytes if graphs is not None else 0
             del graphs
         self.kv_cache = saved
@@ -316,18 +318,32 @@ class ModelRunner:
             kernels.swap_blocks(k_cache, host_k, pairs.cpu())
             kernels.swap_blocks(host_k, k_cache, pairs.cpu())
 
-    def enable_decode_graphs(self, sizes: list[int], max_blocks_per_seq: int, capture: bool = True) -> bool:
+    def enable_decode_graphs(self, sizes: list[int], max_blocks_per_seq: int, capture: bool = True,
+                             torch_compile: bool = False) -> bool:
         """Run decode steps of up to ``max(sizes)`` sequences padded on static buffers,
-        captured as CUDA graphs when ``capture`` (CUDA only). A model whose forward
-        cannot be captured says why in the log and stays eager; returns whether the
-        padded path is on."""
+        captured as CUDA graphs when ``capture`` (CUDA only), the decoder stack compiled
+        when ``torch_compile``. A model whose forward cannot be compiled or captured says
+        why in the log and runs without; returns whether the padded path is on."""
         if capture and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
-        self.decode_graphs = (self._try_graphs(sizes, max_blocks_per_seq) if capture
-                              else DecodeGraphs(self, sizes, max_blocks_per_seq, capture=False))
+        if capture:
+            self.decode_graphs = self._try_graphs(sizes, max_blocks_per_seq, torch_compile)
+        elif torch_compile:
+            self.decode_graphs = self._try_compiled(sizes, max_blocks_per_seq)
+        else:
+            self.decode_graphs = DecodeGraphs(self, sizes, max_blocks_per_seq, capture=False)
         return self.decode_graphs is not None
 
-    def _try_graphs(self, sizes: list[int], max_blocks_per_seq: int) -> DecodeGraphs | None:
+    def _try_graphs(self, sizes: list[int], max_blocks_per_seq: int,
+                    torch_compile: bool = False) -> DecodeGraphs | None:
+        if torch_compile:
+            try:
+                return DecodeGraphs(self, sizes, max_blocks_per_seq, capture=True, torch_compile=True)
+            except Exception as error:
+                logger.warning("decode steps run uncompiled: %s's forward failed to compile or to "
+                               "capture compiled (%s: %s)", type(self.model).__name__,
+                               type(error).__name__, _first_line(error))
+                torch.cuda.synchronize(self.device)
         try:
             return DecodeGraphs(self, sizes, max_blocks_per_seq, capture=True)
         except Exception as error:  # a forward that syncs with the host or has dynamic shapes
@@ -335,6 +351,14 @@ class ModelRunner:
                            "CUDA graph (%s: %s)", type(self.model).__name__, type(error).__name__, error)
             torch.cuda.synchronize(self.device)
             return None
+
+    def _try_compiled(self, sizes: list[int], max_blocks_per_seq: int) -> DecodeGraphs:
+        try:
+            return DecodeGraphs(self, sizes, max_blocks_per_seq, capture=False, torch_compile=True)
+        except Exception as error:
+            logger.warning("decode steps run uncompiled: %s's forward failed to compile (%s: %s)",
+                           type(self.model).__name__, type(error).__name__, _first_line(error))
+            return DecodeGraphs(self, sizes, max_blocks_per_seq, capture=False)
 
     @torch.inference_mode()
     def execute(self, model_input: ModelInput, pending_tokens: torch.Tensor | None = None) -> ExecuteOutput:
@@ -413,3 +437,9 @@ class ModelRunner:
             torch.cat(logprobs).cpu(),
             torch.cat(top_ids).cpu() if k else torch.empty((num, 0), dtype=torch.int64),
             torch.cat(top_values).cpu() if k else torch.empty((num, 0)))
+
+
+def _first_line(error: Exception) -> str:
+    """A compiler error's first line (its full text can run to pages)."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else ""

@@ -164,7 +164,7 @@ class TensorParallelRunner:
         return self.kv_cache
 
     def profile_peak_memory(self, num_tokens: int, block_size: int, graph_sizes: list[int] | None = None,
-                            max_blocks_per_seq: int = 1) -> int:
+                            max_blocks_per_seq: int = 1, torch_compile: bool = False) -> int:
         """Rank 0's peak (every rank runs the same shapes); no CUDA graphs (see
         ``enable_decode_graphs``), so ``graph_sizes`` take no memory."""
         if self.local.device.type != "cuda":
@@ -178,11 +178,14 @@ class TensorParallelRunner:
             self.send(WarmUpCopies())
         self.local.warm_up_block_copies()
 
-    def enable_decode_graphs(self, sizes: list[int], max_blocks_per_seq: int, capture: bool = True) -> bool:
+    def enable_decode_graphs(self, sizes: list[int], max_blocks_per_seq: int, capture: bool = True,
+                             torch_compile: bool = False) -> bool:
         """Decode steps of a group run eagerly: capturing CUDA graphs whose forward holds
         all-reduces needs every rank to capture and replay in step, which this runner does not
-        do yet. Returns False (the engine's answer when a model cannot be captured)."""
-        logger.info("tensor-parallel group: decode steps run eagerly (no CUDA graphs across ranks)")
+        do yet, and so does compiling every rank's forward alike. Returns False (the engine's
+        answer when a model cannot be captured)."""
+        logger.info("tensor-parallel group: decode steps run eagerly (no CUDA graphs or "
+                    "torch.compile across ranks)")
         return False
 
     @property

@@ -46,7 +46,11 @@ class HostCostProbe:
         self.device_seconds = [0.0]
         self.output_seconds = [0.0]
         runner, sampler = self.engine.runner, self.engine.sampler
-        runner.decoder = _timed(runner.decoder, self.device_seconds)
+        graphs = runner.decode_graphs
+        if graphs is not None and graphs.is_compiled:   # a wrapped decoder would break its graph
+            graphs.decode_stack = _timed(graphs.decode_stack, self.device_seconds)
+        else:
+            runner.decoder = _timed(runner.decoder, self.device_seconds)
         runner.compute_logits = _timed(runner.compute_logits, self.device_seconds)
         sampler.greedy = _timed(sampler.greedy, self.device_seconds)
         sampler.sample_batch = _timed(sampler.sample_batch, self.device_seconds)
@@ -103,6 +107,7 @@ def measure_host_cost(model: str, small: int = 4, large: int = 256, num_steps: i
     return {
         "device": str(probe.engine.runner.device), "dtype": str(probe.engine.runner.dtype),
         "decode_graphs": probe.engine.runner.decode_graphs is not None,
+        "torch_compile": getattr(probe.engine.runner.decode_graphs, "is_compiled", False),
         "output_kind": output_kind, "batches": [small, large], "num_steps": num_steps,
         "prompt_len": prompt_len, "repeats": repeats,
         "step_ms": {str(b): m["step"] * 1e3 for b, m in median.items()},
@@ -143,6 +148,8 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--torch-compile", action="store_true", default=None,
+                        help="compile the decode forward (on CUDA the default where graphs are)")
     parser.add_argument("--output-kinds", default="final,stream")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
@@ -151,7 +158,8 @@ def main(argv=None) -> None:
     results = []
     for kind in args.output_kinds.split(","):
         result = measure_host_cost(model, num_steps=args.steps, repeats=args.repeats, output_kind=kind,
-                                   device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager)
+                                   device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
+                                   torch_compile=args.torch_compile)
         result.update(model=f"{args.arch}-{args.size}", threads=torch.get_num_threads())
         results.append(result)
         print(format_host_cost(result), flush=True)
