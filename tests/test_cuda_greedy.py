@@ -95,8 +95,14 @@ def logprob_error(tokens: list[int], logprobs: list[float], reference: torch.Ten
     return max(errors, default=0.0)
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def combos(archs: list[str], compiled: list[str]) -> list[tuple[str, str]]:
+    """Every arch with uncompiled graphs and eager; compiled for ``compiled`` (each compiled
+    engine spends tens of seconds in the compiler)."""
+    return ([(arch, mode) for arch in archs for mode in ("graphs", "eager")]
+            + [(arch, "compiled") for arch in compiled])
+
+
+@pytest.mark.parametrize("arch,mode", combos(["llama", "qwen2", "qwen3", "mistral"], ["llama", "qwen3"]))
 def test_float32_greedy_on_cuda_is_token_identical(arch, mode, tiny_model, hf_greedy):
     path = tiny_model(arch)
     prompts = random_prompts(seed=1)
@@ -109,9 +115,10 @@ def test_float32_greedy_on_cuda_is_token_identical(arch, mode, tiny_model, hf_gr
             print(f"note: transformers float32 CPU and CUDA part at step {common_prefix(cpu_reference, reference)}")
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch,dtype,mode", [
+    (arch, dtype, mode) for arch in ("llama", "qwen3") for dtype in (torch.bfloat16, torch.float16)
+    for mode in ("graphs", "eager")] + [("llama", torch.bfloat16, "compiled"), ("qwen3", torch.float16, "compiled")],
+    ids=lambda value: str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else None)
 def test_half_precision_is_as_close_to_float32_as_transformers(arch, dtype, mode, tiny_model):
     path = tiny_model(arch)
     prompts = random_prompts(seed=2)
