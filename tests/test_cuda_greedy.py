@@ -24,6 +24,16 @@ from pagedserve import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Compiled engines of earlier tests would count towards dynamo's recompile limit (8
+    per function), past which it runs the forward uncompiled."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+
 PROMPT_LENGTHS = (3, 16, 17, 64, 120, 200, 33, 90)
 MAX_TOKENS = 48
 FIRST_ORDINARY_ID = 5
