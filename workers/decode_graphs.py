@@ -15,7 +15,10 @@ tested without a GPU.
 
 With ``torch_compile``, the decoder stack runs through ``torch.compile`` (dynamic batch size,
 attention the opaque custom op of ``attention``), so the elementwise work around each
-matmul fuses into few kernels; the warm-ups compile it before any capture.
+matmul fuses into few kernels; the warm-ups compile it before any capture. Dynamo keeps
+its compiled entries per function, guarded on the instance: past its recompile limit (8:
+about four compiled engines in one process) it runs the forward uncompiled, and says so
+in its own warning.
 """
 
 from __future__ import annotations
