@@ -64,9 +64,10 @@ def llm_reference(hf_greedy, output, param):
     return hf_greedy("llama", output.prompt_token_ids, param.max_tokens)
 
 
-# Soft-caps and alternating sliding windows (gemma2), sinks (gpt_oss), every layer
-# windowed with out-of-window blocks freed (mistral), experts (qwen3_moe), q/k norms (qwen3).
-FAMILIES = ["gemma2", "gpt_oss", "mistral", "qwen3_moe", "qwen3"]
+# Soft-caps and alternating sliding windows (gemma2), sinks with windows (gpt_oss), experts
+# and q/k norms (qwen3_moe): the variants the op passes on, and the layers around it that
+# differ most from llama's.
+FAMILIES = ["gemma2", "gpt_oss", "qwen3_moe"]
 
 
 @pytest.mark.parametrize("name", FAMILIES)
