@@ -4,6 +4,9 @@
 #
 #   [STEPS="kernels tests engine sweep profile tp ..."] bash benchmarks/gpu_checks.sh [--quick]
 #
+# One device call runs at most 600 s, so the default steps fit two calls:
+#   STEPS="tests engine" (at most 590 s), then STEPS="host launches kernels sweep" (at most 520 s).
+#
 # "tp" is for a machine with several GPUs (it says so and passes on one).
 #
 # Needs torch with CUDA, triton and transformers installed. Python packages that machine
@@ -54,7 +57,7 @@ for name in ${STEPS:-tests engine host launches kernels sweep}; do
         launches) step launches 150 bash -c "python3 benchmarks/bench_launches.py --size 1b --device cuda --dtype bfloat16 --enforce-eager --torch-compile --json $OUT/launches_compiled.json && python3 benchmarks/bench_launches.py --size 1b --device cuda --dtype bfloat16 --enforce-eager --json $OUT/launches_eager.json" ;;
         structured) step structured 60 python3 -m pytest -q -p no:cacheprovider -o addopts= -rs "${TESTS[6]}" ;;
         # pagedserve with compiled graphs, uncompiled graphs and eager, transformers' two; the roofline column.
-        engine) step bench_engine 360 python3 benchmarks/bench_engine_gpu.py $QUICK --json "$OUT/bench_engine.json" ;;
+        engine) step bench_engine 290 python3 benchmarks/bench_engine_gpu.py $QUICK --json "$OUT/bench_engine.json" ;;
         sweep) step split_sweep 100 python3 benchmarks/bench_kernels_gpu.py --sweep --dtypes float16 ;;
         tp) step tp 420 python3 benchmarks/bench_tp_gpu.py --json "$OUT/tp.json" ;;   # several GPUs: NCCL greedy, all-reduce ms/step
         profile) step profile 90 python3 benchmarks/bench_engine_gpu.py --contenders pagedserve --num-requests 128 \
