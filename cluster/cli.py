@@ -182,6 +182,13 @@ def _add_config_sources(parser: argparse.ArgumentParser, with_file: bool = True)
         vllm.add_argument(flag, type=kind, help=f"{text} ({key})")
     vllm.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                       help="reuse cached prompt prefixes (engine.enable_prefix_caching; default on)")
+    vllm.add_argument("--enforce-eager", action="store_true", default=None,
+                      help="every step eager: no CUDA graphs and, unless set, no torch.compile "
+                           "(engine.enforce_eager)")
+    vllm.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                      help="plan step n + 1 while step n runs (engine.async_scheduling; default on with CUDA)")
+    vllm.add_argument("--cuda-graph-sizes", type=positive_int, nargs="+", metavar="N",
+                      help="decode batch sizes captured as CUDA graphs (engine.cuda_graph_sizes)")
     vllm.add_argument("--tool-call-parser", help="how 'auto' tool choice reads calls (server.tool_call_parser)")
     vllm.add_argument("--enable-auto-tool-choice", action="store_true",
                       help="accepted for vLLM's command lines: 'auto' tool choice is always on here")
@@ -220,8 +227,11 @@ def _overrides(args: argparse.Namespace) -> list[str]:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             overrides.append(f"{key}={value}")
-    if args.enable_prefix_caching is not None:
-        overrides.append(f"engine.enable_prefix_caching={str(args.enable_prefix_caching).lower()}")
+    for attribute in ("enable_prefix_caching", "enforce_eager", "async_scheduling"):
+        if getattr(args, attribute) is not None:
+            overrides.append(f"engine.{attribute}={str(getattr(args, attribute)).lower()}")
+    if args.cuda_graph_sizes:
+        overrides.append(f"engine.cuda_graph_sizes=[{', '.join(map(str, args.cuda_graph_sizes))}]")
     for attribute in ("port", "grpc_port"):
         if getattr(args, attribute) is not None:
             overrides.append(f"server.{attribute}={getattr(args, attribute)}")
