@@ -15,7 +15,10 @@ tested without a GPU.
 
 With ``torch_compile``, the decoder stack runs through ``torch.compile`` (dynamic batch size,
 attention the opaque custom op of ``attention``), so the elementwise work around each
-matmul fuses into few kernels; the warm-ups compile it before any capture. Dynamo keeps
+matmul fuses into few kernels; the warm-ups compile it before any capture. The runner's
+mixed steps run the same compiled stack (``decode_stack``), their token count one more
+value of the dynamic size: the compiled inputs of both are inference tensors at offset 0,
+so that one compiled graph serves both. Dynamo keeps
 its compiled entries per function, guarded on the instance: past its recompile limit (8:
 about four compiled engines in one process) it runs the forward uncompiled, and says so
 in its own warning.
@@ -68,13 +71,19 @@ class DecodeGraphs:
         self.block_size = runner.kv_cache.shape.block_size
         device = runner.device
         self.device = device
-        # Two staging tensors, alternating: a step never writes the one the step before it
-        # may still be copying from (overlapped scheduling).
-        self.stagings = [torch.zeros((7, self.max_size), dtype=torch.int64, pin_memory=device.type == "cuda")
-                         for _ in range(2)]
-        self.inputs = torch.zeros((7, self.max_size), dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros((self.max_size, max_blocks_per_seq), dtype=torch.int32, device=device)
-        self.cu_seqlens = torch.arange(self.max_size + 1, dtype=torch.int32, device=device)
+        # Inference tensors, like every input of an eager step: the compiled forward's inputs
+        # then match in every step (dynamo guards on a tensor's dispatch keys).
+        with torch.inference_mode():
+            # Two staging tensors, alternating: a step never writes the one the step before it
+            # may still be copying from (overlapped scheduling).
+            self.stagings = [torch.zeros((7, self.max_size), dtype=torch.int64, pin_memory=device.type == "cuda")
+                             for _ in range(2)]
+            self.inputs = torch.zeros((7, self.max_size), dtype=torch.int64, device=device)
+            self.block_tables = torch.zeros((self.max_size, max_blocks_per_seq), dtype=torch.int32, device=device)
+            self.cu_seqlens = torch.arange(self.max_size + 1, dtype=torch.int32, device=device)
+            # The positions where the forward reads them: a tensor of its own, so that the
+            # compiled forward's inputs start at offset 0, as an eager step's do.
+            self.positions = torch.zeros(self.max_size, dtype=torch.int64, device=device)
         runner.block_tables.reserve_columns(max_blocks_per_seq)
         self.is_compiled = torch_compile
         # The decoder stack's forward on the static buffers, compiled or not.
@@ -158,7 +167,9 @@ class DecodeGraphs:
             plan_window=runner.attention.max_sliding_window,
         )
         with attention_context(meta):
-            hidden = self.decode_stack(inputs[_IDS, :size], inputs[_POSITIONS, :size])
+            positions = self.positions[:size]
+            positions.copy_(inputs[_POSITIONS, :size])
+            hidden = self.decode_stack(inputs[_IDS, :size], positions)
         return runner.compute_logits(hidden)
 
     def _decode_eager(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -173,6 +184,12 @@ class DecodeGraphs:
         self.inputs[_SLOTS] = -1
         self.block_tables.zero_()
 
+    def _compiled_one_token(self) -> None:
+        """A compiled forward specialises one token apart from the dynamic size: compile
+        it at load even where no decode size is 1 (an eager step may have one token)."""
+        if self.is_compiled and 1 not in self.sizes:
+            self._forward(1)
+
     @torch.inference_mode()
     def _warm_up(self) -> None:
         """Run every size once on padding: the compiler compiles what each size needs."""
@@ -180,6 +197,7 @@ class DecodeGraphs:
         self._pad_only()
         for size in reversed(self.sizes):
             self._forward(size)
+        self._compiled_one_token()
         logger.info("compiled the decode forward for batch sizes %d..%d in %.1f s",
                     self.sizes[0], self.max_size, time.perf_counter() - start)
 
@@ -191,6 +209,7 @@ class DecodeGraphs:
         self._pad_only()
         memory_before = torch.cuda.memory_reserved(self.device)
         pool = None
+        self._compiled_one_token()
         for size in reversed(self.sizes):
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))

@@ -99,9 +99,9 @@ class EngineOptions(BaseModel):
     the smallest size that holds it. Unset: 1, 2, 4, 8, then every 8 up to 256 and every 16
     beyond, up to max_num_seqs."""
     torch_compile: bool | None = None
-    """Run the decode forward through torch.compile, attention an opaque custom op, so the
-    elementwise work around each matmul fuses into few kernels (vLLM compiles the same way);
-    on CUDA the compiled forward is what the CUDA graphs capture. Compiling takes time at load.
+    """Run the forward through torch.compile, attention an opaque custom op, so the elementwise
+    work around each matmul fuses into few kernels (vLLM compiles the same way): decode steps
+    inside the CUDA graphs, mixed steps outside them. Compiling takes time at load.
     A model that fails to compile says why in the log and runs uncompiled. Unset: on where
     CUDA graphs are (CUDA, not enforce_eager, one rank), off on the CPU."""
     tensor_parallel_size: int = Field(1, ge=1)

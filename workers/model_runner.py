@@ -11,7 +11,7 @@ import torch
 from pagedserve.kernels import select_backend
 from pagedserve.kernels.gpu_targets import check_dtype, check_shared_memory
 
-from .attention import PagedAttentionMetadata, register_paged_attention
+from .attention import PagedAttentionMetadata, attention_context, register_paged_attention
 from .block_tables import BlockTableRows
 from .decode_graphs import DecodeGraphs
 from .host_lists import int64_tensor
@@ -392,9 +392,7 @@ class ModelRunner:
             # Every layer windowed: tables may hold -1 before the widest window (freed blocks).
             plan_window=self.attention.max_sliding_window,
         )
-        hidden = self.decoder(input_ids=input_ids.unsqueeze(0),
-                              position_ids=batch.positions.to(device, non_blocking=True).unsqueeze(0),
-                              paged_metadata=meta, use_cache=False).last_hidden_state[0]
+        hidden = self._stack(input_ids, batch.positions.to(device, non_blocking=True), meta)
         scores = {}
         if model_input.scores:
             cu_seqlens = batch.cu_seqlens.tolist()
@@ -411,6 +409,18 @@ class ModelRunner:
                 last_rows = last_rows[model_input.logits_indexes]
             sampled = hidden.index_select(0, last_rows.to(device, non_blocking=True))
         return ExecuteOutput(self.compute_logits(sampled), scores)
+
+    def _stack(self, input_ids: torch.Tensor, positions: torch.Tensor,
+               meta: PagedAttentionMetadata) -> torch.Tensor:
+        """The decoder stack's last hidden states ``[tokens, hidden]``: through the compiled
+        forward where decode steps have one (a mixed step runs it outside any CUDA graph,
+        its token count a dynamic size), else eagerly."""
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.is_compiled:
+            with attention_context(meta):
+                return graphs.decode_stack(input_ids, positions)
+        return self.decoder(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
+                            paged_metadata=meta, use_cache=False).last_hidden_state[0]
 
     def release_block_table(self, seq_id: str) -> None:
         """The sequence left the running batch (finished, preempted, migrated): free its row."""
