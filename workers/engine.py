@@ -1,4 +1,10 @@
-"""The engine loop: schedule -> run -> postprocess, over the paged KV cache."""
+"""The engine loop: schedule -> run -> postprocess, over the paged KV cache.
+
+``LLMEngine`` coordinates: the ``Scheduler`` plans a step, ``prepare_step`` turns
+the plan into the forward's input, the runner runs it, and the ``SamplingPipeline``
+samples and finishes (one step later with overlapped scheduling); the
+``OutputProcessor`` turns the step's tokens into outputs.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from pagedserve.kvmanager import PENDING_TOKEN, KVManager
+from pagedserve.kvmanager import KVManager
 
 from .beam_groups import BeamGroups
 from .detokenizer import FINISH_STOP
@@ -18,16 +24,17 @@ from .engine_options import EngineConfig
 from .grammar import GrammarCompiler
 from .input_batch import InputBatch
 from .kv_transfer import KVTransfer, check_compatible, export_kv, import_kv, read_header
-from .model_runner import ModelInput, ScoreRequest, TokenScores
+from .model_runner import TokenScores
 from .output_processor import OUTPUT_KINDS, EngineStep, OutputProcessor, new_stream
 from .per_row_features import PerRowFeatures
+from .prepared_step import prepare_step
 from .request import Request, RequestOutput, Sequence
 from .runners import build_runner
 from .sampled_step import TokenReadback
 from .sampler import SampleLogprobs, Sampler
 from .sampling_pipeline import SamplingPipeline
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerOutput
+from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -414,85 +421,18 @@ class LLMEngine:
             self.pipeline.resolve_in_flight(result)
             return result
         self.num_steps += 1
-        model_input, sampling_seqs, sampling_rows, scored, first_samples = self._prepare(plan)
-        execute_output = self.runner.execute(model_input, self.pipeline.in_flight_tokens)
+        prepared = prepare_step(plan, self.batch, self._on_admitted)
+        execute_output = self.runner.execute(prepared.model_input, self.pipeline.in_flight_tokens)
         for index, scores in execute_output.scores.items():
-            seq, first_position = scored[index]
+            seq, first_position = prepared.scored[index]
             self._add_prompt_logprobs(seq.request, first_position, scores)
-        if sampling_seqs:
-            self.pipeline.sample_step(sampling_seqs, sampling_rows, execute_output.logits, first_samples, result)
+        if prepared.sampling_seqs:
+            self.pipeline.sample_step(prepared.sampling_seqs, prepared.sampling_rows, execute_output.logits,
+                                      prepared.first_samples, result)
         else:
             self.pipeline.resolve_in_flight(result)
-        self._record_step_time(start, model_input.is_decode_only)
+        self._record_step_time(start, prepared.model_input.is_decode_only)
         return result
-
-    def _prepare(self, plan: SchedulerOutput):
-        """The forward's input from the plan: O(1) Python per sequence on a decode
-        step (no per-sequence objects); a new row, a prefill chunk, prompt logprobs or
-        imported KV take the longer path."""
-        rows: list[int] = []
-        starts: list[int] = []
-        input_ids: list[int] = []
-        updates: list[tuple[int, list[int], int]] = []
-        num_tokens: list[int] | None = None
-        logits_indexes: list[int] | None = None
-        scores: list[ScoreRequest] = []
-        scored: dict[int, tuple[Sequence, int]] = {}
-        sampling_seqs: list[Sequence] = []
-        sampling_rows: list[int] = []
-        first_samples: list[Sequence] = []   # sequences that may sample their first token
-        pending: list[tuple[int, int]] = []  # (input position, sampling row of the running step)
-        for index, (seq, sched) in enumerate(plan.scheduled):
-            row = seq.batch_row
-            table = sched.block_table
-            if row < 0:
-                row = self.batch.add(seq)
-                updates.append((row, table, 0))
-                first_samples.append(seq)
-                self._on_admitted(seq, sched)
-            elif sched.first_changed_block < len(table):
-                updates.append((row, table, sched.first_changed_block))
-            rows.append(row)
-            start = sched.start
-            starts.append(start)
-            tokens = seq.token_ids
-            if sched.num_tokens == 1 and start + 1 == len(tokens):
-                token = tokens[start]
-                if token == PENDING_TOKEN:  # sampled by the step still running: its id is on the device
-                    pending.append((len(input_ids), seq.pending_source))
-                input_ids.append(token)
-                sampling_seqs.append(seq)
-                sampling_rows.append(row)
-                if num_tokens is not None:
-                    num_tokens.append(1)
-                if logits_indexes is not None:
-                    logits_indexes.append(index)
-                continue
-            # A prefill chunk (or a single token that does not sample).
-            end = start + sched.num_tokens
-            if sched.num_tokens != 1 and num_tokens is None:
-                num_tokens = [1] * index
-            if num_tokens is not None:
-                num_tokens.append(sched.num_tokens)
-            samples = end == len(tokens)
-            if not samples and logits_indexes is None:
-                logits_indexes = list(range(index))
-            if samples:
-                sampling_seqs.append(seq)
-                sampling_rows.append(row)
-                first_samples.append(seq)
-                if logits_indexes is not None:
-                    logits_indexes.append(index)
-            input_ids.extend(tokens[start:end])
-            request = seq.request
-            if request.needs_prompt_logprobs and seq.sample_index == 0:
-                # Position p scores token p + 1, up to the prompt's last token.
-                scores.append(ScoreRequest(index, tokens[start + 1:min(end + 1, seq.num_prompt_tokens)],
-                                           request.params.prompt_logprobs))
-                scored[index] = (seq, start + 1)
-        model_input = ModelInput(rows, starts, input_ids, updates, num_tokens, logits_indexes, scores or None,
-                                 pending or None)
-        return model_input, sampling_seqs, sampling_rows, scored, first_samples
 
     def _on_admitted(self, seq: Sequence, sched) -> None:
         """A sequence took a row (admitted, resumed or forked): its first-step bookkeeping."""
