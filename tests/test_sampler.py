@@ -19,8 +19,10 @@ from pagedserve.workers.detokenizer import (
 )
 from pagedserve.workers.sampler import (
     Sampler,
+    SamplingBatch,
     SamplingState,
     apply_penalties_to_states,
+    apply_top_k_top_p,
     processed_probs,
 )
 from pagedserve.workers.sampling_params import SamplingParams
@@ -226,6 +228,78 @@ def test_top_p_over_many_candidates_matches_reference():
         expected = _reference_probs(logits[i], 1.0, p.top_k, p.top_p, 0.0)
         assert int((probs[i] > 0).sum()) > 64
         assert torch.equal(probs[i] > 0, expected > 0)
+
+
+def _reference_top_k_top_p(row: torch.Tensor, top_k: int, top_p: float) -> list[bool]:
+    """Plain Python: which tokens top-k then top-p keep (the smallest most-likely set whose
+    renormalised probability reaches p, and every token tied with its last one)."""
+    values = row.tolist()
+    if 0 < top_k < len(values):
+        kth = sorted(values, reverse=True)[top_k - 1]
+        values = [v if v >= kth else -math.inf for v in values]
+    if top_p < 1.0:
+        probs = torch.tensor(values, dtype=torch.float64).softmax(-1).tolist()
+        mass, threshold = 0.0, -math.inf
+        for t in sorted(range(len(values)), key=lambda t: -probs[t]):
+            mass += probs[t]
+            if mass >= top_p:
+                threshold = values[t]
+                break
+        values = [v if v >= threshold else -math.inf for v in values]
+    return [v > -math.inf for v in values]
+
+
+@pytest.mark.parametrize("is_widening", [False, True], ids=["one-pass", "widening"])
+def test_top_k_top_p_cut_offs_match_a_plain_reference(is_widening):
+    """The one-pass search (every device but the CPU) and the widening one (the CPU) keep
+    the same tokens as a plain sort: nuclei of a few tokens and of hundreds, ties at the
+    cut-off, masked tokens, rows with top-p off left alone."""
+    generator = torch.Generator().manual_seed(3)
+    flat = torch.randn(4, 1000, generator=generator) * 0.3        # nuclei of hundreds of tokens
+    peaked = torch.randn(4, 1000, generator=generator) * 6.0      # nuclei of a few
+    tied = (torch.randn(4, 1000, generator=generator) * 2).round()  # many ties at every cut-off
+    logits = torch.cat([flat, peaked, tied])
+    logits[1, :500] = float("-inf")
+    top_k = torch.tensor([-1, -1, 300, 5, -1, 2, -1, 40, -1, 3, 1000, 50])
+    top_p = torch.tensor([0.9, 0.5, 0.95, 1.0, 0.9, 0.3, 0.999, 0.8, 0.7, 1.0, 0.9, 0.99])
+    kept = torch.isfinite(apply_top_k_top_p(logits, top_k, top_p, is_widening=is_widening))
+    for row in range(logits.shape[0]):
+        expected = _reference_top_k_top_p(logits[row], int(top_k[row]), float(top_p[row]))
+        assert kept[row].tolist() == expected, f"row {row}"
+    assert int(kept[0].sum()) > 64   # wider than the first candidates
+
+
+def test_sampling_never_reads_the_device():
+    """Sampling with temperature, top-k, top-p and min-p (greedy rows mixed in) decides
+    everything from the batch's host tensors: on the meta device, which holds no values,
+    any read of the logits (``.item()``, ``.tolist()``, ``bool(tensor)``, a shape that
+    depends on values) raises. So on a GPU the overlapped engine never waits here."""
+    params = [SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0),
+              SamplingParams(top_k=5, top_p=0.5), SamplingParams(top_k=3),
+              SamplingParams(temperature=1.2, top_p=0.7, min_p=0.1), SamplingParams(temperature=1.0)]
+    logits = torch.empty(len(params), VOCAB, device="meta")
+    for batch_params in (params, params[:1] * 3, params[2:3] * 2):
+        token_ids = Sampler(seed=0).sample_tokens(logits[:len(batch_params)],
+                                                  SamplingBatch.from_params(batch_params))
+        assert token_ids.shape == (len(batch_params),) and token_ids.dtype == torch.int64
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sampling_on_cuda_never_synchronizes():
+    params = [SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0),
+              SamplingParams(top_k=50, top_p=0.95), SamplingParams(temperature=1.2, min_p=0.1)] * 64
+    logits = (torch.randn(len(params), 32000) * 4).cuda()
+    batch = SamplingBatch.from_params(params)
+    sampler = Sampler(seed=0)
+    expected = sampler.sample_tokens(logits, batch)   # warm-up (allocations, kernels)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        token_ids = Sampler(seed=0).sample_tokens(logits, batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(token_ids, expected)
 
 
 def test_top_k_keeps_ties_at_the_boundary():

@@ -1,4 +1,10 @@
-"""The engine loop: schedule -> run -> postprocess, over the paged KV cache."""
+"""The engine loop: schedule -> run -> postprocess, over the paged KV cache.
+
+``LLMEngine`` coordinates: the ``Scheduler`` plans a step, ``prepare_step`` turns
+the plan into the forward's input, the runner runs it, and the ``SamplingPipeline``
+samples and finishes (one step later with overlapped scheduling); the
+``OutputProcessor`` turns the step's tokens into outputs.
+"""
 
 from __future__ import annotations
 
@@ -10,24 +16,25 @@ from typing import Any, Callable
 
 import torch
 
-from pagedserve.kvmanager import PENDING_TOKEN, KVManager
+from pagedserve.kvmanager import KVManager
 
 from .beam_groups import BeamGroups
-from .detokenizer import FINISH_STOP, check_stop
+from .detokenizer import FINISH_STOP
 from .engine_options import EngineConfig
 from .grammar import GrammarCompiler
-from .input_batch import (BEAM, EXPORTS_KV, FORKS, GRAMMAR, MIN_TOKENS, PER_ROW, RANDOM, STOP_TOKEN_IDS, TEXT,
-                          InputBatch)
+from .input_batch import InputBatch
 from .kv_transfer import KVTransfer, check_compatible, export_kv, import_kv, read_header
-from .host_lists import int64_tensor
-from .model_runner import ModelInput, ScoreRequest, TokenScores
-from .output_processor import OUTPUT_KINDS, EngineStep, OutputProcessor, SeqFinish, StepTokens, new_stream
+from .model_runner import TokenScores
+from .output_processor import OUTPUT_KINDS, EngineStep, OutputProcessor, new_stream
+from .per_row_features import PerRowFeatures
+from .prepared_step import prepare_step
 from .request import Request, RequestOutput, Sequence
 from .runners import build_runner
-from .sampled_step import SampledStep, TokenReadback
+from .sampled_step import TokenReadback
 from .sampler import SampleLogprobs, Sampler
+from .sampling_pipeline import SamplingPipeline
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerOutput
+from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +87,6 @@ class LLMEngine:
                                    self.max_num_batched_tokens, config.scheduling_policy)
         self.batch = InputBatch(self.runner.block_tables, self.eos_token_ids, max_len)
         self.output_processor = OutputProcessor()
-        # Overlapped scheduling: step n + 1 is planned and launched before step n's ids are read.
-        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else self.runner.device.type == "cuda")
-        self._in_flight: SampledStep | None = None
-        self.num_ended = 0   # sequences ended (finished, aborted, stopped): a step's samples of them are dropped
-        self._readback = TokenReadback(self.runner.device, config.max_num_seqs)
         self.beam_groups = BeamGroups(self.scheduler, self.batch, self._new_sequence,
                                       lambda request: self.requests.pop(request.request_id, None),
                                       self.tokenizer, self.eos_token_ids, max_len)
@@ -95,14 +96,21 @@ class LLMEngine:
                         self.sampler.seed)
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
-        self.grammar_seconds = 0.0       # bitmask filling and matcher updates
+        self.per_row = PerRowFeatures(self.batch, self.runner, self.eos_token_ids, lambda: self.grammar_compiler)
+        self.pipeline = SamplingPipeline(
+            batch=self.batch, scheduler=self.scheduler, sampler=self.sampler, beam_groups=self.beam_groups,
+            per_row=self.per_row, readback=TokenReadback(self.runner.device, config.max_num_seqs),
+            eos_token_ids=self.eos_token_ids, max_model_len=max_len,
+            # Overlapped scheduling: step n + 1 is planned and launched before step n's ids are read.
+            async_scheduling=(config.async_scheduling if config.async_scheduling is not None
+                              else self.runner.device.type == "cuda"),
+            new_sequence=self._new_sequence, end_sequence=self._end_sequence,
+            release_if_idle=self._release_if_idle)
         self.requests: dict[str, Request] = {}
         self._order = itertools.count()
         # What happened between steps (aborts), for the next step's output processing.
         self._pending = EngineStep()
-        self.kv_exports: dict[str, KVTransfer] = {}
         self.num_steps = 0
-        self.num_generated_tokens = 0
         self.step_seconds = 0.0          # model-running steps only, see _record_step_time
         self.decode_step_seconds = 0.0   # steps where every sequence computed one token
         self.num_decode_steps = 0
@@ -111,6 +119,11 @@ class LLMEngine:
         self.num_step_calls = 0
 
     # ---- set-up -------------------------------------------------------------------
+    @property
+    def async_scheduling(self) -> bool:
+        """Overlapped scheduling: a step's ids stay on the device while the next one is planned."""
+        return self.pipeline.async_scheduling
+
     @property
     def _uses_graphs(self) -> bool:
         """Decode steps replay CUDA graphs: the default on CUDA (``enforce_eager`` turns it off)."""
@@ -287,7 +300,17 @@ class LLMEngine:
 
     def take_kv_export(self, request_id: str) -> KVTransfer | None:
         """The prompt KV kept for a request added with ``export_kv`` (once)."""
-        return self.kv_exports.pop(request_id, None)
+        return self.per_row.kv_exports.pop(request_id, None)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Tokens sampled so far (beam-search tokens included)."""
+        return self.pipeline.num_generated_tokens
+
+    @property
+    def grammar_seconds(self) -> float:
+        """Time spent on structured outputs' bitmasks and matcher updates."""
+        return self.per_row.grammar_seconds
 
     def _tokenize(self, prompt, prompt_token_ids) -> tuple[str | None, list[int]]:
         if prompt_token_ids is not None:
@@ -324,10 +347,9 @@ class LLMEngine:
         if request is None:
             return False
         request.is_aborted = True
-        self.num_ended += 1
         for seq in request.seqs:
             if not seq.is_finished:
-                _drop_pending_tokens(seq)
+                self.pipeline.drop_pending(seq)
                 self.scheduler.finish(seq)
                 self.batch.remove(seq)
                 seq.finish_reason = "abort"
@@ -346,8 +368,9 @@ class LLMEngine:
         self._release_if_idle()
 
     def _end_sequence(self, seq: Sequence) -> None:
-        self.num_ended += 1
-        _drop_pending_tokens(seq)
+        """End ``seq`` (its ``finish_reason`` set): its row and blocks go back, and its
+        request is forgotten once every sequence of it has ended."""
+        self.pipeline.drop_pending(seq)
         self.scheduler.finish(seq)
         self.batch.remove(seq)
         request = seq.request
@@ -361,7 +384,7 @@ class LLMEngine:
         """Outputs that the next ``step`` returns even with nothing to run: aborts, and the
         samples of a step still running (overlapped scheduling)."""
         pending = self._pending
-        return bool(pending.aborted or pending.migrated or pending.tokens) or self._in_flight is not None
+        return bool(pending.aborted or pending.migrated or pending.tokens) or self.pipeline.in_flight is not None
 
     # ---- the loop -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -390,8 +413,8 @@ class LLMEngine:
         result, self._pending = self._pending, EngineStep()
         for seq in plan.preempted:  # migrated ones too
             self.batch.remove(seq)
-        if plan.migrated and self._in_flight is not None:
-            self._resolve(result)  # an export carries the sequence's tokens: all of them known
+        if plan.migrated:
+            self.pipeline.resolve_in_flight(result)  # an export carries the sequence's tokens: all of them known
         for seq, target in plan.migrated:
             result.migrated.append(self._migrate(seq, target))
         # The copies run even when nothing is scheduled: a sequence that preempted
@@ -403,101 +426,21 @@ class LLMEngine:
                 self._check_can_progress()
                 result.aborted.extend(self._pending.aborted)
                 self._pending.aborted.clear()
-            if self._in_flight is not None:
-                self._resolve(result)
+            self.pipeline.resolve_in_flight(result)
             return result
         self.num_steps += 1
-        model_input, sampling_seqs, sampling_rows, scored, first_samples = self._prepare(plan)
-        in_flight = self._in_flight
-        execute_output = self.runner.execute(model_input, in_flight.token_tensor if in_flight else None)
+        prepared = prepare_step(plan, self.batch, self._on_admitted)
+        execute_output = self.runner.execute(prepared.model_input, self.pipeline.in_flight_tokens)
         for index, scores in execute_output.scores.items():
-            seq, first_position = scored[index]
+            seq, first_position = prepared.scored[index]
             self._add_prompt_logprobs(seq.request, first_position, scores)
-        if sampling_seqs:
-            sampled = self._sample(sampling_seqs, sampling_rows, execute_output.logits, first_samples, result)
-            previous = self._in_flight
-            if not sampled.seqs:
-                self._release_if_idle()  # every row was a beam, taken by its group
-            elif sampled.token_ids is None:
-                self._launch(sampled)
-            else:
-                self._finish(sampled, result)
-            if previous is not None:
-                # Its ids are ready (this step is queued behind it). Sequences it ends drop the
-                # pending token the launch just gave them.
-                self._resolve(result, previous)
-        elif self._in_flight is not None:
-            self._resolve(result)
-        self._record_step_time(start, model_input.is_decode_only)
+        if prepared.sampling_seqs:
+            self.pipeline.sample_step(prepared.sampling_seqs, prepared.sampling_rows, execute_output.logits,
+                                      prepared.first_samples, result)
+        else:
+            self.pipeline.resolve_in_flight(result)
+        self._record_step_time(start, prepared.model_input.is_decode_only)
         return result
-
-    def _prepare(self, plan: SchedulerOutput):
-        """The forward's input from the plan: O(1) Python per sequence on a decode
-        step (no per-sequence objects); a new row, a prefill chunk, prompt logprobs or
-        imported KV take the longer path."""
-        rows: list[int] = []
-        starts: list[int] = []
-        input_ids: list[int] = []
-        updates: list[tuple[int, list[int], int]] = []
-        num_tokens: list[int] | None = None
-        logits_indexes: list[int] | None = None
-        scores: list[ScoreRequest] = []
-        scored: dict[int, tuple[Sequence, int]] = {}
-        sampling_seqs: list[Sequence] = []
-        sampling_rows: list[int] = []
-        first_samples: list[Sequence] = []   # sequences that may sample their first token
-        pending: list[tuple[int, int]] = []  # (input position, sampling row of the running step)
-        for index, (seq, sched) in enumerate(plan.scheduled):
-            row = seq.batch_row
-            table = sched.block_table
-            if row < 0:
-                row = self.batch.add(seq)
-                updates.append((row, table, 0))
-                first_samples.append(seq)
-                self._on_admitted(seq, sched)
-            elif sched.first_changed_block < len(table):
-                updates.append((row, table, sched.first_changed_block))
-            rows.append(row)
-            start = sched.start
-            starts.append(start)
-            tokens = seq.token_ids
-            if sched.num_tokens == 1 and start + 1 == len(tokens):
-                token = tokens[start]
-                if token == PENDING_TOKEN:  # sampled by the step still running: its id is on the device
-                    pending.append((len(input_ids), seq.pending_source))
-                input_ids.append(token)
-                sampling_seqs.append(seq)
-                sampling_rows.append(row)
-                if num_tokens is not None:
-                    num_tokens.append(1)
-                if logits_indexes is not None:
-                    logits_indexes.append(index)
-                continue
-            # A prefill chunk (or a single token that does not sample).
-            end = start + sched.num_tokens
-            if sched.num_tokens != 1 and num_tokens is None:
-                num_tokens = [1] * index
-            if num_tokens is not None:
-                num_tokens.append(sched.num_tokens)
-            samples = end == len(tokens)
-            if not samples and logits_indexes is None:
-                logits_indexes = list(range(index))
-            if samples:
-                sampling_seqs.append(seq)
-                sampling_rows.append(row)
-                first_samples.append(seq)
-                if logits_indexes is not None:
-                    logits_indexes.append(index)
-            input_ids.extend(tokens[start:end])
-            request = seq.request
-            if request.needs_prompt_logprobs and seq.sample_index == 0:
-                # Position p scores token p + 1, up to the prompt's last token.
-                scores.append(ScoreRequest(index, tokens[start + 1:min(end + 1, seq.num_prompt_tokens)],
-                                           request.params.prompt_logprobs))
-                scored[index] = (seq, start + 1)
-        model_input = ModelInput(rows, starts, input_ids, updates, num_tokens, logits_indexes, scores or None,
-                                 pending or None)
-        return model_input, sampling_seqs, sampling_rows, scored, first_samples
 
     def _on_admitted(self, seq: Sequence, sched) -> None:
         """A sequence took a row (admitted, resumed or forked): its first-step bookkeeping."""
@@ -558,266 +501,6 @@ class LLMEngine:
             self.abort_request(head.request.request_id)
             logger.error("request %s needs %d blocks but the pool has %d; aborted",
                          head.request.request_id, need, self.pool_config.num_device_blocks)
-
-    # ---- sampling and finishing ---------------------------------------------------------
-    def _sample(self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor,
-                first_samples: list[Sequence], result: EngineStep) -> SampledStep:
-        """Sample one token per sequence (n per sequence whose samples fork now). The
-        parameters are gathered from the persistent batch; only rows flagged as needing
-        more are visited one by one, and those need the running step's ids first. With
-        overlapped scheduling and no such row, the ids stay on the device (``token_ids``
-        None) for ``_launch``; otherwise they are read here."""
-        num_ended = self.num_ended
-        step_rows = self.batch.step_rows(seqs, rows)
-        row_index, flags = step_rows.rows, step_rows.flags
-        per_row = step_rows.per_row_positions
-        if per_row and self._in_flight is not None:
-            self._resolve(result)  # penalties, grammars and forks read the sequences' last tokens
-        forked: list[tuple[Sequence, Sequence]] = []
-        flag_values = None
-        if per_row:
-            flag_values = flags.tolist()
-            if bool((flags & BEAM).any()):
-                seqs, logits, row_index, flags = self._take_beam_rows(seqs, logits, row_index, flags,
-                                                                      flag_values, result)
-                flag_values = flags.tolist()
-                per_row = [p for p, value in enumerate(flag_values) if value & PER_ROW]
-            if any(flag_values[p] & FORKS for p in per_row):
-                seqs, index = self._fork(seqs, flag_values, forked)
-                index_tensor = torch.tensor(index, dtype=torch.int64)
-                logits = logits[index_tensor.to(logits.device)]
-                row_index, flags = row_index[index_tensor], flags[index_tensor]
-                flag_values = flags.tolist()
-                per_row = [p for p, value in enumerate(flag_values) if value & PER_ROW]
-        sampled = SampledStep(seqs, row_index, flags, logits, first_samples, per_row=per_row,
-                              flag_values=flag_values, forked=forked, num_ended=num_ended)
-        if not per_row and not bool((flags & RANDOM).any()):
-            sampled.token_tensor = self.sampler.greedy(logits)   # greedy, unconstrained: the common case
-        elif not per_row:
-            sampled.token_tensor = self.sampler.sample_tokens(logits, self.batch.sampling_batch(row_index))
-        else:
-            batch = self.batch.sampling_batch(row_index)
-            for p in per_row:
-                self.batch.add_per_row(batch, p, seqs[p], flag_values[p], self._banned_token_ids(seqs[p]))
-            grammar_positions = [p for p in per_row if flag_values[p] & GRAMMAR]
-            if grammar_positions:
-                self._add_token_bitmasks(seqs, grammar_positions, batch)
-            output = self.sampler.sample_batch(logits, batch)
-            sampled.token_tensor, sampled.token_ids = output.token_tensor, output.token_ids
-            sampled.logprobs = output.logprobs if batch.num_logprobs else None
-        if sampled.token_ids is None and not self.async_scheduling:
-            sampled.token_ids = sampled.token_tensor.tolist()
-        return sampled
-
-    def _launch(self, sampled: SampledStep) -> None:
-        """Leave a step's ids on the device and go on: each sequence gets a pending token,
-        which the next step computes from the device's copy and ``_resolve`` fills in. A
-        sequence whose sample is the last it may have gets none: it ends with it."""
-        seqs = sampled.seqs
-        sampled.last = self.batch.count_samples(sampled.rows).nonzero().squeeze(1).tolist()
-        positions = []
-        for index, seq in enumerate(seqs):
-            positions.append(len(seq.token_ids))
-            seq.pending_source = index
-            seq.token_ids.append(PENDING_TOKEN)
-            seq.output_token_ids.append(PENDING_TOKEN)
-        pending = seqs
-        if sampled.last:
-            for p in sampled.last:
-                seqs[p].token_ids.pop()
-                seqs[p].output_token_ids.pop()
-                positions[p] = -1
-            pending = [seq for seq, position in zip(seqs, positions) if position >= 0]
-        self.scheduler.append_tokens(pending, [PENDING_TOKEN] * len(pending))
-        sampled.positions = positions
-        sampled.num_row_releases = self.batch.num_row_releases
-        sampled.readback = self._readback.start(sampled.token_tensor)
-        self._in_flight = sampled
-
-    def _resolve(self, result: EngineStep, sampled: SampledStep | None = None) -> None:
-        """Read a launched step's ids (the running one by default) and finish it: the
-        pending tokens get their values (a sequence's last token is appended). Sequences
-        that ended since the launch (a finish found meanwhile, an abort, a stop string)
-        drop their sample."""
-        if sampled is None:
-            sampled, self._in_flight = self._in_flight, None
-        sampled.token_ids, sampled.host_tokens = self._readback.read(sampled.readback)
-        self._drop_ended(sampled)
-        seqs, positions, last, token_ids = sampled.seqs, sampled.positions, sampled.last, sampled.token_ids
-        resolved_seqs, resolved_ids = seqs, token_ids
-        if last:
-            resolved_seqs = [seq for seq, position in zip(seqs, positions) if position >= 0]
-            resolved_ids = [t for t, position in zip(token_ids, positions) if position >= 0]
-        for seq, position, token_id in zip(seqs, positions, token_ids):
-            if position < 0:
-                seq.token_ids.append(token_id)
-                seq.output_token_ids.append(token_id)
-            else:
-                seq.token_ids[position] = token_id
-                seq.output_token_ids[position - seq.num_prompt_tokens] = token_id
-        self.scheduler.resolve_tokens(resolved_seqs, resolved_ids)
-        self._finish(sampled, result, is_resolved=True)
-
-    def _drop_ended(self, sampled: SampledStep) -> None:
-        """Drop the samples of sequences that ended since the step was planned."""
-        if self.num_ended != sampled.num_ended:
-            kept = [p for p, seq in enumerate(sampled.seqs) if not seq.is_finished]
-            if len(kept) < len(sampled.seqs):
-                sampled.keep(kept)
-
-    def _finish(self, sampled: SampledStep, result: EngineStep, is_resolved: bool = False) -> None:
-        """Account for a step's samples: append them (unless resolved from pending tokens),
-        find the sequences that end, and record both in ``result``. Per sequence this is
-        two list appends; the finish checks are tensor ops on the persistent batch."""
-        if not is_resolved:
-            token_tensor = sampled.token_tensor
-            sampled.host_tokens = (token_tensor if token_tensor.device.type == "cpu"
-                                   else int64_tensor(sampled.token_ids))
-            self._drop_ended(sampled)  # ended while the step's previous one was read
-        seqs, token_ids, host_tokens = sampled.seqs, sampled.token_ids, sampled.host_tokens
-        for parent, child in sampled.forked:
-            self.scheduler.fork(parent, child)
-        if not is_resolved:
-            for seq, token_id in zip(seqs, token_ids):
-                seq.token_ids.append(token_id)
-                seq.output_token_ids.append(token_id)
-            self.scheduler.append_tokens(seqs, token_ids)
-        self.num_generated_tokens += len(seqs)
-        rows, per_row = sampled.rows, sampled.per_row
-        if is_resolved:
-            candidates = set(sampled.last)   # counted at the launch
-            if sampled.num_row_releases != self.batch.num_row_releases:
-                # Rows were released since the launch: read only rows still held by the same
-                # sequence; the others (preempted meanwhile) are checked one by one.
-                held = [p for p, seq in enumerate(seqs) if seq.batch_row == int(rows[p])]
-                candidates.update(p for p in range(len(seqs)) if seq_row_lost(seqs[p], int(rows[p])))
-                index = torch.tensor(held, dtype=torch.int64)
-                eos = self.batch.ends_on_eos(rows[index], host_tokens[index]).nonzero().squeeze(1).tolist()
-                candidates.update(held[i] for i in eos)
-            else:
-                candidates.update(self.batch.ends_on_eos(rows, host_tokens).nonzero().squeeze(1).tolist())
-        else:
-            ends_now = self.batch.count_samples(rows) | self.batch.ends_on_eos(rows, host_tokens)
-            candidates = ends_now.nonzero().squeeze(1).tolist()
-        ends: dict[int, tuple[str, bool]] = {}
-        if candidates:
-            self._check_ends(seqs, sorted(candidates), ends)
-        if per_row:
-            self._per_row_after_sampling(seqs, token_ids, sampled.logprobs, per_row, sampled.flag_values, ends)
-        now = time.time()
-        for seq in sampled.first_samples:
-            metrics = seq.request.metrics
-            if metrics.first_token_time is None and seq.output_token_ids:
-                metrics.first_token_time = now
-        for parent, _ in sampled.forked:
-            self.batch.refresh_flags(parent)
-        tokens = StepTokens(seqs, token_ids, sampled.logprobs)
-        for p, (reason, by_token) in ends.items():
-            seq = seqs[p]
-            seq.finish_reason = reason
-            self._end_sequence(seq)
-            tokens.finished.append(SeqFinish(seq, reason, by_token))
-        text = sampled.flags & TEXT
-        if not bool(text.any()):
-            tokens.text_positions = []
-        elif not bool(text.all()):
-            tokens.text_positions = text.nonzero().squeeze(1).tolist()
-        result.tokens.append(tokens)
-        self._release_if_idle()
-
-    def _take_beam_rows(self, seqs: list[Sequence], logits: torch.Tensor, row_index: torch.Tensor,
-                        flags: torch.Tensor, flag_values: list[int], result: EngineStep):
-        """Hand the beam-search rows to their groups (``BeamGroups``); the other rows'
-        sequences, logits, batch rows and flags go on to sampling."""
-        beam = [p for p, value in enumerate(flag_values) if value & BEAM]
-        rest = [p for p, value in enumerate(flag_values) if not value & BEAM]
-        index = torch.tensor(beam, dtype=torch.int64)
-        result.final_outputs.extend(self.beam_groups.advance([seqs[p] for p in beam],
-                                                             logits[index.to(logits.device)]))
-        self.num_generated_tokens += len(beam)
-        index = torch.tensor(rest, dtype=torch.int64)
-        return [seqs[p] for p in rest], logits[index.to(logits.device)], row_index[index], flags[index]
-
-    def _fork(self, seqs: list[Sequence], flag_values: list[int],
-              forked: list[tuple[Sequence, Sequence]]) -> tuple[list[Sequence], list[int]]:
-        """The first token of an n > 1 request: its n samples share the prompt's blocks
-        and sample from the same logits row. Returns the sampling rows' sequences and,
-        per row, the logits row it reads."""
-        owners: list[Sequence] = []
-        index: list[int] = []
-        for p, seq in enumerate(seqs):
-            owners.append(seq)
-            index.append(p)
-            request = seq.request
-            if flag_values[p] & FORKS and len(request.seqs) == 1 and not seq.output_token_ids:
-                for sample_index in range(1, request.params.n):
-                    child = self._new_sequence(request, sample_index, list(seq.token_ids))
-                    forked.append((seq, child))
-                    owners.append(child)
-                    index.append(p)
-        return owners, index
-
-    def _check_ends(self, seqs: list[Sequence], positions: list[int], ends: dict[int, tuple[str, bool]]) -> None:
-        """``check_stop`` decides, for the candidates the batch's counters found (or
-        sequences without a row), whether and why each ends."""
-        eos, max_model_len = self.eos_token_ids, self.max_model_len
-        for p in positions:
-            seq = seqs[p]
-            reason = check_stop(seq.request.params, seq.output_token_ids, eos, seq.num_prompt_tokens, max_model_len)
-            if reason is not None:
-                ends[p] = (reason, True)
-
-    def _per_row_after_sampling(self, seqs: list[Sequence], token_ids: list[int],
-                                logprobs: list[SampleLogprobs | None] | None, per_row: list[int],
-                                flag_values: list[int], ends: dict[int, tuple[str, bool]]) -> None:
-        """The per-row work that follows a token: stop token ids, logprobs, grammars, KV
-        exports, min_tokens."""
-        for p in per_row:
-            seq, value = seqs[p], flag_values[p]
-            request = seq.request
-            if value & STOP_TOKEN_IDS and p not in ends and token_ids[p] in request.params.stop_token_ids:
-                ends[p] = (FINISH_STOP, True)
-            if logprobs is not None and logprobs[p] is not None:
-                seq.logprobs.append(logprobs[p])
-            if value & EXPORTS_KV and request.request_id not in self.kv_exports:
-                self.kv_exports[request.request_id] = export_kv(
-                    self.runner.kv_cache, seq.block_table, seq.num_computed, seq.token_ids)
-            if value & GRAMMAR and p not in ends:
-                reason = self._advance_grammar(seq, token_ids[p])
-                if reason is not None:
-                    ends[p] = (reason, False)
-            if value & MIN_TOKENS and p not in ends:
-                self.batch.refresh_flags(seq)
-
-    def _banned_token_ids(self, seq: Sequence) -> list[int]:
-        """EOS and stop tokens while fewer than ``min_tokens`` outputs exist."""
-        params = seq.request.params
-        if len(seq.output_token_ids) >= params.min_tokens:
-            return []
-        eos = [] if params.ignore_eos else self.eos_token_ids
-        return [t for t in dict.fromkeys(eos + params.stop_token_ids) if t < self.runner.vocab_size]
-
-    def _add_token_bitmasks(self, seqs: list[Sequence], positions: list[int], batch) -> None:
-        """Fill the grammar bitmask of every constrained row (one batched call)."""
-        start = time.perf_counter()
-        compiler = self.grammar_compiler
-        bitmask = compiler.allocate_bitmask(len(positions))
-        compiler.fill_bitmask([seqs[p].grammar for p in positions], bitmask)
-        batch.bitmask_rows, batch.bitmask = positions, bitmask
-        self.grammar_seconds += time.perf_counter() - start
-
-    def _advance_grammar(self, seq: Sequence, token_id: int) -> str | None:
-        """Move the sequence's grammar past ``token_id``: the finish reason if that ends
-        it (its grammar is complete: "stop"; the token broke it: "abort", which the mask
-        rules out), else None."""
-        start = time.perf_counter()
-        is_ok = seq.grammar.accept(token_id)
-        self.grammar_seconds += time.perf_counter() - start
-        if not is_ok:
-            logger.error("request %s: token %d rejected by its grammar (%s); aborting the sequence",
-                         seq.request.request_id, token_id, seq.grammar.error)
-            return "abort"
-        return FINISH_STOP if seq.grammar.is_finished else None
 
     def _release_if_idle(self) -> None:
         """With no request left, hand the last finished blocks back now, not at the next step."""
@@ -885,14 +568,3 @@ class LLMEngine:
     def config_dict(self) -> dict:
         return self.config.model_dump()
 
-
-def _drop_pending_tokens(seq: Sequence) -> None:
-    """An ended sequence forgets the tokens a still-running step was computing for it."""
-    while seq.output_token_ids and seq.output_token_ids[-1] == PENDING_TOKEN:
-        seq.output_token_ids.pop()
-        seq.token_ids.pop()
-
-
-def seq_row_lost(seq: Sequence, row: int) -> bool:
-    """The sequence no longer holds ``row``, the row it sampled from (preempted since)."""
-    return seq.batch_row != row

@@ -4,7 +4,9 @@ Order of operations (as vLLM): constraints (a grammar's token bitmask, tokens
 banned by ``min_tokens``) -> penalties -> greedy argmax (greedy rows) ->
 temperature -> top-k -> top-p -> min-p -> sample. Logprobs are computed from the
 raw model logits (vLLM's default "raw_logprobs"), before constraints, penalties
-or temperature.
+or temperature. Rows without per-row features (penalties, seeds, constraints,
+logprobs) sample without the host ever waiting for the device
+(``Sampler.sample_tokens``), so an overlapped engine keeps the device busy.
 
 Sampling is inverse-CDF with one uniform draw per row. For a seeded sequence the
 draw is a hash of (seed, sample_index, number of output tokens so far), so it
@@ -184,7 +186,9 @@ class Sampler:
 
     def sample_tokens(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """The sampled ids on the logits' device, without waiting for the device (logprobs,
-        which are read on the host, are ``sample_batch``'s)."""
+        which are read on the host, are ``sample_batch``'s): every decision is taken on the
+        host from the batch's host tensors, shapes never depend on the logits' values, and
+        what the device needs is copied to it without blocking."""
         constrained = apply_constraints(logits, batch.bitmask_rows, batch.bitmask, batch.banned)
         if not batch.penalties and bool(batch.is_greedy.all()):
             return constrained.argmax(dim=-1)
@@ -201,16 +205,16 @@ class Sampler:
         token_ids = torch.empty(batch.num_rows, dtype=torch.long, device=device)
         raw = logits
         if num_greedy:
-            greedy_rows = is_greedy.nonzero().squeeze(1).to(device)
+            greedy_rows = to_device(is_greedy.nonzero().squeeze(1), device)
             token_ids[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
-            raw = logits[random_rows.to(device)]
+            raw = logits[to_device(random_rows, device)]
         processed = process_logits(raw, batch.temperature[random_rows], batch.top_k[random_rows],
                                    batch.top_p[random_rows], batch.min_p[random_rows])
         probs = argmax_where_not_finite(processed.softmax(dim=-1), raw)
         sampled = sample_from_probs(probs, self._uniforms(random_rows.tolist(), batch.seeded_uniforms))
         if not num_greedy:
             return sampled
-        token_ids[random_rows.to(device)] = sampled
+        token_ids[to_device(random_rows, device)] = sampled
         return token_ids
 
     def _uniforms(self, rows: list[int], seeded: dict[int, float]) -> torch.Tensor:
@@ -295,7 +299,7 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     """
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     total = cdf[:, -1:]
-    targets = uniforms.to(device=cdf.device, dtype=cdf.dtype).unsqueeze(1) * total
+    targets = to_device(uniforms.to(cdf.dtype), cdf.device).unsqueeze(1) * total
     # Rounding could put the target at the very top; keep it strictly below.
     targets = torch.minimum(targets, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, targets, right=True).squeeze(1)
@@ -313,11 +317,11 @@ def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     device = logits.device
     vocab_size = logits.shape[-1]
     if bool((temperature != 1.0).any()):
-        logits = logits / temperature.to(device).unsqueeze(1)
+        logits = logits / to_device(temperature, device).unsqueeze(1)
     if bool(((top_k > 0) & (top_k < vocab_size)).any()) or bool((top_p < 1.0).any()):
         logits = apply_top_k_top_p(logits, top_k, top_p)
     if bool((min_p > 0.0).any()):
-        logits = apply_min_p(logits, min_p.to(device))
+        logits = apply_min_p(logits, to_device(min_p, device))
     return logits
 
 
@@ -333,11 +337,12 @@ def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     return probs
 
 
-# Candidates looked at first when searching a row's top-p cut-off.
+# Candidates a host device looks at first when searching the rows' top-p cut-offs.
 NUM_TOP_P_CANDIDATES = 64
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                      is_widening: bool | None = None) -> torch.Tensor:
     """Mask (to -inf) logits below each row's top-k and top-p cut-offs.
 
     Top-k keeps logits >= the k-th largest; then top-p keeps the most likely of
@@ -345,54 +350,87 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     are values, so tokens tied with the last kept one are kept too (as vLLM), and
     the result does not depend on how a sort orders ties. ``top_k`` <= 0 or >=
     vocab size and ``top_p`` >= 1 disable the filters for that row (both host
-    tensors, one entry per row). Uses ``topk`` on as few candidates as possible
-    rather than a full sort.
+    tensors, one entry per row).
+
+    Never waits for the device: which rows and how many candidates are decided on
+    the host from the parameters. The top-p search looks at each row's most likely
+    tokens, as many as its top-k leaves when every top-p row has one, else the whole
+    vocabulary, in one pass (``top_p_thresholds``). Where the host reads the logits
+    for free (``is_widening``, by default on the CPU), it starts with
+    ``NUM_TOP_P_CANDIDATES`` and widens only the rows whose nucleus is larger: the
+    same cut-offs, without a full sort when nuclei are small.
     """
     num_rows, vocab_size = logits.shape
     device = logits.device
-    is_k_off = (top_k <= 0) | (top_k >= vocab_size)
-    if not bool(is_k_off.all()):
-        values = logits.topk(int(top_k[~is_k_off].max()), dim=-1).values
+    is_k_on = (top_k > 0) & (top_k < vocab_size)
+    if bool(is_k_on.any()):
+        values = logits.topk(int(top_k[is_k_on].max()), dim=-1).values
         kth_index = top_k.clamp(1, values.shape[1]) - 1
-        kth = values.gather(1, kth_index.to(device).unsqueeze(1))
-        kth = kth.masked_fill(is_k_off.to(device).unsqueeze(1), float("-inf"))
+        kth = values.gather(1, to_device(kth_index, device).unsqueeze(1))
+        kth = kth.masked_fill(to_device(~is_k_on, device).unsqueeze(1), float("-inf"))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     is_p_on = top_p < 1.0
-    num_p_rows = int(is_p_on.sum())
-    if num_p_rows == num_rows:
-        thresholds = _top_p_thresholds(logits, top_p.to(device))
-        logits = logits.masked_fill(logits < thresholds, float("-inf"))
-    elif num_p_rows:
-        p_rows = is_p_on.nonzero().squeeze(1).to(device)
-        thresholds = torch.full((num_rows, 1), float("-inf"), device=device)
-        thresholds[p_rows] = _top_p_thresholds(logits[p_rows], top_p[is_p_on].to(device))
-        logits = logits.masked_fill(logits < thresholds, float("-inf"))
-    return logits
+    if not bool(is_p_on.any()):
+        return logits
+    # Past a row's top-k only ties of its k-th logit are left, which the k-th's cut-off keeps.
+    max_candidates = int(top_k[is_p_on].max()) if bool(is_k_on[is_p_on].all()) else vocab_size
+    if is_widening is None:
+        is_widening = device.type == "cpu"
+    search = _widening_top_p_thresholds if is_widening else top_p_thresholds
+    if bool(is_p_on.all()):
+        thresholds = search(logits, to_device(top_p, device), max_candidates)
+    else:
+        p_rows = to_device(is_p_on.nonzero().squeeze(1), device)
+        thresholds = torch.full((num_rows, 1), float("-inf"), dtype=logits.dtype, device=device)
+        thresholds.index_copy_(0, p_rows, search(logits.index_select(0, p_rows), to_device(top_p[is_p_on], device),
+                                                 max_candidates))
+    return logits.masked_fill(logits < thresholds, float("-inf"))
 
 
-def _top_p_thresholds(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Per row, the smallest logit of the top-p nucleus ([num_rows, 1])."""
-    num_rows, vocab_size = logits.shape
+def top_p_thresholds(logits: torch.Tensor, top_p: torch.Tensor, max_candidates: int) -> torch.Tensor:
+    """Per row, the smallest logit of the top-p nucleus ([num_rows, 1]), from the row's
+    ``max_candidates`` most likely tokens; -inf where their mass falls short of p
+    (by rounding, or because they are all the row has): the row keeps every token.
+
+    ``top_p`` ([num_rows], on the logits' device) is compared with the candidates'
+    cumulative probability in float64. Never reads the device.
+    """
+    return _nucleus_cut(logits, top_p, max_candidates)[0]
+
+
+def _nucleus_cut(logits: torch.Tensor, top_p: torch.Tensor, num_candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``top_p_thresholds`` and, per row, the logit of its least likely candidate."""
     probs = logits.softmax(dim=-1)
-    thresholds = torch.full((num_rows, 1), float("-inf"), device=logits.device)
+    if num_candidates < logits.shape[-1]:
+        candidates, candidate_ids = probs.topk(num_candidates, dim=-1)
+    else:
+        candidates, candidate_ids = probs.sort(dim=-1, descending=True)
+    is_reached = candidates.cumsum(dim=-1, dtype=torch.float64) >= top_p.unsqueeze(1)
+    first = is_reached.to(torch.uint8).argmax(dim=-1, keepdim=True)   # the first True (0 if none)
+    thresholds = logits.gather(1, candidate_ids.gather(1, first))
+    thresholds = thresholds.masked_fill(~is_reached.any(dim=-1, keepdim=True), float("-inf"))
+    return thresholds, logits.gather(1, candidate_ids[:, -1:]).squeeze(1)
+
+
+def _widening_top_p_thresholds(logits: torch.Tensor, top_p: torch.Tensor, max_candidates: int) -> torch.Tensor:
+    """``top_p_thresholds`` over ``NUM_TOP_P_CANDIDATES`` candidates first, then 8x as
+    many for the rows whose nucleus is larger, up to ``max_candidates``: the same
+    cut-offs, but reading the logits (for a device the host reads for free)."""
+    num_rows = logits.shape[0]
+    thresholds = torch.full((num_rows, 1), float("-inf"), dtype=logits.dtype, device=logits.device)
     pending = torch.arange(num_rows, device=logits.device)
-    num_candidates = min(NUM_TOP_P_CANDIDATES, vocab_size)
-    while len(pending):
-        candidates, candidate_ids = probs[pending].topk(num_candidates, dim=-1)
-        values = logits[pending].gather(1, candidate_ids)
-        mass = candidates.cumsum(dim=-1, dtype=torch.float64)
-        is_reached = mass >= top_p[pending].unsqueeze(1)
-        has_reached = is_reached.any(dim=-1)
-        first = is_reached.int().argmax(dim=-1, keepdim=True)
-        thresholds[pending[has_reached]] = values.gather(1, first)[has_reached]
-        # Rows whose candidates already include every finite logit keep them all
-        # (their mass fell short of p only by rounding).
-        is_exhausted = values[:, -1] == float("-inf")
-        if num_candidates == vocab_size:
-            break
-        pending = pending[~has_reached & ~is_exhausted]
-        num_candidates = min(num_candidates * 8, vocab_size)
-    return thresholds
+    num_candidates = min(NUM_TOP_P_CANDIDATES, max_candidates)
+    while True:
+        found, last = _nucleus_cut(logits[pending], top_p[pending], num_candidates)
+        thresholds[pending] = found
+        if num_candidates >= max_candidates:
+            return thresholds
+        # Not found: the nucleus is larger, or the candidates already hold every finite
+        # logit (the mass fell short of p only by rounding: the row keeps them all).
+        pending = pending[(found.squeeze(1) == float("-inf")) & (last != float("-inf"))]
+        if not len(pending):
+            return thresholds
+        num_candidates = min(num_candidates * 8, max_candidates)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -499,6 +537,15 @@ def _flat_token_index(token_ids: Sequence[Sequence[int]], vocab_size: int) -> to
         raise ValueError(f"token id out of range for vocab size {vocab_size}")
     rows = torch.repeat_interleave(torch.arange(len(token_ids)), lengths)
     return rows * vocab_size + flat_ids
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``, copied without making the host wait for the device:
+    to a CUDA device through pinned memory (the caching host allocator keeps the staging
+    block until the copy is done), so the copy is queued, never waited for."""
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 def _check_inputs(logits: torch.Tensor, num_rows: int) -> None:
