@@ -27,7 +27,8 @@ def fake_cluster(tmp_path_factory):
     if ray.is_initialized():
         ray.shutdown()
     for attempt in range(3):  # the head must register within Ray's fixed 30 s: a loaded machine can miss it
-        cluster = FakeAutoscalingCluster(tmp_path_factory.mktemp("fake-cluster"))
+        # Idle nodes go after 3 s rather than the shipped file's 12: the test waits for that.
+        cluster = FakeAutoscalingCluster(tmp_path_factory.mktemp("fake-cluster"), idle_timeout_minutes=0.05)
         try:
             cluster.start(timeout_s=240)
             break
