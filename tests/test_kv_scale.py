@@ -18,19 +18,6 @@ RESULT_KEYS = ("central_cpu_us_per_worker_step", "bytes_per_worker_step", "block
                "event_lag_p99_ms", "workers_supported_at_50_steps_per_s", "preemptions_by_mode", "integrity_ok")
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    """One local Ray for the module's end-to-end runs, as ``run_kv_scale`` starts its own
-    (2 simulated processes + 1 CPUs): each run uses the Ray it finds connected."""
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", include_dashboard=False, log_to_driver=False, num_cpus=3)
-    yield
-    ray.shutdown()
-
-
 def _in_process_cluster(num_workers: int, workload: SimWorkload):
     central = KVManagerService()
     prefixes = workload.prefixes()
@@ -135,7 +122,7 @@ def test_workload_is_validated():
 
 
 @pytest.mark.timeout(600)
-def test_kv_scale_runs_end_to_end_on_ray_and_reports_every_key(tmp_path, local_ray):
+def test_kv_scale_runs_end_to_end_on_ray_and_reports_every_key(tmp_path):
     out = tmp_path / "kv_scale.json"
     config = KVScaleConfig(num_workers=4, batch=8, context=128, steps_per_s=20, seconds=2.0,
                            workers_per_process=2, pressure_per_s=2.0, num_prefixes=2, workers_per_node=2)
@@ -162,7 +149,7 @@ def test_kv_scale_runs_end_to_end_on_ray_and_reports_every_key(tmp_path, local_r
 
 
 @pytest.mark.timeout(600)
-def test_kv_scale_publishing_on_a_tick_sends_a_batch_per_tick_and_keeps_the_index_exact(local_ray):
+def test_kv_scale_publishing_on_a_tick_sends_a_batch_per_tick_and_keeps_the_index_exact():
     """The sender thread's drains race the stepping thread's pool changes: nothing is lost."""
     config = KVScaleConfig(num_workers=4, batch=8, context=128, steps_per_s=50, seconds=2.0,
                            workers_per_process=2, pressure_per_s=2.0, num_prefixes=2, workers_per_node=2,

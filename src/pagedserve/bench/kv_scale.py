@@ -84,7 +84,6 @@ import os
 import sys
 import threading
 import time
-import uuid
 from dataclasses import asdict, dataclass, fields
 
 from .kv_sim import Migration, SimulatedKVWorker, SimWorkload
@@ -563,9 +562,7 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
     central = None
     groups, relays = [], []
     try:
-        # The relays look it up by name; a run's own, since a killed actor's name is freed only
-        # once Ray has processed its death (runs one after another in one Ray would collide).
-        central_name = f"kv-scale-central-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        central_name = f"kv-scale-central-{os.getpid()}"   # the relays look it up by name
         central = ray.remote(CentralKVManager).options(num_cpus=0, max_restarts=0, name=central_name).remote(
             config.transport, config.relay_flush_s)
         ray.get(central.get_incarnation.remote(), timeout=120)
