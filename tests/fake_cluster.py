@@ -167,15 +167,23 @@ class FakeAutoscalingCluster(LocalRayHead):
     """``start()`` a head (no GPU) whose autoscaler adds {CPU: 1, GPU: 1} nodes on demand."""
 
     def __init__(self, workdir: Path, provider_file: Path = PROVIDER_FILE, head_cpus: int = 4,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, idle_timeout_minutes: float | None = None,
+                 update_interval_s: int | None = None) -> None:
         super().__init__(workdir, head_cpus, env)
         self.provider_file = provider_file
+        self.idle_timeout_minutes = idle_timeout_minutes   # None: the provider file's
         self.env["RAY_FAKE_CLUSTER"] = "1"
+        if update_interval_s is not None:
+            # The autoscaler's loop (monitor.py) runs every AUTOSCALER_UPDATE_INTERVAL_S, 5 s by
+            # default: each node added or removed waits up to that long for its next pass.
+            self.env["AUTOSCALER_UPDATE_INTERVAL_S"] = str(update_interval_s)
 
     def _head_options(self) -> list[str]:
         config = yaml.safe_load(self.provider_file.read_text())
         config["provider"]["gcs_address"] = self.address
         config["available_node_types"]["ray.head.default"]["resources"] = {"CPU": self.head_cpus}
+        if self.idle_timeout_minutes is not None:
+            config["idle_timeout_minutes"] = self.idle_timeout_minutes
         path = self.workdir / "fake-cluster.yaml"
         path.write_text(yaml.safe_dump(config))
         return [f"--autoscaling-config={path}"]

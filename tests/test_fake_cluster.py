@@ -27,7 +27,10 @@ def fake_cluster(tmp_path_factory):
     if ray.is_initialized():
         ray.shutdown()
     for attempt in range(3):  # the head must register within Ray's fixed 30 s: a loaded machine can miss it
-        cluster = FakeAutoscalingCluster(tmp_path_factory.mktemp("fake-cluster"))
+        # Idle nodes go after 3 s rather than the shipped file's 12, and the autoscaler looks every
+        # second rather than every 5: the test waits for nodes to come and go.
+        cluster = FakeAutoscalingCluster(tmp_path_factory.mktemp("fake-cluster"), idle_timeout_minutes=0.05,
+                                         update_interval_s=1)
         try:
             cluster.start(timeout_s=240)
             break

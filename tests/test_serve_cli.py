@@ -167,14 +167,29 @@ def test_private_ray_by_default_and_a_named_cluster_with_its_token(tmp_path, tin
     model = ["--served-model-name", "tiny-cli", "--set", "workers.0.num_cpus=1",
              "--set", "engine.num_device_blocks=64", "--set", "engine.swap_space_gb=0.001"]
     servers: list[ServeProcess] = []
+    discovery = Path(f"/tmp/psdisc-{other.port}")  # short: Ray's socket paths live under it
     try:
+        # Both servers start at once (each its own state file, PAGEDSERVE_CACHE_DIR), so that
+        # their start-ups overlap; each is then checked in turn.
         # 1. Joined by its address: the token comes along (RAY_AUTH_MODE unset, as Ray leaves
         #    it for an address it finds); status and stop work; the cluster stays up after.
-        joining = {**base, "RAY_AUTH_TOKEN": token}
+        joining = {**base, "RAY_AUTH_TOKEN": token, "PAGEDSERVE_CACHE_DIR": str(tmp_path / "cache-joining")}
         port = free_port()
         server = ServeProcess([tiny_model("llama"), "--address", other.address, "--port", str(port), *model],
                               joining)
         servers.append(server)
+        # 2. No address: a private Ray, although another runs and is the one Ray would find
+        #    (``ray.init()`` reads the last cluster's address from <RAY_TMPDIR>/ray, where it
+        #    is written here); the other one stopping takes nothing with it.
+        (discovery / "ray").mkdir(parents=True, exist_ok=True)
+        (discovery / "ray" / "ray_current_cluster").write_text(other.address)
+        private = {**base, "RAY_TMPDIR": str(discovery)}
+        private_port = free_port()
+        while private_port == port:
+            private_port = free_port()
+        private_server = ServeProcess([tiny_model("llama"), "--port", str(private_port), *model], private)
+        servers.append(private_server)
+
         server.wait_serving()
         assert _complete(port) == 4
         status = _cli("status", "--address", other.address, "--json", env=joining)
@@ -185,16 +200,8 @@ def test_private_ray_by_default_and_a_named_cluster_with_its_token(tmp_path, tin
         assert server.process.wait(timeout=60) == 0
         assert other.pids(), "the joined cluster must outlive the server"
 
-        # 2. No address: a private Ray, although another runs and is the one Ray would find
-        #    (``ray.init()`` reads the last cluster's address from <RAY_TMPDIR>/ray, where it
-        #    is written here); the other one stopping takes nothing with it.
-        discovery = Path(f"/tmp/psdisc-{other.port}")  # short: Ray's socket paths live under it
-        (discovery / "ray").mkdir(parents=True, exist_ok=True)
-        (discovery / "ray" / "ray_current_cluster").write_text(other.address)
-        private = {**base, "RAY_TMPDIR": str(discovery)}
-        port = free_port()
-        server = ServeProcess([tiny_model("llama"), "--port", str(port), *model], private)
-        servers.append(server)
+        # 2. The private one.
+        server, port = private_server, private_port
         server.wait_serving()
         state = json.loads((tmp_path / "cache" / "serve.json").read_text())
         assert state["ray_address"] != other.address
@@ -212,4 +219,4 @@ def test_private_ray_by_default_and_a_named_cluster_with_its_token(tmp_path, tin
         for server in servers:
             server.kill()
         other.stop()
-        shutil.rmtree(f"/tmp/psdisc-{other.port}", ignore_errors=True)
+        shutil.rmtree(discovery, ignore_errors=True)

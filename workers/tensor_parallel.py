@@ -27,11 +27,13 @@ import torch
 
 from .kv_cache import CacheShape, KVCache
 from .model_runner import ExecuteOutput, ModelInput
+from .model_support import load_config
 from .tp_dispatch import CommandChannel, GroupBrokenError, open_channel
 from .tp_group import TensorParallelGroup, host_store
 from .tp_launch import RankLauncher, RankSet
 from .tp_messages import (AllocateCache, KVCopies, ProfilePeak, ReadBlocks, RunStep, Stop, WarmUpCopies, WriteBlocks,
                           pack)
+from .tp_plan import check_tensor_parallel
 from .tp_rank import (HEAD_DIM_OF_PAYLOAD, RankSpec, broadcast_payload, load_rank_runner, local_heads, node_key,
                       publish_rank_info, rank_device, read_rank_info)
 
@@ -113,6 +115,8 @@ class TensorParallelRunner:
         self.kv_cache: GroupKVCache | None = None
         self.num_steps = 0
         start = time.perf_counter()
+        # A model the group cannot split is refused here, before any rank process starts.
+        check_tensor_parallel(load_config(model, trust_remote_code), tensor_parallel_size)
         device = rank_device(device, 0)
         store, rendezvous = host_store(tensor_parallel_size)
         self.spec = RankSpec(model, rendezvous, dtype, device.type,
