@@ -46,6 +46,9 @@ CONTROL_INTERVAL_S = 0.5
 # A draining worker stays at least this long, so that every handle has seen it
 # leave the routing set before its actor goes.
 DRAIN_GRACE_S = 2.0
+# How long a worker that never became ready is taken out of the KV manager again, tick by
+# tick: its constructor sends its first snapshot, which may land after the first removal.
+LATE_SNAPSHOT_GRACE_S = 10.0
 # An elastic group stops replacing workers that fail to start after this many in a row.
 MAX_START_FAILURES = 3
 START_FAILED = "could not start"
@@ -147,6 +150,7 @@ class WorkerPool:
         self._info_refs: dict[str, Any] = {}
         self._status_refs: dict[str, tuple[Any, float]] = {}
         self._kv_leaves_pending: set[str] = set()   # gone workers the KV manager still lists
+        self._late_leaves: dict[str, float] = {}     # never-ready gone worker -> leave again until
         self._lock = threading.RLock()
         for worker_id, actor in workers.items():
             group = groups.get(worker_id, 0)
@@ -217,6 +221,7 @@ class WorkerPool:
             index = self._free_index()
             worker_id = f"worker-{index}"
             self._kv_leaves_pending.discard(worker_id)   # the id is taken again
+            self._late_leaves.pop(worker_id, None)
             actor = self.worker_cls.options(**worker_actor_options(
                 group, group_tensor_parallel_size(self.config, group), worker_actor_name(index), self.namespace),
             ).remote(worker_id, engine_dict, self.kv_manager_name, group.role, self.config.step_timeout_s,
@@ -273,6 +278,7 @@ class WorkerPool:
                 self.num_start_failures[record.group] += 1
                 self._set_state(record, "dead", f"{START_FAILED}: {_last_line(exc)}", is_gone=True)
                 logger.error("worker pool: %s could not start: %s", worker_id, record.reason)
+                self._leave_late(worker_id)
                 continue
             self.num_start_failures[record.group] = 0
             with self._lock:
@@ -327,6 +333,7 @@ class WorkerPool:
             self._set_state(record, "dead", "cancelled while starting", is_gone=True)
             ray.kill(record.actor, no_restart=True)
             remove_worker_placement(actor_name_of(worker_id), self.namespace)
+            self._leave_late(worker_id)
             logger.info("worker pool: cancelled %s", worker_id)
             return
         record.is_drained = False
@@ -346,12 +353,23 @@ class WorkerPool:
             self._kv_leaves_pending.add(worker_id)
             logger.warning("worker pool: %s: could not leave the KV manager yet (%r)", worker_id, exc)
 
+    def _leave_late(self, worker_id: str) -> None:
+        """Take a worker that never became ready out of the KV manager, now and on every
+        tick for ``LATE_SNAPSHOT_GRACE_S`` (its first snapshot may still be on its way)."""
+        self._late_leaves[worker_id] = time.time() + LATE_SNAPSHOT_GRACE_S
+        self._leave_kv_manager(worker_id)
+
     def _retire_drained(self) -> None:
         """Drained workers with nothing left leave the KV manager's accounting and go."""
         import ray
 
         for worker_id in list(self._kv_leaves_pending):
             self._leave_kv_manager(worker_id)
+        now = time.time()
+        for worker_id, until in list(self._late_leaves.items()):
+            self._leave_kv_manager(worker_id)
+            if now >= until:
+                del self._late_leaves[worker_id]
 
         with self._lock:
             done = [r for r in self.records.values() if r.state == "draining" and r.is_drained
