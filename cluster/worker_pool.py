@@ -203,6 +203,7 @@ class WorkerPool:
                     self._start_worker(index)
             for worker_id in decision.to_remove:
                 self._remove(worker_id)
+        self._retry_kv_leaves()
         self._retire_drained()
 
     def _note_decision(self, group: int, decision) -> None:
@@ -359,10 +360,8 @@ class WorkerPool:
         self._late_leaves[worker_id] = time.time() + LATE_SNAPSHOT_GRACE_S
         self._leave_kv_manager(worker_id)
 
-    def _retire_drained(self) -> None:
-        """Drained workers with nothing left leave the KV manager's accounting and go."""
-        import ray
-
+    def _retry_kv_leaves(self) -> None:
+        """Leaves that failed, and the late leaves of workers that never became ready."""
         for worker_id in list(self._kv_leaves_pending):
             self._leave_kv_manager(worker_id)
         now = time.time()
@@ -370,6 +369,10 @@ class WorkerPool:
             self._leave_kv_manager(worker_id)
             if now >= until:
                 del self._late_leaves[worker_id]
+
+    def _retire_drained(self) -> None:
+        """Drained workers with nothing left leave the KV manager's accounting and go."""
+        import ray
 
         with self._lock:
             done = [r for r in self.records.values() if r.state == "draining" and r.is_drained

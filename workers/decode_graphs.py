@@ -18,10 +18,9 @@ attention the opaque custom op of ``attention``), so the elementwise work around
 matmul fuses into few kernels; the warm-ups compile it before any capture. The runner's
 mixed steps run the same compiled stack (``decode_stack``), their token count one more
 value of the dynamic size: the compiled inputs of both are inference tensors at offset 0,
-so that one compiled graph serves both. Dynamo keeps
-its compiled entries per function, guarded on the instance: past its recompile limit (8:
-about four compiled engines in one process) it runs the forward uncompiled, and says so
-in its own warning.
+so that one compiled graph serves both. Dynamo keeps its compiled entries per function,
+guarded on the instance: past its recompile limit (8: about four compiled engines in one
+process) it runs the forward uncompiled, and says so in its own warning.
 """
 
 from __future__ import annotations
@@ -55,7 +54,7 @@ class DecodeGraphs:
     """Padded decode steps for a runner, captured as CUDA graphs when ``capture``.
 
     ``sizes`` are the padded batch sizes; ``max_blocks_per_seq`` the widest block table
-    a sequence can have (``max_model_len`` over the block size); ``compile``: the decoder
+    a sequence can have (``max_model_len`` over the block size); ``torch_compile``: the decoder
     stack runs compiled (``compile_backend``: torch.compile's backend), warmed up at every
     size here, so that nothing compiles inside a request.
     """
@@ -88,7 +87,7 @@ class DecodeGraphs:
         self.is_compiled = torch_compile
         # The decoder stack's forward on the static buffers, compiled or not.
         self.decode_stack = (torch.compile(self._decode_eager, dynamic=True, backend=compile_backend)
-                        if torch_compile else self._decode_eager)
+                             if torch_compile else self._decode_eager)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.memory_bytes = 0     # the graphs' memory pool, once captured
         self.num_runs = 0         # padded steps, replayed or eager
