@@ -1,6 +1,6 @@
 """Soak: the served API (Ray Serve, two mixed CPU workers) with a deliberately
 small KV pool, under 64 concurrent streaming clients on loopback for a
-bounded time (2 minutes; 30 under ``--long-form``, ``make test-all``).
+bounded time (1 minute; 30 under ``--long-form``, ``make test-all``).
 
 The pool (64 device blocks and about 26 host blocks per worker) is small
 enough that preemption, swapping and prefix-cache eviction all happen; the
@@ -61,15 +61,15 @@ ENGINE = {"num_device_blocks": 64, "swap_space_gb": 0.0002, "max_model_len": 512
 NUM_CLIENTS = 64
 NUM_PREFIXES = 8
 NUM_GREEDY_PROMPTS = 48
-SHORT_S, LONG_S = 120.0, 1800.0
+SHORT_S, LONG_S = 60.0, 1800.0
 DURATION_OVERRIDE_S = os.environ.get("PAGEDSERVE_SOAK_SECONDS")  # any other length, by hand
 WARMUP_S = 20.0
 SAMPLE_EVERY_S = 2.0
 # Growth allowed over the warm part of the run, from the fitted slope. The short
-# run serves about 600 requests, so this catches a leak of 40 KiB a request (one
-# lost KV export of a few blocks, say) and, over the long run's ~10k requests,
-# of 2.5 KiB (a request's token lists); Python's allocator and Ray's buffers
-# wander by a few MiB.
+# run serves about 1,300 requests (900 of them warm; 2026-11-26, a quiet VM), so this
+# catches a leak of 27 KiB a request (one lost KV export of a few blocks, say) and, over
+# the long run's 10k+ requests, of 2.5 KiB; Python's allocator and Ray's buffers wander by
+# a few MiB. Two such runs' largest fitted growth: 9.5 MiB (the replica).
 MAX_RSS_GROWTH_MIB = 24.0
 # A first token within this many mean request cycles (NUM_CLIENTS / throughput). Measured
 # 2026-11-26: p99 / cycle 0.66 (1-minute run) and 1.38 (2 minutes); the old bound, 3x the
