@@ -78,14 +78,17 @@ def _pool_status(handle) -> dict:
     return handle.worker_states()
 
 
-def _wait_for(predicate, timeout_s: float, what: str):
+def _wait_for(predicate, timeout_s: float, what: str, describe=None):
+    """Poll ``predicate`` until it is truthy; on timeout the assertion carries ``describe()``
+    (the state the wait was for), so a failure says where the cluster stood."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+    state = f"; last state: {describe()!r}" if describe is not None else ""
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}{state}")
 
 
 class Load:
@@ -204,7 +207,8 @@ def test_workers_follow_load_and_drain_through_migration(elastic):
     load = Load(base_url, handle.model_name)
     load.start_fillers(8)
     # Demand for 3 workers: Ray's autoscaler adds fake GPU nodes for the waiting actors.
-    _wait_for(lambda: _pool_status(handle)["counts"]["ready"] >= 2, 240, "a second worker to become ready")
+    _wait_for(lambda: _pool_status(handle)["counts"]["ready"] >= 2, 240, "a second worker to become ready",
+              lambda: _pool_status(handle))
 
     def used_workers() -> set[str]:
         workers = handle.stats()["workers"]
@@ -218,7 +222,8 @@ def test_workers_follow_load_and_drain_through_migration(elastic):
     # Every ready worker carries filler load before the long streams start, so that least-loaded
     # routing spreads them rather than sending all three to a worker that has just become ready
     # (it would then keep them all, and the drained workers would hold none).
-    used = _wait_for(ready_and_used, 120, "routing to use a second worker, and every ready one")
+    used = _wait_for(ready_and_used, 120, "routing to use a second worker, and every ready one",
+                     lambda: (_pool_status(handle), used_workers()))
     assert len(used) >= 2
     num_ready_peak = _pool_status(handle)["counts"]["ready"]
 
@@ -232,7 +237,8 @@ def test_workers_follow_load_and_drain_through_migration(elastic):
             thread.join(timeout=120)
         # 3 ongoing long streams at target 3 per worker want one worker: the surplus drains.
         _wait_for(lambda: (lambda c: c["ready"] == 1 and c["draining"] == 0 and c["starting"] == 0)(
-            _pool_status(handle)["counts"]), 240, "the group to shrink to one worker")
+            _pool_status(handle)["counts"]), 240, "the group to shrink to one worker",
+            lambda: _pool_status(handle))
         assert all(not thread.is_alive() for thread in load.threads)
         assert all(thread.is_alive() for thread in longs), "a long stream finished before the drain"
         progress_at_shrink = sorted(progress.values())
