@@ -7,6 +7,7 @@ deploys its own Serve applications in between.
 
 from __future__ import annotations
 
+import random
 import socket
 import time
 from contextlib import contextmanager
@@ -14,10 +15,43 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 
+def _ephemeral_low(default: int = 32768) -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return default
+
+
+# Ports handed to servers the tests start (Serve's HTTP and gRPC proxies, GCS ports): between
+# the worker ports of ``ray start`` (10002-19999) and the kernel's ephemeral range (from 32768
+# here), which ``bind(0)`` draws from and above which Ray picks its other ports at random.
+# A port checked free here cannot be taken by another process's ``bind(0)`` before its server
+# binds it, as a port drawn from the ephemeral range was under load.
+TEST_PORTS = range(20000, max(_ephemeral_low(), 21000))
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port outside every range that Ray or the kernel assign on their own, free now, not
+    handed out before by this process; the start is random so that concurrent runs differ."""
+    start = random.randrange(len(TEST_PORTS))
+    for i in range(len(TEST_PORTS)):
+        port = TEST_PORTS[(start + i) % len(TEST_PORTS)]
+        if port not in _handed_out and _is_free(port):
+            _handed_out.add(port)
+            return port
+    raise RuntimeError(f"no free port in {TEST_PORTS}")
+
+
+def _is_free(port: int) -> bool:
+    for host in ("0.0.0.0", "127.0.0.1"):
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                return False
+    return True
 
 
 def cluster_config(model_path: str, name: str, engine: dict, num_workers: int, worker_cpus: float = 0.5,
