@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 import pytest
 
-from pagedserve.bench.kv_scale import TARGETS, KVScaleConfig, format_results, run_kv_scale
+from pagedserve.bench.kv_scale import TARGETS, KVScaleConfig, format_results, run_kv_scale, warm_batch_fill
 from pagedserve.bench.kv_sim import SimulatedKVWorker, SimWorkload
 from pagedserve.kvmanager.events import PublishAck
 from pagedserve.kvmanager.preemption import PreemptionDecision, RemotePreemptionPolicy
@@ -213,3 +213,8 @@ def test_sweep_splits_central_cpu_into_fixed_and_per_worker_step():
     assert all(abs(p["fit_residual_us_per_s"]) < 1e-6 for p in summary["points"])
     with pytest.raises(ValueError):
         sweep.fit_line([1.0, 1.0], [2.0, 3.0])
+
+
+def test_a_warm_batch_is_ninety_percent_full_or_one_short_when_small():
+    assert [warm_batch_fill(b) for b in (1, 2, 8, 10)] == [1, 1, 7, 9]
+    assert warm_batch_fill(256) == pytest.approx(230.4)
