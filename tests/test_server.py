@@ -219,8 +219,11 @@ def test_client_disconnect_aborts_and_frees_blocks(served):
     num_requested = 2 * 8 * 480
     generated_before = _num_generated(served.handle)
     with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as response:
-        assert next(response.iter_lines()).startswith("data: ")
-        assert served.handle.num_used_blocks() > 0
+        first_line = next(response.iter_lines())
+        assert first_line.startswith("data: "), first_line
+        num_used = served.handle.num_used_blocks()
+        assert num_used > 0, (first_line, {w: {k: v for k, v in s.items() if k.startswith("num_")}
+                                           for w, s in served.handle.stats()["workers"].items()})
     try:  # a non-streaming client that gives up
         httpx.post(url, json=body, timeout=0.5)
     except httpx.TimeoutException:
