@@ -173,8 +173,7 @@ class DecodeGraphs:
 
     def _decode_eager(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The decoder stack's last hidden states ``[size, hidden]`` (what ``torch_compile`` compiles)."""
-        return self.runner.decoder(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
-                                   paged_metadata=FROM_CONTEXT, use_cache=False).last_hidden_state[0]
+        return self.runner.run_decoder(input_ids, positions, FROM_CONTEXT)
 
     # ---- capture -----------------------------------------------------------------------------
     def _pad_only(self) -> None:

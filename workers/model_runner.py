@@ -419,6 +419,12 @@ class ModelRunner:
         if graphs is not None and graphs.is_compiled:
             with attention_context(meta):
                 return graphs.decode_stack(input_ids, positions)
+        return self.run_decoder(input_ids, positions, meta)
+
+    def run_decoder(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """The transformers decoder's last hidden states ``[tokens, hidden]`` for a flat batch;
+        ``meta`` is the step's ``PagedAttentionMetadata``, or ``FROM_CONTEXT`` in a compiled
+        forward (the attention op then reads it from ``attention_context``)."""
         return self.decoder(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
                             paged_metadata=meta, use_cache=False).last_hidden_state[0]
 
