@@ -56,6 +56,7 @@ def test_params_defaults_and_normalisation():
     [
         ({"temperature": -0.1}, "temperature"),
         ({"temperature": float("nan")}, "finite"),
+        ({"temperature": 1e300}, r"temperature must be <= 3\.403e\+38"),  # killed the engine loop once
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_p": float("inf")}, "finite"),

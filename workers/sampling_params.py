@@ -19,6 +19,8 @@ from typing import Any
 # Temperatures below this are treated as greedy decoding (vLLM uses the same cut-off).
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_LOGPROBS = 20
+# The sampler holds temperatures in float32: a larger one cannot be written to the batch.
+MAX_TEMPERATURE = 3.4028234663852886e38
 MAX_ABS_PENALTY = 2.0
 # Bounds that stay finite in float32 logits (1e-300 is 0 there and would divide by zero).
 MIN_REPETITION_PENALTY = 0.01
@@ -200,6 +202,8 @@ class SamplingParams:
         self.max_tokens = _as_int("max_tokens", self.max_tokens, minimum=1)
         self.min_tokens = _as_int("min_tokens", self.min_tokens, minimum=0, maximum=self.max_tokens)
         self.temperature = _as_float("temperature", self.temperature, minimum=0.0)
+        if self.temperature > MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be <= {MAX_TEMPERATURE:.4g} (a float32), got {self.temperature:g}")
         if self.top_k is None:
             self.top_k = -1
         self.top_k = _as_int("top_k", self.top_k, minimum=-1)
