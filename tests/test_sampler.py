@@ -92,6 +92,37 @@ def test_params_validation(options, fragment):
         SamplingParams(**options)
 
 
+# Every number a request can carry, at the edges of the types the engine's batch holds it in.
+EDGE_NUMBERS = [2**31 - 1, 2**31, 2**63 - 1, 2**63, 2**70, -2**63 - 1, 3.4e38, 3.5e38, 1e300, -1e300, 1e-300]
+EDGE_FIELDS = ["temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+               "repetition_penalty", "max_tokens", "min_tokens", "n", "logprobs", "length_penalty"]
+
+
+def test_params_that_validate_never_break_the_engine(tiny_model):
+    """Each field at each edge value: refused by ``SamplingParams`` (a 400 when served), or the
+    request runs. A value the batch's tensors cannot hold would otherwise kill the engine loop,
+    and every request beside it (a temperature of 1e300 did)."""
+    from pagedserve.workers.llm import LLM
+
+    llm = LLM(tiny_model("llama"), num_device_blocks=64, max_model_len=128)
+    accepted = []
+    for name in EDGE_FIELDS:
+        for value in EDGE_NUMBERS:
+            options = {"temperature": 0.8, "max_tokens": 2, "seed": 0, name: value}
+            try:
+                params = SamplingParams(**options)
+            except ValueError:
+                continue
+            params.max_tokens = min(params.max_tokens, 4)
+            params.min_tokens = min(params.min_tokens, params.max_tokens)
+            params.n = min(params.n, 2)
+            (output,) = llm.generate([[5, 6, 7]], params)
+            assert output.finished, (name, value)
+            accepted.append((name, value))
+    assert ("seed", 2**70) in accepted and ("temperature", 3.4e38) in accepted and ("top_k", 2**31 - 1) in accepted
+    assert llm.engine.num_used_blocks() == 0
+
+
 def test_params_from_dict_rejects_unknown_keys():
     with pytest.raises(ValueError, match="unknown sampling option.*best_of.*top_q"):
         SamplingParams.from_dict({"temperature": 0.5, "top_q": 0.9, "best_of": 2})

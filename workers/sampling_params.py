@@ -21,6 +21,8 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_LOGPROBS = 20
 # The sampler holds temperatures in float32: a larger one cannot be written to the batch.
 MAX_TEMPERATURE = 3.4028234663852886e38
+# top_k as gRPC carries it (int32); anything above the vocabulary keeps every token anyway.
+MAX_TOP_K = 2**31 - 1
 MAX_ABS_PENALTY = 2.0
 # Bounds that stay finite in float32 logits (1e-300 is 0 there and would divide by zero).
 MIN_REPETITION_PENALTY = 0.01
@@ -206,7 +208,7 @@ class SamplingParams:
             raise ValueError(f"temperature must be <= {MAX_TEMPERATURE:.4g} (a float32), got {self.temperature:g}")
         if self.top_k is None:
             self.top_k = -1
-        self.top_k = _as_int("top_k", self.top_k, minimum=-1)
+        self.top_k = _as_int("top_k", self.top_k, minimum=-1, maximum=MAX_TOP_K)
         if self.top_k == 0:
             self.top_k = -1
         self.top_p = _as_float("top_p", self.top_p)
