@@ -203,9 +203,7 @@ class SamplingParams:
         self.n = _as_int("n", self.n, minimum=1)
         self.max_tokens = _as_int("max_tokens", self.max_tokens, minimum=1)
         self.min_tokens = _as_int("min_tokens", self.min_tokens, minimum=0, maximum=self.max_tokens)
-        self.temperature = _as_float("temperature", self.temperature, minimum=0.0)
-        if self.temperature > MAX_TEMPERATURE:
-            raise ValueError(f"temperature must be <= {MAX_TEMPERATURE:.4g} (a float32), got {self.temperature:g}")
+        self.temperature = _as_float("temperature", self.temperature, minimum=0.0, maximum=MAX_TEMPERATURE)
         if self.top_k is None:
             self.top_k = -1
         self.top_k = _as_int("top_k", self.top_k, minimum=-1, maximum=MAX_TOP_K)
@@ -342,7 +340,7 @@ def _as_int(name: str, value: Any, minimum: int | None = None, maximum: int | No
     return value
 
 
-def _as_float(name: str, value: Any, minimum: float | None = None) -> float:
+def _as_float(name: str, value: Any, minimum: float | None = None, maximum: float | None = None) -> float:
     if isinstance(value, bool) or not isinstance(value, Real):
         raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
     value = float(value)
@@ -350,6 +348,8 @@ def _as_float(name: str, value: Any, minimum: float | None = None) -> float:
         raise ValueError(f"{name} must be finite, got {value}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum:.4g}, got {value:g}")
     return value
 
 
