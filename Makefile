@@ -23,11 +23,19 @@ run: install
 # `test`: every behaviour, short forms (what CI runs). `test-all`: adds the long forms
 # (soak, chaos, fuzz) and the multi-node sweeps. Every run ends with the ten slowest tests
 # (pyproject.toml's addopts).
+# Both run TEST_WORKERS test processes (pytest-xdist), each taking whole modules, slowest
+# first (tests/conftest.py's SLOWEST_MODULES): most modules wait on Ray clusters more than
+# they compute, so two share this 2-core machine's cores. TEST_WORKERS=0 runs in one process.
+# `-p no:benchmark`: pytest-benchmark, where some other package installed it, warns that
+# xdist disables it; the suite does not use it.
+TEST_WORKERS ?= 2
+PYTEST := $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -p no:benchmark
+
 test: install-test
-	$(PYTHON) -m pytest -q
+	$(PYTEST)
 
 test-all: install-test
-	$(PYTHON) -m pytest -q --long-form
+	$(PYTEST) --long-form
 
 # docs/configuration.md from the configuration schema (tests/test_config_doc.py checks it).
 docs:
