@@ -44,6 +44,26 @@ def gcs_address() -> str:
 _state_api_verdicts: dict[str, bool] = {}
 
 
+def _dashboard_address_known() -> bool:
+    """Whether the connected cluster's GCS holds its dashboard's address yet.
+
+    Private: the dashboard's key in the GCS key-value store (``ray_constants``),
+    read through ``ray.experimental.internal_kv``. The state API's client looks
+    that key up itself, but polls for it 20 times, 2 s apart, so every state
+    API call made while the dashboard is still starting (a new cluster on a
+    busy head) would block 40 s before failing.
+    """
+    try:
+        from ray._private import ray_constants
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        return _internal_kv_get(ray_constants.DASHBOARD_ADDRESS,
+                                namespace=ray_constants.KV_NAMESPACE_DASHBOARD) is not None
+    except Exception as exc:
+        logger.debug("dashboard address lookup failed: %r", exc)
+        return False
+
+
 def _state_api_is_ours() -> bool:
     """Whether the state API answers for the cluster this process is connected to.
 
@@ -57,6 +77,8 @@ def _state_api_is_ours() -> bool:
 
     address = gcs_address()
     if address not in _state_api_verdicts:
+        if not _dashboard_address_known():
+            return False  # not cached: the dashboard may still be starting
         try:
             from ray.util.state import list_nodes
 

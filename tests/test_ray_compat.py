@@ -110,3 +110,30 @@ def test_a_state_api_answering_for_another_cluster_is_not_believed(ray_with_dash
     assert ray_compat.head_node_id() == ray.get_runtime_context().get_node_id()
     assert ray_compat.actor_status(actor_id) == ray_compat.ActorStatus("ALIVE", pid)  # the GCS table
     ray.kill(probe, no_restart=True)
+
+
+def test_a_dashboard_still_starting_costs_no_wait(ray_with_dashboard, monkeypatch):
+    """Until the dashboard has written its address, the state API's client polls for it for
+    40 s a call; the head is found through the GCS tables instead, without asking it."""
+    from ray._private import ray_constants
+    from ray.experimental import internal_kv
+    from ray.util import state as state_api
+
+    asked = []
+
+    def list_nodes(*args, **kwargs):   # Ray's own would poll for the missing address for 40 s
+        asked.append(args)
+        raise ConnectionError("no dashboard address")
+
+    key, namespace = ray_constants.DASHBOARD_ADDRESS, ray_constants.KV_NAMESPACE_DASHBOARD
+    address = internal_kv._internal_kv_get(key, namespace=namespace)
+    assert address is not None, "assumed: the module's Ray has a dashboard, and it is up"
+    monkeypatch.setattr(state_api, "list_nodes", list_nodes)
+    monkeypatch.setattr(ray_compat, "_state_api_verdicts", {})
+    internal_kv._internal_kv_del(key, namespace=namespace)
+    try:
+        assert ray_compat.head_node_id() == ray.get_runtime_context().get_node_id()
+        assert not asked, "the state API was asked before the dashboard's address was known"
+        assert ray_compat._state_api_verdicts == {}, "the verdict waits for the dashboard"
+    finally:
+        internal_kv._internal_kv_put(key, address, namespace=namespace)
