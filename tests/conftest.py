@@ -83,7 +83,7 @@ def pytest_terminal_summary(terminalreporter, config):
             terminalreporter.line(f"    {process}")
 
 
-# Modules that start Ray clusters, slowest first (seconds on a clean clone of this 2-core
+# Modules that start Ray clusters, slowest first (as timed on clean clones of this 2-core
 # machine, 2026-11-26). Under ``-n 2 --dist loadfile`` (``make test``) each worker takes whole
 # modules in collection order, so starting with the longest keeps one worker from finishing
 # alone on a long module at the end. A module missing here runs after these; a stale figure
