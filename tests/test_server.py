@@ -233,9 +233,8 @@ def test_client_disconnect_aborts_and_frees_blocks(served):
                 f"assumed: the stream lasts longer than this client takes to see its blocks; it "
                 f"ended after {len(seen)} lines, none of them with a block in use")
             seen.append(line)
-        assert num_used > 0, (
-            f"no block in use over {len(seen)} lines mid-stream; first {seen[0]!r}; workers "
-            f"{ {w: {k: v for k, v in s.items() if k.startswith('num_')} for w, s in served.handle.stats()['workers'].items()} }")
+        assert num_used > 0, (f"no block in use over {len(seen)} lines mid-stream; first {seen[0]!r}; "
+                              f"workers {_worker_counters(served.handle)}")
     try:  # a non-streaming client that gives up
         httpx.post(url, json=body, timeout=0.5)
     except httpx.TimeoutException:
@@ -251,6 +250,11 @@ def test_client_disconnect_aborts_and_frees_blocks(served):
 
 def _num_generated(handle) -> int:
     return sum(w["num_generated_tokens"] for w in handle.stats()["workers"].values())
+
+
+def _worker_counters(handle) -> dict:
+    return {worker: {k: v for k, v in stats.items() if k.startswith("num_")}
+            for worker, stats in handle.stats()["workers"].items()}
 
 
 # ---- gRPC -------------------------------------------------------------------------------------------
