@@ -312,6 +312,59 @@ def test_idle_stream_ends_with_an_error_event_and_frees_blocks(local_handle):
     assert idle.limiter.num_in_flight == 0
 
 
+@pytest.mark.parametrize("leaving", ["http.disconnect", "serve_cancel"])
+def test_a_client_leaving_mid_stream_ends_the_response_quietly_and_aborts(server, local_handle, leaving):
+    """Starlette sees a client leave as ``http.disconnect``; under Ray Serve the proxy cancels the
+    request and the replica's ``receive`` raises ``TaskCancelledError``. Either way the app returns
+    without an error (Serve would log one for every client that leaves) and the request is aborted."""
+    from ray.exceptions import TaskCancelledError
+
+    from pagedserve.cluster.serving.http_app import build_app
+
+    num_requested = 8 * 480
+    body = json.dumps({"prompt": "Hello", "max_tokens": 480, "n": 8, "ignore_eos": True,
+                       "stream": True}).encode()
+    generated_before = local_handle.engine.stats()["num_generated_tokens"]
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "root_path": "", "query_string": b"", "client": ("127.0.0.1", 40000), "server": ("test", 80),
+             "headers": [(b"host", b"test"), (b"content-type", b"application/json")]}
+
+    async def run() -> list[dict]:
+        sent, streaming, body_read = [], asyncio.Event(), False
+
+        async def receive() -> dict:
+            nonlocal body_read
+            if not body_read:
+                body_read = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await streaming.wait()
+            if leaving == "serve_cancel":
+                raise TaskCancelledError()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+            if message["type"] == "http.response.body" and message.get("body"):
+                streaming.set()
+
+        await build_app(server)(scope, receive, send)
+        deadline = time.monotonic() + 10  # the engine thread delivers the abort to this loop
+        while local_handle.has_streams() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return sent
+
+    sent = asyncio.run(run())
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    chunks = b"".join(m.get("body", b"") for m in sent[1:])
+    assert chunks.startswith(b"data: ") and b"[DONE]" not in chunks
+    assert server.limiter.num_in_flight == 0
+    generated = local_handle.engine.stats()["num_generated_tokens"] - generated_before
+    assert generated < 0.5 * num_requested, (
+        f"assumed: the engine takes far longer for {num_requested} tokens than the app takes to see the "
+        f"client leave; {generated} were generated")
+
+
 def test_per_client_limit_429(local_handle):
     limited = _server(local_handle, limits={"max_requests_per_client": 1})
     busy_client = client_key("Bearer alice", "10.0.0.1")

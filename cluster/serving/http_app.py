@@ -159,6 +159,7 @@ def build_app(server: Frontend):
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import Response, StreamingResponse
+    from ray.exceptions import TaskCancelledError
     from starlette.exceptions import HTTPException
 
     app = FastAPI(title="pagedserve", version="0.1.0",
@@ -185,7 +186,13 @@ def build_app(server: Frontend):
         return error_response(APIError(exc.status_code, str(exc.detail), kind))
 
     class _SSEResponse(StreamingResponse):
-        """Closes the generation even if the client left before the body started."""
+        """Closes the generation even if the client left before the body started.
+
+        A client that leaves mid-stream ends the response quietly, as starlette ends it on
+        ``http.disconnect``. Under Ray Serve the proxy cancels the request instead, and the
+        replica's ``receive`` raises ``TaskCancelledError``; let out, it would be logged as
+        an unretrieved exception for every client that leaves.
+        """
 
         def __init__(self, stream: EventStream) -> None:
             super().__init__(stream.lines, media_type="text/event-stream",
@@ -195,6 +202,8 @@ def build_app(server: Frontend):
         async def __call__(self, scope, receive, send) -> None:
             try:
                 await super().__call__(scope, receive, send)
+            except TaskCancelledError:
+                pass
             finally:
                 await self._stream.aclose()
 
