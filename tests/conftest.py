@@ -99,6 +99,11 @@ SLOWEST_MODULES = (
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOWEST_MODULES)}
     items.sort(key=lambda item: rank.get(item.module.__name__.rpartition(".")[2], len(rank)))
+    if not config.getoption("--long-form"):
+        skip = pytest.mark.skip(reason="a long-form variant: runs under --long-form (make test-all)")
+        for item in items:
+            if item.get_closest_marker("long_form"):
+                item.add_marker(skip)
 
 
 def pytest_addoption(parser):
