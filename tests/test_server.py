@@ -253,7 +253,8 @@ def _num_generated(handle) -> int:
 
 
 def _worker_counters(handle) -> dict:
-    return {worker: {k: v for k, v in stats.items() if k.startswith("num_")}
+    """Each worker's state, health and counters (running and waiting requests, preemptions, restarts)."""
+    return {worker: {k: v for k, v in stats.items() if k.startswith("num_") or k in ("state", "is_healthy")}
             for worker, stats in handle.stats()["workers"].items()}
 
 
