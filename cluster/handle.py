@@ -31,7 +31,7 @@ from .config import ClusterConfig
 from .controller import HealthView
 from .kv_relay import kill_relays
 from .placement import remove_worker_placement
-from .request_flow import MIGRATE, Attempt, AttemptsExhausted, RequestFlow
+from .request_flow import MIGRATE, Attempt, AttemptsExhausted, RequestFlow, StreamNotResumable
 from .router import Router, kv_blocks_used_frac
 from .worker_pool import actor_name_of
 from .stats import gather_stats_sync, kv_manager_stats
@@ -106,6 +106,7 @@ class ClusterHandle:
         self._num_migrated = 0
         self._num_recomputed_tokens = 0
         self._num_no_capacity = 0
+        self._num_not_resumable = 0
         self._lock = threading.Lock()
 
     def __getstate__(self):
@@ -175,13 +176,17 @@ class ClusterHandle:
     # ---- generation ---------------------------------------------------------------
     async def generate(self, prompt: str | list[int] | None, params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0,
-                       prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+                       prompt_token_ids: list[int] | None = None,
+                       is_streamed: bool = False) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (cumulative text and token ids, plus deltas).
 
         Workers stream deltas (``workers.protocol``); the request's one
         ``OutputAccumulator`` rebuilds the outputs. A run that ends unfinished
         (a worker failed, the KV manager migrated the request, the disaggregated
         path broke) is followed by the one ``request_flow.RequestFlow`` picks.
+        ``is_streamed``: the caller passes each output's deltas on as they come;
+        a request with several samples then ends with ``StreamNotResumable`` if
+        its worker fails after tokens were streamed (see ``RequestFlow``).
         """
         from ray.exceptions import ObjectLostError, RayActorError
 
@@ -200,7 +205,7 @@ class ClusterHandle:
         await self.refresh_workers()
         await self._refresh_utilization()
         flow = RequestFlow(request_id, text, prompt_token_ids, params, priority,
-                           max_attempts=2 * len(self.workers) + 3)
+                           max_attempts=2 * len(self.workers) + 3, is_streamed=is_streamed)
         if self.config.is_disaggregated and params.n == 1 and not params.use_beam_search:
             try:
                 async with aclosing(self._generate_disaggregated(flow, flow.start(is_disaggregated=True))) as run:
@@ -223,16 +228,16 @@ class ClusterHandle:
                         yield output
             except ObjectLostError as exc:
                 # A migration's KV was lost with its source: recompute from the tokens instead.
+                attempt = self._next_attempt(flow.after_failure, exc)
                 logger.warning("request %s: transferred KV lost (%r); recomputing", request_id, exc)
                 self._num_resumed += 1
-                attempt = self._next_attempt(flow.after_failure, exc)
                 continue
             except (RayActorError, asyncio.TimeoutError) as exc:
+                self.health.note_failure(run.worker_id, f"request {request_id}: {type(exc).__name__}")
+                attempt = self._next_attempt(flow.after_failure, exc)
                 logger.warning("request %s: worker %s failed (%r); resuming elsewhere",
                                request_id, run.worker_id, exc)
-                self.health.note_failure(run.worker_id, f"request {request_id}: {type(exc).__name__}")
                 self._num_resumed += 1
-                attempt = self._next_attempt(flow.after_failure, exc)
                 continue
             finally:
                 if run.migrated is None:
@@ -245,12 +250,17 @@ class ClusterHandle:
             attempt = self._next_attempt(lambda: flow.migrate(run.migrated), None)
 
     def _next_attempt(self, transition, cause: BaseException | None) -> Attempt:
-        """Take ``transition``; a request out of attempts is a retryable ``NoCapacityError``."""
+        """Take ``transition``; a request out of attempts is a retryable ``NoCapacityError``; one
+        that cannot go on without contradicting its stream ends with ``StreamNotResumable``."""
         try:
             return transition()
         except AttemptsExhausted as exc:
             self._num_no_capacity += 1
             raise NoCapacityError(str(exc)) from cause
+        except StreamNotResumable as exc:
+            self._num_not_resumable += 1
+            logger.warning("%s (%r)", exc, cause)
+            raise exc from cause
 
     async def _run_attempt(self, flow: RequestFlow, attempt: Attempt, run: "_Run") -> AsyncIterator[RequestOutput]:
         """Route ``attempt`` to a worker and stream its outputs; a migration ends the run with
@@ -423,9 +433,11 @@ class ClusterHandle:
         return gather_stats_sync(self, timeout_s=self.config.step_timeout_s)
 
     def request_counters(self) -> dict[str, int]:
-        """Requests this handle resumed, migrated or could not place, and tokens it recomputed."""
+        """Requests this handle resumed, migrated, could not place or ended because their stream could
+        not go on, and tokens it recomputed."""
         return {"num_resumed": self._num_resumed, "num_migrated": self._num_migrated,
-                "num_recomputed_tokens": self._num_recomputed_tokens, "num_no_capacity": self._num_no_capacity}
+                "num_recomputed_tokens": self._num_recomputed_tokens, "num_no_capacity": self._num_no_capacity,
+                "num_not_resumable": self._num_not_resumable}
 
     def check_integrity(self) -> None:
         """Every worker's pools are consistent, and the central index holds exactly what the

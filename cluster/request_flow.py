@@ -5,7 +5,11 @@ attempt ends without finishing the request, one transition of ``RequestFlow``
 says what runs next:
 
 * ``retry``: start again from the prompt (nothing streamed can be continued:
-  no token yet, or n > 1, whose samples cannot be recomputed one by one);
+  no token yet, or n > 1, whose samples cannot be recomputed one by one). A
+  caller that streams deltas has already passed on what the failed run made,
+  so for it a request with several samples and streamed tokens ends with
+  ``StreamNotResumable`` instead: starting again would repeat or contradict
+  what its client has;
 * ``resume``: recompute the prompt plus the tokens already streamed on another
   worker (n == 1), ``max_tokens`` reduced by them; the caller's output runs on;
 * ``migrate``: the KV manager moved the request (preemption, a draining worker):
@@ -40,6 +44,10 @@ class AttemptsExhausted(RuntimeError):
     """The request failed on more attempts than it may take."""
 
 
+class StreamNotResumable(RuntimeError):
+    """A streamed request with several samples lost its worker after tokens had been streamed."""
+
+
 @dataclass
 class Attempt:
     """One run of a request: what a worker is sent, and why this run."""
@@ -59,12 +67,13 @@ class RequestFlow:
     """The attempts of one request (its sub-request ids are ``id``, ``id~2``, ``id~3``, ...)."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, priority: int, max_attempts: int) -> None:
+                 params: SamplingParams, priority: int, max_attempts: int, is_streamed: bool = False) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.priority = priority
         self.max_attempts = max_attempts
+        self.is_streamed = is_streamed  # the caller passes on deltas as they come
         self.accumulator = OutputAccumulator(request_id, prompt, prompt_token_ids)
         self.num_attempts = 0
 
@@ -74,8 +83,17 @@ class RequestFlow:
         return self._next(DISAGGREGATED if is_disaggregated else FIRST, self.prompt_token_ids, self.params)
 
     def after_failure(self) -> Attempt:
-        """A worker failed (died, stalled, lost a transfer): resume where possible, else retry."""
-        return self.resume() if self.can_resume else self.retry()
+        """A worker failed (died, stalled, lost a transfer): resume where possible, else retry;
+        ``StreamNotResumable`` when neither keeps what a streaming caller has passed on."""
+        if self.can_resume:
+            return self.resume()
+        num_streamed = self.accumulator.num_tokens_all()
+        if self.is_streamed and num_streamed:
+            raise StreamNotResumable(
+                f"the worker running request {self.request_id} failed after {num_streamed} tokens of its "
+                f"{self.params.n} samples had been streamed; several samples cannot be continued where "
+                "they stopped, so the request ended: send it again")
+        return self.retry()
 
     def retry(self) -> Attempt:
         """Start again from the prompt, forgetting what was streamed."""
@@ -116,4 +134,4 @@ class RequestFlow:
         return Attempt(kind, self.num_attempts, request, target)
 
 
-__all__ = ["Attempt", "AttemptsExhausted", "RequestFlow"]
+__all__ = ["Attempt", "AttemptsExhausted", "RequestFlow", "StreamNotResumable"]

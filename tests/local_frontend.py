@@ -69,16 +69,28 @@ class LocalHandle:
         self.tokenizer = core.tokenizer
         self.router = _Router()
         self.fail_with: BaseException | None = None
+        self.fail_after_first: BaseException | None = None  # raised once the first output is out
         self.stall_s = 0.0  # > 0: a pause after every output (a slow or stuck generation)
+        self.streamed: dict[str, bool] = {}  # request id -> what the frontend said of it (is_streamed)
         self.kv_manager = _Actor(stats=lambda: {"workers": {"worker-0": core.kv_manager.stats("worker-0")}})
         self.workers = {"worker-0": _Actor(stats=lambda: {"is_healthy": True, **self.engine.stats()},
                                            ping=lambda: "worker-0")}
 
-    def generate(self, prompt, params, request_id=None, priority=0, prompt_token_ids=None):
+    def generate(self, prompt, params, request_id=None, priority=0, prompt_token_ids=None, is_streamed=False):
+        self.streamed[request_id] = is_streamed
         if self.fail_with is not None:
             return self._fail()
         stream = self.engine.generate(prompt, params, request_id, priority, prompt_token_ids)
+        if self.fail_after_first is not None:
+            return self._failing_after_first(stream, self.fail_after_first)
         return self._stalled(stream, self.stall_s) if self.stall_s else stream
+
+    @staticmethod
+    async def _failing_after_first(stream, exc: BaseException):
+        async with aclosing(stream):
+            async for output in stream:
+                yield output
+                raise exc
 
     @staticmethod
     async def _stalled(stream, stall_s: float):

@@ -264,6 +264,44 @@ def test_worker_killed_mid_stream_requests_resume_and_worker_rejoins(handle, ref
     assert victim_id in used
 
 
+def test_a_streamed_request_with_several_samples_ends_when_its_worker_dies(handle):
+    """Several samples cannot resume one by one, and a caller that streams already has the failed
+    run's tokens: the request ends with ``StreamNotResumable`` (the server's error event), not a
+    second run from the prompt that the client would get appended to the first."""
+    from pagedserve.cluster.request_flow import StreamNotResumable
+
+    params = SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=MAX_TOKENS_FAULT, ignore_eos=True)
+    request_id = f"streamed-n2-{time.time_ns()}"
+    counters_before = handle.request_counters()
+
+    async def stream() -> tuple[list, str | None, BaseException | None]:
+        outputs, victim = [], None
+        try:
+            async for output in handle.generate(_prompts(seed=9)[3], params, request_id=request_id,
+                                                is_streamed=True):
+                outputs.append(output)
+                if victim is None and all(len(c.token_ids) >= 2 for c in output.outputs):
+                    victim = next(d["worker_id"] for d in reversed(handle.router.recent_decisions())
+                                  if d["request_id"] == request_id)
+                    ray.kill(handle.workers[victim], no_restart=False)
+        except StreamNotResumable as exc:
+            return outputs, victim, exc
+        return outputs, victim, None
+
+    outputs, victim, error = asyncio.run(stream())
+    assert victim is not None, "the kill should land mid-stream"
+    assert error is not None, ("the stream went on from the prompt after its worker died: "
+                               f"{[len(c.token_ids) for c in outputs[-1].outputs]} tokens, "
+                               f"finished: {outputs[-1].finished}")
+    assert "samples had been streamed" in str(error)
+    counters = handle.request_counters()
+    assert counters["num_not_resumable"] == counters_before["num_not_resumable"] + 1
+    assert counters["num_resumed"] == counters_before["num_resumed"]
+    _wait_for(lambda: ray.get(handle.workers[victim].info.remote(), timeout=30)["worker_id"] == victim, 120,
+              "the killed worker to restart")
+    handle.wait_healthy(timeout=60)
+
+
 def test_kv_manager_killed_mid_stream_requests_complete(handle, reference):
     prompts = _prompts(seed=5)
     expected = reference(prompts, MAX_TOKENS_FAULT)

@@ -260,7 +260,7 @@ class _GrpcContext:
         self.details = details
 
 
-def test_grpc_service_translation(server):
+def test_grpc_service_translation(server, local_handle):
     import grpc
 
     from pagedserve.cluster.serving.grpc_service import GrpcService
@@ -271,11 +271,13 @@ def test_grpc_service_translation(server):
     unary = asyncio.run(service.generate(request, _GrpcContext()))
     assert unary.usage.completion_tokens == 4 and len(unary.choices[0].token_ids) == 4
     assert len(unary.choices[0].logprobs) == 4
+    assert list(local_handle.streamed.values())[-1] is False
 
     async def stream():
         return [m async for m in service.generate_stream(request, _GrpcContext())]
 
     messages = asyncio.run(stream())
+    assert list(local_handle.streamed.values())[-1] is True
     assert [t for m in messages for c in m.choices for t in c.token_ids] == list(unary.choices[0].token_ids)
     assert messages[-1].usage.completion_tokens == 4
 
@@ -363,6 +365,31 @@ def test_a_client_leaving_mid_stream_ends_the_response_quietly_and_aborts(server
     assert generated < 0.5 * num_requested, (
         f"assumed: the engine takes far longer for {num_requested} tokens than the app takes to see the "
         f"client leave; {generated} were generated")
+
+
+def test_a_stream_that_cannot_go_on_after_a_worker_failed_ends_with_an_error_event(server, local_handle):
+    """The frontend tells the handle which requests it streams (the handle then ends a request
+    with several samples whose worker failed mid-stream with ``StreamNotResumable``, rather than
+    run it again from the prompt); that error reaches the client as a 503-coded error event."""
+    from pagedserve.cluster.request_flow import StreamNotResumable
+
+    body = {"prompt": "Hello", "n": 2, "max_tokens": 20, "ignore_eos": True}
+    local_handle.fail_after_first = StreamNotResumable(
+        "the worker running request r failed after 2 tokens of its 2 samples had been streamed")
+    try:
+        streamed = call(server, "POST", "/v1/completions", json={**body, "stream": True})
+    finally:
+        local_handle.fail_after_first = None
+    assert streamed.status_code == 200
+    error = _events(streamed)[-1]["error"]
+    assert error["code"] == "worker_failed" and "samples had been streamed" in error["message"], error
+    assert list(local_handle.streamed.values())[-1] is True
+    assert call(server, "POST", "/v1/completions", json=body).status_code == 200
+    assert list(local_handle.streamed.values())[-1] is False
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    for stream in (True, False):
+        assert call(server, "POST", "/v1/chat/completions", json={**chat, "stream": stream}).status_code == 200
+        assert list(local_handle.streamed.values())[-1] is stream
 
 
 def test_per_client_limit_429(local_handle):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.cluster.request_flow import (DISAGGREGATED, FALL_BACK, FIRST, MIGRATE, RESUME, RETRY,
-                                             AttemptsExhausted, RequestFlow)
+                                             AttemptsExhausted, RequestFlow, StreamNotResumable)
 from pagedserve.workers.protocol import Migrated, OutputDelta, SampleDelta
 from pagedserve.workers.request import RequestMetrics
 from pagedserve.workers.sampling_params import SamplingParams
@@ -16,9 +16,9 @@ from pagedserve.workers.sampling_params import SamplingParams
 PROMPT = [5, 6, 7]
 
 
-def _flow(n: int = 1, max_attempts: int = 5) -> RequestFlow:
+def _flow(n: int = 1, max_attempts: int = 5, is_streamed: bool = False) -> RequestFlow:
     return RequestFlow("req", "text", PROMPT, SamplingParams(n=n, max_tokens=10, temperature=1.0, seed=1), 0,
-                       max_attempts)
+                       max_attempts, is_streamed)
 
 
 def _stream(flow: RequestFlow, index: int, token_ids: list[int]) -> None:
@@ -61,6 +61,22 @@ def test_several_samples_cannot_resume_and_start_again():
     assert flow.accumulator.num_tokens(0) == flow.accumulator.num_tokens(1) == 0
     with pytest.raises(ValueError):
         flow.resume()
+
+
+def test_a_streamed_request_with_several_samples_ends_rather_than_start_again():
+    """Its client already has the failed run's tokens: a new run from the prompt would repeat or
+    contradict them. Before any token, and for one sample (which resumes), it goes on as ever."""
+    flow = _flow(n=2, is_streamed=True)
+    flow.start()
+    assert flow.after_failure().kind == RETRY  # nothing streamed yet
+    _stream(flow, 1, [21, 22])
+    with pytest.raises(StreamNotResumable, match="after 2 tokens of its 2 samples"):
+        flow.after_failure()
+    assert flow.accumulator.token_ids(1) == [21, 22]  # what the client has is not forgotten
+    single = _flow(n=1, is_streamed=True)
+    single.start()
+    _stream(single, 0, [11])
+    assert single.after_failure().kind == RESUME
 
 
 def test_a_migration_continues_on_its_target_from_the_transferred_kv():

@@ -92,6 +92,10 @@ class OutputAccumulator:
         sample = self._samples.get(index)
         return len(sample.token_ids) if sample is not None else 0
 
+    def num_tokens_all(self) -> int:
+        """Output tokens so far, over every sample."""
+        return sum(len(sample.token_ids) for sample in self._samples.values())
+
     def reset(self) -> None:
         """Forget every sample: the request starts again from its prompt."""
         self._samples.clear()

@@ -12,6 +12,7 @@ import logging
 from pydantic import ValidationError
 
 from ..handle import NoCapacityError
+from ..request_flow import StreamNotResumable
 from .protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("pagedserve.server")
@@ -48,6 +49,8 @@ def error_from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, NoCapacityError):
         return APIError(503, f"no worker can take the request: {exc}", "service_unavailable_error",
                         code="no_capacity", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, StreamNotResumable):
+        return APIError(503, str(exc), "service_unavailable_error", code="worker_failed")
     cause = getattr(exc, "cause", None)  # a RayTaskError carries the worker's exception
     if isinstance(cause, (ValueError, TypeError)):
         exc = cause

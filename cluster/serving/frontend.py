@@ -99,13 +99,14 @@ class Generation:
     """
 
     def __init__(self, server: "Frontend", request_id: str, prompts: list[PromptInput],
-                 params: SamplingParams, priority: int, client: str = "") -> None:
+                 params: SamplingParams, priority: int, client: str = "", is_streamed: bool = False) -> None:
         self.server = server
         self.request_id = request_id
         self.prompts = prompts
         self.params = params
         self.priority = priority
         self.client = client
+        self.is_streamed = is_streamed  # the client gets deltas as they come (see ClusterHandle.generate)
         self.progress = [_PromptProgress(time.time()) for _ in prompts]
         self.deadline = time.monotonic() + server.limits.request_timeout_s
         self._has_output = False
@@ -124,7 +125,8 @@ class Generation:
         try:
             params = self._fitted(prompt)
             stream = self.server.handle.generate(prompt.text, params, f"{self.request_id}-{index}",
-                                                 self.priority, prompt_token_ids=prompt.token_ids)
+                                                 self.priority, prompt_token_ids=prompt.token_ids,
+                                                 is_streamed=self.is_streamed)
             async with aclosing(stream):
                 async for output in stream:
                     self._queue.put_nowait((index, output))
@@ -436,7 +438,7 @@ class Frontend:
         self.metrics.set_in_flight(self.limiter.num_in_flight)
 
     async def start_generation(self, request_id: str, prompts: list[PromptInput], params: SamplingParams,
-                               priority: int, client: str = ""
+                               priority: int, client: str = "", is_streamed: bool = False
                                ) -> tuple[Generation, tuple[int, RequestOutput] | None]:
         """Admit the request (429 when the replica or ``client`` is full), start it, await its first output.
 
@@ -456,7 +458,7 @@ class Frontend:
             raise
         self.metrics.set_in_flight(self.limiter.num_in_flight)
         self.log_prompts(request_id, prompts, params)
-        generation = Generation(self, request_id, prompts, params, priority, client)
+        generation = Generation(self, request_id, prompts, params, priority, client, is_streamed)
         try:
             generation.start()
             first = await anext(generation, None)

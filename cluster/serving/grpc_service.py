@@ -234,20 +234,20 @@ class GrpcService:
         return GrpcRequestError(error.message)
 
     # ---- the RPCs ---------------------------------------------------------------------------
-    async def _start(self, request: pb.GenerateRequest | None, grpc_context
+    async def _start(self, request: pb.GenerateRequest | None, grpc_context, is_streamed: bool
                      ) -> tuple[str, Generation, tuple | None]:
         """Check, admit and start the request: its reply id, its generation and the first output."""
         label, prompt, params, priority, client = self._prepare(request, grpc_context)
         # The engine's id is always the server's own: a client's label may collide with another's.
         generation, first = await self.server.start_generation(f"grpc-{uuid.uuid4().hex}", [prompt],
-                                                               params, priority, client)
+                                                               params, priority, client, is_streamed)
         return label or f"grpc-{uuid.uuid4().hex}", generation, first
 
     async def generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:
         """Run to completion; the whole output per choice."""
         generation = None
         try:
-            request_id, generation, first = await self._start(request, grpc_context)
+            request_id, generation, first = await self._start(request, grpc_context, is_streamed=False)
             await generation.run_to_end(first)
             last = generation.progress[0].last
             choices = [pb.Choice(index=c.index, text=c.text, token_ids=c.token_ids,
@@ -267,7 +267,7 @@ class GrpcService:
         """One message per engine step with output: what is new per choice; usage on the last."""
         generation = None
         try:
-            request_id, generation, first = await self._start(request, grpc_context)
+            request_id, generation, first = await self._start(request, grpc_context, is_streamed=True)
             if first is None:
                 return
             item = first

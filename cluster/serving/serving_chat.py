@@ -97,7 +97,8 @@ class ServingChat:
         # request_id names the response.
         engine_id = f"chatcmpl-{uuid.uuid4().hex}"
         request_id = request.request_id or engine_id
-        generation, first = await frontend.start_generation(engine_id, [prompt], params, request.priority, client)
+        generation, first = await frontend.start_generation(engine_id, [prompt], params, request.priority, client,
+                                                            is_streamed=bool(request.stream))
         if request.stream:
             return ChunkStream(self._stream_chat(request, request_id, generation, first), generation)
         await generation.run_to_end(first)

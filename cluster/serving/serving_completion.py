@@ -123,7 +123,8 @@ class ServingCompletion:
         # request_id names the response.
         engine_id = f"cmpl-{uuid.uuid4().hex}"
         request_id = request.request_id or engine_id
-        generation, first = await frontend.start_generation(engine_id, prompts, params, request.priority, client)
+        generation, first = await frontend.start_generation(engine_id, prompts, params, request.priority, client,
+                                                            is_streamed=bool(request.stream))
         if request.stream:
             return ChunkStream(self._stream_completion(request, request_id, generation, first, echoes,
                                                        is_scoring_only), generation)
