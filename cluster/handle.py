@@ -266,7 +266,10 @@ class ClusterHandle:
         """Route ``attempt`` to a worker and stream its outputs; a migration ends the run with
         ``run.migrated`` set. An unfinished run is aborted on its worker."""
         request = attempt.request
-        num_tokens, max_tokens = len(request.prompt_token_ids), request.params.max_tokens
+        # A continued run (resumed, migrated) has its first outputs already: they are context to
+        # compute (or import), and count against max_tokens.
+        tokens = request.prompt_token_ids + request.output_token_ids
+        num_tokens, max_tokens = len(tokens), request.params.max_tokens - len(request.output_token_ids)
         if attempt.kind == MIGRATE:
             if attempt.target not in self.workers:  # a worker that joined since the last refresh
                 await self.refresh_workers(force=True)
@@ -279,7 +282,7 @@ class ClusterHandle:
                 self._num_recomputed_tokens += num_tokens
             excluded = {w for w, role in self.roles.items() if role == "prefill"}
             await self._wait_for_capacity(flow.request_id, excluded)
-            cached = await self._longest_prefix(request.prompt_token_ids)
+            cached = await self._longest_prefix(tokens)
             decision = self.router.choose(request.request_id, num_tokens, max_tokens, cached, excluded)
         run.worker_id = decision.worker_id
         worker = self.workers[decision.worker_id]

@@ -11,7 +11,9 @@ says what runs next:
   ``StreamNotResumable`` instead: starting again would repeat or contradict
   what its client has;
 * ``resume``: recompute the prompt plus the tokens already streamed on another
-  worker (n == 1), ``max_tokens`` reduced by them; the caller's output runs on;
+  worker (n == 1), which takes those tokens as its own outputs (``max_tokens``,
+  penalties, seeded draws and a grammar go on as if uninterrupted); the
+  caller's output runs on;
 * ``migrate``: the KV manager moved the request (preemption, a draining worker):
   continue on its target from the transferred KV, after the tokens streamed;
 * ``fall_back``: the disaggregated path (prefill worker, KV transfer, decode
@@ -25,7 +27,6 @@ same output, and its attempt count: a transition past ``max_attempts`` raises
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from pagedserve.workers.accumulator import OutputAccumulator
@@ -89,10 +90,10 @@ class RequestFlow:
             return self.resume()
         num_streamed = self.accumulator.num_tokens_all()
         if self.is_streamed and num_streamed:
+            what = "a beam search" if self.params.use_beam_search else f"{self.params.n} samples"
             raise StreamNotResumable(
-                f"the worker running request {self.request_id} failed after {num_streamed} tokens of its "
-                f"{self.params.n} samples had been streamed; several samples cannot be continued where "
-                "they stopped, so the request ended: send it again")
+                f"the worker running request {self.request_id} failed after {num_streamed} tokens had been "
+                f"streamed; {what} cannot be continued where they stopped, so the request ended: send it again")
         return self.retry()
 
     def retry(self) -> Attempt:
@@ -101,12 +102,11 @@ class RequestFlow:
         return self._next(RETRY, self.prompt_token_ids, self.params)
 
     def resume(self, kind: str = RESUME) -> Attempt:
-        """Recompute prompt + streamed tokens elsewhere and continue after them (n == 1)."""
+        """Recompute prompt + streamed tokens elsewhere and continue after them (n == 1): the
+        tokens go as outputs, so the run goes on exactly as the failed one would have."""
         if not self.can_resume:
             raise ValueError("only a single-sample request with streamed tokens can resume")
-        num_done = self.accumulator.num_tokens()
-        params = dataclasses.replace(self.params, max_tokens=self.params.max_tokens - num_done)
-        return self._next(kind, self.prompt_token_ids + self.accumulator.token_ids(), params)
+        return self._next(kind, self.prompt_token_ids, self.params, output_token_ids=self.accumulator.token_ids())
 
     def migrate(self, migrated: Migrated) -> Attempt:
         """Continue on ``migrated.target`` from the transferred KV, after the tokens streamed."""
@@ -122,7 +122,8 @@ class RequestFlow:
     # ---- state ------------------------------------------------------------------------------------
     @property
     def can_resume(self) -> bool:
-        return self.params.n == 1 and self.accumulator.num_tokens() > 0
+        params = self.params
+        return params.n == 1 and not params.use_beam_search and self.accumulator.num_tokens() > 0
 
     def _next(self, kind: str, token_ids: list[int], params: SamplingParams, target: str | None = None,
               **continuation) -> Attempt:

@@ -57,19 +57,21 @@ def cluster_handle(ray_cluster, tiny_model):
 
 @pytest.fixture(scope="module")
 def reference(tiny_model):
-    """``reference(prompts, max_tokens) -> list[list[int]]`` from the single-process ``LLM``."""
+    """``reference(prompts, max_tokens, params=None) -> list[list[int]]`` from the single-process
+    ``LLM``: greedy, or with ``params`` (seeded draws are reproducible)."""
     from pagedserve.workers.llm import LLM
 
     llm = LLM(tiny_model("llama"), **ENGINE)
     cache: dict[tuple, list[int]] = {}
 
-    def run(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        missing = [p for p in prompts if (tuple(p), max_tokens) not in cache]
+    def run(prompts: list[list[int]], max_tokens: int, params: SamplingParams | None = None) -> list[list[int]]:
+        params = params or _greedy(max_tokens)
+        missing = [p for p in prompts if (tuple(p), repr(params)) not in cache]
         if missing:
-            for prompt, output in zip(missing, llm.generate(missing, _greedy(max_tokens))):
-                cache[(tuple(prompt), max_tokens)] = list(output.outputs[0].token_ids)
+            for prompt, output in zip(missing, llm.generate(missing, params)):
+                cache[(tuple(prompt), repr(params))] = list(output.outputs[0].token_ids)
         llm.check_integrity()
-        return [cache[(tuple(p), max_tokens)] for p in prompts]
+        return [cache[(tuple(p), repr(params))] for p in prompts]
 
     return run
 
@@ -233,9 +235,11 @@ def test_repeated_prefix_goes_to_the_worker_that_holds_it(handle, reference):
 
 
 def test_worker_killed_mid_stream_requests_resume_and_worker_rejoins(handle, reference):
+    """The requests sample with a seed: a resumed run takes the streamed tokens as its own
+    outputs, so its seeded draws (a hash of the seed and the output position) go on exactly."""
     prompts = _prompts(seed=3)
-    expected = reference(prompts, MAX_TOKENS_FAULT)
-    params = _greedy(MAX_TOKENS_FAULT)
+    params = SamplingParams(temperature=1.0, seed=40, max_tokens=MAX_TOKENS_FAULT, ignore_eos=True)
+    expected = reference(prompts, MAX_TOKENS_FAULT, params)
     num_resumed_before = handle.stats()["num_resumed"]
     victim_id = "worker-0"
     victim = handle.workers[victim_id]
@@ -293,7 +297,7 @@ def test_a_streamed_request_with_several_samples_ends_when_its_worker_dies(handl
     assert error is not None, ("the stream went on from the prompt after its worker died: "
                                f"{[len(c.token_ids) for c in outputs[-1].outputs]} tokens, "
                                f"finished: {outputs[-1].finished}")
-    assert "samples had been streamed" in str(error)
+    assert "2 samples cannot be continued" in str(error)
     counters = handle.request_counters()
     assert counters["num_not_resumable"] == counters_before["num_not_resumable"] + 1
     assert counters["num_resumed"] == counters_before["num_resumed"]

@@ -375,14 +375,14 @@ def test_a_stream_that_cannot_go_on_after_a_worker_failed_ends_with_an_error_eve
 
     body = {"prompt": "Hello", "n": 2, "max_tokens": 20, "ignore_eos": True}
     local_handle.fail_after_first = StreamNotResumable(
-        "the worker running request r failed after 2 tokens of its 2 samples had been streamed")
+        "the worker running request r failed after 2 tokens had been streamed; 2 samples cannot be continued")
     try:
         streamed = call(server, "POST", "/v1/completions", json={**body, "stream": True})
     finally:
         local_handle.fail_after_first = None
     assert streamed.status_code == 200
     error = _events(streamed)[-1]["error"]
-    assert error["code"] == "worker_failed" and "samples had been streamed" in error["message"], error
+    assert error["code"] == "worker_failed" and "cannot be continued" in error["message"], error
     assert list(local_handle.streamed.values())[-1] is True
     assert call(server, "POST", "/v1/completions", json=body).status_code == 200
     assert list(local_handle.streamed.values())[-1] is False

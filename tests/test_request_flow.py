@@ -43,8 +43,10 @@ def test_a_failure_after_streamed_tokens_resumes_after_them():
     _stream(flow, 0, [11, 12, 13])
     resumed = flow.after_failure()
     assert resumed.kind == RESUME
-    assert resumed.request.prompt_token_ids == PROMPT + [11, 12, 13]
-    assert resumed.request.params.max_tokens == 7
+    # The tokens go as outputs (the engine counts them against max_tokens, and penalties, seeded
+    # draws and a grammar go on from them), not as more prompt.
+    assert resumed.request.prompt_token_ids == PROMPT and resumed.request.output_token_ids == [11, 12, 13]
+    assert resumed.request.params == flow.params
     # The output runs on: the accumulator kept the tokens, the resumed run adds to them.
     _stream(flow, 0, [14])
     assert flow.accumulator.token_ids() == [11, 12, 13, 14]
@@ -70,7 +72,7 @@ def test_a_streamed_request_with_several_samples_ends_rather_than_start_again():
     flow.start()
     assert flow.after_failure().kind == RETRY  # nothing streamed yet
     _stream(flow, 1, [21, 22])
-    with pytest.raises(StreamNotResumable, match="after 2 tokens of its 2 samples"):
+    with pytest.raises(StreamNotResumable, match="after 2 tokens had been streamed; 2 samples cannot"):
         flow.after_failure()
     assert flow.accumulator.token_ids(1) == [21, 22]  # what the client has is not forgotten
     single = _flow(n=1, is_streamed=True)
@@ -100,8 +102,8 @@ def test_a_broken_disaggregated_run_falls_back_colocated():
     flow.start(is_disaggregated=True)
     _stream(flow, 0, [11])  # the prefill worker's first token reached the caller
     fallback = flow.fall_back()
-    assert fallback.kind == FALL_BACK and fallback.request.prompt_token_ids == PROMPT + [11]
-    assert fallback.request.params.max_tokens == 9
+    assert fallback.kind == FALL_BACK and fallback.request.prompt_token_ids == PROMPT
+    assert fallback.request.output_token_ids == [11] and fallback.request.params.max_tokens == 10
 
 
 def test_attempts_are_bounded():

@@ -24,10 +24,12 @@ from .sampling_params import SamplingParams
 class GenerateRequest:
     """What a worker is asked to run.
 
+    ``output_token_ids`` continue a request whose prompt and first
+    ``len(output_token_ids)`` outputs already ran elsewhere (a prefill worker,
+    a migration source, a worker that failed): the engine treats them as its
+    own outputs (``max_tokens``, penalties, seeded draws, grammar, text).
     ``kv`` (a list holding one ObjectRef of a KV transfer, nested so the worker
-    times its fetch) and ``output_token_ids`` continue a request whose prompt
-    (and first ``len(output_token_ids)`` outputs) already ran elsewhere: a
-    prefill worker's, or a migration source's.
+    times its fetch) brings their KV along; without it they are recomputed.
     """
 
     request_id: str

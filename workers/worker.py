@@ -202,7 +202,7 @@ class Worker:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[OutputDelta | Migrated]:
         """Stream a request's ``OutputDelta``s; a request the KV manager migrates away ends
         with ``Migrated`` (the target worker and the held KV export)."""
-        options = {}
+        options = {"output_token_ids": request.output_token_ids} if request.output_token_ids else {}
         fetch_s = memcpy_s = 0.0
         if request.kv:
             # The transfer arrives as a nested ObjectRef so that fetching it is timed here.
@@ -210,12 +210,12 @@ class Worker:
             header, payload = await request.kv[0]
             fetch_s = time.perf_counter() - start
             memcpy_s = _time_local_copy(payload)
-            options = {"kv_transfer": KVTransfer(header, payload), "output_token_ids": request.output_token_ids}
+            options["kv_transfer"] = KVTransfer(header, payload)
         self._note_arrival()
         stream = self.async_engine.generate(request.prompt, request.params, request.request_id, request.priority,
                                             request.prompt_token_ids, **options)
         encoder = DeltaEncoder()
-        noted = not options
+        noted = not request.kv  # the transfer's timings go on its first output
         async for output in stream:
             if not noted:
                 self.async_engine.note_transfer(output.request_id, fetch_s, memcpy_s)
