@@ -17,7 +17,8 @@ from pagedserve.cluster import config as cluster_config
 from pagedserve.cluster.cli import GENERATE_ENGINE_OPTIONS, build_parser
 from pagedserve.cluster.config import ConfigError, load_config
 from pagedserve.kvmanager import BlockManager, PoolConfig
-from pagedserve.workers.engine_options import (BLOCK_SIZES, POOL_OPTIONS, EngineConfig, EngineOptions)
+from pagedserve.workers.engine_options import (BLOCK_SIZES, KERNEL_BACKENDS, POOL_OPTIONS, EngineConfig,
+                                               EngineOptions)
 
 # The defaults table, written out once more on purpose: changing a default is a
 # decision that this test makes visible (and docs/configuration.md, generated from the schema, states).
@@ -125,6 +126,15 @@ def test_whatever_the_schema_accepts_the_kv_manager_accepts(block_size):
                 pool = options.pool_config(num_device_blocks=4, num_host_blocks=2, max_model_len=2)
                 BlockManager(pool.num_device_blocks, pool.num_host_blocks, pool.block_size, pool.max_model_len,
                              pool.allocation, pool.enable_prefix_caching, pool.watermark).check_integrity()
+
+
+def test_the_schema_offers_the_kernels_backends():
+    """Written in the schema so that it loads without torch (test_import_graph), checked here."""
+    from pagedserve.kernels import BACKENDS
+
+    assert KERNEL_BACKENDS == BACKENDS
+    for backend in KERNEL_BACKENDS:
+        assert EngineOptions(kernel_backend=backend).kernel_backend == backend
 
 
 def test_options_round_trip_to_a_worker_and_assignment_is_checked():

@@ -11,6 +11,8 @@ out, since they never run.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,9 @@ import pytest
 import pagedserve
 
 PACKAGE = "pagedserve"
+# The modules of the control plane's actors (KV manager, KV relays) and the configuration schema
+# they load: torch costs each such process about 1.3 s of CPU and 180 MB, for nothing.
+TORCH_FREE_MODULES = ("cluster.config", "cluster.kv_central", "cluster.kv_relay", "kvmanager")
 HTTP_MODULES = ("http_app", "sse")
 GRPC_MODULES = ("grpc_service",)
 # Which top-level subpackages each one may import (DESIGN.md, "Layers").
@@ -193,3 +198,10 @@ def test_http_and_grpc_meet_only_in_the_frontend(graph):
         assert not _reachable(graph, module) & grpc, f"{module} reaches the gRPC service"
     for module in grpc:
         assert not _reachable(graph, module) & http, f"{module} reaches the HTTP app"
+
+
+def test_the_control_plane_loads_without_torch():
+    modules = ", ".join(f"{PACKAGE}.{m}" for m in TORCH_FREE_MODULES)
+    code = f"import sys, {modules}; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]", f"importing {modules} loads {loaded.strip()}"

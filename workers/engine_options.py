@@ -22,10 +22,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pagedserve.kernels import BACKENDS
 from pagedserve.kvmanager import ALLOCATION_POLICIES, PREEMPTION_MODES, PoolConfig
 
-from .scheduler import SCHEDULING_POLICIES
+# The values ``Scheduler`` and ``pagedserve.kernels.select_backend`` take. Both are written here,
+# not imported, so that the schema (and with it the cluster's control-plane actors: controller,
+# KV manager, relays) loads without torch; test_engine_options checks that the kernels agree.
+SCHEDULING_POLICIES = ("fcfs", "priority")
+KERNEL_BACKENDS = ("torch", "triton")
 
 # Block sizes the attention kernels take (a power of two, at most one tile's rows).
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -39,7 +42,7 @@ POOL_OPTIONS = ("block_size", "allocation", "enable_prefix_caching", "watermark"
 Allocation = Literal[tuple(ALLOCATION_POLICIES)]  # type: ignore[valid-type]
 PreemptionMode = Literal[PREEMPTION_MODES]  # type: ignore[valid-type]
 SchedulingPolicy = Literal[SCHEDULING_POLICIES]  # type: ignore[valid-type]
-KernelBackend = Literal[BACKENDS]  # type: ignore[valid-type]
+KernelBackend = Literal[KERNEL_BACKENDS]  # type: ignore[valid-type]
 ExecutorBackend = Literal["mp", "ray"]
 
 

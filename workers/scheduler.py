@@ -16,9 +16,8 @@ from typing import Callable
 
 from pagedserve.kvmanager import NewSequence, ScheduledSeq, StepInput, StepOutput
 
+from .engine_options import SCHEDULING_POLICIES
 from .request import Sequence, SequenceStatus
-
-SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass
