@@ -20,9 +20,12 @@ import pytest
 import pagedserve
 
 PACKAGE = "pagedserve"
-# The modules of the control plane's actors (KV manager, KV relays) and the configuration schema
-# they load: torch costs each such process about 1.3 s of CPU and 180 MB, for nothing.
-TORCH_FREE_MODULES = ("cluster.config", "cluster.kv_central", "cluster.kv_relay", "kvmanager")
+# What the control plane's actors load (the cluster controller, which creates the workers; the
+# KV manager; each node's relay) and what a caller of the workers needs (the worker actor's
+# module, the handle, the stream protocol, the API's structured-output checks): torch costs each
+# such process about 1.3 s of CPU and 180 MB, for nothing. The engine loads in Worker.__init__.
+TORCH_FREE_MODULES = ("cluster.config", "cluster.controller", "cluster.kv_central", "cluster.kv_relay",
+                      "cluster.handle", "kvmanager", "workers.worker", "workers.protocol", "workers.grammar")
 HTTP_MODULES = ("http_app", "sse")
 GRPC_MODULES = ("grpc_service",)
 # Which top-level subpackages each one may import (DESIGN.md, "Layers").

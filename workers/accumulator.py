@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .protocol import OutputDelta
-from .request import CompletionOutput, ListPrefix, RequestMetrics, RequestOutput, TextPrefix
-from .sampler import SampleLogprobs
+from .request import CompletionOutput, ListPrefix, RequestMetrics, RequestOutput, SampleLogprobs, TextPrefix
 
 
 @dataclass

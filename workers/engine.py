@@ -28,10 +28,10 @@ from .model_runner import TokenScores
 from .output_processor import OUTPUT_KINDS, EngineStep, OutputProcessor, new_stream
 from .per_row_features import PerRowFeatures
 from .prepared_step import prepare_step
-from .request import Request, RequestOutput, Sequence
+from .request import Request, RequestOutput, SampleLogprobs, Sequence
 from .runners import build_runner
 from .sampled_step import TokenReadback
-from .sampler import SampleLogprobs, Sampler
+from .sampler import Sampler
 from .sampling_pipeline import SamplingPipeline
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler

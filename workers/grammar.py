@@ -20,11 +20,12 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:  # the bitmask is the engine's; the API's checks load without torch
+    import torch
 
 # Compiled grammars kept per tokenizer; the least recently used is dropped first.
 MAX_CACHED_GRAMMARS = 256
@@ -208,6 +209,8 @@ class GrammarCompiler:
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
         """A CPU int32 ``[num_rows, ceil(vocab / 32)]`` bitmask, every token allowed."""
+        import torch
+
         return torch.full((num_rows, self.num_words), -1, dtype=torch.int32)
 
     def fill_bitmask(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor) -> None:
@@ -216,6 +219,8 @@ class GrammarCompiler:
         if len(matchers) > bitmask.shape[0] or bitmask.shape[1] != self.num_words:
             raise ValueError(f"bitmask of shape {tuple(bitmask.shape)} for {len(matchers)} "
                              f"matchers of {self.num_words} words")
+        import torch
+
         if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
             raise ValueError("the bitmask must be a contiguous CPU int32 tensor")
         if not matchers:

@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass, field
 
 from .detokenizer import StreamingDetokenizer
-from .request import CompletionOutput, ListPrefix, Request, RequestOutput, Sequence, TextPrefix
-from .sampler import SampleLogprobs
+from .request import (CompletionOutput, ListPrefix, Request, RequestOutput, SampleLogprobs, Sequence,
+                      TextPrefix)
 
 OUTPUT_KINDS = ("stream", "final")
 

@@ -17,8 +17,8 @@ from .detokenizer import FINISH_STOP
 from .grammar import GrammarCompiler
 from .input_batch import EXPORTS_KV, GRAMMAR, MIN_TOKENS, STOP_TOKEN_IDS, InputBatch
 from .kv_transfer import KVTransfer, export_kv
-from .request import Sequence
-from .sampler import SampleLogprobs, SamplingBatch
+from .request import SampleLogprobs, Sequence
+from .sampler import SamplingBatch
 
 if TYPE_CHECKING:
     from .model_runner import ModelRunner

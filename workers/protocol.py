@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .request import RequestMetrics, RequestOutput
-from .sampler import SampleLogprobs
+from .request import RequestMetrics, RequestOutput, SampleLogprobs
 from .sampling_params import SamplingParams
 
 

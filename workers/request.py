@@ -5,16 +5,23 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
-from .grammar import CompiledGrammar, GrammarMatcher
-from .sampler import SampleLogprobs
 from .sampling_params import SamplingParams
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch modules: the outputs' types load without them (protocol, the handle)
     from .beam_groups import BeamGroup
+    from .grammar import CompiledGrammar, GrammarMatcher
     from .output_processor import SequenceStream
+
+
+@dataclass
+class SampleLogprobs:
+    """Logprob of the sampled token and the ``top`` most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 class SequenceStatus(str, enum.Enum):

@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .request import Sequence
-from .sampler import SampleLogprobs
+from .request import SampleLogprobs, Sequence
 
 
 @dataclass

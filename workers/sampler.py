@@ -27,6 +27,7 @@ from itertools import chain
 
 import torch
 
+from .request import SampleLogprobs
 from .sampling_params import SamplingParams
 
 
@@ -48,15 +49,6 @@ class SamplingState:
     sample_index: int = 0
     token_bitmask: torch.Tensor | None = None
     banned_token_ids: Sequence[int] = ()
-
-
-@dataclass
-class SampleLogprobs:
-    """Logprob of the sampled token and the ``top`` most likely alternatives."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass

@@ -23,22 +23,22 @@ import dataclasses
 import logging
 import os
 import time
-from dataclasses import asdict
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
-import msgpack
 import numpy as np
 
 from pagedserve.kvmanager import EventLog, KVPublisher, LocalKVManager, RemotePreemptionPolicy
 
-from .async_engine import AsyncLLMEngine
 from .background_loop import BackgroundLoop
-from .engine import EngineConfig, LLMEngine
 from .kv_wire import DEFAULT_TICK_S, ZmqTransport, connect_transport
-from .kv_transfer import KVTransfer
-from .model_runner import dtype_name
 from .model_source import ModelSource
 from .protocol import DeltaEncoder, GenerateRequest, Migrated, OutputDelta
+
+if TYPE_CHECKING:
+    from .engine import LLMEngine
+
+# The engine (torch, the model) loads in ``Worker.__init__``: the processes that only create or
+# call workers (the cluster controller, the handle in Serve's replicas) never load it.
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,10 @@ class Worker:
                  step_timeout_s: float = 30.0, model_source: dict | None = None,
                  kv_events: dict | None = None, kv_relay=None, namespace: str | None = None) -> None:
         import ray
+
+        from .async_engine import AsyncLLMEngine
+        from .engine import EngineConfig, LLMEngine
+        from .model_runner import dtype_name
 
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -210,6 +214,8 @@ class Worker:
             header, payload = await request.kv[0]
             fetch_s = time.perf_counter() - start
             memcpy_s = _time_local_copy(payload)
+            from .kv_transfer import KVTransfer
+
             options["kv_transfer"] = KVTransfer(header, payload)
         self._note_arrival()
         stream = self.async_engine.generate(request.prompt, request.params, request.request_id, request.priority,
@@ -318,6 +324,8 @@ class Worker:
 
     def _dtype_info(self) -> dict:
         """The dtype this worker chose and why (an explicit engine.dtype, or auto for its device)."""
+        from .model_runner import dtype_name
+
         runner = self.engine.runner
         return {"dtype": dtype_name(runner.dtype), "dtype_reason": runner.dtype_reason}
 
@@ -363,12 +371,12 @@ class Worker:
 
     async def check_integrity(self) -> bool:
         """Raise ``IntegrityError`` unless this worker's pools are consistent."""
-        await asyncio.wrap_future(self.async_engine.submit(LLMEngine.check_integrity))
+        await asyncio.wrap_future(self.async_engine.submit(lambda engine: engine.check_integrity()))
         return True
 
     async def num_used_blocks(self) -> int:
         """Device plus host blocks in use here now."""
-        return await asyncio.wrap_future(self.async_engine.submit(LLMEngine.num_used_blocks))
+        return await asyncio.wrap_future(self.async_engine.submit(lambda engine: engine.num_used_blocks()))
 
     async def kv_sync(self, timeout_s: float = 10.0) -> bytes | None:
         """Publish every pending KV event, wait for the acks, and return this worker's packed

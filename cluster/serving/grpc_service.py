@@ -21,7 +21,7 @@ import grpc
 from pydantic import ValidationError
 
 from pagedserve.workers.request import RequestOutput
-from pagedserve.workers.sampler import SampleLogprobs
+from pagedserve.workers.request import SampleLogprobs
 
 from ..protos import pagedserve_pb2 as pb
 from .auth import client_key

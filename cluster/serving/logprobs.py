@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pagedserve.workers.detokenizer import IncrementalDetokenizer, TokenBytes
-from pagedserve.workers.sampler import SampleLogprobs
+from pagedserve.workers.request import SampleLogprobs
 
 from .protocol import ChoiceLogprobs, CompletionLogprobs, PromptLogprob, TokenLogprob, TopLogprob
 
