@@ -386,6 +386,26 @@ def test_a_stream_that_cannot_go_on_after_a_worker_failed_ends_with_an_error_eve
     assert list(local_handle.streamed.values())[-1] is True
     assert call(server, "POST", "/v1/completions", json=body).status_code == 200
     assert list(local_handle.streamed.values())[-1] is False
+
+    # gRPC: the stream ends with UNAVAILABLE and the same message.
+    import grpc
+
+    from pagedserve.cluster.protos import pagedserve_pb2 as pb
+    from pagedserve.cluster.serving.grpc_service import GrpcRequestError, GrpcService
+
+    async def grpc_stream(context):
+        request = pb.GenerateRequest(prompt="Hello", n=2, max_tokens=20, ignore_eos=True)
+        return [m async for m in GrpcService(server).generate_stream(request, context)]
+
+    context = _GrpcContext()
+    local_handle.fail_after_first = StreamNotResumable("2 samples cannot be continued")
+    try:
+        with pytest.raises(GrpcRequestError):
+            asyncio.run(grpc_stream(context))
+    finally:
+        local_handle.fail_after_first = None
+    assert context.code == grpc.StatusCode.UNAVAILABLE and "cannot be continued" in context.details
+
     chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     for stream in (True, False):
         assert call(server, "POST", "/v1/chat/completions", json={**chat, "stream": stream}).status_code == 200
