@@ -17,7 +17,7 @@ import pytest
 from pagedserve import LLM, SamplingParams
 from pagedserve.workers.accumulator import OutputAccumulator
 from pagedserve.workers.protocol import DeltaEncoder, OutputDelta, SampleDelta
-from pagedserve.workers.request import RequestMetrics
+from pagedserve.workers.request import RequestMetrics, SampleLogprobs
 
 FIELDS = ("index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason", "stop_reason",
           "delta_text", "delta_token_ids", "delta_logprobs", "is_newly_finished")
@@ -117,3 +117,17 @@ def test_resumed_and_restarted_requests_keep_one_output():
     assert again.outputs[0].token_ids == [9] and again.outputs[0].text == "z"
     # Outputs already returned do not change under later deltas.
     assert completion.token_ids == [5, 6, 7]
+
+
+def test_a_resumed_requests_cumulative_logprob_counts_every_token():
+    """The resumed run's worker sums only the logprobs of the tokens it sampled; the request's
+    cumulative logprob is over all of them."""
+    metrics = RequestMetrics(0.0)
+    accumulator = OutputAccumulator("r", None, [1, 2])
+    first = [SampleLogprobs(5, -1.0), SampleLogprobs(6, -2.0)]
+    accumulator.add(OutputDelta("r", [SampleDelta(0, [5, 6], "ab", first, -3.0)], False, metrics))
+    resumed = accumulator.add(OutputDelta("r~2", [SampleDelta(0, [7], "c", [SampleLogprobs(7, -0.5)], -0.5,
+                                                               "length")], True, metrics))
+    (completion,) = resumed.outputs
+    assert [lp.logprob for lp in completion.logprobs] == [-1.0, -2.0, -0.5]
+    assert completion.cumulative_logprob == -3.5

@@ -56,8 +56,14 @@ class OutputAccumulator:
             if news.logprobs is not None:
                 if sample.logprobs is None:
                     sample.logprobs = []
+                    sample.cumulative_logprob = 0.0
                 sample.logprobs.extend(news.logprobs)
-            sample.cumulative_logprob = news.cumulative_logprob
+                # Summed here, in the engine's order, not taken from the worker: a resumed or
+                # migrated run's worker counts only the tokens it sampled itself.
+                for logprob in news.logprobs:
+                    sample.cumulative_logprob += logprob.logprob
+            else:  # no per-token logprobs (a beam's score): the worker's figure
+                sample.cumulative_logprob = news.cumulative_logprob
             news_by_index[news.index] = (news, news.finish_reason is not None and sample.finish_reason is None)
             sample.finish_reason = news.finish_reason
             sample.stop_reason = news.stop_reason
