@@ -216,11 +216,11 @@ class GrammarCompiler:
     def fill_bitmask(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor) -> None:
         """Row i of ``bitmask`` gets the tokens ``matchers[i]`` allows next (bit t of
         word t // 32 set: token t allowed)."""
+        import torch
+
         if len(matchers) > bitmask.shape[0] or bitmask.shape[1] != self.num_words:
             raise ValueError(f"bitmask of shape {tuple(bitmask.shape)} for {len(matchers)} "
                              f"matchers of {self.num_words} words")
-        import torch
-
         if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
             raise ValueError("the bitmask must be a contiguous CPU int32 tensor")
         if not matchers:

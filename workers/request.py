@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from .sampling_params import SamplingParams
 
-if TYPE_CHECKING:  # torch modules: the outputs' types load without them (protocol, the handle)
+if TYPE_CHECKING:  # annotations only: the outputs' types load without the engine (protocol, the handle)
     from .beam_groups import BeamGroup
     from .grammar import CompiledGrammar, GrammarMatcher
     from .output_processor import SequenceStream

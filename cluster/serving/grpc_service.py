@@ -20,8 +20,7 @@ from collections.abc import AsyncIterator
 import grpc
 from pydantic import ValidationError
 
-from pagedserve.workers.request import RequestOutput
-from pagedserve.workers.request import SampleLogprobs
+from pagedserve.workers.request import RequestOutput, SampleLogprobs
 
 from ..protos import pagedserve_pb2 as pb
 from .auth import client_key
