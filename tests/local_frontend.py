@@ -148,7 +148,8 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
 
 
 class _Servicer:
-    """The deployment's RPC methods over ``GrpcService``; a failed RPC's status is sent with
+    """The deployment's RPC methods over ``GrpcService``. A refused unary RPC returns with its
+    status set on the context, which grpc sends; a failed stream's status is sent with
     ``abort`` (Serve's proxy reads it from the context instead)."""
 
     def __init__(self, service: GrpcService) -> None:
@@ -159,16 +160,10 @@ class _Servicer:
         await context.abort(context.code(), context.details() or str(exc))
 
     async def Generate(self, request, context):  # noqa: N802 - the RPC's name
-        try:
-            return await self.service.generate(request, context)
-        except GrpcRequestError as exc:
-            await self._abort(context, exc)
+        return await self.service.generate(request, context)
 
     async def Chat(self, request, context):  # noqa: N802
-        try:
-            return await self.service.chat(request, context)
-        except GrpcRequestError as exc:
-            await self._abort(context, exc)
+        return await self.service.chat(request, context)
 
     async def GenerateStream(self, request, context):  # noqa: N802
         try:

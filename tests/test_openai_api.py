@@ -282,12 +282,11 @@ def test_grpc_service_translation(server, local_handle):
     assert messages[-1].usage.completion_tokens == 4
 
     context = _GrpcContext()
-    with pytest.raises(Exception):
-        asyncio.run(service.generate(pb.GenerateRequest(prompt="x", top_p=3), context))
+    # A refused unary call returns an empty reply, its status set on the context.
+    assert asyncio.run(service.generate(pb.GenerateRequest(prompt="x", top_p=3), context)).ByteSize() == 0
     assert context.code == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in context.details
     context = _GrpcContext()
-    with pytest.raises(Exception):
-        asyncio.run(service.generate(pb.GenerateRequest(prompt="x", model="nope"), context))
+    assert asyncio.run(service.generate(pb.GenerateRequest(prompt="x", model="nope"), context)).ByteSize() == 0
     assert context.code == grpc.StatusCode.NOT_FOUND
 
 
@@ -506,7 +505,7 @@ def test_metrics_without_key_when_configured(local_handle):
 def test_grpc_every_method_needs_the_key(local_handle):
     import grpc
 
-    from pagedserve.cluster.serving.grpc_service import GrpcService
+    from pagedserve.cluster.serving.grpc_service import GrpcRequestError, GrpcService
     from pagedserve.cluster.protos import pagedserve_pb2 as pb
     from pagedserve.cluster.protos import pagedserve_pb2_grpc as pb_grpc
 
@@ -524,10 +523,15 @@ def test_grpc_every_method_needs_the_key(local_handle):
         return [m async for m in service.chat_stream(chat, context)]
 
     for metadata in ((), (("authorization", "Bearer wrong"),)):
-        for run in (lambda c: service.generate(request, c), stream, lambda c: service.chat(chat, c), chat_stream):
+        # A unary RPC returns an empty reply with its status set; a stream raises after setting it.
+        for unary in (lambda c: service.generate(request, c), lambda c: service.chat(chat, c)):
             context = _GrpcContext(metadata)
-            with pytest.raises(Exception):
-                asyncio.run(run(context))
+            assert asyncio.run(unary(context)).ByteSize() == 0
+            assert context.code == grpc.StatusCode.UNAUTHENTICATED
+        for streamed in (stream, chat_stream):
+            context = _GrpcContext(metadata)
+            with pytest.raises(GrpcRequestError):
+                asyncio.run(streamed(context))
             assert context.code == grpc.StatusCode.UNAUTHENTICATED
     ok = asyncio.run(service.generate(request, _GrpcContext((("authorization", "Bearer sekrit"),))))
     assert ok.usage.completion_tokens == 2
@@ -595,8 +599,7 @@ def test_grpc_undecodable_bytes_are_invalid_argument(local_handle):
                                     ("sekrit", (), grpc.StatusCode.UNAUTHENTICATED)):
         service = GrpcService(_server(local_handle, api_key=api_key))
         context = _GrpcContext(metadata)
-        with pytest.raises(Exception):
-            asyncio.run(service.generate(None, context))
+        assert asyncio.run(service.generate(None, context)).ByteSize() == 0
         assert context.code == code
 
 

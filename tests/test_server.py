@@ -240,6 +240,22 @@ def test_client_disconnect_aborts_and_frees_blocks(served):
     assert _num_generated(served.handle) - generated_before < 0.75 * num_requested
 
 
+def _num_failed_requests_logged() -> int:
+    """How many requests Serve's replicas logged as failed ("Request failed.", with a traceback)."""
+    from pagedserve.cluster.ray_compat import session_logs_dir
+
+    return sum(path.read_text(errors="replace").count("Request failed.")
+               for path in (session_logs_dir() / "serve").glob("replica_*.log"))
+
+
+def _wait_for_failed_requests_logged(expected: int, timeout: float = 10.0) -> int:
+    """The count of failed requests logged, once it reaches ``expected`` (or at ``timeout``)."""
+    deadline = time.time() + timeout
+    while (num_logged := _num_failed_requests_logged()) < expected and time.time() < deadline:
+        time.sleep(0.1)
+    return num_logged
+
+
 def _num_generated(handle) -> int:
     return sum(w["num_generated_tokens"] for w in handle.stats()["workers"].values())
 
@@ -274,14 +290,21 @@ def test_grpc_unary_stream_and_errors(served):
                 call()
             return info.value.code()
 
+        # A refused unary call is answered with its status; Serve logs no failed request for it.
+        failures_logged = _num_failed_requests_logged()
         assert code_of(lambda: stub.Generate(pb.GenerateRequest(prompt="x", model="nope"), metadata=app,
                                              timeout=60)) == grpc.StatusCode.NOT_FOUND
-        assert code_of(lambda: list(stub.GenerateStream(pb.GenerateRequest(prompt="x", top_p=2.0),
-                                                        metadata=app, timeout=60))) \
-            == grpc.StatusCode.INVALID_ARGUMENT
         secure = (("application", "pagedserve-secure"),)
         assert code_of(lambda: stub.Generate(pb.GenerateRequest(prompt="x"), metadata=secure, timeout=60)) \
             == grpc.StatusCode.UNAUTHENTICATED
+        assert code_of(lambda: stub.Chat(pb.ChatRequest(), metadata=app, timeout=60)) \
+            == grpc.StatusCode.INVALID_ARGUMENT
+        assert code_of(lambda: list(stub.GenerateStream(pb.GenerateRequest(prompt="x", top_p=2.0),
+                                                        metadata=app, timeout=60))) \
+            == grpc.StatusCode.INVALID_ARGUMENT
+        # The stream's refusal is logged (Serve copies a stream's status only with a message, so a
+        # stream must raise); the unary ones before it were not.
+        assert _wait_for_failed_requests_logged(failures_logged + 1) == failures_logged + 1
         keyed = stub.Generate(pb.GenerateRequest(prompt="x", max_tokens=2), timeout=60,
                               metadata=secure + (("authorization", f"Bearer {API_KEY}"),))
         assert keyed.usage.completion_tokens == 2

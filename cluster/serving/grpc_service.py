@@ -18,6 +18,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf.message import Message
 from pydantic import ValidationError
 
 from pagedserve.workers.request import RequestOutput, SampleLogprobs
@@ -224,6 +225,7 @@ class GrpcService:
         return response
 
     def _fail(self, error: BaseException, grpc_context) -> Exception:
+        """What a streamed RPC raises: for an ``APIError``, its status set on the context first."""
         if not isinstance(error, APIError):
             return error
         if grpc_context is None:
@@ -231,6 +233,15 @@ class GrpcService:
         grpc_context.set_code(STATUS_CODES.get(error.status, grpc.StatusCode.INTERNAL))
         grpc_context.set_details(error.message)
         return GrpcRequestError(error.message)
+
+    def _refuse(self, error: APIError, grpc_context, empty: Message) -> Message:
+        """What a unary RPC returns for ``error``: ``empty``, its status set on the context,
+        which Serve's proxy sends as the call's status. Raising would also have Serve log the
+        refusal as a failed request, with a traceback. Without a context, it raises."""
+        if grpc_context is None:
+            raise error
+        self._fail(error, grpc_context)
+        return empty
 
     # ---- the RPCs ---------------------------------------------------------------------------
     async def _start(self, request: pb.GenerateRequest | None, grpc_context, is_streamed: bool
@@ -256,7 +267,7 @@ class GrpcService:
             response.prompt_logprobs.extend(self._prompt_logprobs(last, generation.prompts[0]))
             return response
         except APIError as exc:
-            raise self._fail(exc, grpc_context) from None
+            return self._refuse(exc, grpc_context, pb.GenerateResponse())
         finally:
             if generation is not None:
                 await generation.aclose()
@@ -295,7 +306,7 @@ class GrpcService:
             return self._chat_response(request.request_id or response.id, response.choices, response.usage,
                                        response.prompt_logprobs)
         except APIError as exc:
-            raise self._fail(exc, grpc_context) from None
+            return self._refuse(exc, grpc_context, pb.ChatResponse())
 
     async def chat_stream(self, request: pb.ChatRequest | None, grpc_context=None
                           ) -> AsyncIterator[pb.ChatResponse]:
