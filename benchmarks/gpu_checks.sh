@@ -6,6 +6,7 @@
 #
 # One device call runs at most 600 s, so the default steps fit two calls:
 #   STEPS="tests engine" (at most 590 s), then STEPS="host launches kernels sweep" (at most 520 s).
+# "prefill" (at most 300 s) is not a default step: run it in a third call.
 #
 # "tp" is for a machine with several GPUs (it says so and passes on one).
 #
@@ -59,6 +60,11 @@ for name in ${STEPS:-tests engine host launches kernels sweep}; do
         # pagedserve with compiled graphs, uncompiled graphs and eager, transformers' two; the roofline column.
         engine) step bench_engine 290 python3 benchmarks/bench_engine_gpu.py $QUICK --json "$OUT/bench_engine.json" ;;
         sweep) step split_sweep 100 python3 benchmarks/bench_kernels_gpu.py --sweep --dtypes float16 ;;
+        # Prefill-heavy (512 prompts of 512-2,048 tokens, 64 out), pagedserve alone, at two step budgets:
+        # the FLOP utilisation against the 40% target, and whether bigger prefill steps raise it.
+        prefill) step prefill 300 bash -c "for budget in 4096 16384; do python3 benchmarks/bench_engine_gpu.py \
+                     --contenders pagedserve --num-requests 512 --min-prompt 512 --max-prompt 2048 --output-len 64 \
+                     --max-num-batched-tokens \$budget --json $OUT/prefill_\$budget.json || exit 1; done" ;;
         tp) step tp 420 python3 benchmarks/bench_tp_gpu.py --json "$OUT/tp.json" ;;   # several GPUs: NCCL greedy, all-reduce ms/step
         profile) step profile 90 python3 benchmarks/bench_engine_gpu.py --contenders pagedserve --num-requests 128 \
                      --output-len 128 --profile "$OUT/profile_top.txt"
