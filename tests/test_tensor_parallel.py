@@ -83,6 +83,11 @@ def reference(tp_model):
 
 def run_ranks(size: int, work) -> list:
     """``work(group)`` on each rank of a group whose ranks are threads of this process."""
+    # transformers resolves its lazy top-level names on first use, and two threads doing that
+    # at once can see a half-built module ("cannot import name 'AutoConfig'"). Rank processes
+    # never share a module, so resolve them here, before the threads start.
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
+
     store, rendezvous = host_store(size, "127.0.0.1")
     results, errors = [None] * size, []
 
