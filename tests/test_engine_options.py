@@ -29,7 +29,7 @@ DEFAULTS = {
     "max_num_batched_tokens": None, "max_model_len": None, "scheduling_policy": "fcfs",
     "allocation": "paged", "watermark": 0.01, "seed": None, "kernel_backend": None,
     "enforce_eager": False, "async_scheduling": None, "cuda_graph_sizes": None, "torch_compile": None,
-    "tensor_parallel_size": 1, "distributed_executor_backend": None,
+    "merge_projections": None, "tensor_parallel_size": 1, "distributed_executor_backend": None,
 }
 
 # option -> values every form must refuse (the old forms disagreed on several).
@@ -37,6 +37,7 @@ BAD_VALUES = {
     "block_size": [0, -16, 12, 24, 256, 1.5, "x"],
     "cuda_graph_sizes": [[], [0, 8], [-1], "8", [1.5]],
     "torch_compile": ["sometimes", 2],
+    "merge_projections": ["sometimes", 2],
     "num_device_blocks": [0, -1, 2.5],
     "kv_cache_memory_gb": [0, -1.0, float("inf"), float("nan")],
     "gpu_memory_utilization": [0, 1.01, -0.5],

@@ -91,16 +91,20 @@ def matrix_workload(seed: int) -> list[list[int]]:
             + random_prompts((2, 5, 9, 4, 7, 3), seed + 3))
 
 
+@pytest.mark.parametrize("merged", [False, True], ids=["separate", "merged"])
 @pytest.mark.parametrize("index,name", list(enumerate(MATRIX)), ids=list(MATRIX))
-def test_matrix_greedy_matches_transformers(index, name, matrix_greedy):
+def test_matrix_greedy_matches_transformers(index, name, merged, matrix_greedy):
     """Block sizes and preemption modes alternate across the matrix; every entry runs
     chunked prefill, prefix caching with hits past the window, and preemption (with
-    out-of-window blocks freed where every layer is windowed)."""
+    out-of-window blocks freed where every layer is windowed); with its q/k/v and gate/up
+    projections separate (the CPU's default) and merged (CUDA's)."""
     block_size = (8, 16)[index % 2]
     mode = ("recompute", "swap")[index // 2 % 2]
     llm = make_llm(ensure_matrix_model(name), block_size=block_size, preemption_mode=mode,
                    num_device_blocks=192 // block_size, max_num_batched_tokens=32,
-                   enable_prefix_caching=True)
+                   enable_prefix_caching=True, merge_projections=merged)
+    # Every family but phi3 (whose checkpoint already stores qkv_proj and gate_up_proj) has some to merge.
+    assert bool(llm.engine.runner.merged_projections) == (merged and name != "phi3")
     prompts = matrix_workload(seed=index)
     for round_ in range(2):  # the second round hits the first one's cached blocks
         outputs = llm.generate(prompts, greedy())

@@ -365,11 +365,12 @@ def test_greedy_matches_transformers_through_prefix_hits_preemption_and_abort(ar
 def test_overlapped_scheduling_hands_the_running_steps_ids_to_every_rank(arch, tp_model, reference):
     """With async_scheduling, a step's input ids are the running step's samples, still on rank 0's
     device: they reach the other ranks by a broadcast over the model group, and outputs stay exact
-    (through preemption too)."""
+    (through preemption too). Projections merged, as on CUDA: each rank merges its own slices."""
     path = tp_model(arch)
     llm = make_engine(path, 2, num_device_blocks=24, swap_space_gb=6 * rank_block_bytes(path, 2) / 2**30,
-                      async_scheduling=True)
+                      async_scheduling=True, merge_projections=True)
     runner = llm.engine.runner
+    assert runner.local.merged_projections and runner.spec.merge_projections
     send, num_pending = runner.send, []
 
     def counting_send(command):

@@ -47,7 +47,9 @@ def test_inductor_compiled_decode_gives_the_transformers_tokens(tiny_model, hf_g
     decodes) run the same compiled forward unpadded. Everything compiled at load: the
     requests compile nothing."""
     llm = LLM(tiny_model("llama"), device="cpu", dtype="float32", block_size=8, num_device_blocks=96,
-              max_num_seqs=4, cuda_graph_sizes=[4], torch_compile=True, async_scheduling=True)
+              max_num_seqs=4, cuda_graph_sizes=[4], torch_compile=True, async_scheduling=True,
+              merge_projections=True)  # as on CUDA
+    assert llm.engine.runner.merged_projections
     graphs_at_load = counters["stats"]["unique_graphs"]
     prompts = _prompts((5, 17, 30, 9, 41, 3), seed=11)
     params = [SamplingParams(temperature=0.0, max_tokens=6 + 4 * i) for i in range(len(prompts))]
@@ -72,10 +74,12 @@ def llm_reference(hf_greedy, output, param):
 FAMILIES = ["gemma2", "gpt_oss", "qwen3_moe"]
 
 
+@pytest.mark.parametrize("merged", [False, True], ids=["separate", "merged"])
 @pytest.mark.parametrize("name", FAMILIES)
-def test_families_compile_whole_and_give_the_transformers_tokens(name, matrix_greedy):
+def test_families_compile_whole_and_give_the_transformers_tokens(name, merged, matrix_greedy):
     path = str(ensure_matrix_model(name))
-    llm = LLM(path, device="cpu", dtype="float32", block_size=8, num_device_blocks=128, swap_space_gb=0.001)
+    llm = LLM(path, device="cpu", dtype="float32", block_size=8, num_device_blocks=128, swap_space_gb=0.001,
+              merge_projections=merged)
     runner = llm.engine.runner
     runner.decode_graphs = DecodeGraphs(runner, [2, 8], -(-llm.engine.max_model_len // 8), capture=False,
                                         torch_compile=True, compile_backend="aot_eager")

@@ -107,6 +107,11 @@ class EngineOptions(BaseModel):
     inside the CUDA graphs, mixed steps outside them. Compiling takes time at load.
     A model that fails to compile says why in the log and runs uncompiled. Unset: on where
     CUDA graphs are (CUDA, not enforce_eager, one rank), off on the CPU."""
+    merge_projections: bool | None = None
+    """One matmul for each attention's q/k/v projections and one for each MLP's gate/up, where
+    the forward projects one input with them (vLLM's model code merges them the same way); the
+    weights are concatenated at load, not copied. Unset: on with CUDA, off on the CPU (there the
+    strided slices can round SiLU differently in the last bit, and small matmuls gain nothing)."""
     tensor_parallel_size: int = Field(1, ge=1)
     """Ranks (GPUs) one model replica spans (vLLM's name). The model needs a tensor-parallel plan
     in transformers (``base_model_tp_plan``) and head counts that divide by it."""

@@ -18,8 +18,9 @@ from .host_lists import int64_tensor
 from .host_memory import retain_freed_host_memory
 from .kv_cache import CacheShape, KVCache
 from .model_head import ModelHead
+from .merged_projections import merge_same_input_projections
 from .model_support import (check_kernel_support, check_model_class, check_servable_config,
-                            context_limit, probe_attention)
+                            context_limit, probe_attention, probe_forward)
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +214,8 @@ class ModelRunner:
 
     def __init__(self, model: str, dtype=None, device=None, trust_remote_code: bool = False,
                  kernel_backend: str | None = None,
-                 load: Callable[[str, torch.dtype, str, bool], torch.nn.Module] | None = None) -> None:
+                 load: Callable[[str, torch.dtype, str, bool], torch.nn.Module] | None = None,
+                 merge_projections: bool | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         self.device = resolve_device(device)
@@ -240,6 +242,13 @@ class ModelRunner:
         self.attention = probe_attention(self.model, config, self.device)
         check_kernel_support(self.attention, self.device, self.dtype, kernel_backend)
         logger.info("attention of %s", self.attention.describe())
+        # q/k/v and gate/up as one matmul each, where the forward projects one input with them
+        # (by default on CUDA only: see ``workers/merged_projections.py``).
+        self.merged_projections: list[str] = []
+        if merge_projections or (merge_projections is None and self.device.type == "cuda"):
+            self.merged_projections = merge_same_input_projections(
+                self.model, lambda: probe_forward(self.model, config, self.device))
+            logger.info("projections merged into one matmul in %d modules", len(self.merged_projections))
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
         # The causal LM's head with its post-processing (final soft-cap, logit scaling).

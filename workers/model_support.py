@@ -206,6 +206,17 @@ class ModelAttention:
         return f"{self.model_type}: " + "; ".join(parts)
 
 
+def probe_forward(model, config, device: torch.device) -> AttentionProbe:
+    """A 4-token forward pass of the decoder whose attention calls an ``AttentionProbe`` records
+    (no cache is read or written); returns the probe."""
+    probe = AttentionProbe()
+    ids = torch.arange(1, 5, device=device).unsqueeze(0) % config.vocab_size
+    positions = torch.arange(4, device=device).unsqueeze(0)
+    with torch.inference_mode():
+        model.get_decoder()(input_ids=ids, position_ids=positions, paged_metadata=probe, use_cache=False)
+    return probe
+
+
 def probe_attention(model, config, device: torch.device) -> ModelAttention:
     """Run a 4-token forward pass that records each layer's attention call, and check them.
 
@@ -213,13 +224,8 @@ def probe_attention(model, config, device: torch.device) -> ModelAttention:
     cache shape for all layers and keys and values of one head size.
     """
     model_type = getattr(config, "model_type", "?")
-    probe = AttentionProbe()
-    ids = torch.arange(1, 5, device=device).unsqueeze(0) % config.vocab_size
-    positions = torch.arange(4, device=device).unsqueeze(0)
     try:
-        with torch.inference_mode():
-            model.get_decoder()(input_ids=ids, position_ids=positions, paged_metadata=probe,
-                                use_cache=False)
+        probe = probe_forward(model, config, device)
     except UnsupportedAttentionError as exc:
         raise UnsupportedModelError(f"model type {model_type!r}: {exc}") from None
     num_layers = config.num_hidden_layers

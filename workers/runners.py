@@ -15,6 +15,7 @@ def build_runner(config: EngineConfig) -> ModelRunner | TensorParallelRunner:
     size = config.tensor_parallel_size
     if size == 1:
         return ModelRunner(config.model, config.dtype, config.device, config.trust_remote_code,
-                           config.kernel_backend)
+                           config.kernel_backend, merge_projections=config.merge_projections)
     return TensorParallelRunner(config.model, size, choose_launcher(config.distributed_executor_backend, size),
-                                config.dtype, config.device, config.trust_remote_code, config.kernel_backend)
+                                config.dtype, config.device, config.trust_remote_code, config.kernel_backend,
+                                merge_projections=config.merge_projections)

@@ -108,7 +108,8 @@ class TensorParallelRunner:
     """
 
     def __init__(self, model: str, tensor_parallel_size: int, launcher: RankLauncher, dtype=None,
-                 device=None, trust_remote_code: bool = False, kernel_backend: str | None = None) -> None:
+                 device=None, trust_remote_code: bool = False, kernel_backend: str | None = None,
+                 merge_projections: bool | None = None) -> None:
         self.pending_copies: list[KVCopies] = []
         self.ranks: RankSet | None = None
         self.channel: CommandChannel | None = None
@@ -120,7 +121,7 @@ class TensorParallelRunner:
         device = rank_device(device, 0)
         store, rendezvous = host_store(tensor_parallel_size)
         self.spec = RankSpec(model, rendezvous, dtype, device.type,
-                             trust_remote_code, kernel_backend)
+                             trust_remote_code, kernel_backend, merge_projections)
         self.ranks = launcher.launch(self.spec)
         try:
             self.group = TensorParallelGroup(rendezvous, 0, device, store)

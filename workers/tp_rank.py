@@ -40,6 +40,7 @@ class RankSpec:
     device: str | None = None
     trust_remote_code: bool = False
     kernel_backend: str | None = None
+    merge_projections: bool | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -75,7 +76,8 @@ def load_rank_runner(spec: RankSpec, group: TensorParallelGroup) -> ModelRunner:
     config = load_config(spec.model, spec.trust_remote_code)
     check_tensor_parallel(config, group.size)
     runner = ModelRunner(spec.model, spec.dtype, group.device, spec.trust_remote_code, spec.kernel_backend,
-                         load=shard_loader(group.rank, group.size, group.all_reduce))
+                         load=shard_loader(group.rank, group.size, group.all_reduce),
+                         merge_projections=spec.merge_projections)
     text_config = config.get_text_config()
     num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
     if runner.num_kv_heads * group.size != num_kv_heads:
