@@ -10,6 +10,8 @@ synchronised around every timing:
 - pagedserve ``LLM.generate`` (KV pool of ``--kv-cache-gb``), decode steps replaying CUDA
   graphs of the torch.compile'd forward (the default on CUDA);
 - the same with ``torch_compile=False`` (graphs of the uncompiled forward);
+- (only when asked for) the same with ``merge_projections=False`` (q/k/v and gate/up as
+  separate matmuls);
 - the same with ``enforce_eager=True`` (every step eager);
 - transformers ``generate`` in static batches of ``--static-batch`` (left padding);
 - transformers ``generate_batch`` (its continuous batching); a failure is reported, not fatal.
@@ -54,6 +56,7 @@ from pagedserve.bench.roofline import record_steps, roofline_seconds  # noqa: E4
 from pagedserve.bench.workload import random_token_ids  # noqa: E402
 
 LABELS = {"pagedserve": "pagedserve LLM.generate", "uncompiled": "pagedserve LLM.generate (uncompiled)",
+          "unmerged": "pagedserve LLM.generate (q/k/v, gate/up unmerged)",
           "eager": "pagedserve LLM.generate (eager)",
           "static": "transformers generate (static)", "batch": "transformers generate_batch"}
 _START = time.perf_counter()
@@ -121,12 +124,13 @@ def model_counts(decoder, lm_head, config) -> dict:
 
 # ---- the contenders ----------------------------------------------------------------------------
 def bench_pagedserve(args, path: str, prompts, warm_prompts, state: dict, enforce_eager: bool = False,
-                     torch_compile: bool | None = None) -> dict:
+                     torch_compile: bool | None = None, merge_projections: bool | None = None) -> dict:
     from pagedserve import LLM
 
     options = {"device": args.device, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
                "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed,
-               "enforce_eager": enforce_eager, "torch_compile": torch_compile}
+               "enforce_eager": enforce_eager, "torch_compile": torch_compile,
+               "merge_projections": merge_projections}
     if args.kv_cache_gb:
         options["kv_cache_memory_gb"] = args.kv_cache_gb
     log(f"pagedserve: loading LLM({path!r}, {options})")
@@ -344,7 +348,8 @@ def parse_args(argv=None):
     parser.add_argument("--matmul-size", type=int, default=None, help="default: 8192 on CUDA, 512 on CPU")
     parser.add_argument("--contenders", default="pagedserve,uncompiled,eager,static,batch",
                         help="comma-separated, from: pagedserve, uncompiled (pagedserve with "
-                             "torch_compile=False), eager (pagedserve with enforce_eager), static, batch")
+                             "torch_compile=False), unmerged (pagedserve with merge_projections=False), "
+                             "eager (pagedserve with enforce_eager), static, batch")
     parser.add_argument("--quick", action="store_true",
                         help="64 requests, prompts 128-512, 64 output tokens (a fallback run)")
     parser.add_argument("--profile", metavar="PATH",
@@ -430,6 +435,9 @@ def main(argv=None) -> int:
         free_device_memory(args.device)
     if "uncompiled" in args.keys:
         attempt("uncompiled", lambda: bench_pagedserve(args, path, prompts, warm_prompts, state, torch_compile=False))
+    if "unmerged" in args.keys:
+        attempt("unmerged", lambda: bench_pagedserve(args, path, prompts, warm_prompts, state,
+                                                     merge_projections=False))
         free_device_memory(args.device)
     if "eager" in args.keys:
         attempt("eager", lambda: bench_pagedserve(args, path, prompts, warm_prompts, state, enforce_eager=True))

@@ -122,6 +122,8 @@ def main() -> None:
                         help="compile the decode forward (on CUDA the default where graphs are)")
     parser.add_argument("--graph-sizes", type=int, nargs="+", default=None,
                         help="the padded decode batch sizes (cuda_graph_sizes)")
+    parser.add_argument("--merge-projections", action=argparse.BooleanOptionalAction, default=None,
+                        help="q/k/v and gate/up as one matmul each (default: on with CUDA, off on the CPU)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
     if args.torch_compile and args.device == "cpu":
@@ -130,7 +132,8 @@ def main() -> None:
         torch._inductor.config.cpp.enable_kernel_profile = True   # each fused kernel named
     llm = LLM(str(ensure_model(args.arch, args.size)), device=args.device, dtype=args.dtype,
               enforce_eager=args.enforce_eager, max_num_seqs=max(args.batch, 1),
-              torch_compile=args.torch_compile, cuda_graph_sizes=args.graph_sizes)
+              torch_compile=args.torch_compile, cuda_graph_sizes=args.graph_sizes,
+              merge_projections=args.merge_projections)
     engine, runner = llm.engine, llm.engine.runner
     compiled = runner.decode_graphs is not None and runner.decode_graphs.is_compiled
     if not compiled:

@@ -6,7 +6,7 @@
 #
 # One device call runs at most 600 s, so the default steps fit two calls:
 #   STEPS="tests engine" (at most 590 s), then STEPS="host launches kernels sweep" (at most 520 s).
-# "prefill" (at most 300 s) is not a default step: run it in a third call.
+# "prefill" and "merge" (at most 300 + 240 s) are not default steps: run them in a third call.
 #
 # "tp" is for a machine with several GPUs (it says so and passes on one).
 #
@@ -65,6 +65,9 @@ for name in ${STEPS:-tests engine host launches kernels sweep}; do
         prefill) step prefill 300 bash -c "for budget in 4096 16384; do python3 benchmarks/bench_engine_gpu.py \
                      --contenders pagedserve --num-requests 512 --min-prompt 512 --max-prompt 2048 --output-len 64 \
                      --max-num-batched-tokens \$budget --json $OUT/prefill_\$budget.json || exit 1; done" ;;
+        # The default workload with q/k/v and gate/up merged (CUDA's default) and separate, side by side.
+        merge) step merge 240 python3 benchmarks/bench_engine_gpu.py --contenders pagedserve,unmerged \
+                   --json "$OUT/merge.json" ;;
         tp) step tp 420 python3 benchmarks/bench_tp_gpu.py --json "$OUT/tp.json" ;;   # several GPUs: NCCL greedy, all-reduce ms/step
         profile) step profile 90 python3 benchmarks/bench_engine_gpu.py --contenders pagedserve --num-requests 128 \
                      --output-len 128 --profile "$OUT/profile_top.txt"
