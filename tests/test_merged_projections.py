@@ -35,6 +35,43 @@ def test_the_pieces_are_views_of_the_merged_weights(tiny_model):
         assert torch.equal(merged_output[:, start:start + piece.out_features], expected)
 
 
+def test_each_groups_old_weights_are_freed_as_it_is_merged(tiny_model, monkeypatch):
+    """The load's peak grows by one group's weights, not by every group's: when a group is
+    merged, the old weights of every group merged before it are gone."""
+    import gc
+    import weakref
+
+    from transformers import AutoModelForCausalLM
+
+    from pagedserve.workers import merged_projections
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=torch.float32).eval()
+    old = [weakref.ref(module.weight) for module in model.modules() if type(module) is torch.nn.Linear
+           and module is not model.lm_head]
+    assert len(old) == 7 * model.config.num_hidden_layers
+    seen = []  # (old weights alive before a merge, weights merged before it)
+    merge = merged_projections._merge
+    merged_so_far = 0
+
+    def watched_merge(module, names):
+        nonlocal merged_so_far
+        gc.collect()
+        alive = sum(ref() is not None for ref in old)
+        group = merge(module, names)
+        if group is not None:
+            seen.append((alive, merged_so_far))
+            merged_so_far += len(names)
+        return group
+
+    monkeypatch.setattr(merged_projections, "_merge", watched_merge)
+    ids = torch.randint(5, 500, (1, 9))
+    merge_same_input_projections(model, lambda: model(ids))
+    assert len(seen) == 2 * model.config.num_hidden_layers
+    assert all(alive == len(old) - merged for alive, merged in seen), seen
+    gc.collect()
+    assert sum(ref() is not None for ref in old) == len(old) - merged_so_far  # o_proj and down_proj
+
+
 class _Attention(torch.nn.Module):
     """q/k/v projections whose forward ``order`` and ``inputs`` are chosen by the test."""
 

@@ -85,7 +85,6 @@ class MergedGroup:
 
     module: torch.nn.Module
     names: tuple[str, ...]
-    originals: list[torch.nn.Module]  # kept until the probe has decided, then dropped
     original_forward: Callable
     slices: _Slices = field(default_factory=_Slices)
 
@@ -94,8 +93,13 @@ class MergedGroup:
         return "merged_" + "_".join(name.removesuffix("_proj") for name in self.names)
 
     def unmerge(self) -> None:
-        for name, original in zip(self.names, self.originals):
-            setattr(self.module, name, original)
+        """Plain ``Linear``s again, over the same rows (the old weights were freed at merge)."""
+        for name in self.names:
+            piece = getattr(self.module, name)
+            linear = torch.nn.Linear(piece.in_features, piece.out_features, bias=piece.bias is not None,
+                                     device="meta", dtype=piece.weight.dtype)
+            linear.weight, linear.bias = piece.weight, piece.bias
+            setattr(self.module, name, linear)
         for suffix in ("weight", "bias"):
             if hasattr(self.module, f"{self.buffer_name}_{suffix}"):
                 delattr(self.module, f"{self.buffer_name}_{suffix}")
@@ -113,8 +117,10 @@ def merge_same_input_projections(model: torch.nn.Module, probe: Callable[[], obj
     weights (still exact, but the memory is no longer shared). Returns the merged groups'
     names, as ``"<module path>: q_proj+k_proj+v_proj"``."""
     paths = {id(module): name for name, module in model.named_modules()}
-    groups = [group for module in list(model.modules())
-              for names in GROUPS if (group := _merge(module, names)) is not None]
+    # Only the parents are held while merging, so each group's old weights are freed as soon as
+    # it is merged: the load's peak grows by one group's weights, not by all of them.
+    parents = [module for module in model.modules() if any(hasattr(module, names[0]) for names in GROUPS)]
+    groups = [group for module in parents for names in GROUPS if (group := _merge(module, names)) is not None]
     for group in groups:
         group.slices.counts = [[0, 0] for _ in group.names]
     try:
@@ -132,7 +138,6 @@ def merge_same_input_projections(model: torch.nn.Module, probe: Callable[[], obj
         else:
             group.unmerge()
             dropped.append(label)
-        group.originals = []  # a kept group's old weights are freed here
     if dropped:
         logger.info("projections left unmerged (the forward does not project one input with them): %s",
                     ", ".join(dropped[:4]) + (f" and {len(dropped) - 4} more" if len(dropped) > 4 else ""))
@@ -150,11 +155,12 @@ def _merge(module: torch.nn.Module, names: tuple[str, ...]) -> MergedGroup | Non
     has_bias = {p.bias is not None for p in projections}
     if len(has_bias) != 1:
         return None
-    group = MergedGroup(module, names, projections, module.forward)
+    group = MergedGroup(module, names, module.forward)
     sizes = [p.out_features for p in projections]
     with torch.no_grad():
         weight = torch.cat([p.weight for p in projections])
         bias = torch.cat([p.bias for p in projections]) if has_bias == {True} else None
+    del projections, first  # the old Linears go when the pieces replace them
     module.register_buffer(f"{group.buffer_name}_weight", weight, persistent=False)
     if bias is not None:
         module.register_buffer(f"{group.buffer_name}_bias", bias, persistent=False)
