@@ -139,7 +139,8 @@ def bench_pagedserve(args, path: str, prompts, warm_prompts, state: dict, enforc
     state.setdefault("counts", model_counts(runner.decoder, runner.lm_head, runner.model.config))
     state["counts"].setdefault("kv_bytes_per_token", runner.cache_shape(1).bytes_per_block)
     log(f"pagedserve: {engine.pool_config.num_device_blocks} KV blocks of {engine.pool_config.block_size} "
-        f"tokens, {runner.dtype}, triton kernels: {getattr(runner, 'uses_triton', '?')}; warming up")
+        f"tokens, {runner.dtype}, triton kernels: {getattr(runner, 'uses_triton', '?')}, merged projections in "
+        f"{len(getattr(runner, 'merged_projections', ()))} modules; warming up")
     # Prefills of the timed lengths, then a batch as large as the timed one (the Triton
     # kernels compile per shape class: few classes are left to compile in the timed run).
     run_pagedserve(llm, [(p, 16) for p in warm_prompts])

@@ -371,6 +371,7 @@ def test_overlapped_scheduling_hands_the_running_steps_ids_to_every_rank(arch, t
                       async_scheduling=True, merge_projections=True)
     runner = llm.engine.runner
     assert runner.local.merged_projections and runner.spec.merge_projections
+    assert llm.stats()["num_merged_projections"] == len(runner.local.merged_projections)
     send, num_pending = runner.send, []
 
     def counting_send(command):

@@ -534,6 +534,8 @@ class LLMEngine:
             "decode_kv_seconds": self.decode_kv_seconds,
             "step_hook_seconds": self.hook_seconds,
             "num_step_calls": self.num_step_calls,
+            # Modules whose q/k/v or gate/up projections run as one matmul (merge_projections).
+            "num_merged_projections": len(getattr(self.runner, "merged_projections", ())),
         })
         graphs = self.runner.decode_graphs
         if graphs is not None:
