@@ -106,6 +106,25 @@ def test_a_forward_off_the_pattern_is_left_unmerged(calls):
         assert "forward" not in vars(module) and not list(module.buffers())
 
 
+def test_a_forward_that_fails_merged_runs_unmerged_and_says_why(caplog):
+    torch.manual_seed(0)
+    module = _Attention("all three")
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        before = module(x)
+
+        def failing_probe():
+            module(x)
+            raise RuntimeError("the merged forward broke\nsecond line")
+
+        with caplog.at_level("WARNING", logger="pagedserve.workers.merged_projections"):
+            assert merge_same_input_projections(module, failing_probe) == []
+        assert torch.equal(module(x), before)
+    assert "the merged forward broke" in caplog.text and "second line" not in caplog.text
+    assert all(type(getattr(module, n)) is torch.nn.Linear for n in ("q_proj", "k_proj", "v_proj"))
+    assert "forward" not in vars(module) and not list(module.buffers())
+
+
 def _compiled_matmuls(model: torch.nn.Module, ids: list[torch.Tensor]) -> tuple[int, int]:
     """(matmuls in the compiled forward graph, graphs compiled) over calls on ``ids``."""
     from torch._dynamo.backends.common import aot_autograd

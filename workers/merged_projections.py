@@ -112,7 +112,8 @@ class MergedGroup:
 def merge_same_input_projections(model: torch.nn.Module, probe: Callable[[], object]) -> list[str]:
     """Merge every group of ``GROUPS`` in ``model`` whose projections are plain ``Linear``s of
     one input size, dtype and device, with no hooks; ``probe()`` then runs a forward, and
-    each group whose pieces did not all use their slices is taken back. Call it after the
+    each group whose pieces did not all use their slices is taken back (every group, with a
+    warning, if the probe raises). Call it after the
     model is on its device: moving it afterwards copies the pieces apart from the merged
     weights (still exact, but the memory is no longer shared). Returns the merged groups'
     names, as ``"<module path>: q_proj+k_proj+v_proj"``."""
@@ -126,6 +127,12 @@ def merge_same_input_projections(model: torch.nn.Module, probe: Callable[[], obj
     try:
         if groups:
             probe()
+    except Exception as exc:  # the forward fails merged: run it as it was, and say why
+        for group in groups:
+            group.unmerge()
+        logger.warning("projections left unmerged: the forward failed with them merged (%s: %s)",
+                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return []
     finally:
         counts = [group.slices.counts for group in groups]
         for group in groups:
