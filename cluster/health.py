@@ -5,10 +5,12 @@ Every worker is probed with ``Worker.heartbeat`` about four times a second,
 without blocking: a probe is sent, and its answer is read on a later poll.
 A worker is routable once it answers without being stalled. It stops being
 routable at its first failure: an actor error (killed, node lost), a
-heartbeat that says the engine is stalled, or a heartbeat left unanswered
-for the stall timeout. A stalled worker that was routable is killed once
-with ``no_restart=False``, so Ray restarts it (on another node if its node
-is gone), and it becomes routable again when its new incarnation answers.
+heartbeat that says the engine is stalled (or its loop ended), or a
+heartbeat left unanswered for the stall timeout. A stalled incarnation is
+killed once with ``no_restart=False``, so Ray restarts it (on another node if
+its node is gone), and it becomes routable again when its new incarnation
+answers; that holds too when a request saw the worker fail first (a request
+meets a failed engine loop before the next heartbeat does).
 An unanswered heartbeat leads to a restart only while Ray reports the actor
 ALIVE in the same process that last answered: one that is restarting (or
 already runs a new incarnation) is left alone. If Ray's actor state cannot be
@@ -46,6 +48,7 @@ class WorkerLiveness:
     num_restarts_requested: int = 0  # kills sent because the worker stalled
     state_unknown: bool = False      # Ray's actor state could not be read at the last check
     blind_restart_pid: int | None = None  # the incarnation restarted without knowing its state
+    restarted_pid: int | None = None     # the incarnation last killed to be restarted
 
 
 class WorkerHealth:
@@ -146,7 +149,8 @@ class WorkerHealth:
             self._fail(worker_id, f"heartbeat failed: {type(exc).__name__}", restart=False)
             return
         if beat["is_stalled"]:
-            self._fail(worker_id, f"stalled for {beat['seconds_since_progress']:.1f} s", restart=True)
+            self._fail(worker_id, f"stalled for {beat['seconds_since_progress']:.1f} s", restart=True,
+                       pid=beat.get("pid"))
         else:
             self._revive(worker_id, beat)
 
@@ -172,7 +176,9 @@ class WorkerHealth:
             self._probes.pop(worker_id, None)
         self._fail(worker_id, reason, restart=False)
 
-    def _fail(self, worker_id: str, reason: str, restart: bool) -> None:
+    def _fail(self, worker_id: str, reason: str, restart: bool, pid: int | None = None) -> None:
+        """Not routable; with ``restart``, kill the incarnation (``pid``, else the one that last
+        answered) for Ray to restart, unless it was killed for that already."""
         import ray
 
         with self._lock:
@@ -183,12 +189,16 @@ class WorkerHealth:
             state.is_alive = False
             state.last_failure = time.time()
             state.num_failures += was_alive
-            should_restart = restart and was_alive
+            incarnation = pid if pid is not None else state.pid
+            should_restart = restart and (was_alive or (incarnation is not None
+                                                        and incarnation != state.restarted_pid))
+            if should_restart:
+                state.restarted_pid = incarnation
             state.num_restarts_requested += should_restart
             worker = self.workers[worker_id]
         if self.router is not None:
             self.router.mark_dead(worker_id)
-        if was_alive:
+        if was_alive or should_restart:
             logger.warning("worker %s is down (%s)%s", worker_id, reason,
                            "; restarting it" if should_restart else "")
         if should_restart:

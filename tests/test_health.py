@@ -123,6 +123,19 @@ def test_a_failure_noted_by_a_request_takes_the_worker_out_until_the_next_heartb
     assert health.snapshot()["w1"]["num_restarts_requested"] == 0
 
 
+def test_a_stalled_worker_a_request_reported_first_is_restarted_once(monitored):
+    """A failed engine loop: its requests see it before the next heartbeat, which then says
+    stalled. The incarnation is still restarted, once."""
+    workers, router, health = monitored
+    old_pid = ray.get(workers["w0"].pid.remote())
+    ray.get(workers["w0"].set_stalled.remote(True))
+    health.note_failure("w0", "request: EngineDeadError")
+    _wait(lambda: health.snapshot()["w0"]["num_restarts_requested"] == 1)
+    _wait(lambda: health.alive_workers() == {"w0", "w1"})
+    assert ray.get(workers["w0"].pid.remote()) != old_pid
+    assert health.snapshot()["w0"]["num_restarts_requested"] == 1
+
+
 def test_a_hung_worker_is_restarted_even_when_rays_state_is_unreadable(monitored, monkeypatch):
     workers, router, health = monitored
     monkeypatch.setattr(ray_compat, "actor_status", lambda actor_id: None)
