@@ -22,7 +22,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from pagedserve.workers.protocol import Migrated, OutputDelta
+from pagedserve.workers.protocol import EngineDeadError, Migrated, OutputDelta
 from pagedserve.workers.request import CompletionOutput, RequestOutput
 from pagedserve.workers.sampling_params import SamplingParams
 from pagedserve.workers.worker import stall_timeout_s
@@ -31,7 +31,8 @@ from .config import ClusterConfig
 from .controller import HealthView
 from .kv_relay import kill_relays
 from .placement import remove_worker_placement
-from .request_flow import MIGRATE, Attempt, AttemptsExhausted, RequestFlow, StreamNotResumable
+from .request_flow import (MIGRATE, Attempt, AttemptsExhausted, RepeatedEngineFailure, RequestFlow,
+                           StreamNotResumable)
 from .router import Router, kv_blocks_used_frac
 from .worker_pool import actor_name_of
 from .stats import gather_stats_sync, kv_manager_stats
@@ -107,6 +108,7 @@ class ClusterHandle:
         self._num_recomputed_tokens = 0
         self._num_no_capacity = 0
         self._num_not_resumable = 0
+        self._num_repeated_engine_failures = 0
         self._lock = threading.Lock()
 
     def __getstate__(self):
@@ -232,11 +234,16 @@ class ClusterHandle:
                 logger.warning("request %s: transferred KV lost (%r); recomputing", request_id, exc)
                 self._num_resumed += 1
                 continue
-            except (RayActorError, asyncio.TimeoutError) as exc:
+            except (RayActorError, asyncio.TimeoutError, EngineDeadError) as exc:
+                # EngineDeadError: the worker lives, its engine loop ended (a RayTaskError that is
+                # also an EngineDeadError). Its other requests fail too, and the controller restarts it.
+                is_engine_failure = isinstance(exc, EngineDeadError)
                 self.health.note_failure(run.worker_id, f"request {request_id}: {type(exc).__name__}")
-                attempt = self._next_attempt(flow.after_failure, exc)
-                logger.warning("request %s: worker %s failed (%r); resuming elsewhere",
-                               request_id, run.worker_id, exc)
+                attempt = self._next_attempt(
+                    (lambda: flow.after_engine_failure(run.worker_id)) if is_engine_failure
+                    else flow.after_failure, exc)
+                logger.warning("request %s: %s %s failed (%r); resuming elsewhere", request_id,
+                               "the engine of worker" if is_engine_failure else "worker", run.worker_id, exc)
                 self._num_resumed += 1
                 continue
             finally:
@@ -260,6 +267,10 @@ class ClusterHandle:
         except StreamNotResumable as exc:
             self._num_not_resumable += 1
             logger.warning("%s (%r)", exc, cause)
+            raise exc from cause
+        except RepeatedEngineFailure as exc:
+            self._num_repeated_engine_failures += 1
+            logger.error("%s (%r)", exc, cause)
             raise exc from cause
 
     async def _run_attempt(self, flow: RequestFlow, attempt: Attempt, run: "_Run") -> AsyncIterator[RequestOutput]:
@@ -323,8 +334,10 @@ class ClusterHandle:
         try:
             out_ref, kv_ref = self.workers[decision.worker_id].prefill.options(num_returns=2).remote(request)
             first: OutputDelta = await asyncio.wait_for(out_ref, timeout=timeout)
-        except (RayActorError, asyncio.TimeoutError) as exc:
+        except (RayActorError, asyncio.TimeoutError, EngineDeadError) as exc:
             self.health.note_failure(decision.worker_id, f"prefill of {request_id}: {type(exc).__name__}")
+            if isinstance(exc, EngineDeadError):
+                flow.failed_engines.add(decision.worker_id)
             raise _DisaggregationFailed() from exc
         finally:
             self.router.release(decision, 1)
@@ -350,8 +363,10 @@ class ClusterHandle:
                 yield accumulator.add(delta)
                 if finished:
                     return
-        except (RayActorError, asyncio.TimeoutError) as exc:
+        except (RayActorError, asyncio.TimeoutError, EngineDeadError) as exc:
             self.health.note_failure(decision.worker_id, f"decode of {request_id}: {type(exc).__name__}")
+            if isinstance(exc, EngineDeadError):
+                flow.failed_engines.add(decision.worker_id)
             raise _DisaggregationFailed() from exc
         finally:
             self.router.release(decision, params.max_tokens)
@@ -436,11 +451,12 @@ class ClusterHandle:
         return gather_stats_sync(self, timeout_s=self.config.step_timeout_s)
 
     def request_counters(self) -> dict[str, int]:
-        """Requests this handle resumed, migrated, could not place or ended because their stream could
-        not go on, and tokens it recomputed."""
+        """Requests this handle resumed, migrated, could not place, ended because their stream could
+        not go on or because a second engine failed under them, and tokens it recomputed."""
         return {"num_resumed": self._num_resumed, "num_migrated": self._num_migrated,
                 "num_recomputed_tokens": self._num_recomputed_tokens, "num_no_capacity": self._num_no_capacity,
-                "num_not_resumable": self._num_not_resumable}
+                "num_not_resumable": self._num_not_resumable,
+                "num_repeated_engine_failures": self._num_repeated_engine_failures}
 
     def check_integrity(self) -> None:
         """Every worker's pools are consistent, and the central index holds exactly what the

@@ -19,6 +19,12 @@ says what runs next:
 * ``fall_back``: the disaggregated path (prefill worker, KV transfer, decode
   worker) failed: continue colocated, resuming after what was streamed.
 
+A worker's engine loop that fails (a bug, a device fault) ends every request
+it held. Each goes on elsewhere like after a dead worker. The request that
+made the loop fail is among them, so a request under which the engines of two
+workers failed ends with ``RepeatedEngineFailure``: such a request stops at
+most two engines.
+
 The flow decides; the handle acts (routes, streams, aborts, counts). The
 flow owns the request's ``OutputAccumulator``, so every attempt continues the
 same output, and its attempt count: a transition past ``max_attempts`` raises
@@ -49,6 +55,10 @@ class StreamNotResumable(RuntimeError):
     """A streamed request with several samples lost its worker after tokens had been streamed."""
 
 
+class RepeatedEngineFailure(RuntimeError):
+    """A second worker's engine loop failed while running the request."""
+
+
 @dataclass
 class Attempt:
     """One run of a request: what a worker is sent, and why this run."""
@@ -77,6 +87,7 @@ class RequestFlow:
         self.is_streamed = is_streamed  # the caller passes on deltas as they come
         self.accumulator = OutputAccumulator(request_id, prompt, prompt_token_ids)
         self.num_attempts = 0
+        self.failed_engines: set[str] = set()  # workers whose engine loop failed under this request
 
     # ---- the transitions -----------------------------------------------------------------------
     def start(self, is_disaggregated: bool = False) -> Attempt:
@@ -95,6 +106,17 @@ class RequestFlow:
                 f"the worker running request {self.request_id} failed after {num_streamed} tokens had been "
                 f"streamed; {what} cannot be continued where they stopped, so the request ended: send it again")
         return self.retry()
+
+    def after_engine_failure(self, worker_id: str) -> Attempt:
+        """The engine loop of ``worker_id`` failed (or had failed) while it held the request: go
+        on as after a dead worker; once a second worker's engine has failed under it,
+        ``RepeatedEngineFailure`` (this request may be what makes engines fail)."""
+        self.failed_engines.add(worker_id)
+        if len(self.failed_engines) > 1:
+            raise RepeatedEngineFailure(
+                f"the engines of {len(self.failed_engines)} workers failed while running request "
+                f"{self.request_id}; it may be what makes them fail, so it was not sent to another")
+        return self.after_failure()
 
     def retry(self) -> Attempt:
         """Start again from the prompt, forgetting what was streamed."""
@@ -135,4 +157,4 @@ class RequestFlow:
         return Attempt(kind, self.num_attempts, request, target)
 
 
-__all__ = ["Attempt", "AttemptsExhausted", "RequestFlow", "StreamNotResumable"]
+__all__ = ["Attempt", "AttemptsExhausted", "RepeatedEngineFailure", "RequestFlow", "StreamNotResumable"]

@@ -21,7 +21,8 @@ The snapshot::
     router            this process's router: loads, liveness, reasons
     recent_decisions  its last routing decisions
     health            the cluster controller's liveness per worker, as this process last read it
-    num_resumed, num_migrated, num_recomputed_tokens, num_no_capacity, num_not_resumable
+    num_resumed, num_migrated, num_recomputed_tokens, num_no_capacity, num_not_resumable,
+    num_repeated_engine_failures
                       this handle's counters
     block_maps        worker id -> block states per tier, asked of each worker (only when
                       asked: ``block_map_cells``)

@@ -80,14 +80,14 @@ class FakeHandle:
 
     def request_counters(self) -> dict:
         return {"num_resumed": 3, "num_migrated": 1, "num_recomputed_tokens": 40, "num_no_capacity": 0,
-                "num_not_resumable": 0}
+                "num_not_resumable": 0, "num_repeated_engine_failures": 0}
 
 
 def test_the_snapshot_holds_every_source():
     stats = asyncio.run(cluster_stats.gather_stats(FakeHandle(), block_map_cells=64))
     assert set(stats) == {"time", "model", "kv_manager", "workers", "router", "recent_decisions", "health",
                           "num_resumed", "num_migrated", "num_recomputed_tokens", "num_no_capacity",
-                          "num_not_resumable",
+                          "num_not_resumable", "num_repeated_engine_failures",
                           "block_maps", "errors", "scaling"}
     assert stats["errors"] == [] and stats["model"] == "fake-model"
     assert set(stats["kv_manager"]["workers"]) == {"w0", "w1"} == set(stats["workers"]) == set(stats["block_maps"])

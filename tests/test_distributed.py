@@ -306,6 +306,38 @@ def test_a_streamed_request_with_several_samples_ends_when_its_worker_dies(handl
     handle.wait_healthy(timeout=60)
 
 
+def test_a_failed_engine_loop_hands_its_requests_on_and_its_worker_restarts(handle, reference):
+    """A worker whose engine loop fails (a bug, a device fault) lives on, but every request it held
+    ends with EngineDeadError: each goes on elsewhere after its streamed tokens, exactly (seeded
+    draws), and the controller restarts the worker, whose heartbeat now says it is stalled."""
+    prompts = _prompts(seed=6)
+    params = SamplingParams(temperature=1.0, seed=41, max_tokens=MAX_TOKENS_FAULT, ignore_eos=True)
+    expected = reference(prompts, MAX_TOKENS_FAULT, params)
+    counters_before = handle.request_counters()
+    victim_id = "worker-0"
+    victim = handle.workers[victim_id]
+    victim_pid = _pid(victim)
+
+    def fail_the_engine():
+        def arm(worker):  # runs in the worker: its engine's next step raises
+            def failing_step():
+                raise RuntimeError("injected: the engine step failed")
+
+            worker.async_engine.submit(lambda engine: setattr(engine, "step_tokens", failing_step))
+
+        victim.__ray_call__.remote(arm)
+
+    _assert_streams_survive(handle, prompts, params, expected, fail_the_engine)
+    counters = handle.request_counters()
+    assert counters["num_resumed"] > counters_before["num_resumed"]
+    assert counters["num_repeated_engine_failures"] == counters_before["num_repeated_engine_failures"]
+
+    _wait_for(lambda: _pid(victim) != victim_pid, 120, "the controller to restart the worker")
+    handle.wait_healthy(timeout=60)
+    prompts = _prompts(seed=8, lengths=[8, 24, 40, 56])
+    assert _token_ids(handle.generate_sync(prompts, _greedy(MAX_TOKENS))) == reference(prompts, MAX_TOKENS)
+
+
 def test_kv_manager_killed_mid_stream_requests_complete(handle, reference):
     prompts = _prompts(seed=5)
     expected = reference(prompts, MAX_TOKENS_FAULT)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.cluster.request_flow import (DISAGGREGATED, FALL_BACK, FIRST, MIGRATE, RESUME, RETRY,
-                                             AttemptsExhausted, RequestFlow, StreamNotResumable)
+                                             AttemptsExhausted, RepeatedEngineFailure, RequestFlow,
+                                             StreamNotResumable)
 from pagedserve.workers.protocol import Migrated, OutputDelta, SampleDelta
 from pagedserve.workers.request import RequestMetrics
 from pagedserve.workers.sampling_params import SamplingParams
@@ -79,6 +80,19 @@ def test_a_streamed_request_with_several_samples_ends_rather_than_start_again():
     single.start()
     _stream(single, 0, [11])
     assert single.after_failure().kind == RESUME
+
+
+def test_an_engine_failure_goes_on_elsewhere_once_and_a_second_one_ends_the_request():
+    flow = _flow(max_attempts=9)
+    flow.start()
+    _stream(flow, 0, [11, 12])
+    resumed = flow.after_engine_failure("w0")   # like a dead worker: after the streamed tokens
+    assert resumed.kind == RESUME and resumed.request.output_token_ids == [11, 12]
+    flow.after_failure()                        # a dead worker in between does not count,
+    flow.after_engine_failure("w0")             # nor the same dead engine seen again
+    with pytest.raises(RepeatedEngineFailure, match="engines of 2 workers failed"):
+        flow.after_engine_failure("w1")         # this request may be what makes engines fail
+    assert flow.num_attempts == 4
 
 
 def test_a_migration_continues_on_its_target_from_the_transferred_kv():

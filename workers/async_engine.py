@@ -29,16 +29,13 @@ from typing import Any, AsyncIterator, Callable
 
 from .engine import EngineConfig, LLMEngine
 from .output_processor import EngineStep
+from .protocol import EngineDeadError
 from .request import Request, RequestOutput, Sequence
 from .sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # an idle engine thread re-checks its inbox at least this often
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop failed or was shut down; requests in flight end with this error."""
 
 
 @dataclass

@@ -5,7 +5,8 @@ one ``OutputDelta`` per engine step that produced something for it: only
 what is new (token ids, text, logprobs, and a sample's finish the first time
 it is seen), so the bytes per streamed token stay the same however long the
 sequence grows. Control messages are separate types: ``Migrated`` ends a
-stream whose request the KV manager moved to another worker.
+stream whose request the KV manager moved to another worker. A stream whose
+worker's engine loop ended (failed or shut down) raises ``EngineDeadError``.
 
 The cumulative view an API needs (non-streaming bodies, n > 1, resuming
 after a failure) is rebuilt from the deltas by ``accumulator.OutputAccumulator``.
@@ -17,6 +18,10 @@ from dataclasses import dataclass, field
 
 from .request import RequestMetrics, RequestOutput, SampleLogprobs
 from .sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed or was shut down; requests in flight end with this error."""
 
 
 @dataclass

@@ -12,7 +12,7 @@ import logging
 from pydantic import ValidationError
 
 from ..handle import NoCapacityError
-from ..request_flow import StreamNotResumable
+from ..request_flow import RepeatedEngineFailure, StreamNotResumable
 from .protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("pagedserve.server")
@@ -51,6 +51,8 @@ def error_from_exception(exc: BaseException) -> APIError:
                         code="no_capacity", headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(exc, StreamNotResumable):
         return APIError(503, str(exc), "service_unavailable_error", code="worker_failed")
+    if isinstance(exc, RepeatedEngineFailure):
+        return APIError(500, str(exc), "internal_server_error", code="engine_failed")
     cause = getattr(exc, "cause", None)  # a RayTaskError carries the worker's exception
     if isinstance(cause, (ValueError, TypeError)):
         exc = cause
