@@ -366,6 +366,19 @@ def test_a_client_leaving_mid_stream_ends_the_response_quietly_and_aborts(server
         f"client leave; {generated} were generated")
 
 
+def test_a_request_two_engines_failed_under_ends_with_a_500_that_says_so(server, local_handle):
+    from pagedserve.cluster.request_flow import RepeatedEngineFailure
+
+    local_handle.fail_with = RepeatedEngineFailure(
+        "the engines of 2 workers failed while running request r; it may be what makes them fail")
+    try:
+        response = call(server, "POST", "/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
+    finally:
+        local_handle.fail_with = None
+    error = _assert_error(response, 500)
+    assert error["code"] == "engine_failed" and "engines of 2 workers" in error["message"], error
+
+
 def test_a_stream_that_cannot_go_on_after_a_worker_failed_ends_with_an_error_event(server, local_handle):
     """The frontend tells the handle which requests it streams (the handle then ends a request
     with several samples whose worker failed mid-stream with ``StreamNotResumable``, rather than
