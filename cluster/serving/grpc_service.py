@@ -224,14 +224,17 @@ class GrpcService:
                 total_tokens=usage.total_tokens, cached_tokens=usage.prompt_tokens_details.cached_tokens))
         return response
 
-    def _fail(self, error: BaseException, grpc_context) -> Exception:
-        """What a streamed RPC raises: for an ``APIError``, its status set on the context first."""
-        if not isinstance(error, APIError):
-            return error
-        if grpc_context is None:
-            return error
+    @staticmethod
+    def _set_status(error: APIError, grpc_context) -> None:
+        """The gRPC status of ``error`` on the context, for Serve's proxy (or grpc) to send."""
         grpc_context.set_code(STATUS_CODES.get(error.status, grpc.StatusCode.INTERNAL))
         grpc_context.set_details(error.message)
+
+    def _fail(self, error: BaseException, grpc_context) -> Exception:
+        """What a streamed RPC raises: for an ``APIError``, its status set on the context first."""
+        if not isinstance(error, APIError) or grpc_context is None:
+            return error
+        self._set_status(error, grpc_context)
         return GrpcRequestError(error.message)
 
     def _refuse(self, error: APIError, grpc_context, empty: Message) -> Message:
@@ -240,7 +243,7 @@ class GrpcService:
         refusal as a failed request, with a traceback. Without a context, it raises."""
         if grpc_context is None:
             raise error
-        self._fail(error, grpc_context)
+        self._set_status(error, grpc_context)
         return empty
 
     # ---- the RPCs ---------------------------------------------------------------------------
