@@ -337,7 +337,7 @@ class ClusterHandle:
         except (RayActorError, asyncio.TimeoutError, EngineDeadError) as exc:
             self.health.note_failure(decision.worker_id, f"prefill of {request_id}: {type(exc).__name__}")
             if isinstance(exc, EngineDeadError):
-                flow.failed_engines.add(decision.worker_id)
+                flow.note_failed_engine(decision.worker_id)
             raise _DisaggregationFailed() from exc
         finally:
             self.router.release(decision, 1)
@@ -366,7 +366,7 @@ class ClusterHandle:
         except (RayActorError, asyncio.TimeoutError, EngineDeadError) as exc:
             self.health.note_failure(decision.worker_id, f"decode of {request_id}: {type(exc).__name__}")
             if isinstance(exc, EngineDeadError):
-                flow.failed_engines.add(decision.worker_id)
+                flow.note_failed_engine(decision.worker_id)
             raise _DisaggregationFailed() from exc
         finally:
             self.router.release(decision, params.max_tokens)

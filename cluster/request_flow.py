@@ -111,12 +111,17 @@ class RequestFlow:
         """The engine loop of ``worker_id`` failed (or had failed) while it held the request: go
         on as after a dead worker; once a second worker's engine has failed under it,
         ``RepeatedEngineFailure`` (this request may be what makes engines fail)."""
-        self.failed_engines.add(worker_id)
+        self.note_failed_engine(worker_id)
         if len(self.failed_engines) > 1:
             raise RepeatedEngineFailure(
                 f"the engines of {len(self.failed_engines)} workers failed while running request "
                 f"{self.request_id}; it may be what makes them fail, so it was not sent to another")
         return self.after_failure()
+
+    def note_failed_engine(self, worker_id: str) -> None:
+        """Count ``worker_id``'s engine as failed under this request (a path that goes on by other
+        means, like the disaggregated fall-back)."""
+        self.failed_engines.add(worker_id)
 
     def retry(self) -> Attempt:
         """Start again from the prompt, forgetting what was streamed."""
