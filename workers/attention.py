@@ -1,9 +1,10 @@
 """Paged attention plugged into transformers' own model definitions.
 
-``ATTN_IMPLEMENTATION`` is registered with transformers' attention interface
-(and a mask function that builds no mask), so any decoder-only model loaded
-with ``attn_implementation=ATTN_IMPLEMENTATION`` routes every attention
-layer here. Per-step metadata travels as the ``paged_metadata`` forward
+``ATTN_IMPLEMENTATION`` is registered with transformers' attention interface,
+so any decoder-only model loaded with ``attn_implementation=ATTN_IMPLEMENTATION``
+routes every attention layer here. It has no mask function: transformers then
+builds no mask and skips its mask preprocessing, whose packed-sequence check
+reads a device value (a host sync in every eager forward on CUDA). Per-step metadata travels as the ``paged_metadata`` forward
 kwarg, which transformers passes through to the attention function.
 
 Each layer's call says how it attends (scaling, sliding window, soft-cap,
@@ -247,22 +248,15 @@ def _(query, key, value, layer_idx, scale, sliding_window, logit_softcap, sinks)
     return torch.empty(query.shape, dtype=query.dtype, device=query.device)
 
 
-def _no_mask(*args, **kwargs):
-    """Paged attention applies causality and windows itself: transformers must build no mask."""
-    return None
-
-
 _registered = False
 
 
 def register_paged_attention() -> str:
-    """Register the attention and mask functions once per process; returns the name."""
+    """Register the attention function once per process; returns the name. No mask function:
+    paged attention applies causality and windows itself."""
     global _registered
     if not _registered:
         from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface
-
         AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
-        AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
         _registered = True
     return ATTN_IMPLEMENTATION
