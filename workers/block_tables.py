@@ -22,6 +22,8 @@ from typing import Sequence
 
 import torch
 
+from .host_lists import to_device
+
 
 @dataclass
 class StepTables:
@@ -125,7 +127,7 @@ class BlockTableRows:
         self._ensure_columns(num_blocks)
         if self.mirror is None:
             return self.host[:, :num_blocks].index_select(0, rows)
-        return self.mirror[:, :num_blocks].index_select(0, rows.to(self.device, non_blocking=True))
+        return self.mirror[:, :num_blocks].index_select(0, to_device(rows, self.device))
 
     def prepare(self, seq_ids: Sequence[str], tables: Sequence[Sequence[int]],
                 first_changed: Sequence[int]) -> StepTables:
@@ -171,7 +173,7 @@ class BlockTableRows:
 
     # ---- internals ------------------------------------------------------------------
     def _to_device(self, host: torch.Tensor) -> torch.Tensor | None:
-        return None if self.device.type == "cpu" else host.to(self.device)
+        return None if self.device.type == "cpu" else to_device(host, self.device)
 
     def _ensure_columns(self, num_blocks: int) -> None:
         num_rows, num_columns = self.host.shape
@@ -190,6 +192,6 @@ class BlockTableRows:
         changes = torch.tensor([rows, columns, values], dtype=torch.int64)
         self.host[changes[0], changes[1]] = changes[2].to(torch.int32)
         if self.mirror is not None:
-            on_device = changes.to(self.device)
+            on_device = to_device(changes, self.device)
             self.mirror[on_device[0], on_device[1]] = on_device[2].to(torch.int32)
         self.num_entries_written += len(values)

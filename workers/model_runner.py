@@ -14,7 +14,7 @@ from pagedserve.kernels.gpu_targets import check_dtype, check_shared_memory
 from .attention import PagedAttentionMetadata, attention_context, register_paged_attention
 from .block_tables import BlockTableRows
 from .decode_graphs import DecodeGraphs
-from .host_lists import int64_tensor
+from .host_lists import int64_tensor, to_device
 from .host_memory import retain_freed_host_memory
 from .kv_cache import CacheShape, KVCache
 from .model_head import ModelHead
@@ -388,8 +388,8 @@ class ModelRunner:
         input_ids = batch.input_ids.to(device, non_blocking=True)
         if model_input.pending:
             positions, sources = zip(*model_input.pending)
-            input_ids[int64_tensor(list(positions)).to(device)] = pending_tokens[
-                int64_tensor(list(sources)).to(device)]
+            input_ids[to_device(int64_tensor(list(positions)), device)] = pending_tokens[
+                to_device(int64_tensor(list(sources)), device)]
         meta = PagedAttentionMetadata(
             slot_mapping=batch.slot_mapping.to(device, non_blocking=True),
             block_tables=batch.block_tables,

@@ -27,6 +27,7 @@ from itertools import chain
 
 import torch
 
+from .host_lists import int64_tensor, to_device
 from .request import SampleLogprobs
 from .sampling_params import SamplingParams
 
@@ -231,15 +232,16 @@ def apply_constraints(logits: torch.Tensor, bitmask_rows: Sequence[int], bitmask
     """
     if not bitmask_rows and not banned:
         return logits
+    device = logits.device
     logits = logits.clone()
     if bitmask_rows:
-        rows = list(bitmask_rows)
+        rows = to_device(int64_tensor(list(bitmask_rows)), device)
         logits[rows] = apply_token_bitmask(logits[rows], bitmask)
     if banned:
-        ban_rows = [row for row, _ in banned]
+        ban_rows = to_device(int64_tensor([row for row, _ in banned]), device)
         selected = logits[ban_rows]
-        rows = [j for j, (_, ids) in enumerate(banned) for _ in ids]
-        flat = [t for _, ids in banned for t in ids]
+        rows = to_device(int64_tensor([j for j, (_, ids) in enumerate(banned) for _ in ids]), device)
+        flat = to_device(int64_tensor([t for _, ids in banned for t in ids]), device)
         selected[rows, flat] = float("-inf")
         keeps_some = torch.isfinite(selected).any(dim=-1)
         logits[ban_rows] = torch.where(keeps_some.unsqueeze(1), selected, logits[ban_rows])
@@ -457,17 +459,19 @@ def apply_penalties(
     output_index = _flat_token_index(output_token_ids, vocab_size)
     if bool((repetition_penalties != 1.0).any()):
         prompt_index = _flat_token_index(prompt_token_ids, vocab_size)
-        seen = torch.unique(torch.cat([prompt_index, output_index])).to(device)
+        seen = torch.unique(torch.cat([prompt_index, output_index]))
+        penalty = repetition_penalties.to(logits.dtype)[seen // vocab_size]
+        seen = to_device(seen, device)
         values = flat_logits[seen]
-        penalty = repetition_penalties.to(device=device, dtype=logits.dtype)[seen // vocab_size]
+        penalty = to_device(penalty, device)
         flat_logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
     if len(output_index):
         seen, counts = torch.unique(output_index, return_counts=True)
-        seen, counts = seen.to(device), counts.to(device=device, dtype=logits.dtype)
         rows = seen // vocab_size
-        frequency = frequency_penalties.to(device=device, dtype=logits.dtype)[rows]
-        presence = presence_penalties.to(device=device, dtype=logits.dtype)[rows]
-        flat_logits[seen] = flat_logits[seen] - (frequency * counts + presence)
+        subtracted = counts.to(logits.dtype) * frequency_penalties.to(logits.dtype)[rows] \
+            + presence_penalties.to(logits.dtype)[rows]
+        seen = to_device(seen, device)
+        flat_logits[seen] = flat_logits[seen] - to_device(subtracted, device)
     return logits
 
 
@@ -476,16 +480,15 @@ def apply_penalty_rows(logits: torch.Tensor, rows: Sequence[PenaltyRow]) -> torc
     when none is listed)."""
     if not rows:
         return logits
-    device = logits.device
-    index = [r.row for r in rows]
+    index = to_device(int64_tensor([r.row for r in rows]), logits.device)
     logits = logits.clone()
     logits[index] = apply_penalties(
         logits[index],
         [r.prompt_token_ids for r in rows],
         [r.output_token_ids for r in rows],
-        torch.tensor([r.repetition_penalty for r in rows], device=device),
-        torch.tensor([r.frequency_penalty for r in rows], device=device),
-        torch.tensor([r.presence_penalty for r in rows], device=device),
+        torch.tensor([r.repetition_penalty for r in rows]),
+        torch.tensor([r.frequency_penalty for r in rows]),
+        torch.tensor([r.presence_penalty for r in rows]),
     )
     return logits
 
@@ -529,15 +532,6 @@ def _flat_token_index(token_ids: Sequence[Sequence[int]], vocab_size: int) -> to
         raise ValueError(f"token id out of range for vocab size {vocab_size}")
     rows = torch.repeat_interleave(torch.arange(len(token_ids)), lengths)
     return rows * vocab_size + flat_ids
-
-
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device``, copied without making the host wait for the device:
-    to a CUDA device through pinned memory (the caching host allocator keeps the staging
-    block until the copy is done), so the copy is queued, never waited for."""
-    if device.type == "cuda":
-        tensor = tensor.pin_memory()
-    return tensor.to(device, non_blocking=True)
 
 
 def _check_inputs(logits: torch.Tensor, num_rows: int) -> None:
