@@ -1,0 +1,188 @@
+"""Nothing on a step's path makes the host wait for the GPU, checked without one.
+
+``DeviceWaitAudit`` (``pagedserve.devtools.device_waits``) records the calls that
+would wait for a device: reads of its values and blocking copies to or from it.
+Code whose device tensors live on ``meta`` is audited exactly (host tensors stay
+on the CPU); a model's forward, which touches device tensors only, is audited on
+the CPU with the Triton kernels it runs on CUDA (interpreted). On CUDA,
+``tests/test_sampler.py`` checks the sampler with torch's own sync debug mode.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.devtools.device_waits import DeviceWaitAudit
+from pagedserve.devtools.model_matrix import MATRIX, ensure_matrix_model
+from pagedserve.workers.block_tables import BlockTableRows
+from pagedserve.workers.sampler import (PenaltyRow, Sampler, SamplingBatch, apply_constraints, apply_penalty_rows)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+VOCAB = 512
+
+
+# ---- the audit itself ----------------------------------------------------------------------
+
+def test_the_audit_finds_reads_of_the_watched_device_only():
+    host = torch.arange(6)
+    with DeviceWaitAudit("meta") as audit:
+        host.nonzero(), bool(host.sum()), host.tolist(), int(host[2])  # host values: free
+    assert audit.waits == []
+    with DeviceWaitAudit("cpu") as audit:
+        host.nonzero()
+        bool(host.sum())
+        host.tolist()
+        host.sum().item()
+        torch.unique(host)
+        host.masked_select(host > 2)
+    assert [w.op for w in audit.waits] == ["nonzero", "_local_scalar_dense", "tolist", "_local_scalar_dense", "_unique2",
+                                           "masked_select"]
+    assert all(w.kind == "read" for w in audit.waits)
+    assert audit.waits[0].where.startswith(__name__)
+
+
+def test_the_audit_finds_blocking_copies_between_the_host_and_the_device():
+    host, device = torch.arange(4), torch.zeros(4, dtype=torch.int64, device="meta")
+    with DeviceWaitAudit("meta") as audit:
+        host.to("meta", non_blocking=True)
+        device.copy_(host, non_blocking=True)
+        device.to(torch.float16)
+        device[1:3], device[host.new_tensor(1)]  # slices and a host scalar: no upload
+    assert audit.waits == []
+    with DeviceWaitAudit("meta") as audit:
+        host.to("meta")
+        host.to(device=torch.device("meta"), dtype=torch.int32)
+        device.copy_(host)
+        torch.tensor([1, 2], device="meta")
+        device[[0, 2]]
+        device[host[:2]] = 1
+    assert [(w.kind, w.op) for w in audit.waits] == [("blocking copy", op) for op in (
+        "to", "to", "copy_", "tensor", "__getitem__", "__setitem__")]
+    assert len(audit.summary()) == 6
+
+
+# ---- the sampler and the block tables (their device tensors on meta) ----------------------
+
+def test_sampling_with_penalties_grammars_and_bans_never_waits():
+    """Penalties, bitmask rows and banned tokens upload their indexes and values without
+    blocking; before, each was a blocking copy (indexing with a list, ``torch.tensor`` on the
+    device), and the repetition check read a device tensor."""
+    params = [SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.2),
+              SamplingParams(temperature=0, frequency_penalty=0.5, presence_penalty=0.3),
+              SamplingParams(top_k=5, top_p=0.5), SamplingParams(temperature=1.2, min_p=0.1)]
+    logits = torch.empty(len(params), VOCAB, device="meta")
+    penalties = [PenaltyRow(0, [1, 2, 3], [4, 5, 5], 1.2, 0.0, 0.0), PenaltyRow(1, [7], [8, 8, 9], 1.0, 0.5, 0.3)]
+    bitmask = torch.zeros(2, VOCAB // 32, dtype=torch.int32)
+    with DeviceWaitAudit("meta") as audit:
+        batch = SamplingBatch.from_params(params)
+        Sampler(seed=0).sample_tokens(logits, batch)
+        penalised = apply_penalty_rows(logits, penalties)
+        constrained = apply_constraints(penalised, [1, 3], bitmask, [(0, [5, 6]), (2, [9])])
+    assert audit.summary() == []
+    assert constrained.shape == logits.shape and constrained.device.type == "meta"
+
+
+def test_penalties_give_the_same_logits_as_before_on_the_host():
+    """The penalties moved their arithmetic to the host: the same values as the formula."""
+    logits = torch.randn(2, 16)
+    rows = [PenaltyRow(0, [1, 2], [2, 3, 3], 1.5, 0.25, 0.5), PenaltyRow(1, [4], [5], 1.0, 0.0, 1.0)]
+    got = apply_penalty_rows(logits, rows)
+    expected = logits.clone()
+    for token in (1, 2, 3):
+        value = expected[0, token]
+        expected[0, token] = value / 1.5 if value > 0 else value * 1.5
+    expected[0, 2] -= 0.25 + 0.5
+    expected[0, 3] -= 2 * 0.25 + 0.5
+    expected[1, 5] -= 1.0
+    assert torch.equal(got, expected)
+
+
+def test_block_table_uploads_never_wait():
+    """A device copy of the rows (CUDA's layout) takes each step's changes, new rows and
+    growth without a blocking copy; before, every write of changed entries was one."""
+    rows = BlockTableRows(torch.device("meta"), num_rows=2, num_columns=2)
+    rng = random.Random(0)
+    tables = {f"s{i}": [rng.randrange(100) for _ in range(rng.randrange(1, 9))] for i in range(6)}
+    with DeviceWaitAudit("meta") as audit:
+        for step in range(3):
+            ids = list(tables)[step:]
+            prepared = rows.prepare(ids, [tables[s] for s in ids], [0] * len(ids))
+            assert prepared.block_tables.device.type == "meta"
+            for table in tables.values():
+                table.append(rng.randrange(100))
+    assert audit.summary() == []
+    assert rows.mirror.shape == rows.host.shape  # grown on the device too
+
+
+# ---- the model's forward (device tensors only: audited on the CPU) ------------------------
+
+def _triton_llm(name: str, **kwargs) -> LLM:
+    """An engine that runs the Triton kernels CUDA runs (interpreted on the CPU)."""
+    pytest.importorskip("triton")
+    return LLM(str(ensure_matrix_model(name)), device="cpu", dtype="float32", block_size=16,
+               num_device_blocks=64, kernel_backend="triton", merge_projections=True, **kwargs)
+
+
+@pytest.mark.parametrize("name", list(MATRIX))
+def test_the_forward_cuda_graphs_capture_never_reads_the_device(name):
+    """The padded decode forward (what a CUDA graph captures, and replays without the host)
+    of every matrix family. transformers' mask preprocessing read the position ids to look
+    for packed sequences until pagedserve stopped registering a mask function."""
+    llm = _triton_llm(name)
+    runner = llm.engine.runner
+    assert runner.enable_decode_graphs([4], -(-llm.engine.max_model_len // 16), capture=False)
+    graphs = runner.decode_graphs
+    with torch.inference_mode():
+        graphs._pad_only()
+        with DeviceWaitAudit("cpu") as audit:
+            logits = graphs._forward(4)
+    assert audit.summary() == []
+    assert logits.shape == (4, runner.vocab_size)
+
+
+@pytest.mark.parametrize("name,padded", [("llama", False), ("gemma2", False), ("llama", True)],
+                         ids=["llama-eager", "gemma2-eager", "llama-padded"])
+def test_overlapped_steps_never_wait(name, padded, monkeypatch):
+    """Steps under overlapped scheduling (prefill chunks beside decoding sequences whose ids
+    are still on the device), then steps with penalties and seeds: the decoder and the LM
+    head read no device value (on CUDA a read there stops the host from running ahead), and
+    no step uploads its inputs with a blocking copy (before, the pending ids' positions were
+    one, in every mixed step)."""
+    llm = _triton_llm(name, async_scheduling=True, max_num_batched_tokens=64)
+    runner = llm.engine.runner
+    if padded:
+        assert runner.enable_decode_graphs([1, 2, 4, 8], -(-llm.engine.max_model_len // 16), capture=False)
+    forward_audits = []
+    run_decoder, compute_logits = runner.run_decoder, runner.compute_logits
+
+    def audited(function):
+        def run(*args, **kwargs):
+            with DeviceWaitAudit("cpu") as audit:
+                result = function(*args, **kwargs)
+            forward_audits.append(audit)
+            return result
+        return run
+
+    monkeypatch.setattr(runner, "run_decoder", audited(run_decoder))
+    monkeypatch.setattr(runner, "compute_logits", audited(compute_logits))
+    prompts = [[5 + (7 * i + j) % 400 for j in range(n)] for i, n in enumerate((9, 40, 70, 3))]
+    # Greedy and unseeded draws overlap; penalties and seeds make steps wait for their ids.
+    overlapped = [SamplingParams(temperature=0.8 if i % 2 else 0.0, max_tokens=8, ignore_eos=True)
+                  for i in range(len(prompts))]
+    per_row = [SamplingParams(temperature=0.8, max_tokens=8, ignore_eos=True, seed=i,
+                              repetition_penalty=1.3, frequency_penalty=0.2) for i in range(2)]
+    with DeviceWaitAudit("cpu", reads=False) as step_audit:
+        outputs = llm.generate(prompts, overlapped) + llm.generate(prompts[:2], per_row)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outputs)
+    stats = llm.stats()
+    assert stats["num_steps"] - stats["num_decode_steps"] >= 2  # chunked prefill: mixed steps ran
+    assert (stats.get("num_padded_decode_steps", 0) > 0) == padded
+    assert len(forward_audits) > 10
+    assert [line for audit in forward_audits for line in audit.summary()] == []
+    assert step_audit.summary() == []
+    assert llm.engine.num_used_blocks() == 0
