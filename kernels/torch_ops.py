@@ -564,7 +564,7 @@ def copy_blocks(k_caches, v_caches, block_pairs) -> None:
     for cache in list(k_caches) + list(v_caches):
         pairs = pairs_by_device.get(cache.device)
         if pairs is None:
-            pairs = block_pairs.to(device=cache.device, dtype=torch.long)
+            pairs = block_pairs.to(device=cache.device, dtype=torch.long, non_blocking=True)
             pairs_by_device[cache.device] = pairs
         src, dst = pairs[:, 0], pairs[:, 1]
         cache.index_copy_(0, dst, cache.index_select(0, src))
@@ -578,8 +578,8 @@ def swap_blocks(src_cache, dst_cache, block_pairs) -> None:
     if block_pairs.shape[0] == 0:
         return
     pairs = block_pairs.long()
-    src = pairs[:, 0].to(src_cache.device)
-    dst = pairs[:, 1].to(dst_cache.device)
+    src = pairs[:, 0].to(src_cache.device, non_blocking=True)
+    dst = pairs[:, 1].to(dst_cache.device, non_blocking=True)
     blocks = src_cache.index_select(0, src)
     if blocks.device != dst_cache.device:
         # Host -> device can be asynchronous: the copy is ordered before index_copy_ on

@@ -8,6 +8,8 @@ import torch
 
 from pagedserve import kernels
 
+from .host_lists import int64_tensor, to_device
+
 
 @dataclass(frozen=True)
 class CacheShape:
@@ -70,7 +72,7 @@ class KVCache:
             self._swap(self.host_caches, self.device_caches, swap_in)
             self.num_bytes_swapped_in += len(swap_in) * self.shape.bytes_per_block
         if copy_on_write:
-            pairs = torch.tensor(copy_on_write, dtype=torch.int64, device=self.device)
+            pairs = to_device(torch.tensor(copy_on_write, dtype=torch.int64), self.device)
             kernels.copy_blocks([k for k, _ in self.device_caches], [v for _, v in self.device_caches],
                                 pairs)
 
@@ -84,7 +86,7 @@ class KVCache:
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A CPU copy of the given device blocks, every layer, keys and values:
         ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (transfers)."""
-        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        index = to_device(int64_tensor(block_ids), self.device)
         layers = [torch.stack([k_cache.index_select(0, index), v_cache.index_select(0, index)])
                   for k_cache, v_cache in self.device_caches]
         return torch.stack(layers).cpu().contiguous()
@@ -92,7 +94,7 @@ class KVCache:
     def write_blocks(self, block_ids: list[int], payload: torch.Tensor) -> None:
         """Write ``payload`` (``read_blocks``'s layout, possibly from another worker) into
         the given device blocks."""
-        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        index = to_device(int64_tensor(block_ids), self.device)
         for layer, (k_cache, v_cache) in enumerate(self.device_caches):
             k_cache.index_copy_(0, index, payload[layer, 0].to(self.device, k_cache.dtype, non_blocking=True))
             v_cache.index_copy_(0, index, payload[layer, 1].to(self.device, v_cache.dtype, non_blocking=True))
