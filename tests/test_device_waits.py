@@ -19,6 +19,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.devtools.device_waits import DeviceWaitAudit
 from pagedserve.devtools.model_matrix import MATRIX, ensure_matrix_model
 from pagedserve.workers.block_tables import BlockTableRows
+from pagedserve.workers.kv_cache import CacheShape, KVCache
 from pagedserve.workers.sampler import (PenaltyRow, Sampler, SamplingBatch, apply_constraints, apply_penalty_rows)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -186,3 +187,36 @@ def test_overlapped_steps_never_wait(name, padded, monkeypatch):
     assert [line for audit in forward_audits for line in audit.summary()] == []
     assert step_audit.summary() == []
     assert llm.engine.num_used_blocks() == 0
+
+
+# ---- the KV cache's copies (copy-on-write, swap-in, imported blocks) ------------------------
+
+def test_kv_cache_copies_on_the_step_never_wait():
+    """Copy-on-write and swap-in run in a step; before, their block pairs were uploaded with
+    blocking copies. (A swap-out waits by design: the host pool must hold the blocks.)"""
+    shape = CacheShape(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    cache = KVCache(shape, num_device_blocks=8, num_host_blocks=4, device="meta")
+    payload = torch.zeros(2, 2, 2, 4, 2, 8)
+    with DeviceWaitAudit("meta") as audit:
+        cache.execute_copies([], [(0, 1), (2, 5)], [(3, 4)])
+        cache.write_blocks([6, 7], payload)
+    assert audit.summary() == []
+
+
+def test_triton_block_copies_never_wait():
+    """The Triton block-copy launcher uploads its pairs and the caches' addresses without
+    blocking, and a swap-in its indexes."""
+    pytest.importorskip("triton")
+    from pagedserve.kernels import triton_ops
+
+    caches = [torch.randn(6, 4, 2, 8) for _ in range(4)]
+    expected = [c.clone() for c in caches]
+    for c in expected:
+        c[[4, 5]] = c[[1, 2]]
+    with DeviceWaitAudit("cpu", reads=False) as audit:
+        triton_ops.copy_blocks(caches[:2], caches[2:], torch.tensor([[1, 4], [2, 5]]))
+    assert audit.summary() == []
+    assert all(torch.equal(c, e) for c, e in zip(caches, expected))
+    with DeviceWaitAudit("meta") as audit:
+        triton_ops.swap_blocks(caches[0], torch.empty(6, 4, 2, 8, device="meta"), torch.tensor([[0, 3]]))
+    assert audit.summary() == []
