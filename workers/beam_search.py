@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .host_lists import to_device
 from .sampling_params import SamplingParams
 
 # transformers' stand-in score for "not a candidate" (-1e9, added in float32).
@@ -167,7 +168,7 @@ class BeamSearch:
         self.num_generated += 1
         is_last = self.num_generated >= self.max_tokens
         ends = [is_last or token in self.stop_token_ids for token in tokens]
-        ends_tensor = torch.tensor(ends, dtype=torch.bool, device=device)
+        ends_tensor = to_device(torch.tensor(ends, dtype=torch.bool), device)
 
         # The next live beams: the best candidates that do not end.
         running = top_scores + ends_tensor.to(torch.float32) * EXCLUDED
@@ -221,8 +222,7 @@ class BeamSearch:
         else:
             best_length = self.num_generated
         best_running = self.scores[:1] / (best_length ** self.length_penalty)
-        worst_kept = torch.where(self.hypothesis_flags, self.hypothesis_scores.min(),
-                                 torch.tensor(EXCLUDED, dtype=torch.float32, device=self.scores.device))
+        worst_kept = torch.where(self.hypothesis_flags, self.hypothesis_scores.min(), EXCLUDED)
         self.is_improvable = self.is_improvable and bool((best_running > worst_kept).any())
         is_full = bool(self.hypothesis_flags.all()) and self.early_stopping is True
         self.is_done = not self.is_improvable or is_full or all(ends)

@@ -20,7 +20,7 @@ from pagedserve.kvmanager import PENDING_TOKEN
 
 from .beam_groups import BeamGroups, NewSequence
 from .detokenizer import check_stop
-from .host_lists import int64_tensor
+from .host_lists import int64_tensor, to_device
 from .input_batch import BEAM, FORKS, PER_ROW, RANDOM, TEXT, InputBatch
 from .output_processor import EngineStep, SeqFinish, StepTokens
 from .per_row_features import Ends, PerRowFeatures
@@ -126,8 +126,8 @@ class SamplingPipeline:
                 per_row = [p for p, value in enumerate(flag_values) if value & PER_ROW]
             if any(flag_values[p] & FORKS for p in per_row):
                 seqs, index = self._fork(seqs, flag_values, forked)
-                index_tensor = torch.tensor(index, dtype=torch.int64)
-                logits = logits[index_tensor.to(logits.device)]
+                index_tensor = int64_tensor(index)
+                logits = logits[to_device(index_tensor, logits.device)]
                 row_index, flags = row_index[index_tensor], flags[index_tensor]
                 flag_values = flags.tolist()
                 per_row = [p for p, value in enumerate(flag_values) if value & PER_ROW]
@@ -153,12 +153,12 @@ class SamplingPipeline:
         sequences, logits, batch rows and flags go on to sampling."""
         beam = [p for p, value in enumerate(flag_values) if value & BEAM]
         rest = [p for p, value in enumerate(flag_values) if not value & BEAM]
-        index = torch.tensor(beam, dtype=torch.int64)
+        index = int64_tensor(beam)
         result.final_outputs.extend(self.beam_groups.advance([seqs[p] for p in beam],
-                                                             logits[index.to(logits.device)]))
+                                                             logits[to_device(index, logits.device)]))
         self.num_generated_tokens += len(beam)
-        index = torch.tensor(rest, dtype=torch.int64)
-        return [seqs[p] for p in rest], logits[index.to(logits.device)], row_index[index], flags[index]
+        index = int64_tensor(rest)
+        return [seqs[p] for p in rest], logits[to_device(index, logits.device)], row_index[index], flags[index]
 
     def _fork(self, seqs: list[Sequence], flag_values: list[int],
               forked: list[tuple[Sequence, Sequence]]) -> tuple[list[Sequence], list[int]]:
