@@ -150,7 +150,7 @@ def test_the_forward_cuda_graphs_capture_never_reads_the_device(name):
                          ids=["llama-eager", "gemma2-eager", "llama-padded"])
 def test_overlapped_steps_never_wait(name, padded, monkeypatch):
     """Steps under overlapped scheduling (prefill chunks beside decoding sequences whose ids
-    are still on the device), then steps with penalties and seeds: the decoder and the LM
+    are still on the device), then steps with penalties, seeds, forks and a beam search: the decoder and the LM
     head read no device value (on CUDA a read there stops the host from running ahead), and
     no step uploads its inputs with a blocking copy (before, the pending ids' positions were
     one, in every mixed step)."""
@@ -177,9 +177,12 @@ def test_overlapped_steps_never_wait(name, padded, monkeypatch):
                   for i in range(len(prompts))]
     per_row = [SamplingParams(temperature=0.8, max_tokens=8, ignore_eos=True, seed=i,
                               repetition_penalty=1.3, frequency_penalty=0.2) for i in range(2)]
+    per_row += [SamplingParams(n=2, temperature=0.8, max_tokens=8, ignore_eos=True),
+                SamplingParams(n=2, use_beam_search=True, temperature=0.0, max_tokens=8, ignore_eos=True)]
     with DeviceWaitAudit("cpu", reads=False) as step_audit:
-        outputs = llm.generate(prompts, overlapped) + llm.generate(prompts[:2], per_row)
-    assert all(len(o.outputs[0].token_ids) == 8 for o in outputs)
+        outputs = llm.generate(prompts, overlapped) + llm.generate(prompts, per_row)
+    assert all(len(sample.token_ids) == 8 for o in outputs for sample in o.outputs)
+    assert [len(o.outputs) for o in outputs[4:]] == [1, 1, 2, 2]
     stats = llm.stats()
     assert stats["num_steps"] - stats["num_decode_steps"] >= 2  # chunked prefill: mixed steps ran
     assert (stats.get("num_padded_decode_steps", 0) > 0) == padded
