@@ -58,6 +58,13 @@ class _Run:
     migrated: Migrated | None = None
 
 
+def _engine_id(error: BaseException) -> str | None:
+    """The failed engine loop an ``EngineDeadError`` names (through Ray, the dual exception
+    carries the worker's attributes; its ``cause`` is the original)."""
+    engine_id = getattr(error, "engine_id", None)
+    return engine_id if engine_id is not None else getattr(getattr(error, "cause", None), "engine_id", None)
+
+
 # The central KV manager's answers are routing hints: wait this long at most, and after a
 # failure route by load alone for a while.
 HINT_TIMEOUT_S = 2.0
@@ -240,7 +247,7 @@ class ClusterHandle:
                 is_engine_failure = isinstance(exc, EngineDeadError)
                 self.health.note_failure(run.worker_id, f"request {request_id}: {type(exc).__name__}")
                 attempt = self._next_attempt(
-                    (lambda: flow.after_engine_failure(run.worker_id)) if is_engine_failure
+                    (lambda: flow.after_engine_failure(run.worker_id, _engine_id(exc))) if is_engine_failure
                     else flow.after_failure, exc)
                 logger.warning("request %s: %s %s failed (%r); resuming elsewhere", request_id,
                                "the engine of worker" if is_engine_failure else "worker", run.worker_id, exc)
@@ -337,7 +344,7 @@ class ClusterHandle:
         except (RayActorError, asyncio.TimeoutError, EngineDeadError) as exc:
             self.health.note_failure(decision.worker_id, f"prefill of {request_id}: {type(exc).__name__}")
             if isinstance(exc, EngineDeadError):
-                flow.note_failed_engine(decision.worker_id)
+                flow.note_failed_engine(decision.worker_id, _engine_id(exc))
             raise _DisaggregationFailed() from exc
         finally:
             self.router.release(decision, 1)
@@ -366,7 +373,7 @@ class ClusterHandle:
         except (RayActorError, asyncio.TimeoutError, EngineDeadError) as exc:
             self.health.note_failure(decision.worker_id, f"decode of {request_id}: {type(exc).__name__}")
             if isinstance(exc, EngineDeadError):
-                flow.note_failed_engine(decision.worker_id)
+                flow.note_failed_engine(decision.worker_id, _engine_id(exc))
             raise _DisaggregationFailed() from exc
         finally:
             self.router.release(decision, params.max_tokens)

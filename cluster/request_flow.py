@@ -21,9 +21,11 @@ says what runs next:
 
 A worker's engine loop that fails (a bug, a device fault) ends every request
 it held. Each goes on elsewhere like after a dead worker. The request that
-made the loop fail is among them, so a request under which the engines of two
-workers failed ends with ``RepeatedEngineFailure``: such a request stops at
-most two engines.
+made the loop fail is among them, so a request under which two engines failed
+ends with ``RepeatedEngineFailure``: such a request stops at most two engines.
+An engine is a worker's engine loop, one per incarnation: a request that comes
+back to a restarted worker and fails it again has failed two engines, and one
+that meets the same dead engine twice has failed one.
 
 The flow decides; the handle acts (routes, streams, aborts, counts). The
 flow owns the request's ``OutputAccumulator``, so every attempt continues the
@@ -56,7 +58,7 @@ class StreamNotResumable(RuntimeError):
 
 
 class RepeatedEngineFailure(RuntimeError):
-    """A second worker's engine loop failed while running the request."""
+    """A second engine loop failed while running the request."""
 
 
 @dataclass
@@ -87,7 +89,9 @@ class RequestFlow:
         self.is_streamed = is_streamed  # the caller passes on deltas as they come
         self.accumulator = OutputAccumulator(request_id, prompt, prompt_token_ids)
         self.num_attempts = 0
-        self.failed_engines: set[str] = set()  # workers whose engine loop failed under this request
+        # (worker, engine loop) pairs that failed under this request; an engine of unknown id is
+        # its worker's only one
+        self.failed_engines: set[tuple[str, str | None]] = set()
 
     # ---- the transitions -----------------------------------------------------------------------
     def start(self, is_disaggregated: bool = False) -> Attempt:
@@ -107,21 +111,22 @@ class RequestFlow:
                 f"streamed; {what} cannot be continued where they stopped, so the request ended: send it again")
         return self.retry()
 
-    def after_engine_failure(self, worker_id: str) -> Attempt:
-        """The engine loop of ``worker_id`` failed (or had failed) while it held the request: go
-        on as after a dead worker; once a second worker's engine has failed under it,
+    def after_engine_failure(self, worker_id: str, engine_id: str | None = None) -> Attempt:
+        """The engine loop ``engine_id`` of ``worker_id`` failed (or had failed) while it held
+        the request: go on as after a dead worker; once a second engine has failed under it,
         ``RepeatedEngineFailure`` (this request may be what makes engines fail)."""
-        self.note_failed_engine(worker_id)
+        self.note_failed_engine(worker_id, engine_id)
         if len(self.failed_engines) > 1:
+            workers = sorted({worker for worker, _ in self.failed_engines})
             raise RepeatedEngineFailure(
-                f"the engines of {len(self.failed_engines)} workers failed while running request "
-                f"{self.request_id}; it may be what makes them fail, so it was not sent to another")
+                f"{len(self.failed_engines)} engines (of workers {', '.join(workers)}) failed while running "
+                f"request {self.request_id}; it may be what makes them fail, so it was not sent to another")
         return self.after_failure()
 
-    def note_failed_engine(self, worker_id: str) -> None:
-        """Count ``worker_id``'s engine as failed under this request (a path that goes on by other
-        means, like the disaggregated fall-back)."""
-        self.failed_engines.add(worker_id)
+    def note_failed_engine(self, worker_id: str, engine_id: str | None = None) -> None:
+        """Count an engine of ``worker_id`` as failed under this request (a path that goes on by
+        other means, like the disaggregated fall-back)."""
+        self.failed_engines.add((worker_id, engine_id))
 
     def retry(self) -> Attempt:
         """Start again from the prompt, forgetting what was streamed."""

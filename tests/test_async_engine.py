@@ -126,11 +126,13 @@ def test_a_bad_request_raises_at_once_and_a_shut_down_engine_ends_every_stream(t
         with pytest.raises(ValueError, match="already in use"):
             await anext(engine.generate(list(range(3, 9)), _greedy(4), request_id="long"))
         await asyncio.to_thread(engine.shutdown)
-        with pytest.raises(EngineDeadError):
+        with pytest.raises(EngineDeadError) as ended:
             async for _ in stream:
                 pass
-        with pytest.raises(EngineDeadError):
+        with pytest.raises(EngineDeadError) as refused:
             await anext(engine.generate(list(range(3, 9)), _greedy(4)))
+        # Both name this engine loop, so a handle counts them as one failed engine.
+        assert ended.value.engine_id == refused.value.engine_id == engine.engine_id is not None
 
     asyncio.run(asyncio.wait_for(main(), 60))
     assert engine.stats()["num_running"] <= 1  # answered on the caller's thread once the loop has ended

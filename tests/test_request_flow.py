@@ -86,13 +86,25 @@ def test_an_engine_failure_goes_on_elsewhere_once_and_a_second_one_ends_the_requ
     flow = _flow(max_attempts=9)
     flow.start()
     _stream(flow, 0, [11, 12])
-    resumed = flow.after_engine_failure("w0")   # like a dead worker: after the streamed tokens
+    resumed = flow.after_engine_failure("w0", "e1")   # like a dead worker: after the streamed tokens
     assert resumed.kind == RESUME and resumed.request.output_token_ids == [11, 12]
-    flow.after_failure()                        # a dead worker in between does not count,
-    flow.after_engine_failure("w0")             # nor the same dead engine seen again
-    with pytest.raises(RepeatedEngineFailure, match="engines of 2 workers failed"):
-        flow.after_engine_failure("w1")         # this request may be what makes engines fail
+    flow.after_failure()                              # a dead worker in between does not count,
+    flow.after_engine_failure("w0", "e1")             # nor the same dead engine seen again
+    with pytest.raises(RepeatedEngineFailure, match=r"2 engines \(of workers w0, w1\) failed"):
+        flow.after_engine_failure("w1", "e2")         # this request may be what makes engines fail
     assert flow.num_attempts == 4
+
+
+def test_a_restarted_workers_new_engine_failing_too_ends_the_request():
+    """With one worker, a request that made its engine fail comes back to it once it has
+    restarted: failing the new engine too ends the request (before, engines were counted by
+    worker, and such a request failed every incarnation until it ran out of attempts)."""
+    flow = _flow(max_attempts=5)
+    flow.start()
+    flow.after_engine_failure("w0", "first")
+    with pytest.raises(RepeatedEngineFailure, match=r"2 engines \(of workers w0\)"):
+        flow.after_engine_failure("w0", "second")
+    assert flow.num_attempts == 2
 
 
 def test_a_migration_continues_on_its_target_from_the_transferred_kv():
@@ -127,3 +139,19 @@ def test_attempts_are_bounded():
     flow.after_failure()
     with pytest.raises(AttemptsExhausted, match="3 attempts"):
         flow.after_failure()
+
+
+def test_the_failed_engine_is_named_through_rays_error():
+    """The handle counts engines by the id the worker's ``EngineDeadError`` carries; through
+    Ray it arrives pickled, inside the dual ``RayTaskError(EngineDeadError)``."""
+    import pickle
+
+    from ray.exceptions import RayTaskError
+
+    from pagedserve.cluster.handle import _engine_id
+    from pagedserve.workers.protocol import EngineDeadError
+
+    cause = pickle.loads(pickle.dumps(EngineDeadError("the engine loop failed: boom", "e7")))
+    error = RayTaskError("generate", "Traceback ...", cause).as_instanceof_cause()
+    assert isinstance(error, EngineDeadError) and _engine_id(error) == "e7"
+    assert _engine_id(EngineDeadError("the engine is shut down")) is None

@@ -24,6 +24,7 @@ import itertools
 import logging
 import queue
 import threading
+import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
@@ -84,6 +85,7 @@ class AsyncLLMEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._streams_lock = threading.Lock()
         self._ids = itertools.count()
+        self.engine_id = uuid.uuid4().hex[:12]  # this engine loop, in EngineDeadError
         self._stopped = False
         self.error: BaseException | None = None
         self._steps: queue.SimpleQueue[EngineStep | None] = queue.SimpleQueue()
@@ -117,7 +119,7 @@ class AsyncLLMEngine:
         if not self._post(_Add(request)):
             self._drop_stream(request_id)
             self._check_alive()
-            raise EngineDeadError("the engine is shut down")
+            raise EngineDeadError("the engine is shut down", self.engine_id)
         finished = False
         try:
             while True:
@@ -279,13 +281,13 @@ class AsyncLLMEngine:
         reason = "the engine loop failed" if self.error is not None else "the engine was shut down"
         with self._streams_lock:
             streams, self._streams = self._streams, {}
-        error = EngineDeadError(f"{reason}: {self.error!r}" if self.error is not None else reason)
+        error = EngineDeadError(f"{reason}: {self.error!r}" if self.error is not None else reason, self.engine_id)
         for loop, queue in streams.values():
             _deliver(loop, queue, error)
 
     def _check_alive(self) -> None:
         if self.error is not None:
-            raise EngineDeadError(f"the engine loop failed: {self.error!r}")
+            raise EngineDeadError(f"the engine loop failed: {self.error!r}", self.engine_id)
 
     # ---- introspection ----------------------------------------------------------------
     def stats(self) -> dict:

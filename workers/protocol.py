@@ -21,7 +21,15 @@ from .sampling_params import SamplingParams
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop failed or was shut down; requests in flight end with this error."""
+    """The engine loop failed or was shut down; requests in flight end with this error.
+
+    ``engine_id`` names the engine loop (one per worker incarnation), so a request that
+    meets the same dead engine twice counts one failure, and a restarted worker's new
+    engine counts as another."""
+
+    def __init__(self, message: str, engine_id: str | None = None) -> None:
+        super().__init__(message)
+        self.engine_id = engine_id
 
 
 @dataclass
