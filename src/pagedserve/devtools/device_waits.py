@@ -95,10 +95,13 @@ class DeviceWaitAudit:
         device = torch.device(device)
         return device.type == self.device.type and (self.device.index is None or device.index == self.device.index)
 
-    def record(self, kind: str, op: str, caller: str | None) -> None:
+    def record(self, kind: str, op: str) -> None:
+        """Note a wait of the audited code (what Triton's interpreter runs is not its own)."""
         if kind == "read" and not self.reads:
             return
-        self.waits.append(DeviceWait(kind, op, caller or "?"))
+        ours, in_triton, outside = _callers()
+        if not in_triton:
+            self.waits.append(DeviceWait(kind, op, ours or outside or "?"))
 
 
 def _callers() -> tuple[str | None, bool, str | None]:
@@ -170,9 +173,7 @@ class _ReadingOps(TorchDispatchMode):
         reads = name in _READING_OPS or (name == "aten::repeat_interleave" and kwargs.get("output_size") is None
                                          and isinstance(args[0], torch.Tensor) and len(args) == 1)
         if reads and any(self.audit.is_watched(d) for d in _tensor_devices([*args, *kwargs.values()])):
-            ours, in_triton, outside = _callers()
-            if not in_triton:
-                self.audit.record("read", name.removeprefix("aten::"), ours or outside)
+            self.audit.record("read", name.removeprefix("aten::"))
         return func(*args, **kwargs)
 
 
@@ -187,9 +188,7 @@ class _CopyAndReadCalls(TorchFunctionMode):
         if name in _READING_METHODS or name in _COPY_METHODS or name in _FACTORIES or name in _INDEXING:
             kind = self._classify(func, name, args, kwargs)
             if kind is not None:
-                ours, in_triton, outside = _callers()
-                if not in_triton:
-                    self.audit.record(kind, name, ours or outside)
+                self.audit.record(kind, name)
         return func(*args, **kwargs)
 
     def _classify(self, func, name: str, args, kwargs) -> str | None:
