@@ -486,8 +486,8 @@ def _plan_window(plan: AttentionPlan, sliding_window: int | None) -> WindowPlan:
     decode_rows = decode = None
     if decode_seqs:
         device = tables.device
-        seq_ids = torch.tensor(decode_seqs, device=device)
-        decode_rows = torch.tensor([starts[seq] for seq in decode_seqs], device=device)
+        seq_ids = torch.tensor(decode_seqs).to(device, non_blocking=True)
+        decode_rows = torch.tensor([starts[seq] for seq in decode_seqs]).to(device, non_blocking=True)
         decode = plan_decode(tables.index_select(0, seq_ids), plan.seq_lens.index_select(0, seq_ids),
                              [lens[seq] for seq in decode_seqs], plan.cache_shape, plan.is_native,
                              sliding_window)
