@@ -25,6 +25,7 @@ import logging
 import queue
 import threading
 import uuid
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
@@ -106,6 +107,19 @@ class AsyncLLMEngine:
                        **transfer_options) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. ``transfer_options`` are ``LLMEngine.add_request``'s
         disaggregation options (``export_kv``, ``kv_transfer``, ``output_token_ids``)."""
+        async with aclosing(self.generate_batches(prompt, params, request_id, priority, prompt_token_ids,
+                                                  **transfer_options)) as batches:
+            async for batch in batches:
+                for output in batch:
+                    yield output
+
+    async def generate_batches(self, prompt: str | list[int] | None, params: SamplingParams | None = None,
+                               request_id: str | None = None, priority: int = 0,
+                               prompt_token_ids: list[int] | None = None,
+                               **transfer_options) -> AsyncIterator[list[RequestOutput]]:
+        """``generate``, one list at a time: every output the engine has made for the request
+        since the caller last asked (one, unless the caller fell behind the steps). A caller
+        whose own sending costs more than a step can send each list as one message."""
         self._check_alive()
         request_id = request_id or f"req-{next(self._ids)}"
         request = self.engine.make_request(request_id, prompt, params, priority, prompt_token_ids,
@@ -122,15 +136,20 @@ class AsyncLLMEngine:
             raise EngineDeadError("the engine is shut down", self.engine_id)
         finished = False
         try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    finished = True  # the engine thread already forgot this request
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            while not finished:
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                batch = []
+                for item in items:
+                    if isinstance(item, BaseException):
+                        finished = True  # the engine thread already forgot this request
+                        if batch:
+                            yield batch
+                        raise item
+                    batch.append(item)
+                    finished = item.finished
+                yield batch
         finally:
             if not finished:
                 self.abort(request_id)

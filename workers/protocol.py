@@ -14,6 +14,7 @@ after a failure) is rebuilt from the deltas by ``accumulator.OutputAccumulator``
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from .request import RequestMetrics, RequestOutput, SampleLogprobs
@@ -80,6 +81,30 @@ class OutputDelta:
     prompt_logprobs: list[SampleLogprobs | None] | None = None
 
 
+def merge_deltas(deltas: list[OutputDelta]) -> OutputDelta:
+    """One delta saying what ``deltas`` (consecutive, of one request, oldest first) say: each
+    sample's tokens, text and logprobs joined, its latest running total and finish, the
+    latest metrics, and the prompt logprobs if one of them carried them."""
+    if len(deltas) == 1:
+        return deltas[0]
+    samples: dict[int, SampleDelta] = {}
+    for delta in deltas:
+        for news in delta.samples:
+            seen = samples.get(news.index)
+            if seen is None:
+                samples[news.index] = dataclasses.replace(news, token_ids=list(news.token_ids))
+                continue
+            seen.token_ids.extend(news.token_ids)
+            seen.text += news.text
+            if news.logprobs is not None:
+                seen.logprobs = [*(seen.logprobs or []), *news.logprobs]
+            seen.cumulative_logprob = news.cumulative_logprob
+            seen.finish_reason, seen.stop_reason = news.finish_reason, news.stop_reason
+    prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
+    last = deltas[-1]
+    return OutputDelta(last.request_id, list(samples.values()), last.finished, last.metrics, prompt_logprobs)
+
+
 @dataclass
 class Migrated:
     """The KV manager moved the request to ``target``; the stream ends here.
@@ -115,4 +140,4 @@ class DeltaEncoder:
         return OutputDelta(output.request_id, samples, output.finished, output.metrics, prompt_logprobs)
 
 
-__all__ = ["DeltaEncoder", "GenerateRequest", "Migrated", "OutputDelta", "SampleDelta"]
+__all__ = ["DeltaEncoder", "GenerateRequest", "Migrated", "OutputDelta", "SampleDelta", "merge_deltas"]

@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import os
 import time
+from contextlib import aclosing
 from typing import TYPE_CHECKING, AsyncIterator
 
 import numpy as np
@@ -32,7 +33,7 @@ from pagedserve.kvmanager import EventLog, KVPublisher, LocalKVManager, RemotePr
 from .background_loop import BackgroundLoop
 from .kv_wire import DEFAULT_TICK_S, ZmqTransport, connect_transport
 from .model_source import ModelSource
-from .protocol import DeltaEncoder, GenerateRequest, Migrated, OutputDelta
+from .protocol import DeltaEncoder, GenerateRequest, Migrated, OutputDelta, merge_deltas
 
 if TYPE_CHECKING:
     from .engine import LLMEngine
@@ -218,28 +219,36 @@ class Worker:
 
             options["kv_transfer"] = KVTransfer(header, payload)
         self._note_arrival()
-        stream = self.async_engine.generate(request.prompt, request.params, request.request_id, request.priority,
-                                            request.prompt_token_ids, **options)
+        batches = self.async_engine.generate_batches(request.prompt, request.params, request.request_id,
+                                                     request.priority, request.prompt_token_ids, **options)
         encoder = DeltaEncoder()
         noted = not request.kv  # the transfer's timings go on its first output
-        async for output in stream:
-            if not noted:
-                self.async_engine.note_transfer(output.request_id, fetch_s, memcpy_s)
-                output.metrics.kv_transfer_s += fetch_s
-                output.metrics.kv_memcpy_s += memcpy_s
-                noted = True
-            if output.migrate_to is not None:
+        # One message per batch: the outputs made since this stream last sent. Each message costs
+        # the actor's event loop a few hundred microseconds, so when many streams share it, one
+        # per step would fall behind the engine; merged, every stream sends what is new.
+        async with aclosing(batches):
+            async for batch in batches:
+                if not noted:
+                    output = batch[0]
+                    self.async_engine.note_transfer(output.request_id, fetch_s, memcpy_s)
+                    output.metrics.kv_transfer_s += fetch_s
+                    output.metrics.kv_memcpy_s += memcpy_s
+                    noted = True
+                deltas = [encoder.encode(output) for output in batch]
+                migrated = batch[-1]
+                if migrated.migrate_to is None:
+                    yield merge_deltas(deltas)
+                    continue
                 # Not an end for the caller: its last tokens (if any) and where it goes on.
-                delta = encoder.encode(output)
+                delta = merge_deltas(deltas)
                 delta.samples = [dataclasses.replace(s, finish_reason=None, stop_reason=None)
                                  for s in delta.samples if s.token_ids or s.text]
                 delta.finished = False
                 if delta.samples:
                     yield delta
-                kv = self._hold_export(output.request_id, output.kv_transfer)
-                yield Migrated(output.request_id, output.migrate_to, kv)
+                kv = self._hold_export(migrated.request_id, migrated.kv_transfer)
+                yield Migrated(migrated.request_id, migrated.migrate_to, kv)
                 return
-            yield encoder.encode(output)
 
     async def prefill(self, request: GenerateRequest) -> tuple[OutputDelta, tuple | None]:
         """Run a request's prompt and sample its first token here (a prefill worker).
