@@ -136,3 +136,30 @@ def test_a_bad_request_raises_at_once_and_a_shut_down_engine_ends_every_stream(t
 
     asyncio.run(asyncio.wait_for(main(), 60))
     assert engine.stats()["num_running"] <= 1  # answered on the caller's thread once the loop has ended
+
+
+def test_a_caller_that_falls_behind_gets_every_output_made_since_in_one_batch(tiny_model):
+    """``generate_batches`` hands over everything queued for the request: a caller that
+    pauses for many steps gets them as one list (the worker sends such a list as one
+    message), and the outputs are the ones ``generate`` yields one by one."""
+    llm = LLM(model=tiny_model("llama"), device="cpu", dtype="float32", block_size=8,
+              num_device_blocks=64, swap_space_gb=0.001)
+    prompt = list(range(3, 20))
+    expected = llm.generate([prompt], _greedy(40))[0].outputs[0].token_ids
+    engine = AsyncLLMEngine(llm.engine)
+
+    async def main():
+        sizes, tokens = [], []
+        async for batch in engine.generate_batches(prompt, _greedy(40)):
+            sizes.append(len(batch))
+            tokens.extend(t for output in batch for t in output.outputs[0].delta_token_ids)
+            if len(sizes) == 2:
+                await asyncio.sleep(0.5)  # the engine steps on meanwhile
+        return sizes, tokens, batch[-1]
+
+    try:
+        sizes, tokens, last = asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        engine.shutdown()
+    assert tokens == expected == last.outputs[0].token_ids and last.finished
+    assert max(sizes) > 5 and sum(sizes) >= 40, sizes

@@ -16,7 +16,7 @@ import pytest
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.workers.accumulator import OutputAccumulator
-from pagedserve.workers.protocol import DeltaEncoder, OutputDelta, SampleDelta
+from pagedserve.workers.protocol import DeltaEncoder, OutputDelta, SampleDelta, merge_deltas
 from pagedserve.workers.request import RequestMetrics, SampleLogprobs
 
 FIELDS = ("index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason", "stop_reason",
@@ -70,6 +70,40 @@ def test_accumulated_outputs_equal_the_engines(llm):
     assert len(last["greedy"].prompt_logprobs) == len(requests["greedy"][0])
     llm.engine.check_integrity()
     assert llm.engine.num_used_blocks() == 0
+
+
+def test_merged_runs_of_deltas_rebuild_the_same_outputs(llm):
+    """A worker whose stream falls behind the engine sends the deltas made since its last
+    message as one (``merge_deltas``): any grouping of a request's deltas rebuilds the same
+    cumulative output (tokens, text, logprobs, running totals, finishes, prompt logprobs)."""
+    requests = {
+        "greedy": (list(range(3, 30)), SamplingParams(temperature=0.0, max_tokens=24, logprobs=2,
+                                                      prompt_logprobs=1)),
+        "n3": (list(range(40, 52)), SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=20, logprobs=1)),
+        "stop": (list(range(5, 17)), SamplingParams(temperature=0.8, seed=3, max_tokens=30, stop=["e", " t"])),
+        "beam": (list(range(20, 26)), SamplingParams(n=2, use_beam_search=True, temperature=0.0, max_tokens=6)),
+    }
+    deltas: dict[str, list[OutputDelta]] = {rid: [] for rid in requests}
+    finals = {}
+    for output, delta in _run(llm, requests):
+        deltas[output.request_id].append(delta)
+        if output.finished:
+            finals[output.request_id] = output
+    before = pickle.dumps(deltas)
+    for rid, run in deltas.items():
+        for group in (1, 2, 3, 7, len(run)):
+            accumulator = OutputAccumulator(rid, None, requests[rid][0])
+            merged = [merge_deltas(run[i:i + group]) for i in range(0, len(run), group)]
+            rebuilt = [accumulator.add(pickle.loads(pickle.dumps(m, protocol=5))) for m in merged][-1]
+            final = finals[rid]
+            assert rebuilt.finished and rebuilt.prompt_logprobs == final.prompt_logprobs, (rid, group)
+            assert rebuilt.metrics == final.metrics
+            for mine, theirs in zip(rebuilt.outputs, sorted(final.outputs, key=lambda c: c.index), strict=True):
+                for name in ("index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason",
+                             "stop_reason"):
+                    assert getattr(mine, name) == getattr(theirs, name), (rid, group, name)
+    assert pickle.dumps(deltas) == before and len(deltas["greedy"]) > 20  # nothing merged in place
+    assert merge_deltas(deltas["greedy"][:1]) is deltas["greedy"][0]
 
 
 def test_a_delta_carries_only_news(llm):
