@@ -245,9 +245,10 @@ class ClusterHandle:
                 # EngineDeadError: the worker lives, its engine loop ended (a RayTaskError that is
                 # also an EngineDeadError). Its other requests fail too, and the controller restarts it.
                 is_engine_failure = isinstance(exc, EngineDeadError)
+                engine_id = _engine_id(exc)
                 self.health.note_failure(run.worker_id, f"request {request_id}: {type(exc).__name__}")
                 attempt = self._next_attempt(
-                    (lambda: flow.after_engine_failure(run.worker_id, _engine_id(exc))) if is_engine_failure
+                    (lambda: flow.after_engine_failure(run.worker_id, engine_id)) if is_engine_failure
                     else flow.after_failure, exc)
                 logger.warning("request %s: %s %s failed (%r); resuming elsewhere", request_id,
                                "the engine of worker" if is_engine_failure else "worker", run.worker_id, exc)
