@@ -24,7 +24,6 @@ import json
 import random
 from collections import Counter
 
-import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from pagedserve import LLM, SamplingParams
