@@ -229,7 +229,7 @@ class Worker:
         async with aclosing(batches):
             async for batch in batches:
                 if not noted:
-                    output = batch[0]
+                    output = batch[-1]  # whose metrics the merged delta carries
                     self.async_engine.note_transfer(output.request_id, fetch_s, memcpy_s)
                     output.metrics.kv_transfer_s += fetch_s
                     output.metrics.kv_memcpy_s += memcpy_s
