@@ -195,6 +195,16 @@ def resolve_scale(scale: float | None, head_dim: int) -> float:
     return head_dim ** -0.5 if scale is None else float(scale)
 
 
+def index_on(index: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``index`` (block pairs, rows, addresses) on ``device``, as ``dtype``: a copy from the host
+    is queued without making the host wait for the stream; a copy from a device to the host
+    waits, because the host reads it next (an asynchronous one would land in pinned memory after
+    the read)."""
+    device = torch.device(device)
+    to_host = device.type == "cpu" and index.device.type != "cpu"
+    return index.to(device=device, dtype=dtype or index.dtype, non_blocking=not to_host)
+
+
 def check_block_pairs(block_pairs: torch.Tensor) -> None:
     """Check that ``block_pairs`` is an integer ``[n, 2]`` (src, dst) tensor."""
     if not isinstance(block_pairs, torch.Tensor):

@@ -486,8 +486,8 @@ def _plan_window(plan: AttentionPlan, sliding_window: int | None) -> WindowPlan:
     decode_rows = decode = None
     if decode_seqs:
         device = tables.device
-        seq_ids = torch.tensor(decode_seqs).to(device, non_blocking=True)
-        decode_rows = torch.tensor([starts[seq] for seq in decode_seqs]).to(device, non_blocking=True)
+        seq_ids = layout.index_on(torch.tensor(decode_seqs), device)
+        decode_rows = layout.index_on(torch.tensor([starts[seq] for seq in decode_seqs]), device)
         decode = plan_decode(tables.index_select(0, seq_ids), plan.seq_lens.index_select(0, seq_ids),
                              [lens[seq] for seq in decode_seqs], plan.cache_shape, plan.is_native,
                              sliding_window)
@@ -564,7 +564,7 @@ def copy_blocks(k_caches, v_caches, block_pairs) -> None:
     for cache in list(k_caches) + list(v_caches):
         pairs = pairs_by_device.get(cache.device)
         if pairs is None:
-            pairs = block_pairs.to(device=cache.device, dtype=torch.long, non_blocking=True)
+            pairs = layout.index_on(block_pairs, cache.device, torch.long)
             pairs_by_device[cache.device] = pairs
         src, dst = pairs[:, 0], pairs[:, 1]
         cache.index_copy_(0, dst, cache.index_select(0, src))
@@ -578,8 +578,8 @@ def swap_blocks(src_cache, dst_cache, block_pairs) -> None:
     if block_pairs.shape[0] == 0:
         return
     pairs = block_pairs.long()
-    src = pairs[:, 0].to(src_cache.device, non_blocking=True)
-    dst = pairs[:, 1].to(dst_cache.device, non_blocking=True)
+    src = layout.index_on(pairs[:, 0], src_cache.device)
+    dst = layout.index_on(pairs[:, 1], dst_cache.device)
     blocks = src_cache.index_select(0, src)
     if blocks.device != dst_cache.device:
         # Host -> device can be asynchronous: the copy is ordered before index_copy_ on

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import layout
 from . import triton_attention_kernels as attention_kernels
 from . import triton_cache_kernels as cache_kernels
 
@@ -282,7 +283,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def _block_pairs_on(block_pairs: torch.Tensor, device: torch.device, op_name: str) -> torch.Tensor:
     if block_pairs.dim() != 2 or block_pairs.shape[1] != 2:
         raise ValueError(f"{op_name}: block_pairs must be [num_pairs, 2], got {tuple(block_pairs.shape)}")
-    return block_pairs.to(device=device, dtype=torch.int64, non_blocking=True).contiguous()
+    return layout.index_on(block_pairs, device, torch.int64).contiguous()
 
 
 def _launch_block_copy(src_caches, dst_caches, pairs: torch.Tensor, op_name: str) -> None:
@@ -293,8 +294,8 @@ def _launch_block_copy(src_caches, dst_caches, pairs: torch.Tensor, op_name: str
         if cache.dtype != reference.dtype or cache.shape[1:] != reference.shape[1:]:
             raise ValueError(f"{op_name}: all caches must share dtype and block shape")
     device = reference.device
-    src_addrs = torch.tensor([c.data_ptr() for c in src_caches], dtype=torch.int64).to(device, non_blocking=True)
-    dst_addrs = torch.tensor([c.data_ptr() for c in dst_caches], dtype=torch.int64).to(device, non_blocking=True)
+    src_addrs = layout.index_on(torch.tensor([c.data_ptr() for c in src_caches], dtype=torch.int64), device)
+    dst_addrs = layout.index_on(torch.tensor([c.data_ptr() for c in dst_caches], dtype=torch.int64), device)
     block_numel = reference[0].numel()
     cache_kernels.copy_blocks_kernel[(len(src_caches), pairs.shape[0])](
         src_addrs, dst_addrs, reference, pairs, block_numel, BLOCK=1024, num_warps=4,
@@ -343,8 +344,8 @@ def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, block_pairs: t
 
 
 def _swap_blocks_across_devices(src_cache: torch.Tensor, dst_cache: torch.Tensor, pairs: torch.Tensor) -> None:
-    src_index = pairs[:, 0].to(src_cache.device, non_blocking=True)
-    dst_index = pairs[:, 1].to(dst_cache.device, non_blocking=True)
+    src_index = layout.index_on(pairs[:, 0], src_cache.device)
+    dst_index = layout.index_on(pairs[:, 1], dst_cache.device)
     gathered = src_cache.index_select(0, src_index)
     is_to_device = dst_cache.device.type != "cpu"
     moved = gathered.to(dst_cache.device, non_blocking=is_to_device)
