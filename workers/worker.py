@@ -260,16 +260,17 @@ class Worker:
         """
         params = dataclasses.replace(request.params, max_tokens=1)
         encoder = DeltaEncoder()
-        last = None
+        deltas = []
         self._note_arrival()
         async for output in self.async_engine.generate(
                 request.prompt, params, request.request_id, request.priority, request.prompt_token_ids,
                 export_kv=True):
-            last = encoder.encode(output)
+            deltas.append(encoder.encode(output))
+        first = merge_deltas(deltas)  # everything the prompt's run made, in one delta
         transfer = self.async_engine.take_kv_export(request.request_id)
         if transfer is None:
-            return last, None
-        return last, (transfer.header, transfer.payload)
+            return first, None
+        return first, (transfer.header, transfer.payload)
 
     def _hold_export(self, request_id: str, transfer) -> object:
         """Put a migration's KV in the object store and keep it alive until released.
