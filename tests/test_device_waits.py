@@ -171,6 +171,8 @@ def test_a_mixed_steps_forward_never_reads_the_device(monkeypatch):
     assert stats["num_steps"] - stats["num_decode_steps"] >= 2  # the long prompt took two chunks
     assert len(audits) == 2 * stats["num_steps"]
     assert [line for audit in audits for line in audit.summary()] == []
+    llm.check_integrity()
+    assert llm.engine.num_used_blocks() == 0
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["eager", "padded"])
@@ -200,6 +202,7 @@ def test_overlapped_steps_never_block_on_uploads(padded, tiny_model):
     assert stats["num_steps"] - stats["num_decode_steps"] >= 2  # chunked prefill: mixed steps ran
     assert (stats.get("num_padded_decode_steps", 0) > 0) == padded
     assert audit.summary() == []
+    llm.check_integrity()
     assert llm.engine.num_used_blocks() == 0
 
 
