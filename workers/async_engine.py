@@ -9,9 +9,10 @@ inbox. A second thread, the output thread, turns each step's sampled tokens
 into outputs (``OutputProcessor``: detokenizing, stop strings, deltas), so the
 engine thread goes on to the next step meanwhile; sequences a stop string
 ended go back to the engine thread through the inbox, before their final
-output is delivered. Each request's outputs go to its own asyncio queue on the
-caller's event loop, so an event loop that serves many streams is never
-blocked by the engine. A caller that stops iterating (a client that
+output is delivered. Each request's outputs go to its own asyncio queue (or,
+through ``add_stream``, any sink) on the caller's event loop, one wake-up of
+that loop per step however many of its requests the step fed, so an event
+loop that serves many streams is never blocked by the engine. A caller that stops iterating (a client that
 disconnects, a cancelled task) aborts its request, so its blocks return to the
 pool at once.
 """
@@ -27,7 +28,7 @@ import threading
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Protocol
 
 from .engine import EngineConfig, LLMEngine
 from .output_processor import EngineStep
@@ -61,6 +62,12 @@ class _Stop:
     seqs: list[Sequence]   # stop strings ended them (found by the output thread)
 
 
+class OutputSink(Protocol):
+    """Where a request's outputs go (``AsyncLLMEngine.add_stream``): an ``asyncio.Queue`` fits."""
+
+    def put_nowait(self, item: RequestOutput | BaseException) -> None: ...
+
+
 # Ends the output thread's queue.
 _NO_MORE_STEPS = None
 
@@ -82,8 +89,8 @@ class AsyncLLMEngine:
         self._inbox: list[_Add | _Abort | _Call] = []
         self._inbox_lock = threading.Lock()
         self._is_accepting = True
-        # request id -> (event loop, queue) of every request whose final output is not delivered yet
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # request id -> (event loop, sink) of every request whose final output is not delivered yet
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, OutputSink]] = {}
         self._streams_lock = threading.Lock()
         self._ids = itertools.count()
         self.engine_id = uuid.uuid4().hex[:12]  # this engine loop, in EngineDeadError
@@ -120,20 +127,9 @@ class AsyncLLMEngine:
         """``generate``, one list at a time: every output the engine has made for the request
         since the caller last asked (one, unless the caller fell behind the steps). A caller
         whose own sending costs more than a step can send each list as one message."""
-        self._check_alive()
-        request_id = request_id or f"req-{next(self._ids)}"
-        request = self.engine.make_request(request_id, prompt, params, priority, prompt_token_ids,
-                                           **transfer_options)
-        loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        with self._streams_lock:
-            if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            self._streams[request_id] = (loop, queue)
-        if not self._post(_Add(request)):
-            self._drop_stream(request_id)
-            self._check_alive()
-            raise EngineDeadError("the engine is shut down", self.engine_id)
+        request_id = self.add_stream(queue, prompt, params, request_id, priority, prompt_token_ids,
+                                     **transfer_options)
         finished = False
         try:
             while not finished:
@@ -153,6 +149,31 @@ class AsyncLLMEngine:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    def add_stream(self, sink: OutputSink, prompt: str | list[int] | None, params: SamplingParams | None = None,
+                   request_id: str | None = None, priority: int = 0, prompt_token_ids: list[int] | None = None,
+                   **transfer_options) -> str:
+        """Start a request whose outputs go to ``sink.put_nowait``, called on this event loop in
+        step order: each ``RequestOutput``, the last one ``finished``, or the ``EngineDeadError``
+        that ends it. Returns its id. A bad request raises here and nothing is queued.
+
+        ``generate`` without a coroutine per request: a caller that serves many requests
+        handles each step's outputs in one pass (one wake-up of its loop per step). The caller
+        aborts the requests it stops reading."""
+        self._check_alive()
+        request_id = request_id or f"req-{next(self._ids)}"
+        request = self.engine.make_request(request_id, prompt, params, priority, prompt_token_ids,
+                                           **transfer_options)
+        loop = asyncio.get_running_loop()
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = (loop, sink)
+        if not self._post(_Add(request)):
+            self._drop_stream(request_id)
+            self._check_alive()
+            raise EngineDeadError("the engine is shut down", self.engine_id)
+        return request_id
 
     def abort(self, request_id: str) -> bool:
         """Abort a request; its stream ends with a final output (finish_reason "abort").
@@ -269,13 +290,22 @@ class AsyncLLMEngine:
                 _run_call(self.engine, command)
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            with self._streams_lock:
+        """Hand a step's outputs to their callers' queues: one wake-up per event loop, however
+        many of its streams the step fed."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OutputSink, RequestOutput]]] = {}
+        with self._streams_lock:
+            for output in outputs:
                 stream = self._streams.get(output.request_id)
-                if stream is not None and output.finished:
+                if stream is None:
+                    continue
+                if output.finished:
                     del self._streams[output.request_id]
-            if stream is not None and not _deliver(*stream, output) and not output.finished:
-                self.abort(output.request_id)
+                by_loop.setdefault(stream[0], []).append((stream[1], output))
+        for loop, items in by_loop.items():
+            if not _deliver_many(loop, items):  # that loop has closed: its callers are gone
+                for _, output in items:
+                    if not output.finished:
+                        self.abort(output.request_id)
 
     def _end_stream(self, request_id: str, error: BaseException) -> None:
         stream = self._drop_stream(request_id)
@@ -339,11 +369,28 @@ def _run_call(engine: LLMEngine, call: _Call) -> None:
         call.future.set_exception(exc)
 
 
-def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item) -> bool:
-    """Hand ``item`` to a caller's queue on its event loop; False when that loop has
+def _put_many(items: list[tuple[OutputSink, Any]]) -> None:
+    for sink, item in items:
+        try:
+            sink.put_nowait(item)
+        except Exception:  # a sink's own bug must not cost the other requests their outputs
+            logger.exception("delivering an output of request %s failed", getattr(item, "request_id", "?"))
+
+
+def _deliver_many(loop: asyncio.AbstractEventLoop, items: list[tuple[OutputSink, Any]]) -> bool:
+    """``_deliver`` for several sinks of one event loop, in one call."""
+    try:
+        loop.call_soon_threadsafe(_put_many, items)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, sink: OutputSink, item) -> bool:
+    """Hand ``item`` to a caller's sink on its event loop; False when that loop has
     closed (the caller is gone), which must not take the engine loop down."""
     try:
-        loop.call_soon_threadsafe(queue.put_nowait, item)
+        loop.call_soon_threadsafe(sink.put_nowait, item)
     except RuntimeError:
         return False
     return True
