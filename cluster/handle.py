@@ -34,6 +34,7 @@ from .placement import remove_worker_placement
 from .request_flow import (MIGRATE, Attempt, AttemptsExhausted, RepeatedEngineFailure, RequestFlow,
                            StreamNotResumable)
 from .router import Router, kv_blocks_used_frac
+from .worker_channels import ChannelClosed, WorkerChannels
 from .worker_pool import actor_name_of
 from .stats import gather_stats_sync, kv_manager_stats
 
@@ -117,10 +118,11 @@ class ClusterHandle:
         self._num_not_resumable = 0
         self._num_repeated_engine_failures = 0
         self._lock = threading.Lock()
+        self.channels = WorkerChannels()
 
     def __getstate__(self):
         state = {k: v for k, v in self.__dict__.items()
-                 if k not in ("router", "health", "_tokenizer", "_ids", "_lock", "_created")}
+                 if k not in ("router", "health", "_tokenizer", "_ids", "_lock", "_created", "channels")}
         state["owns_ray"] = False
         return state
 
@@ -241,9 +243,10 @@ class ClusterHandle:
                 logger.warning("request %s: transferred KV lost (%r); recomputing", request_id, exc)
                 self._num_resumed += 1
                 continue
-            except (RayActorError, asyncio.TimeoutError, EngineDeadError) as exc:
-                # EngineDeadError: the worker lives, its engine loop ended (a RayTaskError that is
-                # also an EngineDeadError). Its other requests fail too, and the controller restarts it.
+            except (RayActorError, asyncio.TimeoutError, EngineDeadError, ChannelClosed) as exc:
+                # EngineDeadError: the worker lives, its engine loop ended. Its other requests fail
+                # too, and the controller restarts it. ChannelClosed: the worker's output channel
+                # broke without a cause (treated as a failed worker).
                 is_engine_failure = isinstance(exc, EngineDeadError)
                 engine_id = _engine_id(exc)
                 self.health.note_failure(run.worker_id, f"request {request_id}: {type(exc).__name__}")
@@ -306,10 +309,10 @@ class ClusterHandle:
         run.worker_id = decision.worker_id
         worker = self.workers[decision.worker_id]
         finished = False
+        items = self.channels.stream(decision.worker_id, worker, request,
+                                     self.config.server.limits.request_timeout_s)
         try:
-            async for ref in worker.generate.options(num_returns="streaming").remote(request):
-                item: OutputDelta | Migrated = await asyncio.wait_for(
-                    ref, timeout=self.config.server.limits.request_timeout_s)
+            async for item in items:
                 if isinstance(item, Migrated):
                     run.migrated = item
                     finished = True  # nothing left to abort on this worker
@@ -320,6 +323,7 @@ class ClusterHandle:
                 if finished:
                     return
         finally:
+            await items.aclose()
             self.router.release(decision, max_tokens)
             if not finished:
                 try:
@@ -364,19 +368,20 @@ class ClusterHandle:
         worker = self.workers[decision.worker_id]
         request = dataclasses.replace(request, kv=[kv_ref], output_token_ids=accumulator.token_ids())
         finished = False
+        deltas = self.channels.stream(decision.worker_id, worker, request, timeout)
         try:
-            async for ref in worker.generate.options(num_returns="streaming").remote(request):
-                delta: OutputDelta = await asyncio.wait_for(ref, timeout=timeout)
+            async for delta in deltas:
                 finished = delta.finished
                 yield accumulator.add(delta)
                 if finished:
                     return
-        except (RayActorError, asyncio.TimeoutError, EngineDeadError) as exc:
+        except (RayActorError, asyncio.TimeoutError, EngineDeadError, ChannelClosed) as exc:
             self.health.note_failure(decision.worker_id, f"decode of {request_id}: {type(exc).__name__}")
             if isinstance(exc, EngineDeadError):
                 flow.note_failed_engine(decision.worker_id, _engine_id(exc))
             raise _DisaggregationFailed() from exc
         finally:
+            await deltas.aclose()
             self.router.release(decision, params.max_tokens)
             if not finished:
                 worker.abort.remote(request_id)
@@ -518,6 +523,7 @@ class ClusterHandle:
         import ray
 
         self.health.stop()
+        self.channels.close()
         try:  # the controller first: it restarts nothing more, and stops the workers it started
             ray.get(self.controller.shutdown.remote(), timeout=30)
         except Exception:

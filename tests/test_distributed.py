@@ -211,6 +211,48 @@ def test_greedy_matches_single_process_engine(handle, reference):
     assert used == set(handle.workers), "the load should spread over every worker"
 
 
+def _open_channels(handle) -> int:
+    """Output channels open on the workers (``Worker.channels``)."""
+    return sum(ray.get(worker.__ray_call__.remote(lambda w: len(w.channels)), timeout=30)
+               for worker in handle.workers.values())
+
+
+def test_a_handle_reads_each_worker_through_one_channel_closed_with_its_event_loop(handle, reference):
+    """Streams running together on a worker come back in shared messages (fewer messages than
+    outputs), each exact; the channels close with the event loop that read them, and a loop that
+    ends mid-stream leaves nothing running on the workers."""
+    prompts = _prompts(seed=12)
+
+    async def stream_all(max_tokens: int, stop_after: int | None = None):
+        outputs: dict[int, list] = {}
+
+        async def one(index, prompt):
+            async for output in handle.generate(None, _greedy(max_tokens), prompt_token_ids=prompt,
+                                                is_streamed=True):
+                outputs.setdefault(index, []).append(output)
+                if stop_after is not None and len(outputs[index]) >= stop_after:
+                    await asyncio.sleep(3600)  # the loop ends under it (asyncio.run cancels it)
+
+        before = handle.channels.num_messages()
+        tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(prompts)]
+        if stop_after is None:
+            await asyncio.gather(*tasks)
+        else:
+            while sum(len(v) >= stop_after for v in outputs.values()) < len(prompts):
+                await asyncio.sleep(0.01)
+        return outputs, handle.channels.num_messages() - before
+
+    outputs, num_messages = asyncio.run(stream_all(MAX_TOKENS))
+    assert [list(outputs[i][-1].outputs[0].token_ids) for i in range(len(prompts))] == reference(prompts, MAX_TOKENS)
+    num_outputs = sum(len(v) for v in outputs.values())
+    assert num_messages < num_outputs, (num_messages, num_outputs)
+    _wait_for(lambda: _open_channels(handle) == 0, 30, "the closed loop's channels to close on the workers")
+
+    asyncio.run(stream_all(300, stop_after=2))  # every request still running when the loop ends
+    _wait_for(lambda: _open_channels(handle) == 0, 30, "the channels to close")
+    _wait_for(lambda: handle.num_used_blocks() == 0, 30, "the abandoned requests' blocks to come back")
+
+
 def test_repeated_prefix_goes_to_the_worker_that_holds_it(handle, reference):
     rng = random.Random(2)
     prefix = [rng.randrange(3, 1024) for _ in range(96)]   # six full blocks of 16

@@ -1,12 +1,14 @@
 """The handle <-> worker protocol: typed messages across the actor boundary.
 
-A request goes to a worker as a ``GenerateRequest``. The worker streams back
-one ``OutputDelta`` per engine step that produced something for it: only
-what is new (token ids, text, logprobs, and a sample's finish the first time
-it is seen), so the bytes per streamed token stay the same however long the
-sequence grows. Control messages are separate types: ``Migrated`` ends a
-stream whose request the KV manager moved to another worker. A stream whose
-worker's engine loop ended (failed or shut down) raises ``EngineDeadError``.
+A request goes to a worker as a ``GenerateRequest``. The worker sends back
+``OutputDelta``s, one per request per message of its output channel
+(``output_channel``: one message per engine step for all of a handle's
+requests): only what is new (token ids, text, logprobs, and a sample's
+finish the first time it is seen), so the bytes per streamed token stay the
+same however long the sequence grows. Control messages are separate types:
+``Migrated`` ends a request the KV manager moved to another worker. A
+request whose worker's engine loop ended (failed or shut down) ends with
+``EngineDeadError``.
 
 The cumulative view an API needs (non-streaming bodies, n > 1, resuming
 after a failure) is rebuilt from the deltas by ``accumulator.OutputAccumulator``.

@@ -23,7 +23,6 @@ import dataclasses
 import logging
 import os
 import time
-from contextlib import aclosing
 from typing import TYPE_CHECKING, AsyncIterator
 
 import numpy as np
@@ -33,7 +32,8 @@ from pagedserve.kvmanager import EventLog, KVPublisher, LocalKVManager, RemotePr
 from .background_loop import BackgroundLoop
 from .kv_wire import DEFAULT_TICK_S, ZmqTransport, connect_transport
 from .model_source import ModelSource
-from .protocol import DeltaEncoder, GenerateRequest, Migrated, OutputDelta, merge_deltas
+from .output_channel import ChannelMessage, OutputChannel
+from .protocol import DeltaEncoder, GenerateRequest, OutputDelta, merge_deltas
 
 if TYPE_CHECKING:
     from .engine import LLMEngine
@@ -53,6 +53,9 @@ STALL_TIMEOUT_FACTOR = 2.0
 PREEMPTION_TIMEOUT_S = 1.0
 PREEMPTION_BACKOFF_S = 5.0
 IDLE_SENDER_WAKEUP_S = 0.025   # an idle engine's due flushes and acks: no need to wake more often
+# Ids of channels closed here that are remembered, so a request that arrives after its
+# channel closed is refused rather than run for nobody.
+CLOSED_CHANNELS_KEPT = 4096
 # A migrated sequence's KV export is kept alive here until the handle releases it
 # (the target has fetched it) or, should the handle never do so, this long.
 EXPORT_HOLD_S = 300.0
@@ -111,6 +114,8 @@ class Worker:
         self.last_progress = time.time()
         self.pending_stall_s = 0.0
         self.held_exports: dict[str, tuple[object, float]] = {}
+        self.channels: dict[str, OutputChannel] = {}
+        self.closed_channels: dict[str, None] = {}   # insertion-ordered: the oldest go first
         kv_manager_name, kv_manager = kv_manager, ray.get_actor(kv_manager, namespace=namespace)
         self.preemption = RemotePreemptionPolicy(lambda request: self.kv_link.decide_preemption(request),
                                                  backoff_s=PREEMPTION_BACKOFF_S)
@@ -204,51 +209,55 @@ class Worker:
             time.sleep(seconds)
 
     # ---- requests -------------------------------------------------------------------
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[OutputDelta | Migrated]:
-        """Stream a request's ``OutputDelta``s; a request the KV manager migrates away ends
-        with ``Migrated`` (the target worker and the held KV export)."""
+    # ---- channels: one stream per handle for all its requests -----------------------------
+    async def submit(self, channel_id: str, request: GenerateRequest) -> bool:
+        """Start ``request``: its ``OutputDelta``s go out on channel ``channel_id``
+        (``channel_outputs``), ending with the finished one, or with ``Migrated`` when the KV
+        manager moves it to another worker. Raises for a request the engine refuses. False if
+        that channel has closed: the request was not started."""
+        if channel_id in self.closed_channels:
+            return False
         options = {"output_token_ids": request.output_token_ids} if request.output_token_ids else {}
-        fetch_s = memcpy_s = 0.0
+        transfer_s = None
         if request.kv:
             # The transfer arrives as a nested ObjectRef so that fetching it is timed here.
             start = time.perf_counter()
             header, payload = await request.kv[0]
             fetch_s = time.perf_counter() - start
-            memcpy_s = _time_local_copy(payload)
+            transfer_s = (fetch_s, _time_local_copy(payload))
             from .kv_transfer import KVTransfer
 
             options["kv_transfer"] = KVTransfer(header, payload)
+            if channel_id in self.closed_channels:  # closed while the KV came
+                return False
         self._note_arrival()
-        batches = self.async_engine.generate_batches(request.prompt, request.params, request.request_id,
-                                                     request.priority, request.prompt_token_ids, **options)
-        encoder = DeltaEncoder()
-        noted = not request.kv  # the transfer's timings go on its first output
-        # One message per batch: the outputs made since this stream last sent. Each message costs
-        # the actor's event loop a few hundred microseconds, so when many streams share it, one
-        # per step would fall behind the engine; merged, every stream sends what is new.
-        async with aclosing(batches):
-            async for batch in batches:
-                if not noted:
-                    output = batch[-1]  # whose metrics the merged delta carries
-                    self.async_engine.note_transfer(output.request_id, fetch_s, memcpy_s)
-                    output.metrics.kv_transfer_s += fetch_s
-                    output.metrics.kv_memcpy_s += memcpy_s
-                    noted = True
-                deltas = [encoder.encode(output) for output in batch]
-                migrated = batch[-1]
-                if migrated.migrate_to is None:
-                    yield merge_deltas(deltas)
-                    continue
-                # Not an end for the caller: its last tokens (if any) and where it goes on.
-                delta = merge_deltas(deltas)
-                delta.samples = [dataclasses.replace(s, finish_reason=None, stop_reason=None)
-                                 for s in delta.samples if s.token_ids or s.text]
-                delta.finished = False
-                if delta.samples:
-                    yield delta
-                kv = self._hold_export(migrated.request_id, migrated.kv_transfer)
-                yield Migrated(migrated.request_id, migrated.migrate_to, kv)
-                return
+        self._channel(channel_id).start(request, transfer_s, **options)
+        return True
+
+    async def channel_outputs(self, channel_id: str) -> AsyncIterator[ChannelMessage]:
+        """Stream channel ``channel_id``: one message whenever its requests made something
+        since the last one. Ends when the channel is closed; the caller going away closes it,
+        aborting its requests."""
+        channel = self._channel(channel_id)
+        try:
+            while (message := await channel.take()) is not None:
+                yield message
+        finally:
+            self.close_channel(channel_id)
+
+    def close_channel(self, channel_id: str) -> int:
+        """Close a channel: its running requests are aborted. Returns how many there were."""
+        self.closed_channels[channel_id] = None
+        while len(self.closed_channels) > CLOSED_CHANNELS_KEPT:
+            del self.closed_channels[next(iter(self.closed_channels))]
+        channel = self.channels.pop(channel_id, None)
+        return 0 if channel is None else channel.close()
+
+    def _channel(self, channel_id: str) -> OutputChannel:
+        channel = self.channels.get(channel_id)
+        if channel is None:
+            channel = self.channels[channel_id] = OutputChannel(channel_id, self.async_engine, self._hold_export)
+        return channel
 
     async def prefill(self, request: GenerateRequest) -> tuple[OutputDelta, tuple | None]:
         """Run a request's prompt and sample its first token here (a prefill worker).
@@ -369,6 +378,7 @@ class Worker:
                 "num_central_preemption_failures": self.preemption.num_failures,
                 "num_local_preemption_decisions": self.preemption.num_local,
                 "num_held_exports": len(self.held_exports),
+                "num_output_channels": len(self.channels),
                 "is_draining": self.engine.scheduler.is_draining,
                 "num_drain_migrations": self.engine.scheduler.num_drain_migrations,
                 **self._parallel_info(),

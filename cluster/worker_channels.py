@@ -1,0 +1,179 @@
+"""The handle's end of the worker channels: one output stream per worker, split by request.
+
+A handle sends each request to its worker with ``Worker.submit`` and reads every
+request's outputs from one streamed call per worker, ``Worker.channel_outputs``
+(``workers.output_channel``): one message per engine step for all the requests
+in flight there, rather than one per request. A reader task per channel hands
+each item to its request's queue; ``WorkerChannels.stream`` is what a request
+iterates, and it sees what a call of its own would have: its items in order,
+then the end, or the error that ended it.
+
+A channel that fails (the worker died or restarted, its stream broke) ends every
+request on it with that error, and the next request to that worker opens a new
+channel. Channels belong to an event loop: a handle used from several loops
+(``generate_sync`` runs one per call) opens channels in each, and a channel whose
+loop has gone is closed on the worker, which aborts what still ran on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import AsyncIterator
+
+from pagedserve.workers.output_channel import ChannelItem
+from pagedserve.workers.protocol import GenerateRequest, Migrated, OutputDelta
+
+logger = logging.getLogger(__name__)
+
+
+class ChannelClosed(ConnectionError):
+    """A worker channel ended while requests still read from it."""
+
+
+class WorkerChannel:
+    """One worker's channel on this event loop, and the queues of the requests on it."""
+
+    def __init__(self, worker_id: str, worker) -> None:
+        self.worker_id = worker_id
+        self.worker = worker
+        self.channel_id = f"{worker_id}/{uuid.uuid4().hex[:16]}"
+        self.loop = asyncio.get_running_loop()
+        self.error: BaseException | None = None
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.num_messages = 0
+        self._reader = self.loop.create_task(self._read(), name=f"pagedserve-channel-{self.channel_id}")
+
+    @property
+    def is_open(self) -> bool:
+        return self.error is None and not self.loop.is_closed()
+
+    async def _read(self) -> None:
+        error: BaseException
+        try:
+            stream = self.worker.channel_outputs.options(num_returns="streaming").remote(self.channel_id)
+            async for ref in stream:
+                message = await ref
+                self.num_messages += 1
+                for request_id, item in message:
+                    queue = self.queues.get(request_id)
+                    if queue is not None:  # else the request stopped reading (aborted)
+                        queue.put_nowait(item)
+            error = ChannelClosed(f"the output channel of worker {self.worker_id} ended")
+        except asyncio.CancelledError:  # this event loop is closing
+            error = ChannelClosed(f"the output channel of worker {self.worker_id} was closed")
+            self._close_remote()
+            raise
+        except Exception as exc:  # the worker died or restarted: its requests go on elsewhere
+            error = exc
+        finally:
+            self.error = self.error or error
+            for queue in self.queues.values():
+                queue.put_nowait(error)
+
+    def _close_remote(self) -> None:
+        try:
+            self.worker.close_channel.remote(self.channel_id)
+        except Exception:  # the worker is gone: nothing runs there
+            pass
+
+    async def stream(self, request: GenerateRequest, timeout_s: float) -> AsyncIterator[OutputDelta | Migrated]:
+        """Submit ``request`` here and yield its items; ``asyncio.TimeoutError`` when none comes
+        for ``timeout_s``. Raises ``ChannelClosed`` if the worker refused it (this channel had
+        closed there)."""
+        request_id = request.request_id
+        if request_id in self.queues:
+            raise ValueError(f"request id {request_id!r} is already streaming from worker {self.worker_id}")
+        queue: asyncio.Queue[ChannelItem] = asyncio.Queue()
+        self.queues[request_id] = queue
+        try:
+            if self.error is not None:
+                raise self.error
+            if not await asyncio.wait_for(self.worker.submit.remote(self.channel_id, request), timeout=timeout_s):
+                raise ChannelClosed(f"the output channel of worker {self.worker_id} had closed")
+            while True:
+                if queue.empty():
+                    async with asyncio.timeout(timeout_s):
+                        item = await queue.get()
+                else:
+                    item = queue.get_nowait()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            del self.queues[request_id]
+
+    def close(self) -> None:
+        """Stop reading; the worker aborts what still runs on this channel."""
+        if self.error is None:
+            self.error = ChannelClosed(f"the output channel of worker {self.worker_id} was closed")
+        if self._reader.done():
+            return
+        try:
+            if _running_loop() is self.loop:
+                self._reader.cancel()
+            else:  # from another thread (shutting the handle down): on the channel's own loop
+                self.loop.call_soon_threadsafe(self._reader.cancel)
+        except RuntimeError:  # that loop has closed: its tasks ended with it
+            pass
+
+
+class WorkerChannels:
+    """The open channels of a handle, one per (event loop, worker)."""
+
+    def __init__(self) -> None:
+        self._channels: dict[tuple[int, str], WorkerChannel] = {}
+
+    def get(self, worker_id: str, worker) -> WorkerChannel:
+        """This event loop's open channel to ``worker`` (``worker_id``), opened if needed."""
+        loop = asyncio.get_running_loop()
+        key = (id(loop), worker_id)
+        channel = self._channels.get(key)
+        # Keyed by id: the handle's actor handles are new objects whenever the worker set changes.
+        if channel is None or not channel.is_open or channel.loop is not loop:
+            self._prune()
+            channel = self._channels[key] = WorkerChannel(worker_id, worker)
+        return channel
+
+    async def stream(self, worker_id: str, worker, request: GenerateRequest,
+                     timeout_s: float) -> AsyncIterator[OutputDelta | Migrated]:
+        """``request``'s items from ``worker``: ``OutputDelta``s until the finished one, or
+        ``Migrated``; the error that ended it raises. A channel found closed on the worker before
+        the request started is replaced once."""
+        for attempt in range(2):
+            channel = self.get(worker_id, worker)
+            started = False
+            try:
+                async for item in channel.stream(request, timeout_s):
+                    started = True
+                    yield item
+                return
+            except ChannelClosed:
+                if started or attempt == 1:
+                    raise
+                channel.close()  # closed on the worker: a new one takes the request
+
+    def _prune(self) -> None:
+        for key, channel in list(self._channels.items()):
+            if not channel.is_open:
+                del self._channels[key]
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
+
+    def num_messages(self) -> int:
+        """Messages read from workers on the channels still open."""
+        return sum(channel.num_messages for channel in self._channels.values())
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+__all__ = ["ChannelClosed", "WorkerChannel", "WorkerChannels"]
