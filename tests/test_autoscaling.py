@@ -240,7 +240,9 @@ def test_workers_follow_load_and_drain_through_migration(elastic):
             _pool_status(handle)["counts"]), 240, "the group to shrink to one worker",
             lambda: _pool_status(handle))
         assert all(not thread.is_alive() for thread in load.threads)
-        assert all(thread.is_alive() for thread in longs), "a long stream finished before the drain"
+        assert all(thread.is_alive() for thread in longs), (
+            f"a long stream finished before the drain (progress {progress}, failures {load.failures}, "
+            f"pacer errors {pacer.errors})")
         progress_at_shrink = sorted(progress.values())
     assert pacer.num_rounds > 0
     for thread in longs:
