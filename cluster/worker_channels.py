@@ -8,16 +8,20 @@ each item to its request's queue; ``WorkerChannels.stream`` is what a request
 iterates, and it sees what a call of its own would have: its items in order,
 then the end, or the error that ended it.
 
-A channel that fails (the worker died or restarted, its stream broke) ends every
-request on it with that error, and the next request to that worker opens a new
-channel. Channels belong to an event loop: a handle used from several loops
-(``generate_sync`` runs one per call) opens channels in each, and a channel whose
-loop has gone is closed on the worker, which aborts what still ran on it.
+A channel that fails ends every request on it as a failed worker would (its
+``RayActorError``, or ``ChannelClosed`` when the stream broke otherwise), so each
+goes on elsewhere, and the next request to that worker opens a new channel. A
+channel belongs to no request: cancelling the one that opened it (a client that
+went away) ends that request alone. Channels belong to an event loop: a handle
+used from several loops (``generate_sync`` runs one per call) opens channels in
+each, and a channel whose loop has gone is closed on the worker, which aborts
+what still ran on it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import uuid
 from typing import AsyncIterator
@@ -43,13 +47,19 @@ class WorkerChannel:
         self.error: BaseException | None = None
         self.queues: dict[str, asyncio.Queue] = {}
         self.num_messages = 0
-        self._reader = self.loop.create_task(self._read(), name=f"pagedserve-channel-{self.channel_id}")
+        # An empty context: the channel must not belong to the request that happened to open it.
+        # Ray cancels the calls a cancelled actor call made from its context (Serve cancels a
+        # request whose client went away), which would end every request on the channel.
+        self._reader = self.loop.create_task(self._read(), name=f"pagedserve-channel-{self.channel_id}",
+                                             context=contextvars.Context())
 
     @property
     def is_open(self) -> bool:
         return self.error is None and not self.loop.is_closed()
 
     async def _read(self) -> None:
+        from ray.exceptions import RayActorError
+
         error: BaseException
         try:
             stream = self.worker.channel_outputs.options(num_returns="streaming").remote(self.channel_id)
@@ -66,7 +76,7 @@ class WorkerChannel:
             self._close_remote()
             raise
         except Exception as exc:  # the worker died or restarted: its requests go on elsewhere
-            error = exc
+            error = exc if isinstance(exc, RayActorError) else _broken(self.worker_id, exc)
         finally:
             self.error = self.error or error
             for queue in self.queues.values():
@@ -167,6 +177,14 @@ class WorkerChannels:
     def num_messages(self) -> int:
         """Messages read from workers on the channels still open."""
         return sum(channel.num_messages for channel in self._channels.values())
+
+
+def _broken(worker_id: str, cause: Exception) -> ChannelClosed:
+    """A channel that failed for another reason than its worker's death (cancelled, say): its
+    requests go on elsewhere like after a dead worker, since none of them caused it."""
+    error = ChannelClosed(f"the output channel of worker {worker_id} broke: {cause!r}")
+    error.__cause__ = cause
+    return error
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -253,6 +253,61 @@ def test_a_handle_reads_each_worker_through_one_channel_closed_with_its_event_lo
     _wait_for(lambda: handle.num_used_blocks() == 0, 30, "the abandoned requests' blocks to come back")
 
 
+def _frontend_class():
+    """A handle in an async actor, as in a Serve replica, whose calls can be cancelled. Made
+    here so that Ray ships the class by value (the workers cannot import the tests)."""
+
+    class Frontend:
+        def __init__(self, handle) -> None:
+            self.handle = handle
+            self.progress: dict[int, int] = {}
+            self.num_opened = 0
+
+        async def open_channels(self) -> None:
+            """Open this loop's channel to every worker from this call, then wait to be cancelled."""
+            for worker_id, worker in self.handle.workers.items():
+                self.handle.channels.get(worker_id, worker)
+                self.num_opened += 1
+            await asyncio.sleep(3600)
+
+        def state(self) -> tuple[int, dict[int, int]]:
+            return self.num_opened, dict(self.progress)
+
+        async def run(self, index: int, prompt: list[int], max_tokens: int) -> list[int]:
+            from pagedserve.workers.sampling_params import SamplingParams
+
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            last = None
+            async for output in self.handle.generate(None, params, prompt_token_ids=prompt):
+                last = output
+                self.progress[index] = len(output.outputs[0].token_ids)
+            return list(last.outputs[0].token_ids)
+
+    return ray.remote(num_cpus=0)(Frontend)
+
+
+def test_cancelling_the_call_that_opened_a_channel_ends_no_other_request(handle, reference):
+    """Ray cancels what a cancelled actor call started (Serve cancels a request whose client
+    went away): the channels a request opened must outlive it, or every request reading them
+    would end with TaskCancelledError."""
+    prompts = _prompts(seed=13)
+    frontend = _frontend_class().remote(handle)
+    opener = frontend.open_channels.remote()
+    _wait_for(lambda: ray.get(frontend.state.remote(), timeout=30)[0] == len(handle.workers), 60,
+              "the channels to open")
+    max_tokens = 300  # still running when the cancel lands
+    runs = [frontend.run.remote(i, p, max_tokens) for i, p in enumerate(prompts)]
+    _wait_for(lambda: (lambda progress: len(progress) == len(prompts) and min(progress.values()) >= 2)(
+        ray.get(frontend.state.remote(), timeout=30)[1]), 120, "every request to stream")
+    ray.cancel(opener)
+    with pytest.raises(ray.exceptions.TaskCancelledError):
+        ray.get(opener, timeout=60)
+    progress_at_cancel = ray.get(frontend.state.remote(), timeout=30)[1]
+    assert ray.get(runs, timeout=300) == reference(prompts, max_tokens)
+    assert max(progress_at_cancel.values()) < max_tokens, "the requests should still run when the cancel lands"
+    ray.kill(frontend)
+
+
 def test_repeated_prefix_goes_to_the_worker_that_holds_it(handle, reference):
     rng = random.Random(2)
     prefix = [rng.randrange(3, 1024) for _ in range(96)]   # six full blocks of 16
