@@ -26,7 +26,7 @@ import logging
 import uuid
 from typing import AsyncIterator
 
-from pagedserve.workers.output_channel import ChannelItem, unpack
+from pagedserve.workers.output_channel import ChannelItem
 from pagedserve.workers.protocol import GenerateRequest, Migrated, OutputDelta
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class WorkerChannel:
         try:
             stream = self.worker.channel_outputs.options(num_returns="streaming").remote(self.channel_id)
             async for ref in stream:
-                message = unpack(await ref)
+                message = await ref
                 self.num_messages += 1
                 for request_id, item in message:
                     queue = self.queues.get(request_id)

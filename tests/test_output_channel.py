@@ -13,7 +13,7 @@ import pytest
 from pagedserve import LLM, SamplingParams
 from pagedserve.workers.accumulator import OutputAccumulator
 from pagedserve.workers.async_engine import AsyncLLMEngine, EngineDeadError
-from pagedserve.workers.output_channel import OutputChannel, _merged, pack, unpack
+from pagedserve.workers.output_channel import OutputChannel, _merged
 from pagedserve.workers.protocol import GenerateRequest, Migrated, OutputDelta, SampleDelta
 from pagedserve.workers.request import RequestMetrics
 
@@ -170,22 +170,3 @@ def test_a_message_merges_each_requests_consecutive_deltas_and_keeps_their_order
     # A delta after a control item opens a new run rather than joining the one before it.
     again = _merged([("a", _delta("a", [1])), ("a", ValueError("x")), ("a", _delta("a", [2]))])
     assert [type(item).__name__ for _, item in again] == ["OutputDelta", "ValueError", "OutputDelta"]
-
-
-def test_a_packed_message_pickles_the_deltas_alone_and_keeps_each_requests_order():
-    unpicklable_ref = lambda: None  # noqa: E731 - stands for the KV ObjectRef, which Ray must serialise
-    message = _merged([("a", _delta("a", [1])), ("b", _delta("b", [7])), ("a", _delta("a", [2])),
-                       ("a", Migrated("a", "worker-1", unpicklable_ref)), ("c", _delta("c", [5])),
-                       ("b", EngineDeadError("engine gone", "e1"))])
-    deltas, controls = pack(message)
-    assert isinstance(deltas, bytes)
-    assert [(request_id, type(item).__name__) for request_id, item in controls] == [
-        ("a", "Migrated"), ("b", "EngineDeadError")]
-    assert controls[0][1].kv is unpicklable_ref
-    unpacked = unpack((deltas, controls))
-    for request_id in "abc":
-        sent = [item for rid, item in message if rid == request_id]
-        received = [item for rid, item in unpacked if rid == request_id]
-        assert [type(item) for item in received] == [type(item) for item in sent]
-        assert [item.samples[0].token_ids for item in received if isinstance(item, OutputDelta)] == [
-            item.samples[0].token_ids for item in sent if isinstance(item, OutputDelta)]

@@ -5,7 +5,7 @@ per request per step: at 64 streams, 64 messages a step, each a few hundred
 microseconds of the worker's event loop and of the handle's. Through a channel
 the worker sends everything its requests made since the last message as one
 ``ChannelMessage``: one per engine step however many requests the handle has
-in flight, its deltas pickled into one bytes object (``pack``).
+in flight.
 
 The worker keeps an ``OutputChannel`` per handle (``Worker.submit`` starts a
 request on it, ``Worker.channel_outputs`` streams it); the handle splits the
@@ -39,10 +39,6 @@ logger = logging.getLogger(__name__)
 ChannelItem = OutputDelta | Migrated | BaseException
 # One message: (request id, item) pairs, each request's in the order it made them.
 ChannelMessage = list[tuple[str, ChannelItem]]
-# A message as it travels (``pack``): the deltas pickled into one bytes object, then the
-# control items (``Migrated``, whose KV ref Ray must see, and errors), each one its
-# request's last.
-PackedMessage = tuple[bytes, list[tuple[str, Migrated | BaseException]]]
 
 
 class OutputChannel:
@@ -151,22 +147,6 @@ class _RequestStream:
         channel.put(request_id, Migrated(request_id, output.migrate_to, kv), is_last=True)
 
 
-def pack(message: ChannelMessage) -> PackedMessage:
-    """``message`` for the wire. Ray's own serialisation of a list of 64 deltas costs ~3x the
-    C pickler's (its pickler calls back into Python for every object), and the worker's
-    event loop pays it under the GIL the engine thread needs; bytes go through Ray as they are."""
-    deltas = [(request_id, item) for request_id, item in message if isinstance(item, OutputDelta)]
-    controls = [(request_id, item) for request_id, item in message if not isinstance(item, OutputDelta)]
-    return pickle.dumps(deltas, protocol=pickle.HIGHEST_PROTOCOL), controls
-
-
-def unpack(packed: PackedMessage) -> ChannelMessage:
-    """The message ``pack`` made: every request's items in their order (a control item is always
-    its request's last, so the deltas go first)."""
-    deltas, controls = packed
-    return [*pickle.loads(deltas), *controls]
-
-
 def _merged(message: ChannelMessage) -> ChannelMessage:
     """``message`` with each request's consecutive deltas merged into one (a request has
     several when the engine stepped more than once since the last message)."""
@@ -194,4 +174,4 @@ def _sendable(error: BaseException) -> BaseException:
         return RuntimeError(f"{type(error).__name__}: {error}")
 
 
-__all__ = ["ChannelItem", "ChannelMessage", "OutputChannel", "PackedMessage", "pack", "unpack"]
+__all__ = ["ChannelItem", "ChannelMessage", "OutputChannel"]

@@ -32,7 +32,7 @@ from pagedserve.kvmanager import EventLog, KVPublisher, LocalKVManager, RemotePr
 from .background_loop import BackgroundLoop
 from .kv_wire import DEFAULT_TICK_S, ZmqTransport, connect_transport
 from .model_source import ModelSource
-from .output_channel import OutputChannel, PackedMessage, pack
+from .output_channel import ChannelMessage, OutputChannel
 from .protocol import DeltaEncoder, GenerateRequest, OutputDelta, merge_deltas
 
 if TYPE_CHECKING:
@@ -234,14 +234,14 @@ class Worker:
         self._channel(channel_id).start(request, transfer_s, **options)
         return True
 
-    async def channel_outputs(self, channel_id: str) -> AsyncIterator[PackedMessage]:
+    async def channel_outputs(self, channel_id: str) -> AsyncIterator[ChannelMessage]:
         """Stream channel ``channel_id``: one message whenever its requests made something
         since the last one. Ends when the channel is closed; the caller going away closes it,
         aborting its requests."""
         channel = self._channel(channel_id)
         try:
             while (message := await channel.take()) is not None:
-                yield pack(message)
+                yield message
         finally:
             self.close_channel(channel_id)
 
