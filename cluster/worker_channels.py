@@ -12,7 +12,9 @@ A channel that fails ends every request on it as a failed worker would (its
 ``RayActorError``, or ``ChannelClosed`` when the stream broke otherwise), so each
 goes on elsewhere, and the next request to that worker opens a new channel. A
 channel belongs to no request: cancelling the one that opened it (a client that
-went away) ends that request alone. Channels belong to an event loop: a handle
+went away) ends that request alone. The handle renews each channel every
+``RENEW_EVERY_S``; a worker closes a channel that has not been renewed for its
+lease (the handle's process died), aborting what still ran on it. Channels belong to an event loop: a handle
 used from several loops (``generate_sync`` runs one per call) opens channels in
 each, and a channel whose loop has gone is closed on the worker, which aborts
 what still ran on it.
@@ -30,6 +32,10 @@ from pagedserve.workers.output_channel import ChannelItem
 from pagedserve.workers.protocol import GenerateRequest, Migrated, OutputDelta
 
 logger = logging.getLogger(__name__)
+
+# How often a handle renews each open channel: well within the worker's lease
+# (``workers.output_channel.CHANNEL_LEASE_S``), after which a channel closes as abandoned.
+RENEW_EVERY_S = 5.0
 
 
 class ChannelClosed(ConnectionError):
@@ -52,6 +58,8 @@ class WorkerChannel:
         # request whose client went away), which would end every request on the channel.
         self._reader = self.loop.create_task(self._read(), name=f"pagedserve-channel-{self.channel_id}",
                                              context=contextvars.Context())
+        self._renewer = self.loop.create_task(self._renew(), name=f"pagedserve-renew-{self.channel_id}",
+                                              context=contextvars.Context())
 
     @property
     def is_open(self) -> bool:
@@ -79,8 +87,18 @@ class WorkerChannel:
             error = exc if isinstance(exc, RayActorError) else _broken(self.worker_id, exc)
         finally:
             self.error = self.error or error
+            self._renewer.cancel()
             for queue in self.queues.values():
                 queue.put_nowait(error)
+
+    async def _renew(self) -> None:
+        """Tell the worker every ``RENEW_EVERY_S`` that this channel is still read."""
+        while self.error is None:
+            await asyncio.sleep(RENEW_EVERY_S)
+            try:
+                self.worker.renew_channel.remote(self.channel_id)
+            except Exception:  # the worker is gone: the reader finds out
+                pass
 
     def _close_remote(self) -> None:
         try:

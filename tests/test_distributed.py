@@ -258,7 +258,11 @@ def _frontend_class():
     here so that Ray ships the class by value (the workers cannot import the tests)."""
 
     class Frontend:
-        def __init__(self, handle) -> None:
+        def __init__(self, handle, renew_every_s: float | None = None) -> None:
+            if renew_every_s is not None:
+                import pagedserve.cluster.worker_channels as worker_channels
+
+                worker_channels.RENEW_EVERY_S = renew_every_s
             self.handle = handle
             self.progress: dict[int, int] = {}
             self.num_opened = 0
@@ -306,6 +310,34 @@ def test_cancelling_the_call_that_opened_a_channel_ends_no_other_request(handle,
     assert ray.get(runs, timeout=300) == reference(prompts, max_tokens)
     assert max(progress_at_cancel.values()) < max_tokens, "the requests should still run when the cancel lands"
     ray.kill(frontend)
+
+
+def _set_channel_lease(handle, lease_s: float) -> None:
+    def set_lease(worker):
+        worker.channel_lease_s = lease_s
+
+    ray.get([worker.__ray_call__.remote(set_lease) for worker in handle.workers.values()], timeout=30)
+
+
+def test_a_dead_handles_channels_close_on_their_lease_and_free_their_requests(handle):
+    """Ray does not end a streamed call whose caller's process died (a Serve replica that
+    crashed): its channels close once their lease runs out, aborting what ran on them."""
+    from pagedserve.workers.output_channel import CHANNEL_LEASE_S
+
+    prompts = _prompts(seed=14)
+    _set_channel_lease(handle, 3.0)  # for the channels opened from now on
+    try:
+        frontend = _frontend_class().remote(handle, renew_every_s=0.5)
+        runs = [frontend.run.remote(i, p, 300) for i, p in enumerate(prompts)]
+        _wait_for(lambda: (lambda progress: len(progress) == len(prompts) and min(progress.values()) >= 2)(
+            ray.get(frontend.state.remote(), timeout=30)[1]), 120, "every request to stream")
+        ray.kill(frontend)
+        del runs
+        assert _open_channels(handle) > 0
+        _wait_for(lambda: _open_channels(handle) == 0, 60, "the dead handle's channels to close")
+        _wait_for(lambda: handle.num_used_blocks() == 0, 60, "its requests' blocks to come back")
+    finally:
+        _set_channel_lease(handle, CHANNEL_LEASE_S)
 
 
 def test_repeated_prefix_goes_to_the_worker_that_holds_it(handle, reference):

@@ -43,8 +43,9 @@ def engine(llm):
     engine.shutdown()
 
 
-def _channel(engine: AsyncLLMEngine) -> OutputChannel:
-    return OutputChannel("test-channel", engine, hold_export=lambda request_id, kv: ("held", request_id))
+def _channel(engine: AsyncLLMEngine, lease_s: float = 60.0) -> OutputChannel:
+    return OutputChannel("test-channel", engine, hold_export=lambda request_id, kv: ("held", request_id),
+                         lease_s=lease_s)
 
 
 async def _read_all(channel: OutputChannel, request_ids: set[str]) -> tuple[dict[str, list], int]:
@@ -150,6 +151,44 @@ def test_an_output_that_cannot_be_sent_ends_its_request_alone(engine, monkeypatc
     items, _ = asyncio.run(run())
     assert isinstance(items["broken"][-1], RuntimeError) and "injected" in str(items["broken"][-1])
     assert items["fine"][-1].finished and len(items["fine"][-1].samples[0].token_ids) >= 1
+
+
+def test_a_channel_its_handle_stopped_renewing_closes_and_aborts_its_requests(engine):
+    """A handle's process that died never closes its channel (Ray does not end a streamed call
+    whose caller is gone): the lease does, freeing the requests' blocks."""
+    channel = _channel(engine, lease_s=0.5)
+
+    async def run():
+        channel.start(GenerateRequest("orphan", PROMPTS[1], _greedy(400)))
+        num_messages = 0
+        while await asyncio.wait_for(channel.take(), 30) is not None:
+            num_messages += 1
+        return num_messages
+
+    assert asyncio.run(run()) >= 1  # it ran, then the lease ran out mid-request
+    assert channel.is_closed and channel.num_requests == 0
+
+
+def test_a_renewed_channel_stays_open_while_idle(engine):
+    channel = _channel(engine, lease_s=0.4)
+
+    async def run():
+        async def renew():
+            while True:
+                await asyncio.sleep(0.1)
+                channel.renew()
+
+        renewer = asyncio.create_task(renew())
+        with pytest.raises(asyncio.TimeoutError):  # idle for 3 leases: nothing to take, still open
+            await asyncio.wait_for(channel.take(), 1.2)
+        assert not channel.is_closed
+        channel.start(GenerateRequest("late", PROMPTS[0], _greedy(6)))
+        items, _ = await _read_all(channel, {"late"})
+        renewer.cancel()
+        return items["late"]
+
+    deltas = asyncio.run(run())
+    assert deltas[-1].finished and not channel.is_closed
 
 
 def _delta(request_id: str, tokens: list[int], finished: bool = False) -> OutputDelta:

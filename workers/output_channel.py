@@ -17,7 +17,8 @@ holds the GIL that the engine thread needs for as short a time as it can.
 A request's items are ``OutputDelta``s (several made between two messages are
 merged into one), then, if the KV manager moved the request, ``Migrated``; or
 the exception that ended it (its engine loop died). A channel that closes (the
-handle closed it, or went away) aborts what still runs on it.
+handle closed it, or stopped renewing it: its process died) aborts what still
+runs on it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import asyncio
 import dataclasses
 import logging
 import pickle
+import time
 from typing import TYPE_CHECKING, Callable
 
 from .protocol import DeltaEncoder, GenerateRequest, Migrated, OutputDelta, merge_deltas
@@ -36,6 +38,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# A channel its handle has not renewed for this long is closed, aborting what still runs on it:
+# Ray does not end a streamed call whose caller's process died (a Serve replica that crashed).
+CHANNEL_LEASE_S = 30.0
+
 ChannelItem = OutputDelta | Migrated | BaseException
 # One message: (request id, item) pairs, each request's in the order it made them.
 ChannelMessage = list[tuple[str, ChannelItem]]
@@ -45,13 +51,17 @@ class OutputChannel:
     """The outputs a worker owes one handle, gathered between two messages.
 
     ``hold_export(request_id, kv_transfer) -> ref`` keeps a migrated request's KV
-    alive in the object store until its target has fetched it (``Worker``'s)."""
+    alive in the object store until its target has fetched it (``Worker``'s). The
+    handle renews the channel (``renew``) well within ``lease_s``; ``take`` closes a
+    channel whose lease ran out."""
 
     def __init__(self, channel_id: str, engine: AsyncLLMEngine,
-                 hold_export: Callable[[str, object], object]) -> None:
+                 hold_export: Callable[[str, object], object], lease_s: float = CHANNEL_LEASE_S) -> None:
         self.channel_id = channel_id
         self.engine = engine
         self.hold_export = hold_export
+        self.lease_s = lease_s
+        self.renewed_at = time.monotonic()
         self.is_closed = False
         self._pending: ChannelMessage = []
         self._ready = asyncio.Event()
@@ -82,13 +92,29 @@ class OutputChannel:
             self._live.pop(request_id, None)
         self._ready.set()
 
+    def renew(self) -> None:
+        """The handle still reads this channel: its lease starts again."""
+        self.renewed_at = time.monotonic()
+
     async def take(self) -> ChannelMessage | None:
-        """Everything made since the last call, once there is something; None once closed."""
+        """Everything made since the last call, once there is something; None once closed,
+        or once its lease has run out (it is then closed)."""
         while not self._pending:
             if self.is_closed:
                 return None
-            await self._ready.wait()
+            left_s = self.renewed_at + self.lease_s - time.monotonic()
+            if left_s <= 0:
+                break
+            try:
+                async with asyncio.timeout(left_s):
+                    await self._ready.wait()
+            except TimeoutError:
+                continue
             self._ready.clear()
+        if time.monotonic() - self.renewed_at > self.lease_s:
+            logger.warning("output channel %s: not renewed for %.0f s (its handle is gone?); closing it, "
+                           "%d requests aborted", self.channel_id, self.lease_s, self.close())
+            return None
         message, self._pending = self._pending, []
         return _merged(message)
 
@@ -174,4 +200,4 @@ def _sendable(error: BaseException) -> BaseException:
         return RuntimeError(f"{type(error).__name__}: {error}")
 
 
-__all__ = ["ChannelItem", "ChannelMessage", "OutputChannel"]
+__all__ = ["CHANNEL_LEASE_S", "ChannelItem", "ChannelMessage", "OutputChannel"]

@@ -32,7 +32,7 @@ from pagedserve.kvmanager import EventLog, KVPublisher, LocalKVManager, RemotePr
 from .background_loop import BackgroundLoop
 from .kv_wire import DEFAULT_TICK_S, ZmqTransport, connect_transport
 from .model_source import ModelSource
-from .output_channel import ChannelMessage, OutputChannel
+from .output_channel import CHANNEL_LEASE_S, ChannelMessage, OutputChannel
 from .protocol import DeltaEncoder, GenerateRequest, OutputDelta, merge_deltas
 
 if TYPE_CHECKING:
@@ -115,6 +115,7 @@ class Worker:
         self.pending_stall_s = 0.0
         self.held_exports: dict[str, tuple[object, float]] = {}
         self.channels: dict[str, OutputChannel] = {}
+        self.channel_lease_s = CHANNEL_LEASE_S
         self.closed_channels: dict[str, None] = {}   # insertion-ordered: the oldest go first
         kv_manager_name, kv_manager = kv_manager, ray.get_actor(kv_manager, namespace=namespace)
         self.preemption = RemotePreemptionPolicy(lambda request: self.kv_link.decide_preemption(request),
@@ -231,7 +232,18 @@ class Worker:
             if channel_id in self.closed_channels:  # closed while the KV came
                 return False
         self._note_arrival()
-        self._channel(channel_id).start(request, transfer_s, **options)
+        channel = self._channel(channel_id)
+        channel.renew()
+        channel.start(request, transfer_s, **options)
+        return True
+
+    def renew_channel(self, channel_id: str) -> bool:
+        """The handle still reads channel ``channel_id`` (it calls this every few seconds; a
+        channel not renewed for ``channel_lease_s`` closes). False if it is not open here."""
+        channel = self.channels.get(channel_id)
+        if channel is None:
+            return False
+        channel.renew()
         return True
 
     async def channel_outputs(self, channel_id: str) -> AsyncIterator[ChannelMessage]:
@@ -256,7 +268,8 @@ class Worker:
     def _channel(self, channel_id: str) -> OutputChannel:
         channel = self.channels.get(channel_id)
         if channel is None:
-            channel = self.channels[channel_id] = OutputChannel(channel_id, self.async_engine, self._hold_export)
+            channel = self.channels[channel_id] = OutputChannel(channel_id, self.async_engine, self._hold_export,
+                                                                 self.channel_lease_s)
         return channel
 
     async def prefill(self, request: GenerateRequest) -> tuple[OutputDelta, tuple | None]:
