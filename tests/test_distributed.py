@@ -340,6 +340,39 @@ def test_a_dead_handles_channels_close_on_their_lease_and_free_their_requests(ha
         _set_channel_lease(handle, CHANNEL_LEASE_S)
 
 
+def test_a_request_whose_worker_sends_nothing_for_the_timeout_goes_on_elsewhere(handle, reference):
+    """``server.limits.request_timeout_s`` bounds the wait for each output through a channel: a
+    worker whose engine is held longer sends nothing, and its requests resume on the other."""
+    prompts = _prompts(seed=15)
+    limits = handle.config.server.limits
+    timeout_before, counters_before = limits.request_timeout_s, handle.request_counters()
+    victim = handle.workers["worker-0"]
+
+    def hold_the_engine(worker):  # runs in the worker: its engine thread sleeps between steps
+        worker.async_engine.submit(lambda engine: time.sleep(6.0))
+
+    limits.request_timeout_s = 1.5
+    try:
+        async def run():
+            await asyncio.get_running_loop().run_in_executor(
+                None, lambda: ray.get(victim.__ray_call__.remote(hold_the_engine), timeout=30))
+            return await asyncio.gather(*(_last(handle.generate(None, _greedy(MAX_TOKENS), prompt_token_ids=p))
+                                          for p in prompts))
+
+        outputs = asyncio.run(run())
+    finally:
+        limits.request_timeout_s = timeout_before
+    assert _token_ids(outputs) == reference(prompts, MAX_TOKENS)
+    assert handle.request_counters()["num_resumed"] > counters_before["num_resumed"]
+
+
+async def _last(outputs):
+    last = None
+    async for output in outputs:
+        last = output
+    return last
+
+
 def test_repeated_prefix_goes_to_the_worker_that_holds_it(handle, reference):
     rng = random.Random(2)
     prefix = [rng.randrange(3, 1024) for _ in range(96)]   # six full blocks of 16
