@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import time
 import uuid
 from typing import AsyncIterator
 
@@ -36,6 +37,9 @@ logger = logging.getLogger(__name__)
 # How often a handle renews each open channel: well within the worker's lease
 # (``workers.output_channel.CHANNEL_LEASE_S``), after which a channel closes as abandoned.
 RENEW_EVERY_S = 5.0
+# How often a channel looks for requests that waited past their timeout for an output: one
+# check for all of them, rather than a timer armed and cancelled for every output.
+WATCH_EVERY_S = 0.5
 
 
 class ChannelClosed(ConnectionError):
@@ -52,14 +56,16 @@ class WorkerChannel:
         self.loop = asyncio.get_running_loop()
         self.error: BaseException | None = None
         self.queues: dict[str, asyncio.Queue] = {}
+        # request id -> (seconds it may wait for an output, when its last one came)
+        self.waits: dict[str, tuple[float, float]] = {}
         self.num_messages = 0
         # An empty context: the channel must not belong to the request that happened to open it.
         # Ray cancels the calls a cancelled actor call made from its context (Serve cancels a
         # request whose client went away), which would end every request on the channel.
         self._reader = self.loop.create_task(self._read(), name=f"pagedserve-channel-{self.channel_id}",
                                              context=contextvars.Context())
-        self._renewer = self.loop.create_task(self._renew(), name=f"pagedserve-renew-{self.channel_id}",
-                                              context=contextvars.Context())
+        self._tender = self.loop.create_task(self._tend(), name=f"pagedserve-tend-{self.channel_id}",
+                                             context=contextvars.Context())
 
     @property
     def is_open(self) -> bool:
@@ -74,10 +80,12 @@ class WorkerChannel:
             async for ref in stream:
                 message = await ref
                 self.num_messages += 1
+                now = time.monotonic()
                 for request_id, item in message:
                     queue = self.queues.get(request_id)
                     if queue is not None:  # else the request stopped reading (aborted)
                         queue.put_nowait(item)
+                        self.waits[request_id] = (self.waits[request_id][0], now)
             error = ChannelClosed(f"the output channel of worker {self.worker_id} ended")
         except asyncio.CancelledError:  # this event loop is closing
             error = ChannelClosed(f"the output channel of worker {self.worker_id} was closed")
@@ -87,18 +95,29 @@ class WorkerChannel:
             error = exc if isinstance(exc, RayActorError) else _broken(self.worker_id, exc)
         finally:
             self.error = self.error or error
-            self._renewer.cancel()
+            self._tender.cancel()
             for queue in self.queues.values():
                 queue.put_nowait(error)
 
-    async def _renew(self) -> None:
-        """Tell the worker every ``RENEW_EVERY_S`` that this channel is still read."""
+    async def _tend(self) -> None:
+        """Every ``WATCH_EVERY_S``, end the requests that waited past their timeout for an
+        output (``TimeoutError``); every ``RENEW_EVERY_S``, tell the worker this channel is
+        still read."""
+        renewed_at = time.monotonic()
         while self.error is None:
-            await asyncio.sleep(RENEW_EVERY_S)
-            try:
-                self.worker.renew_channel.remote(self.channel_id)
-            except Exception:  # the worker is gone: the reader finds out
-                pass
+            await asyncio.sleep(WATCH_EVERY_S)
+            now = time.monotonic()
+            for request_id, (timeout_s, last_at) in list(self.waits.items()):
+                if now - last_at > timeout_s:
+                    self.waits[request_id] = (timeout_s, float("inf"))  # once
+                    self.queues[request_id].put_nowait(TimeoutError(
+                        f"no output of request {request_id} from worker {self.worker_id} for {timeout_s:g} s"))
+            if now - renewed_at >= RENEW_EVERY_S:
+                renewed_at = now
+                try:
+                    self.worker.renew_channel.remote(self.channel_id)
+                except Exception:  # the worker is gone: the reader finds out
+                    pass
 
     def _close_remote(self) -> None:
         try:
@@ -115,22 +134,20 @@ class WorkerChannel:
             raise ValueError(f"request id {request_id!r} is already streaming from worker {self.worker_id}")
         queue: asyncio.Queue[ChannelItem] = asyncio.Queue()
         self.queues[request_id] = queue
+        self.waits[request_id] = (timeout_s, time.monotonic())
         try:
             if self.error is not None:
                 raise self.error
             if not await asyncio.wait_for(self.worker.submit.remote(self.channel_id, request), timeout=timeout_s):
                 raise ChannelClosed(f"the output channel of worker {self.worker_id} had closed")
             while True:
-                if queue.empty():
-                    async with asyncio.timeout(timeout_s):
-                        item = await queue.get()
-                else:
-                    item = queue.get_nowait()
+                item = await queue.get()  # a timeout comes as an item too (``_tend``)
                 if isinstance(item, BaseException):
                     raise item
                 yield item
         finally:
             del self.queues[request_id]
+            del self.waits[request_id]
 
     def close(self) -> None:
         """Stop reading; the worker aborts what still runs on this channel."""
