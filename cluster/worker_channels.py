@@ -14,10 +14,10 @@ goes on elsewhere, and the next request to that worker opens a new channel. A
 channel belongs to no request: cancelling the one that opened it (a client that
 went away) ends that request alone. The handle renews each channel every
 ``RENEW_EVERY_S``; a worker closes a channel that has not been renewed for its
-lease (the handle's process died), aborting what still ran on it. Channels belong to an event loop: a handle
-used from several loops (``generate_sync`` runs one per call) opens channels in
-each, and a channel whose loop has gone is closed on the worker, which aborts
-what still ran on it.
+lease (the handle's process died), aborting what still ran on it. Channels
+belong to an event loop: a handle used from several loops (``generate_sync``
+runs one per call) opens channels in each, and a channel whose loop has gone is
+closed on the worker, which aborts what still ran on it.
 """
 
 from __future__ import annotations

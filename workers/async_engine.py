@@ -331,8 +331,8 @@ class AsyncLLMEngine:
         with self._streams_lock:
             streams, self._streams = self._streams, {}
         error = EngineDeadError(f"{reason}: {self.error!r}" if self.error is not None else reason, self.engine_id)
-        for loop, stream_queue in streams.values():
-            _deliver(loop, stream_queue, error)
+        for loop, sink in streams.values():
+            _deliver(loop, sink, error)
 
     def _check_alive(self) -> None:
         if self.error is not None:

@@ -96,14 +96,16 @@ class OutputChannel:
         """The handle still reads this channel: its lease starts again."""
         self.renewed_at = time.monotonic()
 
+    def _lease_left_s(self) -> float:
+        return self.renewed_at + self.lease_s - time.monotonic()
+
     async def take(self) -> ChannelMessage | None:
         """Everything made since the last call, once there is something; None once closed,
         or once its lease has run out (it is then closed)."""
         while not self._pending:
             if self.is_closed:
                 return None
-            left_s = self.renewed_at + self.lease_s - time.monotonic()
-            if left_s <= 0:
+            if (left_s := self._lease_left_s()) <= 0:
                 break
             try:
                 async with asyncio.timeout(left_s):
@@ -111,7 +113,7 @@ class OutputChannel:
             except TimeoutError:
                 continue
             self._ready.clear()
-        if time.monotonic() - self.renewed_at > self.lease_s:
+        if self._lease_left_s() < 0:
             logger.warning("output channel %s: not renewed for %.0f s (its handle is gone?); closing it, "
                            "%d requests aborted", self.channel_id, self.lease_s, self.close())
             return None
