@@ -1050,9 +1050,31 @@ GUIDELLM_REQUESTS = 32
 GUIDELLM_OUTPUT_TOKENS = 16
 
 
+def _finished_chat_requests(served) -> tuple[float, float]:
+    """The server's own counts: chat requests answered 200, and generations ended by length."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(served.base_url + "/metrics", timeout=60).text
+    answered = finished = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "pagedserve_server_requests_total" and sample.labels == {
+                    "model": MODEL, "api": "chat", "status": "200"}:
+                answered += sample.value
+            elif sample.name == "vllm:request_success_total" and sample.labels == {
+                    "model_name": MODEL, "finished_reason": "length"}:
+                finished += sample.value
+    return answered, finished
+
+
 def test_guidellm_short_streaming_run(served, tmp_path):
     """guidellm's command line as its users run it: a constant rate of streamed chat requests
-    (it asks for continuous usage stats and ignore_eos); every request finishes, none errs."""
+    (it asks for continuous usage stats and ignore_eos); every request finishes, none errs.
+
+    guidellm 0.8 sometimes leaves the last request out of its report (on a loaded machine, about
+    one run in ten: its scheduler shuts down before that request's update is taken; its report then
+    counts one request fewer in every total and list). So the count of requests that finished is
+    the server's own, and guidellm's report must agree with it but for that one request."""
     pytest.importorskip("guidellm")
     report_path = tmp_path / "benchmarks.json"
     command = [sys.executable, "-m", "guidellm", "run",
@@ -1063,13 +1085,18 @@ def test_guidellm_short_streaming_run(served, tmp_path):
                "--tokenizer", f"kind=huggingface_auto,model={served.model_path}",
                "--output", f"kind=json,path={report_path}", "--disable-console-interactive"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    answered_before, finished_before = _finished_chat_requests(served)
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    answered, finished = _finished_chat_requests(served)
+    assert (answered - answered_before, finished - finished_before) == (GUIDELLM_REQUESTS, GUIDELLM_REQUESTS)
     from guidellm.benchmark import GenerativeBenchmarksReport
 
     (benchmark,) = GenerativeBenchmarksReport.load_file(report_path).benchmarks
     totals = benchmark.metrics.request_totals
-    assert (totals.successful, totals.errored, totals.incomplete) == (GUIDELLM_REQUESTS, 0, 0)
+    assert (totals.errored, totals.incomplete) == (0, 0)
+    assert totals.successful in (GUIDELLM_REQUESTS, GUIDELLM_REQUESTS - 1)
+    assert len(benchmark.requests.successful) == totals.successful
     for request in benchmark.requests.successful:
         assert json.loads(request.request_args)["body"]["stream"] is True
         assert request.output_tokens == GUIDELLM_OUTPUT_TOKENS
