@@ -88,6 +88,10 @@ class _PromptProgress:
     token_times: dict[int, tuple[float, int]] = dataclasses.field(default_factory=dict)
 
 
+# Put in a request's queue when its wait for the next item ran out.
+_EXPIRED = object()
+
+
 class Generation:
     """The merged output stream of one API request's prompts.
 
@@ -111,6 +115,12 @@ class Generation:
         self.deadline = time.monotonic() + server.limits.request_timeout_s
         self._has_output = False
         self._queue: asyncio.Queue = asyncio.Queue()
+        # The wait for the next item ends by this time (monotonic), and whether that bound is the idle
+        # timeout (not the deadline); None while not waiting. One timer checks it (``_check_wait``).
+        self._wait_expiry: float | None = None
+        self._wait_is_idle_bound = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
         self._num_live = len(prompts)
         self._tasks: list[asyncio.Task] = []
         self._is_closed = False
@@ -151,19 +161,48 @@ class Generation:
         return self
 
     async def _next_item(self) -> tuple[int, Any]:
-        """The next queued item; 408 past the request's deadline or after an idle spell."""
+        """The next queued item; 408 past the request's deadline or after an idle spell.
+
+        Most waits last one engine step, so no wait has a timer of its own: one timer per request
+        checks the current wait when it fires, and sets itself again for that wait's end."""
+        if self._queue.empty():
+            limits = self.server.limits
+            now = time.monotonic()
+            self._wait_is_idle_bound = self._has_output and now + limits.stream_idle_timeout_s < self.deadline
+            self._wait_expiry = now + limits.stream_idle_timeout_s if self._wait_is_idle_bound else self.deadline
+            if self._timer is None or self._timer_at > self._wait_expiry:
+                self._set_timer(self._wait_expiry)
+            try:
+                item = await self._queue.get()
+            finally:
+                self._wait_expiry = None
+        else:
+            item = self._queue.get_nowait()
+        if item is not _EXPIRED:
+            return item
         limits = self.server.limits
-        remaining = self.deadline - time.monotonic()
-        is_idle_bound = self._has_output and limits.stream_idle_timeout_s < remaining
-        timeout = limits.stream_idle_timeout_s if is_idle_bound else remaining
-        try:
-            return await asyncio.wait_for(self._queue.get(), max(timeout, 0.0))
-        except TimeoutError:
-            if is_idle_bound:
-                raise timeout_error(f"no output for {limits.stream_idle_timeout_s:g} s; the request was "
-                                    "aborted", "stream_idle_timeout") from None
-            raise timeout_error(f"the request took longer than {limits.request_timeout_s:g} s and was "
-                                "aborted", "request_timeout") from None
+        if self._wait_is_idle_bound:
+            raise timeout_error(f"no output for {limits.stream_idle_timeout_s:g} s; the request was "
+                                "aborted", "stream_idle_timeout")
+        raise timeout_error(f"the request took longer than {limits.request_timeout_s:g} s and was "
+                            "aborted", "request_timeout")
+
+    def _set_timer(self, at: float) -> None:
+        """The timer fires at ``at`` (``time.monotonic()``'s clock), not before."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = at
+        self._timer = asyncio.get_running_loop().call_later(max(at - time.monotonic(), 0.0), self._check_wait)
+
+    def _check_wait(self) -> None:
+        """The timer fired: end the current wait if it has run out, else set the timer for its end."""
+        self._timer = None
+        if self._wait_expiry is None or self._is_closed:
+            return  # not waiting: the next wait sets the timer
+        if time.monotonic() < self._wait_expiry or not self._queue.empty():
+            self._set_timer(self._wait_expiry)  # a later wait, or an item the consumer has yet to take
+            return
+        self._queue.put_nowait(_EXPIRED)
 
     async def __anext__(self) -> tuple[int, RequestOutput]:
         while True:
@@ -219,6 +258,9 @@ class Generation:
         if self._is_closed:
             return
         self._is_closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self.server.release_slots(len(self.prompts), self.client)
         for task in self._tasks:
             task.cancel()
