@@ -313,6 +313,20 @@ def test_idle_stream_ends_with_an_error_event_and_frees_blocks(local_handle):
     assert idle.limiter.num_in_flight == 0
 
 
+def test_a_steady_stream_outlives_its_idle_timeout(local_handle):
+    """The idle timeout bounds each wait, not the stream: outputs 0.1 s apart for 1.5 s under a
+    0.3 s idle timeout (its one timer fires mid-stream and sets itself again) end normally."""
+    idle = _server(local_handle, limits={"stream_idle_timeout_s": 0.3})
+    local_handle.stall_s = 0.1
+    body = {"prompt": "Once upon a time", "max_tokens": 15, "ignore_eos": True, "stream": True}
+    response = call(idle, "POST", "/v1/completions", json=body)
+    assert response.status_code == 200
+    events = _events(response)
+    assert all("error" not in event for event in events), events
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert idle.limiter.num_in_flight == 0
+
+
 @pytest.mark.parametrize("leaving", ["http.disconnect", "serve_cancel"])
 def test_a_client_leaving_mid_stream_ends_the_response_quietly_and_aborts(server, local_handle, leaving):
     """Starlette sees a client leave as ``http.disconnect``; under Ray Serve the proxy cancels the
