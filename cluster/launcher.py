@@ -105,6 +105,7 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
     from ray import serve
 
     from .bootstrap import init_ray, start
+    from .serving import ingress
     from .serving.deployment import APP_NAME, deploy
 
     progress = progress or Progress()
@@ -116,6 +117,7 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
     handle = None
     try:
         if owns_ray:
+            ingress.prepare(config.server.ingress)  # Serve's processes read it when they start
             with progress.stage(f"joining the Ray cluster at {address}" if address else "starting a private Ray"):
                 is_private_ray = init_ray(address, logging_level="WARNING")
         if not config.model.path:

