@@ -13,7 +13,9 @@ gRPC between Serve's components). No proxy actor sits on a request's path.
 
 Serve reads both variables when its processes start, so they must be in the
 environment of every Ray process: ``prepare`` sets them in this process before
-it starts a private Ray (whose processes inherit them); a cluster pagedserve
+it starts a private Ray (whose processes inherit them), with a replica's
+draining period cut from Serve's 30 s to what HAProxy needs to see it
+(``DRAINING_PERIOD_S``, unless set); a cluster pagedserve
 joins must have been started with them (``ray start`` on every node), which
 ``check`` verifies before the application is deployed.
 """
@@ -25,6 +27,11 @@ import os
 
 HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
+# How long a stopping replica keeps serving so that HAProxy sees it drain first. Serve's default
+# (30 s) made every stop of a private server take 30 s more; HAProxy marks a replica down within
+# one health-check interval (5 s) plus one fast re-check (0.25 s), so 6 s covers it.
+DRAINING_PERIOD_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+DRAINING_PERIOD_S = 6.0
 
 
 class IngressError(RuntimeError):
@@ -45,6 +52,7 @@ def prepare(ingress: str) -> None:
         return
     _check_haproxy_binary()
     os.environ.update(HAPROXY_ENV)
+    os.environ.setdefault(DRAINING_PERIOD_ENV, f"{DRAINING_PERIOD_S:g}")
 
 
 def _serve_env() -> dict[str, str | None]:
