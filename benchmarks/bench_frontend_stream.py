@@ -75,10 +75,12 @@ class _SteppedHandle:
                 sent[request_id] = count
                 is_last = count >= max_tokens
                 token = words[count % len(words)]
-                metrics = RequestMetrics(now - 1.0, now - 0.9, now - 0.8, now if is_last else None, 16, count)
+                # Metrics come on a request's first and last delta (``DeltaEncoder``'s milestones).
+                metrics = (RequestMetrics(now - 1.0, now - 0.9, now - 0.8, now if is_last else None, 16, count)
+                           if count == 1 or is_last else None)
                 queue.put_nowait(OutputDelta(request_id, [SampleDelta(0, [token], f" w{count % 10}",
                                                                       finish_reason="length" if is_last else None)],
-                                             is_last, metrics))
+                                             is_last, metrics, num_generated_tokens=count))
             await asyncio.sleep(self.step_s)
 
 

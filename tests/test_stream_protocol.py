@@ -119,6 +119,23 @@ def test_a_delta_carries_only_news(llm):
         assert quiet.isdisjoint(s.index for s in delta.samples)
 
 
+def test_metrics_travel_when_a_milestone_changes_and_at_the_end(llm):
+    """A delta carries the request's metrics on its first output, when a milestone changes and at
+    its end; the others carry only the generated-token count, and the rebuilt outputs' metrics
+    still equal the engine's at every output (``test_accumulated_outputs_equal_the_engines``)."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    carried, sizes = [], {True: [], False: []}
+    accumulator = OutputAccumulator("m", None, list(range(3, 11)))
+    for output, delta in _run(llm, {"m": (list(range(3, 11)), params)}):
+        carried.append(delta.metrics is not None)
+        sizes[delta.metrics is not None].append(len(pickle.dumps(delta, protocol=5)))
+        rebuilt = accumulator.add(delta)
+        assert rebuilt.metrics == output.metrics
+        assert rebuilt.metrics.num_generated_tokens == delta.num_generated_tokens == len(output.outputs[0].token_ids)
+    assert carried[0] and carried[-1] and sum(carried) <= 3 and len(carried) >= 40, carried
+    assert max(sizes[False]) < min(sizes[True]) / 1.5
+
+
 def test_bytes_per_streamed_token_do_not_grow_with_the_sequence(llm):
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True, logprobs=2)
     delta_sizes, cumulative_sizes = [], []

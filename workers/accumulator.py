@@ -69,7 +69,11 @@ class OutputAccumulator:
             sample.stop_reason = news.stop_reason
         if delta.prompt_logprobs is not None:
             self._prompt_logprobs = delta.prompt_logprobs
-        self._metrics = delta.metrics
+        if delta.metrics is not None:
+            self._metrics = delta.metrics
+        if self._metrics is not None:
+            # As the engine's own outputs do, every output of the request shares one metrics object.
+            self._metrics.num_generated_tokens = delta.num_generated_tokens
         completions = []
         for index in sorted(self._samples):
             sample = self._samples[index]

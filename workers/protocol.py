@@ -3,9 +3,9 @@
 A request goes to a worker as a ``GenerateRequest``. The worker sends back
 ``OutputDelta``s, one per request per message of its output channel
 (``output_channel``: one message per engine step for all of a handle's
-requests): only what is new (token ids, text, logprobs, and a sample's
-finish the first time it is seen), so the bytes per streamed token stay the
-same however long the sequence grows. Control messages are separate types:
+requests): only what is new (token ids, text, logprobs, a sample's finish
+the first time it is seen, and the request's metrics when a milestone moved),
+so the bytes per streamed token stay the same however long the sequence grows. Control messages are separate types:
 ``Migrated`` ends a request the KV manager moved to another worker. A
 request whose worker's engine loop ended (failed or shut down) ends with
 ``EngineDeadError``.
@@ -73,14 +73,25 @@ class SampleDelta:
 class OutputDelta:
     """One streamed step of a request: its samples with news, and its metrics so far.
 
-    ``prompt_logprobs`` comes once, on the delta where they are all computed.
+    ``metrics`` come on the first delta, the last, and any delta where a milestone
+    changed (``milestones``: scheduled, first token, cached tokens, preemptions, KV
+    transfer); otherwise None, and ``num_generated_tokens`` alone brings the one
+    figure that changes every step. ``prompt_logprobs`` comes once, on the delta
+    where they are all computed.
     """
 
     request_id: str
     samples: list[SampleDelta]
     finished: bool
-    metrics: RequestMetrics
+    metrics: RequestMetrics | None
     prompt_logprobs: list[SampleLogprobs | None] | None = None
+    num_generated_tokens: int = 0
+
+
+def milestones(metrics: RequestMetrics) -> tuple:
+    """What of a request's metrics the handle needs as soon as it changes."""
+    return (metrics.first_scheduled_time, metrics.first_token_time, metrics.num_cached_tokens,
+            metrics.num_preemptions, metrics.kv_transfer_bytes, metrics.kv_transfer_s, metrics.kv_memcpy_s)
 
 
 def merge_deltas(deltas: list[OutputDelta]) -> OutputDelta:
@@ -103,8 +114,10 @@ def merge_deltas(deltas: list[OutputDelta]) -> OutputDelta:
             seen.cumulative_logprob = news.cumulative_logprob
             seen.finish_reason, seen.stop_reason = news.finish_reason, news.stop_reason
     prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
+    metrics = next((d.metrics for d in reversed(deltas) if d.metrics is not None), None)
     last = deltas[-1]
-    return OutputDelta(last.request_id, list(samples.values()), last.finished, last.metrics, prompt_logprobs)
+    return OutputDelta(last.request_id, list(samples.values()), last.finished, metrics, prompt_logprobs,
+                       last.num_generated_tokens)
 
 
 @dataclass
@@ -125,11 +138,14 @@ class DeltaEncoder:
     """Turns one request's engine outputs into ``OutputDelta``s (one encoder per stream).
 
     A sample is included when it has new tokens or text, or reports its finish
-    for the first time; the prompt logprobs go out once.
+    for the first time; the prompt logprobs go out once; the metrics when a
+    milestone changed, and on the last delta (pickled, they were half of a
+    one-token delta's bytes and of its cost to send and to read).
     """
 
     def __init__(self) -> None:
         self._sent_prompt_logprobs = False
+        self._sent_milestones: tuple | None = None
 
     def encode(self, output: RequestOutput) -> OutputDelta:
         samples = [SampleDelta(c.index, list(c.delta_token_ids), c.delta_text, c.delta_logprobs,
@@ -139,7 +155,17 @@ class DeltaEncoder:
         if output.prompt_logprobs is not None and not self._sent_prompt_logprobs:
             prompt_logprobs = output.prompt_logprobs
             self._sent_prompt_logprobs = True
-        return OutputDelta(output.request_id, samples, output.finished, output.metrics, prompt_logprobs)
+        metrics = output.metrics
+        num_generated_tokens = 0
+        if metrics is not None:
+            num_generated_tokens = metrics.num_generated_tokens
+            now = milestones(metrics)
+            if now == self._sent_milestones and not output.finished:
+                metrics = None
+            else:
+                self._sent_milestones = now
+        return OutputDelta(output.request_id, samples, output.finished, metrics, prompt_logprobs,
+                           num_generated_tokens)
 
 
 __all__ = ["DeltaEncoder", "GenerateRequest", "Migrated", "OutputDelta", "SampleDelta", "merge_deltas"]
