@@ -188,7 +188,8 @@ class Generation:
                             "aborted", "request_timeout")
 
     def _set_timer(self, at: float) -> None:
-        """The timer fires at ``at`` (``time.monotonic()``'s clock), not before."""
+        """Set the timer for ``at`` (``time.monotonic()``'s clock); if the loop runs it a little
+        early, ``_check_wait`` sets it again."""
         if self._timer is not None:
             self._timer.cancel()
         self._timer_at = at
