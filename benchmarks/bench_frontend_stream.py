@@ -43,7 +43,6 @@ class _SteppedHandle:
         self.step_s = step_s
         self._queues: dict[str, tuple[asyncio.Queue, int]] = {}
         self._stepper: asyncio.Task | None = None
-        self.num_steps = 0
 
     def generate(self, prompt, params, request_id=None, priority=0, prompt_token_ids=None, is_streamed=False):
         return self._generate(prompt, params, request_id, prompt_token_ids or [])
@@ -65,16 +64,15 @@ class _SteppedHandle:
             self._queues.pop(request_id, None)
 
     async def _step(self) -> None:
-        words = [self.tokenizer.convert_tokens_to_ids(t) for t in self.tokenizer.convert_ids_to_tokens(range(50, 80))]
+        token_ids = range(50, 80)
         sent: dict[str, int] = {}
         while self._queues:
-            self.num_steps += 1
             now = time.time()
             for request_id, (queue, max_tokens) in list(self._queues.items()):
                 count = sent.get(request_id, 0) + 1
                 sent[request_id] = count
                 is_last = count >= max_tokens
-                token = words[count % len(words)]
+                token = token_ids[count % len(token_ids)]
                 # Metrics come on a request's first and last delta (``DeltaEncoder``'s milestones).
                 metrics = (RequestMetrics(now - 1.0, now - 0.9, now - 0.8, now if is_last else None, 16, count)
                            if count == 1 or is_last else None)
@@ -114,7 +112,7 @@ async def _drive(app, body: dict, path: str) -> int:
     return size
 
 
-async def _run_app(app, handle, streams: int, tokens: int, api: str) -> tuple[float, float]:
+async def _run_app(app, streams: int, tokens: int, api: str) -> tuple[float, float]:
     if api == "chat":
         path, body = "/v1/chat/completions", {"model": "bench", "messages": [{"role": "user", "content": "Hi"}]}
     else:
@@ -166,7 +164,7 @@ def main() -> None:
     num_tokens = args.streams * args.tokens
     rounds = []
     for _ in range(args.rounds):
-        app_cpu, app_wall = asyncio.run(_run_app(app, handle, args.streams, args.tokens, args.api))
+        app_cpu, app_wall = asyncio.run(_run_app(app, args.streams, args.tokens, args.api))
         handle_cpu, handle_wall = asyncio.run(_run_handle(handle, args.streams, args.tokens))
         rounds.append({"app_us_per_token": app_cpu / num_tokens * 1e6,
                        "handle_only_us_per_token": handle_cpu / num_tokens * 1e6,

@@ -5,10 +5,10 @@ A request goes to a worker as a ``GenerateRequest``. The worker sends back
 (``output_channel``: one message per engine step for all of a handle's
 requests): only what is new (token ids, text, logprobs, a sample's finish
 the first time it is seen, and the request's metrics when a milestone moved),
-so the bytes per streamed token stay the same however long the sequence grows. Control messages are separate types:
-``Migrated`` ends a request the KV manager moved to another worker. A
-request whose worker's engine loop ended (failed or shut down) ends with
-``EngineDeadError``.
+so the bytes per streamed token stay the same however long the sequence
+grows. Control messages are separate types: ``Migrated`` ends a request the
+KV manager moved to another worker. A request whose worker's engine loop
+ended (failed or shut down) ends with ``EngineDeadError``.
 
 The cumulative view an API needs (non-streaming bodies, n > 1, resuming
 after a failure) is rebuilt from the deltas by ``accumulator.OutputAccumulator``.
