@@ -134,6 +134,8 @@ def test_metrics_travel_when_a_milestone_changes_and_at_the_end(llm):
         assert rebuilt.metrics.num_generated_tokens == delta.num_generated_tokens == len(output.outputs[0].token_ids)
     assert carried[0] and carried[-1] and sum(carried) <= 3 and len(carried) >= 40, carried
     assert max(sizes[False]) < min(sizes[True]) / 1.5
+    llm.engine.check_integrity()
+    assert llm.engine.num_used_blocks() == 0
 
 
 def test_bytes_per_streamed_token_do_not_grow_with_the_sequence(llm):
