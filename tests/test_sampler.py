@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from pagedserve.workers.detokenizer import (
+    NUM_CONTEXT_TOKENS,
+    REPLACEMENT_CHAR,
     IncrementalDetokenizer,
     StopStringMatcher,
     StreamingDetokenizer,
@@ -557,6 +559,95 @@ def test_incremental_detokenizer_skips_special_tokens(tokenizer):
     ids = tokenizer.encode("café").ids + [eos] + tokenizer.encode(" ok").ids
     detokenizer = IncrementalDetokenizer(tokenizer, [])
     assert "".join(detokenizer.append(t) for t in ids) == "café ok"
+
+
+def _sentencepiece_tokenizer():
+    """Llama 2's shape: byte fallback, "▁" for spaces, the leading one stripped on decode."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{byte:02X}>" for byte in range(256)]
+    tok.train_from_iterator(UNICODE_TEXTS * 3, trainer=trainers.BpeTrainer(
+        vocab_size=600, special_tokens=specials, show_progress=False))
+    return tok
+
+
+def _wordpiece_tokenizer():
+    """BERT's shape: "##" marks a word's continuation."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(cleanup=True)
+    tok.train_from_iterator(UNICODE_TEXTS * 3, trainer=trainers.WordPieceTrainer(
+        vocab_size=300, special_tokens=["[UNK]", "[SEP]"], show_progress=False))
+    return tok
+
+
+class _DecodeOnly:
+    """A tokenizer known only by its ``decode``: the detokenizer's Python route."""
+
+    def __init__(self, tokenizer) -> None:
+        self._decode = decode_function(tokenizer, True)
+
+    def decode(self, ids, skip_special_tokens=True):
+        assert skip_special_tokens
+        return self._decode(ids)
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece", "wordpiece", "transformers"])
+def test_incremental_detokenizer_routes_stream_the_whole_decode(kind, tokenizer, tiny_model):
+    """Random prompts and outputs, special and out-of-vocabulary ids among them: the Rust
+    route (a ``tokenizers`` ``DecodeStream``) and the Python route stream the same pieces,
+    and they add up to the whole decode's continuation of the prompt's last tokens. (The
+    Python route once moved its window past a token that decoded to nothing, a skipped
+    special token: SentencePiece then lost the next word's space, WordPiece showed "##".)"""
+    from transformers import AutoTokenizer
+
+    tok = {"byte-level": lambda: tokenizer, "sentencepiece": _sentencepiece_tokenizer,
+           "wordpiece": _wordpiece_tokenizer,
+           "transformers": lambda: AutoTokenizer.from_pretrained(tiny_model("llama"))}[kind]()
+    decode = decode_function(tok, True)
+    vocab_size = len(tok) if kind == "transformers" else tok.get_vocab_size()
+    rng = random.Random(3)
+    num_rust = num_compared = 0
+    for _ in range(300):
+        prompt = [rng.randrange(vocab_size) for _ in range(rng.randrange(8))]
+        ids = [rng.randrange(vocab_size + 4) for _ in range(rng.randrange(1, 40))]
+        rust, python = IncrementalDetokenizer(tok, prompt), IncrementalDetokenizer(_DecodeOnly(tok), prompt)
+        assert python._stream is None
+        num_rust += rust._stream is not None
+        pieces = [rust.append(t) for t in ids] + [rust.flush()]
+        assert pieces == [python.append(t) for t in ids] + [python.flush()], (prompt, ids)
+        context = prompt[-NUM_CONTEXT_TOKENS:]
+        head, whole = decode(context), decode(context + ids)
+        if whole.startswith(head) and REPLACEMENT_CHAR not in head:
+            num_compared += 1
+            assert "".join(pieces) == rust.output_text == whole[len(head):], (prompt, ids)
+    assert num_rust > 150 and num_compared > 100
+
+
+def test_incremental_detokenizer_leaves_the_rust_route_when_a_decoder_rewrites_text():
+    """A decoder whose text is not monotonic (here a ligature, "ab" -> "X") makes the
+    ``DecodeStream`` raise: the detokenizer goes on by the Python route, as that route
+    alone would have."""
+    from tokenizers import Tokenizer, decoders, models
+
+    class Ligature:
+        def decode_chain(self, tokens):
+            return ["".join(tokens).replace("ab", "X")]
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2, "c": 3}, unk_token="[UNK]"))
+    tok.decoder = decoders.Decoder.custom(Ligature())
+    ids = [3, 1, 2, 3, 1, 3]
+    rust, python = IncrementalDetokenizer(tok, [3]), IncrementalDetokenizer(_DecodeOnly(tok), [3])
+    assert rust._stream is not None
+    pieces = [rust.append(t) for t in ids]
+    assert rust._stream is None
+    assert pieces == [python.append(t) for t in ids] == ["c", "a", "", "c", "a", "c"]
 
 
 def test_check_stop():

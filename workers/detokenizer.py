@@ -19,6 +19,8 @@ from typing import Any
 from .sampling_params import SamplingParams
 
 REPLACEMENT_CHAR = "\ufffd"
+# How a ``tokenizers`` ``DecodeStream`` says a decoder rewrote text it had emitted.
+INVALID_PREFIX = "Invalid prefix"
 # Prompt tokens decoded along with the output so that tokenizers which strip a
 # leading space at the start of a decode (SentencePiece) keep it mid-text.
 NUM_CONTEXT_TOKENS = 5
@@ -72,9 +74,20 @@ class IncrementalDetokenizer:
     ``tokenizer`` is anything with ``decode(ids, skip_special_tokens=...)``: a
     ``tokenizers.Tokenizer`` or a transformers tokenizer. Each call to ``append``
     returns the newly stable text: a token that ends mid-way through a UTF-8
-    character (byte-level BPE) yields "" until the character completes. The
-    concatenation of all returned pieces plus ``flush()`` equals decoding the
-    output tokens (in the context of the prompt's last few tokens).
+    character (byte-level BPE) yields "" until the character completes, and so does
+    one whose text is empty (a skipped special token): the window of tokens decoded
+    moves on only with new text, so a decoder that strips the first token's leading
+    space (SentencePiece) or marks continuations (WordPiece's "##") never sees a
+    word start it. The concatenation of all returned pieces plus ``flush()`` equals
+    decoding the output tokens (in the context of the prompt's last few tokens).
+
+    A Rust tokenizer whose decode is exactly ``tokenizer.decode`` is followed by a
+    ``tokenizers`` ``DecodeStream``: the same prefix/read-offset decoding, without two
+    Python calls into the tokenizer per token (0.9 against 1.9 us a token, measured
+    on the tiny model's tokenizer). Kept special tokens (joined here with spaces), a
+    prompt context whose text is empty or ends inside a character, and a decoder
+    whose text is not monotonic (the stream raises "Invalid prefix") take the Python
+    route, from the start or from that token on.
     """
 
     def __init__(
@@ -95,24 +108,45 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._token_ids)
         self._num_outputs = 0
-        self.output_text = ""
+        self._pieces: list[str] = []
+        self._backend = None if self._special_ids else rust_tokenizer(tokenizer)
+        self._stream = self._start_stream() if self._backend is not None else None
+
+    def _start_stream(self):
+        from tokenizers.decoders import DecodeStream
+
+        stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
+        if self._token_ids and stream.step(self._backend, self._token_ids) is None:
+            return None   # the context's text is empty or ends inside a character
+        return stream
 
     @property
     def num_output_tokens(self) -> int:
         return self._num_outputs
 
+    @property
+    def output_text(self) -> str:
+        """The text emitted so far (joined on read)."""
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
     def append(self, token_id: int) -> str:
         """Add one output token; return the text that became stable (maybe "")."""
         self._token_ids.append(token_id)
         self._num_outputs += 1
-        prefix_text = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
-        full_text = self._decode(self._token_ids[self._prefix_offset :])
-        if full_text.endswith(REPLACEMENT_CHAR) or len(full_text) < len(prefix_text):
+        if self._stream is None:
+            return self._decode_new_text()
+        try:
+            new_text = self._stream.step(self._backend, token_id)
+        except Exception as exc:
+            if not str(exc).startswith(INVALID_PREFIX):
+                raise
+            self._stream = None   # the decoder rewrote earlier text: as before, by lengths
+            return self._decode_new_text()
+        if new_text is None:
             return ""
-        new_text = full_text[len(prefix_text) :]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._token_ids)
-        self.output_text += new_text
+        self._advance(new_text)
         return new_text
 
     def flush(self) -> str:
@@ -122,10 +156,24 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
         full_text = self._decode(self._token_ids[self._prefix_offset :])
         new_text = full_text[len(prefix_text) :]
+        self._advance(new_text)
+        self._stream = None   # its window no longer matches the offsets
+        return new_text
+
+    def _decode_new_text(self) -> str:
+        prefix_text = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._token_ids[self._prefix_offset :])
+        if full_text.endswith(REPLACEMENT_CHAR) or len(full_text) <= len(prefix_text):
+            return ""
+        new_text = full_text[len(prefix_text) :]
+        self._advance(new_text)
+        return new_text
+
+    def _advance(self, new_text: str) -> None:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._token_ids)
-        self.output_text += new_text
-        return new_text
+        if new_text:
+            self._pieces.append(new_text)
 
     def _decode(self, token_ids: list[int]) -> str:
         if not self._special_ids or not self._special_ids.intersection(token_ids):
@@ -168,6 +216,22 @@ def decode_function(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list
     kwargs = _decode_kwargs(tokenizer, skip_special_tokens)
     decode = tokenizer.decode
     return lambda ids: decode(ids, **kwargs)
+
+
+def rust_tokenizer(tokenizer: Any):
+    """The ``tokenizers.Tokenizer`` whose ``decode`` is exactly ``tokenizer``'s (spaces not
+    cleaned up), or None: the tokenizer itself, or a transformers fast tokenizer's
+    backend when its class does not override decoding."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if isinstance(backend, Tokenizer) and _decodes_through_backend(type(tokenizer)):
+        return backend
+    return None
 
 
 def _decodes_through_backend(tokenizer_class: type) -> bool:
