@@ -683,9 +683,8 @@ def _stream(tokenizer, text, params, eos=None, extra=()):
     stream = StreamingDetokenizer(tokenizer, [], params, eos_token_id=eos)
     pieces = []
     for token_id in ids:
-        delta = stream.append(token_id)
-        pieces.append(delta.text)
-        if delta.is_finished:
+        pieces.append(stream.append(token_id))
+        if stream.is_finished:
             break
     return stream, pieces
 
@@ -746,9 +745,9 @@ def test_stream_holds_back_possible_stop_prefix(tokenizer):
     stream = StreamingDetokenizer(tokenizer, [], params, eos_token_id=None)
     shown = ""
     for token_id in tokenizer.encode("hello world").ids:
-        shown += stream.append(token_id).text
+        shown += stream.append(token_id)
     assert shown == "hello "  # "world" might still become "world!"
-    shown += stream.append(tokenizer.encode(" again").ids[0]).text
+    shown += stream.append(tokenizer.encode(" again").ids[0])
     assert shown.startswith("hello world")  # released once it cannot match
 
 

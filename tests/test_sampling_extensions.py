@@ -183,7 +183,7 @@ def test_spaces_between_special_tokens(tiny_model):
         params = SamplingParams(skip_special_tokens=skip, spaces_between_special_tokens=spaces,
                                 max_tokens=len(ids) + 1, ignore_eos=True)
         detokenizer = StreamingDetokenizer(tokenizer, prompt, params, [2])
-        return "".join(detokenizer.append(t).text for t in ids)
+        return "".join(detokenizer.append(t) for t in ids)
 
     prompt = tokenizer.encode("Say:", add_special_tokens=False)
     assert stream(True, True) == "hello therehello there"

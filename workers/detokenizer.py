@@ -13,7 +13,6 @@ Three pieces, usable alone or together:
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from .sampling_params import SamplingParams
@@ -297,23 +296,6 @@ class StopStringMatcher:
         return 0
 
 
-@dataclass
-class TextDelta:
-    """What one new token means for the client: text to stream and whether done.
-
-    ``stop_reason`` is the matched stop string or stop token id (None for EOS,
-    length, or not finished), as in vLLM.
-    """
-
-    text: str
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-    @property
-    def is_finished(self) -> bool:
-        return self.finish_reason is not None
-
-
 class StreamingDetokenizer:
     """Per-sequence text stream: tokens in, safe-to-show text and finish state out.
 
@@ -369,46 +351,56 @@ class StreamingDetokenizer:
         (it excludes a tail held back as a possible stop string)."""
         return self.output_text[: self._num_streamed_chars]
 
-    def append(self, token_id: int, finish_reason: str | None | object = CHECK_STOP) -> TextDelta:
-        """Account for one sampled token; return the text to stream now.
+    def append(self, token_id: int, finish_reason: str | None | object = CHECK_STOP) -> str:
+        """Account for one sampled token; return the text to stream now (``finish_reason``
+        and ``stop_reason`` say whether it ended the sequence, and why).
 
         ``finish_reason`` is what ``check_stop`` says of the outputs with this
         token: computed here unless the caller already knows it (the engine
         checks a whole batch at once).
         """
-        if self.is_finished:
+        if self.finish_reason is not None:
             raise ValueError("sequence already finished; no more tokens may be appended")
+        params = self.params
         self.output_token_ids.append(token_id)
         if finish_reason is CHECK_STOP:
-            finish_reason = check_stop(self.params, self.output_token_ids, self._eos_token_id,
+            finish_reason = check_stop(params, self.output_token_ids, self._eos_token_id,
                                        self._num_prompt_tokens, self._max_model_len)
-        is_stop_token = finish_reason == FINISH_STOP
-        if is_stop_token and token_id in self.params.stop_token_ids:
-            self.stop_reason = token_id
-        new_text = ""
-        if not is_stop_token or self.params.include_stop_str_in_output:
+        if finish_reason is None:
             new_text = self._detokenizer.append(token_id)
-        if finish_reason is not None:
+        else:
+            new_text = ""
+            if finish_reason == FINISH_STOP and token_id in params.stop_token_ids:
+                self.stop_reason = token_id
+            if finish_reason != FINISH_STOP or params.include_stop_str_in_output:
+                new_text = self._detokenizer.append(token_id)
             new_text += self._detokenizer.flush()
+        if not self._stop_matcher.stop:   # all of the text streams at once
+            if new_text:
+                self._pieces.append(new_text)
+                self._num_chars += len(new_text)
+                self._num_streamed_chars = self._recent_start = self._num_chars
+            self.finish_reason = finish_reason
+            return new_text
         self._add_text(new_text)
         match = None
-        if len(self.output_token_ids) > self.params.min_tokens:
+        if len(self.output_token_ids) > params.min_tokens:
             match = self._stop_matcher.find(self._recent, len(new_text))
         if match is not None:
             keep, stop = match
             self._truncate(self._recent_start + keep)
             finish_reason, self.stop_reason = FINISH_STOP, stop
         self.finish_reason = finish_reason
-        return TextDelta(self._take_streamable(), finish_reason, self.stop_reason)
+        return self._take_streamable()
 
-    def finish(self, finish_reason: str) -> TextDelta:
+    def finish(self, finish_reason: str) -> str:
         """End the sequence now (its grammar is complete, or it failed): flush the
         text held back and return what is left to stream."""
         if self.is_finished:
             raise ValueError("sequence already finished")
         self._add_text(self._detokenizer.flush())
         self.finish_reason = finish_reason
-        return TextDelta(self._take_streamable(), finish_reason, self.stop_reason)
+        return self._take_streamable()
 
     def _add_text(self, text: str) -> None:
         if text:

@@ -101,11 +101,13 @@ class SequenceStream:
         return self.finish_reason is not None
 
     def add_token(self, token_id: int, reason: str | None) -> None:
-        delta = self.text.append(token_id, reason)
+        text = self.text
+        new_text = text.append(token_id, reason)
         self.num_tokens += 1
-        self.delta_text += delta.text
-        if delta.is_finished:
-            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+        if new_text:
+            self.delta_text += new_text
+        if text.finish_reason is not None:
+            self.finish_reason, self.stop_reason = text.finish_reason, text.stop_reason
 
     def end(self, reason: str) -> None:
         """End after the tokens so far, its text complete (a grammar completed or failed):
@@ -113,7 +115,7 @@ class SequenceStream:
         if self.text.is_finished:   # a stop string ended it on the same token
             self.finish_reason, self.stop_reason = self.text.finish_reason, self.text.stop_reason
             return
-        self.delta_text += self.text.finish(reason).text
+        self.delta_text += self.text.finish(reason)
         self.finish_reason, self.stop_reason = reason, self.text.stop_reason
 
     def cut(self, reason: str) -> None:
@@ -172,9 +174,14 @@ class OutputProcessor:
         for request in touched.values():
             if request.is_final_streamed:
                 continue  # ended by stop strings, then aborted or migrated before the engine heard
+            seqs = request.seqs
             # Not ``request.is_aborted``: the engine may have aborted it since this step ran.
-            is_finished = id(request) in aborted or (
-                len(request.seqs) == request.params.n and all(s.stream.is_finished for s in request.seqs))
+            if aborted and id(request) in aborted:
+                is_finished = True
+            elif len(seqs) == 1:
+                is_finished = request.params.n == 1 and seqs[0].stream.finish_reason is not None
+            else:
+                is_finished = len(seqs) == request.params.n and all(s.stream.is_finished for s in seqs)
             if is_finished or request.output_kind != "final":
                 outputs.append(self._make_output(request, is_finished))
                 request.is_final_streamed = is_finished
@@ -189,15 +196,16 @@ class OutputProcessor:
         for i in positions:
             seq = seqs[i]
             stream = seq.stream
-            if stream.is_finished:
+            if stream.finish_reason is not None:
                 continue  # a stop string ended it; the engine had not heard yet
-            finish = finishes.get(id(seq))
+            finish = finishes.get(id(seq)) if finishes else None
             stream.add_token(token_ids[i], finish.reason if finish is not None and finish.by_token else None)
             if logprobs is not None and logprobs[i] is not None:
                 stream.add_logprob(logprobs[i])
-            if stream.is_finished and finish is None:
+            if finish is None and stream.finish_reason is not None:
                 stopped.append(seq)
-            touched[seq.request.request_id] = seq.request
+            request = seq.request
+            touched[request.request_id] = request
         self.num_tokens_processed += len(positions)
         for finish in tokens.finished:
             seq, stream = finish.seq, finish.seq.stream
@@ -238,34 +246,37 @@ class OutputProcessor:
         completions = []
         wants_logprobs = request.params.logprobs is not None
         transfer = migrate_to = None
+        num_generated_tokens = 0
         for seq in request.seqs:
             stream = seq.stream
             num_tokens = stream.num_tokens
-            if not num_tokens and not stream.is_finished and seq.sample_index:
+            num_generated_tokens += num_tokens
+            if not num_tokens and stream.finish_reason is None and seq.sample_index:
                 continue  # forked, but its first token is in a later step than this one
-            new_tokens = seq.output_token_ids[stream.num_streamed_tokens:num_tokens]
-            num_new = num_tokens - stream.num_streamed_tokens
+            output_token_ids = seq.output_token_ids
+            num_streamed = stream.num_streamed_tokens
             stream.num_streamed_tokens = num_tokens
-            is_newly_finished = stream.finish_reason is not None and not stream.is_finish_streamed
-            stream.is_finish_streamed = stream.finish_reason is not None
-            if stream.delta_text:
-                stream.streamed_text_pieces.append(stream.delta_text)
-            num_logprobs = stream.num_logprobs
-            completions.append(CompletionOutput(
-                index=seq.sample_index,
-                text=TextPrefix(stream.streamed_text_pieces),
-                token_ids=ListPrefix(seq.output_token_ids, num_tokens),
-                cumulative_logprob=stream.cumulative_logprob if wants_logprobs else None,
-                logprobs=ListPrefix(seq.logprobs, num_logprobs) if wants_logprobs else None,
-                finish_reason=stream.finish_reason,
-                stop_reason=stream.stop_reason,
-                delta_text=stream.delta_text,
-                delta_token_ids=new_tokens,
+            finish_reason = stream.finish_reason
+            is_newly_finished = finish_reason is not None and not stream.is_finish_streamed
+            stream.is_finish_streamed = finish_reason is not None
+            delta_text = stream.delta_text
+            if delta_text:
+                stream.streamed_text_pieces.append(delta_text)
+            if wants_logprobs:
                 # One logprob per sampled token: the new tokens' are the last ones.
-                delta_logprobs=(seq.logprobs[max(0, num_logprobs - num_new):num_logprobs]
-                                if wants_logprobs else None),
-                is_newly_finished=is_newly_finished,
-            ))
+                num_logprobs = stream.num_logprobs
+                cumulative_logprob = stream.cumulative_logprob
+                logprobs = ListPrefix(seq.logprobs, num_logprobs)
+                delta_logprobs = seq.logprobs[max(0, num_logprobs - (num_tokens - num_streamed)):num_logprobs]
+            else:
+                cumulative_logprob = logprobs = delta_logprobs = None
+            # Positional: index, text, token_ids, cumulative_logprob, logprobs, finish_reason,
+            # stop_reason, delta_text, delta_token_ids, delta_logprobs, is_newly_finished.
+            completions.append(CompletionOutput(
+                seq.sample_index, TextPrefix(stream.streamed_text_pieces),
+                ListPrefix(output_token_ids, num_tokens), cumulative_logprob, logprobs, finish_reason,
+                stream.stop_reason, delta_text, output_token_ids[num_streamed:num_tokens], delta_logprobs,
+                is_newly_finished))
             stream.delta_text = ""
             if stream.kv_transfer is not None:
                 transfer, migrate_to = stream.kv_transfer, stream.migrate_to
@@ -273,10 +284,8 @@ class OutputProcessor:
         if request.prompt_logprobs is not None and not request.needs_prompt_logprobs:
             prompt_logprobs = request.prompt_logprobs  # complete: never changes again (shared, read-only)
         metrics = request.metrics
-        metrics.num_generated_tokens = sum(seq.stream.num_tokens for seq in request.seqs)
+        metrics.num_generated_tokens = num_generated_tokens
         if is_finished and metrics.finished_time is None:
             metrics.finished_time = time.time()
-        output = RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
-                               completions, is_finished, metrics, prompt_logprobs)
-        output.kv_transfer, output.migrate_to = transfer, migrate_to
-        return output
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                             completions, is_finished, metrics, prompt_logprobs, transfer, migrate_to)

@@ -228,10 +228,11 @@ class CompletionOutput:
                  delta_text: str = "", delta_token_ids: list[int] | None = None,
                  delta_logprobs: list[SampleLogprobs] | None = None, is_newly_finished: bool = False) -> None:
         self.index = index
-        self.text = text
-        self.token_ids = token_ids
+        # The copied-on-read fields' slots, set directly (the descriptor's __set__ is a call each).
+        self._text = text
+        self._token_ids = token_ids
         self.cumulative_logprob = cumulative_logprob
-        self.logprobs = logprobs
+        self._logprobs = logprobs
         self.finish_reason = finish_reason
         self.stop_reason = stop_reason
         self.delta_text = delta_text
