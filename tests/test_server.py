@@ -178,6 +178,21 @@ def test_error_statuses(served, client):
         client.chat.completions.create(model=MODEL, messages=[], max_tokens=3)
 
 
+def test_serving_processes_froze_their_start_up_heap(served, client):
+    """The replica and every worker froze their start-up objects out of garbage collection
+    and space young collections out (``workers.gc_heap``); the collections since are timed."""
+    from pagedserve.workers.gc_heap import YOUNG_GC_THRESHOLD
+
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=4).usage.completion_tokens == 4
+    stats = httpx.get(served.base_url + "/stats", timeout=30).json()
+    processes = {"replica": stats["server"]["gc"], **{w: s["gc"] for w, s in stats["workers"].items()}}
+    assert len(processes) == 3, processes
+    for name, gc_stats in processes.items():
+        assert gc_stats["frozen_objects"] > 50_000, (name, gc_stats)
+        assert gc_stats["thresholds"][0] == YOUNG_GC_THRESHOLD, (name, gc_stats)
+        assert len(gc_stats["collections"]) == len(gc_stats["pause_seconds"]) == 3, (name, gc_stats)
+
+
 def test_api_key_401(served):
     url = served.secure_url
     _assert_error(httpx.get(url + "/v1/models", timeout=30), 401)

@@ -30,6 +30,7 @@ import numpy as np
 from pagedserve.kvmanager import EventLog, KVPublisher, LocalKVManager, RemotePreemptionPolicy
 
 from .background_loop import BackgroundLoop
+from .gc_heap import prepare_serving_heap
 from .kv_wire import DEFAULT_TICK_S, ZmqTransport, connect_transport
 from .model_source import ModelSource
 from .output_channel import CHANNEL_LEASE_S, ChannelMessage, OutputChannel
@@ -154,6 +155,8 @@ class Worker:
         self._kv_sender.start()
         self.started_at = time.time()
         self.num_heartbeats = 0  # answered by this incarnation (one monitor asks about 4 a second)
+        # Last: the engine, its model and threads are built; no request has come yet.
+        self.gc_pauses = prepare_serving_heap(f"worker {worker_id}")
 
     # ---- the KV manager link ------------------------------------------------------------
     def _after_step(self) -> None:
@@ -395,6 +398,7 @@ class Worker:
                 "is_draining": self.engine.scheduler.is_draining,
                 "num_drain_migrations": self.engine.scheduler.num_drain_migrations,
                 **self._parallel_info(),
+                "gc": self.gc_pauses.snapshot(),
                 "is_healthy": self.async_engine.is_running}
 
     async def block_map(self, max_cells: int = 4096) -> dict:

@@ -9,6 +9,8 @@ import ipaddress
 import logging
 import os
 
+from pagedserve.workers.gc_heap import prepare_serving_heap
+
 from .. import ray_compat
 from . import ingress
 from ..config import ClusterConfig, ServerConfig
@@ -45,7 +47,10 @@ class PagedServeDeployment:
         self.grpc = GrpcService(self.server)
 
     def __serve_build_asgi_app__(self):
-        return build_app(self.server)
+        app = build_app(self.server)
+        # Serve builds the app once, in the replica's process, before any request.
+        self.server.gc_pauses = prepare_serving_heap("serve replica")
+        return app
 
     async def Generate(self, request, grpc_context=None):  # noqa: N802 - the RPC's name
         return await self.grpc.generate(request, grpc_context)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedserve.workers.gc_heap import GCPauses
 from pagedserve.workers.request import RequestOutput
 from pagedserve.workers.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -304,6 +305,8 @@ class Frontend:
         self.limiter = RequestLimiter(self.limits.max_queued_requests)
         self.client_limiter = ClientLimiter(self.limits.max_requests_per_client)
         self.metrics = ServerMetrics(self.model_name)
+        # The process's garbage-collection timer, where it serves (the Serve replica sets it).
+        self.gc_pauses: GCPauses | None = None
         if self.config.log_requests:
             _enable_request_logging()
 
@@ -550,6 +553,8 @@ class Frontend:
         stats["server"] = {"num_in_flight": self.limiter.num_in_flight,
                            "max_queued_requests": self.limiter.max_in_flight,
                            "num_admitted": self.limiter.num_admitted, "pid": os.getpid()}
+        if self.gc_pauses is not None:
+            stats["server"]["gc"] = self.gc_pauses.snapshot()
         return stats
 
     async def metrics_text(self) -> bytes:

@@ -1,0 +1,55 @@
+"""The serving processes' garbage-collector settings: start-up heap frozen, pauses counted."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+import textwrap
+
+from pagedserve.workers.gc_heap import YOUNG_GC_THRESHOLD, GCPauses
+
+
+def test_gc_pauses_count_each_generation_and_stop_when_uninstalled():
+    pauses = GCPauses().install()
+    try:
+        gc.collect(0)
+        gc.collect(2)
+        gc.collect(2)
+        snapshot = pauses.snapshot()
+        assert snapshot["collections"][0] >= 1 and snapshot["collections"][2] >= 2
+        assert all(p >= 0 for p in snapshot["pause_seconds"])
+        assert 0 < snapshot["max_pause_seconds"][2] <= snapshot["pause_seconds"][2]
+        assert snapshot["thresholds"] == list(gc.get_threshold())
+    finally:
+        pauses.uninstall()
+    gc.collect(2)
+    assert pauses.snapshot()["collections"][2] == snapshot["collections"][2]
+
+
+def test_prepare_serving_heap_freezes_what_is_alive_and_still_collects_what_comes_later():
+    """In a process of its own (it changes the collector for the rest of the process)."""
+    script = textwrap.dedent("""
+        import gc, weakref
+        from pagedserve.workers.gc_heap import YOUNG_GC_THRESHOLD, prepare_serving_heap
+
+        class Node:
+            pass
+
+        alive = [Node() for _ in range(1000)]
+        pauses = prepare_serving_heap("test")
+        frozen = gc.get_freeze_count()
+        assert frozen >= 1000 and pauses.snapshot()["frozen_objects"] == frozen, frozen
+        assert gc.get_threshold()[0] == YOUNG_GC_THRESHOLD
+        assert len(gc.get_objects()) < frozen / 10     # the frozen heap is out of every generation
+        cycle = Node()
+        cycle.self = cycle                             # garbage only the collector can free
+        ref = weakref.ref(cycle)
+        del cycle
+        gc.collect()
+        assert ref() is None and pauses.snapshot()["collections"][2] == 1
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+    assert YOUNG_GC_THRESHOLD > gc.get_threshold()[0]   # this process is left as it was
