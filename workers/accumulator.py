@@ -15,6 +15,9 @@ from .protocol import OutputDelta
 from .request import CompletionOutput, ListPrefix, RequestMetrics, RequestOutput, SampleLogprobs, TextPrefix
 
 
+_NO_NEWS = (None, False)
+
+
 @dataclass
 class _Sample:
     """One sample's news so far; the lists only ever grow (outputs hold prefixes of them)."""
@@ -49,7 +52,9 @@ class OutputAccumulator:
     def add(self, delta: OutputDelta) -> RequestOutput:
         news_by_index = {}
         for news in delta.samples:
-            sample = self._samples.setdefault(news.index, _Sample())
+            sample = self._samples.get(news.index)
+            if sample is None:
+                sample = self._samples[news.index] = _Sample()
             sample.token_ids.extend(news.token_ids)
             if news.text:
                 sample.text_pieces.append(news.text)
@@ -74,20 +79,24 @@ class OutputAccumulator:
         if self._metrics is not None:
             # As the engine's own outputs do, every output of the request shares one metrics object.
             self._metrics.num_generated_tokens = delta.num_generated_tokens
+        samples = self._samples
         completions = []
-        for index in sorted(self._samples):
-            sample = self._samples[index]
-            news, is_newly_finished = news_by_index.get(index, (None, False))
+        for index in (samples if len(samples) == 1 else sorted(samples)):
+            sample = samples[index]
+            news, is_newly_finished = news_by_index.get(index, _NO_NEWS)
+            logprobs = sample.logprobs
+            if news is None:
+                delta_text, delta_token_ids, delta_logprobs = "", [], None if logprobs is None else []
+            else:
+                delta_text, delta_token_ids = news.text, list(news.token_ids)
+                delta_logprobs = (list(news.logprobs) if news.logprobs is not None
+                                  else None if logprobs is None else [])
+            # Positional: index, text, token_ids, cumulative_logprob, logprobs, finish_reason,
+            # stop_reason, delta_text, delta_token_ids, delta_logprobs, is_newly_finished.
             completions.append(CompletionOutput(
-                index=index, text=TextPrefix(sample.text_pieces), token_ids=ListPrefix(sample.token_ids),
-                cumulative_logprob=sample.cumulative_logprob,
-                logprobs=ListPrefix(sample.logprobs) if sample.logprobs is not None else None,
-                finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
-                delta_text=news.text if news else "",
-                delta_token_ids=list(news.token_ids) if news else [],
-                delta_logprobs=(list(news.logprobs) if news and news.logprobs is not None
-                                else [] if sample.logprobs is not None else None),
-                is_newly_finished=is_newly_finished))
+                index, TextPrefix(sample.text_pieces), ListPrefix(sample.token_ids), sample.cumulative_logprob,
+                None if logprobs is None else ListPrefix(logprobs), sample.finish_reason, sample.stop_reason,
+                delta_text, delta_token_ids, delta_logprobs, is_newly_finished))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, delta.finished,
                              self._metrics, self._prompt_logprobs)
 
