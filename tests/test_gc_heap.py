@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 import textwrap
@@ -53,3 +54,14 @@ def test_prepare_serving_heap_freezes_what_is_alive_and_still_collects_what_come
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
     assert YOUNG_GC_THRESHOLD > gc.get_threshold()[0]   # this process is left as it was
+
+
+def test_the_proxy_ingress_spaces_serves_proxy_collections_unless_told_otherwise(monkeypatch):
+    from pagedserve.cluster.serving import ingress
+
+    monkeypatch.delenv(ingress.PROXY_GC_THRESHOLD_ENV, raising=False)
+    ingress.prepare("proxy")
+    assert os.environ[ingress.PROXY_GC_THRESHOLD_ENV] == str(YOUNG_GC_THRESHOLD)
+    monkeypatch.setenv(ingress.PROXY_GC_THRESHOLD_ENV, "2000")
+    ingress.prepare("proxy")
+    assert os.environ[ingress.PROXY_GC_THRESHOLD_ENV] == "2000"

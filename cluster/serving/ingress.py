@@ -18,12 +18,19 @@ draining period cut from Serve's 30 s to what HAProxy needs to see it
 (``DRAINING_PERIOD_S``, unless set); a cluster pagedserve
 joins must have been started with them (``ray start`` on every node), which
 ``check`` verifies before the application is deployed.
+
+Through the proxy, ``prepare`` also spaces the proxy actor's young garbage
+collections out as pagedserve's own processes do (``workers.gc_heap``):
+``RAY_SERVE_PROXY_GC_THRESHOLD``, Serve's knob for its proxy (700 by default),
+unless it is set.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+
+from pagedserve.workers.gc_heap import YOUNG_GC_THRESHOLD
 
 HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
@@ -32,6 +39,7 @@ HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
 # one health-check interval (5 s) plus one fast re-check (0.25 s), so 6 s covers it.
 DRAINING_PERIOD_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 DRAINING_PERIOD_S = 6.0
+PROXY_GC_THRESHOLD_ENV = "RAY_SERVE_PROXY_GC_THRESHOLD"
 
 
 class IngressError(RuntimeError):
@@ -49,6 +57,7 @@ def prepare(ingress: str) -> None:
     """Before Ray starts here: the environment ``ingress`` needs, for this process and the
     private Ray it may start. Raises ``IngressError`` if HAProxy is asked for and missing."""
     if ingress != "haproxy":
+        os.environ.setdefault(PROXY_GC_THRESHOLD_ENV, str(YOUNG_GC_THRESHOLD))
         return
     _check_haproxy_binary()
     os.environ.update(HAPROXY_ENV)
