@@ -723,3 +723,33 @@ def test_explicit_nulls_take_the_defaults_as_openai_and_vllm_read_them():
         ChatCompletionRequest.model_validate({"messages": None})
     with pytest.raises(ValidationError, match="n"):
         CompletionRequest.model_validate({"prompt": "x", "n": 0})
+
+
+def test_stream_deltas_leave_out_exactly_their_none_keys():
+    """Every combination of set and unset fields of the chat stream's delta models serialises
+    to the keys that are set, nested ones included, in ``model_dump_json`` and ``model_dump``;
+    the choice around them keeps its nulls, as OpenAI's chunks do."""
+    import itertools
+
+    from pagedserve.cluster.serving.protocol import (ChatCompletionChunk, ChatStreamChoice, DeltaFunctionCall,
+                                                     DeltaMessage, DeltaToolCall)
+
+    functions = [None] + [DeltaFunctionCall(name=n, arguments=a)
+                          for n, a in itertools.product([None, "f"], [None, "", '{"a": 1}'])]
+    calls = [DeltaToolCall(index=1, id=i, type=t, function=f)
+             for i, t, f in itertools.product([None, "c1"], [None, "function"], functions)]
+    for role, content, tool_calls in itertools.product([None, "assistant"], [None, "", "hé\n\"x\""],
+                                                      [None, [], calls[:3], calls[3:]]):
+        delta = DeltaMessage(role=role, content=content, tool_calls=tool_calls)
+        expected = {k: v for k, v in (("role", role), ("content", content)) if v is not None}
+        if tool_calls is not None:
+            expected["tool_calls"] = [
+                {"index": 1, **{k: v for k, v in (("id", c.id), ("type", c.type)) if v is not None},
+                 **({} if c.function is None else {"function": {
+                     k: v for k, v in (("name", c.function.name), ("arguments", c.function.arguments))
+                     if v is not None}})}
+                for c in tool_calls]
+        assert json.loads(delta.model_dump_json()) == delta.model_dump() == expected
+        chunk = ChatCompletionChunk(id="c", created=1, model=MODEL, choices=[ChatStreamChoice(index=0, delta=delta)])
+        choice = json.loads(chunk.model_dump_json())["choices"][0]
+        assert choice == {"index": 0, "delta": expected, "logprobs": None, "finish_reason": None}

@@ -26,8 +26,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator,
-                      model_serializer, model_validator)
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pagedserve.workers.sampling_params import (
     MAX_LOGPROBS,
@@ -465,32 +464,34 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None
 
 
-class _NoNulls(BaseModel):
-    """Serialised without the keys whose value is None."""
-
-    @model_serializer(mode="wrap")
-    def _drop_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {key: value for key, value in handler(self).items() if value is not None}
+def _is_none(value: Any) -> bool:
+    return value is None
 
 
-class DeltaFunctionCall(_NoNulls):
-    name: str | None = None
-    arguments: str | None = None
+def _omitted_if_none() -> Any:
+    """A field that defaults to None and is left out of the serialised model while None
+    (a stream delta's keys, as OpenAI sends them)."""
+    return Field(default=None, exclude_if=_is_none)
 
 
-class DeltaToolCall(_NoNulls):
+class DeltaFunctionCall(BaseModel):
+    name: str | None = _omitted_if_none()
+    arguments: str | None = _omitted_if_none()
+
+
+class DeltaToolCall(BaseModel):
     """A piece of call ``index``: the first carries ``id``, ``type`` and the name."""
 
     index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunctionCall | None = None
+    id: str | None = _omitted_if_none()
+    type: Literal["function"] | None = _omitted_if_none()
+    function: DeltaFunctionCall | None = _omitted_if_none()
 
 
-class DeltaMessage(_NoNulls):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = _omitted_if_none()
+    content: str | None = _omitted_if_none()
+    tool_calls: list[DeltaToolCall] | None = _omitted_if_none()
 
 
 class ChatStreamChoice(BaseModel):
