@@ -31,8 +31,6 @@ import time
 logger = logging.getLogger(__name__)
 
 NUM_GENERATIONS = 3
-
-
 # Net allocations of tracked objects between young collections (CPython's default: 700).
 YOUNG_GC_THRESHOLD = 10_000
 
