@@ -5,8 +5,9 @@ token-identical to transformers ``generate(do_sample=False)`` for llama,
 qwen3, mistral and a mixture of experts (qwen3_moe), through prefix-cache
 hits, preemption by swap and by recompute, an abort in the middle of a
 stream, and KV moved between groups of different sizes. Models whose plan or
-head counts do not allow a split are refused with the reason. Groups of four
-run for qwen3 and mistral only under ``--long-form``.
+head counts do not allow a split are refused with the reason. That whole
+check runs for each family at one group size (four ranks for the mixture of
+experts, two for the others) and at both under ``--long-form``.
 
 The plan, shard and channel tests run their ranks as threads of this process
 (each with its own gloo process group); the engine tests start real rank
@@ -35,10 +36,12 @@ from pagedserve.workers.tp_plan import (SliceSpec, TensorParallelError, check_te
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 ARCHS = ("llama", "qwen3", "mistral", "qwen3_moe")
-# Groups of four for a dense model (llama) and the mixture of experts by default, for every
-# family under --long-form: a group of four ranks on 2 cores is the suite's slowest variant.
-ARCH_SIZES = [pytest.param(arch, size, marks=[pytest.mark.long_form] if size == 4 and arch in ("qwen3", "mistral")
-                           else [])
+# By default each family runs at one size: the dense ones in groups of two, the mixture of experts
+# in a group of four (its groups of two run in test_overlapped_scheduling_..., a dense group of four
+# in test_kv_moves_between_groups_...); every pair runs under --long-form. An engine test costs a
+# start of every rank (torch and transformers imported in each) on 2 cores: 10-26 s.
+SHORT_FORM_SIZES = {"llama": 2, "qwen3": 2, "mistral": 2, "qwen3_moe": 4}
+ARCH_SIZES = [pytest.param(arch, size, marks=[] if SHORT_FORM_SIZES[arch] == size else [pytest.mark.long_form])
               for arch in ARCHS for size in (2, 4)]
 FIRST_ORDINARY_ID = 5
 VOCAB_SIZE = 1024
