@@ -1,7 +1,7 @@
 """Chaos: faults injected one at a time into a two-worker cluster under a steady
 streaming load, with recovery in between.
 
-Faults: ``ray.kill`` of a worker (three times; ten under ``--long-form``), a
+Faults: ``ray.kill`` of each worker in turn (two kills; ten under ``--long-form``), a
 kill of the KV manager, removal of a worker's node followed by a replacement
 node (what an autoscaler does; nothing in pagedserve is called), and a worker
 stalled past its stall timeout (``Worker.inject_stall``, enabled for this
@@ -284,7 +284,7 @@ def stall_worker(handle, ray_cluster, worker_id: str):
 
 def _schedule(handle, long_form: bool) -> list[tuple[str, object, tuple]]:
     worker_ids = sorted(handle.workers)
-    num_kills = 10 if long_form else 3
+    num_kills = 10 if long_form else 2   # each worker once
     schedule = [(f"ray.kill {worker_ids[i % 2]}", kill_worker, (worker_ids[i % 2],))
                 for i in range(num_kills)]
     schedule += [("kill KV manager", kill_kv_manager, ()),
