@@ -14,7 +14,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.workers.accumulator import OutputAccumulator
 from pagedserve.workers.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedserve.workers.output_channel import OutputChannel, _merged
-from pagedserve.workers.protocol import GenerateRequest, Migrated, OutputDelta, SampleDelta
+from pagedserve.workers.protocol import ChannelMessage, GenerateRequest, Migrated, OutputDelta, SampleDelta
 from pagedserve.workers.request import RequestMetrics
 
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 17, 30, 9)]
@@ -54,6 +54,7 @@ async def _read_all(channel: OutputChannel, request_ids: set[str]) -> tuple[dict
     open_ids, num_messages = set(request_ids), 0
     while open_ids:
         message = await asyncio.wait_for(channel.take(), 60)
+        assert type(message) is ChannelMessage   # pickled compactly (test_stream_protocol)
         num_messages += 1
         for request_id, item in message:
             items[request_id].append(item)

@@ -2,10 +2,11 @@
 the cumulative outputs.
 
 The oracle is the engine itself: every step's ``RequestOutput`` is encoded as the
-worker does (``DeltaEncoder``), decoded by ``OutputAccumulator``, and must equal
-the engine's own output field by field, over n > 1, logprobs, prompt logprobs,
-stop strings and sampling. The size of a streamed delta must not grow with the
-sequence, while the cumulative output it replaces does.
+worker does (``DeltaEncoder``), sent as the worker sends a step's deltas (one
+``ChannelMessage``, pickled by Ray's pickler), decoded by ``OutputAccumulator``,
+and must equal the engine's own output field by field, over n > 1, logprobs,
+prompt logprobs, stop strings and sampling. The size of a streamed delta must
+not grow with the sequence, while the cumulative output it replaces does.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.workers.accumulator import OutputAccumulator
-from pagedserve.workers.protocol import DeltaEncoder, OutputDelta, SampleDelta, merge_deltas
+from pagedserve.workers.protocol import ChannelMessage, DeltaEncoder, Migrated, OutputDelta, SampleDelta, merge_deltas
 from pagedserve.workers.request import RequestMetrics, SampleLogprobs
 
 FIELDS = ("index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason", "stop_reason",
@@ -29,17 +30,30 @@ def llm(tiny_model):
                num_device_blocks=256, swap_space_gb=0.001)
 
 
+def _sent(message: ChannelMessage) -> ChannelMessage:
+    """``message`` as the handle receives it: pickled by Ray's pickler, read by ``pickle``."""
+    from ray import cloudpickle
+
+    received = pickle.loads(cloudpickle.dumps(message, protocol=5))
+    assert type(received) is ChannelMessage
+    return received
+
+
 def _run(llm: LLM, requests: dict[str, tuple[list[int], SamplingParams]]):
-    """Step the engine; yield every output with what the worker would send for it."""
+    """Step the engine; yield every output with what the worker would send for it (each step's
+    deltas sent in one message)."""
     engine = llm.engine
     encoders = {}
     for request_id, (prompt, params) in requests.items():
         engine.add_request(request_id, None, params, prompt_token_ids=prompt)
         encoders[request_id] = DeltaEncoder()
     while engine.has_unfinished_requests():
-        for output in engine.step():
-            delta = encoders[output.request_id].encode(output)
-            yield output, pickle.loads(pickle.dumps(delta, protocol=5))
+        outputs = engine.step()
+        message = ChannelMessage((output.request_id, encoders[output.request_id].encode(output))
+                                 for output in outputs)
+        for output, (request_id, delta) in zip(outputs, _sent(message), strict=True):
+            assert request_id == delta.request_id == output.request_id
+            yield output, delta
 
 
 def test_accumulated_outputs_equal_the_engines(llm):
@@ -150,6 +164,32 @@ def test_bytes_per_streamed_token_do_not_grow_with_the_sequence(llm):
     # Integers pickle in 1, 2 or 4 bytes: a delta may vary by a few bytes, never with the length.
     assert max(delta_sizes[10:]) - min(delta_sizes[10:]) <= 16
     assert cumulative_sizes[-1] > 10 * cumulative_sizes[10]
+
+
+def test_a_message_arrives_as_it_was_sent_and_smaller_than_its_items_pickled_as_they_are():
+    """A ``ChannelMessage`` pickles its deltas as tuples: every field of every delta and its
+    samples (logprobs, metrics, prompt logprobs, finishes) arrives, other items arrive as they
+    are, in order, and the message takes fewer bytes than a list of the same items."""
+    from ray import cloudpickle
+
+    metrics = RequestMetrics(1.5, first_token_time=2.0, num_prompt_tokens=7)
+    logprobs = [SampleLogprobs(9, -0.5, [(9, -0.5), (4, -1.25)])]
+    message = ChannelMessage([
+        ("a", OutputDelta("a", [SampleDelta(0, [9], "x", logprobs, -0.5)], False, metrics,
+                          [None, SampleLogprobs(3, -2.0)], 1)),
+        ("b", OutputDelta("b~2", [SampleDelta(1, [4, 5], "yz", None, None, "stop", "z"),
+                                  SampleDelta(0, [], "", None, None, "length", None)], True, None, None, 30)),
+        ("c", Migrated("c", "worker-1", ("held", "c"))),
+        ("a", OutputDelta("a", [], False, None)),
+        ("d", ValueError("the engine loop failed")),
+    ])
+    received = _sent(message)
+    assert received[:4] == message[:4]
+    assert received[4][0] == "d" and type(received[4][1]) is ValueError
+    assert received[4][1].args == ("the engine loop failed",)
+    assert received[0][1].samples[0].logprobs == logprobs and received[0][1].metrics == metrics
+    assert len(cloudpickle.dumps(message, protocol=5)) < len(cloudpickle.dumps(list(message), protocol=5))
+    assert _sent(ChannelMessage()) == []
 
 
 def test_resumed_and_restarted_requests_keep_one_output():

@@ -30,7 +30,7 @@ import pickle
 import time
 from typing import TYPE_CHECKING, Callable
 
-from .protocol import DeltaEncoder, GenerateRequest, Migrated, OutputDelta, merge_deltas
+from .protocol import ChannelItem, ChannelMessage, DeltaEncoder, GenerateRequest, Migrated, OutputDelta, merge_deltas
 
 if TYPE_CHECKING:
     from .async_engine import AsyncLLMEngine
@@ -41,10 +41,6 @@ logger = logging.getLogger(__name__)
 # A channel its handle has not renewed for this long is closed, aborting what still runs on it:
 # Ray does not end a streamed call whose caller's process died (a Serve replica that crashed).
 CHANNEL_LEASE_S = 30.0
-
-ChannelItem = OutputDelta | Migrated | BaseException
-# One message: (request id, item) pairs, each request's in the order it made them.
-ChannelMessage = list[tuple[str, ChannelItem]]
 
 
 class OutputChannel:
@@ -63,7 +59,7 @@ class OutputChannel:
         self.lease_s = lease_s
         self.renewed_at = time.monotonic()
         self.is_closed = False
-        self._pending: ChannelMessage = []
+        self._pending: list[tuple[str, ChannelItem]] = []
         self._ready = asyncio.Event()
         self._live: dict[str, _RequestStream] = {}   # requests whose last item is not out yet
 
@@ -175,10 +171,10 @@ class _RequestStream:
         channel.put(request_id, Migrated(request_id, output.migrate_to, kv), is_last=True)
 
 
-def _merged(message: ChannelMessage) -> ChannelMessage:
+def _merged(message: list[tuple[str, ChannelItem]]) -> ChannelMessage:
     """``message`` with each request's consecutive deltas merged into one (a request has
     several when the engine stepped more than once since the last message)."""
-    merged: ChannelMessage = []
+    merged = ChannelMessage()
     last_delta_at: dict[str, int] = {}   # request id -> index in ``merged`` of its open run of deltas
     for request_id, item in message:
         at = last_delta_at.get(request_id)

@@ -134,6 +134,48 @@ class Migrated:
     kv: object
 
 
+ChannelItem = OutputDelta | Migrated | BaseException
+
+
+class ChannelMessage(list):
+    """One message of an output channel: ``(request id, item)`` pairs, each request's in the
+    order it made them.
+
+    Pickled compactly: each ``OutputDelta`` travels as a tuple of its fields, its samples as
+    tuples of theirs, and is rebuilt on arrival; other items travel as they are. A message
+    carries one delta per streaming request per engine step, and Ray's pickler makes a Python
+    call per dataclass instance it meets (two per delta), where tuples, lists, strings and
+    numbers are pickled in C.
+    """
+
+    __slots__ = ()
+
+    def __reduce__(self):
+        wire = []
+        for request_id, item in self:
+            if type(item) is OutputDelta:
+                wire.append((request_id, item.request_id,
+                             [(s.index, s.token_ids, s.text, s.logprobs, s.cumulative_logprob, s.finish_reason,
+                               s.stop_reason) for s in item.samples],
+                             item.finished, item.metrics, item.prompt_logprobs, item.num_generated_tokens))
+            else:
+                wire.append((request_id, item))
+        return _channel_message, (wire,)
+
+
+def _channel_message(wire: list[tuple]) -> ChannelMessage:
+    message = ChannelMessage()
+    append = message.append
+    for entry in wire:
+        if len(entry) == 2:
+            append(entry)
+            continue
+        request_id, delta_id, samples, finished, metrics, prompt_logprobs, num_generated_tokens = entry
+        append((request_id, OutputDelta(delta_id, [SampleDelta(*sample) for sample in samples], finished, metrics,
+                                        prompt_logprobs, num_generated_tokens)))
+    return message
+
+
 class DeltaEncoder:
     """Turns one request's engine outputs into ``OutputDelta``s (one encoder per stream).
 
@@ -168,4 +210,5 @@ class DeltaEncoder:
                            num_generated_tokens)
 
 
-__all__ = ["DeltaEncoder", "GenerateRequest", "Migrated", "OutputDelta", "SampleDelta", "merge_deltas"]
+__all__ = ["ChannelItem", "ChannelMessage", "DeltaEncoder", "GenerateRequest", "Migrated", "OutputDelta",
+           "SampleDelta", "merge_deltas"]
