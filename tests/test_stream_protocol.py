@@ -11,6 +11,7 @@ not grow with the sequence, while the cumulative output it replaces does.
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 import pytest
@@ -190,6 +191,12 @@ def test_a_message_arrives_as_it_was_sent_and_smaller_than_its_items_pickled_as_
     assert received[0][1].samples[0].logprobs == logprobs and received[0][1].metrics == metrics
     assert len(cloudpickle.dumps(message, protocol=5)) < len(cloudpickle.dumps(list(message), protocol=5))
     assert _sent(ChannelMessage()) == []
+    # The wire form lists the fields by name, in this order: a field added to either class must be
+    # added to ``ChannelMessage.__reduce__`` and ``_channel_message`` too.
+    assert [f.name for f in dataclasses.fields(SampleDelta)] == [
+        "index", "token_ids", "text", "logprobs", "cumulative_logprob", "finish_reason", "stop_reason"]
+    assert [f.name for f in dataclasses.fields(OutputDelta)] == [
+        "request_id", "samples", "finished", "metrics", "prompt_logprobs", "num_generated_tokens"]
 
 
 def test_resumed_and_restarted_requests_keep_one_output():
