@@ -54,6 +54,43 @@ def test_a_caller_whose_event_loop_closes_does_not_kill_the_engine(tiny_model):
         engine.shutdown()
 
 
+def test_only_the_loop_steps_its_engine_until_the_loop_ends(tiny_model):
+    """Two threads stepping one engine corrupt it (a sequence scheduled by one is unknown to
+    the other). While an AsyncLLMEngine drives an engine, stepping, adding or aborting from
+    another thread, and a second AsyncLLMEngine, are refused with the reason; the loop's own
+    requests are untouched; once it is shut down the engine is free again."""
+    llm = LLM(model=tiny_model("llama"), device="cpu", dtype="float32", block_size=8,
+              num_device_blocks=64, swap_space_gb=0.001)
+    prompt = list(range(3, 40))
+    expected = llm.generate([prompt], _greedy(12))[0].outputs[0].token_ids
+    engine = AsyncLLMEngine(llm.engine)
+    try:
+        async def main():
+            stream = engine.generate(prompt, _greedy(12), request_id="served")
+            first = await anext(stream)
+            with pytest.raises(RuntimeError, match="driven by thread 'pagedserve-engine'"):
+                await asyncio.to_thread(llm.generate, [prompt], _greedy(4))
+            with pytest.raises(RuntimeError, match="aborting a request .* driven by"):
+                llm.engine.abort_request("served")
+            with pytest.raises(RuntimeError, match="a step .* driven by"):
+                llm.engine.step()
+            with pytest.raises(RuntimeError, match="already driven by thread 'pagedserve-engine'"):
+                AsyncLLMEngine(llm.engine)
+            tokens = list(first.outputs[0].token_ids)
+            async for output in stream:
+                tokens = list(output.outputs[0].token_ids)
+            return tokens
+
+        assert asyncio.run(asyncio.wait_for(main(), 60)) == expected
+        _wait_for_no_blocks(engine)
+        assert engine.stats()["num_running"] == 0   # the refused generate queued nothing
+    finally:
+        engine.shutdown()
+    assert llm.generate([prompt], _greedy(12))[0].outputs[0].token_ids == expected
+    llm.check_integrity()
+    assert llm.engine.num_used_blocks() == 0
+
+
 def test_the_callers_event_loop_never_waits_for_a_step(tiny_model):
     """While the engine thread is inside a step, a new request is accepted, an abort and a
     stats call are posted, and the event loop keeps running: none of them waits for the step.

@@ -100,6 +100,7 @@ class AsyncLLMEngine:
         self._output_thread = threading.Thread(target=self._process_outputs, name="pagedserve-outputs",
                                                daemon=True)
         self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        engine.attach_driver(self._thread)
         self._output_thread.start()
         self._thread.start()
 
@@ -327,6 +328,7 @@ class AsyncLLMEngine:
         for command in self._take_inbox():
             if isinstance(command, _Call):
                 _run_call(self.engine, command)
+        self.engine.detach_driver(self._thread)
         reason = "the engine loop failed" if self.error is not None else "the engine was shut down"
         with self._streams_lock:
             streams, self._streams = self._streams, {}

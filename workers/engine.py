@@ -117,6 +117,9 @@ class LLMEngine:
         self.decode_kv_seconds = 0.0     # of decode steps' time, inside the KV manager's step
         self.hook_seconds = 0.0          # step hooks after every step (a worker's KV event flush)
         self.num_step_calls = 0
+        # The thread of the loop that drives this engine (an ``AsyncLLMEngine``), if one does:
+        # stepping or changing the engine from any other thread would race it.
+        self._driver: threading.Thread | None = None
 
     # ---- set-up -------------------------------------------------------------------
     @property
@@ -293,6 +296,7 @@ class LLMEngine:
 
     def admit(self, request: Request) -> None:
         """Queue a request built by ``make_request``; ValueError if its id is in use."""
+        self._check_driver("adding a request")
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
@@ -343,6 +347,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now; its blocks return to the pool. False if it is unknown."""
+        self._check_driver("aborting a request")
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
@@ -386,6 +391,31 @@ class LLMEngine:
         pending = self._pending
         return bool(pending.aborted or pending.migrated or pending.tokens) or self.pipeline.in_flight is not None
 
+    # ---- who steps it ---------------------------------------------------------------
+    def attach_driver(self, thread: threading.Thread) -> None:
+        """From now on only ``thread`` (a loop such as ``AsyncLLMEngine``'s) steps this engine,
+        adds and aborts requests: from any other thread they raise RuntimeError. An engine
+        already driven by a live thread refuses a second."""
+        driver = self._driver
+        if driver is not None and driver is not thread and driver.is_alive():
+            raise RuntimeError(f"this engine is already driven by thread {driver.name!r}; "
+                               "one loop steps an engine")
+        self._driver = thread
+
+    def detach_driver(self, thread: threading.Thread) -> None:
+        """``thread`` no longer drives this engine (its loop ended)."""
+        if self._driver is thread:
+            self._driver = None
+
+    def _check_driver(self, what: str) -> None:
+        driver = self._driver
+        if driver is not None and driver is not threading.current_thread():
+            raise RuntimeError(
+                f"{what} from thread {threading.current_thread().name!r}: this engine is driven by "
+                f"thread {driver.name!r} (an AsyncLLMEngine), which steps whatever the engine holds, "
+                "so this would race it. Go through that AsyncLLMEngine (generate, abort, submit) "
+                "or shut it down first")
+
     # ---- the loop -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run the model, sample, and report."""
@@ -398,6 +428,7 @@ class LLMEngine:
         """``step`` without its output processing: what the step sampled and ended, for
         an ``OutputProcessor`` (on this thread or another); its ``stopped`` sequences
         must come back through ``stop_sequences``."""
+        self._check_driver("a step")
         try:
             return self._step()
         finally:

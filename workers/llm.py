@@ -53,9 +53,10 @@ class LLM:
                 self.engine.add_request(request_id, prompt, param, prio, output_kind="final")
                 ids.append(request_id)
         except Exception:
-            for request_id in ids:
-                self.engine.abort_request(request_id)
-            self.engine.step()  # collect the abort outputs
+            if ids:
+                for request_id in ids:
+                    self.engine.abort_request(request_id)
+                self.engine.step()  # collect the abort outputs
             raise
         wanted = set(ids)
         finished: dict[str, RequestOutput] = {}
