@@ -321,16 +321,17 @@ def test_gpu_engine_bench_smoke_on_cpu(tmp_path, tiny_model):
         assert ours["roofline_seconds"] > 0 and 0 < ours["roofline_fraction"] < 1
 
 
-def test_host_cost_probe_measures_both_batches(tiny_model):
+@pytest.mark.parametrize("kind", ["stream", "channel"])
+def test_host_cost_probe_measures_both_batches(tiny_model, kind):
     from pagedserve.bench.host_cost import format_host_cost, measure_host_cost
 
-    result = measure_host_cost(tiny_model("llama"), small=2, large=6, num_steps=4, repeats=1, output_kind="stream")
+    result = measure_host_cost(tiny_model("llama"), small=2, large=6, num_steps=4, repeats=1, output_kind=kind)
     assert result["batches"] == [2, 6] and set(result["step_ms"]) == {"2", "6"}
     assert all(ms > 0 for ms in result["step_ms"].values())
     # Streamed outputs are processed every step; the figures are differences, so only their
     # presence is checked here (their values are the benchmark's business).
-    assert result["output_kind"] == "stream" and "output_processing_per_seq_us" in result
-    assert "host cost per decoding sequence per step (stream outputs)" in format_host_cost(result)
+    assert result["output_kind"] == kind and "output_processing_per_seq_us" in result
+    assert f"host cost per decoding sequence per step ({kind} outputs)" in format_host_cost(result)
 
 
 # ---- command line ------------------------------------------------------------------------

@@ -147,12 +147,14 @@ def test_an_output_that_cannot_be_sent_ends_its_request_alone(engine, monkeypatc
     async def run():
         channel.start(GenerateRequest("broken", PROMPTS[0], _greedy(400)))
         channel.start(GenerateRequest("fine", PROMPTS[1], _greedy(10)))
-        broken = channel._live["broken"]
+        put = channel.put
 
-        def encode(output):
-            raise RuntimeError("injected: encoding failed")
+        def put_failing_for_broken(request_id, item, is_last=False):
+            if request_id == "broken" and isinstance(item, OutputDelta):
+                raise RuntimeError("injected: sending failed")
+            put(request_id, item, is_last)
 
-        monkeypatch.setattr(broken.encoder, "encode", encode)
+        monkeypatch.setattr(channel, "put", put_failing_for_broken)
         return await _read_all(channel, {"broken", "fine"})
 
     items, _ = asyncio.run(run())

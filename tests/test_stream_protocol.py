@@ -87,6 +87,61 @@ def test_accumulated_outputs_equal_the_engines(llm):
     assert llm.engine.num_used_blocks() == 0
 
 
+def _step_deltas(llm: LLM, requests: dict[str, tuple[list[int], SamplingParams]], direct: bool,
+                 abort: tuple[int, str]) -> list[list[OutputDelta]]:
+    """Each step's deltas: made by the engine itself (``delta_encoder``, as an output channel's
+    requests are), or encoded from its ``RequestOutput``s as before. ``abort``: (step, request)."""
+    engine = llm.engine
+    engine.reset_prefix_cache()   # the same cached-token counts in both runs
+    encoders = {rid: DeltaEncoder() for rid in requests}
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, None, params, prompt_token_ids=prompt,
+                           delta_encoder=encoders[rid] if direct else None)
+    steps = []
+    while engine.has_unfinished_requests():
+        if len(steps) == abort[0]:
+            assert engine.abort_request(abort[1])
+        outputs = engine.step()
+        if direct:   # a beam search's outputs are its own, made at its end
+            assert all(type(o) is OutputDelta or o.request_id == "beam" for o in outputs)
+        steps.append([o if type(o) is OutputDelta else encoders[o.request_id].encode(o) for o in outputs])
+    engine.check_integrity()
+    assert engine.num_used_blocks() == 0
+    return steps
+
+
+def test_deltas_made_by_the_engine_equal_its_outputs_encoded(llm):
+    """An output channel's requests get their deltas from the output processor, with no
+    ``RequestOutput`` between: step by step the same deltas as encoding the engine's outputs,
+    over n > 1, logprobs, prompt logprobs, stop strings, beam search and an abort; the metrics
+    on the same deltas, equal but for their clock readings."""
+    requests = {
+        "greedy": (list(range(3, 30)), SamplingParams(temperature=0.0, max_tokens=24, logprobs=2,
+                                                      prompt_logprobs=1)),
+        "n3": (list(range(40, 52)), SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=20, logprobs=1)),
+        "stop": (list(range(5, 17)), SamplingParams(temperature=0.8, seed=3, max_tokens=30, stop=["e", " t"])),
+        "beam": (list(range(20, 26)), SamplingParams(n=2, use_beam_search=True, temperature=0.0, max_tokens=6)),
+        "aborted": (list(range(70, 90)), SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)),
+    }
+    abort = (5, "aborted")
+    encoded = _step_deltas(llm, requests, direct=False, abort=abort)
+    direct = _step_deltas(llm, requests, direct=True, abort=abort)
+    assert len(direct) == len(encoded) > 20
+    clocks = {"arrival_time", "first_scheduled_time", "first_token_time", "finished_time"}
+    for step, (mine, theirs) in enumerate(zip(direct, encoded)):
+        assert [d.request_id for d in mine] == [d.request_id for d in theirs], step
+        for a, b in zip(mine, theirs):
+            assert (a.samples, a.finished, a.prompt_logprobs, a.num_generated_tokens) == \
+                (b.samples, b.finished, b.prompt_logprobs, b.num_generated_tokens), (step, a.request_id)
+            assert (a.metrics is None) == (b.metrics is None), (step, a.request_id)
+            if a.metrics is not None:
+                untimed = lambda m: {k: v for k, v in dataclasses.asdict(m).items() if k not in clocks}
+                assert untimed(a.metrics) == untimed(b.metrics)
+    finishes = {d.request_id: s.finish_reason for step in direct for d in step for s in d.samples
+                if s.finish_reason}
+    assert finishes["aborted"] == "abort" and finishes["greedy"] in ("stop", "length")
+
+
 def test_merged_runs_of_deltas_rebuild_the_same_outputs(llm):
     """A worker whose stream falls behind the engine sends the deltas made since its last
     message as one (``merge_deltas``): any grouping of a request's deltas rebuilds the same

@@ -28,6 +28,7 @@ from .model_runner import TokenScores
 from .output_processor import OUTPUT_KINDS, EngineStep, OutputProcessor, new_stream
 from .per_row_features import PerRowFeatures
 from .prepared_step import prepare_step
+from .protocol import DeltaEncoder
 from .request import Request, RequestOutput, SampleLogprobs, Sequence
 from .runners import build_runner
 from .sampled_step import TokenReadback
@@ -204,7 +205,8 @@ class LLMEngine:
                     prompt_token_ids: list[int] | None = None,
                     arrival_time: float | None = None, export_kv: bool = False,
                     kv_transfer: KVTransfer | None = None,
-                    output_token_ids: list[int] | None = None, output_kind: str = "stream") -> Request:
+                    output_token_ids: list[int] | None = None, output_kind: str = "stream",
+                    delta_encoder: DeltaEncoder | None = None) -> Request:
         """Validate and queue a request. Raises ValueError, changing nothing, if it is bad.
 
         Disaggregated serving: ``export_kv`` keeps a copy of the prompt's KV
@@ -212,12 +214,15 @@ class LLMEngine:
         with ``kv_transfer`` continues one prefilled elsewhere, whose
         ``output_token_ids`` were already sampled there. ``output_kind``
         "stream" returns an output at every step that has news for the
-        request; "final" only its last one.
+        request; "final" only its last one. With ``delta_encoder`` (streams only),
+        the outputs are the ``OutputDelta``s it makes from the news, built
+        directly (an output channel's requests); a migration's last output and
+        a beam search's outputs are ``RequestOutput``s, for that encoder to encode.
         """
         request = self.make_request(request_id, prompt, params, priority, prompt_token_ids,
                                     arrival_time=arrival_time, export_kv=export_kv,
                                     kv_transfer=kv_transfer, output_token_ids=output_token_ids,
-                                    output_kind=output_kind)
+                                    output_kind=output_kind, delta_encoder=delta_encoder)
         self.admit(request)
         return request
 
@@ -226,7 +231,8 @@ class LLMEngine:
                      prompt_token_ids: list[int] | None = None,
                      arrival_time: float | None = None, export_kv: bool = False,
                      kv_transfer: KVTransfer | None = None,
-                     output_token_ids: list[int] | None = None, output_kind: str = "stream") -> Request:
+                     output_token_ids: list[int] | None = None, output_kind: str = "stream",
+                     delta_encoder: DeltaEncoder | None = None) -> Request:
         """Validate and build a request (``add_request``'s arguments) without queueing it.
 
         Reads only what never changes after start-up (tokenizer, model limits,
@@ -243,6 +249,8 @@ class LLMEngine:
             raise TypeError(f"priority must be an int, got {priority!r}")
         if output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {output_kind!r}")
+        if delta_encoder is not None and output_kind != "stream":
+            raise ValueError(f"a delta_encoder makes a stream's deltas; output_kind is {output_kind!r}")
         text, token_ids = self._tokenize(prompt, prompt_token_ids)
         if params.truncate_prompt_tokens is not None:
             keep = params.truncate_prompt_tokens
@@ -277,6 +285,7 @@ class LLMEngine:
         request.kv_transfer = kv_transfer
         request.grammar = grammar
         request.output_kind = output_kind
+        request.delta_encoder = delta_encoder
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
         # Tokens sampled elsewhere were already streamed from there.

@@ -77,7 +77,7 @@ class OutputChannel:
             raise ValueError(f"request id {request_id!r} is already in use on this channel")
         stream = _RequestStream(self, request_id, transfer_s)
         self.engine.add_stream(stream, request.prompt, request.params, request_id, request.priority,
-                               request.prompt_token_ids, **engine_options)
+                               request.prompt_token_ids, delta_encoder=stream.encoder, **engine_options)
         self._live[request_id] = stream
 
     def put(self, request_id: str, item: ChannelItem, is_last: bool = False) -> None:
@@ -127,7 +127,9 @@ class OutputChannel:
 
 
 class _RequestStream:
-    """One request's sink (``OutputSink``): its engine outputs become the channel's items."""
+    """One request's sink (``OutputSink``): its engine outputs become the channel's items. The
+    engine makes its deltas with ``encoder`` (``LLMEngine.add_request``'s ``delta_encoder``);
+    a migration's last output and a beam search's come as ``RequestOutput``s, encoded here."""
 
     __slots__ = ("channel", "request_id", "encoder", "transfer_s")
 
@@ -137,7 +139,7 @@ class _RequestStream:
         self.encoder = DeltaEncoder()
         self.transfer_s = transfer_s
 
-    def put_nowait(self, item: RequestOutput | BaseException) -> None:
+    def put_nowait(self, item: OutputDelta | RequestOutput | BaseException) -> None:
         channel, request_id = self.channel, self.request_id
         if isinstance(item, BaseException):
             channel.put(request_id, _sendable(item), is_last=True)
@@ -149,14 +151,18 @@ class _RequestStream:
             channel.engine.abort(request_id)
             channel.put(request_id, RuntimeError(f"the worker could not send an output: {exc!r}"), is_last=True)
 
-    def _put_output(self, output: RequestOutput) -> None:
+    def _put_output(self, output: OutputDelta | RequestOutput) -> None:
         channel, request_id = self.channel, self.request_id
         if self.transfer_s is not None:  # the first output of a request that imported its KV
             fetch_s, memcpy_s = self.transfer_s
             self.transfer_s = None
             channel.engine.note_transfer(request_id, fetch_s, memcpy_s)
+            # The request's own metrics: a first delta always carries them.
             output.metrics.kv_transfer_s += fetch_s
             output.metrics.kv_memcpy_s += memcpy_s
+        if type(output) is OutputDelta:
+            channel.put(request_id, output, is_last=output.finished)
+            return
         delta = self.encoder.encode(output)
         if output.migrate_to is None:
             channel.put(request_id, delta, is_last=output.finished)

@@ -17,6 +17,12 @@ tokens are then dropped here).
 A request with ``output_kind="final"`` (the offline ``LLM.generate``) and no stop
 strings gets one output, at its end, and its text is decoded then: its tokens
 cost nothing here while it runs.
+
+A request with a ``delta_encoder`` (an output channel's) gets ``OutputDelta``s, the
+wire's form, built here from its samples' news: no ``RequestOutput`` with its
+cumulative views is made for it only to be encoded (a third of the output
+thread's cost per streamed token), but for a migration's output and a beam
+search's (made by the engine).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 
 from .detokenizer import StreamingDetokenizer
+from .protocol import OutputDelta, SampleDelta
 from .request import (CompletionOutput, ListPrefix, Request, RequestOutput, SampleLogprobs, Sequence,
                       TextPrefix)
 
@@ -75,7 +82,7 @@ class EngineStep:
 class ProcessedStep:
     """The outputs of one ``EngineStep``, and the sequences stop strings ended."""
 
-    outputs: list[RequestOutput]
+    outputs: list[RequestOutput | OutputDelta]
     stopped: list[Sequence]
 
 
@@ -170,6 +177,7 @@ class OutputProcessor:
                 self._end(seq, "abort")
             touched[request.request_id] = request
         aborted = {id(request) for request in step.aborted}
+        migrated = {id(seq.request) for seq, _, _ in step.migrated}
         outputs = []
         for request in touched.values():
             if request.is_final_streamed:
@@ -182,7 +190,10 @@ class OutputProcessor:
                 is_finished = request.params.n == 1 and seqs[0].stream.finish_reason is not None
             else:
                 is_finished = len(seqs) == request.params.n and all(s.stream.is_finished for s in seqs)
-            if is_finished or request.output_kind != "final":
+            if request.delta_encoder is not None and not (migrated and id(request) in migrated):
+                outputs.append(self._make_delta(request, is_finished))
+                request.is_final_streamed = is_finished
+            elif is_finished or request.output_kind != "final":
                 outputs.append(self._make_output(request, is_finished))
                 request.is_final_streamed = is_finished
         outputs.extend(step.final_outputs)
@@ -289,3 +300,42 @@ class OutputProcessor:
             metrics.finished_time = time.time()
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              completions, is_finished, metrics, prompt_logprobs, transfer, migrate_to)
+
+    @staticmethod
+    def _make_delta(request: Request, is_finished: bool) -> OutputDelta:
+        """``request.delta_encoder.encode(_make_output(request, is_finished))``, built directly:
+        the samples with new tokens or text, or a finish not reported yet."""
+        samples = []
+        wants_logprobs = request.params.logprobs is not None
+        num_generated_tokens = 0
+        for seq in request.seqs:
+            stream = seq.stream
+            num_tokens = stream.num_tokens
+            num_generated_tokens += num_tokens
+            num_streamed = stream.num_streamed_tokens
+            finish_reason = stream.finish_reason
+            is_newly_finished = finish_reason is not None and not stream.is_finish_streamed
+            delta_text = stream.delta_text
+            if num_tokens == num_streamed and not delta_text and not is_newly_finished:
+                continue
+            stream.num_streamed_tokens = num_tokens
+            stream.is_finish_streamed = finish_reason is not None
+            if delta_text:
+                stream.streamed_text_pieces.append(delta_text)
+                stream.delta_text = ""
+            if wants_logprobs:
+                num_logprobs = stream.num_logprobs
+                cumulative_logprob = stream.cumulative_logprob
+                delta_logprobs = seq.logprobs[max(0, num_logprobs - (num_tokens - num_streamed)):num_logprobs]
+            else:
+                cumulative_logprob = delta_logprobs = None
+            samples.append(SampleDelta(seq.sample_index, seq.output_token_ids[num_streamed:num_tokens], delta_text,
+                                       delta_logprobs, cumulative_logprob, finish_reason, stream.stop_reason))
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None and not request.needs_prompt_logprobs:
+            prompt_logprobs = request.prompt_logprobs
+        metrics = request.metrics
+        metrics.num_generated_tokens = num_generated_tokens
+        if is_finished and metrics.finished_time is None:
+            metrics.finished_time = time.time()
+        return request.delta_encoder.delta(request.request_id, samples, is_finished, metrics, prompt_logprobs)

@@ -177,13 +177,17 @@ def _channel_message(wire: list[tuple]) -> ChannelMessage:
 
 
 class DeltaEncoder:
-    """Turns one request's engine outputs into ``OutputDelta``s (one encoder per stream).
+    """Makes one request's ``OutputDelta``s (one encoder per stream), from its engine outputs
+    (``encode``) or, for a request the engine was handed the encoder with, from its samples'
+    news directly (``delta``: the output processor's, without a ``RequestOutput`` between).
 
     A sample is included when it has new tokens or text, or reports its finish
     for the first time; the prompt logprobs go out once; the metrics when a
     milestone changed, and on the last delta (pickled, they were half of a
     one-token delta's bytes and of its cost to send and to read).
     """
+
+    __slots__ = ("_sent_prompt_logprobs", "_sent_milestones")
 
     def __init__(self) -> None:
         self._sent_prompt_logprobs = False
@@ -193,21 +197,26 @@ class DeltaEncoder:
         samples = [SampleDelta(c.index, list(c.delta_token_ids), c.delta_text, c.delta_logprobs,
                                c.cumulative_logprob, c.finish_reason, c.stop_reason)
                    for c in output.outputs if c.delta_token_ids or c.delta_text or c.is_newly_finished]
-        prompt_logprobs = None
-        if output.prompt_logprobs is not None and not self._sent_prompt_logprobs:
-            prompt_logprobs = output.prompt_logprobs
-            self._sent_prompt_logprobs = True
-        metrics = output.metrics
+        return self.delta(output.request_id, samples, output.finished, output.metrics, output.prompt_logprobs)
+
+    def delta(self, request_id: str, samples: list[SampleDelta], finished: bool, metrics: RequestMetrics | None,
+              prompt_logprobs: list[SampleLogprobs | None] | None) -> OutputDelta:
+        """The delta of ``samples`` (the samples with news): the prompt logprobs if these are
+        the first complete ones, the metrics if a milestone moved or the request finished."""
+        if prompt_logprobs is not None:
+            if self._sent_prompt_logprobs:
+                prompt_logprobs = None
+            else:
+                self._sent_prompt_logprobs = True
         num_generated_tokens = 0
         if metrics is not None:
             num_generated_tokens = metrics.num_generated_tokens
             now = milestones(metrics)
-            if now == self._sent_milestones and not output.finished:
+            if now == self._sent_milestones and not finished:
                 metrics = None
             else:
                 self._sent_milestones = now
-        return OutputDelta(output.request_id, samples, output.finished, metrics, prompt_logprobs,
-                           num_generated_tokens)
+        return OutputDelta(request_id, samples, finished, metrics, prompt_logprobs, num_generated_tokens)
 
 
 __all__ = ["ChannelItem", "ChannelMessage", "DeltaEncoder", "GenerateRequest", "Migrated", "OutputDelta",

@@ -13,6 +13,7 @@ if TYPE_CHECKING:  # annotations only: the outputs' types load without the engin
     from .beam_groups import BeamGroup
     from .grammar import CompiledGrammar, GrammarMatcher
     from .output_processor import SequenceStream
+    from .protocol import DeltaEncoder
 
 
 @dataclass
@@ -176,6 +177,9 @@ class Request:
     prompt_logprobs: list[SampleLogprobs | None] | None = None
     # "stream": an output at every step with news; "final": one output, at the end.
     output_kind: str = "stream"
+    # Given (an output channel's request), the stream's outputs are ``OutputDelta``s this encoder
+    # makes from the news directly, rather than ``RequestOutput``s (but for a migration's).
+    delta_encoder: "DeltaEncoder | None" = None
     # The output processor delivered its final output (its own flag: the engine may not know yet).
     is_final_streamed: bool = False
     # Beam search (params.use_beam_search): its live beams and hypotheses; its running

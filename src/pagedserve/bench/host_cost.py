@@ -11,7 +11,9 @@ it is device work. So each step's time inside them is measured as well, and the
 host cost is the rest: planning, the persistent batch's inputs, the finish checks,
 and the output processing of the step. Outputs are taken as ``LLM.generate``
 takes them (``output_kind="final"``); ``stream`` adds what a server's output thread
-pays per token (detokenizing and building each step's outputs), timed on its own.
+pays per token (detokenizing and building each step's outputs), timed on its own;
+``channel`` the same for a worker's output channel, whose requests' outputs are the
+wire's deltas, made by the output processor (``delta_encoder``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 from typing import Callable
 
 from pagedserve.workers.engine import EngineConfig, LLMEngine
+from pagedserve.workers.protocol import DeltaEncoder
 from pagedserve.workers.sampling_params import SamplingParams
 
 
@@ -60,14 +63,16 @@ class HostCostProbe:
         self._num_requests = 0
 
     def run(self, batch: int, num_steps: int, prompt_len: int, output_kind: str) -> dict:
-        """Medians over ``num_steps`` decode steps of ``batch`` sequences (seconds)."""
+        """Medians over ``num_steps`` decode steps of ``batch`` sequences (seconds).
+        ``output_kind``: "final", "stream" or "channel" (streamed as deltas)."""
         engine, vocab = self.engine, self.engine.runner.vocab_size
         params = SamplingParams(temperature=0.0, max_tokens=num_steps + 2, ignore_eos=True)
         for _ in range(batch):
             self._num_requests += 1
             engine.add_request(f"probe-{self._num_requests}",
                                [self._rng.randrange(8, vocab) for _ in range(prompt_len)], params,
-                               output_kind=output_kind)
+                               output_kind="stream" if output_kind == "channel" else output_kind,
+                               delta_encoder=DeltaEncoder() if output_kind == "channel" else None)
         engine.step()   # every prompt is prefilled in one step
         step, device, output = [], [], []
         for _ in range(num_steps):
@@ -150,7 +155,9 @@ def main(argv=None) -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--torch-compile", action="store_true", default=None,
                         help="compile the decode forward (on CUDA the default where graphs are)")
-    parser.add_argument("--output-kinds", default="final,stream")
+    parser.add_argument("--output-kinds", default="final,stream",
+                        help="comma-separated: final (LLM.generate), stream (AsyncLLMEngine.generate), "
+                             "channel (a worker's output channel)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
