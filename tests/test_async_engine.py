@@ -17,6 +17,11 @@ def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
+def _llm(tiny_model) -> LLM:
+    return LLM(model=tiny_model("llama"), device="cpu", dtype="float32", block_size=8,
+               num_device_blocks=64, swap_space_gb=0.001)
+
+
 def _wait_for_no_blocks(engine: AsyncLLMEngine, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while engine.num_used_blocks() and time.monotonic() < deadline:
@@ -32,8 +37,7 @@ async def _collect(engine: AsyncLLMEngine, prompt: list[int], max_tokens: int) -
 
 
 def test_a_caller_whose_event_loop_closes_does_not_kill_the_engine(tiny_model):
-    llm = LLM(model=tiny_model("llama"), device="cpu", dtype="float32", block_size=8,
-              num_device_blocks=64, swap_space_gb=0.001)
+    llm = _llm(tiny_model)
     prompt = list(range(3, 40))
     # Before the engine thread starts: it steps whatever the engine holds, so a synchronous
     # generate beside it would be two threads stepping one engine.
@@ -59,8 +63,7 @@ def test_only_the_loop_steps_its_engine_until_the_loop_ends(tiny_model):
     the other). While an AsyncLLMEngine drives an engine, stepping, adding or aborting from
     another thread, and a second AsyncLLMEngine, are refused with the reason; the loop's own
     requests are untouched; once it is shut down the engine is free again."""
-    llm = LLM(model=tiny_model("llama"), device="cpu", dtype="float32", block_size=8,
-              num_device_blocks=64, swap_space_gb=0.001)
+    llm = _llm(tiny_model)
     prompt = list(range(3, 40))
     expected = llm.generate([prompt], _greedy(12))[0].outputs[0].token_ids
     engine = AsyncLLMEngine(llm.engine)
@@ -98,8 +101,7 @@ def test_the_callers_event_loop_never_waits_for_a_step(tiny_model):
     (A worker actor serves every stream from one event loop; when adding a request waited
     for the running step, a burst of requests delayed every stream's first token.)
     """
-    llm = LLM(model=tiny_model("llama"), device="cpu", dtype="float32", block_size=8,
-              num_device_blocks=64, swap_space_gb=0.001)
+    llm = _llm(tiny_model)
     expected = llm.generate([list(range(3, 20))], _greedy(6))[0].outputs[0].token_ids  # before the thread
     engine = AsyncLLMEngine(llm.engine)
     in_step, release = threading.Event(), threading.Event()
@@ -149,8 +151,7 @@ def test_the_callers_event_loop_never_waits_for_a_step(tiny_model):
 
 
 def test_a_bad_request_raises_at_once_and_a_shut_down_engine_ends_every_stream(tiny_model):
-    llm = LLM(model=tiny_model("llama"), device="cpu", dtype="float32", block_size=8,
-              num_device_blocks=64, swap_space_gb=0.001)
+    llm = _llm(tiny_model)
     engine = AsyncLLMEngine(llm.engine)
 
     async def main():
@@ -179,8 +180,7 @@ def test_a_caller_that_falls_behind_gets_every_output_made_since_in_one_batch(ti
     """``generate_batches`` hands over everything queued for the request: a caller that
     pauses for many steps gets them as one list (the worker sends such a list as one
     message), and the outputs are the ones ``generate`` yields one by one."""
-    llm = LLM(model=tiny_model("llama"), device="cpu", dtype="float32", block_size=8,
-              num_device_blocks=64, swap_space_gb=0.001)
+    llm = _llm(tiny_model)
     prompt = list(range(3, 20))
     expected = llm.generate([prompt], _greedy(40))[0].outputs[0].token_ids
     engine = AsyncLLMEngine(llm.engine)

@@ -25,6 +25,15 @@ FIELDS = ("index", "text", "token_ids", "cumulative_logprob", "logprobs", "finis
           "delta_text", "delta_token_ids", "delta_logprobs", "is_newly_finished")
 
 
+# n > 1, logprobs, prompt logprobs, stop strings and beam search: request id -> (prompt, params).
+MIXED_REQUESTS = {
+    "greedy": (list(range(3, 30)), SamplingParams(temperature=0.0, max_tokens=24, logprobs=2, prompt_logprobs=1)),
+    "n3": (list(range(40, 52)), SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=20, logprobs=1)),
+    "stop": (list(range(5, 17)), SamplingParams(temperature=0.8, seed=3, max_tokens=30, stop=["e", " t"])),
+    "beam": (list(range(20, 26)), SamplingParams(n=2, use_beam_search=True, temperature=0.0, max_tokens=6)),
+}
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_model):
     return LLM(model=tiny_model("llama"), device="cpu", dtype="float32", block_size=8,
@@ -115,14 +124,8 @@ def test_deltas_made_by_the_engine_equal_its_outputs_encoded(llm):
     ``RequestOutput`` between: step by step the same deltas as encoding the engine's outputs,
     over n > 1, logprobs, prompt logprobs, stop strings, beam search and an abort; the metrics
     on the same deltas, equal but for their clock readings."""
-    requests = {
-        "greedy": (list(range(3, 30)), SamplingParams(temperature=0.0, max_tokens=24, logprobs=2,
-                                                      prompt_logprobs=1)),
-        "n3": (list(range(40, 52)), SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=20, logprobs=1)),
-        "stop": (list(range(5, 17)), SamplingParams(temperature=0.8, seed=3, max_tokens=30, stop=["e", " t"])),
-        "beam": (list(range(20, 26)), SamplingParams(n=2, use_beam_search=True, temperature=0.0, max_tokens=6)),
-        "aborted": (list(range(70, 90)), SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)),
-    }
+    requests = {**MIXED_REQUESTS,
+                "aborted": (list(range(70, 90)), SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))}
     abort = (5, "aborted")
     encoded = _step_deltas(llm, requests, direct=False, abort=abort)
     direct = _step_deltas(llm, requests, direct=True, abort=abort)
@@ -146,13 +149,7 @@ def test_merged_runs_of_deltas_rebuild_the_same_outputs(llm):
     """A worker whose stream falls behind the engine sends the deltas made since its last
     message as one (``merge_deltas``): any grouping of a request's deltas rebuilds the same
     cumulative output (tokens, text, logprobs, running totals, finishes, prompt logprobs)."""
-    requests = {
-        "greedy": (list(range(3, 30)), SamplingParams(temperature=0.0, max_tokens=24, logprobs=2,
-                                                      prompt_logprobs=1)),
-        "n3": (list(range(40, 52)), SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=20, logprobs=1)),
-        "stop": (list(range(5, 17)), SamplingParams(temperature=0.8, seed=3, max_tokens=30, stop=["e", " t"])),
-        "beam": (list(range(20, 26)), SamplingParams(n=2, use_beam_search=True, temperature=0.0, max_tokens=6)),
-    }
+    requests = MIXED_REQUESTS
     deltas: dict[str, list[OutputDelta]] = {rid: [] for rid in requests}
     finals = {}
     for output, delta in _run(llm, requests):
