@@ -3,9 +3,10 @@
 - The persistent batch's vectorized finish checks find exactly the sequences that
   ``check_stop`` ends, for any params and token stream.
 - An output processor that runs steps behind the engine (as the async engine's
-  output thread does), with aborts, stop strings, n > 1, preemption and both output
-  kinds interleaved at random, gives every request exactly the outputs the engine
-  gives when it processes each step at once, ends every request, and leaks no block.
+  output thread does), with aborts, stop strings, n > 1, preemption and every output
+  kind interleaved at random (streamed, final, and an output channel's deltas),
+  gives every request exactly the outputs the engine gives when it processes each
+  step at once, ends every request, and leaks no block.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.workers.accumulator import OutputAccumulator
 from pagedserve.workers.block_tables import BlockTableRows
 from pagedserve.workers.detokenizer import check_stop
 from pagedserve.workers.input_batch import STOP_TOKEN_IDS, InputBatch
+from pagedserve.workers.protocol import DeltaEncoder, OutputDelta
 from pagedserve.workers.request import Request, Sequence
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -93,14 +96,16 @@ class LaggedOutputs(RuleBasedStateMachine):
         self.num_added = 0
 
     @rule(seed=st.integers(0, 10_000), prompt_len=st.integers(1, 40), max_tokens=st.integers(1, 24),
-          n=st.sampled_from([1, 1, 2]), stop=st.sampled_from(STOPS), kind=st.sampled_from(["stream", "final"]))
+          n=st.sampled_from([1, 1, 2]), stop=st.sampled_from(STOPS),
+          kind=st.sampled_from(["stream", "final", "channel"]))
     def add(self, seed, prompt_len, max_tokens, n, stop, kind) -> None:
         rng = random.Random(seed)
         prompt = [rng.choice(PROMPT_IDS) for _ in range(prompt_len)]
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, n=n, stop=stop)
         request_id = f"req-{self.num_added}"
         self.num_added += 1
-        self.engine.add_request(request_id, prompt, params, output_kind=kind)
+        self.engine.add_request(request_id, prompt, params, output_kind="stream" if kind == "channel" else kind,
+                                delta_encoder=DeltaEncoder() if kind == "channel" else None)
         self.requests[request_id] = (prompt, params, kind)
         self.outputs[request_id] = []
 
@@ -151,12 +156,20 @@ class LaggedOutputs(RuleBasedStateMachine):
         assert all(not o.finished for o in outputs[:-1]), f"{request_id}: an output after its final one"
         if kind == "final":
             assert len(outputs) == 1
-        final = outputs[-1]
-        for completion in final.outputs:
-            deltas = [c for o in outputs for c in o.outputs if c.index == completion.index]
-            assert "".join(c.delta_text for c in deltas) == completion.text
-            assert sum((c.delta_token_ids for c in deltas), []) == completion.token_ids
-            assert sum(c.is_newly_finished for c in deltas) == 1
+        if kind == "channel":   # the wire's deltas: each sample's finish once, rebuilt as the handle does
+            assert all(type(o) is OutputDelta for o in outputs)
+            accumulator = OutputAccumulator(request_id, None, prompt)
+            final = [accumulator.add(o) for o in outputs][-1]
+            for completion in final.outputs:   # (an aborted request may end before its samples fork)
+                assert sum(s.finish_reason is not None for o in outputs for s in o.samples
+                           if s.index == completion.index) == 1
+        else:
+            final = outputs[-1]
+            for completion in final.outputs:
+                deltas = [c for o in outputs for c in o.outputs if c.index == completion.index]
+                assert "".join(c.delta_text for c in deltas) == completion.text
+                assert sum((c.delta_token_ids for c in deltas), []) == completion.token_ids
+                assert sum(c.is_newly_finished for c in deltas) == 1
         if request_id in self.aborted:
             return
         key = (tuple(prompt), params.max_tokens, params.n, tuple(params.stop))
