@@ -32,7 +32,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 
 from .engine import EngineConfig, LLMEngine
 from .output_processor import EngineStep
-from .protocol import EngineDeadError
+from .protocol import EngineDeadError, OutputDelta
 from .request import Request, RequestOutput, Sequence
 from .sampling_params import SamplingParams
 
@@ -65,7 +65,7 @@ class _Stop:
 class OutputSink(Protocol):
     """Where a request's outputs go (``AsyncLLMEngine.add_stream``): an ``asyncio.Queue`` fits."""
 
-    def put_nowait(self, item: RequestOutput | BaseException) -> None: ...
+    def put_nowait(self, item: RequestOutput | OutputDelta | BaseException) -> None: ...
 
 
 # Ends the output thread's queue.
@@ -157,6 +157,8 @@ class AsyncLLMEngine:
         """Start a request whose outputs go to ``sink.put_nowait``, called on this event loop in
         step order: each ``RequestOutput``, the last one ``finished``, or the ``EngineDeadError``
         that ends it. Returns its id. A bad request raises here and nothing is queued.
+        ``transfer_options`` are ``LLMEngine.add_request``'s; with its ``delta_encoder`` the
+        outputs are mostly ``OutputDelta``s (an output channel's requests).
 
         ``generate`` without a coroutine per request: a caller that serves many requests
         handles each step's outputs in one pass (one wake-up of its loop per step). The caller
