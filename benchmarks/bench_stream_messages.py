@@ -11,9 +11,12 @@ engine's, their ratio, the outputs each request received and their tokens, the R
 messages the worker sent (one per engine step for all of the handle's requests, through
 its output channel, ``workers.output_channel``), and the mean decode step in the worker
 and offline (the worker's engine thread shares its process's GIL with the event loop
-that sends).
+that sends), and the longest wait between two outputs of a stream once every stream
+decodes. ``--poll-stats S`` gathers the cluster's stats every S seconds while the
+requests stream, as the dashboard does (each second): the polls' latency, and those
+waits, show what a poll costs the serving processes.
 
-    python benchmarks/bench_stream_messages.py [--streams 64] [--max-tokens 128] [--json PATH]
+    python benchmarks/bench_stream_messages.py [--streams 64] [--max-tokens 128] [--poll-stats 1] [--json PATH]
 """
 
 from __future__ import annotations
@@ -24,12 +27,33 @@ import json
 import time
 
 
-async def _stream(handle, prompt: list[int], params) -> tuple[int, int]:
+# Waits between outputs count from a stream's this many-th output on: before, the other
+# streams' prompts are still being prefilled.
+STEADY_AFTER_OUTPUTS = 16
+
+
+async def _stream(handle, prompt: list[int], params) -> tuple[int, int, float]:
+    """(outputs, tokens, the longest wait between two outputs in seconds, once decoding)"""
     messages = tokens = 0
+    longest_gap_s, last_s = 0.0, None
     async for output in handle.generate(None, params, prompt_token_ids=prompt, is_streamed=True):
-        messages += 1
+        now_s = time.perf_counter()
+        if messages >= STEADY_AFTER_OUTPUTS:
+            longest_gap_s = max(longest_gap_s, now_s - last_s)
+        messages, last_s = messages + 1, now_s
         tokens = len(output.outputs[0].token_ids)
-    return messages, tokens
+    return messages, tokens, longest_gap_s
+
+
+async def _poll_stats(handle, every_s: float, latencies_s: list[float]) -> None:
+    """What the dashboard does: the cluster's stats every ``every_s`` (until cancelled)."""
+    from pagedserve.cluster.stats import gather_stats
+
+    while True:
+        await asyncio.sleep(every_s)
+        start_s = time.perf_counter()
+        await gather_stats(handle)
+        latencies_s.append(time.perf_counter() - start_s)
 
 
 async def _stream_in_process(llm, prompts: list[list[int]], params) -> float:
@@ -64,6 +88,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--worker-cpus", type=int, default=1)
+    parser.add_argument("--poll-stats", type=float, default=None, metavar="S",
+                        help="gather the cluster's stats every S seconds while streaming (the dashboard: 1)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
 
@@ -78,18 +104,30 @@ def main() -> None:
                     "workers": [{"role": "mixed", "count": 1, "num_cpus": args.worker_cpus}]})
     prompts = [[5 + (i * 31 + j) % 900 for j in range(args.prompt_len)] for i in range(args.streams)]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    try:  # this process stands for a Serve replica, whose start-up heap is frozen
+        from pagedserve.workers.gc_heap import prepare_serving_heap
+        prepare_serving_heap("the benchmark's handle")
+    except ImportError:  # a build before it
+        pass
+
+    poll_latencies_s: list[float] = []
 
     async def run_all():
         await asyncio.gather(*(_stream(handle, p, params) for p in prompts[:2]))  # warm-up
         messages_before = _worker_messages(handle)
+        poller = (asyncio.create_task(_poll_stats(handle, args.poll_stats, poll_latencies_s))
+                  if args.poll_stats else None)
         start_s = time.perf_counter()
         results = await asyncio.gather(*(_stream(handle, p, params) for p in prompts))
-        return results, time.perf_counter() - start_s, (
+        served_s = time.perf_counter() - start_s
+        if poller is not None:
+            poller.cancel()
+        return results, served_s, (
             None if messages_before is None else _worker_messages(handle) - messages_before)
 
     results, served_s, worker_messages = asyncio.run(run_all())
     if worker_messages is None:  # a build whose workers sent one message per output
-        worker_messages = sum(m for m, _ in results)
+        worker_messages = sum(m for m, _, _ in results)
     model_path = handle.model_path
     handle.wait_idle()
     workers = handle.stats()["workers"]
@@ -110,9 +148,10 @@ def main() -> None:
     offline_step_ms = llm.stats()["mean_decode_step_ms"]
     in_process_s = asyncio.run(_stream_in_process(llm, prompts, params))
 
-    num_tokens = sum(tokens for _, tokens in results)
+    num_tokens = sum(tokens for _, tokens, _ in results)
     assert num_tokens == args.streams * args.max_tokens, num_tokens
-    outputs = [m for m, _ in results]
+    outputs = [m for m, _, _ in results]
+    gaps_ms = sorted(1e3 * gap for _, _, gap in results)
     figures = {
         "streams": args.streams, "max_tokens": args.max_tokens,
         "served_tok_s": num_tokens / served_s, "offline_tok_s": num_tokens / offline_s,
@@ -124,7 +163,13 @@ def main() -> None:
         "worker_messages": worker_messages,
         "worker_messages_per_request": worker_messages / args.streams,
         "worker_decode_step_ms": served_step_ms, "offline_decode_step_ms": offline_step_ms,
+        "longest_output_gap_ms": {"median_stream": gaps_ms[len(gaps_ms) // 2], "max": gaps_ms[-1]},
     }
+    if args.poll_stats:
+        polls_ms = sorted(1e3 * s for s in poll_latencies_s)
+        figures["stats_polls"] = {"every_s": args.poll_stats, "count": len(polls_ms),
+                                  "median_ms": polls_ms[len(polls_ms) // 2] if polls_ms else None,
+                                  "max_ms": polls_ms[-1] if polls_ms else None}
     print(f"{args.streams} streams x {args.max_tokens} tokens: served {figures['served_tok_s']:,.0f} tok/s, "
           f"offline engine {figures['offline_tok_s']:,.0f} tok/s ({figures['served_over_offline']:.2f}x of it), "
           f"streamed in-process {figures['in_process_streaming_tok_s']:,.0f} tok/s "
@@ -132,7 +177,12 @@ def main() -> None:
           f"{figures['outputs_per_request_mean']:.1f} outputs per request "
           f"({figures['tokens_per_output']:.2f} tokens each), {worker_messages} messages from the worker "
           f"({figures['worker_messages_per_request']:.1f} per request); decode step {served_step_ms:.2f} ms in the "
-          f"worker, {offline_step_ms:.2f} ms offline")
+          f"worker, {offline_step_ms:.2f} ms offline; longest wait between two outputs "
+          f"{gaps_ms[len(gaps_ms) // 2]:.1f} ms (median stream), {gaps_ms[-1]:.1f} ms (max)")
+    if args.poll_stats:
+        polls = figures["stats_polls"]
+        print(f"stats gathered every {args.poll_stats:g} s: {polls['count']} polls, "
+              f"{polls['median_ms']:.1f} ms median, {polls['max_ms']:.1f} ms max")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)
