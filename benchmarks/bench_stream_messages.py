@@ -104,9 +104,10 @@ def main() -> None:
                     "workers": [{"role": "mixed", "count": 1, "num_cpus": args.worker_cpus}]})
     prompts = [[5 + (i * 31 + j) % 900 for j in range(args.prompt_len)] for i in range(args.streams)]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    handle_gc = None
     try:  # this process stands for a Serve replica, whose start-up heap is frozen
         from pagedserve.workers.gc_heap import prepare_serving_heap
-        prepare_serving_heap("the benchmark's handle")
+        handle_gc = prepare_serving_heap("the benchmark's handle")
     except ImportError:  # a build before it
         pass
 
@@ -126,6 +127,7 @@ def main() -> None:
             None if messages_before is None else _worker_messages(handle) - messages_before)
 
     results, served_s, worker_messages = asyncio.run(run_all())
+    handle_gc_figures = handle_gc.snapshot() if handle_gc is not None else None   # before the offline runs
     if worker_messages is None:  # a build whose workers sent one message per output
         worker_messages = sum(m for m, _, _ in results)
     model_path = handle.model_path
@@ -133,6 +135,7 @@ def main() -> None:
     workers = handle.stats()["workers"]
     workers = list(workers.values()) if isinstance(workers, dict) else workers
     served_step_ms = workers[0]["mean_decode_step_ms"]
+    worker_gc = workers[0].get("gc")   # the worker's collections: counts and pauses per generation
     handle.check_integrity()
     handle.shutdown()
     ray.shutdown()
@@ -164,6 +167,7 @@ def main() -> None:
         "worker_messages_per_request": worker_messages / args.streams,
         "worker_decode_step_ms": served_step_ms, "offline_decode_step_ms": offline_step_ms,
         "longest_output_gap_ms": {"median_stream": gaps_ms[len(gaps_ms) // 2], "max": gaps_ms[-1]},
+        "worker_gc": worker_gc,
     }
     if args.poll_stats:
         polls_ms = sorted(1e3 * s for s in poll_latencies_s)
@@ -179,6 +183,12 @@ def main() -> None:
           f"({figures['worker_messages_per_request']:.1f} per request); decode step {served_step_ms:.2f} ms in the "
           f"worker, {offline_step_ms:.2f} ms offline; longest wait between two outputs "
           f"{gaps_ms[len(gaps_ms) // 2]:.1f} ms (median stream), {gaps_ms[-1]:.1f} ms (max)")
+    figures["handle_gc"] = handle_gc_figures
+    for process, gc_figures in (("worker", worker_gc), ("handle", handle_gc_figures)):
+        if gc_figures is not None:
+            print(f"the {process}'s collections per generation: " + ", ".join(
+                f"{n} ({1e3 * longest:.1f} ms longest)" for n, longest in zip(gc_figures["collections"],
+                                                                            gc_figures["max_pause_seconds"])))
     if args.poll_stats:
         polls = figures["stats_polls"]
         print(f"stats gathered every {args.poll_stats:g} s: {polls['count']} polls, "
