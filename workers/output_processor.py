@@ -20,9 +20,9 @@ cost nothing here while it runs.
 
 A request with a ``delta_encoder`` (an output channel's) gets ``OutputDelta``s, the
 wire's form, built here from its samples' news: no ``RequestOutput`` with its
-cumulative views is made for it only to be encoded (a third of the output
-thread's cost per streamed token), but for a migration's output and a beam
-search's (made by the engine).
+cumulative views is made for it only to be encoded (measured, 2-3 of the
+5.5-7 us that building and encoding cost a streamed token), but for a
+migration's output and a beam search's (made by the engine).
 """
 
 from __future__ import annotations
