@@ -5,7 +5,7 @@
 #   [STEPS="kernels tests engine sweep profile tp ..."] bash benchmarks/gpu_checks.sh [--quick]
 #
 # One device call runs at most 600 s, so the default steps fit two calls:
-#   STEPS="tests engine" (at most 590 s), then STEPS="host launches kernels sweep" (at most 520 s).
+#   STEPS="tests engine" (at most 590 s), then STEPS="host launches kernels sweep" (at most 550 s).
 # "prefill" and "merge" (at most 300 + 240 s) are not default steps: run them in a third call.
 #
 # "tp" is for a machine with several GPUs (it says so and passes on one).
@@ -50,9 +50,10 @@ for name in ${STEPS:-tests engine host launches kernels sweep}; do
         kernels) step bench_kernels 150 python3 benchmarks/bench_kernels_gpu.py ;;
         # test_cuda_greedy runs with CUDA graphs of the compiled forward, of the uncompiled one, and eager.
         tests) step tests 300 python3 -m pytest -q -p no:cacheprovider -o addopts= -rs -s "${TESTS[@]}" ;;
-        # Decode step time at 4 and 256 sequences, llama-1b in bf16, CUDA graphs on.
-        host) step host_cost 120 python3 -m pagedserve.bench.host_cost --size 1b --device cuda --dtype bfloat16 \
-                  --steps 32 --repeats 2 --output-kinds final --json "$OUT/host_cost.json" ;;
+        # Decode step time at 4 and 256 sequences, llama-1b in bf16, CUDA graphs on; and what an
+        # output channel's request costs the output thread per token on this host's CPU.
+        host) step host_cost 150 python3 -m pagedserve.bench.host_cost --size 1b --device cuda --dtype bfloat16 \
+                  --steps 32 --repeats 2 --output-kinds final,channel --json "$OUT/host_cost.json" ;;
         # Kernels per decode step and per layer, llama-1b bf16: compiled (graph replays count 1,
         # so the compiled forward runs without graphs here) against eager.
         launches) step launches 150 bash -c "python3 benchmarks/bench_launches.py --size 1b --device cuda --dtype bfloat16 --enforce-eager --torch-compile --json $OUT/launches_compiled.json && python3 benchmarks/bench_launches.py --size 1b --device cuda --dtype bfloat16 --enforce-eager --json $OUT/launches_eager.json" ;;

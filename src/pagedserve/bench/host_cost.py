@@ -90,10 +90,12 @@ class HostCostProbe:
 
 def measure_host_cost(model: str, small: int = 4, large: int = 256, num_steps: int = 48,
                       prompt_len: int = 16, repeats: int = 3, output_kind: str = "final",
-                      **engine_options) -> dict:
+                      probe: HostCostProbe | None = None, **engine_options) -> dict:
     """Per-sequence step, device and host cost between ``small`` and ``large`` batches,
-    the two measured alternately ``repeats`` times (medians of the repeats)."""
-    probe = HostCostProbe(model, large, **engine_options)
+    the two measured alternately ``repeats`` times (medians of the repeats). ``probe``: an
+    engine built for ``large`` sequences, to measure several output kinds on one engine
+    (on CUDA its start-up, graphs and compilation, is the slow part)."""
+    probe = probe or HostCostProbe(model, large, **engine_options)
     probe.run(small, 4, prompt_len, output_kind)   # warm-up
     probe.run(large, 4, prompt_len, output_kind)
     runs: dict[int, list[dict]] = {small: [], large: []}
@@ -162,11 +164,12 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     model = str(ensure_model(args.arch, args.size))
+    probe = HostCostProbe(model, 256, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
+                          torch_compile=args.torch_compile)
     results = []
     for kind in args.output_kinds.split(","):
         result = measure_host_cost(model, num_steps=args.steps, repeats=args.repeats, output_kind=kind,
-                                   device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
-                                   torch_compile=args.torch_compile)
+                                   probe=probe)
         result.update(model=f"{args.arch}-{args.size}", threads=torch.get_num_threads())
         results.append(result)
         print(format_host_cost(result), flush=True)
