@@ -192,10 +192,11 @@ class OutputProcessor:
                 is_finished = len(seqs) == request.params.n and all(s.stream.is_finished for s in seqs)
             if request.delta_encoder is not None and not (migrated and id(request) in migrated):
                 outputs.append(self._make_delta(request, is_finished))
-                request.is_final_streamed = is_finished
             elif is_finished or request.output_kind != "final":
                 outputs.append(self._make_output(request, is_finished))
-                request.is_final_streamed = is_finished
+            else:
+                continue
+            request.is_final_streamed = is_finished
         outputs.extend(step.final_outputs)
         return ProcessedStep(outputs, stopped)
 
@@ -291,13 +292,7 @@ class OutputProcessor:
             stream.delta_text = ""
             if stream.kv_transfer is not None:
                 transfer, migrate_to = stream.kv_transfer, stream.migrate_to
-        prompt_logprobs = None
-        if request.prompt_logprobs is not None and not request.needs_prompt_logprobs:
-            prompt_logprobs = request.prompt_logprobs  # complete: never changes again (shared, read-only)
-        metrics = request.metrics
-        metrics.num_generated_tokens = num_generated_tokens
-        if is_finished and metrics.finished_time is None:
-            metrics.finished_time = time.time()
+        metrics, prompt_logprobs = _request_figures(request, is_finished, num_generated_tokens)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              completions, is_finished, metrics, prompt_logprobs, transfer, migrate_to)
 
@@ -331,11 +326,18 @@ class OutputProcessor:
                 cumulative_logprob = delta_logprobs = None
             samples.append(SampleDelta(seq.sample_index, seq.output_token_ids[num_streamed:num_tokens], delta_text,
                                        delta_logprobs, cumulative_logprob, finish_reason, stream.stop_reason))
-        prompt_logprobs = None
-        if request.prompt_logprobs is not None and not request.needs_prompt_logprobs:
-            prompt_logprobs = request.prompt_logprobs
-        metrics = request.metrics
-        metrics.num_generated_tokens = num_generated_tokens
-        if is_finished and metrics.finished_time is None:
-            metrics.finished_time = time.time()
+        metrics, prompt_logprobs = _request_figures(request, is_finished, num_generated_tokens)
         return request.delta_encoder.delta(request.request_id, samples, is_finished, metrics, prompt_logprobs)
+
+
+def _request_figures(request: Request, is_finished: bool, num_generated_tokens: int):
+    """What an output of ``request`` carries besides its samples: its metrics, brought up to
+    date, and its prompt logprobs once all are computed (never changed again: shared, read-only)."""
+    metrics = request.metrics
+    metrics.num_generated_tokens = num_generated_tokens
+    if is_finished and metrics.finished_time is None:
+        metrics.finished_time = time.time()
+    prompt_logprobs = None
+    if request.prompt_logprobs is not None and not request.needs_prompt_logprobs:
+        prompt_logprobs = request.prompt_logprobs
+    return metrics, prompt_logprobs
