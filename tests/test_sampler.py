@@ -602,7 +602,9 @@ class _DecodeOnly:
 def test_incremental_detokenizer_routes_stream_the_whole_decode(kind, tokenizer, tiny_model):
     """Random prompts and outputs, special and out-of-vocabulary ids among them: the Rust
     route (a ``tokenizers`` ``DecodeStream``) and the Python route stream the same pieces,
-    and they add up to the whole decode's continuation of the prompt's last tokens. (The
+    and they add up to the whole decode's continuation of the prompt's last tokens, also
+    where a context that ends inside a character hands the Python route over to a stream
+    once text is emitted. (The
     Python route once moved its window past a token that decoded to nothing, a skipped
     special token: SentencePiece then lost the next word's space, WordPiece showed "##".)"""
     from transformers import AutoTokenizer
@@ -613,21 +615,27 @@ def test_incremental_detokenizer_routes_stream_the_whole_decode(kind, tokenizer,
     decode = decode_function(tok, True)
     vocab_size = len(tok) if kind == "transformers" else tok.get_vocab_size()
     rng = random.Random(3)
-    num_rust = num_compared = 0
+    num_rust = num_handed_over = num_compared = 0
     for _ in range(300):
         prompt = [rng.randrange(vocab_size) for _ in range(rng.randrange(8))]
         ids = [rng.randrange(vocab_size + 4) for _ in range(rng.randrange(1, 40))]
         rust, python = IncrementalDetokenizer(tok, prompt), IncrementalDetokenizer(_DecodeOnly(tok), prompt)
         assert python._stream is None
-        num_rust += rust._stream is not None
-        pieces = [rust.append(t) for t in ids] + [rust.flush()]
+        started = rust._stream is not None
+        num_rust += started
+        pieces = [rust.append(t) for t in ids]
+        # A context that ends inside a character: the Python route, then a stream.
+        num_handed_over += not started and rust._stream is not None
+        pieces.append(rust.flush())
         assert pieces == [python.append(t) for t in ids] + [python.flush()], (prompt, ids)
+        assert python._stream is None
         context = prompt[-NUM_CONTEXT_TOKENS:]
         head, whole = decode(context), decode(context + ids)
         if whole.startswith(head) and REPLACEMENT_CHAR not in head:
             num_compared += 1
             assert "".join(pieces) == rust.output_text == whole[len(head):], (prompt, ids)
     assert num_rust > 150 and num_compared > 100
+    assert num_handed_over >= (300 - num_rust) // 2   # 111 of 113 byte-level, 37 of 38 SentencePiece
 
 
 def test_incremental_detokenizer_leaves_the_rust_route_when_a_decoder_rewrites_text():

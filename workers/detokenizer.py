@@ -83,10 +83,11 @@ class IncrementalDetokenizer:
     A Rust tokenizer whose decode is exactly ``tokenizer.decode`` is followed by a
     ``tokenizers`` ``DecodeStream``: the same prefix/read-offset decoding, without two
     Python calls into the tokenizer per token (0.9 against 1.9 us a token, measured
-    on the tiny model's tokenizer). Kept special tokens (joined here with spaces), a
-    prompt context whose text is empty or ends inside a character, and a decoder
-    whose text is not monotonic (the stream raises "Invalid prefix") take the Python
-    route, from the start or from that token on.
+    on the tiny model's tokenizer). Kept special tokens (joined here with spaces) and a
+    decoder whose text is not monotonic (the stream raises "Invalid prefix") take the
+    Python route, from the start or from that token on. A prompt context whose text is
+    empty or ends inside a character takes it only until text is emitted: a stream is
+    then started on the window the Python route stands on, whose state it reproduces.
     """
 
     def __init__(
@@ -110,13 +111,21 @@ class IncrementalDetokenizer:
         self._pieces: list[str] = []
         self._backend = None if self._special_ids else rust_tokenizer(tokenizer)
         self._stream = self._start_stream() if self._backend is not None else None
+        # Whether the Python route may hand over to a stream (after its next emitted text).
+        self._may_start_stream = self._backend is not None and self._stream is None
 
     def _start_stream(self):
+        """A ``DecodeStream`` in the state the offsets describe, or None where the window's
+        text is empty or ends inside a character. Stepped with the window
+        ``token_ids[prefix_offset:]``, a fresh stream keeps that window and its text, which
+        is what the Python route compares the next token's text with, as long as the read
+        offset is at the end (at the start, and right after text was emitted)."""
         from tokenizers.decoders import DecodeStream
 
         stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
-        if self._token_ids and stream.step(self._backend, self._token_ids) is None:
-            return None   # the context's text is empty or ends inside a character
+        window = self._token_ids[self._prefix_offset:]
+        if window and stream.step(self._backend, window) is None:
+            return None
         return stream
 
     @property
@@ -135,13 +144,18 @@ class IncrementalDetokenizer:
         self._token_ids.append(token_id)
         self._num_outputs += 1
         if self._stream is None:
-            return self._decode_new_text()
+            new_text = self._decode_new_text()
+            if new_text and self._may_start_stream:
+                self._stream = self._start_stream()
+                self._may_start_stream = self._stream is None
+            return new_text
         try:
             new_text = self._stream.step(self._backend, token_id)
         except Exception as exc:
             if not str(exc).startswith(INVALID_PREFIX):
                 raise
             self._stream = None   # the decoder rewrote earlier text: as before, by lengths
+            self._may_start_stream = False
             return self._decode_new_text()
         if new_text is None:
             return ""
@@ -157,6 +171,7 @@ class IncrementalDetokenizer:
         new_text = full_text[len(prefix_text) :]
         self._advance(new_text)
         self._stream = None   # its window no longer matches the offsets
+        self._may_start_stream = False
         return new_text
 
     def _decode_new_text(self) -> str:
