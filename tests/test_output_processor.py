@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import random
-from collections import deque
+from collections import defaultdict, deque
 
 import pytest
 import torch
@@ -89,9 +89,18 @@ class LaggedOutputs(RuleBasedStateMachine):
     @initialize()
     def start(self) -> None:
         self.engine = self.llm.engine
+        # Each example starts from an empty engine and an empty prefix cache, so that it
+        # replays as it first ran (the rules that apply, and so the draws, depend on how many
+        # steps a prompt takes): one that failed part-way leaves requests behind, and every
+        # example leaves cached prefixes.
         self.queue: deque = deque()
+        self.outputs: dict[str, list] = defaultdict(list)
+        for request_id in sorted(self.engine.requests):
+            self.engine.abort_request(request_id)
+        self._drain()
+        assert self.engine.num_used_blocks() == 0 and self.engine.reset_prefix_cache()
         self.requests: dict[str, tuple] = {}
-        self.outputs: dict[str, list] = {}
+        self.outputs.clear()
         self.aborted: set[str] = set()
         self.num_added = 0
 
@@ -107,7 +116,6 @@ class LaggedOutputs(RuleBasedStateMachine):
         self.engine.add_request(request_id, prompt, params, output_kind="stream" if kind == "channel" else kind,
                                 delta_encoder=DeltaEncoder() if kind == "channel" else None)
         self.requests[request_id] = (prompt, params, kind)
-        self.outputs[request_id] = []
 
     @precondition(lambda self: self.engine.has_unfinished_requests() or self.engine.has_pending_outputs())
     @rule()
@@ -135,9 +143,7 @@ class LaggedOutputs(RuleBasedStateMachine):
         if hasattr(self, "engine"):
             self.engine.check_integrity()
 
-    def teardown(self) -> None:
-        if not hasattr(self, "engine"):
-            return
+    def _drain(self) -> None:
         for _ in range(10_000):
             if self.queue:
                 self.process()
@@ -145,6 +151,11 @@ class LaggedOutputs(RuleBasedStateMachine):
                 self.step()
             else:
                 break
+
+    def teardown(self) -> None:
+        if not hasattr(self, "engine"):
+            return
+        self._drain()
         self.engine.check_integrity()
         assert self.engine.num_used_blocks() == 0
         for request_id, (prompt, params, kind) in self.requests.items():
