@@ -489,6 +489,33 @@ def test_hostile_numbers_and_unicode_are_400(server):
     assert b"\\ud800" in unknown.content.replace(b"\\\\", b"\\")  # escaped, so it encodes
 
 
+CHAT_X = [{"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize(("path", "body", "field"), [
+    ("/v1/completions", {"prompt": "x", "logprobs": False}, "logprobs"),   # chat's flag, sent to completions
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": False}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "x", "temperature": False}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": True}, "max_tokens"),
+    ("/v1/completions", {"prompt": [True, True]}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [True]}, "stop_token_ids.0"),
+    ("/v1/completions", {"prompt": "x", "echo": 0.0}, "echo"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),
+    ("/v1/chat/completions", {"messages": CHAT_X, "logprobs": 1}, "logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT_X, "top_logprobs": True}, "top_logprobs"),
+])
+def test_booleans_and_numbers_are_not_taken_for_each_other(server, path, body, field):
+    """JSON's true and false are no numbers, and a flag is true or false: read as 1 and 0 (as
+    pydantic would), ``"logprobs": false`` to completions would return logprobs. Found by the
+    fuzz suite's long form (schemathesis' negative cases answered 200)."""
+    _assert_error(call(server, "POST", path, json={"max_tokens": 2, **body}), 400, field)
+
+
+def test_integral_and_numeric_forms_of_numbers_still_pass(server):
+    body = {"prompt": "x", "max_tokens": 2.0, "temperature": 0, "top_p": 1, "n": "1"}
+    assert call(server, "POST", "/v1/completions", json=body).status_code == 200
+
+
 def test_pickled_bodies_are_never_unpickled(server, tmp_path):
     marker = tmp_path / "unpickled"
 
@@ -612,6 +639,11 @@ def test_openapi_schema_describes_the_request_bodies(server):
     assert {"prompt", "max_tokens", "n", "stop"} <= set(components["CompletionRequest"]["properties"])
     assert components["CompletionRequest"]["required"] == ["prompt"]
     assert "ChatMessageIn" in components and "messages" in components["ChatCompletionRequest"]["required"]
+    properties = components["CompletionRequest"]["properties"]
+    # An explicit null takes a field's default (below), so the schema admits it; bounds stay standard.
+    assert {"type": "null"} in properties["n"]["anyOf"] and properties["n"]["default"] == 1
+    max_tokens = next(s for s in properties["max_tokens"]["anyOf"] if s.get("type") == "integer")
+    assert (max_tokens["minimum"], "ge" in max_tokens) == (0, False)
 
 
 def test_grpc_undecodable_bytes_are_invalid_argument(local_handle):

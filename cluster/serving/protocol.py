@@ -26,7 +26,8 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from pagedserve.workers.sampling_params import (
     MAX_LOGPROBS,
@@ -38,11 +39,41 @@ DEFAULT_MAX_TOKENS = 16
 MAX_INT32 = 2**31 - 1
 MAX_INT64 = 2**63 - 1
 
-TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
+
+
+def _not_a_boolean(value: Any) -> Any:
+    """JSON's true and false are not numbers in a request: read as 1 and 0 they would change
+    what was asked (``"logprobs": false``, chat's boolean sent to completions, would ask for
+    logprobs; ``"prompt_logprobs": false`` for prompt logprobs)."""
+    if isinstance(value, bool):
+        raise PydanticCustomError("number_type", "Input should be a number, not a boolean")
+    return value
+
+
+# A request's numbers: JSON numbers (or numeric strings, as pydantic reads them), never true/false.
+# The check comes after a field's bounds in its ``Annotated`` (outermost), so that the JSON schema
+# keeps them as ``minimum``/``maximum``.
+NOT_A_BOOLEAN = BeforeValidator(_not_a_boolean)
+Int = Annotated[int, NOT_A_BOOLEAN]
+Float = Annotated[float, NOT_A_BOOLEAN]
+# A request's flags: true or false only (pydantic would also read 0, 1, 0.0, "yes", "off", ...).
+Bool = StrictBool
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32), NOT_A_BOOLEAN]
+
+
+def _nullable_defaults(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    """The JSON schema says what ``_null_is_unset`` does: a field with a default takes null too."""
+    properties = schema.get("properties", {})
+    for name, field in model.model_fields.items():
+        prop = properties.get(field.alias or name)
+        if prop is None or field.is_required() or field.default is None:
+            continue   # required, or a null is already its default
+        kept = {key: prop.pop(key) for key in ("title", "description", "default") if key in prop}
+        properties[field.alias or name] = {"anyOf": [prop, {"type": "null"}], **kept}
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra=_nullable_defaults)
 
     @model_validator(mode="before")
     @classmethod
@@ -57,16 +88,16 @@ class _Request(BaseModel):
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: Bool = False
     # vLLM: usage on every chunk, not only in the last event.
-    continuous_usage_stats: bool = False
+    continuous_usage_stats: Bool = False
 
 
 class JsonSchemaFormat(_Request):
     name: str = Field(max_length=64)
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
+    strict: Bool | None = None
 
 
 class ResponseFormat(_Request):
@@ -168,35 +199,35 @@ class _SamplingFields(_RefusedFields):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1, le=MAX_INT64)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1, le=MAX_INT32)
-    stream: bool = False
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_INT64), NOT_A_BOOLEAN] | None = None
+    temperature: Annotated[float, Field(ge=0), NOT_A_BOOLEAN] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1), NOT_A_BOOLEAN] | None = None
+    n: Int = Field(1, ge=1, le=MAX_INT32)
+    stream: Bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-MAX_INT64 - 1, le=MAX_INT64)
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    seed: Annotated[int, Field(ge=-MAX_INT64 - 1, le=MAX_INT64), NOT_A_BOOLEAN] | None = None
+    presence_penalty: Float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: Float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, Float] | None = None
     user: str | None = None
     # OpenAI's caching and abuse-monitoring hints: the prefix cache needs no key (every
     # prompt's prefix is cached), and the identifier is kept like ``user``.
     prompt_cache_key: str | None = Field(None, max_length=1024)
     safety_identifier: str | None = Field(None, max_length=1024)
     # Extensions (vLLM's names).
-    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
-    min_p: float = Field(0.0, ge=0, le=1)
+    top_k: Annotated[int, Field(ge=-1, le=MAX_INT32), NOT_A_BOOLEAN] | None = None
+    min_p: Float = Field(0.0, ge=0, le=1)
     # Beyond this range the scaled float32 logits overflow (a penalty of 1e-297 is 0 in float32).
-    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
-    ignore_eos: bool = False
+    repetition_penalty: Float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
+    ignore_eos: Bool = False
     stop_token_ids: list[TokenId] | None = None
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    min_tokens: int = Field(0, ge=0, le=MAX_INT64)
-    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=MAX_INT64)
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    skip_special_tokens: Bool = True
+    spaces_between_special_tokens: Bool = True
+    include_stop_str_in_output: Bool = False
+    min_tokens: Int = Field(0, ge=0, le=MAX_INT64)
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=MAX_INT64), NOT_A_BOOLEAN] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), NOT_A_BOOLEAN] | None = None
     response_format: ResponseFormat | None = None
     # vLLM's StructuredOutputsParams as a mapping; checked by structured.py (naming its key).
     structured_outputs: dict[str, Any] | None = None
@@ -207,12 +238,12 @@ class _SamplingFields(_RefusedFields):
     guided_grammar: str | None = None
     # vLLM: the id of the request, returned as the response's id.
     request_id: str | None = Field(None, min_length=1, max_length=256)
-    priority: int = Field(0, ge=-MAX_INT32 - 1, le=MAX_INT32)
+    priority: Int = Field(0, ge=-MAX_INT32 - 1, le=MAX_INT32)
     # vLLM's beam search extension: n beams, the n best returned (temperature unset or 0);
     # early_stopping is transformers' rule (vLLM 0.x's field).
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
-    early_stopping: bool | Literal["never"] = False
+    use_beam_search: Bool = False
+    length_penalty: Float = 1.0
+    early_stopping: Bool | Literal["never"] = False
 
     @field_validator("logit_bias")
     @classmethod
@@ -247,13 +278,13 @@ class _SamplingFields(_RefusedFields):
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``: a prompt (text or token ids), or a batch of them."""
 
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+    prompt: str | list[Int] | list[str] | list[list[Int]] = Field(
         description="text, token ids, or a batch of either; token ids must be in [0, vocab size)")
     # 0 only with echo: the prompt is scored, nothing generated (vLLM).
-    max_tokens: int | None = Field(None, ge=0, le=MAX_INT64)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
-    best_of: int | None = Field(None, ge=1, le=MAX_INT32)
+    max_tokens: Annotated[int, Field(ge=0, le=MAX_INT64), NOT_A_BOOLEAN] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), NOT_A_BOOLEAN] | None = None
+    echo: Bool = False
+    best_of: Annotated[int, Field(ge=1, le=MAX_INT32), NOT_A_BOOLEAN] | None = None
     suffix: str | None = None
 
     @field_validator("suffix")
@@ -308,7 +339,7 @@ class FunctionDefinition(_Request):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: Bool | None = None
 
 
 class ToolDefinition(_Request):
@@ -329,23 +360,23 @@ class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``: messages rendered with the tokenizer's chat template."""
 
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT64)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True
+    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_INT64), NOT_A_BOOLEAN] | None = None
+    logprobs: Bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), NOT_A_BOOLEAN] | None = None
+    add_generation_prompt: Bool = True
     tools: list[ToolDefinition] | None = None
     # Default: "auto" with tools, "none" without (OpenAI's).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: Bool = True
     # Extra variables for the chat template (vLLM), e.g. {"enable_thinking": false}.
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM: the last (assistant) message is continued rather than a new one started.
-    continue_final_message: bool = False
+    continue_final_message: Bool = False
     # vLLM: the tokenizer's special tokens (BOS) on top of what the template writes.
-    add_special_tokens: bool = False
+    add_special_tokens: Bool = False
 
     # vLLM echoes the last message in chat; here echo is a completions option only.
-    echo: bool = False
+    echo: Bool = False
 
     @field_validator("echo")
     @classmethod
