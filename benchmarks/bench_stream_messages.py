@@ -14,9 +14,13 @@ and offline (the worker's engine thread shares its process's GIL with the event 
 that sends), and the longest wait between two outputs of a stream once every stream
 decodes. ``--poll-stats S`` gathers the cluster's stats every S seconds while the
 requests stream, as the dashboard does (each second): the polls' latency, and those
-waits, show what a poll costs the serving processes.
+waits, show what a poll costs the serving processes. ``--per-output-us U`` spins U
+microseconds of this process's CPU per output received, as a server's work per chunk
+(building, framing and writing it) would: with enough of it the handle falls behind the
+worker, as a replica at full load does at a GPU's step rate.
 
-    python benchmarks/bench_stream_messages.py [--streams 64] [--max-tokens 128] [--poll-stats 1] [--json PATH]
+    python benchmarks/bench_stream_messages.py [--streams 64] [--max-tokens 128] [--poll-stats 1]
+                                               [--per-output-us 200] [--json PATH]
 """
 
 from __future__ import annotations
@@ -32,12 +36,15 @@ import time
 STEADY_AFTER_OUTPUTS = 16
 
 
-async def _stream(handle, prompt: list[int], params) -> tuple[int, int, float]:
+async def _stream(handle, prompt: list[int], params, per_output_s: float = 0.0) -> tuple[int, int, float]:
     """(outputs, tokens, the longest wait between two outputs in seconds, once decoding)"""
     messages = tokens = 0
     longest_gap_s, last_s = 0.0, None
     async for output in handle.generate(None, params, prompt_token_ids=prompt, is_streamed=True):
         now_s = time.perf_counter()
+        if per_output_s:   # a server's own work per output: building, framing and writing a chunk
+            while time.perf_counter() - now_s < per_output_s:
+                pass
         if messages >= STEADY_AFTER_OUTPUTS:
             longest_gap_s = max(longest_gap_s, now_s - last_s)
         messages, last_s = messages + 1, now_s
@@ -90,6 +97,8 @@ def main() -> None:
     parser.add_argument("--worker-cpus", type=int, default=1)
     parser.add_argument("--poll-stats", type=float, default=None, metavar="S",
                         help="gather the cluster's stats every S seconds while streaming (the dashboard: 1)")
+    parser.add_argument("--per-output-us", type=float, default=0.0,
+                        help="spin this long per output received, as a server's work per chunk would")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
 
@@ -119,7 +128,7 @@ def main() -> None:
         poller = (asyncio.create_task(_poll_stats(handle, args.poll_stats, poll_latencies_s))
                   if args.poll_stats else None)
         start_s = time.perf_counter()
-        results = await asyncio.gather(*(_stream(handle, p, params) for p in prompts))
+        results = await asyncio.gather(*(_stream(handle, p, params, args.per_output_us * 1e-6) for p in prompts))
         served_s = time.perf_counter() - start_s
         if poller is not None:
             poller.cancel()

@@ -10,7 +10,15 @@ then the end, or the error that ended it.
 
 A channel that fails ends every request on it as a failed worker would (its
 ``RayActorError``, or ``ChannelClosed`` when the stream broke otherwise), so each
-goes on elsewhere, and the next request to that worker opens a new channel. A
+goes on elsewhere, and the next request to that worker opens a new channel.
+
+A worker sends at most ``MESSAGES_AHEAD`` messages more than the handle has read
+(Ray's streaming-generator backpressure). A handle that falls behind (its
+process busy, as a replica at full load is) makes the worker wait to send, and
+what the worker's requests make meanwhile goes out merged in the next message:
+fewer, larger deltas, each a request's several tokens, instead of one message
+per engine step queued without bound, each costing the handle its per-token
+work when it gets to it, further and further behind the engine. A
 channel belongs to no request: cancelling the one that opened it (a client that
 went away) ends that request alone. The handle renews each channel every
 ``RENEW_EVERY_S``; a worker closes a channel that has not been renewed for its
@@ -40,6 +48,8 @@ RENEW_EVERY_S = 5.0
 # How often a channel looks for requests that waited past their timeout for an output: one
 # check for all of them, rather than a timer armed and cancelled for every output.
 WATCH_EVERY_S = 0.5
+# How many messages a worker may send ahead of the handle's reading (see the module docstring).
+MESSAGES_AHEAD = 2
 
 
 class ChannelClosed(ConnectionError):
@@ -76,7 +86,8 @@ class WorkerChannel:
 
         error: BaseException
         try:
-            stream = self.worker.channel_outputs.options(num_returns="streaming").remote(self.channel_id)
+            stream = self.worker.channel_outputs.options(
+                num_returns="streaming", _generator_backpressure_num_objects=MESSAGES_AHEAD).remote(self.channel_id)
             async for ref in stream:
                 message = await ref
                 self.num_messages += 1

@@ -253,6 +253,46 @@ def test_a_handle_reads_each_worker_through_one_channel_closed_with_its_event_lo
     _wait_for(lambda: handle.num_used_blocks() == 0, 30, "the abandoned requests' blocks to come back")
 
 
+def test_a_worker_sends_a_busy_handle_few_messages_ahead_and_merges_the_rest(handle, reference):
+    """A handle whose event loop is held after each output (a replica at full load) reads its
+    channels late: each worker sends at most ``MESSAGES_AHEAD`` messages ahead and merges what its
+    requests make meanwhile, so a stream gets fewer outputs than tokens, each stream exact. (Without
+    that bound, every engine step is a message of its own, queued for the handle to read in turn.)"""
+    prompts = _prompts(seed=16)
+
+    async def one(prompt):
+        outputs = []
+        async for output in handle.generate(None, _greedy(MAX_TOKENS_FAULT), prompt_token_ids=prompt,
+                                            is_streamed=True):
+            outputs.append(output)
+            time.sleep(0.05)  # the loop held, as a busy replica's work holds it
+        return outputs
+
+    async def run():
+        return await asyncio.gather(*(one(prompt) for prompt in prompts))
+
+    results = asyncio.run(run())
+    assert [list(r[-1].outputs[0].token_ids) for r in results] == reference(prompts, MAX_TOKENS_FAULT)
+    num_outputs = [len(r) for r in results]
+    assert sum(num_outputs) < len(prompts) * MAX_TOKENS_FAULT / 2, num_outputs
+
+    async def held_then_dropped():  # the loop ends with every request running, the workers held back
+        progress = [0] * len(prompts)
+
+        async def one_of_many(index, prompt):
+            async for _ in handle.generate(None, _greedy(300), prompt_token_ids=prompt, is_streamed=True):
+                progress[index] += 1
+                time.sleep(0.05)
+
+        tasks = [asyncio.create_task(one_of_many(i, p)) for i, p in enumerate(prompts)]  # noqa: F841
+        while min(progress) < 3:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(held_then_dropped())
+    _wait_for(lambda: _open_channels(handle) == 0, 30, "the held-back channels to close")
+    _wait_for(lambda: handle.num_used_blocks() == 0, 30, "the abandoned requests' blocks to come back")
+
+
 def _frontend_class():
     """A handle in an async actor, as in a Serve replica, whose calls can be cancelled. Made
     here so that Ray ships the class by value (the workers cannot import the tests)."""
