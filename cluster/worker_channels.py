@@ -10,15 +10,7 @@ then the end, or the error that ended it.
 
 A channel that fails ends every request on it as a failed worker would (its
 ``RayActorError``, or ``ChannelClosed`` when the stream broke otherwise), so each
-goes on elsewhere, and the next request to that worker opens a new channel.
-
-A worker sends at most ``MESSAGES_AHEAD`` messages more than the handle has read
-(Ray's streaming-generator backpressure). A handle that falls behind (its
-process busy, as a replica at full load is) makes the worker wait to send, and
-what the worker's requests make meanwhile goes out merged in the next message:
-fewer, larger deltas, each a request's several tokens, instead of one message
-per engine step queued without bound, each costing the handle its per-token
-work when it gets to it, further and further behind the engine. A
+goes on elsewhere, and the next request to that worker opens a new channel. A
 channel belongs to no request: cancelling the one that opened it (a client that
 went away) ends that request alone. The handle renews each channel every
 ``RENEW_EVERY_S``; a worker closes a channel that has not been renewed for its
@@ -26,6 +18,14 @@ lease (the handle's process died), aborting what still ran on it. Channels
 belong to an event loop: a handle used from several loops (``generate_sync``
 runs one per call) opens channels in each, and a channel whose loop has gone is
 closed on the worker, which aborts what still ran on it.
+
+A worker sends at most ``MESSAGES_AHEAD`` messages more than the handle has read
+(Ray's streaming-generator backpressure). A handle that falls behind (its
+process busy, as a replica at full load is) makes the worker wait to send, and
+what the worker's requests make meanwhile goes out merged in the next message:
+fewer, larger deltas, each a request's several tokens, instead of one message
+per engine step queued without bound, each costing the handle its per-token
+work when it gets to it, further and further behind the engine.
 """
 
 from __future__ import annotations

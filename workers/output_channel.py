@@ -15,7 +15,8 @@ outputs to the channel in one call on the worker's event loop
 holds the GIL that the engine thread needs for as short a time as it can.
 
 A request's items are ``OutputDelta``s (several made between two messages are
-merged into one), then, if the KV manager moved the request, ``Migrated``; or
+merged into one: the handle lets a worker send only a few messages ahead of its
+reading, ``cluster.worker_channels.MESSAGES_AHEAD``), then, if the KV manager moved the request, ``Migrated``; or
 the exception that ended it (its engine loop died). A channel that closes (the
 handle closed it, or stopped renewing it: its process died) aborts what still
 runs on it.

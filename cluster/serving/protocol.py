@@ -1,8 +1,9 @@
 """Request and response bodies of the OpenAI-compatible HTTP API (pydantic).
 
 Requests reject unknown fields, so a misspelt option is a 400 naming the
-field rather than silently ignored; numbers must be finite and integers
-within 64 bits (``priority``, token ids: 32). Besides OpenAI's fields
+field rather than silently ignored; numbers must be finite, not ``true`` or
+``false``, and integers within 64 bits (``priority``, token ids: 32); flags
+are ``true`` or ``false``. Besides OpenAI's fields
 (``response_format``, ``tools``/``tool_choice``/``parallel_tool_calls``,
 ``stream_options``), requests take vLLM's extensions: sampling (``top_k``,
 ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
@@ -38,7 +39,6 @@ from pagedserve.workers.sampling_params import (
 DEFAULT_MAX_TOKENS = 16
 MAX_INT32 = 2**31 - 1
 MAX_INT64 = 2**63 - 1
-
 
 
 def _not_a_boolean(value: Any) -> Any:
