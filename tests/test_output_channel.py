@@ -178,6 +178,21 @@ def test_a_channel_its_handle_stopped_renewing_closes_and_aborts_its_requests(en
     assert channel.is_closed and channel.num_requests == 0
 
 
+def test_a_channel_nobody_reads_or_renews_closes_on_its_lease(engine):
+    """A worker whose handle holds it back (``MESSAGES_AHEAD`` messages unread) is not in
+    ``take``: the lease still closes the channel of a handle that stopped renewing it."""
+    channel = _channel(engine, lease_s=0.5)
+
+    async def run():
+        channel.start(GenerateRequest("unread", PROMPTS[1], _greedy(400)))
+        deadline = time.monotonic() + 30
+        while not channel.is_closed and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    asyncio.run(run())
+    assert channel.is_closed and channel.num_requests == 0
+
+
 def test_a_renewed_channel_stays_open_while_idle(engine):
     channel = _channel(engine, lease_s=0.4)
 

@@ -63,6 +63,7 @@ class OutputChannel:
         self._pending: list[tuple[str, ChannelItem]] = []
         self._ready = asyncio.Event()
         self._live: dict[str, _RequestStream] = {}   # requests whose last item is not out yet
+        self._lease_timer: asyncio.TimerHandle | None = None
 
     @property
     def num_requests(self) -> int:
@@ -76,6 +77,8 @@ class OutputChannel:
         request_id = request.request_id
         if request_id in self._live:
             raise ValueError(f"request id {request_id!r} is already in use on this channel")
+        if self._lease_timer is None:
+            self._watch_lease()
         stream = _RequestStream(self, request_id, transfer_s)
         self.engine.add_stream(stream, request.prompt, request.params, request_id, request.priority,
                                request.prompt_token_ids, delta_encoder=stream.encoder, **engine_options)
@@ -96,6 +99,21 @@ class OutputChannel:
     def _lease_left_s(self) -> float:
         return self.renewed_at + self.lease_s - time.monotonic()
 
+    def _watch_lease(self) -> None:
+        """Close the channel when its lease runs out, ``take`` waiting or not: a worker that its
+        handle holds back (``cluster.worker_channels.MESSAGES_AHEAD``) is not in ``take``."""
+        self._lease_timer = None
+        if self.is_closed:
+            return
+        if (left_s := self._lease_left_s()) > 0:
+            self._lease_timer = asyncio.get_running_loop().call_later(left_s, self._watch_lease)
+            return
+        self._expire()
+
+    def _expire(self) -> None:
+        logger.warning("output channel %s: not renewed for %.0f s (its handle is gone?); closing it, "
+                       "%d requests aborted", self.channel_id, self.lease_s, self.close())
+
     async def take(self) -> ChannelMessage | None:
         """Everything made since the last call, once there is something; None once closed,
         or once its lease has run out (it is then closed)."""
@@ -111,8 +129,8 @@ class OutputChannel:
                 continue
             self._ready.clear()
         if self._lease_left_s() < 0:
-            logger.warning("output channel %s: not renewed for %.0f s (its handle is gone?); closing it, "
-                           "%d requests aborted", self.channel_id, self.lease_s, self.close())
+            if not self.is_closed:
+                self._expire()
             return None
         message, self._pending = self._pending, []
         return _merged(message)
@@ -120,6 +138,9 @@ class OutputChannel:
     def close(self) -> int:
         """Stop: abort the requests still running here, wake ``take``. Returns how many ran."""
         self.is_closed = True
+        if self._lease_timer is not None:
+            self._lease_timer.cancel()
+            self._lease_timer = None
         live, self._live = self._live, {}
         for request_id in live:
             self.engine.abort(request_id)
