@@ -25,7 +25,8 @@ from pagedserve.devtools.model_factory import ensure_model
 from pagedserve.workers.detokenizer import StreamingDetokenizer
 
 
-def run(tokenizer, prompts: list[list[int]], outputs: list[list[int]], hand_over: bool) -> tuple[float, int, int, list[str]]:
+def run(tokenizer, prompts: list[list[int]], outputs: list[list[int]],
+        hand_over: bool) -> tuple[float, int, int, list[str]]:
     """Seconds per token, sequences on the Python route at the start and at the end, texts."""
     params = SamplingParams(max_tokens=1 << 30)
     streams = [StreamingDetokenizer(tokenizer, prompt, params, eos_token_id=None) for prompt in prompts]

@@ -16,10 +16,10 @@ holds the GIL that the engine thread needs for as short a time as it can.
 
 A request's items are ``OutputDelta``s (several made between two messages are
 merged into one: the handle lets a worker send only a few messages ahead of its
-reading, ``cluster.worker_channels.MESSAGES_AHEAD``), then, if the KV manager moved the request, ``Migrated``; or
-the exception that ended it (its engine loop died). A channel that closes (the
-handle closed it, or stopped renewing it: its process died) aborts what still
-runs on it.
+reading, ``cluster.worker_channels.MESSAGES_AHEAD``), then, if the KV manager moved
+the request, ``Migrated``; or the exception that ended it (its engine loop died). A
+channel that closes (the handle closed it, or stopped renewing it: its process died;
+a timer watches the lease) aborts what still runs on it.
 """
 
 from __future__ import annotations
@@ -117,16 +117,12 @@ class OutputChannel:
     async def take(self) -> ChannelMessage | None:
         """Everything made since the last call, once there is something; None once closed,
         or once its lease has run out (it is then closed)."""
+        if self._lease_timer is None:
+            self._watch_lease()
         while not self._pending:
             if self.is_closed:
                 return None
-            if (left_s := self._lease_left_s()) <= 0:
-                break
-            try:
-                async with asyncio.timeout(left_s):
-                    await self._ready.wait()
-            except TimeoutError:
-                continue
+            await self._ready.wait()   # set by put, and by close (the lease's timer too)
             self._ready.clear()
         if self._lease_left_s() < 0:
             if not self.is_closed:
