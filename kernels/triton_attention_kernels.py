@@ -101,7 +101,10 @@ def _attend_kv_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+# Triton compiles a kernel once per specialisation of its integer arguments (value 1, or a
+# multiple of 16). Those that follow a step's shape are left unspecialised, so that each
+# kernel has one variant per model, compiled at load (``ModelRunner.warm_up_kernels``).
+@triton.jit(do_not_specialize=["num_seqs", "stride_bts"])
 def paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, out_ptr, sinks_ptr,
     scale_log2, num_seqs, window, softcap_log2,
@@ -184,7 +187,7 @@ def paged_prefill_kernel(
              mask=row_mask[:, None] & d_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_bts"])
 def paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, sinks_ptr,
@@ -257,31 +260,46 @@ def paged_decode_kernel(
         tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
 
 
-@triton.jit
+# The reduce kernel reads the partials this many splits at a time, whatever their count, so
+# that it compiles once per model.
+REDUCE_BLOCK_SPLITS = 16
+
+
+@triton.jit(do_not_specialize=["num_splits"])
 def paged_decode_reduce_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, num_splits,
     stride_os, stride_oh, stride_od,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Merge split-K partials by log-sum-exp. Grid: (num_seqs, num_heads)."""
+    """Merge split-K partials by log-sum-exp, BLOCK_SPLITS splits at a time. Grid: (num_seqs, num_heads)."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_SPLITS)
-    s_mask = offs_s < num_splits
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
+    first_row = (seq * NUM_HEADS + head) * num_splits
 
-    row = (seq * NUM_HEADS + head) * num_splits + offs_s
-    part_max = tl.load(part_max_ptr + row, mask=s_mask, other=float("-inf"))
-    part_sum = tl.load(part_sum_ptr + row, mask=s_mask, other=0.0)
-    global_max = tl.max(part_max, 0)
+    maxima = tl.full([BLOCK_SPLITS], float("-inf"), tl.float32)
+    for start in range(0, num_splits, BLOCK_SPLITS):
+        split = start + offs_s
+        maxima = tl.maximum(maxima, tl.load(part_max_ptr + first_row + split, mask=split < num_splits,
+                                            other=float("-inf")))
+    global_max = tl.max(maxima, 0)
     global_max = tl.where(global_max == float("-inf"), 0.0, global_max)  # empty sequence
-    weight = tl.exp2(part_max - global_max)  # empty splits weigh 0
-    total = tl.sum(part_sum * weight, 0)
-    total = tl.where(total > 0.0, total, 1.0)
 
-    part_acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                       mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    result = tl.sum(part_acc * weight[:, None], 0) / total
+    sums = tl.zeros([BLOCK_SPLITS], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for start in range(0, num_splits, BLOCK_SPLITS):
+        split = start + offs_s
+        s_mask = split < num_splits
+        row = first_row + split
+        weight = tl.exp2(tl.load(part_max_ptr + row, mask=s_mask, other=float("-inf")) - global_max)  # empty: 0
+        sums += tl.load(part_sum_ptr + row, mask=s_mask, other=0.0) * weight
+        part_acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+                           mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+        acc += tl.sum(part_acc * weight[:, None], 0)
+    total = tl.sum(sums, 0)
+    total = tl.where(total > 0.0, total, 1.0)
+    result = acc / total
     o_offsets = seq * stride_os + head * stride_oh + offs_d * stride_od
     tl.store(out_ptr + o_offsets, result.to(out_ptr.dtype.element_ty), mask=d_mask)

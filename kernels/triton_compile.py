@@ -69,7 +69,8 @@ def kernel_configs(dtype, head_dim, num_q_per_kv, block_size, index_dtype=torch.
                    4)
     yield (attention_kernels.paged_decode_reduce_kernel,
            dict(out_ptr=dtype, part_acc_ptr=f32, part_max_ptr=f32, part_sum_ptr=f32, num_splits="i32"),
-           dict(NUM_HEADS=4 * num_q_per_kv, HEAD_DIM=head_dim, BLOCK_SPLITS=4, BLOCK_D=block_d),
+           dict(NUM_HEADS=4 * num_q_per_kv, HEAD_DIM=head_dim, BLOCK_SPLITS=attention_kernels.REDUCE_BLOCK_SPLITS,
+                BLOCK_D=block_d),
            4)
     yield (cache_kernels.write_kv_kernel,
            dict(key_ptr=dtype, value_ptr=dtype, k_cache_ptr=dtype, v_cache_ptr=dtype, slot_mapping_ptr=torch.int64),

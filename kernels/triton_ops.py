@@ -275,7 +275,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         attention_kernels.paged_decode_reduce_kernel[(num_seqs, num_heads)](
             out, part_acc, part_max, part_sum, num_splits, *out.stride(),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-            BLOCK_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
+            BLOCK_SPLITS=attention_kernels.REDUCE_BLOCK_SPLITS, BLOCK_D=block_d, num_warps=4,
         )
     return out
 

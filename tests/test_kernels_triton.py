@@ -22,7 +22,10 @@ if not IS_CUDA and "triton" not in sys.modules:
 
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+
 import pagedserve.kernels as kernels  # noqa: E402
+from pagedserve.kernels import triton_attention_kernels as attention_kernels  # noqa: E402
 from pagedserve.kernels import triton_ops  # noqa: E402
 
 
@@ -248,6 +251,18 @@ def test_paged_decode_attention(head_dim, block_size, group, dtype, num_splits):
     by_torch = torch_backend("paged_decode_attention")(q, batch.k_cache, batch.v_cache, batch.block_tables,
                                                        batch.seq_lens, scale)
     assert_close(out, by_torch, dtype, "vs torch backend")
+
+
+def test_decode_merges_more_splits_than_the_reduce_kernel_reads_at_once():
+    """21 splits of 64 tokens: the reduce kernel merges them in chunks of 16."""
+    generator = make_generator("many-splits")
+    batch = PagedBatch(generator, [1300, 70, 0], 16, 2, 64, torch.float16)
+    q = randn(generator, 3, 4, 64, dtype=torch.float16)
+    out = triton_ops.paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+                                            0.125, num_splits=64)
+    assert triton.cdiv(batch.block_tables.shape[1] * 16, 64) == 21 > attention_kernels.REDUCE_BLOCK_SPLITS
+    assert_close(out, reference_attention(q, batch, torch.arange(4), 0.125), torch.float16, "vs float64 reference")
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
 
 
 def test_decode_matches_prefill_kernel_and_handles_empty_context():
