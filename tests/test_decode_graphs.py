@@ -117,7 +117,7 @@ def test_block_copy_warm_up_changes_no_block(tiny_model):
     for k, v in cache.device_caches:
         k.normal_(), v.normal_()
     before = [k.clone() for k, _ in cache.device_caches]
-    llm.engine.runner.warm_up_block_copies()
+    llm.engine.runner.warm_up_kernels(1)
     assert all(torch.equal(k, old) for (k, _), old in zip(cache.device_caches, before))
     assert torch.equal(cache.host_caches[0][0][0], before[0][0])
     llm.check_integrity()

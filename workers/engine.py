@@ -76,10 +76,11 @@ class LLMEngine:
         self.pool_config = config.pool_config(num_device, num_host, max_len, role=role,
                                               sliding_window=self._freeing_window(role))
         self.runner.allocate_cache(config.block_size, num_device, num_host)
-        if self.runner.device.type == "cuda":
-            self.runner.warm_up_block_copies()
+        max_blocks_per_seq = -(-max_len // config.block_size)
+        if self.runner.device.type == "cuda" or self.runner.runs_triton:
+            self.runner.warm_up_kernels(max_blocks_per_seq)
         if self._uses_graphs or self._uses_compile:
-            self.runner.enable_decode_graphs(config.graph_sizes(), -(-max_len // config.block_size),
+            self.runner.enable_decode_graphs(config.graph_sizes(), max_blocks_per_seq,
                                              capture=self._uses_graphs, torch_compile=self._uses_compile)
         self.kv_manager = kv_manager if kv_manager is not None else KVManager()
         self.kv_manager.add_worker(worker_id, self.pool_config)

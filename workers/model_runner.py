@@ -226,7 +226,9 @@ class ModelRunner:
                              else f"auto for {describe_device(self.device)}")
         logger.info("model dtype %s on %s (%s)", dtype_name(self.dtype), self.device, self.dtype_reason)
         self.kernel_backend = kernel_backend
-        self.uses_triton = self.device.type == "cuda" and (kernel_backend or select_backend(self.device)) == "triton"
+        # Triton kernels: compiled on CUDA (``uses_triton``), interpreted on the CPU.
+        self.runs_triton = (kernel_backend or select_backend(self.device)) == "triton"
+        self.uses_triton = self.device.type == "cuda" and self.runs_triton
         if self.uses_triton:  # before any weight is loaded: refuse at once
             check_dtype(torch.cuda.get_device_capability(self.device), self.dtype)
         config = check_servable_config(model, trust_remote_code)
@@ -313,10 +315,18 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak + graph_bytes
 
-    def warm_up_block_copies(self) -> None:
-        """Compile the block copy and swap kernels at load, not in the first request that
-        preempts or forks: block 0 copied onto itself, and out to the host pool and back
-        (the pools hold nothing yet)."""
+    def warm_up_kernels(self, max_blocks_per_seq: int) -> None:
+        """Compile at load every kernel variant the steps launch, not in the first request
+        that needs one: the block copy and swap kernels, and with Triton the attention and
+        K/V write kernels of a mixed step and of decode steps, split (``max_blocks_per_seq``,
+        the widest block table, allows it) and whole."""
+        self._warm_up_block_copies()
+        if self.runs_triton:
+            self._warm_up_attention(max_blocks_per_seq)
+
+    def _warm_up_block_copies(self) -> None:
+        """Block 0 copied onto itself, and out to the host pool and back (the pools hold
+        nothing yet)."""
         from pagedserve import kernels
 
         pairs = torch.tensor([[0, 0]], dtype=torch.int64, device=self.device)
@@ -326,6 +336,31 @@ class ModelRunner:
             k_cache, host_k = caches[0][0], self.kv_cache.host_caches[0][0]
             kernels.swap_blocks(k_cache, host_k, pairs.cpu())
             kernels.swap_blocks(host_k, k_cache, pairs.cpu())
+
+    @torch.inference_mode()
+    def _warm_up_attention(self, max_blocks_per_seq: int) -> None:
+        """Eager forwards on padding (slot -1: no K/V is written): a mixed step (chunks of 2
+        and 1 tokens, which read block 0), then one decoding sequence of no context with a
+        table of one block (one split) and of ``max_blocks_per_seq`` (as many splits as a
+        lone sequence gets)."""
+        device = self.device
+
+        def forward(chunk_lens: list[int], seq_lens: list[int], width: int) -> None:
+            num_tokens = sum(chunk_lens)
+            cu_seqlens = torch.zeros(len(chunk_lens) + 1, dtype=torch.int32)
+            cu_seqlens[1:] = torch.tensor(chunk_lens).cumsum(0)
+            meta = PagedAttentionMetadata(
+                slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+                block_tables=torch.zeros((len(chunk_lens), width), dtype=torch.int32, device=device),
+                cu_seqlens_q=cu_seqlens.to(device), seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
+                is_decode_only=max(chunk_lens) == 1, kv_caches=self.kv_cache.device_caches,
+                backend=self.kernel_backend, plan_window=self.attention.max_sliding_window)
+            positions = torch.cat([torch.arange(n) for n in chunk_lens]).to(device)
+            self.run_decoder(torch.zeros(num_tokens, dtype=torch.int64, device=device), positions, meta)
+
+        forward([2, 1], [2, 1], 1)
+        forward([1], [0], 1)
+        forward([1], [0], max_blocks_per_seq)
 
     def enable_decode_graphs(self, sizes: list[int], max_blocks_per_seq: int, capture: bool = True,
                              torch_compile: bool = False) -> bool:

@@ -31,7 +31,7 @@ from .model_support import load_config
 from .tp_dispatch import CommandChannel, GroupBrokenError, open_channel
 from .tp_group import TensorParallelGroup, host_store
 from .tp_launch import RankLauncher, RankSet
-from .tp_messages import (AllocateCache, KVCopies, ProfilePeak, ReadBlocks, RunStep, Stop, WarmUpCopies, WriteBlocks,
+from .tp_messages import (AllocateCache, KVCopies, ProfilePeak, ReadBlocks, RunStep, Stop, WarmUpKernels, WriteBlocks,
                           pack)
 from .tp_plan import check_tensor_parallel
 from .tp_rank import (HEAD_DIM_OF_PAYLOAD, RankSpec, broadcast_payload, load_rank_runner, local_heads, node_key,
@@ -178,10 +178,10 @@ class TensorParallelRunner:
             self.send(ProfilePeak(num_tokens, block_size))
             return self.local.profile_peak_memory(num_tokens, block_size)
 
-    def warm_up_block_copies(self) -> None:
+    def warm_up_kernels(self, max_blocks_per_seq: int) -> None:
         with self.on_group():
-            self.send(WarmUpCopies())
-        self.local.warm_up_block_copies()
+            self.send(WarmUpKernels(max_blocks_per_seq))
+        self.local.warm_up_kernels(max_blocks_per_seq)
 
     def enable_decode_graphs(self, sizes: list[int], max_blocks_per_seq: int, capture: bool = True,
                              torch_compile: bool = False) -> bool:

@@ -85,10 +85,11 @@ class WriteBlocks:
 
 
 @dataclass
-class WarmUpCopies:
-    """Compile the block copy and swap kernels now (``ModelRunner.warm_up_block_copies``)."""
+class WarmUpKernels:
+    """Compile the kernels the steps launch now (``ModelRunner.warm_up_kernels``)."""
 
     TAG: ClassVar[int] = 7
+    max_blocks_per_seq: int
 
 
 @dataclass
@@ -98,9 +99,9 @@ class Stop:
     TAG: ClassVar[int] = 6
 
 
-Command = RunStep | AllocateCache | ProfilePeak | ReadBlocks | WriteBlocks | WarmUpCopies | Stop
+Command = RunStep | AllocateCache | ProfilePeak | ReadBlocks | WriteBlocks | WarmUpKernels | Stop
 COMMANDS: dict[int, type] = {cls.TAG: cls for cls in (RunStep, AllocateCache, ProfilePeak, ReadBlocks,
-                                                        WriteBlocks, WarmUpCopies, Stop)}
+                                                        WriteBlocks, WarmUpKernels, Stop)}
 _FIELDS: dict[type, tuple[str, ...]] = {cls: tuple(f.name for f in fields(cls)) for cls in COMMANDS.values()}
 
 

@@ -22,7 +22,7 @@ from .model_runner import ModelInput, ModelRunner, resolve_device
 from .model_support import load_config
 from .tp_dispatch import CommandChannel, GroupBrokenError, open_channel
 from .tp_group import Rendezvous, TensorParallelGroup
-from .tp_messages import (AllocateCache, KVCopies, ProfilePeak, ReadBlocks, RunStep, Stop, WarmUpCopies,
+from .tp_messages import (AllocateCache, KVCopies, ProfilePeak, ReadBlocks, RunStep, Stop, WarmUpKernels,
                           WriteBlocks, unpack)
 from .tp_load import shard_loader
 from .tp_plan import TensorParallelError, check_tensor_parallel, shard_slice
@@ -125,8 +125,8 @@ class RankExecutor:
                                       command.num_tokens, logits_indexes=[], pending=command.pending),
                            pending_tokens)
             self.num_steps += 1
-        elif isinstance(command, WarmUpCopies):
-            runner.warm_up_block_copies()
+        elif isinstance(command, WarmUpKernels):
+            runner.warm_up_kernels(command.max_blocks_per_seq)
         elif isinstance(command, AllocateCache):
             runner.allocate_cache(command.block_size, command.num_device_blocks, command.num_host_blocks)
         elif isinstance(command, ProfilePeak):

@@ -1,0 +1,90 @@
+"""No Triton kernel compiles inside a request: every variant that a model's steps launch
+was launched at load (``ModelRunner.warm_up_kernels``). Checked on the CPU with the kernels
+interpreted, against Triton's own specialisation rules for a CUDA target
+(``pagedserve.devtools.triton_variants``)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.devtools.model_matrix import ensure_matrix_model
+
+pytest.importorskip("triton")
+from pagedserve.devtools.triton_variants import TritonVariants  # noqa: E402
+from pagedserve.kernels import triton_ops  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _workload(llm: LLM) -> None:
+    """Steps of 1, 2 and 17 sequences, prompts of 1-40 tokens (chunked, so mixed steps),
+    then a fork (n=2) of a 70-token prompt, whose decodes split."""
+    rng = random.Random(0)
+    greedy = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    for batch in (1, 2, 17):
+        llm.generate([[rng.randrange(1, 400) for _ in range(rng.choice([1, 5, 16, 17, 40]))]
+                      for _ in range(batch)], greedy)
+    llm.generate([list(range(1, 71))], SamplingParams(n=2, max_tokens=3, temperature=1.0, seed=1))
+
+
+ON_CPU = pytest.mark.skipif(not triton_ops._interpreting(), reason="CPU tensors need Triton's interpreter")
+ON_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("name,device", [pytest.param("llama", "cpu", marks=ON_CPU),
+                                         # windowed and full layers, soft-capped: more variants
+                                         pytest.param("gemma2", "cpu", marks=[ON_CPU, pytest.mark.long_form]),
+                                         # compiled: CUDA graphs of the torch.compile'd forward
+                                         pytest.param("llama", "cuda", marks=ON_CUDA)])
+def test_every_kernel_variant_the_steps_launch_compiles_at_load(name, device, monkeypatch):
+    """Before, the prefill kernel compiled anew for a step whose number of sequences or
+    block-table width was 1, a multiple of 16 or neither, the decode kernel likewise for
+    its table width and split count, and the K/V write kernel in the first request; on an
+    H200 that was about a second of compiling inside the benchmark's timed run."""
+    # Decodes split as on a GPU of 16 SMs, and from 32 tokens of context (1,024 on CUDA).
+    monkeypatch.setattr(triton_ops, "_MIN_SPLIT_TOKENS", 32)
+    monkeypatch.setattr(triton_ops, "_PROGRAMS_PER_SM", 64)
+    with TritonVariants() as variants:
+        llm = LLM(str(ensure_matrix_model(name)), device=device, dtype="float32" if device == "cpu" else "float16",
+                  block_size=16, num_device_blocks=96, kernel_backend="triton", max_num_batched_tokens=32,
+                  max_model_len=256)
+        variants.mark("served")
+        _workload(llm)
+    assert variants.new_in("served") == {}
+    # Every kernel a step launches ran, splits too (the reduce kernel merges them).
+    assert {"paged_prefill_kernel", "paged_decode_kernel", "paged_decode_reduce_kernel",
+            "write_kv_kernel"} <= variants.launched_in("served")
+    llm.check_integrity()
+
+
+@ON_CPU
+def test_the_record_tells_a_new_variant_apart(monkeypatch):
+    """The recorder itself: a decode step wider than any at load is a new variant when the
+    table width specialises (as it did), and none when it does not."""
+    from pagedserve.kernels import triton_attention_kernels as kernels
+
+    q = torch.zeros(2, 4, 16)
+    cache = torch.zeros(4, 16, 2, 16)
+    lens = torch.tensor([3, 0], dtype=torch.int32)
+
+    def decode(width: int) -> None:
+        triton_ops.paged_decode_attention(q, cache, cache, torch.zeros(2, width, dtype=torch.int32), lens,
+                                          num_splits=1)
+
+    with TritonVariants() as variants:
+        decode(1)
+        variants.mark("wider")
+        decode(3)
+    assert variants.new_in("wider") == {}
+    monkeypatch.setattr(kernels.paged_decode_kernel, "kwargs", {})  # the decorator without do_not_specialize
+    with TritonVariants() as variants:
+        decode(1)
+        variants.mark("wider")
+        decode(3)
+        decode(16)
+    assert variants.new_in("wider") == {"paged_decode_kernel": [[("stride_bts", "('i32', '')")],
+                                                                [("stride_bts", "('i32', 'D')")]]}
