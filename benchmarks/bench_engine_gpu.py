@@ -126,6 +126,11 @@ def model_counts(decoder, lm_head, config) -> dict:
 def bench_pagedserve(args, path: str, prompts, warm_prompts, state: dict, enforce_eager: bool = False,
                      torch_compile: bool | None = None, merge_projections: bool | None = None) -> dict:
     from pagedserve import LLM
+    try:
+        from pagedserve.devtools.triton_variants import compiled_variants
+    except ImportError:  # no Triton
+        def compiled_variants() -> None:
+            return None
 
     options = {"device": args.device, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
                "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed,
@@ -149,6 +154,7 @@ def bench_pagedserve(args, path: str, prompts, warm_prompts, state: dict, enforc
     before = (engine.num_steps, engine.num_decode_steps, engine.decode_step_seconds)
     log(f"pagedserve: timing {len(prompts)} requests")
     shapes = record_steps(runner)
+    compiled_before = compiled_variants()
     synchronize(args.device)
     profiler = cProfile.Profile() if args.profile else None
     if profiler:
@@ -165,9 +171,13 @@ def bench_pagedserve(args, path: str, prompts, warm_prompts, state: dict, enforc
     num_steps, num_decode_steps, decode_seconds = (after - first for after, first in zip(
         (engine.num_steps, engine.num_decode_steps, engine.decode_step_seconds), before))
     stats = engine.stats()
+    compiled_after = compiled_variants()
     result = {"seconds": seconds, "outputs": outputs, "num_steps": num_steps,
+              # Triton kernel variants compiled inside the timed run (None: interpreted, or no Triton).
+              "triton_compiles_in_run": None if compiled_before is None else compiled_after - compiled_before,
               "num_decode_steps": num_decode_steps, "decode_seconds": decode_seconds, "step_shapes": shapes,
-              "num_cuda_graphs": stats.get("num_cuda_graphs", 0), "num_graph_replays": stats.get("num_graph_replays", 0)}
+              "num_cuda_graphs": stats.get("num_cuda_graphs", 0),
+              "num_graph_replays": stats.get("num_graph_replays", 0)}
     del llm, engine, runner
     return result
 
@@ -260,7 +270,7 @@ def summarise(args, env: dict, prompts, runs: dict, errors: dict, rates: dict, s
             row["roofline_seconds"] = roofline["seconds"]
             row["roofline_fraction"] = roofline["seconds"] / run["seconds"]
             row["roofline_flop_bound_fraction"] = roofline["flop_bound_fraction"]
-        for name in ("num_cuda_graphs", "num_graph_replays"):
+        for name in ("num_cuda_graphs", "num_graph_replays", "triton_compiles_in_run"):
             if name in run:
                 row[name] = run[name]
         results[LABELS[key]] = row
@@ -323,6 +333,10 @@ def format_report(data: dict) -> str:
         lines.append(f"greedy agreement of {name} with static generate: {agree['identical_requests']}/"
                      f"{agree['num_requests']} requests identical, mean matching prefix "
                      f"{agree['mean_matching_prefix_len']:.1f} of {w['output_len']} tokens")
+    for name, r in data["results"].items():
+        if r.get("triton_compiles_in_run") is not None:
+            lines.append(f"Triton kernel variants compiled inside the timed run of {name}: "
+                         f"{r['triton_compiles_in_run']}")
     for name, error in data["errors"].items():
         lines.append(f"FAILED {name}: {error}")
     return "\n".join(lines)
