@@ -2,11 +2,13 @@
 # The checks a lent GPU machine runs, in one go, most important first; each step has its own
 # time limit so that one hang cannot eat the rest. Logs go to $OUT (or ./gpu-logs).
 #
-#   [STEPS="kernels tests engine sweep profile tp ..."] bash benchmarks/gpu_checks.sh [--quick]
+#   [STEPS="engine host tests kernel_tests ..."] bash benchmarks/gpu_checks.sh [--quick]
 #
-# One device call runs at most 600 s, so the default steps fit two calls:
-#   STEPS="tests engine" (at most 590 s), then STEPS="host launches kernels sweep" (at most 550 s).
-# "prefill" and "merge" (at most 300 + 240 s) are not default steps: run them in a third call.
+# One device call runs at most 600 s, and a session's device time (15 minutes, the machine's
+# start included) fits about one full call and a short one, most important first:
+#   STEPS="engine host tests" (at most 290 + 150 + 300 s; about 224 + 48 s for the first two on
+#   an H200), then on the warm machine STEPS="kernel_tests" or "prefill" or "merge".
+# The rest ("launches kernels sweep") in a later session.
 #
 # "tp" is for a machine with several GPUs (it says so and passes on one).
 #
@@ -42,14 +44,18 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tm
     || { echo "pip install of pagedserve failed:"; tail -5 "$OUT/install.log"; exit 1; }
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 
-TESTS=(tests/test_cuda_greedy.py tests/test_kernels_triton.py tests/test_kernels_torch.py tests/test_sampler.py
-       tests/test_gpu_targets.py tests/test_sampling_extensions.py
+# Engines end to end (test_cuda_greedy: CUDA graphs of the compiled forward, of the uncompiled
+# one, and eager; no kernel variant compiles after load), then the kernels and the sampler alone.
+TESTS=(tests/test_cuda_greedy.py tests/test_kernel_variants.py tests/test_sampler.py
        "tests/test_structured_outputs.py::test_structured_outputs_on_cuda")
-for name in ${STEPS:-tests engine host launches kernels sweep}; do
+KERNEL_TESTS=(tests/test_gpu_targets.py tests/test_kernels_triton.py tests/test_kernels_torch.py
+              tests/test_sampling_extensions.py)
+for name in ${STEPS:-engine host tests kernel_tests launches kernels sweep}; do
     case $name in
         kernels) step bench_kernels 150 python3 benchmarks/bench_kernels_gpu.py ;;
-        # test_cuda_greedy runs with CUDA graphs of the compiled forward, of the uncompiled one, and eager.
-        tests) step tests 300 python3 -m pytest -q -p no:cacheprovider -o addopts= -rs -s "${TESTS[@]}" ;;
+        tests) step tests 300 python3 -m pytest -q -p no:cacheprovider -o addopts= -rs -s --durations=10 "${TESTS[@]}" ;;
+        kernel_tests) step kernel_tests 300 python3 -m pytest -q -p no:cacheprovider -o addopts= -rs --durations=10 \
+                          "${KERNEL_TESTS[@]}" ;;
         # Decode step time at 4 and 256 sequences, llama-1b in bf16, CUDA graphs on; and what an
         # output channel's request costs the output thread per token on this host's CPU.
         host) step host_cost 150 python3 -m pagedserve.bench.host_cost --size 1b --device cuda --dtype bfloat16 \
@@ -57,7 +63,7 @@ for name in ${STEPS:-tests engine host launches kernels sweep}; do
         # Kernels per decode step and per layer, llama-1b bf16: compiled (graph replays count 1,
         # so the compiled forward runs without graphs here) against eager.
         launches) step launches 150 bash -c "python3 benchmarks/bench_launches.py --size 1b --device cuda --dtype bfloat16 --enforce-eager --torch-compile --json $OUT/launches_compiled.json && python3 benchmarks/bench_launches.py --size 1b --device cuda --dtype bfloat16 --enforce-eager --json $OUT/launches_eager.json" ;;
-        structured) step structured 60 python3 -m pytest -q -p no:cacheprovider -o addopts= -rs "${TESTS[6]}" ;;
+        structured) step structured 60 python3 -m pytest -q -p no:cacheprovider -o addopts= -rs "${TESTS[3]}" ;;
         # pagedserve with compiled graphs, uncompiled graphs and eager, transformers' two; the roofline column.
         engine) step bench_engine 290 python3 benchmarks/bench_engine_gpu.py $QUICK --json "$OUT/bench_engine.json" ;;
         sweep) step split_sweep 100 python3 benchmarks/bench_kernels_gpu.py --sweep --dtypes float16 ;;
