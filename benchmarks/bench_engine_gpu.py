@@ -126,11 +126,7 @@ def model_counts(decoder, lm_head, config) -> dict:
 def bench_pagedserve(args, path: str, prompts, warm_prompts, state: dict, enforce_eager: bool = False,
                      torch_compile: bool | None = None, merge_projections: bool | None = None) -> dict:
     from pagedserve import LLM
-    try:
-        from pagedserve.devtools.triton_variants import compiled_variants
-    except ImportError:  # no Triton
-        def compiled_variants() -> None:
-            return None
+    from pagedserve.devtools.triton_variants import compiled_variants
 
     options = {"device": args.device, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
                "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed,

@@ -77,11 +77,11 @@ class LLMEngine:
                                               sliding_window=self._freeing_window(role))
         self.runner.allocate_cache(config.block_size, num_device, num_host)
         max_blocks_per_seq = -(-max_len // config.block_size)
-        if self.runner.device.type == "cuda" or self.runner.runs_triton:
-            self.runner.warm_up_kernels(max_blocks_per_seq)
         if self._uses_graphs or self._uses_compile:
             self.runner.enable_decode_graphs(config.graph_sizes(), max_blocks_per_seq,
                                              capture=self._uses_graphs, torch_compile=self._uses_compile)
+        if self.runner.device.type == "cuda" or self.runner.runs_triton:  # through the compiled forward, if any
+            self.runner.warm_up_kernels(max_blocks_per_seq)
         self.kv_manager = kv_manager if kv_manager is not None else KVManager()
         self.kv_manager.add_worker(worker_id, self.pool_config)
         self.step_hooks: list[Callable[[], None]] = []

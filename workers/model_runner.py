@@ -339,10 +339,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warm_up_attention(self, max_blocks_per_seq: int) -> None:
-        """Eager forwards on padding (slot -1: no K/V is written): a mixed step (chunks of 2
-        and 1 tokens, which read block 0), then one decoding sequence of no context with a
-        table of one block (one split) and of ``max_blocks_per_seq`` (as many splits as a
-        lone sequence gets)."""
+        """Forwards outside any CUDA graph, as a mixed step runs (compiled, if decode steps
+        are), on padding (slot -1: no K/V is written): a mixed step (chunks of 2 and 1
+        tokens, which read block 0), then one decoding sequence of no context with a table
+        of one block (one split) and of ``max_blocks_per_seq`` (as many splits as a lone
+        sequence gets)."""
         device = self.device
 
         def forward(chunk_lens: list[int], seq_lens: list[int], width: int) -> None:
@@ -356,7 +357,7 @@ class ModelRunner:
                 is_decode_only=max(chunk_lens) == 1, kv_caches=self.kv_cache.device_caches,
                 backend=self.kernel_backend, plan_window=self.attention.max_sliding_window)
             positions = torch.cat([torch.arange(n) for n in chunk_lens]).to(device)
-            self.run_decoder(torch.zeros(num_tokens, dtype=torch.int64, device=device), positions, meta)
+            self._stack(torch.zeros(num_tokens, dtype=torch.int64, device=device), positions, meta)
 
         forward([2, 1], [2, 1], 1)
         forward([1], [0], 1)

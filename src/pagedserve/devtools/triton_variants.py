@@ -20,24 +20,28 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
-from pagedserve.kernels import triton_attention_kernels, triton_cache_kernels
-
 # The GPU the specialisations are computed for. Only its backend's rules matter (which
 # arguments specialise, and how), not the architecture.
 _TARGET = ("cuda", 90, 32)
 
 
 def launched_kernels() -> dict:
-    """The Triton kernels ``pagedserve.kernels`` launches, by name."""
+    """The Triton kernels ``pagedserve.kernels`` launches, by name (imports Triton)."""
+    from pagedserve.kernels import triton_attention_kernels, triton_cache_kernels
+
     return {name: getattr(module, name) for module in (triton_attention_kernels, triton_cache_kernels)
             for name in dir(module) if name.endswith("_kernel")}
 
 
 def compiled_variants() -> int | None:
     """How many variants of those kernels Triton has compiled in this process (its own
-    caches: on a GPU; None under the interpreter, which compiles nothing)."""
+    caches: on a GPU; None without Triton, or under its interpreter, which compiles nothing)."""
+    try:
+        kernels = launched_kernels()
+    except ImportError:
+        return None
     total = 0
-    for kernel in launched_kernels().values():
+    for kernel in kernels.values():
         caches = getattr(kernel, "device_caches", None)
         if caches is None:
             return None
