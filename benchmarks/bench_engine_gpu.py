@@ -147,7 +147,7 @@ def bench_pagedserve(args, path: str, prompts, warm_prompts, state: dict, enforc
     run_pagedserve(llm, [(p, 16) for p in warm_prompts])
     run_pagedserve(llm, [(warm_prompts[i % len(warm_prompts)][:16 + i % 16], 4) for i in range(len(prompts))])
     llm.reset_prefix_cache()
-    before = (engine.num_steps, engine.num_decode_steps, engine.decode_step_seconds)
+    before = (engine.num_steps, engine.num_decode_steps, engine.decode_step_seconds, engine.step_seconds)
     log(f"pagedserve: timing {len(prompts)} requests")
     shapes = record_steps(runner)
     compiled_before = compiled_variants()
@@ -164,14 +164,16 @@ def bench_pagedserve(args, path: str, prompts, warm_prompts, state: dict, enforc
             stats.sort_stats("tottime").print_stats(40)
             stats.sort_stats("cumulative").print_stats(40)
         log(f"pagedserve: profile of the timed run (host time by function) in {args.profile}")
-    num_steps, num_decode_steps, decode_seconds = (after - first for after, first in zip(
-        (engine.num_steps, engine.num_decode_steps, engine.decode_step_seconds), before))
+    num_steps, num_decode_steps, decode_seconds, step_seconds = (after - first for after, first in zip(
+        (engine.num_steps, engine.num_decode_steps, engine.decode_step_seconds, engine.step_seconds), before))
     stats = engine.stats()
     compiled_after = compiled_variants()
     result = {"seconds": seconds, "outputs": outputs, "num_steps": num_steps,
               # Triton kernel variants compiled inside the timed run (None: interpreted, or no Triton).
               "triton_compiles_in_run": None if compiled_before is None else compiled_after - compiled_before,
               "num_decode_steps": num_decode_steps, "decode_seconds": decode_seconds, "step_shapes": shapes,
+              # The steps with a prompt chunk (prefill and mixed), and their time.
+              "num_mixed_steps": num_steps - num_decode_steps, "mixed_seconds": step_seconds - decode_seconds,
               "num_cuda_graphs": stats.get("num_cuda_graphs", 0),
               "num_graph_replays": stats.get("num_graph_replays", 0)}
     del llm, engine, runner
@@ -266,6 +268,9 @@ def summarise(args, env: dict, prompts, runs: dict, errors: dict, rates: dict, s
             row["roofline_seconds"] = roofline["seconds"]
             row["roofline_fraction"] = roofline["seconds"] / run["seconds"]
             row["roofline_flop_bound_fraction"] = roofline["flop_bound_fraction"]
+        if run.get("num_mixed_steps"):
+            row["num_mixed_steps"] = run["num_mixed_steps"]
+            row["mixed_step_ms"] = run["mixed_seconds"] / run["num_mixed_steps"] * 1e3
         for name in ("num_cuda_graphs", "num_graph_replays", "triton_compiles_in_run"):
             if name in run:
                 row[name] = run[name]
@@ -330,6 +335,9 @@ def format_report(data: dict) -> str:
                      f"{agree['num_requests']} requests identical, mean matching prefix "
                      f"{agree['mean_matching_prefix_len']:.1f} of {w['output_len']} tokens")
     for name, r in data["results"].items():
+        if r.get("num_mixed_steps"):
+            lines.append(f"steps with a prompt chunk in {name}: {r['num_mixed_steps']}, {r['mixed_step_ms']:.2f} ms "
+                         f"each (mean; {w['num_prompt_tokens'] / r['num_mixed_steps']:.0f} prompt tokens per step)")
         if r.get("triton_compiles_in_run") is not None:
             lines.append(f"Triton kernel variants compiled inside the timed run of {name}: "
                          f"{r['triton_compiles_in_run']}")

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -319,6 +320,11 @@ def test_gpu_engine_bench_smoke_on_cpu(tmp_path, tiny_model):
         # The run's roofline: its own steps at the measured rates (a positive time; a fraction
         # of the measured time, which on this loaded machine is its only check).
         assert ours["roofline_seconds"] > 0 and 0 < ours["roofline_fraction"] < 1
+        # 4 prompts of 8-24 tokens in one step, then 3 decode steps.
+        assert ours["num_mixed_steps"] == 1 and ours["mixed_step_ms"] > 0
+        # The torch kernels: nothing compiled (None under Triton's interpreter, which compiles nothing).
+        assert ours["triton_compiles_in_run"] == (None if os.environ.get("TRITON_INTERPRET") == "1" else 0)
+    assert "steps with a prompt chunk in pagedserve LLM.generate: 1," in done.stdout
 
 
 @pytest.mark.parametrize("kind", ["stream", "channel"])
