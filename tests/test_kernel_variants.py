@@ -45,13 +45,14 @@ def test_every_kernel_variant_the_steps_launch_compiles_at_load(name, device, mo
     block-table width was 1, a multiple of 16 or neither, the decode kernel likewise for
     its table width and split count, and the K/V write kernel in the first request; on an
     H200 that was about a second of compiling inside the benchmark's timed run."""
-    # Decodes split as on a GPU of 16 SMs, and from 32 tokens of context (1,024 on CUDA).
+    # Short contexts split: from 32 tokens (1,024 by default), and on the CPU's one "SM" as
+    # on a GPU of 16.
     monkeypatch.setattr(triton_ops, "_MIN_SPLIT_TOKENS", 32)
     monkeypatch.setattr(triton_ops, "_PROGRAMS_PER_SM", 64)
+    device_options = {"dtype": "float16", "cuda_graph_sizes": [1, 2, 4, 8, 16]} if device == "cuda" else {"dtype": "float32"}
     with TritonVariants() as variants:
-        llm = LLM(str(ensure_matrix_model(name)), device=device, dtype="float32" if device == "cpu" else "float16",
-                  block_size=16, num_device_blocks=96, kernel_backend="triton", max_num_batched_tokens=32,
-                  max_model_len=256)
+        llm = LLM(str(ensure_matrix_model(name)), device=device, block_size=16, num_device_blocks=96,
+                  kernel_backend="triton", max_num_batched_tokens=32, max_model_len=256, **device_options)
         variants.mark("served")
         _workload(llm)
     assert variants.new_in("served") == {}
