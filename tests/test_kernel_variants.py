@@ -49,7 +49,8 @@ def test_every_kernel_variant_the_steps_launch_compiles_at_load(name, device, mo
     # on a GPU of 16.
     monkeypatch.setattr(triton_ops, "_MIN_SPLIT_TOKENS", 32)
     monkeypatch.setattr(triton_ops, "_PROGRAMS_PER_SM", 64)
-    device_options = {"dtype": "float16", "cuda_graph_sizes": [1, 2, 4, 8, 16]} if device == "cuda" else {"dtype": "float32"}
+    device_options = ({"dtype": "float16", "cuda_graph_sizes": [1, 2, 4, 8, 16]} if device == "cuda"
+                      else {"dtype": "float32"})
     with TritonVariants() as variants:
         llm = LLM(str(ensure_matrix_model(name)), device=device, block_size=16, num_device_blocks=96,
                   kernel_backend="triton", max_num_batched_tokens=32, max_model_len=256, **device_options)
