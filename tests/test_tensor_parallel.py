@@ -395,6 +395,21 @@ def test_overlapped_scheduling_hands_the_running_steps_ids_to_every_rank(arch, t
         llm.engine.runner.shutdown()
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors need Triton's interpreter")
+def test_a_group_warms_its_triton_kernels_up_at_load_on_every_rank(tp_model, reference):
+    """With Triton, load runs forwards that compile the attention kernels (``warm_up_kernels``):
+    every rank runs them at once, as their all-reduces need; then the group is exact."""
+    pytest.importorskip("triton")
+    llm = make_engine(tp_model("llama"), 2, kernel_backend="triton")
+    try:
+        max_tokens = 4
+        assert_matches(llm.generate(random_prompts((5, 19), seed=3), greedy(max_tokens)), "llama", max_tokens,
+                       reference)
+        assert_idle(llm)
+    finally:
+        llm.engine.runner.shutdown()
+
+
 @pytest.mark.slow
 def test_an_abort_that_arrives_while_a_step_runs(tp_model, reference):
     """The engine thread steps the group on its own; an abort sent from the event loop lands while

@@ -179,9 +179,10 @@ class TensorParallelRunner:
             return self.local.profile_peak_memory(num_tokens, block_size)
 
     def warm_up_kernels(self, max_blocks_per_seq: int) -> None:
+        """Every rank at once: with Triton, the warm-up's forwards hold the group's all-reduces."""
         with self.on_group():
             self.send(WarmUpKernels(max_blocks_per_seq))
-        self.local.warm_up_kernels(max_blocks_per_seq)
+            self.local.warm_up_kernels(max_blocks_per_seq)
 
     def enable_decode_graphs(self, sizes: list[int], max_blocks_per_seq: int, capture: bool = True,
                              torch_compile: bool = False) -> bool:
