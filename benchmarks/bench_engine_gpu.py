@@ -268,6 +268,16 @@ def summarise(args, env: dict, prompts, runs: dict, errors: dict, rates: dict, s
             row["roofline_seconds"] = roofline["seconds"]
             row["roofline_fraction"] = roofline["seconds"] / run["seconds"]
             row["roofline_flop_bound_fraction"] = roofline["flop_bound_fraction"]
+            if run.get("num_mixed_steps") is not None:
+                # The run's time by where it went, each part against its own roofline.
+                row["decode_roofline_fraction"] = (roofline["decode_seconds"] / run["decode_seconds"]
+                                                   if run["decode_seconds"] else None)
+                row["mixed_roofline_fraction"] = (roofline["mixed_seconds"] / run["mixed_seconds"]
+                                                  if run["mixed_seconds"] else None)
+                row["mixed_seconds"] = run["mixed_seconds"]
+                row["outside_step_seconds"] = run["seconds"] - run["decode_seconds"] - run["mixed_seconds"]
+                row["decode_mean_seqs"] = roofline["decode_mean_seqs"]
+                row["decode_mean_kv_read"] = roofline["decode_mean_kv_read"]
         if run.get("num_mixed_steps"):
             row["num_mixed_steps"] = run["num_mixed_steps"]
             row["mixed_step_ms"] = run["mixed_seconds"] / run["num_mixed_steps"] * 1e3
@@ -338,6 +348,15 @@ def format_report(data: dict) -> str:
         if r.get("num_mixed_steps"):
             lines.append(f"steps with a prompt chunk in {name}: {r['num_mixed_steps']}, {r['mixed_step_ms']:.2f} ms "
                          f"each (mean; {w['num_prompt_tokens'] / r['num_mixed_steps']:.0f} prompt tokens per step)")
+        if r.get("outside_step_seconds") is not None:
+            lines.append(
+                f"where {name}'s {r['seconds']:.2f} s went: {r['num_decode_steps']} decode steps "
+                f"{r['decode_seconds']:.3f} s (each {r['decode_mean_seqs']:.0f} sequences reading "
+                f"{r['decode_mean_kv_read']:.0f} cached tokens in all, mean; "
+                f"{percent(r['decode_roofline_fraction'], 1)} of their roofline), "
+                f"{r.get('num_mixed_steps', 0)} steps with a prompt chunk {r['mixed_seconds']:.3f} s "
+                f"({percent(r['mixed_roofline_fraction'], 1)} of theirs), outside the engine's steps "
+                f"{r['outside_step_seconds']:.3f} s (adding requests, output processing, waits)")
         if r.get("triton_compiles_in_run") is not None:
             lines.append(f"Triton kernel variants compiled inside the timed run of {name}: "
                          f"{r['triton_compiles_in_run']}")

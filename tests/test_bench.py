@@ -322,9 +322,16 @@ def test_gpu_engine_bench_smoke_on_cpu(tmp_path, tiny_model):
         assert ours["roofline_seconds"] > 0 and 0 < ours["roofline_fraction"] < 1
         # 4 prompts of 8-24 tokens in one step, then 3 decode steps.
         assert ours["num_mixed_steps"] == 1 and ours["mixed_step_ms"] > 0
+        # The parts: decode steps of 4 sequences; each part within its own roofline, and the
+        # time outside the steps is what is left of the measured time.
+        assert ours["decode_mean_seqs"] == 4
+        assert 0 < ours["decode_roofline_fraction"] < 1 and 0 < ours["mixed_roofline_fraction"] < 1
+        assert ours["outside_step_seconds"] == pytest.approx(
+            ours["seconds"] - ours["decode_seconds"] - ours["mixed_seconds"])
         # The torch kernels: nothing compiled (None under Triton's interpreter, which compiles nothing).
         assert ours["triton_compiles_in_run"] == (None if os.environ.get("TRITON_INTERPRET") == "1" else 0)
     assert "steps with a prompt chunk in pagedserve LLM.generate: 1," in done.stdout
+    assert "where pagedserve LLM.generate's" in done.stdout and "3 decode steps" in done.stdout
 
 
 @pytest.mark.parametrize("kind", ["stream", "channel"])
@@ -354,3 +361,28 @@ def test_bench_cli_parses():
         with pytest.raises(SystemExit) as exc:
             parser.parse_args(bad)
         assert exc.value.code == 2
+
+
+def test_the_roofline_sums_each_steps_bound_and_splits_decode_from_prompt_steps():
+    """Hand-computed: a prompt step of two chunks, FLOP-bound, then a decode step of two
+    sequences, byte-bound (1 FLOP/s and 1 byte/s: seconds are FLOPs or bytes)."""
+    from types import SimpleNamespace
+
+    from pagedserve.bench.roofline import StepShapes, roofline_seconds
+
+    shapes = StepShapes()
+    # Chunks of 3 and 2 tokens from positions 0 and 4: 6 + 11 (query, key) pairs, 3 + 6 read.
+    shapes.add(SimpleNamespace(starts=[0, 4], num_tokens=[3, 2], logits_indexes=None, is_decode_only=False))
+    # One token each at positions 3 and 6: 4 + 7 pairs and positions read.
+    shapes.add(SimpleNamespace(starts=[3, 6], num_tokens=None, logits_indexes=None, is_decode_only=True))
+    assert shapes.num_attended_pairs == [17, 11] and shapes.num_kv_read == [9, 11]
+    figures = roofline_seconds(shapes, num_linear=100, num_lm_head=10, num_layers=1, attention_width=1,
+                               kv_bytes_per_token=10, weight_bytes=500, matmul_flops_per_s=1.0,
+                               copy_bytes_per_s=1.0)
+    prompt = 2 * 100 * 5 + 2 * 10 * 2 + 4 * 17   # 1,108 FLOPs, over 500 + 10 x (9 + 5) bytes
+    decode = 500 + 10 * (11 + 2)                  # 630 bytes, over 2 x 100 x 2 + 2 x 10 x 2 + 4 x 11 FLOPs
+    assert figures["seconds"] == prompt + decode
+    assert figures["decode_seconds"] == decode and figures["mixed_seconds"] == prompt
+    assert figures["flop_bound_fraction"] == prompt / (prompt + decode)
+    assert figures["num_decode_steps"] == 1 and figures["decode_mean_seqs"] == 2
+    assert figures["decode_mean_kv_read"] == 11

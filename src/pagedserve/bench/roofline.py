@@ -6,7 +6,8 @@ measured matmul rate and its bytes at the measured copy rate; the roofline is th
 of that over the run's steps. FLOPs: 2 x decoder linear weights per token, 2 x LM head
 weights per sampled row, 4 x attention width x layers per (query, key) pair attended.
 Bytes: every weight read once a step, each chunk's context of K/V read once, and the
-step's new K/V written.
+step's new K/V written. The decode steps (one new token per sequence) and the steps with
+a prompt chunk are also summed apart, to set against the time the engine spent in each.
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ from dataclasses import dataclass, field
 
 @dataclass
 class StepShapes:
-    """Per recorded forward: tokens, sampled rows, (query, key) pairs, K/V positions read."""
+    """Per recorded forward: sequences, tokens, sampled rows, (query, key) pairs, K/V
+    positions read, and whether every sequence computed one token (a decode step)."""
 
+    num_seqs: list[int] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     num_sampled: list[int] = field(default_factory=list)
     num_attended_pairs: list[int] = field(default_factory=list)
     num_kv_read: list[int] = field(default_factory=list)
+    is_decode: list[bool] = field(default_factory=list)
 
     def add(self, model_input) -> None:
         starts = model_input.starts
@@ -31,11 +35,13 @@ class StepShapes:
             end = start + num
             pairs += num * end - num * (num - 1) // 2   # query at position p sees p + 1 keys
             kv_read += end
+        self.num_seqs.append(len(starts))
         self.num_tokens.append(sum(counts))
         self.num_sampled.append(len(starts) if model_input.logits_indexes is None
                                 else len(model_input.logits_indexes))
         self.num_attended_pairs.append(pairs)
         self.num_kv_read.append(kv_read)
+        self.is_decode.append(bool(model_input.is_decode_only))
 
 
 def record_steps(runner) -> StepShapes:
@@ -54,14 +60,28 @@ def record_steps(runner) -> StepShapes:
 def roofline_seconds(shapes: StepShapes, *, num_linear: int, num_lm_head: int, num_layers: int,
                      attention_width: int, kv_bytes_per_token: int, weight_bytes: int,
                      matmul_flops_per_s: float, copy_bytes_per_s: float) -> dict:
-    """The roofline of the recorded steps, and how much of it is bound by FLOPs or bytes."""
-    total = flop_bound = 0.0
-    for tokens, sampled, pairs, kv_read in zip(shapes.num_tokens, shapes.num_sampled,
-                                               shapes.num_attended_pairs, shapes.num_kv_read):
+    """The roofline of the recorded steps, how much of it is bound by FLOPs, and its share
+    in the decode steps (with their mean sequences and K/V positions read) and the rest."""
+    total = flop_bound = decode = 0.0
+    for tokens, sampled, pairs, kv_read, is_decode in zip(
+            shapes.num_tokens, shapes.num_sampled, shapes.num_attended_pairs, shapes.num_kv_read,
+            shapes.is_decode):
         flops = 2 * num_linear * tokens + 2 * num_lm_head * sampled + 4 * attention_width * num_layers * pairs
         moved = weight_bytes + kv_bytes_per_token * (kv_read + tokens)
         flop_seconds, byte_seconds = flops / matmul_flops_per_s, moved / copy_bytes_per_s
-        total += max(flop_seconds, byte_seconds)
+        step = max(flop_seconds, byte_seconds)
+        total += step
+        decode += step if is_decode else 0.0
         flop_bound += flop_seconds if flop_seconds >= byte_seconds else 0.0
+    decode_steps = [i for i, is_decode in enumerate(shapes.is_decode) if is_decode]
     return {"seconds": total, "num_steps": len(shapes.num_tokens),
-            "flop_bound_fraction": flop_bound / total if total else 0.0}
+            "flop_bound_fraction": flop_bound / total if total else 0.0,
+            "decode_seconds": decode, "mixed_seconds": total - decode,
+            "num_decode_steps": len(decode_steps),
+            "decode_mean_seqs": _mean(shapes.num_seqs[i] for i in decode_steps),
+            "decode_mean_kv_read": _mean(shapes.num_kv_read[i] for i in decode_steps)}
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0
