@@ -51,6 +51,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local checkpoints only; never wa
 from pagedserve.bench.offline import (agreement, copy_bytes_per_s, decoder_linear_parameters,  # noqa: E402
                                       forward_flops, matmul_flops_per_s, run_generate_batch_fixed_length,
                                       run_pagedserve, run_static_generate)
+from pagedserve.bench.kernel_profile import format_kernel_summary, profile_kernels  # noqa: E402
 from pagedserve.bench.report import format_table, write_json  # noqa: E402
 from pagedserve.bench.roofline import record_steps, roofline_seconds  # noqa: E402
 from pagedserve.bench.workload import random_token_ids  # noqa: E402
@@ -155,7 +156,14 @@ def bench_pagedserve(args, path: str, prompts, warm_prompts, state: dict, enforc
     profiler = cProfile.Profile() if args.profile else None
     if profiler:
         profiler.enable()
-    outputs, seconds = run_pagedserve(llm, [(p, args.output_len) for p in prompts])
+    requests = [(p, args.output_len) for p in prompts]
+    kernels = None
+    if args.kernel_profile:
+        (outputs, seconds), kernels = profile_kernels(lambda: run_pagedserve(llm, requests),
+                                                      lambda: synchronize(args.device))
+        log(f"pagedserve: device kernels of the timed run (under torch.profiler)\n{format_kernel_summary(kernels)}")
+    else:
+        outputs, seconds = run_pagedserve(llm, requests)
     synchronize(args.device)
     if profiler:
         profiler.disable()
@@ -175,7 +183,7 @@ def bench_pagedserve(args, path: str, prompts, warm_prompts, state: dict, enforc
               # The steps with a prompt chunk (prefill and mixed), and their time.
               "num_mixed_steps": num_steps - num_decode_steps, "mixed_seconds": step_seconds - decode_seconds,
               "num_cuda_graphs": stats.get("num_cuda_graphs", 0),
-              "num_graph_replays": stats.get("num_graph_replays", 0)}
+              "num_graph_replays": stats.get("num_graph_replays", 0), "kernel_profile": kernels}
     del llm, engine, runner
     return result
 
@@ -281,7 +289,7 @@ def summarise(args, env: dict, prompts, runs: dict, errors: dict, rates: dict, s
         if run.get("num_mixed_steps"):
             row["num_mixed_steps"] = run["num_mixed_steps"]
             row["mixed_step_ms"] = run["mixed_seconds"] / run["num_mixed_steps"] * 1e3
-        for name in ("num_cuda_graphs", "num_graph_replays", "triton_compiles_in_run"):
+        for name in ("num_cuda_graphs", "num_graph_replays", "triton_compiles_in_run", "kernel_profile"):
             if name in run:
                 row[name] = run[name]
         results[LABELS[key]] = row
@@ -392,6 +400,9 @@ def parse_args(argv=None):
                         help="64 requests, prompts 128-512, 64 output tokens (a fallback run)")
     parser.add_argument("--profile", metavar="PATH",
                         help="profile pagedserve's timed run with cProfile; top functions by own time to PATH")
+    parser.add_argument("--kernel-profile", action="store_true",
+                        help="run pagedserve's timed run under torch.profiler: device time by kernel kind "
+                             "against the wall time (in the log and the JSON; the profiler slows the host)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON (after every contender too)")
     args = parser.parse_args(argv)
     if args.quick:

@@ -6,9 +6,12 @@ Config (see kernels/README.md for the roofline): batch 64, context 2048, head di
     fraction of a device-to-device copy measured in the same run (the practical ceiling);
   - the same for each split-K setting, and for the mixed-batch kernel fed the same decode batch;
   - torch SDPA on the same data made contiguous (``[B, H, L, D]``, ``enable_gqa=True``).
+``--prefill`` instead times the prefill (mixed-batch) kernel on whole prompts and on chunks
+after a cached context, as FLOP rates against a bf16/fp16 matmul measured in the same run,
+beside causal SDPA (flash) on the same data made contiguous.
 Without a CUDA device it says so and exits 0.
 
-    python benchmarks/bench_kernels_gpu.py [--batch 64 --context 2048 ...]
+    python benchmarks/bench_kernels_gpu.py [--batch 64 --context 2048 ...] [--prefill]
 """
 
 import argparse
@@ -30,6 +33,9 @@ def parse_args(argv):
     parser.add_argument("--sweep", action="store_true",
                         help="instead: decode time for each split count over batches x contexts (first dtype), "
                              "against the heuristic's choice")
+    parser.add_argument("--prefill", action="store_true",
+                        help="instead: the prefill kernel's FLOP rate (8 prompts of 2,048 tokens, and 8 chunks "
+                             "of 2,048 after 2,048 cached; 16/4 heads of 128, llama-1b's) against SDPA and a matmul")
     return parser.parse_args(argv)
 
 
@@ -141,12 +147,75 @@ def split_sweep(args, dtype: torch.dtype, copy_bytes_per_s: float) -> None:
             torch.cuda.empty_cache()
 
 
+def matmul_flops_per_s(dtype: torch.dtype, size: int = 8192) -> float:
+    a = torch.randn(size, size, device="cuda", dtype=dtype)
+    b = torch.randn(size, size, device="cuda", dtype=dtype)
+    return 2 * size ** 3 / (bench_ms(lambda: a @ b) * 1e-3)
+
+
+def prefill_rates(dtype: torch.dtype, num_seqs: int = 8, chunk: int = 2048, num_heads: int = 16,
+                  num_kv_heads: int = 4, head_dim: int = 128, block_size: int = 16) -> None:
+    """The prefill kernel on ``num_seqs`` chunks of ``chunk`` tokens, with no cached context
+    and with ``chunk`` cached tokens before each, as causal attention FLOPs (4 x head_dim x
+    heads per (query, key) pair) per second; causal SDPA on contiguous tensors beside it."""
+    from pagedserve.kernels import triton_ops
+
+    matmul = matmul_flops_per_s(dtype)
+    print(f"\n== prefill, {dtype}: {num_seqs} chunks of {chunk} tokens, heads {num_heads}/{num_kv_heads}, "
+          f"head_dim {head_dim}, block_size {block_size}; matmul 8192^3 {matmul / 1e12:.0f} TFLOP/s")
+    print(f"{'kernel':52s} {'time us':>9s} {'TFLOP/s':>8s} {'of matmul':>9s} {'vs SDPA':>8s} {'max err':>9s}")
+    for cached in (0, chunk):
+        context = cached + chunk
+        _, k_cache, v_cache, block_tables, seq_lens = paged_inputs(num_seqs, context, num_heads, num_kv_heads,
+                                                                   head_dim, block_size, dtype)
+        generator = torch.Generator(device="cuda").manual_seed(1)
+        q = torch.randn(num_seqs * chunk, num_heads, head_dim, device="cuda", dtype=dtype, generator=generator)
+        cu_seqlens_q = torch.arange(0, num_seqs * chunk + 1, chunk, dtype=torch.int32, device="cuda")
+        out = torch.empty_like(q)
+        # Contiguous [B, H, L, D] copies; the chunk's queries sit at positions cached..context-1.
+        slots = (block_tables.long().unsqueeze(2) * block_size + torch.arange(block_size, device="cuda"))
+        slots = slots.view(num_seqs, -1)[:, :context]
+        k_dense = k_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2).contiguous()
+        v_dense = v_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2).contiguous()
+        q_dense = q.view(num_seqs, chunk, num_heads, head_dim).transpose(1, 2).contiguous()
+        # Query i of the chunk sees keys 0..cached+i (a bottom-right aligned causal mask).
+        mask = (torch.arange(context, device="cuda")[None, :]
+                <= cached + torch.arange(chunk, device="cuda")[:, None])
+
+        def sdpa():
+            if cached == 0:
+                return F.scaled_dot_product_attention(q_dense, k_dense, v_dense, is_causal=True, enable_gqa=True)
+            return F.scaled_dot_product_attention(q_dense, k_dense, v_dense, attn_mask=mask, enable_gqa=True)
+
+        def triton_prefill():
+            return triton_ops.paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out=out)
+
+        reference = sdpa().transpose(1, 2).reshape_as(q)
+        error = (triton_prefill().float() - reference.float()).abs().max().item()
+        pairs = num_seqs * (chunk * cached + chunk * (chunk + 1) // 2)
+        flops = 4 * num_heads * head_dim * pairs
+        sdpa_ms = bench_ms(sdpa)
+        label = "whole prompts" if cached == 0 else f"after {cached} cached"
+        for name, ms, err in ((f"triton paged prefill, {label}", bench_ms(triton_prefill), error),
+                              (f"torch SDPA contiguous{' causal' if cached == 0 else ' masked'}, {label}",
+                               sdpa_ms, 0.0)):
+            rate = flops / (ms * 1e-3)
+            print(f"{name:52s} {ms * 1e3:9.1f} {rate / 1e12:8.0f} {rate / matmul:9.1%} {sdpa_ms / ms:7.2f}x "
+                  f"{err:9.2e}")
+        del q, k_cache, v_cache, k_dense, v_dense, q_dense, out
+        torch.cuda.empty_cache()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels_gpu: no CUDA device here; nothing to measure (exit 0).")
         return 0
     print(f"device: {torch.cuda.get_device_name()}")
+    if args.prefill:
+        for name in args.dtypes.split(","):
+            prefill_rates(getattr(torch, name.strip()))
+        return 0
     kv_bytes = 2 * args.batch * args.context * args.num_kv_heads * args.head_dim * 2
     copy_bytes_per_s = copy_bandwidth(kv_bytes)
     print(f"device-to-device copy of {kv_bytes / 1e6:.0f} MB: {copy_bytes_per_s / 1e9:.0f} GB/s (read + write)")

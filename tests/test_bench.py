@@ -386,3 +386,27 @@ def test_the_roofline_sums_each_steps_bound_and_splits_decode_from_prompt_steps(
     assert figures["flop_bound_fraction"] == prompt / (prompt + decode)
     assert figures["num_decode_steps"] == 1 and figures["decode_mean_seqs"] == 2
     assert figures["decode_mean_kv_read"] == 11
+
+
+def test_kernel_profile_sorts_kernels_by_kind_and_sums_them():
+    from pagedserve.bench.kernel_profile import format_kernel_summary, kernel_kind, summarize_kernels
+
+    kinds = {"paged_prefill_kernel": "paged attention", "paged_decode_reduce_kernel": "paged attention",
+             "write_kv_kernel": "K/V write",
+             "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT": "matmul",
+             "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1": "matmul",
+             "triton_tem_fused_mm_0": "matmul",
+             "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0": "compiled fused",
+             "triton_poi_fused_mul_silu_1": "compiled fused",
+             "Memcpy HtoD (Pageable -> Device)": "copy",
+             "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "other"}
+    assert {name: kernel_kind(name) for name in kinds} == kinds
+    summary = summarize_kernels([("paged_prefill_kernel", 0.25, 10), ("nvjet_tst_a", 0.5, 40),
+                                 ("sm90_xmma_gemm_b", 0.25, 8), ("Memcpy DtoH", 0.125, 3)], wall_seconds=2.0)
+    assert summary["device_busy_seconds"] == 1.125 and summary["device_busy_fraction"] == 0.5625
+    assert summary["kinds"] == {"matmul": {"seconds": 0.75, "launches": 48},
+                                "paged attention": {"seconds": 0.25, "launches": 10},
+                                "copy": {"seconds": 0.125, "launches": 3}}
+    assert list(summary["kinds"]) == ["matmul", "paged attention", "copy"]   # most time first
+    assert summary["top_kernels"][0] == {"name": "nvjet_tst_a", "seconds": 0.5, "launches": 40}
+    assert "matmul" in format_kernel_summary(summary) and "56.2%" in format_kernel_summary(summary)
