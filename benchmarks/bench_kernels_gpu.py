@@ -8,10 +8,11 @@ Config (see kernels/README.md for the roofline): batch 64, context 2048, head di
   - torch SDPA on the same data made contiguous (``[B, H, L, D]``, ``enable_gqa=True``).
 ``--prefill`` instead times the prefill (mixed-batch) kernel on whole prompts and on chunks
 after a cached context, as FLOP rates against a bf16/fp16 matmul measured in the same run,
-beside causal SDPA (flash) on the same data made contiguous.
+beside causal SDPA (flash) on the same data made contiguous, with other tiles than the
+default's; ``--decode-tiles`` times the decode kernel's default launch against other tiles.
 Without a CUDA device it says so and exits 0.
 
-    python benchmarks/bench_kernels_gpu.py [--batch 64 --context 2048 ...] [--prefill]
+    python benchmarks/bench_kernels_gpu.py [--batch 64 --context 2048 ...] [--prefill | --decode-tiles]
 """
 
 import argparse
@@ -19,6 +20,8 @@ import sys
 
 import torch
 import torch.nn.functional as F
+
+from pagedserve.kernels.triton_attention_kernels import Tiles
 
 
 def parse_args(argv):
@@ -35,7 +38,11 @@ def parse_args(argv):
                              "against the heuristic's choice")
     parser.add_argument("--prefill", action="store_true",
                         help="instead: the prefill kernel's FLOP rate (8 prompts of 2,048 tokens, and 8 chunks "
-                             "of 2,048 after 2,048 cached; 16/4 heads of 128, llama-1b's) against SDPA and a matmul")
+                             "of 2,048 after 2,048 cached; 16/4 heads of 128, llama-1b's), its default launch and "
+                             "other tiles, against SDPA and a matmul")
+    parser.add_argument("--decode-tiles", action="store_true",
+                        help="instead: the decode kernel's default launch against other tiles, at llama-1b's heads, "
+                             "as fractions of the copy rate")
     return parser.parse_args(argv)
 
 
@@ -153,6 +160,24 @@ def matmul_flops_per_s(dtype: torch.dtype, size: int = 8192) -> float:
     return 2 * size ** 3 / (bench_ms(lambda: a @ b) * 1e-3)
 
 
+# Launches compared with the defaults (``triton_attention_kernels.prefill_tiles`` and
+# ``decode_tiles``), for head dim 128 in half precision. On sm_90a (``launch_specialisation``):
+# prefill 64x64/4 warps (the default) 187 registers, 82 KB shared; 128x64/8 179, 98 KB;
+# 128x32/8 136, 66 KB; 64x32/4 144, 49 KB. Decode 64/4 warps (the default) 118 registers,
+# 39 KB; 64/8 64; 32/4 72, 22 KB; 128/8 93, 74 KB. None spills.
+PREFILL_CANDIDATES = [Tiles(block_m=128, block_n=64, num_warps=8), Tiles(block_m=128, block_n=32, num_warps=8),
+                      Tiles(block_m=64, block_n=32, num_warps=4)]
+DECODE_CANDIDATES = [Tiles(block_n=64, num_warps=8), Tiles(block_n=32, num_warps=4), Tiles(block_n=128, num_warps=8),
+                     Tiles(block_n=64, num_warps=4, num_stages=2)]
+
+
+def describe(tiles: "Tiles | None") -> str:
+    if tiles is None:
+        return "default"
+    shape = f"{tiles.block_m}x{tiles.block_n}" if tiles.block_m else f"{tiles.block_n}"
+    return f"{shape}/{tiles.num_warps}w" + (f"/{tiles.num_stages}s" if tiles.num_stages else "")
+
+
 def prefill_rates(dtype: torch.dtype, num_seqs: int = 8, chunk: int = 2048, num_heads: int = 16,
                   num_kv_heads: int = 4, head_dim: int = 128, block_size: int = 16) -> None:
     """The prefill kernel on ``num_seqs`` chunks of ``chunk`` tokens, with no cached context
@@ -187,22 +212,55 @@ def prefill_rates(dtype: torch.dtype, num_seqs: int = 8, chunk: int = 2048, num_
                 return F.scaled_dot_product_attention(q_dense, k_dense, v_dense, is_causal=True, enable_gqa=True)
             return F.scaled_dot_product_attention(q_dense, k_dense, v_dense, attn_mask=mask, enable_gqa=True)
 
-        def triton_prefill():
-            return triton_ops.paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out=out)
+        def triton_prefill(tiles=None):
+            return triton_ops.paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out=out,
+                                              tiles=tiles)
 
         reference = sdpa().transpose(1, 2).reshape_as(q)
-        error = (triton_prefill().float() - reference.float()).abs().max().item()
         pairs = num_seqs * (chunk * cached + chunk * (chunk + 1) // 2)
         flops = 4 * num_heads * head_dim * pairs
         sdpa_ms = bench_ms(sdpa)
         label = "whole prompts" if cached == 0 else f"after {cached} cached"
-        for name, ms, err in ((f"triton paged prefill, {label}", bench_ms(triton_prefill), error),
-                              (f"torch SDPA contiguous{' causal' if cached == 0 else ' masked'}, {label}",
-                               sdpa_ms, 0.0)):
+        rows = []
+        for tiles in (None, *PREFILL_CANDIDATES):
+            error = (triton_prefill(tiles).float() - reference.float()).abs().max().item()
+            rows.append((f"triton paged prefill {describe(tiles)}, {label}",
+                         bench_ms(lambda tiles=tiles: triton_prefill(tiles)), error))
+        rows.append((f"torch SDPA contiguous{' causal' if cached == 0 else ' masked'}, {label}", sdpa_ms, 0.0))
+        for name, ms, err in rows:
             rate = flops / (ms * 1e-3)
             print(f"{name:52s} {ms * 1e3:9.1f} {rate / 1e12:8.0f} {rate / matmul:9.1%} {sdpa_ms / ms:7.2f}x "
                   f"{err:9.2e}")
         del q, k_cache, v_cache, k_dense, v_dense, q_dense, out
+        torch.cuda.empty_cache()
+
+
+def decode_tile_rates(dtype: torch.dtype, copy_bytes_per_s: float, num_heads: int = 16, num_kv_heads: int = 4,
+                      head_dim: int = 128, block_size: int = 16) -> None:
+    """The decode kernel's default launch against ``DECODE_CANDIDATES``, at llama-1b's heads:
+    the K/V bytes it must read over its time, as a fraction of the copy rate."""
+    from pagedserve.kernels import triton_ops
+
+    print(f"\n== decode tiles, {dtype}, heads {num_heads}/{num_kv_heads}, head_dim {head_dim}: "
+          f"us per call (of the copy rate), default first")
+    candidates = (None, *DECODE_CANDIDATES)
+    print(f"{'batch':>6s} {'context':>8s} " + " ".join(f"{describe(t):>18s}" for t in candidates) + f" {'max err':>9s}")
+    for batch, context in ((256, 768), (256, 1536), (64, 2048), (4, 4096)):
+        q, k_cache, v_cache, block_tables, seq_lens = paged_inputs(batch, context, num_heads, num_kv_heads,
+                                                                   head_dim, block_size, dtype)
+        out = torch.empty_like(q)
+        moved = 2 * batch * context * num_kv_heads * head_dim * k_cache.element_size()
+        reference = triton_ops.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens).float()
+        cells, error = [], 0.0
+        for tiles in candidates:
+            def decode(tiles=tiles):
+                return triton_ops.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out=out,
+                                                         tiles=tiles)
+            error = max(error, (decode().float() - reference).abs().max().item())
+            ms = bench_ms(decode)
+            cells.append(f"{ms * 1e3:8.1f} ({moved / (ms * 1e-3) / copy_bytes_per_s:6.1%})")
+        print(f"{batch:6d} {context:8d} " + " ".join(f"{c:>18s}" for c in cells) + f" {error:9.2e}")
+        del q, k_cache, v_cache, block_tables, seq_lens, out
         torch.cuda.empty_cache()
 
 
@@ -215,6 +273,10 @@ def main(argv=None) -> int:
     if args.prefill:
         for name in args.dtypes.split(","):
             prefill_rates(getattr(torch, name.strip()))
+        return 0
+    if args.decode_tiles:
+        for name in args.dtypes.split(","):
+            decode_tile_rates(getattr(torch, name.strip()), copy_bytes_per_s)
         return 0
     kv_bytes = 2 * args.batch * args.context * args.num_kv_heads * args.head_dim * 2
     copy_bytes_per_s = copy_bandwidth(kv_bytes)

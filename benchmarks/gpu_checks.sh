@@ -8,8 +8,8 @@
 # start included) fits about one full call and a short one, most important first:
 #   STEPS="engine host tests" (at most 290 + 150 + 300 s; on an H200 254 + 49 + 205 s), then on
 #   the warm machine STEPS="prefill" (102 s) or "kernel_tests" (151 s).
-# Where the issue's targets are missed, STEPS="kernel_profile prefill_kernels" shows where the
-# device time goes. The rest ("launches kernels sweep merge") in a later session.
+# Where the issue's targets are missed, STEPS="kernel_profile kernel_tiles" shows where the
+# device time goes, and whether other attention tiles beat the defaults. The rest ("launches kernels sweep merge") in a later session.
 #
 # "tp" is for a machine with several GPUs (it says so and passes on one).
 #
@@ -69,8 +69,10 @@ for name in ${STEPS:-engine host tests kernel_tests launches kernels sweep}; do
         engine) step bench_engine 290 python3 benchmarks/bench_engine_gpu.py $QUICK --json "$OUT/bench_engine.json" ;;
         sweep) step split_sweep 100 python3 benchmarks/bench_kernels_gpu.py --sweep --dtypes float16 ;;
         # The prefill kernel's FLOP rate on whole prompts and on chunks after a cached context,
-        # against causal SDPA (flash) and a matmul.
-        prefill_kernels) step prefill_kernels 90 python3 benchmarks/bench_kernels_gpu.py --prefill --dtypes bfloat16 ;;
+        # with its default tiles and others, against causal SDPA (flash) and a matmul; then the
+        # decode kernel's default tiles against others, as fractions of the copy rate.
+        kernel_tiles) step kernel_tiles 200 bash -c "python3 benchmarks/bench_kernels_gpu.py --prefill --dtypes bfloat16 \
+                          && python3 benchmarks/bench_kernels_gpu.py --decode-tiles --dtypes bfloat16" ;;
         # Device time by kernel kind (matmuls, paged attention, fused, copies) against the wall
         # time, under torch.profiler: the default workload, then the prefill-heavy one.
         kernel_profile) step kernel_profile 240 bash -c "python3 benchmarks/bench_engine_gpu.py --contenders pagedserve \

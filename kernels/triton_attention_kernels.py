@@ -22,10 +22,40 @@ Variants, each a constexpr flag so the plain kernel compiles exactly as without 
   (m = sink, l = 1); in split decode only split 0 carries it.
 """
 
+from dataclasses import dataclass
+
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """How an attention kernel is launched: context positions per K/V tile (``block_n``),
+    query rows per program (``block_m``, the prefill kernel's: query tokens x the query heads
+    of one KV head), warps, and software-pipelining stages (None: Triton's default)."""
+
+    block_n: int
+    num_warps: int
+    block_m: int = 0
+    num_stages: int | None = None
+
+    def launch_options(self) -> dict:
+        return {"num_warps": self.num_warps,
+                **({} if self.num_stages is None else {"num_stages": self.num_stages})}
+
+
+def prefill_tiles(block_d: int, is_float32: bool) -> Tiles:
+    """The prefill kernel's default: 64 x 64 tiles; fp32 (IEEE dots) and head dim 256 take
+    32 x 32 to fit shared memory."""
+    tile = 64 if block_d <= 128 and not is_float32 else 32
+    return Tiles(block_n=tile, block_m=tile, num_warps=4 if block_d <= 128 else 8)
+
+
+def decode_tiles(block_d: int) -> Tiles:
+    """The decode kernel's default: K/V tiles of 64 positions (32 for head dim 256), 4 warps."""
+    return Tiles(block_n=64 if block_d <= 128 else 32, num_warps=4)
 
 
 @triton.jit

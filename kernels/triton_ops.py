@@ -154,7 +154,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None,
                     out: torch.Tensor | None = None, *, sliding_window: int | None = None,
-                    logit_softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    logit_softcap: float | None = None, sinks: torch.Tensor | None = None,
+                    tiles: attention_kernels.Tiles | None = None) -> torch.Tensor:
     """Causal attention over the paged cache for a flattened batch of prefill chunks and decodes.
 
     ``q`` is ``[num_tokens, num_heads, head_dim]``; sequence i owns rows
@@ -164,6 +165,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     with a window; table entries of blocks wholly before the first query's window are never read).
     ``logit_softcap`` and ``sinks`` as in ``pagedserve.kernels.paged_attention``. Returns ``out``
     (allocated in q's dtype when None); rows of every listed sequence are written, others are untouched.
+    ``tiles`` overrides the launch (``prefill_tiles``' default; benchmarks compare others).
     """
     op = "paged_attention"
     _require_runnable(op, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
@@ -185,9 +187,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     block_g = triton.next_power_of_2(num_q_per_kv)
     block_d = triton.next_power_of_2(head_dim)
-    # fp32 (IEEE dots) and head dim 256 need smaller tiles to fit shared memory.
-    block_m = block_n = 64 if block_d <= 128 and k_cache.dtype != torch.float32 else 32
-    block_q = max(1, block_m // block_g)  # BLOCK_Q * BLOCK_G rows per tile, >= 16 for tl.dot
+    if tiles is None:
+        tiles = attention_kernels.prefill_tiles(block_d, k_cache.dtype == torch.float32)
+    block_q = max(1, tiles.block_m // block_g)  # BLOCK_Q * BLOCK_G rows per tile, >= 16 for tl.dot
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     (sinks_arg, window, softcap_log2), flags = _variant_args(q, sliding_window, logit_softcap, sinks)
     attention_kernels.paged_prefill_kernel[grid](
@@ -195,8 +197,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _resolve_scale(scale, head_dim) * math.log2(math.e), num_seqs, window, softcap_log2,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
         NUM_Q_PER_KV=num_q_per_kv, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(k_cache.dtype), **flags, num_warps=4 if block_d <= 128 else 8,
+        BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=tiles.block_n,
+        DOT_PRECISION=_dot_precision(k_cache.dtype), **flags, **tiles.launch_options(),
     )
     return out
 
@@ -215,7 +217,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None,
                            out: torch.Tensor | None = None, *, num_splits: int | None = None,
                            sliding_window: int | None = None, logit_softcap: float | None = None,
-                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None,
+                           tiles: attention_kernels.Tiles | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its whole cached context (``seq_lens[i]`` tokens).
 
     ``q`` is ``[num_seqs, num_heads, head_dim]``. Long contexts are split across programs
@@ -223,7 +226,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     upper bound: splits never go below one block tile). All query heads sharing a KV head are
     handled by one program, so each K/V tile is read once per KV head. A sequence with
     ``seq_lens[i] == 0`` gets zeros. With ``sliding_window`` only the last ``sliding_window``
-    positions are read (and split), so earlier table entries may be -1.
+    positions are read (and split), so earlier table entries may be -1. ``tiles`` overrides
+    the launch (``decode_tiles``' default).
     """
     op = "paged_decode_attention"
     _require_runnable(op, q, k_cache, v_cache, block_tables, seq_lens)
@@ -245,7 +249,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     num_q_per_kv = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
-    block_n = 64 if block_d <= 128 else 32
+    if tiles is None:
+        tiles = attention_kernels.decode_tiles(block_d)
+    block_n = tiles.block_n
 
     # Upper bound on any context from the table's width (and the window): no device->host sync.
     max_context = max(1, block_tables.shape[1] * block_size)
@@ -269,7 +275,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
         NUM_HEADS=num_heads, NUM_Q_PER_KV=num_q_per_kv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=_block_g(num_q_per_kv), BLOCK_D=block_d, BLOCK_N=block_n, IS_SPLIT=num_splits > 1,
-        DOT_PRECISION=_dot_precision(k_cache.dtype), **flags, num_warps=4,
+        DOT_PRECISION=_dot_precision(k_cache.dtype), **flags, **tiles.launch_options(),
     )
     if num_splits > 1:
         attention_kernels.paged_decode_reduce_kernel[(num_seqs, num_heads)](

@@ -198,7 +198,28 @@ def test_paged_attention_int64_metadata():
     check_mixed_batch(64, 16, 2, torch.float32, torch.int64)
 
 
-def check_mixed_batch(head_dim, block_size, group, dtype, index_dtype):
+# Launches other than the defaults, as the GPU benchmarks compare them (bench_kernels_gpu.py
+# --tiles): tile shapes change which positions each program reads, never the answer.
+@pytest.mark.parametrize("tiles", [attention_kernels.Tiles(block_n=32, block_m=128, num_warps=8, num_stages=2),
+                                   attention_kernels.Tiles(block_n=128, block_m=64, num_warps=4, num_stages=4)])
+def test_paged_attention_with_other_tiles(tiles):
+    check_mixed_batch(128, 16, 4, torch.float16, torch.int32, tiles)
+
+
+@pytest.mark.parametrize("tiles", [attention_kernels.Tiles(block_n=32, num_warps=8),
+                                   attention_kernels.Tiles(block_n=128, num_warps=4, num_stages=4)])
+def test_paged_decode_attention_with_other_tiles(tiles):
+    generator = make_generator("decode-tiles", tiles.block_n)
+    batch = PagedBatch(generator, [1, 37, 300, 128], 16, 2, 128, torch.float16)
+    q = randn(generator, 4, 8, 128, dtype=torch.float16)
+    for num_splits in (1, 3):
+        out = triton_ops.paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+                                                0.1, num_splits=num_splits, tiles=tiles)
+        assert_close(out, reference_attention(q, batch, torch.arange(5), 0.1), torch.float16,
+                     f"{num_splits} splits vs float64 reference")
+
+
+def check_mixed_batch(head_dim, block_size, group, dtype, index_dtype, tiles=None):
     generator = make_generator("prefill", head_dim, block_size, group, dtype, index_dtype)
     num_kv_heads = 2 if group <= 4 else 1
     num_heads = num_kv_heads * group
@@ -216,7 +237,7 @@ def check_mixed_batch(head_dim, block_size, group, dtype, index_dtype):
     scale = head_dim ** -0.5
 
     result = triton_ops.paged_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, cu_seqlens_q,
-                                        batch.seq_lens, scale, out=out)
+                                        batch.seq_lens, scale, out=out, tiles=tiles)
 
     assert result is out
     assert not out[:num_tokens].isnan().any(), "rows of real tokens were not all written"
