@@ -9,7 +9,7 @@ model load (``gpu_targets.shared_memory_overruns``) and by ``triton_compile_chec
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton.compiler import ASTSource, make_backend
 
 from . import triton_attention_kernels as attention_kernels
 from . import triton_cache_kernels as cache_kernels
@@ -19,18 +19,46 @@ _TYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp
 
 
 def compile_kernel(kernel, arg_types: dict, constexprs: dict, target: GPUTarget, num_warps: int):
-    """Compile ``kernel`` down to a cubin. Pointer arguments are given as torch dtypes, scalars as Triton type names."""
-    signature = {}
-    for name in kernel.arg_names:
+    """Compile ``kernel`` down to a cubin, specialised as ``launch_specialisation`` says.
+    Pointer arguments are given as torch dtypes, scalars as Triton type names."""
+    signature, constants, attrs = launch_specialisation(kernel, arg_types, constexprs, target)
+    source = ASTSource(kernel, signature, constexprs=constants, attrs=attrs)
+    return triton.compile(source, target=target, options={"num_warps": num_warps})
+
+
+def launch_specialisation(kernel, arg_types: dict, constexprs: dict, target: GPUTarget) -> tuple[dict, dict, dict]:
+    """(signature, constants, attributes) as ``triton_ops``' launches get them.
+
+    Triton makes an integer argument equal to 1 a constant and marks pointers and integers
+    that are multiples of 16, and the code it generates (vectorised loads, pipelined K/V
+    tiles), so its registers and shared memory, follows. At a launch the head-dim strides
+    (``stride_*d``) are 1, every tensor is 16-byte aligned and every other stride is a
+    multiple of 16 (all head dims are), but for the arguments the kernel leaves unspecialised."""
+    names = list(kernel.arg_names)
+    unspecialised = {names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize}
+    aligned = make_backend(target).parse_attr("D")
+    signature, attrs, constants = {}, {}, dict(constexprs)
+    for index, name in enumerate(names):
         if name in constexprs:
             signature[name] = "constexpr"
+        elif name.startswith("stride") and name.endswith("d"):
+            signature[name], constants[name] = "constexpr", 1
         elif name.startswith("stride"):
             signature[name] = "i32"
         else:
             value = arg_types[name]
             signature[name] = "*" + _TYPE_NAMES[value] if isinstance(value, torch.dtype) else value
-    source = ASTSource(kernel, signature, constexprs=constexprs)
-    return triton.compile(source, target=target, options={"num_warps": num_warps})
+        if signature[name] != "constexpr" and name not in unspecialised and (
+                name.startswith("stride") or signature[name].startswith("*")
+                or _is_multiple_of_16(name, constexprs)):
+            attrs[(index,)] = aligned
+    return signature, constants, attrs
+
+
+def _is_multiple_of_16(name: str, constexprs: dict) -> bool:
+    """Integer arguments that are multiples of 16 at every launch: the decode split length
+    (whole K/V tiles of 32 or 64), and the window of a kernel without one (0)."""
+    return name == "split_len" or (name == "window" and not constexprs.get("HAS_WINDOW", True))
 
 
 PLAIN = dict(HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_SINKS=False)
@@ -44,9 +72,9 @@ def kernel_configs(dtype, head_dim, num_q_per_kv, block_size, index_dtype=torch.
     logit soft-cap, sinks, each a separate compilation)."""
     block_d = triton.next_power_of_2(head_dim)
     block_g = triton.next_power_of_2(num_q_per_kv)
-    tile = 64 if block_d <= 128 and dtype != torch.float32 else 32
+    prefill = attention_kernels.prefill_tiles(block_d, dtype == torch.float32)
+    decode = attention_kernels.decode_tiles(block_d)
     precision = "ieee" if dtype == torch.float32 else "tf32"
-    decode_block_n = 64 if block_d <= 128 else 32
     f32 = torch.float32
     variant_args = dict(sinks_ptr=dtype, window="i32", softcap_log2="fp32")
     for flags in variants:
@@ -55,18 +83,18 @@ def kernel_configs(dtype, head_dim, num_q_per_kv, block_size, index_dtype=torch.
                     cu_seqlens_q_ptr=index_dtype, seq_lens_ptr=index_dtype, out_ptr=dtype, scale_log2="fp32",
                     num_seqs="i32", **variant_args),
                dict(NUM_Q_PER_KV=num_q_per_kv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=block_g,
-                    BLOCK_Q=max(1, tile // block_g), BLOCK_D=block_d, BLOCK_N=tile, DOT_PRECISION=precision,
-                    **flags),
-               4 if block_d <= 128 else 8)
+                    BLOCK_Q=max(1, prefill.block_m // block_g), BLOCK_D=block_d, BLOCK_N=prefill.block_n,
+                    DOT_PRECISION=precision, **flags),
+               prefill.num_warps)
         for is_split in (False, True):
             yield (attention_kernels.paged_decode_kernel,
                    dict(q_ptr=dtype, k_cache_ptr=dtype, v_cache_ptr=dtype, block_tables_ptr=index_dtype,
                         seq_lens_ptr=index_dtype, out_ptr=dtype, part_acc_ptr=f32, part_max_ptr=f32,
                         part_sum_ptr=f32, scale_log2="fp32", split_len="i32", num_splits="i32", **variant_args),
                    dict(NUM_HEADS=4 * num_q_per_kv, NUM_Q_PER_KV=num_q_per_kv, HEAD_DIM=head_dim,
-                        BLOCK_SIZE=block_size, BLOCK_G=max(16, block_g), BLOCK_D=block_d, BLOCK_N=decode_block_n,
+                        BLOCK_SIZE=block_size, BLOCK_G=max(16, block_g), BLOCK_D=block_d, BLOCK_N=decode.block_n,
                         IS_SPLIT=is_split, DOT_PRECISION=precision, **flags),
-                   4)
+                   decode.num_warps)
     yield (attention_kernels.paged_decode_reduce_kernel,
            dict(out_ptr=dtype, part_acc_ptr=f32, part_max_ptr=f32, part_sum_ptr=f32, num_splits="i32"),
            dict(NUM_HEADS=4 * num_q_per_kv, HEAD_DIM=head_dim, BLOCK_SPLITS=attention_kernels.REDUCE_BLOCK_SPLITS,

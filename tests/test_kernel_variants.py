@@ -98,3 +98,60 @@ def test_the_record_tells_a_new_variant_apart(monkeypatch):
         decode(16)
     assert variants.new_in("wider") == {"paged_decode_kernel": [[("stride_bts", "('i32', '')")],
                                                                 [("stride_bts", "('i32', 'D')")]]}
+
+
+@ON_CPU
+def test_the_compile_check_specialises_kernels_as_their_launches_are():
+    """``gpu_targets`` sizes each kernel's shared memory at load with ``compile_kernel``,
+    which must compile what a launch compiles: before it took the head-dim strides as
+    variables and nothing as aligned, and the prefill kernel came out with 40% less shared
+    memory than at launch (no vectorised, pipelined K/V tiles) and spilling registers."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    from pagedserve.devtools.triton_variants import launched_kernels
+    from pagedserve.kernels.triton_compile import PLAIN, kernel_configs, launch_specialisation
+
+    kernels = launched_kernels()
+    launches = {}
+    hooks = [(kernel, lambda *args, name=name, **kwargs: launches.setdefault(name, (args, kwargs)))
+             for name, kernel in kernels.items()]
+    for kernel, hook in hooks:
+        kernel.add_pre_run_hook(hook)
+    try:
+        # As the engine launches them: q, k and v are views of one fused projection.
+        generator = torch.Generator().manual_seed(0)
+        fused = torch.randn(24, 16 + 2 * 4, 128, generator=generator).half()
+        q, key, value = fused[:, :16], fused[:, 16:20], fused[:, 20:]
+        k_cache = torch.zeros(16, 16, 4, 128, dtype=torch.float16)
+        v_cache = torch.zeros_like(k_cache)
+        tables = torch.arange(16, dtype=torch.int32).view(2, 8)   # 128 positions: two splits of 64
+        triton_ops.write_kv(key, value, k_cache, v_cache, torch.arange(24, dtype=torch.int64))
+        seq_lens = torch.tensor([20, 4], dtype=torch.int32)
+        cu_seqlens_q = torch.tensor([0, 20, 24], dtype=torch.int32)
+        triton_ops.paged_attention(q, k_cache, v_cache, tables, cu_seqlens_q, seq_lens)
+        triton_ops.paged_decode_attention(q[:2], k_cache, v_cache, tables, seq_lens, num_splits=2)
+    finally:
+        for kernel, hook in hooks:
+            kernel.pre_run_hooks.remove(hook)
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    checked, differences = set(), {}
+    for kernel, arg_types, constexprs, _ in kernel_configs(torch.float16, 128, 4, 16, variants=(PLAIN,)):
+        name = kernel.__name__
+        if name not in launches or name in checked:
+            continue
+        checked.add(name)
+        jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
+        args, kwargs = launches[name]
+        _, at_launch, _ = create_function_from_signature(jit.signature, jit.params, backend)(*args, **kwargs)
+        names = [param.name for param in jit.params]
+        launch_ones = {n for n, (kind, value) in zip(names, at_launch)
+                       if kind == "constexpr" and value == 1 and n not in constexprs}
+        launch_aligned = {n for n, (kind, attr) in zip(names, at_launch) if kind != "constexpr" and attr == "D"}
+        _, constants, attrs = launch_specialisation(jit, arg_types, constexprs, target)
+        differences[name] = ({n for n in constants if n not in constexprs} ^ launch_ones,
+                             {names[index] for index, in attrs} ^ launch_aligned)
+    assert differences == {name: (set(), set()) for name in differences}
+    assert checked == {"paged_prefill_kernel", "paged_decode_kernel", "paged_decode_reduce_kernel", "write_kv_kernel"}
