@@ -264,9 +264,11 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; this model's maximum context "
                              f"is {self.max_model_len} tokens, including at least one output token")
         vocab = self.runner.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        # The common case at C speed (a Python loop took 20 ms for 256 prompts of 570 tokens).
+        if not (set(map(type, token_ids)) == {int} and 0 <= min(token_ids) and max(token_ids) < vocab):
+            bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
         num_imported = 0
         if kv_transfer is not None:
             meta = read_header(kv_transfer.header)
