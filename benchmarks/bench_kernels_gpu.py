@@ -238,7 +238,8 @@ def prefill_rates(dtype: torch.dtype, num_seqs: int = 8, chunk: int = 2048, num_
 def decode_tile_rates(dtype: torch.dtype, copy_bytes_per_s: float, num_heads: int = 16, num_kv_heads: int = 4,
                       head_dim: int = 128, block_size: int = 16) -> None:
     """The decode kernel's default launch against ``DECODE_CANDIDATES``, at llama-1b's heads:
-    the K/V bytes it must read over its time, as a fraction of the copy rate."""
+    the K/V bytes it must read over its time, as a fraction of the copy rate; then what a
+    table wider than the contexts (a CUDA graph's) costs."""
     from pagedserve.kernels import triton_ops
 
     print(f"\n== decode tiles, {dtype}, heads {num_heads}/{num_kv_heads}, head_dim {head_dim}: "
@@ -262,6 +263,17 @@ def decode_tile_rates(dtype: torch.dtype, copy_bytes_per_s: float, num_heads: in
         print(f"{batch:6d} {context:8d} " + " ".join(f"{c:>18s}" for c in cells) + f" {error:9.2e}")
         del q, k_cache, v_cache, block_tables, seq_lens, out
         torch.cuda.empty_cache()
+    # A CUDA graph's table is as wide as the model's context: the same contexts in a table of
+    # their own width and in one of 4,096 positions (llama-1b's), default tiles and splits.
+    for batch, context in ((8, 1300), (2, 3000)):
+        q, k_cache, v_cache, block_tables, seq_lens = paged_inputs(batch, context, num_heads, num_kv_heads,
+                                                                   head_dim, block_size, dtype)
+        wide = torch.zeros((block_tables.shape[0], 4096 // block_size), dtype=block_tables.dtype, device="cuda")
+        wide[:, :block_tables.shape[1]] = block_tables
+        times = [bench_ms(lambda table=table: triton_ops.paged_decode_attention(q, k_cache, v_cache, table, seq_lens))
+                 for table in (block_tables, wide)]
+        print(f"{batch} x {context} tokens: {times[0] * 1e3:.1f} us in a table of their width, "
+              f"{times[1] * 1e3:.1f} us in one of 4,096 positions ({times[1] / times[0]:.2f}x)")
 
 
 def main(argv=None) -> int:

@@ -221,7 +221,7 @@ def paged_prefill_kernel(
 def paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, sinks_ptr,
-    scale_log2, split_len, num_splits, window, softcap_log2,
+    scale_log2, num_splits, window, softcap_log2,
     stride_qs, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
@@ -234,9 +234,13 @@ def paged_decode_kernel(
 ):
     """One program = one sequence x one KV head (all its query heads) x one context split.
 
-    Grid: (num_seqs, num_kv_heads, num_splits). Split s covers context tokens
-    [first + s * split_len, first + (s + 1) * split_len), where ``first`` is the first
-    position the query sees (0, or ``seq_len - window`` with a window). Without IS_SPLIT (one
+    Grid: (num_seqs, num_kv_heads, num_splits). Each sequence's own context (from ``first``,
+    the first position the query sees: 0, or ``seq_len - window`` with a window) is cut into
+    num_splits parts of whole K/V tiles, so that a context shorter than the block table's
+    width (as in a CUDA graph, whose grid is fixed for the widest table) still spreads over
+    every split. Split s covers [first + s * split_len, first + (s + 1) * split_len), where
+    split_len = ceil(context / num_splits) rounded up to BLOCK_N; the last ones may be
+    empty (their partials merge as nothing). Without IS_SPLIT (one
     split) the normalised result goes straight to ``out``; otherwise the unnormalised
     accumulator, running max (log2 domain) and running sum go to the partial buffers
     ``[num_seqs, num_heads, num_splits(, head_dim)]`` and ``paged_decode_reduce_kernel``
@@ -251,6 +255,7 @@ def paged_decode_kernel(
     kv_first = seq_len * 0
     if HAS_WINDOW:
         kv_first = tl.maximum(kv_first, seq_len - window)
+    split_len = tl.cdiv(tl.cdiv(seq_len - kv_first, num_splits), BLOCK_N) * BLOCK_N
     kv_begin = kv_first + split * split_len
     kv_end = tl.minimum(kv_begin + split_len, seq_len)
 

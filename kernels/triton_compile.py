@@ -50,15 +50,9 @@ def launch_specialisation(kernel, arg_types: dict, constexprs: dict, target: GPU
             signature[name] = "*" + _TYPE_NAMES[value] if isinstance(value, torch.dtype) else value
         if signature[name] != "constexpr" and name not in unspecialised and (
                 name.startswith("stride") or signature[name].startswith("*")
-                or _is_multiple_of_16(name, constexprs)):
-            attrs[(index,)] = aligned
+                or (name == "window" and not constexprs.get("HAS_WINDOW", True))):
+            attrs[(index,)] = aligned   # a kernel without a window is passed window=0
     return signature, constants, attrs
-
-
-def _is_multiple_of_16(name: str, constexprs: dict) -> bool:
-    """Integer arguments that are multiples of 16 at every launch: the decode split length
-    (whole K/V tiles of 32 or 64), and the window of a kernel without one (0)."""
-    return name == "split_len" or (name == "window" and not constexprs.get("HAS_WINDOW", True))
 
 
 PLAIN = dict(HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_SINKS=False)
@@ -90,7 +84,7 @@ def kernel_configs(dtype, head_dim, num_q_per_kv, block_size, index_dtype=torch.
             yield (attention_kernels.paged_decode_kernel,
                    dict(q_ptr=dtype, k_cache_ptr=dtype, v_cache_ptr=dtype, block_tables_ptr=index_dtype,
                         seq_lens_ptr=index_dtype, out_ptr=dtype, part_acc_ptr=f32, part_max_ptr=f32,
-                        part_sum_ptr=f32, scale_log2="fp32", split_len="i32", num_splits="i32", **variant_args),
+                        part_sum_ptr=f32, scale_log2="fp32", num_splits="i32", **variant_args),
                    dict(NUM_HEADS=4 * num_q_per_kv, NUM_Q_PER_KV=num_q_per_kv, HEAD_DIM=head_dim,
                         BLOCK_SIZE=block_size, BLOCK_G=max(16, block_g), BLOCK_D=block_d, BLOCK_N=decode.block_n,
                         IS_SPLIT=is_split, DOT_PRECISION=precision, **flags),

@@ -259,8 +259,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         max_context = min(max_context, sliding_window)
     if num_splits is None:
         num_splits = _choose_num_splits(q.device, num_seqs * num_kv_heads, max_context)
-    split_len = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(max_context, split_len)
+    # As many splits as parts of whole K/V tiles the widest context takes; the kernel then
+    # cuts each sequence's own context into that many.
+    num_splits = triton.cdiv(max_context, triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n)
 
     if num_splits > 1:
         part_acc = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
@@ -271,7 +272,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (sinks_arg, window, softcap_log2), flags = _variant_args(q, sliding_window, logit_softcap, sinks)
     attention_kernels.paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_max, part_sum, sinks_arg,
-        _resolve_scale(scale, head_dim) * math.log2(math.e), split_len, num_splits, window, softcap_log2,
+        _resolve_scale(scale, head_dim) * math.log2(math.e), num_splits, window, softcap_log2,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
         NUM_HEADS=num_heads, NUM_Q_PER_KV=num_q_per_kv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=_block_g(num_q_per_kv), BLOCK_D=block_d, BLOCK_N=block_n, IS_SPLIT=num_splits > 1,

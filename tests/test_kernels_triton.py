@@ -286,6 +286,30 @@ def test_decode_merges_more_splits_than_the_reduce_kernel_reads_at_once():
     assert torch.equal(out[2], torch.zeros_like(out[2]))
 
 
+def test_decode_splits_each_context_however_wide_the_table():
+    """A CUDA graph's block table is as wide as the model's context, and fixes the split
+    count for it. Each sequence's own context is cut into those splits, in whole K/V tiles
+    of 64: a 256-token context in a 4,096-wide table works in all 4 splits (before, split 0
+    alone did: the splits were 1,024 tokens each), a 130-token one in 3, a 1-token one in 1."""
+    generator = make_generator("wide-table")
+    batch = PagedBatch(generator, [256, 1, 130], 16, 2, 64, torch.float16)
+    width = 4096 // 16
+    tables = torch.full((3, width), -1, dtype=batch.block_tables.dtype, device=DEVICE)
+    tables[:, :batch.block_tables.shape[1]] = batch.block_tables
+    q = randn(generator, 3, 4, 64, dtype=torch.float16)
+    merged = []
+    hook = lambda out, part_acc, part_max, part_sum, num_splits, *rest, **kwargs: merged.append(part_sum.clone())
+    attention_kernels.paged_decode_reduce_kernel.add_pre_run_hook(hook)
+    try:
+        out = triton_ops.paged_decode_attention(q, batch.k_cache, batch.v_cache, tables, batch.seq_lens, 0.125,
+                                                num_splits=4)
+    finally:
+        attention_kernels.paged_decode_reduce_kernel.pre_run_hooks.remove(hook)
+    working = (merged[0] > 0).all(dim=1).tolist()   # [seq, split]: every head's softmax sum > 0
+    assert working == [[True] * 4, [True, False, False, False], [True, True, True, False]]
+    assert_close(out, reference_attention(q, batch, torch.arange(4), 0.125), torch.float16, "vs float64 reference")
+
+
 def test_decode_matches_prefill_kernel_and_handles_empty_context():
     generator = make_generator("decode-vs-prefill")
     batch = PagedBatch(generator, [5, 0, 77], 16, 2, 64, torch.float32)
