@@ -21,6 +21,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from pagedserve.bench.offline import matmul_flops_per_s
 from pagedserve.kernels.triton_attention_kernels import Tiles
 
 
@@ -74,11 +75,7 @@ def run_config(args, dtype, copy_bytes_per_s):
     kv_bytes = 2 * batch * context * num_kv_heads * head_dim * element
     moved_bytes = kv_bytes + 2 * q.numel() * element + block_tables.numel() * 4
 
-    # Contiguous copies for SDPA: [B, H, L, D].
-    slots = (block_tables.long().unsqueeze(2) * block_size + torch.arange(block_size, device="cuda")).view(batch, -1)
-    slots = slots[:, :context]
-    k_dense = k_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2).contiguous()
-    v_dense = v_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2).contiguous()
+    k_dense, v_dense = dense_kv(k_cache, v_cache, block_tables, context)
     q_dense = q.unsqueeze(2)  # [B, H, 1, D]
 
     def sdpa():
@@ -110,6 +107,15 @@ def run_config(args, dtype, copy_bytes_per_s):
         bandwidth = moved_bytes / (ms * 1e-3)
         print(f"{name:40s} {ms * 1e3:9.1f} {bandwidth / 1e9:8.0f} {bandwidth / copy_bytes_per_s:8.1%} "
               f"{sdpa_ms / ms:7.2f}x {error:9.2e}")
+
+
+def dense_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, context: int):
+    """The first ``context`` positions of each table's K and V, contiguous ``[B, H, L, D]`` (for SDPA)."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    slots = block_tables.long().unsqueeze(2) * block_size + torch.arange(block_size, device=k_cache.device)
+    slots = slots.view(block_tables.shape[0], -1)[:, :context]
+    return tuple(cache.view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2).contiguous()
+                 for cache in (k_cache, v_cache))
 
 
 def paged_inputs(batch: int, context: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -154,12 +160,6 @@ def split_sweep(args, dtype: torch.dtype, copy_bytes_per_s: float) -> None:
             torch.cuda.empty_cache()
 
 
-def matmul_flops_per_s(dtype: torch.dtype, size: int = 8192) -> float:
-    a = torch.randn(size, size, device="cuda", dtype=dtype)
-    b = torch.randn(size, size, device="cuda", dtype=dtype)
-    return 2 * size ** 3 / (bench_ms(lambda: a @ b) * 1e-3)
-
-
 # Launches compared with the defaults (``triton_attention_kernels.prefill_tiles`` and
 # ``decode_tiles``), for head dim 128 in half precision. On sm_90a (``launch_specialisation``):
 # prefill 64x64/4 warps (the default) 187 registers, 82 KB shared; 128x64/8 179, 98 KB;
@@ -185,7 +185,7 @@ def prefill_rates(dtype: torch.dtype, num_seqs: int = 8, chunk: int = 2048, num_
     heads per (query, key) pair) per second; causal SDPA on contiguous tensors beside it."""
     from pagedserve.kernels import triton_ops
 
-    matmul = matmul_flops_per_s(dtype)
+    matmul = matmul_flops_per_s(8192, 8192, 8192, device="cuda", dtype=dtype)
     print(f"\n== prefill, {dtype}: {num_seqs} chunks of {chunk} tokens, heads {num_heads}/{num_kv_heads}, "
           f"head_dim {head_dim}, block_size {block_size}; matmul 8192^3 {matmul / 1e12:.0f} TFLOP/s")
     print(f"{'kernel':52s} {'time us':>9s} {'TFLOP/s':>8s} {'of matmul':>9s} {'vs SDPA':>8s} {'max err':>9s}")
@@ -197,11 +197,8 @@ def prefill_rates(dtype: torch.dtype, num_seqs: int = 8, chunk: int = 2048, num_
         q = torch.randn(num_seqs * chunk, num_heads, head_dim, device="cuda", dtype=dtype, generator=generator)
         cu_seqlens_q = torch.arange(0, num_seqs * chunk + 1, chunk, dtype=torch.int32, device="cuda")
         out = torch.empty_like(q)
-        # Contiguous [B, H, L, D] copies; the chunk's queries sit at positions cached..context-1.
-        slots = (block_tables.long().unsqueeze(2) * block_size + torch.arange(block_size, device="cuda"))
-        slots = slots.view(num_seqs, -1)[:, :context]
-        k_dense = k_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2).contiguous()
-        v_dense = v_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2).contiguous()
+        # The chunk's queries sit at positions cached..context-1.
+        k_dense, v_dense = dense_kv(k_cache, v_cache, block_tables, context)
         q_dense = q.view(num_seqs, chunk, num_heads, head_dim).transpose(1, 2).contiguous()
         # Query i of the chunk sees keys 0..cached+i (a bottom-right aligned causal mask).
         mask = (torch.arange(context, device="cuda")[None, :]

@@ -107,10 +107,8 @@ def test_the_compile_check_specialises_kernels_as_their_launches_are():
     variables and nothing as aligned, and the prefill kernel came out with 40% less shared
     memory than at launch (no vectorised, pipelined K/V tiles) and spilling registers."""
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.runtime.jit import JITFunction, create_function_from_signature
 
-    from pagedserve.devtools.triton_variants import launched_kernels
+    from pagedserve.devtools.triton_variants import cuda_binder, launched_kernels
     from pagedserve.kernels.triton_compile import PLAIN, kernel_configs, launch_specialisation
 
     kernels = launched_kernels()
@@ -136,16 +134,15 @@ def test_the_compile_check_specialises_kernels_as_their_launches_are():
         for kernel, hook in hooks:
             kernel.pre_run_hooks.remove(hook)
     target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
     checked, differences = set(), {}
     for kernel, arg_types, constexprs, _ in kernel_configs(torch.float16, 128, 4, 16, variants=(PLAIN,)):
         name = kernel.__name__
         if name not in launches or name in checked:
             continue
         checked.add(name)
-        jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
+        jit, binder = cuda_binder(kernel)
         args, kwargs = launches[name]
-        _, at_launch, _ = create_function_from_signature(jit.signature, jit.params, backend)(*args, **kwargs)
+        _, at_launch, _ = binder(*args, **kwargs)
         names = [param.name for param in jit.params]
         launch_ones = {n for n, (kind, value) in zip(names, at_launch)
                        if kind == "constexpr" and value == 1 and n not in constexprs}

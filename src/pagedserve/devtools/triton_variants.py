@@ -49,6 +49,18 @@ def compiled_variants() -> int | None:
     return total
 
 
+def cuda_binder(kernel) -> tuple:
+    """(the JIT function, Triton's binder for a CUDA target) of ``kernel``, compiled or
+    interpreted: the binder maps a launch's arguments to its specialisation."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    # Interpreted kernels keep their decorator's arguments: rebuild the JIT function.
+    jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
+    return jit, create_function_from_signature(jit.signature, jit.params, make_backend(GPUTarget(*_TARGET)))
+
+
 class TritonVariants:
     """Records, per kernel, each specialisation launched and the phase it was first seen in
     (``mark`` starts a phase; the first is ``"start"``), and the launches per phase."""
@@ -60,15 +72,8 @@ class TritonVariants:
         self._hooks: list[tuple[object, Callable]] = []
 
     def __enter__(self) -> "TritonVariants":
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import make_backend
-        from triton.runtime.jit import JITFunction, create_function_from_signature
-
-        backend = make_backend(GPUTarget(*_TARGET))
         for name, kernel in launched_kernels().items():
-            # Interpreted kernels keep their decorator's arguments: rebuild the JIT function.
-            jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
-            binder = create_function_from_signature(jit.signature, jit.params, backend)
+            jit, binder = cuda_binder(kernel)
             hook = self._recorder(name, binder, list(jit.signature.parameters))
             kernel.add_pre_run_hook(hook)
             self._hooks.append((kernel, hook))
