@@ -27,7 +27,9 @@ utilisation counting every token's forward FLOPs (prompts included), and for dec
 weight bytes read per step x steps/s against a device copy measured in the same run, and
 for pagedserve the run's roofline (``pagedserve.bench.roofline``: the sum over its own steps
 of max(FLOPs / matmul rate, bytes moved / copy rate), weights, K/V read and K/V written
-counted) with the measured time as a fraction of it.
+counted) with the measured time as a fraction of it. On CUDA each pagedserve step is
+bracketed by two CUDA events (``pagedserve.bench.step_device_time``): the device time of
+decode steps and of steps with a prompt chunk, and how long the device idled between steps.
 
     python benchmarks/bench_engine_gpu.py [--quick] [--json out.json]
     python benchmarks/bench_engine_gpu.py --device cpu --dtype float32 --size tiny --quick  # smoke
@@ -54,6 +56,8 @@ from pagedserve.bench.offline import (agreement, copy_bytes_per_s, decoder_linea
 from pagedserve.bench.kernel_profile import format_kernel_summary, profile_kernels  # noqa: E402
 from pagedserve.bench.report import format_table, write_json  # noqa: E402
 from pagedserve.bench.roofline import record_steps, roofline_seconds  # noqa: E402
+from pagedserve.bench.step_device_time import (format_step_device_times, record_step_device_times,  # noqa: E402
+                                               summarize_step_device_times)
 from pagedserve.bench.workload import random_token_ids  # noqa: E402
 
 LABELS = {"pagedserve": "pagedserve LLM.generate", "uncompiled": "pagedserve LLM.generate (uncompiled)",
@@ -151,6 +155,7 @@ def bench_pagedserve(args, path: str, prompts, warm_prompts, state: dict, enforc
     before = (engine.num_steps, engine.num_decode_steps, engine.decode_step_seconds, engine.step_seconds)
     log(f"pagedserve: timing {len(prompts)} requests")
     shapes = record_steps(runner)
+    step_times = record_step_device_times(engine)  # CUDA only: two events a step
     compiled_before = compiled_variants()
     synchronize(args.device)
     profiler = cProfile.Profile() if args.profile else None
@@ -165,6 +170,11 @@ def bench_pagedserve(args, path: str, prompts, warm_prompts, state: dict, enforc
     else:
         outputs, seconds = run_pagedserve(llm, requests)
     synchronize(args.device)
+    device_steps = None
+    if step_times is not None:  # the device synchronised above
+        spans, gaps = step_times.spans_and_gaps()
+        device_steps = summarize_step_device_times(step_times.kinds, spans, gaps, seconds)
+        log(f"pagedserve: device time of the timed run's steps\n{format_step_device_times(device_steps)}")
     if profiler:
         profiler.disable()
         with open(args.profile, "w") as f:
@@ -183,7 +193,8 @@ def bench_pagedserve(args, path: str, prompts, warm_prompts, state: dict, enforc
               # The steps with a prompt chunk (prefill and mixed), and their time.
               "num_mixed_steps": num_steps - num_decode_steps, "mixed_seconds": step_seconds - decode_seconds,
               "num_cuda_graphs": stats.get("num_cuda_graphs", 0),
-              "num_graph_replays": stats.get("num_graph_replays", 0), "kernel_profile": kernels}
+              "num_graph_replays": stats.get("num_graph_replays", 0), "kernel_profile": kernels,
+              "step_device_times": device_steps}
     del llm, engine, runner
     return result
 
@@ -289,7 +300,8 @@ def summarise(args, env: dict, prompts, runs: dict, errors: dict, rates: dict, s
         if run.get("num_mixed_steps"):
             row["num_mixed_steps"] = run["num_mixed_steps"]
             row["mixed_step_ms"] = run["mixed_seconds"] / run["num_mixed_steps"] * 1e3
-        for name in ("num_cuda_graphs", "num_graph_replays", "triton_compiles_in_run", "kernel_profile"):
+        for name in ("num_cuda_graphs", "num_graph_replays", "triton_compiles_in_run", "kernel_profile",
+                     "step_device_times"):
             if name in run:
                 row[name] = run[name]
         results[LABELS[key]] = row
@@ -365,6 +377,9 @@ def format_report(data: dict) -> str:
                 f"{r.get('num_mixed_steps', 0)} steps with a prompt chunk {r['mixed_seconds']:.3f} s "
                 f"({percent(r['mixed_roofline_fraction'], 1)} of theirs), outside the engine's steps "
                 f"{r['outside_step_seconds']:.3f} s (adding requests, output processing, waits)")
+        if r.get("step_device_times"):
+            lines.append(f"the device in {name}'s steps (CUDA events around each): "
+                         + format_step_device_times(r["step_device_times"]))
         if r.get("triton_compiles_in_run") is not None:
             lines.append(f"Triton kernel variants compiled inside the timed run of {name}: "
                          f"{r['triton_compiles_in_run']}")

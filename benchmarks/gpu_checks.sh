@@ -65,7 +65,8 @@ for name in ${STEPS:-engine host tests kernel_tests launches kernels sweep}; do
         # so the compiled forward runs without graphs here) against eager.
         launches) step launches 150 bash -c "python3 benchmarks/bench_launches.py --size 1b --device cuda --dtype bfloat16 --enforce-eager --torch-compile --json $OUT/launches_compiled.json && python3 benchmarks/bench_launches.py --size 1b --device cuda --dtype bfloat16 --enforce-eager --json $OUT/launches_eager.json" ;;
         structured) step structured 60 python3 -m pytest -q -p no:cacheprovider -o addopts= -rs "${TESTS[3]}" ;;
-        # pagedserve with compiled graphs, uncompiled graphs and eager, transformers' two; the roofline column.
+        # pagedserve with compiled graphs, uncompiled graphs and eager, transformers' two; the roofline column,
+        # and the device time of pagedserve's decode steps and steps with a prompt chunk (CUDA events).
         engine) step bench_engine 290 python3 benchmarks/bench_engine_gpu.py $QUICK --json "$OUT/bench_engine.json" ;;
         sweep) step split_sweep 100 python3 benchmarks/bench_kernels_gpu.py --sweep --dtypes float16 ;;
         # The prefill kernel's FLOP rate on whole prompts and on chunks after a cached context,

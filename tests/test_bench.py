@@ -410,3 +410,47 @@ def test_kernel_profile_sorts_kernels_by_kind_and_sums_them():
     assert list(summary["kinds"]) == ["matmul", "paged attention", "copy"]   # most time first
     assert summary["top_kernels"][0] == {"name": "nvjet_tst_a", "seconds": 0.5, "launches": 40}
     assert "matmul" in format_kernel_summary(summary) and "56.2%" in format_kernel_summary(summary)
+
+
+def test_step_device_times_sum_each_kinds_spans_and_the_gaps_before_them():
+    """Hand-computed: a prompt step, then two decode steps, the device idle 0.5 s before the second."""
+    from pagedserve.bench.step_device_time import (DECODE, MIXED, format_step_device_times,
+                                                   summarize_step_device_times)
+
+    summary = summarize_step_device_times([MIXED, DECODE, DECODE], spans=[2.0, 1.0, 0.5],
+                                          gaps=[None, 0.0, 0.5], wall_seconds=5.0)
+    assert summary["device_seconds"] == 3.5 and summary["idle_between_steps_seconds"] == 0.5
+    assert summary["device_fraction"] == 0.7 and summary["idle_fraction"] == 0.1
+    assert summary["kinds"][MIXED] == {"steps": 1, "device_seconds": 2.0, "idle_before_seconds": 0.0,
+                                       "device_ms_per_step": 2000.0, "idle_ms_per_step": 0.0}
+    assert summary["kinds"][DECODE] == {"steps": 2, "device_seconds": 1.5, "idle_before_seconds": 0.5,
+                                        "device_ms_per_step": 750.0, "idle_ms_per_step": 250.0}
+    text = format_step_device_times(summary)
+    assert "3.500 s of 5.000 s (70.0%)" in text and "2 steps decode: 750.00 ms of device each" in text
+
+
+def test_step_device_times_bracket_each_step_the_engine_runs(tiny_model):
+    """The events' placement, on the CPU engine: one pair per step that ran the model, its
+    kind the step's. A CUDA event cannot run here, so the events read the host's clock."""
+    import time
+
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.bench.step_device_time import DECODE, MIXED, record_step_device_times
+
+    class ClockEvent:
+        def record(self) -> None:
+            self.at = time.perf_counter()
+
+        def elapsed_time(self, later: "ClockEvent") -> float:
+            return (later.at - self.at) * 1e3
+
+    llm = LLM(tiny_model("llama"))
+    assert record_step_device_times(llm.engine) is None   # no CUDA, nothing recorded
+    times = record_step_device_times(llm.engine, new_event=ClockEvent)
+    start = time.perf_counter()
+    llm.generate([[5, 6, 7], [8, 9]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    wall = time.perf_counter() - start
+    assert times.kinds == [MIXED, DECODE, DECODE, DECODE] and len(times.events) == 4
+    spans, gaps = times.spans_and_gaps()
+    assert all(span > 0 for span in spans) and gaps[0] is None and all(gap >= 0 for gap in gaps[1:])
+    assert sum(spans) + sum(gaps[1:]) <= wall
