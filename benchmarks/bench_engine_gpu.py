@@ -128,6 +128,13 @@ def model_counts(decoder, lm_head, config) -> dict:
 
 
 # ---- the contenders ----------------------------------------------------------------------------
+def dynamo_frames_compiled() -> int:
+    """Frames torch.compile has compiled in this process so far (a recompile counts too)."""
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["total"]
+
+
 def bench_pagedserve(args, path: str, prompts, warm_prompts, state: dict, enforce_eager: bool = False,
                      torch_compile: bool | None = None, merge_projections: bool | None = None) -> dict:
     from pagedserve import LLM
@@ -156,7 +163,7 @@ def bench_pagedserve(args, path: str, prompts, warm_prompts, state: dict, enforc
     log(f"pagedserve: timing {len(prompts)} requests")
     shapes = record_steps(runner)
     step_times = record_step_device_times(engine)  # CUDA only: two events a step
-    compiled_before = compiled_variants()
+    compiled_before, frames_before = compiled_variants(), dynamo_frames_compiled()
     synchronize(args.device)
     profiler = cProfile.Profile() if args.profile else None
     if profiler:
@@ -185,10 +192,12 @@ def bench_pagedserve(args, path: str, prompts, warm_prompts, state: dict, enforc
     num_steps, num_decode_steps, decode_seconds, step_seconds = (after - first for after, first in zip(
         (engine.num_steps, engine.num_decode_steps, engine.decode_step_seconds, engine.step_seconds), before))
     stats = engine.stats()
-    compiled_after = compiled_variants()
+    compiled_after, frames_after = compiled_variants(), dynamo_frames_compiled()
     result = {"seconds": seconds, "outputs": outputs, "num_steps": num_steps,
               # Triton kernel variants compiled inside the timed run (None: interpreted, or no Triton).
               "triton_compiles_in_run": None if compiled_before is None else compiled_after - compiled_before,
+              # Frames torch.compile compiled (or recompiled) inside the timed run.
+              "dynamo_compiles_in_run": frames_after - frames_before,
               "num_decode_steps": num_decode_steps, "decode_seconds": decode_seconds, "step_shapes": shapes,
               # The steps with a prompt chunk (prefill and mixed), and their time.
               "num_mixed_steps": num_steps - num_decode_steps, "mixed_seconds": step_seconds - decode_seconds,
@@ -300,7 +309,8 @@ def summarise(args, env: dict, prompts, runs: dict, errors: dict, rates: dict, s
         if run.get("num_mixed_steps"):
             row["num_mixed_steps"] = run["num_mixed_steps"]
             row["mixed_step_ms"] = run["mixed_seconds"] / run["num_mixed_steps"] * 1e3
-        for name in ("num_cuda_graphs", "num_graph_replays", "triton_compiles_in_run", "kernel_profile",
+        for name in ("num_cuda_graphs", "num_graph_replays", "triton_compiles_in_run", "dynamo_compiles_in_run",
+                     "kernel_profile",
                      "step_device_times"):
             if name in run:
                 row[name] = run[name]
@@ -383,6 +393,9 @@ def format_report(data: dict) -> str:
         if r.get("triton_compiles_in_run") is not None:
             lines.append(f"Triton kernel variants compiled inside the timed run of {name}: "
                          f"{r['triton_compiles_in_run']}")
+        if r.get("dynamo_compiles_in_run") is not None:
+            lines.append(f"frames torch.compile compiled inside the timed run of {name}: "
+                         f"{r['dynamo_compiles_in_run']}")
     for name, error in data["errors"].items():
         lines.append(f"FAILED {name}: {error}")
     return "\n".join(lines)

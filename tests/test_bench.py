@@ -330,6 +330,7 @@ def test_gpu_engine_bench_smoke_on_cpu(tmp_path, tiny_model):
             ours["seconds"] - ours["decode_seconds"] - ours["mixed_seconds"])
         # The torch kernels: nothing compiled (None under Triton's interpreter, which compiles nothing).
         assert ours["triton_compiles_in_run"] == (None if os.environ.get("TRITON_INTERPRET") == "1" else 0)
+        assert ours["dynamo_compiles_in_run"] == 0
     assert "steps with a prompt chunk in pagedserve LLM.generate: 1," in done.stdout
     assert "where pagedserve LLM.generate's" in done.stdout and "3 decode steps" in done.stdout
 
