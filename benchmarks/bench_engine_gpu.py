@@ -296,12 +296,18 @@ def summarise(args, env: dict, prompts, runs: dict, errors: dict, rates: dict, s
             row["roofline_seconds"] = roofline["seconds"]
             row["roofline_fraction"] = roofline["seconds"] / run["seconds"]
             row["roofline_flop_bound_fraction"] = roofline["flop_bound_fraction"]
+            row["serial_floor_seconds"] = roofline["serial_seconds"]
+            row["serial_floor_fraction"] = roofline["serial_seconds"] / run["seconds"]
             if run.get("num_mixed_steps") is not None:
                 # The run's time by where it went, each part against its own roofline.
                 row["decode_roofline_fraction"] = (roofline["decode_seconds"] / run["decode_seconds"]
                                                    if run["decode_seconds"] else None)
                 row["mixed_roofline_fraction"] = (roofline["mixed_seconds"] / run["mixed_seconds"]
                                                   if run["mixed_seconds"] else None)
+                row["decode_serial_floor_fraction"] = (roofline["serial_decode_seconds"] / run["decode_seconds"]
+                                                       if run["decode_seconds"] else None)
+                row["mixed_serial_floor_fraction"] = (roofline["serial_mixed_seconds"] / run["mixed_seconds"]
+                                                      if run["mixed_seconds"] else None)
                 row["mixed_seconds"] = run["mixed_seconds"]
                 row["outside_step_seconds"] = run["seconds"] - run["decode_seconds"] - run["mixed_seconds"]
                 row["decode_mean_seqs"] = roofline["decode_mean_seqs"]
@@ -369,7 +375,9 @@ def format_report(data: dict) -> str:
                  "too) / seconds / matmul rate. Decode B/W: weight bytes x decode steps/s / copy rate "
                  "(static: steps over its whole time, prefills included; KV reads not counted). "
                  "Roofline: the sum over the run's own steps of max(FLOPs / matmul rate, bytes / copy "
-                 "rate), weights and K/V read and written; 'of roofline' = roofline / measured time.")
+                 "rate), weights and K/V read and written; 'of roofline' = roofline / measured time. "
+                 "Serial floor: the same, with the linear layers (FLOPs or weight bytes) and the "
+                 "attention (FLOPs or K/V bytes) bounded apart and added, as separate kernels run.")
     for name, agree in data.get("greedy_agreement_vs_static", {}).items():
         lines.append(f"greedy agreement of {name} with static generate: {agree['identical_requests']}/"
                      f"{agree['num_requests']} requests identical, mean matching prefix "
@@ -383,10 +391,13 @@ def format_report(data: dict) -> str:
                 f"where {name}'s {r['seconds']:.2f} s went: {r['num_decode_steps']} decode steps "
                 f"{r['decode_seconds']:.3f} s (each {r['decode_mean_seqs']:.0f} sequences reading "
                 f"{r['decode_mean_kv_read']:.0f} cached tokens in all, mean; "
-                f"{percent(r['decode_roofline_fraction'], 1)} of their roofline), "
+                f"{percent(r['decode_roofline_fraction'], 1)} of their roofline, "
+                f"{percent(r['decode_serial_floor_fraction'], 1)} of their serial floor), "
                 f"{r.get('num_mixed_steps', 0)} steps with a prompt chunk {r['mixed_seconds']:.3f} s "
-                f"({percent(r['mixed_roofline_fraction'], 1)} of theirs), outside the engine's steps "
-                f"{r['outside_step_seconds']:.3f} s (adding requests, output processing, waits)")
+                f"({percent(r['mixed_roofline_fraction'], 1)} and {percent(r['mixed_serial_floor_fraction'], 1)}), "
+                f"outside the engine's steps {r['outside_step_seconds']:.3f} s (adding requests, output "
+                f"processing, waits); the run's serial floor {r['serial_floor_seconds']:.3f} s "
+                f"({percent(r['serial_floor_fraction'], 1)} of its time)")
         if r.get("step_device_times"):
             lines.append(f"the device in {name}'s steps (CUDA events around each): "
                          + format_step_device_times(r["step_device_times"]))

@@ -326,6 +326,8 @@ def test_gpu_engine_bench_smoke_on_cpu(tmp_path, tiny_model):
         # time outside the steps is what is left of the measured time.
         assert ours["decode_mean_seqs"] == 4
         assert 0 < ours["decode_roofline_fraction"] < 1 and 0 < ours["mixed_roofline_fraction"] < 1
+        # The serial floor is the roofline's or above, and below the measured time.
+        assert ours["roofline_fraction"] <= ours["serial_floor_fraction"] < 1
         assert ours["outside_step_seconds"] == pytest.approx(
             ours["seconds"] - ours["decode_seconds"] - ours["mixed_seconds"])
         # The torch kernels: nothing compiled (None under Triton's interpreter, which compiles nothing).
@@ -387,6 +389,12 @@ def test_the_roofline_sums_each_steps_bound_and_splits_decode_from_prompt_steps(
     assert figures["flop_bound_fraction"] == prompt / (prompt + decode)
     assert figures["num_decode_steps"] == 1 and figures["decode_mean_seqs"] == 2
     assert figures["decode_mean_kv_read"] == 11
+    # The serial floor bounds the linear layers and the attention apart. Prompt step:
+    # max(1,040 FLOPs, 500 bytes) + max(68 FLOPs, 140 bytes); decode step:
+    # max(440 FLOPs, 500 bytes) + max(44 FLOPs, 130 bytes).
+    assert figures["serial_mixed_seconds"] == 1040 + 140
+    assert figures["serial_decode_seconds"] == 500 + 130
+    assert figures["serial_seconds"] == 1040 + 140 + 500 + 130
 
 
 def test_kernel_profile_sorts_kernels_by_kind_and_sums_them():
