@@ -8,7 +8,12 @@ decodes per token) until text is emitted, then hands over to a stream. The run
 times both forms side by side, alternating, with the collector off (as in a
 serving process), and checks that their texts are equal.
 
-    python benchmarks/bench_detokenizer.py [--sequences 256 --tokens 256 --rounds 3]
+``--at-end``: the text of an output decoded only at its end (``LLM.generate``'s final
+outputs without stop strings), as the output processor catches it up: every token but
+the last in one ``extend`` (a byte-level tokenizer's stream steps once), against the
+tokens appended one at a time; side by side, alternating, texts compared.
+
+    python benchmarks/bench_detokenizer.py [--sequences 256 --tokens 256 --rounds 3] [--at-end]
 """
 
 from __future__ import annotations
@@ -45,6 +50,23 @@ def run(tokenizer, prompts: list[list[int]], outputs: list[list[int]],
     return seconds, at_start, at_end, [stream.output_text for stream in streams]
 
 
+def run_at_end(tokenizer, prompts: list[list[int]], outputs: list[list[int]],
+               extend: bool) -> tuple[float, list[str]]:
+    """Seconds per token to decode each whole output at its end, and the texts."""
+    params = SamplingParams(max_tokens=1 << 30)
+    streams = [StreamingDetokenizer(tokenizer, prompt, params, eos_token_id=None) for prompt in prompts]
+    start = time.perf_counter()
+    for stream, ids in zip(streams, outputs):
+        if extend:
+            stream.extend(ids[:-1])
+        else:
+            for token_id in ids[:-1]:
+                stream.append(token_id, None)
+        stream.append(ids[-1], "length")
+    seconds = (time.perf_counter() - start) / (len(streams) * len(outputs[0]))
+    return seconds, [stream.output_text for stream in streams]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama", help="a tiny family's checkpoint (make-model)")
@@ -52,6 +74,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256, help="output tokens per sequence")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--at-end", action="store_true",
+                        help="outputs decoded at their end: one extend against token by token")
     args = parser.parse_args()
 
     tokenizer = AutoTokenizer.from_pretrained(str(ensure_model(args.model)))
@@ -61,6 +85,15 @@ def main() -> None:
     outputs = [[rng.randrange(vocab) for _ in range(args.tokens)] for _ in range(args.sequences)]
     gc.disable()
     print(f"{args.sequences} sequences x {args.tokens} tokens, {args.model}'s tokenizer")
+    if args.at_end:
+        print("| round | extend | token by token | ratio |")
+        print("| --- | --- | --- | --- |")
+        for round_ in range(1, args.rounds + 1):
+            single, single_texts = run_at_end(tokenizer, prompts, outputs, extend=False)
+            bulk, bulk_texts = run_at_end(tokenizer, prompts, outputs, extend=True)
+            assert bulk_texts == single_texts, "extend changed the text"
+            print(f"| {round_} | {bulk * 1e6:.2f} us a token | {single * 1e6:.2f} us a token | {single / bulk:.1f}x |")
+        return
     print("| round | Python route until text, then a stream | Python route for life | ratio |")
     print("| --- | --- | --- | --- |")
     for round_ in range(1, args.rounds + 1):

@@ -820,3 +820,49 @@ def test_unseeded_samplers_draw_fresh_streams_and_seeded_ones_reproduce():
     drawn = first.sample(logits, states).token_ids
     assert drawn != second.sample(logits, states).token_ids
     assert Sampler(seed=first.seed).sample(logits, states).token_ids == drawn
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece", "wordpiece", "transformers"])
+def test_extending_a_detokenizer_emits_what_appending_one_token_at_a_time_does(kind, tokenizer, tiny_model):
+    """``extend`` (a byte-level stream steps once for many tokens) against ``append`` token by
+    token, then more tokens one by one and a flush: the same text, random ids with special and
+    out-of-vocabulary ones among them, prompt contexts ending inside a character too."""
+    from transformers import AutoTokenizer
+
+    tok = {"byte-level": lambda: tokenizer, "sentencepiece": _sentencepiece_tokenizer,
+           "wordpiece": _wordpiece_tokenizer,
+           "transformers": lambda: AutoTokenizer.from_pretrained(tiny_model("llama"))}[kind]()
+    vocab_size = len(tok) if kind == "transformers" else tok.get_vocab_size()
+    rng = random.Random(5)
+    num_bulk = 0
+    for _ in range(300):
+        prompt = [rng.randrange(vocab_size) for _ in range(rng.randrange(8))]
+        ids = [rng.randrange(vocab_size + 4) for _ in range(rng.randrange(1, 60))]
+        cut = rng.randrange(len(ids) + 1)
+        bulk, single = IncrementalDetokenizer(tok, prompt), IncrementalDetokenizer(tok, prompt)
+        num_bulk += bulk._steps_in_bulk and bulk._stream is not None and cut > 1
+        text = bulk.extend(ids[:cut]) + "".join(bulk.append(t) for t in ids[cut:]) + bulk.flush()
+        assert text == "".join(single.append(t) for t in ids) + single.flush(), (prompt, ids, cut)
+        assert bulk.output_text == single.output_text and bulk.num_output_tokens == len(ids)
+    assert (num_bulk > 150) == (kind in ("byte-level", "transformers")), num_bulk
+
+
+def test_a_streaming_detokenizer_extended_ends_as_one_appended_token_by_token(tokenizer):
+    """What the output processor's catch-up does for a sequence decoded only at its end: all
+    but its last token at once, then the last with its finish. A sequence with stop strings
+    takes its tokens one at a time (any of them may end it)."""
+    rng = random.Random(7)
+    vocab_size = tokenizer.get_vocab_size()
+    params = SamplingParams(max_tokens=64)
+    for _ in range(100):
+        prompt = [rng.randrange(vocab_size) for _ in range(rng.randrange(8))]
+        ids = [rng.randrange(vocab_size) for _ in range(rng.randrange(2, 50))]
+        bulk = StreamingDetokenizer(tokenizer, prompt, params, eos_token_id=None)
+        single = StreamingDetokenizer(tokenizer, prompt, params, eos_token_id=None)
+        text = bulk.extend(ids[:-1]) + bulk.append(ids[-1], "length")
+        assert text == "".join(single.append(t, None) for t in ids[:-1]) + single.append(ids[-1], "length")
+        assert bulk.output_text == single.output_text == bulk.streamed_text
+        assert (bulk.finish_reason, bulk.output_token_ids) == ("length", ids)
+    with_stops = StreamingDetokenizer(tokenizer, [], SamplingParams(stop=["x"]), eos_token_id=None)
+    with pytest.raises(ValueError, match="one at a time"):
+        with_stops.extend([5, 6])

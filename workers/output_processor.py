@@ -116,6 +116,13 @@ class SequenceStream:
         if text.finish_reason is not None:
             self.finish_reason, self.stop_reason = text.finish_reason, text.stop_reason
 
+    def add_tokens(self, token_ids: list[int]) -> None:
+        """``add_token`` of each of ``token_ids``, none of which ends the sequence."""
+        new_text = self.text.extend(token_ids)
+        self.num_tokens += len(token_ids)
+        if new_text:
+            self.delta_text += new_text
+
     def end(self, reason: str) -> None:
         """End after the tokens so far, its text complete (a grammar completed or failed):
         what was held back (an unfinished character, a possible stop string) is emitted."""
@@ -244,10 +251,11 @@ class OutputProcessor:
         stream = seq.stream
         token_ids = seq.output_token_ids
         num_tokens = len(token_ids)
-        for i in range(stream.num_tokens, num_tokens):
-            stream.add_token(token_ids[i], last_reason if i == num_tokens - 1 else None)
-            if stream.is_finished:
-                break
+        if stream.num_tokens < num_tokens:
+            # No stop strings (the text would have followed): only the last token may end it.
+            if stream.num_tokens < num_tokens - 1:
+                stream.add_tokens(token_ids[stream.num_tokens:num_tokens - 1])
+            stream.add_token(token_ids[num_tokens - 1], last_reason)
         for logprob in seq.logprobs[stream.num_logprobs:]:
             stream.add_logprob(logprob)
 
