@@ -703,13 +703,40 @@ def test_vllm_guided_fields_request_id_and_continue_final_message(server):
                   "continue_final_message")
 
 
+def test_logit_bias_and_allowed_token_ids(server, local_handle):
+    """OpenAI's logit_bias (token ids as JSON keys) and vLLM's allowed_token_ids reach the
+    sampler: +100 on one token makes greedy repeat it, and so does allowing only it (sampled
+    at temperature 1). Keys that are not token ids, values outside [-100, 100], ids outside
+    the vocabulary and an empty list are 400s naming the field."""
+    tokenizer = local_handle.tokenizer
+    token = tokenizer.encode(" blocks", add_special_tokens=False)[0]
+    expected = tokenizer.decode([token] * 5)
+    base = {"prompt": "Once upon a time", "max_tokens": 5, "ignore_eos": True}
+    forced = call(server, "POST", "/v1/completions", json={**base, "temperature": 0, "logit_bias": {str(token): 100}})
+    assert forced.status_code == 200, forced.text
+    assert forced.json()["choices"][0]["text"] == expected
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "ignore_eos": True, "seed": 3,
+            "allowed_token_ids": [token]}
+    allowed = call(server, "POST", "/v1/chat/completions", json=chat)
+    assert allowed.status_code == 200, allowed.text
+    assert allowed.json()["choices"][0]["message"]["content"] == expected
+    vocab = local_handle.engine.engine.runner.vocab_size
+    for field, value, param in (("logit_bias", {"a": 1}, "logit_bias"), ("logit_bias", {"-3": 1}, "logit_bias"),
+                                ("logit_bias", {"5": 101}, "logit_bias.5"),
+                                ("logit_bias", {str(vocab): 1}, "logit_bias"),
+                                ("allowed_token_ids", [5, vocab], "allowed_token_ids"),
+                                ("allowed_token_ids", [], "allowed_token_ids")):
+        _assert_error(call(server, "POST", "/v1/completions", json={**base, field: value}), 400, param)
+    both = {**base, "allowed_token_ids": [token], "structured_outputs": {"regex": "a+"}}
+    _assert_error(call(server, "POST", "/v1/completions", json=both), 400, "allowed_token_ids")
+
+
 @pytest.mark.parametrize(("field", "value", "path"), [
     ("store", True, "/v1/chat/completions"), ("metadata", {"a": "b"}, "/v1/chat/completions"),
     ("service_tier", "flex", "/v1/chat/completions"), ("reasoning_effort", "high", "/v1/chat/completions"),
     ("functions", [{"name": "f"}], "/v1/chat/completions"), ("modalities", ["audio"], "/v1/chat/completions"),
     ("echo", True, "/v1/chat/completions"), ("chat_template", "{{ 1 }}", "/v1/chat/completions"),
-    ("allowed_token_ids", [1, 2], "/v1/completions"), ("cache_salt", "s", "/v1/completions"),
-    ("guided_whitespace_pattern", " ", "/v1/completions"), ("logit_bias", {"5": 1.0}, "/v1/completions"),
+    ("cache_salt", "s", "/v1/completions"), ("guided_whitespace_pattern", " ", "/v1/completions"),
 ])
 def test_fields_we_cannot_honour_are_refused_with_the_reason(server, field, value, path):
     body = {"prompt": "x", "max_tokens": 2} if path == "/v1/completions" else {

@@ -1,6 +1,6 @@
 """vLLM's sampling extensions on the engine: prompt logprobs (against transformers),
-min_tokens, truncate_prompt_tokens, special-token spacing, token bytes, and the
-sampler's token bitmasks."""
+min_tokens, logit_bias and allowed_token_ids (against transformers), truncate_prompt_tokens,
+special-token spacing, token bytes, and the sampler's token bitmasks."""
 
 from __future__ import annotations
 
@@ -142,6 +142,79 @@ def test_min_tokens_matches_transformers(make_llm, tiny_model):
     assert held.outputs[0].token_ids == reference
     assert len(held.outputs[0].token_ids) > 6
     assert held.outputs[0].token_ids[2] != stop_token
+
+
+class _BiasAndAllow:
+    """A transformers logits processor: ``allowed`` tokens only, ``bias`` added (the oracle)."""
+
+    def __init__(self, bias: dict[int, float], allowed: list[int] | None) -> None:
+        self.bias, self.allowed = bias, allowed
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        if self.allowed is not None:
+            keep = torch.zeros_like(scores, dtype=torch.bool)
+            keep[:, self.allowed] = True
+            scores = scores.masked_fill(~keep, float("-inf"))
+        for token_id, value in self.bias.items():
+            scores[:, token_id] += value
+        return scores
+
+
+def test_logit_bias_and_allowed_token_ids_match_transformers(make_llm, hf_model):
+    """Greedy with a logit bias (pushing some tokens up and banning others) and with allowed
+    token ids equals transformers' generate with a processor doing the same; in one batch
+    with a plain row, which is unchanged. Logprobs stay the raw model's."""
+    from transformers import LogitsProcessorList
+
+    llm = make_llm()
+    prompts = [random_prompt(9, seed=21), random_prompt(14, seed=22), random_prompt(6, seed=23)]
+    [free] = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    first = free.outputs[0].token_ids
+    cases = [({first[3]: 3.0, first[0]: -100.0, 77: 2.5}, None), ({}, [17, 301, 522, 800, first[1]]),
+             ({301: 1.5}, [17, 301, 522])]
+    for bias, allowed in cases:
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1,
+                                logit_bias=bias or None, allowed_token_ids=allowed)
+        plain = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        outputs = llm.generate(prompts, [params, params, plain])
+        for prompt, output in zip(prompts[:2], outputs):
+            ids = torch.tensor([prompt])
+            with torch.inference_mode():
+                reference = hf_model.generate(
+                    ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=10,
+                    logits_processor=LogitsProcessorList([_BiasAndAllow(bias, allowed)]),
+                    eos_token_id=None)[0, len(prompt):].tolist()
+            assert output.outputs[0].token_ids == reference, (bias, allowed)
+            if allowed is not None:
+                assert set(reference) <= set(allowed)
+            # The sampled token's logprob is the raw model's: the first one from the prompt's forward.
+            raw = hf_prompt_logprobs(hf_model, prompt)[-1, reference[0]].item()
+            sampled = output.outputs[0].logprobs[0]
+            assert sampled.token_id == reference[0] and sampled.logprob == pytest.approx(raw, abs=TOLERANCE)
+        [plain_alone] = llm.generate(prompts[2:], plain)
+        assert outputs[2].outputs[0].token_ids == plain_alone.outputs[0].token_ids
+    assert free.outputs[0].token_ids[0] not in llm.generate(
+        prompts[:1], SamplingParams(temperature=0, max_tokens=1, logit_bias={first[0]: -100.0}))[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_logit_bias_and_allowed_token_ids_apply_to_sampled_rows(device):
+    """Random rows: only allowed tokens are drawn, and a +100 bias takes every draw."""
+    sampler = Sampler(seed=0)
+    logits = torch.randn(6, 50, device=device)
+    allowed = SamplingParams(temperature=1.0, allowed_token_ids=[3, 9, 40])
+    forced = SamplingParams(temperature=0.7, top_p=0.9, logit_bias={12: 100.0})
+    for _ in range(20):
+        out = sampler.sample(logits, [SamplingState(allowed), SamplingState(forced)] * 3)
+        assert all(t in (3, 9, 40) for t in out.token_ids[0::2]) and out.token_ids[1::2] == [12] * 3
+
+
+def test_out_of_vocabulary_logit_bias_is_refused_when_added(make_llm):
+    llm = make_llm()
+    for params in (SamplingParams(logit_bias={VOCAB: 1.0}), SamplingParams(allowed_token_ids=[5, VOCAB + 3])):
+        with pytest.raises(ValueError, match=r"token ids must be in \[0, 1024\)"):
+            llm.generate([[1, 2, 3]], params)
 
 
 def test_min_tokens_holds_stop_strings(make_llm):

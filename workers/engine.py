@@ -269,6 +269,10 @@ class LLMEngine:
             bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            outside = [t for t in ids if t >= vocab]
+            if outside:
+                raise ValueError(f"{name} token ids must be in [0, {vocab}); got {outside[:5]}")
         num_imported = 0
         if kv_transfer is not None:
             meta = read_header(kv_transfer.header)

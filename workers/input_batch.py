@@ -35,8 +35,10 @@ FORKS = 128         # n > 1: the samples fork at the first token
 EXPORTS_KV = 256    # disaggregated prefill: the prompt's KV is kept at the first token
 TEXT = 512          # its text is followed token by token (streamed, or has stop strings)
 BEAM = 1024         # a beam of a beam search: its logits go to its group, not to sampling
+LOGIT_BIAS = 2048   # logit_bias or allowed_token_ids
 # Any of these sends the row through the per-row path of the step's sampling.
-PER_ROW = PENALTIES | SEEDED | MIN_TOKENS | LOGPROBS | GRAMMAR | STOP_TOKEN_IDS | FORKS | EXPORTS_KV | BEAM
+PER_ROW = (PENALTIES | SEEDED | MIN_TOKENS | LOGPROBS | GRAMMAR | STOP_TOKEN_IDS | FORKS | EXPORTS_KV | BEAM
+           | LOGIT_BIAS)
 
 
 @dataclass
@@ -138,6 +140,8 @@ class InputBatch:
             flags |= GRAMMAR
         if params.stop_token_ids:
             flags |= STOP_TOKEN_IDS
+        if params.biases_logits:
+            flags |= LOGIT_BIAS
         if params.n > 1 and len(request.seqs) < params.n:
             flags |= FORKS
         if request.export_kv:
@@ -174,6 +178,8 @@ class InputBatch:
             batch.banned.append((position, banned_token_ids))
         if flags & LOGPROBS:
             batch.num_logprobs.append((position, params.logprobs))
+        if flags & LOGIT_BIAS:
+            batch.add_logit_bias(position, params)
 
     def count_samples(self, rows: torch.Tensor) -> torch.Tensor:
         """Count one more sampled output on each of ``rows`` (int64, CPU) and return a bool

@@ -1,7 +1,8 @@
 """Batched token sampling: one row of logits per sequence, each with its own params.
 
-Order of operations (as vLLM): constraints (a grammar's token bitmask, tokens
-banned by ``min_tokens``) -> penalties -> greedy argmax (greedy rows) ->
+Order of operations (as vLLM): ``allowed_token_ids`` and ``logit_bias`` ->
+constraints (a grammar's token bitmask, tokens banned by ``min_tokens``) ->
+penalties -> greedy argmax (greedy rows) ->
 temperature -> top-k -> top-p -> min-p -> sample. Logprobs are computed from the
 raw model logits (vLLM's default "raw_logprobs"), before constraints, penalties
 or temperature. Rows without per-row features (penalties, seeds, constraints,
@@ -86,7 +87,8 @@ class SamplingBatch:
     -1 where off). What only some rows use is listed sparsely, so a row that
     uses none of it costs no Python: penalties, seeded draws (the row's uniform,
     already drawn), tokens banned by ``min_tokens``, grammar bitmasks
-    (``bitmask[j]`` for row ``bitmask_rows[j]``) and logprobs (row, k).
+    (``bitmask[j]`` for row ``bitmask_rows[j]``), logprobs (row, k), allowed token
+    ids (row, ids) and logit biases (row, ids, values).
     """
 
     temperature: torch.Tensor
@@ -100,6 +102,15 @@ class SamplingBatch:
     bitmask_rows: list[int] = field(default_factory=list)
     bitmask: torch.Tensor | None = None
     num_logprobs: list[tuple[int, int]] = field(default_factory=list)
+    allowed: list[tuple[int, Sequence[int]]] = field(default_factory=list)
+    biases: list[tuple[int, Sequence[int], Sequence[float]]] = field(default_factory=list)
+
+    def add_logit_bias(self, row: int, params: SamplingParams) -> None:
+        """Row ``row``'s ``allowed_token_ids`` and ``logit_bias``, those it has."""
+        if params.allowed_token_ids is not None:
+            self.allowed.append((row, params.allowed_token_ids))
+        if params.logit_bias is not None:
+            self.biases.append((row, list(params.logit_bias), list(params.logit_bias.values())))
 
     @property
     def num_rows(self) -> int:
@@ -140,6 +151,8 @@ class SamplingBatch:
                 masks.append(state.token_bitmask)
             if params.logprobs is not None:
                 batch.num_logprobs.append((row, params.logprobs))
+            if params.biases_logits:
+                batch.add_logit_bias(row, params)
         if masks:
             batch.bitmask = torch.stack(masks)
         return batch
@@ -182,7 +195,8 @@ class Sampler:
         which are read on the host, are ``sample_batch``'s): every decision is taken on the
         host from the batch's host tensors, shapes never depend on the logits' values, and
         what the device needs is copied to it without blocking."""
-        constrained = apply_constraints(logits, batch.bitmask_rows, batch.bitmask, batch.banned)
+        biased = apply_logit_bias(logits, batch.allowed, batch.biases)
+        constrained = apply_constraints(biased, batch.bitmask_rows, batch.bitmask, batch.banned)
         if not batch.penalties and bool(batch.is_greedy.all()):
             return constrained.argmax(dim=-1)
         return self._sample_general(constrained.float(), batch)
@@ -219,6 +233,29 @@ class Sampler:
                 if draw is not None:
                     uniforms[position] = draw
         return uniforms
+
+
+def apply_logit_bias(logits: torch.Tensor, allowed: Sequence[tuple[int, Sequence[int]]],
+                     biases: Sequence[tuple[int, Sequence[int], Sequence[float]]]) -> torch.Tensor:
+    """Logits, in float32, with each ``allowed`` row's other tokens at -inf and each
+    ``biases`` row's values added to its tokens (``logits`` itself if no row has either;
+    the input is never modified)."""
+    if not allowed and not biases:
+        return logits
+    device = logits.device
+    logits = logits.to(torch.float32, copy=True)
+    if allowed:
+        rows = to_device(int64_tensor([row for row, _ in allowed]), device)
+        keep = torch.zeros((len(allowed), logits.shape[1]), dtype=torch.bool, device=device)
+        keep[to_device(int64_tensor([j for j, (_, ids) in enumerate(allowed) for _ in ids]), device),
+             to_device(int64_tensor([t for _, ids in allowed for t in ids]), device)] = True
+        logits[rows] = logits[rows].masked_fill(~keep, float("-inf"))
+    if biases:
+        rows = to_device(int64_tensor([row for row, ids, _ in biases for _ in ids]), device)
+        ids = to_device(int64_tensor([t for _, ids, _ in biases for t in ids]), device)
+        values = torch.tensor([v for _, _, values in biases for v in values], dtype=torch.float32)
+        logits.index_put_((rows, ids), to_device(values, device), accumulate=True)
+    return logits
 
 
 def apply_constraints(logits: torch.Tensor, bitmask_rows: Sequence[int], bitmask: torch.Tensor | None,

@@ -155,6 +155,10 @@ class SamplingParams:
         (the first token has none) plus the k most likely alternatives, computed
         in the prefill's forward pass. Such a request does not read the prefix
         cache (its cached blocks hold no logits); it still writes to it.
+      - ``logit_bias`` (token id -> a value added to its logit) and
+        ``allowed_token_ids`` (only these may be sampled) act before penalties,
+        temperature and the rest; logprobs stay the raw model's. A token id must
+        be in the model's vocabulary (checked when a request is added).
       - ``skip_special_tokens`` leaves special tokens out of the text;
         ``spaces_between_special_tokens`` (when they are kept) puts a space
         between a special token and its neighbours, as transformers' slow
@@ -171,7 +175,8 @@ class SamplingParams:
         a hypothesis. It is deterministic and scores raw log-probabilities, so
         ``temperature`` must be 0, and what would reshape the distribution or
         needs per-token sampling (top-k/p, min-p, penalties, stop strings,
-        ``min_tokens``, logprobs, prompt logprobs, structured outputs) is refused.
+        ``min_tokens``, logprobs, prompt logprobs, structured outputs, logit bias,
+        allowed token ids) is refused.
     """
 
     n: int = 1
@@ -198,6 +203,8 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.n = _as_int("n", self.n, minimum=1)
@@ -246,6 +253,14 @@ class SamplingParams:
                                                                   StructuredOutputsParams):
             raise ValueError("structured_outputs must be StructuredOutputsParams or a mapping, "
                              f"got {type(self.structured_outputs).__name__}")
+        self.logit_bias = _as_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _as_token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (leave it unset to allow every token)")
+            if self.structured_outputs is not None:
+                raise ValueError("allowed_token_ids cannot be combined with structured_outputs: "
+                                 "express the allowed tokens in the grammar")
         self._check_beam_search()
 
     def _check_beam_search(self) -> None:
@@ -275,6 +290,8 @@ class SamplingParams:
             ("logprobs", self.logprobs is not None),
             ("prompt_logprobs", self.prompt_logprobs is not None),
             ("structured_outputs", self.structured_outputs is not None),
+            ("logit_bias", self.logit_bias is not None),
+            ("allowed_token_ids", self.allowed_token_ids is not None),
         ) if is_set]
         if unsupported:
             raise ValueError(f"{unsupported[0]} cannot be used with use_beam_search: beam search keeps the "
@@ -285,6 +302,11 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """True when sampling is a deterministic argmax."""
         return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def biases_logits(self) -> bool:
+        """True when ``logit_bias`` or ``allowed_token_ids`` changes the logits."""
+        return self.logit_bias is not None or self.allowed_token_ids is not None
 
     @property
     def has_penalties(self) -> bool:
@@ -366,6 +388,20 @@ def _as_stop_strings(stop: Any) -> list[str]:
         if not item:
             raise ValueError("stop strings must be non-empty")
     return list(stop)
+
+
+def _as_logit_bias(bias: Any) -> dict[int, float] | None:
+    """Token id -> finite bias; keys may be ints or their decimal text (JSON's keys)."""
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        raise ValueError(f"logit_bias must be a mapping of token ids to floats, got {type(bias).__name__}")
+    result: dict[int, float] = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            key = int(key)
+        result[_as_int("logit_bias token id", key, minimum=0)] = _as_float("logit_bias value", value)
+    return result or None
 
 
 def _as_token_ids(name: str, token_ids: Any) -> list[int]:

@@ -5,9 +5,9 @@ field rather than silently ignored; numbers must be finite, not ``true`` or
 ``false``, and integers within 64 bits (``priority``, token ids: 32); flags
 are ``true`` or ``false``. Besides OpenAI's fields
 (``response_format``, ``tools``/``tool_choice``/``parallel_tool_calls``,
-``stream_options``), requests take vLLM's extensions: sampling (``top_k``,
+``stream_options``, ``logit_bias``), requests take vLLM's extensions: sampling (``top_k``,
 ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
-``min_tokens``), output (``skip_special_tokens``,
+``min_tokens``, ``allowed_token_ids``), output (``skip_special_tokens``,
 ``spaces_between_special_tokens``, ``include_stop_str_in_output``,
 ``prompt_logprobs``), ``truncate_prompt_tokens``, ``structured_outputs``,
 ``chat_template_kwargs``, ``stream_options.continuous_usage_stats``, and
@@ -126,7 +126,6 @@ REFUSED_FIELDS = {
     "web_search_options": "this server does not search the web",
     "documents": "documents for retrieval templates are not supported",
     "chat_template": "a request may not bring its own chat template (server-side templates only)",
-    "allowed_token_ids": "allowed_token_ids is not supported; constrain with structured_outputs",
     "bad_words": "bad_words is not supported",
     "return_tokens_as_token_ids": "tokens are returned as text",
     "return_token_ids": "token ids are returned over gRPC, not in this API's responses",
@@ -174,7 +173,6 @@ class _RefusedFields(_Request):
     web_search_options: Any = None
     documents: Any = None
     chat_template: Any = None
-    allowed_token_ids: Any = None
     bad_words: Any = None
     return_tokens_as_token_ids: Any = None
     return_token_ids: Any = None
@@ -209,7 +207,8 @@ class _SamplingFields(_RefusedFields):
     seed: Annotated[int, Field(ge=-MAX_INT64 - 1, le=MAX_INT64), NOT_A_BOOLEAN] | None = None
     presence_penalty: Float = Field(0.0, ge=-2, le=2)
     frequency_penalty: Float = Field(0.0, ge=-2, le=2)
-    logit_bias: dict[str, Float] | None = None
+    # OpenAI's: token id (as JSON text) -> a bias in [-100, 100] added to its logit.
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100), NOT_A_BOOLEAN]] | None = None
     user: str | None = None
     # OpenAI's caching and abuse-monitoring hints: the prefix cache needs no key (every
     # prompt's prefix is cached), and the identifier is kept like ``user``.
@@ -222,6 +221,7 @@ class _SamplingFields(_RefusedFields):
     repetition_penalty: Float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     ignore_eos: Bool = False
     stop_token_ids: list[TokenId] | None = None
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)
     skip_special_tokens: Bool = True
     spaces_between_special_tokens: Bool = True
     include_stop_str_in_output: Bool = False
@@ -247,9 +247,10 @@ class _SamplingFields(_RefusedFields):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value):
-        if value:
-            raise ValueError("logit_bias is not supported")
+    def _token_id_keys(cls, value):
+        for key in value or ():
+            if not (key.isascii() and key.isdigit()) or int(key) > MAX_INT32:
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
         return value
 
     @property
