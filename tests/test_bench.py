@@ -350,6 +350,29 @@ def test_host_cost_probe_measures_both_batches(tiny_model, kind):
     assert f"host cost per decoding sequence per step ({kind} outputs)" in format_host_cost(result)
 
 
+def test_host_cost_reports_the_device_time_of_each_step_where_events_time_it(tiny_model):
+    """On CUDA the probe reads two events around each step; here events reading the host's
+    clock stand in for them (a CUDA event cannot run on this machine)."""
+    import time
+
+    from pagedserve.bench.host_cost import HostCostProbe, format_host_cost, measure_host_cost
+
+    class ClockEvent:
+        def record(self) -> None:
+            self.at = time.perf_counter()
+
+        def elapsed_time(self, later: "ClockEvent") -> float:
+            return (later.at - self.at) * 1e3
+
+    probe = HostCostProbe(tiny_model("llama"), 6, step_event=ClockEvent)
+    result = measure_host_cost(tiny_model("llama"), small=2, large=6, num_steps=4, repeats=1, probe=probe)
+    assert set(result["device_busy_ms"]) == set(result["device_idle_ms"]) == {"2", "6"}
+    for batch in ("2", "6"):   # the events bracket most of each step's time, never more
+        assert 0 < result["device_busy_ms"][batch] <= result["step_ms"][batch]
+        assert result["device_idle_ms"][batch] >= 0
+    assert "the device per step:" in format_host_cost(result)
+
+
 # ---- command line ------------------------------------------------------------------------
 def test_bench_cli_parses():
     parser = build_parser()

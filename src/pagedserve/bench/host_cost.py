@@ -9,7 +9,10 @@ The forward pass (the transformer stack, the LM head and the sampler's tensor
 math) runs on the same CPU here, and its cost grows with the batch too; on a GPU
 it is device work. So each step's time inside them is measured as well, and the
 host cost is the rest: planning, the persistent batch's inputs, the finish checks,
-and the output processing of the step. Outputs are taken as ``LLM.generate``
+and the output processing of the step. On CUDA, where the forward only queues work, two
+CUDA events around each step also give the device's time per step and its idle time
+before it (``pagedserve.bench.step_device_time``): whether a step is the device's or the
+host's. Outputs are taken as ``LLM.generate``
 takes them (``output_kind="final"``); ``stream`` adds what a server's output thread
 pays per token (detokenizing and building each step's outputs), timed on its own;
 ``channel`` the same for a worker's output channel, whose requests' outputs are the
@@ -23,6 +26,7 @@ import statistics
 import time
 from typing import Callable
 
+from pagedserve.bench.step_device_time import StepDeviceTimes, record_step_device_times
 from pagedserve.workers.engine import EngineConfig, LLMEngine
 from pagedserve.workers.protocol import DeltaEncoder
 from pagedserve.workers.sampling_params import SamplingParams
@@ -40,9 +44,10 @@ def _timed(function: Callable, counter: list[float]) -> Callable:
 
 class HostCostProbe:
     """One engine whose forward and output processing are timed step by step (on CUDA the
-    forward is asynchronous: only the step times mean anything there)."""
+    forward is asynchronous: only the step times, and the step events', mean anything there)."""
 
-    def __init__(self, model: str, max_num_seqs: int, seed: int = 0, **engine_options) -> None:
+    def __init__(self, model: str, max_num_seqs: int, seed: int = 0, step_event: Callable | None = None,
+                 **engine_options) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(
             model=model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max(8192, 64 * max_num_seqs),
             num_device_blocks=64 * max_num_seqs, enable_prefix_caching=False, **engine_options))
@@ -59,6 +64,8 @@ class HostCostProbe:
         sampler.sample_batch = _timed(sampler.sample_batch, self.device_seconds)
         processor = self.engine.output_processor
         processor.process = _timed(processor.process, self.output_seconds)
+        # The events around each step: CUDA's by default (none elsewhere); ``step_event`` makes others.
+        self.step_times = record_step_device_times(self.engine, step_event)
         self._rng = random.Random(seed)
         self._num_requests = 0
 
@@ -74,6 +81,7 @@ class HostCostProbe:
                                output_kind="stream" if output_kind == "channel" else output_kind,
                                delta_encoder=DeltaEncoder() if output_kind == "channel" else None)
         engine.step()   # every prompt is prefilled in one step
+        first_event = len(self.step_times.events) if self.step_times is not None else 0
         step, device, output = [], [], []
         for _ in range(num_steps):
             self.device_seconds[0] = self.output_seconds[0] = 0.0
@@ -84,8 +92,17 @@ class HostCostProbe:
             output.append(self.output_seconds[0])
         while engine.has_unfinished_requests():
             engine.step()
-        return {"step": statistics.median(step), "device": statistics.median(device),
-                "output": statistics.median(output)}
+        result = {"step": statistics.median(step), "device": statistics.median(device),
+                  "output": statistics.median(output)}
+        if self.step_times is not None:
+            if engine.runner.device.type == "cuda":
+                import torch
+
+                torch.cuda.synchronize(engine.runner.device)
+            measured = self.step_times.events[first_event:first_event + num_steps]
+            spans, gaps = StepDeviceTimes(events=measured).spans_and_gaps()
+            result.update(device_busy=statistics.median(spans), device_idle=statistics.median(gaps[1:]))
+        return result
 
 
 def measure_host_cost(model: str, small: int = 4, large: int = 256, num_steps: int = 48,
@@ -110,6 +127,10 @@ def measure_host_cost(model: str, small: int = 4, large: int = 256, num_steps: i
         return (median[large][key] - median[small][key]) / num_more * 1e6
 
     host = {batch: m["step"] - m["device"] for batch, m in median.items()}
+    device_times = {}
+    if "device_busy" in median[small]:
+        device_times = {"device_busy_ms": {str(b): m["device_busy"] * 1e3 for b, m in median.items()},
+                        "device_idle_ms": {str(b): m["device_idle"] * 1e3 for b, m in median.items()}}
     probe.engine.check_integrity()
     return {
         "device": str(probe.engine.runner.device), "dtype": str(probe.engine.runner.dtype),
@@ -123,6 +144,7 @@ def measure_host_cost(model: str, small: int = 4, large: int = 256, num_steps: i
         "device_per_seq_us": per_seq_us("device"),
         "output_processing_per_seq_us": per_seq_us("output"),
         "host_per_seq_us": (host[large] - host[small]) / num_more * 1e6,
+        **device_times,
     }
 
 
@@ -134,7 +156,16 @@ def format_host_cost(result: dict) -> str:
             f"{result['step_per_seq_us']:.2f} us per sequence, of which the forward and sampling "
             f"{result['device_per_seq_us']:.2f} us and output processing "
             f"{result['output_processing_per_seq_us']:.2f} us; host {result['host_ms'][str(small)]:.2f} ms "
-            f"at {small})")
+            f"at {small})" + _device_times(result))
+
+
+def _device_times(result: dict) -> str:
+    """The device's time per step and its idle time before each, where measured (CUDA)."""
+    if "device_busy_ms" not in result:
+        return ""
+    return "; the device per step: " + ", ".join(
+        f"{result['device_busy_ms'][b]:.2f} ms busy and {result['device_idle_ms'][b]:.2f} ms idle at {b}"
+        for b in result["device_busy_ms"])
 
 
 def main(argv=None) -> None:
