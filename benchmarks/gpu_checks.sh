@@ -60,8 +60,9 @@ for name in ${STEPS:-engine host tests kernel_tests launches kernels sweep}; do
         tests) step tests 300 python3 -m pytest -q -p no:cacheprovider -o addopts= -rs -s --durations=10 "${TESTS[@]}" ;;
         kernel_tests) step kernel_tests 300 python3 -m pytest -q -p no:cacheprovider -o addopts= -rs --durations=10 \
                           "${KERNEL_TESTS[@]}" ;;
-        # Decode step time at 4 and 256 sequences, llama-1b in bf16, CUDA graphs on; and what an
-        # output channel's request costs the output thread per token on this host's CPU.
+        # Decode step time at 4 and 256 sequences, llama-1b in bf16, CUDA graphs on, with the device's
+        # share of it (step events); and what an output channel's request costs the output thread
+        # per token on this host's CPU.
         host) step host_cost 150 python3 -m pagedserve.bench.host_cost --size 1b --device cuda --dtype bfloat16 \
                   --steps 32 --repeats 2 --output-kinds final,channel --json "$OUT/host_cost.json" ;;
         # Kernels per decode step and per layer, llama-1b bf16: compiled (graph replays count 1,
