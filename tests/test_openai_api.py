@@ -731,6 +731,25 @@ def test_logit_bias_and_allowed_token_ids(server, local_handle):
     _assert_error(call(server, "POST", "/v1/completions", json=both), 400, "allowed_token_ids")
 
 
+def test_bad_words(server, local_handle):
+    """vLLM's bad_words reach the sampler: banning a token of the greedy output (a one-token
+    word, as vLLM tokenizes bad words) changes the output from there on; a blank word, or too
+    many, are 400s naming the field."""
+    from pagedserve.workers.per_row_features import bad_word_token_ids
+
+    tokenizer = local_handle.tokenizer
+    base = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    free = call(server, "POST", "/v1/completions", json=base).json()["choices"][0]["logprobs"]["tokens"]
+    at = next(i for i, t in enumerate(free)
+              if tokenizer.encode(t, add_special_tokens=False) in bad_word_token_ids(tokenizer, [t]))
+    banned = call(server, "POST", "/v1/completions", json={**base, "bad_words": [free[at]]})
+    assert banned.status_code == 200, banned.text
+    tokens = banned.json()["choices"][0]["logprobs"]["tokens"]
+    assert free[at] not in tokens and tokens[:at] == free[:at]
+    for value in (["  "], ["x"] * 129, "word"):
+        _assert_error(call(server, "POST", "/v1/completions", json={**base, "bad_words": value}), 400, "bad_words")
+
+
 @pytest.mark.parametrize(("field", "value", "path"), [
     ("store", True, "/v1/chat/completions"), ("metadata", {"a": "b"}, "/v1/chat/completions"),
     ("service_tier", "flex", "/v1/chat/completions"), ("reasoning_effort", "high", "/v1/chat/completions"),

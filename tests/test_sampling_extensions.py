@@ -217,6 +217,73 @@ def test_out_of_vocabulary_logit_bias_is_refused_when_added(make_llm):
             llm.generate([[1, 2, 3]], params)
 
 
+class _BanBadWords:
+    """The oracle: the last token of each word is banned where the output so far (the tokens
+    after ``num_prompt``) ends with the tokens before it (vLLM's rule)."""
+
+    def __init__(self, words: list[list[int]], num_prompt: int) -> None:
+        self.words, self.num_prompt = words, num_prompt
+
+    def __call__(self, input_ids, scores):
+        output = input_ids[0, self.num_prompt:].tolist()
+        scores = scores.clone()
+        for word in self.words:
+            prefix = word[:-1]
+            if len(prefix) <= len(output) and output[len(output) - len(prefix):] == prefix:
+                scores[0, word[-1]] = float("-inf")
+        return scores
+
+
+def test_bad_words_are_tokenized_alone_and_after_a_space_as_vllm_does(tiny_model):
+    from transformers import AutoTokenizer
+
+    from pagedserve.workers.per_row_features import bad_word_bans, bad_word_token_ids
+
+    tok = AutoTokenizer.from_pretrained(tiny_model("llama"))
+    for word in ("PL", " PLrid OR", "45OP", "ic that"):
+        alone = tok.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tok.encode(" " + word.lstrip(), add_special_tokens=False)
+        kept = [alone] + ([spaced] if len(spaced) == len(alone) and spaced[0] != alone[0] else [])
+        assert bad_word_token_ids(tok, [word]) == kept
+    assert bad_word_token_ids(tok, ["PL"]) == [tok.encode("PL", add_special_tokens=False),
+                                               tok.encode(" PL", add_special_tokens=False)]
+    assert bad_word_bans([7, 8, 9], [[9, 4], [8, 9, 5], [7, 6], [1], [2, 3]]) == [4, 5, 1]
+    assert bad_word_bans([], [[1], [2, 3]]) == [1]
+
+
+def test_bad_words_match_transformers(make_llm, tiny_model, hf_model):
+    """Greedy with bad words taken from the free output (one and several tokens long, with and
+    without a leading space) equals transformers' generate with a processor banning the same
+    tokens; the banned sequences never appear in the output."""
+    from transformers import LogitsProcessorList
+
+    from pagedserve.workers.per_row_features import bad_word_token_ids
+
+    llm = make_llm()
+    tok = llm.get_tokenizer()
+    checked = 0
+    for seed in range(6):
+        prompt = random_prompt(9, seed=40 + seed)
+        [free] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        ids = free.outputs[0].token_ids
+        words = [tok.decode(ids[i:i + length]) for i, length in ((2, 1), (4, 2), (7, 3))]
+        words = [w for w in words if w.strip()]
+        [out] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                      bad_words=words))
+        sequences = bad_word_token_ids(tok, words)
+        ids_tensor = torch.tensor([prompt])
+        with torch.inference_mode():
+            reference = hf_model.generate(
+                ids_tensor, attention_mask=torch.ones_like(ids_tensor), do_sample=False, max_new_tokens=12,
+                logits_processor=LogitsProcessorList([_BanBadWords(sequences, len(prompt))]),
+                eos_token_id=None)[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == reference, (words, sequences)
+        for word in sequences:
+            assert not any(reference[i:i + len(word)] == word for i in range(len(reference)))
+        checked += out.outputs[0].token_ids != ids
+    assert checked >= 3   # the bans changed most outputs
+
+
 def test_min_tokens_holds_stop_strings(make_llm):
     llm = make_llm()
     prompt = random_prompt(10, seed=4)

@@ -20,6 +20,7 @@ from pagedserve.kvmanager import KVManager
 
 from .beam_groups import BeamGroups
 from .detokenizer import FINISH_STOP
+from .per_row_features import bad_word_token_ids
 from .engine_options import EngineConfig
 from .grammar import GrammarCompiler
 from .input_batch import InputBatch
@@ -269,7 +270,9 @@ class LLMEngine:
             bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
-        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+        bad_words = bad_word_token_ids(self.tokenizer, params.bad_words) if params.bad_words else None
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("bad_words", [t for word in bad_words or () for t in word])):
             outside = [t for t in ids if t >= vocab]
             if outside:
                 raise ValueError(f"{name} token ids must be in [0, {vocab}); got {outside[:5]}")
@@ -291,6 +294,7 @@ class LLMEngine:
         request.is_migratable = params.n == 1 and not export_kv and not params.use_beam_search
         request.kv_transfer = kv_transfer
         request.grammar = grammar
+        request.bad_words_token_ids = bad_words
         request.output_kind = output_kind
         request.delta_encoder = delta_encoder
         if params.prompt_logprobs is not None:

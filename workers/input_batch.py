@@ -36,9 +36,10 @@ EXPORTS_KV = 256    # disaggregated prefill: the prompt's KV is kept at the firs
 TEXT = 512          # its text is followed token by token (streamed, or has stop strings)
 BEAM = 1024         # a beam of a beam search: its logits go to its group, not to sampling
 LOGIT_BIAS = 2048   # logit_bias or allowed_token_ids
+BAD_WORDS = 4096
 # Any of these sends the row through the per-row path of the step's sampling.
 PER_ROW = (PENALTIES | SEEDED | MIN_TOKENS | LOGPROBS | GRAMMAR | STOP_TOKEN_IDS | FORKS | EXPORTS_KV | BEAM
-           | LOGIT_BIAS)
+           | LOGIT_BIAS | BAD_WORDS)
 
 
 @dataclass
@@ -142,6 +143,8 @@ class InputBatch:
             flags |= STOP_TOKEN_IDS
         if params.biases_logits:
             flags |= LOGIT_BIAS
+        if request.bad_words_token_ids:
+            flags |= BAD_WORDS
         if params.n > 1 and len(request.seqs) < params.n:
             flags |= FORKS
         if request.export_kv:
@@ -174,7 +177,7 @@ class InputBatch:
         if flags & SEEDED:
             batch.seeded_uniforms[position] = seeded_uniform(params.seed, seq.sample_index,
                                                              len(seq.output_token_ids))
-        if flags & MIN_TOKENS and banned_token_ids:
+        if banned_token_ids:   # min_tokens' and bad words'
             batch.banned.append((position, banned_token_ids))
         if flags & LOGPROBS:
             batch.num_logprobs.append((position, params.logprobs))

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING, Any, Callable
 
 from .detokenizer import FINISH_STOP
 from .grammar import GrammarCompiler
-from .input_batch import EXPORTS_KV, GRAMMAR, MIN_TOKENS, STOP_TOKEN_IDS, InputBatch
+from .input_batch import BAD_WORDS, EXPORTS_KV, GRAMMAR, MIN_TOKENS, STOP_TOKEN_IDS, InputBatch
 from .kv_transfer import KVTransfer, export_kv
 from .request import SampleLogprobs, Sequence
 from .sampler import SamplingBatch
@@ -29,6 +30,31 @@ logger = logging.getLogger(__name__)
 # Sampling positions that end this step: position -> (finish reason, whether the
 # sampled token itself decided it).
 Ends = dict[int, tuple[str, bool]]
+
+
+def bad_word_token_ids(tokenizer: Any, words: Seq[str]) -> list[list[int]]:
+    """Each word's token sequences, as vLLM makes them: the word (left-stripped) alone,
+    and after a space where that gives as many tokens and another first token (so the
+    word is banned at the start of the text and mid-text alike)."""
+    sequences: list[list[int]] = []
+    for word in words:
+        alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        sequences.append(alone)
+        if len(spaced) == len(alone) and spaced[0] != alone[0]:
+            sequences.append(spaced)
+    return sequences
+
+
+def bad_word_bans(output_token_ids: Seq[int], bad_words: list[list[int]]) -> list[int]:
+    """The last token of each bad word whose tokens before it end the output so far."""
+    bans = []
+    num_outputs = len(output_token_ids)
+    for word in bad_words:
+        prefix = len(word) - 1
+        if prefix <= num_outputs and (not prefix or output_token_ids[num_outputs - prefix:] == word[:prefix]):
+            bans.append(word[-1])
+    return bans
 
 
 class PerRowFeatures:
@@ -56,7 +82,7 @@ class PerRowFeatures:
         in ``seqs``, their flags in ``flag_values``): one batched bitmask fill for the
         constrained ones."""
         for p in per_row:
-            self.batch.add_per_row(batch, p, seqs[p], flag_values[p], self._banned_token_ids(seqs[p]))
+            self.batch.add_per_row(batch, p, seqs[p], flag_values[p], self._banned_token_ids(seqs[p], flag_values[p]))
         grammar_positions = [p for p in per_row if flag_values[p] & GRAMMAR]
         if grammar_positions:
             self._add_token_bitmasks(seqs, grammar_positions, batch)
@@ -83,13 +109,18 @@ class PerRowFeatures:
             if value & MIN_TOKENS and p not in ends:
                 self.batch.refresh_flags(seq)
 
-    def _banned_token_ids(self, seq: Sequence) -> list[int]:
-        """EOS and stop tokens while fewer than ``min_tokens`` outputs exist."""
-        params = seq.request.params
-        if len(seq.output_token_ids) >= params.min_tokens:
-            return []
-        eos = [] if params.ignore_eos else self.eos_token_ids
-        return [t for t in dict.fromkeys(eos + params.stop_token_ids) if t < self.runner.vocab_size]
+    def _banned_token_ids(self, seq: Sequence, flags: int) -> list[int]:
+        """EOS and stop tokens while fewer than ``min_tokens`` outputs exist, and the
+        tokens that would complete a bad word."""
+        request = seq.request
+        params = request.params
+        banned = []
+        if flags & MIN_TOKENS and len(seq.output_token_ids) < params.min_tokens:
+            eos = [] if params.ignore_eos else self.eos_token_ids
+            banned = [t for t in dict.fromkeys(eos + params.stop_token_ids) if t < self.runner.vocab_size]
+        if flags & BAD_WORDS:
+            banned += bad_word_bans(seq.output_token_ids, request.bad_words_token_ids)
+        return banned
 
     def _add_token_bitmasks(self, seqs: list[Sequence], positions: list[int], batch: SamplingBatch) -> None:
         """Fill the grammar bitmask of every constrained row (one batched call)."""

@@ -172,6 +172,8 @@ class Request:
     kv_transfer: object | None = None  # a KVTransfer to write on admission
     num_transferred_tokens: int = 0    # tokens whose KV ``kv_transfer`` holds
     grammar: CompiledGrammar | None = None
+    # params.bad_words as token sequences (``bad_word_token_ids``), tokenized when added.
+    bad_words_token_ids: list[list[int]] | None = None
     # Prompt logprobs by position (the first is None), while params.prompt_logprobs
     # asks for them; complete once there is one per prompt token.
     prompt_logprobs: list[SampleLogprobs | None] | None = None

@@ -159,6 +159,10 @@ class SamplingParams:
         ``allowed_token_ids`` (only these may be sampled) act before penalties,
         temperature and the rest; logprobs stay the raw model's. A token id must
         be in the model's vocabulary (checked when a request is added).
+      - ``bad_words``: words that are never completed. Each is tokenized alone and
+        after a space (the latter kept when it gives as many tokens and another
+        first token); the last token of such a sequence is banned whenever the
+        output so far ends with the tokens before it.
       - ``skip_special_tokens`` leaves special tokens out of the text;
         ``spaces_between_special_tokens`` (when they are kept) puts a space
         between a special token and its neighbours, as transformers' slow
@@ -176,7 +180,7 @@ class SamplingParams:
         ``temperature`` must be 0, and what would reshape the distribution or
         needs per-token sampling (top-k/p, min-p, penalties, stop strings,
         ``min_tokens``, logprobs, prompt logprobs, structured outputs, logit bias,
-        allowed token ids) is refused.
+        allowed token ids, bad words) is refused.
     """
 
     n: int = 1
@@ -205,6 +209,7 @@ class SamplingParams:
     early_stopping: bool | str = False
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         self.n = _as_int("n", self.n, minimum=1)
@@ -261,6 +266,8 @@ class SamplingParams:
             if self.structured_outputs is not None:
                 raise ValueError("allowed_token_ids cannot be combined with structured_outputs: "
                                  "express the allowed tokens in the grammar")
+        if self.bad_words is not None:
+            self.bad_words = [_as_word(word) for word in _as_list_of("bad_words", self.bad_words)] or None
         self._check_beam_search()
 
     def _check_beam_search(self) -> None:
@@ -292,6 +299,7 @@ class SamplingParams:
             ("structured_outputs", self.structured_outputs is not None),
             ("logit_bias", self.logit_bias is not None),
             ("allowed_token_ids", self.allowed_token_ids is not None),
+            ("bad_words", self.bad_words is not None),
         ) if is_set]
         if unsupported:
             raise ValueError(f"{unsupported[0]} cannot be used with use_beam_search: beam search keeps the "
@@ -373,6 +381,18 @@ def _as_float(name: str, value: Any, minimum: float | None = None, maximum: floa
     if maximum is not None and value > maximum:
         raise ValueError(f"{name} must be <= {maximum:.4g}, got {value:g}")
     return value
+
+
+def _as_list_of(name: str, value: Any) -> list:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list, got {type(value).__name__}")
+    return list(value)
+
+
+def _as_word(word: Any) -> str:
+    if not isinstance(word, str) or not word.strip():
+        raise ValueError(f"bad_words must be non-blank strings, got {word!r}")
+    return word
 
 
 def _as_stop_strings(stop: Any) -> list[str]:

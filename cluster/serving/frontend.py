@@ -479,7 +479,8 @@ class Frontend:
                 min_tokens=request.min_tokens, prompt_logprobs=prompt_logprobs,
                 structured_outputs=structured_outputs, use_beam_search=request.use_beam_search,
                 length_penalty=request.length_penalty, early_stopping=request.early_stopping,
-                logit_bias=logit_bias or None, allowed_token_ids=request.allowed_token_ids)
+                logit_bias=logit_bias or None, allowed_token_ids=request.allowed_token_ids,
+                bad_words=request.bad_words)
         except ValueError as exc:
             raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
 

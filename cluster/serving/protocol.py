@@ -7,7 +7,7 @@ are ``true`` or ``false``. Besides OpenAI's fields
 (``response_format``, ``tools``/``tool_choice``/``parallel_tool_calls``,
 ``stream_options``, ``logit_bias``), requests take vLLM's extensions: sampling (``top_k``,
 ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
-``min_tokens``, ``allowed_token_ids``), output (``skip_special_tokens``,
+``min_tokens``, ``allowed_token_ids``, ``bad_words``), output (``skip_special_tokens``,
 ``spaces_between_special_tokens``, ``include_stop_str_in_output``,
 ``prompt_logprobs``), ``truncate_prompt_tokens``, ``structured_outputs``,
 ``chat_template_kwargs``, ``stream_options.continuous_usage_stats``, and
@@ -59,6 +59,9 @@ Float = Annotated[float, NOT_A_BOOLEAN]
 # A request's flags: true or false only (pydantic would also read 0, 1, 0.0, "yes", "off", ...).
 Bool = StrictBool
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT32), NOT_A_BOOLEAN]
+# Every step checks each bad word's tokens against a sequence's output, in Python.
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 256
 
 
 def _nullable_defaults(schema: dict[str, Any], model: type[BaseModel]) -> None:
@@ -126,7 +129,6 @@ REFUSED_FIELDS = {
     "web_search_options": "this server does not search the web",
     "documents": "documents for retrieval templates are not supported",
     "chat_template": "a request may not bring its own chat template (server-side templates only)",
-    "bad_words": "bad_words is not supported",
     "return_tokens_as_token_ids": "tokens are returned as text",
     "return_token_ids": "token ids are returned over gRPC, not in this API's responses",
     "cache_salt": "prefix-cache isolation per request (cache_salt) is not supported",
@@ -173,7 +175,6 @@ class _RefusedFields(_Request):
     web_search_options: Any = None
     documents: Any = None
     chat_template: Any = None
-    bad_words: Any = None
     return_tokens_as_token_ids: Any = None
     return_token_ids: Any = None
     cache_salt: Any = None
@@ -222,6 +223,8 @@ class _SamplingFields(_RefusedFields):
     ignore_eos: Bool = False
     stop_token_ids: list[TokenId] | None = None
     allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)
+    bad_words: list[Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]] | None = Field(
+        None, max_length=MAX_BAD_WORDS)
     skip_special_tokens: Bool = True
     spaces_between_special_tokens: Bool = True
     include_stop_str_in_output: Bool = False
