@@ -20,14 +20,13 @@ from pagedserve.kvmanager import KVManager
 
 from .beam_groups import BeamGroups
 from .detokenizer import FINISH_STOP
-from .per_row_features import bad_word_token_ids
 from .engine_options import EngineConfig
 from .grammar import GrammarCompiler
 from .input_batch import InputBatch
 from .kv_transfer import KVTransfer, check_compatible, export_kv, import_kv, read_header
 from .model_runner import TokenScores
 from .output_processor import OUTPUT_KINDS, EngineStep, OutputProcessor, new_stream
-from .per_row_features import PerRowFeatures
+from .per_row_features import PerRowFeatures, bad_word_token_ids
 from .prepared_step import prepare_step
 from .protocol import DeltaEncoder
 from .request import Request, RequestOutput, SampleLogprobs, Sequence
@@ -271,7 +270,8 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
         bad_words = bad_word_token_ids(self.tokenizer, params.bad_words) if params.bad_words else None
-        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),
+        for name, ids in (("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ()),
                           ("bad_words", [t for word in bad_words or () for t in word])):
             outside = [t for t in ids if t >= vocab]
             if outside:

@@ -40,8 +40,9 @@ def bad_word_token_ids(tokenizer: Any, words: Seq[str]) -> list[list[int]]:
     for word in words:
         alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
         spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-        sequences.append(alone)
-        if len(spaced) == len(alone) and spaced[0] != alone[0]:
+        if alone:   # no tokens: nothing to complete
+            sequences.append(alone)
+        if spaced and len(spaced) == len(alone) and spaced[0] != alone[0]:
             sequences.append(spaced)
     return sequences
 

@@ -1,7 +1,7 @@
 """Batched token sampling: one row of logits per sequence, each with its own params.
 
 Order of operations (as vLLM): ``allowed_token_ids`` and ``logit_bias`` ->
-constraints (a grammar's token bitmask, tokens banned by ``min_tokens``) ->
+constraints (a grammar's token bitmask, tokens banned by ``min_tokens`` or bad words) ->
 penalties -> greedy argmax (greedy rows) ->
 temperature -> top-k -> top-p -> min-p -> sample. Logprobs are computed from the
 raw model logits (vLLM's default "raw_logprobs"), before constraints, penalties

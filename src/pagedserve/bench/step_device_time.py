@@ -96,7 +96,8 @@ def summarize_step_device_times(kinds: list[str], spans: list[float], gaps: list
 
 def format_step_device_times(summary: dict) -> str:
     lines = [f"steps held the device {summary['device_seconds']:.3f} s of {summary['wall_seconds']:.3f} s "
-             f"({summary['device_fraction']:.1%}); it idled between steps {summary['idle_between_steps_seconds']:.3f} s "
+             f"({summary['device_fraction']:.1%}); it idled between steps "
+             f"{summary['idle_between_steps_seconds']:.3f} s "
              f"({summary['idle_fraction']:.1%}); the rest is before the first step and after the last"]
     for kind, entry in summary["kinds"].items():
         lines.append(f"  {entry['steps']:5d} steps {kind}: {entry['device_ms_per_step']:.2f} ms of device each, "
