@@ -210,6 +210,19 @@ def test_logit_bias_and_allowed_token_ids_apply_to_sampled_rows(device):
         assert all(t in (3, 9, 40) for t in out.token_ids[0::2]) and out.token_ids[1::2] == [12] * 3
 
 
+def test_the_samples_of_an_n_request_all_keep_its_biases(make_llm):
+    """n > 1 forks at the first token: every sample keeps the allowed ids, the ban by bias
+    and the bad word, in the same batch as another such request."""
+    llm = make_llm()
+    word = llm.get_tokenizer().decode([10])
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=10, ignore_eos=True, seed=4,
+                            allowed_token_ids=[10, 11, 12, 13], logit_bias={11: -100.0}, bad_words=[word])
+    for output in llm.generate([random_prompt(5, seed=1), random_prompt(8, seed=2)], params):
+        assert len(output.outputs) == 3
+        for sample in output.outputs:
+            assert set(sample.token_ids) <= {12, 13}, sample.token_ids
+
+
 def test_out_of_vocabulary_logit_bias_is_refused_when_added(make_llm):
     llm = make_llm()
     for params in (SamplingParams(logit_bias={VOCAB: 1.0}), SamplingParams(allowed_token_ids=[5, VOCAB + 3])):
