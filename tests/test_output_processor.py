@@ -75,6 +75,10 @@ def test_vectorized_finish_checks_agree_with_check_stop(params, prompt_len, max_
 # ---- an output processor behind the engine ------------------------------------------------
 
 STOPS = (None, ["a"], ["e", "o"])
+# The per-row sampling features that change which token is greedy: they must hold through
+# lag, preemption (swap and recompute), overlap and forks as in a request run alone.
+LOGIT_FEATURES = ({}, {}, {"logit_bias": {7: 3.0, 300: 5.0, 512: -100.0}},
+                  {"allowed_token_ids": [7, 40, 41, 300, 512, 700, 1000]}, {"bad_words": ["e", "the end"]})
 PROMPT_IDS = range(5, 1024)
 
 
@@ -106,11 +110,11 @@ class LaggedOutputs(RuleBasedStateMachine):
 
     @rule(seed=st.integers(0, 10_000), prompt_len=st.integers(1, 40), max_tokens=st.integers(1, 24),
           n=st.sampled_from([1, 1, 2]), stop=st.sampled_from(STOPS),
-          kind=st.sampled_from(["stream", "final", "channel"]))
-    def add(self, seed, prompt_len, max_tokens, n, stop, kind) -> None:
+          kind=st.sampled_from(["stream", "final", "channel"]), features=st.sampled_from(LOGIT_FEATURES))
+    def add(self, seed, prompt_len, max_tokens, n, stop, kind, features) -> None:
         rng = random.Random(seed)
         prompt = [rng.choice(PROMPT_IDS) for _ in range(prompt_len)]
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, n=n, stop=stop)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, n=n, stop=stop, **features)
         request_id = f"req-{self.num_added}"
         self.num_added += 1
         self.engine.add_request(request_id, prompt, params, output_kind="stream" if kind == "channel" else kind,
@@ -183,7 +187,7 @@ class LaggedOutputs(RuleBasedStateMachine):
                 assert sum(c.is_newly_finished for c in deltas) == 1
         if request_id in self.aborted:
             return
-        key = (tuple(prompt), params.max_tokens, params.n, tuple(params.stop))
+        key = (tuple(prompt), repr(params))
         if key not in self.reference:
             self.reference[key] = LaggedOutputs.reference_llm.generate([prompt], params)[0]
         expected = self.reference[key]
