@@ -316,8 +316,7 @@ def summarise(args, env: dict, prompts, runs: dict, errors: dict, rates: dict, s
             row["num_mixed_steps"] = run["num_mixed_steps"]
             row["mixed_step_ms"] = run["mixed_seconds"] / run["num_mixed_steps"] * 1e3
         for name in ("num_cuda_graphs", "num_graph_replays", "triton_compiles_in_run", "dynamo_compiles_in_run",
-                     "kernel_profile",
-                     "step_device_times"):
+                     "kernel_profile", "step_device_times"):
             if name in run:
                 row[name] = run[name]
         results[LABELS[key]] = row

@@ -269,13 +269,11 @@ class LLMEngine:
             bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        params.check_token_ids(vocab)
         bad_words = bad_word_token_ids(self.tokenizer, params.bad_words) if params.bad_words else None
-        for name, ids in (("logit_bias", params.logit_bias or ()),
-                          ("allowed_token_ids", params.allowed_token_ids or ()),
-                          ("bad_words", [t for word in bad_words or () for t in word])):
-            outside = [t for t in ids if t >= vocab]
-            if outside:
-                raise ValueError(f"{name} token ids must be in [0, {vocab}); got {outside[:5]}")
+        outside = [t for word in bad_words or () for t in word if t >= vocab]
+        if outside:
+            raise ValueError(f"bad_words token ids must be in [0, {vocab}); got {outside[:5]}")
         num_imported = 0
         if kv_transfer is not None:
             meta = read_header(kv_transfer.header)

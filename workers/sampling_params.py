@@ -311,6 +311,14 @@ class SamplingParams:
         """True when sampling is a deterministic argmax."""
         return self.temperature < GREEDY_TEMPERATURE_EPS
 
+    def check_token_ids(self, vocab_size: int) -> None:
+        """ValueError naming the field if a ``logit_bias`` or ``allowed_token_ids`` id is
+        outside a vocabulary of ``vocab_size`` tokens (not known when the params are built)."""
+        for name, ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ())):
+            outside = [t for t in ids if t >= vocab_size]
+            if outside:
+                raise ValueError(f"{name} token ids must be in [0, {vocab_size}); got {outside[:5]}")
+
     @property
     def biases_logits(self) -> bool:
         """True when ``logit_bias`` or ``allowed_token_ids`` changes the logits."""

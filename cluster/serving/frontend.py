@@ -459,14 +459,8 @@ class Frontend:
         for text in stop:
             check_unicode(text, "stop")
         default_temperature = 0.0 if request.use_beam_search else 1.0
-        logit_bias = {int(key): value for key, value in (request.logit_bias or {}).items()}
-        for name, ids in (("logit_bias", logit_bias), ("allowed_token_ids", request.allowed_token_ids or ())):
-            outside = [t for t in ids if t >= self.vocab_size]
-            if outside:
-                raise APIError(400, f"{name} token ids must be in [0, {self.vocab_size}); got {outside[:5]}",
-                               param=name)
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 n=request.n, max_tokens=max_tokens,
                 temperature=default_temperature if request.temperature is None else request.temperature,
                 top_p=1.0 if request.top_p is None else request.top_p, top_k=request.top_k,
@@ -479,8 +473,10 @@ class Frontend:
                 min_tokens=request.min_tokens, prompt_logprobs=prompt_logprobs,
                 structured_outputs=structured_outputs, use_beam_search=request.use_beam_search,
                 length_penalty=request.length_penalty, early_stopping=request.early_stopping,
-                logit_bias=logit_bias or None, allowed_token_ids=request.allowed_token_ids,
+                logit_bias=request.logit_bias or None, allowed_token_ids=request.allowed_token_ids,
                 bad_words=request.bad_words)
+            params.check_token_ids(self.vocab_size)
+            return params
         except ValueError as exc:
             raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
 
