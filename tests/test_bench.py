@@ -486,3 +486,5 @@ def test_step_device_times_bracket_each_step_the_engine_runs(tiny_model):
     spans, gaps = times.spans_and_gaps()
     assert all(span > 0 for span in spans) and gaps[0] is None and all(gap >= 0 for gap in gaps[1:])
     assert sum(spans) + sum(gaps[1:]) <= wall
+    llm.check_integrity()
+    assert llm.engine.num_used_blocks() == 0
