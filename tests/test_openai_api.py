@@ -315,8 +315,9 @@ def test_idle_stream_ends_with_an_error_event_and_frees_blocks(local_handle):
 
 def test_a_steady_stream_outlives_its_idle_timeout(local_handle):
     """The idle timeout bounds each wait, not the stream: outputs 0.1 s apart for 1.5 s under a
-    0.3 s idle timeout (its one timer fires mid-stream and sets itself again) end normally."""
-    idle = _server(local_handle, limits={"stream_idle_timeout_s": 0.3})
+    0.5 s idle timeout (its one timer fires mid-stream and sets itself again) end normally. (At
+    0.3 s, a step delayed by a loaded machine once made a gap longer than the timeout.)"""
+    idle = _server(local_handle, limits={"stream_idle_timeout_s": 0.5})
     local_handle.stall_s = 0.1
     body = {"prompt": "Once upon a time", "max_tokens": 15, "ignore_eos": True, "stream": True}
     response = call(idle, "POST", "/v1/completions", json=body)
@@ -748,6 +749,74 @@ def test_bad_words(server, local_handle):
     assert free[at] not in tokens and tokens[:at] == free[:at]
     for value in (["  "], ["x"] * 129, "word"):
         _assert_error(call(server, "POST", "/v1/completions", json={**base, "bad_words": value}), 400, "bad_words")
+
+
+def test_return_token_ids_in_completions(server, local_handle):
+    """vLLM's return_token_ids: each choice's prompt and output token ids, which decode to its
+    text; streamed, the prompt's in the first chunk only and the output's new ones in each
+    chunk, adding up to the whole response's. Without it, neither key is sent."""
+    tokenizer = local_handle.tokenizer
+    prompts = ["Once upon a time", "The paged KV cache"]
+    base = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    data = call(server, "POST", "/v1/completions",
+                json={**base, "prompt": prompts, "n": 2, "return_token_ids": True}).json()
+    for choice in data["choices"]:
+        prompt = prompts[choice["index"] // 2]
+        assert choice["prompt_token_ids"] == tokenizer.encode(prompt)
+        assert len(choice["token_ids"]) == 6
+        assert tokenizer.decode(choice["token_ids"]) == choice["text"]
+    whole = data["choices"][0]
+    plain = call(server, "POST", "/v1/completions", json={**base, "prompt": prompts[0]}).json()["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain and plain["text"] == whole["text"]
+    events = _events(call(server, "POST", "/v1/completions",
+                          json={**base, "prompt": prompts[0], "stream": True, "return_token_ids": True}))
+    choices = [choice for event in events for choice in event["choices"]]
+    assert choices[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    assert all("prompt_token_ids" not in choice for choice in choices[1:])
+    assert [t for choice in choices for t in choice["token_ids"]] == whole["token_ids"]
+    scored = call(server, "POST", "/v1/completions", json={"prompt": prompts[0], "max_tokens": 0, "echo": True,
+                                                           "logprobs": 0, "return_token_ids": True}).json()
+    assert scored["choices"][0]["token_ids"] == [] and scored["choices"][0]["prompt_token_ids"] == whole[
+        "prompt_token_ids"]
+    _assert_error(call(server, "POST", "/v1/completions", json={**base, "prompt": "x", "return_token_ids": "yes"}),
+                  400, "return_token_ids")
+
+
+def test_return_token_ids_in_chat(server, local_handle):
+    """Chat: ``prompt_token_ids`` at the response's top level (the rendered template's tokens),
+    ``token_ids`` per choice, the stop token included as vLLM returns it; streamed, the
+    prompt's in the first chunk and the output's in the chunks after."""
+    tokenizer = local_handle.tokenizer
+    messages = [{"role": "user", "content": "Hello there"}]
+    body = {"messages": messages, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    data = call(server, "POST", "/v1/chat/completions", json=body).json()
+    prompt_ids, output_ids = data["prompt_token_ids"], data["choices"][0]["token_ids"]
+    assert len(prompt_ids) == data["usage"]["prompt_tokens"] and "Hello there" in tokenizer.decode(prompt_ids)
+    assert len(output_ids) == 5 and tokenizer.decode(output_ids) == data["choices"][0]["message"]["content"]
+    events = _events(call(server, "POST", "/v1/chat/completions", json={**body, "stream": True}))
+    chunks = [event for event in events if event["choices"]]
+    assert chunks[0]["prompt_token_ids"] == prompt_ids
+    assert all("prompt_token_ids" not in chunk for chunk in chunks[1:])
+    assert [t for chunk in chunks for t in chunk["choices"][0].get("token_ids", [])] == output_ids
+    eos = tokenizer.eos_token_id
+    ended = call(server, "POST", "/v1/chat/completions",
+                 json={**body, "ignore_eos": False, "logit_bias": {str(eos): 100}}).json()["choices"][0]
+    assert ended["finish_reason"] == "stop" and ended["token_ids"] == [eos] and ended["message"]["content"] == ""
+    plain = call(server, "POST", "/v1/chat/completions", json={**body, "return_token_ids": False}).json()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+
+
+def test_a_streamed_completions_first_chunk_waits_for_text_held_back(server):
+    """A stop string that the whole output could still begin holds its text back until the
+    end: the choice's first chunk is then the last, and still carries what a first chunk
+    carries (the prompt's logprobs)."""
+    base = {"prompt": "Once upon a time", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    text = call(server, "POST", "/v1/completions", json=base).json()["choices"][0]["text"]
+    events = _events(call(server, "POST", "/v1/completions",
+                          json={**base, "stop": [text + "\u0000"], "prompt_logprobs": 1, "stream": True}))
+    choices = [choice for event in events for choice in event["choices"]]
+    assert "".join(choice["text"] for choice in choices) == text
+    assert choices[0]["prompt_logprobs"] is not None and choices[0]["text"] == text
 
 
 @pytest.mark.parametrize(("field", "value", "path"), [

@@ -10,7 +10,7 @@ are ``true`` or ``false``. Besides OpenAI's fields
 ``min_tokens``, ``allowed_token_ids``, ``bad_words``), output (``skip_special_tokens``,
 ``spaces_between_special_tokens``, ``include_stop_str_in_output``,
 ``prompt_logprobs``), ``truncate_prompt_tokens``, ``structured_outputs``,
-``chat_template_kwargs``, ``stream_options.continuous_usage_stats``, and
+``chat_template_kwargs``, ``stream_options.continuous_usage_stats``, ``return_token_ids``, and
 ``priority``, ``request_id`` (the response's id), vLLM's earlier ``guided_json``/
 ``guided_regex``/``guided_choice``/``guided_grammar``, chat's ``continue_final_message``
 and ``add_special_tokens``, and Ray Serve LLM's JSON mode (``response_format``
@@ -130,7 +130,6 @@ REFUSED_FIELDS = {
     "documents": "documents for retrieval templates are not supported",
     "chat_template": "a request may not bring its own chat template (server-side templates only)",
     "return_tokens_as_token_ids": "tokens are returned as text",
-    "return_token_ids": "token ids are returned over gRPC, not in this API's responses",
     "cache_salt": "prefix-cache isolation per request (cache_salt) is not supported",
     "logits_processors": "custom logits processors are not supported",
     "vllm_xargs": "vLLM's extra arguments (vllm_xargs) are not supported",
@@ -144,7 +143,7 @@ REFUSED_FIELDS = {
 }
 HARMLESS_VALUES: dict[str, tuple] = {
     "store": (False,), "service_tier": ("auto", "default"), "modalities": (["text"],),
-    "return_tokens_as_token_ids": (False,), "return_token_ids": (False,),
+    "return_tokens_as_token_ids": (False,),
 }
 # vLLM's guided_decoding_backend: "<backend>" or "<backend>:<option>,..."; the grammar engine is
 # llguidance ("guidance"), and its one option here is vLLM's disable-any-whitespace.
@@ -176,7 +175,6 @@ class _RefusedFields(_Request):
     documents: Any = None
     chat_template: Any = None
     return_tokens_as_token_ids: Any = None
-    return_token_ids: Any = None
     cache_salt: Any = None
     logits_processors: Any = None
     vllm_xargs: Any = None
@@ -239,6 +237,10 @@ class _SamplingFields(_RefusedFields):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM: the prompt's and the output's token ids in the response (``prompt_token_ids``,
+    # ``token_ids``); streamed, the prompt's come once, in the first chunk, and each chunk has its
+    # new output tokens.
+    return_token_ids: Bool | None = None
     # vLLM: the id of the request, returned as the response's id.
     request_id: str | None = Field(None, min_length=1, max_length=256)
     priority: Int = Field(0, ge=-MAX_INT32 - 1, le=MAX_INT32)
@@ -403,6 +405,17 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 # ---- responses ------------------------------------------------------------------------
+def _is_none(value: Any) -> bool:
+    return value is None
+
+
+def _omitted_if_none() -> Any:
+    """A field that defaults to None and is left out of the serialised model while None
+    (a stream delta's keys, as OpenAI sends them; vLLM's
+    extensions where a request did not ask for them)."""
+    return Field(default=None, exclude_if=_is_none)
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
@@ -440,6 +453,10 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    # vLLM's ``return_token_ids``: the choice's prompt and its output tokens (streamed: the
+    # prompt's in the choice's first chunk, the output's new ones in every chunk).
+    prompt_token_ids: list[int] | None = _omitted_if_none()
+    token_ids: list[int] | None = _omitted_if_none()
 
 
 class CompletionResponse(BaseModel):
@@ -487,6 +504,7 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = _omitted_if_none()   # vLLM's return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -497,16 +515,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = None
-
-
-def _is_none(value: Any) -> bool:
-    return value is None
-
-
-def _omitted_if_none() -> Any:
-    """A field that defaults to None and is left out of the serialised model while None
-    (a stream delta's keys, as OpenAI sends them)."""
-    return Field(default=None, exclude_if=_is_none)
+    prompt_token_ids: list[int] | None = _omitted_if_none()   # vLLM's return_token_ids
 
 
 class DeltaFunctionCall(BaseModel):
@@ -534,6 +543,7 @@ class ChatStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = _omitted_if_none()   # vLLM's return_token_ids: the new ones
 
 
 class ChatCompletionChunk(BaseModel):
@@ -544,7 +554,8 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
     # vLLM: the prompt's logprobs, in the first chunk only (the key is absent elsewhere).
-    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=lambda value: value is None)
+    prompt_logprobs: PromptLogprobs | None = _omitted_if_none()
+    prompt_token_ids: list[int] | None = _omitted_if_none()   # vLLM's return_token_ids: the first chunk's
 
 
 class ModelCard(BaseModel):

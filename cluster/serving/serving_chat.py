@@ -109,7 +109,8 @@ class ServingChat:
         if request.prompt_logprobs is not None and last is not None and last.prompt_logprobs is not None:
             prompt_logprobs = self.logprobs.prompt(last.prompt_logprobs[:len(prompt.token_ids)])
         return ChatCompletionResponse(id=request_id, model=frontend.model_name, choices=choices,
-                                      usage=generation.usage(), prompt_logprobs=prompt_logprobs)
+                                      usage=generation.usage(), prompt_logprobs=prompt_logprobs,
+                                      prompt_token_ids=prompt.token_ids if request.return_token_ids else None)
 
     def _choice(self, request: ChatCompletionRequest, completion: CompletionOutput) -> ChatChoice:
         content, calls, finish_reason = completion.text, [], completion.finish_reason
@@ -123,7 +124,8 @@ class ServingChat:
                 finish_reason = "tool_calls"
         return ChatChoice(index=completion.index, message=ChatMessageOut(content=content, tool_calls=calls),
                           logprobs=self._chat_logprobs(completion, 0) if request.logprobs else None,
-                          finish_reason=finish_reason)
+                          finish_reason=finish_reason,
+                          token_ids=completion.token_ids if request.return_token_ids else None)
 
     async def _stream_chat(self, request: ChatCompletionRequest, request_id: str, generation: Generation,
                            first) -> AsyncIterator[ChatCompletionChunk]:
@@ -149,13 +151,18 @@ class ServingChat:
                     if request.prompt_logprobs is not None and output.prompt_logprobs is not None:
                         extra["prompt_logprobs"] = self.logprobs.prompt(
                             output.prompt_logprobs[:len(output.prompt_token_ids)])
+                    if request.return_token_ids:
+                        extra["prompt_token_ids"] = output.prompt_token_ids
                     yield chunk(ChatStreamChoice(index=completion.index,
                                                  delta=DeltaMessage(role="assistant", content="")), **extra)
                 logprobs = self.logprobs.chat(completion.delta_logprobs or []) if request.logprobs else None
                 cursor.is_finished = completion.finish_reason is not None
                 delta = self._delta(cursor, completion.delta_text)
-                if delta.content or delta.tool_calls or (logprobs and logprobs.content):
-                    yield chunk(ChatStreamChoice(index=completion.index, delta=delta, logprobs=logprobs))
+                # The new tokens go out even while a tool parser or a stop string holds their text back.
+                token_ids = completion.delta_token_ids if request.return_token_ids else None
+                if delta.content or delta.tool_calls or (logprobs and logprobs.content) or token_ids:
+                    yield chunk(ChatStreamChoice(index=completion.index, delta=delta, logprobs=logprobs,
+                                                 token_ids=token_ids))
                 if cursor.is_finished:
                     if cursor.parser is not None:
                         rest = self._delta(cursor, None)

@@ -137,10 +137,14 @@ class ServingCompletion:
                 logprobs = self._choice_logprobs(request, prompts[index], echoes[index], output, completion,
                                                  _Cursor(), True, is_scoring_only)
                 text = echoes[index].text + ("" if is_scoring_only else completion.text)
-                choices.append(CompletionChoice(
+                choice = CompletionChoice(
                     index=index * n + completion.index, text=text, logprobs=logprobs,
                     finish_reason="length" if is_scoring_only else completion.finish_reason,
-                    prompt_logprobs=self._prompt_logprobs(request, output, prompts[index])))
+                    prompt_logprobs=self._prompt_logprobs(request, output, prompts[index]))
+                if request.return_token_ids:
+                    choice.prompt_token_ids = prompts[index].token_ids
+                    choice.token_ids = [] if is_scoring_only else completion.token_ids
+                choices.append(choice)
         choices.sort(key=lambda c: c.index)
         return CompletionResponse(id=request_id, model=frontend.model_name, choices=choices,
                                   usage=self._usage(generation, is_scoring_only))
@@ -175,23 +179,32 @@ class ServingCompletion:
                     continue
                 if not cursor.is_started and needs_prompt_logprobs and output.prompt_logprobs is None:
                     continue  # the prompt's logprobs come with its first chunk
+                # A choice's first chunk catches up with everything before it (text, logprobs,
+                # token ids); until a chunk is sent, the next output's is the first.
                 is_first = not cursor.is_started
-                cursor.is_started = True
                 text = echoes[index].text if is_first else ""
                 logprobs = self._choice_logprobs(request, prompt, echoes[index], output, completion, cursor,
                                                  is_first, is_scoring_only)
                 finish_reason = completion.finish_reason
+                token_ids = None
                 if is_scoring_only:
                     finish_reason = "length"
                 else:
                     text += completion.text if is_first else completion.delta_text
-                cursor.is_finished = finish_reason is not None
-                if not text and not cursor.is_finished and not (logprobs and logprobs.tokens):
+                    if request.return_token_ids:
+                        token_ids = completion.token_ids if is_first else completion.delta_token_ids
+                is_finished = finish_reason is not None
+                if not (text or is_finished or token_ids or (logprobs and logprobs.tokens)):
                     continue
+                cursor.is_started, cursor.is_finished = True, is_finished
                 choice = CompletionChoice(index=index * n + completion.index, text=text, logprobs=logprobs,
                                           finish_reason=finish_reason,
                                           prompt_logprobs=self._prompt_logprobs(request, output, prompt)
                                           if is_first else None)
+                if request.return_token_ids:
+                    choice.token_ids = token_ids or []
+                    if is_first:
+                        choice.prompt_token_ids = prompt.token_ids
                 usage = self._usage(generation, is_scoring_only) if request.continuous_usage else None
                 yield CompletionResponse(id=request_id, created=created, model=model, choices=[choice],
                                          usage=usage)
