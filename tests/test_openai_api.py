@@ -806,6 +806,37 @@ def test_return_token_ids_in_chat(server, local_handle):
     assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
 
 
+def test_return_tokens_as_token_ids(server):
+    """vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>" (the chosen
+    ones are the output's ids, in order), the top candidates too; text offsets and chat's
+    bytes stay the tokens' own."""
+    base = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+    plain = call(server, "POST", "/v1/completions", json=base).json()["choices"][0]
+    named = call(server, "POST", "/v1/completions",
+                 json={**base, "return_tokens_as_token_ids": True, "return_token_ids": True}).json()["choices"][0]
+    assert named["logprobs"]["tokens"] == [f"token_id:{t}" for t in named["token_ids"]]
+    assert all(re.fullmatch(r"token_id:\d+", key) for top in named["logprobs"]["top_logprobs"] for key in top)
+    assert [len(top) for top in named["logprobs"]["top_logprobs"]] == [
+        len(top) for top in plain["logprobs"]["top_logprobs"]]
+    assert named["logprobs"]["text_offset"] == plain["logprobs"]["text_offset"] and named["text"] == plain["text"]
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "logprobs": True, "top_logprobs": 2}
+    plain = call(server, "POST", "/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
+    for stream in (False, True):
+        response = call(server, "POST", "/v1/chat/completions",
+                        json={**chat, "return_tokens_as_token_ids": True, "return_token_ids": True, "stream": stream})
+        if stream:
+            chunks = [event["choices"][0] for event in _events(response) if event["choices"]]
+            content = [entry for chunk in chunks for entry in (chunk.get("logprobs") or {}).get("content") or []]
+            token_ids = [t for chunk in chunks for t in chunk.get("token_ids", [])]
+        else:
+            choice = response.json()["choices"][0]
+            content, token_ids = choice["logprobs"]["content"], choice["token_ids"]
+        assert [entry["token"] for entry in content] == [f"token_id:{t}" for t in token_ids]
+        assert [entry["bytes"] for entry in content] == [entry["bytes"] for entry in plain]
+        assert all(re.fullmatch(r"token_id:\d+", top["token"]) for entry in content for top in entry["top_logprobs"])
+
+
 def test_a_streamed_completions_first_chunk_waits_for_text_held_back(server):
     """A stop string that the whole output could still begin holds its text back until the
     end: the choice's first chunk is then the last, and still carries what a first chunk

@@ -11,6 +11,11 @@
 - vLLM's ``prompt_logprobs``: per prompt position (the first None),
   ``{token id: {logprob, rank, decoded_token}}`` for the prompt's token and the
   top k; ``rank`` is known for the top k only.
+
+With vLLM's ``return_tokens_as_token_ids``, completions' and chat's logprobs
+name each token ``"token_id:<id>"`` instead of its text (text offsets and chat's
+``bytes`` stay the token's own): a token whose text is not valid UTF-8 alone
+stays identifiable.
 """
 
 from __future__ import annotations
@@ -60,28 +65,31 @@ class LogprobFormatter:
         return text
 
     def completion(self, samples: Sequence[SampleLogprobs | None], offsets: Sequence[int],
-                   token_ids: Sequence[int]) -> CompletionLogprobs:
-        """Entries for ``token_ids`` (a None sample: the prompt's first token, which has none)."""
+                   token_ids: Sequence[int], as_token_ids: bool = False) -> CompletionLogprobs:
+        """Entries for ``token_ids`` (a None sample: the prompt's first token, which has none);
+        ``as_token_ids``: tokens named by id (``return_tokens_as_token_ids``)."""
+        name = _token_id_name if as_token_ids else self.token_text
         result = CompletionLogprobs()
         for sample, offset, token_id in zip(samples, offsets, token_ids, strict=True):
-            result.tokens.append(self.token_text(token_id))
+            result.tokens.append(name(token_id))
             result.text_offset.append(offset)
             if sample is None:
                 result.token_logprobs.append(None)
                 result.top_logprobs.append(None)
                 continue
             result.token_logprobs.append(sample.logprob)
-            top = {self.token_text(t): lp for t, lp in sample.top}
-            top.setdefault(self.token_text(sample.token_id), sample.logprob)
+            top = {name(t): lp for t, lp in sample.top}
+            top.setdefault(name(sample.token_id), sample.logprob)
             result.top_logprobs.append(top)
         return result
 
-    def chat(self, samples: Sequence[SampleLogprobs]) -> ChoiceLogprobs:
+    def chat(self, samples: Sequence[SampleLogprobs], as_token_ids: bool = False) -> ChoiceLogprobs:
+        name = _token_id_name if as_token_ids else self.token_text
         content = []
         for sample in samples:
-            top = [TopLogprob(token=self.token_text(t), logprob=lp, bytes=list(self.token_bytes(t)))
+            top = [TopLogprob(token=name(t), logprob=lp, bytes=list(self.token_bytes(t)))
                    for t, lp in sample.top]
-            content.append(TokenLogprob(token=self.token_text(sample.token_id), logprob=sample.logprob,
+            content.append(TokenLogprob(token=name(sample.token_id), logprob=sample.logprob,
                                         bytes=list(self.token_bytes(sample.token_id)), top_logprobs=top))
         return ChoiceLogprobs(content=content)
 
@@ -97,3 +105,8 @@ class LogprobFormatter:
                 logprob=entry.logprob, rank=None, decoded_token=self.token_text(entry.token_id)))
             result.append(candidates)
         return result
+
+
+def _token_id_name(token_id: int) -> str:
+    """A token named by its id, as vLLM's ``return_tokens_as_token_ids`` names it."""
+    return f"token_id:{token_id}"

@@ -66,8 +66,8 @@ class ServingChat:
             return self.tool_parser()
         return constrained_parser(tool_choice if isinstance(tool_choice, str) else tool_choice.model_dump())
 
-    def _chat_logprobs(self, completion: CompletionOutput, start: int) -> ChoiceLogprobs:
-        return self.logprobs.chat((completion.logprobs or [])[start:])
+    def _chat_logprobs(self, request: ChatCompletionRequest, samples) -> ChoiceLogprobs:
+        return self.logprobs.chat(samples or [], bool(request.return_tokens_as_token_ids))
 
     def prepare(self, request: ChatCompletionRequest) -> tuple[PromptInput, SamplingParams]:
         """Check ``request`` and build its prompt and sampling params (``APIError`` naming what is
@@ -123,7 +123,7 @@ class ServingChat:
             if calls and finish_reason == "stop":
                 finish_reason = "tool_calls"
         return ChatChoice(index=completion.index, message=ChatMessageOut(content=content, tool_calls=calls),
-                          logprobs=self._chat_logprobs(completion, 0) if request.logprobs else None,
+                          logprobs=self._chat_logprobs(request, completion.logprobs) if request.logprobs else None,
                           finish_reason=finish_reason,
                           token_ids=completion.token_ids if request.return_token_ids else None)
 
@@ -155,7 +155,7 @@ class ServingChat:
                         extra["prompt_token_ids"] = output.prompt_token_ids
                     yield chunk(ChatStreamChoice(index=completion.index,
                                                  delta=DeltaMessage(role="assistant", content="")), **extra)
-                logprobs = self.logprobs.chat(completion.delta_logprobs or []) if request.logprobs else None
+                logprobs = self._chat_logprobs(request, completion.delta_logprobs) if request.logprobs else None
                 cursor.is_finished = completion.finish_reason is not None
                 delta = self._delta(cursor, completion.delta_text)
                 # The new tokens go out even while a tool parser or a stop string holds their text back.

@@ -84,7 +84,7 @@ class ServingCompletion:
             samples += new
             offsets += [cursor.offsets.add(sample.token_id) for sample in new]
             token_ids += [sample.token_id for sample in new]
-        return self.logprobs.completion(samples, offsets, token_ids)
+        return self.logprobs.completion(samples, offsets, token_ids, bool(request.return_tokens_as_token_ids))
 
     def prepare(self, request: CompletionRequest) -> tuple[list[PromptInput], SamplingParams]:
         """Check ``request`` and build its prompts and sampling params (``APIError`` naming what
