@@ -290,6 +290,69 @@ def test_offline_runs_all_contenders(tmp_path, tiny_model):
     assert (tmp_path / "offline_throughput.png").is_file()
 
 
+def _benchmark_module(name: str):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_roofline_replay_draws_the_gpu_benchs_prompts_and_counts_llama_1b():
+    """benchmarks/bench_roofline_replay.py replays bench_engine_gpu.py's workload: the same
+    prompt lengths (drawn in the 1b model's vocabulary, clipped to its context), and the 1b
+    Llama's parameters and K/V bytes as transformers' own model has them."""
+    import argparse
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pagedserve.devtools.model_factory import SHAPES
+
+    replay, gpu_bench = _benchmark_module("bench_roofline_replay"), _benchmark_module("bench_engine_gpu")
+    for min_prompt, max_prompt, output_len in ((128, 1024, 256), (512, 2048, 64), (3000, 5000, 256)):
+        args = argparse.Namespace(num_requests=40, min_prompt=min_prompt, max_prompt=max_prompt,
+                                  output_len=output_len, seed=0, size="1b", static_batch=1)
+        expected, _ = gpu_bench.make_prompts(argparse.Namespace(**vars(args)), SHAPES["1b"].vocab_size,
+                                             SHAPES["1b"].max_position_embeddings)
+        assert replay.prompt_lengths(args, SHAPES["1b"]) == [len(p) for p in expected]
+    shape = SHAPES["1b"]
+    config = LlamaConfig(hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+                         num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
+                         num_key_value_heads=shape.num_key_value_heads, vocab_size=shape.vocab_size)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    linear = sum(m.weight.numel() for name, m in model.model.named_modules() if isinstance(m, torch.nn.Linear))
+    counts = replay.model_counts(shape)
+    assert counts["num_linear"] == linear and counts["num_lm_head"] == model.lm_head.weight.numel()
+    assert counts["weight_bytes"] == 2 * (linear + model.lm_head.weight.numel())
+    head_dim = shape.hidden_size // shape.num_attention_heads
+    assert counts["kv_bytes_per_token"] == 2 * 2 * shape.num_hidden_layers * shape.num_key_value_heads * head_dim
+
+
+def test_the_roofline_replay_runs_a_workload_on_the_cpu(tmp_path, capsys):
+    replay = _benchmark_module("bench_roofline_replay")
+    out = tmp_path / "replay.json"
+    replay.main(["--size", "tiny", "--num-requests", "6", "--min-prompt", "20", "--max-prompt", "60",
+                 "--output-len", "4", "--max-num-batched-tokens", "64", "--json", str(out)])
+    assert "serial floor" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    args = replay.argparse.Namespace(num_requests=6, min_prompt=20, max_prompt=60, output_len=4, seed=0)
+    lengths = replay.prompt_lengths(args, replay.SHAPES["tiny"])
+    assert result["num_prompt_tokens"] == sum(lengths)
+    # Every prompt token is computed in a step with a prompt chunk, 64 at most a step; then
+    # the decode steps (each request's 3 tokens after its first).
+    assert result["num_mixed_steps"] >= -(-sum(lengths) // 64)
+    assert result["num_decode_steps"] + result["num_mixed_steps"] == result["num_steps"]
+    assert result["seconds"] <= result["serial_seconds"]
+    assert 0 < result["flop_utilisation_at_serial_floor"] <= result["flop_utilisation_at_roofline"] <= 1
+
+
 def test_gpu_engine_bench_smoke_on_cpu(tmp_path, tiny_model):
     """benchmarks/bench_engine_gpu.py's every path but CUDA: five contenders, one report."""
     import subprocess
