@@ -304,7 +304,7 @@ class ClusterHandle:
                 self._num_recomputed_tokens += num_tokens
             excluded = {w for w, role in self.roles.items() if role == "prefill"}
             await self._wait_for_capacity(flow.request_id, excluded)
-            cached = await self._longest_prefix(tokens)
+            cached = await self._longest_prefix(tokens, request.params.cache_salt)
             decision = self.router.choose(request.request_id, num_tokens, max_tokens, cached, excluded)
         run.worker_id = decision.worker_id
         worker = self.workers[decision.worker_id]
@@ -340,7 +340,7 @@ class ClusterHandle:
         prompt_ids, request_id = request.prompt_token_ids, request.request_id
         prefill_ids = {w for w, role in self.roles.items() if role == "prefill"}
         decode_ids = {w for w, role in self.roles.items() if role == "decode"}
-        cached = await self._longest_prefix(prompt_ids)
+        cached = await self._longest_prefix(prompt_ids, params.cache_salt)
         decision = self.router.choose(f"{request_id}/prefill", len(prompt_ids), 1, cached,
                                       exclude=set(self.workers) - prefill_ids)
         try:
@@ -397,15 +397,15 @@ class ClusterHandle:
                 pass
         return None
 
-    async def _longest_prefix(self, token_ids: list[int]) -> dict[str, int]:
-        """Cached prefix per worker from the central index: a hint, never waited on for long.
-        While the KV manager is down or slow, requests are routed by load alone (and it is not
-        asked again for ``HINT_PAUSE_S``)."""
+    async def _longest_prefix(self, token_ids: list[int], cache_salt: str | None = None) -> dict[str, int]:
+        """Cached prefix per worker from the central index (among blocks of ``cache_salt``): a
+        hint, never waited on for long. While the KV manager is down or slow, requests are routed
+        by load alone (and it is not asked again for ``HINT_PAUSE_S``)."""
         if (self.config.router.policy != "cache_aware" or len(self.workers) == 1
                 or time.monotonic() < self._hints_paused_until):
             return {}
         try:
-            return await asyncio.wait_for(self.kv_manager.longest_prefix.remote(token_ids),
+            return await asyncio.wait_for(self.kv_manager.longest_prefix.remote(token_ids, cache_salt),
                                           timeout=HINT_TIMEOUT_S)
         except Exception as exc:  # the KV manager is restarting or overloaded: route by load alone
             self._hints_paused_until = time.monotonic() + HINT_PAUSE_S

@@ -436,6 +436,30 @@ def test_repeated_prefix_goes_to_the_worker_that_holds_it(handle, reference):
     assert kv_stats["num_prefix_hit_tokens"] >= 3 * len(prefix)
 
 
+def test_a_salted_prefix_is_found_and_routed_to_only_under_its_salt(handle, reference):
+    """cache_salt through the cluster: the worker's blocks carry the salt into the central index,
+    which finds them for the same salt only; the handle asks under the request's salt, so a
+    repeat goes to the worker holding its salted prefix."""
+    rng = random.Random(5)
+    prefix = [rng.randrange(3, 1024) for _ in range(96)]   # six full blocks of 16
+    prompts = [prefix + [rng.randrange(3, 1024) for _ in range(3 + i)] for i in range(2)]
+    salted = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, cache_salt="tenant-7")
+    outputs = handle.generate_sync(prompts[:1], salted)
+    owner = handle.stats()["recent_decisions"][-1]["worker_id"]
+
+    def index(salt):
+        return ray.get(handle.kv_manager.longest_prefix.remote(prompts[1], salt), timeout=30)
+
+    _wait_for(lambda: index("tenant-7").get(owner, 0) >= len(prefix), 5,
+              "the owner's salted blocks to reach the central index")
+    assert max(index("tenant-8").values(), default=0) == 0 and max(index(None).values(), default=0) < len(prefix)
+    outputs += handle.generate_sync(prompts[1:], salted)
+    decision = handle.stats()["recent_decisions"][-1]
+    assert decision["worker_id"] == owner and decision["reason"] == "prefix", decision
+    assert decision["cached_tokens"] == len(prefix), decision
+    assert _token_ids(outputs) == reference(prompts, MAX_TOKENS)
+
+
 def test_worker_killed_mid_stream_requests_resume_and_worker_rejoins(handle, reference):
     """The requests sample with a seed: a resumed run takes the streamed tokens as its own
     outputs, so its seeded draws (a hash of the seed and the output position) go on exactly."""

@@ -218,6 +218,32 @@ def test_prefix_cache_second_tier_on_host(make_llm, hf_greedy):
     assert all(o.metrics.num_cached_tokens > 0 for o in again)
 
 
+def test_cache_salt_shares_prefix_blocks_only_within_a_salt(make_llm, hf_greedy):
+    """vLLM's cache_salt: a salted request hits only blocks its own salt cached, an unsalted
+    one never hits a salted request's blocks, nor the other way; outputs stay transformers'.
+    Also through the host tier: the salt travels with an offloaded block."""
+    llm = make_llm("llama", shared_instance=False, block_size=8, num_device_blocks=32)
+    prompt = random_prompts([49], seed=31)[0]
+    full_blocks = (len(prompt) - 1) // 8 * 8
+
+    def cached(salt: str | None) -> int:
+        [output] = llm.generate([prompt], greedy(cache_salt=salt))
+        assert_greedy_matches([output], "llama", MAX_TOKENS, hf_greedy)
+        return output.metrics.num_cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") == full_blocks
+    assert cached("tenant-b") == 0 and cached(None) == 0
+    assert cached(None) == full_blocks and cached("tenant-b") == full_blocks
+    # Evicted to the host tier by other prompts, a salted prefix still hits only its salt.
+    others = random_prompts((100, 100), seed=32)
+    llm.generate(others, greedy())
+    assert llm.stats()["num_blocks_offloaded"] > 0
+    assert cached("tenant-c") == 0 and cached("tenant-a") == full_blocks
+    with pytest.raises(ValueError, match="cache_salt"):
+        SamplingParams(cache_salt="")
+
+
 def test_prefix_caching_off(make_llm, hf_greedy):
     llm = make_llm("llama", shared_instance=False, block_size=8, enable_prefix_caching=False)
     base = random_prompts([40], seed=8)[0]

@@ -169,6 +169,9 @@ class SamplingParams:
         tokenizers do.
       - ``truncate_prompt_tokens``: keep only the last k prompt tokens (-1: as
         many as the model's context allows, leaving room for one output token).
+      - ``cache_salt`` (vLLM's): the request shares prefix-cache blocks only with
+        requests of the same salt (every block hash covers it), so that one
+        tenant's requests cannot tell from their speed what another's prompts are.
       - ``structured_outputs``: see ``StructuredOutputsParams``; the output is
         constrained during decoding and ends ("stop") once the grammar is complete.
       - ``use_beam_search`` (vLLM's extension): beam search of width ``n``, as
@@ -210,6 +213,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         self.n = _as_int("n", self.n, minimum=1)
@@ -268,6 +272,8 @@ class SamplingParams:
                                  "express the allowed tokens in the grammar")
         if self.bad_words is not None:
             self.bad_words = [_as_word(word) for word in _as_list_of("bad_words", self.bad_words)] or None
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
         self._check_beam_search()
 
     def _check_beam_search(self) -> None:

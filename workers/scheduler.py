@@ -68,9 +68,10 @@ class Scheduler:
     def add(self, seq: Sequence, num_imported_tokens: int = 0) -> None:
         """Queue a new sequence; it registers with the KV manager at the next step."""
         self._enqueue(self.waiting, seq)
+        params = seq.request.params
         self._pending.new_sequences.append(
-            NewSequence(seq.seq_id, list(seq.token_ids), num_imported_tokens=num_imported_tokens,
-                        skip_prefix_cache=seq.request.params.prompt_logprobs is not None))
+            NewSequence(seq.seq_id, list(seq.token_ids), params.cache_salt, num_imported_tokens=num_imported_tokens,
+                        skip_prefix_cache=params.prompt_logprobs is not None))
         self._registered.add(seq.seq_id)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

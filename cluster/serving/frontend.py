@@ -474,7 +474,7 @@ class Frontend:
                 structured_outputs=structured_outputs, use_beam_search=request.use_beam_search,
                 length_penalty=request.length_penalty, early_stopping=request.early_stopping,
                 logit_bias=request.logit_bias or None, allowed_token_ids=request.allowed_token_ids,
-                bad_words=request.bad_words)
+                bad_words=request.bad_words, cache_salt=request.cache_salt)
             params.check_token_ids(self.vocab_size)
             return params
         except ValueError as exc:

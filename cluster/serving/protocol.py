@@ -11,7 +11,7 @@ are ``true`` or ``false``. Besides OpenAI's fields
 ``spaces_between_special_tokens``, ``include_stop_str_in_output``,
 ``prompt_logprobs``), ``truncate_prompt_tokens``, ``structured_outputs``,
 ``chat_template_kwargs``, ``stream_options.continuous_usage_stats``, ``return_token_ids``,
-``return_tokens_as_token_ids``, and
+``return_tokens_as_token_ids``, ``cache_salt``, and
 ``priority``, ``request_id`` (the response's id), vLLM's earlier ``guided_json``/
 ``guided_regex``/``guided_choice``/``guided_grammar``, chat's ``continue_final_message``
 and ``add_special_tokens``, and Ray Serve LLM's JSON mode (``response_format``
@@ -130,7 +130,6 @@ REFUSED_FIELDS = {
     "web_search_options": "this server does not search the web",
     "documents": "documents for retrieval templates are not supported",
     "chat_template": "a request may not bring its own chat template (server-side templates only)",
-    "cache_salt": "prefix-cache isolation per request (cache_salt) is not supported",
     "logits_processors": "custom logits processors are not supported",
     "vllm_xargs": "vLLM's extra arguments (vllm_xargs) are not supported",
     "kv_transfer_params": "KV transfer between servers is managed by the cluster, not the request",
@@ -173,7 +172,6 @@ class _RefusedFields(_Request):
     web_search_options: Any = None
     documents: Any = None
     chat_template: Any = None
-    cache_salt: Any = None
     logits_processors: Any = None
     vllm_xargs: Any = None
     kv_transfer_params: Any = None
@@ -241,6 +239,8 @@ class _SamplingFields(_RefusedFields):
     return_token_ids: Bool | None = None
     # vLLM: logprobs name each token "token_id:<id>" instead of its text.
     return_tokens_as_token_ids: Bool | None = None
+    # vLLM: the request shares prefix-cache blocks only with requests of the same salt.
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     # vLLM: the id of the request, returned as the response's id.
     request_id: str | None = Field(None, min_length=1, max_length=256)
     priority: Int = Field(0, ge=-MAX_INT32 - 1, le=MAX_INT32)
