@@ -855,6 +855,38 @@ def test_cache_salt_keeps_prefix_cache_hits_within_a_salt(server):
                   "cache_salt")
 
 
+def test_tokenize_and_detokenize(server, local_handle):
+    """vLLM's /tokenize: a prompt's ids as a completion tokenizes it (or without special
+    tokens), a chat's as the chat completion renders it (usage agrees), token strings on
+    request, the context length; /detokenize decodes ids back. Bad input is a 400 naming the field."""
+    tokenizer = local_handle.tokenizer
+    prompt = "The paged KV cache splits sequences into blocks."
+    data = call(server, "POST", "/tokenize", json={"prompt": prompt}).json()
+    assert data["tokens"] == tokenizer.encode(prompt) and data["count"] == len(data["tokens"])
+    assert data["max_model_len"] == server.max_model_len and data["token_strs"] is None
+    bare = call(server, "POST", "/tokenize", json={"prompt": prompt, "add_special_tokens": False,
+                                                   "return_token_strs": True}).json()
+    assert bare["tokens"] == tokenizer.encode(prompt, add_special_tokens=False)
+    assert bare["token_strs"] == tokenizer.convert_ids_to_tokens(bare["tokens"])
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    chat = call(server, "POST", "/tokenize", json={"messages": messages}).json()
+    usage = call(server, "POST", "/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()["usage"]
+    assert chat["count"] == usage["prompt_tokens"]
+    assert "Be brief." in tokenizer.decode(chat["tokens"])
+    no_prompt = call(server, "POST", "/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+    assert no_prompt["count"] < chat["count"] and chat["tokens"][:no_prompt["count"]] == no_prompt["tokens"]
+    text = call(server, "POST", "/detokenize", json={"tokens": data["tokens"]}).json()["prompt"]
+    assert text == tokenizer.decode(data["tokens"])
+    long = call(server, "POST", "/tokenize", json={"prompt": "block " * server.max_model_len}).json()
+    assert long["count"] > server.max_model_len   # counted, not refused
+    vocab = local_handle.engine.engine.runner.vocab_size
+    for path, body, param in (("/detokenize", {"tokens": [1, vocab]}, "tokens"), ("/detokenize", {"tokens": [-1]}, "tokens.0"),
+                              ("/tokenize", {"prompt": 3}, "prompt"), ("/tokenize", {"messages": []}, "messages"),
+                              ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
+                              ("/tokenize", {"prompt": "x", "stream": True}, "stream")):
+        _assert_error(call(server, "POST", path, json=body), 404 if param == "model" else 400, param)
+
+
 def test_a_streamed_completions_first_chunk_waits_for_text_held_back(server):
     """A stop string that the whole output could still begin holds its text back until the
     end: the choice's first chunk is then the last, and still carries what a first chunk

@@ -387,8 +387,14 @@ class Frontend:
         return prompt
 
     def chat_prompt(self, request: ChatCompletionRequest) -> PromptInput:
+        """The rendered conversation (``render_chat``), truncated as the request asks and checked
+        against the model's context."""
+        return self._truncated(self.render_chat(request), request.truncate_prompt_tokens, "messages")
+
+    def render_chat(self, request) -> PromptInput:
         """The rendered conversation: messages (assistant tool calls and tool results included),
-        the request's tools and ``chat_template_kwargs`` through the tokenizer's chat template."""
+        the request's tools and ``chat_template_kwargs`` through the tokenizer's chat template;
+        ``request`` is a chat completion's or a ``/tokenize`` request's."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, f"the model '{self.model_name}' has no chat template; use /v1/completions",
                            param="messages")
@@ -417,8 +423,7 @@ class Frontend:
             raise APIError(400, "the chat template did not render text with these chat_template_kwargs",
                            param="chat_template_kwargs")
         # The template writes the special tokens; add_special_tokens (vLLM) adds the tokenizer's too.
-        token_ids = self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
-        return self._truncated(PromptInput(text, token_ids), request.truncate_prompt_tokens, "messages")
+        return PromptInput(text, self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens))
 
     @staticmethod
     def _template_message(message) -> dict[str, Any]:

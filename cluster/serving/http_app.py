@@ -1,8 +1,8 @@
 """The HTTP transport: the FastAPI app over a ``Frontend``.
 
 Routes: ``/v1/completions`` (``serving_completion``), ``/v1/chat/completions``
-(``serving_chat``), ``/v1/models``, ``/health``, ``/metrics``, ``/stats`` and the
-dashboard. Every failure is OpenAI's error body with a meaningful status:
+(``serving_chat``), vLLM's ``/tokenize`` and ``/detokenize`` (``serving_tokenize``),
+``/v1/models``, ``/health``, ``/metrics``, ``/stats`` and the dashboard. Every failure is OpenAI's error body with a meaningful status:
 
 * 400 malformed JSON, invalid or unknown fields, a prompt too long (the
   message states the limit); 413 a body over ``max_request_body_bytes``;
@@ -36,14 +36,17 @@ from .errors import APIError, timeout_error, validation_error
 from .frontend import Frontend
 from .metrics import CONTENT_TYPE
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                       ErrorResponse, ModelCard, ModelList)
+                       DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
+                       TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse)
 from .serving_chat import ServingChat
 from .serving_completion import ServingCompletion
+from .serving_tokenize import ServingTokenize, TokenizeRequest
 from .sse import EventStream
 
 
-async def parse_body(request: Request, model: type[BaseModel], limits: LimitsConfig) -> Any:
-    """Read (size-limited), decode and validate a JSON body; ``APIError`` 400/413 otherwise."""
+async def parse_body(request: Request, model: type[BaseModel] | Any, limits: LimitsConfig) -> Any:
+    """Read (size-limited), decode and validate a JSON body (``model.model_validate``: a pydantic
+    model, or a chooser between several such as ``TokenizeRequest``); ``APIError`` 400/413 otherwise."""
     limit = limits.max_request_body_bytes
     too_large = APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
     declared = request.headers.get("content-length")
@@ -116,10 +119,12 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def _json_body(model: type[BaseModel]) -> dict:
-    """OpenAPI for a body the route reads itself (``parse_body``): the model's schema."""
+def _json_body(*models: type[BaseModel]) -> dict:
+    """OpenAPI for a body the route reads itself (``parse_body``): the model's schema (one of
+    the models' where it takes several forms)."""
+    refs = [{"$ref": f"#/components/schemas/{model.__name__}"} for model in models]
     return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+        "schema": refs[0] if len(refs) == 1 else {"oneOf": refs}}}}}
 
 
 def _responses(model: type[BaseModel] | None, is_streamable: bool = False) -> dict:
@@ -167,7 +172,9 @@ def build_app(server: Frontend):
     app.add_middleware(APIKeyMiddleware, server=server)
     completion = ServingCompletion(server)
     chat = ServingChat(server)
-    _install_openapi(app, [CompletionRequest, ChatCompletionRequest])
+    tokenize = ServingTokenize(server)
+    _install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest,
+                           DetokenizeRequest])
 
     def error_response(error: APIError):
         return _json_response(error.body(), error.status, error.headers)
@@ -230,6 +237,17 @@ def build_app(server: Frontend):
               responses=_responses(ChatCompletionResponse, is_streamable=True))
     async def chat_completions(request: Request):
         return await generate("chat", request, ChatCompletionRequest, chat.create_chat_completion)
+
+    @app.post("/tokenize", openapi_extra=_json_body(TokenizeCompletionRequest, TokenizeChatRequest),
+              responses=_responses(TokenizeResponse))
+    async def tokenize_route(request: Request):
+        body = await parse_body(request, TokenizeRequest, server.limits)
+        return _json_response(tokenize.tokenize(body).model_dump())
+
+    @app.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest), responses=_responses(DetokenizeResponse))
+    async def detokenize_route(request: Request):
+        body = await parse_body(request, DetokenizeRequest, server.limits)
+        return _json_response(tokenize.detokenize(body).model_dump())
 
     @app.get("/v1/models", responses=_responses(ModelList))
     async def models():

@@ -404,6 +404,36 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
 
+class TokenizeCompletionRequest(_Request):
+    """``POST /tokenize`` with a prompt (vLLM's): its token ids."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: Bool = True
+    return_token_strs: Bool | None = False
+
+
+class TokenizeChatRequest(_Request):
+    """``POST /tokenize`` with messages (vLLM's): the token ids of the rendered chat template,
+    as a chat completion of the same fields would see them."""
+
+    model: str | None = None
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    add_special_tokens: Bool = False
+    return_token_strs: Bool | None = False
+    tools: list[ToolDefinition] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Request):
+    """``POST /detokenize`` (vLLM's): token ids to text."""
+
+    model: str | None = None
+    tokens: list[TokenId]
+
+
 # ---- responses ------------------------------------------------------------------------
 def _is_none(value: Any) -> bool:
     return value is None
@@ -556,6 +586,17 @@ class ChatCompletionChunk(BaseModel):
     # vLLM: the prompt's logprobs, in the first chunk only (the key is absent elsewhere).
     prompt_logprobs: PromptLogprobs | None = _omitted_if_none()
     prompt_token_ids: list[int] | None = _omitted_if_none()   # vLLM's return_token_ids: the first chunk's
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None   # with return_token_strs: the tokenizer's token strings
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):
