@@ -887,6 +887,36 @@ def test_tokenize_and_detokenize(server, local_handle):
         _assert_error(call(server, "POST", path, json=body), 404 if param == "model" else 400, param)
 
 
+def test_stop_reason_names_the_stop_string_or_token(server):
+    """vLLM's stop_reason: the stop string or stop token id that ended a choice, null for a
+    length limit; in completions, chat, and their streams' last chunks."""
+    base = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    free = call(server, "POST", "/v1/completions", json=base).json()["choices"][0]
+    assert free["finish_reason"] == "length" and free["stop_reason"] is None
+    stop_id = free["token_ids"][3]
+    by_id = call(server, "POST", "/v1/completions", json={**base, "stop_token_ids": [stop_id]}).json()["choices"][0]
+    assert (by_id["finish_reason"], by_id["stop_reason"]) == ("stop", stop_id)
+    text = free["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert stop, text
+    by_text = call(server, "POST", "/v1/completions", json={**base, "stop": [stop]}).json()["choices"][0]
+    assert (by_text["finish_reason"], by_text["stop_reason"]) == ("stop", stop)
+    assert by_text["text"] == text[:text.index(stop)]
+    events = _events(call(server, "POST", "/v1/completions", json={**base, "stop": [stop], "stream": True}))
+    assert [c["stop_reason"] for e in events for c in e["choices"]][-1] == stop
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    free = call(server, "POST", "/v1/chat/completions", json=chat).json()["choices"][0]
+    chat["stop_token_ids"] = [free["token_ids"][2]]
+    ended = call(server, "POST", "/v1/chat/completions", json=chat).json()["choices"][0]
+    assert (ended["finish_reason"], ended["stop_reason"]) == ("stop", free["token_ids"][2])
+    chunks = [e["choices"][0] for e in _events(call(server, "POST", "/v1/chat/completions",
+                                                     json={**chat, "stream": True})) if e["choices"]]
+    assert chunks[-1]["stop_reason"] == free["token_ids"][2] and chunks[-1]["finish_reason"] == "stop"
+    assert all(c["stop_reason"] is None for c in chunks[:-1])
+
+
 def test_a_streamed_completions_first_chunk_waits_for_text_held_back(server):
     """A stop string that the whole output could still begin holds its text back until the
     end: the choice's first chunk is then the last, and still carries what a first chunk
@@ -980,4 +1010,5 @@ def test_stream_deltas_leave_out_exactly_their_none_keys():
         assert json.loads(delta.model_dump_json()) == delta.model_dump() == expected
         chunk = ChatCompletionChunk(id="c", created=1, model=MODEL, choices=[ChatStreamChoice(index=0, delta=delta)])
         choice = json.loads(chunk.model_dump_json())["choices"][0]
-        assert choice == {"index": 0, "delta": expected, "logprobs": None, "finish_reason": None}
+        assert choice == {"index": 0, "delta": expected, "logprobs": None, "finish_reason": None,
+                          "stop_reason": None}   # vLLM's key, null as theirs

@@ -482,6 +482,9 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: the stop string or stop token id that ended the choice (None for EOS, a length
+    # limit, or while it runs).
+    stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None
     # vLLM's ``return_token_ids``: the choice's prompt and its output tokens (streamed: the
     # prompt's in the choice's first chunk, the output's new ones in every chunk).
@@ -534,6 +537,7 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None   # vLLM's, as in completions
     token_ids: list[int] | None = _omitted_if_none()   # vLLM's return_token_ids
 
 
@@ -573,6 +577,7 @@ class ChatStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None   # vLLM's, on the choice's last chunk
     token_ids: list[int] | None = _omitted_if_none()   # vLLM's return_token_ids: the new ones
 
 

@@ -124,7 +124,7 @@ class ServingChat:
                 finish_reason = "tool_calls"
         return ChatChoice(index=completion.index, message=ChatMessageOut(content=content, tool_calls=calls),
                           logprobs=self._chat_logprobs(request, completion.logprobs) if request.logprobs else None,
-                          finish_reason=finish_reason,
+                          finish_reason=finish_reason, stop_reason=completion.stop_reason,
                           token_ids=completion.token_ids if request.return_token_ids else None)
 
     async def _stream_chat(self, request: ChatCompletionRequest, request_id: str, generation: Generation,
@@ -172,7 +172,7 @@ class ServingChat:
                     if cursor.parser is not None and cursor.parser.tool_calls and finish_reason == "stop":
                         finish_reason = "tool_calls"
                     yield chunk(ChatStreamChoice(index=completion.index, delta=DeltaMessage(),
-                                                 finish_reason=finish_reason))
+                                                 finish_reason=finish_reason, stop_reason=completion.stop_reason))
 
         async for item in generation_chunks(generation, first, chunks):
             yield item

@@ -140,6 +140,7 @@ class ServingCompletion:
                 choice = CompletionChoice(
                     index=index * n + completion.index, text=text, logprobs=logprobs,
                     finish_reason="length" if is_scoring_only else completion.finish_reason,
+                    stop_reason=None if is_scoring_only else completion.stop_reason,
                     prompt_logprobs=self._prompt_logprobs(request, output, prompts[index]))
                 if request.return_token_ids:
                     choice.prompt_token_ids = prompts[index].token_ids
@@ -199,6 +200,7 @@ class ServingCompletion:
                 cursor.is_started, cursor.is_finished = True, is_finished
                 choice = CompletionChoice(index=index * n + completion.index, text=text, logprobs=logprobs,
                                           finish_reason=finish_reason,
+                                          stop_reason=None if is_scoring_only else completion.stop_reason,
                                           prompt_logprobs=self._prompt_logprobs(request, output, prompt)
                                           if is_first else None)
                 if request.return_token_ids:
