@@ -101,7 +101,7 @@ def offline() -> list[float]:
               swap_space_gb=engine.swap_space_gb)
     outputs = llm.generate([prompt for prompt, _, _ in requests],
                            [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-                            for _, _, max_tokens in requests])
+                            for _, _, max_tokens in requests], use_tqdm=False)
     return [o.metrics.time_to_first_token for o in outputs]
 
 

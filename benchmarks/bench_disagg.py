@@ -62,7 +62,8 @@ def main() -> None:
     model_path = handle.model_path
     handle.shutdown()
     ray.shutdown()
-    reference = LLM(model_path, kv_cache_memory_gb=0.25, swap_space_gb=0.01).generate(prompts, params)
+    offline = LLM(model_path, kv_cache_memory_gb=0.25, swap_space_gb=0.01)
+    reference = offline.generate(prompts, params, use_tqdm=False)
     num_equal = sum(o.outputs[0].token_ids == r.outputs[0].token_ids for o, r in zip(outputs, reference))
 
     print(f"{'prompt':>7} {'KV MB':>7} {'transfer ms':>12} {'memcpy ms':>10} {'GB/s':>7} {'memcpy GB/s':>12} {'fraction':>9}")

@@ -60,7 +60,7 @@ def run_pagedserve(llm, prompts, output_len: int):
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()
-    results = llm.generate(prompts, params)
+    results = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     return [list(result.outputs[0].token_ids) for result in results], seconds
 

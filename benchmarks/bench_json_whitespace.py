@@ -123,7 +123,7 @@ def run_rule(model: str, rule: str, num_samples: int) -> dict:
                 params.append(SamplingParams(temperature=1.0, seed=seed, max_tokens=compact_bound(schema),
                                              structured_outputs=spec))
                 names.append(name)
-        outputs = llm.generate(prompts, params)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
     per_schema: dict[str, dict] = {}
     num_tokens, num_whitespace = [], 0
     for name, output in zip(names, outputs):

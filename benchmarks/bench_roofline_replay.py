@@ -93,7 +93,8 @@ def replay(args) -> dict:
         vocab = llm.engine.runner.vocab_size
         prompts = [random_token_ids(rng, length, vocab) for length in lengths]
         shapes = record_steps(llm.engine.runner)
-        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True))
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True),
+                     use_tqdm=False)
         llm.engine.check_integrity()
         del llm
     finally:

@@ -153,9 +153,9 @@ def main() -> None:
 
     torch.set_num_threads(args.worker_cpus)  # as the worker's (Ray sets its OMP_NUM_THREADS)
     llm = LLM(model_path, **engine_config)
-    llm.generate(prompts[:2], params)  # warm-up
+    llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
     start_s = time.perf_counter()
-    llm.generate(prompts, params)
+    llm.generate(prompts, params, use_tqdm=False)
     offline_s = time.perf_counter() - start_s
     offline_step_ms = llm.stats()["mean_decode_step_ms"]
     in_process_s = asyncio.run(_stream_in_process(llm, prompts, params))

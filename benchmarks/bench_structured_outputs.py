@@ -61,7 +61,7 @@ def run(llm: LLM, prompts, params) -> dict:
     engine = llm.engine
     step0, grammar0 = engine.step_seconds, engine.grammar_seconds
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     valid = length = invalid = 0
@@ -98,7 +98,7 @@ def main() -> None:
     llm = LLM(model, device="cpu", dtype="float32", enable_prefix_caching=False)
     prompts, mixed = workload(args.num_requests, args.max_tokens, seed=0)
     free = [SamplingParams(**{**p.to_dict(), "structured_outputs": None}) for p in mixed]
-    llm.generate(prompts[:4], free[:4])  # warm-up
+    llm.generate(prompts[:4], free[:4], use_tqdm=False)  # warm-up
     results = {"mixed": [], "unconstrained": []}
     for _ in range(args.rounds):
         results["mixed"].append(run(llm, prompts, mixed))

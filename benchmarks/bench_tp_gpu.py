@@ -48,7 +48,7 @@ def greedy_check(path: str, size: int, device: str, max_tokens: int) -> dict:
     llm = LLM(path, tensor_parallel_size=size, device=device, dtype="float32", num_device_blocks=512,
               distributed_executor_backend="mp")
     try:
-        outputs = llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        outputs = llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
         got = [list(o.outputs[0].token_ids) for o in outputs]
         backend = llm.engine.runner.group.backend
     finally:
@@ -95,12 +95,12 @@ def decode_timing(path: str, size: int, device: str, dtype: str, batch: int, out
     timer = None
     try:
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-        llm.generate(prompts([32] * batch, seed=2), params)          # warm-up
+        llm.generate(prompts([32] * batch, seed=2), params, use_tqdm=False)          # warm-up
         before = llm.stats()
         if time_all_reduces and size > 1:
             timer = TimedAllReduce(runner.group.model, runner.group.device)
             runner.group.model = timer
-        llm.generate(prompts([32] * batch, seed=3), params)
+        llm.generate(prompts([32] * batch, seed=3), params, use_tqdm=False)
         after = llm.stats()
     finally:
         if size > 1:

@@ -244,6 +244,51 @@ def test_cache_salt_shares_prefix_blocks_only_within_a_salt(make_llm, hf_greedy)
         SamplingParams(cache_salt="")
 
 
+def test_llm_chat_renders_conversations_as_transformers_does(make_llm, hf_greedy):
+    """vLLM's LLM.chat: the tokenizer's chat template (text parts joined), its tokens as
+    transformers' apply_chat_template gives them, then greedy as transformers; a batch of
+    conversations in order; continue_final_message continues the last assistant message.
+    What the template cannot render as asked raises ValueError naming why."""
+    llm = make_llm("llama")
+    tokenizer = llm.get_tokenizer()
+    system = {"role": "system", "content": "Be brief."}
+    parts = {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}
+    plain = {"role": "user", "content": "Hi there"}
+
+    def template_ids(conversation, **kwargs):
+        return tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False, **kwargs)
+
+    [single] = llm.chat([system, parts], greedy(), use_tqdm=False)
+    assert single.prompt_token_ids == template_ids([system, plain], add_generation_prompt=True)
+    assert_greedy_matches([single], "llama", MAX_TOKENS, hf_greedy)
+    other = [{"role": "user", "content": "Tell a story"}, {"role": "assistant", "content": "Once upon a"}]
+    batch = llm.chat([[system, plain], other], greedy(), use_tqdm=False)
+    assert [o.prompt_token_ids for o in batch] == [template_ids([system, plain], add_generation_prompt=True),
+                                                   template_ids(other, add_generation_prompt=True)]
+    [continued] = llm.chat(other, greedy(), use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+    assert continued.prompt_token_ids == template_ids(other, continue_final_message=True)
+    assert tokenizer.decode(continued.prompt_token_ids).endswith("Once upon a")
+    for conversation, kwargs, reason in (
+            (other, {"continue_final_message": True}, "add_generation_prompt"),
+            ([plain], {"chat_template_kwargs": {"tools": []}}, "may not set tools"),
+            ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], {}, "text only")):
+        with pytest.raises(ValueError, match=reason):
+            llm.chat(conversation, greedy(), use_tqdm=False, **kwargs)
+
+
+def test_generate_takes_vllms_prompt_dicts_and_shows_progress(make_llm, capsys):
+    llm = make_llm("llama")
+    ids = random_prompts([12], seed=33)[0]
+    text = "The paged KV cache"
+    plain = llm.generate([ids, text], greedy(), use_tqdm=False)
+    assert "Processed prompts" not in capsys.readouterr().err
+    dicts = llm.generate([{"prompt_token_ids": ids}, {"prompt": text}], greedy())
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
+    assert "Processed prompts" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate([{"prompt_ids": ids}], greedy(), use_tqdm=False)
+
+
 def test_prefix_caching_off(make_llm, hf_greedy):
     llm = make_llm("llama", shared_instance=False, block_size=8, enable_prefix_caching=False)
     base = random_prompts([40], seed=8)[0]

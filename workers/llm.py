@@ -1,10 +1,13 @@
-"""The offline API, following vLLM's: ``LLM(model=...).generate(prompts, params)``."""
+"""The offline API, following vLLM's: ``LLM(model=...).generate(prompts, params)`` and
+``LLM.chat(messages, params)``."""
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from .chat_template import render_conversation, template_message
 from .engine import EngineConfig, LLMEngine
 from .request import RequestOutput
 from .sampling_params import SamplingParams
@@ -27,17 +30,19 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+    def generate(self, prompts: str | Sequence[int] | dict | Sequence[str | Sequence[int] | dict],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Outputs in input order. A prompt is a string or a list of token ids.
+                 priority: Sequence[int] | None = None, *, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Outputs in input order. A prompt is a string, a list of token ids, or vLLM's
+        ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``. ``use_tqdm``: a progress bar
+        of the requests finished, with the token rates so far (vLLM's), on stderr.
 
         Every request is validated before any runs: a bad one raises
         ValueError and nothing is queued.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        prompts = list(prompts)
+        prompts = [_prompt_of(p) for p in prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
@@ -60,11 +65,14 @@ class LLM:
             raise
         wanted = set(ids)
         finished: dict[str, RequestOutput] = {}
+        progress = _Progress(len(ids)) if use_tqdm else None
         try:
             while len(finished) < len(ids):
                 for output in self.engine.step():
                     if output.finished and output.request_id in wanted:
                         finished[output.request_id] = output
+                        if progress is not None:
+                            progress.finished(output)
         except BaseException:
             # Interrupted (Ctrl-C, a failed step): drop this call's requests, and the
             # prefix cache, whose newest blocks may have been planned but never written.
@@ -72,7 +80,30 @@ class LLM:
                 self.engine.abort_request(request_id)
             self.engine.reset_prefix_cache()
             raise
+        finally:
+            if progress is not None:
+                progress.close()
         return [finished[request_id] for request_id in ids]
+
+    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: Sequence[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: one conversation (OpenAI-style message dicts: ``role``, text
+        ``content`` or text parts, assistant ``tool_calls``) or a list of them, rendered by the
+        tokenizer's chat template (which writes the special tokens) with ``tools`` and
+        ``chat_template_kwargs``, then generated as ``generate`` does. A conversation the
+        template cannot render as asked raises ValueError naming why."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.engine.tokenizer
+        prompts = []
+        for conversation in conversations:
+            text = render_conversation(tokenizer, [template_message(m) for m in conversation],
+                                       add_generation_prompt=add_generation_prompt,
+                                       continue_final_message=continue_final_message, tools=tools,
+                                       chat_template_kwargs=chat_template_kwargs)
+            prompts.append(tokenizer.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(self, prompts: Sequence[str | Sequence[int] | dict], params: BeamSearchParams
                     ) -> list[BeamSearchOutput]:
@@ -85,7 +116,7 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = [_prompt_of(p) for p in prompts]
-        outputs = self.generate(prompts, params.to_sampling_params())
+        outputs = self.generate(prompts, params.to_sampling_params(), use_tqdm=False)
         return [BeamSearchOutput([BeamSearchSequence(output.prompt_token_ids + completion.token_ids,
                                                      completion.cumulative_logprob, completion.text,
                                                      completion.finish_reason, completion.stop_reason)
@@ -112,3 +143,27 @@ def _prompt_of(prompt: str | Sequence[int] | dict) -> str | list[int]:
     if set(prompt) == {"prompt_token_ids"}:
         return list(prompt["prompt_token_ids"])
     raise ValueError(f"a prompt dict has either 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+
+
+class _Progress:
+    """vLLM's progress bar for ``generate``: requests finished, and the input and output token
+    rates since the call began."""
+
+    def __init__(self, total: int) -> None:
+        from tqdm.auto import tqdm
+
+        self._bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True,
+                         postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+        self._start = time.perf_counter()
+        self._num_input = self._num_output = 0
+
+    def finished(self, output: RequestOutput) -> None:
+        self._num_input += len(output.prompt_token_ids)
+        self._num_output += sum(c.num_tokens for c in output.outputs)
+        elapsed = max(time.perf_counter() - self._start, 1e-9)
+        self._bar.postfix = (f"est. speed input: {self._num_input / elapsed:.2f} toks/s, "
+                             f"output: {self._num_output / elapsed:.2f} toks/s")
+        self._bar.update(1)
+
+    def close(self) -> None:
+        self._bar.close()

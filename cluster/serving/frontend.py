@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedserve.workers.chat_template import ChatTemplateError, render_conversation, template_message
 from pagedserve.workers.gc_heap import GCPauses
 from pagedserve.workers.request import RequestOutput
 from pagedserve.workers.sampling_params import SamplingParams, StructuredOutputsParams
@@ -39,10 +40,6 @@ from .protocol import ChatCompletionRequest, ModelCard, ModelList, Usage
 logger = logging.getLogger("pagedserve.server")
 
 # Chat-template variables that the server or the request's own fields set.
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "tokenize", "return_dict",
-                                      "chat_template", "documents"})
-
-
 def check_unicode(text: str, param: str) -> None:
     """400 unless ``text`` is valid Unicode (no lone surrogates)."""
     try:
@@ -393,59 +390,29 @@ class Frontend:
 
     def render_chat(self, request) -> PromptInput:
         """The rendered conversation: messages (assistant tool calls and tool results included),
-        the request's tools and ``chat_template_kwargs`` through the tokenizer's chat template;
-        ``request`` is a chat completion's or a ``/tokenize`` request's."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise APIError(400, f"the model '{self.model_name}' has no chat template; use /v1/completions",
-                           param="messages")
-        messages = [self._template_message(message) for message in request.messages]
-        if request.continue_final_message and request.add_generation_prompt:
-            raise APIError(400, "continue_final_message continues the last message; it needs "
-                                "add_generation_prompt: false", param="continue_final_message")
-        if request.continue_final_message and request.messages[-1].role != "assistant":
-            raise APIError(400, "continue_final_message needs an assistant message last", param="messages")
-        kwargs: dict[str, Any] = {"add_generation_prompt": request.add_generation_prompt,
-                                  "continue_final_message": request.continue_final_message}
-        if request.tools:
-            kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in request.tools]
-        extra = request.chat_template_kwargs or {}
-        reserved = sorted(set(extra) & RESERVED_TEMPLATE_KWARGS)
-        if reserved:
-            raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)} (set by the server "
-                                "or by the request's own fields)", param="chat_template_kwargs")
-        kwargs.update(extra)
+        the request's tools and ``chat_template_kwargs`` through the tokenizer's chat template
+        (``workers.chat_template``); ``request`` is a chat completion's or a ``/tokenize`` request's."""
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
-        except Exception as exc:  # the template rejects the conversation (e.g. role order)
-            raise APIError(400, f"the chat template could not render these messages: {exc}",
-                           param="messages") from None
-        if not isinstance(text, str):
-            raise APIError(400, "the chat template did not render text with these chat_template_kwargs",
-                           param="chat_template_kwargs")
+            messages = [self._template_message(message) for message in request.messages]
+            text = render_conversation(
+                self.tokenizer, messages, add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                tools=[tool.model_dump(exclude_none=True) for tool in request.tools or ()],
+                chat_template_kwargs=request.chat_template_kwargs)
+        except ChatTemplateError as exc:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise APIError(400, f"the model '{self.model_name}' has no chat template; use /v1/completions",
+                               param="messages") from None
+            raise APIError(400, str(exc), param=exc.param) from None
         # The template writes the special tokens; add_special_tokens (vLLM) adds the tokenizer's too.
         return PromptInput(text, self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens))
 
     @staticmethod
     def _template_message(message) -> dict[str, Any]:
         check_unicode(message.text() + (message.name or ""), "messages")
-        entry: dict[str, Any] = {"role": message.role, "content": message.text()}
-        if message.name:
-            entry["name"] = message.name
-        if message.tool_call_id is not None:
-            entry["tool_call_id"] = message.tool_call_id
-        if message.tool_calls:
-            calls = []
-            for call in message.tool_calls:
-                check_unicode(call.function.name + call.function.arguments, "messages")
-                try:  # templates render the arguments as an object (vLLM passes them parsed too)
-                    arguments = json.loads(call.function.arguments)
-                except ValueError:
-                    raise APIError(400, f"messages: the arguments of tool call {call.id!r} are not valid "
-                                        "JSON", param="messages") from None
-                calls.append({"id": call.id, "type": "function",
-                              "function": {"name": call.function.name, "arguments": arguments}})
-            entry["tool_calls"] = calls
-        return entry
+        for call in message.tool_calls or ():
+            check_unicode(call.function.name + call.function.arguments, "messages")
+        return template_message(message.model_dump(exclude_none=True))
 
     def sampling_params(self, request, max_tokens: int, logprobs: int | None,
                         structured_outputs: StructuredOutputsParams | None = None,

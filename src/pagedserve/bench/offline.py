@@ -222,7 +222,7 @@ def run_pagedserve(llm, requests) -> tuple[list[list[int]], float]:
 
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
     start = time.perf_counter()
-    results = llm.generate([prompt for prompt, _ in requests], params)
+    results = llm.generate([prompt for prompt, _ in requests], params, use_tqdm=False)
     return [list(r.outputs[0].token_ids) for r in results], time.perf_counter() - start
 
 

@@ -1,0 +1,101 @@
+"""Conversations through a tokenizer's chat template: what the offline ``LLM.chat`` and the
+server's chat completions both render.
+
+``render_conversation`` takes messages already in the template's form (dicts with
+``role`` and text ``content``; assistant ``tool_calls`` with parsed arguments) and
+refuses, with ``ChatTemplateError`` naming the request field at fault, what would
+render wrong: no chat template, ``continue_final_message`` without an assistant
+message to continue (or with a generation prompt after it), template variables the
+caller may not set, a template that fails on the conversation or renders no text.
+``template_message`` turns an OpenAI-style message dict into that form.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+# Template variables set by the renderer or by a request's own fields, never by
+# ``chat_template_kwargs``.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "tokenize", "return_dict",
+                                      "chat_template", "documents"})
+
+
+class ChatTemplateError(ValueError):
+    """A conversation the chat template cannot render as asked; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def render_conversation(tokenizer, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+                        continue_final_message: bool = False, tools: Sequence[Mapping] | None = None,
+                        chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
+    """The conversation's text as the tokenizer's chat template writes it (special tokens included)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ChatTemplateError("the model has no chat template; send a prompt instead", "messages")
+    if not messages:
+        raise ChatTemplateError("a conversation needs at least one message", "messages")
+    if continue_final_message and add_generation_prompt:
+        raise ChatTemplateError("continue_final_message continues the last message; it needs "
+                                "add_generation_prompt: false", "continue_final_message")
+    if continue_final_message and messages[-1].get("role") != "assistant":
+        raise ChatTemplateError("continue_final_message needs an assistant message last", "messages")
+    kwargs: dict[str, Any] = {"add_generation_prompt": add_generation_prompt,
+                              "continue_final_message": continue_final_message}
+    if tools:
+        kwargs["tools"] = list(tools)
+    extra = dict(chat_template_kwargs or {})
+    reserved = sorted(set(extra) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(reserved)} (set by the server "
+                                "or by the request's own fields)", "chat_template_kwargs")
+    kwargs.update(extra)
+    try:
+        text = tokenizer.apply_chat_template(list(messages), tokenize=False, **kwargs)
+    except Exception as exc:  # the template rejects the conversation (e.g. role order)
+        raise ChatTemplateError(f"the chat template could not render these messages: {exc}", "messages") from None
+    if not isinstance(text, str):
+        raise ChatTemplateError("the chat template did not render text with these chat_template_kwargs",
+                                "chat_template_kwargs")
+    return text
+
+
+def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """An OpenAI-style message dict in the template's form: text parts joined, tool calls'
+    JSON arguments parsed (templates render them as objects, as vLLM passes them)."""
+    if not isinstance(message, Mapping) or "role" not in message:
+        raise ChatTemplateError(f"a message is a dict with a 'role', got {message!r:.80}", "messages")
+    entry = {key: value for key, value in message.items() if key not in ("content", "tool_calls")}
+    entry["content"] = _text_of(message.get("content"))
+    calls = []
+    for call in message.get("tool_calls") or ():
+        function = call.get("function", {})
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                raise ChatTemplateError(f"the arguments of tool call {call.get('id')!r} are not valid JSON",
+                                        "messages") from None
+        calls.append({"id": call.get("id"), "type": "function",
+                      "function": {"name": function.get("name"), "arguments": arguments}})
+    if calls:
+        entry["tool_calls"] = calls
+    return entry
+
+
+def _text_of(content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Sequence) and all(isinstance(part, Mapping) for part in content):
+        kinds = {part.get("type") for part in content}
+        if kinds <= {"text"}:
+            return "".join(part.get("text", "") for part in content)
+        raise ChatTemplateError(f"this model reads text only; a message has {sorted(kinds - {'text'})} parts",
+                                "messages")
+    raise ChatTemplateError(f"a message's content is text or a list of text parts, got {content!r:.80}", "messages")
