@@ -96,6 +96,8 @@ def replay(args) -> dict:
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True),
                      use_tqdm=False)
         llm.engine.check_integrity()
+        if llm.engine.num_used_blocks():
+            raise RuntimeError(f"{llm.engine.num_used_blocks()} KV blocks still in use after the replay")
         del llm
     finally:
         shutil.rmtree(path, ignore_errors=True)
