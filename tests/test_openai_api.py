@@ -917,6 +917,26 @@ def test_stop_reason_names_the_stop_string_or_token(server):
     assert all(c["stop_reason"] is None for c in chunks[:-1])
 
 
+def test_chat_echo_starts_the_reply_with_the_message_it_continues(server):
+    """vLLM's chat echo: with continue_final_message, the assistant's started message opens the
+    reply's content (streamed: a chunk of its own after the role's); a user message last,
+    under a generation prompt, is not the reply's and is not echoed."""
+    messages = [{"role": "user", "content": "Tell a story"}, {"role": "assistant", "content": "Once upon a"}]
+    body = {"messages": messages, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "continue_final_message": True, "add_generation_prompt": False}
+    plain = call(server, "POST", "/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    echoed = call(server, "POST", "/v1/chat/completions", json={**body, "echo": True}).json()
+    assert echoed["choices"][0]["message"]["content"] == "Once upon a" + plain
+    assert echoed["usage"]["completion_tokens"] == 4
+    events = _events(call(server, "POST", "/v1/chat/completions", json={**body, "echo": True, "stream": True}))
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    assert deltas[0] == {"role": "assistant", "content": ""} and deltas[1] == {"content": "Once upon a"}
+    assert "".join(d.get("content", "") for d in deltas) == "Once upon a" + plain
+    asked = {"messages": messages[:1], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    assert (call(server, "POST", "/v1/chat/completions", json={**asked, "echo": True}).json()["choices"][0]["message"]
+            == call(server, "POST", "/v1/chat/completions", json=asked).json()["choices"][0]["message"])
+
+
 def test_a_streamed_completions_first_chunk_waits_for_text_held_back(server):
     """A stop string that the whole output could still begin holds its text back until the
     end: the choice's first chunk is then the last, and still carries what a first chunk
@@ -934,7 +954,7 @@ def test_a_streamed_completions_first_chunk_waits_for_text_held_back(server):
     ("store", True, "/v1/chat/completions"), ("metadata", {"a": "b"}, "/v1/chat/completions"),
     ("service_tier", "flex", "/v1/chat/completions"), ("reasoning_effort", "high", "/v1/chat/completions"),
     ("functions", [{"name": "f"}], "/v1/chat/completions"), ("modalities", ["audio"], "/v1/chat/completions"),
-    ("echo", True, "/v1/chat/completions"), ("chat_template", "{{ 1 }}", "/v1/chat/completions"),
+    ("prediction", {"type": "content"}, "/v1/chat/completions"), ("chat_template", "{{ 1 }}", "/v1/chat/completions"),
     ("vllm_xargs", {"a": 1}, "/v1/completions"), ("guided_whitespace_pattern", " ", "/v1/completions"),
 ])
 def test_fields_we_cannot_honour_are_refused_with_the_reason(server, field, value, path):

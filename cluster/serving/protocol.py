@@ -381,15 +381,9 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM: the tokenizer's special tokens (BOS) on top of what the template writes.
     add_special_tokens: Bool = False
 
-    # vLLM echoes the last message in chat; here echo is a completions option only.
+    # vLLM: the last message's text starts the reply's content when it is the reply's own role
+    # (an assistant message continued with continue_final_message, say).
     echo: Bool = False
-
-    @field_validator("echo")
-    @classmethod
-    def _no_chat_echo(cls, value):
-        if value:
-            raise ValueError("echo cannot be honoured in chat completions; use /v1/completions with echo")
-        return value
 
     @field_validator("use_beam_search")
     @classmethod

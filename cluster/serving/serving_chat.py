@@ -103,7 +103,8 @@ class ServingChat:
             return ChunkStream(self._stream_chat(request, request_id, generation, first), generation)
         await generation.run_to_end(first)
         last = generation.progress[0].last
-        choices = [self._choice(request, c) for c in (last.outputs if last else [])]
+        echo = self._echo(request)
+        choices = [self._choice(request, c, echo) for c in (last.outputs if last else [])]
         choices.sort(key=lambda c: c.index)
         prompt_logprobs = None
         if request.prompt_logprobs is not None and last is not None and last.prompt_logprobs is not None:
@@ -112,7 +113,17 @@ class ServingChat:
                                       usage=generation.usage(), prompt_logprobs=prompt_logprobs,
                                       prompt_token_ids=prompt.token_ids if request.return_token_ids else None)
 
-    def _choice(self, request: ChatCompletionRequest, completion: CompletionOutput) -> ChatChoice:
+    @staticmethod
+    def _echo(request: ChatCompletionRequest) -> str:
+        """vLLM's chat ``echo``: the last message's text, if it is the reply's own role (the
+        assistant's, or with no generation prompt the last message's)."""
+        if not request.echo:
+            return ""
+        last = request.messages[-1]
+        role = "assistant" if request.add_generation_prompt else last.role
+        return last.text() if last.role == role else ""
+
+    def _choice(self, request: ChatCompletionRequest, completion: CompletionOutput, echo: str = "") -> ChatChoice:
         content, calls, finish_reason = completion.text, [], completion.finish_reason
         parser = self._parser(request)
         if parser is not None:
@@ -122,6 +133,8 @@ class ServingChat:
                      for c in parsed.tool_calls]
             if calls and finish_reason == "stop":
                 finish_reason = "tool_calls"
+        if echo:
+            content = echo + (content or "")
         return ChatChoice(index=completion.index, message=ChatMessageOut(content=content, tool_calls=calls),
                           logprobs=self._chat_logprobs(request, completion.logprobs) if request.logprobs else None,
                           finish_reason=finish_reason, stop_reason=completion.stop_reason,
@@ -132,6 +145,7 @@ class ServingChat:
         cursors: dict[int, _Cursor] = {}
         created = int(time.time())
         model = self.frontend.model_name
+        echo = self._echo(request)
 
         def chunk(choice: ChatStreamChoice, **fields) -> ChatCompletionChunk:
             usage = generation.usage() if request.continuous_usage else None
@@ -155,6 +169,8 @@ class ServingChat:
                         extra["prompt_token_ids"] = output.prompt_token_ids
                     yield chunk(ChatStreamChoice(index=completion.index,
                                                  delta=DeltaMessage(role="assistant", content="")), **extra)
+                    if echo:
+                        yield chunk(ChatStreamChoice(index=completion.index, delta=DeltaMessage(content=echo)))
                 logprobs = self._chat_logprobs(request, completion.delta_logprobs) if request.logprobs else None
                 cursor.is_finished = completion.finish_reason is not None
                 delta = self._delta(cursor, completion.delta_text)
