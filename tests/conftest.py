@@ -83,16 +83,18 @@ def pytest_terminal_summary(terminalreporter, config):
             terminalreporter.line(f"    {process}")
 
 
-# Modules that start Ray clusters, slowest first (as timed on clean clones of this 2-core
-# machine, 2026-11-26). Under ``-n 2 --dist loadfile`` (``make test``) each worker takes whole
-# modules in collection order, so starting with the longest keeps one worker from finishing
-# alone on a long module at the end. A module missing here runs after these; a stale figure
-# only costs packing, never coverage.
+# Every module that takes over about 15 s, slowest first (mean of two clean-clone runs on this
+# 2-core machine, 2026-11-28, from their JUnit times). Under ``-n 2 --dist loadfile`` (``make
+# test``) each worker takes whole modules in collection order, so starting with the longest
+# keeps one worker from finishing alone on a long module at the end. A module missing here runs
+# after these; a stale figure only costs packing, never coverage.
 SLOWEST_MODULES = (
-    "test_soak", "test_tensor_parallel", "test_chaos", "test_autoscaling", "test_kv_scale",
-    "test_api_clients", "test_serve_cli", "test_ingress_replicas", "test_distributed_layouts",
-    "test_fuzz", "test_cli_autoscaling", "test_distributed", "test_first_run", "test_distributed_tp",
-    "test_server", "test_model_source", "test_dashboard",
+    "test_tensor_parallel", "test_autoscaling", "test_chaos", "test_api_clients", "test_soak", "test_distributed",
+    "test_serve_cli", "test_ingress_replicas", "test_distributed_layouts", "test_fuzz", "test_kv_scale",
+    "test_cli_autoscaling", "test_server", "test_model_source", "test_torch_compile", "test_dashboard",
+    "test_first_run", "test_distributed_tp", "test_kernels_triton", "test_device_waits", "test_bench",
+    "test_health", "test_fake_cluster", "test_kv_relay", "test_kv_wire", "test_kv_replay", "test_gpu_targets",
+    "test_kernel_variants", "test_kv_tick_cluster", "test_output_processor", "test_beam_search",
 )
 
 
