@@ -27,13 +27,12 @@ import json
 import random
 import shutil
 import statistics
-import tempfile
 from pathlib import Path
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.bench.roofline import record_steps, roofline_seconds
 from pagedserve.bench.workload import random_token_ids
-from pagedserve.devtools.model_factory import SHAPES, ModelShape, ensure_model
+from pagedserve.devtools.model_factory import SHAPES, ModelShape, long_context_copy
 
 # Bytes per element of the costed model's weights and K/V (bench_engine_gpu.py's bfloat16).
 ELEMENT_BYTES = 2
@@ -67,23 +66,10 @@ def prompt_lengths(args, shape: ModelShape) -> list[int]:
     return lengths
 
 
-def replay_model(max_positions: int) -> Path:
-    """A copy of the tiny Llama's checkpoint with ``max_positions`` positions."""
-    source = ensure_model("llama", "tiny")
-    target = Path(tempfile.mkdtemp(prefix="pagedserve-replay-"))
-    for item in source.iterdir():
-        if item.is_file():
-            shutil.copy(item, target / item.name)
-    config = json.loads((target / "config.json").read_text())
-    config["max_position_embeddings"] = max_positions
-    (target / "config.json").write_text(json.dumps(config))
-    return target
-
-
 def replay(args) -> dict:
     shape = SHAPES[args.size]
     lengths = prompt_lengths(args, shape)
-    path = replay_model(shape.max_position_embeddings)
+    path = long_context_copy(shape.max_position_embeddings)
     try:
         block_size = 16
         num_blocks = sum(-(-(length + args.output_len) // block_size) for length in lengths) + 64

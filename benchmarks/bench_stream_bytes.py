@@ -20,26 +20,13 @@ import argparse
 import json
 import pickle
 import shutil
-import tempfile
 from pathlib import Path
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.devtools.model_factory import ensure_model
+from pagedserve.devtools.model_factory import long_context_copy
 from pagedserve.workers.protocol import DeltaEncoder
 
 POSITIONS = (1, 10, 100, 1000, 4000)
-
-
-def long_context_copy(max_positions: int) -> Path:
-    source = ensure_model("llama", "tiny")
-    target = Path(tempfile.mkdtemp(prefix="pagedserve-long-"))
-    for item in source.iterdir():
-        if item.is_file():
-            shutil.copy(item, target / item.name)
-    config = json.loads((target / "config.json").read_text())
-    config["max_position_embeddings"] = max_positions
-    (target / "config.json").write_text(json.dumps(config))
-    return target
 
 
 def measure(llm: LLM, max_tokens: int, logprobs: int | None) -> dict[int, dict[str, int]]:

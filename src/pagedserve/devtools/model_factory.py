@@ -421,6 +421,21 @@ def ensure_model(arch: str = "llama", size: str = "tiny", cache_dir=None, seed: 
     return build_once(final, _MARKER_FILE, lambda tmp: make_model(arch, size, tmp, seed=seed))
 
 
+def long_context_copy(max_positions: int, arch: str = "llama", size: str = "tiny") -> Path:
+    """A temporary copy of the cached ``arch``/``size`` checkpoint whose config allows
+    ``max_positions`` positions (RoPE, random weights: nothing learned depends on the
+    context length). The caller removes it."""
+    source = ensure_model(arch, size)
+    target = Path(tempfile.mkdtemp(prefix="pagedserve-long-"))
+    for item in source.iterdir():
+        if item.is_file():
+            shutil.copy(item, target / item.name)
+    config = json.loads((target / "config.json").read_text())
+    config["max_position_embeddings"] = max_positions
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
 def build_once(final: Path, marker_file: str, build: Callable[[Path], object]) -> Path:
     """Return ``final``, built first unless it holds ``marker_file``: ``build(folder)`` writes a
     temporary sibling folder that is then renamed into place, so a returned path is always
