@@ -39,7 +39,7 @@ from .protocol import ChatCompletionRequest, ModelCard, ModelList, Usage
 
 logger = logging.getLogger("pagedserve.server")
 
-# Chat-template variables that the server or the request's own fields set.
+
 def check_unicode(text: str, param: str) -> None:
     """400 unless ``text`` is valid Unicode (no lone surrogates)."""
     try:
