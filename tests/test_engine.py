@@ -268,6 +268,10 @@ def test_llm_chat_renders_conversations_as_transformers_does(make_llm, hf_greedy
     [continued] = llm.chat(other, greedy(), use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
     assert continued.prompt_token_ids == template_ids(other, continue_final_message=True)
     assert tokenizer.decode(continued.prompt_token_ids).endswith("Once upon a")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    [with_tools] = llm.chat([plain], greedy(), use_tqdm=False, tools=tools)
+    assert with_tools.prompt_token_ids == template_ids([plain], add_generation_prompt=True, tools=tools)
+    assert "get_weather" in tokenizer.decode(with_tools.prompt_token_ids)
     for conversation, kwargs, reason in (
             (other, {"continue_final_message": True}, "add_generation_prompt"),
             ([plain], {"chat_template_kwargs": {"tools": []}}, "may not set tools"),

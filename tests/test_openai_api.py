@@ -873,6 +873,11 @@ def test_tokenize_and_detokenize(server, local_handle):
     usage = call(server, "POST", "/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()["usage"]
     assert chat["count"] == usage["prompt_tokens"]
     assert "Be brief." in tokenizer.decode(chat["tokens"])
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    with_tools = call(server, "POST", "/tokenize", json={"messages": messages, "tools": tools}).json()
+    chat_usage = call(server, "POST", "/v1/chat/completions",
+                      json={"messages": messages, "tools": tools, "max_tokens": 1}).json()["usage"]
+    assert with_tools["count"] == chat_usage["prompt_tokens"] > chat["count"]
     no_prompt = call(server, "POST", "/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
     assert no_prompt["count"] < chat["count"] and chat["tokens"][:no_prompt["count"]] == no_prompt["tokens"]
     text = call(server, "POST", "/detokenize", json={"tokens": data["tokens"]}).json()["prompt"]
