@@ -151,6 +151,11 @@ def test_chat_and_streaming(client):
 def test_models_health_metrics(served, client):
     assert [m.id for m in client.models.list()] == [MODEL]
     assert httpx.get(served.base_url + "/health", timeout=30).json()["status"] == "ok"
+    # vLLM's /tokenize and /detokenize through Serve's proxy: the ids round-trip.
+    tokens = httpx.post(served.base_url + "/tokenize", json={"prompt": "Once upon a time"}, timeout=30).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0
+    text = httpx.post(served.base_url + "/detokenize", json={"tokens": tokens["tokens"]}, timeout=30).json()
+    assert text["prompt"].endswith("Once upon a time")
     text = httpx.get(served.base_url + "/metrics", timeout=30).text
     for name in ("pagedserve_num_requests_running{", "pagedserve_num_requests_waiting{",
                  'pagedserve_kv_cache_usage_ratio{worker="worker-1"}', "pagedserve_prefix_cache_hit_rate{",
