@@ -63,8 +63,8 @@ for name in ${STEPS:-engine host tests kernel_tests launches kernels sweep}; do
         # Decode step time at 4 and 256 sequences, llama-1b in bf16, CUDA graphs on, with the device's
         # share of it (step events); and what an output channel's request costs the output thread
         # per token on this host's CPU.
-        host) step host_cost 150 python3 -m pagedserve.bench.host_cost --size 1b --device cuda --dtype bfloat16 \
-                  --steps 32 --repeats 2 --output-kinds final,channel --json "$OUT/host_cost.json" ;;
+        host) step host_cost 200 python3 -m pagedserve.bench.host_cost --size 1b --device cuda --dtype bfloat16 \
+                  --steps 32 --repeats 2 --output-kinds final,channel,tokens --json "$OUT/host_cost.json" ;;
         # Kernels per decode step and per layer, llama-1b bf16: compiled (graph replays count 1,
         # so the compiled forward runs without graphs here) against eager.
         launches) step launches 150 bash -c "python3 benchmarks/bench_launches.py --size 1b --device cuda --dtype bfloat16 --enforce-eager --torch-compile --json $OUT/launches_compiled.json && python3 benchmarks/bench_launches.py --size 1b --device cuda --dtype bfloat16 --enforce-eager --json $OUT/launches_eager.json" ;;

@@ -22,6 +22,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from pagedserve.workers.detokenizer import DeltaTextDecoder
 from pagedserve.workers.protocol import EngineDeadError, Migrated, OutputDelta
 from pagedserve.workers.request import CompletionOutput, RequestOutput
 from pagedserve.workers.sampling_params import SamplingParams
@@ -216,7 +217,8 @@ class ClusterHandle:
         await self.refresh_workers()
         await self._refresh_utilization()
         flow = RequestFlow(request_id, text, prompt_token_ids, params, priority,
-                           max_attempts=2 * len(self.workers) + 3, is_streamed=is_streamed)
+                           max_attempts=2 * len(self.workers) + 3, is_streamed=is_streamed,
+                           text_decoder=self._text_decoder(prompt_token_ids, params))
         if self.config.is_disaggregated and params.n == 1 and not params.use_beam_search:
             try:
                 async with aclosing(self._generate_disaggregated(flow, flow.start(is_disaggregated=True))) as run:
@@ -396,6 +398,16 @@ class ClusterHandle:
             except Exception:
                 pass
         return None
+
+    def _text_decoder(self, prompt_token_ids: list[int], params: SamplingParams):
+        """How this handle decodes a request's text itself, or None where its workers must: a
+        request with stop strings (found in the worker's text), a beam search (its outputs are
+        the engine's), one that asks for no text, or workers that do not say their EOS ids."""
+        eos_token_ids = self.info.get("eos_token_ids")
+        if params.stop or params.use_beam_search or not params.detokenize or eos_token_ids is None:
+            return None
+        tokenizer, max_model_len = self.tokenizer, self.max_model_len
+        return lambda: DeltaTextDecoder(tokenizer, prompt_token_ids, params, eos_token_ids, max_model_len)
 
     async def _longest_prefix(self, token_ids: list[int], cache_salt: str | None = None) -> dict[str, int]:
         """Cached prefix per worker from the central index (among blocks of ``cache_salt``): a

@@ -35,9 +35,12 @@ same output, and its attempt count: a transition past ``max_attempts`` raises
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedserve.workers.accumulator import OutputAccumulator
+from pagedserve.workers.detokenizer import DeltaTextDecoder
 from pagedserve.workers.protocol import GenerateRequest, Migrated
 from pagedserve.workers.sampling_params import SamplingParams
 
@@ -80,14 +83,18 @@ class RequestFlow:
     """The attempts of one request (its sub-request ids are ``id``, ``id~2``, ``id~3``, ...)."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, priority: int, max_attempts: int, is_streamed: bool = False) -> None:
+                 params: SamplingParams, priority: int, max_attempts: int, is_streamed: bool = False,
+                 text_decoder: Callable[[], DeltaTextDecoder] | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
+        # With a ``text_decoder`` the workers send token ids only (``detokenize`` off) and the
+        # accumulator decodes their text.
+        self.worker_params = params if text_decoder is None else dataclasses.replace(params, detokenize=False)
         self.priority = priority
         self.max_attempts = max_attempts
         self.is_streamed = is_streamed  # the caller passes on deltas as they come
-        self.accumulator = OutputAccumulator(request_id, prompt, prompt_token_ids)
+        self.accumulator = OutputAccumulator(request_id, prompt, prompt_token_ids, text_decoder)
         self.num_attempts = 0
         # (worker, engine loop) pairs that failed under this request; an engine of unknown id is
         # its worker's only one
@@ -96,7 +103,7 @@ class RequestFlow:
     # ---- the transitions -----------------------------------------------------------------------
     def start(self, is_disaggregated: bool = False) -> Attempt:
         """The first run: colocated, or prefill + decode workers."""
-        return self._next(DISAGGREGATED if is_disaggregated else FIRST, self.prompt_token_ids, self.params)
+        return self._next(DISAGGREGATED if is_disaggregated else FIRST, self.prompt_token_ids)
 
     def after_failure(self) -> Attempt:
         """A worker failed (died, stalled, lost a transfer): resume where possible, else retry;
@@ -131,25 +138,25 @@ class RequestFlow:
     def retry(self) -> Attempt:
         """Start again from the prompt, forgetting what was streamed."""
         self.accumulator.reset()
-        return self._next(RETRY, self.prompt_token_ids, self.params)
+        return self._next(RETRY, self.prompt_token_ids)
 
     def resume(self, kind: str = RESUME) -> Attempt:
         """Recompute prompt + streamed tokens elsewhere and continue after them (n == 1): the
         tokens go as outputs, so the run goes on exactly as the failed one would have."""
         if not self.can_resume:
             raise ValueError("only a single-sample request with streamed tokens can resume")
-        return self._next(kind, self.prompt_token_ids, self.params, output_token_ids=self.accumulator.token_ids())
+        return self._next(kind, self.prompt_token_ids, output_token_ids=self.accumulator.token_ids())
 
     def migrate(self, migrated: Migrated) -> Attempt:
         """Continue on ``migrated.target`` from the transferred KV, after the tokens streamed."""
-        return self._next(MIGRATE, self.prompt_token_ids, self.params, target=migrated.target,
+        return self._next(MIGRATE, self.prompt_token_ids, target=migrated.target,
                           kv=[migrated.kv], output_token_ids=self.accumulator.token_ids())
 
     def fall_back(self) -> Attempt:
         """The disaggregated run failed: colocated, resuming after any streamed token."""
         if self.can_resume:
             return self.resume(FALL_BACK)
-        return self._next(FALL_BACK, self.prompt_token_ids, self.params)
+        return self._next(FALL_BACK, self.prompt_token_ids)
 
     # ---- state ------------------------------------------------------------------------------------
     @property
@@ -157,13 +164,12 @@ class RequestFlow:
         params = self.params
         return params.n == 1 and not params.use_beam_search and self.accumulator.num_tokens() > 0
 
-    def _next(self, kind: str, token_ids: list[int], params: SamplingParams, target: str | None = None,
-              **continuation) -> Attempt:
+    def _next(self, kind: str, token_ids: list[int], target: str | None = None, **continuation) -> Attempt:
         if self.num_attempts >= self.max_attempts:
             raise AttemptsExhausted(f"request {self.request_id} failed on {self.num_attempts} attempts")
         self.num_attempts += 1
         sub_id = self.request_id if self.num_attempts == 1 else f"{self.request_id}~{self.num_attempts}"
-        request = GenerateRequest(sub_id, token_ids, params, self.priority, **continuation)
+        request = GenerateRequest(sub_id, token_ids, self.worker_params, self.priority, **continuation)
         return Attempt(kind, self.num_attempts, request, target)
 
 

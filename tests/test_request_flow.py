@@ -155,3 +155,33 @@ def test_the_failed_engine_is_named_through_rays_error():
     error = RayTaskError("generate", "Traceback ...", cause).as_instanceof_cause()
     assert isinstance(error, EngineDeadError) and _engine_id(error) == "e7"
     assert _engine_id(EngineDeadError("the engine is shut down")) is None
+
+
+def test_a_handle_that_decodes_text_sends_every_attempt_token_ids_only(tiny_model):
+    """The handle decodes a request's text itself (its workers' output threads then spend nothing
+    on it) unless its workers must: stop strings are found in their text, a beam search's outputs
+    are the engine's, a request may ask for no text, and older workers do not say their EOS ids.
+    Such a flow sends every attempt ``detokenize`` off and keeps the caller's params as they are."""
+    from transformers import AutoTokenizer
+
+    from pagedserve.cluster.handle import ClusterHandle
+
+    handle = object.__new__(ClusterHandle)
+    handle.info, handle.max_model_len = {"eos_token_ids": [2]}, 512
+    handle._tokenizer = AutoTokenizer.from_pretrained(tiny_model("llama"))
+    prompt = [5, 6, 7]
+    assert handle._text_decoder(prompt, SamplingParams(max_tokens=4)) is not None
+    for params in (SamplingParams(stop=["x"]), SamplingParams(n=2, use_beam_search=True, temperature=0.0),
+                   SamplingParams(detokenize=False)):
+        assert handle._text_decoder(prompt, params) is None
+    handle.info = {}
+    assert handle._text_decoder(prompt, SamplingParams()) is None
+    handle.info = {"eos_token_ids": [2]}
+    params = SamplingParams(max_tokens=4)
+    flow = RequestFlow("r", None, prompt, params, 0, max_attempts=5, text_decoder=handle._text_decoder(prompt, params))
+    attempts = [flow.start()]
+    _stream(flow, 0, [9, 10])
+    attempts.append(flow.after_failure())
+    assert [a.kind for a in attempts] == [FIRST, RESUME]
+    assert all(not a.request.params.detokenize for a in attempts) and flow.params is params and params.detokenize
+    assert flow.accumulator.text_decoder is not None

@@ -145,6 +145,67 @@ def test_deltas_made_by_the_engine_equal_its_outputs_encoded(llm):
     assert finishes["aborted"] == "abort" and finishes["greedy"] in ("stop", "length")
 
 
+def test_text_decoded_by_the_handle_equals_the_workers(llm):
+    """Workers sent token ids only (``detokenize`` off) and each sample's text decoded where the
+    deltas arrive (``DeltaTextDecoder``) give, step by step and however the deltas are merged,
+    the text and deltas the worker would have streamed: sampling and n > 1, a stop token id
+    (its text left out, or kept with include_stop_str_in_output), EOS with special tokens kept,
+    the length limit, a grammar's end (the text held back flushed), an abort (held back kept)."""
+    from pagedserve.workers.detokenizer import DeltaTextDecoder
+    from pagedserve.workers.sampling_params import StructuredOutputsParams
+
+    engine = llm.engine
+    eos = engine.eos_token_ids[0]
+    requests = {
+        "n3": (list(range(40, 52)), SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=20)),
+        "stop_id": (list(range(5, 17)), SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[])),
+        "kept": (list(range(5, 17)), SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[],
+                                                    include_stop_str_in_output=True)),
+        "eos": (list(range(7, 19)), SamplingParams(temperature=0.0, max_tokens=30, min_tokens=4,
+                                                   logit_bias={eos: 100.0}, skip_special_tokens=False)),
+        "grammar": (list(range(9, 21)), SamplingParams(temperature=1.0, seed=2, max_tokens=30,
+                                                       structured_outputs=StructuredOutputsParams(regex="[a-z ]{3,9}"))),
+        "length": (list(range(60, 64)), SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)),
+        "aborted": (list(range(70, 90)), SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)),
+    }
+    free = llm.generate([list(range(5, 17))], SamplingParams(temperature=0.0, max_tokens=30), use_tqdm=False)
+    stop_id = free[0].outputs[0].token_ids[5]
+    for rid in ("stop_id", "kept"):
+        requests[rid] = (requests[rid][0], dataclasses.replace(requests[rid][1], stop_token_ids=[stop_id]))
+    abort = (6, "aborted")
+    worker = _step_deltas(llm, requests, direct=True, abort=abort)
+    undecoded = {rid: (prompt, dataclasses.replace(params, detokenize=False)) for rid, (prompt, params) in requests.items()}
+    tokens_only = _step_deltas(llm, undecoded, direct=True, abort=abort)
+    assert all(s.text == "" for step in tokens_only for d in step for s in d.samples)
+    finishes = {d.request_id: s.finish_reason for step in worker for d in step for s in d.samples if s.finish_reason}
+    assert finishes == {"n3": "length", "stop_id": "stop", "kept": "stop", "eos": "stop", "grammar": "stop",
+                        "length": "length", "aborted": "abort"}
+
+    def decoder_for(rid):
+        prompt, params = requests[rid]
+        return lambda: DeltaTextDecoder(engine.tokenizer, prompt, params, engine.eos_token_ids, engine.max_model_len)
+
+    for group in (1, 3):
+        expected = {rid: OutputAccumulator(rid, None, requests[rid][0]) for rid in requests}
+        decoded = {rid: OutputAccumulator(rid, None, requests[rid][0], decoder_for(rid)) for rid in requests}
+        runs = {rid: ([], []) for rid in requests}
+        for theirs, mine in zip(worker, tokens_only, strict=True):
+            for a, b in zip(theirs, mine, strict=True):
+                runs[a.request_id][0].append(a)
+                runs[b.request_id][1].append(b)
+        for rid, (theirs, mine) in runs.items():
+            for i in range(0, len(theirs), group):
+                want = expected[rid].add(merge_deltas(theirs[i:i + group]))
+                got = decoded[rid].add(merge_deltas(mine[i:i + group]))
+                for a, b in zip(got.outputs, want.outputs, strict=True):
+                    assert (a.text, a.delta_text, a.token_ids, a.finish_reason, a.stop_reason) == \
+                        (b.text, b.delta_text, b.token_ids, b.finish_reason, b.stop_reason), (rid, group, i)
+    final = {rid: expected[rid] for rid in requests}
+    assert "<|endoftext|>" not in final["eos"].add(OutputDelta("eos", [], True, None)).outputs[0].text
+    with pytest.raises(ValueError, match="stop strings"):
+        DeltaTextDecoder(engine.tokenizer, [5], SamplingParams(stop=["x"]), [eos])
+
+
 def test_merged_runs_of_deltas_rebuild_the_same_outputs(llm):
     """A worker whose stream falls behind the engine sends the deltas made since its last
     message as one (``merge_deltas``): any grouping of a request's deltas rebuilds the same

@@ -4,18 +4,23 @@
 an ``OutputAccumulator`` and yields its ``RequestOutput``s; HTTP and gRPC read
 them (the cumulative fields for whole responses and usage, the ``delta_*``
 fields for streams). A resumed or migrated request keeps its accumulator, so
-its output runs on across workers as one.
+its output runs on across workers as one. With a ``text_decoder``, the workers
+send token ids only and the text is decoded here, as vLLM's front end decodes
+it: the workers' output threads, which share their process with the engine's
+step, spend nothing on it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .detokenizer import DeltaTextDecoder
 from .protocol import OutputDelta
 from .request import CompletionOutput, ListPrefix, RequestMetrics, RequestOutput, SampleLogprobs, TextPrefix
 
 
-_NO_NEWS = (None, False)
+_NO_NEWS = (None, "", False)
 
 
 @dataclass
@@ -41,10 +46,15 @@ class OutputAccumulator:
     is reported finished by exactly one output.
     """
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int]) -> None:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 text_decoder: Callable[[], DeltaTextDecoder] | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
+        # Makes a sample's decoder when its workers send token ids without text (the handle
+        # decodes them: ``SamplingParams.detokenize`` off on the workers' requests).
+        self.text_decoder = text_decoder
+        self._decoders: dict[int, DeltaTextDecoder] = {}
         self._samples: dict[int, _Sample] = {}
         self._prompt_logprobs: list[SampleLogprobs | None] | None = None
         self._metrics: RequestMetrics | None = None
@@ -56,8 +66,9 @@ class OutputAccumulator:
             if sample is None:
                 sample = self._samples[news.index] = _Sample()
             sample.token_ids.extend(news.token_ids)
-            if news.text:
-                sample.text_pieces.append(news.text)
+            text = news.text if self.text_decoder is None else self._decode(news)
+            if text:
+                sample.text_pieces.append(text)
             if news.logprobs is not None:
                 if sample.logprobs is None:
                     sample.logprobs = []
@@ -69,7 +80,7 @@ class OutputAccumulator:
                     sample.cumulative_logprob += logprob.logprob
             else:  # no per-token logprobs (a beam's score): the worker's figure
                 sample.cumulative_logprob = news.cumulative_logprob
-            news_by_index[news.index] = (news, news.finish_reason is not None and sample.finish_reason is None)
+            news_by_index[news.index] = (news, text, news.finish_reason is not None and sample.finish_reason is None)
             sample.finish_reason = news.finish_reason
             sample.stop_reason = news.stop_reason
         if delta.prompt_logprobs is not None:
@@ -83,12 +94,12 @@ class OutputAccumulator:
         completions = []
         for index in (samples if len(samples) == 1 else sorted(samples)):
             sample = samples[index]
-            news, is_newly_finished = news_by_index.get(index, _NO_NEWS)
+            news, text, is_newly_finished = news_by_index.get(index, _NO_NEWS)
             logprobs = sample.logprobs
             if news is None:
                 delta_text, delta_token_ids, delta_logprobs = "", [], None if logprobs is None else []
             else:
-                delta_text, delta_token_ids = news.text, list(news.token_ids)
+                delta_text, delta_token_ids = text, list(news.token_ids)
                 delta_logprobs = (list(news.logprobs) if news.logprobs is not None
                                   else None if logprobs is None else [])
             # Positional: index, text, token_ids, cumulative_logprob, logprobs, finish_reason,
@@ -99,6 +110,12 @@ class OutputAccumulator:
                 delta_text, delta_token_ids, delta_logprobs, is_newly_finished))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, delta.finished,
                              self._metrics, self._prompt_logprobs)
+
+    def _decode(self, news) -> str:
+        decoder = self._decoders.get(news.index)
+        if decoder is None:
+            decoder = self._decoders[news.index] = self.text_decoder()
+        return decoder.add(news.token_ids, news.finish_reason)
 
     # ---- what a resumed attempt continues from -------------------------------------------------
     def token_ids(self, index: int = 0) -> list[int]:
@@ -117,6 +134,7 @@ class OutputAccumulator:
     def reset(self) -> None:
         """Forget every sample: the request starts again from its prompt."""
         self._samples.clear()
+        self._decoders.clear()
         self._prompt_logprobs = None
 
 

@@ -114,7 +114,7 @@ class IncrementalDetokenizer:
         # Whether the Python route may hand over to a stream (after its next emitted text).
         self._may_start_stream = self._backend is not None and self._stream is None
         # A byte-level decoder's text is its tokens' bytes, decoded: a stream stepped with
-        # many tokens at once emits what stepping them one at a time emits, joined.
+        # many tokens at once ends on the text that stepping them one at a time ends on.
         self._steps_in_bulk = self._backend is not None and _is_byte_level(self._backend)
 
     def _start_stream(self):
@@ -166,8 +166,12 @@ class IncrementalDetokenizer:
         return new_text
 
     def extend(self, token_ids: list[int]) -> str:
-        """``append`` of each of ``token_ids``, joined: in one step of the stream where the
-        decoder is byte-level (about a tenth of the time a token), else token by token."""
+        """``append`` of each of ``token_ids``: in one step of the stream where the decoder is
+        byte-level (about a tenth of the time a token), else token by token. The text so far
+        ends the same either way, but a bulk step whose tokens end inside a character returns
+        nothing, where stepping returns the complete text before it: the rest comes with the
+        token that completes the character (or ``flush``). For whole runs (text decoded at a
+        sequence's end), not for streaming piece by piece."""
         if not (self._steps_in_bulk and self._stream is not None) or len(token_ids) < 2:
             return "".join([self.append(token_id) for token_id in token_ids])
         self._token_ids.extend(token_ids)
@@ -426,8 +430,9 @@ class StreamingDetokenizer:
 
     def extend(self, token_ids: list[int]) -> str:
         """``append`` of each of ``token_ids``, none of which ends the sequence (the caller
-        knows), joined: the detokenizer takes them all at once. Only for a sequence
-        without stop strings (any token of such a one may end it)."""
+        knows): the detokenizer takes them all at once (``IncrementalDetokenizer.extend``: the
+        same text in the end, maybe later). Only for a sequence without stop strings (any
+        token of such a one may end it)."""
         if self._stop_matcher.stop:
             raise ValueError("a sequence with stop strings takes its tokens one at a time")
         if self.finish_reason is not None:
@@ -553,3 +558,45 @@ def _byte_level_alphabet() -> dict[int, str]:
             mapping[byte] = chr(256 + extra)
             extra += 1
     return mapping
+
+
+class DeltaTextDecoder:
+    """One sample's text, decoded where its deltas' token ids arrive (the cluster's handle),
+    from workers that did not decode it (``SamplingParams.detokenize`` off): the text the
+    worker's own ``StreamingDetokenizer`` would have streamed, piece for piece.
+
+    The worker's finish rules, from a delta's token ids and finish reason alone: a token that
+    ends the sample itself (EOS unless ``ignore_eos``, a stop token id: "stop"; the length
+    limit: "length") is passed with its reason, so a stop token's text stays out; a sample
+    ended after its last token (its grammar completed) flushes the text held back; an abort
+    or a migration leaves it held (a migrated sample goes on with its next worker's tokens).
+    Only for requests without stop strings: those are found in the worker's text."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams,
+                 eos_token_ids: Collection[int], max_model_len: int | None = None) -> None:
+        if params.stop:
+            raise ValueError("a request with stop strings is decoded where they are found, on its worker")
+        self._text = StreamingDetokenizer(tokenizer, prompt_token_ids, params, eos_token_ids, max_model_len)
+        self._ending_tokens = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
+                                                                  else frozenset(eos_token_ids))
+
+    def add(self, token_ids: Sequence[int], finish_reason: str | None) -> str:
+        """The text that ``token_ids`` (the delta's new tokens) and its finish make streamable."""
+        text = self._text
+        if text.is_finished:
+            return ""
+        # A token at a time, as the worker would: a bulk step holds all of a run's text back when
+        # the run ends inside a character, where stepping emits its complete part.
+        last = len(token_ids) - 1
+        ends_by_token = last >= 0 and self._ends_by_token(token_ids[last], finish_reason)
+        pieces = [text.append(token_id, None) for token_id in token_ids[:last if ends_by_token else None]]
+        if ends_by_token:
+            pieces.append(text.append(token_ids[last], finish_reason))
+        elif finish_reason is not None and finish_reason not in ("abort", "migrated"):
+            pieces.append(text.finish(finish_reason))
+        return "".join(pieces)
+
+    def _ends_by_token(self, token_id: int, finish_reason: str | None) -> bool:
+        if finish_reason == FINISH_LENGTH:
+            return True
+        return finish_reason == FINISH_STOP and token_id in self._ending_tokens

@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .detokenizer import StreamingDetokenizer
+from .detokenizer import FINISH_STOP, StreamingDetokenizer
 from .protocol import OutputDelta, SampleDelta
 from .request import (CompletionOutput, ListPrefix, Request, RequestOutput, SampleLogprobs, Sequence,
                       TextPrefix)
@@ -89,7 +89,7 @@ class ProcessedStep:
 class SequenceStream:
     """One sample's stream as its caller sees it: text, deltas and finish."""
 
-    def __init__(self, text: StreamingDetokenizer, num_initial_tokens: int) -> None:
+    def __init__(self, text: StreamingDetokenizer | UndecodedText, num_initial_tokens: int) -> None:
         self.text = text
         self.num_tokens = num_initial_tokens           # output tokens accounted for
         self.num_logprobs = 0
@@ -146,11 +146,44 @@ class SequenceStream:
         self.cumulative_logprob += logprob.logprob
 
 
+class UndecodedText:
+    """A stream's text where it is not decoded (``SamplingParams.detokenize`` off): it stays
+    empty, and only the finish is kept, as ``StreamingDetokenizer`` keeps it (the stop token
+    id that ended it, if one did). What follows its tokens costs no decoding."""
+
+    streamed_text = ""
+
+    def __init__(self, stop_token_ids: list[int]) -> None:
+        self._stop_token_ids = stop_token_ids
+        self.finish_reason: str | None = None
+        self.stop_reason: int | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token_id: int, finish_reason: str | None = None) -> str:
+        if finish_reason is not None:
+            self.finish_reason = finish_reason
+            if finish_reason == FINISH_STOP and token_id in self._stop_token_ids:
+                self.stop_reason = token_id
+        return ""
+
+    def extend(self, token_ids: list[int]) -> str:
+        return ""
+
+    def finish(self, finish_reason: str) -> str:
+        self.finish_reason = finish_reason
+        return ""
+
+
 def new_stream(seq: Sequence, tokenizer, eos_token_ids: list[int], max_model_len: int,
                output_token_ids: list[int]) -> SequenceStream:
     """A sequence's stream, primed with output tokens already streamed elsewhere (a
     resumed or migrated request): they count as streamed, and its text continues them."""
     request = seq.request
+    if not request.params.detokenize:
+        return SequenceStream(UndecodedText(request.params.stop_token_ids), len(output_token_ids))
     text = StreamingDetokenizer(tokenizer, request.prompt_token_ids, request.params, eos_token_ids,
                                 max_model_len)
     for token_id in output_token_ids:

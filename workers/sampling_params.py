@@ -169,6 +169,10 @@ class SamplingParams:
         tokenizers do.
       - ``truncate_prompt_tokens``: keep only the last k prompt tokens (-1: as
         many as the model's context allows, leaving room for one output token).
+      - ``detokenize`` (vLLM's): false leaves the output's text empty (its tokens
+        are all there); stop strings, which are found in the text, need it. The
+        cluster's handle turns it off on the requests it sends workers when it
+        decodes their text itself.
       - ``cache_salt`` (vLLM's): the request shares prefix-cache blocks only with
         requests of the same salt (every block hash covers it), so that one
         tenant's requests cannot tell from their speed what another's prompts are.
@@ -214,6 +218,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     cache_salt: str | None = None
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         self.n = _as_int("n", self.n, minimum=1)
@@ -245,7 +250,7 @@ class SamplingParams:
         self.stop = _as_stop_strings(self.stop)
         self.stop_token_ids = _as_token_ids("stop_token_ids", self.stop_token_ids)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
-                     "spaces_between_special_tokens"):
+                     "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -274,6 +279,8 @@ class SamplingParams:
             self.bad_words = [_as_word(word) for word in _as_list_of("bad_words", self.bad_words)] or None
         if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
+        if not self.detokenize and self.stop:
+            raise ValueError("stop strings are found in the output's text: they need detokenize")
         self._check_beam_search()
 
     def _check_beam_search(self) -> None:
@@ -306,6 +313,7 @@ class SamplingParams:
             ("logit_bias", self.logit_bias is not None),
             ("allowed_token_ids", self.allowed_token_ids is not None),
             ("bad_words", self.bad_words is not None),
+            ("detokenize", not self.detokenize),
         ) if is_set]
         if unsupported:
             raise ValueError(f"{unsupported[0]} cannot be used with use_beam_search: beam search keeps the "

@@ -343,7 +343,7 @@ class Worker:
     # ---- introspection ----------------------------------------------------------------
     def info(self) -> dict:
         return {"worker_id": self.worker_id, "role": self.role, "model": self.engine.config.model,
-                "max_model_len": self.engine.max_model_len,
+                "max_model_len": self.engine.max_model_len, "eos_token_ids": list(self.engine.eos_token_ids),
                 "block_size": self.engine.config.block_size,
                 "num_device_blocks": self.engine.pool_config.num_device_blocks,
                 "num_parameters": self.engine.runner.num_parameters,

@@ -16,7 +16,9 @@ host's. Outputs are taken as ``LLM.generate``
 takes them (``output_kind="final"``); ``stream`` adds what a server's output thread
 pays per token (detokenizing and building each step's outputs), timed on its own;
 ``channel`` the same for a worker's output channel, whose requests' outputs are the
-wire's deltas, made by the output processor (``delta_encoder``).
+wire's deltas, made by the output processor (``delta_encoder``); ``tokens`` a channel's
+requests whose text the cluster's handle decodes (``detokenize`` off on the worker: what
+a served request without stop strings is).
 """
 
 from __future__ import annotations
@@ -71,15 +73,18 @@ class HostCostProbe:
 
     def run(self, batch: int, num_steps: int, prompt_len: int, output_kind: str) -> dict:
         """Medians over ``num_steps`` decode steps of ``batch`` sequences (seconds).
-        ``output_kind``: "final", "stream" or "channel" (streamed as deltas)."""
+        ``output_kind``: "final", "stream", "channel" (streamed as deltas) or "tokens" (a
+        channel's deltas without text)."""
         engine, vocab = self.engine, self.engine.runner.vocab_size
-        params = SamplingParams(temperature=0.0, max_tokens=num_steps + 2, ignore_eos=True)
+        is_channel = output_kind in ("channel", "tokens")
+        params = SamplingParams(temperature=0.0, max_tokens=num_steps + 2, ignore_eos=True,
+                                detokenize=output_kind != "tokens")
         for _ in range(batch):
             self._num_requests += 1
             engine.add_request(f"probe-{self._num_requests}",
                                [self._rng.randrange(8, vocab) for _ in range(prompt_len)], params,
-                               output_kind="stream" if output_kind == "channel" else output_kind,
-                               delta_encoder=DeltaEncoder() if output_kind == "channel" else None)
+                               output_kind="stream" if is_channel else output_kind,
+                               delta_encoder=DeltaEncoder() if is_channel else None)
         engine.step()   # every prompt is prefilled in one step
         first_event = len(self.step_times.events) if self.step_times is not None else 0
         step, device, output = [], [], []
@@ -190,7 +195,8 @@ def main(argv=None) -> None:
                         help="compile the decode forward (on CUDA the default where graphs are)")
     parser.add_argument("--output-kinds", default="final,stream",
                         help="comma-separated: final (LLM.generate), stream (AsyncLLMEngine.generate), "
-                             "channel (a worker's output channel)")
+                             "channel (a worker's output channel), tokens (a channel whose text the "
+                             "handle decodes)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
