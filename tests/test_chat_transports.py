@@ -106,6 +106,33 @@ def test_chat_unary_stream_and_http_agree(frontend, stub):
     assert [bytes(e["bytes"]) for e in http["logprobs"]["content"]] == [e.bytes for e in choice.logprobs]
 
 
+def test_stop_reason_and_cache_salt_over_grpc(stub):
+    """vLLM's stop_token_ids, stop_reason (a stop token id, a stop string) and cache_salt reach
+    gRPC's Generate, GenerateStream and Chat as they reach HTTP."""
+    base = dict(prompt="Once upon a time", max_tokens=8, temperature=0, ignore_eos=True)
+    free = stub.Generate(pb.GenerateRequest(**base), timeout=60).choices[0]
+    assert not free.stop_string and not free.HasField("stop_token_id")
+    by_id = stub.Generate(pb.GenerateRequest(**base, stop_token_ids=[free.token_ids[3]]), timeout=60).choices[0]
+    assert by_id.finish_reason == "stop" and by_id.stop_token_id == free.token_ids[3]
+    stop = free.text[len(free.text) // 2:len(free.text) // 2 + 2]
+    streamed = list(stub.GenerateStream(pb.GenerateRequest(**base, stop=[stop]), timeout=60))
+    assert [c.stop_string for m in streamed for c in m.choices if c.finish_reason] == [stop]
+    chat = pb.ChatRequest(messages=pb_messages(MESSAGES), max_tokens=8, temperature=0, ignore_eos=True)
+    chat_free = stub.Chat(chat, timeout=60).choices[0]
+    assert not chat_free.stop_string and not chat_free.HasField("stop_token_id")
+    long_prompt = "A salted prompt keeps its cached blocks to itself, block by block. " * 3
+
+    def cached(salt: str) -> int:
+        request = pb.GenerateRequest(prompt=long_prompt, max_tokens=2, temperature=0, cache_salt=salt)
+        return stub.Generate(request, timeout=60).usage.cached_tokens
+
+    cached("tenant-a")
+    assert cached("tenant-a") > 0 and cached("tenant-b") == 0
+    salted_chat = pb.ChatRequest(messages=pb_messages(MESSAGES), max_tokens=2, cache_salt="tenant-c")
+    assert stub.Chat(salted_chat, timeout=60).usage.cached_tokens == 0
+    assert stub.Chat(salted_chat, timeout=60).usage.cached_tokens > 0
+
+
 @pytest.mark.parametrize("tool_choice", ["required", "add"])
 def test_forced_tool_calls_over_grpc(stub, tool_choice):
     choice_pb = pb.ToolChoice(mode=tool_choice) if tool_choice == "required" else pb.ToolChoice(function=tool_choice)

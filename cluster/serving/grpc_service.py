@@ -132,6 +132,10 @@ class GrpcService:
         fields = {name: getattr(request, name) for name in optional if request.HasField(name)}
         fields.update(stop=list(request.stop), ignore_eos=request.ignore_eos, priority=request.priority,
                       min_tokens=request.min_tokens, include_stop_str_in_output=request.include_stop_str_in_output)
+        if request.cache_salt:
+            fields["cache_salt"] = request.cache_salt
+        if request.stop_token_ids:
+            fields["stop_token_ids"] = list(request.stop_token_ids)
         for name in ("structured_outputs", "response_format"):
             if getattr(request, name):
                 fields[name] = _json_field(getattr(request, name), name)
@@ -264,7 +268,8 @@ class GrpcService:
             await generation.run_to_end(first)
             last = generation.progress[0].last
             choices = [pb.Choice(index=c.index, text=c.text, token_ids=c.token_ids,
-                                 logprobs=self._logprobs(c.logprobs or []), finish_reason=c.finish_reason or "")
+                                 logprobs=self._logprobs(c.logprobs or []), finish_reason=c.finish_reason or "",
+                                 **_stop_fields(c.stop_reason))
                        for c in sorted(last.outputs if last else [], key=lambda c: c.index)]
             response = self._response(request_id, generation, choices, with_usage=True)
             response.prompt_logprobs.extend(self._prompt_logprobs(last, generation.prompts[0]))
@@ -346,7 +351,8 @@ class GrpcService:
     def _delta_choices(self, output: RequestOutput) -> list[pb.Choice]:
         """What is new per choice in ``output``."""
         return [pb.Choice(index=c.index, text=c.delta_text, token_ids=c.delta_token_ids,
-                          logprobs=self._logprobs(c.delta_logprobs or []), finish_reason=c.finish_reason or "")
+                          logprobs=self._logprobs(c.delta_logprobs or []), finish_reason=c.finish_reason or "",
+                          **_stop_fields(c.stop_reason))
                 for c in output.outputs if c.delta_token_ids or c.delta_text or c.is_newly_finished]
 
 
@@ -358,10 +364,17 @@ def _chat_logprobs(logprobs: ChoiceLogprobs | None) -> list[pb.ChatLogprob]:
             for entry in (logprobs.content or [] if logprobs is not None else [])]
 
 
+def _stop_fields(stop_reason: str | int | None) -> dict:
+    """vLLM's ``stop_reason`` as the messages carry it: a stop string or a stop token id."""
+    if stop_reason is None:
+        return {}
+    return {"stop_string": stop_reason} if isinstance(stop_reason, str) else {"stop_token_id": stop_reason}
+
+
 def _chat_choice(choice: ChatChoice | ChatStreamChoice) -> pb.ChatChoice:
     """A unary choice (``message``: whole calls) or a streamed one (``delta``: pieces)."""
     result = pb.ChatChoice(index=choice.index, finish_reason=choice.finish_reason or "",
-                           logprobs=_chat_logprobs(choice.logprobs))
+                           logprobs=_chat_logprobs(choice.logprobs), **_stop_fields(choice.stop_reason))
     if isinstance(choice, ChatChoice):
         message = choice.message
         result.tool_calls.extend(pb.ToolCall(index=index, id=call.id, name=call.function.name,
