@@ -133,6 +133,27 @@ def test_stop_reason_and_cache_salt_over_grpc(stub):
     assert stub.Chat(salted_chat, timeout=60).usage.cached_tokens > 0
 
 
+def test_logit_bias_allowed_token_ids_and_bad_words_over_grpc(frontend, stub):
+    """OpenAI's logit_bias and vLLM's allowed_token_ids and bad_words over gRPC, with HTTP's
+    answers and refusals."""
+    token = frontend.tokenizer.encode(" blocks", add_special_tokens=False)[0]
+    base = dict(prompt="Once upon a time", max_tokens=5, temperature=0, ignore_eos=True)
+    forced = stub.Generate(pb.GenerateRequest(**base, logit_bias={token: 100.0}), timeout=60).choices[0]
+    assert list(forced.token_ids) == [token] * 5
+    allowed = stub.Chat(pb.ChatRequest(messages=pb_messages(MESSAGES), max_tokens=5, ignore_eos=True, seed=3,
+                                       allowed_token_ids=[token]), timeout=60).choices[0]
+    assert allowed.content == frontend.tokenizer.decode([token] * 5)
+    free = stub.Generate(pb.GenerateRequest(**base), timeout=60).choices[0]
+    word = frontend.tokenizer.decode([free.token_ids[0]])
+    banned = stub.Generate(pb.GenerateRequest(**base, bad_words=[word]), timeout=60).choices[0]
+    assert banned.token_ids[0] != free.token_ids[0]
+    vocab = frontend.vocab_size
+    for request, param in ((pb.GenerateRequest(**base, logit_bias={token: 101.0}), "logit_bias"),
+                           (pb.GenerateRequest(**base, allowed_token_ids=[vocab]), "allowed_token_ids")):
+        failure = grpc_error(lambda: stub.Generate(request, timeout=60))
+        assert failure.code() == grpc.StatusCode.INVALID_ARGUMENT and param in failure.details()
+
+
 @pytest.mark.parametrize("tool_choice", ["required", "add"])
 def test_forced_tool_calls_over_grpc(stub, tool_choice):
     choice_pb = pb.ToolChoice(mode=tool_choice) if tool_choice == "required" else pb.ToolChoice(function=tool_choice)

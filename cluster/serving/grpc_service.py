@@ -134,8 +134,11 @@ class GrpcService:
                       min_tokens=request.min_tokens, include_stop_str_in_output=request.include_stop_str_in_output)
         if request.cache_salt:
             fields["cache_salt"] = request.cache_salt
-        if request.stop_token_ids:
-            fields["stop_token_ids"] = list(request.stop_token_ids)
+        for name in ("stop_token_ids", "allowed_token_ids", "bad_words"):
+            if getattr(request, name):
+                fields[name] = list(getattr(request, name))
+        if request.logit_bias:
+            fields["logit_bias"] = {str(token_id): bias for token_id, bias in request.logit_bias.items()}
         for name in ("structured_outputs", "response_format"):
             if getattr(request, name):
                 fields[name] = _json_field(getattr(request, name), name)
