@@ -565,9 +565,9 @@ class DeltaTextDecoder:
     from workers that did not decode it (``SamplingParams.detokenize`` off): the text the
     worker's own ``StreamingDetokenizer`` would have streamed, piece for piece.
 
-    The worker's finish rules, from a delta's token ids and finish reason alone: a token that
-    ends the sample itself (EOS unless ``ignore_eos``, a stop token id: "stop"; the length
-    limit: "length") is passed with its reason, so a stop token's text stays out; a sample
+    The worker's finish rules: each token goes through ``check_stop``, as the engine's does,
+    so a token that ends the sample itself (EOS unless ``ignore_eos``, a stop token id, the
+    length limit) ends the text the same way (a stop token's text stays out); a sample
     ended after its last token (its grammar completed) flushes the text held back; an abort
     or a migration leaves it held (a migrated sample goes on with its next worker's tokens).
     Only for requests without stop strings: those are found in the worker's text."""
@@ -577,26 +577,13 @@ class DeltaTextDecoder:
         if params.stop:
             raise ValueError("a request with stop strings is decoded where they are found, on its worker")
         self._text = StreamingDetokenizer(tokenizer, prompt_token_ids, params, eos_token_ids, max_model_len)
-        self._ending_tokens = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
-                                                                  else frozenset(eos_token_ids))
 
     def add(self, token_ids: Sequence[int], finish_reason: str | None) -> str:
         """The text that ``token_ids`` (the delta's new tokens) and its finish make streamable."""
         text = self._text
-        if text.is_finished:
-            return ""
         # A token at a time, as the worker would: a bulk step holds all of a run's text back when
         # the run ends inside a character, where stepping emits its complete part.
-        last = len(token_ids) - 1
-        ends_by_token = last >= 0 and self._ends_by_token(token_ids[last], finish_reason)
-        pieces = [text.append(token_id, None) for token_id in token_ids[:last if ends_by_token else None]]
-        if ends_by_token:
-            pieces.append(text.append(token_ids[last], finish_reason))
-        elif finish_reason is not None and finish_reason not in ("abort", "migrated"):
+        pieces = [text.append(token_id) for token_id in token_ids if not text.is_finished]
+        if finish_reason is not None and not text.is_finished and finish_reason not in ("abort", "migrated"):
             pieces.append(text.finish(finish_reason))
         return "".join(pieces)
-
-    def _ends_by_token(self, token_id: int, finish_reason: str | None) -> bool:
-        if finish_reason == FINISH_LENGTH:
-            return True
-        return finish_reason == FINISH_STOP and token_id in self._ending_tokens
