@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 
 from pagedserve import SamplingParams
 from pagedserve.devtools.model_factory import ensure_model
-from pagedserve.workers.detokenizer import StreamingDetokenizer
+from pagedserve.workers.outputs.detokenizer import StreamingDetokenizer
 
 
 def run(tokenizer, prompts: list[list[int]], outputs: list[list[int]],

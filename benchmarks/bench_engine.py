@@ -69,7 +69,7 @@ def run_contender(key: str, spec: dict) -> dict:
     """Warm up, then time one contender on ``spec``'s requests, in this process."""
     import torch
 
-    from pagedserve.workers.host_memory import retain_freed_host_memory
+    from pagedserve.workers.model.host_memory import retain_freed_host_memory
 
     torch.set_num_threads(spec["threads"])
     retain_freed_host_memory()  # every contender alike (pagedserve's CPU runner sets it anyway)

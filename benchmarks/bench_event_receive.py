@@ -10,7 +10,7 @@ per-message cost from the fixed cost of the wake-ups:
 
     python benchmarks/bench_event_receive.py --rates 1 14 28
 
-``zmq``: a ROUTER socket, DEALER senders (the transport of workers/kv_wire.py);
+``zmq``: a ROUTER socket, DEALER senders (the transport of workers/kv_events/wire.py);
 ``tcp``: length-prefixed frames on plain sockets, read by the gathering
 thread through a selector (no I/O thread).
 """

@@ -24,9 +24,9 @@ import asyncio
 import json
 import time
 
-from pagedserve.workers.accumulator import OutputAccumulator
-from pagedserve.workers.protocol import OutputDelta, SampleDelta
-from pagedserve.workers.request import RequestMetrics
+from pagedserve.workers.outputs.accumulator import OutputAccumulator
+from pagedserve.workers.actor.protocol import OutputDelta, SampleDelta
+from pagedserve.workers.engine.request import RequestMetrics
 
 
 class _SteppedHandle:

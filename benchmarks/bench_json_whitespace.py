@@ -32,8 +32,8 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.devtools.model_factory import ensure_model
-from pagedserve.workers import grammar
-from pagedserve.workers.sampling_params import StructuredOutputsParams
+from pagedserve.workers.sample import grammar
+from pagedserve.workers.sample.sampling_params import StructuredOutputsParams
 
 SCHEMAS = {
     "person": {"type": "object", "properties": {

@@ -60,7 +60,7 @@ def main() -> None:
     import ray
 
     from pagedserve.cluster import start
-    from pagedserve.workers.sampling_params import SamplingParams
+    from pagedserve.workers.sample.sampling_params import SamplingParams
 
     ray.init(address="local", num_cpus=args.workers * 0.5 + 1, include_dashboard=False,
              namespace="pagedserve", log_to_driver=False)

@@ -2,7 +2,7 @@
 
 Before the delta protocol a worker yielded the engine's cumulative
 ``RequestOutput`` (prompt ids, every token so far, text, logprobs) at every
-step; now it yields an ``OutputDelta`` (``workers/protocol.py``). Both are
+step; now it yields an ``OutputDelta`` (``workers/actor/protocol.py``). Both are
 measured here from the same engine run, as Ray serialises them (pickle
 protocol 5), at output tokens 1, 10, 100, 1000 and 4000 of one greedy
 sequence, with and without logprobs.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.devtools.model_factory import long_context_copy
-from pagedserve.workers.protocol import DeltaEncoder
+from pagedserve.workers.actor.protocol import DeltaEncoder
 
 POSITIONS = (1, 10, 100, 1000, 4000)
 

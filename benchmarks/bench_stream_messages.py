@@ -9,7 +9,7 @@ in this process (``AsyncLLMEngine``, one coroutine per request: what the worker 
 Ray). Reported: delivered output tok/s, the offline
 engine's, their ratio, the outputs each request received and their tokens, the Ray
 messages the worker sent (one per engine step for all of the handle's requests, through
-its output channel, ``workers.output_channel``), and the mean decode step in the worker
+its output channel, ``workers.actor.output_channel``), and the mean decode step in the worker
 and offline (the worker's engine thread shares its process's GIL with the event loop
 that sends), and the longest wait between two outputs of a stream once every stream
 decodes. ``--poll-stats S`` gathers the cluster's stats every S seconds while the
@@ -66,7 +66,7 @@ async def _poll_stats(handle, every_s: float, latencies_s: list[float]) -> None:
 async def _stream_in_process(llm, prompts: list[list[int]], params) -> float:
     """Seconds for the requests streamed from an ``AsyncLLMEngine`` in this process, one
     coroutine per request: the worker's engine, output thread and event loop without Ray."""
-    from pagedserve.workers.async_engine import AsyncLLMEngine
+    from pagedserve.workers.offline.async_engine import AsyncLLMEngine
 
     engine = AsyncLLMEngine(llm.engine)
 
@@ -115,7 +115,7 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     handle_gc = None
     try:  # this process stands for a Serve replica, whose start-up heap is frozen
-        from pagedserve.workers.gc_heap import prepare_serving_heap
+        from pagedserve.workers.process.gc_heap import prepare_serving_heap
         handle_gc = prepare_serving_heap("the benchmark's handle")
     except ImportError:  # a build before it
         pass

@@ -25,7 +25,7 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.devtools.model_factory import ensure_model
-from pagedserve.workers.sampling_params import StructuredOutputsParams
+from pagedserve.workers.sample.sampling_params import StructuredOutputsParams
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer"}},

@@ -3,7 +3,7 @@
 A step of ``--rows`` random rows (temperature 0.8) samples with top-p, alone and with
 top-k, from logits of two shapes: peaked (the 0.9 nucleus holds a few tokens, as a
 trained model's mostly does) and flat (it holds thousands: random weights). The
-baseline's ``workers/sampler.py`` and ``sampling_params.py`` are extracted from
+baseline's ``workers/sample/sampler.py`` and ``sampling_params.py`` are extracted from
 ``--baseline`` into a temporary package; the contenders run in this process,
 alternating, on the same logits with the same generator seed, and must sample the
 same tokens (checked, reported as ``same_tokens``):
@@ -97,8 +97,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from pagedserve.workers import sampler as current
-    from pagedserve.workers.sampling_params import SamplingParams
+    from pagedserve.workers.sample import sampler as current
+    from pagedserve.workers.sample.sampling_params import SamplingParams
 
     with tempfile.TemporaryDirectory() as directory:
         old, old_params = load_baseline(args.baseline, Path(directory))

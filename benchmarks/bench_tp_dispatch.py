@@ -44,7 +44,7 @@ import torch
 
 def decode_inputs(batch: int, context: int, num_steps: int, block_size: int = 16):
     """``num_steps`` decode-step ``ModelInput``s of ``batch`` sequences (rows 0..batch-1)."""
-    from pagedserve.workers.model_runner import ModelInput
+    from pagedserve.workers.model.model_input import ModelInput
 
     starts = [context + 7 * i for i in range(batch)]
     tables = [list(range(i * 256, i * 256 + -(-(s + 1) // block_size))) for i, s in enumerate(starts)]
@@ -88,9 +88,9 @@ def rank_main(spec: dict, rank: int, mode: str, num_steps: int) -> None:
     """A rank 1.. process: the usual rank, with its forward stubbed. Modes: "step" (stub),
     "delivery" (stub with a one-float all-reduce), "reduce-only" (that all-reduce
     ``num_steps`` times, no commands: the delivery baseline); "-broadcast" suffix: gloo channel."""
-    from pagedserve.workers.tp_dispatch import open_channel
-    from pagedserve.workers.tp_group import TensorParallelGroup
-    from pagedserve.workers.tp_rank import (RankExecutor, RankSpec, load_rank_runner, publish_rank_info,
+    from pagedserve.workers.tp.dispatch import open_channel
+    from pagedserve.workers.tp.group import TensorParallelGroup
+    from pagedserve.workers.tp.rank import (RankExecutor, RankSpec, load_rank_runner, publish_rank_info,
                                             rank_device, share_cpu)
 
     spec = RankSpec.from_dict(spec)
@@ -114,7 +114,7 @@ class StubLauncher:
         self.num_steps = num_steps
 
     def launch(self, spec):
-        from pagedserve.workers.tp_launch import ProcessRanks
+        from pagedserve.workers.tp.launch import ProcessRanks
 
         context = multiprocessing.get_context("spawn")
         processes = []
@@ -147,7 +147,7 @@ def time_steps(execute, inputs, num_warmup: int) -> dict:
 
 
 def run_single(path: str, inputs, num_warmup: int, block_size: int) -> dict:
-    from pagedserve.workers.model_runner import ModelRunner
+    from pagedserve.workers.model.model_runner import ModelRunner
 
     runner = ModelRunner(path, "float32", "cpu")
     runner.allocate_cache(block_size, 16384, 0)
@@ -158,7 +158,7 @@ def run_single(path: str, inputs, num_warmup: int, block_size: int) -> dict:
 
 
 def run_group(path: str, size: int, mode: str, inputs, num_warmup: int, block_size: int) -> dict:
-    import pagedserve.workers.tensor_parallel as tensor_parallel
+    import pagedserve.workers.tp.runner as tensor_parallel
 
     broadcast = mode.endswith("-broadcast")
     saved_node_key = tensor_parallel.node_key

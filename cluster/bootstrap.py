@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pagedserve.workers.model_support import check_servable_config
-from pagedserve.workers.tp_plan import check_tensor_parallel
-from pagedserve.workers.worker import stall_timeout_s
+from pagedserve.workers.model.model_support import check_servable_config
+from pagedserve.workers.tp.plan import check_tensor_parallel
+from pagedserve.workers.actor.worker import stall_timeout_s
 
 from . import ray_compat
 from .config import ClusterConfig, load_config
@@ -45,7 +45,7 @@ def _coerce_config(config: ClusterConfig | dict | str | Path | None) -> ClusterC
 def _actor_classes():
     import ray
 
-    from pagedserve.workers.worker import Worker
+    from pagedserve.workers.actor.worker import Worker
 
     from .kv_central import CentralKVManager
 

@@ -71,7 +71,7 @@ def _add_generate_parser(subparsers) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--n", type=int, default=1)
-    # Engine options: unset ones take the engine's defaults (workers/engine_options.py).
+    # Engine options: unset ones take the engine's defaults (workers/engine/engine_options.py).
     parser.add_argument("--block-size", type=int)
     parser.add_argument("--num-device-blocks", type=int)
     parser.add_argument("--swap-space-gb", type=float)

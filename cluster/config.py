@@ -13,8 +13,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pagedserve.workers.engine_options import EngineOptions  # the one schema; re-exported here
-from pagedserve.workers.model_source import ModelSource, is_hub_id, token_from_environment
+from pagedserve.workers.engine.engine_options import EngineOptions  # the one schema; re-exported here
+from pagedserve.workers.model.model_source import ModelSource, is_hub_id, token_from_environment
 from pagedserve.devtools.model_factory import ARCHS, SIZES
 from pagedserve.tool_parsers import TOOL_PARSERS
 

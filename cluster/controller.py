@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from pagedserve.workers.background_loop import BackgroundLoop
+from pagedserve.workers.process.background_loop import BackgroundLoop
 
 from .health import WorkerHealth
 from .router import Router

@@ -22,11 +22,11 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from pagedserve.workers.detokenizer import DeltaTextDecoder
-from pagedserve.workers.protocol import EngineDeadError, Migrated, OutputDelta
-from pagedserve.workers.request import CompletionOutput, RequestOutput
-from pagedserve.workers.sampling_params import SamplingParams
-from pagedserve.workers.worker import stall_timeout_s
+from pagedserve.workers.outputs.detokenizer import DeltaTextDecoder
+from pagedserve.workers.actor.protocol import EngineDeadError, Migrated, OutputDelta
+from pagedserve.workers.engine.request import CompletionOutput, RequestOutput
+from pagedserve.workers.sample.sampling_params import SamplingParams
+from pagedserve.workers.actor.worker import stall_timeout_s
 
 from .config import ClusterConfig
 from .controller import HealthView
@@ -192,7 +192,7 @@ class ClusterHandle:
                        is_streamed: bool = False) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (cumulative text and token ids, plus deltas).
 
-        Workers stream deltas (``workers.protocol``); the request's one
+        Workers stream deltas (``workers.actor.protocol``); the request's one
         ``OutputAccumulator`` rebuilds the outputs. A run that ends unfinished
         (a worker failed, the KV manager migrated the request, the disaggregated
         path broke) is followed by the one ``request_flow.RequestFlow`` picks.

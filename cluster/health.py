@@ -27,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from pagedserve.workers.background_loop import BackgroundLoop
+from pagedserve.workers.process.background_loop import BackgroundLoop
 
 from . import ray_compat
 from .router import Router

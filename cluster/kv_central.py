@@ -2,7 +2,7 @@
 
 The service is pure Python (``kvmanager.service``); this class is what the
 cluster wraps in ``ray.remote``. It binds the event socket
-(``workers.kv_wire.EventEndpoint``), whose receiver thread applies workers'
+(``workers.kv_events.wire.EventEndpoint``), whose receiver thread applies workers'
 ``publish``/``resync`` messages while Ray runs the actor's methods on the
 actor's own thread: every public service method, from either side, runs
 under one lock, so the index sees one change at a time. Without pyzmq (or a
@@ -17,7 +17,7 @@ import logging
 import threading
 
 from pagedserve.kvmanager.service import KVManagerService
-from pagedserve.workers.kv_wire import DEFAULT_TICK_S
+from pagedserve.workers.kv_events.wire import DEFAULT_TICK_S
 
 from .thread_cpu import cpu_by_role
 
@@ -43,7 +43,7 @@ class CentralKVManager(KVManagerService):
         self._endpoint = None
         if event_transport == "zmq":
             try:
-                from pagedserve.workers.kv_wire import EventEndpoint
+                from pagedserve.workers.kv_events.wire import EventEndpoint
 
                 self._endpoint = EventEndpoint(self.handle_events, gather_s=event_tick_s)   # locked per drain
             except Exception as exc:  # no pyzmq, no bind: workers fall back to Ray calls

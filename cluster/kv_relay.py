@@ -1,4 +1,4 @@
-"""The per-node KV event relay actor (``workers.kv_relay.EventRelay`` on Ray).
+"""The per-node KV event relay actor (``workers.kv_events.relay.EventRelay`` on Ray).
 
 One relay per node, named ``pagedserve-kv-relay-<node id>`` in the cluster's
 namespace and pinned to its node; the first worker on a node to ask
@@ -10,7 +10,7 @@ owned by the worker that created the relay, and once that worker died Ray could
 not restart the relay. After a restart it binds a new
 port, and the workers, once their sends time out, resync and ask it for its
 endpoint again (a relay gone for good: they send to the central manager
-directly, ``workers.kv_wire.ZmqTransport``). ``kill_relays`` ends them when
+directly, ``workers.kv_events.wire.ZmqTransport``). ``kill_relays`` ends them when
 the cluster shuts down.
 """
 
@@ -34,8 +34,8 @@ class KVRelay:
     def __init__(self, central_name: str, namespace: str | None, flush_s: float, ack_timeout_s: float) -> None:
         import ray
 
-        from pagedserve.workers.kv_relay import EventRelay
-        from pagedserve.workers.kv_wire import ZmqTransport
+        from pagedserve.workers.kv_events.relay import EventRelay
+        from pagedserve.workers.kv_events.wire import ZmqTransport
 
         self._cpu_at_start = time.process_time()
         self._started_at = time.time()
@@ -73,7 +73,7 @@ def node_relay(central_name: str, namespace: str | None, kv_events: dict):
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from pagedserve.workers.kv_wire import DEFAULT_TICK_S
+    from pagedserve.workers.kv_events.wire import DEFAULT_TICK_S
 
     context = ray.get_runtime_context()
     node_id = context.get_node_id()

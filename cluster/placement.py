@@ -4,7 +4,7 @@ A worker of one rank is one actor with its group's resources. A worker of N
 ranks gets a placement group of N bundles, each with those resources
 (STRICT_PACK: one node; PACK where the config allows: spread when one node
 cannot hold them). The worker actor (rank 0) takes bundle 0; its runner
-starts ranks 1..N-1 in the other bundles (``workers.tp_launch``). The
+starts ranks 1..N-1 in the other bundles (``workers.tp.launch``). The
 placement group is named after the worker actor, so that whoever removes the
 worker for good also frees its bundles (``remove_worker_placement``); when
 Ray restarts a worker, its placement group stays and the new incarnation

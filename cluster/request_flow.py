@@ -39,10 +39,10 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pagedserve.workers.accumulator import OutputAccumulator
-from pagedserve.workers.detokenizer import DeltaTextDecoder
-from pagedserve.workers.protocol import GenerateRequest, Migrated
-from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.outputs.accumulator import OutputAccumulator
+from pagedserve.workers.outputs.detokenizer import DeltaTextDecoder
+from pagedserve.workers.actor.protocol import GenerateRequest, Migrated
+from pagedserve.workers.sample.sampling_params import SamplingParams
 
 FIRST = "first"
 DISAGGREGATED = "disaggregated"

@@ -2,7 +2,7 @@
 
 A handle sends each request to its worker with ``Worker.submit`` and reads every
 request's outputs from one streamed call per worker, ``Worker.channel_outputs``
-(``workers.output_channel``): one message per engine step for all the requests
+(``workers.actor.output_channel``): one message per engine step for all the requests
 in flight there, rather than one per request. A reader task per channel hands
 each item to its request's queue; ``WorkerChannels.stream`` is what a request
 iterates, and it sees what a call of its own would have: its items in order,
@@ -37,13 +37,13 @@ import time
 import uuid
 from typing import AsyncIterator
 
-from pagedserve.workers.output_channel import ChannelItem
-from pagedserve.workers.protocol import GenerateRequest, Migrated, OutputDelta
+from pagedserve.workers.actor.output_channel import ChannelItem
+from pagedserve.workers.actor.protocol import GenerateRequest, Migrated, OutputDelta
 
 logger = logging.getLogger(__name__)
 
 # How often a handle renews each open channel: well within the worker's lease
-# (``workers.output_channel.CHANNEL_LEASE_S``), after which a channel closes as abandoned.
+# (``workers.actor.output_channel.CHANNEL_LEASE_S``), after which a channel closes as abandoned.
 RENEW_EVERY_S = 5.0
 # How often a channel looks for requests that waited past their timeout for an output: one
 # check for all of them, rather than a timer armed and cancelled for every output.

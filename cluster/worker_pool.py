@@ -32,7 +32,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from pagedserve.workers.background_loop import BackgroundLoop
+from pagedserve.workers.process.background_loop import BackgroundLoop
 
 from .config import ClusterConfig, EngineOptions, WorkerGroup
 from .kv_relay import node_relay
@@ -129,7 +129,7 @@ class WorkerPool:
                  control_interval_s: float = CONTROL_INTERVAL_S) -> None:
         import ray
 
-        from pagedserve.workers.worker import Worker
+        from pagedserve.workers.actor.worker import Worker
 
         self.config = ClusterConfig.model_validate(config)
         self.model_path = model_path

@@ -43,7 +43,7 @@ sends the outbox and reads acks; ``wakeup`` tells it there is work. With
 ``background=False`` ``maybe_flush`` pumps itself (tests, benchmarks).
 
 The transport is passed in (``KVTransport``): the cluster uses Ray actor
-calls (``workers.kv_link.RayTransport``); tests and benchmarks may use
+calls (``workers.kv_events.link.RayTransport``); tests and benchmarks may use
 anything that honours the protocol. No Ray import here.
 """
 

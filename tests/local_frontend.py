@@ -24,8 +24,8 @@ from pagedserve.cluster.config import ServerConfig
 from pagedserve.cluster.serving.frontend import Frontend
 from pagedserve.cluster.serving.grpc_service import GrpcRequestError, GrpcService
 from pagedserve.cluster.serving.http_app import build_app
-from pagedserve.workers.async_engine import AsyncLLMEngine
-from pagedserve.workers.engine import EngineConfig
+from pagedserve.workers.offline.async_engine import AsyncLLMEngine
+from pagedserve.workers.engine.engine import EngineConfig
 
 MODEL = "tiny-test"
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.workers.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedserve.workers.offline.async_engine import AsyncLLMEngine, EngineDeadError
 
 
 def _greedy(max_tokens: int) -> SamplingParams:

@@ -29,7 +29,7 @@ openai = pytest.importorskip("openai")
 from fake_cluster import SERVE_FILE, FakeAutoscalingCluster  # noqa: E402
 from served_cluster import free_port  # noqa: E402
 
-from pagedserve.workers.worker import FAULT_INJECTION_ENV  # noqa: E402
+from pagedserve.workers.actor.worker import FAULT_INJECTION_ENV  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from pagedserve.workers.background_loop import BackgroundLoop
+from pagedserve.workers.process.background_loop import BackgroundLoop
 
 
 def _wait_for(event: threading.Event) -> None:

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.workers.beam_search import BeamSearchParams
+from pagedserve.workers.sample.beam_search import BeamSearchParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

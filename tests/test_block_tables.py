@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.workers.block_tables import BlockTableRows
+from pagedserve.workers.model.block_tables import BlockTableRows
 
 
 def _check_gathered(step, tables) -> None:

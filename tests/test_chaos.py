@@ -34,8 +34,8 @@ ray = pytest.importorskip("ray")
 
 from pagedserve.cluster.handle import NoCapacityError  # noqa: E402
 from pagedserve.cluster.serving.errors import error_from_exception  # noqa: E402
-from pagedserve.workers.sampling_params import SamplingParams  # noqa: E402
-from pagedserve.workers.worker import FAULT_INJECTION_ENV, stall_timeout_s  # noqa: E402
+from pagedserve.workers.sample.sampling_params import SamplingParams  # noqa: E402
+from pagedserve.workers.actor.worker import FAULT_INJECTION_ENV, stall_timeout_s  # noqa: E402
 
 pytestmark = [pytest.mark.chaos, pytest.mark.distributed, pytest.mark.timeout(1800)]
 
@@ -78,7 +78,7 @@ class FaultReport:
 @pytest.fixture(scope="module")
 def workload(tiny_model):
     """Greedy prompts with their references from the single-process ``LLM``."""
-    from pagedserve.workers.llm import LLM
+    from pagedserve.workers.offline.llm import LLM
 
     rng = random.Random(8)
     shared = [rng.randrange(3, 1000) for _ in range(48)]

@@ -85,7 +85,7 @@ def _provisioned_dirs(launcher: dict) -> list[str]:
 
 def model_path_problem(path: str | None, launchers: list[dict]) -> str | None:
     """Why a shipped config's ``model.path`` would not exist on a cluster's nodes, or None."""
-    from pagedserve.workers.model_source import is_hub_id
+    from pagedserve.workers.model.model_source import is_hub_id
 
     if path is None or is_hub_id(path):
         return None  # a model built on first start, or a hub id every node fetches
@@ -110,7 +110,7 @@ def test_every_model_path_is_a_hub_id_or_provisioned_by_a_launcher():
 @pytest.mark.parametrize("path", LAUNCHER_FILES, ids=lambda p: p.name)
 def test_each_launcher_serves_a_model_that_fits_its_gpu(path):
     from pagedserve.kernels.gpu_targets import check_dtype
-    from pagedserve.workers.model_runner import resolve_dtype
+    from pagedserve.workers.model.model_runner import resolve_dtype
 
     memory_gb, capability = GPU_OF_LAUNCHER[path.name]
     served = load_config(_served_config(yaml.safe_load(path.read_text())))

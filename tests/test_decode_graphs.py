@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.workers.decode_graphs import default_graph_sizes
-from pagedserve.workers.engine_options import EngineOptions
+from pagedserve.workers.model.decode_graphs import default_graph_sizes
+from pagedserve.workers.engine.engine_options import EngineOptions
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

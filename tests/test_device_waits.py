@@ -18,9 +18,9 @@ import torch
 from pagedserve import LLM, SamplingParams
 from pagedserve.devtools.device_waits import DeviceWaitAudit
 from pagedserve.devtools.model_matrix import MATRIX, ensure_matrix_model
-from pagedserve.workers.block_tables import BlockTableRows
-from pagedserve.workers.kv_cache import CacheShape, KVCache
-from pagedserve.workers.sampler import PenaltyRow, Sampler, SamplingBatch, apply_constraints, apply_penalty_rows
+from pagedserve.workers.model.block_tables import BlockTableRows
+from pagedserve.workers.model.kv_cache import CacheShape, KVCache
+from pagedserve.workers.sample.sampler import PenaltyRow, Sampler, SamplingBatch, apply_constraints, apply_penalty_rows
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -19,7 +19,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from pagedserve.workers.sampling_params import SamplingParams  # noqa: E402
+from pagedserve.workers.sample.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -59,7 +59,7 @@ def cluster_handle(ray_cluster, tiny_model):
 def reference(tiny_model):
     """``reference(prompts, max_tokens, params=None) -> list[list[int]]`` from the single-process
     ``LLM``: greedy, or with ``params`` (seeded draws are reproducible)."""
-    from pagedserve.workers.llm import LLM
+    from pagedserve.workers.offline.llm import LLM
 
     llm = LLM(tiny_model("llama"), **ENGINE)
     cache: dict[tuple, list[int]] = {}
@@ -318,7 +318,7 @@ def _frontend_class():
             return self.num_opened, dict(self.progress)
 
         async def run(self, index: int, prompt: list[int], max_tokens: int) -> list[int]:
-            from pagedserve.workers.sampling_params import SamplingParams
+            from pagedserve.workers.sample.sampling_params import SamplingParams
 
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
             last = None
@@ -362,7 +362,7 @@ def _set_channel_lease(handle, lease_s: float) -> None:
 def test_a_dead_handles_channels_close_on_their_lease_and_free_their_requests(handle):
     """Ray does not end a streamed call whose caller's process died (a Serve replica that
     crashed): its channels close once their lease runs out, aborting what ran on them."""
-    from pagedserve.workers.output_channel import CHANNEL_LEASE_S
+    from pagedserve.workers.actor.output_channel import CHANNEL_LEASE_S
 
     prompts = _prompts(seed=14)
     _set_channel_lease(handle, 3.0)  # for the channels opened from now on

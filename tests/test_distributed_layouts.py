@@ -14,7 +14,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from pagedserve.workers.sampling_params import SamplingParams  # noqa: E402
+from pagedserve.workers.sample.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -32,7 +32,7 @@ def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_model):
-    from pagedserve.workers.llm import LLM
+    from pagedserve.workers.offline.llm import LLM
 
     llm = LLM(tiny_model("llama"), **ENGINE)
 
@@ -113,7 +113,7 @@ def _beams(width: int, max_tokens: int) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def beam_reference(tiny_model):
-    from pagedserve.workers.llm import LLM
+    from pagedserve.workers.offline.llm import LLM
 
     llm = LLM(tiny_model("llama"), **ENGINE)
 

@@ -22,7 +22,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from pagedserve.workers.sampling_params import SamplingParams  # noqa: E402
+from pagedserve.workers.sample.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
@@ -68,7 +68,7 @@ def cluster_handle(ray_cluster, tp_model):
 @pytest.fixture(scope="module")
 def reference(tp_model):
     """``reference(prompts, max_tokens)``: the single-process ``LLM``'s tokens."""
-    from pagedserve.workers.llm import LLM
+    from pagedserve.workers.offline.llm import LLM
 
     llm = LLM(tp_model, device="cpu", **ENGINE)
     cache: dict[tuple, list[int]] = {}

@@ -828,10 +828,10 @@ def test_mixed_workload_under_pressure(make_llm, hf_greedy):
 
 # ---- streaming ------------------------------------------------------------------------
 
-@pytest.mark.skipif(importlib.util.find_spec("pagedserve.workers.async_engine") is None,
+@pytest.mark.skipif(importlib.util.find_spec("pagedserve.workers.offline.async_engine") is None,
                     reason="the async engine is not written yet")
 def test_async_streaming(make_llm, hf_greedy):
-    from pagedserve.workers.async_engine import AsyncLLMEngine
+    from pagedserve.workers.offline.async_engine import AsyncLLMEngine
 
     llm = make_llm("llama", shared_instance=False, block_size=8)
     engine = AsyncLLMEngine(llm.engine)

@@ -1,6 +1,6 @@
 """One engine-options schema: its defaults, its checks, and the forms derived from it.
 
-``EngineOptions`` (workers/engine_options.py) is the only declaration; ``LLM(...)``,
+``EngineOptions`` (workers/engine/engine_options.py) is the only declaration; ``LLM(...)``,
 ``EngineConfig``, the YAML ``engine:`` section, per-group overrides and the KV
 manager's ``PoolConfig`` must agree with it on every default and every check.
 """
@@ -17,7 +17,7 @@ from pagedserve.cluster import config as cluster_config
 from pagedserve.cluster.cli import GENERATE_ENGINE_OPTIONS, build_parser
 from pagedserve.cluster.config import ConfigError, load_config
 from pagedserve.kvmanager import BlockManager, PoolConfig
-from pagedserve.workers.engine_options import (BLOCK_SIZES, KERNEL_BACKENDS, POOL_OPTIONS, EngineConfig,
+from pagedserve.workers.engine.engine_options import (BLOCK_SIZES, KERNEL_BACKENDS, POOL_OPTIONS, EngineConfig,
                                                EngineOptions)
 
 # The defaults table, written out once more on purpose: changing a default is a

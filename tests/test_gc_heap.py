@@ -8,7 +8,7 @@ import subprocess
 import sys
 import textwrap
 
-from pagedserve.workers.gc_heap import YOUNG_GC_THRESHOLD, GCPauses
+from pagedserve.workers.process.gc_heap import YOUNG_GC_THRESHOLD, GCPauses
 
 
 def test_gc_pauses_count_each_generation_and_stop_when_uninstalled():
@@ -33,7 +33,7 @@ def test_prepare_serving_heap_freezes_what_is_alive_and_still_collects_what_come
     snapshot, which every stats poll takes, reads the frozen count kept at the freeze."""
     script = textwrap.dedent("""
         import gc, weakref
-        from pagedserve.workers.gc_heap import YOUNG_GC_THRESHOLD, prepare_serving_heap
+        from pagedserve.workers.process.gc_heap import YOUNG_GC_THRESHOLD, prepare_serving_heap
 
         class Node:
             pass

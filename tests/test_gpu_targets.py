@@ -16,8 +16,8 @@ import torch
 
 from pagedserve.kernels import gpu_targets
 from pagedserve.kernels.gpu_targets import UnsupportedOnDeviceError, check_dtype, target_for
-from pagedserve.workers import model_runner
-from pagedserve.workers.model_runner import resolve_dtype
+from pagedserve.workers.model import model_runner
+from pagedserve.workers.model.model_runner import resolve_dtype
 
 CUDA = torch.device("cuda:0")
 T4, A100, A10G, L4, H100 = (7, 5), (8, 0), (8, 6), (8, 9), (9, 0)

@@ -4,7 +4,7 @@ import platform
 
 import torch
 
-from pagedserve.workers.host_memory import retain_freed_host_memory
+from pagedserve.workers.model.host_memory import retain_freed_host_memory
 
 
 def test_retain_freed_host_memory_is_idempotent_and_keeps_torch_working():

@@ -16,8 +16,8 @@ import pytest
 ray = pytest.importorskip("ray")
 httpx = pytest.importorskip("httpx")
 
-from pagedserve.workers.sampling_params import SamplingParams  # noqa: E402
-from pagedserve.workers.worker import FAULT_INJECTION_ENV, stall_timeout_s  # noqa: E402
+from pagedserve.workers.sample.sampling_params import SamplingParams  # noqa: E402
+from pagedserve.workers.actor.worker import FAULT_INJECTION_ENV, stall_timeout_s  # noqa: E402
 from served_cluster import cluster_config, running_cluster  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
@@ -91,7 +91,7 @@ def test_two_replicas_and_one_health_monitor(served):
 
 
 def test_a_hung_worker_is_restarted_once_while_both_replicas_serve(served, tiny_model):
-    from pagedserve.workers.llm import LLM
+    from pagedserve.workers.offline.llm import LLM
 
     handle = served.handle
     expected = [o.outputs[0].text for o in LLM(tiny_model("llama"), **ENGINE).generate(

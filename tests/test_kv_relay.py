@@ -1,4 +1,4 @@
-"""A node's KV event relay (workers/kv_relay.py) and central's bundles (workers/kv_wire.py).
+"""A node's KV event relay (workers/kv_events/relay.py) and central's bundles (workers/kv_events/wire.py).
 
 Without Ray: a raw DEALER sends bundles to an in-process ``CentralKVManager``
 (sub-messages handled in order, one bundled reply with only the sub-replies
@@ -20,8 +20,8 @@ import pytest
 
 from pagedserve.cluster.kv_central import CentralKVManager
 from pagedserve.kvmanager import KVPublisher, PublishAck
-from pagedserve.workers.kv_relay import EventRelay
-from pagedserve.workers.kv_wire import ZmqTransport, next_tick, pack_bundle, unpack_bundle
+from pagedserve.workers.kv_events.relay import EventRelay
+from pagedserve.workers.kv_events.wire import ZmqTransport, next_tick, pack_bundle, unpack_bundle
 
 from test_kv_events import Driver, make_local
 
@@ -190,7 +190,7 @@ def test_the_relay_and_central_bind_to_the_public_node_ip():
     127.0.0.1 (the Ray case is checked on the relay actor below)."""
     import ray
 
-    from pagedserve.workers.kv_wire import node_ip
+    from pagedserve.workers.kv_events.wire import node_ip
 
     if ray.is_initialized():
         pytest.skip("another test module left Ray running")
@@ -227,7 +227,7 @@ def test_quiet_bundles_at_the_end_of_a_burst_are_confirmed_not_timed_out():
 def _relayed_publishers(central, relay, count: int, seed: int):
     """``count`` publishers connected as a cluster worker is (``connect_transport``) through
     ``relay``, a relay actor: (publisher, driver, local manager, transport) each."""
-    from pagedserve.workers.kv_wire import connect_transport
+    from pagedserve.workers.kv_events.wire import connect_transport
 
     out = []
     for i in range(count):
@@ -290,7 +290,7 @@ def ray_local():
 
 def test_the_relay_actor_killed_mid_way_restarts_and_the_workers_resync_through_it(ray_local):
     from pagedserve.cluster.kv_relay import kill_relays, node_relay, relay_name
-    from pagedserve.workers.kv_wire import node_ip
+    from pagedserve.workers.kv_events.wire import node_ip
 
     ray = ray_local
     central = ray.remote(CentralKVManager).options(num_cpus=0, max_restarts=-1, name="central-1").remote()
@@ -393,7 +393,7 @@ def test_a_relay_actor_gone_for_good_sends_its_workers_straight_to_central(ray_l
             pytest.fail("the killed relay actor still answers")
         time.sleep(0.5)   # central drains once per tick (60 ms): the relay's last bundles are counted by now
         before = ray.get(central.stats.remote(), timeout=30)
-        with caplog.at_level("WARNING", logger="pagedserve.workers.kv_wire"):
+        with caplog.at_level("WARNING", logger="pagedserve.workers.kv_events.wire"):
             run(20)
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:   # ack timeout, failed asks, then central's endpoint
@@ -440,7 +440,7 @@ def test_a_relay_failing_every_ask_is_given_up_after_a_bounded_while(ray_local, 
         def asks(self) -> int:
             return self.num_asks
 
-    from pagedserve.workers import kv_wire
+    from pagedserve.workers.kv_events import wire as kv_wire
 
     monkeypatch.setattr(kv_wire, "RELAY_RESTART_S", 1.0)
     ray = ray_local

@@ -90,7 +90,7 @@ def test_publish_round_trips_are_timed_even_when_the_publisher_reads_the_ack_fir
     from pagedserve.bench.kv_scale import _TimedTransport
     from pagedserve.cluster.kv_central import CentralKVManager
     from pagedserve.kvmanager.publisher import KVPublisher
-    from pagedserve.workers.kv_wire import ZmqTransport
+    from pagedserve.workers.kv_events.wire import ZmqTransport
 
     central = CentralKVManager()
     rtts: list = []

@@ -22,8 +22,8 @@ from pagedserve.cluster.router import Router
 from pagedserve.kvmanager.events import EventLog, PublishAck
 from pagedserve.kvmanager.local_manager import LocalKVManager
 from pagedserve.kvmanager.service import KVManagerService
-from pagedserve.workers.engine import EngineConfig, LLMEngine
-from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.engine.engine import EngineConfig, LLMEngine
+from pagedserve.workers.sample.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
 NUM_DEVICE_BLOCKS = 12

@@ -17,7 +17,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from pagedserve.workers.sampling_params import SamplingParams  # noqa: E402
+from pagedserve.workers.sample.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -60,7 +60,7 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
 
 
 def test_tick_publishing_serves_exactly_and_keeps_the_central_index_exact(handle, tiny_model):
-    from pagedserve.workers.llm import LLM
+    from pagedserve.workers.offline.llm import LLM
 
     rng = random.Random(5)
     prefix = [rng.randrange(3, 1024) for _ in range(64)]   # four full blocks of 16

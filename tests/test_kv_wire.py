@@ -1,4 +1,4 @@
-"""KV events over ZeroMQ (workers/kv_wire.py, cluster/kv_central.py) against a real Ray actor.
+"""KV events over ZeroMQ (workers/kv_events/wire.py, cluster/kv_central.py) against a real Ray actor.
 
 One worker's ``LocalKVManager`` publishes through the real ``KVPublisher``
 over ``ZmqTransport`` to ``CentralKVManager`` running as a restartable Ray
@@ -14,8 +14,8 @@ import pytest
 from pagedserve.cluster.kv_central import CentralKVManager
 from pagedserve.kvmanager import KVPublisher, PublishAck
 from pagedserve.kvmanager.service import KVManagerService
-from pagedserve.workers.kv_link import RayTransport
-from pagedserve.workers.kv_wire import ZmqTransport, connect_transport
+from pagedserve.workers.kv_events.link import RayTransport
+from pagedserve.workers.kv_events.wire import ZmqTransport, connect_transport
 
 from test_kv_events import Driver, make_local
 

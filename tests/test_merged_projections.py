@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.workers.merged_projections import MergedPiece, merge_same_input_projections
-from pagedserve.workers.model_runner import ModelRunner
+from pagedserve.workers.model.merged_projections import MergedPiece, merge_same_input_projections
+from pagedserve.workers.model.model_runner import ModelRunner
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -43,7 +43,7 @@ def test_each_groups_old_weights_are_freed_as_it_is_merged(tiny_model, monkeypat
 
     from transformers import AutoModelForCausalLM
 
-    from pagedserve.workers import merged_projections
+    from pagedserve.workers.model import merged_projections
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=torch.float32).eval()
     old = [weakref.ref(module.weight) for module in model.modules() if type(module) is torch.nn.Linear
@@ -117,7 +117,7 @@ def test_a_forward_that_fails_merged_runs_unmerged_and_says_why(caplog):
             module(x)
             raise RuntimeError("the merged forward broke\nsecond line")
 
-        with caplog.at_level("WARNING", logger="pagedserve.workers.merged_projections"):
+        with caplog.at_level("WARNING", logger="pagedserve.workers.model.merged_projections"):
             assert merge_same_input_projections(module, failing_probe) == []
         assert torch.equal(module(x), before)
     assert "the merged forward broke" in caplog.text and "second line" not in caplog.text

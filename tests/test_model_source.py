@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from hub_mirror import HubMirror, MirroredRepo
-from pagedserve.workers.model_source import ModelSource, ModelSourceError, is_hub_id
+from pagedserve.workers.model.model_source import ModelSource, ModelSourceError, is_hub_id
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -31,7 +31,7 @@ HOST = socket.gethostname()
 
 _RESOLVE = """
 import json, sys
-from pagedserve.workers.model_source import ModelSource, ModelSourceError
+from pagedserve.workers.model.model_source import ModelSource, ModelSourceError
 source, weights = json.loads(sys.argv[1]), sys.argv[2] == "1"
 try:
     print(json.dumps({"dir": ModelSource.from_dict(source).resolve(weights=weights)}))
@@ -176,8 +176,8 @@ _CLUSTER = """
 import json, os, sys, time
 import ray
 from pagedserve.cluster.bootstrap import start, WorkerStartError
-from pagedserve.workers.sampling_params import SamplingParams
-from pagedserve.workers.model_source import ModelSourceError
+from pagedserve.workers.sample.sampling_params import SamplingParams
+from pagedserve.workers.model.model_source import ModelSourceError
 
 repo, broken, worker_cache, reference_ids = sys.argv[1:5]
 # The workers' environment has no token: only the driver's, passed along, opens the gated repo.
@@ -204,8 +204,8 @@ print(json.dumps(out))
 
 @pytest.mark.distributed
 def test_cluster_workers_fetch_the_hub_id_with_the_drivers_token(repos, tmp_path, tiny_model):
-    from pagedserve.workers.llm import LLM
-    from pagedserve.workers.sampling_params import SamplingParams
+    from pagedserve.workers.offline.llm import LLM
+    from pagedserve.workers.sample.sampling_params import SamplingParams
 
     prompt = [5, 17, 33, 48, 64, 90]
     expected = LLM(tiny_model("llama"), num_device_blocks=64, swap_space_gb=0.001).generate(

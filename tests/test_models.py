@@ -21,7 +21,7 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.devtools.model_matrix import MATRIX, ensure_matrix_model, make_matrix_model
-from pagedserve.workers.model_support import UnsupportedModelError
+from pagedserve.workers.model.model_support import UnsupportedModelError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -181,7 +181,7 @@ def test_matrix_variants_change_the_outputs(name, matrix_greedy, tmp_path):
 
 def test_probe_reads_each_layers_variant():
     """What the load-time probe records is what the configs ask for, layer by layer."""
-    from pagedserve.workers.model_runner import ModelRunner
+    from pagedserve.workers.model.model_runner import ModelRunner
 
     expected = {
         "qwen2": [(None, None, False), (24, None, False)],
@@ -386,7 +386,7 @@ def test_attention_without_a_layer_index_is_refused(monkeypatch):
 def test_a_conditional_generation_class_is_refused():
     """A config that maps to a *ForConditionalGeneration class (multimodal or encoder-decoder
     without the usual config markers) is refused by its class."""
-    from pagedserve.workers.model_support import check_model_class
+    from pagedserve.workers.model.model_support import check_model_class
 
     fake = type("FooForConditionalGeneration", (), {"_supports_attention_backend": True})
     with pytest.raises(UnsupportedModelError, match="'foo' loads as FooForConditionalGeneration"):

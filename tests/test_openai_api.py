@@ -736,7 +736,7 @@ def test_bad_words(server, local_handle):
     """vLLM's bad_words reach the sampler: banning a token of the greedy output (a one-token
     word, as vLLM tokenizes bad words) changes the output from there on; a blank word, or too
     many, are 400s naming the field."""
-    from pagedserve.workers.per_row_features import bad_word_token_ids
+    from pagedserve.workers.sample.per_row_features import bad_word_token_ids
 
     tokenizer = local_handle.tokenizer
     base = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 0}

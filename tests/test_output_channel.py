@@ -1,4 +1,4 @@
-"""A worker's output channel (``workers.output_channel``), on a real engine without Ray: all of
+"""A worker's output channel (``workers.actor.output_channel``), on a real engine without Ray: all of
 a handle's requests come back as one message per wake-up, each request's deltas rebuild exactly
 what the engine made, and a channel that closes, a refused request, a dead engine or a broken
 output end only what they must and leave no block behind."""
@@ -11,11 +11,11 @@ import time
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.workers.accumulator import OutputAccumulator
-from pagedserve.workers.async_engine import AsyncLLMEngine, EngineDeadError
-from pagedserve.workers.output_channel import OutputChannel, _merged
-from pagedserve.workers.protocol import ChannelMessage, GenerateRequest, Migrated, OutputDelta, SampleDelta
-from pagedserve.workers.request import RequestMetrics
+from pagedserve.workers.outputs.accumulator import OutputAccumulator
+from pagedserve.workers.offline.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedserve.workers.actor.output_channel import OutputChannel, _merged
+from pagedserve.workers.actor.protocol import ChannelMessage, GenerateRequest, Migrated, OutputDelta, SampleDelta
+from pagedserve.workers.engine.request import RequestMetrics
 
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 17, 30, 9)]
 

@@ -21,12 +21,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.workers.accumulator import OutputAccumulator
-from pagedserve.workers.block_tables import BlockTableRows
-from pagedserve.workers.detokenizer import check_stop
-from pagedserve.workers.input_batch import STOP_TOKEN_IDS, InputBatch
-from pagedserve.workers.protocol import DeltaEncoder, OutputDelta
-from pagedserve.workers.request import Request, Sequence
+from pagedserve.workers.outputs.accumulator import OutputAccumulator
+from pagedserve.workers.model.block_tables import BlockTableRows
+from pagedserve.workers.outputs.detokenizer import check_stop
+from pagedserve.workers.model.input_batch import STOP_TOKEN_IDS, InputBatch
+from pagedserve.workers.actor.protocol import DeltaEncoder, OutputDelta
+from pagedserve.workers.engine.request import Request, Sequence
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -221,7 +221,7 @@ def test_a_migrated_stream_mid_character_continues_without_a_replacement_char(ti
     the client's text equals the uninterrupted one."""
     from transformers import AutoTokenizer
 
-    from pagedserve.workers.output_processor import EngineStep, OutputProcessor, StepTokens, new_stream
+    from pagedserve.workers.outputs.output_processor import EngineStep, OutputProcessor, StepTokens, new_stream
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model("llama"))
     output = tokenizer.encode("hello 你好 world", add_special_tokens=False)

@@ -10,9 +10,9 @@ import pytest
 from pagedserve.cluster.request_flow import (DISAGGREGATED, FALL_BACK, FIRST, MIGRATE, RESUME, RETRY,
                                              AttemptsExhausted, RepeatedEngineFailure, RequestFlow,
                                              StreamNotResumable)
-from pagedserve.workers.protocol import Migrated, OutputDelta, SampleDelta
-from pagedserve.workers.request import RequestMetrics
-from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.actor.protocol import Migrated, OutputDelta, SampleDelta
+from pagedserve.workers.engine.request import RequestMetrics
+from pagedserve.workers.sample.sampling_params import SamplingParams
 
 PROMPT = [5, 6, 7]
 
@@ -149,7 +149,7 @@ def test_the_failed_engine_is_named_through_rays_error():
     from ray.exceptions import RayTaskError
 
     from pagedserve.cluster.handle import _engine_id
-    from pagedserve.workers.protocol import EngineDeadError
+    from pagedserve.workers.actor.protocol import EngineDeadError
 
     cause = pickle.loads(pickle.dumps(EngineDeadError("the engine loop failed: boom", "e7")))
     error = RayTaskError("generate", "Traceback ...", cause).as_instanceof_cause()

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from pagedserve.workers.detokenizer import (
+from pagedserve.workers.outputs.detokenizer import (
     NUM_CONTEXT_TOKENS,
     REPLACEMENT_CHAR,
     IncrementalDetokenizer,
@@ -19,7 +19,7 @@ from pagedserve.workers.detokenizer import (
     check_stop,
     decode_function,
 )
-from pagedserve.workers.sampler import (
+from pagedserve.workers.sample.sampler import (
     Sampler,
     SamplingBatch,
     SamplingState,
@@ -27,7 +27,7 @@ from pagedserve.workers.sampler import (
     apply_top_k_top_p,
     processed_probs,
 )
-from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.sample.sampling_params import SamplingParams
 
 VOCAB = 50
 
@@ -104,7 +104,7 @@ def test_params_that_validate_never_break_the_engine(tiny_model):
     """Each field at each edge value: refused by ``SamplingParams`` (a 400 when served), or the
     request runs. A value the batch's tensors cannot hold would otherwise kill the engine loop,
     and every request beside it (a temperature of 1e300 did)."""
-    from pagedserve.workers.llm import LLM
+    from pagedserve.workers.offline.llm import LLM
 
     llm = LLM(tiny_model("llama"), num_device_blocks=64, max_model_len=128)
     accepted = []

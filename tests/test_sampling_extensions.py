@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.workers.detokenizer import IncrementalDetokenizer, StreamingDetokenizer, TokenBytes
-from pagedserve.workers.sampler import Sampler, SamplingState, apply_token_bitmask
+from pagedserve.workers.outputs.detokenizer import IncrementalDetokenizer, StreamingDetokenizer, TokenBytes
+from pagedserve.workers.sample.sampler import Sampler, SamplingState, apply_token_bitmask
 
 VOCAB = 1024
 TOLERANCE = 1e-4
@@ -250,7 +250,7 @@ class _BanBadWords:
 def test_bad_words_are_tokenized_alone_and_after_a_space_as_vllm_does(tiny_model):
     from transformers import AutoTokenizer
 
-    from pagedserve.workers.per_row_features import bad_word_bans, bad_word_token_ids
+    from pagedserve.workers.sample.per_row_features import bad_word_bans, bad_word_token_ids
 
     tok = AutoTokenizer.from_pretrained(tiny_model("llama"))
     for word in ("PL", " PLrid OR", "45OP", "ic that"):
@@ -270,7 +270,7 @@ def test_bad_words_match_transformers(make_llm, tiny_model, hf_model):
     tokens; the banned sequences never appear in the output."""
     from transformers import LogitsProcessorList
 
-    from pagedserve.workers.per_row_features import bad_word_token_ids
+    from pagedserve.workers.sample.per_row_features import bad_word_token_ids
 
     llm = make_llm()
     tok = llm.get_tokenizer()

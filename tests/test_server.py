@@ -22,7 +22,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 grpc = pytest.importorskip("grpc")
 
-from pagedserve.workers.sampling_params import SamplingParams  # noqa: E402
+from pagedserve.workers.sample.sampling_params import SamplingParams  # noqa: E402
 from served_cluster import cluster_config, free_port, running_cluster  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
@@ -77,7 +77,7 @@ def _assert_error(response, status: int) -> dict:
 
 # ---- the openai client -----------------------------------------------------------------------------
 def test_greedy_completions_equal_offline_llm(served, client, tiny_model):
-    from pagedserve.workers.llm import LLM
+    from pagedserve.workers.offline.llm import LLM
 
     llm = LLM(tiny_model("llama"), **ENGINE)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -185,8 +185,8 @@ def test_error_statuses(served, client):
 
 def test_serving_processes_froze_their_start_up_heap(served, client):
     """The replica and every worker froze their start-up objects out of garbage collection
-    and space young collections out (``workers.gc_heap``); the collections since are timed."""
-    from pagedserve.workers.gc_heap import YOUNG_GC_THRESHOLD
+    and space young collections out (``workers.process.gc_heap``); the collections since are timed."""
+    from pagedserve.workers.process.gc_heap import YOUNG_GC_THRESHOLD
 
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=4).usage.completion_tokens == 4
     stats = httpx.get(served.base_url + "/stats", timeout=30).json()

@@ -49,8 +49,8 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from pagedserve.workers.background_loop import BackgroundLoop  # noqa: E402
-from pagedserve.workers.sampling_params import SamplingParams  # noqa: E402
+from pagedserve.workers.process.background_loop import BackgroundLoop  # noqa: E402
+from pagedserve.workers.sample.sampling_params import SamplingParams  # noqa: E402
 from served_cluster import cluster_config, running_cluster  # noqa: E402
 
 pytestmark = [pytest.mark.soak, pytest.mark.distributed, pytest.mark.timeout(3600)]
@@ -106,7 +106,7 @@ class LoadResult:
 @pytest.fixture(scope="module")
 def jobs(tiny_model) -> list[Job]:
     """Greedy jobs (references served alone by the offline ``LLM``) and sampled jobs."""
-    from pagedserve.workers.llm import LLM
+    from pagedserve.workers.offline.llm import LLM
 
     rng = random.Random(2026)
     prefixes = [[rng.randrange(3, 1000) for _ in range(rng.randrange(32, 129))] for _ in range(NUM_PREFIXES)]

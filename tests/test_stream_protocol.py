@@ -17,9 +17,9 @@ import pickle
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.workers.accumulator import OutputAccumulator
-from pagedserve.workers.protocol import ChannelMessage, DeltaEncoder, Migrated, OutputDelta, SampleDelta, merge_deltas
-from pagedserve.workers.request import RequestMetrics, SampleLogprobs
+from pagedserve.workers.outputs.accumulator import OutputAccumulator
+from pagedserve.workers.actor.protocol import ChannelMessage, DeltaEncoder, Migrated, OutputDelta, SampleDelta, merge_deltas
+from pagedserve.workers.engine.request import RequestMetrics, SampleLogprobs
 
 FIELDS = ("index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason", "stop_reason",
           "delta_text", "delta_token_ids", "delta_logprobs", "is_newly_finished")
@@ -151,8 +151,8 @@ def test_text_decoded_by_the_handle_equals_the_workers(llm):
     the text and deltas the worker would have streamed: sampling and n > 1, a stop token id
     (its text left out, or kept with include_stop_str_in_output), EOS with special tokens kept,
     the length limit, a grammar's end (the text held back flushed), an abort (held back kept)."""
-    from pagedserve.workers.detokenizer import DeltaTextDecoder
-    from pagedserve.workers.sampling_params import StructuredOutputsParams
+    from pagedserve.workers.outputs.detokenizer import DeltaTextDecoder
+    from pagedserve.workers.sample.sampling_params import StructuredOutputsParams
 
     engine = llm.engine
     eos = engine.eos_token_ids[0]

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.workers.grammar import GrammarCompiler, check_structured_outputs
-from pagedserve.workers.kv_transfer import export_kv
-from pagedserve.workers.sampling_params import MAX_STRUCTURED_OUTPUT_BYTES, StructuredOutputsParams
+from pagedserve.workers.sample.grammar import GrammarCompiler, check_structured_outputs
+from pagedserve.workers.engine.kv_transfer import export_kv
+from pagedserve.workers.sample.sampling_params import MAX_STRUCTURED_OUTPUT_BYTES, StructuredOutputsParams
 
 S = StructuredOutputsParams
 MAX_TOKENS = 160

@@ -25,12 +25,12 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.devtools.model_factory import ensure_model
-from pagedserve.workers.kv_transfer import export_kv
-from pagedserve.workers.tp_dispatch import BroadcastChannel, GroupBrokenError, PipeChannel
-from pagedserve.workers.tp_group import TensorParallelGroup, host_store
-from pagedserve.workers.tp_messages import KVCopies, RunStep, WriteBlocks, pack, unpack
-from pagedserve.workers.tp_load import load_sliced, shard_loader
-from pagedserve.workers.tp_plan import (SliceSpec, TensorParallelError, check_tensor_parallel, shard_decoder,
+from pagedserve.workers.engine.kv_transfer import export_kv
+from pagedserve.workers.tp.dispatch import BroadcastChannel, GroupBrokenError, PipeChannel
+from pagedserve.workers.tp.group import TensorParallelGroup, host_store
+from pagedserve.workers.tp.messages import KVCopies, RunStep, WriteBlocks, pack, unpack
+from pagedserve.workers.tp.load import load_sliced, shard_loader
+from pagedserve.workers.tp.plan import (SliceSpec, TensorParallelError, check_tensor_parallel, shard_decoder,
                                         shard_slice, tensor_parallel_plan)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -416,7 +416,7 @@ def test_an_abort_that_arrives_while_a_step_runs(tp_model, reference):
     steps run and is applied between two of them: that stream ends "abort", the others exactly."""
     import asyncio
 
-    from pagedserve.workers.async_engine import AsyncLLMEngine
+    from pagedserve.workers.offline.async_engine import AsyncLLMEngine
 
     llm = make_engine(tp_model("qwen3"), 2)
     engine = AsyncLLMEngine(llm.engine)

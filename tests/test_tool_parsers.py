@@ -21,8 +21,8 @@ from pagedserve.tool_parsers import (
     get_tool_parser,
     tool_choice_constraint,
 )
-from pagedserve.workers.detokenizer import IncrementalDetokenizer
-from pagedserve.workers.sampling_params import StructuredOutputsParams
+from pagedserve.workers.outputs.detokenizer import IncrementalDetokenizer
+from pagedserve.workers.sample.sampling_params import StructuredOutputsParams
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {

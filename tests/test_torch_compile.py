@@ -18,9 +18,9 @@ from torch._dynamo.utils import counters
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.devtools.model_matrix import ensure_matrix_model
-from pagedserve.workers import attention
-from pagedserve.workers.decode_graphs import DecodeGraphs
-from pagedserve.workers.engine_options import EngineOptions
+from pagedserve.workers.model import attention
+from pagedserve.workers.model.decode_graphs import DecodeGraphs
+from pagedserve.workers.engine.engine_options import EngineOptions
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -120,7 +120,7 @@ def test_a_forward_that_fails_to_compile_runs_uncompiled_and_says_why(tiny_model
         raise RuntimeError("no compiler here\nsecond line")
 
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: refuse)
-    with caplog.at_level(logging.WARNING, logger="pagedserve.workers.model_runner"):
+    with caplog.at_level(logging.WARNING, logger="pagedserve.workers.model.model_runner"):
         llm = LLM(tiny_model("llama"), device="cpu", dtype="float32", num_device_blocks=64,
                   cuda_graph_sizes=[2], torch_compile=True)
     assert "run uncompiled" in caplog.text and "no compiler here" in caplog.text

@@ -9,7 +9,7 @@ import ipaddress
 import logging
 import os
 
-from pagedserve.workers.gc_heap import prepare_serving_heap
+from pagedserve.workers.process.gc_heap import prepare_serving_heap
 
 from .. import ray_compat
 from . import ingress

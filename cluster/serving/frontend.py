@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedserve.workers.chat_template import ChatTemplateError, render_conversation, template_message
-from pagedserve.workers.gc_heap import GCPauses
-from pagedserve.workers.request import RequestOutput
-from pagedserve.workers.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.workers.offline.chat_template import ChatTemplateError, render_conversation, template_message
+from pagedserve.workers.process.gc_heap import GCPauses
+from pagedserve.workers.engine.request import RequestOutput
+from pagedserve.workers.sample.sampling_params import SamplingParams, StructuredOutputsParams
 
 from ..config import ServerConfig
 from ..stats import gather_stats
@@ -391,7 +391,7 @@ class Frontend:
     def render_chat(self, request) -> PromptInput:
         """The rendered conversation: messages (assistant tool calls and tool results included),
         the request's tools and ``chat_template_kwargs`` through the tokenizer's chat template
-        (``workers.chat_template``); ``request`` is a chat completion's or a ``/tokenize`` request's."""
+        (``workers.offline.chat_template``); ``request`` is a chat completion's or a ``/tokenize`` request's."""
         try:
             messages = [self._template_message(message) for message in request.messages]
             text = render_conversation(

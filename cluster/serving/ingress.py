@@ -20,7 +20,7 @@ joins must have been started with them (``ray start`` on every node), which
 ``check`` verifies before the application is deployed.
 
 Through the proxy, ``prepare`` also spaces the proxy actor's young garbage
-collections out as pagedserve's own processes do (``workers.gc_heap``):
+collections out as pagedserve's own processes do (``workers.process.gc_heap``):
 ``RAY_SERVE_PROXY_GC_THRESHOLD``, Serve's knob for its proxy (700 by default),
 unless it is set.
 """
@@ -30,7 +30,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from pagedserve.workers.gc_heap import YOUNG_GC_THRESHOLD
+from pagedserve.workers.process.gc_heap import YOUNG_GC_THRESHOLD
 
 HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"

@@ -27,8 +27,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pagedserve.tool_parsers import ParserDelta, ToolParser, constrained_parser, get_tool_parser
-from pagedserve.workers.request import CompletionOutput, RequestOutput
-from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.engine.request import CompletionOutput, RequestOutput
+from pagedserve.workers.sample.sampling_params import SamplingParams
 
 from .errors import APIError
 from .frontend import Frontend, Generation, PromptInput

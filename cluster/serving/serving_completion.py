@@ -19,8 +19,8 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from pagedserve.workers.request import CompletionOutput, RequestOutput
-from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.engine.request import CompletionOutput, RequestOutput
+from pagedserve.workers.sample.sampling_params import SamplingParams
 
 from .errors import APIError
 from .frontend import Frontend, Generation, PromptInput

@@ -7,7 +7,7 @@ A request may ask for structured output in one of these ways: OpenAI's
 ``guided_regex``, ``guided_choice`` and ``guided_grammar``, or a chat
 ``tool_choice`` of "required" or a named function (the tools' parameter
 schemas). At most one may apply. JSON may carry at most one space or line
-break between tokens (``workers/grammar.py``), none with vLLM's
+break between tokens (``workers/sample/grammar.py``), none with vLLM's
 ``disable_any_whitespace`` (``structured_outputs.disable_any_whitespace``, or
 ``guided_decoding_backend: "guidance:disable-any-whitespace"``). ``output_constraint`` turns it into a
 ``StructuredOutputsParams`` and compiles it (without a tokenizer), so that a
@@ -21,8 +21,8 @@ import dataclasses
 from typing import Any
 
 from pagedserve.tool_parsers import tool_choice_constraint
-from pagedserve.workers.grammar import check_structured_outputs
-from pagedserve.workers.sampling_params import StructuredOutputsParams
+from pagedserve.workers.sample.grammar import check_structured_outputs
+from pagedserve.workers.sample.sampling_params import StructuredOutputsParams
 
 from .errors import APIError
 

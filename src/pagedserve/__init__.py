@@ -11,11 +11,11 @@ __all__ = ["LLM", "SamplingParams", "__version__"]
 
 def __getattr__(name):
     if name == "LLM":
-        from pagedserve.workers.llm import LLM
+        from pagedserve.workers.offline.llm import LLM
 
         return LLM
     if name == "SamplingParams":
-        from pagedserve.workers.sampling_params import SamplingParams
+        from pagedserve.workers.sample.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")

@@ -29,9 +29,9 @@ import time
 from typing import Callable
 
 from pagedserve.bench.step_device_time import StepDeviceTimes, record_step_device_times
-from pagedserve.workers.engine import EngineConfig, LLMEngine
-from pagedserve.workers.protocol import DeltaEncoder
-from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.engine.engine import EngineConfig, LLMEngine
+from pagedserve.workers.actor.protocol import DeltaEncoder
+from pagedserve.workers.sample.sampling_params import SamplingParams
 
 
 def _timed(function: Callable, counter: list[float]) -> Callable:

@@ -24,7 +24,7 @@ the ZeroMQ transport) every K consecutive workers are one simulated node
 whose messages go through that node's relay actor (``cluster.kv_relay``, the
 cluster's, N / K of them on this machine), which forwards them to central as
 one bundle at every multiple of ``relay_flush_s`` of wall time; central
-drains every relay's bundle just after (``workers.kv_wire.next_tick``). The
+drains every relay's bundle just after (``workers.kv_events.wire.next_tick``). The
 workers' flushes are in simulated time and the relays' in wall time: when
 the simulated workers run slower than ``steps_per_s`` (a small machine), a
 bundle holds fewer worker messages than it would at pace (a node's 8 workers
@@ -218,7 +218,7 @@ class SimWorkerGroup:
                  relays: list | None = None) -> None:
         from pagedserve.kvmanager.preemption import RemotePreemptionPolicy
         from pagedserve.kvmanager.publisher import KVPublisher
-        from pagedserve.workers.kv_wire import ZmqTransport, connect_transport
+        from pagedserve.workers.kv_events.wire import ZmqTransport, connect_transport
 
         from .kv_replay import ReplayedKVWorker
 
@@ -393,7 +393,7 @@ class SimWorkerGroup:
                 self._observe()
 
     def _send(self) -> None:
-        """On a tick: every worker's sender thread, as a worker runs one (``workers.worker``):
+        """On a tick: every worker's sender thread, as a worker runs one (``workers.actor.worker``):
         just before each tick it drains and sends each worker's events, and in between sends
         what the stepping thread queued (snapshots) and reads acks."""
         try:

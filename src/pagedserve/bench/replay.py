@@ -14,8 +14,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from pagedserve.workers.engine import EngineConfig, LLMEngine
-from pagedserve.workers.sampling_params import SamplingParams
+from pagedserve.workers.engine.engine import EngineConfig, LLMEngine
+from pagedserve.workers.sample.sampling_params import SamplingParams
 
 from .workload import BenchRequest, random_token_ids
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pagedserve.workers.sampling_params import StructuredOutputsParams
+from pagedserve.workers.sample.sampling_params import StructuredOutputsParams
 
 from .base import ToolParser
 from .json_calls import NamedToolParser, RequiredToolParser

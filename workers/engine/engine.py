@@ -1,0 +1,621 @@
+"""The engine loop: schedule -> run -> postprocess, over the paged KV cache.
+
+``LLMEngine`` coordinates: the ``Scheduler`` plans a step, ``prepare_step`` turns
+the plan into the forward's input, the runner runs it, and the ``SamplingPipeline``
+samples and finishes (one step later with overlapped scheduling); the
+``OutputProcessor`` turns the step's tokens into outputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from pagedserve.kvmanager import KVManager
+
+from .beam_groups import BeamGroups
+from ..outputs.detokenizer import FINISH_STOP
+from .engine_options import EngineConfig
+from ..sample.grammar import GrammarCompiler
+from ..model.input_batch import InputBatch
+from .kv_transfer import KVTransfer, check_compatible, export_kv, import_kv, read_header
+from ..model.model_input import TokenScores
+from ..outputs.output_processor import OUTPUT_KINDS, EngineStep, OutputProcessor, new_stream
+from ..sample.per_row_features import PerRowFeatures, bad_word_token_ids
+from .prepared_step import prepare_step
+from ..actor.protocol import DeltaEncoder
+from .request import Request, RequestOutput, SampleLogprobs, Sequence
+from ..model.runners import build_runner
+from ..sample.sampled_step import TokenReadback
+from ..sample.sampler import Sampler
+from ..sample.sampling_pipeline import SamplingPipeline
+from ..sample.sampling_params import SamplingParams
+from .scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache for one model replica.
+
+    ``add_request`` validates and queues; ``step`` runs one iteration (one
+    in-process KV manager plan, one forward pass) and returns the outputs of
+    the requests that produced tokens or finished. ``kv_manager`` defaults to
+    a plain ``KVManager``; a cluster worker passes its ``LocalKVManager``
+    (same code, plus KV events for the central manager). ``step_hooks`` run
+    after every step, on the engine's thread (a worker publishes events there).
+    """
+
+    def __init__(self, config: EngineConfig, worker_id: str = "local",
+                 kv_manager: KVManager | None = None, role: str = "mixed") -> None:
+        from transformers import AutoTokenizer
+
+        self.config = config
+        self.worker_id = worker_id
+        self.runner = build_runner(config)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model,
+                                                       trust_remote_code=config.trust_remote_code)
+        max_len = config.max_model_len or self.runner.max_context_len
+        if max_len > self.runner.max_context_len:
+            raise ValueError(f"max_model_len {max_len} is longer than this model computes exactly: "
+                             f"{self.runner.context_limit_reason}; use max_model_len <= "
+                             f"{self.runner.max_context_len}")
+        if max_len < self.runner.max_position_embeddings and config.max_model_len is None:
+            logger.warning("max_model_len defaults to %d: %s", max_len, self.runner.context_limit_reason)
+        self.max_model_len = max_len
+        self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, max_len)
+        self.eos_token_ids = self._eos_token_ids()
+        num_device, num_host = self._size_pools()
+        self.pool_config = config.pool_config(num_device, num_host, max_len, role=role,
+                                              sliding_window=self._freeing_window(role))
+        self.runner.allocate_cache(config.block_size, num_device, num_host)
+        max_blocks_per_seq = -(-max_len // config.block_size)
+        if self._uses_graphs or self._uses_compile:
+            self.runner.enable_decode_graphs(config.graph_sizes(), max_blocks_per_seq,
+                                             capture=self._uses_graphs, torch_compile=self._uses_compile)
+        if self.runner.device.type == "cuda" or self.runner.runs_triton:  # through the compiled forward, if any
+            self.runner.warm_up_kernels(max_blocks_per_seq)
+        self.kv_manager = kv_manager if kv_manager is not None else KVManager()
+        self.kv_manager.add_worker(worker_id, self.pool_config)
+        self.step_hooks: list[Callable[[], None]] = []
+        self.scheduler = Scheduler(self.kv_manager.step, worker_id, config.max_num_seqs,
+                                   self.max_num_batched_tokens, config.scheduling_policy)
+        self.batch = InputBatch(self.runner.block_tables, self.eos_token_ids, max_len)
+        self.output_processor = OutputProcessor()
+        self.beam_groups = BeamGroups(self.scheduler, self.batch, self._new_sequence,
+                                      lambda request: self.requests.pop(request.request_id, None),
+                                      self.tokenizer, self.eos_token_ids, max_len)
+        self.sampler = Sampler(config.seed)
+        if config.seed is None:
+            logger.info("sampler seed %d (fresh; set engine seed to reproduce unseeded requests)",
+                        self.sampler.seed)
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
+        self.per_row = PerRowFeatures(self.batch, self.runner, self.eos_token_ids, lambda: self.grammar_compiler)
+        self.pipeline = SamplingPipeline(
+            batch=self.batch, scheduler=self.scheduler, sampler=self.sampler, beam_groups=self.beam_groups,
+            per_row=self.per_row, readback=TokenReadback(self.runner.device, config.max_num_seqs),
+            eos_token_ids=self.eos_token_ids, max_model_len=max_len,
+            # Overlapped scheduling: step n + 1 is planned and launched before step n's ids are read.
+            async_scheduling=(config.async_scheduling if config.async_scheduling is not None
+                              else self.runner.device.type == "cuda"),
+            new_sequence=self._new_sequence, end_sequence=self._end_sequence,
+            release_if_idle=self._release_if_idle)
+        self.requests: dict[str, Request] = {}
+        self._order = itertools.count()
+        # What happened between steps (aborts), for the next step's output processing.
+        self._pending = EngineStep()
+        self.num_steps = 0
+        self.step_seconds = 0.0          # model-running steps only, see _record_step_time
+        self.decode_step_seconds = 0.0   # steps where every sequence computed one token
+        self.num_decode_steps = 0
+        self.decode_kv_seconds = 0.0     # of decode steps' time, inside the KV manager's step
+        self.hook_seconds = 0.0          # step hooks after every step (a worker's KV event flush)
+        self.num_step_calls = 0
+        # The thread of the loop that drives this engine (an ``AsyncLLMEngine``), if one does:
+        # stepping or changing the engine from any other thread would race it.
+        self._driver: threading.Thread | None = None
+
+    # ---- set-up -------------------------------------------------------------------
+    @property
+    def async_scheduling(self) -> bool:
+        """Overlapped scheduling: a step's ids stay on the device while the next one is planned."""
+        return self.pipeline.async_scheduling
+
+    @property
+    def _uses_graphs(self) -> bool:
+        """Decode steps replay CUDA graphs: the default on CUDA (``enforce_eager`` turns it off)."""
+        return self.runner.device.type == "cuda" and not self.config.enforce_eager
+
+    @property
+    def _uses_compile(self) -> bool:
+        """Decode steps run through torch.compile: ``torch_compile``, else with CUDA graphs."""
+        if self.config.torch_compile is not None:
+            return self.config.torch_compile
+        return self._uses_graphs
+
+    def _eos_token_ids(self) -> list[int]:
+        ids: list[int] = []
+        generation = getattr(self.runner.model, "generation_config", None)
+        for source in (getattr(generation, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if source is None:
+                continue
+            for token_id in ([source] if isinstance(source, int) else source):
+                if token_id not in ids:
+                    ids.append(token_id)
+        return ids
+
+    def _freeing_window(self, role: str) -> int | None:
+        """The window out of which blocks are freed: the widest one when every layer has
+        one. With local and global layers mixed, every block stays (said in the log), and
+        on a prefill worker, which exports its prompts' KV whole."""
+        attention = self.runner.attention
+        if not attention.has_windows:
+            return None
+        if role == "prefill":
+            logger.info("prefill worker: blocks out of the sliding window are kept (exported whole)")
+            return None
+        if not attention.is_all_windowed:
+            global_layers = [i for i, w in enumerate(attention.sliding_windows) if w is None]
+            logger.info("sliding windows on some layers, but layers %s attend globally: blocks out of "
+                        "the windows are kept (they need the whole context)", global_layers)
+            return None
+        if self.config.allocation != "paged":
+            logger.info("%s allocation keeps out-of-window blocks", self.config.allocation)
+            return None
+        window = attention.max_sliding_window
+        logger.info("every layer is windowed (widest %d tokens): blocks out of the window are freed", window)
+        return window
+
+    def _size_pools(self) -> tuple[int, int]:
+        """Device and host block counts: explicit count, memory budget, or GPU profile."""
+        config = self.config
+        shape = self.runner.cache_shape(config.block_size)
+        num_host = shape.num_blocks_for(config.swap_space_gb * GiB)
+        if config.num_device_blocks is not None:
+            return config.num_device_blocks, num_host
+        if config.kv_cache_memory_gb is not None:
+            budget = config.kv_cache_memory_gb * GiB
+        elif self.runner.device.type == "cuda":
+            # The forward's peak and the CUDA graphs' pool come out of the budget first.
+            peak = self.runner.profile_peak_memory(
+                self.max_num_batched_tokens, config.block_size,
+                config.graph_sizes() if self._uses_graphs else None,
+                -(-self.max_model_len // config.block_size), self._uses_compile)
+            total = torch.cuda.get_device_properties(self.runner.device).total_memory
+            budget = total * config.gpu_memory_utilization - peak
+        else:
+            budget = 1 * GiB
+        num_device = shape.num_blocks_for(budget)
+        if num_device < -(-self.max_model_len // config.block_size):
+            raise ValueError(f"the KV budget holds {num_device} blocks of {config.block_size} tokens, "
+                             f"less than one sequence of max_model_len {self.max_model_len}; "
+                             "raise kv_cache_memory_gb or lower max_model_len")
+        return num_device, num_host
+
+    # ---- requests -----------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int] | None,
+                    params: SamplingParams | None = None, priority: int = 0,
+                    prompt_token_ids: list[int] | None = None,
+                    arrival_time: float | None = None, export_kv: bool = False,
+                    kv_transfer: KVTransfer | None = None,
+                    output_token_ids: list[int] | None = None, output_kind: str = "stream",
+                    delta_encoder: DeltaEncoder | None = None) -> Request:
+        """Validate and queue a request. Raises ValueError, changing nothing, if it is bad.
+
+        Disaggregated serving: ``export_kv`` keeps a copy of the prompt's KV
+        when the first token is sampled (see ``take_kv_export``); a request
+        with ``kv_transfer`` continues one prefilled elsewhere, whose
+        ``output_token_ids`` were already sampled there. ``output_kind``
+        "stream" returns an output at every step that has news for the
+        request; "final" only its last one. With ``delta_encoder`` (streams only),
+        the outputs are the ``OutputDelta``s it makes from the news, built
+        directly (an output channel's requests); a migration's last output and
+        a beam search's outputs are ``RequestOutput``s, for that encoder to encode.
+        """
+        request = self.make_request(request_id, prompt, params, priority, prompt_token_ids,
+                                    arrival_time=arrival_time, export_kv=export_kv,
+                                    kv_transfer=kv_transfer, output_token_ids=output_token_ids,
+                                    output_kind=output_kind, delta_encoder=delta_encoder)
+        self.admit(request)
+        return request
+
+    def make_request(self, request_id: str, prompt: str | list[int] | None,
+                     params: SamplingParams | None = None, priority: int = 0,
+                     prompt_token_ids: list[int] | None = None,
+                     arrival_time: float | None = None, export_kv: bool = False,
+                     kv_transfer: KVTransfer | None = None,
+                     output_token_ids: list[int] | None = None, output_kind: str = "stream",
+                     delta_encoder: DeltaEncoder | None = None) -> Request:
+        """Validate and build a request (``add_request``'s arguments) without queueing it.
+
+        Reads only what never changes after start-up (tokenizer, model limits,
+        cache layout), so any thread may call it while another runs ``step``;
+        ``admit`` then queues the result. Raises ValueError or TypeError if the
+        request is bad.
+        """
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {priority!r}")
+        if output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {output_kind!r}")
+        if delta_encoder is not None and output_kind != "stream":
+            raise ValueError(f"a delta_encoder makes a stream's deltas; output_kind is {output_kind!r}")
+        text, token_ids = self._tokenize(prompt, prompt_token_ids)
+        if params.truncate_prompt_tokens is not None:
+            keep = params.truncate_prompt_tokens
+            keep = self.max_model_len - 1 if keep == -1 else keep
+            if len(token_ids) > keep:
+                text, token_ids = None, token_ids[-keep:]
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens; this model's maximum context "
+                             f"is {self.max_model_len} tokens, including at least one output token")
+        vocab = self.runner.vocab_size
+        # The common case at C speed (a Python loop took 20 ms for 256 prompts of 570 tokens).
+        if not (set(map(type, token_ids)) == {int} and 0 <= min(token_ids) and max(token_ids) < vocab):
+            bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        params.check_token_ids(vocab)
+        bad_words = bad_word_token_ids(self.tokenizer, params.bad_words) if params.bad_words else None
+        outside = [t for word in bad_words or () for t in word if t >= vocab]
+        if outside:
+            raise ValueError(f"bad_words token ids must be in [0, {vocab}); got {outside[:5]}")
+        num_imported = 0
+        if kv_transfer is not None:
+            meta = read_header(kv_transfer.header)
+            all_tokens = token_ids + list(output_token_ids or [])
+            check_compatible(self.runner.kv_cache, meta, all_tokens)
+            num_imported = meta["num_tokens"]
+            if params.n != 1 or params.use_beam_search or not 0 < num_imported < len(all_tokens):
+                raise ValueError("a transferred request needs n == 1, no beam search and at least one "
+                                 "token left to compute")
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.grammar_compiler.compile(params.structured_outputs)
+        request = Request(request_id, text, token_ids, params, priority,
+                          arrival_time if arrival_time is not None else time.time(), next(self._order))
+        request.export_kv = export_kv
+        request.is_migratable = params.n == 1 and not export_kv and not params.use_beam_search
+        request.kv_transfer = kv_transfer
+        request.grammar = grammar
+        request.bad_words_token_ids = bad_words
+        request.output_kind = output_kind
+        request.delta_encoder = delta_encoder
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
+        # Tokens sampled elsewhere were already streamed from there.
+        seq = self._new_sequence(request, 0, list(token_ids), list(output_token_ids or []))
+        for token_id in output_token_ids or []:
+            seq.append_token(token_id)
+        if seq.grammar is not None and not seq.grammar.accept_all(output_token_ids or []):
+            # A resumed or migrated sequence replays its output through the grammar.
+            raise ValueError("output_token_ids do not follow the request's structured_outputs "
+                             f"grammar: {seq.grammar.error}")
+        request.num_transferred_tokens = num_imported
+        if params.use_beam_search:
+            if output_token_ids or export_kv:
+                raise ValueError("a beam search cannot continue sampled output or export its KV")
+            self.beam_groups.start(request)
+        return request
+
+    def admit(self, request: Request) -> None:
+        """Queue a request built by ``make_request``; ValueError if its id is in use."""
+        self._check_driver("adding a request")
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.scheduler.add(request.seqs[0], request.num_transferred_tokens)
+
+    def take_kv_export(self, request_id: str) -> KVTransfer | None:
+        """The prompt KV kept for a request added with ``export_kv`` (once)."""
+        return self.per_row.kv_exports.pop(request_id, None)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Tokens sampled so far (beam-search tokens included)."""
+        return self.pipeline.num_generated_tokens
+
+    @property
+    def grammar_seconds(self) -> float:
+        """Time spent on structured outputs' bitmasks and matcher updates."""
+        return self.per_row.grammar_seconds
+
+    def _tokenize(self, prompt, prompt_token_ids) -> tuple[str | None, list[int]]:
+        if prompt_token_ids is not None:
+            return None, list(prompt_token_ids)
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise TypeError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Structured outputs' compiler for this tokenizer (built on first use, by
+        whichever thread validates the first structured request)."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.runner.vocab_size,
+                                                         self.eos_token_ids)
+        return self._grammar_compiler
+
+    def _new_sequence(self, request: Request, index: int, token_ids: list[int],
+                      streamed_token_ids: list[int] | None = None) -> Sequence:
+        seq = Sequence(f"{request.request_id}#{index}", request, index, token_ids)
+        seq.stream = new_stream(seq, self.tokenizer, self.eos_token_ids, self.max_model_len,
+                                streamed_token_ids or [])
+        if request.grammar is not None:
+            seq.grammar = request.grammar.matcher()
+        request.seqs.append(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now; its blocks return to the pool. False if it is unknown."""
+        self._check_driver("aborting a request")
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        request.is_aborted = True
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.pipeline.drop_pending(seq)
+                self.scheduler.finish(seq)
+                self.batch.remove(seq)
+                seq.finish_reason = "abort"
+        self._pending.aborted.append(request)
+        self._release_if_idle()
+        return True
+
+    def stop_sequences(self, seqs: list[Sequence]) -> None:
+        """End sequences a stop string ended (the output processor found it in their
+        text); those already ended are left alone."""
+        for seq in seqs:
+            if seq.is_finished:
+                continue
+            seq.finish_reason = FINISH_STOP
+            self._end_sequence(seq)
+        self._release_if_idle()
+
+    def _end_sequence(self, seq: Sequence) -> None:
+        """End ``seq`` (its ``finish_reason`` set): its row and blocks go back, and its
+        request is forgotten once every sequence of it has ended."""
+        self.pipeline.drop_pending(seq)
+        self.scheduler.finish(seq)
+        self.batch.remove(seq)
+        request = seq.request
+        if request.is_finished:
+            self.requests.pop(request.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_pending_outputs(self) -> bool:
+        """Outputs that the next ``step`` returns even with nothing to run: aborts, and the
+        samples of a step still running (overlapped scheduling)."""
+        pending = self._pending
+        return bool(pending.aborted or pending.migrated or pending.tokens) or self.pipeline.in_flight is not None
+
+    # ---- who steps it ---------------------------------------------------------------
+    def attach_driver(self, thread: threading.Thread) -> None:
+        """From now on only ``thread`` (a loop such as ``AsyncLLMEngine``'s) steps this engine,
+        adds and aborts requests: from any other thread they raise RuntimeError. An engine
+        already driven by a live thread refuses a second."""
+        driver = self._driver
+        if driver is not None and driver is not thread and driver.is_alive():
+            raise RuntimeError(f"this engine is already driven by thread {driver.name!r}; "
+                               "one loop steps an engine")
+        self._driver = thread
+
+    def detach_driver(self, thread: threading.Thread) -> None:
+        """``thread`` no longer drives this engine (its loop ended)."""
+        if self._driver is thread:
+            self._driver = None
+
+    def _check_driver(self, what: str) -> None:
+        driver = self._driver
+        if driver is not None and driver is not threading.current_thread():
+            raise RuntimeError(
+                f"{what} from thread {threading.current_thread().name!r}: this engine is driven by "
+                f"thread {driver.name!r} (an AsyncLLMEngine), which steps whatever the engine holds, "
+                "so this would race it. Go through that AsyncLLMEngine (generate, abort, submit) "
+                "or shut it down first")
+
+    # ---- the loop -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, run the model, sample, and report."""
+        processed = self.output_processor.process(self.step_tokens())
+        if processed.stopped:
+            self.stop_sequences(processed.stopped)
+        return processed.outputs
+
+    def step_tokens(self) -> EngineStep:
+        """``step`` without its output processing: what the step sampled and ended, for
+        an ``OutputProcessor`` (on this thread or another); its ``stopped`` sequences
+        must come back through ``stop_sequences``."""
+        self._check_driver("a step")
+        try:
+            return self._step()
+        finally:
+            start = time.perf_counter()
+            for hook in self.step_hooks:
+                hook()
+            self.hook_seconds += time.perf_counter() - start
+            self.num_step_calls += 1
+
+    def _step(self) -> EngineStep:
+        start = time.perf_counter()
+        plan = self.scheduler.schedule()
+        result, self._pending = self._pending, EngineStep()
+        for seq in plan.preempted:  # migrated ones too
+            self.batch.remove(seq)
+        if plan.migrated:
+            self.pipeline.resolve_in_flight(result)  # an export carries the sequence's tokens: all of them known
+        for seq, target in plan.migrated:
+            result.migrated.append(self._migrate(seq, target))
+        # The copies run even when nothing is scheduled: a sequence that preempted
+        # itself by swapping still needs its KV on the host.
+        kv = plan.kv
+        self.runner.kv_cache.execute_copies(kv.swap_out, kv.swap_in, kv.copy_on_write)
+        if plan.is_empty or not plan.scheduled:
+            if plan.is_empty and self.scheduler.num_unfinished and not kv.preempted and not self.scheduler.running:
+                self._check_can_progress()
+                result.aborted.extend(self._pending.aborted)
+                self._pending.aborted.clear()
+            self.pipeline.resolve_in_flight(result)
+            return result
+        self.num_steps += 1
+        prepared = prepare_step(plan, self.batch, self._on_admitted)
+        execute_output = self.runner.execute(prepared.model_input, self.pipeline.in_flight_tokens)
+        for index, scores in execute_output.scores.items():
+            seq, first_position = prepared.scored[index]
+            self._add_prompt_logprobs(seq.request, first_position, scores)
+        if prepared.sampling_seqs:
+            self.pipeline.sample_step(prepared.sampling_seqs, prepared.sampling_rows, execute_output.logits,
+                                      prepared.first_samples, result)
+        else:
+            self.pipeline.resolve_in_flight(result)
+        self._record_step_time(start, prepared.model_input.is_decode_only)
+        return result
+
+    def _on_admitted(self, seq: Sequence, sched) -> None:
+        """A sequence took a row (admitted, resumed or forked): its first-step bookkeeping."""
+        metrics = seq.request.metrics
+        if metrics.first_scheduled_time is None:
+            metrics.first_scheduled_time = time.time()
+        metrics.num_cached_tokens = max(metrics.num_cached_tokens, sched.num_cached_tokens)
+        if sched.num_imported_tokens:
+            self._import_kv(seq, sched)
+
+    @staticmethod
+    def _add_prompt_logprobs(request: Request, first_position: int, scores: TokenScores) -> None:
+        """Keep the scores of positions not yet known (a recomputed prompt repeats some)."""
+        known = len(request.prompt_logprobs)
+        if first_position > known:
+            raise RuntimeError(f"request {request.request_id}: prompt logprobs from position "
+                               f"{first_position}, but only {known} are known")
+        logprobs = scores.logprobs.tolist()
+        top_ids, top_values = scores.top_ids.tolist(), scores.top_logprobs.tolist()
+        token_ids = request.prompt_token_ids
+        for i in range(known - first_position, len(logprobs)):
+            position = first_position + i
+            request.prompt_logprobs.append(SampleLogprobs(
+                token_ids[position], logprobs[i], list(zip(top_ids[i], top_values[i]))))
+
+    def _record_step_time(self, start: float, is_decode_only: bool) -> None:
+        """Wall time of a step that ran the model (KV planning included)."""
+        elapsed = time.perf_counter() - start
+        self.step_seconds += elapsed
+        if is_decode_only:
+            self.decode_step_seconds += elapsed
+            self.decode_kv_seconds += self.scheduler.last_kv_seconds
+            self.num_decode_steps += 1
+
+    def _migrate(self, seq: Sequence, target: str) -> tuple[Sequence, tuple, str]:
+        """Export a migrated sequence's KV (before this step reuses its blocks) and hand
+        the request over: its last output carries the transfer and the target."""
+        request = seq.request
+        transfer = export_kv(self.runner.kv_cache, seq.block_table, seq.num_computed, seq.token_ids)
+        seq.finish_reason = "migrated"
+        self.requests.pop(request.request_id, None)
+        return seq, (transfer.header, transfer.payload), target
+
+    def _import_kv(self, seq: Sequence, sched) -> None:
+        request = seq.request
+        start = time.perf_counter()
+        import_kv(self.runner.kv_cache, request.kv_transfer, sched.block_table)
+        request.metrics.kv_transfer_bytes += request.kv_transfer.num_bytes
+        request.metrics.kv_transfer_s += time.perf_counter() - start
+        request.kv_transfer = None
+
+    def _check_can_progress(self) -> None:
+        """Nothing runs and nothing could be admitted: say why instead of spinning."""
+        head = self.scheduler.waiting[0]
+        need = -(-len(head.token_ids) // self.config.block_size)
+        watermark = int(self.pool_config.watermark * self.pool_config.num_device_blocks)
+        if need + watermark > self.pool_config.num_device_blocks:
+            self.abort_request(head.request.request_id)
+            logger.error("request %s needs %d blocks but the pool has %d; aborted",
+                         head.request.request_id, need, self.pool_config.num_device_blocks)
+
+    def _release_if_idle(self) -> None:
+        """With no request left, hand the last finished blocks back now, not at the next step."""
+        if not self.requests and self.scheduler.has_pending_changes:
+            kv = self.scheduler.schedule().kv
+            self.runner.kv_cache.execute_copies(kv.swap_out, kv.swap_in, kv.copy_on_write)
+
+    # ---- introspection -------------------------------------------------------------------
+    def stats(self, pool_stats: dict | None = None) -> dict:
+        """Pool, cache and queue statistics, plain data. ``pool_stats``: this step's
+        ``KVManager.stats`` when the caller already has it (it walks every block table)."""
+        stats: dict[str, Any] = dict(pool_stats if pool_stats is not None
+                                     else self.kv_manager.stats(self.worker_id))
+        cache = self.runner.kv_cache
+        stats.update({
+            "num_waiting": len(self.scheduler.waiting),
+            "num_running": len(self.scheduler.running),
+            "num_preemptions_by_mode": dict(self.scheduler.num_preemptions),
+            "swapped_out_bytes": cache.num_bytes_swapped_out,
+            "swapped_in_bytes": cache.num_bytes_swapped_in,
+            "num_steps": self.num_steps,
+            "num_generated_tokens": self.num_generated_tokens,
+            "mean_step_ms": 1e3 * self.step_seconds / self.num_steps if self.num_steps else 0.0,
+            "num_decode_steps": self.num_decode_steps,
+            "mean_decode_step_ms": (1e3 * self.decode_step_seconds / self.num_decode_steps
+                                    if self.num_decode_steps else 0.0),
+            "grammar_seconds": self.grammar_seconds,
+            "step_seconds": self.step_seconds,
+            # The KV share of steps: time in the KV manager's step, and in the step hooks.
+            "kv_seconds": self.scheduler.kv_seconds,
+            "decode_kv_seconds": self.decode_kv_seconds,
+            "step_hook_seconds": self.hook_seconds,
+            "num_step_calls": self.num_step_calls,
+            # Modules whose q/k/v or gate/up projections run as one matmul (merge_projections).
+            "num_merged_projections": len(getattr(self.runner, "merged_projections", ())),
+        })
+        graphs = self.runner.decode_graphs
+        if graphs is not None:
+            stats.update({"num_cuda_graphs": len(graphs.graphs), "cuda_graph_memory_bytes": graphs.memory_bytes,
+                          "num_padded_decode_steps": graphs.num_runs, "num_graph_replays": graphs.num_replays,
+                          "num_padded_rows": graphs.num_padded_rows,
+                          "decode_compiled": graphs.is_compiled})
+        if self._grammar_compiler is not None:
+            stats["num_grammars_compiled"] = self._grammar_compiler.num_compiled
+            stats["num_grammar_cache_hits"] = self._grammar_compiler.num_cache_hits
+        return stats
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes; False (nothing changed) unless the engine is idle."""
+        if self.requests or self.scheduler.num_unfinished:
+            return False
+        self._release_if_idle()
+        return self.kv_manager.reset_prefix_cache(self.worker_id)
+
+    def check_integrity(self) -> None:
+        """The KV accounting holds, and only running sequences hold block-table rows."""
+        self.kv_manager.check_integrity()
+        self.batch.check(self.scheduler.running)
+
+    def num_used_blocks(self) -> int:
+        return self.kv_manager.num_used_blocks()
+
+    def block_map(self, max_cells: int = 4096) -> dict:
+        """This engine's pools block by block (see ``KVManager.block_map``)."""
+        return self.kv_manager.block_map(self.worker_id, max_cells)
+
+    def config_dict(self) -> dict:
+        return self.config.model_dump()
+

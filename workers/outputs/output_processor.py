@@ -1,0 +1,384 @@
+"""From sampled tokens to what each request's caller sees: text, stop strings, outputs.
+
+The engine's step ends with token ids (an ``EngineStep``); the ``OutputProcessor``
+turns them into ``RequestOutput`` objects, as vLLM's output processor does. It may
+run on the engine's own thread (``LLMEngine.step``) or on a thread of its own
+(``AsyncLLMEngine``), so that detokenizing and building outputs stay off the
+step's path. Either way it alone touches the per-sequence ``SequenceStream``
+state, and reads of the engine's lists (output token ids, logprobs) are bounded
+by the counts it keeps itself: those lists only grow.
+
+The engine decides the token-level finishes (EOS, stop token ids, length,
+grammars, aborts). Stop strings are found here, on the text: such a sequence is
+reported in ``ProcessedStep.stopped`` and the engine ends it when it is told
+(at once on its own thread; a step or two later from another thread, whose
+tokens are then dropped here).
+
+A request with ``output_kind="final"`` (the offline ``LLM.generate``) and no stop
+strings gets one output, at its end, and its text is decoded then: its tokens
+cost nothing here while it runs.
+
+A request with a ``delta_encoder`` (an output channel's) gets ``OutputDelta``s, the
+wire's form, built here from its samples' news: no ``RequestOutput`` with its
+cumulative views is made for it only to be encoded (measured, 2-3 of the
+5.5-7 us that building and encoding cost a streamed token), but for a
+migration's output and a beam search's (made by the engine).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .detokenizer import FINISH_STOP, StreamingDetokenizer
+from ..actor.protocol import OutputDelta, SampleDelta
+from ..engine.request import (CompletionOutput, ListPrefix, Request, RequestOutput, SampleLogprobs, Sequence,
+                      TextPrefix)
+
+OUTPUT_KINDS = ("stream", "final")
+
+
+@dataclass
+class SeqFinish:
+    """The engine ended ``seq`` this step. ``by_token``: the sampled token itself decided it
+    (EOS or a stop token id: "stop"; the length limit: "length"); otherwise the sequence
+    ended after that token (its grammar completed or failed) or without one (abort)."""
+
+    seq: Sequence
+    reason: str
+    by_token: bool = True
+
+
+@dataclass
+class StepTokens:
+    """The tokens one step sampled: ``seqs[i]`` sampled ``token_ids[i]`` (``logprobs[i]``
+    when its request asked; ``logprobs`` is None when none did). ``text_positions`` lists
+    the positions whose text is followed token by token (None: all of them);
+    ``finished``: the sequences that end with these tokens."""
+
+    seqs: list[Sequence]
+    token_ids: list[int]
+    logprobs: list[SampleLogprobs | None] | None = None
+    text_positions: list[int] | None = None
+    finished: list[SeqFinish] = field(default_factory=list)
+
+
+@dataclass
+class EngineStep:
+    """What one call of the engine's step produced, for the output processor: the tokens
+    of the steps it read (two with overlapped scheduling when it had to read the running
+    step's early; in order), the requests aborted since the last call, the sequences
+    migrated (sequence, KV transfer (header, payload), target worker), and the outputs
+    of requests the engine finished with outputs of its own (beam search), passed on as
+    they are."""
+
+    tokens: list[StepTokens] = field(default_factory=list)
+    aborted: list[Request] = field(default_factory=list)
+    migrated: list[tuple[Sequence, tuple, str]] = field(default_factory=list)
+    final_outputs: list[RequestOutput] = field(default_factory=list)
+
+
+@dataclass
+class ProcessedStep:
+    """The outputs of one ``EngineStep``, and the sequences stop strings ended."""
+
+    outputs: list[RequestOutput | OutputDelta]
+    stopped: list[Sequence]
+
+
+class SequenceStream:
+    """One sample's stream as its caller sees it: text, deltas and finish."""
+
+    def __init__(self, text: StreamingDetokenizer | UndecodedText, num_initial_tokens: int) -> None:
+        self.text = text
+        self.num_tokens = num_initial_tokens           # output tokens accounted for
+        self.num_logprobs = 0
+        self.num_streamed_tokens = num_initial_tokens
+        self.streamed_text_pieces: list[str] = []
+        self.delta_text = ""
+        self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.is_finish_streamed = False
+        self.kv_transfer: tuple | None = None
+        self.migrate_to: str | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add_token(self, token_id: int, reason: str | None) -> None:
+        text = self.text
+        new_text = text.append(token_id, reason)
+        self.num_tokens += 1
+        if new_text:
+            self.delta_text += new_text
+        if text.finish_reason is not None:
+            self.finish_reason, self.stop_reason = text.finish_reason, text.stop_reason
+
+    def add_tokens(self, token_ids: list[int]) -> None:
+        """``add_token`` of each of ``token_ids``, none of which ends the sequence."""
+        new_text = self.text.extend(token_ids)
+        self.num_tokens += len(token_ids)
+        if new_text:
+            self.delta_text += new_text
+
+    def end(self, reason: str) -> None:
+        """End after the tokens so far, its text complete (a grammar completed or failed):
+        what was held back (an unfinished character, a possible stop string) is emitted."""
+        if self.text.is_finished:   # a stop string ended it on the same token
+            self.finish_reason, self.stop_reason = self.text.finish_reason, self.text.stop_reason
+            return
+        self.delta_text += self.text.finish(reason)
+        self.finish_reason, self.stop_reason = reason, self.text.stop_reason
+
+    def cut(self, reason: str) -> None:
+        """End here without completing the text (an abort, a migration): text held back
+        stays unemitted. A migrated stream continues elsewhere from its tokens, whose
+        decoder emits that text once the tokens after it complete it."""
+        if self.text.is_finished:
+            self.finish_reason, self.stop_reason = self.text.finish_reason, self.text.stop_reason
+        else:
+            self.finish_reason = reason
+
+    def add_logprob(self, logprob: SampleLogprobs) -> None:
+        self.num_logprobs += 1
+        self.cumulative_logprob += logprob.logprob
+
+
+class UndecodedText:
+    """A stream's text where it is not decoded (``SamplingParams.detokenize`` off): it stays
+    empty, and only the finish is kept, as ``StreamingDetokenizer`` keeps it (the stop token
+    id that ended it, if one did). What follows its tokens costs no decoding."""
+
+    streamed_text = ""
+
+    def __init__(self, stop_token_ids: list[int]) -> None:
+        self._stop_token_ids = stop_token_ids
+        self.finish_reason: str | None = None
+        self.stop_reason: int | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token_id: int, finish_reason: str | None = None) -> str:
+        if finish_reason is not None:
+            self.finish_reason = finish_reason
+            if finish_reason == FINISH_STOP and token_id in self._stop_token_ids:
+                self.stop_reason = token_id
+        return ""
+
+    def extend(self, token_ids: list[int]) -> str:
+        return ""
+
+    def finish(self, finish_reason: str) -> str:
+        self.finish_reason = finish_reason
+        return ""
+
+
+def new_stream(seq: Sequence, tokenizer, eos_token_ids: list[int], max_model_len: int,
+               output_token_ids: list[int]) -> SequenceStream:
+    """A sequence's stream, primed with output tokens already streamed elsewhere (a
+    resumed or migrated request): they count as streamed, and its text continues them."""
+    request = seq.request
+    if not request.params.detokenize:
+        return SequenceStream(UndecodedText(request.params.stop_token_ids), len(output_token_ids))
+    text = StreamingDetokenizer(tokenizer, request.prompt_token_ids, request.params, eos_token_ids,
+                                max_model_len)
+    for token_id in output_token_ids:
+        text.append(token_id)
+    stream = SequenceStream(text, len(output_token_ids))
+    if text.streamed_text:
+        stream.streamed_text_pieces.append(text.streamed_text)
+    return stream
+
+
+class OutputProcessor:
+    """Turns ``EngineStep``s into ``RequestOutput``s (see the module docstring).
+
+    Not thread-safe: one thread processes the steps, in order.
+    """
+
+    def __init__(self) -> None:
+        self.num_tokens_processed = 0
+
+    def process(self, step: EngineStep) -> ProcessedStep:
+        touched: dict[str, Request] = {}
+        stopped: list[Sequence] = []
+        for tokens in step.tokens:
+            self._take_tokens(tokens, touched, stopped)
+        for seq, transfer, target in step.migrated:
+            self._end(seq, "migrated")
+            seq.stream.kv_transfer, seq.stream.migrate_to = transfer, target
+            touched[seq.request.request_id] = seq.request
+        for request in step.aborted:
+            for seq in request.seqs:
+                self._end(seq, "abort")
+            touched[request.request_id] = request
+        aborted = {id(request) for request in step.aborted}
+        migrated = {id(seq.request) for seq, _, _ in step.migrated}
+        outputs = []
+        for request in touched.values():
+            if request.is_final_streamed:
+                continue  # ended by stop strings, then aborted or migrated before the engine heard
+            seqs = request.seqs
+            # Not ``request.is_aborted``: the engine may have aborted it since this step ran.
+            if aborted and id(request) in aborted:
+                is_finished = True
+            elif len(seqs) == 1:
+                is_finished = request.params.n == 1 and seqs[0].stream.finish_reason is not None
+            else:
+                is_finished = len(seqs) == request.params.n and all(s.stream.is_finished for s in seqs)
+            if request.delta_encoder is not None and not (migrated and id(request) in migrated):
+                outputs.append(self._make_delta(request, is_finished))
+            elif is_finished or request.output_kind != "final":
+                outputs.append(self._make_output(request, is_finished))
+            else:
+                continue
+            request.is_final_streamed = is_finished
+        outputs.extend(step.final_outputs)
+        return ProcessedStep(outputs, stopped)
+
+    def _take_tokens(self, tokens: StepTokens, touched: dict[str, Request], stopped: list[Sequence]) -> None:
+        logprobs = tokens.logprobs
+        seqs, token_ids = tokens.seqs, tokens.token_ids
+        finishes = {id(f.seq): f for f in tokens.finished}
+        positions = range(len(seqs)) if tokens.text_positions is None else tokens.text_positions
+        for i in positions:
+            seq = seqs[i]
+            stream = seq.stream
+            if stream.finish_reason is not None:
+                continue  # a stop string ended it; the engine had not heard yet
+            finish = finishes.get(id(seq)) if finishes else None
+            stream.add_token(token_ids[i], finish.reason if finish is not None and finish.by_token else None)
+            if logprobs is not None and logprobs[i] is not None:
+                stream.add_logprob(logprobs[i])
+            if finish is None and stream.finish_reason is not None:
+                stopped.append(seq)
+            request = seq.request
+            touched[request.request_id] = request
+        self.num_tokens_processed += len(positions)
+        for finish in tokens.finished:
+            seq, stream = finish.seq, finish.seq.stream
+            if stream.is_finish_streamed:
+                continue  # a stop string ended it before the engine did
+            if not seq.request.follows_text:
+                self._catch_up(seq, finish.reason if finish.by_token else None)
+            if not stream.is_finished:
+                stream.end(finish.reason)
+            touched[seq.request.request_id] = seq.request
+
+    def _end(self, seq: Sequence, reason: str) -> None:
+        """An abort or a migration: the stream stops where it is."""
+        if not seq.request.follows_text:
+            self._catch_up(seq, None)
+        if not seq.stream.is_finished:
+            seq.stream.cut(reason)
+
+    @staticmethod
+    def _catch_up(seq: Sequence, last_reason: str | None) -> None:
+        """Account for the tokens of a sequence decoded only at its end (its list is
+        final: the engine appends nothing to an ended sequence); ``last_reason`` is
+        the finish its last token decided, if it decided one."""
+        stream = seq.stream
+        token_ids = seq.output_token_ids
+        num_tokens = len(token_ids)
+        if stream.num_tokens < num_tokens:
+            # No stop strings (the text would have followed): only the last token may end it.
+            if stream.num_tokens < num_tokens - 1:
+                stream.add_tokens(token_ids[stream.num_tokens:num_tokens - 1])
+            stream.add_token(token_ids[num_tokens - 1], last_reason)
+        for logprob in seq.logprobs[stream.num_logprobs:]:
+            stream.add_logprob(logprob)
+
+    @staticmethod
+    def _make_output(request: Request, is_finished: bool) -> RequestOutput:
+        """The request's output now: deltas since the last one, and prefixes of the
+        sequences' growing lists for the cumulative fields (O(new tokens) per call)."""
+        completions = []
+        wants_logprobs = request.params.logprobs is not None
+        transfer = migrate_to = None
+        num_generated_tokens = 0
+        for seq in request.seqs:
+            stream = seq.stream
+            num_tokens = stream.num_tokens
+            num_generated_tokens += num_tokens
+            if not num_tokens and stream.finish_reason is None and seq.sample_index:
+                continue  # forked, but its first token is in a later step than this one
+            output_token_ids = seq.output_token_ids
+            num_streamed = stream.num_streamed_tokens
+            stream.num_streamed_tokens = num_tokens
+            finish_reason = stream.finish_reason
+            is_newly_finished = finish_reason is not None and not stream.is_finish_streamed
+            stream.is_finish_streamed = finish_reason is not None
+            delta_text = stream.delta_text
+            if delta_text:
+                stream.streamed_text_pieces.append(delta_text)
+            if wants_logprobs:
+                # One logprob per sampled token: the new tokens' are the last ones.
+                num_logprobs = stream.num_logprobs
+                cumulative_logprob = stream.cumulative_logprob
+                logprobs = ListPrefix(seq.logprobs, num_logprobs)
+                delta_logprobs = seq.logprobs[max(0, num_logprobs - (num_tokens - num_streamed)):num_logprobs]
+            else:
+                cumulative_logprob = logprobs = delta_logprobs = None
+            # Positional: index, text, token_ids, cumulative_logprob, logprobs, finish_reason,
+            # stop_reason, delta_text, delta_token_ids, delta_logprobs, is_newly_finished.
+            completions.append(CompletionOutput(
+                seq.sample_index, TextPrefix(stream.streamed_text_pieces),
+                ListPrefix(output_token_ids, num_tokens), cumulative_logprob, logprobs, finish_reason,
+                stream.stop_reason, delta_text, output_token_ids[num_streamed:num_tokens], delta_logprobs,
+                is_newly_finished))
+            stream.delta_text = ""
+            if stream.kv_transfer is not None:
+                transfer, migrate_to = stream.kv_transfer, stream.migrate_to
+        metrics, prompt_logprobs = _request_figures(request, is_finished, num_generated_tokens)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                             completions, is_finished, metrics, prompt_logprobs, transfer, migrate_to)
+
+    @staticmethod
+    def _make_delta(request: Request, is_finished: bool) -> OutputDelta:
+        """``request.delta_encoder.encode(_make_output(request, is_finished))``, built directly:
+        the samples with new tokens or text, or a finish not reported yet."""
+        samples = []
+        wants_logprobs = request.params.logprobs is not None
+        num_generated_tokens = 0
+        for seq in request.seqs:
+            stream = seq.stream
+            num_tokens = stream.num_tokens
+            num_generated_tokens += num_tokens
+            num_streamed = stream.num_streamed_tokens
+            finish_reason = stream.finish_reason
+            is_newly_finished = finish_reason is not None and not stream.is_finish_streamed
+            delta_text = stream.delta_text
+            if num_tokens == num_streamed and not delta_text and not is_newly_finished:
+                continue
+            stream.num_streamed_tokens = num_tokens
+            stream.is_finish_streamed = finish_reason is not None
+            if delta_text:
+                stream.streamed_text_pieces.append(delta_text)
+                stream.delta_text = ""
+            if wants_logprobs:
+                num_logprobs = stream.num_logprobs
+                cumulative_logprob = stream.cumulative_logprob
+                delta_logprobs = seq.logprobs[max(0, num_logprobs - (num_tokens - num_streamed)):num_logprobs]
+            else:
+                cumulative_logprob = delta_logprobs = None
+            samples.append(SampleDelta(seq.sample_index, seq.output_token_ids[num_streamed:num_tokens], delta_text,
+                                       delta_logprobs, cumulative_logprob, finish_reason, stream.stop_reason))
+        metrics, prompt_logprobs = _request_figures(request, is_finished, num_generated_tokens)
+        return request.delta_encoder.delta(request.request_id, samples, is_finished, metrics, prompt_logprobs)
+
+
+def _request_figures(request: Request, is_finished: bool, num_generated_tokens: int):
+    """What an output of ``request`` carries besides its samples: its metrics, brought up to
+    date, and its prompt logprobs once all are computed (never changed again: shared, read-only)."""
+    metrics = request.metrics
+    metrics.num_generated_tokens = num_generated_tokens
+    if is_finished and metrics.finished_time is None:
+        metrics.finished_time = time.time()
+    prompt_logprobs = None
+    if request.prompt_logprobs is not None and not request.needs_prompt_logprobs:
+        prompt_logprobs = request.prompt_logprobs
+    return metrics, prompt_logprobs
