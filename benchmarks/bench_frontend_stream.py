@@ -26,7 +26,7 @@ import time
 
 from pagedserve.workers.outputs.accumulator import OutputAccumulator
 from pagedserve.workers.actor.protocol import OutputDelta, SampleDelta
-from pagedserve.workers.engine.request import RequestMetrics
+from pagedserve.workers.outputs.request_output import RequestMetrics
 
 
 class _SteppedHandle:

@@ -2,10 +2,11 @@
 
 Before the delta protocol a worker yielded the engine's cumulative
 ``RequestOutput`` (prompt ids, every token so far, text, logprobs) at every
-step; now it yields an ``OutputDelta`` (``workers/actor/protocol.py``). Both are
-measured here from the same engine run, as Ray serialises them (pickle
-protocol 5), at output tokens 1, 10, 100, 1000 and 4000 of one greedy
-sequence, with and without logprobs.
+step; now its engine core sends each channel one packed ``StreamBatch`` a step
+(``workers/outputs/stream_batch.py``), here holding one request's row. Both are
+measured from one greedy sequence run twice on the same engine (the cumulative
+output as Ray serialises it, pickle protocol 5; the batch as packed), at output
+tokens 1, 10, 100, 1000 and 4000, with and without logprobs.
 
 The tiny model's context is 512 positions; a copy of its checkpoint with
 ``max_position_embeddings`` raised to 8192 (RoPE, random weights: nothing
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.devtools.model_factory import long_context_copy
-from pagedserve.workers.actor.protocol import DeltaEncoder
+from pagedserve.workers.outputs.stream_batch import StreamTarget
 
 POSITIONS = (1, 10, 100, 1000, 4000)
 
@@ -32,18 +33,23 @@ POSITIONS = (1, 10, 100, 1000, 4000)
 def measure(llm: LLM, max_tokens: int, logprobs: int | None) -> dict[int, dict[str, int]]:
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
-    request_id = f"bytes-{logprobs}"
-    engine.add_request(request_id, None, params, prompt_token_ids=list(range(3, 131)))
-    encoder = DeltaEncoder()
-    sizes = {}
+    prompt = list(range(3, 131))
+    sizes: dict[int, dict[str, int]] = {}
+    engine.add_request(f"bytes-{logprobs}", None, params, prompt_token_ids=prompt)
     while engine.has_unfinished_requests():
         for output in engine.step():
-            delta = encoder.encode(output)
             num_tokens = len(output.outputs[0].token_ids)
             if num_tokens in POSITIONS:
-                sizes[num_tokens] = {"cumulative_bytes": len(pickle.dumps(output, protocol=5)),
-                                     "delta_bytes": len(pickle.dumps(delta, protocol=5)),
-                                     "tokens_in_step": len(delta.samples[0].token_ids) if delta.samples else 0}
+                sizes[num_tokens] = {"cumulative_bytes": len(pickle.dumps(output, protocol=5))}
+    engine.add_request(f"rows-{logprobs}", None, params, prompt_token_ids=prompt,
+                       stream_target=StreamTarget("bytes", 0))
+    num_tokens = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        for batch in engine.output_processor.take_batches().values():
+            num_tokens += len(batch.token_ids)
+            if num_tokens in sizes:
+                sizes[num_tokens].update(delta_bytes=len(batch.pack()), tokens_in_step=len(batch.token_ids))
     return sizes
 
 

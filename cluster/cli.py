@@ -159,6 +159,8 @@ VLLM_ENGINE_FLAGS = (
     ("--block-size", "engine.block_size", positive_int, "tokens per KV block (default 16)"),
     ("--swap-space", "engine.swap_space_gb", non_negative_float, "host swap space per worker, GiB"),
     ("--seed", "engine.seed", non_negative_int, "the engines' sampler seed (default: random)"),
+    ("--stream-interval", "engine.stream_interval", positive_int,
+     "a stream's tokens go out every N tokens (default 1; its first token and finish at once)"),
 )
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 

@@ -24,7 +24,7 @@ from typing import AsyncIterator
 
 from pagedserve.workers.outputs.detokenizer import DeltaTextDecoder
 from pagedserve.workers.actor.protocol import EngineDeadError, Migrated, OutputDelta
-from pagedserve.workers.engine.request import CompletionOutput, RequestOutput
+from pagedserve.workers.outputs.request_output import CompletionOutput, RequestOutput
 from pagedserve.workers.sample.sampling_params import SamplingParams
 from pagedserve.workers.actor.worker import stall_timeout_s
 

@@ -3,13 +3,18 @@
 A handle sends each request to its worker with ``Worker.submit`` and reads every
 request's outputs from one streamed call per worker, ``Worker.channel_outputs``
 (``workers.actor.output_channel``): one message per engine step for all the requests
-in flight there, rather than one per request. A reader task per channel hands
-each item to its request's queue; ``WorkerChannels.stream`` is what a request
-iterates, and it sees what a call of its own would have: its items in order,
-then the end, or the error that ended it.
+in flight there, rather than one per request. Each request has a key on its
+channel (``GenerateRequest.key``); a message carries the engine core's packed
+batches, whose rows name requests by key, and control items. A reader task per
+channel unpacks each batch once and hands each request its delta
+(``deltas_from_batch``) in its inbox; ``WorkerChannels.stream`` is what a request
+iterates, and it sees what a call of its own would have: its items in order
+(the deltas of several steps that came together merged into one), then the
+end, or the error that ended it.
 
 A channel that fails ends every request on it as a failed worker would (its
-``RayActorError``, or ``ChannelClosed`` when the stream broke otherwise), so each
+``RayActorError``, the ``EngineDeadError`` of a worker whose engine died, or
+``ChannelClosed`` when the stream broke otherwise), so each
 goes on elsewhere, and the next request to that worker opens a new channel. A
 channel belongs to no request: cancelling the one that opened it (a client that
 went away) ends that request alone. The handle renews each channel every
@@ -22,7 +27,7 @@ closed on the worker, which aborts what still ran on it.
 A worker sends at most ``MESSAGES_AHEAD`` messages more than the handle has read
 (Ray's streaming-generator backpressure). A handle that falls behind (its
 process busy, as a replica at full load is) makes the worker wait to send, and
-what the worker's requests make meanwhile goes out merged in the next message:
+what the worker's requests make meanwhile goes out in the next message, read as
 fewer, larger deltas, each a request's several tokens, instead of one message
 per engine step queued without bound, each costing the handle its per-token
 work when it gets to it, further and further behind the engine.
@@ -32,13 +37,16 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
+import itertools
 import logging
 import time
 import uuid
 from typing import AsyncIterator
 
-from pagedserve.workers.actor.output_channel import ChannelItem
-from pagedserve.workers.actor.protocol import GenerateRequest, Migrated, OutputDelta
+from pagedserve.workers.actor.protocol import (ChannelItem, EngineDeadError, GenerateRequest, Migrated, OutputDelta,
+                                               deltas_from_batch, merge_deltas)
+from pagedserve.workers.outputs.stream_batch import StreamBatch
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +64,53 @@ class ChannelClosed(ConnectionError):
     """A worker channel ended while requests still read from it."""
 
 
+class _Inbox:
+    """A request's items since its reader last took them, and the wake-up of that reader."""
+
+    __slots__ = ("items", "_waiter")
+
+    def __init__(self) -> None:
+        self.items: list[ChannelItem] = []
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, item: ChannelItem) -> None:
+        self.items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self) -> list[ChannelItem]:
+        """Everything that came since the last call, once something has."""
+        while not self.items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self.items = self.items, []
+        return items
+
+
+def _merged(items: list[ChannelItem]) -> list[ChannelItem]:
+    """``items`` with each run of consecutive deltas merged into one (a reader behind the
+    engine gets one output for several steps' tokens)."""
+    merged: list[ChannelItem] = []
+    run: list[OutputDelta] = []
+    for item in items:
+        if type(item) is OutputDelta:
+            run.append(item)
+            continue
+        if run:
+            merged.append(merge_deltas(run))
+            run = []
+        merged.append(item)
+    if run:
+        merged.append(merge_deltas(run))
+    return merged
+
+
 class WorkerChannel:
-    """One worker's channel on this event loop, and the queues of the requests on it."""
+    """One worker's channel on this event loop, and the inboxes of the requests on it."""
 
     def __init__(self, worker_id: str, worker) -> None:
         self.worker_id = worker_id
@@ -65,7 +118,9 @@ class WorkerChannel:
         self.channel_id = f"{worker_id}/{uuid.uuid4().hex[:16]}"
         self.loop = asyncio.get_running_loop()
         self.error: BaseException | None = None
-        self.queues: dict[str, asyncio.Queue] = {}
+        self.inboxes: dict[str, _Inbox] = {}
+        self.request_ids: dict[int, str] = {}   # a request's key in this channel's batches -> its id
+        self._keys = itertools.count()
         # request id -> (seconds it may wait for an output, when its last one came)
         self.waits: dict[str, tuple[float, float]] = {}
         self.num_messages = 0
@@ -92,23 +147,34 @@ class WorkerChannel:
                 message = await ref
                 self.num_messages += 1
                 now = time.monotonic()
-                for request_id, item in message:
-                    queue = self.queues.get(request_id)
-                    if queue is not None:  # else the request stopped reading (aborted)
-                        queue.put_nowait(item)
-                        self.waits[request_id] = (self.waits[request_id][0], now)
+                for entry in message:
+                    if isinstance(entry, bytes):
+                        for key, item in deltas_from_batch(StreamBatch.unpack(entry)):
+                            request_id = self.request_ids.get(key)
+                            if request_id is not None:
+                                if type(item) is OutputDelta:
+                                    item.request_id = request_id
+                                self._put(request_id, item, now)
+                    else:   # a control item (Migrated)
+                        self._put(entry.request_id, entry, now)
             error = ChannelClosed(f"the output channel of worker {self.worker_id} ended")
         except asyncio.CancelledError:  # this event loop is closing
             error = ChannelClosed(f"the output channel of worker {self.worker_id} was closed")
             self._close_remote()
             raise
-        except Exception as exc:  # the worker died or restarted: its requests go on elsewhere
-            error = exc if isinstance(exc, RayActorError) else _broken(self.worker_id, exc)
+        except Exception as exc:  # the worker or its engine died: its requests go on elsewhere
+            error = exc if isinstance(exc, (RayActorError, EngineDeadError)) else _broken(self.worker_id, exc)
         finally:
             self.error = self.error or error
             self._tender.cancel()
-            for queue in self.queues.values():
-                queue.put_nowait(error)
+            for inbox in self.inboxes.values():
+                inbox.put(error)
+
+    def _put(self, request_id: str, item: ChannelItem, now: float) -> None:
+        inbox = self.inboxes.get(request_id)
+        if inbox is not None:  # else the request stopped reading (aborted)
+            inbox.put(item)
+            self.waits[request_id] = (self.waits[request_id][0], now)
 
     async def _tend(self) -> None:
         """Every ``WATCH_EVERY_S``, end the requests that waited past their timeout for an
@@ -121,7 +187,7 @@ class WorkerChannel:
             for request_id, (timeout_s, last_at) in list(self.waits.items()):
                 if now - last_at > timeout_s:
                     self.waits[request_id] = (timeout_s, float("inf"))  # once
-                    self.queues[request_id].put_nowait(TimeoutError(
+                    self.inboxes[request_id].put(TimeoutError(
                         f"no output of request {request_id} from worker {self.worker_id} for {timeout_s:g} s"))
             if now - renewed_at >= RENEW_EVERY_S:
                 renewed_at = now
@@ -141,24 +207,27 @@ class WorkerChannel:
         for ``timeout_s``. Raises ``ChannelClosed`` if the worker refused it (this channel had
         closed there)."""
         request_id = request.request_id
-        if request_id in self.queues:
+        if request_id in self.inboxes:
             raise ValueError(f"request id {request_id!r} is already streaming from worker {self.worker_id}")
-        queue: asyncio.Queue[ChannelItem] = asyncio.Queue()
-        self.queues[request_id] = queue
+        inbox = self.inboxes[request_id] = _Inbox()
         self.waits[request_id] = (timeout_s, time.monotonic())
+        key = next(self._keys)
+        self.request_ids[key] = request_id
+        request = dataclasses.replace(request, key=key)
         try:
             if self.error is not None:
                 raise self.error
             if not await asyncio.wait_for(self.worker.submit.remote(self.channel_id, request), timeout=timeout_s):
                 raise ChannelClosed(f"the output channel of worker {self.worker_id} had closed")
             while True:
-                item = await queue.get()  # a timeout comes as an item too (``_tend``)
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
+                for item in _merged(await inbox.take()):  # a timeout comes as an item too (``_tend``)
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
         finally:
-            del self.queues[request_id]
+            del self.inboxes[request_id]
             del self.waits[request_id]
+            del self.request_ids[key]
 
     def close(self) -> None:
         """Stop reading; the worker aborts what still runs on this channel."""

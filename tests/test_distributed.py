@@ -388,8 +388,13 @@ def test_a_request_whose_worker_sends_nothing_for_the_timeout_goes_on_elsewhere(
     timeout_before, counters_before = limits.request_timeout_s, handle.request_counters()
     victim = handle.workers["worker-0"]
 
-    def hold_the_engine(worker):  # runs in the worker: its engine thread sleeps between steps
-        worker.async_engine.submit(lambda engine: time.sleep(6.0))
+    def hold_the_engine(worker):  # runs in the worker: its engine core process stops for 6 s
+        import os
+        import signal
+        import threading
+
+        os.kill(worker.core.pid, signal.SIGSTOP)
+        threading.Timer(6.0, os.kill, (worker.core.pid, signal.SIGCONT)).start()
 
     limits.request_timeout_s = 1.5
     try:
@@ -544,14 +549,8 @@ def test_a_failed_engine_loop_hands_its_requests_on_and_its_worker_restarts(hand
     victim = handle.workers[victim_id]
     victim_pid = _pid(victim)
 
-    def fail_the_engine():
-        def arm(worker):  # runs in the worker: its engine's next step raises
-            def failing_step():
-                raise RuntimeError("injected: the engine step failed")
-
-            worker.async_engine.submit(lambda engine: setattr(engine, "step_tokens", failing_step))
-
-        victim.__ray_call__.remote(arm)
+    def fail_the_engine():   # runs in the worker: its engine core's next step raises
+        victim.__ray_call__.remote(lambda worker: worker.core.call("inject_failure", "the engine step failed"))
 
     _assert_streams_survive(handle, prompts, params, expected, fail_the_engine)
     counters = handle.request_counters()
@@ -561,6 +560,27 @@ def test_a_failed_engine_loop_hands_its_requests_on_and_its_worker_restarts(hand
     _wait_for(lambda: _pid(victim) != victim_pid, 120, "the controller to restart the worker")
     handle.wait_healthy(timeout=60)
     prompts = _prompts(seed=8, lengths=[8, 24, 40, 56])
+    assert _token_ids(handle.generate_sync(prompts, _greedy(MAX_TOKENS))) == reference(prompts, MAX_TOKENS)
+
+
+def test_a_killed_engine_core_hands_its_requests_on_and_its_worker_restarts(handle, reference):
+    """A worker's engine core process killed mid-stream (SIGKILL: the OOM killer, a driver
+    crash) is a dead engine: its requests go on elsewhere exactly, and the worker restarts."""
+    prompts = _prompts(seed=7)
+    params = SamplingParams(temperature=1.0, seed=43, max_tokens=MAX_TOKENS_FAULT, ignore_eos=True)
+    expected = reference(prompts, MAX_TOKENS_FAULT, params)
+    counters_before = handle.request_counters()
+    victim = handle.workers["worker-1"]
+    victim_pid = _pid(victim)
+
+    def kill_the_core():
+        victim.__ray_call__.remote(lambda worker: __import__("os").kill(worker.core.pid, 9))
+
+    _assert_streams_survive(handle, prompts, params, expected, kill_the_core)
+    assert handle.request_counters()["num_resumed"] > counters_before["num_resumed"]
+    _wait_for(lambda: _pid(victim) != victim_pid, 120, "the controller to restart the worker")
+    handle.wait_healthy(timeout=60)
+    prompts = _prompts(seed=9, lengths=[8, 24, 40, 56])
     assert _token_ids(handle.generate_sync(prompts, _greedy(MAX_TOKENS))) == reference(prompts, MAX_TOKENS)
 
 

@@ -25,7 +25,8 @@ from pagedserve.workers.outputs.accumulator import OutputAccumulator
 from pagedserve.workers.model.block_tables import BlockTableRows
 from pagedserve.workers.outputs.detokenizer import check_stop
 from pagedserve.workers.model.input_batch import STOP_TOKEN_IDS, InputBatch
-from pagedserve.workers.actor.protocol import DeltaEncoder, OutputDelta
+from pagedserve.workers.actor.protocol import OutputDelta, deltas_from_batch
+from pagedserve.workers.outputs.stream_batch import StreamBatch, StreamTarget
 from pagedserve.workers.engine.request import Request, Sequence
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -104,6 +105,7 @@ class LaggedOutputs(RuleBasedStateMachine):
         self._drain()
         assert self.engine.num_used_blocks() == 0 and self.engine.reset_prefix_cache()
         self.requests: dict[str, tuple] = {}
+        self.keys: dict[int, str] = {}   # a channel request's key -> its id
         self.outputs.clear()
         self.aborted: set[str] = set()
         self.num_added = 0
@@ -117,8 +119,12 @@ class LaggedOutputs(RuleBasedStateMachine):
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, n=n, stop=stop, **features)
         request_id = f"req-{self.num_added}"
         self.num_added += 1
+        target = None
+        if kind == "channel":
+            target = StreamTarget(f"channel-{self.num_added % 2}", self.num_added)
+            self.keys[target.key] = request_id
         self.engine.add_request(request_id, prompt, params, output_kind="stream" if kind == "channel" else kind,
-                                delta_encoder=DeltaEncoder() if kind == "channel" else None)
+                                stream_target=target)
         self.requests[request_id] = (prompt, params, kind)
 
     @precondition(lambda self: self.engine.has_unfinished_requests() or self.engine.has_pending_outputs())
@@ -134,6 +140,10 @@ class LaggedOutputs(RuleBasedStateMachine):
             self.engine.stop_sequences(processed.stopped)
         for output in processed.outputs:
             self.outputs[output.request_id].append(output)
+        for batch in self.engine.output_processor.take_batches().values():
+            for key, delta in deltas_from_batch(StreamBatch.unpack(batch.pack())):
+                delta.request_id = self.keys[key]
+                self.outputs[delta.request_id].append(delta)
 
     @precondition(lambda self: self.engine.requests)
     @rule(data=st.data())

@@ -11,7 +11,7 @@ from pagedserve.cluster.request_flow import (DISAGGREGATED, FALL_BACK, FIRST, MI
                                              AttemptsExhausted, RepeatedEngineFailure, RequestFlow,
                                              StreamNotResumable)
 from pagedserve.workers.actor.protocol import Migrated, OutputDelta, SampleDelta
-from pagedserve.workers.engine.request import RequestMetrics
+from pagedserve.workers.outputs.request_output import RequestMetrics
 from pagedserve.workers.sample.sampling_params import SamplingParams
 
 PROMPT = [5, 6, 7]

@@ -1,12 +1,13 @@
-"""The handle <-> worker stream protocol: deltas on the wire, one accumulator rebuilding
-the cumulative outputs.
+"""The handle <-> worker stream protocol: the engine core's rows on the wire, one accumulator
+rebuilding the cumulative outputs.
 
-The oracle is the engine itself: every step's ``RequestOutput`` is encoded as the
-worker does (``DeltaEncoder``), sent as the worker sends a step's deltas (one
-``ChannelMessage``, pickled by Ray's pickler), decoded by ``OutputAccumulator``,
-and must equal the engine's own output field by field, over n > 1, logprobs,
-prompt logprobs, stop strings and sampling. The size of a streamed delta must
-not grow with the sequence, while the cumulative output it replaces does.
+The oracle is the engine itself: the same requests run twice on one engine (the prefix cache
+reset between), once returning ``RequestOutput``s and once as an output channel's requests
+(``StreamTarget``), whose rows are packed as the engine core sends them (``StreamBatch``),
+unpacked as the handle does, read as deltas (``deltas_from_batch``) and rebuilt by
+``OutputAccumulator``: step by step they must equal the engine's own outputs field by field,
+over n > 1, logprobs, prompt logprobs, stop strings, sampling, beam search and an abort. The
+bytes of a streamed token must not grow with the sequence, while the cumulative output does.
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ import pickle
 import pytest
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.workers.actor.protocol import (EngineDeadError, OutputDelta, SampleDelta, deltas_from_batch,
+                                               merge_deltas)
 from pagedserve.workers.outputs.accumulator import OutputAccumulator
-from pagedserve.workers.actor.protocol import ChannelMessage, DeltaEncoder, Migrated, OutputDelta, SampleDelta, merge_deltas
-from pagedserve.workers.engine.request import RequestMetrics, SampleLogprobs
+from pagedserve.workers.outputs.request_output import RequestMetrics, SampleLogprobs
+from pagedserve.workers.outputs.stream_batch import StreamBatch, StreamTarget, pack_logprobs, pack_metrics
 
 FIELDS = ("index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason", "stop_reason",
           "delta_text", "delta_token_ids", "delta_logprobs", "is_newly_finished")
+CLOCKS = {"arrival_time", "first_scheduled_time", "first_token_time", "finished_time"}
 
 
 # n > 1, logprobs, prompt logprobs, stop strings and beam search: request id -> (prompt, params).
@@ -40,109 +44,126 @@ def llm(tiny_model):
                num_device_blocks=256, swap_space_gb=0.001)
 
 
-def _sent(message: ChannelMessage) -> ChannelMessage:
-    """``message`` as the handle receives it: pickled by Ray's pickler, read by ``pickle``."""
-    from ray import cloudpickle
-
-    received = pickle.loads(cloudpickle.dumps(message, protocol=5))
-    assert type(received) is ChannelMessage
-    return received
+def _untimed(metrics: RequestMetrics) -> dict:
+    return {k: v for k, v in dataclasses.asdict(metrics).items() if k not in CLOCKS}
 
 
-def _run(llm: LLM, requests: dict[str, tuple[list[int], SamplingParams]]):
-    """Step the engine; yield every output with what the worker would send for it (each step's
-    deltas sent in one message)."""
-    engine = llm.engine
-    encoders = {}
-    for request_id, (prompt, params) in requests.items():
-        engine.add_request(request_id, None, params, prompt_token_ids=prompt)
-        encoders[request_id] = DeltaEncoder()
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        message = ChannelMessage((output.request_id, encoders[output.request_id].encode(output))
-                                 for output in outputs)
-        for output, (request_id, delta) in zip(outputs, _sent(message), strict=True):
-            assert request_id == delta.request_id == output.request_id
-            yield output, delta
-
-
-def test_accumulated_outputs_equal_the_engines(llm):
-    requests = {
-        "greedy": (list(range(3, 30)), SamplingParams(temperature=0.0, max_tokens=24, logprobs=2,
-                                                      prompt_logprobs=1)),
-        "n3": (list(range(40, 52)), SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=20, logprobs=1)),
-        "stop": (list(range(5, 17)), SamplingParams(temperature=0.8, seed=3, max_tokens=30, stop=["e", " t"])),
-        "plain": (list(range(60, 64)), SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)),
-    }
-    accumulators = {rid: OutputAccumulator(rid, None, prompt) for rid, (prompt, _) in requests.items()}
-    num_finished = {rid: 0 for rid in requests}
-    last = {}
-    for output, delta in _run(llm, requests):
-        rebuilt = accumulators[output.request_id].add(delta)
-        assert rebuilt.finished == output.finished
-        assert rebuilt.prompt_logprobs == output.prompt_logprobs
-        assert rebuilt.metrics == output.metrics
-        engine_samples = sorted(output.outputs, key=lambda c: c.index)
-        assert [c.index for c in rebuilt.outputs] == [c.index for c in engine_samples]
-        for mine, theirs in zip(rebuilt.outputs, engine_samples):
-            for name in FIELDS:
-                assert getattr(mine, name) == getattr(theirs, name), (output.request_id, name)
-            num_finished[output.request_id] += mine.is_newly_finished
-        last[output.request_id] = rebuilt
-    assert num_finished == {"greedy": 1, "n3": 3, "stop": 1, "plain": 1}
-    assert len(last["n3"].outputs) == 3 and all(len(c.logprobs) == len(c.token_ids) for c in last["n3"].outputs)
-    assert len(last["greedy"].prompt_logprobs) == len(requests["greedy"][0])
-    llm.engine.check_integrity()
-    assert llm.engine.num_used_blocks() == 0
-
-
-def _step_deltas(llm: LLM, requests: dict[str, tuple[list[int], SamplingParams]], direct: bool,
-                 abort: tuple[int, str]) -> list[list[OutputDelta]]:
-    """Each step's deltas: made by the engine itself (``delta_encoder``, as an output channel's
-    requests are), or encoded from its ``RequestOutput``s as before. ``abort``: (step, request)."""
-    engine = llm.engine
+def _add(engine, requests: dict, targets: bool) -> dict[int, str]:
     engine.reset_prefix_cache()   # the same cached-token counts in both runs
-    encoders = {rid: DeltaEncoder() for rid in requests}
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, None, params, prompt_token_ids=prompt,
-                           delta_encoder=encoders[rid] if direct else None)
-    steps = []
-    while engine.has_unfinished_requests():
-        if len(steps) == abort[0]:
-            assert engine.abort_request(abort[1])
-        outputs = engine.step()
-        if direct:   # a beam search's outputs are its own, made at its end
-            assert all(type(o) is OutputDelta or o.request_id == "beam" for o in outputs)
-        steps.append([o if type(o) is OutputDelta else encoders[o.request_id].encode(o) for o in outputs])
+    keys = {}
+    for key, (rid, (prompt, params)) in enumerate(requests.items()):
+        target = StreamTarget(f"channel-{key % 2}", key) if targets else None
+        engine.add_request(rid, None, params, prompt_token_ids=prompt, stream_target=target)
+        keys[key] = rid
+    return keys
+
+
+def _finish(engine) -> None:
     engine.check_integrity()
     assert engine.num_used_blocks() == 0
+
+
+def _outputs(llm: LLM, requests: dict, abort: tuple[int, str] | None = None) -> list[list]:
+    """Each step's ``RequestOutput``s (``abort``: at which step, which request)."""
+    engine = llm.engine
+    _add(engine, requests, targets=False)
+    steps = []
+    while engine.has_unfinished_requests():
+        if abort is not None and len(steps) == abort[0]:
+            assert engine.abort_request(abort[1])
+        outputs = engine.step()
+        for output in outputs:   # a request's outputs share one metrics object: keep this step's
+            output.metrics = dataclasses.replace(output.metrics)
+        steps.append(sorted(outputs, key=lambda o: list(requests).index(o.request_id)))
+    _finish(engine)
     return steps
 
 
-def test_deltas_made_by_the_engine_equal_its_outputs_encoded(llm):
-    """An output channel's requests get their deltas from the output processor, with no
-    ``RequestOutput`` between: step by step the same deltas as encoding the engine's outputs,
-    over n > 1, logprobs, prompt logprobs, stop strings, beam search and an abort; the metrics
-    on the same deltas, equal but for their clock readings."""
+def _deltas(llm: LLM, requests: dict, abort: tuple[int, str] | None = None,
+            merge: int = 1) -> list[list[OutputDelta]]:
+    """Each step's deltas as a handle reads them: the channels' batches packed and unpacked;
+    with ``merge`` > 1, each channel's batches of that many steps merged into one first."""
+    engine = llm.engine
+    keys = _add(engine, requests, targets=True)
+    steps, pending = [], {}
+    while engine.has_unfinished_requests():
+        if abort is not None and len(steps) == abort[0]:
+            assert engine.abort_request(abort[1])
+        assert engine.step() == []   # every request's news goes into its channel's batch
+        for channel, batch in engine.output_processor.take_batches().items():
+            if channel in pending:
+                pending[channel].merge(StreamBatch.unpack(batch.pack()))
+            else:
+                pending[channel] = batch
+        if (len(steps) + 1) % merge == 0 or not engine.has_unfinished_requests():
+            step = []
+            for channel in sorted(pending):
+                for key, delta in deltas_from_batch(StreamBatch.unpack(pending[channel].pack())):
+                    delta.request_id = keys[key]
+                    step.append(delta)
+            pending = {}
+            steps.append(sorted(step, key=lambda d: list(requests).index(d.request_id)))
+        else:
+            steps.append([])
+    _finish(engine)
+    return steps
+
+
+def test_accumulated_outputs_equal_the_engines(llm):
     requests = {**MIXED_REQUESTS,
+                "plain": (list(range(60, 64)), SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)),
                 "aborted": (list(range(70, 90)), SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))}
     abort = (5, "aborted")
-    encoded = _step_deltas(llm, requests, direct=False, abort=abort)
-    direct = _step_deltas(llm, requests, direct=True, abort=abort)
-    assert len(direct) == len(encoded) > 20
-    clocks = {"arrival_time", "first_scheduled_time", "first_token_time", "finished_time"}
-    for step, (mine, theirs) in enumerate(zip(direct, encoded)):
-        assert [d.request_id for d in mine] == [d.request_id for d in theirs], step
-        for a, b in zip(mine, theirs):
-            assert (a.samples, a.finished, a.prompt_logprobs, a.num_generated_tokens) == \
-                (b.samples, b.finished, b.prompt_logprobs, b.num_generated_tokens), (step, a.request_id)
-            assert (a.metrics is None) == (b.metrics is None), (step, a.request_id)
-            if a.metrics is not None:
-                untimed = lambda m: {k: v for k, v in dataclasses.asdict(m).items() if k not in clocks}
-                assert untimed(a.metrics) == untimed(b.metrics)
-    finishes = {d.request_id: s.finish_reason for step in direct for d in step for s in d.samples
-                if s.finish_reason}
-    assert finishes["aborted"] == "abort" and finishes["greedy"] in ("stop", "length")
+    expected = _outputs(llm, requests, abort)
+    got = _deltas(llm, requests, abort)
+    assert len(got) == len(expected) > 20
+    accumulators = {rid: OutputAccumulator(rid, None, prompt) for rid, (prompt, _) in requests.items()}
+    num_finished = {rid: 0 for rid in requests}
+    last = {}
+    for step, (outputs, deltas) in enumerate(zip(expected, got)):
+        assert [o.request_id for o in outputs] == [d.request_id for d in deltas], step
+        for output, delta in zip(outputs, deltas):
+            rebuilt = accumulators[output.request_id].add(delta)
+            assert rebuilt.finished == output.finished
+            assert rebuilt.prompt_logprobs == output.prompt_logprobs
+            assert _untimed(rebuilt.metrics) == _untimed(output.metrics), (step, output.request_id)
+            engine_samples = sorted(output.outputs, key=lambda c: c.index)
+            assert [c.index for c in rebuilt.outputs] == [c.index for c in engine_samples]
+            for mine, theirs in zip(rebuilt.outputs, engine_samples):
+                for name in FIELDS:
+                    assert getattr(mine, name) == getattr(theirs, name), (step, output.request_id, name)
+                num_finished[output.request_id] += mine.is_newly_finished
+            last[output.request_id] = rebuilt
+    assert num_finished == {"greedy": 1, "n3": 3, "stop": 1, "beam": 2, "plain": 1, "aborted": 1}
+    assert len(last["n3"].outputs) == 3 and all(len(c.logprobs) == len(c.token_ids) for c in last["n3"].outputs)
+    assert len(last["greedy"].prompt_logprobs) == len(requests["greedy"][0])
+    assert last["aborted"].outputs[0].finish_reason == "abort"
+
+
+def test_a_stream_interval_sends_fewer_larger_rows_and_the_same_outputs(llm):
+    """With ``stream_interval`` 4 a sample's first token goes out at once, then its tokens in
+    fours, its last ones with its finish: fewer deltas, each rebuilt output the same at the end."""
+    requests = {"greedy": MIXED_REQUESTS["greedy"], "n3": MIXED_REQUESTS["n3"],
+                "plain": (list(range(60, 64)), SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True))}
+    every = _deltas(llm, requests)
+    processor = llm.engine.output_processor
+    processor.stream_interval = 4
+    try:
+        fours = _deltas(llm, requests)
+    finally:
+        processor.stream_interval = 1
+    for rid, (prompt, _) in requests.items():
+        runs = [[d for step in steps for d in step if d.request_id == rid] for steps in (every, fours)]
+        finals = []
+        for run in runs:
+            accumulator = OutputAccumulator(rid, None, prompt)
+            finals.append([accumulator.add(d) for d in run][-1])
+        assert [(c.token_ids, c.text, c.logprobs, c.finish_reason) for c in finals[0].outputs] == \
+            [(c.token_ids, c.text, c.logprobs, c.finish_reason) for c in finals[1].outputs], rid
+        assert len(runs[1]) < len(runs[0]) / 2, rid
+        for index in {s.index for d in runs[1] for s in d.samples}:
+            sizes = [len(s.token_ids) for d in runs[1] for s in d.samples if s.index == index]
+            assert sizes[0] == 1 and all(size == 4 for size in sizes[1:-1]) and 1 <= sizes[-1] <= 4, (rid, sizes)
 
 
 def test_text_decoded_by_the_handle_equals_the_workers(llm):
@@ -173,9 +194,9 @@ def test_text_decoded_by_the_handle_equals_the_workers(llm):
     for rid in ("stop_id", "kept"):
         requests[rid] = (requests[rid][0], dataclasses.replace(requests[rid][1], stop_token_ids=[stop_id]))
     abort = (6, "aborted")
-    worker = _step_deltas(llm, requests, direct=True, abort=abort)
+    worker = _deltas(llm, requests, abort)
     undecoded = {rid: (prompt, dataclasses.replace(params, detokenize=False)) for rid, (prompt, params) in requests.items()}
-    tokens_only = _step_deltas(llm, undecoded, direct=True, abort=abort)
+    tokens_only = _deltas(llm, undecoded, abort)
     assert all(s.text == "" for step in tokens_only for d in step for s in d.samples)
     finishes = {d.request_id: s.finish_reason for step in worker for d in step for s in d.samples if s.finish_reason}
     assert finishes == {"n3": "length", "stop_id": "stop", "kept": "stop", "eos": "stop", "grammar": "stop",
@@ -206,110 +227,128 @@ def test_text_decoded_by_the_handle_equals_the_workers(llm):
         DeltaTextDecoder(engine.tokenizer, [5], SamplingParams(stop=["x"]), [eos])
 
 
-def test_merged_runs_of_deltas_rebuild_the_same_outputs(llm):
-    """A worker whose stream falls behind the engine sends the deltas made since its last
-    message as one (``merge_deltas``): any grouping of a request's deltas rebuilds the same
+def test_merged_batches_and_merged_deltas_rebuild_the_same_outputs(llm):
+    """A handle behind the engine gets several steps' batches in one message, and may merge a
+    request's deltas (``StreamBatch.merge``, ``merge_deltas``): any grouping rebuilds the same
     cumulative output (tokens, text, logprobs, running totals, finishes, prompt logprobs)."""
     requests = MIXED_REQUESTS
-    deltas: dict[str, list[OutputDelta]] = {rid: [] for rid in requests}
     finals = {}
-    for output, delta in _run(llm, requests):
-        deltas[output.request_id].append(delta)
-        if output.finished:
-            finals[output.request_id] = output
-    before = pickle.dumps(deltas)
-    for rid, run in deltas.items():
-        for group in (1, 2, 3, 7, len(run)):
-            accumulator = OutputAccumulator(rid, None, requests[rid][0])
-            merged = [merge_deltas(run[i:i + group]) for i in range(0, len(run), group)]
-            rebuilt = [accumulator.add(pickle.loads(pickle.dumps(m, protocol=5))) for m in merged][-1]
-            final = finals[rid]
-            assert rebuilt.finished and rebuilt.prompt_logprobs == final.prompt_logprobs, (rid, group)
-            assert rebuilt.metrics == final.metrics
-            for mine, theirs in zip(rebuilt.outputs, sorted(final.outputs, key=lambda c: c.index), strict=True):
-                for name in ("index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason",
-                             "stop_reason"):
-                    assert getattr(mine, name) == getattr(theirs, name), (rid, group, name)
-    assert pickle.dumps(deltas) == before and len(deltas["greedy"]) > 20  # nothing merged in place
-    assert merge_deltas(deltas["greedy"][:1]) is deltas["greedy"][0]
+    for step in _outputs(llm, requests):
+        for output in step:
+            if output.finished:
+                finals[output.request_id] = output
+    for merge in (1, 2, 3, 7):
+        steps = _deltas(llm, requests, merge=merge)
+        for rid, (prompt, _) in requests.items():
+            run = [d for step in steps for d in step if d.request_id == rid]
+            for group in (1, 2, len(run)):
+                accumulator = OutputAccumulator(rid, None, prompt)
+                merged = [merge_deltas(run[i:i + group]) for i in range(0, len(run), group)]
+                rebuilt = [accumulator.add(pickle.loads(pickle.dumps(m, protocol=5))) for m in merged][-1]
+                final = finals[rid]
+                assert rebuilt.finished and rebuilt.prompt_logprobs == final.prompt_logprobs, (rid, merge, group)
+                assert _untimed(rebuilt.metrics) == _untimed(final.metrics), (rid, merge, group)
+                for mine, theirs in zip(rebuilt.outputs, sorted(final.outputs, key=lambda c: c.index), strict=True):
+                    for name in ("index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason",
+                                 "stop_reason"):
+                        assert getattr(mine, name) == getattr(theirs, name), (rid, merge, group, name)
+        if merge == 1:
+            assert len([d for step in steps for d in step if d.request_id == "greedy"]) > 20
 
 
 def test_a_delta_carries_only_news(llm):
-    params = SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=12, logprobs=1)
-    for output, delta in _run(llm, {"news": (list(range(3, 20)), params)}):
-        by_index = {c.index: c for c in output.outputs}
-        for sample in delta.samples:
-            completion = by_index[sample.index]
-            assert sample.token_ids == completion.delta_token_ids
-            assert sample.logprobs == completion.delta_logprobs
-        quiet = {c.index for c in output.outputs
-                 if not (c.delta_token_ids or c.delta_text or c.is_newly_finished)}
-        assert quiet.isdisjoint(s.index for s in delta.samples)
+    requests = {"news": (list(range(3, 20)), SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=12,
+                                                            logprobs=1))}
+    for outputs, deltas in zip(_outputs(llm, requests), _deltas(llm, requests), strict=True):
+        for output, delta in zip(outputs, deltas, strict=True):
+            by_index = {c.index: c for c in output.outputs}
+            for sample in delta.samples:
+                completion = by_index[sample.index]
+                assert sample.token_ids == completion.delta_token_ids
+                assert sample.logprobs == completion.delta_logprobs
+            quiet = {c.index for c in output.outputs
+                     if not (c.delta_token_ids or c.delta_text or c.is_newly_finished)}
+            assert quiet.isdisjoint(s.index for s in delta.samples)
 
 
 def test_metrics_travel_when_a_milestone_changes_and_at_the_end(llm):
-    """A delta carries the request's metrics on its first output, when a milestone changes and at
-    its end; the others carry only the generated-token count, and the rebuilt outputs' metrics
-    still equal the engine's at every output (``test_accumulated_outputs_equal_the_engines``)."""
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    carried, sizes = [], {True: [], False: []}
-    accumulator = OutputAccumulator("m", None, list(range(3, 11)))
-    for output, delta in _run(llm, {"m": (list(range(3, 11)), params)}):
-        carried.append(delta.metrics is not None)
-        sizes[delta.metrics is not None].append(len(pickle.dumps(delta, protocol=5)))
-        rebuilt = accumulator.add(delta)
-        assert rebuilt.metrics == output.metrics
-        assert rebuilt.metrics.num_generated_tokens == delta.num_generated_tokens == len(output.outputs[0].token_ids)
+    """A request's metrics go out on its first output, when a milestone changes and at its
+    end; the rebuilt outputs' metrics still equal the engine's at every output, the token count
+    included (the handle counts the tokens between)."""
+    requests = {"m": (list(range(3, 11)), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))}
+    carried = []
+    accumulator = OutputAccumulator("m", None, requests["m"][0])
+    for outputs, deltas in zip(_outputs(llm, requests), _deltas(llm, requests), strict=True):
+        for output, delta in zip(outputs, deltas, strict=True):
+            carried.append(delta.metrics is not None)
+            rebuilt = accumulator.add(delta)
+            assert _untimed(rebuilt.metrics) == _untimed(output.metrics)
+            assert rebuilt.metrics.num_generated_tokens == len(output.outputs[0].token_ids)
     assert carried[0] and carried[-1] and sum(carried) <= 3 and len(carried) >= 40, carried
-    assert max(sizes[False]) < min(sizes[True]) / 1.5
-    llm.engine.check_integrity()
-    assert llm.engine.num_used_blocks() == 0
 
 
 def test_bytes_per_streamed_token_do_not_grow_with_the_sequence(llm):
+    """A one-token row packs in a few bytes whatever the position; the cumulative output grows."""
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True, logprobs=2)
-    delta_sizes, cumulative_sizes = [], []
-    for output, delta in _run(llm, {"long": (list(range(3, 11)), params)}):
-        if output.finished:
-            break
-        delta_sizes.append(len(pickle.dumps(delta, protocol=5)))
-        cumulative_sizes.append(len(pickle.dumps(output, protocol=5)))
-    assert len(delta_sizes) > 350
-    # Integers pickle in 1, 2 or 4 bytes: a delta may vary by a few bytes, never with the length.
-    assert max(delta_sizes[10:]) - min(delta_sizes[10:]) <= 16
-    assert cumulative_sizes[-1] > 10 * cumulative_sizes[10]
+    engine = llm.engine
+    engine.add_request("long", None, params, prompt_token_ids=list(range(3, 11)), stream_target=StreamTarget("c", 7))
+    batch_sizes = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        batch_sizes += [len(b.pack()) for b in engine.output_processor.take_batches().values()]
+    _finish(engine)
+    cumulative_sizes = [len(pickle.dumps(o, protocol=5)) for step in _outputs(llm, {"long": (list(range(3, 11)), params)})
+                        for o in step]
+    assert len(batch_sizes) > 350
+    # Integers pack in 1 to 5 bytes (a row and its three logprob entries' ids): a batch varies by
+    # a few bytes with the values, never with the length.
+    assert max(batch_sizes[10:-1]) - min(batch_sizes[10:-1]) <= 32
+    assert abs(sum(batch_sizes[-51:-1]) - sum(batch_sizes[10:60])) / 50 <= 4
+    assert cumulative_sizes[-2] > 10 * cumulative_sizes[10]
 
 
-def test_a_message_arrives_as_it_was_sent_and_smaller_than_its_items_pickled_as_they_are():
-    """A ``ChannelMessage`` pickles its deltas as tuples: every field of every delta and its
-    samples (logprobs, metrics, prompt logprobs, finishes) arrives, other items arrive as they
-    are, in order, and the message takes fewer bytes than a list of the same items."""
-    from ray import cloudpickle
-
+def test_a_batch_arrives_as_it_was_packed():
+    """Every column survives packing (rows of several samples and token counts, texts, logprobs,
+    finishes, metrics, prompt logprobs, ends, errors), and reads back as the deltas it says."""
     metrics = RequestMetrics(1.5, first_token_time=2.0, num_prompt_tokens=7)
     logprobs = [SampleLogprobs(9, -0.5, [(9, -0.5), (4, -1.25)])]
-    message = ChannelMessage([
-        ("a", OutputDelta("a", [SampleDelta(0, [9], "x", logprobs, -0.5)], False, metrics,
-                          [None, SampleLogprobs(3, -2.0)], 1)),
-        ("b", OutputDelta("b~2", [SampleDelta(1, [4, 5], "yz", None, None, "stop", "z"),
-                                  SampleDelta(0, [], "", None, None, "length", None)], True, None, None, 30)),
-        ("c", Migrated("c", "worker-1", ("held", "c"))),
-        ("a", OutputDelta("a", [], False, None)),
-        ("d", ValueError("the engine loop failed")),
-    ])
-    received = _sent(message)
-    assert received[:4] == message[:4]
-    assert received[4][0] == "d" and type(received[4][1]) is ValueError
-    assert received[4][1].args == ("the engine loop failed",)
-    assert received[0][1].samples[0].logprobs == logprobs and received[0][1].metrics == metrics
-    assert len(cloudpickle.dumps(message, protocol=5)) < len(cloudpickle.dumps(list(message), protocol=5))
-    assert _sent(ChannelMessage()) == []
-    # The wire form lists the fields by name, in this order: a field added to either class must be
-    # added to ``ChannelMessage.__reduce__`` and ``_channel_message`` too.
-    assert [f.name for f in dataclasses.fields(SampleDelta)] == [
-        "index", "token_ids", "text", "logprobs", "cumulative_logprob", "finish_reason", "stop_reason"]
-    assert [f.name for f in dataclasses.fields(OutputDelta)] == [
-        "request_id", "samples", "finished", "metrics", "prompt_logprobs", "num_generated_tokens"]
+    batch = StreamBatch()
+    row = batch.add(3, 0, [9])
+    batch.texts.append((row, "x"))
+    batch.logprobs.append((row, pack_logprobs(logprobs), -0.5))
+    batch.metrics.append((3, pack_metrics(metrics)))
+    batch.prompt_logprobs.append((3, [None, pack_logprobs([SampleLogprobs(3, -2.0)])[0]]))
+    row = batch.add(5, 1, [4, 5])
+    batch.texts.append((row, "yz"))
+    batch.finishes.append((row, "stop", "z"))
+    row = batch.add(5, 0, [])
+    batch.finishes.append((row, "length", None))
+    batch.end(5, 30)
+    batch.add(3, 0, [11])
+    batch.add_error(8, ValueError("the prompt is empty"))
+    batch.add_error(9, EngineDeadError("the engine loop failed"), "e1")
+    received = StreamBatch.unpack(batch.pack())
+    import msgpack
+
+    for name in StreamBatch.__slots__:   # tuples come back as lists
+        assert getattr(received, name) == msgpack.unpackb(msgpack.packb(getattr(batch, name))), name
+    items = dict(deltas_from_batch(received))
+    assert items[3] == OutputDelta("", [SampleDelta(0, [9, 11], "x", logprobs, -0.5)], False, metrics,
+                                   [None, SampleLogprobs(3, -2.0)], None)
+    assert items[5] == OutputDelta("", [SampleDelta(1, [4, 5], "yz", None, None, "stop", "z"),
+                                        SampleDelta(0, [], "", None, None, "length", None)], True, None, None, 30)
+    assert type(items[8]) is ValueError and items[8].args == ("the prompt is empty",)
+    assert isinstance(items[9], EngineDeadError) and items[9].engine_id == "e1"
+    plain = StreamBatch()
+    for key in range(4):
+        plain.add(key, 0, [key + 100])
+    assert msgpack_fields(plain) == [[0, 1, 2, 3], None, None, [100, 101, 102, 103]] + [None] * 7
+
+
+def msgpack_fields(batch: StreamBatch) -> list:
+    import msgpack
+
+    return msgpack.unpackb(batch.pack())
 
 
 def test_resumed_and_restarted_requests_keep_one_output():

@@ -26,7 +26,7 @@ from typing import Any
 
 from pagedserve.workers.offline.chat_template import ChatTemplateError, render_conversation, template_message
 from pagedserve.workers.process.gc_heap import GCPauses
-from pagedserve.workers.engine.request import RequestOutput
+from pagedserve.workers.outputs.request_output import RequestOutput
 from pagedserve.workers.sample.sampling_params import SamplingParams, StructuredOutputsParams
 
 from ..config import ServerConfig

@@ -21,7 +21,7 @@ import grpc
 from google.protobuf.message import Message
 from pydantic import ValidationError
 
-from pagedserve.workers.engine.request import RequestOutput, SampleLogprobs
+from pagedserve.workers.outputs.request_output import RequestOutput, SampleLogprobs
 
 from ..protos import pagedserve_pb2 as pb
 from .auth import client_key

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pagedserve.workers.outputs.detokenizer import IncrementalDetokenizer, TokenBytes
-from pagedserve.workers.engine.request import SampleLogprobs
+from pagedserve.workers.outputs.request_output import SampleLogprobs
 
 from .protocol import ChoiceLogprobs, CompletionLogprobs, PromptLogprob, TokenLogprob, TopLogprob
 

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pagedserve.tool_parsers import ParserDelta, ToolParser, constrained_parser, get_tool_parser
-from pagedserve.workers.engine.request import CompletionOutput, RequestOutput
+from pagedserve.workers.outputs.request_output import CompletionOutput, RequestOutput
 from pagedserve.workers.sample.sampling_params import SamplingParams
 
 from .errors import APIError

@@ -19,7 +19,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from pagedserve.workers.engine.request import CompletionOutput, RequestOutput
+from pagedserve.workers.outputs.request_output import CompletionOutput, RequestOutput
 from pagedserve.workers.sample.sampling_params import SamplingParams
 
 from .errors import APIError

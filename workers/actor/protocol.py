@@ -1,17 +1,18 @@
 """The handle <-> worker protocol: typed messages across the actor boundary.
 
-A request goes to a worker as a ``GenerateRequest``. The worker sends back
-``OutputDelta``s, one per request per message of its output channel
-(``output_channel``: one message per engine step for all of a handle's
-requests): only what is new (token ids, text, logprobs, a sample's finish
-the first time it is seen, and the request's metrics when a milestone moved),
-so the bytes per streamed token stay the same however long the sequence
-grows. Control messages are separate types: ``Migrated`` ends a request the
-KV manager moved to another worker. A request whose worker's engine loop
-ended (failed or shut down) ends with ``EngineDeadError``.
+A request goes to a worker as a ``GenerateRequest``, under a key its handle chose for it on
+that worker's output channel. The worker's channel message (``ChannelMessage``, one per
+engine step for all of a handle's requests, or several steps' when the handle fell behind) is
+a list of packed ``StreamBatch``es, the engine core's bytes forwarded unopened, and control
+items: ``Migrated`` ends a request the KV manager moved to another worker. Only what is new
+travels (token ids, text where the worker decodes it, logprobs, a sample's finish the first
+time, the request's metrics when a milestone moved), so the bytes per streamed token stay the
+same however long the sequence grows. A channel whose worker's engine loop ended (failed or
+shut down) ends with ``EngineDeadError``.
 
-The cumulative view an API needs (non-streaming bodies, n > 1, resuming
-after a failure) is rebuilt from the deltas by ``accumulator.OutputAccumulator``.
+``deltas_from_batch`` reads a batch as one ``OutputDelta`` per request; the cumulative view an
+API needs (non-streaming bodies, n > 1, resuming after a failure) is rebuilt from the deltas by
+``accumulator.OutputAccumulator``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from ..engine.request import RequestMetrics, RequestOutput, SampleLogprobs
+from ..outputs.request_output import RequestMetrics, SampleLogprobs
+from ..outputs.stream_batch import StreamBatch, unpack_logprobs, unpack_metrics
 from ..sample.sampling_params import SamplingParams
 
 
@@ -45,6 +47,8 @@ class GenerateRequest:
     own outputs (``max_tokens``, penalties, seeded draws, grammar, text).
     ``kv`` (a list holding one ObjectRef of a KV transfer, nested so the worker
     times its fetch) brings their KV along; without it they are recomputed.
+    ``key`` names the request in its channel's batches (the handle's choice, unique
+    among the requests it has on that channel).
     """
 
     request_id: str
@@ -54,6 +58,7 @@ class GenerateRequest:
     prompt: str | None = None
     kv: list | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    key: int = 0
 
 
 @dataclass
@@ -74,10 +79,10 @@ class OutputDelta:
     """One streamed step of a request: its samples with news, and its metrics so far.
 
     ``metrics`` come on the first delta, the last, and any delta where a milestone
-    changed (``milestones``: scheduled, first token, cached tokens, preemptions, KV
-    transfer); otherwise None, and ``num_generated_tokens`` alone brings the one
-    figure that changes every step. ``prompt_logprobs`` comes once, on the delta
-    where they are all computed.
+    changed (``stream_batch.milestones``: scheduled, first token, cached tokens,
+    preemptions, KV transfer); otherwise None. ``num_generated_tokens`` is the
+    request's count on its last delta; None on the others (the reader counts the
+    tokens). ``prompt_logprobs`` comes once, on the delta where they are all computed.
     """
 
     request_id: str
@@ -85,13 +90,7 @@ class OutputDelta:
     finished: bool
     metrics: RequestMetrics | None
     prompt_logprobs: list[SampleLogprobs | None] | None = None
-    num_generated_tokens: int = 0
-
-
-def milestones(metrics: RequestMetrics) -> tuple:
-    """What of a request's metrics the handle needs as soon as it changes."""
-    return (metrics.first_scheduled_time, metrics.first_token_time, metrics.num_cached_tokens,
-            metrics.num_preemptions, metrics.kv_transfer_bytes, metrics.kv_transfer_s, metrics.kv_memcpy_s)
+    num_generated_tokens: int | None = None
 
 
 def merge_deltas(deltas: list[OutputDelta]) -> OutputDelta:
@@ -107,12 +106,7 @@ def merge_deltas(deltas: list[OutputDelta]) -> OutputDelta:
             if seen is None:
                 samples[news.index] = dataclasses.replace(news, token_ids=list(news.token_ids))
                 continue
-            seen.token_ids.extend(news.token_ids)
-            seen.text += news.text
-            if news.logprobs is not None:
-                seen.logprobs = [*(seen.logprobs or []), *news.logprobs]
-            seen.cumulative_logprob = news.cumulative_logprob
-            seen.finish_reason, seen.stop_reason = news.finish_reason, news.stop_reason
+            _join(seen, news)
     prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
     metrics = next((d.metrics for d in reversed(deltas) if d.metrics is not None), None)
     last = deltas[-1]
@@ -135,89 +129,63 @@ class Migrated:
 
 
 ChannelItem = OutputDelta | Migrated | BaseException
+# A channel message: the engine core's packed batches and control items, in order.
+ChannelMessage = list
 
 
-class ChannelMessage(list):
-    """One message of an output channel: ``(request id, item)`` pairs, each request's in the
-    order it made them.
-
-    Pickled compactly: each ``OutputDelta`` travels as a tuple of its fields, its samples as
-    tuples of theirs, and is rebuilt on arrival; other items travel as they are. A message
-    carries one delta per streaming request per engine step, and Ray's pickler makes a Python
-    call per dataclass instance it meets (two per delta), where tuples, lists, strings and
-    numbers are pickled in C.
-    """
-
-    __slots__ = ()
-
-    def __reduce__(self):
-        wire = []
-        for request_id, item in self:
-            if type(item) is OutputDelta:
-                wire.append((request_id, item.request_id,
-                             [(s.index, s.token_ids, s.text, s.logprobs, s.cumulative_logprob, s.finish_reason,
-                               s.stop_reason) for s in item.samples],
-                             item.finished, item.metrics, item.prompt_logprobs, item.num_generated_tokens))
-            else:
-                wire.append((request_id, item))
-        return _channel_message, (wire,)
+def error_from_batch(kind: str, message: str, engine_id: str | None) -> BaseException:
+    """A request's error as the engine core named it, rebuilt as its own type where it is a
+    common one (a refused request's ValueError, a dead engine's EngineDeadError)."""
+    if kind == "EngineDeadError" or kind == "CoreDead":
+        return EngineDeadError(message, engine_id)
+    known = {"ValueError": ValueError, "TypeError": TypeError, "KVTransferError": ValueError}
+    return known[kind](message) if kind in known else RuntimeError(f"{kind}: {message}")
 
 
-def _channel_message(wire: list[tuple]) -> ChannelMessage:
-    message = ChannelMessage()
-    append = message.append
-    for entry in wire:
-        if len(entry) == 2:
-            append(entry)
-            continue
-        request_id, delta_id, samples, finished, metrics, prompt_logprobs, num_generated_tokens = entry
-        append((request_id, OutputDelta(delta_id, [SampleDelta(*sample) for sample in samples], finished, metrics,
-                                        prompt_logprobs, num_generated_tokens)))
-    return message
+def deltas_from_batch(batch: StreamBatch) -> list[tuple[int, OutputDelta | BaseException]]:
+    """A batch's news as ``(key, item)`` pairs in the order the requests first appear: one
+    ``OutputDelta`` per request (a sample's rows joined), or the error that ended it."""
+    starts = batch.starts()
+    keys, indexes, token_ids = batch.keys, batch.indexes, batch.token_ids
+    texts = dict(batch.texts) if batch.texts else None
+    logprobs = {row: (packed, cumulative) for row, packed, cumulative in batch.logprobs} if batch.logprobs else None
+    finishes = {row: (reason, stop) for row, reason, stop in batch.finishes} if batch.finishes else None
+    samples: dict[int, dict[int, SampleDelta]] = {}
+    for row, key in enumerate(keys):
+        index = 0 if indexes is None else indexes[row]
+        news = SampleDelta(index, token_ids[starts[row]:starts[row + 1]], texts.get(row, "") if texts else "")
+        if logprobs is not None and row in logprobs:
+            packed, news.cumulative_logprob = logprobs[row]
+            news.logprobs = None if packed is None else unpack_logprobs(packed)
+        if finishes is not None and row in finishes:
+            news.finish_reason, news.stop_reason = finishes[row]
+        by_index = samples.setdefault(key, {})
+        seen = by_index.get(index)
+        if seen is None:
+            by_index[index] = news
+        else:
+            _join(seen, news)
+    metrics = {key: unpack_metrics(packed) for key, packed in batch.metrics}
+    prompt_logprobs = {key: [None if entry is None else unpack_logprobs([entry])[0] for entry in packed]
+                       for key, packed in batch.prompt_logprobs}
+    ends = dict(batch.ends)
+    items: list[tuple[int, OutputDelta | BaseException]] = []
+    for key in dict.fromkeys([*samples, *metrics, *prompt_logprobs, *ends]):
+        items.append((key, OutputDelta("", list(samples.get(key, {}).values()), key in ends, metrics.get(key),
+                                       prompt_logprobs.get(key), ends.get(key))))
+    items.extend((key, error_from_batch(kind, message, engine_id)) for key, kind, message, engine_id in batch.errors)
+    return items
 
 
-class DeltaEncoder:
-    """Makes one request's ``OutputDelta``s (one encoder per stream), from its engine outputs
-    (``encode``) or, for a request the engine was handed the encoder with, from its samples'
-    news directly (``delta``: the output processor's, without a ``RequestOutput`` between).
-
-    A sample is included when it has new tokens or text, or reports its finish
-    for the first time; the prompt logprobs go out once; the metrics when a
-    milestone changed, and on the last delta (pickled, they were half of a
-    one-token delta's bytes and of its cost to send and to read).
-    """
-
-    __slots__ = ("_sent_prompt_logprobs", "_sent_milestones")
-
-    def __init__(self) -> None:
-        self._sent_prompt_logprobs = False
-        self._sent_milestones: tuple | None = None
-
-    def encode(self, output: RequestOutput) -> OutputDelta:
-        samples = [SampleDelta(c.index, list(c.delta_token_ids), c.delta_text, c.delta_logprobs,
-                               c.cumulative_logprob, c.finish_reason, c.stop_reason)
-                   for c in output.outputs if c.delta_token_ids or c.delta_text or c.is_newly_finished]
-        return self.delta(output.request_id, samples, output.finished, output.metrics, output.prompt_logprobs)
-
-    def delta(self, request_id: str, samples: list[SampleDelta], finished: bool, metrics: RequestMetrics | None,
-              prompt_logprobs: list[SampleLogprobs | None] | None) -> OutputDelta:
-        """The delta of ``samples`` (the samples with news): the prompt logprobs if these are
-        the first complete ones, the metrics if a milestone moved or the request finished."""
-        if prompt_logprobs is not None:
-            if self._sent_prompt_logprobs:
-                prompt_logprobs = None
-            else:
-                self._sent_prompt_logprobs = True
-        num_generated_tokens = 0
-        if metrics is not None:
-            num_generated_tokens = metrics.num_generated_tokens
-            now = milestones(metrics)
-            if now == self._sent_milestones and not finished:
-                metrics = None
-            else:
-                self._sent_milestones = now
-        return OutputDelta(request_id, samples, finished, metrics, prompt_logprobs, num_generated_tokens)
+def _join(seen: SampleDelta, news: SampleDelta) -> None:
+    seen.token_ids.extend(news.token_ids)
+    seen.text += news.text
+    if news.logprobs is not None:
+        seen.logprobs = [*(seen.logprobs or []), *news.logprobs]
+    if news.cumulative_logprob is not None:
+        seen.cumulative_logprob = news.cumulative_logprob
+    seen.finish_reason, seen.stop_reason = news.finish_reason, news.stop_reason
 
 
-__all__ = ["ChannelItem", "ChannelMessage", "DeltaEncoder", "GenerateRequest", "Migrated", "OutputDelta",
-           "SampleDelta", "merge_deltas"]
+__all__ = ["ChannelItem", "ChannelMessage", "EngineDeadError", "GenerateRequest", "Migrated", "OutputDelta",
+           "SampleDelta", "deltas_from_batch", "error_from_batch", "merge_deltas"]

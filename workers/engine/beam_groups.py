@@ -43,7 +43,8 @@ import torch
 from ..sample.beam_search import BeamSearch, Hypothesis
 from ..outputs.detokenizer import StreamingDetokenizer
 from ..model.input_batch import InputBatch
-from .request import CompletionOutput, Request, RequestOutput, Sequence
+from .request import Request, Sequence
+from ..outputs.request_output import CompletionOutput, RequestOutput
 from .scheduler import Scheduler
 
 # ``new_sequence(request, sample_index, token_ids)``: a sequence of ``request``
@@ -112,10 +113,10 @@ class BeamGroups:
         request.beam_group = BeamGroup(search, [beam], {seq.seq_id: beam})
 
     # ---- a step ----------------------------------------------------------------------------
-    def advance(self, seqs: list[Sequence], logits: torch.Tensor) -> list[RequestOutput]:
+    def advance(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[Request, RequestOutput]]:
         """Take the next-token logits of beams (``logits[i]`` is ``seqs[i]``'s); step each
         group whose live beams all have theirs, park the computed beams of the others.
-        Returns the outputs of the requests that finished."""
+        Returns the requests that finished, each with its output."""
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         groups: dict[int, tuple[Request, BeamGroup]] = {}
         for i, seq in enumerate(seqs):
@@ -128,7 +129,7 @@ class BeamGroups:
             if not group.is_ready:
                 self._park_computed(request, group)
             elif self._step(request, group):
-                outputs.append(self._finish(request, group))
+                outputs.append((request, self._finish(request, group)))
         return outputs
 
     def _step(self, request: Request, group: BeamGroup) -> bool:

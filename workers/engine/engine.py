@@ -26,11 +26,12 @@ from ..model.input_batch import InputBatch
 from .kv_transfer import KVTransfer, check_compatible, export_kv, import_kv, read_header
 from ..model.model_input import TokenScores
 from ..outputs.output_processor import OUTPUT_KINDS, EngineStep, OutputProcessor, new_stream
+from ..outputs.stream_batch import StreamTarget
 from ..sample.per_row_features import PerRowFeatures, bad_word_token_ids
 from .prepared_step import prepare_step
-from ..actor.protocol import DeltaEncoder
-from .request import Request, RequestOutput, SampleLogprobs, Sequence
-from ..model.runners import build_runner
+from .request import Request, Sequence
+from ..outputs.request_output import RequestOutput, SampleLogprobs
+from .runners import build_runner
 from ..sample.sampled_step import TokenReadback
 from ..sample.sampler import Sampler
 from ..sample.sampling_pipeline import SamplingPipeline
@@ -50,16 +51,17 @@ class LLMEngine:
     the requests that produced tokens or finished. ``kv_manager`` defaults to
     a plain ``KVManager``; a cluster worker passes its ``LocalKVManager``
     (same code, plus KV events for the central manager). ``step_hooks`` run
-    after every step, on the engine's thread (a worker publishes events there).
+    after every step, on the engine's thread. ``rank_launcher`` starts a tensor-parallel
+    group's other ranks (default: as ``distributed_executor_backend`` says).
     """
 
     def __init__(self, config: EngineConfig, worker_id: str = "local",
-                 kv_manager: KVManager | None = None, role: str = "mixed") -> None:
+                 kv_manager: KVManager | None = None, role: str = "mixed", rank_launcher=None) -> None:
         from transformers import AutoTokenizer
 
         self.config = config
         self.worker_id = worker_id
-        self.runner = build_runner(config)
+        self.runner = build_runner(config, rank_launcher)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model,
                                                        trust_remote_code=config.trust_remote_code)
         max_len = config.max_model_len or self.runner.max_context_len
@@ -88,7 +90,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_manager.step, worker_id, config.max_num_seqs,
                                    self.max_num_batched_tokens, config.scheduling_policy)
         self.batch = InputBatch(self.runner.block_tables, self.eos_token_ids, max_len)
-        self.output_processor = OutputProcessor()
+        self.output_processor = OutputProcessor(config.stream_interval)
         self.beam_groups = BeamGroups(self.scheduler, self.batch, self._new_sequence,
                                       lambda request: self.requests.pop(request.request_id, None),
                                       self.tokenizer, self.eos_token_ids, max_len)
@@ -207,7 +209,7 @@ class LLMEngine:
                     arrival_time: float | None = None, export_kv: bool = False,
                     kv_transfer: KVTransfer | None = None,
                     output_token_ids: list[int] | None = None, output_kind: str = "stream",
-                    delta_encoder: DeltaEncoder | None = None) -> Request:
+                    stream_target: StreamTarget | None = None) -> Request:
         """Validate and queue a request. Raises ValueError, changing nothing, if it is bad.
 
         Disaggregated serving: ``export_kv`` keeps a copy of the prompt's KV
@@ -215,15 +217,14 @@ class LLMEngine:
         with ``kv_transfer`` continues one prefilled elsewhere, whose
         ``output_token_ids`` were already sampled there. ``output_kind``
         "stream" returns an output at every step that has news for the
-        request; "final" only its last one. With ``delta_encoder`` (streams only),
-        the outputs are the ``OutputDelta``s it makes from the news, built
-        directly (an output channel's requests); a migration's last output and
-        a beam search's outputs are ``RequestOutput``s, for that encoder to encode.
+        request; "final" only its last one. With ``stream_target`` (streams only: an
+        output channel's request, in the engine core), the request's news goes into its
+        channel's ``StreamBatch`` rows instead of outputs (``OutputProcessor``).
         """
         request = self.make_request(request_id, prompt, params, priority, prompt_token_ids,
                                     arrival_time=arrival_time, export_kv=export_kv,
                                     kv_transfer=kv_transfer, output_token_ids=output_token_ids,
-                                    output_kind=output_kind, delta_encoder=delta_encoder)
+                                    output_kind=output_kind, stream_target=stream_target)
         self.admit(request)
         return request
 
@@ -233,7 +234,7 @@ class LLMEngine:
                      arrival_time: float | None = None, export_kv: bool = False,
                      kv_transfer: KVTransfer | None = None,
                      output_token_ids: list[int] | None = None, output_kind: str = "stream",
-                     delta_encoder: DeltaEncoder | None = None) -> Request:
+                     stream_target: StreamTarget | None = None) -> Request:
         """Validate and build a request (``add_request``'s arguments) without queueing it.
 
         Reads only what never changes after start-up (tokenizer, model limits,
@@ -250,8 +251,8 @@ class LLMEngine:
             raise TypeError(f"priority must be an int, got {priority!r}")
         if output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {output_kind!r}")
-        if delta_encoder is not None and output_kind != "stream":
-            raise ValueError(f"a delta_encoder makes a stream's deltas; output_kind is {output_kind!r}")
+        if stream_target is not None and output_kind != "stream":
+            raise ValueError(f"a stream target takes a stream's rows; output_kind is {output_kind!r}")
         text, token_ids = self._tokenize(prompt, prompt_token_ids)
         if params.truncate_prompt_tokens is not None:
             keep = params.truncate_prompt_tokens
@@ -294,7 +295,7 @@ class LLMEngine:
         request.grammar = grammar
         request.bad_words_token_ids = bad_words
         request.output_kind = output_kind
-        request.delta_encoder = delta_encoder
+        request.stream_target = stream_target
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
         # Tokens sampled elsewhere were already streamed from there.

@@ -97,6 +97,10 @@ class EngineOptions(BaseModel):
     """Plan and launch step n + 1 before step n's sampled ids are read: they stay on the device
     for n + 1's inputs (vLLM's name). Unset: on with CUDA, off on the CPU (where the forward does
     not run asynchronously, so it gains nothing)."""
+    stream_interval: int = Field(1, ge=1)
+    """A streamed request's tokens go out every this many tokens (vLLM's ``--stream-interval``):
+    fewer, larger chunks for every stream, which cuts the server's cost per token at high
+    concurrency. Its first token and its finish go out at once."""
     cuda_graph_sizes: list[int] | None = None
     """CUDA: the decode batch sizes captured as CUDA graphs (vLLM's name); a decode step runs at
     the smallest size that holds it. Unset: 1, 2, 4, 8, then every 8 up to 256 and every 16

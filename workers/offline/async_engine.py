@@ -32,8 +32,9 @@ from typing import Any, AsyncIterator, Callable, Protocol
 
 from ..engine.engine import EngineConfig, LLMEngine
 from ..outputs.output_processor import EngineStep
-from ..actor.protocol import EngineDeadError, OutputDelta
-from ..engine.request import Request, RequestOutput, Sequence
+from ..actor.protocol import EngineDeadError
+from ..engine.request import Request, Sequence
+from ..outputs.request_output import RequestOutput
 from ..sample.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class _Stop:
 class OutputSink(Protocol):
     """Where a request's outputs go (``AsyncLLMEngine.add_stream``): an ``asyncio.Queue`` fits."""
 
-    def put_nowait(self, item: RequestOutput | OutputDelta | BaseException) -> None: ...
+    def put_nowait(self, item: RequestOutput | BaseException) -> None: ...
 
 
 # Ends the output thread's queue.
@@ -157,8 +158,7 @@ class AsyncLLMEngine:
         """Start a request whose outputs go to ``sink.put_nowait``, called on this event loop in
         step order: each ``RequestOutput``, the last one ``finished``, or the ``EngineDeadError``
         that ends it. Returns its id. A bad request raises here and nothing is queued.
-        ``transfer_options`` are ``LLMEngine.add_request``'s; with its ``delta_encoder`` the
-        outputs are mostly ``OutputDelta``s (an output channel's requests).
+        ``transfer_options`` are ``LLMEngine.add_request``'s.
 
         ``generate`` without a coroutine per request: a caller that serves many requests
         handles each step's outputs in one pass (one wake-up of its loop per step). The caller

@@ -9,7 +9,7 @@ from typing import Sequence
 from ..sample.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from .chat_template import render_conversation, template_message
 from ..engine.engine import EngineConfig, LLMEngine
-from ..engine.request import RequestOutput
+from ..outputs.request_output import RequestOutput
 from ..sample.sampling_params import SamplingParams
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from .detokenizer import DeltaTextDecoder
 from ..actor.protocol import OutputDelta
-from ..engine.request import CompletionOutput, ListPrefix, RequestMetrics, RequestOutput, SampleLogprobs, TextPrefix
+from .request_output import CompletionOutput, ListPrefix, RequestMetrics, RequestOutput, SampleLogprobs, TextPrefix
 
 
 _NO_NEWS = (None, "", False)
@@ -58,6 +58,7 @@ class OutputAccumulator:
         self._samples: dict[int, _Sample] = {}
         self._prompt_logprobs: list[SampleLogprobs | None] | None = None
         self._metrics: RequestMetrics | None = None
+        self._num_generated_tokens = 0
 
     def add(self, delta: OutputDelta) -> RequestOutput:
         news_by_index = {}
@@ -87,9 +88,13 @@ class OutputAccumulator:
             self._prompt_logprobs = delta.prompt_logprobs
         if delta.metrics is not None:
             self._metrics = delta.metrics
+        if delta.num_generated_tokens is not None:   # the worker's count, on a request's last delta
+            self._num_generated_tokens = delta.num_generated_tokens
+        else:
+            self._num_generated_tokens += sum(len(news.token_ids) for news in delta.samples)
         if self._metrics is not None:
             # As the engine's own outputs do, every output of the request shares one metrics object.
-            self._metrics.num_generated_tokens = delta.num_generated_tokens
+            self._metrics.num_generated_tokens = self._num_generated_tokens
         samples = self._samples
         completions = []
         for index in (samples if len(samples) == 1 else sorted(samples)):
@@ -136,6 +141,7 @@ class OutputAccumulator:
         self._samples.clear()
         self._decoders.clear()
         self._prompt_logprobs = None
+        self._num_generated_tokens = 0
 
 
 __all__ = ["OutputAccumulator"]

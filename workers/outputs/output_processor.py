@@ -18,11 +18,11 @@ A request with ``output_kind="final"`` (the offline ``LLM.generate``) and no sto
 strings gets one output, at its end, and its text is decoded then: its tokens
 cost nothing here while it runs.
 
-A request with a ``delta_encoder`` (an output channel's) gets ``OutputDelta``s, the
-wire's form, built here from its samples' news: no ``RequestOutput`` with its
-cumulative views is made for it only to be encoded (measured, 2-3 of the
-5.5-7 us that building and encoding cost a streamed token), but for a
-migration's output and a beam search's (made by the engine).
+A request with a ``stream_target`` (an output channel's, in the engine core) gets no output
+objects at all: its news goes into its channel's ``StreamBatch`` for the step, column by
+column (``batches``), which the core packs and sends as one message per channel. With
+``stream_interval`` N > 1 a sample's tokens go out once N have gathered (its first at once,
+its finish at once), as vLLM's ``--stream-interval``.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import time
 from dataclasses import dataclass, field
 
 from .detokenizer import FINISH_STOP, StreamingDetokenizer
-from ..actor.protocol import OutputDelta, SampleDelta
-from ..engine.request import (CompletionOutput, ListPrefix, Request, RequestOutput, SampleLogprobs, Sequence,
-                      TextPrefix)
+from ..engine.request import Request, Sequence
+from .request_output import CompletionOutput, ListPrefix, RequestOutput, SampleLogprobs, TextPrefix
+from .stream_batch import StreamBatch, StreamTarget, pack_logprobs, pack_metrics
 
 OUTPUT_KINDS = ("stream", "final")
 
@@ -69,21 +69,24 @@ class EngineStep:
     of the steps it read (two with overlapped scheduling when it had to read the running
     step's early; in order), the requests aborted since the last call, the sequences
     migrated (sequence, KV transfer (header, payload), target worker), and the outputs
-    of requests the engine finished with outputs of its own (beam search), passed on as
-    they are."""
+    of requests the engine finished with outputs of its own (beam search), each with its
+    request."""
 
     tokens: list[StepTokens] = field(default_factory=list)
     aborted: list[Request] = field(default_factory=list)
     migrated: list[tuple[Sequence, tuple, str]] = field(default_factory=list)
-    final_outputs: list[RequestOutput] = field(default_factory=list)
+    final_outputs: list[tuple[Request, RequestOutput]] = field(default_factory=list)
 
 
 @dataclass
 class ProcessedStep:
-    """The outputs of one ``EngineStep``, and the sequences stop strings ended."""
+    """The outputs of one ``EngineStep``, the sequences stop strings ended, and the
+    stream-target requests migrated away (request, KV transfer (header, payload), target
+    worker): their last news is in ``OutputProcessor.batches``, without a finish."""
 
-    outputs: list[RequestOutput | OutputDelta]
+    outputs: list[RequestOutput]
     stopped: list[Sequence]
+    migrated: list[tuple[Request, tuple, str]] = field(default_factory=list)
 
 
 class SequenceStream:
@@ -92,6 +95,7 @@ class SequenceStream:
     def __init__(self, text: StreamingDetokenizer | UndecodedText, num_initial_tokens: int) -> None:
         self.text = text
         self.num_tokens = num_initial_tokens           # output tokens accounted for
+        self.num_initial_tokens = num_initial_tokens   # streamed elsewhere before (a resumed request)
         self.num_logprobs = 0
         self.num_streamed_tokens = num_initial_tokens
         self.streamed_text_pieces: list[str] = []
@@ -195,13 +199,22 @@ def new_stream(seq: Sequence, tokenizer, eos_token_ids: list[int], max_model_len
 
 
 class OutputProcessor:
-    """Turns ``EngineStep``s into ``RequestOutput``s (see the module docstring).
+    """Turns ``EngineStep``s into ``RequestOutput``s, or stream targets' rows (see the module
+    docstring).
 
     Not thread-safe: one thread processes the steps, in order.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, stream_interval: int = 1) -> None:
         self.num_tokens_processed = 0
+        self.stream_interval = stream_interval
+        # The stream targets' news since ``take_batches``, one batch per channel.
+        self.batches: dict[str, StreamBatch] = {}
+
+    def take_batches(self) -> dict[str, StreamBatch]:
+        """The channels' batches made since the last call (each non-empty), and a fresh start."""
+        batches, self.batches = self.batches, {}
+        return batches
 
     def process(self, step: EngineStep) -> ProcessedStep:
         touched: dict[str, Request] = {}
@@ -219,6 +232,7 @@ class OutputProcessor:
         aborted = {id(request) for request in step.aborted}
         migrated = {id(seq.request) for seq, _, _ in step.migrated}
         outputs = []
+        migrations = []
         for request in touched.values():
             if request.is_final_streamed:
                 continue  # ended by stop strings, then aborted or migrated before the engine heard
@@ -230,15 +244,25 @@ class OutputProcessor:
                 is_finished = request.params.n == 1 and seqs[0].stream.finish_reason is not None
             else:
                 is_finished = len(seqs) == request.params.n and all(s.stream.is_finished for s in seqs)
-            if request.delta_encoder is not None and not (migrated and id(request) in migrated):
-                outputs.append(self._make_delta(request, is_finished))
+            target = request.stream_target
+            is_migrated = migrated and id(request) in migrated
+            if target is not None:
+                self._emit(request, target, is_finished, is_migrated)
+                if is_migrated:
+                    stream = next(s.stream for s in seqs if s.stream.kv_transfer is not None)
+                    migrations.append((request, stream.kv_transfer, stream.migrate_to))
+                    is_finished = True
             elif is_finished or request.output_kind != "final":
                 outputs.append(self._make_output(request, is_finished))
             else:
                 continue
             request.is_final_streamed = is_finished
-        outputs.extend(step.final_outputs)
-        return ProcessedStep(outputs, stopped)
+        for request, output in step.final_outputs:
+            if request.stream_target is not None:
+                self._emit_output(request.stream_target, output)
+            else:
+                outputs.append(output)
+        return ProcessedStep(outputs, stopped, migrations)
 
     def _take_tokens(self, tokens: StepTokens, touched: dict[str, Request], stopped: list[Sequence]) -> None:
         logprobs = tokens.logprobs
@@ -337,11 +361,21 @@ class OutputProcessor:
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              completions, is_finished, metrics, prompt_logprobs, transfer, migrate_to)
 
-    @staticmethod
-    def _make_delta(request: Request, is_finished: bool) -> OutputDelta:
-        """``request.delta_encoder.encode(_make_output(request, is_finished))``, built directly:
-        the samples with new tokens or text, or a finish not reported yet."""
-        samples = []
+    def _batch(self, target: StreamTarget) -> StreamBatch:
+        batch = self.batches.get(target.channel_id)
+        if batch is None:
+            batch = self.batches[target.channel_id] = StreamBatch()
+        return batch
+
+    def _emit(self, request: Request, target: StreamTarget, is_finished: bool, is_migrated: bool) -> None:
+        """A stream target's news into its channel's batch: a row per sample with new tokens or
+        text, or a finish not reported yet (held back while fewer than ``stream_interval`` new
+        tokens gathered, after the first); its metrics when a milestone moved or it ends; its
+        prompt logprobs once all are computed. A migrated request's last rows carry no finish:
+        it goes on elsewhere."""
+        batch = self._batch(target)
+        key = target.key
+        interval = self.stream_interval
         wants_logprobs = request.params.logprobs is not None
         num_generated_tokens = 0
         for seq in request.seqs:
@@ -349,26 +383,58 @@ class OutputProcessor:
             num_tokens = stream.num_tokens
             num_generated_tokens += num_tokens
             num_streamed = stream.num_streamed_tokens
-            finish_reason = stream.finish_reason
+            finish_reason = None if is_migrated else stream.finish_reason
             is_newly_finished = finish_reason is not None and not stream.is_finish_streamed
             delta_text = stream.delta_text
-            if num_tokens == num_streamed and not delta_text and not is_newly_finished:
+            if not is_newly_finished and (
+                    (num_tokens == num_streamed and not delta_text)
+                    or (interval > 1 and not is_migrated and num_streamed > stream.num_initial_tokens
+                        and num_tokens - num_streamed < interval)):
                 continue
             stream.num_streamed_tokens = num_tokens
             stream.is_finish_streamed = finish_reason is not None
+            row = batch.add(key, seq.sample_index, seq.output_token_ids[num_streamed:num_tokens])
             if delta_text:
                 stream.streamed_text_pieces.append(delta_text)
                 stream.delta_text = ""
+                batch.texts.append((row, delta_text))
             if wants_logprobs:
                 num_logprobs = stream.num_logprobs
-                cumulative_logprob = stream.cumulative_logprob
-                delta_logprobs = seq.logprobs[max(0, num_logprobs - (num_tokens - num_streamed)):num_logprobs]
-            else:
-                cumulative_logprob = delta_logprobs = None
-            samples.append(SampleDelta(seq.sample_index, seq.output_token_ids[num_streamed:num_tokens], delta_text,
-                                       delta_logprobs, cumulative_logprob, finish_reason, stream.stop_reason))
+                new = seq.logprobs[max(0, num_logprobs - (num_tokens - num_streamed)):num_logprobs]
+                batch.logprobs.append((row, pack_logprobs(new), stream.cumulative_logprob))
+            if finish_reason is not None:
+                batch.finishes.append((row, finish_reason, stream.stop_reason))
         metrics, prompt_logprobs = _request_figures(request, is_finished, num_generated_tokens)
-        return request.delta_encoder.delta(request.request_id, samples, is_finished, metrics, prompt_logprobs)
+        self._emit_figures(batch, target, metrics, prompt_logprobs, is_finished)
+        if is_finished:
+            batch.end(key, num_generated_tokens)
+
+    def _emit_output(self, target: StreamTarget, output: RequestOutput) -> None:
+        """A finished output the engine made itself (a beam search's) into its target's batch."""
+        batch = self._batch(target)
+        for completion in output.outputs:
+            row = batch.add(target.key, completion.index, list(completion.delta_token_ids))
+            if completion.delta_text:
+                batch.texts.append((row, completion.delta_text))
+            if completion.logprobs is not None or completion.cumulative_logprob is not None:
+                logprobs = completion.delta_logprobs
+                batch.logprobs.append((row, None if logprobs is None else pack_logprobs(logprobs),
+                                       completion.cumulative_logprob))
+            if completion.finish_reason is not None:
+                batch.finishes.append((row, completion.finish_reason, completion.stop_reason))
+        self._emit_figures(batch, target, output.metrics, output.prompt_logprobs, output.finished)
+        if output.finished:
+            batch.end(target.key, output.metrics.num_generated_tokens)
+
+    @staticmethod
+    def _emit_figures(batch: StreamBatch, target: StreamTarget, metrics, prompt_logprobs,
+                      is_finished: bool) -> None:
+        if prompt_logprobs is not None and not target.sent_prompt_logprobs:
+            target.sent_prompt_logprobs = True
+            batch.prompt_logprobs.append(
+                (target.key, [None if lp is None else pack_logprobs([lp])[0] for lp in prompt_logprobs]))
+        if metrics is not None and target.milestones_moved(metrics, is_finished):
+            batch.metrics.append((target.key, pack_metrics(metrics)))
 
 
 def _request_figures(request: Request, is_finished: bool, num_generated_tokens: int):

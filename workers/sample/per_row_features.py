@@ -18,7 +18,8 @@ from ..outputs.detokenizer import FINISH_STOP
 from .grammar import GrammarCompiler
 from ..model.input_batch import BAD_WORDS, EXPORTS_KV, GRAMMAR, MIN_TOKENS, STOP_TOKEN_IDS, InputBatch
 from ..engine.kv_transfer import KVTransfer, export_kv
-from ..engine.request import SampleLogprobs, Sequence
+from ..engine.request import Sequence
+from ..outputs.request_output import SampleLogprobs
 from .sampler import SamplingBatch
 
 if TYPE_CHECKING:

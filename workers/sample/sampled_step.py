@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine.request import SampleLogprobs, Sequence
+from ..engine.request import Sequence
+
+from ..outputs.request_output import SampleLogprobs
 
 
 @dataclass

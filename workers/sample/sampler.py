@@ -29,7 +29,7 @@ from itertools import chain
 import torch
 
 from ..model.host_lists import int64_tensor, to_device
-from ..engine.request import SampleLogprobs
+from ..outputs.request_output import SampleLogprobs
 from .sampling_params import SamplingParams
 
 

@@ -7,7 +7,9 @@
 * ``"ray"``: one Ray actor per rank, each in its own bundle of the placement
   group rank 0 runs in (the cluster creates it: STRICT_PACK, or PACK where
   the config allows), with that bundle's resources. The actors belong to
-  rank 0's actor and die with it.
+  rank 0's actor and die with it. A cluster worker's rank 0 runs in its engine
+  core process, which has no Ray: it asks its worker actor to start them
+  (``ActorLauncher``), and the actor watches them (``RayRanks``).
 
 A rank that ends while the group is in use breaks the group. ``RankSet``
 watches the ranks from a thread: local processes make the next step fail
@@ -21,9 +23,10 @@ import logging
 import multiprocessing
 import os
 import threading
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
-from .rank import RankSpec, run_rank
+if TYPE_CHECKING:   # the rank's module loads torch; a worker actor starting Ray ranks does not need it
+    from .rank import RankSpec
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +111,8 @@ class ProcessLauncher:
     """``"mp"``: spawn one local process per rank."""
 
     def launch(self, spec: RankSpec) -> ProcessRanks:
+        from .rank import run_rank
+
         context = multiprocessing.get_context("spawn")
         processes = []
         for rank in range(1, spec.rendezvous.size):
@@ -122,6 +127,8 @@ class RankActor:
     """A Ray actor holding one rank; ``run`` is its only task and lasts as long as the group."""
 
     def run(self, spec: dict, rank: int) -> None:
+        from .rank import run_rank
+
         run_rank(spec, rank, gpu_index=0)
 
 
@@ -186,13 +193,17 @@ class RayLauncher:
         self.placement_group = placement_group
 
     def launch(self, spec: RankSpec) -> RayRanks:
+        return self.launch_dict(spec.to_dict(), spec.rendezvous.size)
+
+    def launch_dict(self, spec: dict, size: int) -> RayRanks:
+        """``launch`` of a spec as plain data (``RankSpec.to_dict``), for a group of ``size`` ranks."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundles = self.placement_group.bundle_specs
         actor_cls = ray.remote(RankActor)
         actors, runs = [], []
-        for rank in range(1, spec.rendezvous.size):
+        for rank in range(1, size):
             bundle = dict(bundles[rank])
             actor = actor_cls.options(
                 num_cpus=bundle.pop("CPU", 0), num_gpus=bundle.pop("GPU", 0),
@@ -203,8 +214,47 @@ class RayLauncher:
                     placement_group_capture_child_tasks=False),
             ).remote()
             actors.append(actor)
-            runs.append(actor.run.remote(spec.to_dict(), rank))
+            runs.append(actor.run.remote(spec, rank))
         return RayRanks(actors, runs)
+
+
+class ActorLauncher:
+    """Ranks started by the worker actor (``RayLauncher`` in its process), asked over the engine
+    core's ``link`` (``engine.core.ActorLink``): the core has no Ray of its own."""
+
+    def __init__(self, link, timeout_s: float) -> None:
+        self.link = link
+        self.timeout_s = timeout_s
+
+    def launch(self, spec: RankSpec) -> "ActorRanks":
+        return ActorRanks(self.link, self.link.ask("launch_ranks", [spec.to_dict()], self.timeout_s))
+
+
+class ActorRanks:
+    """The ranks a worker actor started and watches for its engine core: a rank that ends
+    ends the actor's process (``RayRanks.fail``), and the core with it."""
+
+    def __init__(self, link, description: str) -> None:
+        self.link = link
+        self.description = description
+
+    def describe(self) -> str:
+        return self.description
+
+    def is_broken(self) -> bool:
+        return False   # the actor's watcher ends both processes first
+
+    def wait_broken(self, timeout_s: float) -> bool:
+        return bool(self.link.ask("ranks_wait_broken", [timeout_s], timeout_s + STOP_TIMEOUT_S))
+
+    def fail(self, reason: str) -> None:
+        self.link.ask("ranks_fail", [reason], STOP_TIMEOUT_S)
+
+    def stop(self) -> None:
+        try:
+            self.link.ask("ranks_stop", [], STOP_TIMEOUT_S)
+        except Exception as exc:   # the actor is going: its ranks go with it
+            logger.warning("tensor-parallel ranks: stop not confirmed by the worker actor (%r)", exc)
 
 
 def current_placement_group(size: int):

@@ -15,8 +15,9 @@ before it (``pagedserve.bench.step_device_time``): whether a step is the device'
 host's. Outputs are taken as ``LLM.generate``
 takes them (``output_kind="final"``); ``stream`` adds what a server's output thread
 pays per token (detokenizing and building each step's outputs), timed on its own;
-``channel`` the same for a worker's output channel, whose requests' outputs are the
-wire's deltas, made by the output processor (``delta_encoder``); ``tokens`` a channel's
+``channel`` the same for a worker's output channel, whose requests' news are the
+wire's rows, put into each channel's ``StreamBatch`` by the output processor and packed
+once a step, as the engine core does; ``tokens`` a channel's
 requests whose text the cluster's handle decodes (``detokenize`` off on the worker: what
 a served request without stop strings is).
 """
@@ -30,7 +31,7 @@ from typing import Callable
 
 from pagedserve.bench.step_device_time import StepDeviceTimes, record_step_device_times
 from pagedserve.workers.engine.engine import EngineConfig, LLMEngine
-from pagedserve.workers.actor.protocol import DeltaEncoder
+from pagedserve.workers.outputs.stream_batch import StreamTarget
 from pagedserve.workers.sample.sampling_params import SamplingParams
 
 
@@ -71,10 +72,18 @@ class HostCostProbe:
         self._rng = random.Random(seed)
         self._num_requests = 0
 
+    def _step(self) -> None:
+        """A step, and its channels' batches packed (what the engine core sends), timed as output."""
+        self.engine.step()
+        start = time.perf_counter()
+        for batch in self.engine.output_processor.take_batches().values():
+            batch.pack()
+        self.output_seconds[0] += time.perf_counter() - start
+
     def run(self, batch: int, num_steps: int, prompt_len: int, output_kind: str) -> dict:
         """Medians over ``num_steps`` decode steps of ``batch`` sequences (seconds).
-        ``output_kind``: "final", "stream", "channel" (streamed as deltas) or "tokens" (a
-        channel's deltas without text)."""
+        ``output_kind``: "final", "stream", "channel" (an output channel's rows, packed once a
+        step as the engine core packs them) or "tokens" (a channel's rows without text)."""
         engine, vocab = self.engine, self.engine.runner.vocab_size
         is_channel = output_kind in ("channel", "tokens")
         params = SamplingParams(temperature=0.0, max_tokens=num_steps + 2, ignore_eos=True,
@@ -84,19 +93,19 @@ class HostCostProbe:
             engine.add_request(f"probe-{self._num_requests}",
                                [self._rng.randrange(8, vocab) for _ in range(prompt_len)], params,
                                output_kind="stream" if is_channel else output_kind,
-                               delta_encoder=DeltaEncoder() if is_channel else None)
-        engine.step()   # every prompt is prefilled in one step
+                               stream_target=StreamTarget("probe", self._num_requests) if is_channel else None)
+        self._step()   # every prompt is prefilled in one step
         first_event = len(self.step_times.events) if self.step_times is not None else 0
         step, device, output = [], [], []
         for _ in range(num_steps):
             self.device_seconds[0] = self.output_seconds[0] = 0.0
             start = time.perf_counter()
-            engine.step()
+            self._step()
             step.append(time.perf_counter() - start)
             device.append(self.device_seconds[0])
             output.append(self.output_seconds[0])
         while engine.has_unfinished_requests():
-            engine.step()
+            self._step()
         result = {"step": statistics.median(step), "device": statistics.median(device),
                   "output": statistics.median(output)}
         if self.step_times is not None:

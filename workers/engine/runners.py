@@ -3,19 +3,21 @@ tensor-parallel group (``TensorParallelRunner``) when the model spans several.""
 
 from __future__ import annotations
 
-from ..engine.engine_options import EngineConfig
-from .model_runner import ModelRunner
+from ..model.model_runner import ModelRunner
+from ..tp.launch import RankLauncher, choose_launcher
 from ..tp.runner import TensorParallelRunner
-from ..tp.launch import choose_launcher
+from .engine_options import EngineConfig
 
 
-def build_runner(config: EngineConfig) -> ModelRunner | TensorParallelRunner:
-    """The runner for ``config``: ``tensor_parallel_size`` ranks, started as
+def build_runner(config: EngineConfig, rank_launcher: RankLauncher | None = None) -> ModelRunner | TensorParallelRunner:
+    """The runner for ``config``: ``tensor_parallel_size`` ranks, started by ``rank_launcher``
+    if given (an engine core whose worker actor starts them), else as
     ``distributed_executor_backend`` says."""
     size = config.tensor_parallel_size
     if size == 1:
         return ModelRunner(config.model, config.dtype, config.device, config.trust_remote_code,
                            config.kernel_backend, merge_projections=config.merge_projections)
-    return TensorParallelRunner(config.model, size, choose_launcher(config.distributed_executor_backend, size),
+    launcher = rank_launcher or choose_launcher(config.distributed_executor_backend, size)
+    return TensorParallelRunner(config.model, size, launcher,
                                 config.dtype, config.device, config.trust_remote_code, config.kernel_backend,
                                 merge_projections=config.merge_projections)

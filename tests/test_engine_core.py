@@ -1,0 +1,281 @@
+"""A worker's engine core in its own process, driven as the worker actor drives it, without Ray.
+
+``EngineCoreClient`` starts a real core process (the tiny Llama on the CPU) with a central KV
+manager in this process behind its transport (``InProcessTransport``):
+
+- each step's rows come as one packed batch per output channel, and rebuild exactly the
+  tokens the offline engine makes;
+- closing a channel aborts its requests and nothing else; a refused request ends alone, with
+  its error; utility calls answer between steps; KV events reach the central manager;
+- an engine that fails, or a core process that is killed, is reported dead once, with its
+  engine's id, and every call still waiting fails; a core never outlives its parent, even a
+  parent killed with SIGKILL;
+- the actor's ``OutputChannel`` stays open while renewed and closes on its lease.
+
+Every test ends with the core's pools consistent and no block in use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.kvmanager import InProcessTransport
+from pagedserve.kvmanager.service import KVManagerService
+from pagedserve.workers.actor.core_client import CoreDead, EngineCoreClient
+from pagedserve.workers.actor.output_channel import OutputChannel
+from pagedserve.workers.actor.protocol import EngineDeadError, OutputDelta, deltas_from_batch
+from pagedserve.workers.engine.core_messages import AddRequest
+from pagedserve.workers.engine.core_process import CoreSpec
+from pagedserve.workers.outputs.accumulator import OutputAccumulator
+from pagedserve.workers.outputs.stream_batch import StreamBatch
+
+PROMPTS = [list(range(3, 3 + n)) for n in (5, 17, 30, 9)]
+ENGINE = {"device": "cpu", "dtype": "float32", "block_size": 8, "num_device_blocks": 96, "swap_space_gb": 0.001}
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+class Core:
+    """A started core and what it sent: each channel's deltas by key, in order, and deaths."""
+
+    def __init__(self, model: str, worker_id: str = "w0", **engine) -> None:
+        self.service = KVManagerService()
+        self.items: dict[str, list] = {}
+        self.deaths: list[tuple[str, str | None]] = []
+        self.woken = asyncio.Event()
+        spec = CoreSpec(worker_id, {"model": model, **ENGINE, **engine})
+        self.client = EngineCoreClient(spec, InProcessTransport(self.service), self._on_items, self._on_dead)
+        self.info = self.client.start(timeout_s=120)
+
+    def _on_items(self, items: list) -> None:
+        for item in items:
+            self.items.setdefault(item[1], []).append(item)
+        self.woken.set()
+
+    def _on_dead(self, message: str, engine_id: str | None) -> None:
+        self.deaths.append((message, engine_id))
+        self.woken.set()
+
+    def add(self, channel: str, key: int, prompt: list[int], params: SamplingParams) -> None:
+        self.client.add(AddRequest(channel, key, f"{channel}/{key}", prompt, params))
+
+    def deltas(self, channel: str) -> dict[int, list]:
+        """The channel's deltas (and errors) by key, from the batches that came so far."""
+        by_key: dict[int, list] = {}
+        for item in self.items.get(channel, []):
+            if item[0] == "outputs":
+                for key, delta in deltas_from_batch(StreamBatch.unpack(item[2])):
+                    by_key.setdefault(key, []).append(delta)
+        return by_key
+
+    async def wait_for(self, done, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            left = deadline - time.monotonic()
+            assert left > 0, "timed out"
+            self.woken.clear()
+            try:
+                await asyncio.wait_for(self.woken.wait(), min(left, 0.5))
+            except asyncio.TimeoutError:
+                pass
+
+    def check_and_close(self) -> None:
+        if self.client.is_running:
+            self.client.call("check_integrity").result(30)
+            deadline = time.monotonic() + 30
+            while self.client.call("num_used_blocks").result(30) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert self.client.call("num_used_blocks").result(30) == 0
+        self.client.shutdown()
+
+
+def _ended(deltas: list) -> bool:
+    return bool(deltas) and (isinstance(deltas[-1], BaseException) or deltas[-1].finished)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model) -> str:
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def expected(model) -> list[list[int]]:
+    llm = LLM(model=model, **ENGINE)
+    return [out.outputs[0].token_ids for out in llm.generate(PROMPTS, _greedy(16), use_tqdm=False)]
+
+
+@pytest.fixture
+def core(model):
+    started = Core(model)
+    yield started
+    started.check_and_close()
+
+
+def test_each_channel_gets_one_batch_per_step_and_its_rows_rebuild_the_engines_tokens(core, expected):
+    async def run():
+        core.client.bind_loop(asyncio.get_running_loop())
+        for key, prompt in enumerate(PROMPTS):
+            core.add(f"channel-{key % 2}", key, prompt, _greedy(16))
+        await core.wait_for(lambda: all(_ended(core.deltas(f"channel-{k % 2}").get(k, [])) for k in range(4)))
+
+    asyncio.run(run())
+    for key, prompt in enumerate(PROMPTS):
+        deltas = core.deltas(f"channel-{key % 2}")[key]
+        assert all(type(d) is OutputDelta for d in deltas)
+        accumulator = OutputAccumulator(str(key), None, prompt)
+        final = [accumulator.add(d) for d in deltas][-1]
+        assert final.finished and final.outputs[0].token_ids == expected[key]
+        assert final.metrics.num_generated_tokens == 16
+    for channel in ("channel-0", "channel-1"):
+        batches = [item for item in core.items[channel] if item[0] == "outputs"]
+        assert 16 <= len(batches) <= 20   # one per step: its two requests share each
+    stats = core.client.call("stats").result(30)
+    assert stats["engine"]["num_generated_tokens"] == 64 and stats["kv_link"]["num_event_batches"] >= 1
+    # KV events reached the central manager: its index holds what the core's pool caches.
+    snapshot = core.client.call("kv_sync", 10.0).result(30)
+    assert snapshot is not None
+    core.service.check_consistency([snapshot])
+
+
+def test_closing_a_channel_aborts_what_runs_on_it_and_nothing_else(core):
+    async def run():
+        core.client.bind_loop(asyncio.get_running_loop())
+        core.add("closed", 0, PROMPTS[0], _greedy(400))
+        core.add("closed", 1, PROMPTS[1], _greedy(400))
+        core.add("open", 0, PROMPTS[2], _greedy(12))
+        await core.wait_for(lambda: len(core.deltas("closed").get(1, [])) >= 2)
+        assert await asyncio.wrap_future(core.client.call("close_channel", "closed")) == 2
+        await core.wait_for(lambda: _ended(core.deltas("open").get(0, [])) and
+                            all(_ended(core.deltas("closed").get(k, [])) for k in (0, 1)))
+
+    asyncio.run(run())
+    opened = core.deltas("open")[0]
+    assert opened[-1].samples[0].finish_reason == "length"
+    for key in (0, 1):
+        assert core.deltas("closed")[key][-1].samples[-1].finish_reason == "abort"
+
+
+def test_a_refused_request_ends_alone_with_its_error(core):
+    async def run():
+        core.client.bind_loop(asyncio.get_running_loop())
+        core.add("c", 0, list(range(3, 603)), _greedy(4))   # the tiny model's context is 512 tokens
+        core.add("c", 1, PROMPTS[0], _greedy(4))
+        await core.wait_for(lambda: all(_ended(core.deltas("c").get(k, [])) for k in (0, 1)))
+
+    asyncio.run(run())
+    refused, served = core.deltas("c")[0], core.deltas("c")[1]
+    assert len(refused) == 1 and type(refused[0]) is ValueError and "context" in str(refused[0])
+    assert served[-1].finished and len(served[-1].samples[0].token_ids) >= 1
+
+
+def test_an_engine_that_fails_is_reported_dead_once_with_its_id(core):
+    async def run():
+        core.client.bind_loop(asyncio.get_running_loop())
+        core.add("c", 0, PROMPTS[1], _greedy(400))
+        await core.wait_for(lambda: core.deltas("c").get(0))
+        await asyncio.wrap_future(core.client.call("inject_failure", "a device error"))
+        await core.wait_for(lambda: core.deaths)
+
+    asyncio.run(run())
+    [(message, engine_id)] = core.deaths
+    assert "injected: a device error" in message and engine_id == core.info.engine_id
+    assert not core.client.is_running
+    with pytest.raises(CoreDead):
+        core.client.call("stats").result(5)
+
+
+def test_a_killed_core_is_reported_dead_and_calls_fail(model):
+    started = Core(model)
+
+    async def run():
+        started.client.bind_loop(asyncio.get_running_loop())
+        started.add("c", 0, PROMPTS[1], _greedy(400))
+        await started.wait_for(lambda: started.deltas("c").get(0))
+        os.kill(started.client.pid, signal.SIGKILL)
+        await started.wait_for(lambda: started.deaths)
+
+    asyncio.run(run())
+    [(message, engine_id)] = started.deaths
+    assert "exit code -9" in message and engine_id is None
+    with pytest.raises(CoreDead):
+        started.client.call("stats").result(5)
+    started.client.shutdown()
+
+
+_PARENT = """
+import sys, time
+from pagedserve.kvmanager import InProcessTransport
+from pagedserve.kvmanager.service import KVManagerService
+from pagedserve.workers.actor.core_client import EngineCoreClient
+from pagedserve.workers.engine.core_process import CoreSpec
+spec = CoreSpec("orphan", {"model": sys.argv[1], "device": "cpu", "num_device_blocks": 32, "swap_space_gb": 0.001})
+client = EngineCoreClient(spec, InProcessTransport(KVManagerService()), lambda items: None, lambda m, e: None)
+client.start(timeout_s=120)
+print(client.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_core_never_outlives_its_worker_even_one_killed_with_sigkill(model):
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, model], stdout=subprocess.PIPE, text=True)
+    try:
+        core_pid = int(parent.stdout.readline())
+        assert psutil.Process(core_pid).ppid() == parent.pid
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(core_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(core_pid)
+    finally:
+        parent.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_channel_stays_open_while_renewed_and_closes_on_its_lease():
+    """A handle's process that died never closes its channel (Ray does not end a streamed call
+    whose caller is gone): the lease does, whether or not anybody is in ``take``."""
+    closed: list[str] = []
+
+    async def run():
+        renewed = OutputChannel("renewed", closed.append, lease_s=0.4)
+        orphan = OutputChannel("orphan", closed.append, lease_s=0.4)
+        orphan.watch_lease()   # nobody takes from it: the timer still runs
+
+        async def renew():
+            while True:
+                await asyncio.sleep(0.1)
+                renewed.renew()
+
+        renewer = asyncio.create_task(renew())
+        with pytest.raises(asyncio.TimeoutError):  # idle for 3 leases: nothing to take, still open
+            await asyncio.wait_for(renewed.take(), 1.2)
+        assert not renewed.is_closed and orphan.is_closed
+        renewed.put(b"batch")
+        assert await renewed.take() == [b"batch"]
+        renewer.cancel()
+        renewed.fail(EngineDeadError("the engine loop failed", "e1"))
+        renewed.put(b"last")
+        assert await renewed.take() == [b"last"]   # what came before the failure is taken first
+        with pytest.raises(EngineDeadError):
+            await renewed.take()
+
+    asyncio.run(run())
+    assert closed == ["orphan"]

@@ -1,0 +1,58 @@
+"""An engine core's progress, shared with its worker actor through a small mapped file.
+
+The core writes four numbers after every step (when the last step ended, unfinished
+requests, steps, generated tokens); the actor reads them for its heartbeat and stall check.
+No message and no lock: a reader may see a step's figures half updated, which only ever
+delays a stall verdict by one heartbeat.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+
+_LAYOUT = struct.Struct("<dddd")   # last progress (wall time), unfinished, steps, generated tokens
+SIZE = _LAYOUT.size
+
+
+class CoreProgress:
+    """The mapped figures at ``path`` (created by ``create``; each side maps it with ``open``)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        with open(path, "r+b") as f:
+            self._map = mmap.mmap(f.fileno(), SIZE)
+
+    @classmethod
+    def create(cls, path: str) -> "CoreProgress":
+        with open(path, "wb") as f:
+            f.write(_LAYOUT.pack(time.time(), 0, 0, 0))
+        return cls(path)
+
+    def note_step(self, num_steps: int, num_unfinished: int, num_generated_tokens: int) -> None:
+        _LAYOUT.pack_into(self._map, 0, time.time(), num_unfinished, num_steps, num_generated_tokens)
+
+    def note_arrival(self) -> None:
+        """An idle engine got work: its progress clock starts now."""
+        _, num_unfinished, num_steps, num_generated_tokens = _LAYOUT.unpack_from(self._map)
+        _LAYOUT.pack_into(self._map, 0, time.time(), num_unfinished, num_steps, num_generated_tokens)
+
+    def read(self) -> tuple[float, int, int, int]:
+        """(last progress, unfinished requests, steps, generated tokens)."""
+        last, num_unfinished, num_steps, num_generated_tokens = _LAYOUT.unpack_from(self._map)
+        return last, int(num_unfinished), int(num_steps), int(num_generated_tokens)
+
+    def close(self) -> None:
+        self._map.close()
+
+    def unlink(self) -> None:
+        self.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+__all__ = ["CoreProgress"]
