@@ -65,11 +65,15 @@ class ChannelClosed(ConnectionError):
 
 
 class _Inbox:
-    """A request's items since its reader last took them, and the wake-up of that reader."""
+    """A request's items since its reader last took them, the wake-up of that reader, and how
+    long it may wait for the next (``timeout_s`` since ``last_at``)."""
 
-    __slots__ = ("items", "_waiter")
+    __slots__ = ("request_id", "timeout_s", "last_at", "items", "_waiter")
 
-    def __init__(self) -> None:
+    def __init__(self, request_id: str, timeout_s: float) -> None:
+        self.request_id = request_id
+        self.timeout_s = timeout_s
+        self.last_at = time.monotonic()
         self.items: list[ChannelItem] = []
         self._waiter: asyncio.Future | None = None
 
@@ -118,11 +122,9 @@ class WorkerChannel:
         self.channel_id = f"{worker_id}/{uuid.uuid4().hex[:16]}"
         self.loop = asyncio.get_running_loop()
         self.error: BaseException | None = None
-        self.inboxes: dict[str, _Inbox] = {}
-        self.request_ids: dict[int, str] = {}   # a request's key in this channel's batches -> its id
+        self.inboxes: dict[str, _Inbox] = {}   # by request id
+        self.by_key: dict[int, _Inbox] = {}    # by the request's key in this channel's batches
         self._keys = itertools.count()
-        # request id -> (seconds it may wait for an output, when its last one came)
-        self.waits: dict[str, tuple[float, float]] = {}
         self.num_messages = 0
         # An empty context: the channel must not belong to the request that happened to open it.
         # Ray cancels the calls a cancelled actor call made from its context (Serve cancels a
@@ -147,16 +149,21 @@ class WorkerChannel:
                 message = await ref
                 self.num_messages += 1
                 now = time.monotonic()
+                by_key = self.by_key
                 for entry in message:
                     if isinstance(entry, bytes):
                         for key, item in deltas_from_batch(StreamBatch.unpack(entry)):
-                            request_id = self.request_ids.get(key)
-                            if request_id is not None:
+                            inbox = by_key.get(key)
+                            if inbox is not None:  # else the request stopped reading (aborted)
                                 if type(item) is OutputDelta:
-                                    item.request_id = request_id
-                                self._put(request_id, item, now)
+                                    item.request_id = inbox.request_id
+                                inbox.put(item)
+                                inbox.last_at = now
                     else:   # a control item (Migrated)
-                        self._put(entry.request_id, entry, now)
+                        inbox = self.inboxes.get(entry.request_id)
+                        if inbox is not None:
+                            inbox.put(entry)
+                            inbox.last_at = now
             error = ChannelClosed(f"the output channel of worker {self.worker_id} ended")
         except asyncio.CancelledError:  # this event loop is closing
             error = ChannelClosed(f"the output channel of worker {self.worker_id} was closed")
@@ -170,12 +177,6 @@ class WorkerChannel:
             for inbox in self.inboxes.values():
                 inbox.put(error)
 
-    def _put(self, request_id: str, item: ChannelItem, now: float) -> None:
-        inbox = self.inboxes.get(request_id)
-        if inbox is not None:  # else the request stopped reading (aborted)
-            inbox.put(item)
-            self.waits[request_id] = (self.waits[request_id][0], now)
-
     async def _tend(self) -> None:
         """Every ``WATCH_EVERY_S``, end the requests that waited past their timeout for an
         output (``TimeoutError``); every ``RENEW_EVERY_S``, tell the worker this channel is
@@ -184,11 +185,11 @@ class WorkerChannel:
         while self.error is None:
             await asyncio.sleep(WATCH_EVERY_S)
             now = time.monotonic()
-            for request_id, (timeout_s, last_at) in list(self.waits.items()):
-                if now - last_at > timeout_s:
-                    self.waits[request_id] = (timeout_s, float("inf"))  # once
-                    self.inboxes[request_id].put(TimeoutError(
-                        f"no output of request {request_id} from worker {self.worker_id} for {timeout_s:g} s"))
+            for inbox in list(self.inboxes.values()):
+                if now - inbox.last_at > inbox.timeout_s:
+                    inbox.last_at = float("inf")   # once
+                    inbox.put(TimeoutError(f"no output of request {inbox.request_id} from worker "
+                                           f"{self.worker_id} for {inbox.timeout_s:g} s"))
             if now - renewed_at >= RENEW_EVERY_S:
                 renewed_at = now
                 try:
@@ -209,10 +210,8 @@ class WorkerChannel:
         request_id = request.request_id
         if request_id in self.inboxes:
             raise ValueError(f"request id {request_id!r} is already streaming from worker {self.worker_id}")
-        inbox = self.inboxes[request_id] = _Inbox()
-        self.waits[request_id] = (timeout_s, time.monotonic())
         key = next(self._keys)
-        self.request_ids[key] = request_id
+        inbox = self.inboxes[request_id] = self.by_key[key] = _Inbox(request_id, timeout_s)
         request = dataclasses.replace(request, key=key)
         try:
             if self.error is not None:
@@ -226,8 +225,7 @@ class WorkerChannel:
                     yield item
         finally:
             del self.inboxes[request_id]
-            del self.waits[request_id]
-            del self.request_ids[key]
+            del self.by_key[key]
 
     def close(self) -> None:
         """Stop reading; the worker aborts what still runs on this channel."""

@@ -263,3 +263,34 @@ def test_a_migrated_stream_mid_character_continues_without_a_replacement_char(ti
     after = run(OutputProcessor(), target, output[cut:], migrate=False)
     whole = stream_of("whole", [])
     assert before + after == run(OutputProcessor(), whole, output, migrate=False) == "hello 你好 world"
+
+
+def test_a_migrated_stream_targets_last_rows_carry_no_end_and_its_kv_goes_with_it(tiny_model):
+    """A migrated request goes on elsewhere: its last rows (the tokens it made here) carry no
+    finish and no end, and the step reports its KV transfer and target for the worker."""
+    from transformers import AutoTokenizer
+
+    from pagedserve.workers.outputs.output_processor import EngineStep, OutputProcessor, StepTokens, new_stream
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model("llama"))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    request = Request("m", None, [10, 11, 12], params)
+    request.stream_target = StreamTarget("channel", 5)
+    seq = Sequence("m#0", request, 0, [10, 11, 12])
+    seq.stream = new_stream(seq, tokenizer, [2], 512, [])
+    request.seqs.append(seq)
+    processor = OutputProcessor()
+    for token in (40, 41):
+        seq.append_token(token)
+        processor.process(EngineStep(tokens=[StepTokens([seq], [token])]))
+    processor.take_batches()
+    seq.append_token(42)
+    step = EngineStep(tokens=[StepTokens([seq], [42])])
+    step.migrated.append((seq, (b"header", b"payload"), "worker-1"))
+    processed = processor.process(step)
+    assert processed.outputs == [] and processed.migrated == [(request, (b"header", b"payload"), "worker-1")]
+    batches = processor.take_batches()
+    [(key, delta)] = deltas_from_batch(StreamBatch.unpack(batches["channel"].pack()))
+    assert key == 5 and delta.samples[-1].token_ids == [42] and not delta.finished
+    assert all(s.finish_reason is None for s in delta.samples)
+    assert processor.process(EngineStep()).outputs == [] and not processor.take_batches()

@@ -145,36 +145,57 @@ def error_from_batch(kind: str, message: str, engine_id: str | None) -> BaseExce
 def deltas_from_batch(batch: StreamBatch) -> list[tuple[int, OutputDelta | BaseException]]:
     """A batch's news as ``(key, item)`` pairs in the order the requests first appear: one
     ``OutputDelta`` per request (a sample's rows joined), or the error that ended it."""
-    starts = batch.starts()
-    keys, indexes, token_ids = batch.keys, batch.indexes, batch.token_ids
+    keys, token_ids = batch.keys, batch.token_ids
     texts = dict(batch.texts) if batch.texts else None
     logprobs = {row: (packed, cumulative) for row, packed, cumulative in batch.logprobs} if batch.logprobs else None
     finishes = {row: (reason, stop) for row, reason, stop in batch.finishes} if batch.finishes else None
-    samples: dict[int, dict[int, SampleDelta]] = {}
-    for row, key in enumerate(keys):
-        index = 0 if indexes is None else indexes[row]
-        news = SampleDelta(index, token_ids[starts[row]:starts[row + 1]], texts.get(row, "") if texts else "")
-        if logprobs is not None and row in logprobs:
-            packed, news.cumulative_logprob = logprobs[row]
-            news.logprobs = None if packed is None else unpack_logprobs(packed)
-        if finishes is not None and row in finishes:
-            news.finish_reason, news.stop_reason = finishes[row]
-        by_index = samples.setdefault(key, {})
-        seen = by_index.get(index)
-        if seen is None:
-            by_index[index] = news
-        else:
-            _join(seen, news)
-    metrics = {key: unpack_metrics(packed) for key, packed in batch.metrics}
-    prompt_logprobs = {key: [None if entry is None else unpack_logprobs([entry])[0] for entry in packed]
-                       for key, packed in batch.prompt_logprobs}
-    ends = dict(batch.ends)
+    metrics = {key: unpack_metrics(packed) for key, packed in batch.metrics} if batch.metrics else {}
+    prompt_logprobs = ({key: [None if entry is None else unpack_logprobs([entry])[0] for entry in packed]
+                        for key, packed in batch.prompt_logprobs} if batch.prompt_logprobs else {})
+    ends = dict(batch.ends) if batch.ends else {}
     items: list[tuple[int, OutputDelta | BaseException]] = []
-    for key in dict.fromkeys([*samples, *metrics, *prompt_logprobs, *ends]):
-        items.append((key, OutputDelta("", list(samples.get(key, {}).values()), key in ends, metrics.get(key),
-                                       prompt_logprobs.get(key), ends.get(key))))
+    if batch.indexes is None and batch.counts is None and len(set(keys)) == len(keys):
+        # A row a request, one token a row: each row is its request's delta (decoding steps).
+        for row, key in enumerate(keys):
+            news = SampleDelta(0, [token_ids[row]], texts.get(row, "") if texts else "")
+            if logprobs is not None or finishes is not None:
+                _add_sparse(news, row, logprobs, finishes)
+            items.append((key, OutputDelta("", [news], key in ends, metrics.get(key), prompt_logprobs.get(key),
+                                           ends.get(key))))
+        seen = set(keys)
+    else:
+        starts = batch.starts()
+        indexes = batch.indexes
+        samples: dict[int, dict[int, SampleDelta]] = {}
+        for row, key in enumerate(keys):
+            index = 0 if indexes is None else indexes[row]
+            news = SampleDelta(index, token_ids[starts[row]:starts[row + 1]], texts.get(row, "") if texts else "")
+            if logprobs is not None or finishes is not None:
+                _add_sparse(news, row, logprobs, finishes)
+            by_index = samples.setdefault(key, {})
+            earlier = by_index.get(index)
+            if earlier is None:
+                by_index[index] = news
+            else:
+                _join(earlier, news)
+        for key, by_index in samples.items():
+            items.append((key, OutputDelta("", list(by_index.values()), key in ends, metrics.get(key),
+                                           prompt_logprobs.get(key), ends.get(key))))
+        seen = set(samples)
+    for key in dict.fromkeys([*metrics, *prompt_logprobs, *ends]):   # news without rows
+        if key not in seen:
+            items.append((key, OutputDelta("", [], key in ends, metrics.get(key), prompt_logprobs.get(key),
+                                           ends.get(key))))
     items.extend((key, error_from_batch(kind, message, engine_id)) for key, kind, message, engine_id in batch.errors)
     return items
+
+
+def _add_sparse(news: SampleDelta, row: int, logprobs: dict | None, finishes: dict | None) -> None:
+    if logprobs is not None and row in logprobs:
+        packed, news.cumulative_logprob = logprobs[row]
+        news.logprobs = None if packed is None else unpack_logprobs(packed)
+    if finishes is not None and row in finishes:
+        news.finish_reason, news.stop_reason = finishes[row]
 
 
 def _join(seen: SampleDelta, news: SampleDelta) -> None:

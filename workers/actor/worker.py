@@ -142,7 +142,7 @@ class Worker:
         spec = CoreSpec(worker_id, engine_config, role,
                         kv_events={**kv_events, "publish_on_tick": on_tick},
                         preemption_timeout_s=PREEMPTION_TIMEOUT_S, preemption_backoff_s=PREEMPTION_BACKOFF_S,
-                        ranks_from_actor=size > 1 and _ranks_are_actors(engine_config, size),
+                        ranks_from_actor=size > 1 and _ranks_are_actors(engine_config, size), node_id=_node_id(),
                         log_level=logging.getLogger().getEffectiveLevel() or logging.INFO)
         self.core = EngineCoreClient(spec, self.kv_transport, self._on_items, self._on_dead, self._on_ask)
         try:

@@ -40,11 +40,11 @@ from typing import Callable
 
 import torch
 
-from ..sample.beam_search import BeamSearch, Hypothesis
-from ..outputs.detokenizer import StreamingDetokenizer
 from ..model.input_batch import InputBatch
-from .request import Request, Sequence
+from ..outputs.detokenizer import StreamingDetokenizer
 from ..outputs.request_output import CompletionOutput, RequestOutput
+from ..sample.beam_search import BeamSearch, Hypothesis
+from .request import Request, Sequence
 from .scheduler import Scheduler
 
 # ``new_sequence(request, sample_index, token_ids)``: a sequence of ``request``

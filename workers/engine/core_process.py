@@ -41,6 +41,7 @@ class CoreSpec:
     preemption_timeout_s: float = 1.0
     preemption_backoff_s: float = 5.0
     ranks_from_actor: bool = False   # a tensor-parallel group's ranks are Ray actors its worker starts
+    node_id: str | None = None       # the worker actor's Ray node (the core has no Ray of its own)
     log_level: int = logging.INFO
 
     def body(self) -> bytes:
@@ -68,6 +69,7 @@ def build_core(spec: CoreSpec, link, progress, parent_pid: int | None):
     from pagedserve.kvmanager import EventLog, KVPublisher, LocalKVManager, RemotePreemptionPolicy
 
     from ..process.gc_heap import prepare_serving_heap
+    from ..tp.rank import NODE_ID_ENV
     from .core import EngineCore
     from .engine import LLMEngine
     from .engine_options import EngineConfig
@@ -80,6 +82,8 @@ def build_core(spec: CoreSpec, link, progress, parent_pid: int | None):
     preemption = RemotePreemptionPolicy(decide, backoff_s=spec.preemption_backoff_s)
     local_kv = LocalKVManager(preemption, EventLog(spec.worker_id))
     launcher = None
+    if spec.node_id is not None:
+        os.environ[NODE_ID_ENV] = spec.node_id   # where its tensor-parallel ranks find it (``tp.rank.node_key``)
     if spec.ranks_from_actor:
         from ..tp.launch import ActorLauncher
 

@@ -18,24 +18,24 @@ import torch
 
 from pagedserve.kvmanager import KVManager
 
-from .beam_groups import BeamGroups
-from ..outputs.detokenizer import FINISH_STOP
-from .engine_options import EngineConfig
-from ..sample.grammar import GrammarCompiler
 from ..model.input_batch import InputBatch
-from .kv_transfer import KVTransfer, check_compatible, export_kv, import_kv, read_header
 from ..model.model_input import TokenScores
+from ..outputs.detokenizer import FINISH_STOP
 from ..outputs.output_processor import OUTPUT_KINDS, EngineStep, OutputProcessor, new_stream
-from ..outputs.stream_batch import StreamTarget
-from ..sample.per_row_features import PerRowFeatures, bad_word_token_ids
-from .prepared_step import prepare_step
-from .request import Request, Sequence
 from ..outputs.request_output import RequestOutput, SampleLogprobs
-from .runners import build_runner
+from ..outputs.stream_batch import StreamTarget
+from ..sample.grammar import GrammarCompiler
+from ..sample.per_row_features import PerRowFeatures, bad_word_token_ids
 from ..sample.sampled_step import TokenReadback
 from ..sample.sampler import Sampler
-from ..sample.sampling_pipeline import SamplingPipeline
 from ..sample.sampling_params import SamplingParams
+from ..sample.sampling_pipeline import SamplingPipeline
+from .beam_groups import BeamGroups
+from .engine_options import EngineConfig
+from .kv_transfer import KVTransfer, check_compatible, export_kv, import_kv, read_header
+from .prepared_step import prepare_step
+from .request import Request, Sequence
+from .runners import build_runner
 from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)

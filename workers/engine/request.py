@@ -5,16 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ..outputs.request_output import RequestMetrics, SampleLogprobs
+from ..outputs.sequence_stream import SequenceStream
 from ..outputs.stream_batch import StreamTarget
+from ..sample.grammar import CompiledGrammar, GrammarMatcher
 from ..sample.sampling_params import SamplingParams
-
-if TYPE_CHECKING:  # annotations only: the outputs' types load without the engine (protocol, the handle)
-    from .beam_groups import BeamGroup
-    from ..sample.grammar import CompiledGrammar, GrammarMatcher
-    from ..outputs.output_processor import SequenceStream
 
 
 class SequenceStatus(str, enum.Enum):
@@ -54,7 +51,7 @@ class Sequence:
     # Its sampling row in the step still running, whose id its pending token takes.
     pending_source: int = -1
     # Its stream, as the output processor follows it.
-    stream: "SequenceStream | None" = None
+    stream: SequenceStream | None = None
 
     def __post_init__(self) -> None:
         self.output_token_ids = self.token_ids[self.num_prompt_tokens:]
@@ -102,7 +99,7 @@ class Request:
     is_final_streamed: bool = False
     # Beam search (params.use_beam_search): its live beams and hypotheses; its running
     # beams are ``seqs``.
-    beam_group: "BeamGroup | None" = None
+    beam_group: Any = None   # a ``beam_groups.BeamGroup``, which only the beam search reads
     # Its sequence may move to another worker when preempted (one sample, no KV export, no
     # beam search): decided once, when the request is built.
     is_migratable: bool = False

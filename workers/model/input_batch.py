@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .block_tables import BlockTableRows
-from .host_lists import int64_tensor
 from ..engine.request import Sequence
 from ..sample.sampler import PenaltyRow, SamplingBatch, seeded_uniform
+from .block_tables import BlockTableRows
+from .host_lists import int64_tensor
 
 # Row flags: features a sequence uses that the step looks at in Python.
 RANDOM = 1          # sampled, not greedy (no Python: dense parameters)

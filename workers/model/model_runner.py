@@ -16,9 +16,9 @@ from .decode_graphs import DecodeGraphs
 from .host_lists import int64_tensor, to_device
 from .host_memory import retain_freed_host_memory
 from .kv_cache import CacheShape, KVCache
+from .merged_projections import merge_same_input_projections
 from .model_head import ModelHead
 from .model_input import ExecuteOutput, ModelInput, ScoreRequest, TokenScores, flatten
-from .merged_projections import merge_same_input_projections
 from .model_support import (check_kernel_support, check_model_class, check_servable_config,
                             context_limit, probe_attention, probe_forward)
 

@@ -30,10 +30,10 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Protocol
 
-from ..engine.engine import EngineConfig, LLMEngine
-from ..outputs.output_processor import EngineStep
 from ..actor.protocol import EngineDeadError
+from ..engine.engine import EngineConfig, LLMEngine
 from ..engine.request import Request, Sequence
+from ..outputs.output_processor import EngineStep
 from ..outputs.request_output import RequestOutput
 from ..sample.sampling_params import SamplingParams
 

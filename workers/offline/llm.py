@@ -6,11 +6,11 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-from ..sample.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from .chat_template import render_conversation, template_message
 from ..engine.engine import EngineConfig, LLMEngine
 from ..outputs.request_output import RequestOutput
+from ..sample.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from ..sample.sampling_params import SamplingParams
+from .chat_template import render_conversation, template_message
 
 
 class LLM:

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .detokenizer import DeltaTextDecoder
 from ..actor.protocol import OutputDelta
+from .detokenizer import DeltaTextDecoder
 from .request_output import CompletionOutput, ListPrefix, RequestMetrics, RequestOutput, SampleLogprobs, TextPrefix
 
 

@@ -14,12 +14,12 @@ import time
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..outputs.detokenizer import FINISH_STOP
-from .grammar import GrammarCompiler
-from ..model.input_batch import BAD_WORDS, EXPORTS_KV, GRAMMAR, MIN_TOKENS, STOP_TOKEN_IDS, InputBatch
 from ..engine.kv_transfer import KVTransfer, export_kv
 from ..engine.request import Sequence
+from ..model.input_batch import BAD_WORDS, EXPORTS_KV, GRAMMAR, MIN_TOKENS, STOP_TOKEN_IDS, InputBatch
+from ..outputs.detokenizer import FINISH_STOP
 from ..outputs.request_output import SampleLogprobs
+from .grammar import GrammarCompiler
 from .sampler import SamplingBatch
 
 if TYPE_CHECKING:

@@ -19,15 +19,15 @@ import torch
 from pagedserve.kvmanager import PENDING_TOKEN
 
 from ..engine.beam_groups import BeamGroups, NewSequence
-from ..outputs.detokenizer import check_stop
+from ..engine.request import Sequence
+from ..engine.scheduler import Scheduler
 from ..model.host_lists import int64_tensor, to_device
 from ..model.input_batch import BEAM, FORKS, PER_ROW, RANDOM, TEXT, InputBatch
+from ..outputs.detokenizer import check_stop
 from ..outputs.output_processor import EngineStep, SeqFinish, StepTokens
 from .per_row_features import Ends, PerRowFeatures
-from ..engine.request import Sequence
 from .sampled_step import SampledStep, TokenReadback
 from .sampler import Sampler
-from ..engine.scheduler import Scheduler
 
 
 class SamplingPipeline:

@@ -23,9 +23,9 @@ from ..model.model_runner import ModelRunner, resolve_device
 from ..model.model_support import load_config
 from .dispatch import CommandChannel, GroupBrokenError, open_channel
 from .group import Rendezvous, TensorParallelGroup
+from .load import shard_loader
 from .messages import (AllocateCache, KVCopies, ProfilePeak, ReadBlocks, RunStep, Stop, WarmUpKernels,
                           WriteBlocks, unpack)
-from .load import shard_loader
 from .plan import TensorParallelError, check_tensor_parallel, shard_slice
 
 logger = logging.getLogger(__name__)
@@ -60,8 +60,15 @@ def rank_device(device: str | None, gpu_index: int) -> torch.device:
     return torch.device("cuda", gpu_index)
 
 
+# Set in an engine core's process (which has no Ray) to its worker actor's Ray node id.
+NODE_ID_ENV = "PAGEDSERVE_NODE_ID"
+
+
 def node_key() -> str:
-    """Which node this process runs on (the Ray node id under Ray, else the host name)."""
+    """Which node this process runs on (the Ray node id under Ray, or the one an engine core's
+    worker actor gave it, else the host name)."""
+    if os.environ.get(NODE_ID_ENV):
+        return os.environ[NODE_ID_ENV]
     try:
         import ray
 
