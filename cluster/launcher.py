@@ -3,7 +3,7 @@
 ``serve`` starts a private Ray (or joins ``--address``, else ``$RAY_ADDRESS``;
 token authentication as Ray uses it for a cluster it finds), the KV manager and workers,
 and the Serve application, then writes a small state file (pid, Ray
-address, endpoints) to ``$PAGEDSERVE_CACHE_DIR/serve.json`` (default
+address, endpoints, model) to ``$PAGEDSERVE_CACHE_DIR/serve.json`` (default
 ``~/.cache/pagedserve/serve.json``) and blocks until SIGINT/SIGTERM, when it
 tears everything down and removes the file.
 
@@ -133,7 +133,10 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
             endpoints = deploy(handle, config, quiet=True)
         state = {"pid": os.getpid(), "ray_address": ray.get_runtime_context().gcs_address,
                  "ray_auth_mode": os.environ.get(RAY_AUTH_MODE_ENV),
-                 "endpoints": endpoints, "model": handle.model_name, "started_at": time.time()}
+                 "endpoints": endpoints, "model": handle.model_name, "started_at": time.time(),
+                 # What `bench serve --offline-baseline` runs offline: the first group's engine.
+                 "model_path": handle.model_path,
+                 "engine": {**config.engine.model_dump(mode="json", exclude_defaults=True), **config.workers[0].engine}}
         path = state_file()
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(state, indent=2) + "\n")

@@ -16,7 +16,6 @@ import secrets
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import pytest
 import yaml
 
 from pagedserve.cluster.cli import build_parser, main
+from served_cluster import ServeProcess
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -111,34 +111,6 @@ def test_bench_serve_takes_vllm_bench_serve_flags():
 
 
 # ---- a private Ray, or a named one with its token ------------------------------------------------
-class ServeProcess:
-    """``pagedserve serve ...`` in a subprocess, its output collected and the process reaped
-    as a shell would (``pagedserve stop`` waits for the pid to vanish, not a zombie)."""
-
-    def __init__(self, args: list[str], env: dict) -> None:
-        self.process = subprocess.Popen([sys.executable, "-m", "pagedserve", "serve", *args], env=env,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.output: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        self.output.extend(self.process.stdout)
-        self.process.wait()
-
-    def wait_serving(self, timeout_s: float = 300) -> None:
-        deadline = time.time() + timeout_s
-        while not any("pagedserve is serving" in line for line in self.output):
-            assert self.process.poll() is None, "".join(self.output)
-            assert time.time() < deadline, "".join(self.output)
-            time.sleep(0.5)
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(timeout=30)
-
-
 def _cli(*args: str, env: dict, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pagedserve", *args], env=env, capture_output=True,
                           text=True, timeout=timeout)
