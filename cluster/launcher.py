@@ -146,7 +146,7 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
         path.write_text(json.dumps(state, indent=2) + "\n")
         http = endpoints["http"]
         print(f"pagedserve is serving '{handle.model_name}' (context {handle.max_model_len} tokens, "
-              f"{num_workers} worker(s))", file=stdout)
+              f"{num_workers} worker(s), {config.num_ingress_replicas} ingress replica(s))", file=stdout)
         print(f"  OpenAI API  {http}/v1   (e.g. curl {http}/v1/models)", file=stdout)
         if "grpc" in endpoints:
             print(f"  gRPC        {endpoints['grpc']}", file=stdout)

@@ -61,10 +61,11 @@ def _is_free(port: int) -> bool:
 def cluster_config(model_path: str, name: str, engine: dict, num_workers: int, worker_cpus: float = 0.5,
                    step_timeout_s: float = 20.0, **server) -> dict:
     """A ``ClusterConfig`` dump: one group of ``num_workers`` CPU workers, the HTTP port free
-    unless ``server`` (more server options) names one."""
+    and one ingress replica unless ``server`` (more server options) says otherwise
+    (``num_replicas=None``: the rule, one per worker)."""
     return {"model": {"path": model_path, "name": name}, "engine": engine,
             "workers": [{"count": num_workers, "num_cpus": worker_cpus}],
-            "server": {"port": free_port(), **server}, "step_timeout_s": step_timeout_s}
+            "server": {"port": free_port(), "num_replicas": 1, **server}, "step_timeout_s": step_timeout_s}
 
 
 @dataclass

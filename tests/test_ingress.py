@@ -1,7 +1,8 @@
 """``server.ingress``: which ingress ``serve`` chooses, and why (without Ray: the cluster's
-environment is given). The end-to-end runs are ``test_serve_cli``'s (HAProxy on a private
-Ray, the proxy actor on a joined cluster started without Serve's HAProxy variables) and
-``test_server``'s (a cluster without them refuses "haproxy")."""
+environment is given); ``server.num_replicas``: how many ingress replicas. The end-to-end
+runs are ``test_serve_cli``'s (HAProxy on a private Ray, the proxy actor on a joined cluster
+started without Serve's HAProxy variables), ``test_server``'s (a cluster without them
+refuses "haproxy") and ``test_ingress_replicas``' (two workers, two replicas)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 
 import pytest
 
+from pagedserve.cluster.config import WORKERS_PER_INGRESS_REPLICA, ClusterConfig
 from pagedserve.cluster.serving import ingress
 
 
@@ -42,3 +44,20 @@ def test_auto_is_haproxy_where_it_can_run(monkeypatch):
     assert not any(os.environ.get(name) for name in ingress.HAPROXY_ENV)
     ingress.prepare("auto")
     assert all(os.environ.get(name) == value for name, value in ingress.HAPROXY_ENV.items())
+
+
+def test_ingress_replicas_follow_the_workers_unless_set():
+    def replicas(workers: list[dict], **server) -> int:
+        return ClusterConfig.model_validate({"workers": workers, "server": server}).num_ingress_replicas
+
+    assert WORKERS_PER_INGRESS_REPLICA == 1
+    assert replicas([{}]) == 1
+    assert replicas([{"count": 4, "num_gpus": 1}]) == 4
+    # Each group at the most workers it can grow to; a worker of several ranks is one worker.
+    assert replicas([{"autoscaling": {"min_replicas": 1, "max_replicas": 3}},
+                     {"count": 1, "tensor_parallel_size": 2, "num_cpus": 1}]) == 4
+    assert replicas([{"role": "prefill", "count": 2}, {"role": "decode", "count": 3}]) == 5
+    assert replicas([{"count": 4}], num_replicas=1) == 1   # an explicit number wins
+    assert replicas([{}], num_replicas=3) == 3
+    with pytest.raises(ValueError):
+        replicas([{}], num_replicas=0)

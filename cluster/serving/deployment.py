@@ -81,7 +81,7 @@ def build_application(handle, config: ClusterConfig, num_cpus: float = 0.0):
         # Serve must not queue in front of our limiter: room for every admitted
         # request plus health checks and scrapes.
         max_ongoing_requests=limits.max_queued_requests + 32,
-        num_replicas=config.server.num_replicas,
+        num_replicas=config.num_ingress_replicas,
         # On the head node, next to the driver that resolved the model path (the tokenizer's).
         ray_actor_options={"num_cpus": num_cpus, **ray_compat.head_node_placement()},
         graceful_shutdown_timeout_s=5)
