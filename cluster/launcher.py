@@ -3,7 +3,7 @@
 ``serve`` starts a private Ray (or joins ``--address``, else ``$RAY_ADDRESS``;
 token authentication as Ray uses it for a cluster it finds), the KV manager and workers,
 and the Serve application, then writes a small state file (pid, Ray
-address, endpoints) to ``$PAGEDSERVE_CACHE_DIR/serve.json`` (default
+address, endpoints, model) to ``$PAGEDSERVE_CACHE_DIR/serve.json`` (default
 ``~/.cache/pagedserve/serve.json``) and blocks until SIGINT/SIGTERM, when it
 tears everything down and removes the file.
 
@@ -117,7 +117,9 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
     handle = None
     try:
         if owns_ray:
-            ingress.prepare(config.server.ingress)  # Serve's processes read it when they start
+            # Serve's processes read it when they start.
+            ingress.prepare(config.server.ingress,
+                            joining=(address or os.environ.get("RAY_ADDRESS")) not in (None, "", "local"))
             with progress.stage(f"joining the Ray cluster at {address}" if address else "starting a private Ray"):
                 is_private_ray = init_ray(address, logging_level="WARNING")
         if not config.model.path:
@@ -130,20 +132,26 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
             handle = start(config, show_progress=progress.is_tty)
         apis = "HTTP and gRPC" if config.server.grpc_port is not None else "HTTP"
         with progress.stage(f"deploying the {apis} API on Ray Serve"):
-            endpoints = deploy(handle, config, quiet=True)
+            choice = ingress.choose(config.server.ingress)
+            endpoints = deploy(handle, config, quiet=True, ingress_choice=choice)
         state = {"pid": os.getpid(), "ray_address": ray.get_runtime_context().gcs_address,
                  "ray_auth_mode": os.environ.get(RAY_AUTH_MODE_ENV),
-                 "endpoints": endpoints, "model": handle.model_name, "started_at": time.time()}
+                 "endpoints": endpoints, "ingress": choice.name, "model": handle.model_name,
+                 "started_at": time.time(),
+                 # What `bench serve --offline-baseline` runs offline: the first group's engine.
+                 "model_path": handle.model_path,
+                 "engine": {**config.engine.model_dump(mode="json", exclude_defaults=True), **config.workers[0].engine}}
         path = state_file()
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(state, indent=2) + "\n")
         http = endpoints["http"]
         print(f"pagedserve is serving '{handle.model_name}' (context {handle.max_model_len} tokens, "
-              f"{num_workers} worker(s))", file=stdout)
+              f"{num_workers} worker(s), {config.num_ingress_replicas} ingress replica(s))", file=stdout)
         print(f"  OpenAI API  {http}/v1   (e.g. curl {http}/v1/models)", file=stdout)
         if "grpc" in endpoints:
             print(f"  gRPC        {endpoints['grpc']}", file=stdout)
         print(f"  metrics     {http}/metrics      health {http}/health", file=stdout)
+        print(f"  ingress     {choice.describe()}", file=stdout)
         if config.server.api_key or os.environ.get("PAGEDSERVE_API_KEY"):
             print("  an API key is required: send 'Authorization: Bearer <key>'", file=stdout)
         print("Press Ctrl-C (or run 'pagedserve stop') to stop.", file=stdout, flush=True)

@@ -2,13 +2,17 @@
 
 ``running_cluster(cluster_config(...))`` starts Ray and the cluster, yields
 them, and shuts Serve, the cluster and Ray down afterwards; the fixture
-deploys its own Serve applications in between.
+deploys its own Serve applications in between. ``ServeProcess`` runs
+``pagedserve serve`` as a user would, in a subprocess.
 """
 
 from __future__ import annotations
 
 import random
 import socket
+import subprocess
+import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -57,10 +61,11 @@ def _is_free(port: int) -> bool:
 def cluster_config(model_path: str, name: str, engine: dict, num_workers: int, worker_cpus: float = 0.5,
                    step_timeout_s: float = 20.0, **server) -> dict:
     """A ``ClusterConfig`` dump: one group of ``num_workers`` CPU workers, the HTTP port free
-    unless ``server`` (more server options) names one."""
+    and one ingress replica unless ``server`` (more server options) says otherwise
+    (``num_replicas=None``: the rule, one per worker)."""
     return {"model": {"path": model_path, "name": name}, "engine": engine,
             "workers": [{"count": num_workers, "num_cpus": worker_cpus}],
-            "server": {"port": free_port(), **server}, "step_timeout_s": step_timeout_s}
+            "server": {"port": free_port(), "num_replicas": 1, **server}, "step_timeout_s": step_timeout_s}
 
 
 @dataclass
@@ -108,3 +113,31 @@ def running_cluster(config: dict, num_cpus: int = 4, include_dashboard: bool | N
         serve.shutdown()
         handle.shutdown()
         ray.shutdown()
+
+
+class ServeProcess:
+    """``pagedserve serve ...`` in a subprocess, its output collected and the process reaped
+    as a shell would (``pagedserve stop`` waits for the pid to vanish, not a zombie)."""
+
+    def __init__(self, args: list[str], env: dict) -> None:
+        self.process = subprocess.Popen([sys.executable, "-m", "pagedserve", "serve", *args], env=env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.output: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        self.output.extend(self.process.stdout)
+        self.process.wait()
+
+    def wait_serving(self, timeout_s: float = 300) -> None:
+        deadline = time.time() + timeout_s
+        while not any("pagedserve is serving" in line for line in self.output):
+            assert self.process.poll() is None, "".join(self.output)
+            assert time.time() < deadline, "".join(self.output)
+            time.sleep(0.5)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=30)

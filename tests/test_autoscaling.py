@@ -57,7 +57,7 @@ def elastic(tmp_path_factory, tiny_model):
                  runtime_env={"env_vars": {FAULT_INJECTION_ENV: "1"}})  # for Pacer
         data = yaml.safe_load(SERVE_FILE.read_text())
         data["model"] = {"path": tiny_model("llama")}
-        data["server"] = {"port": free_port()}
+        data["server"] = {"port": free_port(), "num_replicas": 1}   # the workers scale here, not the ingress
         data["workers"][0]["autoscaling"]["downscale_delay_s"] = 1  # shrink while the long streams run
         config = ClusterConfig.model_validate(data)
         handle = start(config, ready_timeout_s=300.0)

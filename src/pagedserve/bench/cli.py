@@ -191,6 +191,23 @@ def _add_serve_parser(subparsers) -> None:
     parser.add_argument("--result-filename", default=None,
                         help="with --save-result (default: <backend>-<rate>qps-<model>-<time>.json)")
     parser.add_argument("--disable-tqdm", dest="no_progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--num-warmups", type=non_negative_int, default=None,
+                        help="untimed requests first, other prompts of the same lengths (default: 4 with "
+                             "--cpu-per-token, else 0)")
+    cpu = parser.add_argument_group(
+        "CPU per token (the server's processes on this machine, read with psutil; needs pagedserve[bench])")
+    cpu.add_argument("--cpu-per-token", action="store_true",
+                     help="report the CPU time of each of the server's processes (by role: Serve replica, "
+                          "proxy actor, HAProxy, each worker and engine core, controllers, KV manager, "
+                          "Ray's daemons) over the timed load, per streamed output token, and the client's")
+    cpu.add_argument("--server-pid", type=positive_int, default=None,
+                     help="the server's root process (default: the 'pagedserve serve' its state file records)")
+    cpu.add_argument("--offline-baseline", action="store_true",
+                     help="then run the same requests through LLM.generate (one torch thread) in a process "
+                          "of its own: serving adds = the server's CPU per token less the engine's")
+    cpu.add_argument("--offline-model", default=None,
+                     help="the offline run's checkpoint (default: the served one the state file records, "
+                          "with its engine options; else the built tiny model)")
     _add_length_arguments(parser, "input", "prompt")
     _add_length_arguments(parser, "output", "output")
     _add_output_arguments(parser)
@@ -229,7 +246,23 @@ def serve_bench_config(args: argparse.Namespace):
         output_len=_random_length(args, "output", defaults.output_len), prompt_format=args.prompt_format,
         vocab_size=args.vocab_size, ignore_eos=not args.no_ignore_eos, max_duration_s=args.max_duration,
         request_timeout_s=args.request_timeout, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
-        seed=args.seed or 0)
+        seed=args.seed or 0,
+        num_warmups=args.num_warmups if args.num_warmups is not None else 4 if args.cpu_per_token else 0)
+
+
+def cpu_per_token_config(args: argparse.Namespace):
+    """The ``CpuPerTokenConfig`` of ``bench serve``'s arguments, None without ``--cpu-per-token``."""
+    from . import serve
+
+    if not args.cpu_per_token:
+        for flag in ("server_pid", "offline_model"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} needs --cpu-per-token")
+        if args.offline_baseline:
+            raise ValueError("--offline-baseline needs --cpu-per-token")
+        return None
+    return serve.CpuPerTokenConfig(server_pid=args.server_pid, offline=args.offline_baseline,
+                                   offline_model=args.offline_model)
 
 
 def _result_path(args: argparse.Namespace, config) -> str | None:
@@ -249,11 +282,17 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     try:
         config = serve_bench_config(args)
+        cpu = cpu_per_token_config(args)
+        if cpu is not None:   # the server is found before any load is sent
+            from .process_cpu import find_server_root
+
+            find_server_root(config.url, cpu.server_pid)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     args.out = _result_path(args, config)
-    data = serve.run_benchmark(config, out=args.out, plot_dir=args.plot_dir, show_progress=not args.no_progress)
+    data = serve.run_benchmark(config, out=args.out, plot_dir=args.plot_dir, show_progress=not args.no_progress,
+                               cpu=cpu)
     _finish(args, data, serve.format_results(data))
     return 0 if data["completed"] else 1
 

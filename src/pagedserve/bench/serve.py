@@ -8,11 +8,20 @@ after the first (TPOT) and the whole request (E2EL). The summary uses
 ``vllm bench serve``'s metric names (``request_throughput``,
 ``output_throughput``, ``mean_ttft_ms``, ``median_ttft_ms``,
 ``p99_itl_ms``, ...), so the numbers compare directly.
+
+``num_warmups`` requests (other prompts, the same lengths) run before the timed load.
+With a ``CpuPerTokenConfig`` the run also reads the CPU time of every process of the
+server (``process_cpu``: by role, on this machine) just before and just after the timed
+load, and reports it per streamed output token, with the load client's own; optionally
+the same requests then run through the offline engine in a process of its own
+(``offline_cpu``), and what serving adds per token is the server's figure minus that.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import math
 import random
@@ -48,16 +57,29 @@ class ServeBenchConfig:
     request_timeout_s: float = 300.0
     api_key: str | None = None
     seed: int = 0
+    num_warmups: int = 0                     # untimed requests first (other prompts, the same lengths)
 
     def __post_init__(self) -> None:
         if self.prompt_format not in PROMPT_FORMATS:
             raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}, got {self.prompt_format!r}")
         if self.num_requests < 1:
             raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+        if self.num_warmups < 0:
+            raise ValueError(f"num_warmups must be >= 0, got {self.num_warmups}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
+
+
+@dataclass(frozen=True)
+class CpuPerTokenConfig:
+    """``--cpu-per-token``: the server's processes' CPU per streamed token (this machine's)."""
+
+    server_pid: int | None = None            # default: the one `pagedserve serve`'s state file records
+    offline: bool = False                    # also LLM.generate on the same requests, in its own process
+    offline_model: str | None = None         # default: the state file's model, else the built tiny model
+    offline_threads: int = 1
 
 
 @dataclass
@@ -227,16 +249,39 @@ def summarize_results(results: list[RequestResult], duration_s: float) -> dict:
     return summary
 
 
+def warmup_config(config: ServeBenchConfig) -> ServeBenchConfig:
+    """The warm-up's load: ``num_warmups`` requests of the same lengths with other prompts
+    (another seed, so that no timed prompt is cached by them), all at once."""
+    return dataclasses.replace(config, num_requests=config.num_warmups, seed=config.seed + 1,
+                               request_rate=math.inf, num_warmups=0)
+
+
 def run_benchmark(config: ServeBenchConfig, out: str | None = None, plot_dir: str | None = None,
-                  show_progress: bool = True) -> dict:
-    """Run the load, write JSON (config, summary, per-request results) and the latency CDFs."""
-    with progress_bar(config.num_requests, "serve", disable=not show_progress) as bar:
+                  show_progress: bool = True, cpu: CpuPerTokenConfig | None = None) -> dict:
+    """Run the warm-up and the load, write JSON (config, summary, per-request results, and
+    with ``cpu`` the CPU per token) and the latency CDFs."""
+    probe = None
+    if cpu is not None:
+        from .process_cpu import ServerCpuProbe, find_server_root
+
+        probe = ServerCpuProbe(find_server_root(config.url, cpu.server_pid))
+    if config.num_warmups:
+        asyncio.run(run_load(warmup_config(config)))
+    with progress_bar(config.num_requests, "serve", disable=not show_progress) as bar, \
+            (probe.measure() if probe else contextlib.nullcontext()) as window:
         results, duration = asyncio.run(run_load(config, on_finish=lambda _: bar.update(1)))
+    summary = summarize_results(results, duration)
     data = {"config": {k: v for k, v in asdict(config).items() if k != "api_key"},
-            **summarize_results(results, duration),
+            **summary,
             "requests": [{"success": r.success, "prompt_len": r.prompt_len, "output_tokens": r.output_tokens,
                           "start_s": r.start_s, "ttft_s": r.ttft_s, "e2e_s": r.e2e_s, "error": r.error}
                          for r in results]}
+    if window is not None:
+        data["cpu_per_token"] = window.result(summary["total_output_tokens"])
+        if cpu.offline:
+            data["offline"] = run_offline(config, cpu)
+            served = data["cpu_per_token"]["server_total"]["us_per_token"]
+            data["cpu_per_token"]["serving_adds_us_per_token"] = served - data["offline"]["us_per_token"]
     write_json(out, data)
     if plot_dir:
         from pathlib import Path
@@ -250,6 +295,57 @@ def run_benchmark(config: ServeBenchConfig, out: str | None = None, plot_dir: st
     return data
 
 
+def run_offline(config: ServeBenchConfig, cpu: CpuPerTokenConfig) -> dict:
+    """The load's requests (and its warm-up's) through ``LLM.generate`` in a process of its
+    own: the offline engine's CPU per token (``offline_cpu``)."""
+    from pagedserve.cluster.launcher import read_state
+
+    from .offline_cpu import measure_in_subprocess
+
+    state = read_state() or {}
+    model, engine_options = cpu.offline_model, {}
+    if model is None and state.get("model_path"):
+        model, engine_options = state["model_path"], state.get("engine") or {}
+    if model is None:
+        from pagedserve.devtools.model_factory import ensure_model
+
+        model = str(ensure_model("llama", "tiny"))
+    requests = [(prompt, max_tokens) for prompt, _, max_tokens in make_prompts(config)]
+    warmup = [(prompt, max_tokens) for prompt, _, max_tokens in make_prompts(warmup_config(config))] \
+        if config.num_warmups else []
+    return measure_in_subprocess(model, requests, warmup, cpu.offline_threads, engine_options)
+
+
+def format_cpu_per_token(data: dict) -> str:
+    """The CPU table of a ``--cpu-per-token`` run: µs per streamed token by process group."""
+    cpu = data["cpu_per_token"]
+    def titles(names: list[str], most: int = 3) -> str:
+        return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+    rows = [[label, len(g["pids"]), g["cpu_s"], g["us_per_token"], titles(g["titles"])]
+            for label, g in cpu["groups"].items()]
+    rows.append(["all of the server", sum(len(g["pids"]) for g in cpu["groups"].values()),
+                 cpu["server_total"]["cpu_s"], cpu["server_total"]["us_per_token"], ""])
+    rows.append(["load client (not the server's)", 1, cpu["client"]["cpu_s"], cpu["client"]["us_per_token"], ""])
+    if "offline" in data:
+        offline = data["offline"]
+        rows.append([f"offline LLM.generate ({offline['threads']} torch thread(s))", 1, offline["cpu_s"],
+                     offline["us_per_token"], f"{offline['output_throughput']:.0f} output tok/s"])
+    ingress = f", ingress {cpu['ingress']}" if cpu.get("ingress") else ""
+    lines = [f"CPU per streamed output token ({cpu['num_output_tokens']:,} tokens; this machine's processes"
+             f"{ingress}):",
+             format_table(["process group", "processes", "CPU s", "us/token", "titles"], rows)]
+    if "serving_adds_us_per_token" in cpu:
+        lines.append(f"serving adds {cpu['serving_adds_us_per_token']:.1f} us per token (the server's "
+                     f"{cpu['server_total']['us_per_token']:.1f} less the offline engine's "
+                     f"{data['offline']['us_per_token']:.1f}); served {data['output_throughput']:.0f} against "
+                     f"offline {data['offline']['output_throughput']:.0f} output tok/s")
+    if cpu["ended_processes"]:
+        lines.append("ended during the run (CPU after the first snapshot not counted): " + ", ".join(
+            f"{p['name']} ({p['pid']})" for p in cpu["ended_processes"]))
+    return "\n".join(lines)
+
+
 def format_results(data: dict) -> str:
     lines = [f"serve: {data['completed']} completed, {data['failed']} failed in {data['duration']:.1f} s; "
              f"{data['request_throughput']:.2f} req/s, {data['output_throughput']:.1f} output tok/s, "
@@ -257,6 +353,8 @@ def format_results(data: dict) -> str:
              format_table(["metric (ms)", "mean", "median", "p90", "p99"],
                           [[m.upper(), data[f"mean_{m}_ms"], data[f"median_{m}_ms"], data[f"p90_{m}_ms"],
                             data[f"p99_{m}_ms"]] for m in LATENCY_METRICS])]
+    if "cpu_per_token" in data:
+        lines.append(format_cpu_per_token(data))
     for error in data["errors"][:5]:
         lines.append(f"error: {error}")
     return "\n".join(lines)

