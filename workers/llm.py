@@ -6,11 +6,11 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from .beam_search import BeamSearchOutput, BeamSearchSequence
 from .chat_template import render_conversation, template_message
 from .engine import EngineConfig, LLMEngine
 from .request import RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:

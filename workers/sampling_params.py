@@ -1,4 +1,5 @@
-"""Per-request sampling options, named and defaulted like vLLM's ``SamplingParams``.
+"""Per-request sampling options, named and defaulted like vLLM's ``SamplingParams``
+(and ``BeamSearchParams``, which ``LLM.beam_search`` takes).
 
 The object is plain data (ints, floats, bools, lists of str/int) so it pickles and
 round-trips through msgpack via ``to_dict``/``from_dict``. Construction validates
@@ -367,6 +368,31 @@ class SamplingParams:
                 f"known options: {', '.join(known)}"
             )
         return cls(**options)
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's ``BeamSearchParams``: ``beam_width`` beams, up to ``max_tokens`` output tokens.
+
+    ``temperature`` must be 0: beam search keeps the most likely continuations
+    of the raw log-probabilities (transformers' ``do_sample=False``).
+    ``early_stopping`` is transformers' stopping rule (True, False or "never").
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: bool | str = False
+
+    def to_sampling_params(self) -> SamplingParams:
+        """The engine's request options (``ValueError`` naming a bad field)."""
+        return SamplingParams(n=self.beam_width, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
+                              temperature=self.temperature, length_penalty=self.length_penalty,
+                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              early_stopping=self.early_stopping, use_beam_search=True)
 
 
 def _public_field_names() -> tuple[str, ...]:
