@@ -46,3 +46,41 @@ def test_readme_is_read_in_ten_minutes():
 def test_readme_keeps_the_command_ci_runs():
     assert "make test" in (ROOT / "README.md").read_text(encoding="utf-8"), \
         ".ci/run runs `make test`, the README's test command"
+
+
+FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
+DOC_IMPORT = re.compile(r"^[ \t]*(from[ \t]+pagedserve[\w.]*[ \t]+import[ \t]+(?:\([^)]*\)|[^\n]*)"
+                        r"|import[ \t]+pagedserve[\w.]*[^\n]*)", re.M)
+
+
+def documented_imports() -> list[tuple[str, str]]:
+    """(page, statement) for every ``from pagedserve... import ...`` or ``import pagedserve...``
+    in the pages' code blocks."""
+    found = []
+    for page in PAGES:
+        for block in FENCE.findall(page.read_text(encoding="utf-8")):
+            found += [(str(page.relative_to(ROOT)), statement) for statement in DOC_IMPORT.findall(block)]
+    return found
+
+
+def test_the_docs_show_imports():
+    statements = [statement for _, statement in documented_imports()]
+    assert any("import LLM" in statement for statement in statements), statements
+
+
+@pytest.mark.parametrize("page, statement", documented_imports(), ids=lambda value: value.split("#")[0].strip())
+def test_every_documented_import_works(page, statement):
+    """Each public name the docs show imports from where they show it."""
+    import ast
+    import importlib
+
+    for node in ast.parse(statement).body:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                importlib.import_module(alias.name)
+            continue
+        module = importlib.import_module(node.module)
+        for alias in node.names:
+            if not hasattr(module, alias.name):  # a submodule not yet loaded
+                importlib.import_module(f"{node.module}.{alias.name}")
+
