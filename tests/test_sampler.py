@@ -67,6 +67,7 @@ def test_params_defaults_and_normalisation():
         ({"n": 0}, "n must be"),
         ({"n": True}, "n must be an int"),
         ({"n": 1.0}, "n must be an int"),
+        ({"n": 2**31}, "n must be <= 1024"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": "5"}, "max_tokens"),
         ({"top_k": -2}, "top_k"),

@@ -20,6 +20,9 @@ from typing import Any
 # Temperatures below this are treated as greedy decoding (vLLM uses the same cut-off).
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_LOGPROBS = 20
+# A request's samples fork in one step: n rows of logits at once (1024 rows of a 152k-token
+# vocabulary are 0.6 GB in float32).
+MAX_N = 1024
 # The sampler holds temperatures in float32: a larger one cannot be written to the batch.
 MAX_TEMPERATURE = 3.4028234663852886e38
 # top_k as gRPC carries it (int32); anything above the vocabulary keeps every token anyway.
@@ -222,7 +225,7 @@ class SamplingParams:
     detokenize: bool = True
 
     def __post_init__(self) -> None:
-        self.n = _as_int("n", self.n, minimum=1)
+        self.n = _as_int("n", self.n, minimum=1, maximum=MAX_N)
         self.max_tokens = _as_int("max_tokens", self.max_tokens, minimum=1)
         self.min_tokens = _as_int("min_tokens", self.min_tokens, minimum=0, maximum=self.max_tokens)
         self.temperature = _as_float("temperature", self.temperature, minimum=0.0, maximum=MAX_TEMPERATURE)
