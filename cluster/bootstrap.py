@@ -112,7 +112,8 @@ def check_model_fits(config: ClusterConfig, model_config) -> None:
 def cached_model_config(model: ModelConfig):
     """``model``'s transformers config, read without weights or the network, as
     ``check_servable_config`` checks it: a directory's, a hub id's from this node's hub cache
-    (None where the cache lacks it), the random-weight model's without building it."""
+    (None where the cache lacks it), the random-weight model's without building it (its
+    families are servable by construction)."""
     if not model.path:
         from pagedserve.devtools.model_factory import build_config
 
