@@ -9,17 +9,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pagedserve.workers.model.model_support import check_servable_config
-from pagedserve.workers.tp.plan import check_tensor_parallel
 from pagedserve.workers.actor.worker import stall_timeout_s
+from pagedserve.workers.model.model_support import check_max_model_len, check_servable_config, context_limit
+from pagedserve.workers.tp.plan import check_tensor_parallel
 
 from . import ray_compat
-from .config import ClusterConfig, load_config
+from .config import ClusterConfig, ModelConfig, load_config
 from .controller import CONTROLLER_NAME, ClusterController
 from .handle import ClusterHandle
 from .kv_relay import node_relay
 from .placement import remove_worker_placement, worker_actor_options
-from .worker_pool import group_engine_config, group_tensor_parallel_size, worker_actor_name
+from .worker_pool import group_engine_config, group_engine_options, group_tensor_parallel_size, worker_actor_name
 
 logger = logging.getLogger("pagedserve.cluster")
 
@@ -93,12 +93,39 @@ def _wait_ready(refs: dict[str, Any], timeout_s: float, show_progress: bool) -> 
 
 
 def check_model(config: ClusterConfig, model_path: str) -> None:
-    """Refuse, with the reason, a model the workers cannot serve exactly, or whose layers
-    cannot be split across a worker group's ``tensor_parallel_size`` ranks (no tensor-parallel
-    plan, head counts that do not divide). Reads the model's config only."""
-    model_config = check_servable_config(model_path)
+    """Refuse, with the reason, a model the workers cannot serve exactly, or that does not
+    fit a worker group (``check_model_fits``). Reads the model's config only."""
+    check_model_fits(config, check_servable_config(model_path))
+
+
+def check_model_fits(config: ClusterConfig, model_config) -> None:
+    """Refuse, with the reason, a model (its transformers config) whose layers cannot be split
+    across a worker group's ``tensor_parallel_size`` ranks (no tensor-parallel plan, head
+    counts that do not divide), or that computes exactly a shorter context than a group's
+    ``max_model_len``: the messages a worker's engine would give."""
     for group in config.workers:
-        check_tensor_parallel(model_config, group_tensor_parallel_size(config, group))
+        options = group_engine_options(config, group)
+        check_tensor_parallel(model_config, options.tensor_parallel_size)
+        check_max_model_len(options.max_model_len, *context_limit(model_config))
+
+
+def cached_model_config(model: ModelConfig):
+    """``model``'s transformers config, read without weights or the network, as
+    ``check_servable_config`` checks it: a directory's, a hub id's from this node's hub cache
+    (None where the cache lacks it), the random-weight model's without building it (its
+    families are servable by construction)."""
+    if not model.path:
+        from pagedserve.devtools.model_factory import build_config
+
+        return build_config(model.arch, model.size)
+    source = model.source()
+    if not source.is_hub_id:
+        return check_servable_config(source.resolve(weights=False))
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(source.reference, "config.json", cache_dir=source.download_dir,
+                                    revision=source.revision)
+    return check_servable_config(str(Path(cached).parent)) if isinstance(cached, str) else None
 
 
 def init_ray(address: str | None = None, **ray_init_kwargs: Any) -> bool:

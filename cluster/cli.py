@@ -117,7 +117,9 @@ def _add_config_parser(subparsers) -> None:
         description="Check a pagedserve YAML file against the schema, or print the effective "
                     "configuration (defaults, then the file, then --set overrides).")
     actions = parser.add_subparsers(dest="config_action", metavar="ACTION", required=True)
-    validate = actions.add_parser("validate", help="check FILE; exit 1 with every problem listed")
+    validate = actions.add_parser("validate", help="check FILE, and the model against it as 'serve' does (its "
+                                                   "config only: a directory's, the hub cache's); exit 1 with "
+                                                   "every problem listed")
     validate.add_argument("file")
     show = actions.add_parser(
         "show", help="print the merged effective configuration as YAML",
@@ -143,9 +145,28 @@ def _run_config(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if args.config_action == "validate":
-        print(f"{args.file}: valid")
+        return _validate_model(args.file, config)
+    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
+def _validate_model(file: str, config) -> int:
+    """The model checks ``serve`` makes before it starts anything, on the model's config as this
+    node has it without weights or the network (``bootstrap.cached_model_config``)."""
+    from pagedserve.cluster.bootstrap import cached_model_config, check_model_fits
+
+    try:
+        model_config = cached_model_config(config.model)
+        if model_config is not None:
+            check_model_fits(config, model_config)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if model_config is None:
+        print(f"{file}: valid; the model was not checked: the config of {config.model.path!r} is not in "
+              "this node's hub cache ('serve' fetches it and checks the model before it starts)")
     else:
-        print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+        print(f"{file}: valid")
     return 0
 
 

@@ -39,7 +39,8 @@ are errors naming the key's path. Three ways to set a key, later ones winning:
 ```sh
 pagedserve serve --config my.yaml --set engine.block_size=32 --set workers.0.count=2
 pagedserve config show my.yaml --set engine.block_size=32   # the effective configuration
-pagedserve config validate my.yaml                          # every problem, with its key path
+pagedserve config validate my.yaml                          # every problem, with its key path,
+                                                            # and the model's fit (heads, context) as serve checks it
 ```
 
 `serve`'s `--host`, `--port`, `--grpc-port`, `--api-key` and `--log-requests`

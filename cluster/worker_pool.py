@@ -54,15 +54,20 @@ MAX_START_FAILURES = 3
 START_FAILED = "could not start"
 
 
+def group_engine_options(config: ClusterConfig, group: WorkerGroup):
+    """The cluster's engine options with ``group``'s overrides (its ``tensor_parallel_size`` too)."""
+    overrides = dict(group.engine)
+    if group.tensor_parallel_size is not None:
+        overrides["tensor_parallel_size"] = group.tensor_parallel_size
+    return config.engine.model_copy(update=EngineOptions.model_validate(
+        {**config.engine.model_dump(), **overrides}).model_dump())
+
+
 def group_engine_config(config: ClusterConfig, group: WorkerGroup, model_path: str) -> dict:
     """The engine config (a plain dict) of a worker of ``group``: the cluster's engine
     options with the group's overrides; a worker of several ranks starts them as Ray actors
     in its placement group."""
-    overrides = dict(group.engine)
-    if group.tensor_parallel_size is not None:
-        overrides["tensor_parallel_size"] = group.tensor_parallel_size
-    options = config.engine.model_copy(update=EngineOptions.model_validate(
-        {**config.engine.model_dump(), **overrides}).model_dump())
+    options = group_engine_options(config, group)
     if options.tensor_parallel_size > 1:
         options = options.model_copy(update={"distributed_executor_backend": "ray"})
     return options.to_engine_config(model_path).model_dump()
@@ -70,8 +75,7 @@ def group_engine_config(config: ClusterConfig, group: WorkerGroup, model_path: s
 
 def group_tensor_parallel_size(config: ClusterConfig, group: WorkerGroup) -> int:
     """Ranks per worker of ``group``."""
-    return group.tensor_parallel_size or EngineOptions.model_validate(
-        {**config.engine.model_dump(), **group.engine}).tensor_parallel_size
+    return group_engine_options(config, group).tensor_parallel_size
 
 
 def worker_actor_name(index: int) -> str:

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagedserve import LLM, SamplingParams
-from pagedserve.workers.sample.beam_search import BeamSearchParams
+import pagedserve
+from pagedserve import LLM, BeamSearchParams, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -177,6 +177,14 @@ def test_llm_beam_search_api(make_llm, hf_beams):
         assert top.finish_reason in ("stop", "length")
     retokenized = llm.get_tokenizer().encode(text)
     assert results[2].sequences[0].tokens[:len(retokenized)] == retokenized
+
+
+def test_beam_search_params_import_where_vllms_do():
+    """From the package, as ``SamplingParams``, and from ``sampling_params``, as vLLM's."""
+    from pagedserve.workers.sample import sampling_params
+
+    assert BeamSearchParams is sampling_params.BeamSearchParams
+    assert "BeamSearchParams" in pagedserve.__all__
 
 
 @pytest.mark.parametrize("field, value", [

@@ -178,14 +178,19 @@ def test_forced_tool_calls_over_grpc(stub, tool_choice):
 
 
 def test_structured_outputs_over_grpc(stub):
+    """``response_format`` reaches the engine over gRPC: finished answers validate, and most
+    answers finish (a random-weight model without the schema never writes one)."""
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
               "required": ["n"], "additionalProperties": False}
     response_format = json.dumps({"type": "json_schema", "json_schema": {"name": "digit", "schema": schema}})
-    for seed in range(3):
+    num_valid = 0
+    for seed in range(6):
         [choice] = stub.Chat(pb.ChatRequest(messages=pb_messages(MESSAGES), response_format=response_format,
                                             max_tokens=40, seed=seed), timeout=60).choices
         if choice.finish_reason == "stop":
             jsonschema.validate(json.loads(choice.content), schema)
+            num_valid += 1
+    assert num_valid >= 3, num_valid
 
 
 # ---- truncated tool calls (both transports) ----------------------------------------------------------

@@ -22,6 +22,8 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 
+from near_ties import common_prefix, greedy_margin
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
@@ -92,13 +94,6 @@ def ours(path: str, dtype: str, prompts: list[list[int]], mode: str = "compiled"
     return [output.outputs[0] for output in outputs]
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
 def logprob_error(tokens: list[int], logprobs: list[float], reference: torch.Tensor, steps: int) -> float:
     """Largest |logprob - float32's| of the chosen tokens over the first ``steps`` steps."""
     errors = [abs(logprobs[i] - reference[i, tokens[i]].item()) for i in range(steps)]
@@ -148,10 +143,10 @@ def test_half_precision_is_as_close_to_float32_as_transformers(arch, dtype, mode
         rows.append((len(prompt), our_steps, their_steps, our_error, their_error))
         assert our_error <= tolerance, (len(prompt), our_error, their_error)
         if our_steps < min(len(exact), len(tokens)):
-            margin = exact_logprobs[our_steps, exact[our_steps]] - exact_logprobs[our_steps, tokens[our_steps]]
-            assert margin.item() <= tolerance, (
+            margin = greedy_margin(exact_logprobs[our_steps], exact[our_steps], tokens[our_steps])
+            assert margin <= tolerance, (
                 f"prompt of {len(prompt)} tokens left float32's tokens at step {our_steps} "
-                f"where float32's margin is {margin.item():.4f} > {tolerance:.4f}")
+                f"where float32's margin is {margin:.4f} > {tolerance:.4f}")
     print(f"\n{arch} {dtype}: prompt len, steps equal to float32 (ours, transformers), "
           f"max chosen-logprob error (ours, transformers)")
     for row in rows:

@@ -445,7 +445,7 @@ def test_a_salted_prefix_is_found_and_routed_to_only_under_its_salt(handle, refe
     """cache_salt through the cluster: the worker's blocks carry the salt into the central index,
     which finds them for the same salt only; the handle asks under the request's salt, so a
     repeat goes to the worker holding its salted prefix."""
-    rng = random.Random(5)
+    rng = random.Random("salted prefix")   # tokens no other test sends, salted or not
     prefix = [rng.randrange(3, 1024) for _ in range(96)]   # six full blocks of 16
     prompts = [prefix + [rng.randrange(3, 1024) for _ in range(3 + i)] for i in range(2)]
     salted = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, cache_salt="tenant-7")
@@ -457,7 +457,7 @@ def test_a_salted_prefix_is_found_and_routed_to_only_under_its_salt(handle, refe
 
     _wait_for(lambda: index("tenant-7").get(owner, 0) >= len(prefix), 5,
               "the owner's salted blocks to reach the central index")
-    assert max(index("tenant-8").values(), default=0) == 0 and max(index(None).values(), default=0) < len(prefix)
+    assert max(index("tenant-8").values(), default=0) == 0 and max(index(None).values(), default=0) == 0
     outputs += handle.generate_sync(prompts[1:], salted)
     decision = handle.stats()["recent_decisions"][-1]
     assert decision["worker_id"] == owner and decision["reason"] == "prefix", decision

@@ -28,13 +28,15 @@ DEFAULTS = {
     "enable_prefix_caching": True, "preemption_mode": None, "max_num_seqs": 256,
     "max_num_batched_tokens": None, "max_model_len": None, "scheduling_policy": "fcfs",
     "allocation": "paged", "watermark": 0.01, "seed": None, "kernel_backend": None,
-    "enforce_eager": False, "async_scheduling": None, "cuda_graph_sizes": None, "torch_compile": None,
+    "enforce_eager": False, "async_scheduling": None, "stream_interval": 1, "cuda_graph_sizes": None,
+    "torch_compile": None,
     "merge_projections": None, "tensor_parallel_size": 1, "distributed_executor_backend": None,
 }
 
 # option -> values every form must refuse (the old forms disagreed on several).
 BAD_VALUES = {
     "block_size": [0, -16, 12, 24, 256, 1.5, "x"],
+    "stream_interval": [0, -1, 1.5, "x"],
     "cuda_graph_sizes": [[], [0, 8], [-1], "8", [1.5]],
     "torch_compile": ["sometimes", 2],
     "merge_projections": ["sometimes", 2],

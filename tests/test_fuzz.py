@@ -364,10 +364,16 @@ def _grpc_requests(vocab_size: int):
     return fields.map(lambda kwargs: pb.GenerateRequest(**kwargs))
 
 
+# Every hostile request ends well within this: the context is MAX_MODEL_LEN tokens.
+GRPC_CLIENT_TIMEOUT_S = 120
+
+
 def test_hostile_grpc_requests(served, long_form):
     from pagedserve.cluster.protos import pagedserve_pb2 as pb
     from pagedserve.cluster.protos import pagedserve_pb2_grpc as pb_grpc
 
+    # DEADLINE_EXCEEDED only as the server's own answer (a 408, well inside the client's deadline):
+    # a request that reaches the client's deadline hung.
     allowed = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
                grpc.StatusCode.DEADLINE_EXCEEDED}
     metadata = (("application", "pagedserve"),)
@@ -378,14 +384,16 @@ def test_hostile_grpc_requests(served, long_form):
                   database=None)
         @given(request=_grpc_requests(served.vocab_size), is_stream=st.booleans())
         def run(request, is_stream):
+            start = time.monotonic()
             try:
                 if is_stream:
-                    list(stub.GenerateStream(request, metadata=metadata, timeout=120))
+                    list(stub.GenerateStream(request, metadata=metadata, timeout=GRPC_CLIENT_TIMEOUT_S))
                 else:
-                    stub.Generate(request, metadata=metadata, timeout=120)
+                    stub.Generate(request, metadata=metadata, timeout=GRPC_CLIENT_TIMEOUT_S)
                 TALLY["grpc"]["OK"] += 1
             except grpc.RpcError as exc:
                 TALLY["grpc"][exc.code().name] += 1
+                assert time.monotonic() - start < GRPC_CLIENT_TIMEOUT_S, f"no answer: {request}"
                 assert exc.code() in allowed, (exc.code(), exc.details())
 
         run()
@@ -480,6 +488,18 @@ def _stream_body(n: int = 8, max_tokens: int = 36) -> bytes:
                        "ignore_eos": True, "stream": True}).encode()
 
 
+def _read_first_event(sock: socket.socket) -> None:
+    """Read a stream's response up to its first event: the request was accepted (200) and runs."""
+    sock.settimeout(60)
+    data = b""
+    while b"data: " not in data:  # the first event (the body is chunked)
+        chunk = sock.recv(4096)
+        assert chunk, "the server closed before the first event"
+        data += chunk
+        # A refusal has no events: fail on it at once rather than wait out the timeout.
+        assert not data.startswith(b"HTTP/") or b" 200 " in data.split(b"\r\n", 1)[0], data[:300]
+
+
 def test_half_closed_and_abandoned_streams_free_their_blocks(served):
     body = _stream_body()
     outcomes = collections.Counter()
@@ -501,14 +521,7 @@ def test_half_closed_and_abandoned_streams_free_their_blocks(served):
                 time.sleep(1.0)
                 outcomes[mode] += 1
             else:
-                sock.settimeout(60)
-                data = b""
-                while b"data: " not in data:  # the first event (the body is chunked)
-                    chunk = sock.recv(4096)
-                    assert chunk, "the server closed before the first event"
-                    data += chunk
-                    # A refusal has no events: fail on it at once rather than wait out the timeout.
-                    assert not data.startswith(b"HTTP/") or b" 200 " in data.split(b"\r\n", 1)[0], data[:300]
+                _read_first_event(sock)
                 if mode.endswith("reset"):
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
                 outcomes[mode] += 1
@@ -523,7 +536,8 @@ def test_half_closed_and_abandoned_streams_free_their_blocks(served):
 
 
 def test_concurrent_abandoned_streams(served):
-    """Many clients start long streams and vanish at once; the canary keeps its answer meanwhile."""
+    """Many clients start long streams and vanish at once, each after its first event (every
+    stream was accepted and running); the canary keeps its answer meanwhile."""
     body = _stream_body(n=4, max_tokens=40)
     sockets = []
     try:
@@ -531,7 +545,8 @@ def test_concurrent_abandoned_streams(served):
             sock = _connect(served)
             sock.sendall(_request_head("/v1/completions", len(body)) + body)
             sockets.append(sock)
-        time.sleep(1.0)
+        for sock in sockets:
+            _read_first_event(sock)
     finally:
         for sock in sockets:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")

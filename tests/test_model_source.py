@@ -40,9 +40,15 @@ except ModelSourceError as exc:
 """
 
 
+# What a fresh node's environment decides for itself: its token, its hub, whether it is offline
+# (huggingface_hub reads TRANSFORMERS_OFFLINE as HF_HUB_OFFLINE), whatever this machine sets.
+NODE_VARIABLES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
+                  "HF_DATASETS_OFFLINE")
+
+
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "HF_ENDPOINT")}
+    """This process's environment without ``NODE_VARIABLES``, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in NODE_VARIABLES}
     env.update(extra)
     return env
 

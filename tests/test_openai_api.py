@@ -687,6 +687,40 @@ def test_ray_serve_llm_json_mode_constrains_to_the_schema(server):
     _assert_error(call(server, "POST", "/v1/chat/completions", json=misplaced), 400, "response_format.schema")
 
 
+def test_ray_serve_llm_json_mode_with_an_empty_schema_still_gives_objects(server):
+    """JSON mode promises an object: an empty schema (or its text) does not lift that, and a
+    schema that allows no object is a 400."""
+    chat = {"messages": [{"role": "user", "content": "A number, as JSON."}], "max_tokens": 96}
+    num_valid = 0
+    for seed, schema in enumerate([{}, "{}"] * 4):
+        body = {**chat, "seed": seed, "response_format": {"type": "json_object", "schema": schema}}
+        choice = call(server, "POST", "/v1/chat/completions", json=body).json()["choices"][0]
+        if choice["finish_reason"] == "stop":
+            assert isinstance(json.loads(choice["message"]["content"]), dict), choice
+            num_valid += 1
+    assert num_valid >= 4
+    for schema in ({"type": "integer"}, {"enum": [1, 2]}):
+        bad = {**chat, "response_format": {"type": "json_object", "schema": schema}}
+        error = _assert_error(call(server, "POST", "/v1/chat/completions", json=bad), 400, "response_format.schema")
+        assert "'json_object'" in error["message"], error
+
+
+def test_json_mode_schema_is_the_given_one_and_an_object():
+    """``json_object_schema`` intersects a schema with an object, and its references still resolve."""
+    import jsonschema
+
+    from pagedserve.cluster.serving.structured import json_object_schema
+
+    with_refs = {"$defs": {"number": NUMBER}, "anyOf": [{"type": "integer"}, {"$ref": "#/$defs/number"}],
+                 "allOf": [{"required": ["n"]}]}
+    given = json.loads(json.dumps(with_refs))
+    for schema, objects, others in [({}, [{}, {"a": [1]}], [3, 2.5, "x", [], None, True]),
+                                    (with_refs, [{"n": 3}], [3, {"n": 12}, {"m": 1}])]:
+        validator = jsonschema.Draft202012Validator(json_object_schema(schema))
+        assert [validator.is_valid(value) for value in objects + others] == [True] * len(objects) + [False] * len(others)
+    assert with_refs == given   # the caller's schema is left as it was
+
+
 def test_vllm_guided_fields_request_id_and_continue_final_message(server):
     body = {"prompt": "Pick one:", "max_tokens": 8, "guided_choice": ["yes", "no"], "seed": 1,
             "request_id": "my-request-7"}

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 grpc = pytest.importorskip("grpc")
@@ -175,13 +175,28 @@ def requests(draw):
     return transport, draw(st.booleans()), size, fields
 
 
+def _num_prompt_tokens(frontend, transport: str, size: int) -> int:
+    """The prompt's tokens as the server counts them (a chat's through its template, by ``/tokenize``)."""
+    if transport in ("completions", "grpc-generate"):
+        return size
+    body = {"messages": [{"role": "user", "content": "hi " * (size // 2)}]}
+    return call(frontend, "POST", "/tokenize", json=body).json()["count"]
+
+
+def _fits(handle, num_prompt_tokens: int, fields: dict) -> bool:
+    """Whether the request can finish as asked: one output token at least, the stated
+    ``max_tokens`` and ``min_tokens`` within what the context leaves."""
+    room = handle.max_model_len - num_prompt_tokens
+    return room >= 1 and fields.get("max_tokens", 1) <= room and fields.get("min_tokens", 0) <= room
+
+
 def _bound_s(handle, num_prompt_tokens: int, fields: dict) -> float:
     per_sample = min(fields.get("max_tokens") or handle.max_model_len, handle.max_model_len)
     return BASE_S + PER_TOKEN_S * (num_prompt_tokens + fields["n"] * per_sample)
 
 
-def _send(frontend, stub, transport: str, stream: bool, size: int, fields: dict) -> tuple[str, int]:
-    """Send one request; return (how it ended: "ok" or "refused", prompt tokens)."""
+def _send(frontend, stub, transport: str, stream: bool, size: int, fields: dict) -> str:
+    """Send one request; return how it ended: "ok" or "refused"."""
     if transport in ("completions", "chat"):
         if transport == "completions":
             path, body = "/v1/completions", {"prompt": [11] * size, **fields, "stream": stream}
@@ -191,11 +206,11 @@ def _send(frontend, stub, transport: str, stream: bool, size: int, fields: dict)
         response = call(frontend, "POST", path, json=body)
         if response.status_code != 200:
             assert 400 <= response.status_code < 500, response.text
-            return "refused", size
+            return "refused"
         finishes = ([c["finish_reason"] for e in events(response) for c in e["choices"] if c["finish_reason"]]
                     if stream else [c["finish_reason"] for c in response.json()["choices"]])
         assert len(finishes) == fields["n"] and set(finishes) <= {"stop", "length"}, response.text
-        return "ok", size
+        return "ok"
     rpc_fields = dict(fields)
     try:
         if transport == "grpc-generate":
@@ -206,20 +221,34 @@ def _send(frontend, stub, transport: str, stream: bool, size: int, fields: dict)
             replies = list(stub.ChatStream(request, timeout=600)) if stream else [stub.Chat(request, timeout=600)]
     except grpc.RpcError as failure:
         assert failure.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), failure
-        return "refused", size
+        return "refused"
     finishes = [c.finish_reason for r in replies for c in r.choices if c.finish_reason]
     assert len(finishes) == fields["n"] and set(finishes) <= {"stop", "length"}, replies
-    return "ok", size
+    return "ok"
+
+
+def _example(transport: str, stream: bool, size: int, **fields):
+    return example(request=(transport, stream, size, {"n": 1, "ignore_eos": True, "temperature": 0.0, "seed": 0,
+                                                      **fields}))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
           derandomize=True)
 @given(request=requests())
+# A stated max_tokens or min_tokens the context cannot hold, on every transport, beside the drawn requests
+# (most of which fit).
+@_example("completions", False, 100, max_tokens=500)
+@_example("chat", True, 100, min_tokens=500)
+@_example("grpc-generate", True, 100, min_tokens=500)
+@_example("grpc-chat", False, 100, max_tokens=500)
 def test_every_request_completes_or_is_refused_within_its_bound(frontend, stub, handle, request):
+    """A request that fits completes, one that cannot is refused: either way within its bound."""
     transport, stream, size, fields = request
+    num_prompt = _num_prompt_tokens(frontend, transport, size)
     start = time.monotonic()
-    outcome, num_prompt = _send(frontend, stub, transport, stream, size, fields)
+    outcome = _send(frontend, stub, transport, stream, size, fields)
     elapsed = time.monotonic() - start
     event(f"{transport}: {outcome}")
+    assert outcome == ("ok" if _fits(handle, num_prompt, fields) else "refused"), (request, num_prompt, outcome)
     assert elapsed <= _bound_s(handle, num_prompt, fields), (request, elapsed)
     assert_idle(handle)

@@ -27,7 +27,18 @@ from pagedserve.workers.sample.sampler import (
     apply_top_k_top_p,
     processed_probs,
 )
-from pagedserve.workers.sample.sampling_params import SamplingParams
+from pagedserve.workers.sample.sampling_params import (
+    GREEDY_TEMPERATURE_EPS,
+    MAX_ABS_LENGTH_PENALTY,
+    MAX_ABS_PENALTY,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    MIN_REPETITION_PENALTY,
+    SamplingParams,
+)
 
 VOCAB = 50
 
@@ -67,6 +78,7 @@ def test_params_defaults_and_normalisation():
         ({"n": 0}, "n must be"),
         ({"n": True}, "n must be an int"),
         ({"n": 1.0}, "n must be an int"),
+        ({"n": 2**31}, "n must be <= 1024"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": "5"}, "max_tokens"),
         ({"top_k": -2}, "top_k"),
@@ -94,35 +106,64 @@ def test_params_validation(options, fragment):
         SamplingParams(**options)
 
 
-# Every number a request can carry, at the edges of the types the engine's batch holds it in.
+# Every number a request can carry, at the edges of the types the engine's batch holds it in,
+# and each field's own bounds: what validation lets through at its edges.
 EDGE_NUMBERS = [2**31 - 1, 2**31, 2**63 - 1, 2**63, 2**70, -2**63 - 1, 3.4e38, 3.5e38, 1e300, -1e300, 1e-300]
-EDGE_FIELDS = ["temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-               "repetition_penalty", "max_tokens", "min_tokens", "n", "logprobs", "length_penalty"]
+FIELD_EDGES = {
+    "temperature": [0.0, GREEDY_TEMPERATURE_EPS / 2, GREEDY_TEMPERATURE_EPS, MAX_TEMPERATURE],
+    "top_p": [5e-324, 1.0],
+    "top_k": [-1, 0, 1, MAX_TOP_K],
+    "min_p": [5e-324, 1.0],
+    "seed": [0, -1],
+    "presence_penalty": [-MAX_ABS_PENALTY, MAX_ABS_PENALTY],
+    "frequency_penalty": [-MAX_ABS_PENALTY, MAX_ABS_PENALTY],
+    "repetition_penalty": [MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY],
+    "max_tokens": [1],
+    "min_tokens": [0, 1],
+    "n": [MAX_N, MAX_N + 1],
+    "logprobs": [0, MAX_LOGPROBS],
+    "length_penalty": [-MAX_ABS_LENGTH_PENALTY, MAX_ABS_LENGTH_PENALTY],
+}
+EDGE_FIELDS = list(FIELD_EDGES)
 
 
 def test_params_that_validate_never_break_the_engine(tiny_model):
     """Each field at each edge value: refused by ``SamplingParams`` (a 400 when served), or the
-    request runs. A value the batch's tensors cannot hold would otherwise kill the engine loop,
-    and every request beside it (a temperature of 1e300 did)."""
+    request runs as it asked, nothing cut. A value the batch's tensors cannot hold would
+    otherwise kill the engine loop, and every request beside it (a temperature of 1e300 did)."""
     from pagedserve.workers.offline.llm import LLM
 
-    llm = LLM(tiny_model("llama"), num_device_blocks=64, max_model_len=128)
-    accepted = []
+    prompt = [5, 6, 7]
+    max_model_len = 128
+    llm = LLM(tiny_model("llama"), num_device_blocks=64, max_model_len=max_model_len, max_num_seqs=8)
+    ran = []
     for name in EDGE_FIELDS:
-        for value in EDGE_NUMBERS:
-            options = {"temperature": 0.8, "max_tokens": 2, "seed": 0, name: value}
+        for value in dict.fromkeys(EDGE_NUMBERS + FIELD_EDGES[name]):
+            # length_penalty is beam search's, which takes no temperature; min_tokens is bounded by max_tokens.
+            options = ({"use_beam_search": True, "temperature": 0.0, "n": 2, "max_tokens": 2}
+                       if name == "length_penalty" else {"temperature": 0.8, "max_tokens": 2, "seed": 0})
+            options[name] = value
+            if name == "min_tokens" and isinstance(value, int) and value > 0:
+                options["max_tokens"] = value
             try:
                 params = SamplingParams(**options)
             except ValueError:
                 continue
-            params.max_tokens = min(params.max_tokens, 4)
-            params.min_tokens = min(params.min_tokens, params.max_tokens)
-            params.n = min(params.n, 2)
-            (output,) = llm.generate([[5, 6, 7]], params)
-            assert output.finished, (name, value)
-            accepted.append((name, value))
-    assert ("seed", 2**70) in accepted and ("temperature", 3.4e38) in accepted and ("top_k", 2**31 - 1) in accepted
-    assert llm.engine.num_used_blocks() == 0
+            (output,) = llm.generate([prompt], params, use_tqdm=False)
+            assert output.finished and len(output.outputs) == params.n, (name, value)
+            room = max_model_len - len(prompt)
+            for completion in output.outputs:
+                assert min(params.min_tokens, room) <= len(completion.token_ids) <= min(params.max_tokens, room)
+                assert completion.finish_reason in ("stop", "length"), (name, value, completion.finish_reason)
+            llm.check_integrity()
+            assert llm.engine.num_used_blocks() == 0
+            ran.append((name, value))
+    # Every field reached the engine at its edges, at the batch types' where validation allows them.
+    assert {name for name, _ in ran} == set(EDGE_FIELDS)
+    assert {("seed", 2**70), ("seed", -2**63 - 1), ("temperature", 3.4e38), ("temperature", MAX_TEMPERATURE),
+            ("top_k", 2**31 - 1), ("top_p", 5e-324), ("min_p", 1.0), ("max_tokens", 2**70),
+            ("min_tokens", 2**31 - 1), ("n", MAX_N), ("logprobs", MAX_LOGPROBS),
+            ("repetition_penalty", MAX_REPETITION_PENALTY), ("length_penalty", -MAX_ABS_LENGTH_PENALTY)} <= set(ran)
 
 
 def test_params_from_dict_rejects_unknown_keys():

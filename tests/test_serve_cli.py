@@ -75,6 +75,59 @@ def test_tensor_parallel_size_sets_the_engine_option_and_serve_checks_the_model(
     assert "has 2 key/value heads, which do not divide by 4" in capsys.readouterr().err
 
 
+# The default model, tiny llama: 4 attention heads over 2 KV heads, 512 positions.
+MODEL_MISFITS = [
+    ({"engine": {"tensor_parallel_size": 5}}, "has 4 attention heads, which do not divide by 5"),
+    ({"engine": {"tensor_parallel_size": 4}}, "has 2 key/value heads, which do not divide by 4"),
+    ({"engine": {"max_model_len": 1024}}, "max_model_len 1024 is longer than this model computes exactly"),
+    ({"workers": [{"count": 1, "num_cpus": 1}, {"count": 1, "num_cpus": 1, "engine": {"max_model_len": 600}}]},
+     "max_model_len 600 is longer than this model computes exactly"),
+]
+
+
+def _config_file(tmp_path, config: dict) -> str:
+    config = {"workers": [{"count": 1, "num_cpus": 1}], **config}
+    file = tmp_path / "serve.yaml"
+    file.write_text(yaml.safe_dump(config))
+    return str(file)
+
+
+@pytest.mark.parametrize(("config", "message"), MODEL_MISFITS)
+def test_config_validate_refuses_a_model_misfit_as_serve_does(config, message, tmp_path, capsys):
+    """Head counts against the tensor-parallel size, the context against the model's: the
+    message ``serve`` gives before it starts anything."""
+    file = _config_file(tmp_path, config)
+    assert main(["config", "validate", file]) == 1
+    validated = capsys.readouterr().err
+    assert message in validated
+    assert main(["serve", "--config", file]) == 2  # refused before anything starts
+    assert capsys.readouterr().err == validated
+
+
+def test_config_validate_reads_a_directory_or_the_hub_cache_without_weights(tiny_model, tmp_path, capsys):
+    """A checkpoint directory's config, or a hub id's in the hub cache (no weights there, no
+    network); a hub id the cache lacks is left to ``serve``, and said so."""
+    directory = {"model": {"path": tiny_model("llama")}, "engine": {"tensor_parallel_size": 5}}
+    assert main(["config", "validate", _config_file(tmp_path, directory)]) == 1
+    expected = capsys.readouterr().err
+    assert "has 4 attention heads, which do not divide by 5" in expected
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    shutil.copy(Path(tiny_model("llama")) / "config.json", snapshot)
+    (tmp_path / "hub" / "models--org--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--tiny" / "refs" / "main").write_text("0" * 40)
+    hub = {"model": {"path": "org/tiny", "download_dir": str(tmp_path / "hub")}, "engine": {"tensor_parallel_size": 5}}
+    assert main(["config", "validate", _config_file(tmp_path, hub)]) == 1
+    assert capsys.readouterr().err == expected
+    hub["engine"]["tensor_parallel_size"] = 2
+    assert main(["config", "validate", _config_file(tmp_path, hub)]) == 0
+    assert capsys.readouterr().out.endswith("serve.yaml: valid\n")
+    hub["model"]["path"] = "org/absent"
+    assert main(["config", "validate", _config_file(tmp_path, hub)]) == 0
+    assert "the model was not checked: the config of 'org/absent' is not in this node's hub cache" in \
+        capsys.readouterr().out
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--served-model-name", "a", "b"], "one name is served"),
     (["--block-size", "24"], "block_size must be a power of two"),

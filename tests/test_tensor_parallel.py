@@ -19,13 +19,14 @@ from __future__ import annotations
 import os
 import random
 import threading
+import time
 
 import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.devtools.model_factory import ensure_model
-from pagedserve.workers.engine.kv_transfer import export_kv
+from pagedserve.workers.engine.engine.kv_transfer import export_kv
 from pagedserve.workers.tp.dispatch import BroadcastChannel, GroupBrokenError, PipeChannel
 from pagedserve.workers.tp.group import TensorParallelGroup, host_store
 from pagedserve.workers.tp.messages import KVCopies, RunStep, WriteBlocks, pack, unpack
@@ -84,6 +85,10 @@ def reference(tp_model):
     return generate
 
 
+# How long a group's ranks may take together: a hung rank fails the test, it does not pass as None.
+RANK_TIMEOUT_S = 120
+
+
 def run_ranks(size: int, work) -> list:
     """``work(group)`` on each rank of a group whose ranks are threads of this process."""
     # transformers resolves its lazy top-level names on first use, and two threads doing that
@@ -101,13 +106,16 @@ def run_ranks(size: int, work) -> list:
         except BaseException as exc:  # reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(size)]
+    threads = [threading.Thread(target=rank_main, args=(rank,), daemon=True) for rank in range(size)]
     for thread in threads:
         thread.start()
+    deadline = time.monotonic() + RANK_TIMEOUT_S
     for thread in threads:
-        thread.join(timeout=120)
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
     if errors:
         raise errors[0]
+    hung = [rank for rank, thread in enumerate(threads) if thread.is_alive()]
+    assert not hung, f"ranks {hung} of {size} still ran after {RANK_TIMEOUT_S} s"
     return results
 
 

@@ -20,7 +20,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.devtools.model_matrix import ensure_matrix_model
 from pagedserve.workers.model import attention
 from pagedserve.workers.model.decode_graphs import DecodeGraphs
-from pagedserve.workers.engine.engine_options import EngineOptions
+from pagedserve.workers.engine.engine.engine_options import EngineOptions
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -145,7 +145,17 @@ def test_compile_with_tensor_parallelism_is_refused():
 
 
 def test_the_custom_op_outside_its_context_says_so():
+    """Outside ``attention_context`` the op refuses; inside, it attends with the context's
+    metadata; the context ends with its block, one that raised too."""
     q = torch.zeros(1, 2, 4)
+
+    def attend():
+        return torch.ops.pagedserve.paged_attention(q, q[:, :1], q[:, :1], 0, None, None, None, None)
+
     with pytest.raises(RuntimeError, match="attention_context"):
-        torch.ops.pagedserve.paged_attention(q, q[:, :1], q[:, :1], 0, None, None, None, None)
-    assert attention.FROM_CONTEXT is attention.FROM_CONTEXT
+        attend()
+    with pytest.raises(AttributeError):  # it took the context's metadata, which is none
+        with attention.attention_context(object()):
+            attend()
+    with pytest.raises(RuntimeError, match="attention_context"):
+        attend()

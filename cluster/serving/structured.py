@@ -2,7 +2,7 @@
 
 A request may ask for structured output in one of these ways: OpenAI's
 ``response_format`` (``json_object``, ``json_schema``; Ray Serve LLM's
-``json_object`` with a ``schema``), vLLM's ``structured_outputs`` (``json``,
+``json_object`` with a ``schema``, which still promises an object), vLLM's ``structured_outputs`` (``json``,
 ``regex``, ``choice``, ``grammar``) or its earlier ``guided_json``,
 ``guided_regex``, ``guided_choice`` and ``guided_grammar``, or a chat
 ``tool_choice`` of "required" or a named function (the tools' parameter
@@ -76,10 +76,24 @@ def _from_guided(kind: str, value) -> StructuredOutputsParams:
     return spec
 
 
+def json_object_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """JSON mode's schema: what ``schema`` allows that is also an object (JSON mode promises
+    an object). The object joins ``schema``'s ``allOf``, so that its ``$defs`` stay at the
+    root, where its references point."""
+    return {**schema, "allOf": [*schema.get("allOf", []), {"type": "object"}]}
+
+
 def _from_response_format(response_format) -> StructuredOutputsParams:
     if response_format.type == "json_object":
         if response_format.schema_ is not None:  # Ray Serve LLM's JSON mode: an object of this schema
-            return _schema_spec(response_format.schema_, "response_format.schema")
+            param = "response_format.schema"
+            given = _schema_spec(response_format.schema_, param)
+            try:
+                return _schema_spec(json_object_schema(given.json), param)
+            except APIError as exc:
+                reason = exc.message.removeprefix(f"{param}: ")
+                raise APIError(400, f"{param} with the object type 'json_object' promises: {reason}",
+                               param=param) from None
         spec = StructuredOutputsParams(json_object=True)
         _compile(spec, "response_format")
         return spec

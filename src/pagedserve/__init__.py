@@ -1,12 +1,12 @@
 """pagedserve: LLM serving on a Ray cluster, built around a paged KV cache.
 
-``from pagedserve import LLM, SamplingParams`` is the offline API; both load
-lazily so that ``import pagedserve`` stays cheap.
+``from pagedserve import LLM, SamplingParams, BeamSearchParams`` is the offline API; the
+names load lazily so that ``import pagedserve`` stays cheap.
 """
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "__version__"]
 
 
 def __getattr__(name):
@@ -14,8 +14,8 @@ def __getattr__(name):
         from pagedserve.workers.offline.llm import LLM
 
         return LLM
-    if name == "SamplingParams":
-        from pagedserve.workers.sample.sampling_params import SamplingParams
+    if name in ("SamplingParams", "BeamSearchParams"):
+        from pagedserve.workers.sample import sampling_params
 
-        return SamplingParams
+        return getattr(sampling_params, name)
     raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")

@@ -20,6 +20,7 @@ from pagedserve.kvmanager import KVManager
 
 from ..model.input_batch import InputBatch
 from ..model.model_input import TokenScores
+from ..model.model_support import check_max_model_len
 from ..outputs.detokenizer import FINISH_STOP
 from ..outputs.output_processor import OUTPUT_KINDS, EngineStep, OutputProcessor, new_stream
 from ..outputs.request_output import RequestOutput, SampleLogprobs
@@ -64,11 +65,8 @@ class LLMEngine:
         self.runner = build_runner(config, rank_launcher)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model,
                                                        trust_remote_code=config.trust_remote_code)
-        max_len = config.max_model_len or self.runner.max_context_len
-        if max_len > self.runner.max_context_len:
-            raise ValueError(f"max_model_len {max_len} is longer than this model computes exactly: "
-                             f"{self.runner.context_limit_reason}; use max_model_len <= "
-                             f"{self.runner.max_context_len}")
+        max_len = check_max_model_len(config.max_model_len, self.runner.max_context_len,
+                                      self.runner.context_limit_reason)
         if max_len < self.runner.max_position_embeddings and config.max_model_len is None:
             logger.warning("max_model_len defaults to %d: %s", max_len, self.runner.context_limit_reason)
         self.max_model_len = max_len

@@ -167,6 +167,16 @@ def context_limit(config) -> tuple[int, str]:
     return limit, reason
 
 
+def check_max_model_len(max_model_len: int | None, limit: int, reason: str) -> int:
+    """``max_model_len``, or ``limit`` (``context_limit``'s) where it is unset; ValueError,
+    with ``reason``, where it asks for a longer context than the model computes exactly."""
+    max_len = max_model_len or limit
+    if max_len > limit:
+        raise ValueError(f"max_model_len {max_len} is longer than this model computes exactly: "
+                         f"{reason}; use max_model_len <= {limit}")
+    return max_len
+
+
 @dataclass(frozen=True)
 class ModelAttention:
     """How every layer of a loaded model attends, and the cache shape it needs."""

@@ -8,8 +8,8 @@ from typing import Sequence
 
 from ..engine.engine import EngineConfig, LLMEngine
 from ..outputs.request_output import RequestOutput
-from ..sample.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from ..sample.sampling_params import SamplingParams
+from ..sample.beam_search import BeamSearchOutput, BeamSearchSequence
+from ..sample.sampling_params import BeamSearchParams, SamplingParams
 from .chat_template import render_conversation, template_message
 
 

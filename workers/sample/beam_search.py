@@ -23,8 +23,8 @@ output is the oracle's:
 At the first step the prompt is the only beam; as transformers does, the other
 ``k - 1`` beams are copies of it that start at -1e9.
 
-``BeamSearchParams``, ``BeamSearchSequence`` and ``BeamSearchOutput`` are vLLM's
-offline API (``LLM.beam_search``); ``early_stopping`` is transformers' extra.
+``BeamSearchSequence`` and ``BeamSearchOutput`` are vLLM's offline API (``LLM.beam_search``,
+which takes a ``sampling_params.BeamSearchParams``, as vLLM's does).
 """
 
 from __future__ import annotations
@@ -38,31 +38,6 @@ from .sampling_params import SamplingParams
 
 # transformers' stand-in score for "not a candidate" (-1e9, added in float32).
 EXCLUDED = -1.0e9
-
-
-@dataclass
-class BeamSearchParams:
-    """vLLM's ``BeamSearchParams``: ``beam_width`` beams, up to ``max_tokens`` output tokens.
-
-    ``temperature`` must be 0: beam search keeps the most likely continuations
-    of the raw log-probabilities (transformers' ``do_sample=False``).
-    ``early_stopping`` is transformers' stopping rule (True, False or "never").
-    """
-
-    beam_width: int
-    max_tokens: int
-    ignore_eos: bool = False
-    temperature: float = 0.0
-    length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False
-    early_stopping: bool | str = False
-
-    def to_sampling_params(self) -> SamplingParams:
-        """The engine's request options (``ValueError`` naming a bad field)."""
-        return SamplingParams(n=self.beam_width, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
-                              temperature=self.temperature, length_penalty=self.length_penalty,
-                              include_stop_str_in_output=self.include_stop_str_in_output,
-                              early_stopping=self.early_stopping, use_beam_search=True)
 
 
 @dataclass

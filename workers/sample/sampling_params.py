@@ -1,4 +1,5 @@
-"""Per-request sampling options, named and defaulted like vLLM's ``SamplingParams``.
+"""Per-request sampling options, named and defaulted like vLLM's ``SamplingParams``
+(and ``BeamSearchParams``, which ``LLM.beam_search`` takes).
 
 The object is plain data (ints, floats, bools, lists of str/int) so it pickles and
 round-trips through msgpack via ``to_dict``/``from_dict``. Construction validates
@@ -19,6 +20,9 @@ from typing import Any
 # Temperatures below this are treated as greedy decoding (vLLM uses the same cut-off).
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_LOGPROBS = 20
+# A request's samples fork in one step: n rows of logits at once (1024 rows of a 152k-token
+# vocabulary are 0.6 GB in float32).
+MAX_N = 1024
 # The sampler holds temperatures in float32: a larger one cannot be written to the batch.
 MAX_TEMPERATURE = 3.4028234663852886e38
 # top_k as gRPC carries it (int32); anything above the vocabulary keeps every token anyway.
@@ -221,7 +225,7 @@ class SamplingParams:
     detokenize: bool = True
 
     def __post_init__(self) -> None:
-        self.n = _as_int("n", self.n, minimum=1)
+        self.n = _as_int("n", self.n, minimum=1, maximum=MAX_N)
         self.max_tokens = _as_int("max_tokens", self.max_tokens, minimum=1)
         self.min_tokens = _as_int("min_tokens", self.min_tokens, minimum=0, maximum=self.max_tokens)
         self.temperature = _as_float("temperature", self.temperature, minimum=0.0, maximum=MAX_TEMPERATURE)
@@ -367,6 +371,31 @@ class SamplingParams:
                 f"known options: {', '.join(known)}"
             )
         return cls(**options)
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's ``BeamSearchParams``: ``beam_width`` beams, up to ``max_tokens`` output tokens.
+
+    ``temperature`` must be 0: beam search keeps the most likely continuations
+    of the raw log-probabilities (transformers' ``do_sample=False``).
+    ``early_stopping`` is transformers' stopping rule (True, False or "never").
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: bool | str = False
+
+    def to_sampling_params(self) -> SamplingParams:
+        """The engine's request options (``ValueError`` naming a bad field)."""
+        return SamplingParams(n=self.beam_width, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
+                              temperature=self.temperature, length_penalty=self.length_penalty,
+                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              early_stopping=self.early_stopping, use_beam_search=True)
 
 
 def _public_field_names() -> tuple[str, ...]:
