@@ -144,9 +144,23 @@ def _run_config(args: argparse.Namespace) -> int:
         return 1
     if args.config_action == "validate":
         print(f"{args.file}: valid")
+        _warn_local_shortfall(config)
     else:
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
     return 0
+
+
+def _warn_local_shortfall(config) -> None:
+    """Warn (stderr) when a private Ray on this machine cannot hold the configuration's workers."""
+    from pagedserve.cluster import ray_compat
+    from pagedserve.cluster.capacity import format_resources, local_shortfall
+
+    machine = ray_compat.local_node_resources()
+    problems = local_shortfall(config, machine)
+    if problems:
+        print(f"warning: a private Ray on this machine ({format_resources(machine, machine)}) cannot start "
+              "these workers ('serve' would stop, naming them); a cluster joined with --address may:\n  "
+              + "\n  ".join(problems), file=sys.stderr)
 
 
 # vLLM's `vllm serve` flags and the configuration keys they set (a flag wins over the file and --set).

@@ -34,6 +34,7 @@ from .router import kv_blocks_used_frac
 STATE_FILE_NAME = "serve.json"
 RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"  # "token" when the cluster needs ~/.ray/auth_token
 SERVE_LOGGER = "ray.serve"          # Ray Serve's logger in this process (its client's INFO lines)
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def state_file() -> Path:
@@ -98,18 +99,34 @@ class Progress:
         print(f"\r[ok] {label} ({time.time() - start:.1f} s)", file=self.stream, flush=True)
 
 
+def _log_to_console() -> None:
+    """pagedserve's warnings (a worker Ray cannot place, ...) on stderr, with time and level,
+    unless logging is configured already."""
+    package = logging.getLogger("pagedserve")
+    if package.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    package.addHandler(handler)
+    package.setLevel(logging.INFO)
+    handler.setLevel(logging.WARNING)
+
+
 def serve_forever(config: ClusterConfig, address: str | None = None, progress: Progress | None = None,
                   stdout: IO[str] | None = None) -> int:
-    """Bring the cluster and the API up, block until SIGINT/SIGTERM, tear down; exit status."""
+    """Bring the cluster and the API up, block until SIGINT/SIGTERM, tear down; exit status
+    (1 when the workers cannot start)."""
     import ray
     from ray import serve
 
-    from .bootstrap import init_ray, start
+    from .bootstrap import WorkerStartError, init_ray, start
+    from .placement_watch import PlacementError
     from .serving import ingress
     from .serving.deployment import APP_NAME, deploy
 
     progress = progress or Progress()
     stdout = stdout or sys.stdout
+    _log_to_console()
     logging.getLogger(SERVE_LOGGER).setLevel(logging.WARNING)  # the driver's "app ready" chatter
     stopping = threading.Event()
     previous: dict = {}
@@ -125,9 +142,13 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
             with progress.stage(f"building the {model.arch}-{model.size} model (first start only)"):
                 config.model.resolve_path()
         num_workers = sum(group.min_workers for group in config.workers)
-        with progress.stage(f"starting the KV manager and {num_workers} worker(s): loading the model, "
-                            "allocating KV pools", spinner=False):
-            handle = start(config, show_progress=progress.is_tty)
+        try:
+            with progress.stage(f"starting the KV manager and {num_workers} worker(s): loading the model, "
+                                "allocating KV pools", spinner=False):
+                handle = start(config, show_progress=progress.is_tty, is_private_ray=is_private_ray)
+        except (PlacementError, WorkerStartError) as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return 1
         apis = "HTTP and gRPC" if config.server.grpc_port is not None else "HTTP"
         with progress.stage(f"deploying the {apis} API on Ray Serve"):
             endpoints = deploy(handle, config, quiet=True)
