@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import IO, Iterator
 
+from . import ray_compat
 from .config import ClusterConfig
 from .router import kv_blocks_used_frac
 
@@ -35,6 +36,7 @@ STATE_FILE_NAME = "serve.json"
 RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"  # "token" when the cluster needs ~/.ray/auth_token
 SERVE_LOGGER = "ray.serve"          # Ray Serve's logger in this process (its client's INFO lines)
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+SERVE_SHUTDOWN_TIMEOUT_S = 30.0     # replicas drain for 5 s (graceful_shutdown_timeout_s), 6 s behind HAProxy
 
 
 def state_file() -> Path:
@@ -183,7 +185,7 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
             state_file().unlink(missing_ok=True)
         with contextlib.suppress(Exception):
             if is_private_ray:
-                serve.shutdown()
+                ray_compat.shutdown_serve(SERVE_SHUTDOWN_TIMEOUT_S)
             else:
                 serve.delete(APP_NAME)
         if handle is not None:

@@ -244,6 +244,57 @@ def set_process_title(title: str) -> None:
     _raylet.setproctitle(title)
 
 
+def serve_controller():
+    """The connected cluster's Ray Serve controller actor; None when Serve does not run there.
+    Private: its name and namespace (``ray.serve._private.constants``)."""
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    try:
+        return ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    except ValueError:
+        return None
+
+
+def shutdown_serve(timeout_s: float) -> bool:
+    """Shut Ray Serve down on the connected cluster as ``serve.shutdown()`` does (every
+    application deleted, its replicas drained, the proxies and the controller stopped), waiting
+    at most ``timeout_s``; True once the controller is gone (or there was none).
+
+    ``serve.shutdown()`` calls the controller's ``graceful_shutdown`` and waits for that call to
+    fail: the controller ends by killing itself, and since Serve gives it infinite task retries,
+    Ray logs every clean shutdown as "Task ServeController.graceful_shutdown failed ... killed by
+    ray.kill". Here the same request goes with ``wait=False``, which the controller answers at
+    once, and its end is awaited by its name. The process's own handles are shut first, as
+    ``serve.shutdown()`` does, so that none is left listening to the controller.
+
+    Private: the cached client (``ray.serve.context``), and ``serve_controller``.
+    """
+    import time
+
+    import ray
+    from ray.serve import context
+
+    deadline = time.monotonic() + timeout_s
+    controller = serve_controller()
+    if controller is None:
+        context._disconnect()
+        return True
+    client = context._global_client
+    if client is not None:
+        client.shutdown_cached_handles()
+    try:
+        ray.get(controller.graceful_shutdown.remote(False), timeout=max(0.1, deadline - time.monotonic()))
+    except Exception as exc:  # gone meanwhile, or not answering: its end is awaited below all the same
+        logger.debug("Serve controller's graceful_shutdown: %r", exc)
+    is_gone = serve_controller() is None
+    while not is_gone and time.monotonic() < deadline:
+        time.sleep(0.2)
+        is_gone = serve_controller() is None
+    context._disconnect()
+    return is_gone
+
+
 @dataclass(frozen=True)
 class NodeResources:
     """An alive node's resources (name -> amount): what it has in all, and what is free now."""
