@@ -10,9 +10,11 @@ its own ports and temp dir, token auth with a token of the test's, never
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
+import signal
 import shutil
 import subprocess
 import sys
@@ -134,9 +136,16 @@ class ServeProcess:
             time.sleep(0.5)
 
     def kill(self) -> None:
+        """Kill the server and every process under it (its private Ray's)."""
+        from pagedserve.cluster.launcher import process_tree
+
         if self.process.poll() is None:
+            tree = process_tree(self.process.pid)
             self.process.kill()
             self.process.wait(timeout=30)
+            for pid in tree:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 def _cli(*args: str, env: dict, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -162,23 +171,15 @@ def _streamed_equals_whole(port: int) -> bool:
 
 def _descendant_commands(pid: int) -> list[str]:
     """The command lines of ``pid``'s descendants (a private Ray's processes are)."""
-    children: dict[int, list[int]] = {}
-    commands: dict[int, str] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    from pagedserve.cluster.launcher import process_tree
+
+    commands = []
+    for child in process_tree(pid):
         try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            commands[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
-        except (OSError, IndexError, ValueError):
+            commands.append((Path("/proc") / str(child) / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip())
+        except OSError:
             continue
-        children.setdefault(parent, []).append(int(entry.name))
-    found, todo = [], list(children.get(pid, []))
-    while todo:
-        child = todo.pop()
-        found.append(commands.get(child, ""))
-        todo.extend(children.get(child, []))
-    return found
+    return commands
 
 
 @pytest.mark.distributed
@@ -193,7 +194,7 @@ def test_private_ray_by_default_and_a_named_cluster_with_its_token(tmp_path, tin
                          env={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}).start()
     base = {key: value for key, value in os.environ.items()
             if key not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
-    base["PAGEDSERVE_CACHE_DIR"] = str(tmp_path / "cache")  # its own serve.json
+    base["PAGEDSERVE_CACHE_DIR"] = str(tmp_path / "cache")  # its own server records
     model = ["--served-model-name", "tiny-cli", "--set", "workers.0.num_cpus=1",
              "--set", "engine.num_device_blocks=64", "--set", "engine.swap_space_gb=0.001"]
     servers: list[ServeProcess] = []
@@ -236,8 +237,8 @@ def test_private_ray_by_default_and_a_named_cluster_with_its_token(tmp_path, tin
         # 2. The private one.
         server, port = private_server, private_port
         server.wait_serving()
-        state = json.loads((tmp_path / "cache" / "serve.json").read_text())
-        assert state["ray_address"] != other.address
+        state = json.loads((tmp_path / "cache" / "servers" / f"{port}.json").read_text())
+        assert state["ray_address"] != other.address and state["is_private_ray"]
         other.stop()
         assert other.pids() == []
         time.sleep(2)
@@ -257,3 +258,105 @@ def test_private_ray_by_default_and_a_named_cluster_with_its_token(tmp_path, tin
             server.kill()
         other.stop()
         shutil.rmtree(discovery, ignore_errors=True)
+
+
+# ---- servers on one machine: a record per port, stop by port, a bounded stop ---------------------
+@pytest.fixture
+def own_records(tmp_path, monkeypatch):
+    """This test's server records (``PAGEDSERVE_CACHE_DIR``), and processes standing in for
+    servers: ``spawn(ignore_term=False)`` starts one (with a child of its own)."""
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    started: list[subprocess.Popen] = []
+    script = ("import signal, subprocess, sys, time\n"
+              "if sys.argv[1] == '1': signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              "subprocess.Popen(['sleep', '300'])\nprint('up', flush=True)\ntime.sleep(300)\n")
+
+    def spawn(ignore_term: bool = False) -> subprocess.Popen:
+        process = subprocess.Popen([sys.executable, "-c", script, "1" if ignore_term else "0"],
+                                   stdout=subprocess.PIPE, text=True)
+        assert process.stdout.readline() == "up\n"
+        started.append(process)
+        threading.Thread(target=process.wait, daemon=True).start()   # reaped as a shell would
+        return process
+
+    yield spawn
+    from pagedserve.cluster.launcher import process_tree
+
+    for process in started:
+        for pid in [*process_tree(process.pid), process.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _record(port: int, pid: int, **fields):
+    from pagedserve.cluster.server_records import ServerRecord, process_started
+
+    record = ServerRecord(port=port, pid=pid, host="127.0.0.1", state="serving",
+                          pid_started=process_started(pid), model="tiny-cli", **fields)
+    record.save()
+    return record
+
+
+def test_a_record_per_port_and_stale_records_go(own_records):
+    from pagedserve.cluster import server_records
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    _record(8101, dead.pid)                                    # its process is gone
+    live = own_records()
+    _record(8102, live.pid)
+    reused = _record(8103, live.pid)                           # a pid that belongs to another process now
+    reused.pid_started = (reused.pid_started or 0) + 1
+    reused.save()
+    assert [record.port for record in server_records.running()] == [8102]
+    assert sorted(p.name for p in server_records.records_dir().glob("*.json")) == ["8102.json"]
+    with pytest.raises(server_records.PortTaken, match=f"pid {live.pid}.*'pagedserve stop --port 8102'"):
+        server_records.claim(8102, "127.0.0.1")
+    mine = server_records.claim(8101, "127.0.0.1")            # the stale one is taken over
+    assert mine.pid == os.getpid() and [r.port for r in server_records.running()] == [8101, 8102]
+    server_records.release(mine)
+    assert [r.port for r in server_records.running()] == [8102]
+
+
+def test_stop_names_what_it_stops_and_refuses_to_guess(own_records, capsys):
+    from pagedserve.cluster.launcher import stop_server
+
+    first, second = own_records(), own_records()
+    _record(8201, first.pid)
+    _record(8202, second.pid)
+    assert main(["stop"]) == 1
+    err = capsys.readouterr().err
+    assert "2 pagedserve servers run on this machine" in err and "--port" in err and "--all" in err
+    assert "port 8201" in err and "port 8202" in err and first.poll() is None and second.poll() is None
+    assert main(["stop", "--port", "8203"]) == 1
+    assert "no pagedserve server runs on port 8203" in capsys.readouterr().err
+    assert main(["stop", "--port", "8202"]) == 0
+    out = capsys.readouterr().out
+    assert f"stopping pagedserve on port 8202 (pid {second.pid}, 'tiny-cli', private Ray)" in out
+    assert "stopped pagedserve on port 8202" in out and first.poll() is None
+    assert stop_server(port=None) == 0 and "port 8201" in capsys.readouterr().out   # the only one left
+    assert main(["stop"]) == 1 and "no pagedserve server is running" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_taken_port_before_starting_ray(own_records, tiny_model, capsys):
+    import socket
+
+    import ray
+
+    from served_cluster import free_port
+
+    holder = own_records()
+    _record(8401, holder.pid)
+    assert main(["serve", tiny_model("llama"), "--port", "8401"]) == 2
+    err = capsys.readouterr().err
+    assert f"port 8401 is taken by pagedserve (pid {holder.pid}" in err and "pagedserve stop --port 8401" in err
+    port = free_port()
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        assert main(["serve", tiny_model("llama"), "--port", str(port)]) == 2
+        assert f"HTTP port {port} on 127.0.0.1 is in use by another program" in capsys.readouterr().err
+    assert not ray.is_initialized()
+    from pagedserve.cluster import server_records
+
+    assert [record.port for record in server_records.running()] == [8401]   # the holder's record stays
