@@ -335,13 +335,14 @@ def _add_stop_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "stop", help="stop a server 'pagedserve serve' started on this machine",
         description=("Send SIGTERM to the 'pagedserve serve' on --port (or to every one, --all; with one "
-                     "running, to it) and wait up to --timeout for it to exit. With several running and "
-                     "neither flag, list them and stop none."))
+                     "running, to it), print each stage of its shutdown, and after --timeout kill it and "
+                     "every process under it (its private Ray's). With several running and neither "
+                     "flag, list them and stop none."))
     target = parser.add_mutually_exclusive_group()
     target.add_argument("--port", type=port, help="the server's HTTP port")
     target.add_argument("--all", dest="stop_all", action="store_true", help="every server on this machine")
     parser.add_argument("--timeout", type=positive_float, default=STOP_TIMEOUT_S,
-                        help=f"seconds to wait for it to exit (default {STOP_TIMEOUT_S:g})")
+                        help=f"seconds to wait before killing it (default {STOP_TIMEOUT_S:g})")
     parser.set_defaults(run=_run_stop)
 
 

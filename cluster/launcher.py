@@ -5,13 +5,14 @@ or that another program listens on, is refused before anything starts. It then s
 private Ray (or joins ``--address``, else ``$RAY_ADDRESS``; token authentication as Ray uses
 it for a cluster it finds), the KV manager and workers, and the Serve application, records
 its Ray address and endpoints, and blocks until SIGINT/SIGTERM. Then it tears everything
-down and removes the record.
+down in stages, each named on the console and in its record, and removes the record.
 
 ``status`` joins the Ray cluster (``--address``, else the one a server's record names, else
 ``auto``) and asks the running Serve application's replica for its stats: per-worker queues
 and pools from the KV manager and the workers, prefix-cache hit rates, and the replica's
 router. ``stop`` sends SIGTERM to the chosen servers (``--port``, ``--all``, or the only one
-running) and waits for them to exit.
+running), names each stage they go through, and after its bound kills what is left of them:
+the ``serve`` process and every process under it (its private Ray's).
 """
 
 from __future__ import annotations
@@ -26,10 +27,9 @@ import socket
 import sys
 import threading
 import time
-from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Callable, Iterator
 
-from . import ray_compat, server_records
+from . import processes, ray_compat, server_records
 from .config import ClusterConfig
 from .router import kv_blocks_used_frac
 from .server_records import ServerRecord
@@ -37,8 +37,13 @@ from .server_records import ServerRecord
 RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"  # "token" when the cluster needs ~/.ray/auth_token
 SERVE_LOGGER = "ray.serve"          # Ray Serve's logger in this process (its client's INFO lines)
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-SERVE_SHUTDOWN_TIMEOUT_S = 30.0     # replicas drain for 5 s (graceful_shutdown_timeout_s), 6 s behind HAProxy
+# Bounds of a stop. Serve's own shutdown drains replicas for at most 5 s (the deployment's
+# graceful_shutdown_timeout_s), behind HAProxy for its 6 s draining period (serving/ingress.py);
+# a clean stop of a private server took 7 s (10 s behind HAProxy) on a 2-core CPU machine.
+# ``stop`` waits STOP_TIMEOUT_S, then kills what is left.
+SERVE_SHUTDOWN_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 60.0
+KILL_WAIT_S = 10.0                   # after SIGKILL: how long ``stop`` waits for the processes to vanish
 
 
 class PortInUse(RuntimeError):
@@ -64,26 +69,6 @@ def check_ports_free(config: ClusterConfig) -> None:
     for port, what in ((server.port, "HTTP port"), (server.grpc_port, "gRPC port")):
         if port:
             _check_port_free(server.host, port, what)
-
-
-def process_tree(pid: int) -> list[int]:
-    """The pids of every live descendant of ``pid`` (read from /proc; a private Ray's processes
-    are the ``serve`` process's descendants)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(entry.name))
-    found, todo = [], list(children.get(pid, []))
-    while todo:
-        child = todo.pop()
-        found.append(child)
-        todo.extend(children.get(child, []))
-    return found
 
 
 class Progress:
@@ -142,12 +127,11 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
     """Bring the cluster and the API up, block until SIGINT/SIGTERM, tear down; exit status
     (2 when a port is taken, 1 when the workers cannot start)."""
     import ray
-    from ray import serve
 
     from .bootstrap import WorkerStartError, init_ray, start
     from .placement_watch import PlacementError
     from .serving import ingress
-    from .serving.deployment import APP_NAME, deploy
+    from .serving.deployment import deploy
 
     progress = progress or Progress()
     stdout = stdout or sys.stdout
@@ -168,6 +152,7 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
     previous: dict = {}
     owns_ray = is_private_ray = not ray.is_initialized()
     handle = None
+    is_deploying = False
     try:
         if owns_ray:
             ingress.prepare(config.server.ingress)  # Serve's processes read it when they start
@@ -190,6 +175,7 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
             print(f"error: {exc}", file=sys.stderr, flush=True)
             return 1
         apis = "HTTP and gRPC" if config.server.grpc_port is not None else "HTTP"
+        is_deploying = True
         with progress.stage(f"deploying the {apis} API on Ray Serve"):
             endpoints = deploy(handle, config, quiet=True)
         record.state, record.endpoints, record.model = "serving", endpoints, handle.model_name
@@ -215,17 +201,40 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        with contextlib.suppress(Exception):
-            if is_private_ray:
-                ray_compat.shutdown_serve(SERVE_SHUTDOWN_TIMEOUT_S)
-            else:
-                serve.delete(APP_NAME)
-        if handle is not None:
-            with contextlib.suppress(Exception):
-                handle.shutdown()
-        if owns_ray:
-            ray.shutdown()
+        _tear_down(record, handle, is_deploying, owns_ray, is_private_ray, progress)
         server_records.release(record)
+
+
+def _tear_down(record: ServerRecord, handle, has_serve: bool, owns_ray: bool, is_private_ray: bool,
+               progress: Progress) -> None:
+    """Stop the Serve application (``has_serve``), the cluster and a Ray this process started,
+    one named stage at a time (on the console and in ``record``, where ``stop`` reads it); a
+    stage that fails is named as failed and the next one runs."""
+    import ray
+
+    record.state = "stopping"
+    stages: list[tuple[str, Callable[[], object]]] = []
+    if has_serve and ray.is_initialized():
+        if is_private_ray:
+            stages.append(("shutting down Ray Serve (its replicas drain, its proxies stop)",
+                           lambda: ray_compat.shutdown_serve(SERVE_SHUTDOWN_TIMEOUT_S)))
+        else:
+            from ray import serve
+
+            from .serving.deployment import APP_NAME
+
+            stages.append((f"deleting the Serve application '{APP_NAME}' (its replicas drain)",
+                           lambda: serve.delete(APP_NAME)))
+    if handle is not None:
+        stages.append(("stopping the workers and the KV manager", handle.shutdown))
+    if owns_ray:
+        stages.append(("stopping the private Ray" if is_private_ray else "leaving the Ray cluster", ray.shutdown))
+    for label, action in stages:
+        record.stage = label
+        with contextlib.suppress(Exception):
+            record.save()
+        with contextlib.suppress(Exception), progress.stage(label):
+            action()
 
 
 def _choose(records: list[ServerRecord], port: int | None, command: str, hint: str = "") -> ServerRecord | None:
@@ -263,8 +272,8 @@ def stop_server(timeout_s: float = STOP_TIMEOUT_S, port: int | None = None, stop
         print(f"error: {exc}", file=stderr)
         return 1
     for record in targets:
-        print(f"stopping {record.describe()}: waiting up to {timeout_s:g} s for it to shut down",
-              file=stdout, flush=True)
+        print(f"stopping {record.describe()}: waiting up to {timeout_s:g} s for it to shut down, then "
+              "killing what is left of it", file=stdout, flush=True)
         with contextlib.suppress(ProcessLookupError):
             os.kill(record.pid, signal.SIGTERM)
     return _wait_stopped(targets, time.monotonic(), timeout_s, stdout, stderr)
@@ -272,20 +281,56 @@ def stop_server(timeout_s: float = STOP_TIMEOUT_S, port: int | None = None, stop
 
 def _wait_stopped(targets: list[ServerRecord], started: float, timeout_s: float, stdout: IO[str],
                   stderr: IO[str]) -> int:
-    """Follow ``targets`` until they exit or ``timeout_s`` passes."""
+    """Follow ``targets`` until they exit or ``timeout_s`` passes; then kill the rest."""
     remaining = list(targets)
+    stages: dict[int, str | None] = {record.port: None for record in targets}
     while remaining:
         for record in list(remaining):
             if not server_records.is_alive(record):
                 remaining.remove(record)
                 print(f"stopped pagedserve on port {record.port} (pid {record.pid}) in "
                       f"{time.monotonic() - started:.1f} s", file=stdout, flush=True)
+                continue
+            current = server_records.reread(record)
+            stage = current.stage if current else None
+            if stage and stage != stages[record.port]:
+                stages[record.port] = stage
+                where = f"port {record.port}: " if len(targets) > 1 else ""
+                print(f"  {where}{stage}", file=stdout, flush=True)
         if not remaining or time.monotonic() - started >= timeout_s:
             break
         time.sleep(0.2)
+    status = 0
     for record in remaining:
-        print(f"{record.describe()} did not exit within {timeout_s:g} s", file=stderr)
-    return 1 if remaining else 0
+        if not _kill(record, stages[record.port], timeout_s, stdout, stderr):
+            status = 1
+    return status
+
+
+def _kill(record: ServerRecord, stage: str | None, timeout_s: float, stdout: IO[str], stderr: IO[str]) -> bool:
+    """SIGKILL a server that outlived its stop's bound, and every process under it; its record
+    goes too. True once they are all gone."""
+    under = processes.descendants(record.pid)
+    doing = f" (still {stage})" if stage else ""
+    print(f"{record.describe()} did not exit within {timeout_s:g} s{doing}: killing it and the "
+          f"{len(under)} processes under it", file=stderr, flush=True)
+    for pid in [record.pid, *under]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + KILL_WAIT_S
+    left = [pid for pid in [record.pid, *under] if processes.is_running(pid)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = [pid for pid in left if processes.is_running(pid)]
+    server_records.release(record)
+    if left:
+        print(f"could not kill pids {left} of pagedserve on port {record.port}", file=stderr)
+        return False
+    print(f"stopped pagedserve on port {record.port} (pid {record.pid}): killed", file=stdout, flush=True)
+    if not record.is_private_ray:
+        print(f"  its Serve application may remain on the Ray cluster at {record.ray_address} "
+              "(Serve's controller and replicas are the cluster's)", file=stderr)
+    return True
 
 
 def fetch_status(address: str | None = None, timeout_s: float = 30.0, port: int | None = None) -> dict:

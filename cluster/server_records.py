@@ -17,6 +17,8 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from . import processes
+
 RECORDS_DIR_NAME = "servers"
 
 
@@ -41,7 +43,7 @@ class ServerRecord:
     host: str
     state: str = "starting"
     started_at: float = field(default_factory=time.time)
-    pid_started: float | None = None     # the process's start time (/proc), so a reused pid is not taken for it
+    pid_started: float | None = None     # processes.started_at: a reused pid is not taken for this server
     is_private_ray: bool = True
     ray_address: str | None = None
     ray_auth_mode: str | None = None
@@ -83,23 +85,11 @@ def records_dir() -> Path:
     return default_cache_dir().parent / RECORDS_DIR_NAME
 
 
-def process_started(pid: int) -> float | None:
-    """When process ``pid`` started (clock ticks since boot, from /proc); None if unknown."""
-    try:
-        return float((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def is_alive(record: ServerRecord) -> bool:
-    """Whether the record's process still runs (and is the same process)."""
-    try:
-        os.kill(record.pid, 0)
-    except ProcessLookupError:
+    """Whether the record's process still runs (and is the same process, not a reused pid)."""
+    if not processes.is_running(record.pid):
         return False
-    except PermissionError:
-        pass
-    started = process_started(record.pid)
+    started = processes.started_at(record.pid)
     return record.pid_started is None or started is None or started == record.pid_started
 
 
@@ -131,7 +121,7 @@ def running() -> list[ServerRecord]:
 
 def claim(port: int, host: str) -> ServerRecord:
     """This process's record for ``port``, written now; ``PortTaken`` if a live server holds it."""
-    record = ServerRecord(port=port, pid=os.getpid(), host=host, pid_started=process_started(os.getpid()))
+    record = ServerRecord(port=port, pid=os.getpid(), host=host, pid_started=processes.started_at(os.getpid()))
     for _ in range(3):
         try:
             record.save(exclusive=True)

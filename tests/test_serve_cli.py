@@ -137,10 +137,10 @@ class ServeProcess:
 
     def kill(self) -> None:
         """Kill the server and every process under it (its private Ray's)."""
-        from pagedserve.cluster.launcher import process_tree
+        from pagedserve.cluster.processes import descendants
 
         if self.process.poll() is None:
-            tree = process_tree(self.process.pid)
+            tree = descendants(self.process.pid)
             self.process.kill()
             self.process.wait(timeout=30)
             for pid in tree:
@@ -171,10 +171,10 @@ def _streamed_equals_whole(port: int) -> bool:
 
 def _descendant_commands(pid: int) -> list[str]:
     """The command lines of ``pid``'s descendants (a private Ray's processes are)."""
-    from pagedserve.cluster.launcher import process_tree
+    from pagedserve.cluster.processes import descendants
 
     commands = []
-    for child in process_tree(pid):
+    for child in descendants(pid):
         try:
             commands.append((Path("/proc") / str(child) / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip())
         except OSError:
@@ -280,19 +280,20 @@ def own_records(tmp_path, monkeypatch):
         return process
 
     yield spawn
-    from pagedserve.cluster.launcher import process_tree
+    from pagedserve.cluster.processes import descendants
 
     for process in started:
-        for pid in [*process_tree(process.pid), process.pid]:
+        for pid in [*descendants(process.pid), process.pid]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
 
 def _record(port: int, pid: int, **fields):
-    from pagedserve.cluster.server_records import ServerRecord, process_started
+    from pagedserve.cluster.processes import started_at
+    from pagedserve.cluster.server_records import ServerRecord
 
     record = ServerRecord(port=port, pid=pid, host="127.0.0.1", state="serving",
-                          pid_started=process_started(pid), model="tiny-cli", **fields)
+                          pid_started=started_at(pid), model="tiny-cli", **fields)
     record.save()
     return record
 
@@ -338,6 +339,28 @@ def test_stop_names_what_it_stops_and_refuses_to_guess(own_records, capsys):
     assert main(["stop"]) == 1 and "no pagedserve server is running" in capsys.readouterr().err
 
 
+def test_stop_kills_a_server_that_outlives_its_bound(own_records, capsys):
+    from pagedserve.cluster.launcher import KILL_WAIT_S
+    from pagedserve.cluster.processes import descendants, is_running
+
+    stuck = own_records(ignore_term=True)
+    _record(8301, stuck.pid, stage="shutting down Ray Serve")
+    tree = descendants(stuck.pid)
+    assert tree
+    began = time.monotonic()
+    assert main(["stop", "--all", "--timeout", "1"]) == 0
+    elapsed = time.monotonic() - began
+    captured = capsys.readouterr()
+    assert elapsed < 1 + KILL_WAIT_S, elapsed
+    assert "waiting up to 1 s" in captured.out and "shutting down Ray Serve" in captured.out
+    assert "did not exit within 1 s" in captured.err and f"the {len(tree)} processes under it" in captured.err
+    assert "stopped pagedserve on port 8301" in captured.out
+    assert not any(is_running(pid) for pid in [stuck.pid, *tree])
+    from pagedserve.cluster import server_records
+
+    assert server_records.records_dir().is_dir() and not list(server_records.records_dir().glob("*.json"))
+
+
 def test_serve_refuses_a_taken_port_before_starting_ray(own_records, tiny_model, capsys):
     import socket
 
@@ -360,3 +383,80 @@ def test_serve_refuses_a_taken_port_before_starting_ray(own_records, tiny_model,
     from pagedserve.cluster import server_records
 
     assert [record.port for record in server_records.running()] == [8401]   # the holder's record stays
+
+
+def _kill_serve_controller(record: dict, env: dict) -> None:
+    """From a driver of its own: end a server's Serve controller for good."""
+    script = ("import ray\nfrom pagedserve.cluster import ray_compat\n"
+              f"ray.init(address={record['ray_address']!r}, logging_level='ERROR', log_to_driver=False)\n"
+              "ray.kill(ray_compat.serve_controller(), no_restart=True)\n"
+              "import time\nwhile ray_compat.serve_controller() is not None: time.sleep(0.2)\nray.shutdown()\n")
+    killed = subprocess.run([sys.executable, "-c", script], env={**env, "RAY_AUTH_MODE": record["ray_auth_mode"]
+                                                                 or "disabled"},
+                            capture_output=True, text=True, timeout=180)
+    assert killed.returncode == 0, killed.stderr
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_servers_on_one_machine(tmp_path, tiny_model):
+    """Two ``serve`` on one machine (one cache folder, as one user has): a third on a taken port
+    is refused at once; ``stop`` without a port refuses and lists both; one whose Serve
+    controller is gone is stopped by its port within the bound, all its processes with it, and
+    the other serves on until ``stop --all`` stops it cleanly."""
+    from pagedserve.cluster.launcher import KILL_WAIT_S
+    from pagedserve.cluster.processes import descendants, is_running
+    from served_cluster import free_port
+
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    env["PAGEDSERVE_CACHE_DIR"] = str(tmp_path / "cache")
+    records = tmp_path / "cache" / "servers"
+    model = [tiny_model("llama"), "--served-model-name", "tiny-cli", "--set", "workers.0.num_cpus=0.5",
+             "--set", "kv_manager_num_cpus=0.25", "--set", "engine.num_device_blocks=64",
+             "--set", "engine.swap_space_gb=0.001"]
+    ports = [free_port(), free_port()]
+    servers = [ServeProcess([*model, "--port", str(port)], env) for port in ports]
+    try:
+        for server in servers:
+            server.wait_serving()
+        assert sorted(path.name for path in records.glob("*.json")) == sorted(f"{port}.json" for port in ports)
+
+        began = time.monotonic()
+        third = _cli("serve", *model, "--port", str(ports[0]), env=env, timeout=120)
+        assert third.returncode == 2, third.stdout + third.stderr
+        assert f"port {ports[0]} is taken by pagedserve (pid {servers[0].process.pid}" in third.stderr
+        assert "starting a private Ray" not in third.stdout + third.stderr
+        assert time.monotonic() - began < 60
+
+        refused = _cli("stop", env=env)
+        assert refused.returncode == 1 and all(f"port {port}" in refused.stderr for port in ports), refused.stderr
+        assert all(server.process.poll() is None for server in servers)
+        status = _cli("status", "--port", str(ports[1]), "--json", env=env)
+        assert status.returncode == 0 and json.loads(status.stdout)["model"] == "tiny-cli", status.stderr
+
+        # The second one's Serve controller ends; its stop is bounded, forced if need be.
+        second = json.loads((records / f"{ports[1]}.json").read_text())
+        _kill_serve_controller(second, env)
+        tree = descendants(servers[1].process.pid)
+        began = time.monotonic()
+        stop = _cli("stop", "--port", str(ports[1]), "--timeout", "1", env=env)
+        elapsed = time.monotonic() - began
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        assert "waiting up to 1 s" in stop.stdout and f"stopped pagedserve on port {ports[1]}" in stop.stdout
+        assert elapsed < 1 + KILL_WAIT_S + 15, elapsed     # the bound, the kill, and a Python start-up
+        assert not any(is_running(pid) for pid in [servers[1].process.pid, *tree])
+        assert not (records / f"{ports[1]}.json").exists()
+        print(f"\nstop of a server without its Serve controller, bound 1 s: {elapsed:.1f} s, "
+              f"{'killed' if 'did not exit' in stop.stderr else 'exited by itself'}")
+
+        assert _complete(ports[0]) == 4   # the first one never noticed
+        stop = _cli("stop", "--all", env=env)
+        assert stop.returncode == 0 and stop.stderr == "", stop.stderr
+        assert f"stopped pagedserve on port {ports[0]}" in stop.stdout
+        assert servers[0].process.wait(timeout=60) == 0
+        assert not list(records.glob("*.json"))
+        assert not [line for line in servers[0].output if "Task " in line and " failed" in line], servers[0].output
+    finally:
+        for server in servers:
+            server.kill()
