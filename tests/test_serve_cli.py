@@ -361,25 +361,26 @@ def test_stop_kills_a_server_that_outlives_its_bound(own_records, capsys):
     assert server_records.records_dir().is_dir() and not list(server_records.records_dir().glob("*.json"))
 
 
-def test_serve_refuses_a_taken_port_before_starting_ray(own_records, tiny_model, capsys):
+def test_serve_refuses_a_taken_port_before_starting_ray(own_records, tiny_model):
     import socket
-
-    import ray
 
     from served_cluster import free_port
 
     holder = own_records()
     _record(8401, holder.pid)
-    assert main(["serve", tiny_model("llama"), "--port", "8401"]) == 2
-    err = capsys.readouterr().err
-    assert f"port 8401 is taken by pagedserve (pid {holder.pid}" in err and "pagedserve stop --port 8401" in err
+    env = dict(os.environ)   # with own_records' PAGEDSERVE_CACHE_DIR
+    refused = _cli("serve", tiny_model("llama"), "--port", "8401", env=env, timeout=120)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert f"port 8401 is taken by pagedserve (pid {holder.pid}" in refused.stderr
+    assert "pagedserve stop --port 8401" in refused.stderr
     port = free_port()
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", port))
         listener.listen()
-        assert main(["serve", tiny_model("llama"), "--port", str(port)]) == 2
-        assert f"HTTP port {port} on 127.0.0.1 is in use by another program" in capsys.readouterr().err
-    assert not ray.is_initialized()
+        refused = _cli("serve", tiny_model("llama"), "--port", str(port), env=env, timeout=120)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert f"HTTP port {port} on 127.0.0.1 is in use by another program" in refused.stderr
+    assert "Ray" not in refused.stdout + refused.stderr   # refused before Ray started
     from pagedserve.cluster import server_records
 
     assert [record.port for record in server_records.running()] == [8401]   # the holder's record stays
