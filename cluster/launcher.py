@@ -117,9 +117,8 @@ def _log_to_console() -> None:
         return
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
-    package.addHandler(handler)
-    package.setLevel(logging.INFO)
     handler.setLevel(logging.WARNING)
+    package.addHandler(handler)
 
 
 def serve_forever(config: ClusterConfig, address: str | None = None, progress: Progress | None = None,
