@@ -297,7 +297,8 @@ class ClusterConfig(_Strict):
     """How long ``serve`` waits for a worker's resources on a cluster whose autoscaler cannot add
     nodes, before it stops with an error naming the group, its ask and what is free. A worker that
     no node could ever hold, or one a private Ray cannot hold, stops it at once; with Ray's
-    autoscaler, ``worker_ready_timeout_s`` bounds the wait instead."""
+    autoscaler (or before it has said whether it can add nodes), ``worker_ready_timeout_s`` bounds
+    the wait instead."""
 
     @field_validator("workers")
     @classmethod

@@ -3,9 +3,10 @@
 ``bootstrap.start`` calls ``PlacementWatch.check`` while it waits for its workers. A worker
 whose resources Ray has not granted (its placement group pending, or a lease of its shape
 waiting) is named on the log within ``GRACE_S``, with its group's ask and what each node has
-free, and again every ``REMIND_S``. Then:
+free, and again every ``REMIND_S`` or when what it waits for changes. Then:
 
-- when Ray's autoscaler can add nodes, the wait goes on (``worker_ready_timeout_s`` bounds it);
+- when Ray's autoscaler can add nodes, or has not said yet whether it can, the wait goes on
+  (``worker_ready_timeout_s`` bounds it);
 - when no node could ever hold the worker (their totals) and no autoscaler can add one, or on a
   private Ray (this machine alone, the rest of it held by this server's own actors), the start
   stops at once with ``PlacementError``;
@@ -86,7 +87,7 @@ class PlacementWatch:
         self.started_at = clock()
         self._can_autoscale: bool | None = False if is_private_ray else None
         self._unplaced_since: dict[int, float] = {}   # group -> when its workers were first seen unplaced
-        self._noted_at: dict[int, float] = {}         # group -> when it was last named
+        self._noted: dict[int, tuple[float, str]] = {}  # group -> when it was last named, and the verdict
 
     def check(self, waiting: set[str]) -> None:
         """Look at the workers (ids) still not ready; name the groups whose workers Ray has not
@@ -105,7 +106,7 @@ class PlacementWatch:
         for group in list(self._unplaced_since):
             if group not in groups:
                 del self._unplaced_since[group]
-                self._noted_at.pop(group, None)
+                self._noted.pop(group, None)
         if not groups:
             return
         if self._can_autoscale is None:
@@ -133,14 +134,16 @@ class PlacementWatch:
                                  f"server's own actors hold the rest: lower the group's num_cpus, num_gpus, "
                                  f"count or tensor_parallel_size, or join a larger cluster with --address "
                                  f"('pagedserve config validate' checks a file against this machine)")
+        elif self._can_autoscale is None:
+            verdict = (f"Ray's autoscaler has not said whether it can add nodes: waiting up to "
+                       f"worker_ready_timeout_s ({self.ready_timeout_s:.0f} s)")
         elif now - since >= self.placement_timeout_s:
             raise PlacementError(f"{what}. Still not placed after placement_timeout_s "
                                  f"({self.placement_timeout_s:.0f} s) on a cluster without an autoscaler")
         else:
             verdict = (f"waiting up to placement_timeout_s ({self.placement_timeout_s:.0f} s) for these "
-                       f"resources to become free (no autoscaler can add nodes to this cluster"
-                       f"{'' if self._can_autoscale is False else ', as far as Ray reports'})")
-        last = self._noted_at.get(group)
-        if last is None or now - last >= REMIND_S:
-            self._noted_at[group] = now
+                       "resources to become free (no autoscaler can add nodes to this cluster)")
+        last_at, last_verdict = self._noted.get(group, (None, None))
+        if last_at is None or now - last_at >= REMIND_S or verdict != last_verdict:
+            self._noted[group] = (now, verdict)
             self.notify(f"{what}. {verdict}")

@@ -136,6 +136,21 @@ def test_a_busy_fixed_cluster_is_waited_for_up_to_placement_timeout_s():
         watch.check({"worker-0"})
 
 
+def test_until_the_autoscaler_says_whether_it_can_add_nodes_the_wait_goes_on():
+    worker = PendingWorker("worker-0", _ask({"CPU": 1, "GPU": 1}))
+    state = _state([_node({"CPU": 4})], waiting=[({"CPU": 1, "GPU": 1}, 1)])
+    answers = iter([None, None, False])
+    clock, notes = _Clock(), []
+    watch = PlacementWatch({"worker-0": worker}, 20, 600, False, notify=notes.append, resource_state=lambda: state,
+                           autoscaler_adds_nodes=lambda: next(answers), clock=clock)
+    for clock.now in (GRACE_S, GRACE_S + 100):
+        watch.check({"worker-0"})   # past placement_timeout_s, but an autoscaler may still come
+    assert len(notes) == 2 and all("has not said whether it can add nodes" in note for note in notes)
+    clock.now = GRACE_S + 101
+    with pytest.raises(PlacementError, match="No node of this cluster has that much"):
+        watch.check({"worker-0"})   # now known: a fixed cluster, and no node has a GPU
+
+
 def test_a_worker_placed_meanwhile_is_forgotten():
     worker = PendingWorker("worker-0", _ask({"CPU": 2}))
     waiting = _state([_node({"CPU": 4}, {"CPU": 1})], waiting=[({"CPU": 2}, 1)])
@@ -185,6 +200,12 @@ def local_ray():
     if ray.is_initialized():
         ray.shutdown()
     start_local_ray(num_cpus=2, namespace=NAMESPACE, include_dashboard=False)
+    # A fixed cluster, as its autoscaler (read-only under ray.init) reports within its 5 s pass.
+    deadline = time.monotonic() + 60
+    while ray_compat.autoscaler_adds_nodes() is None:
+        assert time.monotonic() < deadline, "Ray's autoscaler never reported"
+        time.sleep(0.5)
+    assert ray_compat.autoscaler_adds_nodes() is False
     yield
     ray.shutdown()
 
