@@ -17,8 +17,10 @@ from . import ray_compat
 from .config import ClusterConfig, ModelConfig, load_config
 from .controller import CONTROLLER_NAME, ClusterController
 from .handle import ClusterHandle
+from .capacity import worker_asks
 from .kv_relay import node_relay
-from .placement import remove_worker_placement, worker_actor_options
+from .placement import remove_worker_placement, worker_actor_options, worker_placement_group_id
+from .placement_watch import PendingWorker, PlacementWatch
 from .worker_pool import group_engine_config, group_engine_options, group_tensor_parallel_size, worker_actor_name
 
 logger = logging.getLogger("pagedserve.cluster")
@@ -65,9 +67,15 @@ def _start_failure(worker_id: str, exc: Exception) -> WorkerStartError:
     return WorkerStartError(f"{worker_id} could not start: {lines[-1] if lines else type(exc).__name__}")
 
 
-def _wait_ready(refs: dict[str, Any], timeout_s: float, show_progress: bool) -> list:
+# How often a start that waits for its workers looks at what Ray has not placed.
+PLACEMENT_CHECK_INTERVAL_S = 1.0
+
+
+def _wait_ready(refs: dict[str, Any], timeout_s: float, show_progress: bool,
+                watch: PlacementWatch | None = None) -> list:
     """Wait for every worker (id -> its ``info`` ref) to load its model and allocate its
-    pools, with a progress bar. The first worker that fails ends the wait with its reason."""
+    pools, with a progress bar. The first worker that fails ends the wait with its reason;
+    ``watch`` names workers Ray has not placed, and ends a hopeless wait."""
     import ray
     from ray.exceptions import RayActorError, RayTaskError
     from tqdm import tqdm
@@ -79,10 +87,15 @@ def _wait_ready(refs: dict[str, Any], timeout_s: float, show_progress: bool) -> 
     with tqdm(total=len(refs), desc="workers ready (model loaded, KV pools allocated)",
               unit="worker", disable=not show_progress, leave=False) as bar:
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.time()))
-            if not ready:
+            remaining = max(0.0, deadline - time.time())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=min(remaining, PLACEMENT_CHECK_INTERVAL_S))
+            if not ready and remaining <= PLACEMENT_CHECK_INTERVAL_S:
                 raise TimeoutError(f"{len(pending)} worker(s) not ready after {timeout_s:.0f} s: "
                                    f"{sorted(worker_of[ref] for ref in pending)}")
+            if not ready:
+                if watch is not None:
+                    watch.check({worker_of[ref] for ref in pending})
+                continue
             for ref in ready:
                 try:
                     infos[worker_of[ref]] = ray.get(ref)
@@ -145,7 +158,7 @@ def init_ray(address: str | None = None, **ray_init_kwargs: Any) -> bool:
 
 
 def start(config: ClusterConfig | dict | str | Path | None = None, address: str | None = None,
-          ready_timeout_s: float | None = None, show_progress: bool = False,
+          ready_timeout_s: float | None = None, show_progress: bool = False, is_private_ray: bool = False,
           **ray_init_kwargs: Any) -> ClusterHandle:
     """Start the KV manager and the workers the config asks for; return a handle.
 
@@ -153,6 +166,11 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
     cluster at ``address`` (or ``$RAY_ADDRESS``), or a new private one. The KV manager is one
     named, restartable actor, placed on the head node; workers are
     restartable actors, one per worker slot (``num_gpus`` per group).
+
+    Workers Ray cannot place are named on the log (``placement_watch``); ``PlacementError``
+    ends a hopeless wait: at once when no node can hold them and no autoscaler can add one,
+    or when the Ray is private (``is_private_ray``, or one this call starts), else after
+    ``config.placement_timeout_s``.
     """
     import ray
 
@@ -167,6 +185,7 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
     owns_ray = False
     if not ray.is_initialized():
         owns_ray = init_ray(address, **ray_init_kwargs)
+        is_private_ray = owns_ray
     kv_cls, worker_cls, controller_cls = _actor_classes()
     kv_manager = kv_cls.options(
         name=KV_MANAGER_NAME, namespace=NAMESPACE, max_restarts=-1, max_task_retries=0,
@@ -174,7 +193,8 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
         config.kv_events.transport, config.kv_events.relay_flush_s)
     ray.get(kv_manager.get_incarnation.remote(), timeout=ready_timeout_s)
 
-    workers, names, roles, groups = {}, {}, {}, {}
+    workers, names, roles, groups, pending = {}, {}, {}, {}, {}
+    asks = worker_asks(config)
     index = 0
     for group_index, group in enumerate(config.workers):
         engine_dict = group_engine_config(config, group, model_path)
@@ -189,11 +209,15 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
             names[worker_id] = worker_name(index)
             roles[worker_id] = group.role
             groups[worker_id] = group_index
+            ask = asks[group_index]
+            pending[worker_id] = PendingWorker(
+                worker_id, ask, worker_placement_group_id(worker_name(index)) if ask.num_ranks > 1 else None)
             index += 1
     start_time = time.time()
+    watch = PlacementWatch(pending, config.placement_timeout_s, ready_timeout_s, is_private_ray)
     try:
         infos = _wait_ready({w: actor.info.remote() for w, actor in workers.items()}, ready_timeout_s,
-                            show_progress)
+                            show_progress, watch)
     except BaseException:
         for actor in [*workers.values(), kv_manager]:
             try:

@@ -145,7 +145,10 @@ def _run_config(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if args.config_action == "validate":
-        return _validate_model(args.file, config)
+        status = _validate_model(args.file, config)
+        if status == 0:
+            _warn_local_shortfall(config)
+        return status
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
     return 0
 
@@ -168,6 +171,19 @@ def _validate_model(file: str, config) -> int:
     else:
         print(f"{file}: valid")
     return 0
+
+
+def _warn_local_shortfall(config) -> None:
+    """Warn (stderr) when a private Ray on this machine cannot hold the configuration's workers."""
+    from pagedserve.cluster import ray_compat
+    from pagedserve.cluster.capacity import format_resources, local_shortfall
+
+    machine = ray_compat.local_node_resources()
+    problems = local_shortfall(config, machine)
+    if problems:
+        print(f"warning: a private Ray on this machine ({format_resources(machine, machine)}) cannot start "
+              "these workers ('serve' would stop, naming them); a cluster joined with --address may:\n  "
+              + "\n  ".join(problems), file=sys.stderr)
 
 
 # vLLM's `vllm serve` flags and the configuration keys they set (a flag wins over the file and --set).
@@ -315,8 +331,10 @@ def _add_status_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "status", help="show workers, pools, prefix-cache hit rates and queues of the running server",
         description=("Join the Ray cluster and ask the running pagedserve application for its stats. "
-                     "Without --address: the cluster recorded by 'pagedserve serve', else 'auto'."))
+                     "Without --address: the cluster of the server on --port (or of the only one "
+                     "'pagedserve serve' runs on this machine), else 'auto'."))
     parser.add_argument("--address", metavar="RAY_ADDRESS", help="the Ray cluster to query")
+    parser.add_argument("--port", type=port, help="the server's HTTP port, when several run here")
     parser.add_argument("--json", action="store_true", help="print the raw stats as JSON")
     parser.set_defaults(run=_run_status)
 
@@ -327,7 +345,7 @@ def _run_status(args: argparse.Namespace) -> int:
     from pagedserve.cluster.launcher import fetch_status, format_status
 
     try:
-        stats = fetch_status(args.address)
+        stats = fetch_status(args.address, port=args.port)
     except Exception as exc:  # no cluster, no app: say so rather than a traceback
         print(f"error: no running pagedserve server found: {exc}", file=sys.stderr)
         return 1
@@ -335,16 +353,28 @@ def _run_status(args: argparse.Namespace) -> int:
     return 0
 
 
+STOP_TIMEOUT_S = 60.0   # launcher.STOP_TIMEOUT_S (not imported: 'pagedserve --help' stays fast)
+
+
 def _add_stop_parser(subparsers) -> None:
-    parser = subparsers.add_parser("stop", help="stop the server 'pagedserve serve' started on this machine")
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it to exit")
+    parser = subparsers.add_parser(
+        "stop", help="stop a server 'pagedserve serve' started on this machine",
+        description=("Send SIGTERM to the 'pagedserve serve' on --port (or to every one, --all; with one "
+                     "running, to it), print each stage of its shutdown, and after --timeout kill it and "
+                     "every process under it (its private Ray's). With several running and neither "
+                     "flag, list them and stop none."))
+    target = parser.add_mutually_exclusive_group()
+    target.add_argument("--port", type=port, help="the server's HTTP port")
+    target.add_argument("--all", dest="stop_all", action="store_true", help="every server on this machine")
+    parser.add_argument("--timeout", type=positive_float, default=STOP_TIMEOUT_S,
+                        help=f"seconds to wait before killing it (default {STOP_TIMEOUT_S:g})")
     parser.set_defaults(run=_run_stop)
 
 
 def _run_stop(args: argparse.Namespace) -> int:
     from pagedserve.cluster.launcher import stop_server
 
-    return stop_server(args.timeout)
+    return stop_server(args.timeout, port=args.port, stop_all=args.stop_all)
 
 
 def _add_bench_parser(subparsers) -> None:

@@ -302,6 +302,12 @@ class ClusterConfig(_Strict):
     worker_ready_timeout_s: float = Field(600.0, gt=0)
     """How long ``serve`` waits for its first workers: on a fresh cluster that includes a GPU node
     booting, installing this checkout and fetching the model."""
+    placement_timeout_s: float = Field(60.0, gt=0)
+    """How long ``serve`` waits for a worker's resources on a cluster whose autoscaler cannot add
+    nodes, before it stops with an error naming the group, its ask and what is free. A worker that
+    no node could ever hold, or one a private Ray cannot hold, stops it at once; with Ray's
+    autoscaler (or before it has said whether it can add nodes), ``worker_ready_timeout_s`` bounds
+    the wait instead."""
 
     @field_validator("workers")
     @classmethod

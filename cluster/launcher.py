@@ -1,63 +1,74 @@
 """What ``pagedserve serve``, ``status`` and ``stop`` do.
 
-``serve`` starts a private Ray (or joins ``--address``, else ``$RAY_ADDRESS``;
-token authentication as Ray uses it for a cluster it finds), the KV manager and workers,
-and the Serve application, then writes a small state file (pid, Ray
-address, endpoints, model) to ``$PAGEDSERVE_CACHE_DIR/serve.json`` (default
-``~/.cache/pagedserve/serve.json``) and blocks until SIGINT/SIGTERM, when it
-tears everything down and removes the file.
+``serve`` claims its HTTP port's record (``server_records``): a port another server holds,
+or that another program listens on, is refused before anything starts. It then starts a
+private Ray (or joins ``--address``, else ``$RAY_ADDRESS``; token authentication as Ray uses
+it for a cluster it finds), the KV manager and workers, and the Serve application, records
+its Ray address, endpoints, ingress, model and engine options, and blocks until SIGINT/SIGTERM. Then it tears everything
+down in stages, each named on the console and in its record, and removes the record.
 
-``status`` joins the Ray cluster (``--address``, else the one in the state
-file, else ``auto``) and asks the running Serve application's replica for
-its stats: per-worker queues and pools from the KV manager and the
-workers, prefix-cache hit rates, and the replica's router. ``stop`` sends
-SIGTERM to the ``serve`` process named in the state file and waits for it.
+``status`` joins the Ray cluster (``--address``, else the one a server's record names, else
+``auto``) and asks the running Serve application's replica for its stats: per-worker queues
+and pools from the KV manager and the workers, prefix-cache hit rates, and the replica's
+router. ``stop`` sends SIGTERM to the chosen servers (``--port``, ``--all``, or the only one
+running), names each stage they go through, and after its bound kills what is left of them:
+the ``serve`` process and every process under it (its private Ray's).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
-import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
-from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Callable, Iterator
 
+from . import processes, ray_compat, server_records
 from .config import ClusterConfig
 from .router import kv_blocks_used_frac
+from .server_records import ServerRecord
 
-STATE_FILE_NAME = "serve.json"
 RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"  # "token" when the cluster needs ~/.ray/auth_token
 SERVE_LOGGER = "ray.serve"          # Ray Serve's logger in this process (its client's INFO lines)
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# Bounds of a stop. Serve's own shutdown drains replicas for at most 5 s (the deployment's
+# graceful_shutdown_timeout_s), behind HAProxy for its 6 s draining period (serving/ingress.py);
+# a clean stop of a private server took 7 s (10 s behind HAProxy) on a 2-core CPU machine.
+# ``stop`` waits STOP_TIMEOUT_S, then kills what is left.
+SERVE_SHUTDOWN_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 60.0
+KILL_WAIT_S = 10.0                   # after SIGKILL: how long ``stop`` waits for the processes to vanish
 
 
-def state_file() -> Path:
-    """Where a running ``pagedserve serve`` records itself."""
-    from pagedserve.devtools.model_factory import default_cache_dir
-
-    return default_cache_dir().parent / STATE_FILE_NAME
+class PortInUse(RuntimeError):
+    """A port ``serve`` needs is taken by another program."""
 
 
-def read_state() -> dict | None:
-    try:
-        return json.loads(state_file().read_text())
-    except (OSError, ValueError):
-        return None
+def _check_port_free(host: str, port: int, what: str) -> None:
+    """Raise ``PortInUse`` if something listens on ``host:port`` (bound as Serve's servers bind:
+    with SO_REUSEADDR, so connections of an earlier server in TIME_WAIT do not count)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise PortInUse(f"{what} {port} on {host} is in use by another program; choose another "
+                                f"port") from None
 
 
-def _is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def check_ports_free(config: ClusterConfig) -> None:
+    """The HTTP and gRPC ports of ``config`` are free on its host (``PortInUse`` otherwise)."""
+    server = config.server
+    for port, what in ((server.port, "HTTP port"), (server.grpc_port, "gRPC port")):
+        if port:
+            _check_port_free(server.host, port, what)
 
 
 class Progress:
@@ -98,23 +109,49 @@ class Progress:
         print(f"\r[ok] {label} ({time.time() - start:.1f} s)", file=self.stream, flush=True)
 
 
+def _log_to_console() -> None:
+    """pagedserve's warnings (a worker Ray cannot place, ...) on stderr, with time and level,
+    unless logging is configured already."""
+    package = logging.getLogger("pagedserve")
+    if package.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    handler.setLevel(logging.WARNING)
+    package.addHandler(handler)
+
+
 def serve_forever(config: ClusterConfig, address: str | None = None, progress: Progress | None = None,
                   stdout: IO[str] | None = None) -> int:
-    """Bring the cluster and the API up, block until SIGINT/SIGTERM, tear down; exit status."""
+    """Bring the cluster and the API up, block until SIGINT/SIGTERM, tear down; exit status
+    (2 when a port is taken, 1 when the workers cannot start)."""
     import ray
-    from ray import serve
 
-    from .bootstrap import init_ray, start
+    from .bootstrap import WorkerStartError, init_ray, start
+    from .placement_watch import PlacementError
     from .serving import ingress
-    from .serving.deployment import APP_NAME, deploy
+    from .serving.deployment import deploy
 
     progress = progress or Progress()
     stdout = stdout or sys.stdout
+    try:   # before anything starts: the port is this server's, and free
+        record = server_records.claim(config.server.port, config.server.host)
+    except server_records.PortTaken as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        check_ports_free(config)
+    except PortInUse as exc:
+        server_records.release(record)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    _log_to_console()
     logging.getLogger(SERVE_LOGGER).setLevel(logging.WARNING)  # the driver's "app ready" chatter
     stopping = threading.Event()
     previous: dict = {}
     owns_ray = is_private_ray = not ray.is_initialized()
     handle = None
+    is_deploying = False
     try:
         if owns_ray:
             # Serve's processes read it when they start.
@@ -122,28 +159,32 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
                             joining=(address or os.environ.get("RAY_ADDRESS")) not in (None, "", "local"))
             with progress.stage(f"joining the Ray cluster at {address}" if address else "starting a private Ray"):
                 is_private_ray = init_ray(address, logging_level="WARNING")
+        record.is_private_ray = is_private_ray
+        record.ray_address = ray.get_runtime_context().gcs_address
+        record.ray_auth_mode = os.environ.get(RAY_AUTH_MODE_ENV)
+        record.save()
         if not config.model.path:
             model = config.model
             with progress.stage(f"building the {model.arch}-{model.size} model (first start only)"):
                 config.model.resolve_path()
         num_workers = sum(group.min_workers for group in config.workers)
-        with progress.stage(f"starting the KV manager and {num_workers} worker(s): loading the model, "
-                            "allocating KV pools", spinner=False):
-            handle = start(config, show_progress=progress.is_tty)
+        try:
+            with progress.stage(f"starting the KV manager and {num_workers} worker(s): loading the model, "
+                                "allocating KV pools", spinner=False):
+                handle = start(config, show_progress=progress.is_tty, is_private_ray=is_private_ray)
+        except (PlacementError, WorkerStartError) as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return 1
         apis = "HTTP and gRPC" if config.server.grpc_port is not None else "HTTP"
+        is_deploying = True
         with progress.stage(f"deploying the {apis} API on Ray Serve"):
             choice = ingress.choose(config.server.ingress)
             endpoints = deploy(handle, config, quiet=True, ingress_choice=choice)
-        state = {"pid": os.getpid(), "ray_address": ray.get_runtime_context().gcs_address,
-                 "ray_auth_mode": os.environ.get(RAY_AUTH_MODE_ENV),
-                 "endpoints": endpoints, "ingress": choice.name, "model": handle.model_name,
-                 "started_at": time.time(),
-                 # What `bench serve --offline-baseline` runs offline: the first group's engine.
-                 "model_path": handle.model_path,
-                 "engine": {**config.engine.model_dump(mode="json", exclude_defaults=True), **config.workers[0].engine}}
-        path = state_file()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(state, indent=2) + "\n")
+        record.state, record.endpoints, record.model, record.ingress = "serving", endpoints, handle.model_name, choice.name
+        # What `bench serve --offline-baseline` runs offline: the first group's engine.
+        record.model_path = handle.model_path
+        record.engine = {**config.engine.model_dump(mode="json", exclude_defaults=True), **config.workers[0].engine}
+        record.save()
         http = endpoints["http"]
         print(f"pagedserve is serving '{handle.model_name}' (context {handle.max_model_len} tokens, "
               f"{num_workers} worker(s), {config.num_ingress_replicas} ingress replica(s))", file=stdout)
@@ -154,7 +195,8 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
         print(f"  ingress     {choice.describe()}", file=stdout)
         if config.server.api_key or os.environ.get("PAGEDSERVE_API_KEY"):
             print("  an API key is required: send 'Authorization: Bearer <key>'", file=stdout)
-        print("Press Ctrl-C (or run 'pagedserve stop') to stop.", file=stdout, flush=True)
+        print(f"Press Ctrl-C (or run 'pagedserve stop --port {config.server.port}') to stop.", file=stdout,
+              flush=True)
         # Installed only now (ray.init installs its own): during start-up, Ctrl-C interrupts.
         previous = {sig: signal.signal(sig, lambda *_: stopping.set())
                     for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -165,51 +207,150 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        state = read_state()
-        if state and state.get("pid") == os.getpid():
-            state_file().unlink(missing_ok=True)
+        _tear_down(record, handle, is_deploying, owns_ray, is_private_ray, progress)
+        server_records.release(record)
+
+
+def _tear_down(record: ServerRecord, handle, has_serve: bool, owns_ray: bool, is_private_ray: bool,
+               progress: Progress) -> None:
+    """Stop the Serve application (``has_serve``), the cluster and a Ray this process started,
+    one named stage at a time (on the console and in ``record``, where ``stop`` reads it); a
+    stage that fails is named as failed and the next one runs."""
+    import ray
+
+    record.state = "stopping"
+    stages: list[tuple[str, Callable[[], object]]] = []
+    if has_serve and ray.is_initialized():
+        if is_private_ray:
+            stages.append(("shutting down Ray Serve (its replicas drain, its proxies stop)",
+                           lambda: ray_compat.shutdown_serve(SERVE_SHUTDOWN_TIMEOUT_S)))
+        else:
+            from ray import serve
+
+            from .serving.deployment import APP_NAME
+
+            stages.append((f"deleting the Serve application '{APP_NAME}' (its replicas drain)",
+                           lambda: serve.delete(APP_NAME)))
+    if handle is not None:
+        stages.append(("stopping the workers and the KV manager", handle.shutdown))
+    if owns_ray:
+        stages.append(("stopping the private Ray" if is_private_ray else "leaving the Ray cluster", ray.shutdown))
+    for label, action in stages:
+        record.stage = label
         with contextlib.suppress(Exception):
-            if is_private_ray:
-                serve.shutdown()
-            else:
-                serve.delete(APP_NAME)
-        if handle is not None:
-            with contextlib.suppress(Exception):
-                handle.shutdown()
-        if owns_ray:
-            ray.shutdown()
+            record.save()
+        with contextlib.suppress(Exception), progress.stage(label):
+            action()
 
 
-def stop_server(timeout_s: float = 60.0, stdout: IO[str] | None = None) -> int:
-    """SIGTERM the recorded ``serve`` process and wait for it to exit; exit status."""
-    stdout = stdout or sys.stdout
-    state = read_state()
-    if not state or not _is_alive(int(state.get("pid", 0)) or -1):
-        if state:
-            state_file().unlink(missing_ok=True)
-        print("no pagedserve server is running (started by 'pagedserve serve' on this machine)",
-              file=sys.stderr)
+def _choose(records: list[ServerRecord], port: int | None, command: str, hint: str = "") -> ServerRecord | None:
+    """The record ``--port`` names, else the only one (None if none runs); ``ValueError``
+    listing the running servers when there is no such one."""
+    if port is not None:
+        chosen = [record for record in records if record.port == port]
+        if not chosen:
+            raise ValueError(f"no pagedserve server runs on port {port} on this machine"
+                             + (":" if records else "") + _running_list(records))
+        return chosen[0]
+    if len(records) > 1:
+        raise ValueError(f"{len(records)} pagedserve servers run on this machine; name one with "
+                         f"'pagedserve {command} --port PORT'{hint}:" + _running_list(records))
+    return records[0] if records else None
+
+
+def _running_list(records: list[ServerRecord]) -> str:
+    return "".join(f"\n  {record.describe()}" for record in records) if records else ""
+
+
+def stop_server(timeout_s: float = STOP_TIMEOUT_S, port: int | None = None, stop_all: bool = False,
+                stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> int:
+    """Stop the server on ``port``, every server (``stop_all``), or the only one running on this
+    machine: SIGTERM, then its stages as it goes through them, then, after ``timeout_s``,
+    SIGKILL to it and to every process under it. Exit status 0 once they are gone."""
+    stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
+    records = server_records.running()
+    if not records:
+        print("no pagedserve server is running on this machine (started by 'pagedserve serve')", file=stderr)
         return 1
-    pid = int(state["pid"])
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if not _is_alive(pid):
-            print(f"stopped pagedserve (pid {pid})", file=stdout)
-            return 0
+    try:
+        targets = records if stop_all else [_choose(records, port, "stop", hint=", or all of them with --all")]
+    except ValueError as exc:
+        print(f"error: {exc}", file=stderr)
+        return 1
+    for record in targets:
+        print(f"stopping {record.describe()}: waiting up to {timeout_s:g} s for it to shut down, then "
+              "killing what is left of it", file=stdout, flush=True)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(record.pid, signal.SIGTERM)
+    return _wait_stopped(targets, time.monotonic(), timeout_s, stdout, stderr)
+
+
+def _wait_stopped(targets: list[ServerRecord], started: float, timeout_s: float, stdout: IO[str],
+                  stderr: IO[str]) -> int:
+    """Follow ``targets`` until they exit or ``timeout_s`` passes; then kill the rest."""
+    remaining = list(targets)
+    stages: dict[int, str | None] = {record.port: None for record in targets}
+    while remaining:
+        for record in list(remaining):
+            if not server_records.is_alive(record):
+                remaining.remove(record)
+                print(f"stopped pagedserve on port {record.port} (pid {record.pid}) in "
+                      f"{time.monotonic() - started:.1f} s", file=stdout, flush=True)
+                continue
+            current = server_records.reread(record)
+            stage = current.stage if current else None
+            if stage and stage != stages[record.port]:
+                stages[record.port] = stage
+                where = f"port {record.port}: " if len(targets) > 1 else ""
+                print(f"  {where}{stage}", file=stdout, flush=True)
+        if not remaining or time.monotonic() - started >= timeout_s:
+            break
         time.sleep(0.2)
-    print(f"pagedserve (pid {pid}) did not exit within {timeout_s:.0f} s", file=sys.stderr)
-    return 1
+    status = 0
+    for record in remaining:
+        if not _kill(record, stages[record.port], timeout_s, stdout, stderr):
+            status = 1
+    return status
 
 
-def fetch_status(address: str | None = None, timeout_s: float = 30.0) -> dict:
-    """Stats from the running Serve application (``Frontend.stats``: ``cluster.stats.gather_stats``)."""
-    state = read_state()
+def _kill(record: ServerRecord, stage: str | None, timeout_s: float, stdout: IO[str], stderr: IO[str]) -> bool:
+    """SIGKILL a server that outlived its stop's bound, and every process under it; its record
+    goes too. True once they are all gone."""
+    under = processes.descendants(record.pid)
+    doing = f" (still {stage})" if stage else ""
+    print(f"{record.describe()} did not exit within {timeout_s:g} s{doing}: killing it and the "
+          f"{len(under)} processes under it", file=stderr, flush=True)
+    for pid in [record.pid, *under]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + KILL_WAIT_S
+    left = [pid for pid in [record.pid, *under] if processes.is_running(pid)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = [pid for pid in left if processes.is_running(pid)]
+    server_records.release(record)
+    if left:
+        print(f"could not kill pids {left} of pagedserve on port {record.port}", file=stderr)
+        return False
+    print(f"stopped pagedserve on port {record.port} (pid {record.pid}): killed", file=stdout, flush=True)
+    if not record.is_private_ray:
+        print(f"  its Serve application may remain on the Ray cluster at {record.ray_address} "
+              "(Serve's controller and replicas are the cluster's)", file=stderr)
+    return True
+
+
+def fetch_status(address: str | None = None, timeout_s: float = 30.0, port: int | None = None) -> dict:
+    """Stats from the running Serve application (``Frontend.stats``: ``cluster.stats.gather_stats``):
+    the one at ``address``, else the server on ``port`` (or the only one running here), else ``auto``."""
+    record = None
     if address is None:
-        address = state["ray_address"] if state else "auto"
-    if state and state.get("ray_auth_mode") and state.get("ray_address") == address:
+        record = _choose(server_records.running(), port, "status")
+        if record is not None and not record.ray_address:
+            raise RuntimeError(f"{record.describe()} has not joined Ray yet")
+        address = record.ray_address if record else "auto"
+    if record and record.ray_auth_mode:
         # Ray reads this when it is imported: the recorded cluster wants its token.
-        os.environ.setdefault(RAY_AUTH_MODE_ENV, state["ray_auth_mode"])
+        os.environ.setdefault(RAY_AUTH_MODE_ENV, record.ray_auth_mode)
     import ray
     from ray import serve
 

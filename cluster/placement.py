@@ -65,3 +65,13 @@ def remove_worker_placement(actor_name: str, namespace: str | None = None) -> No
         ray.util.remove_placement_group(placement)
     except Exception as exc:
         logger.warning("could not remove the placement group of %s: %r", actor_name, exc)
+
+
+def worker_placement_group_id(actor_name: str) -> str | None:
+    """The id (hex) of worker ``actor_name``'s placement group; None if it has none."""
+    try:
+        import ray
+
+        return ray.util.get_placement_group(placement_group_name(actor_name)).id.hex()
+    except Exception:
+        return None

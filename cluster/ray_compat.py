@@ -242,3 +242,149 @@ def set_process_title(title: str) -> None:
     from ray import _raylet
 
     _raylet.setproctitle(title)
+
+
+def serve_controller():
+    """The connected cluster's Ray Serve controller actor; None when Serve does not run there.
+    Private: its name and namespace (``ray.serve._private.constants``)."""
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    try:
+        return ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    except ValueError:
+        return None
+
+
+def shutdown_serve(timeout_s: float) -> bool:
+    """Shut Ray Serve down on the connected cluster as ``serve.shutdown()`` does (every
+    application deleted, its replicas drained, the proxies and the controller stopped), waiting
+    at most ``timeout_s``; True once the controller is gone (or there was none).
+
+    ``serve.shutdown()`` calls the controller's ``graceful_shutdown`` and waits for that call to
+    fail: the controller ends by killing itself, and since Serve gives it infinite task retries,
+    Ray logs every clean shutdown as "Task ServeController.graceful_shutdown failed ... killed by
+    ray.kill". Here the same request goes with ``wait=False``, which the controller answers at
+    once, and its end is awaited by its name. The process's own handles are shut first, as
+    ``serve.shutdown()`` does, so that none is left listening to the controller.
+
+    Private: the cached client (``ray.serve.context``), and ``serve_controller``.
+    """
+    import time
+
+    import ray
+    from ray.serve import context
+
+    deadline = time.monotonic() + timeout_s
+    controller = serve_controller()
+    if controller is None:
+        context._disconnect()
+        return True
+    client = context._global_client
+    if client is not None:
+        client.shutdown_cached_handles()
+    try:
+        ray.get(controller.graceful_shutdown.remote(False), timeout=max(0.1, deadline - time.monotonic()))
+    except Exception as exc:  # gone meanwhile, or not answering: its end is awaited below all the same
+        logger.debug("Serve controller's graceful_shutdown: %r", exc)
+    is_gone = serve_controller() is None
+    while not is_gone and time.monotonic() < deadline:
+        time.sleep(0.2)
+        is_gone = serve_controller() is None
+    context._disconnect()
+    return is_gone
+
+
+@dataclass(frozen=True)
+class NodeResources:
+    """An alive node's resources (name -> amount): what it has in all, and what is free now."""
+
+    node_id: str
+    address: str
+    is_head: bool
+    total: dict
+    free: dict
+
+
+@dataclass(frozen=True)
+class ResourceState:
+    """The connected cluster's nodes and what waits for their resources, as Ray's GCS sees it:
+    ``waiting_bundles`` holds the shapes (and counts) of tasks and actors waiting for a lease,
+    ``pending_placement_groups`` the ids (hex) of placement groups not placed yet."""
+
+    nodes: tuple
+    waiting_bundles: tuple
+    pending_placement_groups: frozenset
+
+
+def resource_state() -> ResourceState:
+    """What ``ray status`` shows: every alive node's total and free resources, and the demand
+    that waits for them.
+
+    Internal (``ray.autoscaler.v2.sdk.get_cluster_status``, a GCS call that works whichever
+    autoscaler runs, or none): Ray's public calls sum resources over nodes
+    (``ray.available_resources``) and say nothing of what waits.
+    """
+    from ray.autoscaler.v2.sdk import get_cluster_status
+
+    status = get_cluster_status(gcs_address(), timeout=STATE_API_TIMEOUT_S)
+    nodes = []
+    for node in [*status.active_nodes, *status.idle_nodes]:
+        usage = node.resource_usage.usage if node.resource_usage else []
+        total = {u.resource_name: u.total for u in usage}
+        free = {u.resource_name: u.total - u.used for u in usage}
+        nodes.append(NodeResources(node.node_id or "", node.ip_address, _HEAD_NODE_RESOURCE in total, total, free))
+    demands = status.resource_demands
+    waiting = tuple((dict(request.bundle), request.count)
+                    for demand in demands.ray_task_actor_demand for request in demand.bundles_by_count)
+    pending = frozenset(demand.pg_id for demand in demands.placement_group_demand
+                        if demand.pg_id and demand.state == "PENDING")
+    return ResourceState(tuple(nodes), waiting, pending)
+
+
+def autoscaler_adds_nodes() -> bool | None:
+    """Whether the connected cluster's autoscaler can add nodes: True when it runs with node
+    types to launch (``ray up``, ``ray start --autoscaling-config``, KubeRay), False when it
+    only mirrors the nodes there are (a cluster started without an autoscaling config), None
+    when it has not reported yet.
+
+    Private: the autoscaler's status report in the GCS key-value store
+    (``ray_constants.DEBUG_AUTOSCALING_STATUS``, what ``ray status`` reads), whose node types
+    are ``node_<id>`` (``format_readonly_node_type``) for a cluster it cannot grow.
+    """
+    import json
+
+    try:
+        from ray._private import ray_constants
+        from ray.autoscaler._private.util import format_readonly_node_type
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        raw = _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS)
+        mapping = (json.loads(raw).get("autoscaler_report") or {}).get("node_type_mapping") if raw else None
+    except Exception as exc:
+        logger.debug("autoscaler status unavailable: %r", exc)
+        return None
+    if not mapping:
+        return None
+    return any(node_type != format_readonly_node_type(node_id) for node_id, node_type in mapping.items())
+
+
+def local_node_resources() -> dict:
+    """The CPUs and GPUs a Ray started on this machine would have (``ray.init`` without
+    ``num_cpus``/``num_gpus``): container CPU limits counted, GPUs as Ray detects them.
+
+    Private (``ray._private.utils.get_num_cpus``, ``ray._private.accelerators``): Ray has no
+    public call that answers without starting Ray.
+    """
+    from ray._private.accelerators import get_accelerator_manager_for_resource
+    from ray._private.utils import get_num_cpus
+
+    num_gpus = 0
+    try:
+        manager = get_accelerator_manager_for_resource("GPU")
+        visible = manager.get_current_process_visible_accelerator_ids() if manager else None
+        num_gpus = len(visible) if visible is not None else manager.get_current_node_num_accelerators()
+    except Exception as exc:
+        logger.debug("GPU detection failed: %r", exc)
+    return {"CPU": float(get_num_cpus()), "GPU": float(num_gpus)}
+

@@ -8,7 +8,10 @@ deploys its own Serve applications in between. ``ServeProcess`` runs
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -138,6 +141,13 @@ class ServeProcess:
             time.sleep(0.5)
 
     def kill(self) -> None:
+        """Kill the server and every process under it (its private Ray's)."""
+        from pagedserve.cluster.processes import descendants
+
         if self.process.poll() is None:
+            tree = descendants(self.process.pid)
             self.process.kill()
             self.process.wait(timeout=30)
+            for pid in tree:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)

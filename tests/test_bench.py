@@ -386,18 +386,19 @@ def test_cpu_per_token_groups_a_servers_processes_and_adds_up():
     assert {s.pid for s in process_cpu.server_processes(private, process_cpu.ServerRoot(10))} == {10, 11, 12}
 
 
-def test_cpu_per_token_finds_the_server_from_its_state_file(tmp_path, monkeypatch):
+def test_cpu_per_token_finds_the_server_from_its_record(tmp_path, monkeypatch):
     from pagedserve.bench import process_cpu
-    from pagedserve.cluster.launcher import state_file
+    from pagedserve.cluster import processes, server_records
 
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    with pytest.raises(ValueError, match="no running 'pagedserve serve'"):
+    with pytest.raises(ValueError, match="no running 'pagedserve serve' on port 8000"):
         process_cpu.find_server_root("http://127.0.0.1:8000")
-    state_file().parent.mkdir(parents=True, exist_ok=True)
-    state_file().write_text(json.dumps({"pid": 4321, "ray_address": GCS,
-                                        "endpoints": {"http": "http://127.0.0.1:8000"}}))
-    assert process_cpu.find_server_root("http://127.0.0.1:8000") == process_cpu.ServerRoot(4321, GCS)
-    with pytest.raises(ValueError, match="not http://127.0.0.1:9000"):
+    pid = os.getpid()   # a live process: a record whose process is gone is stale
+    server_records.ServerRecord(port=8000, pid=pid, host="127.0.0.1", pid_started=processes.started_at(pid),
+                                ray_address=GCS, ingress="haproxy",
+                                endpoints={"http": "http://127.0.0.1:8000"}).save()
+    assert process_cpu.find_server_root("http://127.0.0.1:8000") == process_cpu.ServerRoot(pid, GCS, "haproxy")
+    with pytest.raises(ValueError, match="port 9000 .*running on ports: 8000"):
         process_cpu.find_server_root("http://127.0.0.1:9000")
     assert process_cpu.find_server_root("http://127.0.0.1:9000", server_pid=77) == process_cpu.ServerRoot(77)
     with pytest.raises(RuntimeError, match="pid 77"):

@@ -58,6 +58,9 @@ def test_serve_request_status_stop_on_the_fake_autoscaling_cluster(tmp_path):
             assert serve.poll() is None, "".join(output)
             assert time.time() < deadline, "".join(output)
             time.sleep(0.5)
+        # Until that node came, `serve` said what it waited for (the group, what it asks, what is free).
+        waits = [line for line in output if "waiting for Ray's autoscaler to add a node" in line]
+        assert waits and "worker group 0 (mixed): each worker asks for CPU 1, GPU 1" in waits[0], "".join(output)
         health = httpx.get(base_url + "/health", timeout=30).json()
         assert health["status"] == "ok" and health["workers"]["ready"] >= 1, health
 

@@ -137,3 +137,37 @@ def test_a_dashboard_still_starting_costs_no_wait(ray_with_dashboard, monkeypatc
         assert ray_compat._state_api_verdicts == {}, "the verdict waits for the dashboard"
     finally:
         internal_kv._internal_kv_put(key, address, namespace=namespace)
+
+
+def test_resource_state_shows_the_nodes_and_what_waits_for_them(ray_with_dashboard):
+    state = ray_compat.resource_state()
+    (node,) = state.nodes
+    assert node.is_head and node.node_id == ray.get_runtime_context().get_node_id()
+    assert node.total["CPU"] == 2 and 0 <= node.free["CPU"] <= 2
+    waiting = _Probe.options(num_cpus=64).remote()   # more than the cluster has
+    deadline = time.time() + 60
+    while ({"CPU": 64.0}, 1) not in ray_compat.resource_state().waiting_bundles:
+        assert time.time() < deadline, ray_compat.resource_state()
+        time.sleep(0.5)
+    ray.kill(waiting, no_restart=True)
+    # A Ray started by ray.init runs its autoscaler read-only: it cannot add nodes.
+    deadline = time.time() + 60
+    while ray_compat.autoscaler_adds_nodes() is None:
+        assert time.time() < deadline, "the autoscaler never reported"
+        time.sleep(0.5)
+    assert ray_compat.autoscaler_adds_nodes() is False
+
+
+def test_serve_shuts_down_without_a_failed_task(ray_with_dashboard, capfd):
+    """serve.shutdown() waits for a graceful_shutdown call that Ray then reports as failed
+    ("killed by ray.kill"); shutdown_serve ends Serve without one."""
+    from ray import serve
+
+    serve.start(http_options={"port": 0})
+    assert ray_compat.serve_controller() is not None
+    assert ray_compat.shutdown_serve(60) is True
+    assert ray_compat.serve_controller() is None
+    time.sleep(2)   # Ray's log monitor forwards a worker's lines about a second late
+    output = "".join(capfd.readouterr())
+    assert "failed" not in output, output
+    assert ray_compat.shutdown_serve(5) is True   # nothing left to shut down

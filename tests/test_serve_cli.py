@@ -10,9 +10,11 @@ its own ports and temp dir, token auth with a token of the test's, never
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
+import signal
 import shutil
 import subprocess
 import sys
@@ -187,23 +189,15 @@ def _streamed_equals_whole(port: int) -> bool:
 
 def _descendant_commands(pid: int) -> list[str]:
     """The command lines of ``pid``'s descendants (a private Ray's processes are)."""
-    children: dict[int, list[int]] = {}
-    commands: dict[int, str] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    from pagedserve.cluster.processes import descendants
+
+    commands = []
+    for child in descendants(pid):
         try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            commands[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
-        except (OSError, IndexError, ValueError):
+            commands.append((Path("/proc") / str(child) / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip())
+        except OSError:
             continue
-        children.setdefault(parent, []).append(int(entry.name))
-    found, todo = [], list(children.get(pid, []))
-    while todo:
-        child = todo.pop()
-        found.append(commands.get(child, ""))
-        todo.extend(children.get(child, []))
-    return found
+    return commands
 
 
 @pytest.mark.distributed
@@ -218,7 +212,7 @@ def test_private_ray_by_default_and_a_named_cluster_with_its_token(tmp_path, tin
                          env={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}).start()
     base = {key: value for key, value in os.environ.items()
             if key not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
-    base["PAGEDSERVE_CACHE_DIR"] = str(tmp_path / "cache")  # its own serve.json
+    base["PAGEDSERVE_CACHE_DIR"] = str(tmp_path / "cache")  # its own server records
     model = ["--served-model-name", "tiny-cli", "--set", "workers.0.num_cpus=1",
              "--set", "engine.num_device_blocks=64", "--set", "engine.swap_space_gb=0.001"]
     servers: list[ServeProcess] = []
@@ -267,8 +261,8 @@ def test_private_ray_by_default_and_a_named_cluster_with_its_token(tmp_path, tin
         server.wait_serving()
         said = [line for line in server.output if line.strip().startswith("ingress")]
         assert said and said[0].split()[1] == "HAProxy" and "auto" in said[0], server.output
-        state = json.loads((tmp_path / "cache" / "serve.json").read_text())
-        assert state["ray_address"] != other.address
+        state = json.loads((tmp_path / "cache" / "servers" / f"{port}.json").read_text())
+        assert state["ray_address"] != other.address and state["is_private_ray"] and state["ingress"] == "haproxy"
         other.stop()
         assert other.pids() == []
         time.sleep(2)
@@ -288,3 +282,206 @@ def test_private_ray_by_default_and_a_named_cluster_with_its_token(tmp_path, tin
             server.kill()
         other.stop()
         shutil.rmtree(discovery, ignore_errors=True)
+
+
+# ---- servers on one machine: a record per port, stop by port, a bounded stop ---------------------
+@pytest.fixture
+def own_records(tmp_path, monkeypatch):
+    """This test's server records (``PAGEDSERVE_CACHE_DIR``), and processes standing in for
+    servers: ``spawn(ignore_term=False)`` starts one (with a child of its own)."""
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    started: list[subprocess.Popen] = []
+    script = ("import signal, subprocess, sys, time\n"
+              "if sys.argv[1] == '1': signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              "subprocess.Popen(['sleep', '300'])\nprint('up', flush=True)\ntime.sleep(300)\n")
+
+    def spawn(ignore_term: bool = False) -> subprocess.Popen:
+        process = subprocess.Popen([sys.executable, "-c", script, "1" if ignore_term else "0"],
+                                   stdout=subprocess.PIPE, text=True)
+        assert process.stdout.readline() == "up\n"
+        started.append(process)
+        threading.Thread(target=process.wait, daemon=True).start()   # reaped as a shell would
+        return process
+
+    yield spawn
+    from pagedserve.cluster.processes import descendants
+
+    for process in started:
+        for pid in [*descendants(process.pid), process.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _record(port: int, pid: int, **fields):
+    from pagedserve.cluster.processes import started_at
+    from pagedserve.cluster.server_records import ServerRecord
+
+    record = ServerRecord(port=port, pid=pid, host="127.0.0.1", state="serving",
+                          pid_started=started_at(pid), model="tiny-cli", **fields)
+    record.save()
+    return record
+
+
+def test_a_record_per_port_and_stale_records_go(own_records):
+    from pagedserve.cluster import server_records
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    _record(8101, dead.pid)                                    # its process is gone
+    live = own_records()
+    _record(8102, live.pid)
+    reused = _record(8103, live.pid)                           # a pid that belongs to another process now
+    reused.pid_started = (reused.pid_started or 0) + 1
+    reused.save()
+    assert [record.port for record in server_records.running()] == [8102]
+    assert sorted(p.name for p in server_records.records_dir().glob("*.json")) == ["8102.json"]
+    with pytest.raises(server_records.PortTaken, match=f"pid {live.pid}.*'pagedserve stop --port 8102'"):
+        server_records.claim(8102, "127.0.0.1")
+    mine = server_records.claim(8101, "127.0.0.1")            # the stale one is taken over
+    assert mine.pid == os.getpid() and [r.port for r in server_records.running()] == [8101, 8102]
+    server_records.release(mine)
+    assert [r.port for r in server_records.running()] == [8102]
+
+
+def test_stop_names_what_it_stops_and_refuses_to_guess(own_records, capsys):
+    from pagedserve.cluster.launcher import stop_server
+
+    first, second = own_records(), own_records()
+    _record(8201, first.pid)
+    _record(8202, second.pid)
+    assert main(["stop"]) == 1
+    err = capsys.readouterr().err
+    assert "2 pagedserve servers run on this machine" in err and "--port" in err and "--all" in err
+    assert "port 8201" in err and "port 8202" in err and first.poll() is None and second.poll() is None
+    assert main(["stop", "--port", "8203"]) == 1
+    assert "no pagedserve server runs on port 8203" in capsys.readouterr().err
+    assert main(["stop", "--port", "8202"]) == 0
+    out = capsys.readouterr().out
+    assert f"stopping pagedserve on port 8202 (pid {second.pid}, 'tiny-cli', private Ray)" in out
+    assert "stopped pagedserve on port 8202" in out and first.poll() is None
+    assert stop_server(port=None) == 0 and "port 8201" in capsys.readouterr().out   # the only one left
+    assert main(["stop"]) == 1 and "no pagedserve server is running" in capsys.readouterr().err
+
+
+def test_stop_kills_a_server_that_outlives_its_bound(own_records, capsys):
+    from pagedserve.cluster.launcher import KILL_WAIT_S
+    from pagedserve.cluster.processes import descendants, is_running
+
+    stuck = own_records(ignore_term=True)
+    _record(8301, stuck.pid, stage="shutting down Ray Serve")
+    tree = descendants(stuck.pid)
+    assert tree
+    began = time.monotonic()
+    assert main(["stop", "--all", "--timeout", "1"]) == 0
+    elapsed = time.monotonic() - began
+    captured = capsys.readouterr()
+    assert elapsed < 1 + KILL_WAIT_S, elapsed
+    assert "waiting up to 1 s" in captured.out and "shutting down Ray Serve" in captured.out
+    assert "did not exit within 1 s" in captured.err and f"the {len(tree)} processes under it" in captured.err
+    assert "stopped pagedserve on port 8301" in captured.out
+    assert not any(is_running(pid) for pid in [stuck.pid, *tree])
+    from pagedserve.cluster import server_records
+
+    assert server_records.records_dir().is_dir() and not list(server_records.records_dir().glob("*.json"))
+
+
+def test_serve_refuses_a_taken_port_before_starting_ray(own_records, tiny_model):
+    import socket
+
+    from served_cluster import free_port
+
+    holder = own_records()
+    _record(8401, holder.pid)
+    env = dict(os.environ)   # with own_records' PAGEDSERVE_CACHE_DIR
+    refused = _cli("serve", tiny_model("llama"), "--port", "8401", env=env, timeout=120)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert f"port 8401 is taken by pagedserve (pid {holder.pid}" in refused.stderr
+    assert "pagedserve stop --port 8401" in refused.stderr
+    port = free_port()
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        refused = _cli("serve", tiny_model("llama"), "--port", str(port), env=env, timeout=120)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert f"HTTP port {port} on 127.0.0.1 is in use by another program" in refused.stderr
+    assert "Ray" not in refused.stdout + refused.stderr   # refused before Ray started
+    from pagedserve.cluster import server_records
+
+    assert [record.port for record in server_records.running()] == [8401]   # the holder's record stays
+
+
+def _kill_serve_controller(record: dict, env: dict) -> None:
+    """From a driver of its own: end a server's Serve controller for good."""
+    script = ("import ray\nfrom pagedserve.cluster import ray_compat\n"
+              f"ray.init(address={record['ray_address']!r}, logging_level='ERROR', log_to_driver=False)\n"
+              "ray.kill(ray_compat.serve_controller(), no_restart=True)\n"
+              "import time\nwhile ray_compat.serve_controller() is not None: time.sleep(0.2)\nray.shutdown()\n")
+    killed = subprocess.run([sys.executable, "-c", script], env={**env, "RAY_AUTH_MODE": record["ray_auth_mode"]
+                                                                 or "disabled"},
+                            capture_output=True, text=True, timeout=180)
+    assert killed.returncode == 0, killed.stderr
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_servers_on_one_machine(tmp_path, tiny_model):
+    """Two ``serve`` on one machine (one cache folder, as one user has): a third on a taken port
+    is refused at once; ``stop`` without a port refuses and lists both; one whose Serve
+    controller is gone is stopped by its port within the bound, all its processes with it, and
+    the other serves on until ``stop --all`` stops it cleanly."""
+    from pagedserve.cluster.launcher import KILL_WAIT_S
+    from pagedserve.cluster.processes import descendants, is_running
+    from served_cluster import free_port
+
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    env["PAGEDSERVE_CACHE_DIR"] = str(tmp_path / "cache")
+    records = tmp_path / "cache" / "servers"
+    model = [tiny_model("llama"), "--served-model-name", "tiny-cli", "--set", "workers.0.num_cpus=0.5",
+             "--set", "kv_manager_num_cpus=0.25", "--set", "engine.num_device_blocks=64",
+             "--set", "engine.swap_space_gb=0.001"]
+    ports = [free_port(), free_port()]
+    servers = [ServeProcess([*model, "--port", str(port)], env) for port in ports]
+    try:
+        for server in servers:
+            server.wait_serving()
+        assert sorted(path.name for path in records.glob("*.json")) == sorted(f"{port}.json" for port in ports)
+
+        began = time.monotonic()
+        third = _cli("serve", *model, "--port", str(ports[0]), env=env, timeout=120)
+        assert third.returncode == 2, third.stdout + third.stderr
+        assert f"port {ports[0]} is taken by pagedserve (pid {servers[0].process.pid}" in third.stderr
+        assert "starting a private Ray" not in third.stdout + third.stderr
+        assert time.monotonic() - began < 60
+
+        refused = _cli("stop", env=env)
+        assert refused.returncode == 1 and all(f"port {port}" in refused.stderr for port in ports), refused.stderr
+        assert all(server.process.poll() is None for server in servers)
+        status = _cli("status", "--port", str(ports[1]), "--json", env=env)
+        assert status.returncode == 0 and json.loads(status.stdout)["model"] == "tiny-cli", status.stderr
+
+        # The second one's Serve controller ends; its stop is bounded, forced if need be.
+        second = json.loads((records / f"{ports[1]}.json").read_text())
+        _kill_serve_controller(second, env)
+        tree = descendants(servers[1].process.pid)
+        began = time.monotonic()
+        stop = _cli("stop", "--port", str(ports[1]), "--timeout", "1", env=env)
+        elapsed = time.monotonic() - began
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        assert "waiting up to 1 s" in stop.stdout and f"stopped pagedserve on port {ports[1]}" in stop.stdout
+        assert elapsed < 1 + KILL_WAIT_S + 15, elapsed     # the bound, the kill, and a Python start-up
+        assert not any(is_running(pid) for pid in [servers[1].process.pid, *tree])
+        assert not (records / f"{ports[1]}.json").exists()
+        print(f"\nstop of a server without its Serve controller, bound 1 s: {elapsed:.1f} s, "
+              f"{'killed' if 'did not exit' in stop.stderr else 'exited by itself'}")
+
+        assert _complete(ports[0]) == 4   # the first one never noticed
+        stop = _cli("stop", "--all", env=env)
+        assert stop.returncode == 0 and stop.stderr == "", stop.stderr
+        assert f"stopped pagedserve on port {ports[0]}" in stop.stdout
+        assert servers[0].process.wait(timeout=60) == 0
+        assert not list(records.glob("*.json"))
+        assert not [line for line in servers[0].output if "Task " in line and " failed" in line], servers[0].output
+    finally:
+        for server in servers:
+            server.kill()

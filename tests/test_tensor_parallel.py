@@ -26,7 +26,7 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.devtools.model_factory import ensure_model
-from pagedserve.workers.engine.engine.kv_transfer import export_kv
+from pagedserve.workers.engine.kv_transfer import export_kv
 from pagedserve.workers.tp.dispatch import BroadcastChannel, GroupBrokenError, PipeChannel
 from pagedserve.workers.tp.group import TensorParallelGroup, host_store
 from pagedserve.workers.tp.messages import KVCopies, RunStep, WriteBlocks, pack, unpack

@@ -20,7 +20,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.devtools.model_matrix import ensure_matrix_model
 from pagedserve.workers.model import attention
 from pagedserve.workers.model.decode_graphs import DecodeGraphs
-from pagedserve.workers.engine.engine.engine_options import EngineOptions
+from pagedserve.workers.engine.engine_options import EngineOptions
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -4,7 +4,7 @@
 on a multi-node cluster the other nodes' processes are not counted):
 
 * the server's root: the ``pagedserve serve`` process, whose pid and Ray GCS address its
-  state file records (``cluster.launcher.state_file``), or a pid given;
+  record names (``cluster.server_records``), or a pid given;
 * the local processes of its Ray cluster: those whose command line names the GCS address
   (``--gcs-address=HOST:PORT``: the raylet, the dashboard, the autoscaler's monitor, the log
   monitor), then those whose command line names the same Ray session (``session_<date>_<pid>``,
@@ -82,7 +82,7 @@ class ServerRoot:
 
     pid: int
     gcs_address: str | None = None
-    ingress: str | None = None    # what the state file says the server's ingress is
+    ingress: str | None = None    # what its record says the server's ingress is
 
 
 def read_processes(process_iter: Callable | None = None) -> list[ProcessSample]:
@@ -284,22 +284,21 @@ def _own_cpu_s() -> float:
 
 
 def find_server_root(url: str, server_pid: int | None = None) -> ServerRoot:
-    """The root of the server at ``url``: ``server_pid`` (its GCS address from the state file
-    when that names the same pid), else what ``pagedserve serve``'s state file records, which
-    must name ``url``'s port. ValueError naming what is missing."""
+    """The root of the server at ``url``: ``server_pid`` (with its Ray address and ingress when
+    its record has them), else the ``pagedserve serve`` whose record holds ``url``'s port
+    (``cluster.server_records``). ValueError naming what is missing."""
     from urllib.parse import urlsplit
 
-    from pagedserve.cluster.launcher import read_state, state_file
+    from pagedserve.cluster import server_records
 
-    state = read_state() or {}
+    records = server_records.running()
     if server_pid is not None:
-        if state.get("pid") != server_pid:
-            return ServerRoot(server_pid)
-        return ServerRoot(server_pid, state.get("ray_address"), state.get("ingress"))
-    if not state.get("pid"):
-        raise ValueError(f"no running 'pagedserve serve' recorded in {state_file()}: pass --server-pid")
-    recorded = urlsplit((state.get("endpoints") or {}).get("http", ""))
-    if recorded.port != urlsplit(url).port:
-        raise ValueError(f"{state_file()} records a server at {recorded.geturl() or '?'}, not {url}: "
-                         "pass --server-pid")
-    return ServerRoot(int(state["pid"]), state.get("ray_address"), state.get("ingress"))
+        record = next((r for r in records if r.pid == server_pid), None)
+        return ServerRoot(server_pid) if record is None else ServerRoot(server_pid, record.ray_address, record.ingress)
+    port = urlsplit(url).port
+    record = next((r for r in records if r.port == port), None)
+    if record is None:
+        others = ", ".join(str(r.port) for r in records) or "none"
+        raise ValueError(f"no running 'pagedserve serve' on port {port} is recorded in "
+                         f"{server_records.records_dir()} (running on ports: {others}): pass --server-pid")
+    return ServerRoot(record.pid, record.ray_address, record.ingress)
