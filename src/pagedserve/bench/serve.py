@@ -183,15 +183,17 @@ async def _send(client, config: ServeBenchConfig, model: str, prompt, prompt_len
     return result
 
 
-async def run_load(config: ServeBenchConfig, on_finish=None) -> tuple[list[RequestResult], float]:
-    """Send every request (Poisson arrivals, optional concurrency cap); returns results and duration."""
+async def run_load(config: ServeBenchConfig, on_finish=None,
+                   requests: list[tuple] | None = None) -> tuple[list[RequestResult], float]:
+    """Send every request (Poisson arrivals, optional concurrency cap); returns results and duration.
+    ``requests``: ``(prompt, prompt_len, max_tokens)`` each, instead of the config's random ones."""
     try:
         import httpx
     except ImportError as exc:
         raise RuntimeError("`pagedserve bench serve` needs httpx: pip install 'pagedserve[bench]'") from exc
 
-    prompts = make_prompts(config)
-    arrivals = poisson_arrivals(config.num_requests, config.request_rate, config.seed)
+    prompts = requests if requests is not None else make_prompts(config)
+    arrivals = poisson_arrivals(len(prompts), config.request_rate, config.seed)
     limits = httpx.Limits(max_connections=config.max_concurrency or config.num_requests)
     timeout = httpx.Timeout(config.request_timeout_s, connect=30.0)
     semaphore = asyncio.Semaphore(config.max_concurrency or config.num_requests)
@@ -257,9 +259,11 @@ def warmup_config(config: ServeBenchConfig) -> ServeBenchConfig:
 
 
 def run_benchmark(config: ServeBenchConfig, out: str | None = None, plot_dir: str | None = None,
-                  show_progress: bool = True, cpu: CpuPerTokenConfig | None = None) -> dict:
+                  show_progress: bool = True, cpu: CpuPerTokenConfig | None = None,
+                  requests: list[tuple] | None = None) -> dict:
     """Run the warm-up and the load, write JSON (config, summary, per-request results, and
-    with ``cpu`` the CPU per token) and the latency CDFs."""
+    with ``cpu`` the CPU per token) and the latency CDFs. ``requests``: the load's
+    ``(prompt, prompt_len, max_tokens)`` instead of the config's random ones."""
     probe = None
     if cpu is not None:
         from .process_cpu import ServerCpuProbe, find_server_root
@@ -267,9 +271,10 @@ def run_benchmark(config: ServeBenchConfig, out: str | None = None, plot_dir: st
         probe = ServerCpuProbe(find_server_root(config.url, cpu.server_pid))
     if config.num_warmups:
         asyncio.run(run_load(warmup_config(config)))
-    with progress_bar(config.num_requests, "serve", disable=not show_progress) as bar, \
+    num_requests = config.num_requests if requests is None else len(requests)
+    with progress_bar(num_requests, "serve", disable=not show_progress) as bar, \
             (probe.measure() if probe else contextlib.nullcontext()) as window:
-        results, duration = asyncio.run(run_load(config, on_finish=lambda _: bar.update(1)))
+        results, duration = asyncio.run(run_load(config, on_finish=lambda _: bar.update(1), requests=requests))
     summary = summarize_results(results, duration)
     data = {"config": {k: v for k, v in asdict(config).items() if k != "api_key"},
             **summary,
@@ -279,7 +284,7 @@ def run_benchmark(config: ServeBenchConfig, out: str | None = None, plot_dir: st
     if window is not None:
         data["cpu_per_token"] = window.result(summary["total_output_tokens"])
         if cpu.offline:
-            data["offline"] = run_offline(config, cpu)
+            data["offline"] = run_offline(config, cpu, requests)
             served = data["cpu_per_token"]["server_total"]["us_per_token"]
             data["cpu_per_token"]["serving_adds_us_per_token"] = served - data["offline"]["us_per_token"]
     write_json(out, data)
@@ -295,22 +300,25 @@ def run_benchmark(config: ServeBenchConfig, out: str | None = None, plot_dir: st
     return data
 
 
-def run_offline(config: ServeBenchConfig, cpu: CpuPerTokenConfig) -> dict:
+def run_offline(config: ServeBenchConfig, cpu: CpuPerTokenConfig, requests: list[tuple] | None = None) -> dict:
     """The load's requests (and its warm-up's) through ``LLM.generate`` in a process of its
     own: the offline engine's CPU per token (``offline_cpu``)."""
-    from pagedserve.cluster.launcher import read_state
+    from urllib.parse import urlsplit
+
+    from pagedserve.cluster import server_records
 
     from .offline_cpu import measure_in_subprocess
 
-    state = read_state() or {}
+    port = urlsplit(config.url).port
+    record = next((r for r in server_records.running() if r.port == port), None)
     model, engine_options = cpu.offline_model, {}
-    if model is None and state.get("model_path"):
-        model, engine_options = state["model_path"], state.get("engine") or {}
+    if model is None and record is not None and record.model_path:
+        model, engine_options = record.model_path, record.engine
     if model is None:
         from pagedserve.devtools.model_factory import ensure_model
 
         model = str(ensure_model("llama", "tiny"))
-    requests = [(prompt, max_tokens) for prompt, _, max_tokens in make_prompts(config)]
+    requests = [(prompt, max_tokens) for prompt, _, max_tokens in (requests or make_prompts(config))]
     warmup = [(prompt, max_tokens) for prompt, _, max_tokens in make_prompts(warmup_config(config))] \
         if config.num_warmups else []
     return measure_in_subprocess(model, requests, warmup, cpu.offline_threads, engine_options)
