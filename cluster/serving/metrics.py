@@ -233,6 +233,7 @@ class ServerMetrics:
                                             "The max_tokens parameter of requests", labels,
                                             buckets=TOKEN_COUNT_BUCKETS, registry=self.registry)
         self.in_flight.labels(model_name).set(0)
+        self._itl_series = self.itl.labels(model_name)  # observed per token: looked up once
         histograms = [self.ttft, self.tpot, self.e2e, self.itl, self.queue_time, self.prefill_time,
                       self.decode_time, self.inference_time, self.request_prompt_tokens,
                       self.request_generation_tokens, self.request_max_generation_tokens, self.request_n,
@@ -255,10 +256,10 @@ class ServerMetrics:
         each counts as one inter-token interval of ``interval_s / num_tokens``."""
         if num_tokens <= 0 or interval_s < 0:
             return
-        histogram = self.itl.labels(self.model_name)
         per_token = interval_s / num_tokens
+        observe = self._itl_series.observe
         for _ in range(num_tokens):
-            histogram.observe(per_token)
+            observe(per_token)
 
     def observe_phases(self, arrival: float, first_scheduled: float | None, first_token: float | None,
                        finished: float | None) -> None:
