@@ -135,8 +135,11 @@ class Generation:
         self._num_live = len(prompts)
         self._tasks: list[asyncio.Task] = []
         self._is_closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
+        # Kept: ``asyncio.get_running_loop`` makes a system call (getpid) on each call in Python 3.11.
+        self._loop = asyncio.get_running_loop()
         if len(self.prompts) == 1:
             try:
                 self._stream = self._open(0, self.prompts[0])
@@ -220,7 +223,7 @@ class Generation:
         if self._timer is not None:
             self._timer.cancel()
         self._timer_at = at
-        self._timer = asyncio.get_running_loop().call_later(max(at - time.monotonic(), 0.0), self._check_wait)
+        self._timer = self._loop.call_later(max(at - time.monotonic(), 0.0), self._check_wait)
 
     def _check_wait(self) -> None:
         """The timer fired: end the current wait if it has run out, else set the timer for its end."""
@@ -244,7 +247,7 @@ class Generation:
         # The single prompt's next output. When the wait runs out, the timer cancels this task
         # (which closes the stream: the request is aborted), and the wait ends with a 408.
         self._arm_wait()
-        task = self._waiter = asyncio.current_task()
+        task = self._waiter = asyncio.current_task(self._loop)
         num_cancelling = task.cancelling()
         try:
             output = await anext(self._stream)
