@@ -291,16 +291,19 @@ class Generation:
         progress = self.progress[index]
         progress.last = output
         now = time.time()
-        if progress.first_token is None and any(c.num_tokens for c in output.outputs):
-            progress.first_token = now
         metrics = self.server.metrics
+        token_times = progress.token_times
         for completion in output.outputs:
             num_tokens = completion.num_tokens
-            previous = progress.token_times.get(completion.index)
-            if previous is not None and num_tokens > previous[1]:
+            previous = token_times.get(completion.index)
+            if previous is None:
+                if num_tokens:  # the sample's first tokens
+                    token_times[completion.index] = (now, num_tokens)
+                    if progress.first_token is None:
+                        progress.first_token = now
+            elif num_tokens > previous[1]:
                 metrics.observe_inter_token(now - previous[0], num_tokens - previous[1])
-            if num_tokens and (previous is None or num_tokens > previous[1]):
-                progress.token_times[completion.index] = (now, num_tokens)
+                token_times[completion.index] = (now, num_tokens)
         if output.finished:
             self.server.log_completion(f"{self.request_id}-{index}", output)
             timings = output.metrics
