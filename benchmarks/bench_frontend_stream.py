@@ -12,9 +12,12 @@ worker's output channel delivers), every stream one token per step.
 
 Reported, side by side in the same run: the process CPU per output token through
 the app, and per output token of the stand-in alone (the same outputs consumed
-straight from the handle); the difference is what the app adds per token.
+straight from the handle); the difference is what the app adds per token. With
+``--floor``, also a bare FastAPI route that streams one constant chunk per output
+of the same stand-in: what FastAPI's streaming response costs by itself, the
+floor of what the app adds.
 
-    python benchmarks/bench_frontend_stream.py [--streams 64] [--tokens 256] [--api completions|chat]
+    python benchmarks/bench_frontend_stream.py [--streams 64] [--tokens 256] [--api completions|chat] [--floor]
 """
 
 from __future__ import annotations
@@ -125,6 +128,37 @@ async def _run_app(app, streams: int, tokens: int, api: str) -> tuple[float, flo
     return time.process_time() - cpu, time.perf_counter() - wall
 
 
+def _bare_app(handle):
+    """A FastAPI route streaming one constant completion chunk per output of ``handle``."""
+    import itertools
+
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    from pagedserve import SamplingParams
+
+    chunk = ('data: {"id":"cmpl-0123456789abcdef0123456789abcdef","object":"text_completion","created":1764370000,'
+             '"model":"bench","choices":[{"index":0,"text":" w1","logprobs":null,"finish_reason":null,'
+             '"stop_reason":null,"prompt_logprobs":null}],"usage":null}\n\n')
+    request_ids = itertools.count()
+    app = FastAPI()
+
+    async def stream(request):
+        body = await request.json()
+        params = SamplingParams(max_tokens=body["max_tokens"], ignore_eos=True)
+        outputs = handle.generate(None, params, f"bare-{next(request_ids)}", prompt_token_ids=[1, 2, 3])
+
+        async def lines():
+            async for _ in outputs:
+                yield chunk
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(lines(), media_type="text/event-stream")
+
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        app.router.add_route(path, stream, methods=["POST"])
+    return app
+
+
 async def _run_handle(handle, streams: int, tokens: int) -> tuple[float, float]:
     from pagedserve import SamplingParams
 
@@ -145,6 +179,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--api", choices=["completions", "chat"], default="completions")
     parser.add_argument("--step-ms", type=float, default=0.0, help="pause between steps (0: back to back)")
+    parser.add_argument("--floor", action="store_true", help="also measure a bare FastAPI streaming route")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
@@ -161,6 +196,7 @@ def main() -> None:
     handle = _SteppedHandle(model_path, tokenizer, 4096, args.step_ms / 1e3)
     server = Frontend(handle, ServerConfig())
     app = build_app(server)
+    bare_app = _bare_app(handle) if args.floor else None
     num_tokens = args.streams * args.tokens
     rounds = []
     for _ in range(args.rounds):
@@ -169,12 +205,19 @@ def main() -> None:
         rounds.append({"app_us_per_token": app_cpu / num_tokens * 1e6,
                        "handle_only_us_per_token": handle_cpu / num_tokens * 1e6,
                        "app_tok_s": num_tokens / app_wall, "handle_only_tok_s": num_tokens / handle_wall})
+        if bare_app is not None:
+            bare_cpu, _ = asyncio.run(_run_app(bare_app, args.streams, args.tokens, args.api))
+            rounds[-1]["bare_app_us_per_token"] = bare_cpu / num_tokens * 1e6
     for r in rounds:
         r["app_adds_us_per_token"] = r["app_us_per_token"] - r["handle_only_us_per_token"]
+        floor = ""
+        if "bare_app_us_per_token" in r:
+            r["bare_app_adds_us_per_token"] = r["bare_app_us_per_token"] - r["handle_only_us_per_token"]
+            floor = f"; a bare FastAPI streaming route adds {r['bare_app_adds_us_per_token']:.1f} us"
         print(f"{args.api}: {args.streams} streams x {args.tokens} tokens: through the app "
               f"{r['app_us_per_token']:.1f} us CPU per token ({r['app_tok_s']:,.0f} tok/s), the stand-in "
               f"handle alone {r['handle_only_us_per_token']:.1f} us ({r['handle_only_tok_s']:,.0f} tok/s): "
-              f"the app adds {r['app_adds_us_per_token']:.1f} us per token")
+              f"the app adds {r['app_adds_us_per_token']:.1f} us per token{floor}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rounds": rounds}, f, indent=2)

@@ -1,6 +1,6 @@
 """The package's import graph: no circles anywhere, and the layer rules of
 DESIGN.md (nothing imports upward; HTTP and gRPC meet only in the transport-neutral
-serving modules: the frontend, serving_chat, serving_completion, streaming).
+serving modules: the frontend, serving_chat, serving_completion, streaming, chunks).
 
 Every ``import`` counts, deferred ones inside functions too: a circle closed
 by a function-level import is still a circle (the old ``server`` <->

@@ -291,10 +291,12 @@ def test_grpc_service_translation(server, local_handle):
 
 
 # ---- limits --------------------------------------------------------------------------------------
-def test_request_timeout_is_408_and_frees_blocks(local_handle):
+@pytest.mark.parametrize("prompt", ["Once upon a time", ["Once upon a time", "Hello"]], ids=["one", "batch"])
+def test_request_timeout_is_408_and_frees_blocks(local_handle, prompt):
+    """A single prompt's stream is read directly, a batch's through a task each: both time out."""
     timed = _server(local_handle, limits={"request_timeout_s": 0.6})
     local_handle.stall_s = 0.2
-    body = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
+    body = {"prompt": prompt, "max_tokens": 200, "ignore_eos": True}
     error = _assert_error(call(timed, "POST", "/v1/completions", json=body), 408)
     assert error["code"] == "request_timeout"
     assert timed.limiter.num_in_flight == 0 and not timed.client_limiter.num_in_flight

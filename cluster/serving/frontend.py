@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,14 +91,21 @@ class _PromptProgress:
 _EXPIRED = object()
 
 
+async def _failed(exc: Exception) -> AsyncIterator[RequestOutput]:
+    """A stream that fails with ``exc`` at once."""
+    raise exc
+    yield  # pragma: no cover - makes this an async generator
+
+
 class Generation:
     """The merged output stream of one API request's prompts.
 
-    Each prompt streams from ``ClusterHandle.generate`` in its own task;
     ``__anext__`` yields ``(prompt_index, RequestOutput)`` in arrival order and
-    raises ``APIError`` for a failed generation. ``aclose`` (idempotent)
-    cancels what still runs, which aborts it on the worker, and frees the
-    request's limiter slot.
+    raises ``APIError`` for a failed generation, or 408 past the request's
+    deadline or after an idle spell. A single prompt's stream from
+    ``ClusterHandle.generate`` is read directly; several prompts stream each
+    in its own task into one queue. ``aclose`` (idempotent) cancels what still
+    runs, which aborts it on the worker, and frees the request's limiter slot.
     """
 
     def __init__(self, server: "Frontend", request_id: str, prompts: list[PromptInput],
@@ -113,6 +121,11 @@ class Generation:
         self.deadline = time.monotonic() + server.limits.request_timeout_s
         self._has_output = False
         self._queue: asyncio.Queue = asyncio.Queue()
+        # A single prompt's output stream, read directly (no task, no queue: one wake-up per output).
+        self._stream: AsyncIterator[RequestOutput] | None = None
+        # The task awaiting the single prompt's next output, and whether its wait ran out.
+        self._waiter: asyncio.Task | None = None
+        self._is_expired = False
         # The wait for the next item ends by this time (monotonic), and whether that bound is the idle
         # timeout (not the deadline); None while not waiting. One timer checks it (``_check_wait``).
         self._wait_expiry: float | None = None
@@ -122,20 +135,30 @@ class Generation:
         self._num_live = len(prompts)
         self._tasks: list[asyncio.Task] = []
         self._is_closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
+        # Kept: ``asyncio.get_running_loop`` makes a system call (getpid) on each call in Python 3.11.
+        self._loop = asyncio.get_running_loop()
+        if len(self.prompts) == 1:
+            try:
+                self._stream = self._open(0, self.prompts[0])
+            except Exception as exc:  # reported by the first ``__anext__``, as a failed stream is
+                self._stream = _failed(exc)
+            return
         for index, prompt in enumerate(self.prompts):
             self._tasks.append(asyncio.create_task(self._pump(index, prompt)))
+
+    def _open(self, index: int, prompt: PromptInput) -> AsyncIterator[RequestOutput]:
+        return self.server.handle.generate(prompt.text, self._fitted(prompt), f"{self.request_id}-{index}",
+                                           self.priority, prompt_token_ids=prompt.token_ids,
+                                           is_streamed=self.is_streamed)
 
     async def _pump(self, index: int, prompt: PromptInput) -> None:
         # Whatever fails here reaches the consumer, and the end marker always follows: a prompt
         # whose stream never started must not leave the request waiting for it.
         try:
-            params = self._fitted(prompt)
-            stream = self.server.handle.generate(prompt.text, params, f"{self.request_id}-{index}",
-                                                 self.priority, prompt_token_ids=prompt.token_ids,
-                                                 is_streamed=self.is_streamed)
-            async with aclosing(stream):
+            async with aclosing(self._open(index, prompt)) as stream:
                 async for output in stream:
                     self._queue.put_nowait((index, output))
         except asyncio.CancelledError:
@@ -158,32 +181,41 @@ class Generation:
     def __aiter__(self) -> "Generation":
         return self
 
-    async def _next_item(self) -> tuple[int, Any]:
-        """The next queued item; 408 past the request's deadline or after an idle spell.
+    def _arm_wait(self) -> None:
+        """Bound the wait that starts now: by the idle timeout once there was output (if it comes
+        before the deadline), else by the deadline.
 
         Most waits last one engine step, so no wait has a timer of its own: one timer per request
         checks the current wait when it fires, and sets itself again for that wait's end."""
+        limits = self.server.limits
+        now = time.monotonic()
+        self._wait_is_idle_bound = self._has_output and now + limits.stream_idle_timeout_s < self.deadline
+        self._wait_expiry = now + limits.stream_idle_timeout_s if self._wait_is_idle_bound else self.deadline
+        if self._timer is None or self._timer_at > self._wait_expiry:
+            self._set_timer(self._wait_expiry)
+
+    def _timeout(self) -> APIError:
+        """The 408 for the wait that ran out."""
+        limits = self.server.limits
+        if self._wait_is_idle_bound:
+            return timeout_error(f"no output for {limits.stream_idle_timeout_s:g} s; the request was "
+                                 "aborted", "stream_idle_timeout")
+        return timeout_error(f"the request took longer than {limits.request_timeout_s:g} s and was "
+                             "aborted", "request_timeout")
+
+    async def _next_item(self) -> tuple[int, Any]:
+        """The next queued item (several prompts); 408 when the wait runs out."""
         if self._queue.empty():
-            limits = self.server.limits
-            now = time.monotonic()
-            self._wait_is_idle_bound = self._has_output and now + limits.stream_idle_timeout_s < self.deadline
-            self._wait_expiry = now + limits.stream_idle_timeout_s if self._wait_is_idle_bound else self.deadline
-            if self._timer is None or self._timer_at > self._wait_expiry:
-                self._set_timer(self._wait_expiry)
+            self._arm_wait()
             try:
                 item = await self._queue.get()
             finally:
                 self._wait_expiry = None
         else:
             item = self._queue.get_nowait()
-        if item is not _EXPIRED:
-            return item
-        limits = self.server.limits
-        if self._wait_is_idle_bound:
-            raise timeout_error(f"no output for {limits.stream_idle_timeout_s:g} s; the request was "
-                                "aborted", "stream_idle_timeout")
-        raise timeout_error(f"the request took longer than {limits.request_timeout_s:g} s and was "
-                            "aborted", "request_timeout")
+        if item is _EXPIRED:
+            raise self._timeout()
+        return item
 
     def _set_timer(self, at: float) -> None:
         """Set the timer for ``at`` (``time.monotonic()``'s clock); if the loop runs it a little
@@ -191,7 +223,7 @@ class Generation:
         if self._timer is not None:
             self._timer.cancel()
         self._timer_at = at
-        self._timer = asyncio.get_running_loop().call_later(max(at - time.monotonic(), 0.0), self._check_wait)
+        self._timer = self._loop.call_later(max(at - time.monotonic(), 0.0), self._check_wait)
 
     def _check_wait(self) -> None:
         """The timer fired: end the current wait if it has run out, else set the timer for its end."""
@@ -201,9 +233,47 @@ class Generation:
         if time.monotonic() < self._wait_expiry or not self._queue.empty():
             self._set_timer(self._wait_expiry)  # a later wait, or an item the consumer has yet to take
             return
-        self._queue.put_nowait(_EXPIRED)
+        if self._stream is None:
+            self._queue.put_nowait(_EXPIRED)
+        elif self._waiter is not None:
+            self._is_expired = True
+            self._waiter.cancel()
 
     async def __anext__(self) -> tuple[int, RequestOutput]:
+        if self._stream is None:
+            return await self._next_merged()
+        if self._num_live == 0:
+            raise StopAsyncIteration
+        # The single prompt's next output. When the wait runs out, the timer cancels this task
+        # (which closes the stream: the request is aborted), and the wait ends with a 408.
+        self._arm_wait()
+        task = self._waiter = asyncio.current_task(self._loop)
+        num_cancelling = task.cancelling()
+        try:
+            output = await anext(self._stream)
+        except asyncio.CancelledError:
+            # Ours alone (not also the task's own cancellation, say the client leaving): a timeout.
+            if self._is_expired and task.uncancel() <= num_cancelling:
+                self._num_live = 0
+                raise self._timeout() from None
+            raise
+        except StopAsyncIteration:
+            self._num_live = 0
+            raise
+        except Exception as exc:  # the stream ended with it
+            self._num_live = 0
+            raise error_from_exception(exc) from None
+        finally:
+            self._wait_expiry = None
+            self._waiter = None
+        if self._is_expired:  # the output came as the wait ran out, and the stream swallowed the cancellation
+            self._is_expired = False
+            task.uncancel()
+        self._observe(0, output)
+        return 0, output
+
+    async def _next_merged(self) -> tuple[int, RequestOutput]:
+        """The next output of several prompts' streams."""
         while True:
             if self._num_live == 0:
                 raise StopAsyncIteration
@@ -221,16 +291,19 @@ class Generation:
         progress = self.progress[index]
         progress.last = output
         now = time.time()
-        if progress.first_token is None and any(c.num_tokens for c in output.outputs):
-            progress.first_token = now
         metrics = self.server.metrics
+        token_times = progress.token_times
         for completion in output.outputs:
             num_tokens = completion.num_tokens
-            previous = progress.token_times.get(completion.index)
-            if previous is not None and num_tokens > previous[1]:
+            previous = token_times.get(completion.index)
+            if previous is None:
+                if num_tokens:  # the sample's first tokens
+                    token_times[completion.index] = (now, num_tokens)
+                    if progress.first_token is None:
+                        progress.first_token = now
+            elif num_tokens > previous[1]:
                 metrics.observe_inter_token(now - previous[0], num_tokens - previous[1])
-            if num_tokens and (previous is None or num_tokens > previous[1]):
-                progress.token_times[completion.index] = (now, num_tokens)
+                token_times[completion.index] = (now, num_tokens)
         if output.finished:
             self.server.log_completion(f"{self.request_id}-{index}", output)
             timings = output.metrics
@@ -261,6 +334,18 @@ class Generation:
             self._timer.cancel()
             self._timer = None
         self.server.release_slots(len(self.prompts), self.client)
+        if self._stream is not None:
+            waiter = self._waiter
+            if waiter is not None and waiter is not asyncio.current_task():
+                waiter.cancel()  # it waits in another task: its cancellation closes the stream
+                return
+            if self._num_live:  # not yet ended: close it, which aborts the request
+                self._num_live = 0
+                try:
+                    await asyncio.shield(self._stream.aclose())
+                except asyncio.CancelledError:
+                    pass
+            return
         for task in self._tasks:
             task.cancel()
         if self._tasks:

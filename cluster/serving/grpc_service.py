@@ -327,9 +327,10 @@ class GrpcService:
         try:
             client = self._authenticate(grpc_context)
             stream = await self.chats.create_chat_completion(self._chat_request(request, stream=True), client)
-            async for chunk in stream.chunks:
-                yield self._chat_response(request.request_id or chunk.id, chunk.choices, chunk.usage,
-                                          chunk.prompt_logprobs)
+            async for batch in stream.batches():
+                for chunk in batch:
+                    yield self._chat_response(request.request_id or chunk.id, chunk.choices, chunk.usage,
+                                              chunk.prompt_logprobs)
         except APIError as exc:
             raise self._fail(exc, grpc_context) from None
         finally:

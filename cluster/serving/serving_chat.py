@@ -15,8 +15,9 @@ calls it started with the arguments written so far, and ``finish_reason:
 "length"``; the constrained formats' wrapper never reaches ``content``.
 
 Transport-neutral: the response is a ``ChatCompletionResponse``, or, when
-streaming, a ``ChunkStream`` of ``ChatCompletionChunk``; HTTP frames them as
-server-sent events, gRPC as ``ChatResponse`` messages.
+streaming, a ``ChunkStream`` of ``ChatCompletionChunk`` or of their JSON text
+(``chunks``); HTTP frames the text as server-sent events, gRPC the models as
+``ChatResponse`` messages.
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ from pagedserve.tool_parsers import ParserDelta, ToolParser, constrained_parser,
 from pagedserve.workers.outputs.request_output import CompletionOutput, RequestOutput
 from pagedserve.workers.sample.sampling_params import SamplingParams
 
+from .chunks import ChatChunkJSON, ChatChunkModels
 from .errors import APIError
 from .frontend import Frontend, Generation, PromptInput
 from .logprobs import LogprobFormatter
-from .protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                       ChatMessageOut, ChatStreamChoice, ChoiceLogprobs, DeltaFunctionCall, DeltaMessage,
-                       DeltaToolCall, FunctionCallOut, ToolCallOut)
-from .streaming import ChunkStream, generation_chunks
+from .protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatMessageOut, ChoiceLogprobs,
+                       DeltaFunctionCall, DeltaToolCall, FunctionCallOut, ToolCallOut)
+from .streaming import ChunkStream, generation_batches
 from .structured import output_constraint
 
 
@@ -100,7 +101,8 @@ class ServingChat:
         generation, first = await frontend.start_generation(engine_id, [prompt], params, request.priority, client,
                                                             is_streamed=bool(request.stream))
         if request.stream:
-            return ChunkStream(self._stream_chat(request, request_id, generation, first), generation)
+            return ChunkStream(lambda as_json: self._stream_chat(request, request_id, generation, first, as_json),
+                               generation)
         await generation.run_to_end(first)
         last = generation.progress[0].last
         echo = self._echo(request)
@@ -140,71 +142,72 @@ class ServingChat:
                           finish_reason=finish_reason, stop_reason=completion.stop_reason,
                           token_ids=completion.token_ids if request.return_token_ids else None)
 
-    async def _stream_chat(self, request: ChatCompletionRequest, request_id: str, generation: Generation,
-                           first) -> AsyncIterator[ChatCompletionChunk]:
+    def _stream_chat(self, request: ChatCompletionRequest, request_id: str, generation: Generation, first,
+                     as_json: bool) -> AsyncIterator[list]:
+        """The stream's chunks, one list per output (``ChunkStream.batches``)."""
         cursors: dict[int, _Cursor] = {}
-        created = int(time.time())
-        model = self.frontend.model_name
+        encoder = (ChatChunkJSON if as_json else ChatChunkModels)(request_id, int(time.time()),
+                                                                  self.frontend.model_name)
         echo = self._echo(request)
+        has_logprobs = request.logprobs
+        has_token_ids = request.return_token_ids
+        is_continuous_usage = request.continuous_usage
 
-        def chunk(choice: ChatStreamChoice, **fields) -> ChatCompletionChunk:
-            usage = generation.usage() if request.continuous_usage else None
-            return ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice],
-                                       usage=usage, **fields)
-
-        def chunks(_: int, output: RequestOutput):
+        def chunks(_: int, output: RequestOutput) -> list:
+            batch = []
+            usage = generation.usage() if is_continuous_usage else None
             for completion in output.outputs:
-                cursor = cursors.get(completion.index)
+                index = completion.index
+                cursor = cursors.get(index)
                 if cursor is None:
-                    cursor = cursors[completion.index] = _Cursor(self._parser(request))
+                    cursor = cursors[index] = _Cursor(self._parser(request))
                 if cursor.is_finished:
                     continue
                 if not cursor.is_started:
                     cursor.is_started = True
-                    extra = {}
+                    prompt_logprobs = None
                     if request.prompt_logprobs is not None and output.prompt_logprobs is not None:
-                        extra["prompt_logprobs"] = self.logprobs.prompt(
-                            output.prompt_logprobs[:len(output.prompt_token_ids)])
-                    if request.return_token_ids:
-                        extra["prompt_token_ids"] = output.prompt_token_ids
-                    yield chunk(ChatStreamChoice(index=completion.index,
-                                                 delta=DeltaMessage(role="assistant", content="")), **extra)
+                        prompt_logprobs = self.logprobs.prompt(output.prompt_logprobs[:len(output.prompt_token_ids)])
+                    batch.append(encoder.choice(index, "", role="assistant", usage=usage,
+                                                prompt_logprobs=prompt_logprobs,
+                                                prompt_token_ids=output.prompt_token_ids if has_token_ids else None))
                     if echo:
-                        yield chunk(ChatStreamChoice(index=completion.index, delta=DeltaMessage(content=echo)))
-                logprobs = self._chat_logprobs(request, completion.delta_logprobs) if request.logprobs else None
+                        batch.append(encoder.choice(index, echo, usage=usage))
+                logprobs = self._chat_logprobs(request, completion.delta_logprobs) if has_logprobs else None
                 cursor.is_finished = completion.finish_reason is not None
-                delta = self._delta(cursor, completion.delta_text)
+                content, tool_calls = self._delta(cursor, completion.delta_text)
                 # The new tokens go out even while a tool parser or a stop string holds their text back.
-                token_ids = completion.delta_token_ids if request.return_token_ids else None
-                if delta.content or delta.tool_calls or (logprobs and logprobs.content) or token_ids:
-                    yield chunk(ChatStreamChoice(index=completion.index, delta=delta, logprobs=logprobs,
-                                                 token_ids=token_ids))
+                token_ids = completion.delta_token_ids if has_token_ids else None
+                if content or tool_calls or (logprobs and logprobs.content) or token_ids:
+                    batch.append(encoder.choice(index, content, tool_calls=tool_calls, logprobs=logprobs,
+                                                token_ids=token_ids, usage=usage))
                 if cursor.is_finished:
                     if cursor.parser is not None:
-                        rest = self._delta(cursor, None)
-                        if rest.content or rest.tool_calls:
-                            yield chunk(ChatStreamChoice(index=completion.index, delta=rest))
+                        content, tool_calls = self._delta(cursor, None)
+                        if content or tool_calls:
+                            batch.append(encoder.choice(index, content, tool_calls=tool_calls, usage=usage))
                     finish_reason = completion.finish_reason
                     if cursor.parser is not None and cursor.parser.tool_calls and finish_reason == "stop":
                         finish_reason = "tool_calls"
-                    yield chunk(ChatStreamChoice(index=completion.index, delta=DeltaMessage(),
-                                                 finish_reason=finish_reason, stop_reason=completion.stop_reason))
+                    batch.append(encoder.choice(index, finish_reason=finish_reason,
+                                                stop_reason=completion.stop_reason, usage=usage))
+            return batch
 
-        async for item in generation_chunks(generation, first, chunks):
-            yield item
-        if request.include_usage:
-            yield ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
-                                      usage=generation.usage())
+        def usage() -> list:
+            return [encoder.usage(generation.usage())] if request.include_usage else []
+
+        return generation_batches(generation, first, chunks, usage)
 
     @staticmethod
-    def _delta(cursor: _Cursor, text: str | None) -> DeltaMessage:
-        """The delta for ``text`` (None: the output ended), through the choice's tool parser if any."""
+    def _delta(cursor: _Cursor, text: str | None) -> tuple[str | None, list[DeltaToolCall] | None]:
+        """The delta's content and tool call pieces for ``text`` (None: the output ended),
+        through the choice's tool parser if any; None where there are none."""
         if cursor.parser is None:
-            return DeltaMessage(content=text or None)
+            return text or None, None
         parsed: ParserDelta = cursor.parser.feed(text) if text is not None else cursor.parser.finish()
         calls = []
         for piece in parsed.tool_calls:
             function = DeltaFunctionCall(name=piece.name, arguments=piece.arguments or None)
             calls.append(DeltaToolCall(index=piece.index, id=piece.id, type="function" if piece.id else None,
                                        function=function if (piece.name or piece.arguments) else None))
-        return DeltaMessage(content=parsed.content or None, tool_calls=calls or None)
+        return parsed.content or None, calls or None

@@ -8,8 +8,9 @@ prompt alone, as harnesses (lm-eval's ``local-completions``) and vLLM do.
 ``prompt_logprobs`` (vLLM) adds the per-position candidates to each choice.
 
 Transport-neutral: the response is a ``CompletionResponse``, or, when
-streaming, a ``ChunkStream`` of them (one choice each); ``prepare`` is the
-checking and building that gRPC's ``Generate`` shares.
+streaming, a ``ChunkStream`` of them (one choice each) or of their JSON text
+(``chunks``); ``prepare`` is the checking and building that gRPC's
+``Generate`` shares.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from dataclasses import dataclass, field
 from pagedserve.workers.outputs.request_output import CompletionOutput, RequestOutput
 from pagedserve.workers.sample.sampling_params import SamplingParams
 
+from .chunks import CompletionChunkJSON, CompletionChunkModels
 from .errors import APIError
 from .frontend import Frontend, Generation, PromptInput
 from .logprobs import LogprobFormatter, TextOffsets
 from .protocol import (DEFAULT_MAX_TOKENS, CompletionChoice, CompletionLogprobs, CompletionRequest,
                        CompletionResponse, Usage)
-from .streaming import ChunkStream, generation_chunks
+from .streaming import ChunkStream, generation_batches
 from .structured import output_constraint
 
 
@@ -126,8 +128,9 @@ class ServingCompletion:
         generation, first = await frontend.start_generation(engine_id, prompts, params, request.priority, client,
                                                             is_streamed=bool(request.stream))
         if request.stream:
-            return ChunkStream(self._stream_completion(request, request_id, generation, first, echoes,
-                                                       is_scoring_only), generation)
+            return ChunkStream(lambda as_json: self._stream_completion(request, request_id, generation, first,
+                                                                       echoes, is_scoring_only, as_json),
+                               generation)
         await generation.run_to_end(first)
         choices = []
         n = params.n
@@ -163,19 +166,26 @@ class ServingCompletion:
             usage.total_tokens = usage.prompt_tokens
         return usage
 
-    async def _stream_completion(self, request: CompletionRequest, request_id: str, generation: Generation,
-                                 first, echoes: list[_Echo], is_scoring_only: bool
-                                 ) -> AsyncIterator[CompletionResponse]:
+    def _stream_completion(self, request: CompletionRequest, request_id: str, generation: Generation, first,
+                           echoes: list[_Echo], is_scoring_only: bool, as_json: bool) -> AsyncIterator[list]:
+        """The stream's chunks, one list per output (``ChunkStream.batches``)."""
         cursors: dict[int, _Cursor] = {}
         n = generation.params.n
-        created = int(time.time())
-        model = self.frontend.model_name
+        prompts = generation.prompts
+        encoder = (CompletionChunkJSON if as_json else CompletionChunkModels)(
+            request_id, int(time.time()), self.frontend.model_name)
         needs_prompt_logprobs = request.echo and request.logprobs is not None or request.prompt_logprobs is not None
+        has_logprobs = request.logprobs is not None
+        has_token_ids = bool(request.return_token_ids)
+        is_continuous_usage = request.continuous_usage
 
-        def chunks(index: int, output: RequestOutput):
-            prompt = generation.prompts[index]
+        def chunks(index: int, output: RequestOutput) -> list:
+            batch = []
             for completion in output.outputs:
-                cursor = cursors.setdefault(index * n + completion.index, _Cursor())
+                key = index * n + completion.index
+                cursor = cursors.get(key)
+                if cursor is None:
+                    cursor = cursors[key] = _Cursor()
                 if cursor.is_finished:
                     continue
                 if not cursor.is_started and needs_prompt_logprobs and output.prompt_logprobs is None:
@@ -183,39 +193,34 @@ class ServingCompletion:
                 # A choice's first chunk catches up with everything before it (text, logprobs,
                 # token ids); until a chunk is sent, the next output's is the first.
                 is_first = not cursor.is_started
+                prompt = prompts[index]
                 text = echoes[index].text if is_first else ""
                 logprobs = self._choice_logprobs(request, prompt, echoes[index], output, completion, cursor,
-                                                 is_first, is_scoring_only)
+                                                 is_first, is_scoring_only) if has_logprobs else None
                 finish_reason = completion.finish_reason
                 token_ids = None
                 if is_scoring_only:
                     finish_reason = "length"
                 else:
                     text += completion.text if is_first else completion.delta_text
-                    if request.return_token_ids:
+                    if has_token_ids:
                         token_ids = completion.token_ids if is_first else completion.delta_token_ids
                 is_finished = finish_reason is not None
                 if not (text or is_finished or token_ids or (logprobs and logprobs.tokens)):
                     continue
                 cursor.is_started, cursor.is_finished = True, is_finished
-                choice = CompletionChoice(index=index * n + completion.index, text=text, logprobs=logprobs,
-                                          finish_reason=finish_reason,
-                                          stop_reason=None if is_scoring_only else completion.stop_reason,
-                                          prompt_logprobs=self._prompt_logprobs(request, output, prompt)
-                                          if is_first else None)
-                if request.return_token_ids:
-                    choice.token_ids = token_ids or []
-                    if is_first:
-                        choice.prompt_token_ids = prompt.token_ids
-                usage = self._usage(generation, is_scoring_only) if request.continuous_usage else None
-                yield CompletionResponse(id=request_id, created=created, model=model, choices=[choice],
-                                         usage=usage)
+                batch.append(encoder.choice(
+                    key, text, finish_reason, None if is_scoring_only else completion.stop_reason, logprobs,
+                    prompt_logprobs=self._prompt_logprobs(request, output, prompt) if is_first else None,
+                    token_ids=(token_ids or []) if has_token_ids else None,
+                    prompt_token_ids=prompt.token_ids if has_token_ids and is_first else None,
+                    usage=self._usage(generation, is_scoring_only) if is_continuous_usage else None))
+            return batch
 
-        async for item in generation_chunks(generation, first, chunks):
-            yield item
-        if request.include_usage:
-            yield CompletionResponse(id=request_id, created=created, model=model, choices=[],
-                                     usage=self._usage(generation, is_scoring_only))
+        def usage() -> list:
+            return [encoder.usage(self._usage(generation, is_scoring_only))] if request.include_usage else []
+
+        return generation_batches(generation, first, chunks, usage)
 
 
 def _prompt_entries(output: RequestOutput, prompt: PromptInput) -> list:

@@ -1,7 +1,8 @@
 """Server-sent events: how the HTTP transport frames a ``ChunkStream``.
 
 Every chunk is one ``data:`` event with the chunk as JSON, and the stream
-ends with ``data: [DONE]``. A failure mid-stream becomes an error event in
+ends with ``data: [DONE]``. The chunks of one output go out as one body (one
+write per stream per step). A failure mid-stream becomes an error event in
 OpenAI's error shape (the status line was already sent), then ``[DONE]``.
 """
 
@@ -25,7 +26,7 @@ def sse(payload: BaseModel | dict) -> str:
 
 
 class EventStream:
-    """A ``ChunkStream`` as SSE lines (``lines``); ``aclose`` releases the request."""
+    """A ``ChunkStream`` as SSE bodies (``lines``: one per output); ``aclose`` releases the request."""
 
     def __init__(self, stream: ChunkStream) -> None:
         self.stream = stream
@@ -33,8 +34,8 @@ class EventStream:
 
     async def _lines(self) -> AsyncIterator[str]:
         try:
-            async for chunk in self.stream.chunks:
-                yield sse(chunk)
+            async for batch in self.stream.batches(as_json=True):
+                yield "data: " + "\n\ndata: ".join(batch) + "\n\n"
         except APIError as exc:
             yield sse(exc.body())
         finally:

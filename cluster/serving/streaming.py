@@ -1,49 +1,67 @@
 """A streamed response, transport-neutral: its chunks and the generation they come from.
 
 ``serving_chat`` and ``serving_completion`` return a ``ChunkStream`` when a
-request asks to stream: an async iterator of the API's chunk models
-(``ChatCompletionChunk``, ``CompletionResponse``) that raises ``APIError``
-if the generation fails mid-way. Each transport frames the chunks its own
-way (HTTP as server-sent events, gRPC as messages) and closes the stream
-however it ends, which aborts what still runs and frees the request's slot.
+request asks to stream. Its ``batches`` yield, for each output of the
+generation, the chunks that output makes as one list (so that a transport can
+write them at once): the API's chunk models (``CompletionResponse``,
+``ChatCompletionChunk``), or their JSON text (``chunks``); they raise
+``APIError`` if the generation fails mid-way. Each transport frames the chunks
+its own way (HTTP as server-sent events, gRPC as messages) and closes the
+stream however it ends, which aborts what still runs and frees the request's
+slot.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
 
-from pydantic import BaseModel
+from pagedserve.workers.outputs.request_output import RequestOutput
 
 from .frontend import Generation
 
 
-@dataclass
 class ChunkStream:
-    """A streamed response: ``chunks`` (API models, in order) over ``generation``."""
+    """A streamed response over ``generation``; ``make_batches(as_json)`` starts its chunks."""
 
-    chunks: AsyncIterator[BaseModel]
-    generation: Generation
+    def __init__(self, make_batches: Callable[[bool], AsyncIterator[list]], generation: Generation) -> None:
+        self._make_batches = make_batches
+        self._batches: AsyncIterator[list] | None = None
+        self.generation = generation
+
+    def batches(self, as_json: bool = False) -> AsyncIterator[list]:
+        """The chunks, one list per output (in order): the API's models, or with ``as_json``
+        their JSON text. Read once."""
+        if self._batches is not None:
+            raise RuntimeError("a stream's chunks are read once")
+        self._batches = self._make_batches(as_json)
+        return self._batches
 
     async def aclose(self) -> None:
         """Stop streaming and release the request, even if iteration never started."""
-        try:
-            await self.chunks.aclose()
-        except RuntimeError:  # still being iterated elsewhere: closing the generation suffices
-            pass
+        if self._batches is not None:
+            try:
+                await self._batches.aclose()
+            except RuntimeError:  # still being iterated elsewhere: closing the generation suffices
+                pass
         await self.generation.aclose()
 
 
-async def generation_chunks(generation: Generation, first, chunks: Callable[..., Iterable[BaseModel]]
-                            ) -> AsyncIterator[BaseModel]:
-    """The chunks ``chunks(prompt_index, output)`` makes of every output, ``first`` (what
-    ``Frontend.start_generation`` returned) first; the generation is closed however it ends."""
+async def generation_batches(generation: Generation, first, chunks: Callable[[int, RequestOutput], list],
+                             last: Callable[[], list]) -> AsyncIterator[list]:
+    """The chunks ``chunks(prompt_index, output)`` makes of every output, one list per output
+    that makes any, ``first`` (what ``Frontend.start_generation`` returned) first, then
+    ``last()``'s if any; the generation is closed however it ends."""
     try:
         if first is not None:
-            for chunk in chunks(*first):
-                yield chunk
+            batch = chunks(*first)
+            if batch:
+                yield batch
             async for index, output in generation:
-                for chunk in chunks(index, output):
-                    yield chunk
+                batch = chunks(index, output)
+                if batch:
+                    yield batch
     finally:
         await generation.aclose()
+    batch = last()
+    if batch:
+        yield batch
