@@ -68,9 +68,10 @@ class _Inbox:
     """A request's items since its reader last took them, the wake-up of that reader, and how
     long it may wait for the next (``timeout_s`` since ``last_at``)."""
 
-    __slots__ = ("request_id", "timeout_s", "last_at", "items", "_waiter")
+    __slots__ = ("loop", "request_id", "timeout_s", "last_at", "items", "_waiter")
 
-    def __init__(self, request_id: str, timeout_s: float) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, request_id: str, timeout_s: float) -> None:
+        self.loop = loop   # kept: asyncio.get_running_loop() costs a getpid system call on Python 3.11
         self.request_id = request_id
         self.timeout_s = timeout_s
         self.last_at = time.monotonic()
@@ -86,7 +87,7 @@ class _Inbox:
     async def take(self) -> list[ChannelItem]:
         """Everything that came since the last call, once something has."""
         while not self.items:
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self.loop.create_future()
             try:
                 await self._waiter
             finally:
@@ -211,7 +212,7 @@ class WorkerChannel:
         if request_id in self.inboxes:
             raise ValueError(f"request id {request_id!r} is already streaming from worker {self.worker_id}")
         key = next(self._keys)
-        inbox = self.inboxes[request_id] = self.by_key[key] = _Inbox(request_id, timeout_s)
+        inbox = self.inboxes[request_id] = self.by_key[key] = _Inbox(self.loop, request_id, timeout_s)
         request = dataclasses.replace(request, key=key)
         try:
             if self.error is not None:

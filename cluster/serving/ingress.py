@@ -82,6 +82,17 @@ def _check_haproxy_binary() -> None:
                            f"or set ${HAPROXY_BINARY_ENV}")
 
 
+HAPROXY_PORT_ENVS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def prepare(ingress: str, joining: bool = False) -> None:
     """Before Ray starts here: the environment ``ingress`` needs, for this process and the
     private Ray it may start ("auto": HAProxy's where its binary is installed, unless
@@ -95,6 +106,11 @@ def prepare(ingress: str, joining: bool = False) -> None:
     _check_haproxy_binary()
     os.environ.update(HAPROXY_ENV)
     os.environ.setdefault(DRAINING_PERIOD_ENV, f"{DRAINING_PERIOD_S:g}")
+    # HAProxy's stats and metrics ports are fixed by default (8404, 9101): a second server on
+    # this machine would find them taken and its HAProxy would not start. A private Ray's get
+    # free ones, unless they are set.
+    for name in HAPROXY_PORT_ENVS:
+        os.environ.setdefault(name, str(_free_port()))
 
 
 def _serve_env() -> dict[str, str | None]:
