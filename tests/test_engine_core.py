@@ -279,3 +279,21 @@ def test_a_channel_stays_open_while_renewed_and_closes_on_its_lease():
 
     asyncio.run(run())
     assert closed == ["orphan"]
+
+
+def test_a_stalled_core_shows_its_unfinished_work_and_its_old_progress(core):
+    """The worker's heartbeat reads the core's progress: a core stuck in a step with work admitted
+    must show that work and a progress clock that stopped, so the cluster restarts it (a request
+    admitted to an idle core counts before that step ends, not after)."""
+    async def run():
+        core.client.bind_loop(asyncio.get_running_loop())
+        await asyncio.wrap_future(core.client.call("inject_stall", 3.0))
+        core.add("c", 0, PROMPTS[0], _greedy(4))
+        await asyncio.sleep(1.5)
+        last, num_unfinished, _, _ = core.client.progress_figures()
+        assert num_unfinished == 1 and time.time() - last >= 1.2
+        await core.wait_for(lambda: _ended(core.deltas("c").get(0, [])))
+
+    asyncio.run(run())
+    last, num_unfinished, num_steps, num_generated = core.client.progress_figures()
+    assert num_unfinished == 0 and num_generated == 4 and num_steps >= 4 and time.time() - last < 5

@@ -301,9 +301,9 @@ class EngineCore:
                 fetch_s, memcpy_s = message.transfer_s
                 request.metrics.kv_transfer_s += fetch_s
                 request.metrics.kv_memcpy_s += memcpy_s
-            if not engine.requests:
-                self.progress.note_arrival()   # an idle engine has not stalled: its clock starts now
+            was_idle = not engine.requests
             engine.admit(request)
+            self.progress.note_admitted(len(engine.requests), was_idle)
         except Exception as exc:   # refused: the request ends with the error, nothing else changes
             batch = self.processor.batches.setdefault(message.channel_id, StreamBatch())
             batch.add_error(message.key, exc)

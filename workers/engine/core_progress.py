@@ -34,10 +34,12 @@ class CoreProgress:
     def note_step(self, num_steps: int, num_unfinished: int, num_generated_tokens: int) -> None:
         _LAYOUT.pack_into(self._map, 0, time.time(), num_unfinished, num_steps, num_generated_tokens)
 
-    def note_arrival(self) -> None:
-        """An idle engine got work: its progress clock starts now."""
-        _, num_unfinished, num_steps, num_generated_tokens = _LAYOUT.unpack_from(self._map)
-        _LAYOUT.pack_into(self._map, 0, time.time(), num_unfinished, num_steps, num_generated_tokens)
+    def note_admitted(self, num_unfinished: int, was_idle: bool) -> None:
+        """A request was admitted: ``num_unfinished`` now; an idle engine's progress clock
+        starts at it (an idle engine has not stalled)."""
+        last, _, num_steps, num_generated_tokens = _LAYOUT.unpack_from(self._map)
+        _LAYOUT.pack_into(self._map, 0, time.time() if was_idle else last, num_unfinished, num_steps,
+                          num_generated_tokens)
 
     def read(self) -> tuple[float, int, int, int]:
         """(last progress, unfinished requests, steps, generated tokens)."""
