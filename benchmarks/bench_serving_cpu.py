@@ -1,0 +1,106 @@
+"""CPU that serving adds per streamed token, by process, over a matrix of loads and settings.
+
+For each ingress, concurrency and stream interval: a fresh ``pagedserve serve`` (the tiny
+model, one worker, a private Ray), then ``pagedserve bench serve --cpu-per-token
+--offline-baseline`` (every server process's CPU over the timed load, by role, per streamed
+token, and the same requests through ``LLM.generate`` in a process of its own), then the
+server stopped. Prints one row per run and writes every run's JSON to ``--out``.
+
+    python benchmarks/bench_serving_cpu.py [--streams 64,256] [--intervals 1,4,16]
+                                           [--ingresses haproxy,proxy] [--tokens 256] [--rounds 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+
+def _serve(port: int, ingress: str, interval: int, env: dict, log_path: str) -> subprocess.Popen:
+    server = subprocess.Popen(
+        [sys.executable, "-m", "pagedserve", "serve", "--port", str(port), "--set", f"server.ingress={ingress}",
+         "--stream-interval", str(interval)],
+        env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"pagedserve serve exited ({server.returncode}); see {log_path}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                if response.status == 200:
+                    return server
+        except OSError:
+            pass
+        time.sleep(1.0)
+    server.kill()
+    raise RuntimeError("pagedserve serve did not start in 600 s")
+
+
+def _stop(server: subprocess.Popen, port: int, env: dict) -> None:
+    subprocess.run([sys.executable, "-m", "pagedserve", "stop", "--port", str(port)], env=env,
+                   capture_output=True, timeout=180)
+    try:
+        server.wait(60)
+    except subprocess.TimeoutExpired:
+        server.kill()
+
+
+def run_one(ingress: str, streams: int, interval: int, tokens: int, port: int, workdir: str) -> dict:
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    server = _serve(port, ingress, interval, env, os.path.join(workdir, f"serve-{ingress}-{streams}-{interval}.log"))
+    out = os.path.join(workdir, f"bench-{ingress}-{streams}-{interval}.json")
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "pagedserve", "bench", "serve", "--port", str(port), "--request-rate", "inf",
+             "--num-requests", str(streams), "--random-input-len", "16", "--random-output-len", str(tokens),
+             "--random-range-ratio", "0", "--seed", "0", "--cpu-per-token", "--offline-baseline",
+             "--no-progress", "--out", out], env=env, capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0:
+            raise RuntimeError(done.stderr[-2000:])
+        with open(out) as f:
+            return json.load(f)
+    finally:
+        _stop(server, port, env)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", default="64,256")
+    parser.add_argument("--intervals", default="1,4,16")
+    parser.add_argument("--ingresses", default="haproxy,proxy")
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--out", default="artifacts/serving_cpu.json")
+    args = parser.parse_args()
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="serving-cpu-") as workdir:
+        for round_index in range(args.rounds):
+            for streams in map(int, args.streams.split(",")):
+                for interval in map(int, args.intervals.split(",")):
+                    for ingress in args.ingresses.split(","):
+                        data = run_one(ingress, streams, interval, args.tokens, args.port, workdir)
+                        cpu = data["cpu_per_token"]
+                        groups = {name: round(g["us_per_token"], 1) for name, g in cpu["groups"].items()}
+                        row = {"round": round_index + 1, "ingress": ingress, "streams": streams,
+                               "stream_interval": interval, "output_tok_s": round(data["output_throughput"]),
+                               "server_us": round(cpu["server_total"]["us_per_token"], 1),
+                               "offline_us": round(data["offline"]["us_per_token"], 1),
+                               "serving_adds_us": round(cpu["serving_adds_us_per_token"], 1),
+                               "groups": groups, "failed": data["failed"]}
+                        print(json.dumps(row), flush=True)
+                        runs.append({"row": row, "data": data})
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(runs, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
