@@ -140,12 +140,12 @@ def test_each_channel_gets_one_batch_per_step_and_its_rows_rebuild_the_engines_t
     for channel in ("channel-0", "channel-1"):
         batches = [item for item in core.items[channel] if item[0] == "outputs"]
         assert 16 <= len(batches) <= 20   # one per step: its two requests share each
-    stats = core.client.call("stats").result(30)
-    assert stats["engine"]["num_generated_tokens"] == 64 and stats["kv_link"]["num_event_batches"] >= 1
     # KV events reached the central manager: its index holds what the core's pool caches.
     snapshot = core.client.call("kv_sync", 10.0).result(30)
     assert snapshot is not None
     core.service.check_consistency([snapshot])
+    stats = core.client.call("stats").result(30)
+    assert stats["engine"]["num_generated_tokens"] == 64 and stats["kv_link"]["num_event_batches"] >= 1
 
 
 def test_closing_a_channel_aborts_what_runs_on_it_and_nothing_else(core):

@@ -34,8 +34,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from ..engine.core_messages import (AddRequest, CoreInfo, FromCore, ToCore, error_from_wire, pack,
-                                    payload_from_frame, unpack)
+from ..engine.core_messages import (ZERO_COPY_BYTES, AddRequest, CoreInfo, FromCore, ToCore, error_from_wire,
+                                    pack, payload_from_frame, unpack)
 from ..engine.core_process import INIT, CoreSpec
 from ..engine.core_progress import CoreProgress
 from ..process.background_loop import BackgroundLoop
@@ -227,7 +227,8 @@ class EngineCoreClient:
 
     def _send(self, kind: bytes, *frames) -> None:
         with self._send_lock:
-            self._to_core.send_multipart([kind, *frames], copy=False)
+            self._to_core.send_multipart([kind, *frames], copy=all(memoryview(f).nbytes < ZERO_COPY_BYTES
+                                                                  for f in frames))
 
     # ---- the reader thread ------------------------------------------------------------------------
     def _read(self) -> None:

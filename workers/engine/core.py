@@ -25,7 +25,8 @@ from collections import deque
 from typing import Any, Callable
 
 from ..outputs.stream_batch import StreamBatch, StreamTarget
-from .core_messages import AddRequest, FromCore, ToCore, error_to_wire, pack, payload_from_frame, unpack
+from .core_messages import (ZERO_COPY_BYTES, AddRequest, FromCore, ToCore, error_to_wire, pack, payload_from_frame,
+                            unpack)
 from .core_progress import CoreProgress
 from .engine import LLMEngine
 from .kv_transfer import KVTransfer
@@ -60,7 +61,7 @@ class ActorLink:
         self._poller.register(inbox, zmq.POLLIN)
 
     def send(self, kind: bytes, *frames) -> None:
-        self.outbox.send_multipart([kind, *frames], copy=False)
+        self.outbox.send_multipart([kind, *frames], copy=all(memoryview(f).nbytes < ZERO_COPY_BYTES for f in frames))
 
     def receive(self, timeout_s: float) -> None:
         """Read what the inbox holds, waiting up to ``timeout_s`` for the first message."""

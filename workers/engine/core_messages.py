@@ -29,6 +29,11 @@ import numpy as np
 from ..sample.sampling_params import SamplingParams, StructuredOutputsParams
 
 
+# Frames from this size on (a KV transfer's payload) are sent without a copy; smaller ones are
+# copied, which costs less than a zero-copy frame's release callback (pyzmq's advice: 64 kB).
+ZERO_COPY_BYTES = 1 << 16
+
+
 class ToCore:
     ADD = b"a"
     ABORT = b"x"
@@ -165,5 +170,5 @@ _BUILTIN_ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "KeyError":
                    "TimeoutError": TimeoutError, "PermissionError": PermissionError}
 
 
-__all__ = ["AddRequest", "CoreInfo", "FromCore", "ToCore", "error_from_wire", "error_to_wire", "pack",
+__all__ = ["ZERO_COPY_BYTES", "AddRequest", "CoreInfo", "FromCore", "ToCore", "error_from_wire", "error_to_wire", "pack",
            "params_from_wire", "params_to_wire", "payload_from_frame", "unpack"]

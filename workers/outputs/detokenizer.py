@@ -581,6 +581,12 @@ class DeltaTextDecoder:
     def add(self, token_ids: Sequence[int], finish_reason: str | None) -> str:
         """The text that ``token_ids`` (the delta's new tokens) and its finish make streamable."""
         text = self._text
+        if finish_reason is None:
+            # The sample goes on: by the worker's rules none of these tokens ended it, so none
+            # needs ``check_stop`` (most deltas: one token, mid-stream).
+            if len(token_ids) == 1:
+                return text.append(token_ids[0], None)
+            return "".join([text.append(token_id, None) for token_id in token_ids])
         # A token at a time, as the worker would: a bulk step holds all of a run's text back when
         # the run ends inside a character, where stepping emits its complete part.
         pieces = [text.append(token_id) for token_id in token_ids if not text.is_finished]
