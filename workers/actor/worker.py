@@ -393,6 +393,8 @@ class Worker:
                 "num_drain_migrations": figures["num_drain_migrations"],
                 **self._parallel_info(),
                 "gc": self.gc_pauses.snapshot(), "engine_core_gc": figures["gc"],
+                # The core's CPU by phase of its loop: its inbox, steps, output processing, sends, KV events.
+                "engine_core_cpu_seconds": figures["cpu_seconds"],
                 "is_healthy": self.core.is_running}
 
     async def block_map(self, max_cells: int = 4096) -> dict:

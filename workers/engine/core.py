@@ -143,6 +143,22 @@ class _KVToken:
         self.id = token_id
 
 
+class PhaseClock:
+    """The core thread's CPU time by phase of its loop (``time.thread_time``: waiting costs none):
+    ``mark(phase)`` charges the time since the last mark to ``phase``."""
+
+    PHASES = ("inbox", "step", "outputs", "send", "kv")
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        self._last = time.thread_time()
+
+    def mark(self, phase: str) -> None:
+        now = time.thread_time()
+        self.seconds[phase] += now - self._last
+        self._last = now
+
+
 class EngineCore:
     """One worker's engine, driven in a loop by its inbox (see the module docstring).
 
@@ -168,6 +184,7 @@ class EngineCore:
         self._pending_stall_s = 0.0
         self._pending_failure: str | None = None
         self._next_parent_check = 0.0
+        self.clock = PhaseClock()
         self._calls: dict[str, Callable[..., Any]] = {
             "stats": self._stats, "block_map": engine.block_map, "check_integrity": engine.check_integrity,
             "num_used_blocks": engine.num_used_blocks, "kv_sync": self._kv_sync,
@@ -188,18 +205,21 @@ class EngineCore:
     def run(self) -> None:
         """Serve until told to stop or the worker actor is gone. An engine failure is sent to
         the actor (``FromCore.DEAD``) and re-raised."""
-        engine, link = self.engine, self.link
+        engine, link, clock = self.engine, self.link, self.clock
         try:
             while not self._is_stopping:
                 is_busy = engine.has_unfinished_requests() or engine.has_pending_outputs()
                 link.receive(0.0 if is_busy or link.commands else self._idle_wait_s())
                 self._apply()
+                clock.mark("inbox")
                 if self._is_stopping:
                     break
                 if engine.has_unfinished_requests() or engine.has_pending_outputs():
                     self._step()
                 self._flush_batches()
+                clock.mark("send")
                 self._tend()
+                clock.mark("kv")
         except Exception as exc:
             logger.exception("engine core %s failed", self.engine_id)
             self.send(FromCore.DEAD, pack([self.engine_id, f"the engine loop failed: {exc!r}"]))
@@ -212,10 +232,13 @@ class EngineCore:
             seconds, self._pending_stall_s = self._pending_stall_s, 0.0
             logger.warning("engine core %s: stalling for %.1f s (fault injection)", self.engine_id, seconds)
             time.sleep(seconds)
-        engine = self.engine
-        processed = self.processor.process(engine.step_tokens())
+        engine, clock = self.engine, self.clock
+        step = engine.step_tokens()
+        clock.mark("step")
+        processed = self.processor.process(step)
         if processed.stopped:
             engine.stop_sequences(processed.stopped)
+        clock.mark("outputs")
         self._flush_batches()
         for request, (header, payload), target in processed.migrated:
             stream = request.stream_target
@@ -334,7 +357,8 @@ class EngineCore:
                     "num_local_preemption_decisions": preemption.num_local},
                 "is_draining": engine.scheduler.is_draining,
                 "num_drain_migrations": engine.scheduler.num_drain_migrations,
-                "gc": {} if self.gc_pauses is None else self.gc_pauses.snapshot()}
+                "gc": {} if self.gc_pauses is None else self.gc_pauses.snapshot(),
+                "cpu_seconds": dict(self.clock.seconds)}
 
     def _kv_sync(self, timeout_s: float) -> bytes | None:
         if self.publisher is None or not self.publisher.flush_and_wait(timeout_s):

@@ -1,0 +1,159 @@
+"""The floor of serving a streamed token over Ray Serve: the ingress and one SSE write, nothing else.
+
+A Ray Serve application on a private Ray, deployed as pagedserve deploys its own (FastAPI,
+the same ingress: HAProxy by default, or Serve's proxy actor), whose ``/v1/completions``
+streams pre-rendered completion chunks, one per stream per "step": a producer task in the
+replica ticks as fast as its event loop allows and wakes each live stream once a tick, which
+writes its chunk (one wake-up and one ``send`` per token, as pagedserve's responses do). No
+engine, no handle, no text decoding. ``pagedserve bench serve --cpu-per-token`` drives it with
+the same client, workload and process accounting as a real server, so its CPU per streamed
+token (replica, HAProxy or proxy actor, Ray's daemons) is what any server on this stack pays
+at least: the floor the served figures are judged against.
+
+    python benchmarks/bench_serve_floor.py [--streams 64] [--tokens 256] [--ingress haproxy]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from fastapi import Request   # at module level: the route's annotation is resolved in its globals
+
+CHUNK_TEXT = " the"
+
+
+def build_app():
+    """The FastAPI app: ``/v1/models`` and a streamed ``/v1/completions``."""
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    app = FastAPI()
+    streams: list[list] = []   # [event, chunks sent, tokens asked] per live stream
+    ticker: dict = {}
+
+    async def tick() -> None:
+        while streams:
+            for stream in list(streams):
+                stream[0].set()
+            await asyncio.sleep(0)   # one step: the streams write, then the next
+        ticker.pop("task", None)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "floor", "object": "model"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        max_tokens = int(body.get("max_tokens", 16))
+        created = int(time.time())
+        head = ('data: {"id":"cmpl-floor","object":"text_completion","created":%d,"model":"floor",'
+                '"choices":[{"index":0,"text":' % created)
+        chunk = (head + json.dumps(CHUNK_TEXT) + ',"logprobs":null,"finish_reason":null}]}\n\n').encode()
+        last = (head + json.dumps(CHUNK_TEXT) + ',"logprobs":null,"finish_reason":"length"}]}\n\n').encode()
+        usage = ('data: {"id":"cmpl-floor","object":"text_completion","created":%d,"model":"floor","choices":[],'
+                 '"usage":{"prompt_tokens":16,"completion_tokens":%d,"total_tokens":%d}}\n\n'
+                 % (created, max_tokens, max_tokens + 16)).encode()
+
+        async def events():
+            stream = [asyncio.Event(), 0, max_tokens]
+            streams.append(stream)
+            if "task" not in ticker:
+                ticker["task"] = asyncio.get_running_loop().create_task(tick())
+            try:
+                for sent in range(max_tokens):
+                    await stream[0].wait()
+                    stream[0].clear()
+                    yield last if sent == max_tokens - 1 else chunk
+            finally:
+                streams.remove(stream)
+            yield usage + b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def serve_floor(port: int, ingress_name: str) -> None:
+    """This process: a private Ray with ``ingress_name``'s environment, the floor app deployed
+    as pagedserve's own is, serving until killed."""
+    import ray
+    from ray import serve
+
+    from pagedserve.cluster import ray_compat
+    from pagedserve.cluster.serving import ingress
+    from pagedserve.cluster.serving.deployment import APP_NAME
+
+    ingress.prepare(ingress_name)
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="WARNING")
+    app = build_app()
+
+    @serve.deployment(name="PagedServe", max_ongoing_requests=1100,
+                      ray_actor_options={"num_cpus": 0, **ray_compat.head_node_placement()})
+    @serve.ingress(app)
+    class Floor:
+        pass
+
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"log_level": "WARNING"})
+    serve.run(Floor.bind(), name=APP_NAME, route_prefix="/", logging_config={"log_level": "WARNING"})
+    print("floor serving", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))   # atexit then shuts the private Ray down
+    while True:
+        time.sleep(3600)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--ingress", default="haproxy", choices=("haproxy", "proxy"))
+    parser.add_argument("--port", type=int, default=8131)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)   # the server's own process
+    args = parser.parse_args()
+    if args.serve:
+        serve_floor(args.port, args.ingress)
+        return
+    server = subprocess.Popen([sys.executable, __file__, "--serve", "--port", str(args.port), "--ingress", args.ingress],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "floor serving", "the floor app did not start"
+        with tempfile.TemporaryDirectory() as workdir:
+            for _ in range(args.rounds):
+                out = os.path.join(workdir, "floor.json")
+                done = subprocess.run(
+                    [sys.executable, "-m", "pagedserve", "bench", "serve", "--port", str(args.port), "--model", "floor",
+                     "--request-rate", "inf", "--num-requests", str(args.streams), "--random-input-len", "16",
+                     "--random-output-len", str(args.tokens), "--random-range-ratio", "0", "--no-progress",
+                     "--cpu-per-token", "--server-pid", str(server.pid), "--out", out],
+                    capture_output=True, text=True, timeout=900)
+                if not os.path.exists(out):
+                    raise RuntimeError(f"bench serve failed ({done.returncode}): {done.stderr[-2000:]}")
+                with open(out) as f:
+                    data = json.load(f)
+                if data["failed"]:
+                    print(f"{data['failed']} requests failed: {data['errors'][:3]}", flush=True)
+                cpu = data["cpu_per_token"]
+                print(json.dumps({"ingress": args.ingress, "streams": args.streams, "tokens": args.tokens,
+                                  "output_tok_s": round(data["output_throughput"]),
+                                  "server_us": round(cpu["server_total"]["us_per_token"], 1),
+                                  "groups": {k: round(g["us_per_token"], 1) for k, g in cpu["groups"].items()},
+                                  "failed": data["failed"]}), flush=True)
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+if __name__ == "__main__":
+    main()
