@@ -10,9 +10,10 @@
 #   the warm machine STEPS="prefill" (102 s) or "kernel_tests" (151 s).
 # Where the targets are missed, STEPS="kernel_profile kernel_tiles" shows where the
 # device time goes, and whether other attention tiles beat the defaults. The rest ("launches kernels sweep merge") in a later session.
-# Next (as of 2026-11-28): STEPS="kernel_tests kernel_profile" first (the decode kernel's
-# per-sequence splits have not run on a GPU yet; the profile runs also print each kind of
-# step's device time), then STEPS="kernel_tiles" on the warm machine, then "engine".
+# Next (as of 2026-11-28): STEPS="served" first, with Ray's wheel in parts (below); then
+# STEPS="kernel_tests kernel_profile" (the decode kernel's per-sequence splits have not run on
+# a GPU yet; the profile runs also print each kind of step's device time), then
+# STEPS="kernel_tiles" on the warm machine, then "engine".
 #
 # "tp" is for a machine with several GPUs (it says so and passes on one).
 #

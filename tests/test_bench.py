@@ -740,3 +740,33 @@ def test_step_device_times_bracket_each_step_the_engine_runs(tiny_model):
     assert sum(spans) + sum(gaps[1:]) <= wall
     llm.check_integrity()
     assert llm.engine.num_used_blocks() == 0
+
+
+@pytest.mark.long_form
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_served_gpu_bench_smoke_on_cpu(tmp_path, tiny_model):
+    """benchmarks/bench_served_gpu.py's every path but CUDA: the offline contender, a served run
+    of the same prompts through pagedserve serve, and the report with every process's CPU. (The
+    default suite covers its parts: bench_engine_gpu's smoke above, bench serve's probe below.)"""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from served_cluster import free_port
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_served_gpu.py"
+    out = tmp_path / "served.json"
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    env["PAGEDSERVE_CACHE_DIR"] = str(tmp_path / "cache")
+    done = subprocess.run([sys.executable, str(script), "--model", tiny_model("llama"), "--device", "cpu",
+                           "--dtype", "float32", "--num-requests", "8", "--min-prompt", "8", "--max-prompt", "24",
+                           "--output-len", "8", "--static-batch", "2", "--matmul-size", "64",
+                           "--port", str(free_port()), "--json", str(out)],
+                          capture_output=True, text=True, timeout=800, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())["report"]
+    assert report["completed"] == 8 and report["failed"] == 0
+    assert report["served_output_tok_s"] > 0 and report["offline_output_tok_s"] > 0
+    assert {"serve replica", "worker 0", "engine core 0"} <= set(report["cpu_us_per_token"])
+    assert report["server_cpu_us_per_token"] == pytest.approx(sum(report["cpu_us_per_token"].values()), rel=1e-6)
