@@ -26,9 +26,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
+
+from pagedserve.bench.served_process import wait_ready
 
 NUM_REQUESTS = 64
 
@@ -37,21 +37,6 @@ def quantiles(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
     return {"min": ordered[0], "p50": statistics.median(ordered),
             "p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))], "max": ordered[-1]}
-
-
-def wait_ready(url: str, server: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited with {server.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1.0)
-    raise TimeoutError(f"the server did not answer /health within {timeout_s} s")
 
 
 def served(port: int, workdir: Path) -> list[float]:

@@ -24,14 +24,14 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import bench_engine_gpu  # noqa: E402  (this folder's workload and its flags)
+
+from pagedserve.bench.served_process import start_server, stop_server  # noqa: E402
 
 START_TIMEOUT_S = 900.0
 
@@ -57,7 +57,8 @@ def engine_options(args) -> dict:
     return options
 
 
-def start_server(path: str, args, port: int, workdir: str) -> subprocess.Popen:
+def write_config(path: str, args, port: int, workdir: str) -> str:
+    """The served run's configuration: the checkpoint, the engine options, one worker."""
     import yaml
 
     config = {"model": {"path": path}, "engine": engine_options(args),
@@ -66,29 +67,15 @@ def start_server(path: str, args, port: int, workdir: str) -> subprocess.Popen:
     config_path = os.path.join(workdir, "served.yaml")
     with open(config_path, "w") as f:
         yaml.safe_dump(config, f)
-    log_file = open(os.path.join(workdir, "serve.log"), "w")
-    server = subprocess.Popen([sys.executable, "-m", "pagedserve", "serve", "--config", config_path],
-                              stdout=log_file, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"pagedserve serve exited ({server.returncode}): see {log_file.name}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                if response.status == 200:
-                    return server
-        except OSError:
-            pass
-        time.sleep(1.0)
-    server.kill()
-    raise RuntimeError(f"pagedserve serve did not answer in {START_TIMEOUT_S:g} s")
+    return config_path
 
 
 def run_served(args, path: str, prompts: list[list[int]], workdir: str) -> dict:
     from pagedserve.bench.serve import CpuPerTokenConfig, ServeBenchConfig, run_benchmark
 
     port = args.port
-    server = start_server(path, args, port, workdir)
+    server = start_server(["--config", write_config(path, args, port, workdir)], port,
+                          os.path.join(workdir, "serve.log"), timeout_s=START_TIMEOUT_S)
     try:
         config = ServeBenchConfig(url=f"http://127.0.0.1:{port}", num_requests=len(prompts),
                                   num_warmups=min(len(prompts), 32), seed=args.seed + 2,
@@ -97,11 +84,7 @@ def run_served(args, path: str, prompts: list[list[int]], workdir: str) -> dict:
         return run_benchmark(config, show_progress=False, cpu=CpuPerTokenConfig(server_pid=server.pid),
                              requests=requests)
     finally:
-        server.terminate()
-        try:
-            server.wait(120)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_server(server)
 
 
 def report(offline: dict, served: dict) -> dict:

@@ -18,43 +18,15 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 
-
-def _serve(port: int, ingress: str, interval: int, env: dict, log_path: str) -> subprocess.Popen:
-    server = subprocess.Popen(
-        [sys.executable, "-m", "pagedserve", "serve", "--port", str(port), "--set", f"server.ingress={ingress}",
-         "--stream-interval", str(interval)],
-        env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"pagedserve serve exited ({server.returncode}); see {log_path}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                if response.status == 200:
-                    return server
-        except OSError:
-            pass
-        time.sleep(1.0)
-    server.kill()
-    raise RuntimeError("pagedserve serve did not start in 600 s")
-
-
-def _stop(server: subprocess.Popen, port: int, env: dict) -> None:
-    subprocess.run([sys.executable, "-m", "pagedserve", "stop", "--port", str(port)], env=env,
-                   capture_output=True, timeout=180)
-    try:
-        server.wait(60)
-    except subprocess.TimeoutExpired:
-        server.kill()
+from pagedserve.bench.served_process import start_server, stop_server
 
 
 def run_one(ingress: str, streams: int, interval: int, tokens: int, port: int, workdir: str) -> dict:
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
-    server = _serve(port, ingress, interval, env, os.path.join(workdir, f"serve-{ingress}-{streams}-{interval}.log"))
+    server = start_server(["--set", f"server.ingress={ingress}", "--stream-interval", str(interval)], port,
+                          os.path.join(workdir, f"serve-{ingress}-{streams}-{interval}.log"), env)
     out = os.path.join(workdir, f"bench-{ingress}-{streams}-{interval}.json")
     try:
         done = subprocess.run(
@@ -67,7 +39,7 @@ def run_one(ingress: str, streams: int, interval: int, tokens: int, port: int, w
         with open(out) as f:
             return json.load(f)
     finally:
-        _stop(server, port, env)
+        stop_server(server)
 
 
 def main() -> None:

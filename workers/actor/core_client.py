@@ -31,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from typing import Any, Callable
 
 from ..engine.core_messages import (ZERO_COPY_BYTES, AddRequest, CoreInfo, FromCore, ToCore, error_from_wire,

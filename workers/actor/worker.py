@@ -481,3 +481,6 @@ def _time_local_copy(array: np.ndarray, repeats: int = 3) -> float:
         np.copyto(target, array)
         best = min(best, time.perf_counter() - start)
     return best
+
+
+__all__ = ["FAULT_INJECTION_ENV", "ROLES", "Worker", "stall_timeout_s"]

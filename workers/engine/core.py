@@ -193,7 +193,7 @@ class EngineCore:
             "close_channel": self._close_channel}
 
     def attach_publisher(self, publisher, preemption=None) -> None:
-        """The worker's ``KVPublisher`` (over ``self.kv_transport``): flushed after steps and
+        """The worker's ``KVPublisher`` (over ``link.kv_transport``): flushed after steps and
         when due while idle; on a tick (``publisher.tick_s``) just before each tick. And its
         preemption policy, whose counters the stats report."""
         self.publisher = publisher

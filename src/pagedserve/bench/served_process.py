@@ -1,0 +1,50 @@
+"""A ``pagedserve serve`` in a process of its own, for the benchmarks that load one over HTTP:
+started with the given arguments, waited for until ``/health`` answers, stopped."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import urllib.request
+
+
+def wait_ready(url: str, server: subprocess.Popen, timeout_s: float) -> None:
+    """Return once ``url``'s ``/health`` answers 200; ``RuntimeError`` if the server exits first,
+    ``TimeoutError`` after ``timeout_s``."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited with {server.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"the server did not answer /health within {timeout_s} s")
+
+
+def start_server(args: list[str], port: int, log_path: str, env: dict | None = None,
+                 timeout_s: float = 900.0) -> subprocess.Popen:
+    """``pagedserve serve --port PORT ARGS...``, its output to ``log_path``, once it serves."""
+    log = open(log_path, "w")
+    server = subprocess.Popen([sys.executable, "-m", "pagedserve", "serve", "--port", str(port), *args],
+                              env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", server, timeout_s)
+    except BaseException:
+        server.kill()
+        raise
+    return server
+
+
+def stop_server(server: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    """SIGTERM (what ``pagedserve stop`` sends), then a kill after ``timeout_s``."""
+    server.terminate()
+    try:
+        server.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait(30)
