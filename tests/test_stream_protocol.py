@@ -166,6 +166,11 @@ def test_a_stream_interval_sends_fewer_larger_rows_and_the_same_outputs(llm):
             assert sizes[0] == 1 and all(size == 4 for size in sizes[1:-1]) and 1 <= sizes[-1] <= 4, (rid, sizes)
 
 
+def test_the_engine_option_sets_the_stream_interval(tiny_model):
+    llm = LLM(model=tiny_model("llama"), device="cpu", dtype="float32", num_device_blocks=32, stream_interval=3)
+    assert llm.engine.output_processor.stream_interval == 3
+
+
 def test_text_decoded_by_the_handle_equals_the_workers(llm):
     """Workers sent token ids only (``detokenize`` off) and each sample's text decoded where the
     deltas arrive (``DeltaTextDecoder``) give, step by step and however the deltas are merged,
