@@ -239,6 +239,8 @@ class EngineCore:
         if processed.stopped:
             engine.stop_sequences(processed.stopped)
         clock.mark("outputs")
+        # Progress first: whoever sees this step's outputs sees the progress that made them.
+        self.progress.note_step(engine.num_steps, len(engine.requests), engine.num_generated_tokens)
         self._flush_batches()
         for request, (header, payload), target in processed.migrated:
             stream = request.stream_target
@@ -246,7 +248,6 @@ class EngineCore:
                       header, payload)
         if self._exports:
             self._send_exports()
-        self.progress.note_step(engine.num_steps, len(engine.requests), engine.num_generated_tokens)
 
     def _flush_batches(self) -> None:
         for channel_id, batch in self.processor.take_batches().items():
