@@ -17,7 +17,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pagedserve.argtypes import non_negative_float, non_negative_int, port, positive_float, positive_int
+from pagedserve.argtypes import json_object, non_negative_float, non_negative_int, port, positive_float, positive_int
 from pagedserve.devtools.model_factory import ARCHS, SIZES
 
 
@@ -228,6 +228,9 @@ def _add_config_sources(parser: argparse.ArgumentParser, with_file: bool = True)
                       help="plan step n + 1 while step n runs (engine.async_scheduling; default on with CUDA)")
     vllm.add_argument("--cuda-graph-sizes", type=positive_int, nargs="+", metavar="N",
                       help="decode batch sizes captured as CUDA graphs (engine.cuda_graph_sizes)")
+    vllm.add_argument("--speculative-config", type=json_object, metavar="JSON",
+                      help="speculative decoding as a JSON object, e.g. '{\"method\": \"ngram\", "
+                           "\"num_speculative_tokens\": 4}' (engine.speculative_config)")
     vllm.add_argument("--tool-call-parser", help="how 'auto' tool choice reads calls (server.tool_call_parser)")
     vllm.add_argument("--enable-auto-tool-choice", action="store_true",
                       help="accepted for vLLM's command lines: 'auto' tool choice is always on here")
@@ -271,6 +274,10 @@ def _overrides(args: argparse.Namespace) -> list[str]:
             overrides.append(f"engine.{attribute}={str(getattr(args, attribute)).lower()}")
     if args.cuda_graph_sizes:
         overrides.append(f"engine.cuda_graph_sizes=[{', '.join(map(str, args.cuda_graph_sizes))}]")
+    if args.speculative_config is not None:
+        import json
+
+        overrides.append(f"engine.speculative_config={json.dumps(args.speculative_config)}")  # YAML reads JSON
     for attribute in ("port", "grpc_port"):
         if getattr(args, attribute) is not None:
             overrides.append(f"server.{attribute}={getattr(args, attribute)}")

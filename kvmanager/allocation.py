@@ -26,6 +26,13 @@ def detach_table(seq: SequenceBlocks) -> None:
     seq.first_changed_block = 0
 
 
+def _cut_table(seq: SequenceBlocks, num_blocks: int) -> None:
+    """Drop the table's entries past ``num_blocks``; the worker rewrites them when they return."""
+    del seq.block_table[num_blocks:]
+    if seq.first_changed_block > num_blocks:
+        seq.first_changed_block = num_blocks
+
+
 class PagedAllocation:
     name = "paged"
     supports_sharing = True
@@ -47,6 +54,15 @@ class PagedAllocation:
         if len(table) < seq.first_changed_block:
             seq.first_changed_block = len(table)
         table.extend([allocate() for _ in range(num_blocks)])
+
+    def shrink(self, seq: SequenceBlocks, num_blocks: int) -> None:
+        """Free the table's entries past its first ``num_blocks`` (tail first): blocks that held
+        only rejected proposals."""
+        free = self.pool.free
+        table = seq.block_table
+        for i in range(len(table) - 1, num_blocks - 1, -1):
+            free(table[i])
+        _cut_table(seq, num_blocks)
 
     def release(self, seq: SequenceBlocks) -> None:
         """Free the table tail first, so a sequence's tail is evicted before its head.
@@ -90,6 +106,10 @@ class ContiguousAllocation:
         if start < seq.first_changed_block:
             seq.first_changed_block = start
         seq.block_table.extend(seq.reserved[start:start + num_blocks])
+
+    def shrink(self, seq: SequenceBlocks, num_blocks: int) -> None:
+        """Cut the table to its first ``num_blocks`` entries; the reservation keeps the rest."""
+        _cut_table(seq, num_blocks)
 
     def release(self, seq: SequenceBlocks) -> None:
         for block in reversed(seq.reserved):

@@ -137,6 +137,8 @@ class BlockManager:
         for seq_id, token_ids in appended:
             seq = seqs.get(seq_id) or self.get(seq_id)
             tokens = seq.token_ids
+            if seq.num_speculative:
+                raise KVManagerError(f"sequence {seq_id!r}: tokens appended after unsettled proposals")
             if len(tokens) + len(token_ids) > max_model_len:
                 raise KVManagerError(f"sequence {seq_id!r} would exceed max_model_len {max_model_len}")
             if token_ids:
@@ -160,6 +162,52 @@ class BlockManager:
             seq.token_ids[start:start + len(values)] = values
             seq.num_pending -= len(values)
 
+    def propose_tokens_of(self, proposed: list[tuple[str, list[int]]]) -> None:
+        """Add each (sequence id, tokens) as proposed tokens after the sequence's known ones
+        (speculative decoding): scheduled and computed like any, never indexed for the prefix
+        cache, and settled by ``accept_tokens_of`` at the next step (dropped on preemption)."""
+        seqs, max_model_len = self.seqs, self.max_model_len
+        for seq_id, token_ids in proposed:
+            seq = seqs.get(seq_id) or self.get(seq_id)
+            if seq.location != SeqLocation.DEVICE or seq.num_pending or seq.num_speculative:
+                raise KVManagerError(f"sequence {seq_id!r}: proposals need a running sequence whose tokens "
+                                     "are all known and settled")
+            if len(seq.token_ids) + len(token_ids) > max_model_len:
+                raise KVManagerError(f"sequence {seq_id!r}: proposals would exceed max_model_len {max_model_len}")
+            seq.token_ids += token_ids
+            seq.num_speculative = len(token_ids)
+
+    def accept_tokens_of(self, accepted: list[tuple[str, int]]) -> None:
+        """Settle each (sequence id, number accepted) sequence's proposed tokens: the first ones
+        accepted stay, with their KV, as known tokens; the rest are dropped, the computed count
+        cut back to the tokens kept, the blocks left empty freed (tail first), and the blocks
+        now full of accepted tokens indexed for the prefix cache."""
+        bs = self.block_size
+        for seq_id, num_accepted in accepted:
+            seq = self.get(seq_id)
+            if not 0 <= num_accepted <= seq.num_speculative:
+                raise KVManagerError(f"sequence {seq_id!r}: {num_accepted} accepted of its "
+                                     f"{seq.num_speculative} proposed tokens")
+            num_kept = len(seq.token_ids) - seq.num_speculative + num_accepted
+            if num_accepted and seq.num_computed < num_kept:
+                raise KVManagerError(f"sequence {seq_id!r}: accepted proposals that were never computed")
+            del seq.token_ids[num_kept:]
+            seq.num_speculative = 0
+            if seq.num_computed > num_kept:
+                seq.num_computed = num_kept
+                self.policy.shrink(seq, max(cdiv(num_kept, bs), seq.num_freed_blocks))
+            if self.enable_prefix_caching and seq.location == SeqLocation.DEVICE:
+                self._register_full_blocks(seq)
+
+    def _drop_proposed(self, seq: SequenceBlocks) -> None:
+        """Forget a sequence's proposed tokens before it is preempted (none is computed yet:
+        proposals are settled before every step's scheduling)."""
+        if seq.num_speculative:
+            del seq.token_ids[len(seq.token_ids) - seq.num_speculative:]
+            seq.num_speculative = 0
+            if seq.num_computed > len(seq.token_ids):
+                raise KVManagerError(f"sequence {seq.seq_id!r}: preempted with computed proposals")
+
     def fork(self, parent_id: str, child_id: str) -> None:
         """Make ``child_id`` a copy of ``parent_id`` sharing all its device blocks.
 
@@ -167,6 +215,8 @@ class BlockManager:
         KV, to be recomputed.
         """
         parent = self.get(parent_id)
+        if parent.num_speculative:
+            raise KVManagerError(f"cannot fork {parent_id!r} while it holds proposed tokens")
         if child_id in self.seqs:
             raise KVManagerError(f"sequence {child_id!r} already exists")
         if parent.location == SeqLocation.SWAPPED:
@@ -270,7 +320,7 @@ class BlockManager:
         """Index the blocks that are full now that ``num_computed`` tokens are planned (and
         whose tokens are all known)."""
         bs = self.block_size
-        num_full = min(seq.num_computed, len(seq.token_ids) - seq.num_pending) // bs
+        num_full = min(seq.num_computed, len(seq.token_ids) - seq.num_pending - seq.num_speculative) // bs
         if num_full <= seq.num_indexed_blocks:
             return
         first = max(seq.num_indexed_blocks, seq.num_freed_blocks)  # -1 entries: gone
@@ -442,6 +492,7 @@ class BlockManager:
         """Move a running sequence's KV to the host pool."""
         if not self.can_swap_out(seq):
             raise NoFreeBlocksError(f"cannot swap out {seq.seq_id!r}")
+        self._drop_proposed(seq)
         seq.host_table.extend([FREED] * seq.num_freed_blocks)
         for block in seq.block_table[seq.num_freed_blocks:]:
             block_hash = self.device.block_hashes[block]
@@ -468,6 +519,7 @@ class BlockManager:
 
     def preempt_recompute(self, seq: SequenceBlocks) -> None:
         """Drop a sequence's KV; it is recomputed (hashed blocks stay cached)."""
+        self._drop_proposed(seq)
         self._release_device(seq)
         seq.num_computed = 0
         seq.num_indexed_blocks = 0
@@ -482,6 +534,7 @@ class BlockManager:
         Its hashed blocks stay cached here; the copy happens before this
         step's forward pass can reuse them.
         """
+        self._drop_proposed(seq)
         self._release_device(seq)
         del self.seqs[seq.seq_id]
         self.counters.num_preemptions_migrate += 1
@@ -590,6 +643,12 @@ class BlockManager:
                 raise IntegrityError(f"{seq.seq_id!r}: {seq.num_pending} pending tokens, not exactly its last")
             if len(seq.block_hashes) * self.block_size > num_known:
                 raise IntegrityError(f"{seq.seq_id!r}: a block holding a pending token is hashed")
+            if seq.num_speculative:
+                if seq.num_speculative < 0 or seq.num_pending or seq.location != SeqLocation.DEVICE:
+                    raise IntegrityError(f"{seq.seq_id!r}: {seq.num_speculative} proposed tokens, but "
+                                         f"{seq.num_pending} pending and {seq.location.value}")
+                if len(seq.block_hashes) * self.block_size > num_known - seq.num_speculative:
+                    raise IntegrityError(f"{seq.seq_id!r}: a block holding a proposed token is hashed")
             # The sequence's own hash chain must describe its tokens.
             bs = self.block_size
             parent = None

@@ -130,9 +130,13 @@ class KVManager:
                     output.preempted.append(Preemption(child_id, "recompute"))
             if step_input.resolved:
                 manager.resolve_tokens_of(step_input.resolved)
+            if step_input.accepted:
+                manager.accept_tokens_of(step_input.accepted)
             manager.append_tokens_of(step_input.appended)
             for seq_id in step_input.finished:
                 manager.free_sequence(seq_id)
+            if step_input.proposed:
+                manager.propose_tokens_of(step_input.proposed)
             if step_input.is_draining:
                 self._drain(manager, step_input, output)
             budget = self._schedule_running(manager, step_input, output, step_input.token_budget)
@@ -191,9 +195,27 @@ class KVManager:
             if len(values) > seq.num_pending:
                 raise KVManagerError(f"sequence {seq_id!r}: {len(values)} values for its "
                                      f"{seq.num_pending} pending tokens")
+        for seq_id, num_accepted in step_input.accepted:
+            seq = known.get(seq_id)
+            if seq is None:
+                raise UnknownSequenceError(f"proposals settled for unknown sequence {seq_id!r}")
+            if not 0 <= num_accepted <= seq.num_speculative:
+                raise KVManagerError(f"sequence {seq_id!r}: {num_accepted} accepted of its "
+                                     f"{seq.num_speculative} proposed tokens")
         finished = set(step_input.finished)
         if len(finished) != len(step_input.finished):
             raise KVManagerError("a sequence is listed twice as finished")
+        settled = {seq_id for seq_id, _ in step_input.accepted}
+        for seq_id, _ in step_input.appended:
+            seq = known.get(seq_id)
+            if seq is not None and seq.num_speculative and seq_id not in settled:
+                raise KVManagerError(f"sequence {seq_id!r}: tokens appended after unsettled proposals")
+        for seq_id, _ in step_input.proposed:
+            seq = known.get(seq_id)
+            if (seq is None or seq_id in finished or seq.location != SeqLocation.DEVICE or seq.num_pending
+                    or (seq.num_speculative and seq_id not in settled)):
+                raise KVManagerError(f"sequence {seq_id!r}: proposals need a running sequence whose tokens "
+                                     "are all known and settled")
         for seq_id in finished:
             if seq_id not in known and seq_id not in added:
                 raise UnknownSequenceError(f"finished sequence {seq_id!r} is unknown")

@@ -55,6 +55,10 @@ class SequenceBlocks:
     # Trailing tokens whose values are not known yet (``PENDING_TOKEN``): blocks holding
     # them are indexed for the prefix cache only once they are resolved.
     num_pending: int = 0
+    # Trailing proposed tokens (speculative decoding): computed by the step that verifies them,
+    # never indexed for the prefix cache; the next step keeps the accepted ones and drops the
+    # rest with their slots (``BlockManager.accept_tokens_of``).
+    num_speculative: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -37,10 +37,15 @@ class StepInput:
 
     Applied in this order: ``new_sequences``, ``forks`` (parent, child),
     ``resolved`` (the values of pending tokens, by sequence, oldest first),
-    ``appended`` (tokens sampled last step, by sequence; ``PENDING_TOKEN`` for
-    one sampled by a step still running, whose value comes later in
-    ``resolved``), ``finished`` (finished or aborted: their blocks return to
-    the pool), then scheduling:
+    ``accepted`` (speculative decoding: how many of a sequence's proposed tokens
+    its last step verified and accepted; those are kept with their KV, the rest
+    are dropped and their slots given back), ``appended`` (tokens sampled last
+    step, by sequence; ``PENDING_TOKEN`` for one sampled by a step still running,
+    whose value comes later in ``resolved``), ``finished`` (finished or aborted:
+    their blocks return to the pool), ``proposed`` (speculative decoding: tokens
+    proposed to follow a running sequence's known ones, computed by this step
+    for verification and never indexed for the prefix cache; dropped if the
+    sequence is preempted), then scheduling:
     ``running`` in priority order (highest first; victims for preemption are
     taken from its tail), then ``waiting`` in priority order (new, preempted
     and swapped-out sequences), until ``token_budget`` tokens are granted.
@@ -60,6 +65,8 @@ class StepInput:
     # The worker is leaving: move every migratable running sequence to a worker with
     # room, and send it no migrated sequences.
     is_draining: bool = False
+    accepted: list[tuple[str, int]] = field(default_factory=list)
+    proposed: list[tuple[str, list[int]]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -156,7 +163,9 @@ def from_wire(cls: type, data: dict) -> Any:
             value = [from_wire(_NESTED[f.name], v) for v in value]
         elif f.name in ("forks", "swap_out", "swap_in", "copy_on_write"):
             value = [tuple(v) for v in value]
-        elif f.name in ("appended", "resolved"):
+        elif f.name == "accepted":
+            value = [(seq_id, num) for seq_id, num in value]
+        elif f.name in ("appended", "resolved", "proposed"):
             value = [(seq_id, list(tokens)) for seq_id, tokens in value]
         kwargs[f.name] = value
     return cls(**kwargs)

@@ -31,6 +31,7 @@ DEFAULTS = {
     "enforce_eager": False, "async_scheduling": None, "stream_interval": 1, "cuda_graph_sizes": None,
     "torch_compile": None,
     "merge_projections": None, "tensor_parallel_size": 1, "distributed_executor_backend": None,
+    "speculative_config": None,
 }
 
 # option -> values every form must refuse (the old forms disagreed on several).
@@ -55,6 +56,11 @@ BAD_VALUES = {
     "kernel_backend": ["cuda"],
     "tensor_parallel_size": [0, -2, 1.5],
     "distributed_executor_backend": ["uni", "threads"],
+    "speculative_config": [{"method": "ngram"}, {"method": "ngram", "num_speculative_tokens": 0},
+                           {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0},
+                           {"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 1},
+                           {"method": "lookahead", "num_speculative_tokens": 2},
+                           {"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}, "ngram"],
 }
 
 
@@ -146,3 +152,44 @@ def test_options_round_trip_to_a_worker_and_assignment_is_checked():
     assert config.block_size == 32 and config.trust_remote_code and config.swap_space_gb == 0
     with pytest.raises(ValueError, match="block_size"):
         config.block_size = 24
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+
+
+def test_speculative_config_in_every_form():
+    resolved = {**NGRAM, "model": None, "disable_by_batch_size": None}
+    assert EngineConfig.from_kwargs(model="m", speculative_config=NGRAM).speculative_config.model_dump() == resolved
+    loaded = load_config(None, [f"engine.speculative_config={yaml.safe_dump(NGRAM, default_flow_style=True)}"])
+    assert loaded.engine.speculative_config.model_dump() == resolved
+    config = EngineOptions(speculative_config=NGRAM).to_engine_config("m")
+    assert EngineConfig(**config.model_dump()) == config  # what a worker receives over Ray
+
+
+def test_speculative_config_takes_vllms_defaults():
+    ngram = EngineOptions(speculative_config={"model": "[ngram]", "num_speculative_tokens": 2}).speculative_config
+    assert (ngram.method, ngram.prompt_lookup_min, ngram.prompt_lookup_max) == ("ngram", 5, 5)
+    ngram = EngineOptions(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                              "prompt_lookup_max": 3}).speculative_config
+    assert (ngram.prompt_lookup_min, ngram.prompt_lookup_max) == (3, 3)
+
+
+@pytest.mark.parametrize("spec,key", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "speculative_config.method 'eagle' is not supported yet"),
+    ({"method": "eagle3", "num_speculative_tokens": 2}, "speculative_config.method 'eagle3' is not supported yet"),
+    ({"method": "draft_model", "model": "d", "num_speculative_tokens": 2},
+     "speculative_config.method 'draft_model' is not supported yet"),
+    ({"model": "some/draft", "num_speculative_tokens": 2}, "speculative_config.model 'some/draft'"),
+    ({"method": "ngram", "model": "some/draft", "num_speculative_tokens": 2}, "speculative_config.model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 3},
+     "prompt_lookup_min"),
+])
+def test_speculative_methods_not_built_are_refused_by_name(spec, key):
+    with pytest.raises(ValueError, match=key):
+        EngineConfig.from_kwargs(model="m", speculative_config=spec)
+
+
+def test_speculation_refuses_overlapped_scheduling():
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineOptions(speculative_config=NGRAM, async_scheduling=True)
+    assert EngineOptions(speculative_config=NGRAM, async_scheduling=False).async_scheduling is False

@@ -54,3 +54,16 @@ def port(text: str) -> int:
     if value > 65535:
         raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value}")
     return value
+
+
+def json_object(text: str) -> dict:
+    """argparse type: a JSON object (vLLM's ``--speculative-config '{...}'``)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value

@@ -31,6 +31,8 @@ from ..sample.sampled_step import TokenReadback
 from ..sample.sampler import Sampler
 from ..sample.sampling_params import SamplingParams
 from ..sample.sampling_pipeline import SamplingPipeline
+from ..spec_decode.ngram_proposer import NgramProposer
+from ..spec_decode.speculator import Speculator
 from .beam_groups import BeamGroups
 from .engine_options import EngineConfig
 from .kv_transfer import KVTransfer, check_compatible, export_kv, import_kv, read_header
@@ -103,11 +105,13 @@ class LLMEngine:
             batch=self.batch, scheduler=self.scheduler, sampler=self.sampler, beam_groups=self.beam_groups,
             per_row=self.per_row, readback=TokenReadback(self.runner.device, config.max_num_seqs),
             eos_token_ids=self.eos_token_ids, max_model_len=max_len,
-            # Overlapped scheduling: step n + 1 is planned and launched before step n's ids are read.
+            # Overlapped scheduling: step n + 1 is planned and launched before step n's ids are read
+            # (speculative steps run synchronously).
             async_scheduling=(config.async_scheduling if config.async_scheduling is not None
-                              else self.runner.device.type == "cuda"),
+                              else self.runner.device.type == "cuda" and config.speculative_config is None),
             new_sequence=self._new_sequence, end_sequence=self._end_sequence,
             release_if_idle=self._release_if_idle)
+        self.speculator = self._speculator(max_len)
         self.requests: dict[str, Request] = {}
         self._order = itertools.count()
         # What happened between steps (aborts), for the next step's output processing.
@@ -140,6 +144,18 @@ class LLMEngine:
         if self.config.torch_compile is not None:
             return self.config.torch_compile
         return self._uses_graphs
+
+    def _speculator(self, max_len: int) -> Speculator | None:
+        """Speculative decoding's side of the engine, when ``speculative_config`` is set."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        logger.info("speculative decoding: %s, %d tokens a step", spec.method, spec.num_speculative_tokens)
+        return Speculator(spec, proposer, batch=self.batch, scheduler=self.scheduler, sampler=self.sampler,
+                          per_row=self.per_row, pipeline=self.pipeline, eos_token_ids=self.eos_token_ids,
+                          max_model_len=max_len, end_sequence=self._end_sequence,
+                          release_if_idle=self._release_if_idle)
 
     def _eos_token_ids(self) -> list[int]:
         ids: list[int] = []
@@ -457,7 +473,12 @@ class LLMEngine:
 
     def _step(self) -> EngineStep:
         start = time.perf_counter()
+        speculator = self.speculator
+        if speculator is not None:
+            speculator.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
+        if speculator is not None:
+            speculator.take_plan(plan)
         result, self._pending = self._pending, EngineStep()
         for seq in plan.preempted:  # migrated ones too
             self.batch.remove(seq)
@@ -482,7 +503,10 @@ class LLMEngine:
         for index, scores in execute_output.scores.items():
             seq, first_position = prepared.scored[index]
             self._add_prompt_logprobs(seq.request, first_position, scores)
-        if prepared.sampling_seqs:
+        if prepared.num_logits is not None:
+            speculator.sample_step(prepared.sampling_seqs, prepared.sampling_rows, prepared.num_logits,
+                                   execute_output.logits, prepared.first_samples, result)
+        elif prepared.sampling_seqs:
             self.pipeline.sample_step(prepared.sampling_seqs, prepared.sampling_rows, execute_output.logits,
                                       prepared.first_samples, result)
         else:
@@ -585,6 +609,8 @@ class LLMEngine:
             # Modules whose q/k/v or gate/up projections run as one matmul (merge_projections).
             "num_merged_projections": len(getattr(self.runner, "merged_projections", ())),
         })
+        if self.speculator is not None:
+            stats.update(self.speculator.stats.as_dict())
         graphs = self.runner.decode_graphs
         if graphs is not None:
             stats.update({"num_cuda_graphs": len(graphs.graphs), "cuda_graph_memory_bytes": graphs.memory_bytes,

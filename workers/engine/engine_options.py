@@ -24,6 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from pagedserve.kvmanager import ALLOCATION_POLICIES, PREEMPTION_MODES, PoolConfig
 
+from ..spec_decode.config import SpeculativeConfig
+
 # The values ``Scheduler`` and ``pagedserve.kernels.select_backend`` take. Both are written here,
 # not imported, so that the schema (and with it the cluster's control-plane actors: controller,
 # KV manager, relays) loads without torch; test_engine_options checks that the kernels agree.
@@ -123,6 +125,10 @@ class EngineOptions(BaseModel):
     """How ranks 1 and up of a tensor-parallel group start (vLLM's name): "mp" local processes,
     "ray" actors in this worker's placement group. Unset: "ray" inside a placement group with a
     bundle per rank, else "mp"."""
+    speculative_config: SpeculativeConfig | None = None
+    """Speculative decoding (vLLM's name and keys), e.g. ``{"method": "ngram",
+    "num_speculative_tokens": 4}``. Its steps run synchronously (no overlapped scheduling) and
+    eagerly (verification steps are not captured as CUDA graphs). Unset: off."""
 
     @field_validator("block_size")
     @classmethod
@@ -153,6 +159,13 @@ class EngineOptions(BaseModel):
             raise ValueError("torch_compile runs on one rank only; a tensor-parallel group "
                              f"(tensor_parallel_size={self.tensor_parallel_size}) runs eagerly: "
                              "leave torch_compile unset or false")
+        return self
+
+    @model_validator(mode="after")
+    def _speculation_runs_synchronously(self) -> "EngineOptions":
+        if self.speculative_config is not None and self.async_scheduling:
+            raise ValueError("speculative_config: speculative steps run synchronously; "
+                             "leave async_scheduling unset or false")
         return self
 
     @model_validator(mode="after")

@@ -23,7 +23,9 @@ class PreparedStep(NamedTuple):
     ``sampling_seqs[i]`` samples from logits row i, its batch row ``sampling_rows[i]``;
     ``scored`` maps a chunk index to the sequence whose prompt logprobs it computes and
     the first position scored; ``first_samples`` are the sequences that may sample
-    their first token this step.
+    their first token this step. With ``num_logits`` (a step verifying proposals),
+    ``sampling_seqs[i]`` reads ``num_logits[i]`` consecutive rows of logits instead: its
+    last token's and its proposals' (``Sequence.proposed_token_ids``).
     """
 
     model_input: ModelInput
@@ -31,6 +33,7 @@ class PreparedStep(NamedTuple):
     sampling_rows: list[int]
     scored: dict[int, tuple[Sequence, int]]
     first_samples: list[Sequence]
+    num_logits: list[int] | None = None
 
 
 def prepare_step(plan: SchedulerOutput, batch: InputBatch,
@@ -38,7 +41,9 @@ def prepare_step(plan: SchedulerOutput, batch: InputBatch,
     """The step of ``plan``: sequences without a batch row get one (``batch.add``), and
     ``on_admitted(seq, sched)`` runs for each before its input is built. A token still
     being sampled by the running step (``PENDING_TOKEN``) is listed in the input's
-    ``pending``, to be taken from that step's ids on the device."""
+    ``pending``, to be taken from that step's ids on the device. A sequence holding
+    proposed tokens (all of them scheduled) computes its last token and them in one
+    chunk, and gets the logits of every one of its positions."""
     rows: list[int] = []
     starts: list[int] = []
     input_ids: list[int] = []
@@ -51,6 +56,7 @@ def prepare_step(plan: SchedulerOutput, batch: InputBatch,
     sampling_rows: list[int] = []
     first_samples: list[Sequence] = []   # sequences that may sample their first token
     pending: list[tuple[int, int]] = []  # (input position, sampling row of the running step)
+    num_logits: list[int] | None = None  # per sampling chunk, when one verifies proposals
     for index, (seq, sched) in enumerate(plan.scheduled):
         row = seq.batch_row
         table = sched.block_table
@@ -76,6 +82,24 @@ def prepare_step(plan: SchedulerOutput, batch: InputBatch,
                 num_tokens.append(1)
             if logits_indexes is not None:
                 logits_indexes.append(index)
+            if num_logits is not None:
+                num_logits.append(1)
+            continue
+        proposed = seq.proposed_token_ids
+        if proposed:  # verification: the last known token and the proposals after it
+            num_verified = len(proposed) + 1
+            if num_tokens is None:
+                num_tokens = [1] * index
+            num_tokens.append(num_verified)
+            if num_logits is None:
+                num_logits = [1] * len(sampling_seqs)
+            num_logits.append(num_verified)
+            input_ids.append(tokens[start])
+            input_ids.extend(proposed)
+            sampling_seqs.append(seq)
+            sampling_rows.append(row)
+            if logits_indexes is not None:
+                logits_indexes.append(index)
             continue
         # A prefill chunk (or a single token that does not sample).
         end = start + sched.num_tokens
@@ -92,6 +116,8 @@ def prepare_step(plan: SchedulerOutput, batch: InputBatch,
             first_samples.append(seq)
             if logits_indexes is not None:
                 logits_indexes.append(index)
+            if num_logits is not None:
+                num_logits.append(1)
         input_ids.extend(tokens[start:end])
         request = seq.request
         if request.needs_prompt_logprobs and seq.sample_index == 0:
@@ -100,5 +126,5 @@ def prepare_step(plan: SchedulerOutput, batch: InputBatch,
                                        request.params.prompt_logprobs))
             scored[index] = (seq, start + 1)
     model_input = ModelInput(rows, starts, input_ids, updates, num_tokens, logits_indexes, scores or None,
-                             pending or None)
-    return PreparedStep(model_input, sampling_seqs, sampling_rows, scored, first_samples)
+                             pending or None, num_logits)
+    return PreparedStep(model_input, sampling_seqs, sampling_rows, scored, first_samples, num_logits)

@@ -52,6 +52,8 @@ class Sequence:
     pending_source: int = -1
     # Its stream, as the output processor follows it.
     stream: SequenceStream | None = None
+    # Tokens proposed to follow ``token_ids`` this step (speculative decoding), verified by it.
+    proposed_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.output_token_ids = self.token_ids[self.num_prompt_tokens:]

@@ -94,6 +94,14 @@ class Scheduler:
         """``append_token`` for each sequence and its token (a step's samples)."""
         self._pending.appended.extend([(seq.seq_id, [token_id]) for seq, token_id in zip(seqs, token_ids)])
 
+    def propose(self, seq: Sequence, token_ids: list[int]) -> None:
+        """Tokens proposed to follow ``seq``'s known ones, to be computed by the next step."""
+        self._pending.proposed.append((seq.seq_id, token_ids))
+
+    def accept(self, seq: Sequence, num_accepted: int) -> None:
+        """How many of ``seq``'s proposed tokens were accepted: the rest lose their KV."""
+        self._pending.accepted.append((seq.seq_id, num_accepted))
+
     def finish(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence; its blocks are freed at the next step."""
         if seq in self.running:

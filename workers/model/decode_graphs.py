@@ -122,7 +122,7 @@ class DecodeGraphs:
 
     def can_run(self, model_input: ModelInput) -> bool:
         """A decode-only step, every sequence sampling, no scores, within the sizes."""
-        return (model_input.is_decode_only and model_input.logits_indexes is None
+        return (model_input.is_decode_only and model_input.logits_indexes is None and model_input.num_logits is None
                 and not model_input.scores and 0 < model_input.num_chunks <= self.max_size)
 
     def run(self, model_input: ModelInput, pending_tokens: torch.Tensor | None = None) -> torch.Tensor:

@@ -192,6 +192,11 @@ class InputBatch:
         self.num_outputs.index_copy_(0, rows, num_outputs)
         return num_outputs >= self.max_outputs.index_select(0, rows)
 
+    def add_outputs(self, rows: list[int], counts: list[int]) -> None:
+        """Count ``counts[i]`` more outputs on ``rows[i]`` (a verification step's, several a row)."""
+        index = int64_tensor(rows)
+        self.num_outputs.index_add_(0, index, torch.tensor(counts, dtype=self.num_outputs.dtype))
+
     def ends_on_eos(self, rows: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """A bool per row: its sampled id (``token_ids``, CPU) is an EOS that ends it. Stop
         token ids are checked per row (``STOP_TOKEN_IDS``)."""

@@ -47,6 +47,9 @@ class ModelInput:
     # Tokens sampled by the step still running: (position in input_ids, its row in that
     # step's sampled ids), taken on the device (overlapped scheduling).
     pending: list[tuple[int, int]] | None = None
+    # Per sampling chunk, in logits order: the positions at its end whose logits come back (a
+    # verification chunk's last token and proposals). None: one each.
+    num_logits: list[int] | None = None
 
     @property
     def num_chunks(self) -> int:
@@ -68,8 +71,9 @@ class TokenScores:
 
 @dataclass
 class ExecuteOutput:
-    """One forward pass: logits of the sampling chunks ([num_sampling, vocab], float32)
-    and the scores asked for, by chunk index."""
+    """One forward pass: logits of the sampling chunks ([num_sampling, vocab], float32; a
+    chunk's ``num_logits`` rows, in position order, where it asks for several) and the scores
+    asked for, by chunk index."""
 
     logits: torch.Tensor
     scores: dict[int, TokenScores]

@@ -340,6 +340,8 @@ class ModelRunner:
             last_rows = batch.cu_seqlens[1:].to(torch.int64) - 1
             if model_input.logits_indexes is not None:
                 last_rows = last_rows[model_input.logits_indexes]
+            if model_input.num_logits is not None:
+                last_rows = trailing_rows(last_rows, int64_tensor(model_input.num_logits))
             sampled = hidden.index_select(0, last_rows.to(device, non_blocking=True))
         return ExecuteOutput(self.compute_logits(sampled), scores)
 
@@ -386,6 +388,14 @@ class ModelRunner:
             torch.cat(logprobs).cpu(),
             torch.cat(top_ids).cpu() if k else torch.empty((num, 0), dtype=torch.int64),
             torch.cat(top_values).cpu() if k else torch.empty((num, 0)))
+
+
+def trailing_rows(last_rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The rows ``last - count + 1 .. last`` of each (last row, count), in order (host tensors)."""
+    total = int(counts.sum())
+    ends = torch.cumsum(counts, 0)
+    offsets = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(ends, counts, output_size=total)
+    return torch.repeat_interleave(last_rows, counts, output_size=total) + offsets + 1
 
 
 def _first_line(error: Exception) -> str:

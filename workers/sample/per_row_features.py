@@ -21,6 +21,7 @@ from ..outputs.detokenizer import FINISH_STOP
 from ..outputs.request_output import SampleLogprobs
 from .grammar import GrammarCompiler
 from .sampler import SamplingBatch
+from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from ..model.model_runner import ModelRunner
@@ -111,6 +112,12 @@ class PerRowFeatures:
             if value & MIN_TOKENS and p not in ends:
                 self.batch.refresh_flags(seq)
 
+    def min_tokens_bans(self, params: SamplingParams) -> list[int]:
+        """The tokens a sequence cannot sample before ``min_tokens`` outputs: EOS (unless
+        ignored) and its stop token ids."""
+        eos = [] if params.ignore_eos else self.eos_token_ids
+        return [t for t in dict.fromkeys(eos + params.stop_token_ids) if t < self.runner.vocab_size]
+
     def _banned_token_ids(self, seq: Sequence, flags: int) -> list[int]:
         """EOS and stop tokens while fewer than ``min_tokens`` outputs exist, and the
         tokens that would complete a bad word."""
@@ -118,8 +125,7 @@ class PerRowFeatures:
         params = request.params
         banned = []
         if flags & MIN_TOKENS and len(seq.output_token_ids) < params.min_tokens:
-            eos = [] if params.ignore_eos else self.eos_token_ids
-            banned = [t for t in dict.fromkeys(eos + params.stop_token_ids) if t < self.runner.vocab_size]
+            banned = self.min_tokens_bans(params)
         if flags & BAD_WORDS:
             banned += bad_word_bans(seq.output_token_ids, request.bad_words_token_ids)
         return banned

@@ -1,0 +1,348 @@
+"""Speculative decoding end to end, on tiny random checkpoints.
+
+Greedy output with speculation must be token-identical to decoding without it, and so to
+transformers; seeded sampling gives the same tokens too (each position draws the uniform its
+output number would have drawn); the rejection sampler's output follows the target's
+distribution. The KV manager's integrity is checked after every step of every engine here, and
+every engine ends each test holding no block.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.bench.scripted_proposer import ScriptedProposer
+from pagedserve.workers.sample.sampler import Sampler, SamplingBatch, processed_probs
+from pagedserve.workers.spec_decode.speculator import reason_not_speculating
+from pagedserve.workers.spec_decode.verifier import num_accepted, verify
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MAX_TOKENS = 24
+FIRST_ORDINARY_ID = 5
+VOCAB_SIZE = 1024
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def random_prompts(lengths, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(FIRST_ORDINARY_ID, VOCAB_SIZE) for _ in range(n)] for n in lengths]
+
+
+def greedy(max_tokens: int = MAX_TOKENS, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def make_llm(tiny_model):
+    """``make_llm(arch="llama", speculative=True, **engine_kwargs) -> LLM``, shared per
+    configuration, its KV accounting checked after every step."""
+    shared: dict[tuple, LLM] = {}
+    ngram: dict[tuple, object] = {}
+
+    def make(arch: str = "llama", speculative: bool = True, **kwargs) -> LLM:
+        kwargs.setdefault("device", "cpu")
+        kwargs.setdefault("dtype", "float32")
+        kwargs.setdefault("swap_space_gb", 0.001)
+        kwargs.setdefault("num_device_blocks", 4096 // kwargs.get("block_size", 16))
+        if speculative:
+            kwargs.setdefault("speculative_config", NGRAM)
+        key = (arch, repr(sorted(kwargs.items())))
+        if key not in shared:
+            llm = LLM(tiny_model(arch), **kwargs)
+            llm.engine.step_hooks.append(llm.engine.check_integrity)
+            shared[key] = llm
+            ngram[key] = llm.engine.speculator and llm.engine.speculator.proposer
+        llm = shared[key]
+        if llm.engine.speculator is not None:
+            llm.engine.speculator.proposer = ngram[key]   # each test starts with n-gram
+        return llm
+
+    make.instances = shared
+    return make
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(make_llm):
+    yield
+    for llm in make_llm.instances.values():
+        llm.check_integrity()
+        assert not llm.engine.has_unfinished_requests()
+        assert llm.engine.num_used_blocks() == 0, llm.stats()
+
+
+def outputs_of(results) -> list[list[int]]:
+    return [list(completion.token_ids) for result in results for completion in result.outputs]
+
+
+def script(llm: LLM, prompts, reference, num_right: int | None = None, seed: int = 0) -> None:
+    """Make ``llm`` propose ``reference`` outputs (one per prompt), ``num_right`` right each time
+    (None: a random number each time)."""
+    engine = llm.engine
+    engine.speculator.proposer = ScriptedProposer({tuple(p): r for p, r in zip(prompts, reference)},
+                                                  engine.config.speculative_config.num_speculative_tokens,
+                                                  num_right, engine.runner.vocab_size, seed)
+
+
+def drafts(llm: LLM) -> tuple[int, int]:
+    stats = llm.stats()
+    return stats["spec_decode_num_drafts"], stats["spec_decode_num_accepted_tokens"]
+
+
+# ---- greedy: token-identical -----------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
+def test_greedy_ngram_matches_transformers(arch, make_llm, hf_greedy):
+    llm = make_llm(arch)
+    prompts = random_prompts((3, 7, 16, 17, 32, 50), seed=1)
+    before = drafts(llm)
+    results = llm.generate(prompts, greedy(), use_tqdm=False)
+    for prompt, output in zip(prompts, outputs_of(results)):
+        assert output == hf_greedy(arch, prompt, MAX_TOKENS)
+    assert drafts(llm)[0] > before[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_greedy_with_any_acceptance_matches_transformers(arch, block_size, make_llm, hf_greedy):
+    """Proposals right for a random number of positions (0..k) each step: every acceptance
+    length, across block boundaries, gives transformers' tokens."""
+    llm = make_llm(arch, block_size=block_size)
+    prompts = random_prompts((3, 7, 16, 17, 31, 50), seed=2)
+    reference = [hf_greedy(arch, p, MAX_TOKENS) for p in prompts]
+    script(llm, prompts, reference)
+    assert outputs_of(llm.generate(prompts, greedy(), use_tqdm=False)) == reference
+    per_pos = llm.stats()["spec_decode_num_accepted_tokens_per_pos"]
+    assert len(per_pos) == 4 and per_pos[3] > 0
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_greedy_under_preemption_with_prefix_caching(mode, make_llm, hf_greedy):
+    # 20 blocks of 8 tokens: one sequence always fits, all eight at once never do.
+    llm = make_llm("llama", block_size=8, num_device_blocks=20, preemption_mode=mode, enable_prefix_caching=True)
+    prompts = random_prompts((10, 35, 60, 22, 47, 13, 58, 30), seed=10)
+    prompts[3] = prompts[1][:24] + prompts[3]   # a shared prefix: cache hits
+    reference = [hf_greedy("llama", p, MAX_TOKENS) for p in prompts]
+    script(llm, prompts, reference, seed=3)
+    assert outputs_of(llm.generate(prompts, greedy(), use_tqdm=False)) == reference
+    stats = llm.stats()
+    assert stats["num_preemptions_by_mode"][mode] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+    # Again: the accepted tokens' blocks were indexed, and a hit on them gives the same outputs.
+    assert outputs_of(llm.generate(prompts, greedy(), use_tqdm=False)) == reference
+    assert llm.stats()["prefix_cache_hit_rate"] > 0
+
+
+def test_samples_sharing_blocks_copy_before_proposals_write(make_llm, hf_greedy):
+    llm = make_llm("llama", block_size=4)
+    prompts = random_prompts((9, 14), seed=4)
+    reference = [hf_greedy("llama", p, MAX_TOKENS) for p in prompts]
+    script(llm, prompts, reference, seed=5)
+    results = llm.generate(prompts, greedy(n=3), use_tqdm=False)
+    assert outputs_of(results) == [reference[0]] * 3 + [reference[1]] * 3
+    assert llm.stats()["num_cow_copies"] > 0
+
+
+def test_chunked_prefill_and_a_small_budget(make_llm, hf_greedy):
+    """A step's token budget cuts verification chunks short; what is cut is rolled back."""
+    llm = make_llm("qwen3", max_num_batched_tokens=16, block_size=8)
+    prompts = random_prompts((9, 41, 27, 60, 15, 33), seed=11)
+    reference = [hf_greedy("qwen3", p, MAX_TOKENS) for p in prompts]
+    script(llm, prompts, reference, num_right=4)
+    assert outputs_of(llm.generate(prompts, greedy(), use_tqdm=False)) == reference
+
+
+def test_contiguous_allocation(make_llm, hf_greedy):
+    llm = make_llm("llama", allocation="contiguous", max_model_len=128, num_device_blocks=64)
+    prompts = random_prompts((5, 30, 17), seed=12)
+    reference = [hf_greedy("llama", p, MAX_TOKENS) for p in prompts]
+    script(llm, prompts, reference, seed=6)
+    assert outputs_of(llm.generate(prompts, greedy(), use_tqdm=False)) == reference
+
+
+# ---- finishes inside an accepted run ------------------------------------------------------------
+
+def test_max_tokens_stop_tokens_and_min_tokens_end_where_they_would(make_llm):
+    """Every proposal right (k = 4): a finish inside an accepted run ends the output there,
+    exactly as one token a step would, and the tokens after it are dropped."""
+    base, llm = make_llm("llama", speculative=False), make_llm("llama")
+    prompts = random_prompts((6, 19, 33), seed=13)
+    plain = outputs_of(base.generate(prompts, greedy(40), use_tqdm=False))
+    cases = [greedy(7), greedy(9), greedy(40, stop_token_ids=[plain[0][5], plain[1][10], plain[2][3]]),
+             greedy(40, stop_token_ids=[plain[0][5]], ignore_eos=True),
+             greedy(30, logit_bias={plain[0][4]: -100.0}), greedy(30, allowed_token_ids=sorted(set(plain[1])))]
+    for params in cases:
+        expected = base.generate(prompts, params, use_tqdm=False)
+        reference = outputs_of(base.generate(prompts, greedy(40), use_tqdm=False))
+        script(llm, prompts, outputs_of(expected) if params.logit_bias or params.allowed_token_ids
+               or params.min_tokens else reference, num_right=4)
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert outputs_of(got) == outputs_of(expected), params
+        assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in expected]
+
+
+@pytest.mark.parametrize("index", [2, 4])
+def test_min_tokens_bans_stop_tokens_only_at_the_positions_before_it(index, make_llm):
+    """A stop token the target would pick at output ``index``: banned there when that is
+    before ``min_tokens`` (4), ending the output there when it is not. The first verification
+    (outputs 1..5, k = 4) crosses min_tokens: its positions differ in their bans."""
+    base, llm = make_llm("llama", speculative=False), make_llm("llama")
+    prompts = random_prompts((6, 19, 33), seed=13)
+    plain = outputs_of(base.generate(prompts, greedy(40), use_tqdm=False))
+    params = [greedy(40, stop_token_ids=[output[index]], min_tokens=4) for output in plain]
+    expected = base.generate(prompts, params, use_tqdm=False)
+    reasons = [(o.outputs[0].finish_reason, len(o.outputs[0].token_ids)) for o in expected]
+    if index >= 4:
+        assert ("stop", index + 1) in reasons
+    else:
+        assert outputs_of(expected) != plain
+    script(llm, prompts, outputs_of(expected), num_right=4)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert outputs_of(got) == outputs_of(expected)
+    assert [(o.outputs[0].finish_reason, len(o.outputs[0].token_ids)) for o in got] == reasons
+
+
+def test_stop_strings_and_streaming_see_the_same_text(make_llm):
+    base, llm = make_llm("llama", speculative=False), make_llm("llama")
+    prompt = "the cat sat on the mat and the cat sat on the"
+    plain = base.generate([prompt], greedy(30), use_tqdm=False)[0].outputs[0]
+    stop = plain.text[len(plain.text) // 2:len(plain.text) // 2 + 3]
+    expected = base.generate([prompt], greedy(30, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    llm.engine.speculator.proposer = ScriptedProposer(
+        {tuple(llm.get_tokenizer().encode(prompt)): plain.token_ids}, 4, 4, llm.engine.runner.vocab_size)
+    got = llm.generate([prompt], greedy(30, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert (got.text, got.token_ids, got.finish_reason) == (expected.text, expected.token_ids, expected.finish_reason)
+    # Streamed step by step: several tokens arrive in one step, and the deltas add up.
+    engine = llm.engine
+    engine.add_request("streamed", prompt, greedy(30))
+    texts, tokens = [], []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            texts.append(output.outputs[0].text)
+            tokens.append(len(output.outputs[0].token_ids))
+    assert texts[-1] == plain.text and tokens[-1] == len(plain.token_ids)
+    assert max(b - a for a, b in zip(tokens, tokens[1:])) > 1
+
+
+# ---- sampling --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.8, seed=11, max_tokens=MAX_TOKENS),
+    SamplingParams(temperature=1.3, top_k=20, top_p=0.9, seed=12, max_tokens=MAX_TOKENS),
+    SamplingParams(temperature=0.7, min_p=0.05, seed=13, max_tokens=MAX_TOKENS, min_tokens=5),
+], ids=["temperature", "top-k-top-p", "min-p"])
+def test_seeded_sampling_gives_the_tokens_of_decoding_without_speculation(params, make_llm):
+    base, llm = make_llm("llama", speculative=False), make_llm("llama")
+    prompts = random_prompts((5, 21, 40), seed=14)
+    expected = outputs_of(base.generate(prompts, params, use_tqdm=False))
+    script(llm, prompts, expected, seed=7)
+    assert outputs_of(llm.generate(prompts, params, use_tqdm=False)) == expected
+    assert outputs_of(llm.generate(prompts, params, use_tqdm=False)) == expected   # and again
+
+
+def test_unseeded_sampling_speculates_and_ends_clean(make_llm):
+    llm = make_llm("llama")
+    prompts = random_prompts((5, 21), seed=15)
+    before = drafts(llm)[0]
+    results = llm.generate(prompts * 4, SamplingParams(temperature=0.5, max_tokens=MAX_TOKENS), use_tqdm=False)
+    assert all(len(output) == MAX_TOKENS or output[-1] in (2, 4) for output in outputs_of(results))
+    assert drafts(llm)[0] > before
+
+
+def total_variation(counts: Counter, probs: torch.Tensor, num: int) -> float:
+    observed = torch.zeros_like(probs)
+    for token, count in counts.items():
+        observed[token] = count / num
+    return 0.5 * float((observed - probs).abs().sum())
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"temperature": 1.0}, {"temperature": 0.7, "top_k": 5}, {"temperature": 1.2, "top_p": 0.8},
+    {"temperature": 0.9, "min_p": 0.1}, {"temperature": 1.5, "top_k": 6, "top_p": 0.9, "min_p": 0.02},
+], ids=["t", "top-k", "top-p", "min-p", "all"])
+def test_the_rejection_sampler_keeps_the_target_distribution(kwargs):
+    """Two proposals per sequence on a vocabulary of 12, many sequences at once: the first
+    output follows p0, the second (where the first proposal was accepted) follows p1, each
+    proposal is accepted with its target probability, and a sequence whose first proposal is
+    rejected outputs one token. Total variation within 0.02 at 40,000 samples."""
+    generator = torch.Generator().manual_seed(0)
+    vocab, num = 12, 40_000
+    position_logits = torch.randn(3, vocab, generator=generator) * 2
+    params = SamplingParams(**kwargs)
+    p = processed_probs(position_logits, [params] * 3)
+    d0, d1 = int(p[0].argsort()[-2]), int(p[1].argmax())   # a likely (not the likeliest) and the likeliest
+    logits = position_logits.repeat(num, 1)
+    batch = SamplingBatch.from_params([params] * (3 * num))
+    outputs, accepted = verify(Sampler(seed=1), logits, batch, [[d0, d1]] * num)
+    first = Counter(output[0] for output in outputs)
+    assert total_variation(first, p[0], num) < 0.02
+    after_d0 = [output for output in outputs if output[0] == d0]
+    assert abs(len(after_d0) / num - float(p[0, d0])) < 0.01
+    assert all(len(output) == 1 for output in outputs if output[0] != d0)
+    second = Counter(output[1] for output in after_d0)
+    assert total_variation(second, p[1], len(after_d0)) < 0.03
+    assert all(a == len(o) - 1 for a, o in zip(accepted, outputs))
+
+
+def test_greedy_acceptance_is_the_longest_agreeing_prefix():
+    assert num_accepted([5, 6, 7, 8], [5, 6, 9]) == 2
+    assert num_accepted([5, 6, 7, 8], [5, 6, 7]) == 3
+    assert num_accepted([1], []) == 0
+    logits = torch.full((4, 10), -5.0)
+    for position, token in enumerate([3, 4, 5, 6]):
+        logits[position, token] = 5.0
+    outputs, accepted = verify(Sampler(seed=0), logits, SamplingBatch.from_params([greedy()] * 4), [[3, 4, 9]])
+    assert (outputs, accepted) == ([[3, 4, 5]], [2])
+
+
+# ---- who speculates ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("params,reason", [
+    (greedy(repetition_penalty=1.2), "penalties"), (greedy(presence_penalty=0.5), "penalties"),
+    (greedy(logprobs=2), "logprobs"), (greedy(bad_words=["hello"]), "bad words"),
+    (greedy(structured_outputs={"choice": ["yes", "no"]}), "structured output"),
+])
+def test_rows_the_verifier_cannot_honour_do_not_speculate(params, reason, make_llm):
+    base, llm = make_llm("llama", speculative=False), make_llm("llama")
+    prompts = random_prompts((8, 20), seed=16)
+    expected = base.generate(prompts, params, use_tqdm=False)
+    script(llm, prompts, outputs_of(expected), num_right=4)
+    request = llm.engine.make_request("probe", prompts[0], params)
+    assert reason_not_speculating(request) == reason
+    before = drafts(llm)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert outputs_of(got) == outputs_of(expected)
+    assert drafts(llm) == before
+    assert reason_not_speculating(llm.engine.make_request("plain", prompts[0], greedy())) is None
+
+
+def test_no_proposals_once_the_batch_reaches_disable_by_batch_size(make_llm):
+    llm = make_llm("llama", speculative_config={**NGRAM, "disable_by_batch_size": 3})
+    prompts = random_prompts((8, 20, 5, 11), seed=17)
+    base = make_llm("llama", speculative=False)
+    expected = outputs_of(base.generate(prompts, greedy(), use_tqdm=False))
+    script(llm, prompts, expected, num_right=4)
+    stats = llm.stats()
+    assert outputs_of(llm.generate(prompts, greedy(), use_tqdm=False)) == expected
+    after = llm.stats()
+    assert after["spec_decode_num_disabled_steps"] > stats["spec_decode_num_disabled_steps"]
+    # Two at a time stay under the limit: they speculate.
+    assert outputs_of(llm.generate(prompts[:2], greedy(), use_tqdm=False)) == expected[:2]
+    assert llm.stats()["spec_decode_num_drafts"] > after["spec_decode_num_drafts"]
+
+
+def test_beam_search_does_not_speculate(make_llm):
+    from pagedserve.workers.sample.sampling_params import BeamSearchParams
+
+    base, llm = make_llm("llama", speculative=False), make_llm("llama")
+    prompts = random_prompts((8,), seed=18)
+    params = BeamSearchParams(beam_width=2, max_tokens=8)
+    before = drafts(llm)
+    expected = base.beam_search([{"prompt_token_ids": p} for p in prompts], params)
+    got = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
+    assert [[s.tokens for s in o.sequences] for o in got] == [[s.tokens for s in o.sequences] for o in expected]
+    assert drafts(llm) == before

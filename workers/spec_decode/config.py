@@ -1,0 +1,70 @@
+"""``speculative_config``: vLLM's keys, checked once, torch-free (the cluster's schema loads it)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# vLLM's method names. Only these are implemented; the others are refused by name.
+SUPPORTED_METHODS = ("ngram",)
+SpeculativeMethod = Literal["ngram", "draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator",
+                            "suffix"]
+# vLLM's spellings of "no model, prompt lookup" in ``model``.
+NGRAM_MODEL_NAMES = ("ngram", "[ngram]")
+# vLLM's prompt lookup window when neither bound is given.
+DEFAULT_PROMPT_LOOKUP = 5
+
+
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding (vLLM's ``speculative_config``): each decoding sequence proposes up
+    to ``num_speculative_tokens`` tokens, which the target model verifies in one forward pass;
+    output is exactly what decoding without speculation gives (token for token when greedy, the
+    same distribution when sampled). Sequences that use per-token features the verifier cannot
+    honour (grammars, penalties, logprobs, bad words, beam search) decode one token at a time."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+    method: SpeculativeMethod | None = None
+    """How tokens are proposed. "ngram": prompt lookup over the request's own tokens (no model).
+    vLLM's other methods (draft_model, eagle, eagle3, mtp, ...) are refused: not supported yet.
+    Unset: "ngram" when ``model`` is "ngram" or "[ngram]"."""
+    model: str | None = None
+    """The draft model or head (vLLM's key). Not supported yet: only unset, "ngram" or "[ngram]"."""
+    num_speculative_tokens: int = Field(ge=1, le=64)
+    """Tokens proposed per sequence and step at most (k); a verification step computes k + 1."""
+    prompt_lookup_min: int | None = Field(None, ge=1)
+    """ngram: the shortest suffix of the request's tokens looked up earlier in them. Unset: as
+    ``prompt_lookup_max``, or 5 when both are unset (vLLM's defaults)."""
+    prompt_lookup_max: int | None = Field(None, ge=1)
+    """ngram: the longest suffix looked up (tried first, then shorter ones down to
+    ``prompt_lookup_min``). Unset: as ``prompt_lookup_min``, or 5 when both are unset."""
+    disable_by_batch_size: int | None = Field(None, ge=2)
+    """No sequence proposes in a step whose running batch holds at least this many sequences
+    (verification then costs more compute than it saves). Unset: never disabled."""
+
+    @model_validator(mode="after")
+    def _resolve(self) -> "SpeculativeConfig":
+        method = self.method
+        if method is None:
+            if self.model not in NGRAM_MODEL_NAMES:
+                raise ValueError(f"speculative_config.model {self.model!r}: draft models are not supported yet; "
+                                 "set speculative_config.method to \"ngram\" (prompt lookup, no model)")
+            object.__setattr__(self, "method", "ngram")
+        elif method not in SUPPORTED_METHODS:
+            raise ValueError(f"speculative_config.method {method!r} is not supported yet "
+                             f"(supported: {', '.join(SUPPORTED_METHODS)})")
+        elif self.model is not None and self.model not in NGRAM_MODEL_NAMES:
+            raise ValueError(f"speculative_config.model {self.model!r}: method \"ngram\" takes no model "
+                             "(draft models are not supported yet)")
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low = high = DEFAULT_PROMPT_LOOKUP
+        low = high if low is None else low
+        high = low if high is None else high
+        if low > high:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({low}) is above "
+                             f"speculative_config.prompt_lookup_max ({high})")
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
+        return self

@@ -1,0 +1,270 @@
+"""The engine's side of speculative decoding, one step at a time.
+
+Before the plan, each decoding sequence that may speculate asks the proposer for up to k
+tokens (``propose``); the KV manager gives them slots like any token. After the plan
+(``take_plan``), proposals that will not be verified (the sequence was preempted, or the
+token budget left them out) are dropped. ``prepare_step`` makes a verifying sequence's chunk
+its last token plus its proposals, with the logits of each position. ``sample_step``
+samples the step: plain rows through the ``SamplingPipeline``, verifying ones through
+``verifier.verify``; their accepted proposals and the target's token are appended one by one
+with the usual finish checks (EOS, stop token ids, max_tokens, the context), and the KV
+manager hears how many proposals each kept (the rest lose their slots at the next plan).
+
+Steps run synchronously: a sequence proposes from its known tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..engine.request import Request, Sequence
+from ..engine.scheduler import Scheduler, SchedulerOutput
+from ..model.host_lists import int64_tensor, to_device
+from ..model.input_batch import (BAD_WORDS, BEAM, EXPORTS_KV, FORKS, GRAMMAR, LOGIT_BIAS, LOGPROBS, MIN_TOKENS,
+                                 PENALTIES, SEEDED, TEXT, InputBatch)
+from ..outputs.detokenizer import check_stop
+from ..outputs.output_processor import EngineStep, SeqFinish, StepTokens
+from ..sample.per_row_features import PerRowFeatures
+from ..sample.sampler import Sampler, seeded_uniform
+from ..sample.sampling_pipeline import SamplingPipeline
+from .config import SpeculativeConfig
+from .proposer import Proposer
+from .verifier import verify
+
+# Per-row features the verifier cannot honour yet: such a sequence decodes one token a step.
+NOT_VERIFIABLE = PENALTIES | LOGPROBS | GRAMMAR | FORKS | EXPORTS_KV | BEAM | BAD_WORDS
+
+
+def reason_not_speculating(request: Request) -> str | None:
+    """Why a request's sequences never propose (a feature the verifier cannot honour yet), or
+    None when they may. Penalties and bad words depend on every earlier token, a grammar on
+    its matcher's state and logprobs would have to be kept per position."""
+    params = request.params
+    if params.use_beam_search:
+        return "beam search"
+    if request.grammar is not None:
+        return "structured output"
+    if params.has_penalties:
+        return "penalties"
+    if params.logprobs is not None:
+        return "logprobs"
+    if request.bad_words_token_ids:
+        return "bad words"
+    if request.export_kv:
+        return "KV export"
+    return None
+
+
+@dataclass
+class SpecDecodeStats:
+    """vLLM's speculative decoding counters: drafts (a sequence's proposals verified in one
+    step), their tokens, the tokens accepted, and the acceptances at each proposal position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    num_disabled_steps: int = 0     # steps whose batch reached disable_by_batch_size
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verifying sequence gains per step: 1 + accepted per draft (vLLM's)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def as_dict(self) -> dict:
+        return {"spec_decode_num_drafts": self.num_drafts,
+                "spec_decode_num_draft_tokens": self.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
+                "spec_decode_mean_acceptance_length": self.mean_acceptance_length,
+                "spec_decode_num_disabled_steps": self.num_disabled_steps}
+
+
+class Speculator:
+    """Proposals, their verification and their bookkeeping for an engine (module docstring).
+
+    ``proposer`` may be replaced (benchmarks, tests); ``end_sequence(seq)`` ends a sequence
+    whose ``finish_reason`` is set, ``release_if_idle()`` hands blocks back when no request
+    is left.
+    """
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, *, batch: InputBatch, scheduler: Scheduler,
+                 sampler: Sampler, per_row: PerRowFeatures, pipeline: SamplingPipeline, eos_token_ids: list[int],
+                 max_model_len: int, end_sequence: Callable[[Sequence], None],
+                 release_if_idle: Callable[[], None]) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.batch = batch
+        self.scheduler = scheduler
+        self.sampler = sampler
+        self.per_row = per_row
+        self.pipeline = pipeline
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self._end_sequence = end_sequence
+        self._release_if_idle = release_if_idle
+        self.stats = SpecDecodeStats()
+        self._proposing: list[Sequence] = []
+
+    # ---- before the plan ------------------------------------------------------------------
+    def propose(self, running: list[Sequence]) -> None:
+        """Proposals for the decoding sequences of ``running`` that may speculate (none when
+        the batch has reached ``disable_by_batch_size``), registered with the scheduler."""
+        limit = self.config.disable_by_batch_size
+        if limit is not None and len(running) >= limit:
+            self.stats.num_disabled_steps += 1
+            return
+        candidates = [seq for seq in running if seq.batch_row >= 0 and not seq.proposed_token_ids
+                      and seq.num_computed == len(seq.token_ids) - 1]
+        if not candidates:
+            return
+        batch = self.batch
+        rows = int64_tensor([seq.batch_row for seq in candidates])
+        flags = batch.flags.index_select(0, rows).tolist()
+        rooms = (batch.max_outputs.index_select(0, rows) - batch.num_outputs.index_select(0, rows) - 1).tolist()
+        k = self.proposer.num_speculative_tokens
+        for seq, flag, room in zip(candidates, flags, rooms):
+            if flag & NOT_VERIFIABLE or room <= 0:
+                continue
+            proposal = self.proposer.propose(seq.token_ids, seq.num_prompt_tokens, min(k, room))
+            if proposal:
+                seq.proposed_token_ids = list(proposal)
+                self.scheduler.propose(seq, seq.proposed_token_ids)
+                self._proposing.append(seq)
+
+    # ---- after the plan -------------------------------------------------------------------
+    def take_plan(self, plan: SchedulerOutput) -> None:
+        """Keep the proposals the plan computes (cut to those it computes); drop the others:
+        a preempted sequence's are gone from the KV manager, an unscheduled one's are rolled
+        back at the next plan."""
+        if not self._proposing:
+            return
+        for seq in plan.preempted:
+            seq.proposed_token_ids = []
+        verified = set()
+        for seq, sched in plan.scheduled:
+            proposed = seq.proposed_token_ids
+            if proposed:
+                num_known = len(seq.token_ids)
+                num_verified = sched.start + sched.num_tokens - num_known
+                if sched.start == num_known - 1 and num_verified > 0:
+                    del proposed[num_verified:]
+                    verified.add(id(seq))
+        for seq in self._proposing:
+            if seq.proposed_token_ids and id(seq) not in verified:
+                self.scheduler.accept(seq, 0)
+                seq.proposed_token_ids = []
+        self._proposing = []
+
+    # ---- after the forward ----------------------------------------------------------------
+    def sample_step(self, seqs: list[Sequence], rows: list[int], num_logits: list[int], logits: torch.Tensor,
+                    first_samples: list[Sequence], result: EngineStep) -> None:
+        """Sample a step in which some sequences verify proposals: ``seqs[i]`` (batch row
+        ``rows[i]``) reads ``num_logits[i]`` consecutive rows of ``logits``. Plain rows go to
+        the pipeline; verifying ones are verified, appended and finished here."""
+        plain, verifying = [], []
+        plain_rows, verifying_rows = [], []
+        position = 0
+        for i, count in enumerate(num_logits):
+            if count == 1:
+                plain.append(i)
+                plain_rows.append(position)
+            else:
+                verifying.append(i)
+                verifying_rows.extend(range(position, position + count))
+            position += count
+        if plain:
+            index = to_device(int64_tensor(plain_rows), logits.device)
+            self.pipeline.sample_step([seqs[i] for i in plain], [rows[i] for i in plain], logits[index],
+                                      first_samples, result)
+        if verifying:
+            index = to_device(int64_tensor(verifying_rows), logits.device)
+            self._verify([seqs[i] for i in verifying], [rows[i] for i in verifying], logits[index], result)
+
+    def _verify(self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor, result: EngineStep) -> None:
+        proposals = [seq.proposed_token_ids for seq in seqs]
+        counts = [len(proposed) + 1 for proposed in proposals]
+        batch = self.batch
+        sampling = batch.sampling_batch(int64_tensor([row for row, count in zip(rows, counts) for _ in range(count)]))
+        flags = batch.flags.index_select(0, int64_tensor(rows)).tolist()
+        position = 0
+        for seq, flag, count in zip(seqs, flags, counts):
+            if flag & (SEEDED | MIN_TOKENS | LOGIT_BIAS):
+                self._add_per_position(sampling, position, seq, flag, count)
+            position += count
+        outputs, accepted = verify(self.sampler, logits, sampling, proposals)
+        self._finish(seqs, rows, flags, outputs, accepted, result)
+
+    def _add_per_position(self, sampling, first: int, seq: Sequence, flag: int, count: int) -> None:
+        """A row's seeded draws, ``min_tokens`` bans and logit biases at each of its positions, as
+        decoding one token a step would have them at each output number."""
+        params = seq.request.params
+        num_outputs = len(seq.output_token_ids)
+        bans = self.per_row.min_tokens_bans(params) if flag & MIN_TOKENS else []
+        for i in range(count):
+            if flag & SEEDED:
+                sampling.seeded_uniforms[first + i] = seeded_uniform(params.seed, seq.sample_index, num_outputs + i)
+            if bans and num_outputs + i < params.min_tokens:
+                sampling.banned.append((first + i, bans))
+            if flag & LOGIT_BIAS:
+                sampling.add_logit_bias(first + i, params)
+
+    def _finish(self, seqs: list[Sequence], rows: list[int], flags: list[int], outputs: list[list[int]],
+                accepted: list[int], result: EngineStep) -> None:
+        """Append each sequence's outputs one by one until one ends it; tell the KV manager how
+        many proposals it keeps; report the tokens as one ``StepTokens`` per output position."""
+        stats = self.stats
+        layers: list[StepTokens] = []
+        ends: list[tuple[Sequence, str]] = []
+        counts: list[int] = []
+        eos, max_model_len = self.eos_token_ids, self.max_model_len
+        for seq, flag, output, num_accepted in zip(seqs, flags, outputs, accepted):
+            num_proposed = len(seq.proposed_token_ids)
+            stats.num_drafts += 1
+            stats.num_draft_tokens += num_proposed
+            stats.num_accepted_tokens += num_accepted
+            per_pos = stats.num_accepted_tokens_per_pos
+            if len(per_pos) < num_proposed:
+                per_pos.extend([0] * (num_proposed - len(per_pos)))
+            for i in range(num_accepted):
+                per_pos[i] += 1
+            params = seq.request.params
+            num_known = len(seq.token_ids)
+            reason = None
+            for i, token_id in enumerate(output):
+                seq.append_token(token_id)
+                if len(layers) == i:
+                    layers.append(StepTokens([], [], text_positions=[]))
+                layer = layers[i]
+                if flag & TEXT:
+                    layer.text_positions.append(len(layer.seqs))
+                layer.seqs.append(seq)
+                layer.token_ids.append(token_id)
+                reason = check_stop(params, seq.output_token_ids, eos, seq.num_prompt_tokens, max_model_len)
+                if reason is not None:
+                    layer.finished.append(SeqFinish(seq, reason))
+                    ends.append((seq, reason))
+                    break
+            num_kept = len(seq.token_ids) - num_known
+            counts.append(num_kept)
+            kept_proposals = min(num_kept, num_accepted)
+            self.scheduler.accept(seq, kept_proposals)
+            if num_kept > num_accepted:
+                self.scheduler.append_token(seq, output[-1])
+            seq.num_computed = num_known + kept_proposals   # the KV kept: up to the last accepted proposal
+            seq.proposed_token_ids = []
+            if reason is None and flag & MIN_TOKENS:
+                self.batch.refresh_flags(seq)
+        self.batch.add_outputs(rows, counts)
+        self.pipeline.num_generated_tokens += sum(counts)
+        for layer in layers:
+            if len(layer.text_positions) == len(layer.seqs):
+                layer.text_positions = None
+        result.tokens.extend(layers)
+        for seq, reason in ends:
+            seq.finish_reason = reason
+            self._end_sequence(seq)
+        self._release_if_idle()
