@@ -31,6 +31,7 @@ DEFAULTS = {
     "enforce_eager": False, "async_scheduling": None, "stream_interval": 1, "cuda_graph_sizes": None,
     "torch_compile": None,
     "merge_projections": None, "tensor_parallel_size": 1, "distributed_executor_backend": None,
+    "enable_lora": False, "max_loras": 1, "max_lora_rank": 16, "max_cpu_loras": None,
 }
 
 # option -> values every form must refuse (the old forms disagreed on several).
@@ -55,6 +56,10 @@ BAD_VALUES = {
     "kernel_backend": ["cuda"],
     "tensor_parallel_size": [0, -2, 1.5],
     "distributed_executor_backend": ["uni", "threads"],
+    "enable_lora": ["sometimes", 2],
+    "max_loras": [0, -1, 1.5],
+    "max_lora_rank": [0, -8],
+    "max_cpu_loras": [0, -1],
 }
 
 
@@ -100,6 +105,17 @@ def test_every_form_refuses_a_bad_value_naming_the_option(option, value):
         EngineOptions(**{option: value})
     with pytest.raises(ConfigError, match=rf"engine\.{option}"):
         load_config(None, [f"engine.{option}={yaml.safe_dump(value).splitlines()[0]}"])
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"max_loras": 4, "max_cpu_loras": 2}, "max_cpu_loras"),
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+    ({"torch_compile": True}, "torch_compile"),
+])
+def test_lora_options_that_cannot_go_together_are_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        EngineOptions(enable_lora=True, **options)
+    EngineOptions(enable_lora=False, **options)  # without LoRA they are no concern of its
 
 
 def test_group_overrides_use_the_same_checks():
