@@ -8,9 +8,10 @@ import torch
 from .punica import LoRASegments, lora_expand, lora_shrink
 
 
-class LoRAStep:
+class LoRAContext:
     """What the adapted layers of one model read during a forward: the step's segments
-    (None: no token uses an adapter). One per model, set by its ``LoRAManager``."""
+    (None: no token uses an adapter). One per model (never a global: two engines may share
+    a process), set by its ``LoRAManager``."""
 
     def __init__(self) -> None:
         self.segments: LoRASegments | None = None
@@ -23,10 +24,10 @@ class LoRALinear(torch.nn.Module):
     has bit ``s`` set while slot ``s`` holds weights for this layer; a step none of whose
     slots do computes the base layer only."""
 
-    def __init__(self, base_layer: torch.nn.Linear, step: LoRAStep) -> None:
+    def __init__(self, base_layer: torch.nn.Linear, context: LoRAContext) -> None:
         super().__init__()
         self.base_layer = base_layer
-        self.step = step
+        self.context = context
         self.in_features = base_layer.in_features
         self.out_features = base_layer.out_features
         self.lora_a: torch.Tensor | None = None
@@ -66,7 +67,7 @@ class LoRALinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)
-        segments = self.step.segments
+        segments = self.context.segments
         if segments is None or not (segments.slot_bits & self.slot_bits):
             return y
         flat = y.view(-1, self.out_features)

@@ -12,7 +12,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from ..model.host_lists import int64_tensor
-from .layers import LoRALinear, LoRAStep
+from .layers import LoRALinear, LoRAContext
 from .lora_request import LoRARequest
 from .peft_adapter import LoRAAdapter, LoRAAdapterError, read_peft_adapter
 from .punica import build_segments
@@ -39,8 +39,8 @@ class LoRAManager:
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras
         self._in_use = in_use
-        self.step = LoRAStep()
-        self.layers = wrap_linear_layers(model, self.step)
+        self.context = LoRAContext()
+        self.layers = wrap_linear_layers(model, self.context)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self._features = {name: (layer.in_features, layer.out_features) for name, layer in self.layers.items()}
@@ -106,17 +106,16 @@ class LoRAManager:
         slot_of, loads = self.slots.assign(distinct)
         for adapter_id, slot in loads:
             self._load(adapter_id, slot)
-        if loads:
-            self._evict_host()
+        self._evict_host()
         slot_of[0] = -1
         token_slots = int64_tensor([slot_of[i] for i in ids])
         if num_tokens is not None:
             token_slots = torch.repeat_interleave(token_slots, int64_tensor(list(num_tokens)))
-        self.step.segments = build_segments(token_slots, self.device)
+        self.context.segments = build_segments(token_slots, self.device)
         try:
             yield
         finally:
-            self.step.segments = None
+            self.context.segments = None
 
     def _load(self, adapter_id: int, slot: int) -> None:
         """Write the adapter's weights into ``slot`` of every layer (zeros where it adapts none)."""
@@ -152,14 +151,17 @@ class LoRAManager:
         with self._lock:
             num_host = len(self._host)
             names = {adapter_id: request.lora_name for adapter_id, request in self._known.items()}
-        return {"slots": {slot: names[adapter_id] for adapter_id, slot in self.slots.resident.items()},
+        by_slot = [None] * self.max_loras
+        for adapter_id, slot in self.slots.resident.items():
+            by_slot[slot] = names[adapter_id]
+        return {"slot_adapters": by_slot,
                 "num_host_adapters": num_host, "num_adapter_reads": self.num_reads,
                 "num_slot_loads": self.slots.num_loads, "num_slot_evictions": self.slots.num_evictions,
                 "num_host_evictions": self.num_host_evictions,
                 "num_layers_allocated": sum(layer.lora_a is not None for layer in self.layers.values())}
 
 
-def wrap_linear_layers(model: torch.nn.Module, step: LoRAStep) -> dict[str, LoRALinear]:
+def wrap_linear_layers(model: torch.nn.Module, context: LoRAContext) -> dict[str, LoRALinear]:
     """Replace every ``Linear`` of ``model``'s decoder (pieces of merged projections included)
     by a ``LoRALinear`` over it; returns them by their module name in ``model``."""
     decoder = {id(module) for module in model.get_decoder().modules()}
@@ -168,7 +170,7 @@ def wrap_linear_layers(model: torch.nn.Module, step: LoRAStep) -> dict[str, LoRA
     layers = {}
     for name, module in found:
         parent_name, _, child = name.rpartition(".")
-        layer = LoRALinear(module, step)
+        layer = LoRALinear(module, context)
         setattr(model.get_submodule(parent_name), child, layer)
         layers[name] = layer
     return layers
