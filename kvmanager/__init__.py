@@ -16,7 +16,7 @@ from .errors import (DoubleFreeError, IntegrityError, KVManagerError, NoFreeBloc
                      UnknownSequenceError, UnknownWorkerError)
 from .events import (AllBlocksCleared, BlockRemoved, BlockStored, EventLog, KVEventBatch, KVSnapshot,
                      PublishAck, TierOccupancy)
-from .hashing import BlockHash, block_hash_key, hash_block, hash_prefix_blocks
+from .hashing import BlockHash, block_hash_key, hash_block, hash_prefix_blocks, prefix_extra_key
 from .kv_manager import PREEMPTION_MODES, KVManager, PoolConfig
 from .local_manager import LocalKVManager
 from .publisher import InProcessTransport, KVPublisher, KVTransport
@@ -37,5 +37,5 @@ __all__ = [
     "NoFreeBlocksError", "PENDING_TOKEN", "PREEMPTION_MODES", "PoolConfig", "Preemption", "PrefixMatch",
     "ScheduledSeq", "SeqLocation", "SequenceBlocks", "StepInput", "StepOutput",
     "UnknownSequenceError", "UnknownWorkerError", "from_wire", "hash_block",
-    "hash_prefix_blocks", "to_wire",
+    "hash_prefix_blocks", "prefix_extra_key", "to_wire",
 ]

@@ -32,6 +32,22 @@ def hash_block(
     return hashlib.blake2b(data, digest_size=_DIGEST_SIZE).digest()
 
 
+def prefix_extra_key(cache_salt: str | None, lora_name: str | None = None) -> str | None:
+    """A request's ``extra_key``: its cache salt, and its LoRA adapter's name (a request with
+    an adapter shares blocks only with requests of that adapter and salt; NUL-free names).
+
+    Keys of different (salt, adapter) pairs differ: an adapter's key starts with NUL "lora"
+    NUL; a salt-only key is the salt itself (as it has always been) unless the salt starts
+    with NUL, when NUL "salt" NUL goes before it.
+    """
+    if lora_name is None:
+        if cache_salt is None or not cache_salt.startswith("\x00"):
+            return cache_salt
+        return "\x00salt\x00" + cache_salt
+    key = "\x00lora\x00" + lora_name
+    return key if cache_salt is None else key + "\x00salt\x00" + cache_salt
+
+
 def hash_blocks(
     parent_hash: BlockHash | None,
     token_ids: Sequence[int],

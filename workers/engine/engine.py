@@ -8,6 +8,7 @@ samples and finishes (one step later with overlapped scheduling); the
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -18,6 +19,8 @@ import torch
 
 from pagedserve.kvmanager import KVManager
 
+from ..lora.lora_request import LoRARequest
+from ..lora.manager import LoRAManager
 from ..model.input_batch import InputBatch
 from ..model.model_input import TokenScores
 from ..model.model_support import check_max_model_len
@@ -65,6 +68,9 @@ class LLMEngine:
         self.config = config
         self.worker_id = worker_id
         self.runner = build_runner(config, rank_launcher)
+        self.lora = (LoRAManager(self.runner.model, config.max_loras, config.max_lora_rank,
+                                 config.max_cpu_loras or config.max_loras, self._adapters_in_use)
+                     if config.enable_lora else None)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model,
                                                        trust_remote_code=config.trust_remote_code)
         max_len = check_max_model_len(config.max_model_len, self.runner.max_context_len,
@@ -88,7 +94,8 @@ class LLMEngine:
         self.kv_manager.add_worker(worker_id, self.pool_config)
         self.step_hooks: list[Callable[[], None]] = []
         self.scheduler = Scheduler(self.kv_manager.step, worker_id, config.max_num_seqs,
-                                   self.max_num_batched_tokens, config.scheduling_policy)
+                                   self.max_num_batched_tokens, config.scheduling_policy,
+                                   max_loras=config.max_loras if config.enable_lora else None)
         self.batch = InputBatch(self.runner.block_tables, self.eos_token_ids, max_len)
         self.output_processor = OutputProcessor(config.stream_interval)
         self.beam_groups = BeamGroups(self.scheduler, self.batch, self._new_sequence,
@@ -135,8 +142,9 @@ class LLMEngine:
 
     @property
     def _uses_graphs(self) -> bool:
-        """Decode steps replay CUDA graphs: the default on CUDA (``enforce_eager`` turns it off)."""
-        return self.runner.device.type == "cuda" and not self.config.enforce_eager
+        """Decode steps replay CUDA graphs: the default on CUDA (``enforce_eager`` and
+        ``enable_lora`` turn it off)."""
+        return self.runner.device.type == "cuda" and not self.config.enforce_eager and not self.config.enable_lora
 
     @property
     def _uses_compile(self) -> bool:
@@ -223,7 +231,7 @@ class LLMEngine:
                     arrival_time: float | None = None, export_kv: bool = False,
                     kv_transfer: KVTransfer | None = None,
                     output_token_ids: list[int] | None = None, output_kind: str = "stream",
-                    stream_target: StreamTarget | None = None) -> Request:
+                    stream_target: StreamTarget | None = None, lora_request: LoRARequest | None = None) -> Request:
         """Validate and queue a request. Raises ValueError, changing nothing, if it is bad.
 
         Disaggregated serving: ``export_kv`` keeps a copy of the prompt's KV
@@ -234,11 +242,13 @@ class LLMEngine:
         request; "final" only its last one. With ``stream_target`` (streams only: an
         output channel's request, in the engine core), the request's news goes into its
         channel's ``StreamBatch`` rows instead of outputs (``OutputProcessor``).
+        ``lora_request``: generate with that LoRA adapter (an engine with ``enable_lora``).
         """
         request = self.make_request(request_id, prompt, params, priority, prompt_token_ids,
                                     arrival_time=arrival_time, export_kv=export_kv,
                                     kv_transfer=kv_transfer, output_token_ids=output_token_ids,
-                                    output_kind=output_kind, stream_target=stream_target)
+                                    output_kind=output_kind, stream_target=stream_target,
+                                    lora_request=lora_request)
         self.admit(request)
         return request
 
@@ -248,7 +258,7 @@ class LLMEngine:
                      arrival_time: float | None = None, export_kv: bool = False,
                      kv_transfer: KVTransfer | None = None,
                      output_token_ids: list[int] | None = None, output_kind: str = "stream",
-                     stream_target: StreamTarget | None = None) -> Request:
+                     stream_target: StreamTarget | None = None, lora_request: LoRARequest | None = None) -> Request:
         """Validate and build a request (``add_request``'s arguments) without queueing it.
 
         Reads only what never changes after start-up (tokenizer, model limits,
@@ -298,13 +308,17 @@ class LLMEngine:
             if params.n != 1 or params.use_beam_search or not 0 < num_imported < len(all_tokens):
                 raise ValueError("a transferred request needs n == 1, no beam search and at least one "
                                  "token left to compute")
+        if lora_request is not None:
+            self._check_lora(lora_request, export_kv or kv_transfer is not None)
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.grammar_compiler.compile(params.structured_outputs)
         request = Request(request_id, text, token_ids, params, priority,
                           arrival_time if arrival_time is not None else time.time(), next(self._order))
         request.export_kv = export_kv
-        request.is_migratable = params.n == 1 and not export_kv and not params.use_beam_search
+        request.is_migratable = (params.n == 1 and not export_kv and not params.use_beam_search
+                                 and lora_request is None)
+        request.lora_request = lora_request
         request.kv_transfer = kv_transfer
         request.grammar = grammar
         request.bad_words_token_ids = bad_words
@@ -326,6 +340,16 @@ class LLMEngine:
                 raise ValueError("a beam search cannot continue sampled output or export its KV")
             self.beam_groups.start(request)
         return request
+
+    def _check_lora(self, lora_request: LoRARequest, moves_kv: bool) -> None:
+        """Refuse an adapter this engine cannot serve (``LoRAAdapterError`` names why); read
+        it into host memory otherwise."""
+        if self.lora is None:
+            raise ValueError(f"lora_request {getattr(lora_request, 'lora_name', lora_request)!r} needs an engine "
+                             "with enable_lora=True")
+        if moves_kv:
+            raise ValueError("a request with a lora_request cannot export or import its KV")
+        self.lora.add(lora_request)
 
     def admit(self, request: Request) -> None:
         """Queue a request built by ``make_request``; ValueError if its id is in use."""
@@ -499,7 +523,8 @@ class LLMEngine:
             return result
         self.num_steps += 1
         prepared = prepare_step(plan, self.batch, self._on_admitted)
-        execute_output = self.runner.execute(prepared.model_input, self.pipeline.in_flight_tokens)
+        with self._lora_step(plan, prepared.model_input):
+            execute_output = self.runner.execute(prepared.model_input, self.pipeline.in_flight_tokens)
         for index, scores in execute_output.scores.items():
             seq, first_position = prepared.scored[index]
             self._add_prompt_logprobs(seq.request, first_position, scores)
@@ -513,6 +538,16 @@ class LLMEngine:
             self.pipeline.resolve_in_flight(result)
         self._record_step_time(start, prepared.model_input.is_decode_only)
         return result
+
+    def _lora_step(self, plan, model_input):
+        """The forward's adapters, chunk by chunk (a no-op context without LoRA)."""
+        if self.lora is None:
+            return contextlib.nullcontext()
+        return self.lora.run_step([seq.request.lora_request for seq, _ in plan.scheduled], model_input.num_tokens)
+
+    def _adapters_in_use(self) -> set[int]:
+        """The adapter ids of unfinished requests."""
+        return {r.lora_request.lora_int_id for r in list(self.requests.values()) if r.lora_request is not None}
 
     def _on_admitted(self, seq: Sequence, sched) -> None:
         """A sequence took a row (admitted, resumed or forked): its first-step bookkeeping."""
@@ -617,6 +652,8 @@ class LLMEngine:
                           "num_padded_decode_steps": graphs.num_runs, "num_graph_replays": graphs.num_replays,
                           "num_padded_rows": graphs.num_padded_rows,
                           "decode_compiled": graphs.is_compiled})
+        if self.lora is not None:
+            stats["lora"] = self.lora.stats()
         if self._grammar_compiler is not None:
             stats["num_grammars_compiled"] = self._grammar_compiler.num_compiled
             stats["num_grammar_cache_hits"] = self._grammar_compiler.num_cache_hits

@@ -129,6 +129,19 @@ class EngineOptions(BaseModel):
     """Speculative decoding (vLLM's name and keys), e.g. ``{"method": "ngram",
     "num_speculative_tokens": 4}``. Its steps run synchronously (no overlapped scheduling) and
     eagerly (verification steps are not captured as CUDA graphs). Unset: off."""
+    enable_lora: bool = False
+    """Serve LoRA adapters (PEFT checkpoints) on the base model: a request names one with a
+    ``LoRARequest``, and a step mixes requests of different adapters and of the base model
+    (vLLM's name). Steps run eagerly (no CUDA graphs, no torch.compile) and on one rank."""
+    max_loras: int = Field(1, ge=1)
+    """With enable_lora: adapters one step may use, each in a slot of every adapted layer
+    (vLLM's name). Requests of further adapters wait; slots go to the least recently used."""
+    max_lora_rank: int = Field(16, ge=1)
+    """With enable_lora: the highest adapter rank taken (vLLM's name); slots are this wide."""
+    max_cpu_loras: int | None = Field(None, ge=1)
+    """With enable_lora: adapters kept in host memory, the least recently used dropped past it
+    (never one an unfinished request uses) and read again when asked for (vLLM's name).
+    At least max_loras; unset: max_loras."""
 
     @field_validator("block_size")
     @classmethod
@@ -166,6 +179,22 @@ class EngineOptions(BaseModel):
         if self.speculative_config is not None and self.async_scheduling:
             raise ValueError("speculative_config: speculative steps run synchronously; "
                              "leave async_scheduling unset or false")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_fits(self) -> "EngineOptions":
+        if not self.enable_lora:
+            return self
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora runs on one rank: tensor_parallel_size must be 1, "
+                             f"got {self.tensor_parallel_size}")
+        if self.torch_compile:
+            raise ValueError("enable_lora runs steps eagerly: leave torch_compile unset or false")
+        if self.speculative_config is not None:
+            raise ValueError("enable_lora and speculative_config do not run together yet: "
+                             "leave one of them unset")
         return self
 
     @model_validator(mode="after")

@@ -7,6 +7,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.kvmanager import prefix_extra_key
+
+from ..lora.lora_request import LoRARequest
 from ..outputs.request_output import RequestMetrics, SampleLogprobs
 from ..outputs.sequence_stream import SequenceStream
 from ..outputs.stream_batch import StreamTarget
@@ -105,6 +108,8 @@ class Request:
     # Its sequence may move to another worker when preempted (one sample, no KV export, no
     # beam search): decided once, when the request is built.
     is_migratable: bool = False
+    # Its LoRA adapter (None: the base model).
+    lora_request: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         if self.metrics is None:
@@ -116,6 +121,12 @@ class Request:
         if self.is_aborted:
             return True
         return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+
+    @property
+    def prefix_cache_key(self) -> str | None:
+        """The extra key of its blocks' hashes: blocks are shared only among requests of the
+        same cache salt and adapter."""
+        return prefix_extra_key(self.params.cache_salt, self.lora_request.lora_name if self.lora_request else None)
 
     @property
     def follows_text(self) -> bool:

@@ -38,7 +38,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv_step: Callable[[StepInput], StepOutput], worker_id: str,
-                 max_num_seqs: int, max_num_batched_tokens: int, policy: str = "fcfs") -> None:
+                 max_num_seqs: int, max_num_batched_tokens: int, policy: str = "fcfs",
+                 max_loras: int | None = None) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
         self.kv_step = kv_step
@@ -46,6 +47,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
+        # With LoRA: at most this many distinct adapters among the running sequences.
+        self.max_loras = max_loras
         # Both queues are kept in scheduling order (``_order``) as sequences enter them,
         # so a step never sorts them; ``_queued`` finds either queue's sequences by id.
         self.waiting: list[Sequence] = []
@@ -70,7 +73,7 @@ class Scheduler:
         self._enqueue(self.waiting, seq)
         params = seq.request.params
         self._pending.new_sequences.append(
-            NewSequence(seq.seq_id, list(seq.token_ids), params.cache_salt, num_imported_tokens=num_imported_tokens,
+            NewSequence(seq.seq_id, list(seq.token_ids), seq.request.prefix_cache_key, num_imported_tokens=num_imported_tokens,
                         skip_prefix_cache=params.prompt_logprobs is not None))
         self._registered.add(seq.seq_id)
 
@@ -134,13 +137,30 @@ class Scheduler:
         bisect.insort(queue, seq, key=self._order)
         self._queued[seq.seq_id] = seq
 
+    def _admissible_by_adapter(self, limit: int) -> list[str]:
+        """Up to ``limit`` waiting sequences, in order, skipping those whose adapter would make
+        the running ones use more than ``max_loras`` adapters."""
+        adapters = {s.request.lora_request.lora_int_id for s in self.running if s.request.lora_request}
+        picked = []
+        for seq in self.waiting:
+            if len(picked) == limit:
+                break
+            lora = seq.request.lora_request
+            if lora is not None and lora.lora_int_id not in adapters:
+                if len(adapters) == self.max_loras:
+                    continue
+                adapters.add(lora.lora_int_id)
+            picked.append(seq.seq_id)
+        return picked
+
     def schedule(self) -> SchedulerOutput:
         """Ask the KV manager for this step's plan and update the queues from it."""
         step_input = self._pending
         self._pending = StepInput(self.worker_id)
         step_input.running = [s.seq_id for s in self.running]
         num_free_slots = max(0, self.max_num_seqs - len(self.running))
-        step_input.waiting = [s.seq_id for s in self.waiting[:num_free_slots]]
+        step_input.waiting = (self._admissible_by_adapter(num_free_slots) if self.max_loras is not None
+                              else [s.seq_id for s in self.waiting[:num_free_slots]])
         step_input.token_budget = self.max_num_batched_tokens
         if self.allow_migration:
             step_input.migratable = [s.seq_id for s in self.running

@@ -7,6 +7,7 @@ import time
 from typing import Sequence
 
 from ..engine.engine import EngineConfig, LLMEngine
+from ..lora.lora_request import LoRARequest
 from ..outputs.request_output import RequestOutput
 from ..sample.beam_search import BeamSearchOutput, BeamSearchSequence
 from ..sample.sampling_params import BeamSearchParams, SamplingParams
@@ -19,8 +20,8 @@ class LLM:
     Keyword arguments are ``EngineConfig`` fields (``dtype``, ``device``,
     ``block_size``, ``num_device_blocks``, ``kv_cache_memory_gb``,
     ``swap_space_gb``, ``enable_prefix_caching``, ``preemption_mode``,
-    ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``, ...).
-    An unknown keyword raises TypeError.
+    ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``, ``enable_lora``,
+    ``max_loras``, ``max_lora_rank``, ...). An unknown keyword raises TypeError.
     """
 
     def __init__(self, model: str, **kwargs) -> None:
@@ -32,10 +33,13 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[int] | dict | Sequence[str | Sequence[int] | dict],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 priority: Sequence[int] | None = None, *, use_tqdm: bool = True) -> list[RequestOutput]:
+                 priority: Sequence[int] | None = None, *, use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Outputs in input order. A prompt is a string, a list of token ids, or vLLM's
         ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``. ``use_tqdm``: a progress bar
         of the requests finished, with the token rates so far (vLLM's), on stderr.
+        ``lora_request``: the LoRA adapter of every prompt, or one per prompt (None: the base
+        model); the engine needs ``enable_lora=True``.
 
         Every request is validated before any runs: a bad one raises
         ValueError and nothing is queued.
@@ -50,12 +54,17 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         priorities = list(priority) if priority is not None else [0] * len(prompts)
+        adapters = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                    else [lora_request] * len(prompts))
+        if len(adapters) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(adapters)} lora requests")
         ids = []
         try:
-            for prompt, param, prio in zip(prompts, params, priorities):
+            for prompt, param, prio, adapter in zip(prompts, params, priorities, adapters):
                 request_id = f"offline-{self._next_id}"
                 self._next_id += 1
-                self.engine.add_request(request_id, prompt, param, prio, output_kind="final")
+                self.engine.add_request(request_id, prompt, param, prio, output_kind="final",
+                                        lora_request=adapter)
                 ids.append(request_id)
         except Exception:
             if ids:
@@ -88,11 +97,12 @@ class LLM:
     def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = True,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             tools: Sequence[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             tools: Sequence[dict] | None = None, chat_template_kwargs: dict | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (OpenAI-style message dicts: ``role``, text
         ``content`` or text parts, assistant ``tool_calls``) or a list of them, rendered by the
         tokenizer's chat template (which writes the special tokens) with ``tools`` and
-        ``chat_template_kwargs``, then generated as ``generate`` does. A conversation the
+        ``chat_template_kwargs``, then generated as ``generate`` does (``lora_request`` too). A conversation the
         template cannot render as asked raises ValueError naming why."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.engine.tokenizer
@@ -103,9 +113,10 @@ class LLM:
                                        continue_final_message=continue_final_message, tools=tools,
                                        chat_template_kwargs=chat_template_kwargs)
             prompts.append(tokenizer.encode(text, add_special_tokens=False))
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
-    def beam_search(self, prompts: Sequence[str | Sequence[int] | dict], params: BeamSearchParams
+    def beam_search(self, prompts: Sequence[str | Sequence[int] | dict], params: BeamSearchParams,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                     ) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search``: the ``params.beam_width`` best beams of each prompt,
         best first, in input order. A prompt is a string, a list of token ids, or vLLM's
@@ -116,7 +127,7 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = [_prompt_of(p) for p in prompts]
-        outputs = self.generate(prompts, params.to_sampling_params(), use_tqdm=False)
+        outputs = self.generate(prompts, params.to_sampling_params(), use_tqdm=False, lora_request=lora_request)
         return [BeamSearchOutput([BeamSearchSequence(output.prompt_token_ids + completion.token_ids,
                                                      completion.cumulative_logprob, completion.text,
                                                      completion.finish_reason, completion.stop_reason)

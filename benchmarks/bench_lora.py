@@ -1,0 +1,132 @@
+"""Decode step cost with LoRA adapters spread over the batch, against the base model's step.
+
+One small random-weight llama (hidden 512, 8 layers) serves ``--batch`` greedy sequences
+(prompts of ``--prompt`` tokens, EOS ignored) in decode steps; sequence i uses adapter
+i mod N. Each configuration runs on an engine of its own: without ``enable_lora`` (the
+plain base step), with it but no adapter in the step (the baseline of the ratios), and
+N adapters of rank ``--rank`` for each N of ``--adapters`` (``max_loras`` the largest N).
+The adapters are random PEFT-layout checkpoints (A and B non-zero) adapting
+``--targets``. The engines take decode steps in turns (``LLMEngine.step``, whole:
+schedule, forward, sampling), so each step's ratio to the baseline's compares steps run
+under the same load; each configuration reports its median step and the median of its
+ratios.
+
+    python benchmarks/bench_lora.py [--batch 64 --adapters 1,8,32 --rank 16 --steps 40]
+    python benchmarks/bench_lora.py --targets q_proj,v_proj
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from pagedserve import LLM, LoRARequest, SamplingParams
+from pagedserve.devtools.model_factory import ensure_model
+
+ALL_LINEAR = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+
+
+def write_adapter(directory: Path, model, rank: int, targets: list[str], seed: int) -> str:
+    """A PEFT-layout LoRA checkpoint of ``model`` with random A and B on every ``targets`` linear."""
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets:
+            prefix = f"base_model.model.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, module.in_features, generator=generator) * 0.02
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(module.out_features, rank, generator=generator) * 0.02
+    directory.mkdir(parents=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    (directory / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets}))
+    return str(directory)
+
+
+class Decoding:
+    """``batch`` sequences decoding on one engine, each with its adapter (None: the base model)."""
+
+    def __init__(self, llm: LLM, prompts, loras, max_tokens: int) -> None:
+        self.llm = llm
+        engine = llm.engine
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        self.ids = [f"bench-{i}" for i in range(len(prompts))]
+        for request_id, prompt, lora in zip(self.ids, prompts, loras):
+            engine.add_request(request_id, None, params, prompt_token_ids=prompt, output_kind="final",
+                               lora_request=lora)
+        while any(not engine.requests[i].seqs[0].output_token_ids for i in self.ids):
+            engine.step()
+        engine.step()  # warm
+
+    def step(self) -> float:
+        start = time.perf_counter()
+        self.llm.engine.step()
+        return time.perf_counter() - start
+
+    def finish(self) -> None:
+        engine = self.llm.engine
+        for request_id in self.ids:
+            engine.abort_request(request_id)
+        engine.step()
+        self.llm.check_integrity()
+        assert engine.num_used_blocks() == 0
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="small")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--adapters", default="1,8,32")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--targets", default=ALL_LINEAR)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    counts = [int(n) for n in args.adapters.split(",")]
+    targets = args.targets.split(",")
+    path = str(ensure_model("llama", args.size))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, 1024) for _ in range(args.prompt)] for _ in range(args.batch)]
+    max_tokens = args.steps + 4
+    blocks = args.batch * -(-(args.prompt + max_tokens) // 16) + 16
+    common = dict(device="cpu", dtype="float32", swap_space_gb=0.01, max_num_seqs=args.batch, block_size=16,
+                  num_device_blocks=blocks, enable_prefix_caching=False)
+    lora = dict(enable_lora=True, max_loras=max(counts), max_lora_rank=args.rank)
+    configs = {"base, LoRA off": (LLM(path, **common), 0), "base, LoRA on": (LLM(path, **common, **lora), 0)}
+    for n in counts:
+        configs[f"{n} adapter{'s' if n > 1 else ''}"] = (LLM(path, **common, **lora), n)
+    with tempfile.TemporaryDirectory() as root:
+        model = configs["base, LoRA off"][0].engine.runner.model
+        adapters = [LoRARequest(f"adapter-{i}", i + 1, write_adapter(Path(root) / str(i), model, args.rank, targets, i))
+                    for i in range(max(counts))]
+        runs = {name: Decoding(llm, prompts, [adapters[i % n] if n else None for i in range(args.batch)], max_tokens)
+                for name, (llm, n) in configs.items()}
+    # Steps taken in turns, one per configuration, so that each ratio compares steps run under the same load.
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(args.steps):
+        for name, run in runs.items():
+            times[name].append(run.step())
+    for run in runs.values():
+        run.finish()
+    base = times["base, LoRA on"]
+    print(f"llama-{args.size}, {args.batch} decoding sequences, rank {args.rank}, targets {args.targets}, "
+          f"torch threads {torch.get_num_threads()}, {args.steps} steps each, in turns")
+    print(f"{'configuration':>16} {'median step ms':>15} {'vs base (median of paired ratios)':>34}")
+    for name, values in times.items():
+        ratio = statistics.median(t / b for t, b in zip(values, base))
+        print(f"{name:>16} {1e3 * statistics.median(values):15.2f} {ratio:33.2f}x")
+
+
+if __name__ == "__main__":
+    main()

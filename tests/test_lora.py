@@ -1,0 +1,388 @@
+"""LoRA adapters: exact against transformers + PEFT, batched in one step, keyed in the
+prefix cache, kept in slots and host memory by recency, and refused with a reason when
+they cannot be served.
+
+The adapters are PEFT's own checkpoints of the tiny models, with random non-zero A and B
+(PEFT initialises B to zeros, which would hide every mistake). Greedy outputs must be
+token-identical to transformers + PEFT with the request's adapter loaded (float32, CPU),
+in batches that mix four adapters of different ranks (one rsLoRA) and the base model,
+with chunked prefill, prefix caching and preemption. Every engine ends idle, holding zero
+blocks, with its integrity check passing.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from pagedserve import LLM, LoRARequest, SamplingParams
+from pagedserve.kvmanager import prefix_extra_key
+from pagedserve.workers.lora.peft_adapter import LoRAAdapterError
+from pagedserve.workers.lora.punica import build_segments, lora_expand, lora_shrink
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+VOCAB_SIZE = 1024
+MAX_TOKENS = 24
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+# name -> (rank, alpha, target_modules, use_rslora): attention, MLP and both, ranks 2 to 16.
+ADAPTERS = {
+    "attn": (8, 16, ["q_proj", "v_proj"], False),
+    "mlp": (4, 8, MLP, False),
+    "all": (16, 32, ATTENTION + MLP, True),
+    "out": (2, 4, ["o_proj", "down_proj"], False),
+}
+
+
+def make_peft_adapter(base_path: str, directory, rank: int, alpha: float, targets, use_rslora: bool = False,
+                      seed: int = 0) -> str:
+    """A PEFT LoRA checkpoint of ``base_path`` with random A and B (B non-zero), saved by PEFT."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
+                                            use_rslora=use_rslora))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.4)
+    model.save_pretrained(str(directory))
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model, tmp_path_factory):
+    """``adapters(arch) -> {name: LoRARequest}`` of ``ADAPTERS``, built once per arch."""
+    built: dict[str, dict[str, LoRARequest]] = {}
+
+    def get(arch: str) -> dict[str, LoRARequest]:
+        if arch not in built:
+            root = tmp_path_factory.mktemp(f"lora-{arch}")
+            built[arch] = {
+                name: LoRARequest(name, i + 1, make_peft_adapter(tiny_model(arch), root / name, rank, alpha, targets,
+                                                                 rslora, seed=i + 1))
+                for i, (name, (rank, alpha, targets, rslora)) in enumerate(ADAPTERS.items())}
+        return built[arch]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def peft_greedy(tiny_model):
+    """``peft_greedy(arch, lora_request, prompt, max_tokens) -> list[int]``: transformers + PEFT
+    ``generate(do_sample=False)`` with the adapter loaded (None: the base model), float32, one
+    prompt, no padding."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    models: dict[tuple, object] = {}
+    cache: dict[tuple, list[int]] = {}
+
+    def generate(arch: str, lora: LoRARequest | None, prompt: list[int], max_tokens: int) -> list[int]:
+        model_key = (arch, lora.lora_path if lora else None)
+        key = (model_key, tuple(prompt), max_tokens)
+        if key not in cache:
+            if model_key not in models:
+                model = AutoModelForCausalLM.from_pretrained(tiny_model(arch), dtype=torch.float32)
+                models[model_key] = (PeftModel.from_pretrained(model, lora.lora_path) if lora else model).eval()
+            ids = torch.tensor([prompt])
+            with torch.inference_mode():
+                out = models[model_key].generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                                 max_new_tokens=max_tokens)
+            cache[key] = out[0, len(prompt):].tolist()
+        return cache[key]
+
+    return generate
+
+
+def random_prompts(lengths, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, VOCAB_SIZE) for _ in range(n)] for n in lengths]
+
+
+def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+
+def make_llm(path: str, **kwargs) -> LLM:
+    kwargs.setdefault("device", "cpu")
+    kwargs.setdefault("dtype", "float32")
+    kwargs.setdefault("swap_space_gb", 0.001)
+    kwargs.setdefault("enable_lora", True)
+    return LLM(path, **kwargs)
+
+
+def assert_idle(llm: LLM) -> None:
+    llm.check_integrity()
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.num_used_blocks() == 0, llm.stats()
+
+
+def mixed_workload(loras: dict[str, LoRARequest], seed: int) -> tuple[list[list[int]], list[LoRARequest | None]]:
+    """Prompts of every adapter and of the base model, interleaved; some share a 40-token
+    prefix across adapters (the prefix cache must keep them apart) and within one."""
+    prefix = random_prompts([40], seed)[0]
+    shared = [prefix + tail for tail in random_prompts((3, 11, 7, 19, 5), seed + 1)]
+    own = random_prompts((9, 33, 2, 17, 26, 4, 12, 21, 6, 14), seed + 2)
+    prompts = shared + own
+    which = [None, *loras.values()]
+    return prompts, [which[i % len(which)] for i in range(len(prompts))]
+
+
+def check_exact(llm: LLM, arch: str, prompts, loras, peft_greedy) -> list:
+    outputs = llm.generate(prompts, greedy(), use_tqdm=False, lora_request=loras)
+    for i, (prompt, lora, output) in enumerate(zip(prompts, loras, outputs)):
+        expected = peft_greedy(arch, lora, prompt, MAX_TOKENS)
+        assert output.outputs[0].token_ids == expected, (
+            f"{arch}: prompt {i} ({len(prompt)} tokens) with {lora.lora_name if lora else 'the base model'} diverged")
+    return outputs
+
+
+@pytest.mark.parametrize("arch,merged", [("llama", False), ("llama", True), ("qwen3", False)],
+                         ids=["llama", "llama-merged", "qwen3"])
+def test_mixed_adapters_match_transformers_and_peft(arch, merged, tiny_model, adapters, peft_greedy):
+    """Four adapters and the base model in the same steps, with chunked prefill, prefix hits
+    and a pool small enough to preempt; a second round hits the first one's cached blocks."""
+    loras = adapters(arch)
+    llm = make_llm(tiny_model(arch), max_loras=4, num_device_blocks=14, block_size=8, max_num_batched_tokens=48,
+                   preemption_mode="recompute", merge_projections=merged)
+    assert bool(llm.engine.runner.merged_projections) == merged
+    prompts, which = mixed_workload(loras, seed=3)
+    for _ in range(2):
+        outputs = check_exact(llm, arch, prompts, which, peft_greedy)
+        assert_idle(llm)
+    stats = llm.stats()
+    assert stats["num_preemptions_by_mode"]["recompute"] > 0, stats
+    assert max(o.metrics.num_cached_tokens for o in outputs) >= 40 - 8
+    assert stats["lora"]["num_slot_loads"] == 4 and stats["lora"]["num_slot_evictions"] == 0, stats["lora"]
+    # The adapters change what is generated: each differs from the base model on the same prompt.
+    prompt = prompts[0]
+    base = peft_greedy(arch, None, prompt, MAX_TOKENS)
+    assert all(peft_greedy(arch, lora, prompt, MAX_TOKENS) != base for lora in loras.values())
+
+
+def test_one_step_mixes_every_adapter(tiny_model, adapters, peft_greedy):
+    """A decode step holds every adapter and the base model at once (no step per adapter)."""
+    loras = adapters("llama")
+    llm = make_llm(tiny_model("llama"), max_loras=4)
+    seen = []
+    run_step = llm.engine.lora.run_step
+
+    def recording(step_loras, num_tokens):
+        seen.append({lora.lora_name if lora else None for lora in step_loras})
+        return run_step(step_loras, num_tokens)
+
+    llm.engine.lora.run_step = recording
+    prompts = random_prompts((5, 9, 13, 3, 8, 11, 6, 2, 10, 7), seed=5)
+    which = [[None, *loras.values()][i % 5] for i in range(len(prompts))]
+    check_exact(llm, "llama", prompts, which, peft_greedy)
+    assert {None, *loras} in seen
+    assert_idle(llm)
+
+
+def test_prefix_cache_blocks_are_keyed_by_adapter(tiny_model, adapters, peft_greedy):
+    """One adapter's cached prompt serves the same adapter again, never another adapter nor
+    the base model (and the base model's never an adapter)."""
+    loras = adapters("llama")
+    llm = make_llm(tiny_model("llama"), max_loras=2, block_size=8)
+    prompt = random_prompts([50], seed=9)[0]
+
+    def cached(lora):
+        [output] = check_exact(llm, "llama", [prompt], [lora], peft_greedy)
+        return output.metrics.num_cached_tokens
+
+    assert cached(loras["attn"]) == 0
+    assert cached(loras["attn"]) == 48
+    assert cached(loras["mlp"]) == 0
+    assert cached(None) == 0
+    assert cached(None) == 48
+    assert cached(loras["all"]) == 0
+    assert cached(loras["mlp"]) == 48
+    assert_idle(llm)
+
+
+def test_prefix_keys_of_salts_and_adapters_never_collide():
+    keys = [prefix_extra_key(salt, name) for salt in (None, "s", "\x00lora\x00a", "\x00salt\x00s", "\x00")
+            for name in (None, "a", "s")]
+    assert len(set(keys)) == len(keys)
+    assert prefix_extra_key(None) is None and prefix_extra_key("tenant") == "tenant"  # salts keep their keys
+
+
+def test_adapters_past_max_loras_wait_and_take_the_least_recently_used_slot(tiny_model, adapters, peft_greedy):
+    """Three adapters on one slot: requests of a second adapter wait until the first one's are
+    done (no step ever holds two), every output stays exact; with max_cpu_loras 1 the host
+    keeps one adapter, reading the others again when they come back."""
+    loras = adapters("llama")
+    llm = make_llm(tiny_model("llama"), max_loras=1, max_cpu_loras=1)
+    steps = []
+    run_step = llm.engine.lora.run_step
+
+    def recording(step_loras, num_tokens):
+        steps.append({lora.lora_name for lora in step_loras if lora})
+        return run_step(step_loras, num_tokens)
+
+    llm.engine.lora.run_step = recording
+    prompts = random_prompts((7, 12, 5, 9, 15, 4), seed=11)
+    order = [loras["attn"], loras["mlp"], None, loras["out"], loras["attn"], loras["mlp"]]
+    check_exact(llm, "llama", prompts, order, peft_greedy)
+    assert max(len(names) for names in steps) == 1
+    stats = llm.stats()["lora"]
+    assert stats["num_slot_evictions"] >= 2 and stats["num_host_evictions"] >= 2, stats
+    check_exact(llm, "llama", prompts[:1], [loras["attn"]], peft_greedy)
+    assert llm.stats()["lora"]["num_adapter_reads"] > 3
+    assert_idle(llm)
+
+
+def test_a_beam_search_uses_its_adapter(tiny_model, adapters):
+    """Forked samples and beams of a request run with its adapter."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from pagedserve import BeamSearchParams
+
+    lora = adapters("llama")["all"]
+    llm = make_llm(tiny_model("llama"))
+    prompt = random_prompts([9], seed=13)[0]
+    [result] = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=8), lora_request=lora)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=torch.float32),
+                                      lora.lora_path).eval()
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=3, num_return_sequences=3,
+                                  do_sample=False, max_new_tokens=8, early_stopping=False)
+    assert result.sequences[0].tokens == expected[0].tolist()
+    assert_idle(llm)
+
+
+# ---- refusals --------------------------------------------------------------------------------
+def write_adapter(directory, config: dict | str | None = None, tensors: dict | None = None) -> str:
+    """A PEFT-layout directory written by hand: ``config`` (a dict, or raw text) and ``tensors``."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    if config is not None:
+        text = config if isinstance(config, str) else json.dumps(config)
+        (directory / "adapter_config.json").write_text(text)
+    if tensors is not None:
+        save_file(tensors, str(directory / "adapter_model.safetensors"))
+    return str(directory)
+
+
+def q_proj_weights(rank: int = 4, in_features: int = 64, out_features: int = 64, layer: int = 0) -> dict:
+    prefix = f"base_model.model.model.layers.{layer}.self_attn.q_proj"
+    return {f"{prefix}.lora_A.weight": torch.randn(rank, in_features),
+            f"{prefix}.lora_B.weight": torch.randn(out_features, rank)}
+
+
+def lora_config(**fields) -> dict:
+    return {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], **fields}
+
+
+REFUSED = {
+    "dora": (lora_config(use_dora=True), q_proj_weights(), "DoRA"),
+    "rank": (lora_config(r=32), q_proj_weights(rank=32), "r=32 exceeds max_lora_rank=16"),
+    "missing-target": (lora_config(target_modules=["q_proj", "c_attn"]), q_proj_weights(),
+                       r"target modules \['c_attn'\] are not in this model"),
+    "absent-module": (lora_config(), q_proj_weights(layer=7), r"model.layers.7.self_attn.q_proj, which is not in"),
+    "not-a-linear": (lora_config(target_modules=["embed_tokens"]),
+                     {"base_model.model.model.embed_tokens.lora_A.weight": torch.randn(4, 1024),
+                      "base_model.model.model.embed_tokens.lora_B.weight": torch.randn(64, 4)},
+                     "not a linear layer of the decoder"),
+    "base-mismatch": (lora_config(base_model_name_or_path="other/model"), q_proj_weights(in_features=128),
+                      r"base model mismatch: model.layers.0.self_attn.q_proj maps 64 -> 64 features, "
+                      r"the adapter's 128 -> 64 \(the adapter's base model: other/model\)"),
+    "rank-disagrees": (lora_config(r=8), q_proj_weights(rank=4), "not of rank r=8"),
+    "half-pair": (lora_config(), {k: v for k, v in q_proj_weights().items() if "lora_A" in k}, "not lora_B"),
+    "bias": (lora_config(bias="all"), q_proj_weights(), "trains biases"),
+    "other-peft": (lora_config(peft_type="IA3"), q_proj_weights(), "peft_type is 'IA3'"),
+    "malformed-json": ("{not json", q_proj_weights(), "malformed adapter_config.json"),
+    "no-alpha": ({"r": 4, "target_modules": ["q_proj"]}, q_proj_weights(), "lora_alpha must be a number"),
+    "no-config": (None, q_proj_weights(), "no adapter_config.json"),
+    "no-weights": (lora_config(), None, "no adapter_model.safetensors"),
+    "nan": (lora_config(), {k: v * float("nan") for k, v in q_proj_weights().items()}, "NaN"),
+    "odd-key": (lora_config(), {**q_proj_weights(), "base_model.model.model.norm.weight": torch.ones(64)},
+                "not a LoRA A or B weight"),
+}
+
+
+@pytest.fixture(scope="module")
+def lora_llm(tiny_model):
+    return make_llm(tiny_model("llama"), max_loras=2)
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_adapters_that_cannot_be_served_are_refused_naming_why(case, lora_llm, tmp_path):
+    """Refused when the request is added, with a ValueError naming the reason; nothing of
+    the batch runs, and the engine serves on."""
+    config, tensors, message = REFUSED[case]
+    bad = LoRARequest(f"bad-{case}", 100, write_adapter(tmp_path / case, config, tensors))
+    prompts = random_prompts((5, 6), seed=1)
+    with pytest.raises(LoRAAdapterError, match=message):
+        lora_llm.generate(prompts, greedy(4), use_tqdm=False, lora_request=[None, bad])
+    assert_idle(lora_llm)
+    assert lora_llm.stats()["num_steps"] == 0
+
+
+def test_unknown_adapter_and_identity_conflicts_are_refused(lora_llm, adapters, tmp_path):
+    loras = adapters("llama")
+    prompt = random_prompts([5], seed=2)
+    with pytest.raises(LoRAAdapterError, match="no adapter directory"):
+        lora_llm.generate(prompt, greedy(4), use_tqdm=False, lora_request=LoRARequest("x", 50, str(tmp_path / "none")))
+    attn = loras["attn"]
+    with pytest.raises(LoRAAdapterError, match="lora_int_id 1 is adapter 'attn'"):
+        lora_llm.generate(prompt * 2, greedy(4), use_tqdm=False,
+                          lora_request=[attn, LoRARequest("renamed", 1, attn.lora_path)])
+    with pytest.raises(LoRAAdapterError, match="lora_name 'attn' is lora_int_id 1"):
+        lora_llm.generate(prompt * 2, greedy(4), use_tqdm=False,
+                          lora_request=[attn, LoRARequest("attn", 9, attn.lora_path)])
+    with pytest.raises(ValueError, match="2 prompts but 1 lora requests"):
+        lora_llm.generate(prompt * 2, greedy(4), use_tqdm=False, lora_request=[attn])
+    assert_idle(lora_llm)
+
+
+def test_a_lora_request_needs_enable_lora(tiny_model, adapters):
+    llm = make_llm(tiny_model("llama"), enable_lora=False)
+    with pytest.raises(ValueError, match="'attn' needs an engine with enable_lora=True"):
+        llm.generate(random_prompts([4], seed=0), greedy(4), use_tqdm=False, lora_request=adapters("llama")["attn"])
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize("fields,message", [
+    (("", 1, "p"), "lora_name"), (("a\x00b", 1, "p"), "lora_name"), (("a", 0, "p"), "lora_int_id"),
+    (("a", True, "p"), "lora_int_id"), (("a", 1, ""), "lora_path"),
+])
+def test_lora_request_fields_are_checked(fields, message):
+    with pytest.raises(ValueError, match=message):
+        LoRARequest(*fields)
+
+
+# ---- the batched products ------------------------------------------------------------------
+@pytest.mark.parametrize("slots", [
+    [0, 1, 2, 3] * 4,                     # a decode batch spread over the slots: weights read in place
+    [2, -1, 2, 0, -1, 2, 2, 2, 2, 0, 5],  # uneven, with gaps and base tokens: weights gathered per group
+    [-1, -1, 3],
+    [1] * 7,
+])
+def test_shrink_and_expand_equal_each_tokens_own_product(slots):
+    generator = torch.Generator().manual_seed(len(slots))
+    num_slots, rank, in_features, out_features = 6, 4, 12, 10
+    lora_a = torch.randn(num_slots, rank, in_features, generator=generator, dtype=torch.float64)
+    lora_b = torch.randn(num_slots, rank, out_features, generator=generator, dtype=torch.float64)
+    x = torch.randn(len(slots), in_features, generator=generator, dtype=torch.float64)
+    y = torch.randn(len(slots), out_features, generator=generator, dtype=torch.float64)
+    expected = y.clone()
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            expected[t] += x[t] @ lora_a[slot].T @ lora_b[slot]
+    segments = build_segments(torch.tensor(slots), torch.device("cpu"))
+    lora_expand(y, lora_shrink(x, lora_a, segments), lora_b, segments)
+    torch.testing.assert_close(y, expected)
+    assert segments.slot_bits == sum(1 << s for s in set(slots) if s >= 0)
+    assert segments.num_groups * segments.group_size <= 2 * sum(s >= 0 for s in slots) + num_slots
+    assert build_segments(torch.tensor([-1, -1]), torch.device("cpu")) is None

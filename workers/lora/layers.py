@@ -1,0 +1,79 @@
+"""Linear layers with adapter slots: ``base(x)`` plus, for the step's adapted tokens, their
+adapters' ``scaling * B(A(x))``."""
+
+from __future__ import annotations
+
+import torch
+
+from .punica import LoRASegments, lora_expand, lora_shrink
+
+
+class LoRAContext:
+    """What the adapted layers of one model read during a forward: the step's segments
+    (None: no token uses an adapter). One per model (never a global: two engines may share
+    a process), set by its ``LoRAManager``."""
+
+    def __init__(self) -> None:
+        self.segments: LoRASegments | None = None
+
+
+class LoRALinear(torch.nn.Module):
+    """A linear layer (``base_layer``: a ``Linear``, or a piece of a merged projection) with
+    ``num_slots`` adapter slots: ``lora_a`` ``[slots, max_rank, in]`` and ``lora_b``
+    ``[slots, max_rank, out]``, allocated when an adapter first targets it. ``slot_bits``
+    has bit ``s`` set while slot ``s`` holds weights for this layer; a step none of whose
+    slots do computes the base layer only."""
+
+    def __init__(self, base_layer: torch.nn.Linear, context: LoRAContext) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.context = context
+        self.in_features = base_layer.in_features
+        self.out_features = base_layer.out_features
+        self.lora_a: torch.Tensor | None = None
+        self.lora_b: torch.Tensor | None = None
+        self.slot_bits = 0
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base_layer.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.base_layer.bias
+
+    def allocate(self, num_slots: int, max_rank: int) -> None:
+        weight = self.base_layer.weight
+        self.lora_a = torch.zeros((num_slots, max_rank, self.in_features), dtype=weight.dtype, device=weight.device)
+        self.lora_b = torch.zeros((num_slots, max_rank, self.out_features), dtype=weight.dtype, device=weight.device)
+
+    def set_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Write an adapter's (A ``[r, in]``, scaled Bᵀ ``[r, out]``) into ``slot``, or clear it
+        (None: the adapter leaves this layer as it is)."""
+        bit = 1 << slot
+        if weights is None:
+            if self.slot_bits & bit:
+                self.lora_a[slot].zero_()
+                self.lora_b[slot].zero_()
+                self.slot_bits &= ~bit
+            return
+        a, b = weights
+        rank = a.shape[0]
+        self.lora_a[slot, rank:].zero_()
+        self.lora_b[slot, rank:].zero_()
+        self.lora_a[slot, :rank].copy_(a, non_blocking=True)
+        self.lora_b[slot, :rank].copy_(b, non_blocking=True)
+        self.slot_bits |= bit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base_layer(x)
+        segments = self.context.segments
+        if segments is None or not (segments.slot_bits & self.slot_bits):
+            return y
+        flat = y.view(-1, self.out_features)
+        lora_expand(flat, lora_shrink(x.reshape(-1, self.in_features), self.lora_a, segments), self.lora_b, segments)
+        return y
+
+    def extra_repr(self) -> str:
+        slots = "unallocated" if self.lora_a is None else f"slots={self.lora_a.shape[0]}, max_rank={self.lora_a.shape[1]}"
+        return slots

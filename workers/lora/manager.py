@@ -1,0 +1,176 @@
+"""A model's adapters: which are known, which are read into host memory, which hold slots,
+and the step's segments that its adapted layers read."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections import OrderedDict
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from ..model.host_lists import int64_tensor
+from .layers import LoRALinear, LoRAContext
+from .lora_request import LoRARequest
+from .peft_adapter import LoRAAdapter, LoRAAdapterError, read_peft_adapter
+from .punica import build_segments
+from .slots import SlotTable
+
+logger = logging.getLogger(__name__)
+
+
+class LoRAManager:
+    """Adapters of ``model``: every linear layer of its decoder becomes a ``LoRALinear`` with
+    ``max_loras`` slots of rank ``max_lora_rank`` (allocated per layer when an adapter first
+    targets it).
+
+    ``add`` checks a request's adapter and reads it into host memory (any thread);
+    ``run_step`` (the engine's thread) puts the step's adapters into slots and sets the
+    segments the layers read during the forward. At most ``max_cpu_loras`` adapters stay
+    in host memory: past that, the least recently used ones that no unfinished request
+    uses (``in_use()``, their ids) are dropped, read again if asked for again.
+    """
+
+    def __init__(self, model: torch.nn.Module, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
+                 in_use: Callable[[], set[int]]) -> None:
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self.max_cpu_loras = max_cpu_loras
+        self._in_use = in_use
+        self.context = LoRAContext()
+        self.layers = wrap_linear_layers(model, self.context)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self._features = {name: (layer.in_features, layer.out_features) for name, layer in self.layers.items()}
+        self._module_names = {name for name, _ in model.named_modules()} - {""}
+        self.slots = SlotTable(max_loras)
+        self._lock = threading.Lock()     # the registry and the host cache, shared with request threads
+        self._known: dict[int, LoRARequest] = {}
+        self._id_of_name: dict[str, int] = {}
+        self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()
+        self.num_reads = 0
+        self.num_host_evictions = 0
+        logger.info("LoRA: %d linear layers take adapters (max_loras %d, max_lora_rank %d, max_cpu_loras %d)",
+                    len(self.layers), max_loras, max_lora_rank, max_cpu_loras)
+
+    # ---- requests ---------------------------------------------------------------------
+    def add(self, request: LoRARequest) -> None:
+        """Check ``request``'s adapter and have it in host memory; raises ``LoRAAdapterError``
+        (a ValueError) naming the reason, changing nothing, if it cannot be served."""
+        if not isinstance(request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
+        with self._lock:
+            self._check_identity(request)
+            if request.lora_int_id in self._host:
+                self._host.move_to_end(request.lora_int_id)
+                return
+        adapter = self._read(request)
+        with self._lock:
+            self._check_identity(request)
+            self._known[request.lora_int_id] = request
+            self._id_of_name[request.lora_name] = request.lora_int_id
+            self._host[request.lora_int_id] = adapter
+            self.num_reads += 1
+
+    def _check_identity(self, request: LoRARequest) -> None:
+        """One name and path per id, one id per name, for the engine's life: the prefix cache
+        keys blocks by name."""
+        known = self._known.get(request.lora_int_id)
+        if known is not None and known != request:
+            raise LoRAAdapterError(f"lora_int_id {request.lora_int_id} is adapter {known.lora_name!r} at "
+                                   f"{known.lora_path}; this request names {request.lora_name!r} at {request.lora_path}")
+        known_id = self._id_of_name.get(request.lora_name)
+        if known_id is not None and known_id != request.lora_int_id:
+            raise LoRAAdapterError(f"lora_name {request.lora_name!r} is lora_int_id {known_id}; "
+                                   f"this request gives lora_int_id {request.lora_int_id}")
+
+    def _read(self, request: LoRARequest) -> LoRAAdapter:
+        adapter = read_peft_adapter(request, self._features, self._module_names, self.max_lora_rank, self.dtype)
+        logger.info("LoRA adapter %r read: rank %d, scaling %g, %d layers, %.1f MiB", request.lora_name,
+                    adapter.rank, adapter.scaling, len(adapter.weights), adapter.num_bytes / 2**20)
+        return adapter
+
+    # ---- steps --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def run_step(self, adapters: Sequence[LoRARequest | None], num_tokens: Sequence[int] | None) -> Iterator[None]:
+        """Within it, the model computes chunk ``i`` (``num_tokens[i]`` tokens; None: one each)
+        with adapter ``adapters[i]`` (None: the base model). At most ``max_loras`` distinct
+        adapters, each ``add``-ed first."""
+        ids = [0 if lora is None else lora.lora_int_id for lora in adapters]
+        distinct = set(ids) - {0}
+        if not distinct:
+            yield
+            return
+        slot_of, loads = self.slots.assign(distinct)
+        for adapter_id, slot in loads:
+            self._load(adapter_id, slot)
+        self._evict_host()
+        slot_of[0] = -1
+        token_slots = int64_tensor([slot_of[i] for i in ids])
+        if num_tokens is not None:
+            token_slots = torch.repeat_interleave(token_slots, int64_tensor(list(num_tokens)))
+        self.context.segments = build_segments(token_slots, self.device)
+        try:
+            yield
+        finally:
+            self.context.segments = None
+
+    def _load(self, adapter_id: int, slot: int) -> None:
+        """Write the adapter's weights into ``slot`` of every layer (zeros where it adapts none)."""
+        with self._lock:
+            adapter = self._host.get(adapter_id)
+            request = self._known[adapter_id]
+        if adapter is None:  # dropped from host memory before its first step: read it again
+            adapter = self._read(request)
+            with self._lock:
+                self._host[adapter_id] = adapter
+                self.num_reads += 1
+        for name, layer in self.layers.items():
+            weights = adapter.weights.get(name)
+            if weights is not None and layer.lora_a is None:
+                layer.allocate(self.max_loras, self.max_lora_rank)
+            if layer.lora_a is not None:
+                layer.set_slot(slot, weights)
+
+    def _evict_host(self) -> None:
+        with self._lock:
+            if len(self._host) <= self.max_cpu_loras:
+                return
+        in_use = self._in_use()
+        with self._lock:
+            for adapter_id in [a for a in self._host if a not in in_use]:
+                if len(self._host) <= self.max_cpu_loras:
+                    break
+                del self._host[adapter_id]
+                self.num_host_evictions += 1
+
+    # ---- introspection -------------------------------------------------------------------
+    def stats(self) -> dict:
+        with self._lock:
+            num_host = len(self._host)
+            names = {adapter_id: request.lora_name for adapter_id, request in self._known.items()}
+        by_slot = [None] * self.max_loras
+        for adapter_id, slot in self.slots.resident.items():
+            by_slot[slot] = names[adapter_id]
+        return {"slot_adapters": by_slot,
+                "num_host_adapters": num_host, "num_adapter_reads": self.num_reads,
+                "num_slot_loads": self.slots.num_loads, "num_slot_evictions": self.slots.num_evictions,
+                "num_host_evictions": self.num_host_evictions,
+                "num_layers_allocated": sum(layer.lora_a is not None for layer in self.layers.values())}
+
+
+def wrap_linear_layers(model: torch.nn.Module, context: LoRAContext) -> dict[str, LoRALinear]:
+    """Replace every ``Linear`` of ``model``'s decoder (pieces of merged projections included)
+    by a ``LoRALinear`` over it; returns them by their module name in ``model``."""
+    decoder = {id(module) for module in model.get_decoder().modules()}
+    found = [(name, module) for name, module in model.named_modules()
+             if isinstance(module, torch.nn.Linear) and id(module) in decoder]
+    layers = {}
+    for name, module in found:
+        parent_name, _, child = name.rpartition(".")
+        layer = LoRALinear(module, context)
+        setattr(model.get_submodule(parent_name), child, layer)
+        layers[name] = layer
+    return layers
