@@ -148,6 +148,32 @@ def test_each_channel_gets_one_batch_per_step_and_its_rows_rebuild_the_engines_t
     assert stats["engine"]["num_generated_tokens"] == 64 and stats["kv_link"]["num_event_batches"] >= 1
 
 
+def test_a_speculating_core_streams_the_tokens_of_one_that_does_not(model, expected):
+    """With n-gram speculation a step can make several tokens per row: the packed rows carry
+    them (``counts``) and rebuild the same greedy tokens; and it did speculate."""
+    started = Core(model, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                              "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    try:
+        async def run():
+            started.client.bind_loop(asyncio.get_running_loop())
+            for key, prompt in enumerate(PROMPTS):
+                started.add("c", key, prompt, _greedy(16))
+            await started.wait_for(lambda: all(_ended(started.deltas("c").get(k, [])) for k in range(4)))
+
+        asyncio.run(run())
+        rows_per_delta = []
+        for key, prompt in enumerate(PROMPTS):
+            deltas = started.deltas("c")[key]
+            accumulator = OutputAccumulator(str(key), None, prompt)
+            final = [accumulator.add(d) for d in deltas][-1]
+            assert final.finished and final.outputs[0].token_ids == expected[key]
+            rows_per_delta += [len(d.samples[0].token_ids) for d in deltas if d.samples]
+        stats = started.client.call("stats").result(30)["engine"]
+        assert stats["spec_decode_num_accepted_tokens"] > 0 and max(rows_per_delta) > 1
+    finally:
+        started.check_and_close()
+
+
 def test_closing_a_channel_aborts_what_runs_on_it_and_nothing_else(core):
     async def run():
         core.client.bind_loop(asyncio.get_running_loop())
