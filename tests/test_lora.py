@@ -5,7 +5,8 @@ they cannot be served.
 The adapters are PEFT's own checkpoints of the tiny models, with random non-zero A and B
 (PEFT initialises B to zeros, which would hide every mistake). Greedy outputs must be
 token-identical to transformers + PEFT with the request's adapter loaded (float32, CPU),
-in batches that mix four adapters of different ranks (one rsLoRA) and the base model,
+in batches that mix four adapters of different ranks (one rsLoRA) and the base model
+(llama, qwen3, mistral; a mixture of experts with attention adapters),
 with chunked prefill, prefix caching and preemption. Every engine ends idle, holding zero
 blocks, with its integrity check passing.
 """
@@ -36,6 +37,13 @@ ADAPTERS = {
     "all": (16, 32, ATTENTION + MLP, True),
     "out": (2, 4, ["o_proj", "down_proj"], False),
 }
+# A mixture of experts' experts are not linear layers (PEFT's LoRA stops there): attention only.
+MOE_ADAPTERS = {
+    "attn": (8, 16, ["q_proj", "v_proj"], False),
+    "kv": (4, 8, ["k_proj", "v_proj"], False),
+    "all": (16, 32, ATTENTION, True),
+    "out": (2, 4, ["o_proj"], False),
+}
 
 
 def make_peft_adapter(base_path: str, directory, rank: int, alpha: float, targets, use_rslora: bool = False,
@@ -64,10 +72,11 @@ def adapters(tiny_model, tmp_path_factory):
     def get(arch: str) -> dict[str, LoRARequest]:
         if arch not in built:
             root = tmp_path_factory.mktemp(f"lora-{arch}")
+            specs = MOE_ADAPTERS if arch.endswith("_moe") else ADAPTERS
             built[arch] = {
                 name: LoRARequest(name, i + 1, make_peft_adapter(tiny_model(arch), root / name, rank, alpha, targets,
                                                                  rslora, seed=i + 1))
-                for i, (name, (rank, alpha, targets, rslora)) in enumerate(ADAPTERS.items())}
+                for i, (name, (rank, alpha, targets, rslora)) in enumerate(specs.items())}
         return built[arch]
 
     return get
@@ -144,8 +153,9 @@ def check_exact(llm: LLM, arch: str, prompts, loras, peft_greedy) -> list:
     return outputs
 
 
-@pytest.mark.parametrize("arch,merged", [("llama", False), ("llama", True), ("qwen3", False)],
-                         ids=["llama", "llama-merged", "qwen3"])
+@pytest.mark.parametrize("arch,merged", [("llama", False), ("llama", True), ("qwen3", False), ("mistral", False),
+                                         ("qwen3_moe", False)],
+                         ids=["llama", "llama-merged", "qwen3", "mistral", "qwen3_moe"])
 def test_mixed_adapters_match_transformers_and_peft(arch, merged, tiny_model, adapters, peft_greedy):
     """Four adapters and the base model in the same steps, with chunked prefill, prefix hits
     and a pool small enough to preempt; a second round hits the first one's cached blocks."""

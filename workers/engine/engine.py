@@ -262,7 +262,8 @@ class LLMEngine:
         """Validate and build a request (``add_request``'s arguments) without queueing it.
 
         Reads only what never changes after start-up (tokenizer, model limits,
-        cache layout), so any thread may call it while another runs ``step``;
+        cache layout) and reads adapters into the LoRA manager's host cache (under its
+        lock), so any thread may call it while another runs ``step``;
         ``admit`` then queues the result. Raises ValueError or TypeError if the
         request is bad.
         """
