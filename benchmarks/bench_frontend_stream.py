@@ -47,7 +47,8 @@ class _SteppedHandle:
         self._queues: dict[str, tuple[asyncio.Queue, int]] = {}
         self._stepper: asyncio.Task | None = None
 
-    def generate(self, prompt, params, request_id=None, priority=0, prompt_token_ids=None, is_streamed=False):
+    def generate(self, prompt, params, request_id=None, priority=0, prompt_token_ids=None, is_streamed=False,
+                 lora_request=None):
         return self._generate(prompt, params, request_id, prompt_token_ids or [])
 
     async def _generate(self, prompt, params, request_id, prompt_token_ids):

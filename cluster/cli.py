@@ -17,7 +17,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pagedserve.argtypes import json_object, non_negative_float, non_negative_int, port, positive_float, positive_int
+from pagedserve.argtypes import json_object, lora_module, non_negative_float, non_negative_int, port, positive_float, positive_int
 from pagedserve.devtools.model_factory import ARCHS, SIZES
 
 
@@ -198,6 +198,10 @@ VLLM_ENGINE_FLAGS = (
     ("--seed", "engine.seed", non_negative_int, "the engines' sampler seed (default: random)"),
     ("--stream-interval", "engine.stream_interval", positive_int,
      "a stream's tokens go out every N tokens (default 1; its first token and finish at once)"),
+    ("--max-loras", "engine.max_loras", positive_int, "LoRA adapters one engine step may use (default 1)"),
+    ("--max-lora-rank", "engine.max_lora_rank", positive_int, "the highest LoRA rank served (default 16)"),
+    ("--max-cpu-loras", "engine.max_cpu_loras", positive_int,
+     "LoRA adapters a worker keeps in host memory (default: max-loras)"),
 )
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 
@@ -231,6 +235,11 @@ def _add_config_sources(parser: argparse.ArgumentParser, with_file: bool = True)
     vllm.add_argument("--speculative-config", type=json_object, metavar="JSON",
                       help="speculative decoding as a JSON object, e.g. '{\"method\": \"ngram\", "
                            "\"num_speculative_tokens\": 4}' (engine.speculative_config)")
+    vllm.add_argument("--enable-lora", action="store_true", default=None,
+                      help="serve LoRA adapters on the base model (engine.enable_lora)")
+    vllm.add_argument("--lora-modules", nargs="+", type=lora_module, metavar="NAME=PATH",
+                      help="LoRA adapters clients select by NAME as 'model': NAME=PATH, or vLLM's JSON form "
+                           "'{\"name\": ..., \"path\": ...}' (model.lora_modules; needs --enable-lora)")
     vllm.add_argument("--tool-call-parser", help="how 'auto' tool choice reads calls (server.tool_call_parser)")
     vllm.add_argument("--enable-auto-tool-choice", action="store_true",
                       help="accepted for vLLM's command lines: 'auto' tool choice is always on here")
@@ -269,7 +278,7 @@ def _overrides(args: argparse.Namespace) -> list[str]:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             overrides.append(f"{key}={value}")
-    for attribute in ("enable_prefix_caching", "enforce_eager", "async_scheduling"):
+    for attribute in ("enable_prefix_caching", "enforce_eager", "async_scheduling", "enable_lora"):
         if getattr(args, attribute) is not None:
             overrides.append(f"engine.{attribute}={str(getattr(args, attribute)).lower()}")
     if args.cuda_graph_sizes:
@@ -278,6 +287,10 @@ def _overrides(args: argparse.Namespace) -> list[str]:
         import json
 
         overrides.append(f"engine.speculative_config={json.dumps(args.speculative_config)}")  # YAML reads JSON
+    if args.lora_modules:
+        import json
+
+        overrides.append(f"model.lora_modules={json.dumps(args.lora_modules)}")
     for attribute in ("port", "grpc_port"):
         if getattr(args, attribute) is not None:
             overrides.append(f"server.{attribute}={getattr(args, attribute)}")

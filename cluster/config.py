@@ -34,6 +34,23 @@ class _Strict(BaseModel):
                               use_attribute_docstrings=True)
 
 
+class LoRAModule(_Strict):
+    """A LoRA adapter the server offers on its base model (vLLM's ``--lora-modules``)."""
+
+    name: str = Field(min_length=1)
+    """The id clients send as "model" (also as "BASE:NAME", Ray Serve LLM's form)."""
+    path: str = Field(min_length=1)
+    """The adapter's PEFT directory (``adapter_config.json``, ``adapter_model.safetensors``), at
+    the same path on every node that runs a worker."""
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, name: str) -> str:
+        if ":" in name or "\x00" in name or name != name.strip():
+            raise ValueError(f"an adapter name has no ':', NUL or surrounding spaces: {name!r}")
+        return name
+
+
 class ModelConfig(_Strict):
     """Which checkpoint to serve: a directory (local or shared storage, same path on every
     node), a Hugging Face hub id that every node fetches itself, or a built random-weight model.
@@ -55,6 +72,18 @@ class ModelConfig(_Strict):
     name: str | None = None
     """The id clients send as "model". Unset: the hub id, the directory's name, or
     pagedserve-ARCH-SIZE."""
+    lora_modules: list[LoRAModule] = Field(default_factory=list)
+    """LoRA adapters served on this model, each selected by its name as "model" (needs
+    ``engine.enable_lora``). ``pagedserve serve --lora-modules NAME=PATH ...`` sets it."""
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _distinct_adapters(cls, modules: list[LoRAModule]) -> list[LoRAModule]:
+        names = [module.name for module in modules]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"adapter names must differ; repeated: {', '.join(repeated)}")
+        return modules
 
     @model_validator(mode="after")
     def _hub_options_need_a_path(self) -> "ModelConfig":
@@ -321,6 +350,15 @@ class ClusterConfig(_Strict):
         roles = {group.role for group in self.workers}
         if ("prefill" in roles) != ("decode" in roles):
             raise ValueError("disaggregated serving needs both prefill and decode workers")
+        return self
+
+    @model_validator(mode="after")
+    def _adapters_need_lora(self) -> "ClusterConfig":
+        if self.model.lora_modules and not self.engine.enable_lora:
+            raise ValueError("model.lora_modules needs engine.enable_lora: true (--enable-lora)")
+        clash = [m.name for m in self.model.lora_modules if m.name == self.model.served_name]
+        if clash:
+            raise ValueError(f"model.lora_modules: the adapter name {clash[0]!r} is the base model's name")
         return self
 
     @property

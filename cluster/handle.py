@@ -22,6 +22,8 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from pagedserve.kvmanager.hashing import prefix_extra_key
+from pagedserve.workers.lora.lora_request import LoRARequest
 from pagedserve.workers.outputs.detokenizer import DeltaTextDecoder
 from pagedserve.workers.actor.protocol import EngineDeadError, Migrated, OutputDelta
 from pagedserve.workers.outputs.request_output import CompletionOutput, RequestOutput
@@ -91,6 +93,10 @@ class ClusterHandle:
         self.roles = dict(roles)
         self.info = info
         self.model_name = config.model.served_name
+        # The LoRA adapters requests may name, by name; their ids follow the configuration's order,
+        # the same in every handle.
+        self.adapters = {module.name: LoRARequest(module.name, index + 1, module.path)
+                         for index, module in enumerate(config.model.lora_modules)}
         self.max_model_len = info["max_model_len"]
         self.owns_ray = owns_ray
         # The actors ``start`` created, whose handles this process owns. Ray ends a (non-detached)
@@ -189,7 +195,8 @@ class ClusterHandle:
     async def generate(self, prompt: str | list[int] | None, params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0,
                        prompt_token_ids: list[int] | None = None,
-                       is_streamed: bool = False) -> AsyncIterator[RequestOutput]:
+                       is_streamed: bool = False,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (cumulative text and token ids, plus deltas).
 
         Workers stream deltas (``workers.actor.protocol``); the request's one
@@ -199,6 +206,8 @@ class ClusterHandle:
         ``is_streamed``: the caller passes each output's deltas on as they come;
         a request with several samples then ends with ``StreamNotResumable`` if
         its worker fails after tokens were streamed (see ``RequestFlow``).
+        ``lora_request``: generate with that adapter (one of ``lora_modules``), on every
+        attempt; such a request always runs colocated (its KV is not exported).
         """
         from ray.exceptions import ObjectLostError, RayActorError
 
@@ -218,8 +227,9 @@ class ClusterHandle:
         await self._refresh_utilization()
         flow = RequestFlow(request_id, text, prompt_token_ids, params, priority,
                            max_attempts=2 * len(self.workers) + 3, is_streamed=is_streamed,
-                           text_decoder=self._text_decoder(prompt_token_ids, params))
-        if self.config.is_disaggregated and params.n == 1 and not params.use_beam_search:
+                           text_decoder=self._text_decoder(prompt_token_ids, params), lora_request=lora_request)
+        if (self.config.is_disaggregated and params.n == 1 and not params.use_beam_search
+                and lora_request is None):
             try:
                 async with aclosing(self._generate_disaggregated(flow, flow.start(is_disaggregated=True))) as run:
                     async for output in run:
@@ -306,7 +316,9 @@ class ClusterHandle:
                 self._num_recomputed_tokens += num_tokens
             excluded = {w for w, role in self.roles.items() if role == "prefill"}
             await self._wait_for_capacity(flow.request_id, excluded)
-            cached = await self._longest_prefix(tokens, request.params.cache_salt)
+            lora = request.lora_request
+            cached = await self._longest_prefix(
+                tokens, prefix_extra_key(request.params.cache_salt, lora.lora_name if lora else None))
             decision = self.router.choose(request.request_id, num_tokens, max_tokens, cached, excluded)
         run.worker_id = decision.worker_id
         worker = self.workers[decision.worker_id]
@@ -342,7 +354,7 @@ class ClusterHandle:
         prompt_ids, request_id = request.prompt_token_ids, request.request_id
         prefill_ids = {w for w, role in self.roles.items() if role == "prefill"}
         decode_ids = {w for w, role in self.roles.items() if role == "decode"}
-        cached = await self._longest_prefix(prompt_ids, params.cache_salt)
+        cached = await self._longest_prefix(prompt_ids, prefix_extra_key(params.cache_salt))
         decision = self.router.choose(f"{request_id}/prefill", len(prompt_ids), 1, cached,
                                       exclude=set(self.workers) - prefill_ids)
         try:
@@ -409,15 +421,16 @@ class ClusterHandle:
         tokenizer, max_model_len = self.tokenizer, self.max_model_len
         return lambda: DeltaTextDecoder(tokenizer, prompt_token_ids, params, eos_token_ids, max_model_len)
 
-    async def _longest_prefix(self, token_ids: list[int], cache_salt: str | None = None) -> dict[str, int]:
-        """Cached prefix per worker from the central index (among blocks of ``cache_salt``): a
+    async def _longest_prefix(self, token_ids: list[int], extra_key: str | None = None) -> dict[str, int]:
+        """Cached prefix per worker from the central index (among blocks of ``extra_key``: the
+        request's cache salt and adapter, ``prefix_extra_key``): a
         hint, never waited on for long. While the KV manager is down or slow, requests are routed
         by load alone (and it is not asked again for ``HINT_PAUSE_S``)."""
         if (self.config.router.policy != "cache_aware" or len(self.workers) == 1
                 or time.monotonic() < self._hints_paused_until):
             return {}
         try:
-            return await asyncio.wait_for(self.kv_manager.longest_prefix.remote(token_ids, cache_salt),
+            return await asyncio.wait_for(self.kv_manager.longest_prefix.remote(token_ids, extra_key),
                                           timeout=HINT_TIMEOUT_S)
         except Exception as exc:  # the KV manager is restarting or overloaded: route by load alone
             self._hints_paused_until = time.monotonic() + HINT_PAUSE_S

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pagedserve.workers.outputs.accumulator import OutputAccumulator
 from pagedserve.workers.outputs.detokenizer import DeltaTextDecoder
 from pagedserve.workers.actor.protocol import GenerateRequest, Migrated
+from pagedserve.workers.lora.lora_request import LoRARequest
 from pagedserve.workers.sample.sampling_params import SamplingParams
 
 FIRST = "first"
@@ -84,8 +85,10 @@ class RequestFlow:
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, priority: int, max_attempts: int, is_streamed: bool = False,
-                 text_decoder: Callable[[], DeltaTextDecoder] | None = None) -> None:
+                 text_decoder: Callable[[], DeltaTextDecoder] | None = None,
+                 lora_request: LoRARequest | None = None) -> None:
         self.request_id = request_id
+        self.lora_request = lora_request  # every attempt runs with the same adapter
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         # With a ``text_decoder`` the workers send token ids only (``detokenize`` off) and the
@@ -169,7 +172,8 @@ class RequestFlow:
             raise AttemptsExhausted(f"request {self.request_id} failed on {self.num_attempts} attempts")
         self.num_attempts += 1
         sub_id = self.request_id if self.num_attempts == 1 else f"{self.request_id}~{self.num_attempts}"
-        request = GenerateRequest(sub_id, token_ids, self.worker_params, self.priority, **continuation)
+        request = GenerateRequest(sub_id, token_ids, self.worker_params, self.priority,
+                                  lora_request=self.lora_request, **continuation)
         return Attempt(kind, self.num_attempts, request, target)
 
 

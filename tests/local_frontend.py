@@ -76,7 +76,8 @@ class LocalHandle:
         self.workers = {"worker-0": _Actor(stats=lambda: {"is_healthy": True, **self.engine.stats()},
                                            ping=lambda: "worker-0")}
 
-    def generate(self, prompt, params, request_id=None, priority=0, prompt_token_ids=None, is_streamed=False):
+    def generate(self, prompt, params, request_id=None, priority=0, prompt_token_ids=None, is_streamed=False,
+                 lora_request=None):
         self.streamed[request_id] = is_streamed
         if self.fail_with is not None:
             return self._fail()

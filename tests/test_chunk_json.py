@@ -128,7 +128,8 @@ class _ScriptedHandle:
         self.workers: dict = {}
         self.script: list = []
 
-    async def generate(self, prompt, params, request_id=None, priority=0, prompt_token_ids=None, is_streamed=False):
+    async def generate(self, prompt, params, request_id=None, priority=0, prompt_token_ids=None, is_streamed=False,
+                       lora_request=None):
         from pagedserve.workers.outputs.request_output import (CompletionOutput, RequestMetrics, RequestOutput,
                                                                SampleLogprobs)
 

@@ -23,6 +23,7 @@ from pagedserve import LLM, LoRARequest, SamplingParams
 from pagedserve.kvmanager import prefix_extra_key
 from pagedserve.workers.lora.peft_adapter import LoRAAdapterError
 from pagedserve.workers.lora.punica import build_segments, lora_expand, lora_shrink
+from peft_adapters import make_peft_adapter
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -44,24 +45,6 @@ MOE_ADAPTERS = {
     "all": (16, 32, ATTENTION, True),
     "out": (2, 4, ["o_proj"], False),
 }
-
-
-def make_peft_adapter(base_path: str, directory, rank: int, alpha: float, targets, use_rslora: bool = False,
-                      seed: int = 0) -> str:
-    """A PEFT LoRA checkpoint of ``base_path`` with random A and B (B non-zero), saved by PEFT."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
-                                            use_rslora=use_rslora))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.4)
-    model.save_pretrained(str(directory))
-    return str(directory)
 
 
 @pytest.fixture(scope="module")

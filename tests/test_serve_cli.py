@@ -136,8 +136,23 @@ def test_config_validate_reads_a_directory_or_the_hub_cache_without_weights(tiny
         capsys.readouterr().out
 
 
+def test_lora_flags_set_the_adapters_and_the_engine(capsys):
+    config = _show("--enable-lora", "--max-loras", "4", "--max-lora-rank", "32", "--max-cpu-loras", "8",
+                   "--lora-modules", "sql=/adapters/sql", '{"name": "chat", "path": "/adapters/chat"}',
+                   capsys=capsys)
+    engine = config["engine"]
+    assert (engine["enable_lora"], engine["max_loras"], engine["max_lora_rank"], engine["max_cpu_loras"]) == \
+        (True, 4, 32, 8)
+    assert config["model"]["lora_modules"] == [{"name": "sql", "path": "/adapters/sql"},
+                                               {"name": "chat", "path": "/adapters/chat"}]
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--served-model-name", "a", "b"], "one name is served"),
+    (["--lora-modules", "a=/x"], "model.lora_modules needs engine.enable_lora"),
+    (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], "adapter names must differ; repeated: a"),
+    (["--enable-lora", "--lora-modules", "a:b=/x"], "an adapter name has no ':'"),
+    (["--enable-lora", "--served-model-name", "m", "--lora-modules", "m=/x"], "is the base model's name"),
     (["--block-size", "24"], "block_size must be a power of two"),
     (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization"),
 ])

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedserve.workers.lora.lora_request import LoRARequest
 from pagedserve.workers.offline.chat_template import ChatTemplateError, render_conversation, template_message
 from pagedserve.workers.process.gc_heap import GCPauses
 from pagedserve.workers.outputs.request_output import RequestOutput
@@ -109,8 +110,10 @@ class Generation:
     """
 
     def __init__(self, server: "Frontend", request_id: str, prompts: list[PromptInput],
-                 params: SamplingParams, priority: int, client: str = "", is_streamed: bool = False) -> None:
+                 params: SamplingParams, priority: int, client: str = "", is_streamed: bool = False,
+                 lora_request: LoRARequest | None = None) -> None:
         self.server = server
+        self.lora_request = lora_request
         self.request_id = request_id
         self.prompts = prompts
         self.params = params
@@ -152,7 +155,7 @@ class Generation:
     def _open(self, index: int, prompt: PromptInput) -> AsyncIterator[RequestOutput]:
         return self.server.handle.generate(prompt.text, self._fitted(prompt), f"{self.request_id}-{index}",
                                            self.priority, prompt_token_ids=prompt.token_ids,
-                                           is_streamed=self.is_streamed)
+                                           is_streamed=self.is_streamed, lora_request=self.lora_request)
 
     async def _pump(self, index: int, prompt: PromptInput) -> None:
         # Whatever fails here reaches the consumer, and the end marker always follows: a prompt
@@ -381,6 +384,8 @@ class Frontend:
         self.limits = self.config.limits
         self.api_key = self.config.api_key or os.environ.get(API_KEY_ENV) or None
         self.model_name = handle.model_name
+        # The LoRA adapters clients may name as "model" (``model.lora_modules``), by name.
+        self.adapters: dict[str, LoRARequest] = dict(getattr(handle, "adapters", {}))
         self.max_model_len = handle.max_model_len
         self.tokenizer = handle.tokenizer
         self.vocab_size = _model_vocab_size(handle.model_path, self.tokenizer)
@@ -414,13 +419,27 @@ class Frontend:
     def check_auth(self, authorization: str | None) -> None:
         check_api_key(self.api_key, authorization)
 
-    def check_model(self, model: str | None) -> None:
-        """404 for a model this server does not serve, worded so that both Ray Serve LLM's
-        ("Could not find model") and vLLM's ("The model `x` does not exist.") clients recognise it."""
-        if model and model != self.model_name:
-            raise APIError(404, f"Could not find model '{model}': the model `{model}` does not exist; "
-                                f"this server serves '{self.model_name}'", param="model",
-                           code="model_not_found")
+    def resolve_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter ``model`` names (by its name, or as "BASE:NAME", Ray Serve LLM's
+        form); None for the base model (or no model). 404 for a model this server does not
+        serve, worded so that both Ray Serve LLM's ("Could not find model") and vLLM's ("The
+        model `x` does not exist.") clients recognise it."""
+        if not model or model == self.model_name:
+            return None
+        adapter = self.adapters.get(model)
+        if adapter is None:
+            base, sep, name = model.rpartition(":")
+            adapter = self.adapters.get(name) if sep and base == self.model_name else None
+        if adapter is not None:
+            return adapter
+        served = f"'{self.model_name}'" + (f" and its adapters {', '.join(map(repr, self.adapters))}"
+                                           if self.adapters else "")
+        raise APIError(404, f"Could not find model '{model}': the model `{model}` does not exist; "
+                            f"this server serves {served}", param="model", code="model_not_found")
+
+    def response_model(self, lora_request: LoRARequest | None) -> str:
+        """The "model" of a response: the adapter's name, else the served model's (vLLM's)."""
+        return self.model_name if lora_request is None else lora_request.lora_name
 
     def check_output_fits(self, prompts: list[PromptInput], max_tokens: int | None, min_tokens: int,
                           max_tokens_param: str = "max_tokens") -> None:
@@ -545,7 +564,8 @@ class Frontend:
         self.metrics.set_in_flight(self.limiter.num_in_flight)
 
     async def start_generation(self, request_id: str, prompts: list[PromptInput], params: SamplingParams,
-                               priority: int, client: str = "", is_streamed: bool = False
+                               priority: int, client: str = "", is_streamed: bool = False,
+                               lora_request: LoRARequest | None = None
                                ) -> tuple[Generation, tuple[int, RequestOutput] | None]:
         """Admit the request (429 when the replica or ``client`` is full), start it, await its first output.
 
@@ -565,7 +585,7 @@ class Frontend:
             raise
         self.metrics.set_in_flight(self.limiter.num_in_flight)
         self.log_prompts(request_id, prompts, params)
-        generation = Generation(self, request_id, prompts, params, priority, client, is_streamed)
+        generation = Generation(self, request_id, prompts, params, priority, client, is_streamed, lora_request)
         try:
             generation.start()
             first = await anext(generation, None)
@@ -580,7 +600,12 @@ class Frontend:
 
     # ---- the rest ------------------------------------------------------------------------------
     def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.max_model_len)])
+        """The base model, then its LoRA adapters (vLLM's cards: ``root`` the checkpoint, ``parent``
+        the base model for an adapter)."""
+        base = ModelCard(id=self.model_name, root=self.handle.model_path, max_model_len=self.max_model_len)
+        return ModelList(data=[base] + [
+            ModelCard(id=name, root=adapter.lora_path, parent=self.model_name, max_model_len=self.max_model_len)
+            for name, adapter in self.adapters.items()])
 
     async def health(self, timeout_s: float = 2.0) -> dict:
         """``is_healthy``: at least one routable worker answers a ping within ``timeout_s``;

@@ -21,6 +21,7 @@ import grpc
 from google.protobuf.message import Message
 from pydantic import ValidationError
 
+from pagedserve.workers.lora.lora_request import LoRARequest
 from pagedserve.workers.outputs.request_output import RequestOutput, SampleLogprobs
 
 from ..protos import pagedserve_pb2 as pb
@@ -145,11 +146,11 @@ class GrpcService:
         return fields
 
     def _prepare(self, request: pb.GenerateRequest | None, grpc_context
-                 ) -> tuple[str, PromptInput, object, int, str]:
+                 ) -> tuple[str, PromptInput, object, int, str, LoRARequest | None]:
         client = self._authenticate(grpc_context)
         if request is None:  # see protos/servicer.py: the bytes were no GenerateRequest
             raise APIError(400, "the request is not a valid pagedserve.GenerateRequest message")
-        self.server.check_model(request.model or None)
+        self.server.resolve_model(request.model or None)   # 404 first, before the fields' checks
         num_sources = sum([bool(request.prompt), bool(request.prompt_token_ids), bool(request.messages)])
         if num_sources != 1:
             raise APIError(400, "set exactly one of prompt, prompt_token_ids and messages", param="prompt")
@@ -160,21 +161,22 @@ class GrpcService:
         try:
             if request.messages:
                 chat = ChatCompletionRequest(
-                    messages=_messages(request.messages), logprobs=request.HasField("logprobs"),
+                    model=request.model or None, messages=_messages(request.messages),
+                    logprobs=request.HasField("logprobs"),
                     top_logprobs=request.logprobs if request.HasField("logprobs") else None, **fields)
             else:
                 completion = CompletionRequest(
-                    prompt=request.prompt or list(request.prompt_token_ids),
+                    model=request.model or None, prompt=request.prompt or list(request.prompt_token_ids),
                     logprobs=request.logprobs if request.HasField("logprobs") else None, **fields)
         except ValidationError as exc:
             raise validation_error(exc) from None
         if request.messages:
-            prompt, params = self.chats.prepare(chat)
+            prompt, params, lora_request = self.chats.prepare(chat)
         else:
             if completion.max_tokens == 0:
                 raise APIError(400, "max_tokens must be >= 1", param="max_tokens")
-            [prompt], params = self.completions.prepare(completion)
-        return request.request_id, prompt, params, request.priority, client
+            [prompt], params, lora_request = self.completions.prepare(completion)
+        return request.request_id, prompt, params, request.priority, client, lora_request
 
     def _chat_request(self, request: pb.ChatRequest | None, stream: bool) -> ChatCompletionRequest:
         """The HTTP API's request for a ``ChatRequest``: validated by the same model."""
@@ -220,7 +222,8 @@ class GrpcService:
 
     def _response(self, request_id: str, generation: Generation, choices: list[pb.Choice],
                   with_usage: bool) -> pb.GenerateResponse:
-        response = pb.GenerateResponse(request_id=request_id, model=self.server.model_name, choices=choices)
+        response = pb.GenerateResponse(request_id=request_id, model=self.server.response_model(generation.lora_request),
+                                       choices=choices)
         progress = generation.progress[0]
         if progress.first_token is not None:
             response.time_to_first_token_s = progress.first_token - progress.arrival
@@ -257,10 +260,10 @@ class GrpcService:
     async def _start(self, request: pb.GenerateRequest | None, grpc_context, is_streamed: bool
                      ) -> tuple[str, Generation, tuple | None]:
         """Check, admit and start the request: its reply id, its generation and the first output."""
-        label, prompt, params, priority, client = self._prepare(request, grpc_context)
+        label, prompt, params, priority, client, lora_request = self._prepare(request, grpc_context)
         # The engine's id is always the server's own: a client's label may collide with another's.
         generation, first = await self.server.start_generation(f"grpc-{uuid.uuid4().hex}", [prompt],
-                                                               params, priority, client, is_streamed)
+                                                               params, priority, client, is_streamed, lora_request)
         return label or f"grpc-{uuid.uuid4().hex}", generation, first
 
     async def generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:
@@ -314,8 +317,8 @@ class GrpcService:
         try:
             client = self._authenticate(grpc_context)
             response = await self.chats.create_chat_completion(self._chat_request(request, stream=False), client)
-            return self._chat_response(request.request_id or response.id, response.choices, response.usage,
-                                       response.prompt_logprobs)
+            return self._chat_response(request.request_id or response.id, response.model, response.choices,
+                                       response.usage, response.prompt_logprobs)
         except APIError as exc:
             return self._refuse(exc, grpc_context, pb.ChatResponse())
 
@@ -329,7 +332,7 @@ class GrpcService:
             stream = await self.chats.create_chat_completion(self._chat_request(request, stream=True), client)
             async for batch in stream.batches():
                 for chunk in batch:
-                    yield self._chat_response(request.request_id or chunk.id, chunk.choices, chunk.usage,
+                    yield self._chat_response(request.request_id or chunk.id, chunk.model, chunk.choices, chunk.usage,
                                               chunk.prompt_logprobs)
         except APIError as exc:
             raise self._fail(exc, grpc_context) from None
@@ -337,9 +340,9 @@ class GrpcService:
             if stream is not None:
                 await stream.aclose()
 
-    def _chat_response(self, request_id: str, choices: list[ChatChoice | ChatStreamChoice],
+    def _chat_response(self, request_id: str, model: str, choices: list[ChatChoice | ChatStreamChoice],
                        usage: Usage | None, prompt_logprobs: PromptLogprobs | None) -> pb.ChatResponse:
-        response = pb.ChatResponse(request_id=request_id, model=self.server.model_name,
+        response = pb.ChatResponse(request_id=request_id, model=model,
                                    choices=[_chat_choice(choice) for choice in choices])
         if usage is not None:
             response.usage.CopyFrom(pb.Usage(

@@ -255,8 +255,9 @@ def build_app(server: Frontend):
 
     @app.get("/v1/models/{model:path}", responses=_responses(ModelCard))
     async def model(model: str):
-        server.check_model(model)
-        return server.models().data[0].model_dump()
+        adapter = server.resolve_model(model)
+        cards = server.models().data
+        return (cards[0] if adapter is None else next(c for c in cards if c.id == adapter.lora_name)).model_dump()
 
     @app.get("/health")
     async def health():

@@ -603,6 +603,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedserve"
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
 
 

@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pagedserve.tool_parsers import ParserDelta, ToolParser, constrained_parser, get_tool_parser
+from pagedserve.workers.lora.lora_request import LoRARequest
 from pagedserve.workers.outputs.request_output import CompletionOutput, RequestOutput
 from pagedserve.workers.sample.sampling_params import SamplingParams
 
@@ -70,11 +71,12 @@ class ServingChat:
     def _chat_logprobs(self, request: ChatCompletionRequest, samples) -> ChoiceLogprobs:
         return self.logprobs.chat(samples or [], bool(request.return_tokens_as_token_ids))
 
-    def prepare(self, request: ChatCompletionRequest) -> tuple[PromptInput, SamplingParams]:
-        """Check ``request`` and build its prompt and sampling params (``APIError`` naming what is
-        wrong); what both transports run before a chat completion starts."""
+    def prepare(self, request: ChatCompletionRequest) -> tuple[PromptInput, SamplingParams, LoRARequest | None]:
+        """Check ``request`` and build its prompt, sampling params and the LoRA adapter its
+        ``model`` names (``APIError`` naming what is wrong); what both transports run before a
+        chat completion starts."""
         frontend = self.frontend
-        frontend.check_model(request.model)
+        lora_request = frontend.resolve_model(request.model)
         if request.tool_choice not in (None, "none") and not request.tools:
             raise APIError(400, "tool_choice needs tools", param="tool_choice")
         constraint = output_constraint(request)
@@ -87,19 +89,20 @@ class ServingChat:
                                    "max_completion_tokens" if request.max_completion_tokens else "max_tokens")
         max_tokens = stated or frontend.max_model_len - len(prompt.token_ids)
         params = frontend.sampling_params(request, max_tokens, logprobs, constraint, request.prompt_logprobs)
-        return prompt, params
+        return prompt, params, lora_request
 
     async def create_chat_completion(self, request: ChatCompletionRequest, client: str = ""
                                      ) -> ChatCompletionResponse | ChunkStream:
         """The response body, or a ``ChunkStream`` of ``ChatCompletionChunk`` when ``stream`` is set."""
         frontend = self.frontend
-        prompt, params = self.prepare(request)
+        prompt, params, lora_request = self.prepare(request)
         # The engine's ids are always the server's own (clients' ids may collide); vLLM's
         # request_id names the response.
         engine_id = f"chatcmpl-{uuid.uuid4().hex}"
         request_id = request.request_id or engine_id
         generation, first = await frontend.start_generation(engine_id, [prompt], params, request.priority, client,
-                                                            is_streamed=bool(request.stream))
+                                                            is_streamed=bool(request.stream),
+                                                            lora_request=lora_request)
         if request.stream:
             return ChunkStream(lambda as_json: self._stream_chat(request, request_id, generation, first, as_json),
                                generation)
@@ -111,7 +114,7 @@ class ServingChat:
         prompt_logprobs = None
         if request.prompt_logprobs is not None and last is not None and last.prompt_logprobs is not None:
             prompt_logprobs = self.logprobs.prompt(last.prompt_logprobs[:len(prompt.token_ids)])
-        return ChatCompletionResponse(id=request_id, model=frontend.model_name, choices=choices,
+        return ChatCompletionResponse(id=request_id, model=frontend.response_model(lora_request), choices=choices,
                                       usage=generation.usage(), prompt_logprobs=prompt_logprobs,
                                       prompt_token_ids=prompt.token_ids if request.return_token_ids else None)
 
@@ -146,8 +149,8 @@ class ServingChat:
                      as_json: bool) -> AsyncIterator[list]:
         """The stream's chunks, one list per output (``ChunkStream.batches``)."""
         cursors: dict[int, _Cursor] = {}
-        encoder = (ChatChunkJSON if as_json else ChatChunkModels)(request_id, int(time.time()),
-                                                                  self.frontend.model_name)
+        encoder = (ChatChunkJSON if as_json else ChatChunkModels)(
+            request_id, int(time.time()), self.frontend.response_model(generation.lora_request))
         echo = self._echo(request)
         has_logprobs = request.logprobs
         has_token_ids = request.return_token_ids

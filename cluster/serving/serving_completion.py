@@ -20,6 +20,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from pagedserve.workers.lora.lora_request import LoRARequest
 from pagedserve.workers.outputs.request_output import CompletionOutput, RequestOutput
 from pagedserve.workers.sample.sampling_params import SamplingParams
 
@@ -88,11 +89,12 @@ class ServingCompletion:
             token_ids += [sample.token_id for sample in new]
         return self.logprobs.completion(samples, offsets, token_ids, bool(request.return_tokens_as_token_ids))
 
-    def prepare(self, request: CompletionRequest) -> tuple[list[PromptInput], SamplingParams]:
-        """Check ``request`` and build its prompts and sampling params (``APIError`` naming what
-        is wrong); what both transports run before a completion starts."""
+    def prepare(self, request: CompletionRequest) -> tuple[list[PromptInput], SamplingParams, LoRARequest | None]:
+        """Check ``request`` and build its prompts, sampling params and the LoRA adapter its
+        ``model`` names (``APIError`` naming what is wrong); what both transports run before a
+        completion starts."""
         frontend = self.frontend
-        frontend.check_model(request.model)
+        lora_request = frontend.resolve_model(request.model)
         if request.best_of is not None and request.best_of != request.n:
             raise APIError(400, "best_of must equal n (or be unset)", param="best_of")
         is_scoring_only = request.max_tokens == 0
@@ -112,13 +114,13 @@ class ServingCompletion:
         max_tokens = 1 if is_scoring_only else (request.max_tokens or DEFAULT_MAX_TOKENS)
         params = frontend.sampling_params(request, max_tokens, request.logprobs, output_constraint(request),
                                           prompt_logprobs)
-        return prompts, params
+        return prompts, params, lora_request
 
     async def create_completion(self, request: CompletionRequest, client: str = ""
                                 ) -> CompletionResponse | ChunkStream:
         """The response body, or a ``ChunkStream`` of ``CompletionResponse`` when ``stream`` is set."""
         frontend = self.frontend
-        prompts, params = self.prepare(request)
+        prompts, params, lora_request = self.prepare(request)
         is_scoring_only = request.max_tokens == 0
         echoes = [self._echo(request, p) for p in prompts]
         # The engine's ids are always the server's own (clients' ids may collide); vLLM's
@@ -126,7 +128,8 @@ class ServingCompletion:
         engine_id = f"cmpl-{uuid.uuid4().hex}"
         request_id = request.request_id or engine_id
         generation, first = await frontend.start_generation(engine_id, prompts, params, request.priority, client,
-                                                            is_streamed=bool(request.stream))
+                                                            is_streamed=bool(request.stream),
+                                                            lora_request=lora_request)
         if request.stream:
             return ChunkStream(lambda as_json: self._stream_completion(request, request_id, generation, first,
                                                                        echoes, is_scoring_only, as_json),
@@ -150,7 +153,7 @@ class ServingCompletion:
                     choice.token_ids = [] if is_scoring_only else completion.token_ids
                 choices.append(choice)
         choices.sort(key=lambda c: c.index)
-        return CompletionResponse(id=request_id, model=frontend.model_name, choices=choices,
+        return CompletionResponse(id=request_id, model=frontend.response_model(lora_request), choices=choices,
                                   usage=self._usage(generation, is_scoring_only))
 
     def _prompt_logprobs(self, request: CompletionRequest, output: RequestOutput, prompt: PromptInput):
@@ -173,7 +176,7 @@ class ServingCompletion:
         n = generation.params.n
         prompts = generation.prompts
         encoder = (CompletionChunkJSON if as_json else CompletionChunkModels)(
-            request_id, int(time.time()), self.frontend.model_name)
+            request_id, int(time.time()), self.frontend.response_model(generation.lora_request))
         needs_prompt_logprobs = request.echo and request.logprobs is not None or request.prompt_logprobs is not None
         has_logprobs = request.logprobs is not None
         has_token_ids = bool(request.return_token_ids)

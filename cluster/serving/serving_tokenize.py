@@ -36,7 +36,7 @@ class ServingTokenize:
 
     def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
         frontend = self.frontend
-        frontend.check_model(request.model)
+        frontend.resolve_model(request.model)
         if isinstance(request, TokenizeChatRequest):
             token_ids = frontend.render_chat(request).token_ids
         else:
@@ -48,7 +48,7 @@ class ServingTokenize:
 
     def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         frontend = self.frontend
-        frontend.check_model(request.model)
+        frontend.resolve_model(request.model)
         outside = [t for t in request.tokens if t >= frontend.vocab_size]
         if outside:
             raise APIError(400, f"tokens must be token ids in [0, {frontend.vocab_size}); got {outside[:5]}",

@@ -67,3 +67,18 @@ def json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
     return value
+
+
+def lora_module(text: str) -> dict:
+    """argparse type: one of vLLM's ``--lora-modules`` items, ``NAME=PATH`` or a JSON object with
+    ``name`` and ``path`` (the adapters' base is always the served model: no ``base_model_name``)."""
+    if text.lstrip().startswith("{"):
+        value = json_object(text)
+        if set(value) != {"name", "path"}:
+            raise argparse.ArgumentTypeError(f"expected {{\"name\": ..., \"path\": ...}} (and no other key), "
+                                             f"got {text!r}")
+        return value
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return {"name": name, "path": path}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from ..lora.lora_request import LoRARequest
 from ..outputs.request_output import RequestMetrics, SampleLogprobs
 from ..outputs.stream_batch import StreamBatch, unpack_logprobs, unpack_metrics
 from ..sample.sampling_params import SamplingParams
@@ -48,7 +49,8 @@ class GenerateRequest:
     ``kv`` (a list holding one ObjectRef of a KV transfer, nested so the worker
     times its fetch) brings their KV along; without it they are recomputed.
     ``key`` names the request in its channel's batches (the handle's choice, unique
-    among the requests it has on that channel).
+    among the requests it has on that channel). ``lora_request``: the LoRA adapter to
+    generate with (the worker's engine has ``enable_lora``).
     """
 
     request_id: str
@@ -59,6 +61,7 @@ class GenerateRequest:
     kv: list | None = None
     output_token_ids: list[int] = field(default_factory=list)
     key: int = 0
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -138,7 +141,7 @@ def error_from_batch(kind: str, message: str, engine_id: str | None) -> BaseExce
     common one (a refused request's ValueError, a dead engine's EngineDeadError)."""
     if kind == "EngineDeadError" or kind == "CoreDead":
         return EngineDeadError(message, engine_id)
-    known = {"ValueError": ValueError, "TypeError": TypeError, "KVTransferError": ValueError}
+    known = {"ValueError": ValueError, "TypeError": TypeError}
     return known[kind](message) if kind in known else RuntimeError(f"{kind}: {message}")
 
 

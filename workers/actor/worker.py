@@ -229,7 +229,8 @@ class Worker:
         channel.renew()
         self.core.add(AddRequest(channel_id, request.key, request.request_id, request.prompt_token_ids,
                                  request.params, request.priority, request.prompt, request.output_token_ids,
-                                 kv_header=header, transfer_s=transfer_s), payload)
+                                 kv_header=header, transfer_s=transfer_s, lora_request=request.lora_request),
+                      payload)
         return True
 
     def renew_channel(self, channel_id: str) -> bool:

@@ -321,7 +321,8 @@ class EngineCore:
             request = engine.make_request(
                 message.request_id, message.prompt, message.params, message.priority, message.prompt_token_ids,
                 export_kv=message.export_kv, kv_transfer=transfer,
-                output_token_ids=message.output_token_ids or None, stream_target=target)
+                output_token_ids=message.output_token_ids or None, stream_target=target,
+                lora_request=message.lora_request)
             if message.transfer_s is not None:
                 fetch_s, memcpy_s = message.transfer_s
                 request.metrics.kv_transfer_s += fetch_s

@@ -26,6 +26,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from ..lora.lora_request import LoRARequest
 from ..sample.sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -100,6 +101,7 @@ class AddRequest:
 
     ``kv_header`` (and a payload frame after the body) bring a KV transfer to import;
     ``transfer_s`` its (fetch, local copy) seconds, for the request's metrics.
+    ``lora_request``: the LoRA adapter to generate with.
     """
 
     channel_id: str
@@ -113,18 +115,22 @@ class AddRequest:
     export_kv: bool = False
     kv_header: bytes | None = None
     transfer_s: tuple[float, float] | None = None
+    lora_request: LoRARequest | None = None
 
     def body(self) -> bytes:
+        lora = self.lora_request
         return pack([self.channel_id, self.key, self.request_id, self.prompt_token_ids,
                      params_to_wire(self.params), self.priority, self.prompt, self.output_token_ids,
-                     self.export_kv, self.kv_header, self.transfer_s])
+                     self.export_kv, self.kv_header, self.transfer_s,
+                     None if lora is None else [lora.lora_name, lora.lora_int_id, lora.lora_path]])
 
     @classmethod
     def from_body(cls, body) -> "AddRequest":
         (channel_id, key, request_id, prompt_token_ids, params, priority, prompt, output_token_ids, export_kv,
-         kv_header, transfer_s) = unpack(body)
+         kv_header, transfer_s, lora) = unpack(body)
         return cls(channel_id, key, request_id, prompt_token_ids, params_from_wire(params), priority, prompt,
-                   output_token_ids, export_kv, kv_header, tuple(transfer_s) if transfer_s else None)
+                   output_token_ids, export_kv, kv_header, tuple(transfer_s) if transfer_s else None,
+                   None if lora is None else LoRARequest(*lora))
 
 
 @dataclass

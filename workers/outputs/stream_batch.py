@@ -129,8 +129,12 @@ class StreamBatch:
         self.ends.append((key, num_generated_tokens))
 
     def add_error(self, key: int, error: BaseException, engine_id: str | None = None) -> None:
-        """Stream ``key`` ends with ``error`` (refused by the engine, or its engine died)."""
-        self.errors.append((key, type(error).__name__, str(error), engine_id))
+        """Stream ``key`` ends with ``error`` (refused by the engine, or its engine died). A
+        refusal (any ValueError or TypeError: a bad adapter, a transfer that does not fit) goes
+        as its builtin base, which the handle rebuilds as a client error."""
+        kind = ("ValueError" if isinstance(error, ValueError) else "TypeError" if isinstance(error, TypeError)
+                else type(error).__name__)
+        self.errors.append((key, kind, str(error), engine_id))
 
     def pack(self) -> bytes:
         return msgpack.packb([getattr(self, name) or None for name in _FIELDS])

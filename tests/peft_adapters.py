@@ -1,0 +1,24 @@
+"""PEFT LoRA checkpoints of the tiny models for tests: random A and B, B non-zero (PEFT
+initialises B to zeros, which would hide every mistake)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def make_peft_adapter(base_path: str, directory, rank: int, alpha: float, targets, use_rslora: bool = False,
+                      seed: int = 0) -> str:
+    """A PEFT LoRA checkpoint of ``base_path`` with random A and B (B non-zero), saved by PEFT."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
+                                            use_rslora=use_rslora))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.4)
+    model.save_pretrained(str(directory))
+    return str(directory)

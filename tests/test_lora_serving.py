@@ -1,0 +1,136 @@
+"""LoRA adapters through the server: named in the configuration (``model.lora_modules``),
+selected by a request's ``model`` (the adapter's name, or "BASE:NAME"), listed by
+``/v1/models`` with their parent, refused by name when unknown (404) or unservable (400).
+
+One Ray instance, one CPU worker with ``enable_lora`` and the Serve application, driven by
+the official ``openai`` client and plain HTTP. Each request's greedy tokens must equal the
+offline engine's with the same ``LoRARequest`` (which ``test_lora.py`` holds equal to
+transformers + PEFT), also when requests of both adapters and of the base model share
+steps. After every test the cluster is idle with no block in use.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+ray = pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from peft_adapters import make_peft_adapter  # noqa: E402
+from served_cluster import cluster_config, running_cluster  # noqa: E402
+
+from pagedserve import LLM, LoRARequest, SamplingParams  # noqa: E402
+
+MODEL = "tiny-lora"
+ENGINE = {"num_device_blocks": 256, "swap_space_gb": 0.001, "enable_lora": True, "max_loras": 2,
+          "max_lora_rank": 8}
+# name -> (rank, targets); "wide" is past max_lora_rank: configured, but refused when asked for.
+ADAPTERS = {"attn": (8, ["q_proj", "v_proj"]), "mlp": (4, ["gate_proj", "up_proj", "down_proj"]),
+            "wide": (16, ["q_proj"])}
+PROMPTS = [[5, 17, 301, 44, 9, 12, 700], [8, 8, 93, 260, 31], [400, 2, 77, 19, 5, 61, 88, 140, 3]]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def adapter_paths(tiny_model, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("served-lora")
+    return {name: make_peft_adapter(tiny_model("llama"), root / name, rank, 2 * rank, targets, seed=i + 1)
+            for i, (name, (rank, targets)) in enumerate(ADAPTERS.items())}
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model, adapter_paths):
+    from pagedserve.cluster.serving.deployment import deploy
+
+    config = cluster_config(tiny_model("llama"), MODEL, ENGINE, num_workers=1)
+    config["model"]["lora_modules"] = [{"name": name, "path": path} for name, path in adapter_paths.items()]
+    with running_cluster(config, num_cpus=2) as cluster:
+        endpoints = deploy(cluster.handle, cluster.config, quiet=True)
+        yield cluster.handle, endpoints["http"]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model, adapter_paths) -> dict[str | None, list[list[int]]]:
+    """Greedy tokens of every prompt offline, per adapter (None: the base model)."""
+    llm = LLM(tiny_model("llama"), device="cpu", dtype="float32", swap_space_gb=0.001, **{
+        k: v for k, v in ENGINE.items() if k not in ("num_device_blocks", "swap_space_gb")})
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = {}
+    for index, name in enumerate([None, "attn", "mlp"]):
+        lora = None if name is None else LoRARequest(name, index, adapter_paths[name])
+        results = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=lora)
+        outputs[name] = [list(result.outputs[0].token_ids) for result in results]
+    return outputs
+
+
+@pytest.fixture
+def client(served):
+    return openai.OpenAI(base_url=served[1] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(autouse=True)
+def idle_after(served):
+    yield
+    handle = served[0]
+    handle.wait_idle(timeout=60)
+    assert handle.num_used_blocks() == 0
+    handle.check_integrity()
+
+
+def _tokens(client, model: str, prompt: list[int]) -> tuple[str, list[int]]:
+    response = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                         extra_body={"ignore_eos": True, "return_token_ids": True})
+    return response.model, response.choices[0].token_ids
+
+
+def test_models_lists_the_base_and_its_adapters(client, adapter_paths):
+    cards = {card.id: card for card in client.models.list().data}
+    assert set(cards) == {MODEL, *ADAPTERS}
+    assert getattr(cards[MODEL], "parent", None) is None
+    for name, path in adapter_paths.items():
+        assert cards[name].parent == MODEL and cards[name].root == path
+    assert client.models.retrieve(f"{MODEL}:attn").id == "attn"
+
+
+def test_an_adapter_named_as_model_generates_what_it_does_offline(client, expected):
+    assert expected["attn"] != expected[None] and expected["mlp"] != expected[None]  # the adapters matter
+    for model, name in ((MODEL, None), ("attn", "attn"), (f"{MODEL}:mlp", "mlp")):
+        for prompt, tokens in zip(PROMPTS, expected[name]):
+            assert _tokens(client, model, prompt) == (name or MODEL, tokens)
+
+
+def test_adapters_and_the_base_model_share_steps(client, expected):
+    jobs = [(model, name, i) for i in range(len(PROMPTS)) for model, name in
+            ((MODEL, None), ("attn", "attn"), ("mlp", "mlp"))] * 2
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda job: _tokens(client, job[0], PROMPTS[job[2]]), jobs))
+    for (model, name, i), (echoed, tokens) in zip(jobs, results):
+        assert echoed == model and tokens == expected[name][i]
+
+
+def test_a_streamed_chat_names_its_adapter_in_every_chunk(client):
+    stream = client.chat.completions.create(model="attn", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=6, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks and all(chunk.model == "attn" for chunk in chunks)
+
+
+def test_an_unknown_adapter_is_a_404_naming_it(client):
+    for model in ("nope", f"{MODEL}:nope", "other:attn"):
+        with pytest.raises(openai.NotFoundError) as caught:
+            client.completions.create(model=model, prompt=[5, 6], max_tokens=2)
+        assert f"the model `{model}` does not exist" in str(caught.value)
+
+
+def test_an_adapter_past_max_lora_rank_is_refused_and_others_go_on(served, client, expected):
+    with ThreadPoolExecutor(2) as pool:
+        good = pool.submit(_tokens, client, "attn", PROMPTS[0])
+        response = httpx.post(served[1] + "/v1/completions", timeout=120,
+                              json={"model": "wide", "prompt": [5, 6, 7], "max_tokens": 4})
+        assert good.result() == ("attn", expected["attn"][0])
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert "wide" in message and "max_lora_rank" in message
