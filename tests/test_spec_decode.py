@@ -335,6 +335,29 @@ def test_no_proposals_once_the_batch_reaches_disable_by_batch_size(make_llm):
     assert llm.stats()["spec_decode_num_drafts"] > after["spec_decode_num_drafts"]
 
 
+def test_a_sequence_whose_drafts_keep_nothing_backs_off(make_llm):
+    """Drafts that keep nothing pause a sequence's proposals for 1, 2, 4, ... tokens (the
+    back-off), and outputs stay exact; drafts that keep a token never pause it."""
+    llm = make_llm("llama")
+    prompts = random_prompts((6, 13), seed=19)
+    base = make_llm("llama", speculative=False)
+    max_tokens = 64
+    expected = outputs_of(base.generate(prompts, greedy(max_tokens), use_tqdm=False))
+    for num_right, most_drafts in ((0, 7), (1, max_tokens)):
+        script(llm, prompts, expected, num_right=num_right)
+        before = llm.stats()
+        assert outputs_of(llm.generate(prompts, greedy(max_tokens), use_tqdm=False)) == expected
+        after = llm.stats()
+        num_drafts = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
+        num_backoffs = after["spec_decode_num_backoffs"] - before["spec_decode_num_backoffs"]
+        if num_right == 0:
+            # Drafts at outputs 1, 3, 6, 11, 20, 37 (a pause of 1, 2, 4, 8, 16 tokens after each).
+            assert num_drafts == num_backoffs and len(prompts) * 5 <= num_drafts <= len(prompts) * most_drafts
+        else:
+            # Each step keeps a proposal and the target's token: two tokens a draft, never a pause.
+            assert num_backoffs == 0 and num_drafts >= len(prompts) * (max_tokens // 2 - 1)
+
+
 def test_beam_search_does_not_speculate(make_llm):
     from pagedserve.workers.sample.sampling_params import BeamSearchParams
 

@@ -57,6 +57,10 @@ class Sequence:
     stream: SequenceStream | None = None
     # Tokens proposed to follow ``token_ids`` this step (speculative decoding), verified by it.
     proposed_token_ids: list[int] = field(default_factory=list)
+    # Speculative decoding's back-off: its drafts in a row that kept nothing, and the output
+    # count before which it proposes no more.
+    num_rejected_drafts: int = 0
+    proposes_from_output: int = 0
 
     def __post_init__(self) -> None:
         self.output_token_ids = self.token_ids[self.num_prompt_tokens:]

@@ -36,6 +36,9 @@ from .verifier import verify
 
 # Per-row features the verifier cannot honour yet: such a sequence decodes one token a step.
 NOT_VERIFIABLE = PENALTIES | LOGPROBS | GRAMMAR | FORKS | EXPORTS_KV | BEAM | BAD_WORDS
+# The back-off: after r drafts in a row that kept nothing, a sequence skips its next
+# min(2^(r-1), MAX_BACKOFF_TOKENS) tokens' proposals (a draft that keeps one token ends it).
+MAX_BACKOFF_TOKENS = 64
 
 
 def reason_not_speculating(request: Request) -> str | None:
@@ -68,6 +71,7 @@ class SpecDecodeStats:
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     num_disabled_steps: int = 0     # steps whose batch reached disable_by_batch_size
+    num_backoffs: int = 0           # drafts that kept nothing, each pausing its sequence's proposals
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -80,7 +84,8 @@ class SpecDecodeStats:
                 "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
                 "spec_decode_num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
                 "spec_decode_mean_acceptance_length": self.mean_acceptance_length,
-                "spec_decode_num_disabled_steps": self.num_disabled_steps}
+                "spec_decode_num_disabled_steps": self.num_disabled_steps,
+                "spec_decode_num_backoffs": self.num_backoffs}
 
 
 class Speculator:
@@ -118,7 +123,8 @@ class Speculator:
             self.stats.num_disabled_steps += 1
             return
         candidates = [seq for seq in running if seq.batch_row >= 0 and not seq.proposed_token_ids
-                      and seq.num_computed == len(seq.token_ids) - 1]
+                      and seq.num_computed == len(seq.token_ids) - 1
+                      and len(seq.output_token_ids) >= seq.proposes_from_output]
         if not candidates:
             return
         batch = self.batch
@@ -198,6 +204,18 @@ class Speculator:
         outputs, accepted = verify(self.sampler, logits, sampling, proposals)
         self._finish(seqs, rows, flags, outputs, accepted, result)
 
+    def _back_off(self, seq: Sequence, num_accepted: int) -> None:
+        """After a draft that kept nothing, the sequence stops proposing for a while, twice as
+        long after each such draft in a row (``MAX_BACKOFF_TOKENS`` at most): proposals that
+        keep failing cost a verification step of k + 1 tokens for one."""
+        if num_accepted:
+            seq.num_rejected_drafts = 0
+            return
+        seq.num_rejected_drafts += 1
+        pause = min(1 << (seq.num_rejected_drafts - 1), MAX_BACKOFF_TOKENS)
+        seq.proposes_from_output = len(seq.output_token_ids) + 1 + pause   # this step's token is not out yet
+        self.stats.num_backoffs += 1
+
     def _add_per_position(self, sampling, first: int, seq: Sequence, flag: int, count: int) -> None:
         """A row's seeded draws, ``min_tokens`` bans and logit biases at each of its positions, as
         decoding one token a step would have them at each output number."""
@@ -226,6 +244,7 @@ class Speculator:
             stats.num_drafts += 1
             stats.num_draft_tokens += num_proposed
             stats.num_accepted_tokens += num_accepted
+            self._back_off(seq, num_accepted)
             per_pos = stats.num_accepted_tokens_per_pos
             if len(per_pos) < num_proposed:
                 per_pos.extend([0] * (num_proposed - len(per_pos)))
