@@ -406,6 +406,11 @@ def format_status(stats: dict) -> str:
             f"{pool.get('num_preemptions_swap', 0)}/{pool.get('num_preemptions_recompute', 0):<9}")
         if worker.get("error"):
             lines.append(f"  {worker_id}: {worker['error']}")
+        if worker.get("spec_decode_num_drafts"):
+            lines.append(f"  {worker_id}: speculative decoding: mean acceptance length "
+                         f"{worker['spec_decode_mean_acceptance_length']:.2f} ({worker['spec_decode_num_drafts']} drafts, "
+                         f"{worker['spec_decode_num_accepted_tokens']} of {worker['spec_decode_num_draft_tokens']} "
+                         "proposed tokens accepted)")
         lines.extend(_rank_lines(worker))
     reasons = stats.get("router", {}).get("reasons")
     if reasons:

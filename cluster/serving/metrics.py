@@ -91,10 +91,25 @@ class _ClusterStatsCollector:
                                    "Prefix cache hits, in terms of number of cached tokens.", labels=labels)
         preemptions = CounterMetricFamily("vllm:num_preemptions", "Cumulative number of preemptions.",
                                           labels=labels)
+        drafts = CounterMetricFamily("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+                                     labels=labels)
+        draft_tokens = CounterMetricFamily("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                                           labels=labels)
+        accepted = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                                       labels=labels)
+        per_position = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                           "Accepted tokens per draft position.", labels=labels + ["position"])
         for worker_id, stats in sorted(self.stats.get("workers", {}).items()):
+            key = [self.model_name, worker_id]
             if "num_running" in stats:
-                running.add_metric([self.model_name, worker_id], stats["num_running"])
-                waiting.add_metric([self.model_name, worker_id], stats["num_waiting"])
+                running.add_metric(key, stats["num_running"])
+                waiting.add_metric(key, stats["num_waiting"])
+            if "spec_decode_num_drafts" in stats:
+                drafts.add_metric(key, stats["spec_decode_num_drafts"])
+                draft_tokens.add_metric(key, stats["spec_decode_num_draft_tokens"])
+                accepted.add_metric(key, stats["spec_decode_num_accepted_tokens"])
+                for position, count in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
+                    per_position.add_metric(key + [str(position)], count)
         for worker_id, pool in sorted(self.stats.get("kv_manager", {}).get("workers", {}).items()):
             key = [self.model_name, worker_id]
             num_blocks = pool.get("num_device_blocks", 0)
@@ -105,7 +120,8 @@ class _ClusterStatsCollector:
             hits.add_metric(key, pool.get("num_prefix_hit_tokens", 0))
             preemptions.add_metric(key, sum(pool.get(f"num_preemptions_{mode}", 0)
                                             for mode in ("swap", "recompute", "migrate")))
-        yield from (running, waiting, usage, legacy_usage, queries, hits, preemptions)
+        yield from (running, waiting, usage, legacy_usage, queries, hits, preemptions, drafts, draft_tokens, accepted,
+                    per_position)
 
     def _collect_pagedserve(self):
         workers = self.stats.get("workers", {})

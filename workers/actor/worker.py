@@ -396,6 +396,8 @@ class Worker:
                 "gc": self.gc_pauses.snapshot(), "engine_core_gc": figures["gc"],
                 # The core's CPU by phase of its loop: its inbox, steps, output processing, sends, KV events.
                 "engine_core_cpu_seconds": figures["cpu_seconds"],
+                # Speculative decoding's counters (vLLM's names), with speculative_config only.
+                **{name: value for name, value in engine_stats.items() if name.startswith("spec_decode_")},
                 "is_healthy": self.core.is_running}
 
     async def block_map(self, max_cells: int = 4096) -> dict:
