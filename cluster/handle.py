@@ -110,7 +110,9 @@ class ClusterHandle:
         self._init_local_state()
 
     def _init_local_state(self) -> None:
-        self.router = Router(self.config.router, list(self.workers))
+        engine = self.config.engine
+        self.router = Router(self.config.router, list(self.workers),
+                             adapters_per_worker=engine.max_cpu_loras or engine.max_loras)
         self.health = HealthView(self.controller, list(self.workers), self.router,
                                  stall_timeout_s(self.config.step_timeout_s))
         self._tokenizer = None
@@ -319,7 +321,8 @@ class ClusterHandle:
             lora = request.lora_request
             cached = await self._longest_prefix(
                 tokens, prefix_extra_key(request.params.cache_salt, lora.lora_name if lora else None))
-            decision = self.router.choose(request.request_id, num_tokens, max_tokens, cached, excluded)
+            decision = self.router.choose(request.request_id, num_tokens, max_tokens, cached, excluded,
+                                          adapter=lora.lora_name if lora else None)
         run.worker_id = decision.worker_id
         worker = self.workers[decision.worker_id]
         finished = False

@@ -30,7 +30,7 @@ class WorkerLoad:
 class RoutingDecision:
     request_id: str
     worker_id: str
-    reason: str                      # "prefix", "load", "only", "round_robin", "fallback"
+    reason: str                      # "prefix", "adapter", "load", "only", "round_robin", "fallback"
     cached_tokens: int
     prompt_tokens: int
     scores: dict[str, float] = field(default_factory=dict)
@@ -57,10 +57,21 @@ class Router:
     has more queued than the hit saves. Workers whose ``kv_blocks_used_frac``
     reaches ``max_kv_utilization``, or with ``max_queue_per_worker`` requests,
     are skipped while another has room ("fallback" when none has).
+
+    A request with a LoRA adapter goes, among those workers, to one that holds the adapter if
+    any does ("adapter", unless a cached prefix decided), scored as above among them; a cold
+    adapter goes by the score alone, and the worker it lands on holds it from then on. What a
+    worker holds is what this router last sent it: up to ``adapters_per_worker`` adapters
+    (the worker's ``max_cpu_loras``), the least recently sent dropped first, as the worker's
+    own host cache drops them.
     """
 
-    def __init__(self, config: RouterConfig, worker_ids: list[str], history: int = 256) -> None:
+    def __init__(self, config: RouterConfig, worker_ids: list[str], history: int = 256,
+                 adapters_per_worker: int = 1) -> None:
         self.config = config
+        self.adapters_per_worker = adapters_per_worker
+        # Per worker, the adapters it holds as far as this router knows, least recently sent first.
+        self._adapters: dict[str, collections.OrderedDict[str, None]] = {}
         self.loads: dict[str, WorkerLoad] = {w: WorkerLoad() for w in worker_ids}
         self.decisions: collections.deque[RoutingDecision] = collections.deque(maxlen=history)
         self.reason_counts: collections.Counter[str] = collections.Counter()
@@ -70,11 +81,14 @@ class Router:
     def set_workers(self, worker_ids: list[str]) -> None:
         with self._lock:
             self.loads = {w: self.loads.get(w, WorkerLoad()) for w in worker_ids}
+            self._adapters = {w: held for w, held in self._adapters.items() if w in self.loads}
 
     def mark_dead(self, worker_id: str, is_alive: bool = False) -> None:
         with self._lock:
             if worker_id in self.loads:
                 self.loads[worker_id].is_alive = is_alive
+            if not is_alive:
+                self._adapters.pop(worker_id, None)   # restarted, it starts without adapters
 
     def update_occupancy(self, blocks_used_frac: dict[str, float]) -> None:
         """Set each worker's ``kv_blocks_used_frac`` (see ``kv_blocks_used_frac``)."""
@@ -84,8 +98,10 @@ class Router:
                     self.loads[worker_id].kv_blocks_used_frac = value
 
     def choose(self, request_id: str, prompt_tokens: int, max_tokens: int,
-               cached: dict[str, int], exclude: set[str] = frozenset()) -> RoutingDecision:
-        """Pick a worker; ``cached`` is the cached prefix length per worker."""
+               cached: dict[str, int], exclude: set[str] = frozenset(), adapter: str | None = None
+               ) -> RoutingDecision:
+        """Pick a worker; ``cached`` is the cached prefix length per worker, ``adapter`` the
+        request's LoRA adapter (None: the base model)."""
         with self._lock:
             alive = [w for w, load in self.loads.items() if load.is_alive and w not in exclude]
             if not alive:
@@ -95,9 +111,13 @@ class Router:
                      and self.loads[w].num_in_flight < self.config.max_queue_per_worker]
             candidates = roomy or alive
             policy = self.config.policy
+            holders = ([w for w in candidates if adapter in self._adapters.get(w, ())]
+                       if adapter is not None and policy != "round_robin" and len(candidates) > 1 else [])
+            if holders:
+                candidates = holders
             scores: dict[str, float] = {}
             if len(candidates) == 1:
-                worker_id, reason = candidates[0], "only"
+                worker_id, reason = candidates[0], "adapter" if holders else "only"
             elif policy == "round_robin":
                 worker_id, reason = candidates[self._next % len(candidates)], "round_robin"
                 self._next += 1
@@ -112,9 +132,16 @@ class Router:
                 # "prefix" when the winner holds a longer cached prefix than every other
                 # candidate (the cache decided, even if it is also the least loaded).
                 best_other = max((cached.get(w, 0) for w in candidates if w != worker_id), default=0)
-                reason = "prefix" if weight > 0 and cached.get(worker_id, 0) > best_other else "load"
+                reason = ("prefix" if weight > 0 and cached.get(worker_id, 0) > best_other
+                          else "adapter" if holders else "load")
                 if not roomy:
                     reason = "fallback"
+            if adapter is not None:
+                held = self._adapters.setdefault(worker_id, collections.OrderedDict())
+                held.pop(adapter, None)
+                held[adapter] = None
+                while len(held) > self.adapters_per_worker:
+                    held.popitem(last=False)
             load = self.loads[worker_id]
             load.num_in_flight += 1
             load.num_in_flight_tokens += prompt_tokens + max_tokens

@@ -2,8 +2,9 @@
 selected by a request's ``model`` (the adapter's name, or "BASE:NAME"), listed by
 ``/v1/models`` with their parent, refused by name when unknown (404) or unservable (400).
 
-One Ray instance, one CPU worker with ``enable_lora`` and the Serve application, driven by
-the official ``openai`` client and plain HTTP. Each request's greedy tokens must equal the
+One Ray instance, two CPU workers with ``enable_lora`` and the Serve application, driven by
+the official ``openai`` client and plain HTTP; a request goes to a worker that holds its
+adapter. Each request's greedy tokens must equal the
 offline engine's with the same ``LoRARequest`` (which ``test_lora.py`` holds equal to
 transformers + PEFT), also when requests of both adapters and of the base model share
 steps. After every test the cluster is idle with no block in use.
@@ -45,7 +46,7 @@ def adapter_paths(tiny_model, tmp_path_factory) -> dict[str, str]:
 def served(tiny_model, adapter_paths):
     from pagedserve.cluster.serving.deployment import deploy
 
-    config = cluster_config(tiny_model("llama"), MODEL, ENGINE, num_workers=1)
+    config = cluster_config(tiny_model("llama"), MODEL, ENGINE, num_workers=2)
     config["model"]["lora_modules"] = [{"name": name, "path": path} for name, path in adapter_paths.items()]
     with running_cluster(config, num_cpus=2) as cluster:
         endpoints = deploy(cluster.handle, cluster.config, quiet=True)
@@ -109,6 +110,18 @@ def test_adapters_and_the_base_model_share_steps(client, expected):
         results = list(pool.map(lambda job: _tokens(client, job[0], PROMPTS[job[2]]), jobs))
     for (model, name, i), (echoed, tokens) in zip(jobs, results):
         assert echoed == model and tokens == expected[name][i]
+
+
+def test_an_adapters_requests_go_to_the_worker_that_holds_it(served, client):
+    def adapter_routes() -> int:
+        stats = httpx.get(served[1] + "/stats", timeout=30).json()
+        return stats["router"]["reasons"].get("adapter", 0)
+
+    before = adapter_routes()
+    for i in range(3):
+        for name in ("attn", "mlp"):   # new prompts: no cached prefix decides
+            _tokens(client, name, [11 + i, 300 + i, 7, 900 - i])
+    assert adapter_routes() - before >= 4
 
 
 def test_a_streamed_chat_names_its_adapter_in_every_chunk(client):

@@ -147,3 +147,43 @@ def test_the_gate_reads_the_central_occupancy_fed_by_events():
     assert PublishAck.unpack(central.publish(local.drain_events().pack())).status == "ok"
     frac = kv_blocks_used_frac(central.stats()["workers"]["w0"])
     assert frac == pytest.approx(128 / 400) == pytest.approx(kv_blocks_used_frac(local.stats("w0")))
+
+
+def test_adapters_go_where_they_are_held_and_a_cold_one_to_the_least_loaded():
+    """2 workers holding 4 adapters each, a random stream of 8 adapters' requests (each released
+    after a while): at least 90% land on a worker that already held their adapter (the
+    issue's target), and the load stays shared."""
+    import random
+
+    router = Router(RouterConfig(), ["w0", "w1"], adapters_per_worker=4)
+    first = router.choose("a", 100, 16, {}, adapter="sql")
+    assert first.reason == "load"
+    _load(router, first.worker_id, 1_000)   # the holder is busier, but holds the adapter
+    again = router.choose("b", 100, 16, {}, adapter="sql")
+    assert (again.worker_id, again.reason) == (first.worker_id, "adapter")
+    cold = router.choose("c", 100, 16, {}, adapter="chat")
+    assert cold.worker_id != first.worker_id and cold.reason == "load"
+
+    rng = random.Random(0)
+    router = Router(RouterConfig(), ["w0", "w1"], adapters_per_worker=4)
+    adapters = [f"adapter-{i}" for i in range(8)]
+    running, num_held, per_worker = [], 0, {"w0": 0, "w1": 0}
+    for i in range(1_000):
+        adapter = rng.choice(adapters)
+        held = {w for w in ("w0", "w1") if adapter in router._adapters.get(w, ())}
+        decision = router.choose(f"r{i}", rng.randrange(16, 512), 64, {}, adapter=adapter)
+        num_held += decision.worker_id in held
+        per_worker[decision.worker_id] += 1
+        running.append(decision)
+        if len(running) > 16:
+            router.release(running.pop(rng.randrange(len(running))), 64)
+    assert num_held >= 900 and min(per_worker.values()) >= 300, (num_held, per_worker)
+    # A worker that died (and restarts) holds nothing any more.
+    router.mark_dead("w0")
+    assert not router._adapters.get("w0")
+
+
+def test_round_robin_ignores_adapters():
+    router = Router(RouterConfig(policy="round_robin"), ["w0", "w1"], adapters_per_worker=4)
+    workers = [router.choose(f"r{i}", 10, 1, {}, adapter="sql").worker_id for i in range(4)]
+    assert workers == ["w0", "w1", "w0", "w1"]
