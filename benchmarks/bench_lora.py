@@ -11,6 +11,12 @@ schedule, forward, sampling), so each step's ratio to the baseline's compares st
 under the same load; each configuration reports its median step and the median of its
 ratios.
 
+Then an adapter's load: the time to the first token of one request (its prompt of
+``--prompt`` tokens, prefix caching off) with the base model, with an adapter never seen
+(read from disk, checked, copied into a slot), one in host memory but not in a slot (the
+engine has one slot: another adapter took it), and one already in its slot; each
+``--load-rounds`` times with fresh adapters, medians and their ratio to the base model's.
+
     python benchmarks/bench_lora.py [--batch 64 --adapters 1,8,32 --rank 16 --steps 40]
     python benchmarks/bench_lora.py --targets q_proj,v_proj
 """
@@ -80,6 +86,45 @@ class Decoding:
         assert engine.num_used_blocks() == 0
 
 
+def time_to_first_token(llm: LLM, prompt: list[int], lora: LoRARequest | None) -> float:
+    """Seconds from adding one request to its first token, stepping the engine alone."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    start = time.perf_counter()
+    engine.add_request("ttft", None, params, prompt_token_ids=prompt, output_kind="final", lora_request=lora)
+    while not engine.requests["ttft"].seqs[0].output_token_ids:
+        engine.step()
+    elapsed = time.perf_counter() - start
+    engine.abort_request("ttft")
+    engine.step()
+    return elapsed
+
+
+def adapter_load(path: str, model, prompt: list[int], rank: int, targets: list[str], rounds: int, root: Path) -> None:
+    """Time to first token: base, cold adapter, adapter in host memory only, adapter in its slot."""
+    llm = LLM(path, device="cpu", dtype="float32", swap_space_gb=0.01, block_size=16, num_device_blocks=64,
+              enable_prefix_caching=False, enable_lora=True, max_loras=1, max_lora_rank=rank, max_cpu_loras=2)
+    time_to_first_token(llm, prompt, None)   # warm
+    times: dict[str, list[float]] = {"base model": [], "cold (from disk)": [], "in host memory": [],
+                                     "in its slot": []}
+    for i in range(rounds):
+        first, other = (LoRARequest(f"load-{i}-{j}", 1000 + 2 * i + j,
+                                    write_adapter(root / f"load-{i}-{j}", model, rank, targets, 100 + 2 * i + j))
+                        for j in range(2))
+        times["base model"].append(time_to_first_token(llm, prompt, None))
+        times["cold (from disk)"].append(time_to_first_token(llm, prompt, first))
+        times["in its slot"].append(time_to_first_token(llm, prompt, first))
+        time_to_first_token(llm, prompt, other)   # takes the only slot; first stays in host memory
+        times["in host memory"].append(time_to_first_token(llm, prompt, first))
+    llm.check_integrity()
+    base = statistics.median(times["base model"])
+    print(f"\nadapter load: time to first token, prompt of {len(prompt)} tokens, rank {rank}, "
+          f"median of {rounds} fresh adapters")
+    for name, values in times.items():
+        median = statistics.median(values)
+        print(f"{name:>18} {1e3 * median:9.2f} ms {median / base:6.2f}x")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="small")
@@ -90,6 +135,7 @@ def main(argv=None) -> None:
     parser.add_argument("--targets", default=ALL_LINEAR)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--load-rounds", type=int, default=5, help="adapter-load rounds (0: skip)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -126,6 +172,9 @@ def main(argv=None) -> None:
     for name, values in times.items():
         ratio = statistics.median(t / b for t, b in zip(values, base))
         print(f"{name:>16} {1e3 * statistics.median(values):15.2f} {ratio:33.2f}x")
+    if args.load_rounds:
+        with tempfile.TemporaryDirectory() as root:
+            adapter_load(path, model, prompts[0], args.rank, targets, args.load_rounds, Path(root))
 
 
 if __name__ == "__main__":
