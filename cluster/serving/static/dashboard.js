@@ -394,6 +394,8 @@
         td(num(pool.num_swapped), id + ".num_swapped", pool.num_swapped),
         td(num(load.num_in_flight), id + ".num_in_flight", load.num_in_flight),
         td(worker.is_healthy ? "yes" : "no", id + ".is_healthy", worker.is_healthy ? 1 : 0),
+        td(engine.spec_decode_num_drafts ? num(engine.spec_decode_mean_acceptance_length, 2) : "-",
+           id + ".spec_decode_mean_acceptance_length", engine.spec_decode_mean_acceptance_length),
       ];
     }));
   }
