@@ -243,3 +243,134 @@ def test_random_proposals_and_rollbacks_leak_nothing(seed, allocation):
                                               if seq.num_speculative else [])
     step(manager, accepted=[(s, 0) for s in proposed], finished=list(truth))
     assert bm.device.num_used_blocks == 0 and bm.host.num_used_blocks == 0
+
+
+# ---- a hypothesis state machine ---------------------------------------------------------------
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule  # noqa: E402
+
+SHARED = [5, 6, 7, 8, 5, 6]   # a prefix many prompts start with: prefix hits
+
+
+class SpeculationMachine(RuleBasedStateMachine):
+    """A tiny engine on a small pool (device and host tiers, swap or recompute preemption, prefix
+    caching). Each step accepts a random number of the proposals the last step verified, appends
+    the target's token, finishes, aborts and forks sequences, and proposes anew. After every step
+    the manager's integrity check passes and each sequence's tokens are exactly what it accepted
+    (plus the proposals in flight); at the end no block is held."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.manager: KVManager | None = None
+        self.truth: dict[str, list[int]] = {}      # accepted tokens, by sequence
+        self.running: list[str] = []
+        self.waiting: list[str] = []
+        self.proposed: dict[str, list[int]] = {}   # the proposals the last step got, by sequence
+        self.computed_to: dict[str, int] = {}      # where the last step's chunk of each ended
+        self.new: list[NewSequence] = []
+        self.num_created = 0
+
+    def _name(self) -> str:
+        self.num_created += 1
+        return f"s{self.num_created - 1}"
+
+    @precondition(lambda self: self.manager is None)
+    @rule(num_device=st.integers(10, 28), num_host=st.integers(0, 12),
+          mode=st.sampled_from([None, "swap", "recompute"]))
+    def configure(self, num_device, num_host, mode) -> None:
+        self.manager = KVManager()
+        self.manager.add_worker("w", PoolConfig(num_device_blocks=num_device, num_host_blocks=num_host, block_size=BS,
+                                                max_model_len=256, watermark=0.0, preemption_mode=mode))
+        self.bm = self.manager.block_manager("w")
+
+    @precondition(lambda self: self.manager is not None and len(self.truth) < 8)
+    @rule(suffix=st.lists(st.integers(5, 8), min_size=1, max_size=10), shared=st.booleans())
+    def add(self, suffix, shared) -> None:
+        seq_id = self._name()
+        prompt = (SHARED if shared else []) + suffix
+        self.new.append(NewSequence(seq_id, prompt))
+        self.truth[seq_id] = list(prompt)
+        self.waiting.append(seq_id)
+
+    @precondition(lambda self: self.manager is not None)
+    @rule(data=st.data(), budget=st.sampled_from([4, 8, 64]))
+    def step(self, data, budget) -> None:
+        accepted, appended, finished, forks, proposals = [], [], [], [], []
+        for seq_id, end in self.computed_to.items():
+            known = len(self.truth[seq_id])
+            if end < known:
+                continue       # a prefill chunk short of the end: nothing sampled
+            if seq_id in self.proposed:
+                num = data.draw(st.integers(0, min(len(self.proposed[seq_id]), end - known)), label="accepted")
+                accepted.append((seq_id, num))
+                self.truth[seq_id] += self.proposed[seq_id][:num]
+            token = data.draw(st.integers(5, 8), label="target's token")
+            appended.append((seq_id, [token]))
+            self.truth[seq_id].append(token)
+        # Proposals the last step did not verify (budget cut, preempted) are dropped: none kept.
+        accepted += [(s, 0) for s in self.proposed if s not in self.computed_to and s in self.bm.seqs]
+        settled = {s for s, _ in accepted} | {s for s, _ in appended}
+        new_ids = {n.seq_id for n in self.new}
+        for seq_id in list(self.running) + [s for s in self.waiting if s not in new_ids]:
+            if len(self.truth[seq_id]) > 200 or data.draw(st.integers(0, 24), label="ends") == 0:
+                (self.running if seq_id in self.running else self.waiting).remove(seq_id)
+                finished.append(seq_id)    # a finish, or a waiting sequence's abort
+                del self.truth[seq_id]
+        for parent in list(self.running):
+            if (len(self.truth) < 8 and parent not in settled and not self.bm.seqs[parent].num_speculative
+                    and data.draw(st.integers(0, 9), label="forks") == 0):
+                child = self._name()
+                forks.append((parent, child))
+                self.truth[child] = list(self.truth[parent])
+                self.running.append(child)
+        self.proposed = {}
+        for seq_id in self.running:
+            seq = self.bm.seqs.get(seq_id)
+            known = len(self.truth[seq_id])
+            if (seq is not None and seq.location.value == "device" and seq.num_computed == known - 1
+                    and known + 8 < 256 and data.draw(st.booleans(), label="proposes")):
+                tokens = data.draw(st.lists(st.integers(5, 8), min_size=1, max_size=7), label="proposal")
+                self.proposed[seq_id] = tokens
+                proposals.append((seq_id, tokens))
+        out = self.manager.step(StepInput("w", new_sequences=self.new, forks=forks, accepted=accepted,
+                                          appended=appended, finished=finished, proposed=proposals,
+                                          running=list(self.running), waiting=list(self.waiting),
+                                          token_budget=budget))
+        self.new = []
+        for preemption in out.preempted:
+            self.running.remove(preemption.seq_id)
+            self.waiting.append(preemption.seq_id)
+            self.proposed.pop(preemption.seq_id, None)
+        self.computed_to = {}
+        for sched in out.scheduled:
+            self.computed_to[sched.seq_id] = sched.start + sched.num_tokens
+            if sched.seq_id in self.waiting:
+                self.waiting.remove(sched.seq_id)
+                self.running.append(sched.seq_id)
+
+    @invariant()
+    def accounting_holds_and_tokens_are_the_accepted_ones(self) -> None:
+        if self.manager is None:
+            return
+        self.manager.check_integrity()
+        new_ids = {n.seq_id for n in self.new}
+        for seq_id, tokens in self.truth.items():
+            if seq_id not in new_ids:
+                seq = self.bm.seqs[seq_id]
+                assert seq.token_ids == tokens + (self.proposed.get(seq_id, []) if seq.num_speculative else [])
+
+    def teardown(self) -> None:
+        if self.manager is None:
+            return
+        self.manager.step(StepInput("w", new_sequences=self.new,
+                                    accepted=[(s, 0) for s in self.proposed if s in self.bm.seqs]))
+        self.manager.step(StepInput("w", finished=list(self.truth)))
+        self.manager.check_integrity()
+        assert self.bm.device.num_used_blocks == 0 and self.bm.host.num_used_blocks == 0
+
+
+SpeculationMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
+                                                suppress_health_check=[HealthCheck.too_slow])
+TestSpeculationStateful = SpeculationMachine.TestCase
