@@ -75,6 +75,10 @@ class ModelConfig(_Strict):
     lora_modules: list[LoRAModule] = Field(default_factory=list)
     """LoRA adapters served on this model, each selected by its name as "model" (needs
     ``engine.enable_lora``). ``pagedserve serve --lora-modules NAME=PATH ...`` sets it."""
+    dynamic_lora_loading_path: str | None = Field(None, min_length=1)
+    """A directory of LoRA adapters (Ray Serve LLM's key), at the same path on every node: a
+    request for "BASE:NAME" or "NAME" that no ``lora_modules`` entry names is served with the
+    adapter in its subdirectory NAME, read on its first request. Needs ``engine.enable_lora``."""
 
     @field_validator("lora_modules")
     @classmethod
@@ -356,6 +360,8 @@ class ClusterConfig(_Strict):
     def _adapters_need_lora(self) -> "ClusterConfig":
         if self.model.lora_modules and not self.engine.enable_lora:
             raise ValueError("model.lora_modules needs engine.enable_lora: true (--enable-lora)")
+        if self.model.dynamic_lora_loading_path and not self.engine.enable_lora:
+            raise ValueError("model.dynamic_lora_loading_path needs engine.enable_lora: true (--enable-lora)")
         clash = [m.name for m in self.model.lora_modules if m.name == self.model.served_name]
         if clash:
             raise ValueError(f"model.lora_modules: the adapter name {clash[0]!r} is the base model's name")

@@ -33,6 +33,7 @@ from pagedserve.workers.actor.worker import stall_timeout_s
 from .config import ClusterConfig
 from .controller import HealthView
 from .kv_relay import kill_relays
+from .lora_adapters import LoRAAdapters
 from .placement import remove_worker_placement
 from .request_flow import (MIGRATE, Attempt, AttemptsExhausted, RepeatedEngineFailure, RequestFlow,
                            StreamNotResumable)
@@ -93,10 +94,8 @@ class ClusterHandle:
         self.roles = dict(roles)
         self.info = info
         self.model_name = config.model.served_name
-        # The LoRA adapters requests may name, by name; their ids follow the configuration's order,
-        # the same in every handle.
-        self.adapters = {module.name: LoRARequest(module.name, index + 1, module.path)
-                         for index, module in enumerate(config.model.lora_modules)}
+        # The LoRA adapters requests may name (configured, and found in the dynamic directory).
+        self.adapters = LoRAAdapters(config.model.lora_modules, config.model.dynamic_lora_loading_path)
         self.max_model_len = info["max_model_len"]
         self.owns_ray = owns_ray
         # The actors ``start`` created, whose handles this process owns. Ray ends a (non-detached)

@@ -1,6 +1,7 @@
-"""LoRA adapters through the server: named in the configuration (``model.lora_modules``),
-selected by a request's ``model`` (the adapter's name, or "BASE:NAME"), listed by
-``/v1/models`` with their parent, refused by name when unknown (404) or unservable (400).
+"""LoRA adapters through the server: named in the configuration (``model.lora_modules``) or
+found in ``model.dynamic_lora_loading_path``, selected by a request's ``model`` (the adapter's
+name, or "BASE:NAME"), listed by ``/v1/models`` with their parent, refused by name when unknown
+(404) or unservable (400).
 
 One Ray instance, two CPU workers with ``enable_lora`` and the Serve application, driven by
 the official ``openai`` client and plain HTTP; a request goes to a worker that holds its
@@ -13,6 +14,7 @@ steps. After every test the cluster is idle with no block in use.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -30,7 +32,8 @@ ENGINE = {"num_device_blocks": 256, "swap_space_gb": 0.001, "enable_lora": True,
           "max_lora_rank": 8}
 # name -> (rank, targets); "wide" is past max_lora_rank: configured, but refused when asked for.
 ADAPTERS = {"attn": (8, ["q_proj", "v_proj"]), "mlp": (4, ["gate_proj", "up_proj", "down_proj"]),
-            "wide": (16, ["q_proj"])}
+            "wide": (16, ["q_proj"]), "dyn": (4, ["v_proj", "o_proj"])}
+CONFIGURED = ("attn", "mlp", "wide")   # "dyn" is found in the dynamic directory
 PROMPTS = [[5, 17, 301, 44, 9, 12, 700], [8, 8, 93, 260, 31], [400, 2, 77, 19, 5, 61, 88, 140, 3]]
 MAX_TOKENS = 12
 
@@ -47,7 +50,8 @@ def served(tiny_model, adapter_paths):
     from pagedserve.cluster.serving.deployment import deploy
 
     config = cluster_config(tiny_model("llama"), MODEL, ENGINE, num_workers=2)
-    config["model"]["lora_modules"] = [{"name": name, "path": path} for name, path in adapter_paths.items()]
+    config["model"]["lora_modules"] = [{"name": name, "path": adapter_paths[name]} for name in CONFIGURED]
+    config["model"]["dynamic_lora_loading_path"] = str(Path(adapter_paths["dyn"]).parent)
     with running_cluster(config, num_cpus=2) as cluster:
         endpoints = deploy(cluster.handle, cluster.config, quiet=True)
         yield cluster.handle, endpoints["http"]
@@ -60,7 +64,7 @@ def expected(tiny_model, adapter_paths) -> dict[str | None, list[list[int]]]:
         k: v for k, v in ENGINE.items() if k not in ("num_device_blocks", "swap_space_gb")})
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = {}
-    for index, name in enumerate([None, "attn", "mlp"]):
+    for index, name in enumerate([None, "attn", "mlp", "dyn"]):
         lora = None if name is None else LoRARequest(name, index, adapter_paths[name])
         results = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=lora)
         outputs[name] = [list(result.outputs[0].token_ids) for result in results]
@@ -89,10 +93,10 @@ def _tokens(client, model: str, prompt: list[int]) -> tuple[str, list[int]]:
 
 def test_models_lists_the_base_and_its_adapters(client, adapter_paths):
     cards = {card.id: card for card in client.models.list().data}
-    assert set(cards) == {MODEL, *ADAPTERS}
+    assert {MODEL, *CONFIGURED} <= set(cards) <= {MODEL, *ADAPTERS}
     assert getattr(cards[MODEL], "parent", None) is None
-    for name, path in adapter_paths.items():
-        assert cards[name].parent == MODEL and cards[name].root == path
+    for name in CONFIGURED:
+        assert cards[name].parent == MODEL and cards[name].root == adapter_paths[name]
     assert client.models.retrieve(f"{MODEL}:attn").id == "attn"
 
 
@@ -131,8 +135,15 @@ def test_a_streamed_chat_names_its_adapter_in_every_chunk(client):
     assert chunks and all(chunk.model == "attn" for chunk in chunks)
 
 
+def test_an_adapter_of_the_dynamic_directory_is_found_on_its_first_request(client, expected, adapter_paths):
+    for prompt, tokens in zip(PROMPTS, expected["dyn"]):
+        assert _tokens(client, f"{MODEL}:dyn", prompt) == ("dyn", tokens)
+    card = client.models.retrieve("dyn")
+    assert card.parent == MODEL and card.root == adapter_paths["dyn"]
+
+
 def test_an_unknown_adapter_is_a_404_naming_it(client):
-    for model in ("nope", f"{MODEL}:nope", "other:attn"):
+    for model in ("nope", f"{MODEL}:nope", "other:attn", f"{MODEL}:..", f"{MODEL}:../dyn", "dyn/x"):
         with pytest.raises(openai.NotFoundError) as caught:
             client.completions.create(model=model, prompt=[5, 6], max_tokens=2)
         assert f"the model `{model}` does not exist" in str(caught.value)

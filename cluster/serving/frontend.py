@@ -32,6 +32,7 @@ from pagedserve.workers.outputs.request_output import RequestOutput
 from pagedserve.workers.sample.sampling_params import SamplingParams, StructuredOutputsParams
 
 from ..config import ServerConfig
+from ..lora_adapters import LoRAAdapters
 from ..stats import gather_stats
 from .auth import API_KEY_ENV, check_api_key, is_open_path
 from .errors import APIError, error_from_exception, timeout_error
@@ -384,8 +385,9 @@ class Frontend:
         self.limits = self.config.limits
         self.api_key = self.config.api_key or os.environ.get(API_KEY_ENV) or None
         self.model_name = handle.model_name
-        # The LoRA adapters clients may name as "model" (``model.lora_modules``), by name.
-        self.adapters: dict[str, LoRARequest] = dict(getattr(handle, "adapters", {}))
+        # The LoRA adapters clients may name as "model" (``model.lora_modules``, and
+        # ``model.dynamic_lora_loading_path``'s).
+        self.adapters: LoRAAdapters = getattr(handle, "adapters", None) or LoRAAdapters()
         self.max_model_len = handle.max_model_len
         self.tokenizer = handle.tokenizer
         self.vocab_size = _model_vocab_size(handle.model_path, self.tokenizer)
@@ -426,14 +428,14 @@ class Frontend:
         model `x` does not exist.") clients recognise it."""
         if not model or model == self.model_name:
             return None
-        adapter = self.adapters.get(model)
-        if adapter is None:
+        adapter = None
+        if self.adapters:
             base, sep, name = model.rpartition(":")
-            adapter = self.adapters.get(name) if sep and base == self.model_name else None
+            adapter = self.adapters.get(name) if sep and base == self.model_name else self.adapters.get(model)
         if adapter is not None:
             return adapter
-        served = f"'{self.model_name}'" + (f" and its adapters {', '.join(map(repr, self.adapters))}"
-                                           if self.adapters else "")
+        known = self.adapters.known()
+        served = f"'{self.model_name}'" + (f" and its adapters {', '.join(map(repr, known))}" if known else "")
         raise APIError(404, f"Could not find model '{model}': the model `{model}` does not exist; "
                             f"this server serves {served}", param="model", code="model_not_found")
 
@@ -605,7 +607,7 @@ class Frontend:
         base = ModelCard(id=self.model_name, root=self.handle.model_path, max_model_len=self.max_model_len)
         return ModelList(data=[base] + [
             ModelCard(id=name, root=adapter.lora_path, parent=self.model_name, max_model_len=self.max_model_len)
-            for name, adapter in self.adapters.items()])
+            for name, adapter in self.adapters.known().items()])
 
     async def health(self, timeout_s: float = 2.0) -> dict:
         """``is_healthy``: at least one routable worker answers a ping within ``timeout_s``;
