@@ -19,6 +19,7 @@ engine has one slot: another adapter took it), and one already in its slot; each
 
     python benchmarks/bench_lora.py [--batch 64 --adapters 1,8,32 --rank 16 --steps 40]
     python benchmarks/bench_lora.py --targets q_proj,v_proj
+    python benchmarks/bench_lora.py --size 1b --device cuda --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -100,9 +101,10 @@ def time_to_first_token(llm: LLM, prompt: list[int], lora: LoRARequest | None) -
     return elapsed
 
 
-def adapter_load(path: str, model, prompt: list[int], rank: int, targets: list[str], rounds: int, root: Path) -> None:
+def adapter_load(path: str, model, prompt: list[int], rank: int, targets: list[str], rounds: int, root: Path,
+                 device: dict) -> None:
     """Time to first token: base, cold adapter, adapter in host memory only, adapter in its slot."""
-    llm = LLM(path, device="cpu", dtype="float32", swap_space_gb=0.01, block_size=16, num_device_blocks=64,
+    llm = LLM(path, **device, swap_space_gb=0.01, block_size=16, num_device_blocks=64,
               enable_prefix_caching=False, enable_lora=True, max_loras=1, max_lora_rank=rank, max_cpu_loras=2)
     time_to_first_token(llm, prompt, None)   # warm
     times: dict[str, list[float]] = {"base model": [], "cold (from disk)": [], "in host memory": [],
@@ -136,6 +138,8 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--load-rounds", type=int, default=5, help="adapter-load rounds (0: skip)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -146,7 +150,8 @@ def main(argv=None) -> None:
     prompts = [[rng.randrange(5, 1024) for _ in range(args.prompt)] for _ in range(args.batch)]
     max_tokens = args.steps + 4
     blocks = args.batch * -(-(args.prompt + max_tokens) // 16) + 16
-    common = dict(device="cpu", dtype="float32", swap_space_gb=0.01, max_num_seqs=args.batch, block_size=16,
+    device = dict(device=args.device, dtype=args.dtype)
+    common = dict(**device, swap_space_gb=0.01, max_num_seqs=args.batch, block_size=16,
                   num_device_blocks=blocks, enable_prefix_caching=False)
     lora = dict(enable_lora=True, max_loras=max(counts), max_lora_rank=args.rank)
     configs = {"base, LoRA off": (LLM(path, **common), 0), "base, LoRA on": (LLM(path, **common, **lora), 0)}
@@ -166,7 +171,8 @@ def main(argv=None) -> None:
     for run in runs.values():
         run.finish()
     base = times["base, LoRA on"]
-    print(f"llama-{args.size}, {args.batch} decoding sequences, rank {args.rank}, targets {args.targets}, "
+    print(f"llama-{args.size} on {args.device} ({args.dtype}), {args.batch} decoding sequences, rank {args.rank}, "
+          f"targets {args.targets}, "
           f"torch threads {torch.get_num_threads()}, {args.steps} steps each, in turns")
     print(f"{'configuration':>16} {'median step ms':>15} {'vs base (median of paired ratios)':>34}")
     for name, values in times.items():
@@ -174,7 +180,7 @@ def main(argv=None) -> None:
         print(f"{name:>16} {1e3 * statistics.median(values):15.2f} {ratio:33.2f}x")
     if args.load_rounds:
         with tempfile.TemporaryDirectory() as root:
-            adapter_load(path, model, prompts[0], args.rank, targets, args.load_rounds, Path(root))
+            adapter_load(path, model, prompts[0], args.rank, targets, args.load_rounds, Path(root), device)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@
 # Next (as of 2026-11-28): STEPS="served" first, with Ray's wheel in parts (below); then
 # STEPS="kernel_tests kernel_profile" (the decode kernel's per-sequence splits have not run on
 # a GPU yet; the profile runs also print each kind of step's device time), then
-# STEPS="kernel_tiles" on the warm machine, then "engine".
+# STEPS="kernel_tiles" on the warm machine, then "engine"; then "spec lora" (speculative decoding's
+# verification cost and LoRA's step cost on the GPU).
 #
 # "tp" is for a machine with several GPUs (it says so and passes on one).
 #
@@ -112,6 +113,14 @@ for name in ${STEPS:-engine host tests kernel_tests launches kernels sweep}; do
         # The default workload through HTTP (256 streams at once) against LLM.generate: served / offline
         # output tok/s, TTFT and ITL percentiles, ITL p99 / offline decode step, CPU per token by process.
         served) step served 420 python3 benchmarks/bench_served_gpu.py $QUICK --json "$OUT/served.json" ;;   # several GPUs: NCCL greedy, all-reduce ms/step
+        # Speculative decoding, llama-1b bf16: tok/s against the acceptance it gets (k = 4) at batch 1, 4
+        # and 16, and a verification step's cost against a one-token step (the 1.3x target); the adaptive
+        # rules at 256 sequences.
+        spec) step spec 300 python3 benchmarks/bench_spec_decode.py --size 1b --device cuda --dtype bfloat16 \
+                  --batches 1,4,16 --rounds 2 ;;
+        # LoRA, llama-1b bf16: the decode step with 1, 8 and 32 adapters against the base model's (the
+        # 1.3x target at 8), and an adapter's load against the base model's time to first token.
+        lora) step lora 240 python3 benchmarks/bench_lora.py --size 1b --device cuda --dtype bfloat16 --load-rounds 3 ;;
         profile) step profile 90 python3 benchmarks/bench_engine_gpu.py --contenders pagedserve --num-requests 128 \
                      --output-len 128 --profile "$OUT/profile_top.txt"
                  head -c 4000 "$OUT/profile_top.txt" ;;
