@@ -71,6 +71,14 @@ def cluster_config(model_path: str, name: str, engine: dict, num_workers: int, w
             "server": {"port": free_port(), "num_replicas": 1, **server}, "step_timeout_s": step_timeout_s}
 
 
+def assert_idle(handle, timeout_s: float = 60.0) -> None:
+    """The cluster behind ``handle`` is idle within ``timeout_s``, with no block in use and its
+    accounting consistent (what every served test checks after each test)."""
+    handle.wait_idle(timeout=timeout_s)
+    assert handle.num_used_blocks() == 0
+    handle.check_integrity()
+
+
 @dataclass
 class RunningCluster:
     handle: Any           # ``bootstrap.ClusterHandle``

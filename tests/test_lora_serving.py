@@ -23,7 +23,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from peft_adapters import make_peft_adapter  # noqa: E402
-from served_cluster import cluster_config, running_cluster  # noqa: E402
+from served_cluster import assert_idle, cluster_config, running_cluster  # noqa: E402
 
 from pagedserve import LLM, LoRARequest, SamplingParams  # noqa: E402
 
@@ -79,10 +79,7 @@ def client(served):
 @pytest.fixture(autouse=True)
 def idle_after(served):
     yield
-    handle = served[0]
-    handle.wait_idle(timeout=60)
-    assert handle.num_used_blocks() == 0
-    handle.check_integrity()
+    assert_idle(served[0])
 
 
 def _tokens(client, model: str, prompt: list[int]) -> tuple[str, list[int]]:

@@ -18,7 +18,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from served_cluster import cluster_config, running_cluster  # noqa: E402
+from served_cluster import assert_idle, cluster_config, running_cluster  # noqa: E402
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
 
@@ -43,10 +43,7 @@ def served(tiny_model):
 @pytest.fixture(autouse=True)
 def idle_after(served):
     yield
-    handle = served[0]
-    handle.wait_idle(timeout=60)
-    assert handle.num_used_blocks() == 0
-    handle.check_integrity()
+    assert_idle(served[0])
 
 
 def test_served_speculation_streams_the_tokens_of_decoding_without_it(served, tiny_model):
