@@ -20,6 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import pagedserve
 from pagedserve import LLM, BeamSearchParams, SamplingParams
+from offline_checks import assert_idle
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -35,13 +36,6 @@ def random_prompts(lengths, seed: int = 0) -> list[list[int]]:
 
 def beams(k: int, max_tokens: int, **kwargs) -> SamplingParams:
     return SamplingParams(n=k, max_tokens=max_tokens, temperature=0.0, use_beam_search=True, **kwargs)
-
-
-def assert_idle(llm: LLM) -> None:
-    llm.check_integrity()
-    assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.num_used_blocks() == 0, llm.stats()
-    assert llm.engine.scheduler.num_unfinished == 0
 
 
 @pytest.fixture(scope="module")

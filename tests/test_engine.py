@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
+from offline_checks import assert_idle
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -35,14 +36,6 @@ def random_prompts(lengths, seed: int = 0) -> list[list[int]]:
 
 def greedy(max_tokens: int = MAX_TOKENS, **kwargs) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
-
-
-def assert_idle(llm: LLM) -> None:
-    """No request left, no block held, accounting consistent."""
-    llm.check_integrity()
-    assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.num_used_blocks() == 0, llm.stats()
-    assert llm.engine.scheduler.num_unfinished == 0
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "overlap"])

@@ -23,6 +23,7 @@ from pagedserve import LLM, LoRARequest, SamplingParams
 from pagedserve.kvmanager import prefix_extra_key
 from pagedserve.workers.lora.peft_adapter import LoRAAdapterError
 from pagedserve.workers.lora.punica import build_segments, lora_expand, lora_shrink
+from offline_checks import assert_idle
 from peft_adapters import make_peft_adapter
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -108,12 +109,6 @@ def make_llm(path: str, **kwargs) -> LLM:
     kwargs.setdefault("swap_space_gb", 0.001)
     kwargs.setdefault("enable_lora", True)
     return LLM(path, **kwargs)
-
-
-def assert_idle(llm: LLM) -> None:
-    llm.check_integrity()
-    assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.num_used_blocks() == 0, llm.stats()
 
 
 def mixed_workload(loras: dict[str, LoRARequest], seed: int) -> tuple[list[list[int]], list[LoRARequest | None]]:

@@ -22,6 +22,7 @@ import torch
 from pagedserve import LLM, SamplingParams
 from pagedserve.devtools.model_matrix import MATRIX, ensure_matrix_model, make_matrix_model
 from pagedserve.workers.model.model_support import UnsupportedModelError
+from offline_checks import assert_idle
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -39,12 +40,6 @@ def random_prompts(lengths, seed: int) -> list[list[int]]:
 
 def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens)
-
-
-def assert_idle(llm: LLM) -> None:
-    llm.check_integrity()
-    assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.num_used_blocks() == 0, llm.stats()
 
 
 @pytest.fixture(scope="module")

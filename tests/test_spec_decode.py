@@ -20,6 +20,7 @@ from pagedserve.bench.scripted_proposer import ScriptedProposer
 from pagedserve.workers.sample.sampler import Sampler, SamplingBatch, processed_probs
 from pagedserve.workers.spec_decode.speculator import reason_not_speculating
 from pagedserve.workers.spec_decode.verifier import num_accepted, verify
+from offline_checks import assert_idle
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -71,9 +72,7 @@ def make_llm(tiny_model):
 def no_leaks(make_llm):
     yield
     for llm in make_llm.instances.values():
-        llm.check_integrity()
-        assert not llm.engine.has_unfinished_requests()
-        assert llm.engine.num_used_blocks() == 0, llm.stats()
+        assert_idle(llm)
 
 
 def outputs_of(results) -> list[list[int]]:

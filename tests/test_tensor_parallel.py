@@ -33,6 +33,7 @@ from pagedserve.workers.tp.messages import KVCopies, RunStep, WriteBlocks, pack,
 from pagedserve.workers.tp.load import load_sliced, shard_loader
 from pagedserve.workers.tp.plan import (SliceSpec, TensorParallelError, check_tensor_parallel, shard_decoder,
                                         shard_slice, tensor_parallel_plan)
+from offline_checks import assert_idle
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -316,12 +317,6 @@ def rank_block_bytes(path: str, size: int, block_size: int = 8) -> int:
 
     config = AutoConfig.from_pretrained(path)
     return 2 * config.num_hidden_layers * block_size * (config.num_key_value_heads // size) * config.head_dim * 4
-
-
-def assert_idle(llm: LLM) -> None:
-    llm.check_integrity()
-    assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.num_used_blocks() == 0, llm.stats()
 
 
 def assert_matches(outputs, arch: str, max_tokens: int, reference) -> None:
