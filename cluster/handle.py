@@ -317,11 +317,10 @@ class ClusterHandle:
                 self._num_recomputed_tokens += num_tokens
             excluded = {w for w, role in self.roles.items() if role == "prefill"}
             await self._wait_for_capacity(flow.request_id, excluded)
-            lora = request.lora_request
-            cached = await self._longest_prefix(
-                tokens, prefix_extra_key(request.params.cache_salt, lora.lora_name if lora else None))
+            adapter = request.lora_request.lora_name if request.lora_request else None
+            cached = await self._longest_prefix(tokens, prefix_extra_key(request.params.cache_salt, adapter))
             decision = self.router.choose(request.request_id, num_tokens, max_tokens, cached, excluded,
-                                          adapter=lora.lora_name if lora else None)
+                                          adapter=adapter)
         run.worker_id = decision.worker_id
         worker = self.workers[decision.worker_id]
         finished = False
