@@ -14,11 +14,19 @@ integrity check at every sample during the load (a block in use that no
 sequence's table holds, or a wrong ref count, is a leak the moment it
 happens); the RSS of the Serve replica, the workers and the KV manager does
 not grow over the warm part of the run (Theil-Sen slopes, printed);
-no request waits for its first token more than 3 mean request cycles once
-warm (a cycle: clients / completed requests per second, Little's law: what
-a request waits behind the others when the queue is served in order); at
-the end, every
-request finished, consistent accounting and no block in use.
+fewer than 1% of the requests once warm wait for their first token more
+than 3 mean request cycles (a cycle: clients / completed requests per
+second, Little's law: what a request waits behind the others when the queue
+is served in order), by the server's own TTFT histogram (the Serve
+replica's, from a request's arrival there to its first token); at the end,
+every request finished, consistent accounting and no block in use.
+
+The TTFT the clients see is printed, not asserted: 64 streaming ``openai``
+clients keep this process's event loop busy most of the time on 2 cores
+(a 10 ms sleep overshot by 27 ms at the median and 0.8 s at worst, busy 86%
+of the run; 2026-11-29), so a first chunk waits for the client itself. There
+the client-side p99 read 3.0 and 3.3 cycles where the replica's histogram
+had no request above 2.5 s (about 1 cycle).
 
 Blocks in use are sampled and their slope printed, not asserted: with 64
 clients on 128 device blocks the pool is full, so the level reads how well
@@ -71,10 +79,11 @@ SAMPLE_EVERY_S = 2.0
 # the long run's 10k+ requests, of 2.5 KiB; Python's allocator and Ray's buffers wander by
 # a few MiB. Two such runs' largest fitted growth: 9.5 MiB (the replica).
 MAX_RSS_GROWTH_MIB = 24.0
-# A first token within this many mean request cycles (NUM_CLIENTS / throughput). Measured
-# 2026-11-26: p99 / cycle 0.66 (1-minute run) and 1.38 (2 minutes); the old bound, 3x the
-# TTFT median, read 3.45x and 4.5x on those runs: the faster the machine serves, the less of
-# a first token's wait is queueing and the more skewed the distribution, with no request starved.
+# A first token within this many mean request cycles (NUM_CLIENTS / throughput) for 99% of the
+# warm requests, at the replica. Client-side, p99 / cycle read 0.66 (1-minute run) and 1.38
+# (2 minutes) on 2026-11-26; with the engine core in a process of its own the server got faster
+# and the clients' event loop became the bottleneck: 3.0 and 3.3 client-side (2026-11-29), while
+# the replica saw no first token later than 2.5 s (about 1 cycle).
 MAX_TTFT_CYCLES = 3.0
 REPORT_PATH = os.environ.get("PAGEDSERVE_SOAK_REPORT")
 
@@ -100,6 +109,8 @@ class LoadResult:
     deadline: float                 # no request starts after this; the pools drain
     records: list[Record] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    warm_metrics: str = ""          # the server's /metrics when the warm-up ends
+    client_busy_frac: float = 0.0   # how much of the run this process's event loop was late
 
 
 # ---- fixtures -----------------------------------------------------------------------------
@@ -164,8 +175,9 @@ async def _drive(base_url: str, jobs: list[Job], duration_s: float) -> LoadResul
     deadline = time.time() + duration_s
     result = LoadResult(deadline)
     limits = httpx.Limits(max_connections=NUM_CLIENTS + 8, max_keepalive_connections=NUM_CLIENTS + 8)
+    http = httpx.AsyncClient(limits=limits, timeout=300)
     async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=300,
-                                  http_client=httpx.AsyncClient(limits=limits, timeout=300)) as client:
+                                  http_client=http) as client:
         async def client_loop(index: int) -> None:
             rng = random.Random(index)
             while time.time() < deadline:
@@ -175,7 +187,20 @@ async def _drive(base_url: str, jobs: list[Job], duration_s: float) -> LoadResul
                 except Exception as exc:
                     result.failures.append(f"client {index}: {exc!r}")
 
-        await asyncio.gather(*(client_loop(i) for i in range(NUM_CLIENTS)))
+        async def warm_snapshot() -> None:
+            await asyncio.sleep(WARMUP_S)
+            result.warm_metrics = (await http.get(base_url + "/metrics")).text
+
+        async def loop_lag_probe() -> None:
+            late = 0.0
+            start = time.perf_counter()
+            while time.time() < deadline:
+                before = time.perf_counter()
+                await asyncio.sleep(0.01)
+                late += max(0.0, time.perf_counter() - before - 0.01)
+            result.client_busy_frac = late / (time.perf_counter() - start)
+
+        await asyncio.gather(warm_snapshot(), loop_lag_probe(), *(client_loop(i) for i in range(NUM_CLIENTS)))
     return result
 
 
@@ -263,8 +288,24 @@ def _metric_sum(text: str, name: str, **labels: str) -> float:
     return total
 
 
-def _server_counters(base_url: str) -> dict[str, float]:
-    metrics = httpx.get(base_url + "/metrics", timeout=60).text
+def _histogram(text: str, name: str) -> dict[float, float]:
+    """A Prometheus histogram's cumulative counts by upper bound (``le``), all labels summed."""
+    counts: dict[float, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name + "_bucket{"):
+            bound = float(re.search(r'le="([^"]+)"', line).group(1))
+            counts[bound] = counts.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def _num_above(counts: dict[float, float], limit: float) -> tuple[float, float]:
+    """(observations above the largest bucket bound <= ``limit``, that bound): an upper bound
+    on how many observations exceeded ``limit``."""
+    bound = max(b for b in counts if b <= limit)
+    return counts[float("inf")] - counts[bound], bound
+
+
+def _server_counters(base_url: str, metrics: str) -> dict[str, float]:
     pools = httpx.get(base_url + "/stats", timeout=60).json()["kv_manager"]["workers"].values()
     return {
         "preemptions_swap": _metric_sum(metrics, "pagedserve_preemptions_total", mode="swap"),
@@ -286,7 +327,8 @@ def test_soak_small_pool_many_streaming_clients(served, jobs, long_form):
     assert len(pids) == 4, pids
     with Sampler(handle, pids) as sampler:
         result = asyncio.run(_drive(base_url, jobs, duration_s))
-    counters = _server_counters(base_url)
+    metrics = httpx.get(base_url + "/metrics", timeout=60).text
+    counters = _server_counters(base_url, metrics)
 
     run_start = min(r.start - r.ttft for r in result.records)
     warm = [r for r in result.records if r.start - r.ttft >= run_start + WARMUP_S]
@@ -294,6 +336,12 @@ def test_soak_small_pool_many_streaming_clients(served, jobs, long_form):
     warm_span = max(r.start for r in warm) - min(r.start - r.ttft for r in warm)
     cycle_s = NUM_CLIENTS / (len(warm) / warm_span)   # Little's law: mean time a request takes
     p50, p99 = _percentile(ttfts, 0.50), _percentile(ttfts, 0.99)
+    # The replica's TTFT histogram over the warm part: the end's counts less the warm-up's.
+    ttft_name = "pagedserve_time_to_first_token_seconds"
+    at_warm = _histogram(result.warm_metrics, ttft_name)
+    server_ttft = {b: n - at_warm.get(b, 0.0) for b, n in _histogram(metrics, ttft_name).items()}
+    num_server_warm = server_ttft[float("inf")]
+    num_slow, slow_bound = _num_above(server_ttft, MAX_TTFT_CYCLES * cycle_s)
     greedy = [r for r in result.records if r.is_greedy]
     warm_samples = [s for s in sampler.samples if run_start + WARMUP_S <= s[0] <= result.deadline]
     warm_span_s = warm_samples[-1][0] - warm_samples[0][0]
@@ -310,7 +358,10 @@ def test_soak_small_pool_many_streaming_clients(served, jobs, long_form):
             k: 60 * _slope_per_s([(t, rss[k]) for t, _, rss in warm_samples[len(warm_samples) // 2:]])
             for k in rss_slopes},
         "rss_mib_first_last": {k: (warm_samples[0][2][k], warm_samples[-1][2][k]) for k in rss_slopes},
-        "ttft_p50_s": p50, "ttft_p99_s": p99, "ttft_ratio": p99 / p50, "num_warm": len(warm),
+        "client_ttft_p50_s": p50, "client_ttft_p99_s": p99, "client_ttft_p99_cycles": p99 / cycle_s,
+        "client_loop_busy_frac": result.client_busy_frac, "num_warm": len(warm),
+        "server_ttft_warm_buckets": {str(b): n for b, n in sorted(server_ttft.items())},
+        "server_ttft_above_s": {"bound_s": slow_bound, "requests": num_slow, "of": num_server_warm},
         "request_cycle_s": cycle_s,
         "warm_span_s": warm_span_s, "integrity_checks_under_load": sampler.num_integrity_checks,
     }
@@ -330,10 +381,12 @@ def test_soak_small_pool_many_streaming_clients(served, jobs, long_form):
         f"{sampler.num_integrity_checks} integrity checks ran under load: a worker never answered one"
     for name, slope in rss_slopes.items():
         assert slope * warm_span_s < MAX_RSS_GROWTH_MIB, (name, report["rss_slope_mib_per_min"])
-    assert p99 <= MAX_TTFT_CYCLES * cycle_s, (
-        f"TTFT p99 {p99:.3f} s > {MAX_TTFT_CYCLES} mean request cycles of {cycle_s:.3f} s: some requests "
-        f"waited for their first token far longer than the whole queue takes to turn over; assumes "
-        f"the {NUM_CLIENTS} clients keep the queue full and it is served in order")
+    assert result.warm_metrics and num_server_warm >= 0.5 * len(warm), report["server_ttft_above_s"]
+    assert num_slow <= 0.01 * num_server_warm, (
+        f"{num_slow:.0f} of {num_server_warm:.0f} warm requests waited over {slow_bound} s for their first "
+        f"token at the replica, where {MAX_TTFT_CYCLES} mean request cycles are {MAX_TTFT_CYCLES * cycle_s:.2f} s: "
+        f"far longer than the whole queue takes to turn over; assumes the {NUM_CLIENTS} clients keep the "
+        f"queue full and it is served in order")
 
     handle.wait_idle(timeout=120.0)
     handle.check_integrity()
