@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from pagedserve.workers.process.background_loop import BackgroundLoop
 
-from .config import ClusterConfig, EngineOptions, WorkerGroup
+from .config import ClusterConfig, WorkerGroup
 from .kv_relay import node_relay
 from .placement import remove_worker_placement, worker_actor_options
 from .scaling_policy import ScalingPolicy
@@ -59,8 +59,9 @@ def group_engine_options(config: ClusterConfig, group: WorkerGroup):
     overrides = dict(group.engine)
     if group.tensor_parallel_size is not None:
         overrides["tensor_parallel_size"] = group.tensor_parallel_size
-    return config.engine.model_copy(update=EngineOptions.model_validate(
-        {**config.engine.model_dump(), **overrides}).model_dump())
+    if not overrides:
+        return config.engine
+    return type(config.engine).model_validate({**config.engine.model_dump(), **overrides})
 
 
 def group_engine_config(config: ClusterConfig, group: WorkerGroup, model_path: str) -> dict:
@@ -69,7 +70,7 @@ def group_engine_config(config: ClusterConfig, group: WorkerGroup, model_path: s
     in its placement group."""
     options = group_engine_options(config, group)
     if options.tensor_parallel_size > 1:
-        options = options.model_copy(update={"distributed_executor_backend": "ray"})
+        options = type(options).model_validate({**options.model_dump(), "distributed_executor_backend": "ray"})
     return options.to_engine_config(model_path).model_dump()
 
 

@@ -327,3 +327,22 @@ def test_fake_cluster_serve_files_fit_its_gpu_nodes():
     for name in ("serve.yaml", "serve-fixed.yaml"):  # a model built on first start: nothing to fetch
         config = load_config(FAKE_CLUSTER / name)
         assert config.model.path is None and config.model.size == "tiny" and config.server.host == "127.0.0.1"
+
+
+def test_a_groups_engine_options_keep_their_types_through_the_overrides(recwarn):
+    """A group's engine overrides are validated into options whose nested configs stay models
+    (a dict in their place made every dump warn and skip their serializer)."""
+    from pagedserve.cluster.worker_pool import group_engine_config, group_engine_options
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    config = ClusterConfig.model_validate({
+        "model": {"path": "/models/x", "name": "x"}, "engine": {"speculative_config": ngram},
+        "workers": [{"count": 1, "engine": {"max_num_seqs": 8}}, {"count": 1, "tensor_parallel_size": 2}]})
+    for group in config.workers:
+        options = group_engine_options(config, group)
+        assert type(options.speculative_config).__name__ == "SpeculativeConfig"
+        engine = group_engine_config(config, group, "/models/x")
+        assert engine["speculative_config"]["num_speculative_tokens"] == 3
+    assert group_engine_options(config, config.workers[0]).max_num_seqs == 8
+    assert group_engine_config(config, config.workers[1], "/models/x")["distributed_executor_backend"] == "ray"
+    assert not [w for w in recwarn if "Pydantic" in type(w.message).__name__ or "serializ" in str(w.message)]
