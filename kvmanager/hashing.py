@@ -33,8 +33,9 @@ def hash_block(
 
 
 def prefix_extra_key(cache_salt: str | None, lora_name: str | None = None) -> str | None:
-    """A request's ``extra_key``: its cache salt, and its LoRA adapter's name (a request with
-    an adapter shares blocks only with requests of that adapter and salt; NUL-free names).
+    """A request's ``extra_key``: its cache salt, and its LoRA adapter's key (``LoRARequest.
+    cache_key``: a request with an adapter shares blocks only with requests of that adapter
+    and salt; NUL-free keys).
 
     Keys of different (salt, adapter) pairs differ: an adapter's key starts with NUL "lora"
     NUL; a salt-only key is the salt itself (as it has always been) unless the salt starts

@@ -374,3 +374,43 @@ def test_shrink_and_expand_equal_each_tokens_own_product(slots):
     assert segments.slot_bits == sum(1 << s for s in set(slots) if s >= 0)
     assert segments.num_groups * segments.group_size <= 2 * sum(s >= 0 for s in slots) + num_slots
     assert build_segments(torch.tensor([-1, -1]), torch.device("cpu")) is None
+
+
+def test_adapters_added_and_removed_by_hand_and_a_name_reused_for_other_weights(tiny_model, adapters, peft_greedy):
+    """vLLM's ``add_lora`` / ``remove_lora`` / ``list_loras``: an adapter is checked and read before
+    any request names it; a removed one is forgotten, its slot freed, and its name may come back
+    with another id and other weights, whose outputs are that adapter's and which never meets the
+    first one's cached blocks. An adapter in use is not removed."""
+    loras = adapters("llama")
+    llm = make_llm(tiny_model("llama"), max_loras=2, block_size=8)
+    engine = llm.engine
+    prompt = random_prompts([50], seed=11)[0]
+    first = LoRARequest("tenant", 101, loras["attn"].lora_path)
+    assert engine.add_lora(first) and engine.list_loras() == {101}
+    assert engine.stats()["lora"]["num_adapter_reads"] == 1
+    with pytest.raises(LoRAAdapterError, match="no adapter directory"):
+        engine.add_lora(LoRARequest("missing", 102, first.lora_path + "-none"))
+    assert engine.list_loras() == {101}
+
+    def run(lora):
+        [output] = check_exact(llm, "llama", [prompt], [lora], peft_greedy)
+        return output.metrics.num_cached_tokens
+
+    assert run(first) == 0 and run(first) == 48
+    assert engine.stats()["lora"]["num_adapter_reads"] == 1     # read once, by add_lora
+    with pytest.raises(LoRAAdapterError, match="lora_name 'tenant' is lora_int_id 101"):
+        engine.add_lora(LoRARequest("tenant", 103, loras["mlp"].lora_path))
+    assert engine.remove_lora(101) and engine.list_loras() == set()
+    assert not engine.remove_lora(101)
+    assert engine.stats()["lora"]["slot_adapters"] == [None, None]
+    second = LoRARequest("tenant", 103, loras["mlp"].lora_path)   # the same name, other weights
+    assert run(second) == 0                                      # the first one's blocks are not its own
+    assert run(second) == 48
+
+    # In use: not removed, and served to the end.
+    engine.add_request("busy", prompt, SamplingParams(temperature=0.0, max_tokens=4), lora_request=second)
+    assert not engine.remove_lora(103) and engine.list_loras() == {103}
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.remove_lora(103)
+    assert_idle(llm)

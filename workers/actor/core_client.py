@@ -352,7 +352,9 @@ class EngineCoreClient:
 def _known_errors() -> dict[str, type]:
     from pagedserve.kvmanager import IntegrityError
 
-    return {"IntegrityError": IntegrityError}
+    from ..lora.peft_adapter import LoRAAdapterError
+
+    return {"IntegrityError": IntegrityError, "LoRAAdapterError": LoRAAdapterError}
 
 
 __all__ = ["CoreDead", "EngineCoreClient", "KVForwarder"]

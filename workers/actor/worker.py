@@ -405,6 +405,15 @@ class Worker:
         answered between engine steps (``KVManager.block_map``)."""
         return await self.core.call_async("block_map", max_cells)
 
+    async def add_lora(self, lora_name: str, lora_int_id: int, lora_path: str) -> bool:
+        """Check a LoRA adapter against this worker's model and read it into host memory;
+        ``LoRAAdapterError`` (a ValueError) names why it cannot be served."""
+        return await self.core.call_async("add_lora", lora_name, lora_int_id, lora_path)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget a LoRA adapter (False: unknown here, or still in use; the LRU drops it later)."""
+        return await self.core.call_async("remove_lora", lora_int_id)
+
     async def check_integrity(self) -> bool:
         """Raise ``IntegrityError`` unless this worker's pools are consistent."""
         await self.core.call_async("check_integrity")

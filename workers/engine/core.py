@@ -24,6 +24,7 @@ import time
 from collections import deque
 from typing import Any, Callable
 
+from ..lora.lora_request import LoRARequest
 from ..outputs.stream_batch import StreamBatch, StreamTarget
 from .core_messages import (ZERO_COPY_BYTES, AddRequest, FromCore, ToCore, error_to_wire, pack, payload_from_frame,
                             unpack)
@@ -190,7 +191,8 @@ class EngineCore:
             "num_used_blocks": engine.num_used_blocks, "kv_sync": self._kv_sync,
             "start_draining": self._start_draining, "drain_status": self._drain_status,
             "inject_stall": self._inject_stall, "inject_failure": self._inject_failure,
-            "close_channel": self._close_channel}
+            "close_channel": self._close_channel, "add_lora": self._add_lora,
+            "remove_lora": engine.remove_lora}
 
     def attach_publisher(self, publisher, preemption=None) -> None:
         """The worker's ``KVPublisher`` (over ``link.kv_transport``): flushed after steps and
@@ -375,6 +377,9 @@ class EngineCore:
         scheduler = self.engine.scheduler
         return {"is_draining": scheduler.is_draining, "num_unfinished": len(self.engine.requests),
                 "num_drain_migrations": scheduler.num_drain_migrations}
+
+    def _add_lora(self, lora_name: str, lora_int_id: int, lora_path: str) -> bool:
+        return self.engine.add_lora(LoRARequest(lora_name, lora_int_id, lora_path))
 
     def _close_channel(self, channel_id: str) -> int:
         """Abort every request of output channel ``channel_id`` (its handle is gone); how many."""

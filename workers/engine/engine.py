@@ -352,6 +352,21 @@ class LLMEngine:
             raise ValueError("a request with a lora_request cannot export or import its KV")
         self.lora.add(lora_request)
 
+    # ---- adapters by hand (vLLM's ``add_lora``, ``remove_lora``, ``list_loras``) ------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check ``lora_request``'s adapter and read it into host memory before any request
+        names it; ``LoRAAdapterError`` (a ValueError) names why it cannot be served."""
+        self._check_lora(lora_request, moves_kv=False)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget adapter ``lora_int_id`` (``LoRAManager.remove``); False if unknown or in use."""
+        return self.lora is not None and self.lora.remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters this engine knows."""
+        return set() if self.lora is None else {request.lora_int_id for request in self.lora.list()}
+
     def admit(self, request: Request) -> None:
         """Queue a request built by ``make_request``; ValueError if its id is in use."""
         self._check_driver("adding a request")

@@ -130,7 +130,7 @@ class Request:
     def prefix_cache_key(self) -> str | None:
         """The extra key of its blocks' hashes: blocks are shared only among requests of the
         same cache salt and adapter."""
-        return prefix_extra_key(self.params.cache_salt, self.lora_request.lora_name if self.lora_request else None)
+        return prefix_extra_key(self.params.cache_salt, self.lora_request.cache_key if self.lora_request else None)
 
     @property
     def follows_text(self) -> bool:

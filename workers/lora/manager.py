@@ -75,8 +75,8 @@ class LoRAManager:
             self.num_reads += 1
 
     def _check_identity(self, request: LoRARequest) -> None:
-        """One name and path per id, one id per name, for the engine's life: the prefix cache
-        keys blocks by name."""
+        """One name and path per id for the engine's life (its slots and host copy are found by
+        id); one id per name while that id is known (``remove`` forgets it)."""
         known = self._known.get(request.lora_int_id)
         if known is not None and known != request:
             raise LoRAAdapterError(f"lora_int_id {request.lora_int_id} is adapter {known.lora_name!r} at "
@@ -85,6 +85,28 @@ class LoRAManager:
         if known_id is not None and known_id != request.lora_int_id:
             raise LoRAAdapterError(f"lora_name {request.lora_name!r} is lora_int_id {known_id}; "
                                    f"this request gives lora_int_id {request.lora_int_id}")
+
+    def remove(self, lora_int_id: int) -> bool:
+        """Forget adapter ``lora_int_id`` (vLLM's ``remove_lora``): its host copy is dropped and
+        its name may take another id, its slot is free. False if unknown, or while an unfinished
+        request uses it (it stays, and the host cache's LRU drops it once unused). The engine's
+        thread only: between steps."""
+        if lora_int_id in self._in_use():
+            return False
+        with self._lock:
+            request = self._known.pop(lora_int_id, None)
+            if request is None:
+                return False
+            self._host.pop(lora_int_id, None)
+            if self._id_of_name.get(request.lora_name) == lora_int_id:
+                del self._id_of_name[request.lora_name]
+        self.slots.release(lora_int_id)
+        return True
+
+    def list(self) -> list[LoRARequest]:
+        """The adapters known (added and not removed), in the order they were first added."""
+        with self._lock:
+            return list(self._known.values())
 
     def _read(self, request: LoRARequest) -> LoRAAdapter:
         adapter = read_peft_adapter(request, self._features, self._module_names, self.max_lora_rank, self.dtype)

@@ -37,6 +37,10 @@ class SlotTable:
         self.num_loads += len(loads)
         return {adapter_id: slot_of[adapter_id] for adapter_id in adapter_ids}, loads
 
+    def release(self, adapter_id: int) -> None:
+        """Free ``adapter_id``'s slot, if it has one (the adapter was removed)."""
+        self._slot_of.pop(adapter_id, None)
+
     @property
     def resident(self) -> dict[int, int]:
         """Adapter id -> slot, least recently used first."""
