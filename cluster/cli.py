@@ -240,6 +240,9 @@ def _add_config_sources(parser: argparse.ArgumentParser, with_file: bool = True)
     vllm.add_argument("--lora-modules", nargs="+", type=lora_module, metavar="NAME=PATH",
                       help="LoRA adapters clients select by NAME as 'model': NAME=PATH, or vLLM's JSON form "
                            "'{\"name\": ..., \"path\": ...}' (model.lora_modules; needs --enable-lora)")
+    vllm.add_argument("--allow-runtime-lora-updating", action="store_true", default=None,
+                      help="open /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+                           "VLLM_ALLOW_RUNTIME_LORA_UPDATING; model.allow_runtime_lora_updating; needs --enable-lora)")
     vllm.add_argument("--tool-call-parser", help="how 'auto' tool choice reads calls (server.tool_call_parser)")
     vllm.add_argument("--enable-auto-tool-choice", action="store_true",
                       help="accepted for vLLM's command lines: 'auto' tool choice is always on here")
@@ -291,6 +294,8 @@ def _overrides(args: argparse.Namespace) -> list[str]:
         import json
 
         overrides.append(f"model.lora_modules={json.dumps(args.lora_modules)}")
+    if args.allow_runtime_lora_updating:
+        overrides.append("model.allow_runtime_lora_updating=true")
     for attribute in ("port", "grpc_port"):
         if getattr(args, attribute) is not None:
             overrides.append(f"server.{attribute}={getattr(args, attribute)}")

@@ -79,6 +79,10 @@ class ModelConfig(_Strict):
     """A directory of LoRA adapters (Ray Serve LLM's key), at the same path on every node: a
     request for "BASE:NAME" or "NAME" that no ``lora_modules`` entry names is served with the
     adapter in its subdirectory NAME, read on its first request. Needs ``engine.enable_lora``."""
+    allow_runtime_lora_updating: bool = False
+    """Open ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (vLLM's routes, behind the
+    API key): clients add adapters by name and path, and remove them, while the server runs.
+    Off, the routes answer 404. Needs ``engine.enable_lora``."""
 
     @field_validator("lora_modules")
     @classmethod
@@ -362,6 +366,8 @@ class ClusterConfig(_Strict):
             raise ValueError("model.lora_modules needs engine.enable_lora: true (--enable-lora)")
         if self.model.dynamic_lora_loading_path and not self.engine.enable_lora:
             raise ValueError("model.dynamic_lora_loading_path needs engine.enable_lora: true (--enable-lora)")
+        if self.model.allow_runtime_lora_updating and not self.engine.enable_lora:
+            raise ValueError("model.allow_runtime_lora_updating needs engine.enable_lora: true (--enable-lora)")
         clash = [m.name for m in self.model.lora_modules if m.name == self.model.served_name]
         if clash:
             raise ValueError(f"model.lora_modules: the adapter name {clash[0]!r} is the base model's name")

@@ -24,11 +24,13 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from pagedserve.workers.process.background_loop import BackgroundLoop
 
 from .health import WorkerHealth
 from .router import Router
+from .runtime_adapters import RuntimeAdapterRegistry
 from .worker_pool import WorkerPool
 
 logger = logging.getLogger("pagedserve.cluster")
@@ -45,6 +47,7 @@ class HealthReport:
     liveness: dict[str, dict]   # worker id -> ``health.WorkerLiveness`` fields
     controller_pid: int
     reported_at: float          # the controller's clock
+    adapters_version: int = 0   # of the run-time LoRA adapters (``lora_adapters``)
 
 
 class ClusterController:
@@ -75,11 +78,12 @@ class ClusterController:
             kv_manager = ray.get_actor(pool["kv_manager_name"], namespace=namespace)
             self.pool = WorkerPool(**pool, kv_manager=kv_manager, namespace=namespace, workers=handles,
                                    on_ready=self.add_worker, on_gone=self.remove_worker)
+        self.adapters = RuntimeAdapterRegistry(namespace)
 
     def report(self) -> HealthReport:
         """Which workers are routable now, and what is known of each."""
         return HealthReport(frozenset(self.health.alive_workers()), self.health.snapshot(), os.getpid(),
-                            time.time())
+                            time.time(), self.adapters.version)
 
     def note_failure(self, worker_id: str, reason: str) -> None:
         """A replica saw a request fail on ``worker_id``: unroutable until its next good heartbeat."""
@@ -116,6 +120,19 @@ class ClusterController:
         """Drain one ready worker now (tests, maintenance): its sequences migrate, then it goes."""
         return self.pool.drain(worker_id) if self.pool else False
 
+    # ---- LoRA adapters loaded at run time (``runtime_adapters``) -------------------------------
+    def lora_adapters(self) -> tuple[int, dict[str, tuple[int, str]]]:
+        """(version, name -> (lora_int_id, path)) of the run-time adapters."""
+        return self.adapters.snapshot()
+
+    def load_lora(self, name: str, lora_int_id: int, path: str) -> tuple[int, dict] | None:
+        """Register a run-time adapter: the new (version, adapters); None if ``name`` is taken."""
+        return self.adapters.add(name, lora_int_id, path)
+
+    def unload_lora(self, name: str) -> tuple[int, dict, int] | None:
+        """Forget a run-time adapter: (version, adapters, its id); None if there is none by ``name``."""
+        return self.adapters.remove(name)
+
     def shutdown(self) -> None:
         """Stop watching and stop every worker the pool started."""
         self.health.stop()
@@ -132,8 +149,11 @@ class HealthView:
     """
 
     def __init__(self, controller, workers: list[str], router: Router, stall_timeout_s: float,
-                 poll_interval_s: float = 0.25) -> None:
+                 poll_interval_s: float = 0.25, on_adapters: Callable[[int, dict], None] | None = None) -> None:
         self.controller = controller
+        # Called with the run-time LoRA adapters (version, name -> (id, path)) when they changed.
+        self.on_adapters = on_adapters
+        self._adapters_version = 0
         self.router = router
         self.stall_timeout_s = stall_timeout_s
         self.poll_interval_s = poll_interval_s
@@ -167,6 +187,14 @@ class HealthView:
             logger.info("cluster controller reachable again (pid %d)", report.controller_pid)
         self._is_reachable = True
         self.apply(report)
+        if self.on_adapters is not None and report.adapters_version != self._adapters_version:
+            try:
+                version, adapters = ray.get(self.controller.lora_adapters.remote(), timeout=REPORT_TIMEOUT_S)
+            except Exception as exc:
+                logger.warning("could not read the run-time LoRA adapters from the controller: %r", exc)
+                return
+            self.on_adapters(version, adapters)
+            self._adapters_version = version
 
     def apply(self, report: HealthReport) -> None:
         with self._lock:

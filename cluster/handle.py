@@ -30,10 +30,10 @@ from pagedserve.workers.outputs.request_output import CompletionOutput, RequestO
 from pagedserve.workers.sample.sampling_params import SamplingParams
 from pagedserve.workers.actor.worker import stall_timeout_s
 
-from .config import ClusterConfig
+from .config import ClusterConfig, LoRAModule
 from .controller import HealthView
 from .kv_relay import kill_relays
-from .lora_adapters import LoRAAdapters
+from .lora_adapters import AdapterNameError, AdapterNotFound, LoRAAdapters, runtime_id
 from .placement import remove_worker_placement
 from .request_flow import (MIGRATE, Attempt, AttemptsExhausted, RepeatedEngineFailure, RequestFlow,
                            StreamNotResumable)
@@ -70,10 +70,19 @@ def _engine_id(error: BaseException) -> str | None:
     return engine_id if engine_id is not None else getattr(getattr(error, "cause", None), "engine_id", None)
 
 
+def _cause(error: BaseException) -> BaseException:
+    """The exception an actor raised, without Ray's wrapping (whose text adds a traceback)."""
+    cause = getattr(error, "cause", None)
+    return cause if isinstance(cause, BaseException) else error
+
+
 # The central KV manager's answers are routing hints: wait this long at most, and after a
 # failure route by load alone for a while.
 HINT_TIMEOUT_S = 2.0
 HINT_PAUSE_S = 2.0
+# How long workers may take to read and check an adapter loaded at run time, and the controller to answer.
+ADAPTER_LOAD_TIMEOUT_S = 120.0
+CONTROLLER_TIMEOUT_S = 10.0
 
 
 class ClusterHandle:
@@ -94,8 +103,6 @@ class ClusterHandle:
         self.roles = dict(roles)
         self.info = info
         self.model_name = config.model.served_name
-        # The LoRA adapters requests may name (configured, and found in the dynamic directory).
-        self.adapters = LoRAAdapters(config.model.lora_modules, config.model.dynamic_lora_loading_path)
         self.max_model_len = info["max_model_len"]
         self.owns_ray = owns_ray
         # The actors ``start`` created, whose handles this process owns. Ray ends a (non-detached)
@@ -112,8 +119,11 @@ class ClusterHandle:
         engine = self.config.engine
         self.router = Router(self.config.router, list(self.workers),
                              adapters_per_worker=engine.max_cpu_loras or engine.max_loras)
+        # The LoRA adapters requests may name: configured, found in the dynamic directory, and
+        # loaded at run time (the controller's, which the health view brings).
+        self.adapters = LoRAAdapters(self.config.model.lora_modules, self.config.model.dynamic_lora_loading_path)
         self.health = HealthView(self.controller, list(self.workers), self.router,
-                                 stall_timeout_s(self.config.step_timeout_s))
+                                 stall_timeout_s(self.config.step_timeout_s), on_adapters=self.adapters.set_runtime)
         self._tokenizer = None
         self._ids = itertools.count()
         self._utilization_refreshed = 0.0
@@ -130,7 +140,7 @@ class ClusterHandle:
 
     def __getstate__(self):
         state = {k: v for k, v in self.__dict__.items()
-                 if k not in ("router", "health", "_tokenizer", "_ids", "_lock", "_created", "channels")}
+                 if k not in ("router", "health", "adapters", "_tokenizer", "_ids", "_lock", "_created", "channels")}
         state["owns_ray"] = False
         return state
 
@@ -317,7 +327,7 @@ class ClusterHandle:
                 self._num_recomputed_tokens += num_tokens
             excluded = {w for w, role in self.roles.items() if role == "prefill"}
             await self._wait_for_capacity(flow.request_id, excluded)
-            adapter = request.lora_request.lora_name if request.lora_request else None
+            adapter = request.lora_request.cache_key if request.lora_request else None
             cached = await self._longest_prefix(tokens, prefix_extra_key(request.params.cache_salt, adapter))
             decision = self.router.choose(request.request_id, num_tokens, max_tokens, cached, excluded,
                                           adapter=adapter)
@@ -465,6 +475,70 @@ class ClusterHandle:
     async def abort(self, request_id: str) -> None:
         for worker in self.workers.values():
             worker.abort.remote(request_id)
+
+    # ---- LoRA adapters loaded at run time (vLLM's /v1/load_lora_adapter) -------------------
+    async def load_lora_adapter(self, name: str, path: str) -> LoRARequest:
+        """Serve adapter ``name`` from ``path``: every routable worker checks it against its
+        model and reads it into host memory, then the controller registers it for every
+        replica (this one at once, the others at their next health report). ValueError names
+        why it cannot be (``AdapterNameError`` for the name, in vLLM's wording when it is
+        taken); nothing is kept then."""
+        if not self.config.engine.enable_lora:
+            raise ValueError("loading a LoRA adapter needs engine.enable_lora: true (--enable-lora)")
+        if name == self.config.model.served_name:
+            raise AdapterNameError(f"lora_name {name!r} is the base model's name")
+        try:
+            LoRAModule(name=name, path=path)
+        except ValueError as exc:   # the rules of a configured adapter's name
+            raise AdapterNameError(f"lora_name {name!r}: an adapter name has no ':', NUL or surrounding "
+                                   "spaces") from exc
+        if self.adapters.get(name) is not None:
+            raise AdapterNameError(f"The lora adapter '{name}' has already been loaded.")
+        request = LoRARequest(name, runtime_id(), path)
+        workers = [self.workers[w] for w in sorted(self.routable_workers()) if w in self.workers]
+        if not workers:
+            raise NoCapacityError("no worker is ready to check the adapter")
+        checks = await asyncio.gather(*(
+            asyncio.wait_for(w.add_lora.remote(name, request.lora_int_id, path), ADAPTER_LOAD_TIMEOUT_S)
+            for w in workers), return_exceptions=True)
+        failures = [_cause(result) for result in checks if isinstance(result, BaseException)]
+        registered = None
+        if not failures:
+            registered = await asyncio.wait_for(self.controller.load_lora.remote(name, request.lora_int_id, path),
+                                                CONTROLLER_TIMEOUT_S)
+        if registered is None:
+            self._forget_adapter(request.lora_int_id)
+            if not failures:
+                raise AdapterNameError(f"The lora adapter '{name}' has already been loaded.")
+            if isinstance(failures[0], ValueError):
+                raise ValueError(str(failures[0]))
+            raise failures[0]
+        self.adapters.set_runtime(*registered)
+        logger.info("LoRA adapter %r loaded from %s (lora_int_id %d)", name, path, request.lora_int_id)
+        return request
+
+    async def unload_lora_adapter(self, name: str) -> int:
+        """Stop serving run-time adapter ``name`` (vLLM's /v1/unload_lora_adapter); its id.
+        Requests already running with it finish; workers drop it once none uses it.
+        ``AdapterNotFound`` if there is no such adapter, ValueError for a configured one."""
+        source = self.adapters.source(name)
+        if source not in (None, "runtime"):
+            raise ValueError(f"The lora adapter '{name}' comes from model.{source}: only adapters "
+                             "loaded at run time can be unloaded")
+        removed = await asyncio.wait_for(self.controller.unload_lora.remote(name), CONTROLLER_TIMEOUT_S)
+        if removed is None:
+            raise AdapterNotFound(f"The lora adapter '{name}' cannot be found.")
+        version, adapters, lora_int_id = removed
+        self.adapters.set_runtime(version, adapters)
+        self._forget_adapter(lora_int_id)
+        logger.info("LoRA adapter %r unloaded (lora_int_id %d)", name, lora_int_id)
+        return lora_int_id
+
+    def _forget_adapter(self, lora_int_id: int) -> None:
+        """Ask every worker to drop an adapter (not waited for: one in use stays until its LRU
+        turn, and no request can name it any more)."""
+        for worker in self.workers.values():
+            worker.remove_lora.remote(lora_int_id)
 
     # ---- synchronous conveniences ------------------------------------------------------
     def generate_sync(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]

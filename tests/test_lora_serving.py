@@ -1,7 +1,8 @@
-"""LoRA adapters through the server: named in the configuration (``model.lora_modules``) or
-found in ``model.dynamic_lora_loading_path``, selected by a request's ``model`` (the adapter's
-name, or "BASE:NAME"), listed by ``/v1/models`` with their parent, refused by name when unknown
-(404) or unservable (400).
+"""LoRA adapters through the server: named in the configuration (``model.lora_modules``),
+found in ``model.dynamic_lora_loading_path`` or loaded and unloaded at run time
+(``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``), selected by a request's ``model`` (the
+adapter's name, or "BASE:NAME"), listed by ``/v1/models`` with their parent, refused by name when
+unknown (404) or unservable (400).
 
 One Ray instance, two CPU workers with ``enable_lora`` and the Serve application, driven by
 the official ``openai`` client and plain HTTP; a request goes to a worker that holds its
@@ -13,6 +14,7 @@ steps. After every test the cluster is idle with no block in use.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -26,6 +28,8 @@ from peft_adapters import make_peft_adapter  # noqa: E402
 from served_cluster import assert_idle, cluster_config, running_cluster  # noqa: E402
 
 from pagedserve import LLM, LoRARequest, SamplingParams  # noqa: E402
+from pagedserve.cluster.bootstrap import NAMESPACE  # noqa: E402
+from pagedserve.cluster.runtime_adapters import RuntimeAdapterRegistry  # noqa: E402
 
 MODEL = "tiny-lora"
 ENGINE = {"num_device_blocks": 256, "swap_space_gb": 0.001, "enable_lora": True, "max_loras": 2,
@@ -52,6 +56,7 @@ def served(tiny_model, adapter_paths):
     config = cluster_config(tiny_model("llama"), MODEL, ENGINE, num_workers=2)
     config["model"]["lora_modules"] = [{"name": name, "path": adapter_paths[name]} for name in CONFIGURED]
     config["model"]["dynamic_lora_loading_path"] = str(Path(adapter_paths["dyn"]).parent)
+    config["model"]["allow_runtime_lora_updating"] = True
     with running_cluster(config, num_cpus=2) as cluster:
         endpoints = deploy(cluster.handle, cluster.config, quiet=True)
         yield cluster.handle, endpoints["http"]
@@ -155,3 +160,91 @@ def test_an_adapter_past_max_lora_rank_is_refused_and_others_go_on(served, clien
     assert response.status_code == 400, response.text
     message = response.json()["error"]["message"]
     assert "wide" in message and "max_lora_rank" in message
+
+
+# ---- adapters loaded at run time ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def runtime_adapters(tiny_model, tmp_path_factory) -> dict[str, tuple[str, list[list[int]]]]:
+    """Two adapters outside the dynamic directory, with different weights: name -> (path, the
+    greedy tokens of every prompt offline)."""
+    root = tmp_path_factory.mktemp("runtime-lora")
+    llm = LLM(tiny_model("llama"), device="cpu", dtype="float32", swap_space_gb=0.001, **{
+        k: v for k, v in ENGINE.items() if k not in ("num_device_blocks", "swap_space_gb")})
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    built = {}
+    for index, (name, targets) in enumerate((("rt1", ["q_proj", "o_proj"]), ("rt2", ["up_proj", "down_proj"]))):
+        path = make_peft_adapter(tiny_model("llama"), root / name, 4, 8, targets, seed=20 + index)
+        results = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=LoRARequest(name, index + 1, path))
+        built[name] = (path, [list(result.outputs[0].token_ids) for result in results])
+    return built
+
+
+def _until(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.time() + timeout_s
+    while not predicate():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def _post(served, route: str, **body) -> httpx.Response:
+    return httpx.post(served[1] + route, json=body, timeout=120)
+
+
+def test_an_adapter_loaded_at_run_time_is_served_listed_and_unloaded(served, client, runtime_adapters, expected):
+    """vLLM's routes: load "tenant", serve it (every prompt as offline), list it; a second load of
+    the name is a 400; unloaded, it is a 404 to requests and to another unload; loaded again from
+    other weights, the requests get the new adapter's tokens (no block of the first one's)."""
+    (path1, tokens1), (path2, tokens2) = runtime_adapters["rt1"], runtime_adapters["rt2"]
+    served[0].health.start()   # the driver's handle: a view like another replica's
+    assert tokens1 != expected[None] and tokens2 != tokens1
+    response = _post(served, "/v1/load_lora_adapter", lora_name="tenant", lora_path=path1)
+    assert response.status_code == 200 and response.text == "Success: LoRA adapter 'tenant' added successfully."
+    for prompt, tokens in zip(PROMPTS, tokens1):
+        assert _tokens(client, "tenant", prompt) == ("tenant", tokens)
+    assert _tokens(client, f"{MODEL}:tenant", PROMPTS[0]) == ("tenant", tokens1[0])
+    card = client.models.retrieve("tenant")
+    assert card.parent == MODEL and card.root == path1
+    # Another replica's view (the driver's handle) gets it from the controller's report, and a
+    # restarted controller would find it in Ray's GCS.
+    _until(lambda: getattr(served[0].adapters.get("tenant"), "lora_path", None) == path1)
+    assert RuntimeAdapterRegistry(NAMESPACE).snapshot()[1]["tenant"][1] == path1
+
+    again = _post(served, "/v1/load_lora_adapter", lora_name="tenant", lora_path=path2)
+    assert again.status_code == 400 and again.json()["error"]["param"] == "lora_name"
+    assert "The lora adapter 'tenant' has already been loaded." in again.json()["error"]["message"]
+
+    response = _post(served, "/v1/unload_lora_adapter", lora_name="tenant")
+    assert response.status_code == 200 and response.text == "Success: LoRA adapter 'tenant' removed successfully."
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="tenant", prompt=PROMPTS[0], max_tokens=2)
+    assert "tenant" not in {card.id for card in client.models.list().data}
+    gone = _post(served, "/v1/unload_lora_adapter", lora_name="tenant")
+    assert gone.status_code == 404 and "The lora adapter 'tenant' cannot be found." in gone.text
+    _until(lambda: served[0].adapters.get("tenant") is None)
+    assert "tenant" not in RuntimeAdapterRegistry(NAMESPACE).snapshot()[1]
+
+    assert _post(served, "/v1/load_lora_adapter", lora_name="tenant", lora_path=path2).status_code == 200
+    for prompt, tokens in zip(PROMPTS, tokens2):     # the first prompt's blocks were cached for path1
+        assert _tokens(client, "tenant", prompt) == ("tenant", tokens)
+    assert _post(served, "/v1/unload_lora_adapter", lora_name="tenant").status_code == 200
+
+
+def test_an_adapter_that_cannot_be_served_is_refused_at_load_naming_why(served, client, adapter_paths, tmp_path):
+    cases = [
+        ({"lora_name": "big", "lora_path": adapter_paths["wide"]}, "lora_path", "max_lora_rank"),
+        ({"lora_name": "none", "lora_path": str(tmp_path / "none")}, "lora_path", "no adapter directory"),
+        ({"lora_name": MODEL, "lora_path": adapter_paths["attn"]}, "lora_name", "base model"),
+        ({"lora_name": f"{MODEL}:x", "lora_path": adapter_paths["attn"]}, "lora_name", "no ':'"),
+        ({"lora_name": "attn", "lora_path": adapter_paths["mlp"]}, "lora_name", "has already been loaded"),
+        ({"lora_name": "x"}, "lora_path", "lora_path"),
+        ({"lora_name": "x", "lora_path": adapter_paths["attn"], "lora_alias": 1}, "lora_alias", "lora_alias"),
+    ]
+    for body, param, words in cases:
+        response = _post(served, "/v1/load_lora_adapter", **body)
+        assert response.status_code == 400, (body, response.text)
+        error = response.json()["error"]
+        assert error["param"] == param and words in error["message"], (body, error)
+    assert {"big", "none", "x"}.isdisjoint(card.id for card in client.models.list().data)
+    configured = _post(served, "/v1/unload_lora_adapter", lora_name="attn")
+    assert configured.status_code == 400 and "model.lora_modules" in configured.json()["error"]["message"]
+    assert _tokens(client, "attn", PROMPTS[0])[0] == "attn"

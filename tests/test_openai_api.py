@@ -540,7 +540,8 @@ def test_api_key_guards_every_route_but_health(local_handle):
     for path in ("/openapi.json", "/docs", "/redoc", "/stats", "/metrics", "/v1/models", "/v1/models/x",
                  "/v1/nothing"):
         _assert_error(call(secured, "GET", path), 401)
-    for path in ("/v1/completions", "/v1/chat/completions", "/health/../v1/completions"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/health/../v1/completions", "/v1/load_lora_adapter",
+                 "/v1/unload_lora_adapter"):
         _assert_error(call(secured, "POST", path, json={"prompt": "x"}), 401)
     assert call(secured, "GET", "/health").status_code == 200
     # The dashboard checks the key itself: a login form, never data.
@@ -550,6 +551,17 @@ def test_api_key_guards_every_route_but_health(local_handle):
     keyed = {"Authorization": "Bearer sekrit"}
     assert call(secured, "GET", "/openapi.json", headers=keyed).status_code == 200
     assert call(secured, "GET", "/metrics", headers=keyed).status_code == 200
+
+
+def test_runtime_lora_routes_are_closed_unless_configured(server):
+    """Without model.allow_runtime_lora_updating the adapter routes answer 404 naming the key
+    (after the body's own checks)."""
+    for path, body in (("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/tmp/a"}),
+                       ("/v1/unload_lora_adapter", {"lora_name": "a"})):
+        response = call(server, "POST", path, json=body)
+        _assert_error(response, 404)
+        assert "model.allow_runtime_lora_updating" in response.json()["error"]["message"]
+    _assert_error(call(server, "POST", "/v1/load_lora_adapter", json={"lora_name": "a"}), 400, "lora_path")
 
 
 def test_metrics_without_key_when_configured(local_handle):

@@ -145,12 +145,15 @@ def test_lora_flags_set_the_adapters_and_the_engine(capsys):
         (True, 4, 32, 8)
     assert config["model"]["lora_modules"] == [{"name": "sql", "path": "/adapters/sql"},
                                                {"name": "chat", "path": "/adapters/chat"}]
+    assert not config["model"]["allow_runtime_lora_updating"]
+    assert _show("--enable-lora", "--allow-runtime-lora-updating", capsys=capsys)["model"]["allow_runtime_lora_updating"]
 
 
 @pytest.mark.parametrize(("flags", "message"), [
     (["--served-model-name", "a", "b"], "one name is served"),
     (["--lora-modules", "a=/x"], "model.lora_modules needs engine.enable_lora"),
     (["--set", "model.dynamic_lora_loading_path=/x"], "model.dynamic_lora_loading_path needs engine.enable_lora"),
+    (["--allow-runtime-lora-updating"], "model.allow_runtime_lora_updating needs engine.enable_lora"),
     (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], "adapter names must differ; repeated: a"),
     (["--enable-lora", "--lora-modules", "a:b=/x"], "an adapter name has no ':'"),
     (["--enable-lora", "--served-model-name", "m", "--lora-modules", "m=/x"], "is the base model's name"),

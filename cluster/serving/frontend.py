@@ -385,9 +385,10 @@ class Frontend:
         self.limits = self.config.limits
         self.api_key = self.config.api_key or os.environ.get(API_KEY_ENV) or None
         self.model_name = handle.model_name
-        # The LoRA adapters clients may name as "model" (``model.lora_modules``, and
-        # ``model.dynamic_lora_loading_path``'s).
-        self.adapters: LoRAAdapters = getattr(handle, "adapters", None) or LoRAAdapters()
+        # The LoRA adapters clients may name as "model" (``model.lora_modules``,
+        # ``model.dynamic_lora_loading_path``'s and those loaded at run time): the handle's own.
+        adapters = getattr(handle, "adapters", None)
+        self.adapters: LoRAAdapters = adapters if adapters is not None else LoRAAdapters()
         self.max_model_len = handle.max_model_len
         self.tokenizer = handle.tokenizer
         self.vocab_size = _model_vocab_size(handle.model_path, self.tokenizer)

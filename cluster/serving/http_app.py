@@ -36,10 +36,12 @@ from .errors import APIError, timeout_error, validation_error
 from .frontend import Frontend
 from .metrics import CONTENT_TYPE
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                       DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
-                       TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse)
+                       DetokenizeRequest, DetokenizeResponse, ErrorResponse, LoadLoRAAdapterRequest, ModelCard,
+                       ModelList, TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse,
+                       UnloadLoRAAdapterRequest)
 from .serving_chat import ServingChat
 from .serving_completion import ServingCompletion
+from .serving_lora import ServingLoRA
 from .serving_tokenize import ServingTokenize, TokenizeRequest
 from .sse import EventStream
 
@@ -173,8 +175,9 @@ def build_app(server: Frontend):
     completion = ServingCompletion(server)
     chat = ServingChat(server)
     tokenize = ServingTokenize(server)
+    lora = ServingLoRA(server)
     _install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest,
-                           DetokenizeRequest])
+                           DetokenizeRequest, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest])
 
     def error_response(error: APIError):
         return _json_response(error.body(), error.status, error.headers)
@@ -248,6 +251,17 @@ def build_app(server: Frontend):
     async def detokenize_route(request: Request):
         body = await parse_body(request, DetokenizeRequest, server.limits)
         return _json_response(tokenize.detokenize(body).model_dump())
+
+    @app.post("/v1/load_lora_adapter", openapi_extra=_json_body(LoadLoRAAdapterRequest), responses=_responses(None))
+    async def load_lora_adapter(request: Request):
+        body = await parse_body(request, LoadLoRAAdapterRequest, server.limits)
+        return Response(await lora.load(body), media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter", openapi_extra=_json_body(UnloadLoRAAdapterRequest),
+              responses=_responses(None))
+    async def unload_lora_adapter(request: Request):
+        body = await parse_body(request, UnloadLoRAAdapterRequest, server.limits)
+        return Response(await lora.unload(body), media_type="text/plain")
 
     @app.get("/v1/models", responses=_responses(ModelList))
     async def models():

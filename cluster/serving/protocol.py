@@ -428,6 +428,22 @@ class DetokenizeRequest(_Request):
     tokens: list[TokenId]
 
 
+class LoadLoRAAdapterRequest(_Request):
+    """``POST /v1/load_lora_adapter`` (vLLM's): serve the PEFT adapter at ``lora_path`` as
+    ``lora_name``."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """``POST /v1/unload_lora_adapter`` (vLLM's): stop serving ``lora_name`` (``lora_int_id``,
+    when given, must be its id)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
+
+
 # ---- responses ------------------------------------------------------------------------
 def _is_none(value: Any) -> bool:
     return value is None
