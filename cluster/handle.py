@@ -239,8 +239,7 @@ class ClusterHandle:
         flow = RequestFlow(request_id, text, prompt_token_ids, params, priority,
                            max_attempts=2 * len(self.workers) + 3, is_streamed=is_streamed,
                            text_decoder=self._text_decoder(prompt_token_ids, params), lora_request=lora_request)
-        if (self.config.is_disaggregated and params.n == 1 and not params.use_beam_search
-                and lora_request is None):
+        if self.config.is_disaggregated and params.n == 1 and not params.use_beam_search:
             try:
                 async with aclosing(self._generate_disaggregated(flow, flow.start(is_disaggregated=True))) as run:
                     async for output in run:
@@ -365,9 +364,10 @@ class ClusterHandle:
         prompt_ids, request_id = request.prompt_token_ids, request.request_id
         prefill_ids = {w for w, role in self.roles.items() if role == "prefill"}
         decode_ids = {w for w, role in self.roles.items() if role == "decode"}
-        cached = await self._longest_prefix(prompt_ids, prefix_extra_key(params.cache_salt))
+        adapter = request.lora_request.cache_key if request.lora_request else None
+        cached = await self._longest_prefix(prompt_ids, prefix_extra_key(params.cache_salt, adapter))
         decision = self.router.choose(f"{request_id}/prefill", len(prompt_ids), 1, cached,
-                                      exclude=set(self.workers) - prefill_ids)
+                                      exclude=set(self.workers) - prefill_ids, adapter=adapter)
         try:
             out_ref, kv_ref = self.workers[decision.worker_id].prefill.options(num_returns=2).remote(request)
             first: OutputDelta = await asyncio.wait_for(out_ref, timeout=timeout)
@@ -389,7 +389,7 @@ class ClusterHandle:
         first.finished = False
         yield accumulator.add(first)
         decision = self.router.choose(f"{request_id}/decode", len(prompt_ids), params.max_tokens, {},
-                                      exclude=set(self.workers) - decode_ids)
+                                      exclude=set(self.workers) - decode_ids, adapter=adapter)
         worker = self.workers[decision.worker_id]
         request = dataclasses.replace(request, kv=[kv_ref], output_token_ids=accumulator.token_ids())
         finished = False

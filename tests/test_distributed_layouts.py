@@ -58,10 +58,17 @@ def _finish(handle):
     assert handle.num_used_blocks() == 0
 
 
-def test_disaggregated_prefill_decode_matches_colocated(ray_cluster, tiny_model, reference):
+def test_disaggregated_prefill_decode_matches_colocated(ray_cluster, tiny_model, reference, tmp_path):
+    import asyncio
+
+    from peft_adapters import make_peft_adapter
+
+    from pagedserve import LLM, LoRARequest
+
+    lora_engine = {**ENGINE, "enable_lora": True, "max_lora_rank": 8}
     handle = _start(tiny_model, [
         {"role": "prefill", "count": 1, "num_gpus": 1, "num_cpus": 1},
-        {"role": "decode", "count": 1, "num_gpus": 1, "num_cpus": 1}])
+        {"role": "decode", "count": 1, "num_gpus": 1, "num_cpus": 1}], engine=lora_engine)
     try:
         prompts = _prompts(11, [4, 19, 40, 77, 100])
         outputs = handle.generate_sync(prompts, _greedy(12))
@@ -82,6 +89,17 @@ def test_disaggregated_prefill_decode_matches_colocated(ray_cluster, tiny_model,
         (multi,) = handle.generate_sync([prompts[1]], SamplingParams(
             temperature=0.0, max_tokens=6, ignore_eos=True, n=2))
         assert [list(c.token_ids) for c in multi.outputs] == [reference([prompts[1]], 6)[0]] * 2
+        # A LoRA adapter's request is prefilled with it on one worker and decoded with it on the other.
+        adapter = LoRARequest("attn", 1, make_peft_adapter(tiny_model("llama"), tmp_path / "attn", 8, 16,
+                                                           ["q_proj", "v_proj"], seed=3))
+        offline = LLM(tiny_model("llama"), **lora_engine).generate(prompts[2:4], _greedy(12), lora_request=adapter)
+
+        async def with_adapter(prompt):
+            return [output async for output in handle.generate(prompt, _greedy(12), lora_request=adapter)][-1]
+        served = [asyncio.run(with_adapter(prompt)) for prompt in prompts[2:4]]
+        assert [list(o.outputs[0].token_ids) for o in served] == [list(o.outputs[0].token_ids) for o in offline]
+        assert [list(o.outputs[0].token_ids) for o in served] != reference(prompts[2:4], 12)   # the adapter matters
+        assert all(o.metrics.kv_transfer_bytes > 0 for o in served)
         _finish(handle)
     finally:
         handle.shutdown()

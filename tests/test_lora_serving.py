@@ -248,3 +248,54 @@ def test_an_adapter_that_cannot_be_served_is_refused_at_load_naming_why(served, 
     configured = _post(served, "/v1/unload_lora_adapter", lora_name="attn")
     assert configured.status_code == 400 and "model.lora_modules" in configured.json()["error"]["message"]
     assert _tokens(client, "attn", PROMPTS[0])[0] == "attn"
+
+
+# ---- last: it drains a worker away ----------------------------------------------------------
+DRAIN_MAX_TOKENS = 160
+
+
+def test_draining_a_worker_migrates_its_adapters_sequences_with_their_kv(served, tiny_model, adapter_paths):
+    """A worker drained mid-stream hands its sequences of both adapters over through KV migration
+    (only adapters' sequences run: any migration is one of theirs): the target reads the adapter
+    if it must, and every stream's tokens are the offline engine's, with no token recomputed."""
+    import asyncio
+
+    handle = served[0]
+    loras = [LoRARequest("attn", 1, adapter_paths["attn"]), LoRARequest("mlp", 2, adapter_paths["mlp"])]
+    jobs = [(PROMPTS[i % len(PROMPTS)], loras[i % len(loras)]) for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=DRAIN_MAX_TOKENS, ignore_eos=True)
+    llm = LLM(tiny_model("llama"), device="cpu", dtype="float32", swap_space_gb=0.001, **{
+        k: v for k, v in ENGINE.items() if k not in ("num_device_blocks", "swap_space_gb")})
+    expected = [list(llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0].outputs[0].token_ids)
+                for prompt, lora in jobs]
+    recomputed_before = handle.stats()["num_recomputed_tokens"]
+    _until(lambda: all(handle.worker_states()["workers"][w]["state"] == "ready" for w in handle.workers), 60)
+    progress = {i: 0 for i in range(len(jobs))}
+    drained: list[str] = []
+
+    def unfinished() -> dict[str, int]:
+        return {w: ray.get(actor.num_unfinished.remote(), timeout=30) for w, actor in handle.workers.items()}
+
+    async def one(index: int, prompt: list[int], lora) -> list[int]:
+        last = None
+        async for output in handle.generate(prompt, params, request_id=f"drain-{index}-{time.time_ns()}",
+                                            lora_request=lora):
+            last = output
+            progress[index] = len(output.outputs[0].token_ids)
+            if not drained and all(n >= 2 for n in progress.values()):
+                counts = unfinished()
+                victim = max(counts, key=counts.get)
+                if counts[victim] >= 2:
+                    drained.append(victim)
+                    assert ray.get(handle.controller.drain_worker.remote(victim), timeout=30)
+        return list(last.outputs[0].token_ids)
+
+    async def run_all():
+        return await asyncio.gather(*(one(i, prompt, lora) for i, (prompt, lora) in enumerate(jobs)))
+
+    assert asyncio.run(run_all()) == expected
+    assert drained, "no worker held two sequences at once"
+    _until(lambda: handle.worker_states()["workers"][drained[0]]["state"] == "dead", 120)
+    record = handle.worker_states()["workers"][drained[0]]
+    assert record["reason"] == "drained" and record["num_drain_migrations"] >= 1, record
+    assert handle.stats()["num_recomputed_tokens"] == recomputed_before

@@ -289,7 +289,7 @@ class Worker:
         channel = self._channel(channel_id)
         params = dataclasses.replace(request.params, max_tokens=1)
         self.core.add(AddRequest(channel_id, 0, request.request_id, request.prompt_token_ids, params,
-                                 request.priority, request.prompt, export_kv=True))
+                                 request.priority, request.prompt, export_kv=True, lora_request=request.lora_request))
         deltas, export = [], None
         try:
             while export is None:

@@ -310,15 +310,14 @@ class LLMEngine:
                 raise ValueError("a transferred request needs n == 1, no beam search and at least one "
                                  "token left to compute")
         if lora_request is not None:
-            self._check_lora(lora_request, export_kv or kv_transfer is not None)
+            self._check_lora(lora_request)
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.grammar_compiler.compile(params.structured_outputs)
         request = Request(request_id, text, token_ids, params, priority,
                           arrival_time if arrival_time is not None else time.time(), next(self._order))
         request.export_kv = export_kv
-        request.is_migratable = (params.n == 1 and not export_kv and not params.use_beam_search
-                                 and lora_request is None)
+        request.is_migratable = params.n == 1 and not export_kv and not params.use_beam_search
         request.lora_request = lora_request
         request.kv_transfer = kv_transfer
         request.grammar = grammar
@@ -342,21 +341,20 @@ class LLMEngine:
             self.beam_groups.start(request)
         return request
 
-    def _check_lora(self, lora_request: LoRARequest, moves_kv: bool) -> None:
+    def _check_lora(self, lora_request: LoRARequest) -> None:
         """Refuse an adapter this engine cannot serve (``LoRAAdapterError`` names why); read
-        it into host memory otherwise."""
+        it into host memory otherwise. A request that continues from transferred KV (migrated,
+        or prefilled elsewhere) reads its adapter here if this engine has not yet."""
         if self.lora is None:
             raise ValueError(f"lora_request {getattr(lora_request, 'lora_name', lora_request)!r} needs an engine "
                              "with enable_lora=True")
-        if moves_kv:
-            raise ValueError("a request with a lora_request cannot export or import its KV")
         self.lora.add(lora_request)
 
     # ---- adapters by hand (vLLM's ``add_lora``, ``remove_lora``, ``list_loras``) ------------
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Check ``lora_request``'s adapter and read it into host memory before any request
         names it; ``LoRAAdapterError`` (a ValueError) names why it cannot be served."""
-        self._check_lora(lora_request, moves_kv=False)
+        self._check_lora(lora_request)
         return True
 
     def remove_lora(self, lora_int_id: int) -> bool:
