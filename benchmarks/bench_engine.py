@@ -6,7 +6,11 @@ each, EOS ignored), greedy decoding throughout:
 
 - transformers ``generate`` in static batches of ``--static-batch`` (left padding);
 - transformers ``generate_batch`` (its own continuous batching, transformers 5.x);
-- pagedserve ``LLM.generate``.
+- pagedserve ``LLM.generate``;
+- pagedserve ``LLM.generate`` with n-gram speculative decoding (``--spec-k`` proposed tokens,
+  prompt lookup of 1 to 3 tokens; its outputs must equal pagedserve's without it; skip it
+  with ``--skip-speculative``). Random models accept what their loops repeat: the report
+  gives the mean acceptance length it got.
 
 Each contender runs in a fresh process with the same torch thread count and the same
 host allocator setting, after a short warm-up, so that none inherits another's threads,
@@ -50,6 +54,7 @@ CONTENDERS = {
     # OpenMP threads of the calling thread would take a core from it.
     "batch": ("transformers generate_batch", "passive"),
     "pagedserve": ("pagedserve LLM.generate", "active"),
+    "pagedserve_ngram": ("pagedserve LLM.generate, ngram spec", "active"),
 }
 
 
@@ -75,17 +80,26 @@ def run_contender(key: str, spec: dict) -> dict:
     retain_freed_host_memory()  # every contender alike (pagedserve's CPU runner sets it anyway)
     prompts, warm, output_len = spec["prompts"], spec["warm_prompt"], spec["output_len"]
     result: dict = {}
-    if key == "pagedserve":
+    if key.startswith("pagedserve"):
         from pagedserve import LLM
 
+        speculative = ({"method": "ngram", "num_speculative_tokens": spec["spec_k"], "prompt_lookup_min": 1,
+                        "prompt_lookup_max": 3} if key == "pagedserve_ngram" else None)
         llm = LLM(spec["model"], max_num_seqs=spec["max_num_seqs"],
-                  max_num_batched_tokens=spec["max_num_batched_tokens"])
+                  max_num_batched_tokens=spec["max_num_batched_tokens"], speculative_config=speculative)
         run_pagedserve(llm, [warm, warm[:8]], 4)
+        before = llm.engine.stats()
         outputs, seconds = run_pagedserve(llm, prompts, output_len)
         runner = llm.engine.runner
         result.update(num_steps=llm.engine.num_steps, num_parameters=runner.num_parameters,
                       num_lm_head_parameters=runner.lm_head.weight.numel(),
                       num_decoder_linear_parameters=decoder_linear_parameters(runner))
+        if speculative is not None:
+            after = llm.engine.stats()
+            drafts = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
+            accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+            # vLLM's mean acceptance length: tokens a verification step yields, the bonus one included.
+            result["mean_acceptance_length"] = 1 + accepted / drafts if drafts else None
     else:
         from transformers import AutoModelForCausalLM
 
@@ -182,6 +196,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="16 requests of 32 output tokens (smoke run)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-host-cost", action="store_true")
+    parser.add_argument("--skip-speculative", action="store_true", help="no n-gram speculative contender")
+    parser.add_argument("--spec-k", type=int, default=4, help="tokens the n-gram contender proposes per step")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument(
         "--omp-wait-policy", choices=("auto", "active", "passive", "env"), default="auto",
@@ -215,8 +231,10 @@ def main() -> None:
     spec = {"model": path, "prompts": prompts, "output_len": args.output_len, "threads": threads,
             "warm_prompt": make_prompts(1, 16, 16, vocab_size, len(SPECIAL_TOKENS), args.seed + 1)[0],
             "static_batch": args.static_batch, "max_num_seqs": args.max_num_seqs,
-            "max_num_batched_tokens": args.max_num_batched_tokens}
+            "max_num_batched_tokens": args.max_num_batched_tokens, "spec_k": args.spec_k}
     keys = ["pagedserve"] if args.skip_transformers else ["static", "batch", "pagedserve"]
+    if not args.skip_speculative:
+        keys.append("pagedserve_ngram")
     runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench_engine.") as workdir:
         spec_path = os.path.join(workdir, "spec.json")
@@ -248,6 +266,7 @@ def main() -> None:
             "omp_wait_policy": run["omp_wait_policy"],
             "matmul_gflop_per_s_in_process": run["matmul_flops_per_s"] / 1e9,
             **({"num_steps": run["num_steps"]} if "num_steps" in run else {}),
+            **({"mean_acceptance_length": run["mean_acceptance_length"]} if "mean_acceptance_length" in run else {}),
         }
     ours = results[CONTENDERS["pagedserve"][0]]["output_tok_per_s"]
     summary = {
@@ -270,6 +289,9 @@ def main() -> None:
         summary["greedy_agreement_vs_static"] = agreement(ours_run["outputs"], runs["static"]["outputs"])
         summary["greedy_agreement_batch_vs_static"] = agreement(runs["batch"]["outputs"],
                                                                 runs["static"]["outputs"])
+    if "pagedserve_ngram" in runs:
+        summary["speculative_outputs_equal"] = runs["pagedserve_ngram"]["outputs"] == ours_run["outputs"]
+        summary["speculative_speedup"] = results[CONTENDERS["pagedserve_ngram"][0]]["output_tok_per_s"] / ours
 
     print(f"\n{args.arch}-{args.size}: {num_params / 1e6:.1f}M params, {args.num_requests} requests, "
           f"prompts {args.min_prompt}-{args.max_prompt} ({num_prompt_tokens} tokens), "
@@ -281,6 +303,11 @@ def main() -> None:
     for name, result in results.items():
         print(f"{name:34s} {result['seconds']:8.2f} {result['output_tok_per_s']:10.1f} "
               f"{result['mfu']:6.1%} {ours / result['output_tok_per_s']:13.2f}  {result['omp_wait_policy']}")
+    if "pagedserve_ngram" in runs:
+        acceptance = results[CONTENDERS["pagedserve_ngram"][0]]["mean_acceptance_length"]
+        print(f"\nngram speculation (k = {args.spec_k}): {summary['speculative_speedup']:.2f}x pagedserve "
+              f"without it, mean acceptance length {'n/a' if acceptance is None else f'{acceptance:.2f}'}; "
+              f"outputs equal: {summary['speculative_outputs_equal']}")
     if not args.skip_transformers:
         print()
         for key, label in (("greedy_agreement_vs_static", "pagedserve"),

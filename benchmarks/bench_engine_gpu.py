@@ -13,6 +13,9 @@ synchronised around every timing:
 - (only when asked for) the same with ``merge_projections=False`` (q/k/v and gate/up as
   separate matmuls);
 - the same with ``enforce_eager=True`` (every step eager);
+- the same with n-gram speculative decoding (``--spec-k`` proposed tokens, prompt lookup of 1
+  to 3 tokens): its outputs against pagedserve's without it, and the mean acceptance length
+  it got on the random model's own loops;
 - transformers ``generate`` in static batches of ``--static-batch`` (left padding);
 - transformers ``generate_batch`` (its continuous batching); a failure is reported, not fatal.
 
@@ -62,7 +65,7 @@ from pagedserve.bench.workload import random_token_ids  # noqa: E402
 
 LABELS = {"pagedserve": "pagedserve LLM.generate", "uncompiled": "pagedserve LLM.generate (uncompiled)",
           "unmerged": "pagedserve LLM.generate (q/k/v, gate/up unmerged)",
-          "eager": "pagedserve LLM.generate (eager)",
+          "eager": "pagedserve LLM.generate (eager)", "ngram": "pagedserve LLM.generate (ngram speculation)",
           "static": "transformers generate (static)", "batch": "transformers generate_batch"}
 _START = time.perf_counter()
 
@@ -136,14 +139,15 @@ def dynamo_frames_compiled() -> int:
 
 
 def bench_pagedserve(args, path: str, prompts, warm_prompts, state: dict, enforce_eager: bool = False,
-                     torch_compile: bool | None = None, merge_projections: bool | None = None) -> dict:
+                     torch_compile: bool | None = None, merge_projections: bool | None = None,
+                     speculative_config: dict | None = None) -> dict:
     from pagedserve import LLM
     from pagedserve.devtools.triton_variants import compiled_variants
 
     options = {"device": args.device, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
                "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed,
                "enforce_eager": enforce_eager, "torch_compile": torch_compile,
-               "merge_projections": merge_projections}
+               "merge_projections": merge_projections, "speculative_config": speculative_config}
     if args.kv_cache_gb:
         options["kv_cache_memory_gb"] = args.kv_cache_gb
     log(f"pagedserve: loading LLM({path!r}, {options})")
@@ -160,6 +164,7 @@ def bench_pagedserve(args, path: str, prompts, warm_prompts, state: dict, enforc
     run_pagedserve(llm, [(warm_prompts[i % len(warm_prompts)][:16 + i % 16], 4) for i in range(len(prompts))])
     llm.reset_prefix_cache()
     before = (engine.num_steps, engine.num_decode_steps, engine.decode_step_seconds, engine.step_seconds)
+    spec_before = engine.stats()
     log(f"pagedserve: timing {len(prompts)} requests")
     shapes = record_steps(runner)
     step_times = record_step_device_times(engine)  # CUDA only: two events a step
@@ -204,6 +209,11 @@ def bench_pagedserve(args, path: str, prompts, warm_prompts, state: dict, enforc
               "num_cuda_graphs": stats.get("num_cuda_graphs", 0),
               "num_graph_replays": stats.get("num_graph_replays", 0), "kernel_profile": kernels,
               "step_device_times": device_steps}
+    if speculative_config is not None:
+        drafts = stats["spec_decode_num_drafts"] - spec_before["spec_decode_num_drafts"]
+        accepted = stats["spec_decode_num_accepted_tokens"] - spec_before["spec_decode_num_accepted_tokens"]
+        # vLLM's mean acceptance length: tokens a verification step yields, the bonus one included.
+        result["mean_acceptance_length"] = 1 + accepted / drafts if drafts else None
     del llm, engine, runner
     return result
 
@@ -278,7 +288,8 @@ def summarise(args, env: dict, prompts, runs: dict, errors: dict, rates: dict, s
     for key, run in runs.items():
         tok_per_s = num_output / run["seconds"]
         row = {"seconds": run["seconds"], "output_tok_per_s": tok_per_s,
-               **{k: run[k] for k in ("num_steps", "num_decode_steps", "decode_seconds") if k in run}}
+               **{k: run[k] for k in ("num_steps", "num_decode_steps", "decode_seconds", "mean_acceptance_length")
+                  if k in run}}
         if counts and matmul:
             row["mfu"] = 2 * counts["num_parameters"] * tok_per_s / matmul
             row["all_token_flop_utilisation"] = flops["total"] / run["seconds"] / matmul
@@ -342,6 +353,13 @@ def summarise(args, env: dict, prompts, runs: dict, errors: dict, rates: dict, s
         data["greedy_agreement_vs_static"] = {
             LABELS[key]: agreement(run["outputs"], runs["static"]["outputs"])
             for key, run in runs.items() if key != "static"}
+    if "ngram" in runs and "pagedserve" in runs:
+        # Greedy speculation is exact up to the numerics of a k + 1-token verification (in half
+        # precision near-ties may fall the other way, as between batch shapes).
+        data["speculation"] = {
+            "mean_acceptance_length": runs["ngram"].get("mean_acceptance_length"),
+            "speedup_over_pagedserve": runs["pagedserve"]["seconds"] / runs["ngram"]["seconds"],
+            "agreement_with_pagedserve": agreement(runs["ngram"]["outputs"], runs["pagedserve"]["outputs"])}
     return data
 
 
@@ -377,6 +395,12 @@ def format_report(data: dict) -> str:
                  "rate), weights and K/V read and written; 'of roofline' = roofline / measured time. "
                  "Serial floor: the same, with the linear layers (FLOPs or weight bytes) and the "
                  "attention (FLOPs or K/V bytes) bounded apart and added, as separate kernels run.")
+    speculation = data.get("speculation")
+    if speculation:
+        acceptance, agree = speculation["mean_acceptance_length"], speculation["agreement_with_pagedserve"]
+        lines.append(f"ngram speculation: {speculation['speedup_over_pagedserve']:.2f}x pagedserve without it, mean "
+                     f"acceptance length {'-' if acceptance is None else f'{acceptance:.2f}'}; "
+                     f"{agree['identical_requests']}/{agree['num_requests']} requests identical to it")
     for name, agree in data.get("greedy_agreement_vs_static", {}).items():
         lines.append(f"greedy agreement of {name} with static generate: {agree['identical_requests']}/"
                      f"{agree['num_requests']} requests identical, mean matching prefix "
@@ -430,10 +454,12 @@ def parse_args(argv=None):
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--matmul-size", type=int, default=None, help="default: 8192 on CUDA, 512 on CPU")
-    parser.add_argument("--contenders", default="pagedserve,uncompiled,eager,static,batch",
+    parser.add_argument("--contenders", default="pagedserve,uncompiled,eager,ngram,static,batch",
                         help="comma-separated, from: pagedserve, uncompiled (pagedserve with "
                              "torch_compile=False), unmerged (pagedserve with merge_projections=False), "
-                             "eager (pagedserve with enforce_eager), static, batch")
+                             "eager (pagedserve with enforce_eager), ngram (pagedserve with n-gram "
+                             "speculative decoding), static, batch")
+    parser.add_argument("--spec-k", type=int, default=4, help="tokens the ngram contender proposes per step")
     parser.add_argument("--quick", action="store_true",
                         help="64 requests, prompts 128-512, 64 output tokens (a fallback run)")
     parser.add_argument("--profile", metavar="PATH",
@@ -528,6 +554,11 @@ def main(argv=None) -> int:
         free_device_memory(args.device)
     if "eager" in args.keys:
         attempt("eager", lambda: bench_pagedserve(args, path, prompts, warm_prompts, state, enforce_eager=True))
+        free_device_memory(args.device)
+    if "ngram" in args.keys:
+        ngram = {"method": "ngram", "num_speculative_tokens": args.spec_k, "prompt_lookup_min": 1,
+                 "prompt_lookup_max": 3}
+        attempt("ngram", lambda: bench_pagedserve(args, path, prompts, warm_prompts, state, speculative_config=ngram))
         free_device_memory(args.device)
     hf_keys = [k for k in ("static", "batch") if k in args.keys]
     if hf_keys:

@@ -533,7 +533,7 @@ def test_the_roofline_replay_runs_a_workload_on_the_cpu(tmp_path, capsys):
 
 
 def test_gpu_engine_bench_smoke_on_cpu(tmp_path, tiny_model):
-    """benchmarks/bench_engine_gpu.py's every path but CUDA: five contenders, one report."""
+    """benchmarks/bench_engine_gpu.py's every path but CUDA: six contenders, one report."""
     import subprocess
     import sys
     from pathlib import Path
@@ -549,7 +549,12 @@ def test_gpu_engine_bench_smoke_on_cpu(tmp_path, tiny_model):
     data = json.loads(out.read_text())
     assert not data["errors"]
     ours_names = ("pagedserve LLM.generate", "pagedserve LLM.generate (uncompiled)", "pagedserve LLM.generate (eager)")
-    assert set(data["results"]) == {*ours_names, "transformers generate (static)", "transformers generate_batch"}
+    speculating = "pagedserve LLM.generate (ngram speculation)"
+    assert set(data["results"]) == {*ours_names, speculating, "transformers generate (static)",
+                                    "transformers generate_batch"}
+    assert data["speculation"]["agreement_with_pagedserve"]["identical_requests"] == 4   # float32: exact
+    assert data["greedy_agreement_vs_static"][speculating]["identical_requests"] == 4
+    assert "mean_acceptance_length" in data["results"][speculating]
     # Only the arithmetic, not a bound: the reference is the best of a 64-wide matmul's timings,
     # mostly call overhead and at the mercy of a loaded machine (an upper bound of 1 failed twice
     # on 2026-11-26 at load 6-8; quiet, the figures are about 1e-4).
