@@ -1,6 +1,6 @@
 """The Triton LoRA kernels (SGMV shrink and expand) against each token's own product in
 float64 and against the torch path (``workers/lora/punica.py``), then inside the layers and
-an engine.
+an engine; and the compile check compiling them as their launches specialise them.
 
 Without CUDA the kernels run in Triton's interpreter, set up as in test_kernels_triton.py:
 TRITON_INTERPRET=1 before triton is first imported, or the file re-run in a fresh process.
@@ -202,3 +202,40 @@ def test_an_engine_on_triton_kernels_generates_what_it_does_on_torch(tiny_model,
     assert tokens["triton"] == tokens["torch"]
     base = [output.outputs[0].token_ids for output in llm.generate(prompts, params, use_tqdm=False)]
     assert [ours != theirs for ours, theirs in zip(tokens["triton"], base)] == [True, False, True, True]
+
+
+@pytest.mark.skipif(IS_CUDA, reason="records interpreted launches")
+def test_the_compile_check_specialises_the_lora_kernels_as_their_launches_are():
+    """``triton_compile_check`` compiles what a launch would compile: the same constants
+    and the same 16-byte-aligned arguments, by Triton's own binder for a CUDA target."""
+    from triton.backends.compiler import GPUTarget
+
+    from pagedserve.devtools.triton_variants import cuda_binder
+    from pagedserve.kernels.triton_compile import launch_specialisation, lora_kernel_configs
+
+    kernels = (lora_kernels.lora_shrink_kernel, lora_kernels.lora_expand_kernel)
+    launches = {}
+    hooks = [(kernel, lambda *args, kernel=kernel, **kwargs: launches.setdefault(kernel, (args, kwargs)))
+             for kernel in kernels]
+    for kernel, hook in hooks:
+        kernel.add_pre_run_hook(hook)
+    try:
+        slots, lora_a, lora_b, x, y = run_case("every slot, decode", torch.float16)
+        products(triton_lora_ops, slots, x, y, lora_a, lora_b)
+    finally:
+        for kernel, hook in hooks:
+            kernel.pre_run_hooks.remove(hook)
+    num_slots, max_rank, features = lora_a.shape
+    differences = {}
+    for kernel, arg_types, constexprs, _ in lora_kernel_configs(torch.float16, max_rank, features, features):
+        jit, binder = cuda_binder(kernel)
+        args, kwargs = launches[kernel]
+        _, at_launch, _ = binder(*args, **kwargs)
+        names = [param.name for param in jit.params]
+        launch_ones = {n for n, (kind, value) in zip(names, at_launch)
+                       if kind == "constexpr" and value == 1 and n not in constexprs}
+        launch_aligned = {n for n, (kind, attr) in zip(names, at_launch) if kind != "constexpr" and attr == "D"}
+        _, constants, attrs = launch_specialisation(jit, arg_types, constexprs, GPUTarget("cuda", 90, 32))
+        differences[kernel.__name__] = ({n for n in constants if n not in constexprs} ^ launch_ones,
+                                        {names[index] for index, in attrs} ^ launch_aligned)
+    assert differences == {"lora_shrink_kernel": (set(), set()), "lora_expand_kernel": (set(), set())}
