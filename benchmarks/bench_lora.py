@@ -20,6 +20,14 @@ engine has one slot: another adapter took it), and one already in its slot; each
     python benchmarks/bench_lora.py [--batch 64 --adapters 1,8,32 --rank 16 --steps 40]
     python benchmarks/bench_lora.py --targets q_proj,v_proj
     python benchmarks/bench_lora.py --size 1b --device cuda --dtype bfloat16
+
+With ``--device cuda`` it first times one layer's LoRA products on their own: the Triton
+SGMV kernels (``kernels/triton_lora_ops.py``) against the torch path's batched matmuls
+(``workers/lora/punica.py``) on a decode batch (``--kernel-tokens`` tokens, token i on
+adapter i mod ``--kernel-adapters``, rank ``--rank``, ``--kernel-hidden`` features in and
+out), and reports the torch path's time over Triton's. ``--kernels-only`` stops there.
+
+    python benchmarks/bench_lora.py --device cuda --dtype bfloat16 --kernels-only
 """
 
 from __future__ import annotations
@@ -127,6 +135,54 @@ def adapter_load(path: str, model, prompt: list[int], rank: int, targets: list[s
         print(f"{name:>18} {1e3 * median:9.2f} ms {median / base:6.2f}x")
 
 
+def lora_products(device: torch.device, dtype: torch.dtype, num_tokens: int, num_adapters: int, rank: int,
+                  hidden: int) -> dict[str, dict]:
+    """Per path (the torch path, the Triton kernels): its shrink, its expand and both, as
+    callables on one layer's decode batch, and the output of both (each path from the same y)."""
+    from pagedserve.kernels import triton_lora_ops
+    from pagedserve.workers.lora import punica
+
+    generator = torch.Generator().manual_seed(0)
+    lora_a = (torch.randn(num_adapters, rank, hidden, generator=generator) / hidden ** 0.5).to(device, dtype)
+    lora_b = (torch.randn(num_adapters, rank, hidden, generator=generator) / rank ** 0.5).to(device, dtype)
+    x = torch.randn(num_tokens, hidden, generator=generator).to(device, dtype)
+    token_slots = torch.arange(num_tokens) % num_adapters
+    paths = {}
+    for name, ops in (("torch bmm", punica), ("triton sgmv", triton_lora_ops)):
+        segments = ops.build_segments(token_slots, device)
+        y = torch.zeros(num_tokens, hidden, device=device, dtype=dtype)
+        h = ops.lora_shrink(x, lora_a, segments)
+        ops.lora_expand(y, h, lora_b, segments)
+        paths[name] = {
+            "output": y.clone(),
+            "shrink": lambda ops=ops, segments=segments: ops.lora_shrink(x, lora_a, segments),
+            "expand": lambda ops=ops, segments=segments, y=y, h=h: ops.lora_expand(y, h, lora_b, segments),
+            "both": lambda ops=ops, segments=segments, y=y: ops.lora_expand(
+                y, ops.lora_shrink(x, lora_a, segments), lora_b, segments),
+        }
+    return paths
+
+
+def compare_kernels(args) -> None:
+    """Time ``lora_products`` on CUDA (``triton.testing.do_bench``, median ms) and print the
+    torch path's time over the Triton kernels'."""
+    import triton.testing
+
+    dtype = getattr(torch, args.dtype)
+    paths = lora_products(torch.device(args.device), dtype, args.kernel_tokens, args.kernel_adapters, args.rank,
+                          args.kernel_hidden)
+    torch_path, triton_path = paths["torch bmm"], paths["triton sgmv"]
+    torch.testing.assert_close(triton_path["output"], torch_path["output"], atol=5e-2, rtol=5e-2)
+    print(f"LoRA products of one layer on {torch.cuda.get_device_name()} ({args.dtype}): {args.kernel_tokens} "
+          f"decoding tokens over {args.kernel_adapters} adapters, rank {args.rank}, {args.kernel_hidden} -> "
+          f"{args.kernel_hidden} features")
+    print(f"{'product':>8} {'torch bmm ms':>13} {'triton sgmv ms':>15} {'torch / triton':>15}")
+    for product in ("shrink", "expand", "both"):
+        torch_ms = triton.testing.do_bench(torch_path[product], warmup=25, rep=200, return_mode="median")
+        triton_ms = triton.testing.do_bench(triton_path[product], warmup=25, rep=200, return_mode="median")
+        print(f"{product:>8} {torch_ms:13.4f} {triton_ms:15.4f} {torch_ms / triton_ms:14.2f}x")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="small")
@@ -140,9 +196,19 @@ def main(argv=None) -> None:
     parser.add_argument("--load-rounds", type=int, default=5, help="adapter-load rounds (0: skip)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--kernel-tokens", type=int, default=256, help="kernel comparison (CUDA): decoding tokens")
+    parser.add_argument("--kernel-adapters", type=int, default=8, help="kernel comparison (CUDA): adapters")
+    parser.add_argument("--kernel-hidden", type=int, default=2048, help="kernel comparison (CUDA): features")
+    parser.add_argument("--kernels-only", action="store_true", help="only the kernel comparison (CUDA)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if torch.device(args.device).type == "cuda":
+        compare_kernels(args)
+    elif args.kernels_only:
+        print("bench_lora: the kernel comparison needs --device cuda; nothing to measure (exit 0).")
+    if args.kernels_only:
+        return
     counts = [int(n) for n in args.adapters.split(",")]
     targets = args.targets.split(",")
     path = str(ensure_model("llama", args.size))

@@ -13,6 +13,7 @@ from triton.compiler import ASTSource, make_backend
 
 from . import triton_attention_kernels as attention_kernels
 from . import triton_cache_kernels as cache_kernels
+from . import triton_lora_kernels as lora_kernels
 
 _TYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
                torch.int32: "i32", torch.int64: "i64"}
@@ -103,6 +104,25 @@ def kernel_configs(dtype, head_dim, num_q_per_kv, block_size, index_dtype=torch.
                 block_pairs_ptr=torch.int64, block_numel="i32"),
            dict(BLOCK=1024),
            4)
+
+
+def lora_kernel_configs(dtype, max_rank, in_features, out_features):
+    """(kernel, arg types, constexprs, num_warps) of the LoRA shrink and expand as
+    ``triton_lora_ops`` launches them for a layer of these sizes."""
+    tiles = lora_kernels.lora_tiles(max_rank)
+    precision = "ieee" if dtype == torch.float32 else "tf32"
+    segments = dict(token_order_ptr=torch.int32, tile_starts_ptr=torch.int32, tile_ends_ptr=torch.int32,
+                    tile_slots_ptr=torch.int32)
+    yield (lora_kernels.lora_shrink_kernel,
+           dict(x_ptr=dtype, lora_a_ptr=dtype, h_ptr=torch.float32, **segments),
+           dict(IN_FEATURES=in_features, MAX_RANK=max_rank, BLOCK_M=lora_kernels.TILE_TOKENS,
+                BLOCK_R=tiles.block_r, BLOCK_K=tiles.block_k, DOT_PRECISION=precision),
+           tiles.num_warps)
+    yield (lora_kernels.lora_expand_kernel,
+           dict(h_ptr=torch.float32, lora_b_ptr=dtype, y_ptr=dtype, **segments),
+           dict(OUT_FEATURES=out_features, MAX_RANK=max_rank, BLOCK_M=lora_kernels.TILE_TOKENS,
+                BLOCK_N=tiles.block_n, BLOCK_R=tiles.block_r, DOT_PRECISION=precision),
+           tiles.num_warps)
 
 
 def kernel_label(kernel, constexprs: dict) -> str:

@@ -538,8 +538,9 @@ def test_rejects_bad_shapes():
 
 @pytest.mark.slow
 def test_kernels_compile_for_every_target():
-    """The interpreter skips Triton's compiler; this compiles the kernels to cubins for sm_75,
-    sm_80, sm_86, sm_89 and sm_90 (no GPU needed), and lists what a target must refuse."""
+    """The interpreter skips Triton's compiler; this compiles the kernels (attention, cache and
+    LoRA) to cubins for sm_75, sm_80, sm_86, sm_89 and sm_90 (no GPU needed), and lists what
+    a target must refuse."""
     environment = {**os.environ, "TRITON_INTERPRET": "0"}
     command = [sys.executable, "-m", "pagedserve.kernels.triton_compile_check", "--quick"]
     result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=900)
@@ -548,6 +549,8 @@ def test_kernels_compile_for_every_target():
         assert f"ok      sm_{arch} torch.float16 head_dim=128" in result.stdout, arch
         assert f"ok      sm_{arch} torch.float16 head_dim=128 group=8 block=16 paged_prefill_kernel+variants" \
             in result.stdout, arch
+        for kernel in ("lora_shrink_kernel", "lora_expand_kernel"):
+            assert f"ok      sm_{arch} torch.float16 lora rank=16 in=2048 out=5632 {kernel}" in result.stdout, arch
     refused = [line for line in result.stdout.splitlines() if line.startswith("refused")]
     # The prefill kernel, plain and with the variants (window, soft-cap, sinks), over sm_86's shared memory.
     assert len(refused) == 2 and all("sm_86 torch.float32 head_dim=256" in line for line in refused), refused

@@ -69,7 +69,8 @@ class LLMEngine:
         self.worker_id = worker_id
         self.runner = build_runner(config, rank_launcher)
         self.lora = (LoRAManager(self.runner.model, config.max_loras, config.max_lora_rank,
-                                 config.max_cpu_loras or config.max_loras, self._adapters_in_use)
+                                 config.max_cpu_loras or config.max_loras, self._adapters_in_use,
+                                 kernel_backend=config.kernel_backend)
                      if config.enable_lora else None)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model,
                                                        trust_remote_code=config.trust_remote_code)

@@ -3,18 +3,36 @@ adapters' ``scaling * B(A(x))``."""
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
-from .punica import LoRASegments, lora_expand, lora_shrink
+from pagedserve.kernels import select_backend
+
+from . import punica
+
+
+def lora_ops_for(device: torch.device, kernel_backend: str | None = None) -> ModuleType:
+    """The batched LoRA products for a model on ``device``: Triton's SGMV kernels
+    (``pagedserve.kernels.triton_lora_ops``) where its attention runs Triton (``kernel_backend``;
+    None: on CUDA with triton installed), else the torch path (``punica``), which is also
+    their oracle. Either module offers ``build_segments``, ``lora_shrink`` and ``lora_expand``."""
+    if (kernel_backend or select_backend(device)) == "triton":
+        from pagedserve.kernels import triton_lora_ops
+
+        return triton_lora_ops
+    return punica
 
 
 class LoRAContext:
-    """What the adapted layers of one model read during a forward: the step's segments
-    (None: no token uses an adapter). One per model (never a global: two engines may share
-    a process), set by its ``LoRAManager``."""
+    """What the adapted layers of one model read during a forward: the products ``ops``
+    (``lora_ops_for``'s, chosen once per model) and the step's segments, which those ops
+    built (None: no token uses an adapter). One per model (never a global: two engines may
+    share a process), set by its ``LoRAManager``."""
 
-    def __init__(self) -> None:
-        self.segments: LoRASegments | None = None
+    def __init__(self, ops: ModuleType = punica) -> None:
+        self.ops = ops
+        self.segments = None
 
 
 class LoRALinear(torch.nn.Module):
@@ -70,8 +88,9 @@ class LoRALinear(torch.nn.Module):
         segments = self.context.segments
         if segments is None or not (segments.slot_bits & self.slot_bits):
             return y
-        flat = y.view(-1, self.out_features)
-        lora_expand(flat, lora_shrink(x.reshape(-1, self.in_features), self.lora_a, segments), self.lora_b, segments)
+        ops = self.context.ops
+        shrunk = ops.lora_shrink(x.reshape(-1, self.in_features), self.lora_a, segments)
+        ops.lora_expand(y.view(-1, self.out_features), shrunk, self.lora_b, segments)
         return y
 
     def extra_repr(self) -> str:

@@ -12,10 +12,9 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from ..model.host_lists import int64_tensor
-from .layers import LoRALinear, LoRAContext
+from .layers import LoRALinear, LoRAContext, lora_ops_for
 from .lora_request import LoRARequest
 from .peft_adapter import LoRAAdapter, LoRAAdapterError, read_peft_adapter
-from .punica import build_segments
 from .slots import SlotTable
 
 logger = logging.getLogger(__name__)
@@ -31,18 +30,19 @@ class LoRAManager:
     segments the layers read during the forward. At most ``max_cpu_loras`` adapters stay
     in host memory: past that, the least recently used ones that no unfinished request
     uses (``in_use()``, their ids) are dropped, read again if asked for again.
+    The products run on Triton or torch as ``lora_ops_for(device, kernel_backend)`` says.
     """
 
     def __init__(self, model: torch.nn.Module, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
-                 in_use: Callable[[], set[int]]) -> None:
+                 in_use: Callable[[], set[int]], kernel_backend: str | None = None) -> None:
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras
         self._in_use = in_use
-        self.context = LoRAContext()
-        self.layers = wrap_linear_layers(model, self.context)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.context = LoRAContext(lora_ops_for(self.device, kernel_backend))
+        self.layers = wrap_linear_layers(model, self.context)
         self._features = {name: (layer.in_features, layer.out_features) for name, layer in self.layers.items()}
         self._module_names = {name for name, _ in model.named_modules()} - {""}
         self.slots = SlotTable(max_loras)
@@ -133,7 +133,7 @@ class LoRAManager:
         token_slots = int64_tensor([slot_of[i] for i in ids])
         if num_tokens is not None:
             token_slots = torch.repeat_interleave(token_slots, int64_tensor(list(num_tokens)))
-        self.context.segments = build_segments(token_slots, self.device)
+        self.context.segments = self.context.ops.build_segments(token_slots, self.device)
         try:
             yield
         finally:

@@ -16,6 +16,10 @@ the slot weights are read in place; otherwise each group's are gathered.
 The weights are slot-indexed ``[slots, R, features]``: rank-rows of the layer's input
 (A) or output (B) size, zero past an adapter's own rank, so padding the rank adds
 exact zeros.
+
+This is the path on the CPU and the oracle of the Triton kernels, which run the same
+interface (``build_segments``, ``lora_shrink``, ``lora_expand``) on CUDA
+(``pagedserve.kernels.triton_lora_ops``; ``layers.lora_ops_for`` picks one per model).
 """
 
 from __future__ import annotations

@@ -27,9 +27,10 @@ _TARGET = ("cuda", 90, 32)
 
 def launched_kernels() -> dict:
     """The Triton kernels ``pagedserve.kernels`` launches, by name (imports Triton)."""
-    from pagedserve.kernels import triton_attention_kernels, triton_cache_kernels
+    from pagedserve.kernels import triton_attention_kernels, triton_cache_kernels, triton_lora_kernels
 
-    return {name: getattr(module, name) for module in (triton_attention_kernels, triton_cache_kernels)
+    return {name: getattr(module, name)
+            for module in (triton_attention_kernels, triton_cache_kernels, triton_lora_kernels)
             for name in dir(module) if name.endswith("_kernel")}
 
 

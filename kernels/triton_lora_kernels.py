@@ -1,0 +1,120 @@
+"""Triton kernels for the batched LoRA products of a step (Punica's SGMV shrink and expand).
+
+A step's adapted tokens are sorted by adapter slot, once per step, and each slot's run of
+tokens (its segment) is cut into tiles of at most ``BLOCK_M`` tokens. A program works on one
+tile, so every token of a tile shares the tile's slot and one weight tile serves all its rows.
+Tile ``i`` covers sorted positions ``tile_starts[i]:tile_ends[i]`` of slot ``tile_slots[i]``;
+``token_order[p]`` is the token (row of ``x`` and ``y``) at sorted position ``p``.
+
+Weights are slot-indexed: ``lora_a`` ``[slots, MAX_RANK, IN_FEATURES]`` and ``lora_b``
+``[slots, MAX_RANK, OUT_FEATURES]``, zero past an adapter's own rank. Feature and rank
+sizes are constexprs (fixed per layer); the innermost dimension of every tensor is
+contiguous. Products accumulate in fp32.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+
+
+# Sorted tokens per tile: tl.dot's smallest M. Decode gives a few tokens per adapter, so larger
+# tiles would mostly be masked rows; long prefill segments take more tiles.
+TILE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class LoRATiles:
+    """How the two kernels are launched for a layer: rank rows per tile (``block_r``), input
+    features per step of the shrink's K loop (``block_k``), output features per expand
+    program (``block_n``) and warps."""
+
+    block_r: int
+    block_k: int
+    block_n: int
+    num_warps: int
+
+
+@functools.lru_cache(maxsize=None)
+def lora_tiles(max_rank: int) -> LoRATiles:
+    """The default tiles for slots of ``max_rank`` rank rows: the rank padded to at least 16
+    (tl.dot's minimum) and at most 64 per tile."""
+    return LoRATiles(block_r=min(64, max(16, triton.next_power_of_2(max_rank))), block_k=128, block_n=64,
+                     num_warps=4)
+
+
+@triton.jit
+def _tile_rows(token_order_ptr, tile_starts_ptr, tile_ends_ptr, tile_slots_ptr, BLOCK_M: tl.constexpr):
+    """This program's tile: (sorted positions, their tokens, which rows are real, the slot)."""
+    tile = tl.program_id(0)
+    start = tl.load(tile_starts_ptr + tile)
+    end = tl.load(tile_ends_ptr + tile)
+    slot = tl.load(tile_slots_ptr + tile).to(tl.int64)
+    positions = start + tl.arange(0, BLOCK_M)
+    row_mask = positions < end
+    tokens = tl.load(token_order_ptr + positions, mask=row_mask, other=0).to(tl.int64)
+    return positions, tokens, row_mask, slot
+
+
+@triton.jit
+def lora_shrink_kernel(
+    x_ptr, lora_a_ptr, h_ptr, token_order_ptr, tile_starts_ptr, tile_ends_ptr, tile_slots_ptr,
+    stride_xt, stride_as, stride_ar, stride_ht,
+    IN_FEATURES: tl.constexpr, MAX_RANK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """``h[p] = x[token_order[p]] @ lora_a[slot]ᵀ`` for the tile's sorted positions p, in fp32.
+
+    Grid: (num_tiles, cdiv(MAX_RANK, BLOCK_R)); a K loop over the input features.
+    ``h`` is ``[num_adapted, MAX_RANK]`` in sorted order.
+    """
+    positions, tokens, row_mask, slot = _tile_rows(token_order_ptr, tile_starts_ptr, tile_ends_ptr,
+                                                   tile_slots_ptr, BLOCK_M)
+    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < MAX_RANK
+    x_rows = x_ptr + tokens[:, None] * stride_xt
+    a_rows = lora_a_ptr + slot * stride_as + offs_r[None, :] * stride_ar
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for k_start in range(0, IN_FEATURES, BLOCK_K):
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < IN_FEATURES
+        x = tl.load(x_rows + offs_k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        a = tl.load(a_rows + offs_k[:, None], mask=k_mask[:, None] & r_mask[None, :], other=0.0)  # [K, R]
+        acc = tl.dot(x, a, acc, input_precision=DOT_PRECISION)
+    h_offsets = positions[:, None] * stride_ht + offs_r[None, :]
+    tl.store(h_ptr + h_offsets, acc, mask=row_mask[:, None] & r_mask[None, :])
+
+
+@triton.jit
+def lora_expand_kernel(
+    h_ptr, lora_b_ptr, y_ptr, token_order_ptr, tile_starts_ptr, tile_ends_ptr, tile_slots_ptr,
+    stride_ht, stride_bs, stride_br, stride_yt,
+    OUT_FEATURES: tl.constexpr, MAX_RANK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """``y[token_order[p]] += h[p] @ lora_b[slot]`` for the tile's sorted positions p, in place.
+
+    Grid: (num_tiles, cdiv(OUT_FEATURES, BLOCK_N)); a loop over the rank. ``h`` (fp32) is
+    rounded to the weights' dtype for the dot, as the torch path's ``h`` is; the sum with
+    ``y`` is taken in fp32 and stored in y's dtype. Each (token, output tile) belongs to one
+    program, so the update needs no atomics.
+    """
+    positions, tokens, row_mask, slot = _tile_rows(token_order_ptr, tile_starts_ptr, tile_ends_ptr,
+                                                   tile_slots_ptr, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < OUT_FEATURES
+    b_cols = lora_b_ptr + slot * stride_bs + offs_n[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for r_start in range(0, MAX_RANK, BLOCK_R):
+        offs_r = r_start + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < MAX_RANK
+        h = tl.load(h_ptr + positions[:, None] * stride_ht + offs_r[None, :],
+                    mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+        b = tl.load(b_cols + offs_r[:, None] * stride_br, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(h.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
+    y_offsets = tokens[:, None] * stride_yt + offs_n[None, :]
+    y_mask = row_mask[:, None] & n_mask[None, :]
+    y = tl.load(y_ptr + y_offsets, mask=y_mask, other=0.0)
+    tl.store(y_ptr + y_offsets, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=y_mask)
+

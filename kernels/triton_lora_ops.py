@@ -1,0 +1,129 @@
+"""Triton backend of the batched LoRA products (CUDA; CPU only under Triton's interpreter).
+
+The same interface as the torch path (``pagedserve.workers.lora.punica``): ``build_segments``
+once per step, shared by every layer, then per adapted layer one ``lora_shrink`` and one
+``lora_expand``, one kernel launch each, whatever the number of adapters in the step.
+
+Weights are slot-indexed: ``lora_a`` ``[slots, R, in]``, ``lora_b`` ``[slots, R, out]``
+(scaling folded into B, zero past an adapter's own rank). Host code never reads device
+values, so these ops do not synchronise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from . import triton_lora_kernels as lora_kernels
+from .triton_lora_kernels import TILE_TOKENS
+
+
+@dataclass
+class SGMVSegments:
+    """A step's adapted tokens sorted by slot, each slot's run (its segment) cut into tiles of
+    at most ``TILE_TOKENS`` tokens.
+
+    ``token_order[p]`` is the token at sorted position ``p``; tile ``i`` covers positions
+    ``tile_starts[i]:tile_ends[i]``, all of slot ``tile_slots[i]``. The four are int32 rows
+    of one tensor on the model's device (one copy per step, each row 16-byte aligned), valid
+    up to ``num_adapted`` and ``num_tiles`` entries. ``slot_bits`` has bit ``s`` set for each
+    slot in the step.
+    """
+
+    token_order: torch.Tensor
+    tile_starts: torch.Tensor
+    tile_ends: torch.Tensor
+    tile_slots: torch.Tensor
+    num_adapted: int
+    num_tiles: int
+    slot_bits: int
+
+
+def build_segments(token_slots: torch.Tensor, device: torch.device) -> SGMVSegments | None:
+    """The segments of a step whose token ``t`` uses slot ``token_slots[t]`` (int64, CPU;
+    -1: the base model); None when no token uses an adapter. Tensor ops on the host, then
+    one copy to ``device``."""
+    adapted = (token_slots >= 0).nonzero().squeeze(1)
+    num_adapted = adapted.numel()
+    if num_adapted == 0:
+        return None
+    slots, order = torch.sort(token_slots.index_select(0, adapted), stable=True)
+    counts = torch.bincount(slots)
+    used = counts.nonzero().squeeze(1)
+    lengths = counts.index_select(0, used)
+    segment_ends = torch.cumsum(lengths, 0)
+    tiles_per_segment = (lengths + TILE_TOKENS - 1) // TILE_TOKENS
+    num_tiles = int(tiles_per_segment.sum())
+    tile_segment = torch.repeat_interleave(tiles_per_segment)
+    first_tile = torch.cumsum(tiles_per_segment, 0) - tiles_per_segment
+    tile_in_segment = torch.arange(num_tiles) - first_tile.index_select(0, tile_segment)
+    tile_segment_ends = segment_ends.index_select(0, tile_segment)
+    tile_starts = tile_segment_ends - lengths.index_select(0, tile_segment) + tile_in_segment * TILE_TOKENS
+    width = -(-max(num_adapted, num_tiles) // 4) * 4
+    table = torch.zeros((4, width), dtype=torch.int32)
+    table[0, :num_adapted] = adapted.index_select(0, order)
+    table[1, :num_tiles] = tile_starts
+    table[2, :num_tiles] = torch.minimum(tile_starts + TILE_TOKENS, tile_segment_ends)
+    table[3, :num_tiles] = used.index_select(0, tile_segment)
+    if device.type == "cuda":
+        table = table.pin_memory()  # queued behind the stream's work, never waited for
+    table = table.to(device, non_blocking=True)
+    return SGMVSegments(table[0], table[1], table[2], table[3], num_adapted, num_tiles,
+                        sum(1 << slot for slot in used.tolist()))
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, segments: SGMVSegments) -> torch.Tensor:
+    """``x`` ``[tokens, in]`` through each adapted token's A (``lora_a`` ``[slots, R, in]``):
+    ``h`` ``[num_adapted, R]`` in float32, rows in the segments' sorted order."""
+    _check_operands("lora_shrink", x, lora_a, segments)
+    max_rank, in_features = lora_a.shape[1:]
+    h = torch.empty((segments.num_adapted, max_rank), dtype=torch.float32, device=x.device)
+    tiles = lora_kernels.lora_tiles(max_rank)
+    lora_kernels.lora_shrink_kernel[(segments.num_tiles, triton.cdiv(max_rank, tiles.block_r))](
+        x, lora_a, h, segments.token_order, segments.tile_starts, segments.tile_ends, segments.tile_slots,
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), h.stride(0),
+        IN_FEATURES=in_features, MAX_RANK=max_rank, BLOCK_M=TILE_TOKENS, BLOCK_R=tiles.block_r,
+        BLOCK_K=tiles.block_k, DOT_PRECISION=_dot_precision(x.dtype), num_warps=tiles.num_warps,
+    )
+    return h
+
+
+def lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, segments: SGMVSegments) -> None:
+    """Add each adapted token's ``h @ B`` (``h`` from ``lora_shrink``; ``lora_b``
+    ``[slots, R, out]``, scaling folded in) to its row of ``y`` ``[tokens, out]``, in place."""
+    _check_operands("lora_expand", y, lora_b, segments)
+    max_rank, out_features = lora_b.shape[1:]
+    if h.shape != (segments.num_adapted, max_rank) or h.dtype != torch.float32 or h.stride(1) != 1:
+        raise ValueError(f"lora_expand: h must be lora_shrink's float32 [{segments.num_adapted}, {max_rank}], "
+                         f"got {h.dtype} {tuple(h.shape)}")
+    tiles = lora_kernels.lora_tiles(max_rank)
+    lora_kernels.lora_expand_kernel[(segments.num_tiles, triton.cdiv(out_features, tiles.block_n))](
+        h, lora_b, y, segments.token_order, segments.tile_starts, segments.tile_ends, segments.tile_slots,
+        h.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
+        OUT_FEATURES=out_features, MAX_RANK=max_rank, BLOCK_M=TILE_TOKENS, BLOCK_N=tiles.block_n,
+        BLOCK_R=tiles.block_r, DOT_PRECISION=_dot_precision(lora_b.dtype), num_warps=tiles.num_warps,
+    )
+
+
+def _check_operands(op_name: str, rows: torch.Tensor, weights: torch.Tensor, segments: SGMVSegments) -> None:
+    """``rows`` ``[tokens, features]`` and slot weights ``[slots, R, features]``: one dtype, one
+    device (the segments' too), the features contiguous; CUDA, or CPU under the interpreter."""
+    if rows.dim() != 2 or weights.dim() != 3 or rows.shape[1] != weights.shape[2]:
+        raise ValueError(f"{op_name}: need [tokens, features] and [slots, R, features], "
+                         f"got {tuple(rows.shape)} and {tuple(weights.shape)}")
+    if rows.dtype != weights.dtype:
+        raise TypeError(f"{op_name}: activations are {rows.dtype}, the adapter weights {weights.dtype}")
+    if rows.stride(1) != 1 or weights.stride(2) != 1:
+        raise ValueError(f"{op_name}: the feature dimension must be contiguous")
+    device = rows.device
+    if weights.device != device or segments.token_order.device != device:
+        raise ValueError(f"{op_name}: tensors on {device}, {weights.device} and {segments.token_order.device}")
+    if device.type != "cuda" and isinstance(lora_kernels.lora_shrink_kernel, triton.JITFunction):
+        raise RuntimeError(f"{op_name}: the Triton kernels need CUDA tensors, got {device}; use the torch path "
+                           "(pagedserve.workers.lora.punica), or TRITON_INTERPRET=1 before triton is imported")
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # no silent TF32 dots on fp32 inputs
