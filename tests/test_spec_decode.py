@@ -276,7 +276,7 @@ def test_the_rejection_sampler_keeps_the_target_distribution(kwargs):
     d0, d1 = int(p[0].argsort()[-2]), int(p[1].argmax())   # a likely (not the likeliest) and the likeliest
     logits = position_logits.repeat(num, 1)
     batch = SamplingBatch.from_params([params] * (3 * num))
-    outputs, accepted = verify(Sampler(seed=1), logits, batch, [[d0, d1]] * num)
+    outputs, accepted, _ = verify(Sampler(seed=1), logits, batch, [[d0, d1]] * num)
     first = Counter(output[0] for output in outputs)
     assert total_variation(first, p[0], num) < 0.02
     after_d0 = [output for output in outputs if output[0] == d0]
@@ -294,15 +294,15 @@ def test_greedy_acceptance_is_the_longest_agreeing_prefix():
     logits = torch.full((4, 10), -5.0)
     for position, token in enumerate([3, 4, 5, 6]):
         logits[position, token] = 5.0
-    outputs, accepted = verify(Sampler(seed=0), logits, SamplingBatch.from_params([greedy()] * 4), [[3, 4, 9]])
-    assert (outputs, accepted) == ([[3, 4, 5]], [2])
+    outputs, accepted, logprobs = verify(Sampler(seed=0), logits, SamplingBatch.from_params([greedy()] * 4), [[3, 4, 9]])
+    assert (outputs, accepted, logprobs) == ([[3, 4, 5]], [2], None)
 
 
 # ---- who speculates ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("params,reason", [
     (greedy(repetition_penalty=1.2), "penalties"), (greedy(presence_penalty=0.5), "penalties"),
-    (greedy(logprobs=2), "logprobs"), (greedy(bad_words=["hello"]), "bad words"),
+    (greedy(bad_words=["hello"]), "bad words"),
     (greedy(structured_outputs={"choice": ["yes", "no"]}), "structured output"),
 ])
 def test_rows_the_verifier_cannot_honour_do_not_speculate(params, reason, make_llm):
@@ -317,6 +317,32 @@ def test_rows_the_verifier_cannot_honour_do_not_speculate(params, reason, make_l
     assert outputs_of(got) == outputs_of(expected)
     assert drafts(llm) == before
     assert reason_not_speculating(llm.engine.make_request("plain", prompts[0], greedy())) is None
+
+
+@pytest.mark.parametrize("params", [greedy(logprobs=3), SamplingParams(temperature=0.8, seed=7, logprobs=2,
+                                                                      max_tokens=MAX_TOKENS, ignore_eos=True)])
+def test_logprobs_of_accepted_tokens_are_those_of_decoding_without_speculation(params, make_llm):
+    """A row with logprobs speculates, and each output's logprob and top alternatives are the
+    ones decoding one token a step gives (its own position's raw logits; float32 noise apart)."""
+    base, llm = make_llm("llama", speculative=False), make_llm("llama")
+    prompts = random_prompts((8, 20, 13), seed=23)
+    expected = base.generate(prompts, params, use_tqdm=False)
+    script(llm, prompts, outputs_of(expected), num_right=3)
+    before = drafts(llm)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert drafts(llm)[0] > before[0]                                  # it speculated
+    assert outputs_of(got) == outputs_of(expected)
+    for ours, theirs in zip(got, expected):
+        ours, theirs = ours.outputs[0], theirs.outputs[0]
+        assert len(ours.logprobs) == len(theirs.logprobs) == len(theirs.token_ids)
+        for token_id, mine, reference in zip(theirs.token_ids, ours.logprobs, theirs.logprobs):
+            assert mine.token_id == reference.token_id == token_id and len(mine.top) == params.logprobs
+            assert mine.logprob == pytest.approx(reference.logprob, abs=1e-4)
+            alternatives = dict(mine.top)
+            for alternative, value in reference.top:   # a near-tie may swap the last two
+                if alternative in alternatives:
+                    assert alternatives[alternative] == pytest.approx(value, abs=1e-4)
+        assert ours.cumulative_logprob == pytest.approx(theirs.cumulative_logprob, abs=1e-3)
 
 
 def test_no_proposals_once_the_batch_reaches_disable_by_batch_size(make_llm):

@@ -75,3 +75,25 @@ def test_served_speculation_streams_the_tokens_of_decoding_without_it(served, ti
     from pagedserve.cluster.launcher import format_status
 
     assert f"{worker}: speculative decoding: mean acceptance length" in format_status(served[0].stats())
+
+
+def test_served_speculation_streams_each_accepted_tokens_logprobs(served, tiny_model):
+    """A streamed request with logprobs speculates, and its chunks carry one logprob per token,
+    those of decoding without speculation."""
+    llm = LLM(tiny_model("llama"), device="cpu", dtype="float32", swap_space_gb=0.001)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    [reference] = llm.generate([PROMPTS[1]], params, use_tqdm=False)
+    reference = reference.outputs[0]
+    before = served[0].stats()["workers"]
+    client = openai.OpenAI(base_url=served[1] + "/v1", api_key="unused", max_retries=0, timeout=120)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
+                                            logprobs=1, stream=True, extra_body={"ignore_eos": True,
+                                                                                 "return_token_ids": True}))
+    choices = [chunk.choices[0] for chunk in chunks if chunk.choices and chunk.choices[0].token_ids]
+    token_ids = [t for choice in choices for t in choice.token_ids]
+    logprobs = [value for choice in choices for value in choice.logprobs.token_logprobs]
+    assert token_ids == list(reference.token_ids) and len(logprobs) == len(token_ids)
+    assert logprobs == pytest.approx([entry.logprob for entry in reference.logprobs], abs=1e-4)
+    after = served[0].stats()["workers"]
+    assert sum(w["spec_decode_num_drafts"] for w in after.values()) > \
+        sum(w["spec_decode_num_drafts"] for w in before.values())

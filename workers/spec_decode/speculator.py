@@ -35,7 +35,7 @@ from .proposer import Proposer
 from .verifier import verify
 
 # Per-row features the verifier cannot honour yet: such a sequence decodes one token a step.
-NOT_VERIFIABLE = PENALTIES | LOGPROBS | GRAMMAR | FORKS | EXPORTS_KV | BEAM | BAD_WORDS
+NOT_VERIFIABLE = PENALTIES | GRAMMAR | FORKS | EXPORTS_KV | BEAM | BAD_WORDS
 # The back-off: after r drafts in a row that kept nothing, a sequence skips its next
 # min(2^(r-1), MAX_BACKOFF_TOKENS) tokens' proposals (a draft that keeps one token ends it).
 MAX_BACKOFF_TOKENS = 64
@@ -44,7 +44,7 @@ MAX_BACKOFF_TOKENS = 64
 def reason_not_speculating(request: Request) -> str | None:
     """Why a request's sequences never propose (a feature the verifier cannot honour yet), or
     None when they may. Penalties and bad words depend on every earlier token, a grammar on
-    its matcher's state and logprobs would have to be kept per position."""
+    its matcher's state."""
     params = request.params
     if params.use_beam_search:
         return "beam search"
@@ -52,8 +52,6 @@ def reason_not_speculating(request: Request) -> str | None:
         return "structured output"
     if params.has_penalties:
         return "penalties"
-    if params.logprobs is not None:
-        return "logprobs"
     if request.bad_words_token_ids:
         return "bad words"
     if request.export_kv:
@@ -198,11 +196,11 @@ class Speculator:
         flags = batch.flags.index_select(0, int64_tensor(rows)).tolist()
         position = 0
         for seq, flag, count in zip(seqs, flags, counts):
-            if flag & (SEEDED | MIN_TOKENS | LOGIT_BIAS):
+            if flag & (SEEDED | MIN_TOKENS | LOGIT_BIAS | LOGPROBS):
                 self._add_per_position(sampling, position, seq, flag, count)
             position += count
-        outputs, accepted = verify(self.sampler, logits, sampling, proposals)
-        self._finish(seqs, rows, flags, outputs, accepted, result)
+        outputs, accepted, logprobs = verify(self.sampler, logits, sampling, proposals)
+        self._finish(seqs, rows, flags, outputs, accepted, logprobs, result)
 
     def _back_off(self, seq: Sequence, num_accepted: int) -> None:
         """After a draft that kept nothing, the sequence stops proposing for a while, twice as
@@ -217,8 +215,8 @@ class Speculator:
         self.stats.num_backoffs += 1
 
     def _add_per_position(self, sampling, first: int, seq: Sequence, flag: int, count: int) -> None:
-        """A row's seeded draws, ``min_tokens`` bans and logit biases at each of its positions, as
-        decoding one token a step would have them at each output number."""
+        """A row's seeded draws, ``min_tokens`` bans, logit biases and logprobs at each of its
+        positions, as decoding one token a step would have them at each output number."""
         params = seq.request.params
         num_outputs = len(seq.output_token_ids)
         bans = self.per_row.min_tokens_bans(params) if flag & MIN_TOKENS else []
@@ -229,17 +227,21 @@ class Speculator:
                 sampling.banned.append((first + i, bans))
             if flag & LOGIT_BIAS:
                 sampling.add_logit_bias(first + i, params)
+            if flag & LOGPROBS:
+                sampling.num_logprobs.append((first + i, params.logprobs))
 
     def _finish(self, seqs: list[Sequence], rows: list[int], flags: list[int], outputs: list[list[int]],
-                accepted: list[int], result: EngineStep) -> None:
-        """Append each sequence's outputs one by one until one ends it; tell the KV manager how
-        many proposals it keeps; report the tokens as one ``StepTokens`` per output position."""
+                accepted: list[int], logprobs: list[list] | None, result: EngineStep) -> None:
+        """Append each sequence's outputs one by one until one ends it (and their logprobs, where
+        asked); tell the KV manager how many proposals it keeps; report the tokens as one
+        ``StepTokens`` per output position."""
         stats = self.stats
         layers: list[StepTokens] = []
         ends: list[tuple[Sequence, str]] = []
         counts: list[int] = []
         eos, max_model_len = self.eos_token_ids, self.max_model_len
-        for seq, flag, output, num_accepted in zip(seqs, flags, outputs, accepted):
+        for index, (seq, flag, output, num_accepted) in enumerate(zip(seqs, flags, outputs, accepted)):
+            output_logprobs = logprobs[index] if logprobs is not None else None
             num_proposed = len(seq.proposed_token_ids)
             stats.num_drafts += 1
             stats.num_draft_tokens += num_proposed
@@ -260,6 +262,12 @@ class Speculator:
                 layer = layers[i]
                 if flag & TEXT:
                     layer.text_positions.append(len(layer.seqs))
+                if output_logprobs is not None and output_logprobs[i] is not None:
+                    seq.logprobs.append(output_logprobs[i])
+                    if layer.logprobs is None:
+                        layer.logprobs = [None] * len(layer.seqs)
+                if layer.logprobs is not None:
+                    layer.logprobs.append(None if output_logprobs is None else output_logprobs[i])
                 layer.seqs.append(seq)
                 layer.token_ids.append(token_id)
                 reason = check_stop(params, seq.output_token_ids, eos, seq.num_prompt_tokens, max_model_len)

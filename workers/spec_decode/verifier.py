@@ -13,6 +13,8 @@ accepting d iff t = d accepts with probability p(d), and on rejection t is distr
 conditioned on t != d: the same law. Greedy rows (t = argmax p) accept while the proposal is
 the target's argmax, so greedy output is token-identical to decoding without speculation; a
 seeded row draws the same uniform for output m + i either way, so it gives the same tokens too.
+A row that asks for logprobs gets each output's from its own position's logits, as decoding
+one token a step computes them (``compute_logprobs``: the raw logits' log-softmax).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..sample.sampler import Sampler, SamplingBatch
+from ..sample.sampler import Sampler, SampleLogprobs, SamplingBatch, compute_logprobs
 
 
 def num_accepted(target_token_ids: Sequence[int], proposed: Sequence[int]) -> int:
@@ -33,19 +35,25 @@ def num_accepted(target_token_ids: Sequence[int], proposed: Sequence[int]) -> in
     return len(proposed)
 
 
-def verify(sampler: Sampler, logits: torch.Tensor, batch: SamplingBatch,
-           proposals: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[int]]:
+def verify(sampler: Sampler, logits: torch.Tensor, batch: SamplingBatch, proposals: Sequence[Sequence[int]]
+           ) -> tuple[list[list[int]], list[int], list[list[SampleLogprobs | None]] | None]:
     """Sample every position and accept: ``logits`` and ``batch`` hold ``len(p) + 1``
     consecutive rows for each proposal ``p`` in ``proposals`` (its sequence's positions, in
-    order). Returns each sequence's outputs (its accepted proposals, then the target's token)
-    and its number of accepted proposals."""
-    token_ids = sampler.sample_tokens(logits, batch).tolist()
-    outputs, accepted = [], []
+    order). Returns each sequence's outputs (its accepted proposals, then the target's token),
+    its number of accepted proposals, and each output's logprobs (None for a row that asked
+    for none; None throughout when no row asked, ``batch.num_logprobs``)."""
+    token_tensor = sampler.sample_tokens(logits, batch)
+    token_ids = token_tensor.tolist()
+    logprobs = (compute_logprobs(logits, token_tensor, batch.num_logprobs, len(token_ids))
+                if batch.num_logprobs else None)
+    outputs, accepted, output_logprobs = [], [], []
     position = 0
     for proposed in proposals:
         sampled = token_ids[position:position + len(proposed) + 1]
         num = num_accepted(sampled, proposed)
         outputs.append(sampled[:num + 1])
         accepted.append(num)
+        if logprobs is not None:
+            output_logprobs.append(logprobs[position:position + num + 1])
         position += len(proposed) + 1
-    return outputs, accepted
+    return outputs, accepted, output_logprobs if logprobs is not None else None
