@@ -301,8 +301,6 @@ def test_greedy_acceptance_is_the_longest_agreeing_prefix():
 # ---- who speculates ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("params,reason", [
-    (greedy(repetition_penalty=1.2), "penalties"), (greedy(presence_penalty=0.5), "penalties"),
-    (greedy(bad_words=["hello"]), "bad words"),
     (greedy(structured_outputs={"choice": ["yes", "no"]}), "structured output"),
 ])
 def test_rows_the_verifier_cannot_honour_do_not_speculate(params, reason, make_llm):
@@ -343,6 +341,52 @@ def test_logprobs_of_accepted_tokens_are_those_of_decoding_without_speculation(p
                 if alternative in alternatives:
                     assert alternatives[alternative] == pytest.approx(value, abs=1e-4)
         assert ours.cumulative_logprob == pytest.approx(theirs.cumulative_logprob, abs=1e-3)
+
+
+@pytest.mark.parametrize("params", [
+    greedy(repetition_penalty=1.3), greedy(presence_penalty=0.8, frequency_penalty=0.6),
+    SamplingParams(temperature=0.9, seed=5, repetition_penalty=1.2, frequency_penalty=0.4, max_tokens=MAX_TOKENS),
+])
+def test_penalties_at_each_position_count_the_proposals_before_it(params, make_llm):
+    """Position i of a draft is penalised as if the proposals before it were outputs (it counts
+    only if they are): the tokens are those of decoding without speculation."""
+    base, llm = make_llm("llama", speculative=False), make_llm("llama")
+    prompts = random_prompts((8, 20, 13), seed=29)
+    expected = outputs_of(base.generate(prompts, params, use_tqdm=False))
+    for num_right in (None, 4):
+        script(llm, prompts, expected, num_right=num_right, seed=num_right or 0)
+        before = drafts(llm)
+        assert outputs_of(llm.generate(prompts, params, use_tqdm=False)) == expected
+        assert drafts(llm)[0] > before[0]
+
+
+def test_bad_words_at_each_position_follow_the_proposals_before_it(make_llm):
+    """A bad word's last token is banned at a position whose proposals before it end with the
+    word's other tokens: the outputs are those of decoding without speculation, which differ
+    from decoding without the ban."""
+    base, llm = make_llm("llama", speculative=False), make_llm("llama")
+    prompts = random_prompts((8, 20), seed=31)
+    free = outputs_of(base.generate(prompts, greedy(), use_tqdm=False))
+    # Words of each output's tokens 3-4 and 6 (token ids: ``bad_words`` as the engine tokenizes
+    # them); their last tokens are banned where the rest precedes them.
+    words = [[o[2], o[3]] for o in free] + [[o[6]] for o in free]
+
+    def generate(llm) -> list[list[int]]:
+        engine, finished = llm.engine, {}
+        for i, prompt in enumerate(prompts):
+            request = engine.make_request(f"bad-{i}", prompt, greedy(), output_kind="final")
+            request.bad_words_token_ids = words
+            engine.admit(request)
+        while len(finished) < len(prompts):
+            finished.update({o.request_id: o for o in engine.step() if o.finished})
+        return [list(finished[f"bad-{i}"].outputs[0].token_ids) for i in range(len(prompts))]
+
+    expected = generate(base)
+    assert expected != free
+    script(llm, prompts, free, num_right=4)      # proposals that walk into the bad words
+    before = drafts(llm)
+    assert generate(llm) == expected
+    assert drafts(llm)[0] > before[0]
 
 
 def test_no_proposals_once_the_batch_reaches_disable_by_batch_size(make_llm):

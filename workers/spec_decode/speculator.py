@@ -27,15 +27,17 @@ from ..model.input_batch import (BAD_WORDS, BEAM, EXPORTS_KV, FORKS, GRAMMAR, LO
                                  PENALTIES, SEEDED, TEXT, InputBatch)
 from ..outputs.detokenizer import check_stop
 from ..outputs.output_processor import EngineStep, SeqFinish, StepTokens
-from ..sample.per_row_features import PerRowFeatures
-from ..sample.sampler import Sampler, seeded_uniform
+from ..sample.per_row_features import PerRowFeatures, bad_word_bans
+from ..sample.sampler import PenaltyRow, Sampler, seeded_uniform
 from ..sample.sampling_pipeline import SamplingPipeline
 from .config import SpeculativeConfig
 from .proposer import Proposer
 from .verifier import verify
 
 # Per-row features the verifier cannot honour yet: such a sequence decodes one token a step.
-NOT_VERIFIABLE = PENALTIES | GRAMMAR | FORKS | EXPORTS_KV | BEAM | BAD_WORDS
+NOT_VERIFIABLE = GRAMMAR | FORKS | EXPORTS_KV | BEAM
+# Per-row features whose values at each verified position are set here.
+PER_POSITION = SEEDED | MIN_TOKENS | LOGIT_BIAS | LOGPROBS | PENALTIES | BAD_WORDS
 # The back-off: after r drafts in a row that kept nothing, a sequence skips its next
 # min(2^(r-1), MAX_BACKOFF_TOKENS) tokens' proposals (a draft that keeps one token ends it).
 MAX_BACKOFF_TOKENS = 64
@@ -43,17 +45,13 @@ MAX_BACKOFF_TOKENS = 64
 
 def reason_not_speculating(request: Request) -> str | None:
     """Why a request's sequences never propose (a feature the verifier cannot honour yet), or
-    None when they may. Penalties and bad words depend on every earlier token, a grammar on
-    its matcher's state."""
+    None when they may. A grammar's mask at a position depends on its matcher's state after
+    the proposals before it."""
     params = request.params
     if params.use_beam_search:
         return "beam search"
     if request.grammar is not None:
         return "structured output"
-    if params.has_penalties:
-        return "penalties"
-    if request.bad_words_token_ids:
-        return "bad words"
     if request.export_kv:
         return "KV export"
     return None
@@ -196,7 +194,7 @@ class Speculator:
         flags = batch.flags.index_select(0, int64_tensor(rows)).tolist()
         position = 0
         for seq, flag, count in zip(seqs, flags, counts):
-            if flag & (SEEDED | MIN_TOKENS | LOGIT_BIAS | LOGPROBS):
+            if flag & PER_POSITION:
                 self._add_per_position(sampling, position, seq, flag, count)
             position += count
         outputs, accepted, logprobs = verify(self.sampler, logits, sampling, proposals)
@@ -215,16 +213,28 @@ class Speculator:
         self.stats.num_backoffs += 1
 
     def _add_per_position(self, sampling, first: int, seq: Sequence, flag: int, count: int) -> None:
-        """A row's seeded draws, ``min_tokens`` bans, logit biases and logprobs at each of its
-        positions, as decoding one token a step would have them at each output number."""
-        params = seq.request.params
+        """A row's seeded draws, ``min_tokens`` and bad-word bans, penalties, logit biases and
+        logprobs at each of its positions, as decoding one token a step would have them at each
+        output number. Position i follows the proposals before it: it is sampled as if they were
+        the outputs, and it counts only if they are (accepted)."""
+        request = seq.request
+        params = request.params
         num_outputs = len(seq.output_token_ids)
-        bans = self.per_row.min_tokens_bans(params) if flag & MIN_TOKENS else []
+        min_tokens_bans = self.per_row.min_tokens_bans(params) if flag & MIN_TOKENS else []
+        proposed = seq.proposed_token_ids
         for i in range(count):
+            outputs = seq.output_token_ids + proposed[:i] if flag & (PENALTIES | BAD_WORDS) else None
             if flag & SEEDED:
                 sampling.seeded_uniforms[first + i] = seeded_uniform(params.seed, seq.sample_index, num_outputs + i)
-            if bans and num_outputs + i < params.min_tokens:
+            bans = min_tokens_bans if num_outputs + i < params.min_tokens else []
+            if flag & BAD_WORDS:
+                bans = bans + bad_word_bans(outputs, request.bad_words_token_ids)
+            if bans:
                 sampling.banned.append((first + i, bans))
+            if flag & PENALTIES:
+                sampling.penalties.append(PenaltyRow(
+                    first + i, request.prompt_token_ids if params.repetition_penalty != 1.0 else (), outputs,
+                    params.repetition_penalty, params.frequency_penalty, params.presence_penalty))
             if flag & LOGIT_BIAS:
                 sampling.add_logit_bias(first + i, params)
             if flag & LOGPROBS:
