@@ -300,21 +300,33 @@ def test_greedy_acceptance_is_the_longest_agreeing_prefix():
 
 # ---- who speculates ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("params,reason", [
-    (greedy(structured_outputs={"choice": ["yes", "no"]}), "structured output"),
-])
-def test_rows_the_verifier_cannot_honour_do_not_speculate(params, reason, make_llm):
+STRUCTURED = [{"choice": ["yes", "no", "maybe so"]}, {"regex": "[a-f]{3,9}-[0-9]{2,5}"},
+              {"json": {"type": "object", "properties": {"id": {"type": "integer"}, "tags": {
+                  "type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3}},
+                        "required": ["id", "tags"], "additionalProperties": False}}]
+
+
+@pytest.mark.parametrize("spec", STRUCTURED, ids=["choice", "regex", "json"])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_structured_outputs_speculate_within_their_grammar(spec, temperature, make_llm):
+    """Proposals are cut to what the grammar accepts, each position is sampled under the mask
+    of the grammar after the proposals before it, and the accepted tokens move the grammar:
+    the outputs are those of decoding without speculation, also when the proposals break the
+    grammar (a random number right)."""
+    params = SamplingParams(temperature=temperature, seed=3, max_tokens=40, structured_outputs=spec)
     base, llm = make_llm("llama", speculative=False), make_llm("llama")
-    prompts = random_prompts((8, 20), seed=16)
-    expected = base.generate(prompts, params, use_tqdm=False)
-    script(llm, prompts, outputs_of(expected), num_right=4)
-    request = llm.engine.make_request("probe", prompts[0], params)
-    assert reason_not_speculating(request) == reason
-    before = drafts(llm)
-    got = llm.generate(prompts, params, use_tqdm=False)
-    assert outputs_of(got) == outputs_of(expected)
-    assert drafts(llm) == before
-    assert reason_not_speculating(llm.engine.make_request("plain", prompts[0], greedy())) is None
+    prompts = random_prompts((8, 20, 13), seed=37)
+    results = base.generate(prompts, params, use_tqdm=False)
+    expected = outputs_of(results)
+    assert reason_not_speculating(llm.engine.make_request("probe", prompts[0], params)) is None
+    for num_right in (None, 4):
+        script(llm, prompts, expected, num_right=num_right, seed=num_right or 1)
+        before = drafts(llm)
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert outputs_of(got) == expected
+        assert [(r.outputs[0].text, r.outputs[0].finish_reason) for r in got] == \
+            [(r.outputs[0].text, r.outputs[0].finish_reason) for r in results]
+        assert drafts(llm)[0] > before[0]
 
 
 @pytest.mark.parametrize("params", [greedy(logprobs=3), SamplingParams(temperature=0.8, seed=7, logprobs=2,

@@ -119,6 +119,13 @@ class GrammarMatcher:
         """Replay tokens already generated (a resumed or migrated sequence)."""
         return all(self.accept(token_id) for token_id in token_ids)
 
+    def num_valid(self, token_ids: Sequence[int]) -> int:
+        """How many of ``token_ids``, from the start, the grammar would accept in a row (it does
+        not move)."""
+        if self._matcher.is_stopped() or not token_ids:
+            return 0
+        return self._matcher.validate_tokens(list(token_ids))
+
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens."""
         if not 0 <= num_tokens <= self.num_accepted:

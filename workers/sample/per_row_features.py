@@ -24,6 +24,8 @@ from .sampler import SamplingBatch
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from ..model.model_runner import ModelRunner
     from ..tp.runner import TensorParallelRunner
 
@@ -106,7 +108,7 @@ class PerRowFeatures:
                 self.kv_exports[request.request_id] = export_kv(
                     self.runner.kv_cache, seq.block_table, seq.num_computed, seq.token_ids)
             if value & GRAMMAR and p not in ends:
-                reason = self._advance_grammar(seq, token_ids[p])
+                reason = self.advance_grammar(seq, token_ids[p])
                 if reason is not None:
                     ends[p] = (reason, False)
             if value & MIN_TOKENS and p not in ends:
@@ -139,7 +141,24 @@ class PerRowFeatures:
         batch.bitmask_rows, batch.bitmask = positions, bitmask
         self.grammar_seconds += time.perf_counter() - start
 
-    def _advance_grammar(self, seq: Sequence, token_id: int) -> str | None:
+    def draft_bitmasks(self, seq: Sequence, proposed: list[int]) -> torch.Tensor:
+        """The grammar's masks at each position of a draft (speculative decoding): before the
+        proposals, then after each of them (``len(proposed) + 1`` rows; the proposals must be
+        ones the grammar accepts, ``GrammarMatcher.num_valid``). The matcher ends where it began."""
+        start = time.perf_counter()
+        compiler = self._grammar_compiler()
+        grammar = seq.grammar
+        bitmask = compiler.allocate_bitmask(len(proposed) + 1)
+        for i, token_id in enumerate([*proposed, None]):
+            compiler.fill_bitmask([grammar], bitmask[i:i + 1])
+            if token_id is not None and not grammar.accept(token_id):
+                grammar.rollback(i)
+                raise ValueError(f"proposal {token_id} at position {i} is not one the grammar accepts")
+        grammar.rollback(len(proposed))
+        self.grammar_seconds += time.perf_counter() - start
+        return bitmask
+
+    def advance_grammar(self, seq: Sequence, token_id: int) -> str | None:
         """Move the sequence's grammar past ``token_id``: the finish reason if that ends
         it (its grammar is complete: "stop"; the token broke it: "abort", which the mask
         rules out), else None."""

@@ -35,7 +35,7 @@ from .proposer import Proposer
 from .verifier import verify
 
 # Per-row features the verifier cannot honour yet: such a sequence decodes one token a step.
-NOT_VERIFIABLE = GRAMMAR | FORKS | EXPORTS_KV | BEAM
+NOT_VERIFIABLE = FORKS | EXPORTS_KV | BEAM
 # Per-row features whose values at each verified position are set here.
 PER_POSITION = SEEDED | MIN_TOKENS | LOGIT_BIAS | LOGPROBS | PENALTIES | BAD_WORDS
 # The back-off: after r drafts in a row that kept nothing, a sequence skips its next
@@ -45,13 +45,10 @@ MAX_BACKOFF_TOKENS = 64
 
 def reason_not_speculating(request: Request) -> str | None:
     """Why a request's sequences never propose (a feature the verifier cannot honour yet), or
-    None when they may. A grammar's mask at a position depends on its matcher's state after
-    the proposals before it."""
+    None when they may."""
     params = request.params
     if params.use_beam_search:
         return "beam search"
-    if request.grammar is not None:
-        return "structured output"
     if request.export_kv:
         return "KV export"
     return None
@@ -132,6 +129,8 @@ class Speculator:
             if flag & NOT_VERIFIABLE or room <= 0:
                 continue
             proposal = self.proposer.propose(seq.token_ids, seq.num_prompt_tokens, min(k, room))
+            if proposal and flag & GRAMMAR:   # only what the grammar allows, in a row
+                proposal = proposal[:seq.grammar.num_valid(proposal)]
             if proposal:
                 seq.proposed_token_ids = list(proposal)
                 self.scheduler.propose(seq, seq.proposed_token_ids)
@@ -193,10 +192,16 @@ class Speculator:
         sampling = batch.sampling_batch(int64_tensor([row for row, count in zip(rows, counts) for _ in range(count)]))
         flags = batch.flags.index_select(0, int64_tensor(rows)).tolist()
         position = 0
+        masks = []
         for seq, flag, count in zip(seqs, flags, counts):
             if flag & PER_POSITION:
                 self._add_per_position(sampling, position, seq, flag, count)
+            if flag & GRAMMAR:
+                masks.append(self.per_row.draft_bitmasks(seq, seq.proposed_token_ids))
+                sampling.bitmask_rows.extend(range(position, position + count))
             position += count
+        if masks:
+            sampling.bitmask = torch.cat(masks)
         outputs, accepted, logprobs = verify(self.sampler, logits, sampling, proposals)
         self._finish(seqs, rows, flags, outputs, accepted, logprobs, result)
 
@@ -281,8 +286,11 @@ class Speculator:
                 layer.seqs.append(seq)
                 layer.token_ids.append(token_id)
                 reason = check_stop(params, seq.output_token_ids, eos, seq.num_prompt_tokens, max_model_len)
+                by_token = True
+                if reason is None and flag & GRAMMAR:   # complete ("stop"), or broken ("abort")
+                    reason, by_token = self.per_row.advance_grammar(seq, token_id), False
                 if reason is not None:
-                    layer.finished.append(SeqFinish(seq, reason))
+                    layer.finished.append(SeqFinish(seq, reason, by_token))
                     ends.append((seq, reason))
                     break
             num_kept = len(seq.token_ids) - num_known
