@@ -367,6 +367,24 @@ def test_greedy_matches_transformers_through_prefix_hits_preemption_and_abort(ar
 
 
 @pytest.mark.slow
+def test_speculative_decoding_verifies_on_every_rank(tp_model, reference):
+    """n-gram speculation on a group of 2: the proposer runs on rank 0's driver, every rank
+    computes the k + 1 positions of a draft, and greedy output equals transformers'."""
+    path = tp_model("llama")
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = make_engine(path, 2, speculative_config=ngram)
+    try:
+        max_tokens = 40
+        outputs = llm.generate(random_prompts((8, 20, 13, 31), seed=41), greedy(max_tokens))
+        assert_matches(outputs, "llama", max_tokens, reference)
+        stats = llm.stats()
+        assert stats["spec_decode_num_drafts"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0, stats
+        assert_idle(llm)
+    finally:
+        llm.engine.runner.shutdown()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 def test_overlapped_scheduling_hands_the_running_steps_ids_to_every_rank(arch, tp_model, reference):
     """With async_scheduling, a step's input ids are the running step's samples, still on rank 0's
