@@ -411,6 +411,14 @@ def format_status(stats: dict) -> str:
                          f"{worker['spec_decode_mean_acceptance_length']:.2f} ({worker['spec_decode_num_drafts']} drafts, "
                          f"{worker['spec_decode_num_accepted_tokens']} of {worker['spec_decode_num_draft_tokens']} "
                          "proposed tokens accepted)")
+        lora = worker.get("lora")
+        if lora:
+            in_slots = [name for name in lora["slot_adapters"] if name is not None]
+            lines.append(f"  {worker_id}: LoRA adapters: {', '.join(in_slots) or 'none'} in "
+                         f"{len(in_slots)} of {lora['max_loras']} slots, {lora['num_host_adapters']} of "
+                         f"{lora['max_cpu_loras']} in host memory; running {', '.join(lora['running_adapters']) or '-'}, "
+                         f"waiting {', '.join(lora['waiting_adapters']) or '-'}; {lora['num_adapter_reads']} reads, "
+                         f"{lora['num_slot_loads']} slot loads ({lora['num_slot_evictions']} evicting)")
         lines.extend(_rank_lines(worker))
     reasons = stats.get("router", {}).get("reasons")
     if reasons:

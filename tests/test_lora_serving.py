@@ -130,6 +130,27 @@ def test_an_adapters_requests_go_to_the_worker_that_holds_it(served, client):
     assert adapter_routes() - before >= 4
 
 
+def test_status_and_metrics_show_each_workers_adapters(served, client):
+    """``pagedserve status`` has a LoRA line per worker (slots, host memory, reads); /metrics has
+    vLLM's ``vllm:lora_requests_info`` per engine, with ``max_lora``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pagedserve.cluster.launcher import format_status
+
+    _tokens(client, "attn", PROMPTS[0])
+    stats = served[0].stats()
+    lora = {worker_id: worker["lora"] for worker_id, worker in stats["workers"].items()}
+    assert any("attn" in figures["slot_adapters"] for figures in lora.values()), lora
+    status = format_status(stats)
+    for worker_id in lora:
+        assert f"{worker_id}: LoRA adapters: " in status and f"of {ENGINE['max_loras']} slots" in status
+    text = httpx.get(served[1] + "/metrics", timeout=30).text
+    info = [sample for family in text_string_to_metric_families(text) for sample in family.samples
+            if sample.name == "vllm:lora_requests_info"]
+    assert {sample.labels["engine"] for sample in info} == set(lora)
+    assert all(sample.labels["max_lora"] == str(ENGINE["max_loras"]) and sample.value > 0 for sample in info)
+
+
 def test_a_streamed_chat_names_its_adapter_in_every_chunk(client):
     stream = client.chat.completions.create(model="attn", messages=[{"role": "user", "content": "hi"}],
                                             max_tokens=6, temperature=0, stream=True)

@@ -18,6 +18,7 @@ set of histograms.
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -99,6 +100,8 @@ class _ClusterStatsCollector:
                                        labels=labels)
         per_position = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
                                            "Accepted tokens per draft position.", labels=labels + ["position"])
+        lora_info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                      labels=labels + ["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
         for worker_id, stats in sorted(self.stats.get("workers", {}).items()):
             key = [self.model_name, worker_id]
             if "num_running" in stats:
@@ -110,6 +113,10 @@ class _ClusterStatsCollector:
                 accepted.add_metric(key, stats["spec_decode_num_accepted_tokens"])
                 for position, count in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
                     per_position.add_metric(key + [str(position)], count)
+            lora = stats.get("lora")
+            if lora:   # vLLM's: the value is when the figures were taken
+                lora_info.add_metric(key + [str(lora["max_loras"]), ",".join(lora["waiting_adapters"]),
+                                            ",".join(lora["running_adapters"])], self.stats.get("time", time.time()))
         for worker_id, pool in sorted(self.stats.get("kv_manager", {}).get("workers", {}).items()):
             key = [self.model_name, worker_id]
             num_blocks = pool.get("num_device_blocks", 0)
@@ -121,7 +128,7 @@ class _ClusterStatsCollector:
             preemptions.add_metric(key, sum(pool.get(f"num_preemptions_{mode}", 0)
                                             for mode in ("swap", "recompute", "migrate")))
         yield from (running, waiting, usage, legacy_usage, queries, hits, preemptions, drafts, draft_tokens, accepted,
-                    per_position)
+                    per_position, lora_info)
 
     def _collect_pagedserve(self):
         workers = self.stats.get("workers", {})

@@ -398,6 +398,8 @@ class Worker:
                 "engine_core_cpu_seconds": figures["cpu_seconds"],
                 # Speculative decoding's counters (vLLM's names), with speculative_config only.
                 **{name: value for name, value in engine_stats.items() if name.startswith("spec_decode_")},
+                # LoRA adapters: slots, host memory, reads, and the running and waiting requests' (enable_lora only).
+                **({"lora": engine_stats["lora"]} if "lora" in engine_stats else {}),
                 "is_healthy": self.core.is_running}
 
     async def block_map(self, max_cells: int = 4096) -> dict:

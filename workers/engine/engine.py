@@ -668,7 +668,13 @@ class LLMEngine:
                           "num_padded_rows": graphs.num_padded_rows,
                           "decode_compiled": graphs.is_compiled})
         if self.lora is not None:
-            stats["lora"] = self.lora.stats()
+            def names(seqs) -> list[str]:
+                return sorted({s.request.lora_request.lora_name for s in seqs if s.request.lora_request})
+            stats["lora"] = {**self.lora.stats(), "max_loras": self.lora.max_loras,
+                             "max_cpu_loras": self.lora.max_cpu_loras,
+                             # vLLM's lora_requests_info labels: the adapters of running and waiting requests.
+                             "running_adapters": names(self.scheduler.running),
+                             "waiting_adapters": names(self.scheduler.waiting)}
         if self._grammar_compiler is not None:
             stats["num_grammars_compiled"] = self._grammar_compiler.num_compiled
             stats["num_grammar_cache_hits"] = self._grammar_compiler.num_cache_hits

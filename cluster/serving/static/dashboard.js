@@ -396,8 +396,16 @@
         td(worker.is_healthy ? "yes" : "no", id + ".is_healthy", worker.is_healthy ? 1 : 0),
         td(engine.spec_decode_num_drafts ? num(engine.spec_decode_mean_acceptance_length, 2) : "-",
            id + ".spec_decode_mean_acceptance_length", engine.spec_decode_mean_acceptance_length),
+        td(loraSlots(engine.lora)),
       ];
     }));
+  }
+
+  function loraSlots(lora) {
+    if (!lora) return "-";
+    const inSlots = lora.slot_adapters.filter((name) => name !== null);
+    return (inSlots.join(", ") || "none") + " (" + inSlots.length + "/" + lora.max_loras + ") / " +
+      lora.num_host_adapters + "/" + lora.max_cpu_loras;
   }
 
   function renderPreemptions(state, ids) {
