@@ -41,7 +41,7 @@ class LoRAModule(_Strict):
     """The id clients send as "model" (also as "BASE:NAME", Ray Serve LLM's form)."""
     path: str = Field(min_length=1)
     """The adapter's PEFT directory (``adapter_config.json``, ``adapter_model.safetensors``), at
-    the same path on every node that runs a worker."""
+    the same path on every node that runs a worker, or a hub id that each worker's node fetches."""
 
     @field_validator("name")
     @classmethod

@@ -14,7 +14,9 @@ blocks, with its integrity check passing.
 from __future__ import annotations
 
 import json
+import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -414,3 +416,46 @@ def test_adapters_added_and_removed_by_hand_and_a_name_reused_for_other_weights(
         engine.step()
     assert engine.remove_lora(103)
     assert_idle(llm)
+
+
+_HUB_ADAPTER = """
+import json, sys
+from pagedserve import LLM, LoRARequest, SamplingParams
+from pagedserve.workers.lora.peft_adapter import LoRAAdapterError
+model, repo, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+llm = LLM(model, device="cpu", dtype="float32", swap_space_gb=0.001, enable_lora=True, max_lora_rank=16)
+params = SamplingParams(temperature=0.0, max_tokens=8)
+try:
+    [output] = llm.generate([prompt], params, use_tqdm=False, lora_request=LoRARequest("hub", 1, repo))
+    print(json.dumps({"tokens": list(output.outputs[0].token_ids)}))
+except LoRAAdapterError as exc:
+    print(json.dumps({"error": str(exc)}))
+"""
+
+
+def test_a_hub_id_as_lora_path_is_fetched_by_the_reading_node(tiny_model, adapters, tmp_path):
+    """vLLM's ``lora_path`` may be a hub id: the engine fetches the adapter's two files into its
+    node's hub cache (here from ``tests/hub_mirror.py``, huggingface_hub's real download code in a
+    fresh process) and serves what the same adapter serves from its directory; an id the hub does
+    not have is refused naming the node and the reason."""
+    import subprocess
+    import sys
+
+    from hub_mirror import HubMirror, MirroredRepo
+
+    lora = adapters("llama")["attn"]
+    prompt = random_prompts([9], seed=13)[0]
+    [local] = make_llm(tiny_model("llama"), max_lora_rank=16).generate([prompt], greedy(8), use_tqdm=False,
+                                                                      lora_request=lora)
+    repo = "pagedserve-test/tiny-llama-attn-lora"
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN")}
+    with HubMirror({repo: MirroredRepo(Path(lora.lora_path))}) as mirror:
+        env.update(HF_ENDPOINT=mirror.url, HF_HOME=str(tmp_path / "hf"))
+        results = [subprocess.run([sys.executable, "-c", _HUB_ADAPTER, tiny_model("llama"), name, json.dumps(prompt)],
+                                  env=env, capture_output=True, text=True, timeout=300)
+                   for name in (repo, "pagedserve-test/no-such-adapter")]
+    for done in results:
+        assert done.returncode == 0, done.stderr[-3000:]
+    fetched, missing = (json.loads(done.stdout.strip().splitlines()[-1]) for done in results)
+    assert fetched == {"tokens": list(local.outputs[0].token_ids)}
+    assert "cannot be fetched on node" in missing["error"] and "RepositoryNotFound" in missing["error"]

@@ -1,7 +1,8 @@
 """PEFT's LoRA checkpoints, read and checked against the base model.
 
-A PEFT LoRA directory holds ``adapter_config.json`` (``r``, ``lora_alpha``,
-``use_rslora``, ``target_modules``, ...) and ``adapter_model.safetensors``, whose
+A PEFT LoRA directory (``lora_path``, or a hub id's files: ``adapter_source``) holds
+``adapter_config.json`` (``r``, ``lora_alpha``, ``use_rslora``, ``target_modules``, ...)
+and ``adapter_model.safetensors``, whose
 tensors are ``base_model.model.<module>.lora_A.weight`` ``[r, in]`` and
 ``...lora_B.weight`` ``[out, r]``. The adapted module computes
 ``base(x) + scaling * B(A(x))``, scaling ``lora_alpha / r`` (rsLoRA:
@@ -25,6 +26,7 @@ from typing import Mapping
 
 import torch
 
+from .adapter_source import AdapterSourceError, adapter_directory
 from .lora_request import LoRARequest
 
 CONFIG_FILE = "adapter_config.json"
@@ -79,9 +81,10 @@ def read_peft_adapter(request: LoRARequest, linears: Mapping[str, tuple[int, int
     def refuse(reason: str) -> LoRAAdapterError:
         return LoRAAdapterError(f"{where}: {reason}")
 
-    directory = Path(request.lora_path)
-    if not directory.is_dir():
-        raise refuse("no adapter directory at lora_path")
+    try:
+        directory = adapter_directory(request.lora_path)
+    except AdapterSourceError as exc:
+        raise refuse(str(exc)) from None
     config = _read_config(directory / CONFIG_FILE, refuse)
     rank, scaling = _rank_and_scaling(config, max_rank, refuse)
     _check_targets(config.get("target_modules"), linears, module_names, refuse)
