@@ -327,9 +327,10 @@ class ClusterHandle:
             excluded = {w for w, role in self.roles.items() if role == "prefill"}
             await self._wait_for_capacity(flow.request_id, excluded)
             adapter = request.lora_request.cache_key if request.lora_request else None
-            cached = await self._longest_prefix(tokens, prefix_extra_key(request.params.cache_salt, adapter))
+            cached, holders = await self._route_hints(tokens, prefix_extra_key(request.params.cache_salt, adapter),
+                                                      adapter)
             decision = self.router.choose(request.request_id, num_tokens, max_tokens, cached, excluded,
-                                          adapter=adapter)
+                                          adapter=adapter, holders=holders)
         run.worker_id = decision.worker_id
         worker = self.workers[decision.worker_id]
         finished = False
@@ -365,9 +366,9 @@ class ClusterHandle:
         prefill_ids = {w for w, role in self.roles.items() if role == "prefill"}
         decode_ids = {w for w, role in self.roles.items() if role == "decode"}
         adapter = request.lora_request.cache_key if request.lora_request else None
-        cached = await self._longest_prefix(prompt_ids, prefix_extra_key(params.cache_salt, adapter))
+        cached, holders = await self._route_hints(prompt_ids, prefix_extra_key(params.cache_salt, adapter), adapter)
         decision = self.router.choose(f"{request_id}/prefill", len(prompt_ids), 1, cached,
-                                      exclude=set(self.workers) - prefill_ids, adapter=adapter)
+                                      exclude=set(self.workers) - prefill_ids, adapter=adapter, holders=holders)
         try:
             out_ref, kv_ref = self.workers[decision.worker_id].prefill.options(num_returns=2).remote(request)
             first: OutputDelta = await asyncio.wait_for(out_ref, timeout=timeout)
@@ -389,7 +390,7 @@ class ClusterHandle:
         first.finished = False
         yield accumulator.add(first)
         decision = self.router.choose(f"{request_id}/decode", len(prompt_ids), params.max_tokens, {},
-                                      exclude=set(self.workers) - decode_ids, adapter=adapter)
+                                      exclude=set(self.workers) - decode_ids, adapter=adapter, holders=holders)
         worker = self.workers[decision.worker_id]
         request = dataclasses.replace(request, kv=[kv_ref], output_token_ids=accumulator.token_ids())
         finished = False
@@ -431,6 +432,23 @@ class ClusterHandle:
             return None
         tokenizer, max_model_len = self.tokenizer, self.max_model_len
         return lambda: DeltaTextDecoder(tokenizer, prompt_token_ids, params, eos_token_ids, max_model_len)
+
+    async def _route_hints(self, token_ids: list[int], extra_key: str | None, adapter: str | None
+                           ) -> tuple[dict[str, int], set[str] | None]:
+        """``_longest_prefix``, and for a request with an adapter the workers that report holding
+        it (``KVManagerService.route_hints``, in the same call; None: no report to go by)."""
+        if adapter is None:
+            return await self._longest_prefix(token_ids, extra_key), None
+        if len(self.workers) == 1 or time.monotonic() < self._hints_paused_until:
+            return {}, None
+        try:
+            cached, holders = await asyncio.wait_for(
+                self.kv_manager.route_hints.remote(token_ids, extra_key, adapter), timeout=HINT_TIMEOUT_S)
+        except Exception as exc:  # the KV manager is restarting or overloaded: route by load alone
+            self._hints_paused_until = time.monotonic() + HINT_PAUSE_S
+            logger.warning("route hints failed (%r); routing by load for %.0f s", exc, HINT_PAUSE_S)
+            return {}, None
+        return (cached if self.config.router.policy == "cache_aware" else {}), set(holders)
 
     async def _longest_prefix(self, token_ids: list[int], extra_key: str | None = None) -> dict[str, int]:
         """Cached prefix per worker from the central index (among blocks of ``extra_key``: the

@@ -13,6 +13,10 @@ from .config import RouterConfig
 
 logger = logging.getLogger("pagedserve.router")
 
+# An adapter this router sent a worker counts as held there this long without the worker's
+# report (it reads the adapter when the request arrives, and reports it after that step).
+ADAPTER_REPORT_GRACE_S = 5.0
+
 
 @dataclass
 class WorkerLoad:
@@ -61,17 +65,19 @@ class Router:
     A request with a LoRA adapter goes, among those workers, to one that holds the adapter if
     any does ("adapter", unless a cached prefix decided), scored as above among them; a cold
     adapter goes by the score alone, and the worker it lands on holds it from then on. What a
-    worker holds is what this router last sent it: up to ``adapters_per_worker`` adapters
-    (the worker's ``max_cpu_loras``), the least recently sent dropped first, as the worker's
-    own host cache drops them.
+    worker holds is what the workers report to the central KV manager (``holders``, from
+    ``KVManagerService.route_hints``), and what this router sent it in the last
+    ``ADAPTER_REPORT_GRACE_S`` (not reported yet); without reports, what this router last sent
+    it: up to ``adapters_per_worker`` adapters (the worker's ``max_cpu_loras``), the least
+    recently sent dropped first, as the worker's own host cache drops them.
     """
 
     def __init__(self, config: RouterConfig, worker_ids: list[str], history: int = 256,
                  adapters_per_worker: int = 1) -> None:
         self.config = config
         self.adapters_per_worker = adapters_per_worker
-        # Per worker, the adapters it holds as far as this router knows, least recently sent first.
-        self._adapters: dict[str, collections.OrderedDict[str, None]] = {}
+        # Per worker, the adapters this router sent it (least recently sent first) and when.
+        self._adapters: dict[str, collections.OrderedDict[str, float]] = {}
         self.loads: dict[str, WorkerLoad] = {w: WorkerLoad() for w in worker_ids}
         self.decisions: collections.deque[RoutingDecision] = collections.deque(maxlen=history)
         self.reason_counts: collections.Counter[str] = collections.Counter()
@@ -98,10 +104,11 @@ class Router:
                     self.loads[worker_id].kv_blocks_used_frac = value
 
     def choose(self, request_id: str, prompt_tokens: int, max_tokens: int,
-               cached: dict[str, int], exclude: set[str] = frozenset(), adapter: str | None = None
-               ) -> RoutingDecision:
+               cached: dict[str, int], exclude: set[str] = frozenset(), adapter: str | None = None,
+               holders: set[str] | None = None) -> RoutingDecision:
         """Pick a worker; ``cached`` is the cached prefix length per worker, ``adapter`` the
-        request's LoRA adapter (None: the base model)."""
+        request's LoRA adapter (None: the base model), ``holders`` the workers that report
+        holding it (None: no reports, this router's record alone)."""
         with self._lock:
             alive = [w for w, load in self.loads.items() if load.is_alive and w not in exclude]
             if not alive:
@@ -111,13 +118,13 @@ class Router:
                      and self.loads[w].num_in_flight < self.config.max_queue_per_worker]
             candidates = roomy or alive
             policy = self.config.policy
-            holders = ([w for w in candidates if adapter in self._adapters.get(w, ())]
+            holding = ([w for w in candidates if self._holds(w, adapter, holders)]
                        if adapter is not None and policy != "round_robin" and len(candidates) > 1 else [])
-            if holders:
-                candidates = holders
+            if holding:
+                candidates = holding
             scores: dict[str, float] = {}
             if len(candidates) == 1:
-                worker_id, reason = candidates[0], "adapter" if holders else "only"
+                worker_id, reason = candidates[0], "adapter" if holding else "only"
             elif policy == "round_robin":
                 worker_id, reason = candidates[self._next % len(candidates)], "round_robin"
                 self._next += 1
@@ -133,13 +140,13 @@ class Router:
                 # candidate (the cache decided, even if it is also the least loaded).
                 best_other = max((cached.get(w, 0) for w in candidates if w != worker_id), default=0)
                 reason = ("prefix" if weight > 0 and cached.get(worker_id, 0) > best_other
-                          else "adapter" if holders else "load")
+                          else "adapter" if holding else "load")
                 if not roomy:
                     reason = "fallback"
             if adapter is not None:
                 held = self._adapters.setdefault(worker_id, collections.OrderedDict())
                 held.pop(adapter, None)
-                held[adapter] = None
+                held[adapter] = time.monotonic()
                 while len(held) > self.adapters_per_worker:
                     held.popitem(last=False)
             load = self.loads[worker_id]
@@ -152,6 +159,12 @@ class Router:
         logger.debug("route %s -> %s (%s): cached %d of %d tokens, scores %s", request_id, worker_id,
                      reason, decision.cached_tokens, prompt_tokens, scores)
         return decision
+
+    def _holds(self, worker_id: str, adapter: str, reported: set[str] | None) -> bool:
+        sent_at = self._adapters.get(worker_id, {}).get(adapter)
+        if reported is None:
+            return sent_at is not None
+        return worker_id in reported or (sent_at is not None and time.monotonic() - sent_at < ADAPTER_REPORT_GRACE_S)
 
     def release(self, decision: RoutingDecision, max_tokens: int) -> None:
         """The request left the worker (finished, aborted or failed)."""

@@ -14,8 +14,8 @@ from .block_pool import BlockPool, ContiguousBlockPool
 from .cluster_index import ClusterIndex
 from .errors import (DoubleFreeError, IntegrityError, KVManagerError, NoFreeBlocksError,
                      UnknownSequenceError, UnknownWorkerError)
-from .events import (AllBlocksCleared, BlockRemoved, BlockStored, EventLog, KVEventBatch, KVSnapshot,
-                     PublishAck, TierOccupancy)
+from .events import (AdapterReport, AllBlocksCleared, BlockRemoved, BlockStored, EventLog, KVEventBatch,
+                     KVSnapshot, PublishAck, TierOccupancy)
 from .hashing import BlockHash, block_hash_key, hash_block, hash_prefix_blocks, prefix_extra_key
 from .kv_manager import PREEMPTION_MODES, KVManager, PoolConfig
 from .local_manager import LocalKVManager
@@ -27,7 +27,7 @@ from .step import (PENDING_TOKEN, NewSequence, Preemption, ScheduledSeq, StepInp
                    to_wire)
 
 __all__ = [
-    "ALLOCATION_POLICIES", "AllBlocksCleared", "BlockHash", "BlockManager", "BlockPool", "BlockRemoved",
+    "ALLOCATION_POLICIES", "AdapterReport", "AllBlocksCleared", "BlockHash", "BlockManager", "BlockPool", "BlockRemoved",
     "BlockStored", "ClusterIndex", "ContiguousBlockPool", "EventLog", "InProcessTransport", "KVEventBatch",
     "KVPublisher", "KVSnapshot", "KVTransport",
     "LocalKVManager", "LocalPreemptionPolicy", "PreemptionCandidate", "PreemptionChoice",

@@ -45,6 +45,7 @@ STORED, REMOVED, CLEARED = 0, 1, 2   # event kinds on the wire (``WireBatch.even
 ALL_TIERS = 255          # the tier code of an ``AllBlocksCleared`` for every tier
 _BATCH_WIRE_VERSION = 2
 _SNAPSHOT_WIRE_VERSION = 1
+_ADAPTER_REPORT_WIRE_VERSION = 1
 # version, is_draining, len(worker_id), len(incarnation), number of events, first_seq,
 # created_at, oldest_event_at, occupancy (4 counts per tier)
 _BATCH_HEADER = struct.Struct(f"<BBBBHQdd{4 * len(TIERS)}I")
@@ -421,6 +422,36 @@ class PublishAck:
         if code >= len(_ACK_STATUSES):
             raise WireFormatError(f"unknown KV publish ack status code {code}")
         return cls(_ACK_STATUSES[code], bytes(data[_ACK.size:]).decode(), expected_seq)
+
+
+@dataclass(slots=True)
+class AdapterReport:
+    """The LoRA adapters one worker holds (in its slots or in host memory), whole, by their
+    ``LoRARequest.cache_key``. It travels the event link beside the batches; a report replaces
+    the last one of the same worker incarnation with a lower ``version``."""
+
+    worker_id: str
+    worker_incarnation: str
+    version: int
+    adapter_keys: list[str] = field(default_factory=list)
+
+    def pack(self) -> bytes:
+        return msgpack.packb([_ADAPTER_REPORT_WIRE_VERSION, self.worker_id, self.worker_incarnation, self.version,
+                              list(self.adapter_keys)])
+
+    @classmethod
+    def unpack(cls, data) -> "AdapterReport":
+        """Decode a packed report; ``WireFormatError`` if it is not one."""
+        try:
+            version, worker_id, incarnation, number, keys = msgpack.unpackb(data)
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            raise WireFormatError(f"not an adapter report: {exc!r}") from None
+        if version != _ADAPTER_REPORT_WIRE_VERSION:
+            raise WireFormatError(f"adapter report wire version {version}, expected {_ADAPTER_REPORT_WIRE_VERSION}")
+        if (not isinstance(worker_id, str) or not isinstance(incarnation, str) or not isinstance(number, int)
+                or not isinstance(keys, list) or not all(isinstance(key, str) for key in keys)):
+            raise WireFormatError("malformed adapter report")
+        return cls(worker_id, incarnation, number, keys)
 
 
 def pack_ack(status: str, expected_seq: int, incarnation: bytes) -> bytes:

@@ -121,6 +121,7 @@ class KVPublisher:
         self._last_sent = float("-inf")
         self._last_ack_asked = float("-inf")
         self._unconfirmed_quiet = False    # a send without an ack of its own came after the last that asked
+        self._adapter_report: bytes | None = None   # the last ``AdapterReport``, sent again after a snapshot
         # Queueing (a drain or snapshot, packed, into the outbox) from either thread, one at a time.
         self._queue_lock = threading.Lock()
         self.num_batches = 0
@@ -226,11 +227,25 @@ class KVPublisher:
             with self._pump_lock:
                 self.transport.wait(in_flight, min(left, WAIT_SLICE_S))
 
+    def report_adapters(self, packed_report: bytes) -> None:
+        """Send the LoRA adapters this worker holds (a packed ``AdapterReport``, whole), beside
+        the batches (the engine's thread). The last report goes again after every snapshot, so
+        a restarted central manager learns it with the blocks."""
+        with self._queue_lock:
+            self._adapter_report = packed_report
+            self._queue("report_adapters", packed_report, True)
+        if self.background:
+            self.wakeup.set()
+        else:
+            self.pump()
+
     def _queue_next(self, want_ack: bool = False) -> None:
         if self.needs_snapshot or self.log.needs_snapshot:
             self.needs_snapshot = False
             self.num_snapshots_sent += 1
             self._queue("resync", self.local.snapshot().pack(), True)
+            if self._adapter_report is not None:
+                self._queue("report_adapters", self._adapter_report, True)
         else:
             self._queue("publish", self.local.drain_events().pack(), want_ack)
             self.num_batches += 1

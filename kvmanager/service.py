@@ -8,7 +8,9 @@ testable in-process. It is off every engine step's critical path:
   to resync, a snapshot; the ``ClusterIndex`` answers prefix lookups
   (``longest_prefix``) and keeps per-worker occupancy;
 - a worker that cannot grow asks ``decide_preemption`` once for that step's
-  victims: migrate (to the worker with the most room), swap, or recompute.
+  victims: migrate (to the worker with the most room), swap, or recompute;
+- workers with LoRA ``report_adapters`` they hold (each report whole), and
+  ``route_hints`` names a request's prefix per worker and its adapter's holders.
 
 Its state is soft. A restarted service has a new ``incarnation`` and an empty
 index; every worker's next publish is answered "resync", and the snapshots
@@ -26,7 +28,7 @@ from dataclasses import asdict
 
 from .cluster_index import ClusterIndex
 from .errors import WireFormatError
-from .events import KVSnapshot, PublishAck, decode_batch, pack_ack
+from .events import AdapterReport, KVSnapshot, PublishAck, decode_batch, pack_ack
 from .kv_manager import PoolConfig
 from .preemption import MigrationTarget, PreemptionRequest, decide_preemption
 
@@ -45,6 +47,8 @@ class KVManagerService:
 
     def __init__(self) -> None:
         self.index = ClusterIndex()
+        # Per worker, the LoRA adapters it holds: (its incarnation, the report's version, adapter keys).
+        self.worker_adapters: dict[str, tuple[str, int, frozenset[str]]] = {}
         self.incarnation = uuid.uuid4().hex[:16]
         self._incarnation_wire = self.incarnation.encode()   # the tail of every ack
         self.started_at = time.time()
@@ -85,6 +89,7 @@ class KVManagerService:
     def remove_worker(self, worker_id: str) -> bool:
         """Forget a worker that left or died for good (a restarted one resyncs itself)."""
         self._reservations.pop(worker_id, None)
+        self.worker_adapters.pop(worker_id, None)
         return self.index.remove_worker(worker_id)
 
     def worker_ids(self) -> list[str]:
@@ -102,6 +107,10 @@ class KVManagerService:
     def resync(self, packed_snapshot: bytes) -> bytes:
         """Replace a worker's entries by its ``KVSnapshot`` (registering it if new)."""
         return self._timed(self._resync, packed_snapshot)
+
+    def report_adapters(self, packed_report: bytes) -> bytes:
+        """Take a worker's ``AdapterReport``; returns a packed ``PublishAck`` ("ok")."""
+        return self._timed(self._report_adapters, packed_report)
 
     def _timed(self, handler, payload: bytes) -> bytes:
         start = time.thread_time()
@@ -126,6 +135,8 @@ class KVManagerService:
                     replies.append((True, self._publish(payload, now, method == "quiet_publish")))
                 elif method == "resync":
                     replies.append((True, self._resync(payload, now)))
+                elif method == "report_adapters":
+                    replies.append((True, self._report_adapters(payload, now)))
                 else:
                     raise WireFormatError(f"unknown KV event message kind {method!r}")
             except Exception as exc:  # refused input (or a bug): the worker resyncs
@@ -146,6 +157,15 @@ class KVManagerService:
         ack = pack_ack(result.status, result.expected_seq, self._incarnation_wire)
         self.bytes_out += len(ack)
         return ack
+
+    def _report_adapters(self, packed_report: bytes, now: float) -> bytes:
+        report = AdapterReport.unpack(packed_report)
+        held = self.worker_adapters.get(report.worker_id)
+        if held is None or held[0] != report.worker_incarnation or report.version > held[1]:
+            self.worker_adapters[report.worker_id] = (report.worker_incarnation, report.version,
+                                                      frozenset(report.adapter_keys))
+        self.bytes_in += len(packed_report)
+        return pack_ack("ok", 0, self._incarnation_wire)
 
     def _resync(self, packed_snapshot: bytes, now: float) -> bytes:
         snapshot = KVSnapshot.unpack(packed_snapshot, packed_keys=True)
@@ -201,6 +221,12 @@ class KVManagerService:
         """Cached prefix tokens per worker, from the index (hints: they may be stale)."""
         return self.index.longest_prefix(token_ids, extra_key)
 
+    def route_hints(self, token_ids: list[int], extra_key: str | None, adapter_key: str
+                    ) -> tuple[dict[str, int], list[str]]:
+        """``longest_prefix``, and the workers whose last report holds adapter ``adapter_key``."""
+        holders = sorted(w for w, (_, _, keys) in self.worker_adapters.items() if adapter_key in keys)
+        return self.index.longest_prefix(token_ids, extra_key), holders
+
     def occupancy(self) -> dict[str, dict[str, dict]]:
         """Per worker and tier: used, cached-free, free and total blocks, as last published."""
         return {w: {tier: asdict(o) for tier, o in v.occupancy.items()} for w, v in self.index.workers.items()}
@@ -223,6 +249,7 @@ class KVManagerService:
                      "is_draining": view.is_draining,
                      "needs_resync": view.needs_resync, "next_seq": view.next_seq,
                      "num_cached_device_hashes": len(view.keys["device"]),
+                     "adapters": sorted(self.worker_adapters.get(worker_id, ("", 0, ()))[2]),
                      "num_cached_host_hashes": len(view.keys["host"])}
             for tier, o in view.occupancy.items():
                 entry.update({f"num_{tier}_blocks": o.num_total, f"{tier}_blocks_used": o.num_used,

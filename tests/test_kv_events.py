@@ -759,3 +759,37 @@ def test_background_publisher_never_touches_the_transport_from_maybe_flush():
     assert service.longest_prefix(list(range(13))) == {"w0": 12}
     assert publisher.flush_and_wait(1.0)
     service.index.check_consistency_with([local.snapshot()])
+
+
+def test_adapter_reports_reach_route_hints_whole_newest_first_and_after_a_central_restart():
+    """A worker's ``AdapterReport`` (the LoRA adapters it holds) travels the event link: the
+    newest report of an incarnation wins, a new incarnation replaces the old one's, a removed
+    worker's are forgotten, a malformed one is refused, and the publisher sends the last one
+    again after the snapshot a restarted central manager asks for."""
+    from pagedserve.kvmanager import AdapterReport
+
+    service = KVManagerService()
+    transport = InProcessTransport(service)
+    local, worker = make_local()
+    incarnation = local.event_log.incarnation
+    publisher = KVPublisher(local, transport, max_batch_age_s=0.0, heartbeat_s=60.0)
+    assert publisher.maybe_flush()                                   # first contact: the snapshot
+    publisher.report_adapters(AdapterReport("w0", incarnation, 2, ["7:sql", "9:chat"]).pack())
+    assert service.route_hints([1, 2, 3], None, "7:sql") == ({"w0": 0}, ["w0"])
+    assert service.stats()["workers"]["w0"]["adapters"] == ["7:sql", "9:chat"]
+    service.report_adapters(AdapterReport("w0", incarnation, 1, ["3:old"]).pack())   # older: ignored
+    assert service.route_hints([1], None, "3:old")[1] == [] and service.route_hints([1], None, "9:chat")[1] == ["w0"]
+    publisher.report_adapters(AdapterReport("w0", incarnation, 3, ["9:chat"]).pack())
+    assert service.route_hints([1], None, "7:sql")[1] == []
+    [(ok, error)] = service.handle_events([("report_adapters", b"\x93\x01\x02\x03")])
+    assert not ok and b"adapter report" in error
+    # The central manager restarts: the publisher resyncs, and its last report goes with the snapshot.
+    transport.service = service = KVManagerService()
+    worker.step(StepInput("w0", new_sequences=[NewSequence("a", list(range(13)))], waiting=["a"]))
+    assert publisher.flush_and_wait(1.0)
+    assert service.route_hints(list(range(13)), None, "9:chat") == ({"w0": 12}, ["w0"])
+    # Restarted, the worker is a new incarnation: its first report replaces the old one's.
+    service.report_adapters(AdapterReport("w0", "restarted", 0, ["4:new"]).pack())
+    assert service.route_hints([1], None, "9:chat")[1] == [] and service.route_hints([1], None, "4:new")[1] == ["w0"]
+    service.remove_worker("w0")
+    assert service.route_hints([1], None, "4:new")[1] == []

@@ -151,6 +151,23 @@ def test_status_and_metrics_show_each_workers_adapters(served, client):
     assert all(sample.labels["max_lora"] == str(ENGINE["max_loras"]) and sample.value > 0 for sample in info)
 
 
+def test_workers_report_the_adapters_they_hold_to_the_kv_manager(served, client):
+    """Each worker reports the adapters it holds over its KV event link; the central manager's
+    route hints name the holders of a request's adapter (by its cache key, "ID:NAME")."""
+    handle = served[0]
+    _tokens(client, "mlp", PROMPTS[1])
+
+    def reported() -> dict[str, list[str]]:
+        workers = ray.get(handle.kv_manager.stats.remote(), timeout=30)["workers"]
+        return {worker_id: entry["adapters"] for worker_id, entry in workers.items()}
+
+    _until(lambda: any("2:mlp" in keys for keys in reported().values()))
+    _, holders = ray.get(handle.kv_manager.route_hints.remote(PROMPTS[1], None, "2:mlp"), timeout=30)
+    held = reported()
+    assert holders == sorted(w for w, keys in held.items() if "2:mlp" in keys)
+    assert set(held) == set(handle.workers)
+
+
 def test_a_streamed_chat_names_its_adapter_in_every_chunk(client):
     stream = client.chat.completions.create(model="attn", messages=[{"role": "user", "content": "hi"}],
                                             max_tokens=6, temperature=0, stream=True)

@@ -187,3 +187,27 @@ def test_round_robin_ignores_adapters():
     router = Router(RouterConfig(policy="round_robin"), ["w0", "w1"], adapters_per_worker=4)
     workers = [router.choose(f"r{i}", 10, 1, {}, adapter="sql").worker_id for i in range(4)]
     assert workers == ["w0", "w1", "w0", "w1"]
+
+
+def test_reported_holders_decide_and_a_fresh_send_counts_until_its_report(monkeypatch):
+    """With the workers' reports (``holders``), a worker that reports the adapter is preferred
+    even if this router never sent it there; one this router sent it to counts for
+    ``ADAPTER_REPORT_GRACE_S`` (not reported yet), then only if reported (another replica's
+    traffic may have evicted it)."""
+    from pagedserve.cluster import router as router_module
+
+    clock = [100.0]
+    monkeypatch.setattr(router_module.time, "monotonic", lambda: clock[0])
+    router = Router(RouterConfig(), ["w0", "w1"], adapters_per_worker=4)
+    _load(router, "w1", 1_000)
+    reported = router.choose("a", 100, 16, {}, adapter="sql", holders={"w1"})
+    assert (reported.worker_id, reported.reason) == ("w1", "adapter")
+    cold = router.choose("b", 100, 16, {}, adapter="chat", holders=set())
+    assert (cold.worker_id, cold.reason) == ("w0", "load")
+    _load(router, "w0", 5_000)
+    fresh = router.choose("c", 100, 16, {}, adapter="chat", holders=set())     # sent 0 s ago, not reported
+    assert (fresh.worker_id, fresh.reason) == ("w0", "adapter")
+    clock[0] += router_module.ADAPTER_REPORT_GRACE_S + 1
+    stale = router.choose("d", 100, 16, {}, adapter="chat", holders=set())     # not reported since: gone
+    assert (stale.worker_id, stale.reason) == ("w1", "load")
+    assert router.choose("e", 100, 16, {}, adapter="chat", holders=None).reason == "adapter"   # no reports

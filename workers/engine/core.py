@@ -24,6 +24,8 @@ import time
 from collections import deque
 from typing import Any, Callable
 
+from pagedserve.kvmanager import AdapterReport
+
 from ..lora.lora_request import LoRARequest
 from ..outputs.stream_batch import StreamBatch, StreamTarget
 from .core_messages import (ZERO_COPY_BYTES, AddRequest, FromCore, ToCore, error_to_wire, pack, payload_from_frame,
@@ -184,6 +186,7 @@ class EngineCore:
         self._is_stopping = False
         self._pending_stall_s = 0.0
         self._pending_failure: str | None = None
+        self._reported_adapters = 0   # the LoRA residency version last reported to the central manager
         self._next_parent_check = 0.0
         self.clock = PhaseClock()
         self._calls: dict[str, Callable[..., Any]] = {
@@ -268,9 +271,16 @@ class EngineCore:
                 self.send(FromCore.EXPORT, head, transfer.header, transfer.payload)
 
     def _tend(self) -> None:
-        """After each pass: KV events out (when due, or at the tick), and the parent's check."""
+        """After each pass: KV events out (when due, or at the tick), the LoRA adapters held
+        when they changed, and the parent's check."""
         publisher = self.publisher
         if publisher is not None:
+            lora = self.engine.lora
+            if lora is not None and lora.residency_version != self._reported_adapters:
+                self._reported_adapters = lora.residency_version
+                log = publisher.log
+                publisher.report_adapters(AdapterReport(log.worker_id, log.incarnation, lora.residency_version,
+                                                        lora.resident_keys()).pack())
             if self._kv_flush_at is not None and time.time() >= self._kv_flush_at:
                 self._kv_flush_at = publisher.next_flush_at()
                 publisher.flush_on_tick()

@@ -20,7 +20,8 @@ bypasses Ray (vLLM publishes its KV events over ZMQ for the same reason):
   without waiting: a restarted central manager binds a new port.
 
 One frame each way: worker -> central ``request id (8 bytes) + kind (b"p"
-publish, b"q" publish wanting no routine ack, b"r" resync) + payload`` (the
+publish, b"q" publish wanting no routine ack, b"r" resync, b"a" a LoRA adapter
+report) + payload`` (the
 ROUTER adds the worker's identity frame), central -> worker ``request id +
 status (b"o" ok, b"e" error) + ack or error text``. A b"q" publish is
 answered only when refused or when its ack asks for a resync; the worker
@@ -84,7 +85,7 @@ from .link import RayCall, RayTransport, call_result
 logger = logging.getLogger(__name__)
 
 _HEAD = struct.Struct("!QB")     # request id, kind or status
-_KIND_CODES = {"publish": ord("p"), "resync": ord("r")}
+_KIND_CODES = {"publish": ord("p"), "resync": ord("r"), "report_adapters": ord("a")}
 _QUIET_PUBLISH = ord("q")    # a publish that wants a reply only when something is wrong
 _KINDS = {**{code: kind for kind, code in _KIND_CODES.items()}, _QUIET_PUBLISH: "quiet_publish"}
 _OK, _ERROR = ord("o"), ord("e")

@@ -52,6 +52,8 @@ class LoRAManager:
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self.num_reads = 0
         self.num_host_evictions = 0
+        # Grows whenever the adapters held (in host memory or a slot) change: the worker reports them.
+        self.residency_version = 0
         logger.info("LoRA: %d linear layers take adapters (max_loras %d, max_lora_rank %d, max_cpu_loras %d)",
                     len(self.layers), max_loras, max_lora_rank, max_cpu_loras)
 
@@ -73,6 +75,7 @@ class LoRAManager:
             self._id_of_name[request.lora_name] = request.lora_int_id
             self._host[request.lora_int_id] = adapter
             self.num_reads += 1
+            self.residency_version += 1
 
     def _check_identity(self, request: LoRARequest) -> None:
         """One name and path per id for the engine's life (its slots and host copy are found by
@@ -100,8 +103,15 @@ class LoRAManager:
             self._host.pop(lora_int_id, None)
             if self._id_of_name.get(request.lora_name) == lora_int_id:
                 del self._id_of_name[request.lora_name]
+            self.residency_version += 1
         self.slots.release(lora_int_id)
         return True
+
+    def resident_keys(self) -> list[str]:
+        """The ``cache_key`` of every adapter held, in host memory or in a slot."""
+        with self._lock:
+            ids = set(self._host) | set(self.slots.resident)
+            return sorted(self._known[i].cache_key for i in ids if i in self._known)
 
     def list(self) -> list[LoRARequest]:
         """The adapters known (added and not removed), in the order they were first added."""
@@ -128,6 +138,8 @@ class LoRAManager:
         slot_of, loads = self.slots.assign(distinct)
         for adapter_id, slot in loads:
             self._load(adapter_id, slot)
+        if loads:
+            self.residency_version += 1
         self._evict_host()
         slot_of[0] = -1
         token_slots = int64_tensor([slot_of[i] for i in ids])
@@ -167,6 +179,7 @@ class LoRAManager:
                     break
                 del self._host[adapter_id]
                 self.num_host_evictions += 1
+                self.residency_version += 1
 
     # ---- introspection -------------------------------------------------------------------
     def stats(self) -> dict:
