@@ -27,6 +27,7 @@ import triton  # noqa: E402
 import pagedserve.kernels as kernels  # noqa: E402
 from pagedserve.kernels import triton_attention_kernels as attention_kernels  # noqa: E402
 from pagedserve.kernels import triton_ops  # noqa: E402
+from triton_interpreter import interpreter_guard  # noqa: E402
 
 
 
@@ -38,28 +39,12 @@ def _can_run_kernels_here() -> bool:
 
 
 IS_RUNNABLE_HERE = _can_run_kernels_here()
-IS_FRESH_PROCESS = os.environ.get("PAGEDSERVE_TRITON_FRESH_PROCESS") == "1"
 DEVICE = torch.device("cuda" if IS_CUDA else "cpu")
 CUDA_ONLY_BF16 = pytest.mark.skipif(not IS_CUDA, reason="Triton interpreter computes bf16 wrongly")
 TOLERANCES = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
-@pytest.fixture(autouse=True)
-def kernels_runnable(request):
-    if IS_RUNNABLE_HERE or request.node.name == "test_in_fresh_interpreter_process":
-        return
-    if IS_FRESH_PROCESS:
-        pytest.fail("triton was imported before TRITON_INTERPRET=1 even in a fresh process (a conftest?)")
-    pytest.skip("triton was imported before TRITON_INTERPRET=1; covered by test_in_fresh_interpreter_process")
-
-
-@pytest.mark.skipif(IS_RUNNABLE_HERE, reason="this process can run the kernels itself")
-def test_in_fresh_interpreter_process():
-    environment = {**os.environ, "TRITON_INTERPRET": "1", "PAGEDSERVE_TRITON_FRESH_PROCESS": "1"}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)]
-    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600,
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+kernels_runnable, test_in_fresh_interpreter_process = interpreter_guard(__file__, IS_RUNNABLE_HERE)
 
 
 def make_generator(*case) -> torch.Generator:

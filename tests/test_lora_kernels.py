@@ -11,7 +11,6 @@ interpreter's bf16 arithmetic is wrong.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -23,15 +22,13 @@ if not IS_CUDA and "triton" not in sys.modules:
 
 pytest.importorskip("triton")
 
-import triton  # noqa: E402
-
 from pagedserve.kernels import triton_lora_kernels as lora_kernels  # noqa: E402
 from pagedserve.kernels import triton_lora_ops  # noqa: E402
 from pagedserve.workers.lora import punica  # noqa: E402
 from pagedserve.workers.lora.layers import LoRAContext, LoRALinear, lora_ops_for  # noqa: E402
+from triton_interpreter import can_interpret_kernels, interpreter_guard  # noqa: E402
 
-IS_RUNNABLE_HERE = IS_CUDA or not isinstance(lora_kernels.lora_shrink_kernel, triton.JITFunction)
-IS_FRESH_PROCESS = os.environ.get("PAGEDSERVE_TRITON_FRESH_PROCESS") == "1"
+IS_RUNNABLE_HERE = IS_CUDA or can_interpret_kernels()
 DEVICE = torch.device("cuda" if IS_CUDA else "cpu")
 DTYPES = [torch.float32, torch.float16,
           pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not IS_CUDA, reason="interpreter bf16 is wrong"))]
@@ -40,22 +37,7 @@ TOLERANCES = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 TILE = lora_kernels.TILE_TOKENS
 
 
-@pytest.fixture(autouse=True)
-def kernels_runnable(request):
-    if IS_RUNNABLE_HERE or request.node.name == "test_in_fresh_interpreter_process":
-        return
-    if IS_FRESH_PROCESS:
-        pytest.fail("triton was imported before TRITON_INTERPRET=1 even in a fresh process (a conftest?)")
-    pytest.skip("triton was imported before TRITON_INTERPRET=1; covered by test_in_fresh_interpreter_process")
-
-
-@pytest.mark.skipif(IS_RUNNABLE_HERE, reason="this process can run the kernels itself")
-def test_in_fresh_interpreter_process():
-    environment = {**os.environ, "TRITON_INTERPRET": "1", "PAGEDSERVE_TRITON_FRESH_PROCESS": "1"}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)]
-    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600,
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+kernels_runnable, test_in_fresh_interpreter_process = interpreter_guard(__file__, IS_RUNNABLE_HERE)
 
 
 def slot_weights(generator, num_slots: int, max_rank: int, features: int, ranks: list[int], dtype) -> torch.Tensor:
