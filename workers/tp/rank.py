@@ -23,10 +23,10 @@ from ..model.model_runner import ModelRunner, resolve_device
 from ..model.model_support import load_config
 from .dispatch import CommandChannel, GroupBrokenError, open_channel
 from .group import Rendezvous, TensorParallelGroup
-from .load import shard_loader
+from .load import ShardLoader
 from .messages import (AllocateCache, KVCopies, ProfilePeak, ReadBlocks, RunStep, Stop, WarmUpKernels,
                           WriteBlocks, unpack)
-from .plan import TensorParallelError, check_tensor_parallel, shard_slice
+from .plan import SliceSpec, TensorParallelError, check_tensor_parallel, shard_slice
 
 logger = logging.getLogger(__name__)
 
@@ -79,20 +79,21 @@ def node_key() -> str:
     return socket.gethostname()
 
 
-def load_rank_runner(spec: RankSpec, group: TensorParallelGroup) -> ModelRunner:
-    """This rank's ``ModelRunner``: the model cut down to its shard, all-reducing over ``group``."""
+def load_rank_runner(spec: RankSpec, group: TensorParallelGroup) -> tuple[ModelRunner, dict[str, SliceSpec]]:
+    """This rank's ``ModelRunner``: the model cut down to its shard, all-reducing over ``group``;
+    and how each cut parameter was cut (``ShardLoader.cuts``)."""
     config = load_config(spec.model, spec.trust_remote_code)
     check_tensor_parallel(config, group.size)
+    loader = ShardLoader(group.rank, group.size, group.all_reduce)
     runner = ModelRunner(spec.model, spec.dtype, group.device, spec.trust_remote_code, spec.kernel_backend,
-                         load=shard_loader(group.rank, group.size, group.all_reduce),
-                         merge_projections=spec.merge_projections)
+                         load=loader, merge_projections=spec.merge_projections)
     text_config = config.get_text_config()
     num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
     if runner.num_kv_heads * group.size != num_kv_heads:
         raise TensorParallelError(
             f"model type {config.model_type!r}: rank {group.rank} attends over {runner.num_kv_heads} KV heads "
             f"after the split, not {num_kv_heads} / {group.size}")
-    return runner
+    return runner, loader.cuts
 
 
 class RankExecutor:
@@ -205,7 +206,7 @@ def run_rank(spec: dict, rank: int, gpu_index: int) -> None:
         share_cpu(spec.rendezvous.size)
     group = TensorParallelGroup(spec.rendezvous, rank, device)
     publish_rank_info(group)
-    runner = load_rank_runner(spec, group)
+    runner, _ = load_rank_runner(spec, group)
     channel = open_channel(group, node_key())
     logger.info("tensor-parallel rank %d of %d ready on %s (%s channel)", rank, group.size, group.device,
                 getattr(channel, "name", "?"))

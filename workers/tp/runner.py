@@ -126,7 +126,7 @@ class TensorParallelRunner:
         try:
             self.group = TensorParallelGroup(rendezvous, 0, device, store)
             publish_rank_info(self.group)
-            self.local = load_rank_runner(self.spec, self.group)
+            self.local, self.weight_cuts = load_rank_runner(self.spec, self.group)
             self.channel = open_channel(self.group, node_key())
             self.rank_info = read_rank_info(self.group)
         except BaseException:
