@@ -30,7 +30,12 @@ def build_runner(config: EngineConfig, rank_launcher: RankLauncher | None = None
 
 def build_lora_manager(runner: ModelRunner | TensorParallelRunner, config: EngineConfig,
                        in_use: Callable[[], set[int]]) -> LoRAManager:
-    """The adapters of ``runner``'s model (``in_use``: the ids of unfinished requests')."""
+    """The adapters of ``runner``'s model (``in_use``: the ids of unfinished requests'). On a
+    tensor-parallel group every rank's layers take them, cut as the rank's weights were, and
+    the other ranks follow rank 0's manager."""
     max_cpu_loras = config.max_cpu_loras or config.max_loras
+    if isinstance(runner, TensorParallelRunner):
+        return LoRAManager(runner.enable_lora(config.max_loras, config.max_lora_rank), max_cpu_loras, in_use,
+                           publish=runner.queue_lora_update)
     layers = AdaptedLayers(runner.model, config.max_loras, config.max_lora_rank, config.kernel_backend)
     return LoRAManager(layers, max_cpu_loras, in_use)

@@ -10,6 +10,7 @@ from collections import OrderedDict
 from typing import Callable, Iterator, Sequence
 
 from .adapted_layers import AdaptedLayers
+from .follower import LoRAUpdate
 from .lora_request import LoRARequest
 from .peft_adapter import LoRAAdapter, LoRAAdapterError
 from .slots import SlotTable
@@ -26,20 +27,27 @@ class LoRAManager:
     segments the layers read during the forward. At most ``max_cpu_loras`` adapters stay
     in host memory: past that, the least recently used ones that no unfinished request
     uses (``in_use()``, their ids) are dropped, read again if asked for again.
+
+    On rank 0 of a tensor-parallel group ``publish`` hands each step's decisions (a
+    ``LoRAUpdate``: host copies dropped, slots written, the chunks' slots) to the other
+    ranks, whose ``LoRAFollower`` mirror them on their own cuts of the layers.
     """
 
-    def __init__(self, layers: AdaptedLayers, max_cpu_loras: int, in_use: Callable[[], set[int]]) -> None:
+    def __init__(self, layers: AdaptedLayers, max_cpu_loras: int, in_use: Callable[[], set[int]],
+                 publish: Callable[[LoRAUpdate], None] | None = None) -> None:
         self.layers = layers
         self.max_loras = layers.max_loras
         self.max_lora_rank = layers.max_lora_rank
         self.max_cpu_loras = max_cpu_loras
         self.context = layers.context
         self._in_use = in_use
+        self._publish = publish
         self.slots = SlotTable(layers.max_loras)
         self._lock = threading.Lock()     # the registry and the host cache, shared with request threads
         self._known: dict[int, LoRARequest] = {}
         self._id_of_name: dict[str, int] = {}
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()
+        self._dropped: list[int] = []     # host copies dropped since the last update (with ``publish``)
         self.num_reads = 0
         self.num_host_evictions = 0
         logger.info("LoRA: %d linear layers take adapters (max_loras %d, max_lora_rank %d, max_cpu_loras %d)",
@@ -87,7 +95,7 @@ class LoRAManager:
             request = self._known.pop(lora_int_id, None)
             if request is None:
                 return False
-            self._host.pop(lora_int_id, None)
+            self._drop_host(lora_int_id)
             if self._id_of_name.get(request.lora_name) == lora_int_id:
                 del self._id_of_name[request.lora_name]
         self.slots.release(lora_int_id)
@@ -113,19 +121,20 @@ class LoRAManager:
         ids = [0 if lora is None else lora.lora_int_id for lora in adapters]
         distinct = set(ids) - {0}
         if not distinct:
+            self._publish_step([], None)
             yield
             return
         slot_of, loads = self.slots.assign(distinct)
-        for adapter_id, slot in loads:
-            self._load(adapter_id, slot)
+        written = [(slot, self._load(adapter_id, slot)) for adapter_id, slot in loads]
         self._evict_host()
         slot_of[0] = -1
         chunk_slots = [slot_of[i] for i in ids]
+        self._publish_step(written, chunk_slots)
         with self.layers.step(chunk_slots, num_tokens):
             yield
 
-    def _load(self, adapter_id: int, slot: int) -> None:
-        """Write the adapter's weights into ``slot`` of every layer (zeros where it adapts none)."""
+    def _load(self, adapter_id: int, slot: int) -> LoRARequest:
+        """Write the adapter's weights into ``slot`` of every layer; returns its request."""
         with self._lock:
             adapter = self._host.get(adapter_id)
             request = self._known[adapter_id]
@@ -135,6 +144,7 @@ class LoRAManager:
                 self._host[adapter_id] = adapter
                 self.num_reads += 1
         self.layers.write(slot, adapter)
+        return request
 
     def _evict_host(self) -> None:
         with self._lock:
@@ -145,8 +155,21 @@ class LoRAManager:
             for adapter_id in [a for a in self._host if a not in in_use]:
                 if len(self._host) <= self.max_cpu_loras:
                     break
-                del self._host[adapter_id]
+                self._drop_host(adapter_id)
                 self.num_host_evictions += 1
+
+    def _drop_host(self, adapter_id: int) -> None:
+        """Drop a host copy (under the lock); the followers drop theirs with the next update."""
+        if self._host.pop(adapter_id, None) is not None and self._publish is not None:
+            self._dropped.append(adapter_id)
+
+    def _publish_step(self, loads: list[tuple[int, LoRARequest]], chunk_slots: list[int] | None) -> None:
+        if self._publish is None:
+            return
+        with self._lock:
+            dropped, self._dropped = self._dropped, []
+        if dropped or loads or chunk_slots is not None:
+            self._publish(LoRAUpdate(dropped, loads, chunk_slots))
 
     # ---- introspection -------------------------------------------------------------------
     def stats(self) -> dict:
