@@ -8,7 +8,9 @@ the same thing on their own shard: the forward pass (one all-reduce after
 attention, one after the MLP, inside the model), cache allocation, and the
 KV copies (swap out, swap in, copy-on-write), which ride with the next
 command. Every rank's pool has the same block ids, so the KV manager, the
-router and the rest of the cluster see one worker.
+router and the rest of the cluster see one worker. With LoRA, rank 0's adapter
+decisions for a step (``LoRAUpdate``) ride that step's command, and every rank
+computes its cut of the adapters.
 
 ``GroupKVCache`` is the group's cache as the engine sees it: its shape holds
 every head, and the blocks it reads and writes for transfers (migration,
