@@ -97,7 +97,7 @@ def rank_main(spec: dict, rank: int, mode: str, num_steps: int) -> None:
     share_cpu(spec.rendezvous.size)
     group = TensorParallelGroup(spec.rendezvous, rank, rank_device(spec.device, rank))
     publish_rank_info(group)
-    runner = load_rank_runner(spec, group)
+    runner, _ = load_rank_runner(spec, group)
     node = f"rank-{rank}" if mode.endswith("-broadcast") else "this-node"
     channel = open_channel(group, node)
     mode = mode.removesuffix("-broadcast")

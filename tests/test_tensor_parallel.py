@@ -30,9 +30,8 @@ from pagedserve.workers.engine.kv_transfer import export_kv
 from pagedserve.workers.tp.dispatch import BroadcastChannel, GroupBrokenError, PipeChannel
 from pagedserve.workers.tp.group import TensorParallelGroup, host_store
 from pagedserve.workers.tp.messages import KVCopies, RunStep, WriteBlocks, pack, unpack
-from pagedserve.workers.tp.load import load_sliced, shard_loader
-from pagedserve.workers.tp.plan import (SliceSpec, TensorParallelError, check_tensor_parallel, shard_decoder,
-                                        shard_slice, tensor_parallel_plan)
+from pagedserve.workers.tp.load import ShardLoader, load_sliced, shard_model
+from pagedserve.workers.tp.plan import SliceSpec, TensorParallelError, check_tensor_parallel, shard_slice
 from offline_checks import assert_idle
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -197,7 +196,7 @@ def test_sharded_forward_matches_whole_model_with_two_all_reduces_per_layer(arch
         expected = whole(ids).logits
 
     def work(group: TensorParallelGroup):
-        model = shard_loader(group.rank, group.size, group.all_reduce)(path, torch.float32, "sdpa", False)
+        model = ShardLoader(group.rank, group.size, group.all_reduce)(path, torch.float32, "sdpa", False)
         decoder = model.get_decoder()
         attention = decoder.layers[0].self_attn
         local_heads = attention.k_proj.weight.shape[0] // attention.head_dim
@@ -214,20 +213,22 @@ def test_sharded_forward_matches_whole_model_with_two_all_reduces_per_layer(arch
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_rank_reads_only_its_slices_and_gets_what_cutting_the_whole_model_gives(arch, tp_model, tiny_model):
     """Dense checkpoints (tensor names = parameter names) are read slice by slice; the shard equals
-    the whole model cut down, RoPE buffers included. qwen2's q/k/v biases are cut with their heads."""
+    the whole model cut down, RoPE buffers included, and so do the cuts reported (which a rank's
+    adapters follow). qwen2's q/k/v biases are cut with their heads."""
     from transformers import AutoModelForCausalLM
 
     path = tp_model(arch) if arch == "llama" else tiny_model(arch)
     size = 2
 
     def work(group: TensorParallelGroup):
-        sliced = load_sliced(path, torch.float32, "sdpa", False, group.rank, size, group.all_reduce)
+        loaded = load_sliced(path, torch.float32, "sdpa", False, group.rank, size, group.all_reduce)
         whole = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
-        shard_decoder(whole.get_decoder(), tensor_parallel_plan(whole.config), group.rank, size, group.all_reduce)
-        return sliced, whole
+        return loaded, whole, shard_model(whole, group.rank, size, group.all_reduce)
 
-    for sliced, whole in run_ranks(size, work):
-        assert sliced is not None
+    for loaded, whole, whole_cuts in run_ranks(size, work):
+        assert loaded is not None
+        sliced, cuts = loaded
+        assert cuts == whole_cuts and cuts["model.layers.0.self_attn.o_proj.weight"].dim == 1
         expected = dict(whole.named_parameters()) | dict(whole.named_buffers())
         got = dict(sliced.named_parameters()) | dict(sliced.named_buffers())
         assert got.keys() == expected.keys()

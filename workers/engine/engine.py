@@ -20,7 +20,6 @@ import torch
 from pagedserve.kvmanager import KVManager
 
 from ..lora.lora_request import LoRARequest
-from ..lora.manager import LoRAManager
 from ..model.input_batch import InputBatch
 from ..model.model_input import TokenScores
 from ..model.model_support import check_max_model_len
@@ -41,7 +40,7 @@ from .engine_options import EngineConfig
 from .kv_transfer import KVTransfer, check_compatible, export_kv, import_kv, read_header
 from .prepared_step import prepare_step
 from .request import Request, Sequence
-from .runners import build_runner
+from .runners import build_lora_manager, build_runner
 from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -68,10 +67,7 @@ class LLMEngine:
         self.config = config
         self.worker_id = worker_id
         self.runner = build_runner(config, rank_launcher)
-        self.lora = (LoRAManager(self.runner.model, config.max_loras, config.max_lora_rank,
-                                 config.max_cpu_loras or config.max_loras, self._adapters_in_use,
-                                 kernel_backend=config.kernel_backend)
-                     if config.enable_lora else None)
+        self.lora = build_lora_manager(self.runner, config, self._adapters_in_use) if config.enable_lora else None
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model,
                                                        trust_remote_code=config.trust_remote_code)
         max_len = check_max_model_len(config.max_model_len, self.runner.max_context_len,

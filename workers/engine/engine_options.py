@@ -132,7 +132,8 @@ class EngineOptions(BaseModel):
     enable_lora: bool = False
     """Serve LoRA adapters (PEFT checkpoints) on the base model: a request names one with a
     ``LoRARequest``, and a step mixes requests of different adapters and of the base model
-    (vLLM's name). Steps run eagerly (no CUDA graphs, no torch.compile) and on one rank."""
+    (vLLM's name). Steps run eagerly (no CUDA graphs, no torch.compile); on a tensor-parallel
+    group each rank holds its slices of the adapters, cut as its weights are."""
     max_loras: int = Field(1, ge=1)
     """With enable_lora: adapters one step may use, each in a slot of every adapted layer
     (vLLM's name). Requests of further adapters wait; slots go to the least recently used."""
@@ -187,9 +188,6 @@ class EngineOptions(BaseModel):
             return self
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
-        if self.tensor_parallel_size > 1:
-            raise ValueError("enable_lora runs on one rank: tensor_parallel_size must be 1, "
-                             f"got {self.tensor_parallel_size}")
         if self.torch_compile:
             raise ValueError("enable_lora runs steps eagerly: leave torch_compile unset or false")
         if self.speculative_config is not None:

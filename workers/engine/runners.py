@@ -1,8 +1,13 @@
 """The model runner an engine gets: one device's ``ModelRunner``, or rank 0 of a
-tensor-parallel group (``TensorParallelRunner``) when the model spans several."""
+tensor-parallel group (``TensorParallelRunner``) when the model spans several; and the
+adapters of its model (``enable_lora``)."""
 
 from __future__ import annotations
 
+from typing import Callable
+
+from ..lora.adapted_layers import AdaptedLayers
+from ..lora.manager import LoRAManager
 from ..model.model_runner import ModelRunner
 from ..tp.launch import RankLauncher, choose_launcher
 from ..tp.runner import TensorParallelRunner
@@ -21,3 +26,16 @@ def build_runner(config: EngineConfig, rank_launcher: RankLauncher | None = None
     return TensorParallelRunner(config.model, size, launcher,
                                 config.dtype, config.device, config.trust_remote_code, config.kernel_backend,
                                 merge_projections=config.merge_projections)
+
+
+def build_lora_manager(runner: ModelRunner | TensorParallelRunner, config: EngineConfig,
+                       in_use: Callable[[], set[int]]) -> LoRAManager:
+    """The adapters of ``runner``'s model (``in_use``: the ids of unfinished requests'). On a
+    tensor-parallel group every rank's layers take them, cut as the rank's weights were, and
+    the other ranks follow rank 0's manager."""
+    max_cpu_loras = config.max_cpu_loras or config.max_loras
+    if isinstance(runner, TensorParallelRunner):
+        return LoRAManager(runner.enable_lora(config.max_loras, config.max_lora_rank), max_cpu_loras, in_use,
+                           publish=runner.queue_lora_update)
+    layers = AdaptedLayers(runner.model, config.max_loras, config.max_lora_rank, config.kernel_backend)
+    return LoRAManager(layers, max_cpu_loras, in_use)

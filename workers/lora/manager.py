@@ -9,53 +9,51 @@ import threading
 from collections import OrderedDict
 from typing import Callable, Iterator, Sequence
 
-import torch
-
-from ..model.host_lists import int64_tensor
-from .layers import LoRALinear, LoRAContext, lora_ops_for
+from .adapted_layers import AdaptedLayers
+from .follower import LoRAUpdate
 from .lora_request import LoRARequest
-from .peft_adapter import LoRAAdapter, LoRAAdapterError, read_peft_adapter
+from .peft_adapter import LoRAAdapter, LoRAAdapterError
 from .slots import SlotTable
 
 logger = logging.getLogger(__name__)
 
 
 class LoRAManager:
-    """Adapters of ``model``: every linear layer of its decoder becomes a ``LoRALinear`` with
-    ``max_loras`` slots of rank ``max_lora_rank`` (allocated per layer when an adapter first
-    targets it).
+    """Adapters of a model, whose linear layers ``layers`` are (``AdaptedLayers``: slots of
+    ``max_loras`` adapters of rank up to ``max_lora_rank``).
 
     ``add`` checks a request's adapter and reads it into host memory (any thread);
     ``run_step`` (the engine's thread) puts the step's adapters into slots and sets the
     segments the layers read during the forward. At most ``max_cpu_loras`` adapters stay
     in host memory: past that, the least recently used ones that no unfinished request
     uses (``in_use()``, their ids) are dropped, read again if asked for again.
-    The products run on Triton or torch as ``lora_ops_for(device, kernel_backend)`` says.
+
+    On rank 0 of a tensor-parallel group ``publish`` hands each step's decisions (a
+    ``LoRAUpdate``: host copies dropped, slots written, the chunks' slots) to the other
+    ranks, whose ``LoRAFollower`` mirror them on their own cuts of the layers.
     """
 
-    def __init__(self, model: torch.nn.Module, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
-                 in_use: Callable[[], set[int]], kernel_backend: str | None = None) -> None:
-        self.max_loras = max_loras
-        self.max_lora_rank = max_lora_rank
+    def __init__(self, layers: AdaptedLayers, max_cpu_loras: int, in_use: Callable[[], set[int]],
+                 publish: Callable[[LoRAUpdate], None] | None = None) -> None:
+        self.layers = layers
+        self.max_loras = layers.max_loras
+        self.max_lora_rank = layers.max_lora_rank
         self.max_cpu_loras = max_cpu_loras
+        self.context = layers.context
         self._in_use = in_use
-        self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
-        self.context = LoRAContext(lora_ops_for(self.device, kernel_backend))
-        self.layers = wrap_linear_layers(model, self.context)
-        self._features = {name: (layer.in_features, layer.out_features) for name, layer in self.layers.items()}
-        self._module_names = {name for name, _ in model.named_modules()} - {""}
-        self.slots = SlotTable(max_loras)
+        self._publish = publish
+        self.slots = SlotTable(layers.max_loras)
         self._lock = threading.Lock()     # the registry and the host cache, shared with request threads
         self._known: dict[int, LoRARequest] = {}
         self._id_of_name: dict[str, int] = {}
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()
+        self._dropped: list[int] = []     # host copies dropped since the last update (with ``publish``)
         self.num_reads = 0
         self.num_host_evictions = 0
         # Grows whenever the adapters held (in host memory or a slot) change: the worker reports them.
         self.residency_version = 0
         logger.info("LoRA: %d linear layers take adapters (max_loras %d, max_lora_rank %d, max_cpu_loras %d)",
-                    len(self.layers), max_loras, max_lora_rank, max_cpu_loras)
+                    len(layers), self.max_loras, self.max_lora_rank, max_cpu_loras)
 
     # ---- requests ---------------------------------------------------------------------
     def add(self, request: LoRARequest) -> None:
@@ -100,7 +98,7 @@ class LoRAManager:
             request = self._known.pop(lora_int_id, None)
             if request is None:
                 return False
-            self._host.pop(lora_int_id, None)
+            self._drop_host(lora_int_id)
             if self._id_of_name.get(request.lora_name) == lora_int_id:
                 del self._id_of_name[request.lora_name]
             self.residency_version += 1
@@ -119,7 +117,7 @@ class LoRAManager:
             return list(self._known.values())
 
     def _read(self, request: LoRARequest) -> LoRAAdapter:
-        adapter = read_peft_adapter(request, self._features, self._module_names, self.max_lora_rank, self.dtype)
+        adapter = self.layers.read(request)
         logger.info("LoRA adapter %r read: rank %d, scaling %g, %d layers, %.1f MiB", request.lora_name,
                     adapter.rank, adapter.scaling, len(adapter.weights), adapter.num_bytes / 2**20)
         return adapter
@@ -133,26 +131,22 @@ class LoRAManager:
         ids = [0 if lora is None else lora.lora_int_id for lora in adapters]
         distinct = set(ids) - {0}
         if not distinct:
+            self._publish_step([], None)
             yield
             return
         slot_of, loads = self.slots.assign(distinct)
-        for adapter_id, slot in loads:
-            self._load(adapter_id, slot)
+        written = [(slot, self._load(adapter_id, slot)) for adapter_id, slot in loads]
         if loads:
             self.residency_version += 1
         self._evict_host()
         slot_of[0] = -1
-        token_slots = int64_tensor([slot_of[i] for i in ids])
-        if num_tokens is not None:
-            token_slots = torch.repeat_interleave(token_slots, int64_tensor(list(num_tokens)))
-        self.context.segments = self.context.ops.build_segments(token_slots, self.device)
-        try:
+        chunk_slots = [slot_of[i] for i in ids]
+        self._publish_step(written, chunk_slots)
+        with self.layers.step(chunk_slots, num_tokens):
             yield
-        finally:
-            self.context.segments = None
 
-    def _load(self, adapter_id: int, slot: int) -> None:
-        """Write the adapter's weights into ``slot`` of every layer (zeros where it adapts none)."""
+    def _load(self, adapter_id: int, slot: int) -> LoRARequest:
+        """Write the adapter's weights into ``slot`` of every layer; returns its request."""
         with self._lock:
             adapter = self._host.get(adapter_id)
             request = self._known[adapter_id]
@@ -161,12 +155,8 @@ class LoRAManager:
             with self._lock:
                 self._host[adapter_id] = adapter
                 self.num_reads += 1
-        for name, layer in self.layers.items():
-            weights = adapter.weights.get(name)
-            if weights is not None and layer.lora_a is None:
-                layer.allocate(self.max_loras, self.max_lora_rank)
-            if layer.lora_a is not None:
-                layer.set_slot(slot, weights)
+        self.layers.write(slot, adapter)
+        return request
 
     def _evict_host(self) -> None:
         with self._lock:
@@ -177,9 +167,22 @@ class LoRAManager:
             for adapter_id in [a for a in self._host if a not in in_use]:
                 if len(self._host) <= self.max_cpu_loras:
                     break
-                del self._host[adapter_id]
+                self._drop_host(adapter_id)
                 self.num_host_evictions += 1
                 self.residency_version += 1
+
+    def _drop_host(self, adapter_id: int) -> None:
+        """Drop a host copy (under the lock); the followers drop theirs with the next update."""
+        if self._host.pop(adapter_id, None) is not None and self._publish is not None:
+            self._dropped.append(adapter_id)
+
+    def _publish_step(self, loads: list[tuple[int, LoRARequest]], chunk_slots: list[int] | None) -> None:
+        if self._publish is None:
+            return
+        with self._lock:
+            dropped, self._dropped = self._dropped, []
+        if dropped or loads or chunk_slots is not None:
+            self._publish(LoRAUpdate(dropped, loads, chunk_slots))
 
     # ---- introspection -------------------------------------------------------------------
     def stats(self) -> dict:
@@ -193,19 +196,4 @@ class LoRAManager:
                 "num_host_adapters": num_host, "num_adapter_reads": self.num_reads,
                 "num_slot_loads": self.slots.num_loads, "num_slot_evictions": self.slots.num_evictions,
                 "num_host_evictions": self.num_host_evictions,
-                "num_layers_allocated": sum(layer.lora_a is not None for layer in self.layers.values())}
-
-
-def wrap_linear_layers(model: torch.nn.Module, context: LoRAContext) -> dict[str, LoRALinear]:
-    """Replace every ``Linear`` of ``model``'s decoder (pieces of merged projections included)
-    by a ``LoRALinear`` over it; returns them by their module name in ``model``."""
-    decoder = {id(module) for module in model.get_decoder().modules()}
-    found = [(name, module) for name, module in model.named_modules()
-             if isinstance(module, torch.nn.Linear) and id(module) in decoder]
-    layers = {}
-    for name, module in found:
-        parent_name, _, child = name.rpartition(".")
-        layer = LoRALinear(module, context)
-        setattr(model.get_submodule(parent_name), child, layer)
-        layers[name] = layer
-    return layers
+                "num_layers_allocated": self.layers.num_allocated}

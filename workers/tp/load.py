@@ -22,8 +22,6 @@ import json
 import logging
 import os
 import threading
-from typing import Callable
-
 import torch
 
 from .plan import AllReduce, SliceSpec, shard_decoder, tensor_parallel_plan
@@ -55,14 +53,24 @@ def checkpoint_files(path: str) -> dict[str, str] | None:
     return None
 
 
-def shard_loader(rank: int, size: int, all_reduce: AllReduce) -> Callable[..., torch.nn.Module]:
+class ShardLoader:
     """A ``ModelRunner`` loader: ``load(path, dtype, attn_implementation, trust_remote_code)`` returns
-    the model as this rank's shard, on the CPU, its all-reduces installed."""
+    the model as rank ``rank``'s shard of ``size``, on the CPU, its all-reduces installed. After
+    a load, ``cuts`` says how each cut parameter (by its name in the causal LM) was cut."""
 
-    def load(path: str, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool):
-        model = load_sliced(path, dtype, attn_implementation, trust_remote_code, rank, size, all_reduce)
-        if model is not None:
+    def __init__(self, rank: int, size: int, all_reduce: AllReduce) -> None:
+        self.rank = rank
+        self.size = size
+        self.all_reduce = all_reduce
+        self.cuts: dict[str, SliceSpec] = {}
+
+    def __call__(self, path: str, dtype: torch.dtype, attn_implementation: str,
+                 trust_remote_code: bool) -> torch.nn.Module:
+        rank, size = self.rank, self.size
+        loaded = load_sliced(path, dtype, attn_implementation, trust_remote_code, rank, size, self.all_reduce)
+        if loaded is not None:
             logger.info("tensor-parallel rank %d of %d: read its slices of %s", rank, size, path)
+            model, self.cuts = loaded
             return model
         from transformers import AutoModelForCausalLM
 
@@ -70,15 +78,22 @@ def shard_loader(rank: int, size: int, all_reduce: AllReduce) -> Callable[..., t
                     "name (converted on load); loading it whole, then cutting", rank, size, path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
                                                      trust_remote_code=trust_remote_code)
-        shard_decoder(model.get_decoder(), tensor_parallel_plan(model.config), rank, size, all_reduce)
+        self.cuts = shard_model(model, rank, size, self.all_reduce)
         return model
 
-    return load
+
+def shard_model(model: torch.nn.Module, rank: int, size: int, all_reduce: AllReduce) -> dict[str, SliceSpec]:
+    """``shard_decoder`` on a causal LM's decoder; the cuts by parameter name in the causal LM."""
+    decoder = model.get_decoder()
+    decoder_prefix = next(name for name, module in model.named_modules() if module is decoder)
+    cuts = shard_decoder(decoder, tensor_parallel_plan(model.config), rank, size, all_reduce)
+    return {f"{decoder_prefix}.{name}" if decoder_prefix else name: spec for name, spec in cuts.items()}
 
 
 def load_sliced(path: str, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool,
-                rank: int, size: int, all_reduce: AllReduce) -> torch.nn.Module | None:
-    """The rank's shard read slice by slice, or None if the checkpoint does not allow it."""
+                rank: int, size: int, all_reduce: AllReduce) -> tuple[torch.nn.Module, dict[str, SliceSpec]] | None:
+    """The rank's shard read slice by slice, with its cuts (as ``shard_model``'s), or None if the
+    checkpoint does not allow it."""
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -89,10 +104,7 @@ def load_sliced(path: str, dtype: torch.dtype, attn_implementation: str, trust_r
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation,
                                                  trust_remote_code=trust_remote_code)
-    decoder = model.get_decoder()
-    decoder_prefix = next(name for name, module in model.named_modules() if module is decoder)
-    cuts = {f"{decoder_prefix}.{name}" if decoder_prefix else name: spec
-            for name, spec in shard_decoder(decoder, tensor_parallel_plan(config), rank, size, all_reduce).items()}
+    cuts = shard_model(model, rank, size, all_reduce)
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
     tensors = dict(model.named_parameters())
     tensors.update((name, buffer) for name, buffer in model.named_buffers() if _is_persistent(model, name))
@@ -111,7 +123,7 @@ def load_sliced(path: str, dtype: torch.dtype, attn_implementation: str, trust_r
                 for name in names:
                     tensors[name].copy_(_read(handle, name, cuts.get(name)))
         model.tie_weights()
-    return model.eval()
+    return model.eval(), cuts
 
 
 def _read(handle, name: str, spec: SliceSpec | None) -> torch.Tensor:

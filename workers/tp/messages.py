@@ -4,7 +4,9 @@ Every command carries the batches of KV copies (swap out, swap in,
 copy-on-write) that rank 0 made since its last command, so each rank applies
 them to its own shard first, batch by batch, as rank 0 did. A step's plan (``RunStep``)
 is ``ModelInput`` less what only rank 0 uses (which rows sample, prompt
-logprobs): the other ranks compute hidden states, never logits.
+logprobs): the other ranks compute hidden states, never logits. With LoRA it
+also carries what rank 0's adapter manager decided for the step
+(``lora.follower.LoRAUpdate``), which the other ranks apply before the forward.
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ class RunStep:
     """One forward pass: the fields of ``ModelInput`` the other ranks need. With ``pending``
     (overlapped scheduling), rank 0 broadcasts the running step's ``num_pending_sources``
     sampled ids (of ``pending_dtype``) over the model group right after this command, device
-    to device, so that no rank waits for them on the host."""
+    to device, so that no rank waits for them on the host. The ``lora_*`` fields (None without
+    adapters) are a ``LoRAUpdate``: the adapter ids whose host copies rank 0 dropped, the slots
+    it wrote as (slot, lora_int_id, lora_name, lora_path), each chunk's slot (-1: the base
+    model; None: no chunk has an adapter)."""
 
     TAG: ClassVar[int] = 1
     rows: list[int]
@@ -45,6 +50,19 @@ class RunStep:
     pending: list[tuple[int, int]] | None = None
     num_pending_sources: int = 0
     pending_dtype: str | None = None
+    lora_dropped: list[int] | None = None
+    lora_loads: list[tuple[int, int, str, str]] | None = None
+    lora_slots: list[int] | None = None
+
+
+@dataclass
+class EnableLoRA:
+    """Give every linear layer of the rank's decoder ``max_loras`` adapter slots of rank
+    ``max_lora_rank`` (the engine's ``enable_lora``); steps' ``lora_*`` fields fill them."""
+
+    TAG: ClassVar[int] = 8
+    max_loras: int
+    max_lora_rank: int
 
 
 @dataclass
@@ -99,8 +117,8 @@ class Stop:
     TAG: ClassVar[int] = 6
 
 
-Command = RunStep | AllocateCache | ProfilePeak | ReadBlocks | WriteBlocks | WarmUpKernels | Stop
-COMMANDS: dict[int, type] = {cls.TAG: cls for cls in (RunStep, AllocateCache, ProfilePeak, ReadBlocks,
+Command = RunStep | EnableLoRA | AllocateCache | ProfilePeak | ReadBlocks | WriteBlocks | WarmUpKernels | Stop
+COMMANDS: dict[int, type] = {cls.TAG: cls for cls in (RunStep, EnableLoRA, AllocateCache, ProfilePeak, ReadBlocks,
                                                         WriteBlocks, WarmUpKernels, Stop)}
 _FIELDS: dict[type, tuple[str, ...]] = {cls: tuple(f.name for f in fields(cls)) for cls in COMMANDS.values()}
 

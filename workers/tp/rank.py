@@ -10,23 +10,28 @@ their own shard and pool (same block ids as rank 0), and wait again.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import socket
 from dataclasses import asdict, dataclass
+from typing import Iterator
 
 import torch
 
+from ..lora.adapted_layers import AdaptedLayers
+from ..lora.follower import LoRAFollower, LoRAUpdate
+from ..lora.lora_request import LoRARequest
 from ..model.model_input import ModelInput
 from ..model.model_runner import ModelRunner, resolve_device
 from ..model.model_support import load_config
 from .dispatch import CommandChannel, GroupBrokenError, open_channel
 from .group import Rendezvous, TensorParallelGroup
-from .load import shard_loader
-from .messages import (AllocateCache, KVCopies, ProfilePeak, ReadBlocks, RunStep, Stop, WarmUpKernels,
+from .load import ShardLoader
+from .messages import (AllocateCache, EnableLoRA, KVCopies, ProfilePeak, ReadBlocks, RunStep, Stop, WarmUpKernels,
                           WriteBlocks, unpack)
-from .plan import TensorParallelError, check_tensor_parallel, shard_slice
+from .plan import SliceSpec, TensorParallelError, check_tensor_parallel, shard_slice
 
 logger = logging.getLogger(__name__)
 
@@ -79,29 +84,34 @@ def node_key() -> str:
     return socket.gethostname()
 
 
-def load_rank_runner(spec: RankSpec, group: TensorParallelGroup) -> ModelRunner:
-    """This rank's ``ModelRunner``: the model cut down to its shard, all-reducing over ``group``."""
+def load_rank_runner(spec: RankSpec, group: TensorParallelGroup) -> tuple[ModelRunner, dict[str, SliceSpec]]:
+    """This rank's ``ModelRunner``: the model cut down to its shard, all-reducing over ``group``;
+    and how each cut parameter was cut (``ShardLoader.cuts``)."""
     config = load_config(spec.model, spec.trust_remote_code)
     check_tensor_parallel(config, group.size)
+    loader = ShardLoader(group.rank, group.size, group.all_reduce)
     runner = ModelRunner(spec.model, spec.dtype, group.device, spec.trust_remote_code, spec.kernel_backend,
-                         load=shard_loader(group.rank, group.size, group.all_reduce),
-                         merge_projections=spec.merge_projections)
+                         load=loader, merge_projections=spec.merge_projections)
     text_config = config.get_text_config()
     num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
     if runner.num_kv_heads * group.size != num_kv_heads:
         raise TensorParallelError(
             f"model type {config.model_type!r}: rank {group.rank} attends over {runner.num_kv_heads} KV heads "
             f"after the split, not {num_kv_heads} / {group.size}")
-    return runner
+    return runner, loader.cuts
 
 
 class RankExecutor:
-    """Rank 1 and up: runs rank 0's commands on its shard until told to stop or rank 0 is gone."""
+    """Rank 1 and up: runs rank 0's commands on its shard until told to stop or rank 0 is gone.
+    ``weight_cuts``: how the shard was cut (``load_rank_runner``'s), which its adapters follow."""
 
-    def __init__(self, runner: ModelRunner, group: TensorParallelGroup, channel: CommandChannel) -> None:
+    def __init__(self, runner: ModelRunner, group: TensorParallelGroup, channel: CommandChannel,
+                 weight_cuts: dict[str, SliceSpec] | None = None) -> None:
         self.runner = runner
         self.group = group
         self.channel = channel
+        self.weight_cuts = weight_cuts or {}
+        self.lora: LoRAFollower | None = None
         self.num_steps = 0
 
     def run(self) -> None:
@@ -129,10 +139,14 @@ class RankExecutor:
                                              device=self.group.device)
                 self.group.broadcast_model(pending_tokens)
             # The other ranks never sample: hidden states only (logits_indexes=[]).
-            runner.execute(ModelInput(command.rows, command.starts, command.input_ids, command.table_updates,
-                                      command.num_tokens, logits_indexes=[], pending=command.pending),
-                           pending_tokens)
+            with self._adapters(command):
+                runner.execute(ModelInput(command.rows, command.starts, command.input_ids, command.table_updates,
+                                          command.num_tokens, logits_indexes=[], pending=command.pending),
+                               pending_tokens)
             self.num_steps += 1
+        elif isinstance(command, EnableLoRA):
+            self.lora = LoRAFollower(AdaptedLayers(runner.model, command.max_loras, command.max_lora_rank,
+                                                   runner.kernel_backend, self.weight_cuts))
         elif isinstance(command, WarmUpKernels):
             runner.warm_up_kernels(command.max_blocks_per_seq)
         elif isinstance(command, AllocateCache):
@@ -146,6 +160,21 @@ class RankExecutor:
             runner.kv_cache.write_blocks(command.block_ids, local_heads(payload, self.group.rank, self.group.size))
         else:
             raise TypeError(f"unknown tensor-parallel command {type(command).__name__}")
+
+    @contextlib.contextmanager
+    def _adapters(self, command: RunStep) -> Iterator[None]:
+        """Around a step's forward: its adapters, as rank 0 put them in slots (none without LoRA)."""
+        if command.lora_dropped is None and command.lora_loads is None and command.lora_slots is None:
+            yield
+            return
+        if self.lora is None:
+            raise RuntimeError("a step with adapters reached a rank whose layers take none (no EnableLoRA)")
+        loads = [(slot, LoRARequest(name, lora_int_id, path))
+                 for slot, lora_int_id, name, path in command.lora_loads or ()]
+        update = LoRAUpdate(command.lora_dropped or [], loads, command.lora_slots)
+        self.lora.apply(update)
+        with self.lora.step(update, command.num_tokens):
+            yield
 
     def _apply_copies(self, copies: list[KVCopies]) -> None:
         for batch in copies:
@@ -205,8 +234,8 @@ def run_rank(spec: dict, rank: int, gpu_index: int) -> None:
         share_cpu(spec.rendezvous.size)
     group = TensorParallelGroup(spec.rendezvous, rank, device)
     publish_rank_info(group)
-    runner = load_rank_runner(spec, group)
+    runner, weight_cuts = load_rank_runner(spec, group)
     channel = open_channel(group, node_key())
     logger.info("tensor-parallel rank %d of %d ready on %s (%s channel)", rank, group.size, group.device,
                 getattr(channel, "name", "?"))
-    RankExecutor(runner, group, channel).run()
+    RankExecutor(runner, group, channel, weight_cuts).run()

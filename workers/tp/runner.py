@@ -8,7 +8,9 @@ the same thing on their own shard: the forward pass (one all-reduce after
 attention, one after the MLP, inside the model), cache allocation, and the
 KV copies (swap out, swap in, copy-on-write), which ride with the next
 command. Every rank's pool has the same block ids, so the KV manager, the
-router and the rest of the cluster see one worker.
+router and the rest of the cluster see one worker. With LoRA, rank 0's adapter
+decisions for a step (``LoRAUpdate``) ride that step's command, and every rank
+computes its cut of the adapters.
 
 ``GroupKVCache`` is the group's cache as the engine sees it: its shape holds
 every head, and the blocks it reads and writes for transfers (migration,
@@ -25,14 +27,16 @@ import time
 
 import torch
 
+from ..lora.adapted_layers import AdaptedLayers
+from ..lora.follower import LoRAUpdate
 from ..model.kv_cache import CacheShape, KVCache
 from ..model.model_input import ExecuteOutput, ModelInput
 from ..model.model_support import load_config
 from .dispatch import CommandChannel, GroupBrokenError, open_channel
 from .group import TensorParallelGroup, host_store
 from .launch import RankLauncher, RankSet
-from .messages import (AllocateCache, KVCopies, ProfilePeak, ReadBlocks, RunStep, Stop, WarmUpKernels, WriteBlocks,
-                          pack)
+from .messages import (AllocateCache, EnableLoRA, KVCopies, ProfilePeak, ReadBlocks, RunStep, Stop, WarmUpKernels,
+                          WriteBlocks, pack)
 from .plan import check_tensor_parallel
 from .rank import (HEAD_DIM_OF_PAYLOAD, RankSpec, broadcast_payload, load_rank_runner, local_heads, node_key,
                       publish_rank_info, rank_device, read_rank_info)
@@ -111,6 +115,7 @@ class TensorParallelRunner:
                  device=None, trust_remote_code: bool = False, kernel_backend: str | None = None,
                  merge_projections: bool | None = None) -> None:
         self.pending_copies: list[KVCopies] = []
+        self.pending_lora: LoRAUpdate | None = None
         self.ranks: RankSet | None = None
         self.channel: CommandChannel | None = None
         self.kv_cache: GroupKVCache | None = None
@@ -126,7 +131,7 @@ class TensorParallelRunner:
         try:
             self.group = TensorParallelGroup(rendezvous, 0, device, store)
             publish_rank_info(self.group)
-            self.local = load_rank_runner(self.spec, self.group)
+            self.local, self.weight_cuts = load_rank_runner(self.spec, self.group)
             self.channel = open_channel(self.group, node_key())
             self.rank_info = read_rank_info(self.group)
         except BaseException:
@@ -198,13 +203,26 @@ class TensorParallelRunner:
     def decode_graphs(self):
         return None
 
+    def enable_lora(self, max_loras: int, max_lora_rank: int) -> AdaptedLayers:
+        """Every rank's decoder takes adapters: the other ranks follow rank 0's ``LoRAManager``,
+        whose updates (``queue_lora_update``) ride the next step. Returns rank 0's layers."""
+        with self.on_group():
+            self.send(EnableLoRA(max_loras, max_lora_rank))
+        return AdaptedLayers(self.local.model, max_loras, max_lora_rank, self.spec.kernel_backend, self.weight_cuts)
+
+    def queue_lora_update(self, update: LoRAUpdate) -> None:
+        """Send ``update`` (rank 0's adapter decisions for the coming step) with the next step."""
+        self.pending_lora = update if self.pending_lora is None else self.pending_lora.then(update)
+
     def execute(self, model_input: ModelInput, pending_tokens: torch.Tensor | None = None) -> ExecuteOutput:
         pending = model_input.pending
+        lora, self.pending_lora = self.pending_lora, None
         with self.on_group():
             self.send(RunStep(model_input.rows, model_input.starts, model_input.input_ids,
                               model_input.table_updates, model_input.num_tokens, pending,
                               0 if not pending else len(pending_tokens),
-                              None if not pending else str(pending_tokens.dtype).removeprefix("torch.")))
+                              None if not pending else str(pending_tokens.dtype).removeprefix("torch."),
+                              *_lora_fields(lora)))
             if pending:
                 pending_tokens = pending_tokens.contiguous()
                 self.group.broadcast_model(pending_tokens)
@@ -261,3 +279,11 @@ class TensorParallelRunner:
         if self.ranks is not None:
             self.ranks.stop()
             self.ranks = None
+
+
+def _lora_fields(update: LoRAUpdate | None) -> tuple:
+    """``RunStep``'s ``lora_dropped``, ``lora_loads`` and ``lora_slots`` for ``update``."""
+    if update is None:
+        return None, None, None
+    loads = [(slot, request.lora_int_id, request.lora_name, request.lora_path) for slot, request in update.loads]
+    return update.dropped, loads, update.chunk_slots
