@@ -459,3 +459,21 @@ def test_a_hub_id_as_lora_path_is_fetched_by_the_reading_node(tiny_model, adapte
     fetched, missing = (json.loads(done.stdout.strip().splitlines()[-1]) for done in results)
     assert fetched == {"tokens": list(local.outputs[0].token_ids)}
     assert "cannot be fetched on node" in missing["error"] and "RepositoryNotFound" in missing["error"]
+
+
+def test_adapters_speculate_exactly(tiny_model, adapters, peft_greedy):
+    """With ``speculative_config``: each verifying sequence's k + 1 positions run with its
+    adapter (one chunk of the step's segments), so every adapter's and the base model's greedy
+    tokens are transformers + PEFT's, with proposals that are partly wrong."""
+    from pagedserve.bench.scripted_proposer import ScriptedProposer
+
+    loras = adapters("llama")
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = make_llm(tiny_model("llama"), max_loras=4, max_lora_rank=16, speculative_config=ngram)
+    prompts, which = mixed_workload(loras, seed=19)
+    reference = {tuple(p): peft_greedy("llama", lora, p, MAX_TOKENS) for p, lora in zip(prompts, which)}
+    llm.engine.speculator.proposer = ScriptedProposer(reference, 4, None, llm.engine.runner.vocab_size, seed=5)
+    check_exact(llm, "llama", prompts, which, peft_greedy)
+    stats = llm.stats()
+    assert stats["spec_decode_num_drafts"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0, stats
+    assert_idle(llm)

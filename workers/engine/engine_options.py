@@ -190,9 +190,6 @@ class EngineOptions(BaseModel):
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         if self.torch_compile:
             raise ValueError("enable_lora runs steps eagerly: leave torch_compile unset or false")
-        if self.speculative_config is not None:
-            raise ValueError("enable_lora and speculative_config do not run together yet: "
-                             "leave one of them unset")
         return self
 
     @model_validator(mode="after")
