@@ -477,3 +477,18 @@ def test_adapters_speculate_exactly(tiny_model, adapters, peft_greedy):
     stats = llm.stats()
     assert stats["spec_decode_num_drafts"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0, stats
     assert_idle(llm)
+
+
+def test_a_profiled_kv_budget_leaves_room_for_every_slot(tiny_model, adapters, peft_greedy):
+    """Slots are allocated as adapters first target each layer, after the pools are sized: a
+    KV budget from the GPU's profile (``_size_pools``) keeps ``max_slot_bytes`` out, which is
+    what the slots come to once an adapter of every layer is in."""
+    loras = adapters("llama")
+    llm = make_llm(tiny_model("llama"), max_loras=2, max_lora_rank=16)
+    layers = llm.engine.lora.layers
+    assert layers.num_allocated == 0
+    check_exact(llm, "llama", random_prompts([7], seed=17), [loras["all"]], peft_greedy)   # every linear
+    assert layers.num_allocated == len(layers)
+    allocated = sum(layer.lora_a.nbytes + layer.lora_b.nbytes for layer in layers.by_name.values())
+    assert allocated == layers.max_slot_bytes == llm.engine._lora_slot_bytes() > 0
+    assert_idle(llm)

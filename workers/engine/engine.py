@@ -195,6 +195,16 @@ class LLMEngine:
         logger.info("every layer is windowed (widest %d tokens): blocks out of the window are freed", window)
         return window
 
+    def _lora_slot_bytes(self) -> int:
+        """What LoRA slots may come to take on this device (they are allocated as adapters
+        first target each layer, after the pools): kept out of a profiled KV budget."""
+        if self.lora is None:
+            return 0
+        num_bytes = self.lora.layers.max_slot_bytes
+        logger.info("LoRA slots (max_loras %d, max_lora_rank %d) may take %.1f MiB; kept out of the KV budget",
+                    self.lora.max_loras, self.lora.max_lora_rank, num_bytes / 2**20)
+        return num_bytes
+
     def _size_pools(self) -> tuple[int, int]:
         """Device and host block counts: explicit count, memory budget, or GPU profile."""
         config = self.config
@@ -211,7 +221,7 @@ class LLMEngine:
                 config.graph_sizes() if self._uses_graphs else None,
                 -(-self.max_model_len // config.block_size), self._uses_compile)
             total = torch.cuda.get_device_properties(self.runner.device).total_memory
-            budget = total * config.gpu_memory_utilization - peak
+            budget = total * config.gpu_memory_utilization - peak - self._lora_slot_bytes()
         else:
             budget = 1 * GiB
         num_device = shape.num_blocks_for(budget)

@@ -76,6 +76,13 @@ class AdaptedLayers:
         """Layers that hold slot weights (some adapter targeted them)."""
         return sum(layer.lora_a is not None for layer in self.by_name.values())
 
+    @property
+    def max_slot_bytes(self) -> int:
+        """The slot weights' bytes once every layer holds them (the most adapters can take)."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return sum(self.max_loras * self.max_lora_rank * (layer.in_features + layer.out_features) * element
+                   for layer in self.by_name.values())
+
     def read(self, request: LoRARequest) -> LoRAAdapter:
         """``request``'s adapter checked against the whole model (``LoRAAdapterError`` says why it
         cannot be served), as this rank's cut of it."""
