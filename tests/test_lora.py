@@ -26,7 +26,7 @@ from pagedserve.kvmanager import prefix_extra_key
 from pagedserve.workers.lora.peft_adapter import LoRAAdapterError
 from pagedserve.workers.lora.punica import build_segments, lora_expand, lora_shrink
 from offline_checks import assert_idle
-from peft_adapters import make_peft_adapter
+from peft_adapters import adapter_sets
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -53,19 +53,8 @@ MOE_ADAPTERS = {
 @pytest.fixture(scope="module")
 def adapters(tiny_model, tmp_path_factory):
     """``adapters(arch) -> {name: LoRARequest}`` of ``ADAPTERS``, built once per arch."""
-    built: dict[str, dict[str, LoRARequest]] = {}
-
-    def get(arch: str) -> dict[str, LoRARequest]:
-        if arch not in built:
-            root = tmp_path_factory.mktemp(f"lora-{arch}")
-            specs = MOE_ADAPTERS if arch.endswith("_moe") else ADAPTERS
-            built[arch] = {
-                name: LoRARequest(name, i + 1, make_peft_adapter(tiny_model(arch), root / name, rank, alpha, targets,
-                                                                 rslora, seed=i + 1))
-                for i, (name, (rank, alpha, targets, rslora)) in enumerate(specs.items())}
-        return built[arch]
-
-    return get
+    return adapter_sets(tiny_model, lambda arch: tmp_path_factory.mktemp(f"lora-{arch}"),
+                        lambda arch: MOE_ADAPTERS if arch.endswith("_moe") else ADAPTERS, first_seed=1)
 
 
 @pytest.fixture(scope="module")

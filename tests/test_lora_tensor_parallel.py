@@ -26,7 +26,7 @@ from pagedserve.workers.model.merged_projections import merge_same_input_project
 from pagedserve.workers.tp.load import ShardLoader
 from pagedserve.workers.tp.messages import EnableLoRA, RunStep, pack, unpack
 from offline_checks import assert_idle
-from peft_adapters import make_peft_adapter
+from peft_adapters import adapter_sets, make_peft_adapter
 from test_tensor_parallel import make_engine, random_prompts, run_ranks
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -56,19 +56,8 @@ def tp_model():
 @pytest.fixture(scope="module")
 def adapters(tp_model, tmp_path_factory):
     """``adapters(arch) -> {name: LoRARequest}`` on the tiny-tp checkpoint, built once per arch."""
-    built: dict[str, dict[str, LoRARequest]] = {}
-
-    def get(arch: str) -> dict[str, LoRARequest]:
-        if arch not in built:
-            root = tmp_path_factory.mktemp(f"tp-lora-{arch}")
-            specs = MOE_ADAPTERS if arch.endswith("_moe") else ADAPTERS
-            built[arch] = {
-                name: LoRARequest(name, i + 1, make_peft_adapter(tp_model(arch), root / name, rank, alpha, targets,
-                                                                 rslora, seed=i + 11))
-                for i, (name, (rank, alpha, targets, rslora)) in enumerate(specs.items())}
-        return built[arch]
-
-    return get
+    return adapter_sets(tp_model, lambda arch: tmp_path_factory.mktemp(f"tp-lora-{arch}"),
+                        lambda arch: MOE_ADAPTERS if arch.endswith("_moe") else ADAPTERS, first_seed=11)
 
 
 @pytest.fixture(scope="module")
