@@ -108,8 +108,8 @@ def test_the_compile_check_specialises_kernels_as_their_launches_are():
     memory than at launch (no vectorised, pipelined K/V tiles) and spilling registers."""
     from triton.backends.compiler import GPUTarget
 
-    from pagedserve.devtools.triton_variants import cuda_binder, launched_kernels
-    from pagedserve.kernels.triton_compile import PLAIN, kernel_configs, launch_specialisation
+    from pagedserve.devtools.triton_variants import launched_kernels, specialisation_mismatch
+    from pagedserve.kernels.triton_compile import PLAIN, kernel_configs
 
     kernels = launched_kernels()
     launches = {}
@@ -140,15 +140,7 @@ def test_the_compile_check_specialises_kernels_as_their_launches_are():
         if name not in launches or name in checked:
             continue
         checked.add(name)
-        jit, binder = cuda_binder(kernel)
         args, kwargs = launches[name]
-        _, at_launch, _ = binder(*args, **kwargs)
-        names = [param.name for param in jit.params]
-        launch_ones = {n for n, (kind, value) in zip(names, at_launch)
-                       if kind == "constexpr" and value == 1 and n not in constexprs}
-        launch_aligned = {n for n, (kind, attr) in zip(names, at_launch) if kind != "constexpr" and attr == "D"}
-        _, constants, attrs = launch_specialisation(jit, arg_types, constexprs, target)
-        differences[name] = ({n for n in constants if n not in constexprs} ^ launch_ones,
-                             {names[index] for index, in attrs} ^ launch_aligned)
+        differences[name] = specialisation_mismatch(kernel, arg_types, constexprs, target, args, kwargs)
     assert differences == {name: (set(), set()) for name in differences}
     assert checked == {"paged_prefill_kernel", "paged_decode_kernel", "paged_decode_reduce_kernel", "write_kv_kernel"}

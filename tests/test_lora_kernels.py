@@ -192,8 +192,8 @@ def test_the_compile_check_specialises_the_lora_kernels_as_their_launches_are():
     and the same 16-byte-aligned arguments, by Triton's own binder for a CUDA target."""
     from triton.backends.compiler import GPUTarget
 
-    from pagedserve.devtools.triton_variants import cuda_binder
-    from pagedserve.kernels.triton_compile import launch_specialisation, lora_kernel_configs
+    from pagedserve.devtools.triton_variants import specialisation_mismatch
+    from pagedserve.kernels.triton_compile import lora_kernel_configs
 
     kernels = (lora_kernels.lora_shrink_kernel, lora_kernels.lora_expand_kernel)
     launches = {}
@@ -210,14 +210,7 @@ def test_the_compile_check_specialises_the_lora_kernels_as_their_launches_are():
     num_slots, max_rank, features = lora_a.shape
     differences = {}
     for kernel, arg_types, constexprs, _ in lora_kernel_configs(torch.float16, max_rank, features, features):
-        jit, binder = cuda_binder(kernel)
         args, kwargs = launches[kernel]
-        _, at_launch, _ = binder(*args, **kwargs)
-        names = [param.name for param in jit.params]
-        launch_ones = {n for n, (kind, value) in zip(names, at_launch)
-                       if kind == "constexpr" and value == 1 and n not in constexprs}
-        launch_aligned = {n for n, (kind, attr) in zip(names, at_launch) if kind != "constexpr" and attr == "D"}
-        _, constants, attrs = launch_specialisation(jit, arg_types, constexprs, GPUTarget("cuda", 90, 32))
-        differences[kernel.__name__] = ({n for n in constants if n not in constexprs} ^ launch_ones,
-                                        {names[index] for index, in attrs} ^ launch_aligned)
+        differences[kernel.__name__] = specialisation_mismatch(kernel, arg_types, constexprs,
+                                                               GPUTarget("cuda", 90, 32), args, kwargs)
     assert differences == {"lora_shrink_kernel": (set(), set()), "lora_expand_kernel": (set(), set())}

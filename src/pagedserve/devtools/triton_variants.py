@@ -62,6 +62,25 @@ def cuda_binder(kernel) -> tuple:
     return jit, create_function_from_signature(jit.signature, jit.params, make_backend(GPUTarget(*_TARGET)))
 
 
+def specialisation_mismatch(kernel, arg_types: dict, constexprs: dict, target, args, kwargs
+                            ) -> tuple[set[str], set[str]]:
+    """Where ``triton_compile_check``'s specialisation of ``kernel`` (``arg_types``,
+    ``constexprs``, for ``target``) and a real launch's (``args``, ``kwargs``) differ: the
+    parameters specialised to the constant 1 by one of them only, and the ones specialised as
+    16-byte aligned by one of them only (both empty: it compiled what the launch runs)."""
+    from pagedserve.kernels.triton_compile import launch_specialisation
+
+    jit, binder = cuda_binder(kernel)
+    _, at_launch, _ = binder(*args, **kwargs)
+    names = [param.name for param in jit.params]
+    launch_ones = {n for n, (kind, value) in zip(names, at_launch)
+                   if kind == "constexpr" and value == 1 and n not in constexprs}
+    launch_aligned = {n for n, (kind, attr) in zip(names, at_launch) if kind != "constexpr" and attr == "D"}
+    _, constants, attrs = launch_specialisation(jit, arg_types, constexprs, target)
+    return ({n for n in constants if n not in constexprs} ^ launch_ones,
+            {names[index] for index, in attrs} ^ launch_aligned)
+
+
 class TritonVariants:
     """Records, per kernel, each specialisation launched and the phase it was first seen in
     (``mark`` starts a phase; the first is ``"start"``), and the launches per phase."""
