@@ -435,36 +435,29 @@ class ClusterHandle:
 
     async def _route_hints(self, token_ids: list[int], extra_key: str | None, adapter: str | None
                            ) -> tuple[dict[str, int], set[str] | None]:
-        """``_longest_prefix``, and for a request with an adapter the workers that report holding
-        it (``KVManagerService.route_hints``, in the same call; None: no report to go by)."""
-        if adapter is None:
-            return await self._longest_prefix(token_ids, extra_key), None
-        if len(self.workers) == 1 or time.monotonic() < self._hints_paused_until:
-            return {}, None
-        try:
-            cached, holders = await asyncio.wait_for(
-                self.kv_manager.route_hints.remote(token_ids, extra_key, adapter), timeout=HINT_TIMEOUT_S)
-        except Exception as exc:  # the KV manager is restarting or overloaded: route by load alone
-            self._hints_paused_until = time.monotonic() + HINT_PAUSE_S
-            logger.warning("route hints failed (%r); routing by load for %.0f s", exc, HINT_PAUSE_S)
-            return {}, None
-        return (cached if self.config.router.policy == "cache_aware" else {}), set(holders)
-
-    async def _longest_prefix(self, token_ids: list[int], extra_key: str | None = None) -> dict[str, int]:
         """Cached prefix per worker from the central index (among blocks of ``extra_key``: the
-        request's cache salt and adapter, ``prefix_extra_key``): a
-        hint, never waited on for long. While the KV manager is down or slow, requests are routed
-        by load alone (and it is not asked again for ``HINT_PAUSE_S``)."""
-        if (self.config.router.policy != "cache_aware" or len(self.workers) == 1
+        request's cache salt and adapter, ``prefix_extra_key``), and for a request with an
+        adapter the workers that report holding it (``KVManagerService.route_hints``, in the
+        same call; None: no report to go by): hints, never waited on for long. While the KV
+        manager is down or slow, requests are routed by load alone (and it is not asked again
+        for ``HINT_PAUSE_S``)."""
+        is_cache_aware = self.config.router.policy == "cache_aware"
+        if (len(self.workers) == 1 or (adapter is None and not is_cache_aware)
                 or time.monotonic() < self._hints_paused_until):
-            return {}
+            return {}, None
         try:
-            return await asyncio.wait_for(self.kv_manager.longest_prefix.remote(token_ids, extra_key),
-                                          timeout=HINT_TIMEOUT_S)
+            if adapter is None:
+                cached, holders = await asyncio.wait_for(self.kv_manager.longest_prefix.remote(token_ids, extra_key),
+                                                         timeout=HINT_TIMEOUT_S), None
+            else:
+                cached, reported = await asyncio.wait_for(
+                    self.kv_manager.route_hints.remote(token_ids, extra_key, adapter), timeout=HINT_TIMEOUT_S)
+                holders = set(reported)
         except Exception as exc:  # the KV manager is restarting or overloaded: route by load alone
             self._hints_paused_until = time.monotonic() + HINT_PAUSE_S
             logger.warning("prefix lookup failed (%r); routing by load for %.0f s", exc, HINT_PAUSE_S)
-            return {}
+            return {}, None
+        return (cached if is_cache_aware else {}), holders
 
     async def _refresh_utilization(self) -> None:
         now = time.time()
