@@ -41,6 +41,7 @@ from .router import Router, kv_blocks_used_frac
 from .worker_channels import ChannelClosed, WorkerChannels
 from .worker_pool import actor_name_of
 from .stats import gather_stats_sync, kv_manager_stats
+from .turn_batch import TurnBatch
 
 logger = logging.getLogger("pagedserve.cluster")
 
@@ -128,6 +129,7 @@ class ClusterHandle:
         self._ids = itertools.count()
         self._utilization_refreshed = 0.0
         self._hints_paused_until = 0.0
+        self._hint_batch: TurnBatch | None = None   # of the event loop that asked last
         self._membership_refreshed = 0.0
         self._num_resumed = 0
         self._num_migrated = 0
@@ -438,7 +440,8 @@ class ClusterHandle:
         """Cached prefix per worker from the central index (among blocks of ``extra_key``: the
         request's cache salt and adapter, ``prefix_extra_key``), and for a request with an
         adapter the workers that report holding it (``KVManagerService.route_hints``, in the
-        same call; None: no report to go by): hints, never waited on for long. While the KV
+        same call; None: no report to go by): hints, never waited on for long. The requests
+        routed in one turn of the event loop ask in one call (``route_hints_many``). While the KV
         manager is down or slow, requests are routed by load alone (and it is not asked again
         for ``HINT_PAUSE_S``)."""
         is_cache_aware = self.config.router.policy == "cache_aware"
@@ -446,13 +449,13 @@ class ClusterHandle:
                 or time.monotonic() < self._hints_paused_until):
             return {}, None
         try:
-            if adapter is None:
-                cached, holders = await asyncio.wait_for(self.kv_manager.longest_prefix.remote(token_ids, extra_key),
-                                                         timeout=HINT_TIMEOUT_S), None
-            else:
-                cached, reported = await asyncio.wait_for(
-                    self.kv_manager.route_hints.remote(token_ids, extra_key, adapter), timeout=HINT_TIMEOUT_S)
-                holders = set(reported)
+            loop = asyncio.get_running_loop()
+            if self._hint_batch is None or self._hint_batch.loop is not loop:
+                # The requests routed in one turn of the loop ask in one call.
+                self._hint_batch = TurnBatch(loop, lambda queries: self.kv_manager.route_hints_many.remote(queries))
+            cached, reported = await asyncio.wait_for(self._hint_batch.ask((token_ids, extra_key, adapter)),
+                                                      timeout=HINT_TIMEOUT_S)
+            holders = None if reported is None else set(reported)
         except Exception as exc:  # the KV manager is restarting or overloaded: route by load alone
             self._hints_paused_until = time.monotonic() + HINT_PAUSE_S
             logger.warning("prefix lookup failed (%r); routing by load for %.0f s", exc, HINT_PAUSE_S)

@@ -1,6 +1,8 @@
 """The handle's end of the worker channels: one output stream per worker, split by request.
 
-A handle sends each request to its worker with ``Worker.submit`` and reads every
+A handle sends its requests to a worker with ``Worker.submit``, one call for all that its
+event loop started for that worker in one turn (a burst of requests costs a Ray call, not
+one each), and reads every
 request's outputs from one streamed call per worker, ``Worker.channel_outputs``
 (``workers.actor.output_channel``): one message per engine step for all the requests
 in flight there, rather than one per request. Each request has a key on its
@@ -47,6 +49,8 @@ from typing import AsyncIterator
 from pagedserve.workers.actor.protocol import (ChannelItem, EngineDeadError, GenerateRequest, Migrated, OutputDelta,
                                                deltas_from_batch, merge_deltas)
 from pagedserve.workers.outputs.stream_batch import StreamBatch
+
+from .turn_batch import TurnBatch
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +131,7 @@ class WorkerChannel:
         self.by_key: dict[int, _Inbox] = {}    # by the request's key in this channel's batches
         self._keys = itertools.count()
         self.num_messages = 0
+        self._submissions = TurnBatch(self.loop, lambda requests: worker.submit.remote(self.channel_id, requests))
         # An empty context: the channel must not belong to the request that happened to open it.
         # Ray cancels the calls a cancelled actor call made from its context (Serve cancels a
         # request whose client went away), which would end every request on the channel.
@@ -217,7 +222,7 @@ class WorkerChannel:
         try:
             if self.error is not None:
                 raise self.error
-            if not await asyncio.wait_for(self.worker.submit.remote(self.channel_id, request), timeout=timeout_s):
+            if not await asyncio.wait_for(self._submissions.ask(request), timeout=timeout_s):
                 raise ChannelClosed(f"the output channel of worker {self.worker_id} had closed")
             while True:
                 for item in _merged(await inbox.take()):  # a timeout comes as an item too (``_tend``)
@@ -291,6 +296,10 @@ class WorkerChannels:
     def num_messages(self) -> int:
         """Messages read from workers on the channels still open."""
         return sum(channel.num_messages for channel in self._channels.values())
+
+    def num_submit_calls(self) -> int:
+        """``Worker.submit`` calls made on the channels still open (each starts one or more requests)."""
+        return sum(channel._submissions.num_calls for channel in self._channels.values())
 
 
 def _broken(worker_id: str, cause: Exception) -> ChannelClosed:

@@ -227,6 +227,14 @@ class KVManagerService:
         holders = sorted(w for w, (_, _, keys) in self.worker_adapters.items() if adapter_key in keys)
         return self.index.longest_prefix(token_ids, extra_key), holders
 
+    def route_hints_many(self, queries: list[tuple[list[int], str | None, str | None]]
+                         ) -> list[tuple[dict[str, int], list[str] | None]]:
+        """``route_hints`` for each ``(token_ids, extra_key, adapter_key)`` of a handle's requests
+        routed together; without an adapter, its holders are None (``longest_prefix``)."""
+        return [(self.index.longest_prefix(token_ids, extra_key), None) if adapter_key is None
+                else self.route_hints(token_ids, extra_key, adapter_key)
+                for token_ids, extra_key, adapter_key in queries]
+
     def occupancy(self) -> dict[str, dict[str, dict]]:
         """Per worker and tier: used, cached-free, free and total blocks, as last published."""
         return {w: {tier: asdict(o) for tier, o in v.occupancy.items()} for w, v in self.index.workers.items()}

@@ -234,18 +234,22 @@ def test_a_handle_reads_each_worker_through_one_channel_closed_with_its_event_lo
                     await asyncio.sleep(3600)  # the loop ends under it (asyncio.run cancels it)
 
         before = handle.channels.num_messages()
+        submit_calls_before = handle.channels.num_submit_calls()
         tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(prompts)]
         if stop_after is None:
             await asyncio.gather(*tasks)
         else:
             while sum(len(v) >= stop_after for v in outputs.values()) < len(prompts):
                 await asyncio.sleep(0.01)
-        return outputs, handle.channels.num_messages() - before
+        num_submit_calls = handle.channels.num_submit_calls() - submit_calls_before
+        return outputs, handle.channels.num_messages() - before, num_submit_calls
 
-    outputs, num_messages = asyncio.run(stream_all(MAX_TOKENS))
+    outputs, num_messages, num_submit_calls = asyncio.run(stream_all(MAX_TOKENS))
     assert [list(outputs[i][-1].outputs[0].token_ids) for i in range(len(prompts))] == reference(prompts, MAX_TOKENS)
     num_outputs = sum(len(v) for v in outputs.values())
     assert num_messages < num_outputs, (num_messages, num_outputs)
+    # Started together, the requests went to their workers in a call per worker, not one each.
+    assert num_submit_calls <= len(handle.workers), (num_submit_calls, len(prompts))
     _wait_for(lambda: _open_channels(handle) == 0, 30, "the closed loop's channels to close on the workers")
 
     asyncio.run(stream_all(300, stop_after=2))  # every request still running when the loop ends

@@ -788,6 +788,9 @@ def test_adapter_reports_reach_route_hints_whole_newest_first_and_after_a_centra
     worker.step(StepInput("w0", new_sequences=[NewSequence("a", list(range(13)))], waiting=["a"]))
     assert publisher.flush_and_wait(1.0)
     assert service.route_hints(list(range(13)), None, "9:chat") == ({"w0": 12}, ["w0"])
+    # A handle's requests routed together ask in one call, each answered as alone.
+    assert service.route_hints_many([(list(range(13)), None, "9:chat"), (list(range(9)), None, None),
+                                     ([1], "salt", None)]) == [({"w0": 12}, ["w0"]), ({"w0": 8}, None), ({"w0": 0}, None)]
     # Restarted, the worker is a new incarnation: its first report replaces the old one's.
     service.report_adapters(AdapterReport("w0", "restarted", 0, ["4:new"]).pack())
     assert service.route_hints([1], None, "9:chat")[1] == [] and service.route_hints([1], None, "4:new")[1] == ["w0"]

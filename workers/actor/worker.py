@@ -208,23 +208,43 @@ class Worker:
             raise EngineDeadError(str(dead), dead.engine_id or self.engine_id)
 
     # ---- channels: one stream per handle for all its requests -----------------------------
-    async def submit(self, channel_id: str, request: GenerateRequest) -> bool:
-        """Start ``request``: its outputs go out on channel ``channel_id`` (``channel_outputs``)
-        under ``request.key``, ending with its last rows, or its error (a request the engine
-        refuses), or ``Migrated`` when the KV manager moves it to another worker. False if that
-        channel has closed: the request was not started. ``EngineDeadError`` if the engine died."""
+    async def submit(self, channel_id: str, requests: list[GenerateRequest]) -> list[bool | BaseException]:
+        """Start ``requests``: what a handle's event loop sent this worker in one turn, in one
+        call. Each one's outputs go out on channel ``channel_id`` (``channel_outputs``) under its
+        ``key``, ending with its last rows, or its error (a request the engine refuses), or
+        ``Migrated`` when the KV manager moves it to another worker. An answer per request: True
+        once started, False if that channel has closed (not started), or the error of a KV
+        transfer that could not be read. ``EngineDeadError`` for all if the engine died."""
         if channel_id in self.closed_channels:
-            return False
+            return [False] * len(requests)
         self._check_core()
         self.core.bind_loop(asyncio.get_running_loop())
-        header = payload = transfer_s = None
-        if request.kv:
-            # The transfer arrives as a nested ObjectRef so that fetching it is timed here.
-            start = time.perf_counter()
-            header, payload = await request.kv[0]
-            transfer_s = (time.perf_counter() - start, _time_local_copy(payload))
-            if channel_id in self.closed_channels:  # closed while the KV came
-                return False
+        answers: list[bool | BaseException] = []
+        with_kv: list[int] = []
+        for index, request in enumerate(requests):
+            if request.kv:
+                with_kv.append(index)
+                answers.append(False)
+            else:
+                answers.append(self._start(channel_id, request))
+        if with_kv:  # their transfers are fetched side by side; the others have started meanwhile
+            fetched = await asyncio.gather(*(self._start_with_kv(channel_id, requests[i]) for i in with_kv),
+                                           return_exceptions=True)
+            for index, answer in zip(with_kv, fetched):
+                answers[index] = answer
+        return answers
+
+    async def _start_with_kv(self, channel_id: str, request: GenerateRequest) -> bool:
+        # The transfer arrives as a nested ObjectRef so that fetching it is timed here.
+        start = time.perf_counter()
+        header, payload = await request.kv[0]
+        transfer_s = (time.perf_counter() - start, _time_local_copy(payload))
+        if channel_id in self.closed_channels:  # closed while the KV came
+            return False
+        self._check_core()
+        return self._start(channel_id, request, header, payload, transfer_s)
+
+    def _start(self, channel_id: str, request: GenerateRequest, header=None, payload=None, transfer_s=None) -> bool:
         channel = self._channel(channel_id)
         channel.renew()
         self.core.add(AddRequest(channel_id, request.key, request.request_id, request.prompt_token_ids,

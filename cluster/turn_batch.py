@@ -1,0 +1,73 @@
+"""Calls to one actor method made in one turn of an event loop, sent as one Ray call.
+
+A Ray actor call costs the caller and the callee each about a millisecond of CPU. A
+replica's event loop that starts dozens of requests in a turn (a burst) would make as many
+calls to a worker to submit them, and as many to the central KV manager to route them;
+``TurnBatch`` sends what was asked in one turn together and gives each asker its own answer.
+A caller waits no longer than it did: the call goes out at the end of the turn it was asked in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+from typing import Any, Callable
+
+
+class TurnBatch:
+    """``ask(item)``: a future of ``item``'s answer. The items asked in one turn of ``loop`` go
+    to ``send(items)``, which makes the remote call and returns its ObjectRef (or any
+    awaitable): a list with an answer per item, in order; an answer that is an exception is
+    raised to its asker. If the call fails, every asker of the batch gets its error."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, send: Callable[[list], Any]) -> None:
+        self.loop = loop
+        self._send = send
+        self._asked: list[tuple[Any, asyncio.Future]] = []
+        self.num_calls = 0
+
+    def ask(self, item) -> asyncio.Future:
+        """The answer to ``item``, once the batch it goes with is answered. Cancelling the future
+        before the batch goes out leaves ``item`` out of it."""
+        future = self.loop.create_future()
+        if not self._asked:
+            # From an empty context: Ray cancels the calls made from a cancelled task's context,
+            # and one asker's cancellation must not cancel the others' call.
+            self.loop.call_soon(self._flush, context=contextvars.Context())
+        self._asked.append((item, future))
+        return future
+
+    def _flush(self) -> None:
+        asked = [(item, future) for item, future in self._asked if not future.done()]
+        self._asked = []
+        if not asked:
+            return
+        futures = [future for _, future in asked]
+        try:
+            answers = self._send([item for item, _ in asked])
+        except Exception as exc:  # the call could not be made (its actor is gone, say)
+            _settle(futures, exc)
+            return
+        self.num_calls += 1
+        self.loop.create_task(self._settle_when_answered(answers, futures))
+
+    @staticmethod
+    async def _settle_when_answered(answers, futures: list[asyncio.Future]) -> None:
+        try:
+            result = await answers
+        except Exception as exc:  # the actor died, or raised for the whole batch
+            _settle(futures, exc)
+            return
+        for future, answer in zip(futures, result):
+            _settle([future], answer)
+
+
+def _settle(futures: list[asyncio.Future], answer) -> None:
+    """Give each future still waiting ``answer``: its result, or its error when it is one."""
+    for future in futures:
+        if future.done():  # its asker was cancelled or timed out meanwhile
+            continue
+        if isinstance(answer, BaseException):
+            future.set_exception(answer)
+        else:
+            future.set_result(answer)
