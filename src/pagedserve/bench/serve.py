@@ -121,18 +121,18 @@ def _headers(config: ServeBenchConfig) -> dict:
     return {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
 
 
-async def _model_name(client, config: ServeBenchConfig) -> str:
+async def _model_name(session, config: ServeBenchConfig) -> str:
     if config.model:
         return config.model
-    response = await client.get(f"{config.url.rstrip('/')}/v1/models", headers=_headers(config))
-    response.raise_for_status()
-    models = response.json().get("data") or []
+    async with session.get(f"{config.url.rstrip('/')}/v1/models", headers=_headers(config)) as response:
+        response.raise_for_status()
+        models = (await response.json()).get("data") or []
     if not models:
         raise RuntimeError(f"{config.url} lists no models; pass --model")
     return models[0]["id"]
 
 
-async def _send(client, config: ServeBenchConfig, model: str, prompt, prompt_len: int, max_tokens: int,
+async def _send(session, config: ServeBenchConfig, model: str, prompt, prompt_len: int, max_tokens: int,
                 run_start: float) -> RequestResult:
     """Stream one completion, timing every chunk that carries text."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
@@ -146,17 +146,17 @@ async def _send(client, config: ServeBenchConfig, model: str, prompt, prompt_len
     num_chunks = 0
     usage_tokens = None
     try:
-        async with client.stream("POST", f"{config.url.rstrip('/')}/v1/completions", json=body,
-                                 headers=_headers(config)) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                result.error = f"HTTP {response.status_code}: {text[:300]}"
+        async with session.post(f"{config.url.rstrip('/')}/v1/completions", json=body,
+                                headers=_headers(config)) as response:
+            if response.status != 200:
+                text = (await response.read()).decode(errors="replace")
+                result.error = f"HTTP {response.status}: {text[:300]}"
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
+            async for line in response.content:   # server-sent events: one "data:" line each
+                if not line.startswith(b"data:"):
                     continue
-                payload = line[len("data:"):].strip()
-                if payload == "[DONE]":
+                payload = line[len(b"data:"):].strip()
+                if payload == b"[DONE]":
                     break
                 chunk = json.loads(payload)
                 if "error" in chunk:
@@ -186,25 +186,30 @@ async def _send(client, config: ServeBenchConfig, model: str, prompt, prompt_len
 async def run_load(config: ServeBenchConfig, on_finish=None,
                    requests: list[tuple] | None = None) -> tuple[list[RequestResult], float]:
     """Send every request (Poisson arrivals, optional concurrency cap); returns results and duration.
-    ``requests``: ``(prompt, prompt_len, max_tokens)`` each, instead of the config's random ones."""
+    ``requests``: ``(prompt, prompt_len, max_tokens)`` each, instead of the config's random ones.
+
+    The client is aiohttp, as ``vllm bench serve``'s: reading a streamed token costs it a
+    fifth to a quarter of what httpx's streaming costs (``docs/benchmarks.md``, "The load
+    client"), CPU a load run on the server's machine would otherwise take from the server."""
     try:
-        import httpx
+        import aiohttp
     except ImportError as exc:
-        raise RuntimeError("`pagedserve bench serve` needs httpx: pip install 'pagedserve[bench]'") from exc
+        raise RuntimeError("`pagedserve bench serve` needs aiohttp: pip install 'pagedserve[bench]'") from exc
 
     prompts = requests if requests is not None else make_prompts(config)
     arrivals = poisson_arrivals(len(prompts), config.request_rate, config.seed)
-    limits = httpx.Limits(max_connections=config.max_concurrency or config.num_requests)
-    timeout = httpx.Timeout(config.request_timeout_s, connect=30.0)
+    connector = aiohttp.TCPConnector(limit=config.max_concurrency or config.num_requests)
+    timeout = aiohttp.ClientTimeout(total=config.request_timeout_s, connect=30.0)
     semaphore = asyncio.Semaphore(config.max_concurrency or config.num_requests)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        model = await _model_name(client, config)
+    # A line of up to 16 MiB (a chunk with many logprobs): aiohttp's default limit is 64 KiB.
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=1 << 24) as session:
+        model = await _model_name(session, config)
         run_start = time.time()
 
         async def one(index: int) -> RequestResult:
             async with semaphore:
                 prompt, prompt_len, max_tokens = prompts[index]
-                result = await _send(client, config, model, prompt, prompt_len, max_tokens, run_start)
+                result = await _send(session, config, model, prompt, prompt_len, max_tokens, run_start)
             if on_finish is not None:
                 on_finish(result)
             return result
