@@ -346,6 +346,14 @@ class ClusterConfig(_Strict):
     autoscaler (or before it has said whether it can add nodes), ``worker_ready_timeout_s`` bounds
     the wait instead."""
 
+    @property
+    def speculates(self) -> bool:
+        """Whether some worker runs speculative decoding (``engine.speculative_config``, or a
+        group's override of it)."""
+        return any(group.engine.get("speculative_config") is not None
+                   if "speculative_config" in group.engine else self.engine.speculative_config is not None
+                   for group in self.workers)
+
     @field_validator("workers")
     @classmethod
     def _some_workers(cls, workers: list[WorkerGroup]) -> list[WorkerGroup]:

@@ -346,3 +346,13 @@ def test_a_groups_engine_options_keep_their_types_through_the_overrides(recwarn)
     assert group_engine_options(config, config.workers[0]).max_num_seqs == 8
     assert group_engine_config(config, config.workers[1], "/models/x")["distributed_executor_backend"] == "ray"
     assert not [w for w in recwarn if "Pydantic" in type(w.message).__name__ or "serializ" in str(w.message)]
+
+
+def test_speculates_reads_the_engine_and_each_groups_override():
+    """What the frontend refuses beam search by: some worker group runs speculative decoding."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    assert not ClusterConfig().speculates
+    assert ClusterConfig(engine={"speculative_config": ngram}).speculates
+    assert not ClusterConfig(engine={"speculative_config": ngram},
+                             workers=[{"engine": {"speculative_config": None}}]).speculates
+    assert ClusterConfig(workers=[{"count": 1}, {"count": 1, "engine": {"speculative_config": ngram}}]).speculates

@@ -97,3 +97,17 @@ def test_served_speculation_streams_each_accepted_tokens_logprobs(served, tiny_m
     after = served[0].stats()["workers"]
     assert sum(w["spec_decode_num_drafts"] for w in after.values()) > \
         sum(w["spec_decode_num_drafts"] for w in before.values())
+
+
+def test_a_beam_search_is_refused_with_a_400_naming_use_beam_search(served):
+    """vLLM's ``use_beam_search`` on a server that speculates: refused up front, naming the field
+    (the engine refuses it too, offline); the server serves the next request as before."""
+    client = openai.OpenAI(base_url=served[1] + "/v1", api_key="unused", max_retries=0, timeout=120)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, n=2,
+                                  extra_body={"use_beam_search": True})
+    error = refused.value.body
+    assert refused.value.status_code == 400 and error["param"] == "use_beam_search"
+    assert "speculative decoding" in error["message"]
+    after = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    assert after.choices[0].finish_reason == "length"

@@ -390,6 +390,8 @@ class Frontend:
         adapters = getattr(handle, "adapters", None)
         self.adapters: LoRAAdapters = adapters if adapters is not None else LoRAAdapters()
         self.max_model_len = handle.max_model_len
+        cluster_config = getattr(handle, "config", None)
+        self.speculates = bool(cluster_config is not None and cluster_config.speculates)
         self.tokenizer = handle.tokenizer
         self.vocab_size = _model_vocab_size(handle.model_path, self.tokenizer)
         self.limiter = RequestLimiter(self.limits.max_queued_requests)
@@ -537,6 +539,9 @@ class Frontend:
                                 f"{len(stop)}", param="stop")
         for text in stop:
             check_unicode(text, "stop")
+        if request.use_beam_search and self.speculates:
+            raise APIError(400, "use_beam_search cannot be combined with speculative decoding, which this "
+                                "server runs (engine.speculative_config)", param="use_beam_search")
         default_temperature = 0.0 if request.use_beam_search else 1.0
         try:
             params = SamplingParams(

@@ -303,6 +303,9 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
         params.check_token_ids(vocab)
+        if params.use_beam_search and self.speculator is not None:
+            raise ValueError("use_beam_search cannot be combined with speculative decoding "
+                             "(this engine's speculative_config)")
         bad_words = bad_word_token_ids(self.tokenizer, params.bad_words) if params.bad_words else None
         outside = [t for word in bad_words or () for t in word if t >= vocab]
         if outside:

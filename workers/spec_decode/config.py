@@ -21,7 +21,7 @@ class SpeculativeConfig(BaseModel):
     to ``num_speculative_tokens`` tokens, which the target model verifies in one forward pass;
     output is exactly what decoding without speculation gives (token for token when greedy, the
     same distribution when sampled). Sequences that use per-token features the verifier cannot
-    honour (beam search, several samples, KV exports) decode one token at a time.
+    honour (several samples, KV exports) decode one token at a time; beam search is refused.
     Two rules switch proposals off: ``disable_by_batch_size`` for a step, and a back-off for a
     sequence whose drafts keep nothing (after r such drafts in a row it skips the next
     min(2^(r-1), 64) tokens' proposals; a draft that keeps a token resets it)."""

@@ -23,7 +23,7 @@ import torch
 from ..engine.request import Request, Sequence
 from ..engine.scheduler import Scheduler, SchedulerOutput
 from ..model.host_lists import int64_tensor, to_device
-from ..model.input_batch import (BAD_WORDS, BEAM, EXPORTS_KV, FORKS, GRAMMAR, LOGIT_BIAS, LOGPROBS, MIN_TOKENS,
+from ..model.input_batch import (BAD_WORDS, EXPORTS_KV, FORKS, GRAMMAR, LOGIT_BIAS, LOGPROBS, MIN_TOKENS,
                                  PENALTIES, SEEDED, TEXT, InputBatch)
 from ..outputs.detokenizer import check_stop
 from ..outputs.output_processor import EngineStep, SeqFinish, StepTokens
@@ -35,7 +35,8 @@ from .proposer import Proposer
 from .verifier import verify
 
 # Per-row features the verifier cannot honour yet: such a sequence decodes one token a step.
-NOT_VERIFIABLE = FORKS | EXPORTS_KV | BEAM
+# (Beam search is refused on an engine that speculates.)
+NOT_VERIFIABLE = FORKS | EXPORTS_KV
 # Per-row features whose values at each verified position are set here.
 PER_POSITION = SEEDED | MIN_TOKENS | LOGIT_BIAS | LOGPROBS | PENALTIES | BAD_WORDS
 # The back-off: after r drafts in a row that kept nothing, a sequence skips its next
@@ -46,9 +47,6 @@ MAX_BACKOFF_TOKENS = 64
 def reason_not_speculating(request: Request) -> str | None:
     """Why a request's sequences never propose (a feature the verifier cannot honour yet), or
     None when they may."""
-    params = request.params
-    if params.use_beam_search:
-        return "beam search"
     if request.export_kv:
         return "KV export"
     return None
