@@ -142,7 +142,8 @@ class ClusterHandle:
 
     def __getstate__(self):
         state = {k: v for k, v in self.__dict__.items()
-                 if k not in ("router", "health", "adapters", "_tokenizer", "_ids", "_lock", "_created", "channels")}
+                 if k not in ("router", "health", "adapters", "_tokenizer", "_ids", "_lock", "_created", "channels",
+                              "_hint_batch")}
         state["owns_ray"] = False
         return state
 
