@@ -390,8 +390,8 @@ class Frontend:
         adapters = getattr(handle, "adapters", None)
         self.adapters: LoRAAdapters = adapters if adapters is not None else LoRAAdapters()
         self.max_model_len = handle.max_model_len
-        cluster_config = getattr(handle, "config", None)
-        self.speculates = bool(cluster_config is not None and cluster_config.speculates)
+        # Some worker speculates: beam search is refused (``ClusterConfig.speculates``).
+        self.speculates = bool(getattr(getattr(handle, "config", None), "speculates", False))
         self.tokenizer = handle.tokenizer
         self.vocab_size = _model_vocab_size(handle.model_path, self.tokenizer)
         self.limiter = RequestLimiter(self.limits.max_queued_requests)
