@@ -2,7 +2,8 @@
 
 A handle sends its requests to a worker with ``Worker.submit``, one call for all that its
 event loop started for that worker in one turn (a burst of requests costs a Ray call, not
-one each), and reads every
+one each; a request that brings KV, migrated or prefilled elsewhere, goes alone, since the
+worker answers it once it has read the transfer), and reads every
 request's outputs from one streamed call per worker, ``Worker.channel_outputs``
 (``workers.actor.output_channel``): one message per engine step for all the requests
 in flight there, rather than one per request. Each request has a key on its
@@ -222,7 +223,11 @@ class WorkerChannel:
         try:
             if self.error is not None:
                 raise self.error
-            if not await asyncio.wait_for(self._submissions.ask(request), timeout=timeout_s):
+            if request.kv:  # alone: the worker answers once it has read the transfer
+                submitted = _only(self.worker.submit.remote(self.channel_id, [request]))
+            else:           # with the others this turn of the loop starts on this worker
+                submitted = self._submissions.ask(request)
+            if not await asyncio.wait_for(submitted, timeout=timeout_s):
                 raise ChannelClosed(f"the output channel of worker {self.worker_id} had closed")
             while True:
                 for item in _merged(await inbox.take()):  # a timeout comes as an item too (``_tend``)
@@ -300,6 +305,14 @@ class WorkerChannels:
     def num_submit_calls(self) -> int:
         """``Worker.submit`` calls made on the channels still open (each starts one or more requests)."""
         return sum(channel._submissions.num_calls for channel in self._channels.values())
+
+
+async def _only(answers):
+    """The one answer of a ``Worker.submit`` call of one request (raised when it is an error)."""
+    [answer] = await answers
+    if isinstance(answer, BaseException):
+        raise answer
+    return answer
 
 
 def _broken(worker_id: str, cause: Exception) -> ChannelClosed:
