@@ -442,7 +442,7 @@ class ClusterHandle:
         request's cache salt and adapter, ``prefix_extra_key``), and for a request with an
         adapter the workers that report holding it (``KVManagerService.route_hints``, in the
         same call; None: no report to go by): hints, never waited on for long. The requests
-        routed in one turn of the event loop ask in one call (``route_hints_many``). While the KV
+        routed together ask in one call (``route_hints_many``, ``turn_batch``). While the KV
         manager is down or slow, requests are routed by load alone (and it is not asked again
         for ``HINT_PAUSE_S``)."""
         is_cache_aware = self.config.router.policy == "cache_aware"
@@ -452,7 +452,7 @@ class ClusterHandle:
         try:
             loop = asyncio.get_running_loop()
             if self._hint_batch is None or self._hint_batch.loop is not loop:
-                # The requests routed in one turn of the loop ask in one call.
+                # The requests routed together ask in one call.
                 self._hint_batch = TurnBatch(loop, lambda queries: self.kv_manager.route_hints_many.remote(queries))
             cached, reported = await asyncio.wait_for(self._hint_batch.ask((token_ids, extra_key, adapter)),
                                                       timeout=HINT_TIMEOUT_S)

@@ -1,8 +1,8 @@
 """The handle's end of the worker channels: one output stream per worker, split by request.
 
 A handle sends its requests to a worker with ``Worker.submit``, one call for all that its
-event loop started for that worker in one turn (a burst of requests costs a Ray call, not
-one each; a request that brings KV, migrated or prefilled elsewhere, goes alone, since the
+event loop started for that worker in one turn or while the last call was out
+(``turn_batch``: a burst of requests costs a few Ray calls, not one each; a request that brings KV, migrated or prefilled elsewhere, goes alone, since the
 worker answers it once it has read the transfer), and reads every
 request's outputs from one streamed call per worker, ``Worker.channel_outputs``
 (``workers.actor.output_channel``): one message per engine step for all the requests

@@ -1,5 +1,6 @@
-"""``TurnBatch``: what is asked in one turn of an event loop goes out as one call, each asker
-gets its own answer or error, a cancelled asker is left out, and a failed call fails its batch.
+"""``TurnBatch``: what is asked in one turn of an event loop, or while a call is out, goes out as
+one call; each asker gets its own answer or error, a cancelled asker is left out, and a failed
+call fails its batch alone.
 The remote side is a coroutine here; ``test_distributed.py`` runs it against Ray actors."""
 
 from __future__ import annotations
@@ -134,3 +135,36 @@ def test_a_timed_out_asker_does_not_disturb_the_others():
 
     answer, calls = asyncio.run(main())
     assert answer == 36 and calls == [[6]]
+
+
+def test_what_is_asked_while_a_call_is_out_goes_in_the_next_one_when_it_is_answered():
+    """Requests that start in turns of their own (HTTP) still share calls: one call at a time."""
+    async def main():
+        calls, release = [], asyncio.Event()
+
+        def send(items):
+            calls.append(list(items))
+
+            async def answer():
+                if len(calls) == 1:
+                    await release.wait()
+                return [i * 10 for i in items]
+            return answer()
+
+        batch = TurnBatch(asyncio.get_running_loop(), send)
+        first = batch.ask(1)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)          # the first call is out, unanswered
+        waiting = []
+        for i in (2, 3, 4):              # each in a turn of its own
+            waiting.append(batch.ask(i))
+            await asyncio.sleep(0)
+        assert calls == [[1]]
+        release.set()
+        answers = [await first] + [await f for f in waiting]
+        alone = await batch.ask(5)       # nothing out: it goes at once
+        return calls, answers, alone
+
+    calls, answers, alone = asyncio.run(main())
+    assert calls == [[1], [2, 3, 4], [5]]
+    assert answers == [10, 20, 30, 40] and alone == 50

@@ -209,8 +209,8 @@ class Worker:
 
     # ---- channels: one stream per handle for all its requests -----------------------------
     async def submit(self, channel_id: str, requests: list[GenerateRequest]) -> list[bool | BaseException]:
-        """Start ``requests``: what a handle's event loop sent this worker in one turn, in one
-        call. Each one's outputs go out on channel ``channel_id`` (``channel_outputs``) under its
+        """Start ``requests``: what a handle sent this worker together (``cluster.turn_batch``),
+        in one call. Each one's outputs go out on channel ``channel_id`` (``channel_outputs``) under its
         ``key``, ending with its last rows, or its error (a request the engine refuses), or
         ``Migrated`` when the KV manager moves it to another worker. An answer per request: True
         once started, False if that channel has closed (not started), or the error of a KV
