@@ -28,6 +28,7 @@ class TurnBatch:
         self._send = send
         self._asked: list[tuple[Any, asyncio.Future]] = []
         self._is_flush_due = False   # a flush is scheduled, or a call is out
+        self._answering: asyncio.Task | None = None
         self.num_calls = 0
 
     def ask(self, item) -> asyncio.Future:
@@ -59,7 +60,8 @@ class TurnBatch:
             self._next()
             return
         self.num_calls += 1
-        self.loop.create_task(self._settle_when_answered(answers, futures))
+        # Kept: the loop holds its tasks weakly.
+        self._answering = self.loop.create_task(self._settle_when_answered(answers, futures))
 
     async def _settle_when_answered(self, answers, futures: list[asyncio.Future]) -> None:
         try:
