@@ -2,8 +2,9 @@
 
 A handle sends its requests to a worker with ``Worker.submit``, one call for all that its
 event loop started for that worker in one turn or while the last call was out
-(``turn_batch``: a burst of requests costs a few Ray calls, not one each; a request that brings KV, migrated or prefilled elsewhere, goes alone, since the
-worker answers it once it has read the transfer), and reads every
+(``turn_batch``: a burst of requests costs a few Ray calls, not one each; a request that
+brings KV, migrated or prefilled elsewhere, goes alone, since the worker answers it once
+it has read the transfer), and reads every
 request's outputs from one streamed call per worker, ``Worker.channel_outputs``
 (``workers.actor.output_channel``): one message per engine step for all the requests
 in flight there, rather than one per request. Each request has a key on its
@@ -225,7 +226,7 @@ class WorkerChannel:
                 raise self.error
             if request.kv:  # alone: the worker answers once it has read the transfer
                 submitted = _only(self.worker.submit.remote(self.channel_id, [request]))
-            else:           # with the others this turn of the loop starts on this worker
+            else:           # with the others started together on this worker (``TurnBatch``)
                 submitted = self._submissions.ask(request)
             if not await asyncio.wait_for(submitted, timeout=timeout_s):
                 raise ChannelClosed(f"the output channel of worker {self.worker_id} had closed")

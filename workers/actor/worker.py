@@ -220,18 +220,14 @@ class Worker:
         self._check_core()
         self.core.bind_loop(asyncio.get_running_loop())
         answers: list[bool | BaseException] = []
-        with_kv: list[int] = []
-        for index, request in enumerate(requests):
-            if request.kv:
-                with_kv.append(index)
-                answers.append(False)
-            else:
+        for request in requests:
+            if not request.kv:
                 answers.append(self._start(channel_id, request))
-        if with_kv:  # their transfers are fetched side by side; the others have started meanwhile
-            fetched = await asyncio.gather(*(self._start_with_kv(channel_id, requests[i]) for i in with_kv),
-                                           return_exceptions=True)
-            for index, answer in zip(with_kv, fetched):
-                answers[index] = answer
+                continue
+            try:  # a handle sends such a request alone (it is answered once its KV is read)
+                answers.append(await self._start_with_kv(channel_id, request))
+            except Exception as exc:  # its transfer could not be read, or the engine died meanwhile
+                answers.append(exc)
         return answers
 
     async def _start_with_kv(self, channel_id: str, request: GenerateRequest) -> bool:
