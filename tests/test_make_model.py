@@ -133,6 +133,18 @@ def test_small_parameter_count(arch):
     assert config.tie_word_embeddings is False
 
 
+@pytest.mark.parametrize(("draft", "target"), [("tiny-draft", "tiny"), ("small-draft", "small")])
+def test_draft_sizes_share_their_targets_tokenizer(draft, target, tiny_models, tmp_path):
+    """A draft model (speculative decoding) must speak its target's vocabulary."""
+    draft_config, target_config = (model_factory.build_config("llama", size) for size in (draft, target))
+    assert draft_config.vocab_size == target_config.vocab_size
+    assert draft_config.max_position_embeddings == target_config.max_position_embeddings
+    assert model_factory.count_parameters("llama", draft) * 2 < model_factory.count_parameters("llama", target)
+    if target == "tiny":
+        path = make_model("llama", draft, tmp_path / draft, seed=0)
+        assert _sha256(path / "tokenizer.json") == _sha256(tiny_models["llama"] / "tokenizer.json")
+
+
 def test_arch_specific_config():
     assert model_factory.build_config("qwen3", "tiny").head_dim == 16
     assert model_factory.build_config("mistral", "tiny").sliding_window is None

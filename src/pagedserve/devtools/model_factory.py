@@ -12,14 +12,20 @@ returns its path; concurrent callers (threads or processes) are safe.
 
 Shapes (the same for every architecture):
 
-=====  ======  ============  ======  =====  ========  =====  =======  ==========
-size   hidden  intermediate  layers  heads  kv heads  vocab  max pos  parameters
-=====  ======  ============  ======  =====  ========  =====  =======  ==========
-tiny   64      176           2       4      2         1024   512      ~0.2M
-tiny-tp 128    352           2       8      4         1024   512      ~0.6M
-small  512     1408          8       8      2         2048   2048     ~24.7M
-1b     2048    5632          16      16     4         32000  4096     ~852M
-=====  ======  ============  ======  =====  ========  =====  =======  ==========
+===========  ======  ============  ======  =====  ========  =====  =======  ==========
+size         hidden  intermediate  layers  heads  kv heads  vocab  max pos  parameters
+===========  ======  ============  ======  =====  ========  =====  =======  ==========
+tiny         64      176           2       4      2         1024   512      ~0.2M
+tiny-tp      128     352           2       8      4         1024   512      ~0.6M
+small        512     1408          8       8      2         2048   2048     ~24.7M
+1b           2048    5632          16      16     4         32000  4096     ~852M
+tiny-draft   32      88            1       2      1         1024   512      ~0.08M
+small-draft  128     352           2       4      2         2048   2048     ~0.9M
+===========  ======  ============  ======  =====  ========  =====  =======  ==========
+
+``tiny-draft`` and ``small-draft`` are draft models for speculative decoding
+(``speculative_config`` method "draft_model"): the tokenizer and vocabulary of
+``tiny`` and ``small``, with fewer and narrower layers.
 
 ``tiny-tp`` is ``tiny`` with head counts that divide by 2 and 4 (tensor-parallel
 tests). ``qwen3_moe`` is a mixture of experts: every layer routes each token to
@@ -52,7 +58,7 @@ from typing import Callable
 # that reading ARCHS/SIZES (the CLI's argument choices) stays cheap.
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
-SIZES = ("tiny", "tiny-tp", "small", "1b")
+SIZES = ("tiny", "tiny-tp", "small", "1b", "tiny-draft", "small-draft")
 
 PAD_TOKEN = "<|pad|>"
 BOS_TOKEN = "<|bos|>"
@@ -134,6 +140,9 @@ SHAPES = {
     "tiny": ModelShape(64, 176, 2, 4, 2, 1024, 512),
     "tiny-tp": ModelShape(128, 352, 2, 8, 4, 1024, 512),
     "small": ModelShape(512, 1408, 8, 8, 2, 2048, 2048),
+    # Draft models (speculative decoding) for tiny and small: their vocabulary and tokenizer.
+    "tiny-draft": ModelShape(32, 88, 1, 2, 1, 1024, 512),
+    "small-draft": ModelShape(128, 352, 2, 4, 2, 2048, 2048),
     "1b": ModelShape(2048, 5632, 16, 16, 4, 32000, 4096),
 }
 
