@@ -10,7 +10,11 @@ run to the end
   ``ScriptedProposer`` with ``j`` of k tokens right, for each j of ``--right`` (mean
   acceptance length 1 + j, fewer where an output ends);
 - on the same engine with its own n-gram proposer, on the random model's own output (greedy
-  random models fall into loops that prompt lookup finds).
+  random models fall into loops that prompt lookup finds);
+- on engines with a draft model (method "draft_model"), one per entry of ``--drafts``:
+  "self" is the target as its own draft (every proposal right: the mechanism's cost and its
+  ceiling), a size such as "small-draft" a random draft model of that size (nothing right:
+  the draft's cost, cut by the back-off).
 
 Then the adaptive rule: ``--large-batch`` sequences with nothing right (acceptance 0), with
 ``disable_by_batch_size`` at ``--disable-at`` and without it, against the baseline.
@@ -23,7 +27,8 @@ k + 1 tokens costs against a one-token step (the "verify step" column). Every ru
 checked equal to the baseline's on the CPU in float32 (greedy speculation is exact); in half
 precision on a GPU, where batching changes the rounding, the outputs are not compared.
 
-    python benchmarks/bench_spec_decode.py [--size small --batches 1,4 --k 4 --right 0,1,2,3,4]
+    python benchmarks/bench_spec_decode.py [--size small --batches 1,4 --k 4 --right 0,1,2,3,4
+                                            --drafts self,small-draft]
     python benchmarks/bench_spec_decode.py --size 1b --device cuda --dtype bfloat16 --batches 1,4,16
 """
 
@@ -92,6 +97,8 @@ def main(argv=None) -> None:
     parser.add_argument("--large-batch", type=int, default=256, help="the adaptive rule's batch (0: skip)")
     parser.add_argument("--large-max-tokens", type=int, default=32)
     parser.add_argument("--disable-at", type=int, default=32, help="disable_by_batch_size at the large batch")
+    parser.add_argument("--drafts", default=None,
+                        help="draft models: self, or make-model sizes (default: self,<size>-draft)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--device", default="cpu")
@@ -111,8 +118,13 @@ def main(argv=None) -> None:
         base = _engine(path, batch, args.prompt, args.max_tokens, None)
         speculating = _engine(path, batch, args.prompt, args.max_tokens, ngram)
         own = speculating.engine.speculator.proposer
-        _run(base, prompts, 4)
-        _run(speculating, prompts, 4)  # warm
+        drafts = {}
+        for draft in (args.drafts or f"self,{args.size}-draft").split(","):
+            model = path if draft == "self" else str(ensure_model("llama", draft))
+            drafts[draft] = _engine(path, batch, args.prompt, args.max_tokens,
+                                    {"method": "draft_model", "model": model, "num_speculative_tokens": args.k})
+        for llm in (base, speculating, *drafts.values()):
+            _run(llm, prompts, 4)  # warm
         for round_index in range(args.rounds):
             base_rate, _, expected = _run(base, prompts, args.max_tokens)
             rows = [("no speculation", base_rate, 1.0, 0.0)]
@@ -125,8 +137,11 @@ def main(argv=None) -> None:
             speculating.engine.speculator.proposer = own
             rate, acceptance, _ = _run(speculating, prompts, args.max_tokens, expected)
             rows.append(("n-gram, the model's output", rate, rate / base_rate, acceptance))
+            for draft, llm in drafts.items():
+                rate, acceptance, _ = _run(llm, prompts, args.max_tokens, expected)
+                rows.append((f"draft model: {draft}", rate, rate / base_rate, acceptance))
             _report(f"round {round_index + 1}", batch, rows)
-        del base, speculating
+        del base, speculating, drafts
 
     if args.large_batch:
         batch, max_tokens = args.large_batch, args.large_max_tokens

@@ -411,6 +411,10 @@ def format_status(stats: dict) -> str:
                          f"{worker['spec_decode_mean_acceptance_length']:.2f} ({worker['spec_decode_num_drafts']} drafts, "
                          f"{worker['spec_decode_num_accepted_tokens']} of {worker['spec_decode_num_draft_tokens']} "
                          "proposed tokens accepted)")
+        if worker.get("spec_decode_draft_model"):
+            lines.append(f"  {worker_id}: draft model {worker['spec_decode_draft_model']}: its KV takes "
+                         f"{worker['spec_decode_draft_kv_bytes_per_block']} bytes of each block, and "
+                         f"{worker['spec_decode_draft_scratch_blocks']} scratch blocks of its own")
         lora = worker.get("lora")
         if lora:
             in_slots = [name for name in lora["slot_adapters"] if name is not None]

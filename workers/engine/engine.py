@@ -33,6 +33,7 @@ from ..sample.sampled_step import TokenReadback
 from ..sample.sampler import Sampler
 from ..sample.sampling_params import SamplingParams
 from ..sample.sampling_pipeline import SamplingPipeline
+from ..spec_decode.draft_model import DraftModel
 from ..spec_decode.ngram_proposer import NgramProposer
 from ..spec_decode.speculator import Speculator
 from .beam_groups import BeamGroups
@@ -77,16 +78,22 @@ class LLMEngine:
         self.max_model_len = max_len
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, max_len)
         self.eos_token_ids = self._eos_token_ids()
+        self.draft = self._draft_model(max_len)
         num_device, num_host = self._size_pools()
         self.pool_config = config.pool_config(num_device, num_host, max_len, role=role,
                                               sliding_window=self._freeing_window(role))
         self.runner.allocate_cache(config.block_size, num_device, num_host)
+        if self.draft is not None:
+            self._check_draft_window(self.pool_config.sliding_window)
+            self.draft.allocate_cache(config.block_size, num_device, num_host, config.max_num_seqs)
         max_blocks_per_seq = -(-max_len // config.block_size)
         if self._uses_graphs or self._uses_compile:
             self.runner.enable_decode_graphs(config.graph_sizes(), max_blocks_per_seq,
                                              capture=self._uses_graphs, torch_compile=self._uses_compile)
         if self.runner.device.type == "cuda" or self.runner.runs_triton:  # through the compiled forward, if any
             self.runner.warm_up_kernels(max_blocks_per_seq)
+            if self.draft is not None:
+                self.draft.runner.warm_up_kernels(max_blocks_per_seq)
         self.kv_manager = kv_manager if kv_manager is not None else KVManager()
         self.kv_manager.add_worker(worker_id, self.pool_config)
         self.step_hooks: list[Callable[[], None]] = []
@@ -155,12 +162,42 @@ class LLMEngine:
         spec = self.config.speculative_config
         if spec is None:
             return None
-        proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        proposer = (self.draft if self.draft is not None else
+                    NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max))
         logger.info("speculative decoding: %s, %d tokens a step", spec.method, spec.num_speculative_tokens)
         return Speculator(spec, proposer, batch=self.batch, scheduler=self.scheduler, sampler=self.sampler,
                           per_row=self.per_row, pipeline=self.pipeline, eos_token_ids=self.eos_token_ids,
                           max_model_len=max_len, end_sequence=self._end_sequence,
                           release_if_idle=self._release_if_idle)
+
+    def _draft_model(self, max_len: int) -> DraftModel | None:
+        """The draft model of ``speculative_config`` method "draft_model", on the target's
+        device and dtype (loaded before the pools are sized: its KV shares their blocks)."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        draft = DraftModel(spec.model, self.runner, spec.num_speculative_tokens, max_len,
+                           self.config.trust_remote_code, self.config.kernel_backend)
+        logger.info("draft model %s (%.1fM parameters); its KV takes %d bytes a block beside the target's %d",
+                    spec.model, draft.num_parameters / 1e6, draft.cache_shape(self.config.block_size).bytes_per_block,
+                    self.runner.cache_shape(self.config.block_size).bytes_per_block)
+        return draft
+
+    def _check_draft_window(self, freeing_window: int | None) -> None:
+        """Blocks freed out of the target's sliding window must be out of the draft's too."""
+        if freeing_window is None:
+            return
+        attention = self.draft.runner.attention
+        if not attention.is_all_windowed or attention.max_sliding_window > freeing_window:
+            raise ValueError(f"speculative_config.model {self.draft.model!r} attends beyond the target's "
+                             f"sliding window ({freeing_window} tokens), whose older blocks are freed; "
+                             "a draft model needs a window no wider than the target's")
+
+    def _execute_copies(self, kv) -> None:
+        """A KV manager step's swaps and copies, in the target's cache and the draft's."""
+        self.runner.kv_cache.execute_copies(kv.swap_out, kv.swap_in, kv.copy_on_write)
+        if self.draft is not None:
+            self.draft.execute_copies(kv.swap_out, kv.swap_in, kv.copy_on_write)
 
     def _eos_token_ids(self) -> list[int]:
         ids: list[int] = []
@@ -208,8 +245,12 @@ class LLMEngine:
     def _size_pools(self) -> tuple[int, int]:
         """Device and host block counts: explicit count, memory budget, or GPU profile."""
         config = self.config
-        shape = self.runner.cache_shape(config.block_size)
-        num_host = shape.num_blocks_for(config.swap_space_gb * GiB)
+        bytes_per_block = self.runner.cache_shape(config.block_size).bytes_per_block
+        draft_bytes = 0   # a draft model's KV shares the blocks; its scratch comes off the budget
+        if self.draft is not None:
+            bytes_per_block += self.draft.cache_shape(config.block_size).bytes_per_block
+            draft_bytes = self.draft.scratch_bytes(config.block_size, config.max_num_seqs)
+        num_host = int(config.swap_space_gb * GiB // bytes_per_block)
         if config.num_device_blocks is not None:
             return config.num_device_blocks, num_host
         if config.kv_cache_memory_gb is not None:
@@ -224,7 +265,7 @@ class LLMEngine:
             budget = total * config.gpu_memory_utilization - peak - self._lora_slot_bytes()
         else:
             budget = 1 * GiB
-        num_device = shape.num_blocks_for(budget)
+        num_device = int(max(budget - draft_bytes, 0) // bytes_per_block)
         if num_device < -(-self.max_model_len // config.block_size):
             raise ValueError(f"the KV budget holds {num_device} blocks of {config.block_size} tokens, "
                              f"less than one sequence of max_model_len {self.max_model_len}; "
@@ -537,7 +578,7 @@ class LLMEngine:
         # The copies run even when nothing is scheduled: a sequence that preempted
         # itself by swapping still needs its KV on the host.
         kv = plan.kv
-        self.runner.kv_cache.execute_copies(kv.swap_out, kv.swap_in, kv.copy_on_write)
+        self._execute_copies(kv)
         if plan.is_empty or not plan.scheduled:
             if plan.is_empty and self.scheduler.num_unfinished and not kv.preempted and not self.scheduler.running:
                 self._check_can_progress()
@@ -549,6 +590,8 @@ class LLMEngine:
         prepared = prepare_step(plan, self.batch, self._on_admitted)
         with self._lora_step(plan, prepared.model_input):
             execute_output = self.runner.execute(prepared.model_input, self.pipeline.in_flight_tokens)
+        if self.draft is not None:
+            self.draft.mirror(prepared.model_input)
         for index, scores in execute_output.scores.items():
             seq, first_position = prepared.scored[index]
             self._add_prompt_logprobs(seq.request, first_position, scores)
@@ -619,6 +662,8 @@ class LLMEngine:
         request = seq.request
         start = time.perf_counter()
         import_kv(self.runner.kv_cache, request.kv_transfer, sched.block_table)
+        if self.draft is not None:   # a transfer carries the target's KV only
+            self.draft.fill(sched.block_table, seq.token_ids, sched.num_imported_tokens)
         request.metrics.kv_transfer_bytes += request.kv_transfer.num_bytes
         request.metrics.kv_transfer_s += time.perf_counter() - start
         request.kv_transfer = None
@@ -636,8 +681,7 @@ class LLMEngine:
     def _release_if_idle(self) -> None:
         """With no request left, hand the last finished blocks back now, not at the next step."""
         if not self.requests and self.scheduler.has_pending_changes:
-            kv = self.scheduler.schedule().kv
-            self.runner.kv_cache.execute_copies(kv.swap_out, kv.swap_in, kv.copy_on_write)
+            self._execute_copies(self.scheduler.schedule().kv)
 
     # ---- introspection -------------------------------------------------------------------
     def stats(self, pool_stats: dict | None = None) -> dict:
@@ -670,6 +714,8 @@ class LLMEngine:
         })
         if self.speculator is not None:
             stats.update(self.speculator.stats.as_dict())
+        if self.draft is not None:
+            stats.update(self.draft.stats(self.config.block_size))
         graphs = self.runner.decode_graphs
         if graphs is not None:
             stats.update({"num_cuda_graphs": len(graphs.graphs), "cuda_graph_memory_bytes": graphs.memory_bytes,

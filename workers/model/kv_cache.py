@@ -27,9 +27,6 @@ class CacheShape:
         element_size = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element_size
 
-    def num_blocks_for(self, num_bytes: float) -> int:
-        return int(num_bytes // self.bytes_per_block)
-
 
 class KVCache:
     """Per-layer (k, v) tensors for the device pool and the host pool.

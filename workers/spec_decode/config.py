@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # vLLM's method names. Only these are implemented; the others are refused by name.
-SUPPORTED_METHODS = ("ngram",)
+SUPPORTED_METHODS = ("ngram", "draft_model")
 SpeculativeMethod = Literal["ngram", "draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator",
                             "suffix"]
 # vLLM's spellings of "no model, prompt lookup" in ``model``.
@@ -30,10 +30,13 @@ class SpeculativeConfig(BaseModel):
 
     method: SpeculativeMethod | None = None
     """How tokens are proposed. "ngram": prompt lookup over the request's own tokens (no model).
-    vLLM's other methods (draft_model, eagle, eagle3, mtp, ...) are refused: not supported yet.
-    Unset: "ngram" when ``model`` is "ngram" or "[ngram]"."""
+    "draft_model": a smaller model with the target's vocabulary, run by the same engine on KV
+    in the target's blocks, proposes its greedy continuation. vLLM's other methods (eagle,
+    eagle3, mtp, ...) are refused: not supported yet. Unset: "ngram" when ``model`` is
+    "ngram" or "[ngram]", else "draft_model" when ``model`` is set."""
     model: str | None = None
-    """The draft model or head (vLLM's key). Not supported yet: only unset, "ngram" or "[ngram]"."""
+    """The draft model (vLLM's key): a checkpoint path or hub id, for "draft_model"; unset,
+    "ngram" or "[ngram]" for "ngram"."""
     num_speculative_tokens: int = Field(ge=1, le=64)
     """Tokens proposed per sequence and step at most (k); a verification step computes k + 1."""
     prompt_lookup_min: int | None = Field(None, ge=1)
@@ -50,16 +53,20 @@ class SpeculativeConfig(BaseModel):
     def _resolve(self) -> "SpeculativeConfig":
         method = self.method
         if method is None:
-            if self.model not in NGRAM_MODEL_NAMES:
-                raise ValueError(f"speculative_config.model {self.model!r}: draft models are not supported yet; "
-                                 "set speculative_config.method to \"ngram\" (prompt lookup, no model)")
-            object.__setattr__(self, "method", "ngram")
+            if self.model is None:
+                raise ValueError("speculative_config: set method (\"ngram\" or \"draft_model\") or model "
+                                 "(a draft model, or \"ngram\")")
+            method = "ngram" if self.model in NGRAM_MODEL_NAMES else "draft_model"
+            object.__setattr__(self, "method", method)
         elif method not in SUPPORTED_METHODS:
             raise ValueError(f"speculative_config.method {method!r} is not supported yet "
                              f"(supported: {', '.join(SUPPORTED_METHODS)})")
-        elif self.model is not None and self.model not in NGRAM_MODEL_NAMES:
+        if method == "ngram" and self.model is not None and self.model not in NGRAM_MODEL_NAMES:
             raise ValueError(f"speculative_config.model {self.model!r}: method \"ngram\" takes no model "
-                             "(draft models are not supported yet)")
+                             "(set method \"draft_model\" to propose with a draft model)")
+        if method == "draft_model" and self.model in (None, *NGRAM_MODEL_NAMES):
+            raise ValueError("speculative_config.method \"draft_model\" needs model: the draft model's "
+                             "checkpoint path or hub id")
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         if low is None and high is None:
             low = high = DEFAULT_PROMPT_LOOKUP

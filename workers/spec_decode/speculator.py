@@ -31,7 +31,7 @@ from ..sample.per_row_features import PerRowFeatures, bad_word_bans
 from ..sample.sampler import PenaltyRow, Sampler, seeded_uniform
 from ..sample.sampling_pipeline import SamplingPipeline
 from .config import SpeculativeConfig
-from .proposer import Proposer
+from .proposer import BatchProposer, Proposer
 from .verifier import verify
 
 # Per-row features the verifier cannot honour yet: such a sequence decodes one token a step.
@@ -87,9 +87,9 @@ class Speculator:
     is left.
     """
 
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer, *, batch: InputBatch, scheduler: Scheduler,
-                 sampler: Sampler, per_row: PerRowFeatures, pipeline: SamplingPipeline, eos_token_ids: list[int],
-                 max_model_len: int, end_sequence: Callable[[Sequence], None],
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | BatchProposer, *, batch: InputBatch,
+                 scheduler: Scheduler, sampler: Sampler, per_row: PerRowFeatures, pipeline: SamplingPipeline,
+                 eos_token_ids: list[int], max_model_len: int, end_sequence: Callable[[Sequence], None],
                  release_if_idle: Callable[[], None]) -> None:
         self.config = config
         self.proposer = proposer
@@ -122,11 +122,22 @@ class Speculator:
         rows = int64_tensor([seq.batch_row for seq in candidates])
         flags = batch.flags.index_select(0, rows).tolist()
         rooms = (batch.max_outputs.index_select(0, rows) - batch.num_outputs.index_select(0, rows) - 1).tolist()
-        k = self.proposer.num_speculative_tokens
+        proposer = self.proposer
+        k = proposer.num_speculative_tokens
+        proposing, limits, proposing_flags = [], [], []
         for seq, flag, room in zip(candidates, flags, rooms):
-            if flag & NOT_VERIFIABLE or room <= 0:
-                continue
-            proposal = self.proposer.propose(seq.token_ids, seq.num_prompt_tokens, min(k, room))
+            if not flag & NOT_VERIFIABLE and room > 0:
+                proposing.append(seq)
+                limits.append(min(k, room))
+                proposing_flags.append(flag)
+        if not proposing:
+            return
+        if isinstance(proposer, BatchProposer):
+            proposals = proposer.propose_batch(proposing, limits)
+        else:
+            proposals = [proposer.propose(seq.token_ids, seq.num_prompt_tokens, limit)
+                         for seq, limit in zip(proposing, limits)]
+        for seq, flag, proposal in zip(proposing, proposing_flags, proposals):
             if proposal and flag & GRAMMAR:   # only what the grammar allows, in a row
                 proposal = proposal[:seq.grammar.num_valid(proposal)]
             if proposal:
