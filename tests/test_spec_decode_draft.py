@@ -200,7 +200,7 @@ def test_the_draft_kv_is_counted_in_the_pool_budget(tiny_model):
     budget = 0.01 * 2**30
     assert llm.engine.pool_config.num_device_blocks == int((budget - draft.scratch_bytes(16, 8))
                                                            // (target_bytes + draft_bytes))
-    assert draft.cache.num_device_blocks == llm.engine.pool_config.num_device_blocks + 8 * draft.scratch_blocks_per_seq
+    assert draft.cache.num_device_blocks == llm.engine.pool_config.num_device_blocks + 8 * draft.kv.blocks_per_seq
     assert llm.stats()["spec_decode_draft_kv_bytes_per_block"] == draft_bytes
 
 
