@@ -145,6 +145,19 @@ def test_draft_sizes_share_their_targets_tokenizer(draft, target, tiny_models, t
         assert _sha256(path / "tokenizer.json") == _sha256(tiny_models["llama"] / "tokenizer.json")
 
 
+def test_an_eagle_head_has_vllms_layout(tmp_path):
+    """One Llama layer of the target's width without its input norm, and fc over [embedding,
+    hidden state]; no embeddings, LM head or tokenizer of its own."""
+    from safetensors.torch import load_file
+
+    path = make_model("qwen3", "tiny-eagle", tmp_path / "head", seed=0)
+    weights = load_file(str(path / "model.safetensors"))
+    assert weights["fc.weight"].shape == (64, 128)
+    assert {name.split(".")[0] for name in weights} == {"fc", "layers"}
+    assert not any("input_layernorm" in name for name in weights)
+    assert not (path / "tokenizer.json").exists()
+
+
 def test_arch_specific_config():
     assert model_factory.build_config("qwen3", "tiny").head_dim == 16
     assert model_factory.build_config("mistral", "tiny").sliding_window is None

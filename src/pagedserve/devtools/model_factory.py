@@ -27,6 +27,13 @@ small-draft  128     352           2       4      2         2048   2048     ~0.9
 (``speculative_config`` method "draft_model"): the tokenizer and vocabulary of
 ``tiny`` and ``small``, with fewer and narrower layers.
 
+``tiny-eagle`` and ``small-eagle`` are EAGLE heads (method "eagle") for ``tiny``
+and ``small`` targets of any architecture, in the layout vLLM loads: one Llama
+decoder layer of the target's width without its input norm, and ``fc``, which
+maps a token's embedding and the target's hidden state at the position before
+it to the layer's input; the target's embeddings and LM head are shared. There
+is no tokenizer (the target's is used).
+
 ``tiny-tp`` is ``tiny`` with head counts that divide by 2 and 4 (tensor-parallel
 tests). ``qwen3_moe`` is a mixture of experts: every layer routes each token to
 2 of 4 experts of width ``intermediate // 4`` rounded up to a multiple of 32
@@ -58,7 +65,9 @@ from typing import Callable
 # that reading ARCHS/SIZES (the CLI's argument choices) stays cheap.
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
-SIZES = ("tiny", "tiny-tp", "small", "1b", "tiny-draft", "small-draft")
+SIZES = ("tiny", "tiny-tp", "small", "1b", "tiny-draft", "small-draft", "tiny-eagle", "small-eagle")
+# EAGLE heads (speculative decoding) and the size of the target each one is for.
+EAGLE_TARGETS = {"tiny-eagle": "tiny", "small-eagle": "small"}
 
 PAD_TOKEN = "<|pad|>"
 BOS_TOKEN = "<|bos|>"
@@ -378,6 +387,8 @@ def make_model(arch: str, size: str, out_dir, seed: int = 0) -> Path:
     Returns ``out_dir`` as a ``Path``.
     """
     _check_arguments(arch, size, seed)
+    if size in EAGLE_TARGETS:
+        return make_eagle_head(EAGLE_TARGETS[size], out_dir, seed, marker={"arch": arch, "size": size})
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -405,6 +416,39 @@ def make_model(arch: str, size: str, out_dir, seed: int = 0) -> Path:
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     marker = {"arch": arch, "size": size, "seed": seed, "factory_version": FACTORY_VERSION}
+    (out_dir / _MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+    return out_dir
+
+
+def make_eagle_head(target_size: str, out_dir, seed: int = 0, marker: dict | None = None) -> Path:
+    """Write a random EAGLE head for a ``target_size`` target into ``out_dir``: ``config.json``
+    (a one-layer Llama of the target's shape) and ``model.safetensors`` with ``fc.weight``
+    ([hidden, 2 * hidden]) and ``layers.0.*`` less ``input_layernorm`` (EAGLE's layout)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    shape = SHAPES[target_size]
+    config = LlamaConfig(
+        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+        num_hidden_layers=1, num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim,
+        max_position_embeddings=shape.max_position_embeddings, hidden_act="silu", rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
+        attention_bias=False, architectures=["LlamaForCausalLM"], dtype="float32")
+    with torch.random.fork_rng(devices=[]):
+        head = torch.nn.Module()
+        head.fc = torch.nn.Linear(2 * shape.hidden_size, shape.hidden_size, bias=False)
+        head.layers = torch.nn.ModuleList([LlamaDecoderLayer(config, 0)])
+        del head.layers[0].input_layernorm
+    _init_weights(head, seed)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(out_dir)
+    save_file({name: param.detach().contiguous() for name, param in head.named_parameters()},
+              str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    marker = {**(marker or {"size": f"{target_size}-eagle"}), "seed": seed, "factory_version": FACTORY_VERSION}
     (out_dir / _MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
     return out_dir
 
