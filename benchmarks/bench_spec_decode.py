@@ -13,8 +13,9 @@ run to the end
   random models fall into loops that prompt lookup finds);
 - on engines with a draft model (method "draft_model"), one per entry of ``--drafts``:
   "self" is the target as its own draft (every proposal right: the mechanism's cost and its
-  ceiling), a size such as "small-draft" a random draft model of that size (nothing right:
-  the draft's cost, cut by the back-off).
+  ceiling), a size such as "small-draft" a random draft model of that size, and
+  "small-eagle" a random EAGLE head (method "eagle") (nothing right: the proposer's cost,
+  cut by the back-off).
 
 Then the adaptive rule: ``--large-batch`` sequences with nothing right (acceptance 0), with
 ``disable_by_batch_size`` at ``--disable-at`` and without it, against the baseline.
@@ -98,7 +99,8 @@ def main(argv=None) -> None:
     parser.add_argument("--large-max-tokens", type=int, default=32)
     parser.add_argument("--disable-at", type=int, default=32, help="disable_by_batch_size at the large batch")
     parser.add_argument("--drafts", default=None,
-                        help="draft models: self, or make-model sizes (default: self,<size>-draft)")
+                        help="draft models: self, or make-model sizes: <size>-draft, <size>-eagle "
+                             "(default: self,<size>-draft,<size>-eagle)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--device", default="cpu")
@@ -119,10 +121,11 @@ def main(argv=None) -> None:
         speculating = _engine(path, batch, args.prompt, args.max_tokens, ngram)
         own = speculating.engine.speculator.proposer
         drafts = {}
-        for draft in (args.drafts or f"self,{args.size}-draft").split(","):
+        for draft in (args.drafts or f"self,{args.size}-draft,{args.size}-eagle").split(","):
             model = path if draft == "self" else str(ensure_model("llama", draft))
+            method = "eagle" if draft.endswith("-eagle") else "draft_model"
             drafts[draft] = _engine(path, batch, args.prompt, args.max_tokens,
-                                    {"method": "draft_model", "model": model, "num_speculative_tokens": args.k})
+                                    {"method": method, "model": model, "num_speculative_tokens": args.k})
         for llm in (base, speculating, *drafts.values()):
             _run(llm, prompts, 4)  # warm
         for round_index in range(args.rounds):

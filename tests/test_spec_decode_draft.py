@@ -211,8 +211,8 @@ def test_the_method_follows_the_model_and_needs_one():
         SpeculativeConfig(method="draft_model", num_speculative_tokens=3)
     with pytest.raises(ValueError, match="takes no model"):
         SpeculativeConfig(method="ngram", model="/some/draft", num_speculative_tokens=3)
-    with pytest.raises(ValueError, match="eagle.*not supported yet"):
-        SpeculativeConfig(method="eagle", model="/some/head", num_speculative_tokens=3)
+    with pytest.raises(ValueError, match="mtp.*not supported yet"):
+        SpeculativeConfig(method="mtp", model="/some/head", num_speculative_tokens=3)
 
 
 def test_a_draft_with_another_vocabulary_is_refused(tiny_model):

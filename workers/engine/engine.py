@@ -34,6 +34,7 @@ from ..sample.sampler import Sampler
 from ..sample.sampling_params import SamplingParams
 from ..sample.sampling_pipeline import SamplingPipeline
 from ..spec_decode.draft_model import DraftModel
+from ..spec_decode.eagle import EagleProposer
 from ..spec_decode.ngram_proposer import NgramProposer
 from ..spec_decode.speculator import Speculator
 from .beam_groups import BeamGroups
@@ -93,7 +94,7 @@ class LLMEngine:
         if self.runner.device.type == "cuda" or self.runner.runs_triton:  # through the compiled forward, if any
             self.runner.warm_up_kernels(max_blocks_per_seq)
             if self.draft is not None:
-                self.draft.runner.warm_up_kernels(max_blocks_per_seq)
+                self.draft.warm_up(max_blocks_per_seq)
         self.kv_manager = kv_manager if kv_manager is not None else KVManager()
         self.kv_manager.add_worker(worker_id, self.pool_config)
         self.step_hooks: list[Callable[[], None]] = []
@@ -146,9 +147,11 @@ class LLMEngine:
 
     @property
     def _uses_graphs(self) -> bool:
-        """Decode steps replay CUDA graphs: the default on CUDA (``enforce_eager`` and
-        ``enable_lora`` turn it off)."""
-        return self.runner.device.type == "cuda" and not self.config.enforce_eager and not self.config.enable_lora
+        """Decode steps replay CUDA graphs: the default on CUDA (``enforce_eager``,
+        ``enable_lora`` and an EAGLE head, which reads every step's hidden states, turn it off)."""
+        spec = self.config.speculative_config
+        return (self.runner.device.type == "cuda" and not self.config.enforce_eager and not self.config.enable_lora
+                and not (spec is not None and spec.method == "eagle"))
 
     @property
     def _uses_compile(self) -> bool:
@@ -170,16 +173,21 @@ class LLMEngine:
                           max_model_len=max_len, end_sequence=self._end_sequence,
                           release_if_idle=self._release_if_idle)
 
-    def _draft_model(self, max_len: int) -> DraftModel | None:
-        """The draft model of ``speculative_config`` method "draft_model", on the target's
-        device and dtype (loaded before the pools are sized: its KV shares their blocks)."""
+    def _draft_model(self, max_len: int) -> DraftModel | EagleProposer | None:
+        """The draft model (method "draft_model") or EAGLE head (method "eagle") of
+        ``speculative_config``, on the target's device and dtype (loaded before the pools are
+        sized: its KV shares their blocks)."""
         spec = self.config.speculative_config
-        if spec is None or spec.method != "draft_model":
+        if spec is None or spec.method not in ("draft_model", "eagle"):
             return None
-        draft = DraftModel(spec.model, self.runner, spec.num_speculative_tokens, max_len,
-                           self.config.trust_remote_code, self.config.kernel_backend)
-        logger.info("draft model %s (%.1fM parameters); its KV takes %d bytes a block beside the target's %d",
-                    spec.model, draft.num_parameters / 1e6, draft.cache_shape(self.config.block_size).bytes_per_block,
+        if spec.method == "eagle":
+            draft = EagleProposer(spec.model, self.runner, spec.num_speculative_tokens, max_len)
+        else:
+            draft = DraftModel(spec.model, self.runner, spec.num_speculative_tokens, max_len,
+                               self.config.trust_remote_code, self.config.kernel_backend)
+        logger.info("%s %s (%.1fM parameters); its KV takes %d bytes a block beside the target's %d",
+                    spec.method, spec.model, draft.num_parameters / 1e6,
+                    draft.cache_shape(self.config.block_size).bytes_per_block,
                     self.runner.cache_shape(self.config.block_size).bytes_per_block)
         return draft
 
@@ -187,8 +195,8 @@ class LLMEngine:
         """Blocks freed out of the target's sliding window must be out of the draft's too."""
         if freeing_window is None:
             return
-        attention = self.draft.runner.attention
-        if not attention.is_all_windowed or attention.max_sliding_window > freeing_window:
+        attention = getattr(self.draft, "runner", None) and self.draft.runner.attention
+        if attention is None or not attention.is_all_windowed or attention.max_sliding_window > freeing_window:
             raise ValueError(f"speculative_config.model {self.draft.model!r} attends beyond the target's "
                              f"sliding window ({freeing_window} tokens), whose older blocks are freed; "
                              "a draft model needs a window no wider than the target's")
@@ -563,6 +571,8 @@ class LLMEngine:
     def _step(self) -> EngineStep:
         start = time.perf_counter()
         speculator = self.speculator
+        if self.draft is not None:
+            self.draft.before_step()
         if speculator is not None:
             speculator.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
@@ -591,7 +601,7 @@ class LLMEngine:
         with self._lora_step(plan, prepared.model_input):
             execute_output = self.runner.execute(prepared.model_input, self.pipeline.in_flight_tokens)
         if self.draft is not None:
-            self.draft.mirror(prepared.model_input)
+            self.draft.after_forward([seq for seq, _ in plan.scheduled], prepared.model_input, execute_output)
         for index, scores in execute_output.scores.items():
             seq, first_position = prepared.scored[index]
             self._add_prompt_logprobs(seq.request, first_position, scores)

@@ -72,11 +72,13 @@ class TokenScores:
 @dataclass
 class ExecuteOutput:
     """One forward pass: logits of the sampling chunks ([num_sampling, vocab], float32; a
-    chunk's ``num_logits`` rows, in position order, where it asks for several) and the scores
-    asked for, by chunk index."""
+    chunk's ``num_logits`` rows, in position order, where it asks for several), the scores
+    asked for, by chunk index, and the last hidden states of every token where the runner
+    keeps them (``keep_hidden_states``: an EAGLE head reads them)."""
 
     logits: torch.Tensor
     scores: dict[int, TokenScores]
+    hidden_states: torch.Tensor | None = None
 
 
 @dataclass

@@ -157,6 +157,8 @@ class ModelRunner:
         self._kernels_checked: set[int] = set()  # block sizes whose kernels fit this GPU
         # Decode steps on static padded buffers (CUDA graphs on CUDA); None: every step eager.
         self.decode_graphs: DecodeGraphs | None = None
+        # Return every token's last hidden states from eager forwards (an EAGLE head's input).
+        self.keep_hidden_states = False
 
     def cache_shape(self, block_size: int) -> CacheShape:
         return CacheShape(self.num_layers, block_size, self.num_kv_heads, self.head_dim, self.dtype)
@@ -304,7 +306,7 @@ class ModelRunner:
         if model_input.pending and pending_tokens is None:
             raise ValueError("the step has pending tokens but no sampled ids to take them from")
         graphs = self.decode_graphs
-        if graphs is not None and graphs.can_run(model_input):
+        if graphs is not None and graphs.can_run(model_input) and not self.keep_hidden_states:
             self.block_tables.write(model_input.table_updates)
             return ExecuteOutput(graphs.run(model_input, pending_tokens), {})
         device = self.device
@@ -326,6 +328,7 @@ class ModelRunner:
             plan_window=self.attention.max_sliding_window,
         )
         hidden = self._stack(input_ids, batch.positions.to(device, non_blocking=True), meta)
+        kept = hidden if self.keep_hidden_states else None
         scores = {}
         if model_input.scores:
             cu_seqlens = batch.cu_seqlens.tolist()
@@ -335,7 +338,8 @@ class ModelRunner:
         if model_input.logits_indexes is None and model_input.is_decode_only:
             sampled = hidden
         elif model_input.logits_indexes == []:
-            return ExecuteOutput(torch.empty((0, self.vocab_size), dtype=torch.float32, device=device), scores)
+            return ExecuteOutput(torch.empty((0, self.vocab_size), dtype=torch.float32, device=device), scores,
+                                 kept)
         else:
             last_rows = batch.cu_seqlens[1:].to(torch.int64) - 1
             if model_input.logits_indexes is not None:
@@ -343,7 +347,7 @@ class ModelRunner:
             if model_input.num_logits is not None:
                 last_rows = trailing_rows(last_rows, int64_tensor(model_input.num_logits))
             sampled = hidden.index_select(0, last_rows.to(device, non_blocking=True))
-        return ExecuteOutput(self.compute_logits(sampled), scores)
+        return ExecuteOutput(self.compute_logits(sampled), scores, kept)
 
     def _stack(self, input_ids: torch.Tensor, positions: torch.Tensor,
                meta: PagedAttentionMetadata) -> torch.Tensor:

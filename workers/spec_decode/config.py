@@ -7,7 +7,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # vLLM's method names. Only these are implemented; the others are refused by name.
-SUPPORTED_METHODS = ("ngram", "draft_model")
+SUPPORTED_METHODS = ("ngram", "draft_model", "eagle")
+# Methods that read a checkpoint named by ``model``.
+MODEL_METHODS = ("draft_model", "eagle")
 SpeculativeMethod = Literal["ngram", "draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator",
                             "suffix"]
 # vLLM's spellings of "no model, prompt lookup" in ``model``.
@@ -31,12 +33,13 @@ class SpeculativeConfig(BaseModel):
     method: SpeculativeMethod | None = None
     """How tokens are proposed. "ngram": prompt lookup over the request's own tokens (no model).
     "draft_model": a smaller model with the target's vocabulary, run by the same engine on KV
-    in the target's blocks, proposes its greedy continuation. vLLM's other methods (eagle,
-    eagle3, mtp, ...) are refused: not supported yet. Unset: "ngram" when ``model`` is
-    "ngram" or "[ngram]", else "draft_model" when ``model`` is set."""
+    in the target's blocks, proposes its greedy continuation. "eagle": an EAGLE head (vLLM's
+    EagleLlamaForCausalLM layout) proposes from the target's hidden states. vLLM's other
+    methods (eagle3, mtp, ...) are refused: not supported yet. Unset: "ngram" when ``model``
+    is "ngram" or "[ngram]", else "draft_model" when ``model`` is set."""
     model: str | None = None
-    """The draft model (vLLM's key): a checkpoint path or hub id, for "draft_model"; unset,
-    "ngram" or "[ngram]" for "ngram"."""
+    """The draft model or EAGLE head (vLLM's key): a checkpoint path or hub id, for
+    "draft_model" and "eagle"; unset, "ngram" or "[ngram]" for "ngram"."""
     num_speculative_tokens: int = Field(ge=1, le=64)
     """Tokens proposed per sequence and step at most (k); a verification step computes k + 1."""
     prompt_lookup_min: int | None = Field(None, ge=1)
@@ -64,9 +67,9 @@ class SpeculativeConfig(BaseModel):
         if method == "ngram" and self.model is not None and self.model not in NGRAM_MODEL_NAMES:
             raise ValueError(f"speculative_config.model {self.model!r}: method \"ngram\" takes no model "
                              "(set method \"draft_model\" to propose with a draft model)")
-        if method == "draft_model" and self.model in (None, *NGRAM_MODEL_NAMES):
-            raise ValueError("speculative_config.method \"draft_model\" needs model: the draft model's "
-                             "checkpoint path or hub id")
+        if method in MODEL_METHODS and self.model in (None, *NGRAM_MODEL_NAMES):
+            raise ValueError(f"speculative_config.method \"{method}\" needs model: the checkpoint path or "
+                             "hub id of the draft model or head")
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         if low is None and high is None:
             low = high = DEFAULT_PROMPT_LOOKUP

@@ -4,7 +4,7 @@ continuation, k tokens a step, for every proposing sequence in one forward per t
 Its KV lives in the target's blocks (``draft_kv``), so prefix hits, copy-on-write and swaps
 carry it with the target's.
 
-- ``mirror``: every forward of the target runs the draft over the same chunks, without
+- ``after_forward``: every forward of the target runs the draft over the same chunks, without
   logits, so the draft's KV holds every position the target computed.
 - ``propose_batch``: a proposing sequence has n known tokens, n - 1 of them computed. The
   draft decodes from the last one (position n - 1) for k steps, into scratch blocks; the
@@ -28,7 +28,7 @@ from ..engine.request import Sequence
 from ..model.attention import PagedAttentionMetadata
 from ..model.host_lists import int64_tensor, to_device
 from ..model.kv_cache import CacheShape, KVCache
-from ..model.model_input import ModelInput
+from ..model.model_input import ExecuteOutput, ModelInput
 from ..model.model_runner import ModelRunner
 from .draft_kv import DraftKV
 
@@ -84,8 +84,14 @@ class DraftModel:
     def cache(self) -> KVCache:
         return self.kv.cache
 
+    def warm_up(self, max_blocks_per_seq: int) -> None:
+        self.runner.warm_up_kernels(max_blocks_per_seq)
+
     # ---- kept in step with the target ------------------------------------------------------
-    def mirror(self, model_input: ModelInput) -> None:
+    def before_step(self) -> None:
+        """Nothing: the draft's KV is complete after each forward (``after_forward``)."""
+
+    def after_forward(self, seqs: list[Sequence], model_input: ModelInput, output: ExecuteOutput) -> None:
         """Compute the draft's KV of every token of the target's step (its tables were
         brought up to date by the target's forward)."""
         if model_input.pending:
