@@ -18,7 +18,6 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.devtools.model_factory import ensure_model
 from pagedserve.workers.engine.kv_transfer import export_kv
 from pagedserve.workers.spec_decode.config import SpeculativeConfig
-from pagedserve.workers.spec_decode.draft_model import DraftModel
 from offline_checks import assert_idle
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -221,7 +220,3 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny_model):
         LLM(tiny_model("llama"), device="cpu", dtype="float32", num_device_blocks=64,
             speculative_config=draft_config(other))
 
-
-def test_a_draft_on_a_tensor_parallel_runner_is_refused(tiny_model):
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        DraftModel(tiny_model("llama"), object(), K, 256)

@@ -386,6 +386,28 @@ def test_speculative_decoding_verifies_on_every_rank(tp_model, reference):
 
 
 @pytest.mark.slow
+def test_a_draft_model_runs_whole_on_rank_0(tp_model, reference):
+    """A draft model beside a group of 2: it runs whole on rank 0 (here the target itself, so
+    every proposal is right), its KV in the pool's blocks on rank 0 only; through swaps, greedy
+    output equals transformers' and every proposal is accepted."""
+    path = tp_model("llama")
+    draft = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
+    llm = make_engine(path, 2, speculative_config=draft, num_device_blocks=24,
+                      swap_space_gb=12 * rank_block_bytes(path, 2) / 2**30)
+    try:
+        max_tokens = 24
+        outputs = llm.generate(random_prompts((8, 40, 20, 13, 31, 27), seed=43), greedy(max_tokens))
+        assert_matches(outputs, "llama", max_tokens, reference)
+        stats = llm.stats()
+        assert stats["num_preemptions_by_mode"]["swap"] > 0
+        assert stats["spec_decode_num_draft_tokens"] > 0
+        assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"], stats
+        assert_idle(llm)
+    finally:
+        llm.engine.runner.shutdown()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 def test_overlapped_scheduling_hands_the_running_steps_ids_to_every_rank(arch, tp_model, reference):
     """With async_scheduling, a step's input ids are the running step's samples, still on rank 0's

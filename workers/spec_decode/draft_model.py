@@ -37,13 +37,15 @@ logger = logging.getLogger(__name__)
 
 class DraftModel:
     """A draft ``ModelRunner`` on the target's device and dtype, sharing the target's block
-    table rows (module docstring). ``allocate_cache`` must run before the first step."""
+    table rows (module docstring). ``allocate_cache`` must run before the first step.
+
+    On a tensor-parallel group the draft runs whole on rank 0, beside rank 0's shard of the
+    target (``target`` is then the group's runner, which answers for rank 0's): the other
+    ranks never see it, and each block's draft KV is on rank 0 only.
+    """
 
     def __init__(self, model: str, target: ModelRunner, num_speculative_tokens: int, max_model_len: int,
                  trust_remote_code: bool = False, kernel_backend: str | None = None) -> None:
-        if not isinstance(target, ModelRunner):
-            raise ValueError("speculative_config.method \"draft_model\" runs on one device: "
-                             "tensor_parallel_size > 1 is not supported with a draft model yet")
         self.runner = ModelRunner(model, target.dtype, target.device, trust_remote_code, kernel_backend,
                                   merge_projections=bool(target.merged_projections))
         runner = self.runner
