@@ -396,9 +396,17 @@
         td(worker.is_healthy ? "yes" : "no", id + ".is_healthy", worker.is_healthy ? 1 : 0),
         td(engine.spec_decode_num_drafts ? num(engine.spec_decode_mean_acceptance_length, 2) : "-",
            id + ".spec_decode_mean_acceptance_length", engine.spec_decode_mean_acceptance_length),
+        td(draftKV(engine), id + ".spec_decode_draft_kv_bytes_per_block", engine.spec_decode_draft_kv_bytes_per_block),
         td(loraSlots(engine.lora)),
       ];
     }));
+  }
+
+  function draftKV(engine) {
+    if (!engine.spec_decode_draft_model) return "-";
+    const name = engine.spec_decode_draft_model.split("/").filter(Boolean).pop();
+    return name + ": " + num(engine.spec_decode_draft_kv_bytes_per_block) + " B/block, " +
+      num(engine.spec_decode_draft_scratch_blocks) + " scratch";
   }
 
   function loraSlots(lora) {
