@@ -76,9 +76,13 @@ class ModelConfig(_Strict):
     """LoRA adapters served on this model, each selected by its name as "model" (needs
     ``engine.enable_lora``). ``pagedserve serve --lora-modules NAME=PATH ...`` sets it."""
     dynamic_lora_loading_path: str | None = Field(None, min_length=1)
-    """A directory of LoRA adapters (Ray Serve LLM's key), at the same path on every node: a
-    request for "BASE:NAME" or "NAME" that no ``lora_modules`` entry names is served with the
-    adapter in its subdirectory NAME, read on its first request. Needs ``engine.enable_lora``."""
+    """Where LoRA adapters are found by name (Ray Serve LLM's key): a directory at the same path
+    on every node, a URI of a filesystem fsspec has installed (``s3://bucket/adapters`` with
+    s3fs, ``gs://`` with gcsfs, ``file://``), or a hub repo (``org/repo`` or ``hf://org/repo``).
+    A request for "BASE:NAME" or "NAME" that no ``lora_modules`` entry names is served with the
+    adapter in its folder NAME (holding ``adapter_config.json``), looked up on its first
+    request; each worker's node copies or fetches the folder's two files itself. Needs
+    ``engine.enable_lora``."""
     allow_runtime_lora_updating: bool = False
     """Open ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (vLLM's routes, behind the
     API key): clients add adapters by name and path, and remove them, while the server runs.

@@ -2,8 +2,9 @@
 
 Three sources, as vLLM and Ray Serve LLM name them: the configuration's ``model.lora_modules``
 (vLLM's ``--lora-modules``; ids 1, 2, ... in its order); with
-``model.dynamic_lora_loading_path`` (Ray Serve LLM's key), any subdirectory of that directory
-that holds a PEFT adapter, found on its first request; and adapters loaded at run time
+``model.dynamic_lora_loading_path`` (Ray Serve LLM's key: a directory, a hub repo or a URI
+such as ``s3://bucket/adapters``; ``workers/lora/adapter_source.py``), any folder of it named
+after the adapter that holds a PEFT adapter, found on its first request; and adapters loaded at run time
 (vLLM's ``/v1/load_lora_adapter``), which the cluster controller holds for every replica.
 A dynamic adapter's id is derived from its name, so every ingress replica gives it the same
 one without asking anybody: the engines take each id with one name and path. A run-time
@@ -17,8 +18,8 @@ import hashlib
 import re
 import secrets
 import threading
-from pathlib import Path
 
+from pagedserve.workers.lora.adapter_source import DynamicAdapters
 from pagedserve.workers.lora.lora_request import LoRARequest
 
 # Dynamic adapters' ids start here, past any configured list's; run-time ones past those.
@@ -26,7 +27,6 @@ DYNAMIC_IDS_FROM = 1 << 32
 RUNTIME_IDS_FROM = 1 << 56
 # A dynamic adapter's name is one directory's name: no separators, no "..", no hidden entries.
 _DYNAMIC_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-CONFIG_FILE = "adapter_config.json"
 
 
 def dynamic_id(name: str) -> int:
@@ -58,11 +58,11 @@ class LoRAAdapters:
         self._dynamic: dict[str, LoRARequest] = {}
         self._runtime: dict[str, LoRARequest] = {}
         self.runtime_version = -1
-        self.dynamic_path = Path(dynamic_path) if dynamic_path else None
+        self.dynamic = DynamicAdapters(dynamic_path) if dynamic_path else None
         self._lock = threading.Lock()   # set_runtime runs on the controller view's thread
 
     def __bool__(self) -> bool:
-        return bool(self._configured) or bool(self._runtime) or self.dynamic_path is not None
+        return bool(self._configured) or bool(self._runtime) or self.dynamic is not None
 
     def known(self) -> dict[str, LoRARequest]:
         with self._lock:
@@ -82,10 +82,10 @@ class LoRAAdapters:
 
     def get(self, name: str) -> LoRARequest | None:
         adapter = self._configured.get(name) or self._runtime.get(name) or self._dynamic.get(name)
-        if adapter is None and self.dynamic_path is not None and _DYNAMIC_NAME.fullmatch(name) and ".." not in name:
-            directory = self.dynamic_path / name
-            if (directory / CONFIG_FILE).is_file():
-                adapter = self._dynamic[name] = LoRARequest(name, dynamic_id(name), str(directory))
+        if adapter is None and self.dynamic is not None and _DYNAMIC_NAME.fullmatch(name) and ".." not in name:
+            lora_path = self.dynamic.lora_path(name)   # AdapterSourceError: the place cannot be read
+            if lora_path is not None:
+                adapter = self._dynamic[name] = LoRARequest(name, dynamic_id(name), lora_path)
         return adapter
 
     def set_runtime(self, version: int, adapters: dict[str, tuple[int, str]]) -> None:

@@ -450,6 +450,39 @@ def test_a_hub_id_as_lora_path_is_fetched_by_the_reading_node(tiny_model, adapte
     assert "cannot be fetched on node" in missing["error"] and "RepositoryNotFound" in missing["error"]
 
 
+def test_a_uri_or_a_hub_repos_folder_as_lora_path_serves_what_the_directory_does(tiny_model, adapters, tmp_path,
+                                                                                  monkeypatch):
+    """``file://`` (any fsspec URI) and ``hf://org/repo/folder`` (a dynamic adapter of a hub repo):
+    the engine reads the same adapter, copied or fetched, and serves the same tokens."""
+    import shutil
+    import subprocess
+    import sys
+
+    from hub_mirror import HubMirror, MirroredRepo
+
+    lora = adapters("llama")["attn"]
+    prompt = random_prompts([9], seed=14)[0]
+    llm = make_llm(tiny_model("llama"), max_lora_rank=16)
+    [local] = llm.generate([prompt], greedy(8), use_tqdm=False, lora_request=lora)
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    [by_uri] = llm.generate([prompt], greedy(8), use_tqdm=False,
+                            lora_request=LoRARequest("uri", 7, Path(lora.lora_path).as_uri()))
+    assert by_uri.outputs[0].token_ids == local.outputs[0].token_ids
+    assert_idle(llm)
+    shutil.copytree(lora.lora_path, tmp_path / "repo" / "attn")
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN")}
+    with HubMirror({"pagedserve-test/adapters": MirroredRepo(tmp_path / "repo")}) as mirror:
+        env.update(HF_ENDPOINT=mirror.url, HF_HOME=str(tmp_path / "hf"))
+        results = [subprocess.run([sys.executable, "-c", _HUB_ADAPTER, tiny_model("llama"), path, json.dumps(prompt)],
+                                  env=env, capture_output=True, text=True, timeout=300)
+                   for path in ("hf://pagedserve-test/adapters/attn", "hf://pagedserve-test/adapters/none")]
+    for done in results:
+        assert done.returncode == 0, done.stderr[-3000:]
+    fetched, missing = (json.loads(done.stdout.strip().splitlines()[-1]) for done in results)
+    assert fetched == {"tokens": list(local.outputs[0].token_ids)}
+    assert "has no adapter in folder 'none'" in missing["error"]
+
+
 def test_adapters_speculate_exactly(tiny_model, adapters, peft_greedy):
     """With ``speculative_config``: each verifying sequence's k + 1 positions run with its
     adapter (one chunk of the step's segments), so every adapter's and the base model's greedy

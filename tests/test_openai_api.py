@@ -168,6 +168,25 @@ def test_prompt_too_long_names_the_limit(server):
     assert error["code"] == "context_length_exceeded"
 
 
+def test_an_unreadable_dynamic_adapter_path_is_a_503_naming_it(server, monkeypatch):
+    """A name looked up in a ``dynamic_lora_loading_path`` that cannot be read now (a hub or
+    bucket that does not answer) is not an unknown model: 503, saying why."""
+    from pagedserve.cluster.lora_adapters import LoRAAdapters
+    from pagedserve.workers.lora.adapter_source import AdapterSourceError
+
+    adapters = LoRAAdapters([], "memory://adapters")
+
+    def unreadable(name: str):
+        raise AdapterSourceError("dynamic_lora_loading_path 'memory://adapters' cannot be read (TimeoutError: )")
+
+    monkeypatch.setattr(adapters.dynamic, "lora_path", unreadable)
+    monkeypatch.setattr(server, "adapters", adapters)
+    error = _assert_error(call(server, "POST", "/v1/completions", json={"model": "sql", "prompt": "x"}), 503, "model")
+    assert error["code"] == "adapter_source_unavailable"
+    assert error["message"] == ("model 'sql': dynamic_lora_loading_path 'memory://adapters' cannot be read "
+                                "(TimeoutError: )")
+
+
 def test_unknown_model_404_and_unknown_route(server):
     error = _assert_error(call(server, "POST", "/v1/completions", json={"model": "gpt-9", "prompt": "x"}),
                           404, "model")

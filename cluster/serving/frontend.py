@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedserve.workers.lora.adapter_source import AdapterSourceError
 from pagedserve.workers.lora.lora_request import LoRARequest
 from pagedserve.workers.offline.chat_template import ChatTemplateError, render_conversation, template_message
 from pagedserve.workers.process.gc_heap import GCPauses
@@ -428,13 +429,18 @@ class Frontend:
         """The LoRA adapter ``model`` names (by its name, or as "BASE:NAME", Ray Serve LLM's
         form); None for the base model (or no model). 404 for a model this server does not
         serve, worded so that both Ray Serve LLM's ("Could not find model") and vLLM's ("The
-        model `x` does not exist.") clients recognise it."""
+        model `x` does not exist.") clients recognise it. 503 when the adapter would be looked
+        up in a ``dynamic_lora_loading_path`` that cannot be read now."""
         if not model or model == self.model_name:
             return None
         adapter = None
         if self.adapters:
             base, sep, name = model.rpartition(":")
-            adapter = self.adapters.get(name) if sep and base == self.model_name else self.adapters.get(model)
+            try:
+                adapter = self.adapters.get(name) if sep and base == self.model_name else self.adapters.get(model)
+            except AdapterSourceError as exc:
+                raise APIError(503, f"model '{model}': {exc}", type="service_unavailable", param="model",
+                               code="adapter_source_unavailable") from None
         if adapter is not None:
             return adapter
         known = self.adapters.known()

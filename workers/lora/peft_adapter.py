@@ -26,10 +26,9 @@ from typing import Mapping
 
 import torch
 
-from .adapter_source import AdapterSourceError, adapter_directory
+from .adapter_source import CONFIG_FILE, AdapterSourceError, adapter_directory
 from .lora_request import LoRARequest
 
-CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _KEY = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])\.weight")
 
