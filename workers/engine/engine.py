@@ -725,7 +725,7 @@ class LLMEngine:
         if self.speculator is not None:
             stats.update(self.speculator.stats.as_dict())
         if self.draft is not None:
-            stats.update(self.draft.stats(self.config.block_size))
+            stats.update(self.draft.stats())
         graphs = self.runner.decode_graphs
         if graphs is not None:
             stats.update({"num_cuda_graphs": len(graphs.graphs), "cuda_graph_memory_bytes": graphs.memory_bytes,

@@ -53,6 +53,15 @@ class DraftKV:
                        copy_on_write: list[tuple[int, int]]) -> None:
         self.cache.execute_copies(swap_out, swap_in, copy_on_write)
 
+    def stats(self, model: str, num_parameters: int, num_mirrored_tokens: int, num_filled_tokens: int) -> dict:
+        """The proposer's part of the engine's stats: its checkpoint, size and KV."""
+        return {"spec_decode_draft_model": model,
+                "spec_decode_draft_parameters": num_parameters,
+                "spec_decode_draft_kv_bytes_per_block": self.shape.bytes_per_block,
+                "spec_decode_draft_scratch_blocks": self.num_scratch_blocks,
+                "spec_decode_draft_mirrored_tokens": num_mirrored_tokens,
+                "spec_decode_draft_filled_tokens": num_filled_tokens}
+
     def scratch_batch(self, rows: list[int], first_positions: list[int]) -> "ScratchBatch":
         """Scratch for sequences in block table ``rows`` whose positions from
         ``first_positions[i]`` on are to be written (the filled part of each one's block is

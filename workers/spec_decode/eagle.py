@@ -265,10 +265,5 @@ class EagleProposer:
             proposals[i] = row[:max_num_tokens[i]]
         return proposals
 
-    def stats(self, block_size: int) -> dict:
-        return {"spec_decode_draft_model": self.model,
-                "spec_decode_draft_parameters": self.num_parameters,
-                "spec_decode_draft_kv_bytes_per_block": self.cache_shape(block_size).bytes_per_block,
-                "spec_decode_draft_scratch_blocks": self.kv.num_scratch_blocks,
-                "spec_decode_draft_mirrored_tokens": self.num_mirrored_tokens,
-                "spec_decode_draft_filled_tokens": 0}
+    def stats(self) -> dict:
+        return self.kv.stats(self.model, self.num_parameters, self.num_mirrored_tokens, 0)
