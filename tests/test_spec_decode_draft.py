@@ -65,6 +65,7 @@ def make_llm(tiny_model):
         return shared[key]
 
     make.instances = shared
+    make.target = tiny_model
     return make
 
 
@@ -102,7 +103,7 @@ def test_self_draft_accepts_everything_and_matches_transformers(arch, make_llm, 
         assert output == hf_greedy(arch, prompt, MAX_TOKENS)
     stats = llm.stats()
     assert stats["spec_decode_mean_acceptance_length"] > 3.5
-    assert stats["spec_decode_draft_mirrored_tokens"] > 0
+    assert stats["spec_decode_draft_kv_tokens"] > 0
 
 
 @pytest.mark.parametrize("block_size", [4, 8])
@@ -131,7 +132,7 @@ def test_self_draft_keeps_its_kv_through_preemption_and_prefix_hits(mode, make_l
     assert llm.stats()["prefix_cache_hit_rate"] > 0
 
 
-def test_self_draft_fills_its_kv_after_a_transfer(make_llm, hf_greedy):
+def test_self_draft_computes_its_kv_after_a_transfer(make_llm, hf_greedy):
     """A request that continues from transferred KV (migration, disaggregated prefill) gets
     the target's layers only; the draft computes its own, and accepts everything after."""
     source, target = make_llm("llama", draft=None, block_size=8), make_llm("llama", block_size=8)
@@ -146,16 +147,34 @@ def test_self_draft_fills_its_kv_after_a_transfer(make_llm, hf_greedy):
     engine.abort_request("src")
     engine.step()
     proposed, accepted = counts(target)
-    filled = target.stats()["spec_decode_draft_filled_tokens"]
+    computed = target.stats()["spec_decode_draft_kv_tokens"]
     target.engine.add_request("dst", prompt, greedy(), kv_transfer=transfer, output_token_ids=done)
     final = None
     while target.engine.has_unfinished_requests():
         for output in target.engine.step():
             final = output
     assert list(final.outputs[0].token_ids) == hf_greedy("llama", prompt, MAX_TOKENS)
-    assert target.stats()["spec_decode_draft_filled_tokens"] - filled == len(prompt) + len(done) - 1
+    # The draft computed the transferred positions, then each step's new ones: every position once.
+    assert target.stats()["spec_decode_draft_kv_tokens"] - computed < len(prompt) + MAX_TOKENS
     new_proposed, new_accepted = counts(target)
     assert new_proposed > proposed and new_accepted - accepted == new_proposed - proposed
+
+
+def test_the_draft_costs_nothing_until_a_sequence_proposes(make_llm, hf_greedy):
+    """Its KV is computed when a sequence proposes: sequences that never do (the batch holds
+    ``disable_by_batch_size`` of them to the end) never run it; a lone one then catches up
+    on its whole prompt and proposes, every proposal right."""
+    llm = make_llm("llama", speculative_config=draft_config(make_llm.target("llama"), disable_by_batch_size=2))
+    prompts = random_prompts((12, 12, 12), seed=5)
+    before = llm.stats()
+    assert outputs_of(llm.generate(prompts, greedy(), use_tqdm=False)) == [
+        hf_greedy("llama", p, MAX_TOKENS) for p in prompts]
+    after = llm.stats()
+    assert after["spec_decode_draft_kv_tokens"] == before["spec_decode_draft_kv_tokens"]
+    assert after["spec_decode_num_drafts"] == before["spec_decode_num_drafts"]
+    assert after["spec_decode_num_disabled_steps"] > before["spec_decode_num_disabled_steps"]
+    assert generate_all_accepted(llm, prompts[:1], greedy()) == [hf_greedy("llama", prompts[0], MAX_TOKENS)]
+    assert llm.stats()["spec_decode_draft_kv_tokens"] > after["spec_decode_draft_kv_tokens"] + len(prompts[0])
 
 
 # ---- another draft: whatever it proposes, the output is exact -----------------------------------

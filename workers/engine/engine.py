@@ -184,7 +184,7 @@ class LLMEngine:
             draft = EagleProposer(spec.model, self.runner, spec.num_speculative_tokens, max_len)
         else:
             draft = DraftModel(spec.model, self.runner, spec.num_speculative_tokens, max_len,
-                               self.config.trust_remote_code, self.config.kernel_backend)
+                               self.max_num_batched_tokens, self.config.trust_remote_code, self.config.kernel_backend)
         logger.info("%s %s (%.1fM parameters); its KV takes %d bytes a block beside the target's %d",
                     spec.method, spec.model, draft.num_parameters / 1e6,
                     draft.cache_shape(self.config.block_size).bytes_per_block,
@@ -195,6 +195,7 @@ class LLMEngine:
         """Blocks freed out of the target's sliding window must be out of the draft's too."""
         if freeing_window is None:
             return
+        self.draft.freeing_window = freeing_window
         attention = getattr(self.draft, "runner", None) and self.draft.runner.attention
         if attention is None or not attention.is_all_windowed or attention.max_sliding_window > freeing_window:
             raise ValueError(f"speculative_config.model {self.draft.model!r} attends beyond the target's "
@@ -672,8 +673,6 @@ class LLMEngine:
         request = seq.request
         start = time.perf_counter()
         import_kv(self.runner.kv_cache, request.kv_transfer, sched.block_table)
-        if self.draft is not None:   # a transfer carries the target's KV only
-            self.draft.fill(sched.block_table, seq.token_ids, sched.num_imported_tokens)
         request.metrics.kv_transfer_bytes += request.kv_transfer.num_bytes
         request.metrics.kv_transfer_s += time.perf_counter() - start
         request.kv_transfer = None

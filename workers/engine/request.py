@@ -61,6 +61,8 @@ class Sequence:
     # count before which it proposes no more.
     num_rejected_drafts: int = 0
     proposes_from_output: int = 0
+    # Positions whose draft model KV is in its blocks (the draft computes the rest when it proposes).
+    num_draft_computed: int = 0
 
     def __post_init__(self) -> None:
         self.output_token_ids = self.token_ids[self.num_prompt_tokens:]

@@ -53,14 +53,14 @@ class DraftKV:
                        copy_on_write: list[tuple[int, int]]) -> None:
         self.cache.execute_copies(swap_out, swap_in, copy_on_write)
 
-    def stats(self, model: str, num_parameters: int, num_mirrored_tokens: int, num_filled_tokens: int) -> dict:
-        """The proposer's part of the engine's stats: its checkpoint, size and KV."""
+    def stats(self, model: str, num_parameters: int, num_kv_tokens: int) -> dict:
+        """The proposer's part of the engine's stats: its checkpoint, size and KV
+        (``num_kv_tokens``: tokens whose KV it computed into their slots)."""
         return {"spec_decode_draft_model": model,
                 "spec_decode_draft_parameters": num_parameters,
                 "spec_decode_draft_kv_bytes_per_block": self.shape.bytes_per_block,
                 "spec_decode_draft_scratch_blocks": self.num_scratch_blocks,
-                "spec_decode_draft_mirrored_tokens": num_mirrored_tokens,
-                "spec_decode_draft_filled_tokens": num_filled_tokens}
+                "spec_decode_draft_kv_tokens": num_kv_tokens}
 
     def scratch_batch(self, rows: list[int], first_positions: list[int]) -> "ScratchBatch":
         """Scratch for sequences in block table ``rows`` whose positions from

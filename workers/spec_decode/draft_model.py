@@ -1,16 +1,21 @@
 """The "draft_model" method: a smaller model with the target's vocabulary proposes its greedy
 continuation, k tokens a step, for every proposing sequence in one forward per token.
 
-Its KV lives in the target's blocks (``draft_kv``), so prefix hits, copy-on-write and swaps
-carry it with the target's.
+Its KV lives in the target's blocks (``draft_kv``), so copy-on-write and swaps carry it with
+the target's. It is computed lazily, when a sequence proposes:
 
-- ``after_forward``: every forward of the target runs the draft over the same chunks, without
-  logits, so the draft's KV holds every position the target computed.
-- ``propose_batch``: a proposing sequence has n known tokens, n - 1 of them computed. The
-  draft decodes from the last one (position n - 1) for k steps, into scratch blocks; the
-  verification step's mirror then writes the draft's KV of those positions into their slots.
-- ``fill``: KV that arrives by transfer (migration, disaggregated prefill) holds the
-  target's layers only; the draft computes its own for those positions.
+- ``Sequence.num_draft_computed`` counts the positions whose draft KV is in the sequence's
+  blocks. A proposing sequence has n known tokens, n - 1 of them computed by the target;
+  ``propose_batch`` first runs the draft over the positions it lacks (the tokens accepted
+  since its last proposal, or a whole prompt), into their slots;
+- then it decodes from the last token (position n - 1) for k steps, into scratch blocks
+  (their slots are given by the plan, after the proposals);
+- a sequence that does not propose (switched off by ``disable_by_batch_size``, paused by
+  the back-off, or with sampling features the verifier cannot honour) costs the draft
+  nothing until it does;
+- a chunk the target computes from before the draft's count (recompute after preemption, a
+  prefix hit) resets the count to 0: those blocks may hold no draft KV, or another
+  sequence's. KV that arrives by transfer (migration, disaggregated prefill) starts at 0 too.
 
 The draft's KV only shapes what is proposed: verification keeps the output exact whatever
 the draft proposes (``verifier``: proposals are point masses, accepted with the target's
@@ -19,13 +24,11 @@ probability of them).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import torch
 
 from ..engine.request import Sequence
-from ..model.attention import PagedAttentionMetadata
 from ..model.host_lists import int64_tensor, to_device
 from ..model.kv_cache import CacheShape, KVCache
 from ..model.model_input import ExecuteOutput, ModelInput
@@ -45,7 +48,8 @@ class DraftModel:
     """
 
     def __init__(self, model: str, target: ModelRunner, num_speculative_tokens: int, max_model_len: int,
-                 trust_remote_code: bool = False, kernel_backend: str | None = None) -> None:
+                 max_num_batched_tokens: int, trust_remote_code: bool = False,
+                 kernel_backend: str | None = None) -> None:
         self.runner = ModelRunner(model, target.dtype, target.device, trust_remote_code, kernel_backend,
                                   merge_projections=bool(target.merged_projections))
         runner = self.runner
@@ -62,9 +66,11 @@ class DraftModel:
         self.model = model
         self.num_speculative_tokens = num_speculative_tokens
         self.num_parameters = runner.num_parameters
+        self.max_num_batched_tokens = max_num_batched_tokens
+        # The target's sliding window when its blocks out of it are freed (set by the engine).
+        self.freeing_window: int | None = None
         self.kv: DraftKV | None = None
-        self.num_mirrored_tokens = 0
-        self.num_filled_tokens = 0
+        self.num_kv_tokens = 0
 
     # ---- sizing ----------------------------------------------------------------------------
     def cache_shape(self, block_size: int) -> CacheShape:
@@ -89,44 +95,50 @@ class DraftModel:
     def warm_up(self, max_blocks_per_seq: int) -> None:
         self.runner.warm_up_kernels(max_blocks_per_seq)
 
-    # ---- kept in step with the target ------------------------------------------------------
+    # ---- kept up with the target, lazily -------------------------------------------------
     def before_step(self) -> None:
-        """Nothing: the draft's KV is complete after each forward (``after_forward``)."""
+        """Nothing: the draft catches up when it proposes (``propose_batch``)."""
 
     def after_forward(self, seqs: list[Sequence], model_input: ModelInput, output: ExecuteOutput) -> None:
-        """Compute the draft's KV of every token of the target's step (its tables were
-        brought up to date by the target's forward)."""
-        if model_input.pending:
-            raise RuntimeError("a draft model mirrors synchronous steps only (no pending tokens)")
-        self.runner.execute(dataclasses.replace(model_input, table_updates=[], logits_indexes=[], scores=None,
-                                                num_logits=None))
-        self.num_mirrored_tokens += len(model_input.input_ids)
+        """A chunk that the target computes from before a sequence's draft KV ends (recompute
+        after preemption, a prefix hit) leaves none of it trusted: the blocks may be new."""
+        for seq, start in zip(seqs, model_input.starts):
+            if start < seq.num_draft_computed:
+                seq.num_draft_computed = 0
 
     def execute_copies(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
                        copy_on_write: list[tuple[int, int]]) -> None:
         self.kv.execute_copies(swap_out, swap_in, copy_on_write)
 
-    @torch.inference_mode()
-    def fill(self, block_table: list[int], token_ids: list[int], num_tokens: int) -> None:
-        """Compute the draft's KV of a sequence's first ``num_tokens`` tokens, whose target KV
-        arrived by transfer, into the blocks of ``block_table``."""
-        if num_tokens <= 0:
-            return
-        runner = self.runner
-        device = runner.device
-        block_size = self.cache.shape.block_size
-        positions = torch.arange(num_tokens, dtype=torch.int64)
-        table = torch.tensor([block_table], dtype=torch.int32)
-        slots = table[0].to(torch.int64)[positions // block_size] * block_size + positions % block_size
-        meta = PagedAttentionMetadata(
-            slot_mapping=to_device(slots, device), block_tables=to_device(table, device),
-            cu_seqlens_q=to_device(torch.tensor([0, num_tokens], dtype=torch.int32), device),
-            seq_lens=to_device(torch.tensor([num_tokens], dtype=torch.int32), device), is_decode_only=False,
-            kv_caches=self.cache.device_caches, backend=runner.kernel_backend,
-            plan_window=runner.attention.max_sliding_window)
-        runner.run_decoder(to_device(int64_tensor(token_ids[:num_tokens]), device), to_device(positions, device),
-                           meta)
-        self.num_filled_tokens += num_tokens
+    def _catch_up(self, seqs: list[Sequence]) -> None:
+        """The draft's KV of each sequence's computed positions it lacks (from
+        ``num_draft_computed`` on), in forwards of at most ``max_num_batched_tokens`` tokens."""
+        ranges = []
+        for seq in seqs:
+            end = len(seq.token_ids) - 1                   # the target has computed every earlier one
+            start = seq.num_draft_computed
+            if self.freeing_window is not None:            # older blocks are freed; the draft's window is narrower
+                start = max(start, end - self.freeing_window)
+            if start < end:
+                ranges.append([seq, start, end])
+            seq.num_draft_computed = end
+        while ranges:
+            rows, starts, input_ids, counts = [], [], [], []
+            budget = self.max_num_batched_tokens
+            for piece in ranges:
+                seq, start, end = piece
+                count = min(end - start, budget)
+                if count <= 0:
+                    break
+                rows.append(seq.batch_row)
+                starts.append(start)
+                input_ids.extend(seq.token_ids[start:start + count])
+                counts.append(count)
+                piece[1] += count
+                budget -= count
+            self.runner.execute(ModelInput(rows, starts, input_ids, [], num_tokens=counts, logits_indexes=[]))
+            self.num_kv_tokens += len(input_ids)
+            ranges = [piece for piece in ranges if piece[1] < piece[2]]
 
     # ---- proposals -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -134,6 +146,7 @@ class DraftModel:
         """The draft's greedy continuation of each sequence, ``max_num_tokens[i]`` tokens
         (at most k): one decode forward over all of them per token."""
         runner = self.runner
+        self._catch_up(seqs)
         scratch = self.kv.scratch_batch([seq.batch_row for seq in seqs], [len(seq.token_ids) - 1 for seq in seqs])
         input_ids = to_device(int64_tensor([seq.token_ids[-1] for seq in seqs]), runner.device)
         proposed = []
@@ -146,4 +159,4 @@ class DraftModel:
         return [row[:limit] for row, limit in zip(rows, max_num_tokens)]
 
     def stats(self) -> dict:
-        return self.kv.stats(self.model, self.num_parameters, self.num_mirrored_tokens, self.num_filled_tokens)
+        return self.kv.stats(self.model, self.num_parameters, self.num_kv_tokens)

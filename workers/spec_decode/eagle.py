@@ -151,7 +151,7 @@ class EagleProposer:
         self._step: tuple[list[Sequence], ModelInput, torch.Tensor] | None = None
         # Each sequence's estimate at its last computed position, after ``before_step``.
         self._estimates: dict[str, torch.Tensor] = {}
-        self.num_mirrored_tokens = 0
+        self.num_kv_tokens = 0
 
     # ---- sizing ----------------------------------------------------------------------------
     def cache_shape(self, block_size: int) -> CacheShape:
@@ -182,9 +182,6 @@ class EagleProposer:
     def execute_copies(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
                        copy_on_write: list[tuple[int, int]]) -> None:
         self.kv.execute_copies(swap_out, swap_in, copy_on_write)
-
-    def fill(self, block_table: list[int], token_ids: list[int], num_tokens: int) -> None:
-        """Transferred KV: no target hidden states to run the head on (module docstring)."""
 
     # ---- kept in step with the target ------------------------------------------------------
     def after_forward(self, seqs: list[Sequence], model_input: ModelInput, output: ExecuteOutput) -> None:
@@ -230,7 +227,7 @@ class EagleProposer:
         ids = batch.input_ids.to(device)
         features = hidden.index_select(0, to_device(torch.cat(hidden_rows), device))
         estimates = self.head(target.model.get_input_embeddings()(ids), features, batch.positions.to(device), meta)
-        self.num_mirrored_tokens += len(input_ids)
+        self.num_kv_tokens += len(input_ids)
         last_rows = batch.cu_seqlens[1:].to(torch.int64) - 1
         for seq, last_row in zip(kept_seqs, last_rows.tolist()):
             if seq.num_computed == len(seq.token_ids) - 1:   # decoding: its estimate proposes
@@ -266,4 +263,4 @@ class EagleProposer:
         return proposals
 
     def stats(self) -> dict:
-        return self.kv.stats(self.model, self.num_parameters, self.num_mirrored_tokens, 0)
+        return self.kv.stats(self.model, self.num_parameters, self.num_kv_tokens)
