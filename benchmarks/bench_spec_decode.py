@@ -18,7 +18,9 @@ run to the end
   cut by the back-off).
 
 Then the adaptive rule: ``--large-batch`` sequences with nothing right (acceptance 0), with
-``disable_by_batch_size`` at ``--disable-at`` and without it, against the baseline.
+``disable_by_batch_size`` at ``--disable-at`` and without it, against the baseline; and a
+random draft model of ``<size>-draft`` with ``disable_by_batch_size`` (its KV is computed only
+for sequences that propose, so a batch that proposes nothing should not pay for it).
 
 The contenders run in turns, ``--rounds`` times; each row is one run: output tok/s, its ratio
 to the baseline's run of the same round, and the mean acceptance length it measured (vLLM's
@@ -152,7 +154,10 @@ def main(argv=None) -> None:
         base = _engine(path, batch, args.prompt, max_tokens, None)
         always = _engine(path, batch, args.prompt, max_tokens, ngram)
         adaptive = _engine(path, batch, args.prompt, max_tokens, {**ngram, "disable_by_batch_size": args.disable_at})
-        for llm in (base, always, adaptive):
+        draft = _engine(path, batch, args.prompt, max_tokens,
+                        {"method": "draft_model", "model": str(ensure_model("llama", f"{args.size}-draft")),
+                         "num_speculative_tokens": args.k, "disable_by_batch_size": args.disable_at})
+        for llm in (base, always, adaptive, draft):
             _run(llm, prompts, 4)
         for round_index in range(args.rounds):
             base_rate, _, expected = _run(base, prompts, max_tokens)
@@ -162,6 +167,8 @@ def main(argv=None) -> None:
                 llm.engine.speculator.proposer = ScriptedProposer(scripted, args.k, 0, llm.engine.runner.vocab_size)
                 rate, acceptance, _ = _run(llm, prompts, max_tokens, expected)
                 rows.append((f"0 right, {name}", rate, rate / base_rate, acceptance))
+            rate, acceptance, _ = _run(draft, prompts, max_tokens, expected)
+            rows.append((f"draft model, disable_by_batch_size {args.disable_at}", rate, rate / base_rate, acceptance))
             _report(f"adaptive rule, round {round_index + 1}", batch, rows)
 
 
