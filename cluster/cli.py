@@ -32,7 +32,7 @@ def _add_make_model_parser(subparsers) -> None:
         ),
     )
     parser.add_argument("--arch", choices=ARCHS, default="llama", help="model family (default: llama)")
-    parser.add_argument("--size", choices=SIZES, default="tiny", help="tiny (~0.2M params), small (~25M), 1b (~852M, for GPU benchmarks), tiny-draft / small-draft (draft models of tiny and small for speculative decoding), or tiny-eagle / small-eagle (EAGLE heads for them)")
+    parser.add_argument("--size", choices=SIZES, default="tiny", help="tiny (~0.2M params), small (~25M), 1b (~852M, for GPU benchmarks), tiny-draft / small-draft (draft models of tiny and small for speculative decoding), or tiny-eagle / small-eagle and tiny-eagle3 / small-eagle3 (EAGLE and EAGLE-3 heads for them)")
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory (created if missing)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="weight seed (default: 0)")
     parser.set_defaults(run=_run_make_model)

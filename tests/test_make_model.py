@@ -158,6 +158,24 @@ def test_an_eagle_head_has_vllms_layout(tmp_path):
     assert not (path / "tokenizer.json").exists()
 
 
+def test_an_eagle3_head_has_vllms_layout(tmp_path):
+    """fc over three of the target's hidden states, a midlayer over [embedding, hidden], norm,
+    an LM head over a draft vocabulary of target ids (d2t, and t2d its reverse)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    path = make_model("llama", "tiny-eagle3", tmp_path / "head", seed=0)
+    weights = load_file(str(path / "model.safetensors"))
+    config = AutoConfig.from_pretrained(path)
+    assert weights["fc.weight"].shape == (64, 192) and weights["midlayer.self_attn.q_proj.weight"].shape == (64, 128)
+    assert weights["lm_head.weight"].shape == (config.draft_vocab_size, 64) == (512, 64)
+    targets = torch.arange(512) + weights["d2t"]
+    assert bool((targets.diff() > 0).all()) and int(targets.max()) < 1024
+    assert torch.equal(weights["t2d"].nonzero().flatten(), targets)
+    assert config.eagle_aux_hidden_state_layer_ids == [0, 1, 1]
+
+
 def test_arch_specific_config():
     assert model_factory.build_config("qwen3", "tiny").head_dim == 16
     assert model_factory.build_config("mistral", "tiny").sliding_window is None

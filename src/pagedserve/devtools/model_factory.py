@@ -34,6 +34,12 @@ maps a token's embedding and the target's hidden state at the position before
 it to the layer's input; the target's embeddings and LM head are shared. There
 is no tokenizer (the target's is used).
 
+``tiny-eagle3`` and ``small-eagle3`` are EAGLE-3 heads (method "eagle3") in the
+layout vLLM loads: ``fc`` over the target's hidden states entering three of its
+layers, one ``midlayer`` attending over [embedding, hidden] (2 x the width),
+``norm``, and an LM head over a draft vocabulary of half the target's, mapped to
+target ids by ``d2t``.
+
 ``tiny-tp`` is ``tiny`` with head counts that divide by 2 and 4 (tensor-parallel
 tests). ``qwen3_moe`` is a mixture of experts: every layer routes each token to
 2 of 4 experts of width ``intermediate // 4`` rounded up to a multiple of 32
@@ -65,9 +71,14 @@ from typing import Callable
 # that reading ARCHS/SIZES (the CLI's argument choices) stays cheap.
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
-SIZES = ("tiny", "tiny-tp", "small", "1b", "tiny-draft", "small-draft", "tiny-eagle", "small-eagle")
+SIZES = ("tiny", "tiny-tp", "small", "1b", "tiny-draft", "small-draft", "tiny-eagle", "small-eagle",
+         "tiny-eagle3", "small-eagle3")
 # EAGLE heads (speculative decoding) and the size of the target each one is for.
 EAGLE_TARGETS = {"tiny-eagle": "tiny", "small-eagle": "small"}
+EAGLE3_TARGETS = {"tiny-eagle3": "tiny", "small-eagle3": "small"}
+# The target layers whose incoming hidden states an EAGLE-3 head reads (vLLM's default for a
+# Llama of L layers, 2, L // 2 and L - 3, needs L >= 4: tiny has 2).
+EAGLE3_AUX_LAYERS = {"tiny": [0, 1, 1], "small": [2, 4, 5]}
 
 PAD_TOKEN = "<|pad|>"
 BOS_TOKEN = "<|bos|>"
@@ -389,6 +400,8 @@ def make_model(arch: str, size: str, out_dir, seed: int = 0) -> Path:
     _check_arguments(arch, size, seed)
     if size in EAGLE_TARGETS:
         return make_eagle_head(EAGLE_TARGETS[size], out_dir, seed, marker={"arch": arch, "size": size})
+    if size in EAGLE3_TARGETS:
+        return make_eagle3_head(EAGLE3_TARGETS[size], out_dir, seed, marker={"arch": arch, "size": size})
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -449,6 +462,54 @@ def make_eagle_head(target_size: str, out_dir, seed: int = 0, marker: dict | Non
     save_file({name: param.detach().contiguous() for name, param in head.named_parameters()},
               str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     marker = {**(marker or {"size": f"{target_size}-eagle"}), "seed": seed, "factory_version": FACTORY_VERSION}
+    (out_dir / _MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+    return out_dir
+
+
+def make_eagle3_head(target_size: str, out_dir, seed: int = 0, marker: dict | None = None) -> Path:
+    """Write a random EAGLE-3 head for a ``target_size`` target into ``out_dir``: ``config.json``
+    (``draft_vocab_size``, ``eagle_aux_hidden_state_layer_ids``) and ``model.safetensors`` with
+    ``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t`` and ``t2d`` (EAGLE-3's layout)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
+
+    shape = SHAPES[target_size]
+    hidden, draft_vocab = shape.hidden_size, shape.vocab_size // 2
+    config = LlamaConfig(
+        vocab_size=shape.vocab_size, hidden_size=hidden, intermediate_size=shape.intermediate_size,
+        num_hidden_layers=1, num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim,
+        max_position_embeddings=shape.max_position_embeddings, hidden_act="silu", rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
+        attention_bias=False, architectures=["LlamaForCausalLMEagle3"], dtype="float32",
+        draft_vocab_size=draft_vocab, eagle_aux_hidden_state_layer_ids=EAGLE3_AUX_LAYERS[target_size])
+    with torch.random.fork_rng(devices=[]):
+        head = torch.nn.Module()
+        head.fc = torch.nn.Linear(3 * hidden, hidden, bias=False)
+        layer = head.midlayer = torch.nn.Module()
+        layer.input_layernorm = LlamaRMSNorm(hidden)
+        layer.hidden_norm = LlamaRMSNorm(hidden)
+        layer.self_attn = LlamaAttention(config, 0)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(layer.self_attn, name,
+                    torch.nn.Linear(2 * hidden, getattr(layer.self_attn, name).out_features, bias=False))
+        layer.post_attention_layernorm = LlamaRMSNorm(hidden)
+        layer.mlp = LlamaMLP(config)
+        head.norm = LlamaRMSNorm(hidden)
+        head.lm_head = torch.nn.Linear(hidden, draft_vocab, bias=False)
+    _init_weights(head, seed)
+    tensors = {name: param.detach().contiguous() for name, param in head.named_parameters()}
+    # The draft vocabulary: a seeded choice of target ids, in order; d2t[d] = target id - d.
+    chosen = torch.randperm(shape.vocab_size, generator=torch.Generator().manual_seed(seed))[:draft_vocab].sort().values
+    tensors["d2t"] = chosen - torch.arange(draft_vocab)
+    tensors["t2d"] = torch.zeros(shape.vocab_size, dtype=torch.bool).index_fill_(0, chosen, True)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(out_dir)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    marker = {**(marker or {"size": f"{target_size}-eagle3"}), "seed": seed, "factory_version": FACTORY_VERSION}
     (out_dir / _MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
     return out_dir
 
