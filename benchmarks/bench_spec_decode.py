@@ -101,7 +101,7 @@ def main(argv=None) -> None:
     parser.add_argument("--large-max-tokens", type=int, default=32)
     parser.add_argument("--disable-at", type=int, default=32, help="disable_by_batch_size at the large batch")
     parser.add_argument("--drafts", default=None,
-                        help="draft models: self, or make-model sizes: <size>-draft, <size>-eagle "
+                        help="draft models: self, or make-model sizes: <size>-draft, <size>-eagle, <size>-eagle3 "
                              "(default: self,<size>-draft,<size>-eagle)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -125,7 +125,7 @@ def main(argv=None) -> None:
         drafts = {}
         for draft in (args.drafts or f"self,{args.size}-draft,{args.size}-eagle").split(","):
             model = path if draft == "self" else str(ensure_model("llama", draft))
-            method = "eagle" if draft.endswith("-eagle") else "draft_model"
+            method = next((m for m in ("eagle3", "eagle") if draft.endswith(f"-{m}")), "draft_model")
             drafts[draft] = _engine(path, batch, args.prompt, args.max_tokens,
                                     {"method": method, "model": model, "num_speculative_tokens": args.k})
         for llm in (base, speculating, *drafts.values()):

@@ -40,8 +40,9 @@ def outputs_of(results) -> list[list[int]]:
     return [list(completion.token_ids) for result in results for completion in result.outputs]
 
 
-def eagle_config(arch: str = "llama", **kwargs) -> dict:
-    return {"method": "eagle", "model": str(ensure_model(arch, "tiny-eagle")), "num_speculative_tokens": K, **kwargs}
+def eagle_config(arch: str = "llama", method: str = "eagle", **kwargs) -> dict:
+    size = "tiny-eagle3" if method == "eagle3" else "tiny-eagle"
+    return {"method": method, "model": str(ensure_model(arch, size)), "num_speculative_tokens": K, **kwargs}
 
 
 class DenseEagle:
@@ -92,14 +93,86 @@ class DenseEagle:
                           position_embeddings=self.rotary(inputs[None], positions))[0]
 
 
+class DenseEagle3(DenseEagle):
+    """EAGLE-3's head the same way: ``fc`` over the target's hidden states entering three of
+    its layers, one midlayer over [input_layernorm(embedding), hidden_norm(hidden)], ``norm``,
+    the head's LM head over its draft vocabulary and ``d2t``."""
+
+    def __init__(self, arch: str, target_path: str) -> None:
+        from safetensors.torch import load_file
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaMLP, LlamaRMSNorm,
+                                                              LlamaRotaryEmbedding)
+
+        self.target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+        head_path = ensure_model(arch, "tiny-eagle3")
+        config = AutoConfig.from_pretrained(head_path)
+        config._attn_implementation = "eager"
+        self.aux = config.eagle_aux_hidden_state_layer_ids
+        weights = load_file(str(head_path / "model.safetensors"))
+        hidden = config.hidden_size
+
+        def linear(name: str) -> torch.nn.Linear:
+            weight = weights[name]
+            layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+            layer.weight.data.copy_(weight)
+            return layer
+
+        def norm(name: str) -> LlamaRMSNorm:
+            layer = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+            layer.weight.data.copy_(weights[name])
+            return layer
+
+        self.fc, self.lm_head, self.d2t = linear("fc.weight"), linear("lm_head.weight"), weights["d2t"]
+        self.input_norm, self.hidden_norm = norm("midlayer.input_layernorm.weight"), norm("midlayer.hidden_norm.weight")
+        self.post_norm, self.norm = norm("midlayer.post_attention_layernorm.weight"), norm("norm.weight")
+        self.attention = LlamaAttention(config, 0).eval()
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(self.attention, name, linear(f"midlayer.self_attn.{name}.weight"))
+        self.mlp = LlamaMLP(config).eval()
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            setattr(self.mlp, name, linear(f"midlayer.mlp.{name}.weight"))
+        self.rotary = LlamaRotaryEmbedding(config)
+
+    @torch.inference_mode()
+    def proposals(self, token_ids: list[int], k: int) -> list[int]:
+        embed = self.target.get_input_embeddings()
+        ids = torch.tensor([token_ids])
+        states = self.target.model(input_ids=ids[:, :-1], output_hidden_states=True).hidden_states
+        hidden = self.fc(torch.cat([states[i][0] for i in self.aux], dim=-1))    # positions 0..n-2
+        embeddings = embed(ids[0, 1:])                                             # token i + 1
+        proposed = []
+        for _ in range(k):
+            normed, residual = self._midlayer(embeddings, hidden)
+            token = int(self.lm_head(normed[-1]).argmax())
+            token += int(self.d2t[token])
+            proposed.append(token)
+            embeddings = torch.cat([embeddings, embed(torch.tensor([token]))])
+            hidden = torch.cat([hidden, residual[-1:]])
+        return proposed
+
+    def _midlayer(self, embeddings: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        num = hidden.shape[0]
+        positions = torch.arange(num)[None]
+        mask = torch.full((num, num), float("-inf")).triu(1)[None, None]
+        states = torch.cat([self.input_norm(embeddings), self.hidden_norm(hidden)], dim=-1)[None]
+        attended, _ = self.attention(states, position_embeddings=self.rotary(hidden[None], positions),
+                                     attention_mask=mask)
+        residual = attended[0] + hidden
+        residual = self.mlp(self.post_norm(residual)) + residual
+        return self.norm(residual), residual
+
+
 @pytest.fixture(scope="module")
 def dense(tiny_model):
-    cache: dict[str, DenseEagle] = {}
+    cache: dict[tuple[str, str], DenseEagle] = {}
 
-    def get(arch: str = "llama") -> DenseEagle:
-        if arch not in cache:
-            cache[arch] = DenseEagle(arch, tiny_model(arch))
-        return cache[arch]
+    def get(arch: str = "llama", method: str = "eagle") -> DenseEagle:
+        if (arch, method) not in cache:
+            kind = DenseEagle3 if method == "eagle3" else DenseEagle
+            cache[arch, method] = kind(arch, tiny_model(arch))
+        return cache[arch, method]
 
     return get
 
@@ -127,19 +200,22 @@ def make(tiny_model, arch: str = "llama", **kwargs) -> LLM:
     return llm
 
 
-@pytest.mark.parametrize(("arch", "engine"), [
-    ("llama", {}),
-    ("qwen3", {"block_size": 4}),
-    ("llama", {"block_size": 8, "max_num_batched_tokens": 16}),   # chunked prefill, cut verifications
+@pytest.mark.parametrize(("method", "arch", "engine"), [
+    ("eagle", "llama", {}),
+    ("eagle", "qwen3", {"block_size": 4}),
+    ("eagle", "llama", {"block_size": 8, "max_num_batched_tokens": 16}),   # chunked prefill, cut verifications
+    ("eagle3", "llama", {}),
+    ("eagle3", "qwen3", {"block_size": 8, "max_num_batched_tokens": 16}),
 ])
-def test_every_proposal_is_the_dense_heads_and_the_output_is_exact(arch, engine, tiny_model, dense, hf_greedy):
-    llm = make(tiny_model, arch, **engine)
+def test_every_proposal_is_the_dense_heads_and_the_output_is_exact(method, arch, engine, tiny_model, dense,
+                                                                   hf_greedy):
+    llm = make(tiny_model, arch, speculative_config=eagle_config(arch, method), **engine)
     seen = recording(llm)
     prompts = random_prompts((3, 9, 16, 17, 30), seed=1)
     outputs = outputs_of(llm.generate(prompts, greedy(), use_tqdm=False))
     assert outputs == [hf_greedy(arch, p, MAX_TOKENS) for p in prompts]
     assert len(seen) >= 10
-    reference = dense(arch)
+    reference = dense(arch, method)
     for token_ids, proposal in seen:
         assert proposal == reference.proposals(token_ids, len(proposal)), token_ids
     assert_idle(llm)
@@ -185,11 +261,14 @@ def test_the_heads_kv_is_counted_in_the_pool_budget(tiny_model):
 def test_bad_heads_are_refused_by_name(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="needs model"):
         SpeculativeConfig(method="eagle", num_speculative_tokens=2)
-    with pytest.raises(ValueError, match="eagle3.*not supported yet"):
-        SpeculativeConfig(method="eagle3", model="/a/head", num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="mtp.*not supported yet"):
+        SpeculativeConfig(method="mtp", model="/a/head", num_speculative_tokens=2)
     small_head = str(ensure_model("llama", "small-eagle"))   # width 512; tiny is 64
     with pytest.raises(ValueError, match="width 512"):
         make(tiny_model, speculative_config={"method": "eagle", "model": small_head, "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="not an EAGLE head"):   # a whole model is not a head
         make(tiny_model, speculative_config={"method": "eagle", "model": tiny_model("llama"),
                                              "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="aux hidden state layers"):   # vLLM's default layers need 4 or more
+        make(tiny_model, speculative_config=eagle_config(method="eagle3") | {
+            "model": str(ensure_model("llama", "tiny-eagle"))})

@@ -151,7 +151,7 @@ class LLMEngine:
         ``enable_lora`` and an EAGLE head, which reads every step's hidden states, turn it off)."""
         spec = self.config.speculative_config
         return (self.runner.device.type == "cuda" and not self.config.enforce_eager and not self.config.enable_lora
-                and not (spec is not None and spec.method == "eagle"))
+                and not (spec is not None and spec.method in ("eagle", "eagle3")))
 
     @property
     def _uses_compile(self) -> bool:
@@ -178,10 +178,10 @@ class LLMEngine:
         ``speculative_config``, on the target's device and dtype (loaded before the pools are
         sized: its KV shares their blocks)."""
         spec = self.config.speculative_config
-        if spec is None or spec.method not in ("draft_model", "eagle"):
+        if spec is None or spec.method not in ("draft_model", "eagle", "eagle3"):
             return None
-        if spec.method == "eagle":
-            draft = EagleProposer(spec.model, self.runner, spec.num_speculative_tokens, max_len)
+        if spec.method in ("eagle", "eagle3"):
+            draft = EagleProposer(spec.model, self.runner, spec.num_speculative_tokens, max_len, spec.method)
         else:
             draft = DraftModel(spec.model, self.runner, spec.num_speculative_tokens, max_len,
                                self.max_num_batched_tokens, self.config.trust_remote_code, self.config.kernel_backend)

@@ -7,9 +7,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # vLLM's method names. Only these are implemented; the others are refused by name.
-SUPPORTED_METHODS = ("ngram", "draft_model", "eagle")
+SUPPORTED_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 # Methods that read a checkpoint named by ``model``.
-MODEL_METHODS = ("draft_model", "eagle")
+MODEL_METHODS = ("draft_model", "eagle", "eagle3")
 SpeculativeMethod = Literal["ngram", "draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator",
                             "suffix"]
 # vLLM's spellings of "no model, prompt lookup" in ``model``.
@@ -33,13 +33,13 @@ class SpeculativeConfig(BaseModel):
     method: SpeculativeMethod | None = None
     """How tokens are proposed. "ngram": prompt lookup over the request's own tokens (no model).
     "draft_model": a smaller model with the target's vocabulary, run by the same engine on KV
-    in the target's blocks, proposes its greedy continuation. "eagle": an EAGLE head (vLLM's
-    EagleLlamaForCausalLM layout) proposes from the target's hidden states. vLLM's other
-    methods (eagle3, mtp, ...) are refused: not supported yet. Unset: "ngram" when ``model``
-    is "ngram" or "[ngram]", else "draft_model" when ``model`` is set."""
+    in the target's blocks, proposes its greedy continuation. "eagle" and "eagle3": an EAGLE
+    or EAGLE-3 head (vLLM's Eagle(3)LlamaForCausalLM layouts) proposes from the target's
+    hidden states. vLLM's other methods (mtp, ...) are refused: not supported yet. Unset:
+    "ngram" when ``model`` is "ngram" or "[ngram]", else "draft_model" when ``model`` is set."""
     model: str | None = None
     """The draft model or EAGLE head (vLLM's key): a checkpoint path or hub id, for
-    "draft_model" and "eagle"; unset, "ngram" or "[ngram]" for "ngram"."""
+    "draft_model", "eagle" and "eagle3"; unset, "ngram" or "[ngram]" for "ngram"."""
     num_speculative_tokens: int = Field(ge=1, le=64)
     """Tokens proposed per sequence and step at most (k); a verification step computes k + 1."""
     prompt_lookup_min: int | None = Field(None, ge=1)

@@ -1,16 +1,12 @@
-"""The "eagle" method: an EAGLE head (Li et al. 2024) proposes from the target's hidden states.
-
-The head, in the layout vLLM loads (``EagleLlamaForCausalLM``): ``fc`` maps [embedding of
-token i + 1, target's hidden state at position i] to one or more Llama decoder layers (the
-first without its input norm), whose output estimates the target's hidden state at
-position i + 1; the target's LM head turns it into a distribution over token i + 2. The
-target's embeddings and LM head are shared (a checkpoint's own ``embed_tokens`` is not read,
-as in vLLM).
+"""The "eagle" and "eagle3" methods: an EAGLE head (Li et al. 2024, 2025) proposes from the
+target's hidden states (the heads and their layouts: ``eagle_heads``).
 
 Its KV lives in the target's blocks (``draft_kv``): the head's entry at position i is
-computed from (token i + 1, hidden state i), so it trails the target by one token.
+computed from (token i + 1, the target's hidden states at i), so it trails the target by one
+token.
 
-- ``after_forward`` keeps the target's hidden states of the step.
+- ``after_forward`` keeps what the head takes from the target's step: its last hidden
+  states (EAGLE), or those entering three of its layers, caught on their way in (EAGLE-3).
 - ``before_step`` (the next step, once the step's tokens are known) runs the head over each
   sequence's kept positions of that step, each with the token after it: the head's KV of
   those positions, and at each sequence's last computed position (n - 2 of n known tokens)
@@ -24,121 +20,39 @@ head's KV of them is not written, which lowers that sequence's acceptance, never
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-from pathlib import Path
 
 import torch
 
 from ..engine.request import Sequence
-from ..model.attention import PagedAttentionMetadata, register_paged_attention
-from ..model.host_lists import int64_tensor, to_device
+from ..model.attention import PagedAttentionMetadata
+from ..model.host_lists import to_device
 from ..model.kv_cache import CacheShape, KVCache
 from ..model.model_input import ExecuteOutput, ModelInput, flatten
 from ..model.model_runner import ModelRunner
 from .draft_kv import DraftKV
+from .eagle_heads import load_eagle_head
 
 logger = logging.getLogger(__name__)
-
-# Names a head checkpoint may hold besides fc.* and layers.*: the embeddings, shared with the
-# target instead (vLLM's rule).
-SHARED_WITH_TARGET = ("embed_tokens.weight",)
-
-
-class EagleHead(torch.nn.Module):
-    """``fc`` and the decoder layers of an EAGLE head, attending through the paged cache."""
-
-    def __init__(self, config, has_fc_bias: bool) -> None:
-        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
-
-        super().__init__()
-        config._attn_implementation = register_paged_attention()
-        hidden = config.hidden_size
-        self.fc = torch.nn.Linear(2 * hidden, hidden, bias=has_fc_bias)
-        self.layers = torch.nn.ModuleList([LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
-        self.layers[0].input_layernorm = torch.nn.Identity()
-        self.rotary_emb = LlamaRotaryEmbedding(config)
-
-    def forward(self, embeddings: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                meta: PagedAttentionMetadata) -> torch.Tensor:
-        """[tokens, hidden] estimates of the target's next hidden states."""
-        states = self.fc(torch.cat([embeddings, hidden], dim=-1)).unsqueeze(0)
-        position_ids = positions.unsqueeze(0)
-        rotary = self.rotary_emb(states, position_ids)
-        for layer in self.layers:
-            states = layer(states, position_ids=position_ids, position_embeddings=rotary, paged_metadata=meta)
-        return states[0]
-
-
-def load_eagle_head(model: str, target: ModelRunner) -> tuple[EagleHead, object]:
-    """The head in ``model`` (a folder, or a hub id in the local cache), on the target's
-    device and dtype, and its config. Refuses a head of another width or family."""
-    from transformers import AutoConfig
-
-    path = _resolve(model)
-    config = AutoConfig.from_pretrained(path)
-    if config.model_type != "llama":
-        raise ValueError(f"speculative_config.model {model!r}: an EAGLE head of model_type {config.model_type!r}; "
-                         "only Llama-layer heads (vLLM's EagleLlamaForCausalLM layout) are supported")
-    target_hidden = target.config.get_text_config().hidden_size
-    if config.hidden_size != target_hidden:
-        raise ValueError(f"speculative_config.model {model!r}: an EAGLE head of width {config.hidden_size} for a "
-                         f"target of width {target_hidden}")
-    weights = _read_weights(path)
-    names = {name.removeprefix("model."): tensor for name, tensor in weights.items()}
-    for name in SHARED_WITH_TARGET:
-        names.pop(name, None)
-    head = EagleHead(config, has_fc_bias="fc.bias" in names)
-    expected = set(head.state_dict()) - {"layers.0.input_layernorm.weight"}
-    expected = {name for name in expected if not name.startswith("rotary_emb.")}
-    unknown, missing = set(names) - expected, expected - set(names)
-    if unknown or missing:
-        raise ValueError(f"speculative_config.model {model!r} is not an EAGLE head in vLLM's layout: "
-                         + "; ".join(part for part in (f"unexpected {sorted(unknown)[:5]}" if unknown else "",
-                                                       f"missing {sorted(missing)[:5]}" if missing else "") if part))
-    head.load_state_dict(names, strict=False)
-    return head.to(device=target.device, dtype=target.dtype).eval(), config
-
-
-def _resolve(model: str) -> str:
-    if os.path.isdir(model):
-        return model
-    from huggingface_hub import snapshot_download
-
-    return snapshot_download(model)
-
-
-def _read_weights(path: str) -> dict[str, torch.Tensor]:
-    folder = Path(path)
-    tensors: dict[str, torch.Tensor] = {}
-    files = sorted(folder.glob("*.safetensors"))
-    if files:
-        from safetensors.torch import load_file
-
-        for file in files:
-            tensors.update(load_file(str(file)))
-        return tensors
-    files = sorted(folder.glob("pytorch_model*.bin"))
-    if not files:
-        raise ValueError(f"speculative_config.model {path!r}: no *.safetensors or pytorch_model*.bin weights")
-    for file in files:
-        tensors.update(torch.load(file, map_location="cpu", weights_only=True))
-    return tensors
 
 
 class EagleProposer:
     """An EAGLE head beside the target's runner (module docstring). ``allocate_cache`` must
     run before the first step."""
 
-    def __init__(self, model: str, target: ModelRunner, num_speculative_tokens: int, max_model_len: int) -> None:
+    def __init__(self, model: str, target: ModelRunner, num_speculative_tokens: int, max_model_len: int,
+                 method: str = "eagle") -> None:
         if not isinstance(target, ModelRunner):
-            raise ValueError("speculative_config.method \"eagle\" runs on one device: "
+            raise ValueError(f"speculative_config.method \"{method}\" runs on one device: "
                              "tensor_parallel_size > 1 is not supported with an EAGLE head yet")
-        self.head, config = load_eagle_head(model, target)
+        self.head, config = load_eagle_head(model, target, method)
         self.model = model
         self.target = target
-        target.keep_hidden_states = True
+        self._aux: dict[int, torch.Tensor] = {}   # EAGLE-3: layer -> the hidden states entering it
+        if self.head.aux_layer_ids is None:
+            target.keep_hidden_states = True
+        else:
+            self._catch_aux_hidden_states(target, self.head.aux_layer_ids)
         self.block_tables = target.block_tables
         self.num_speculative_tokens = num_speculative_tokens
         self.num_parameters = sum(p.numel() for p in self.head.parameters())
@@ -149,8 +63,9 @@ class EagleProposer:
         self.kv: DraftKV | None = None
         # The step the head has not seen yet: its chunks' sequences, input and hidden states.
         self._step: tuple[list[Sequence], ModelInput, torch.Tensor] | None = None
-        # Each sequence's estimate at its last computed position, after ``before_step``.
-        self._estimates: dict[str, torch.Tensor] = {}
+        # Each sequence's estimate at its last computed position, and the state the next
+        # proposal reads, after ``before_step``.
+        self._estimates: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.num_kv_tokens = 0
 
     # ---- sizing ----------------------------------------------------------------------------
@@ -184,11 +99,29 @@ class EagleProposer:
         self.kv.execute_copies(swap_out, swap_in, copy_on_write)
 
     # ---- kept in step with the target ------------------------------------------------------
+    def _catch_aux_hidden_states(self, target: ModelRunner, layer_ids: tuple[int, ...]) -> None:
+        """EAGLE-3: keep the hidden states entering each of ``layer_ids`` in every forward of
+        the target (a pre-hook on the layer)."""
+        layers = target.decoder.layers
+        for index in sorted(set(layer_ids)):
+            layers[index].register_forward_pre_hook(
+                lambda module, args, index=index: self._aux.__setitem__(index, args[0][0]))
+
+    @torch.inference_mode()
     def after_forward(self, seqs: list[Sequence], model_input: ModelInput, output: ExecuteOutput) -> None:
-        """Keep the step's hidden states until its tokens are known (``before_step``)."""
-        if output.hidden_states is None:
-            raise RuntimeError("the target's forward returned no hidden states for the EAGLE head")
-        self._step = (seqs, model_input, output.hidden_states)
+        """Keep what the head takes from the step until the step's tokens are known
+        (``before_step``)."""
+        if self.head.aux_layer_ids is None:
+            if output.hidden_states is None:
+                raise RuntimeError("the target's forward returned no hidden states for the EAGLE head")
+            hidden = output.hidden_states
+        else:
+            aux, self._aux = self._aux, {}
+            missing = [index for index in self.head.aux_layer_ids if index not in aux]
+            if missing:
+                raise RuntimeError(f"the target's forward passed no hidden states into layers {missing}")
+            hidden = torch.cat([aux[index] for index in self.head.aux_layer_ids], dim=-1)
+        self._step = (seqs, model_input, self.head.features(hidden))
 
     @torch.inference_mode()
     def before_step(self) -> None:
@@ -226,12 +159,12 @@ class EagleProposer:
             kv_caches=self.kv.cache.device_caches, backend=target.kernel_backend, plan_window=self.sliding_window)
         ids = batch.input_ids.to(device)
         features = hidden.index_select(0, to_device(torch.cat(hidden_rows), device))
-        estimates = self.head(target.model.get_input_embeddings()(ids), features, batch.positions.to(device), meta)
+        estimates, carried = self.head(self.head.embed(ids), features, batch.positions.to(device), meta)
         self.num_kv_tokens += len(input_ids)
         last_rows = batch.cu_seqlens[1:].to(torch.int64) - 1
         for seq, last_row in zip(kept_seqs, last_rows.tolist()):
             if seq.num_computed == len(seq.token_ids) - 1:   # decoding: its estimate proposes
-                self._estimates[seq.seq_id] = estimates[last_row]
+                self._estimates[seq.seq_id] = (estimates[last_row], carried[last_row])
 
     # ---- proposals -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -243,19 +176,20 @@ class EagleProposer:
         if not proposing:
             return proposals
         target = self.target
+        head = self.head
         chosen = [seqs[i] for i in proposing]
-        states = torch.stack([self._estimates[seq.seq_id] for seq in chosen])
-        token_ids = target.compute_logits(states).argmax(dim=-1)
+        estimates = torch.stack([self._estimates[seq.seq_id][0] for seq in chosen])
+        carried = torch.stack([self._estimates[seq.seq_id][1] for seq in chosen])
+        token_ids = head.tokens(estimates)
         proposed = [token_ids]
         num_steps = max(max_num_tokens[i] for i in proposing)
         if num_steps > 1:
             scratch = self.kv.scratch_batch([seq.batch_row for seq in chosen],
                                             [len(seq.token_ids) - 1 for seq in chosen])
-            embed = target.model.get_input_embeddings()
             for step in range(num_steps - 1):
                 meta, positions = scratch.metadata(step, target.kernel_backend, self.sliding_window)
-                states = self.head(embed(token_ids), states, positions, meta)
-                token_ids = target.compute_logits(states).argmax(dim=-1)
+                estimates, carried = head(head.embed(token_ids), carried, positions, meta)
+                token_ids = head.tokens(estimates)
                 proposed.append(token_ids)
         rows = torch.stack(proposed, dim=1).tolist()
         for i, row in zip(proposing, rows):
