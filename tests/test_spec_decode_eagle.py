@@ -272,3 +272,14 @@ def test_bad_heads_are_refused_by_name(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="aux hidden state layers"):   # vLLM's default layers need 4 or more
         make(tiny_model, speculative_config=eagle_config(method="eagle3") | {
             "model": str(ensure_model("llama", "tiny-eagle"))})
+
+
+def test_an_eagle3_head_refuses_torch_compile():
+    """EAGLE-3 catches hidden states inside the target's forward, which a compiled forward
+    would not hand out: refused up front, naming both."""
+    from pagedserve.cluster.config import ClusterConfig
+
+    with pytest.raises(ValueError, match="eagle3.*torch_compile"):
+        ClusterConfig.model_validate({"model": {"path": "/models/x", "name": "x"},
+                                      "engine": {"torch_compile": True, "speculative_config": {
+                                          "method": "eagle3", "model": "/heads/x", "num_speculative_tokens": 2}}})

@@ -180,6 +180,9 @@ class EngineOptions(BaseModel):
         if self.speculative_config is not None and self.async_scheduling:
             raise ValueError("speculative_config: speculative steps run synchronously; "
                              "leave async_scheduling unset or false")
+        if self.speculative_config is not None and self.speculative_config.method == "eagle3" and self.torch_compile:
+            raise ValueError("speculative_config.method \"eagle3\" reads hidden states inside the target's "
+                             "forward, which torch_compile would compile away; leave torch_compile unset or false")
         return self
 
     @model_validator(mode="after")
