@@ -188,6 +188,7 @@ class KVManager:
         for seq_id, _ in step_input.appended:
             if seq_id not in known and seq_id not in added:
                 raise UnknownSequenceError(f"tokens appended to unknown sequence {seq_id!r}")
+        still_pending: dict[str, int] = {}   # once this step's values are in (they go first)
         for seq_id, values in step_input.resolved:
             seq = known.get(seq_id)
             if seq is None:
@@ -195,6 +196,7 @@ class KVManager:
             if len(values) > seq.num_pending:
                 raise KVManagerError(f"sequence {seq_id!r}: {len(values)} values for its "
                                      f"{seq.num_pending} pending tokens")
+            still_pending[seq_id] = seq.num_pending - len(values)
         for seq_id, num_accepted in step_input.accepted:
             seq = known.get(seq_id)
             if seq is None:
@@ -212,7 +214,8 @@ class KVManager:
                 raise KVManagerError(f"sequence {seq_id!r}: tokens appended after unsettled proposals")
         for seq_id, _ in step_input.proposed:
             seq = known.get(seq_id)
-            if (seq is None or seq_id in finished or seq.location != SeqLocation.DEVICE or seq.num_pending
+            if (seq is None or seq_id in finished or seq.location != SeqLocation.DEVICE
+                    or still_pending.get(seq_id, seq.num_pending)
                     or (seq.num_speculative and seq_id not in settled)):
                 raise KVManagerError(f"sequence {seq_id!r}: proposals need a running sequence whose tokens "
                                      "are all known and settled")

@@ -9,6 +9,7 @@ every engine ends each test holding no block.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 
@@ -414,6 +415,30 @@ def test_no_proposals_once_the_batch_reaches_disable_by_batch_size(make_llm):
     # Two at a time stay under the limit: they speculate.
     assert outputs_of(llm.generate(prompts[:2], greedy(), use_tqdm=False)) == expected[:2]
     assert llm.stats()["spec_decode_num_drafts"] > after["spec_decode_num_drafts"]
+
+
+@pytest.mark.parametrize("params", [greedy(), SamplingParams(temperature=0.8, seed=21, max_tokens=MAX_TOKENS)],
+                         ids=["greedy", "seeded"])
+def test_overlapped_scheduling_runs_the_steps_that_cannot_propose(params, make_llm, hf_greedy):
+    """With async_scheduling, a batch at ``disable_by_batch_size`` overlaps its steps; once it
+    falls below, each step reads the running step's ids before proposing and verifies. The
+    tokens are decoding's without speculation, the same in any batch."""
+    llm = make_llm("llama", async_scheduling=True, speculative_config={**NGRAM, "disable_by_batch_size": 3})
+    base = make_llm("llama", speculative=False)
+    prompts = random_prompts((8, 20, 5, 11, 30), seed=18)
+    # Different lengths: the batch shrinks below the limit as requests end.
+    many = [dataclasses.replace(params, max_tokens=n) for n in (24, 6, 9, 12, 24)]
+    expected = outputs_of(base.generate(prompts, many, use_tqdm=False))
+    script(llm, prompts, expected, num_right=4)
+    before = llm.stats()
+    assert outputs_of(llm.generate(prompts, many, use_tqdm=False)) == expected
+    after = llm.stats()
+    if params.temperature == 0.0:   # a seeded row reads its ids at once anyway
+        assert after["num_overlapped_steps"] > before["num_overlapped_steps"]
+    assert after["spec_decode_num_drafts"] > before["spec_decode_num_drafts"]
+    assert after["spec_decode_num_accepted_tokens"] > before["spec_decode_num_accepted_tokens"]
+    if params.temperature == 0.0:
+        assert expected == [hf_greedy("llama", p, n) for p, n in zip(prompts, (24, 6, 9, 12, 24))]
 
 
 def test_a_sequence_whose_drafts_keep_nothing_backs_off(make_llm):

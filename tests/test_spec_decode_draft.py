@@ -177,6 +177,24 @@ def test_the_draft_costs_nothing_until_a_sequence_proposes(make_llm, hf_greedy):
     assert llm.stats()["spec_decode_draft_kv_tokens"] > after["spec_decode_draft_kv_tokens"] + len(prompts[0])
 
 
+def test_overlapped_scheduling_with_a_draft_model(make_llm, hf_greedy):
+    """With async_scheduling, a batch at ``disable_by_batch_size`` overlaps its steps and runs
+    no draft; as it shrinks, steps read their ids at once and the self-draft proposes (and
+    catches up on what it skipped), every proposal right."""
+    llm = make_llm("llama", async_scheduling=True,
+                   speculative_config=draft_config(make_llm.target("llama"), disable_by_batch_size=3))
+    prompts = random_prompts((8, 20, 5, 11, 30), seed=6)
+    lengths = (24, 6, 9, 12, 24)
+    before = llm.stats()
+    outputs = outputs_of(llm.generate(prompts, [greedy(n) for n in lengths], use_tqdm=False))
+    assert outputs == [hf_greedy("llama", p, n) for p, n in zip(prompts, lengths)]
+    after = llm.stats()
+    assert after["num_overlapped_steps"] > before["num_overlapped_steps"]
+    proposed = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+    assert proposed > 0
+    assert after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"] == proposed
+
+
 # ---- another draft: whatever it proposes, the output is exact -----------------------------------
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

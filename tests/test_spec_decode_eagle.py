@@ -274,12 +274,14 @@ def test_bad_heads_are_refused_by_name(tiny_model, tmp_path):
             "model": str(ensure_model("llama", "tiny-eagle"))})
 
 
-def test_an_eagle3_head_refuses_torch_compile():
-    """EAGLE-3 catches hidden states inside the target's forward, which a compiled forward
-    would not hand out: refused up front, naming both."""
+@pytest.mark.parametrize(("method", "option", "message"), [
+    ("eagle3", "torch_compile", "eagle3.*torch_compile"),   # its hidden states are caught inside the forward
+    ("eagle", "async_scheduling", "eagle.*async_scheduling"),   # it reads every step's hidden states
+])
+def test_options_an_eagle_head_cannot_run_with_are_refused(method, option, message):
     from pagedserve.cluster.config import ClusterConfig
 
-    with pytest.raises(ValueError, match="eagle3.*torch_compile"):
+    with pytest.raises(ValueError, match=message):
         ClusterConfig.model_validate({"model": {"path": "/models/x", "name": "x"},
-                                      "engine": {"torch_compile": True, "speculative_config": {
-                                          "method": "eagle3", "model": "/heads/x", "num_speculative_tokens": 2}}})
+                                      "engine": {option: True, "speculative_config": {
+                                          "method": method, "model": "/heads/x", "num_speculative_tokens": 2}}})

@@ -158,6 +158,24 @@ def test_malformed_proposals_are_refused_before_anything_changes():
     step(manager, accepted=[("s", 0)], finished=["s"])
 
 
+def test_a_pending_token_resolved_in_the_same_step_may_be_followed_by_proposals():
+    """Overlapped scheduling: a step whose ids were read at once resolves the step before it
+    and appends its own token; proposals may follow in that step's input (values go first),
+    but not while a token is still pending."""
+    from pagedserve.kvmanager import PENDING_TOKEN
+
+    manager, bm = make_manager()
+    start(manager, "s", list(range(10, 17)))
+    step(manager, appended=[("s", [PENDING_TOKEN])], running=["s"])      # launched: its id on the device
+    with pytest.raises(KVManagerError, match="all known and settled"):
+        manager.step(StepInput("w", proposed=[("s", [1, 2])], running=["s"]))
+    step(manager, resolved=[("s", [42])], appended=[("s", [43])], proposed=[("s", [1, 2])], running=["s"])
+    seq = bm.seqs["s"]
+    assert seq.token_ids[-4:] == [42, 43, 1, 2] and seq.num_pending == 0 and seq.num_speculative == 2
+    step(manager, accepted=[("s", 0)], finished=["s"])
+    assert bm.device.num_used_blocks == 0
+
+
 def test_the_step_round_trips_the_wire():
     step_input = StepInput("w", accepted=[("a", 2)], proposed=[("a", [1, 2, 3])])
     import msgpack

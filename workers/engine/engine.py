@@ -118,11 +118,12 @@ class LLMEngine:
             per_row=self.per_row, readback=TokenReadback(self.runner.device, config.max_num_seqs),
             eos_token_ids=self.eos_token_ids, max_model_len=max_len,
             # Overlapped scheduling: step n + 1 is planned and launched before step n's ids are read
-            # (speculative steps run synchronously).
+            # (with speculation, only steps in which no sequence may propose; never with an EAGLE head).
             async_scheduling=(config.async_scheduling if config.async_scheduling is not None
-                              else self.runner.device.type == "cuda" and config.speculative_config is None),
+                              else self.runner.device.type == "cuda" and not self._reads_hidden_states),
             new_sequence=self._new_sequence, end_sequence=self._end_sequence,
             release_if_idle=self._release_if_idle)
+        self._overlaps = self.pipeline.async_scheduling
         self.speculator = self._speculator(max_len)
         self.requests: dict[str, Request] = {}
         self._order = itertools.count()
@@ -146,12 +147,17 @@ class LLMEngine:
         return self.pipeline.async_scheduling
 
     @property
+    def _reads_hidden_states(self) -> bool:
+        """An EAGLE head proposes: it reads every step's hidden states."""
+        spec = self.config.speculative_config
+        return spec is not None and spec.method in ("eagle", "eagle3")
+
+    @property
     def _uses_graphs(self) -> bool:
         """Decode steps replay CUDA graphs: the default on CUDA (``enforce_eager``,
         ``enable_lora`` and an EAGLE head, which reads every step's hidden states, turn it off)."""
-        spec = self.config.speculative_config
         return (self.runner.device.type == "cuda" and not self.config.enforce_eager and not self.config.enable_lora
-                and not (spec is not None and spec.method in ("eagle", "eagle3")))
+                and not self._reads_hidden_states)
 
     @property
     def _uses_compile(self) -> bool:
@@ -575,7 +581,12 @@ class LLMEngine:
         if self.draft is not None:
             self.draft.before_step()
         if speculator is not None:
-            speculator.propose(self.scheduler.running)
+            # Proposals follow known tokens: none while a step's ids are still on the device.
+            if self.pipeline.in_flight is None:
+                speculator.propose(self.scheduler.running)
+            # Overlap only a step after which no sequence may propose (the batch is at
+            # disable_by_batch_size); otherwise read its ids at once, for the next proposals.
+            self.pipeline.async_scheduling = self._overlaps and not speculator.may_propose(self.scheduler.running)
         plan = self.scheduler.schedule()
         if speculator is not None:
             speculator.take_plan(plan)
@@ -709,6 +720,8 @@ class LLMEngine:
             "num_generated_tokens": self.num_generated_tokens,
             "mean_step_ms": 1e3 * self.step_seconds / self.num_steps if self.num_steps else 0.0,
             "num_decode_steps": self.num_decode_steps,
+            # Steps whose sampled ids stayed on the device while the next was planned.
+            "num_overlapped_steps": self.pipeline.num_launched_steps,
             "mean_decode_step_ms": (1e3 * self.decode_step_seconds / self.num_decode_steps
                                     if self.num_decode_steps else 0.0),
             "grammar_seconds": self.grammar_seconds,

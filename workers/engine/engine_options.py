@@ -127,8 +127,9 @@ class EngineOptions(BaseModel):
     bundle per rank, else "mp"."""
     speculative_config: SpeculativeConfig | None = None
     """Speculative decoding (vLLM's name and keys), e.g. ``{"method": "ngram",
-    "num_speculative_tokens": 4}``. Its steps run synchronously (no overlapped scheduling) and
-    eagerly (verification steps are not captured as CUDA graphs). Unset: off."""
+    "num_speculative_tokens": 4}``. Verification steps run eagerly (not captured as CUDA
+    graphs); with ``async_scheduling`` only the steps of a batch at ``disable_by_batch_size``
+    (which proposes nothing) overlap. Unset: off."""
     enable_lora: bool = False
     """Serve LoRA adapters (PEFT checkpoints) on the base model: a request names one with a
     ``LoRARequest``, and a step mixes requests of different adapters and of the base model
@@ -177,9 +178,11 @@ class EngineOptions(BaseModel):
 
     @model_validator(mode="after")
     def _speculation_runs_synchronously(self) -> "EngineOptions":
-        if self.speculative_config is not None and self.async_scheduling:
-            raise ValueError("speculative_config: speculative steps run synchronously; "
-                             "leave async_scheduling unset or false")
+        spec = self.speculative_config
+        if spec is not None and spec.method in ("eagle", "eagle3") and self.async_scheduling:
+            raise ValueError(f"speculative_config.method \"{spec.method}\": an EAGLE head reads every step's "
+                             "hidden states with its tokens, so steps run synchronously; leave async_scheduling "
+                             "unset or false")
         if self.speculative_config is not None and self.speculative_config.method == "eagle3" and self.torch_compile:
             raise ValueError("speculative_config.method \"eagle3\" reads hidden states inside the target's "
                              "forward, which torch_compile would compile away; leave torch_compile unset or false")

@@ -57,6 +57,7 @@ class SamplingPipeline:
         self._end_sequence = end_sequence
         self._release_if_idle = release_if_idle
         self._in_flight: SampledStep | None = None
+        self.num_launched_steps = 0   # steps whose ids stayed on the device (overlapped scheduling)
         self.num_ended = 0   # sequences ended (finished, aborted, stopped): a step's samples of them are dropped
         self.num_generated_tokens = 0
 
@@ -86,6 +87,8 @@ class SamplingPipeline:
         if previous is not None:
             # Its ids are ready (this step is queued behind it). Sequences it ends drop the
             # pending token the launch just gave them.
+            if self._in_flight is previous:   # this step's ids were read at once: nothing is in flight
+                self._in_flight = None
             self._resolve(result, previous)
 
     def resolve_in_flight(self, result: EngineStep) -> None:
@@ -204,6 +207,7 @@ class SamplingPipeline:
         sampled.num_row_releases = self.batch.num_row_releases
         sampled.readback = self._readback.start(sampled.token_tensor)
         self._in_flight = sampled
+        self.num_launched_steps += 1
 
     def _resolve(self, result: EngineStep, sampled: SampledStep | None = None) -> None:
         """Read a launched step's ids (the running one by default) and finish it: the

@@ -10,7 +10,9 @@ samples the step: plain rows through the ``SamplingPipeline``, verifying ones th
 with the usual finish checks (EOS, stop token ids, max_tokens, the context), and the KV
 manager hears how many proposals each kept (the rest lose their slots at the next plan).
 
-Steps run synchronously: a sequence proposes from its known tokens.
+A sequence proposes from its known tokens. Under overlapped scheduling the engine overlaps only
+the steps of a batch at ``disable_by_batch_size`` (which proposes nothing); a smaller batch's
+steps read their ids at once, and no proposal is made while a step's ids are on the device.
 """
 
 from __future__ import annotations
@@ -106,11 +108,16 @@ class Speculator:
         self._proposing: list[Sequence] = []
 
     # ---- before the plan ------------------------------------------------------------------
+    def may_propose(self, running: list[Sequence]) -> bool:
+        """Whether a batch of ``running`` is below ``disable_by_batch_size`` (under overlapped
+        scheduling, a step's ids are then read at once, for the next step's proposals)."""
+        limit = self.config.disable_by_batch_size
+        return limit is None or len(running) < limit
+
     def propose(self, running: list[Sequence]) -> None:
         """Proposals for the decoding sequences of ``running`` that may speculate (none when
         the batch has reached ``disable_by_batch_size``), registered with the scheduler."""
-        limit = self.config.disable_by_batch_size
-        if limit is not None and len(running) >= limit:
+        if not self.may_propose(running):
             self.stats.num_disabled_steps += 1
             return
         candidates = [seq for seq in running if seq.batch_row >= 0 and not seq.proposed_token_ids
