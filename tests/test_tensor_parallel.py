@@ -408,6 +408,37 @@ def test_a_draft_model_runs_whole_on_rank_0(tp_model, reference):
 
 
 @pytest.mark.slow
+def test_an_eagle_head_runs_on_rank_0_with_whole_hidden_states(tp_model, reference):
+    """An EAGLE head beside a group of 2 runs on rank 0, on whole hidden states (the
+    all-reduces) with whole embeddings and LM head: greedy output equals transformers', and
+    every proposal equals the one the same head makes beside the model on one device."""
+    path = tp_model("llama")
+    head = {"method": "eagle", "model": str(ensure_model("llama", "tiny-tp-eagle")), "num_speculative_tokens": 3}
+    prompts = random_prompts((8, 26, 13), seed=44)
+    max_tokens = 20
+    proposals = {}
+    for size in (1, 2):
+        llm = make_engine(path, size, speculative_config=head)
+        proposer = llm.engine.speculator.proposer
+        seen, propose_batch = [], type(proposer).propose_batch
+
+        def record(seqs, limits, proposer=proposer, seen=seen, propose_batch=propose_batch):
+            made = propose_batch(proposer, seqs, limits)
+            seen.extend((tuple(seq.token_ids), tuple(p)) for seq, p in zip(seqs, made) if p)
+            return made
+
+        proposer.propose_batch = record
+        try:
+            assert_matches(llm.generate(prompts, greedy(max_tokens)), "llama", max_tokens, reference)
+            assert_idle(llm)
+        finally:
+            if size > 1:
+                llm.engine.runner.shutdown()
+        proposals[size] = sorted(seen)
+    assert proposals[1] and proposals[2] == proposals[1]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 def test_overlapped_scheduling_hands_the_running_steps_ids_to_every_rank(arch, tp_model, reference):
     """With async_scheduling, a step's input ids are the running step's samples, still on rank 0's

@@ -42,17 +42,17 @@ class EagleProposer:
 
     def __init__(self, model: str, target: ModelRunner, num_speculative_tokens: int, max_model_len: int,
                  method: str = "eagle") -> None:
-        if not isinstance(target, ModelRunner):
-            raise ValueError(f"speculative_config.method \"{method}\" runs on one device: "
-                             "tensor_parallel_size > 1 is not supported with an EAGLE head yet")
+        # On a tensor-parallel group the head runs on rank 0, whose runner computes whole hidden
+        # states (the all-reduces) and holds whole embeddings and LM head.
+        local = getattr(target, "local", target)
         self.head, config = load_eagle_head(model, target, method)
         self.model = model
         self.target = target
         self._aux: dict[int, torch.Tensor] = {}   # EAGLE-3: layer -> the hidden states entering it
         if self.head.aux_layer_ids is None:
-            target.keep_hidden_states = True
+            local.keep_hidden_states = True
         else:
-            self._catch_aux_hidden_states(target, self.head.aux_layer_ids)
+            self._catch_aux_hidden_states(local, self.head.aux_layer_ids)
         self.block_tables = target.block_tables
         self.num_speculative_tokens = num_speculative_tokens
         self.num_parameters = sum(p.numel() for p in self.head.parameters())

@@ -27,8 +27,8 @@ small-draft  128     352           2       4      2         2048   2048     ~0.9
 (``speculative_config`` method "draft_model"): the tokenizer and vocabulary of
 ``tiny`` and ``small``, with fewer and narrower layers.
 
-``tiny-eagle`` and ``small-eagle`` are EAGLE heads (method "eagle") for ``tiny``
-and ``small`` targets of any architecture, in the layout vLLM loads: one Llama
+``tiny-eagle``, ``tiny-tp-eagle`` and ``small-eagle`` are EAGLE heads (method
+"eagle") for ``tiny``, ``tiny-tp`` and ``small`` targets of any architecture, in the layout vLLM loads: one Llama
 decoder layer of the target's width without its input norm, and ``fc``, which
 maps a token's embedding and the target's hidden state at the position before
 it to the layer's input; the target's embeddings and LM head are shared. There
@@ -71,10 +71,10 @@ from typing import Callable
 # that reading ARCHS/SIZES (the CLI's argument choices) stays cheap.
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
-SIZES = ("tiny", "tiny-tp", "small", "1b", "tiny-draft", "small-draft", "tiny-eagle", "small-eagle",
-         "tiny-eagle3", "small-eagle3")
+SIZES = ("tiny", "tiny-tp", "small", "1b", "tiny-draft", "small-draft", "tiny-eagle", "tiny-tp-eagle",
+         "small-eagle", "tiny-eagle3", "small-eagle3")
 # EAGLE heads (speculative decoding) and the size of the target each one is for.
-EAGLE_TARGETS = {"tiny-eagle": "tiny", "small-eagle": "small"}
+EAGLE_TARGETS = {"tiny-eagle": "tiny", "tiny-tp-eagle": "tiny-tp", "small-eagle": "small"}
 EAGLE3_TARGETS = {"tiny-eagle3": "tiny", "small-eagle3": "small"}
 # The target layers whose incoming hidden states an EAGLE-3 head reads (vLLM's default for a
 # Llama of L layers, 2, L // 2 and L - 3, needs L >= 4: tiny has 2).
