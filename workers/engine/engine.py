@@ -180,7 +180,7 @@ class LLMEngine:
                           release_if_idle=self._release_if_idle)
 
     def _draft_model(self, max_len: int) -> DraftModel | EagleProposer | None:
-        """The draft model (method "draft_model") or EAGLE head (method "eagle") of
+        """The draft model (method "draft_model") or EAGLE head ("eagle", "eagle3") of
         ``speculative_config``, on the target's device and dtype (loaded before the pools are
         sized: its KV shares their blocks)."""
         spec = self.config.speculative_config
@@ -206,7 +206,7 @@ class LLMEngine:
         if attention is None or not attention.is_all_windowed or attention.max_sliding_window > freeing_window:
             raise ValueError(f"speculative_config.model {self.draft.model!r} attends beyond the target's "
                              f"sliding window ({freeing_window} tokens), whose older blocks are freed; "
-                             "a draft model needs a window no wider than the target's")
+                             "a draft model needs a window no wider than the target's (an EAGLE head has none)")
 
     def _execute_copies(self, kv) -> None:
         """A KV manager step's swaps and copies, in the target's cache and the draft's."""
