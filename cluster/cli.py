@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from pagedserve.argtypes import json_object, lora_module, non_negative_float, non_negative_int, port, positive_float, positive_int
-from pagedserve.devtools.model_factory import ARCHS, SIZES
+from pagedserve.devtools.model_factory import ARCHS, MODEL_SIZES, SIZES
 
 
 def _add_make_model_parser(subparsers) -> None:
@@ -64,7 +64,7 @@ def _add_generate_parser(subparsers) -> None:
     )
     parser.add_argument("--model", help="checkpoint directory or hub id (default: built tiny model)")
     parser.add_argument("--arch", choices=ARCHS, default="llama", help="arch of the built model")
-    parser.add_argument("--size", choices=SIZES, default="tiny", help="size of the built model")
+    parser.add_argument("--size", choices=MODEL_SIZES, default="tiny", help="size of the built model")
     parser.add_argument("--prompt", action="append", help="a prompt (repeatable; default: demo prompts)")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--temperature", type=float, default=0.0)

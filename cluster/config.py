@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pagedserve.workers.engine.engine_options import EngineOptions  # the one schema; re-exported here
 from pagedserve.workers.model.model_source import ModelSource, is_hub_id, token_from_environment
-from pagedserve.devtools.model_factory import ARCHS, SIZES
+from pagedserve.devtools.model_factory import ARCHS, MODEL_SIZES
 from pagedserve.tool_parsers import TOOL_PARSERS
 
 # The ingress replicas' rule (docs/deployment.md, "Ingress"): a replica is one process, one core
@@ -65,7 +65,7 @@ class ModelConfig(_Strict):
     """Hub ids only: each node's download cache (default: $HF_HOME, ~/.cache/huggingface)."""
     arch: Literal[ARCHS] = "llama"  # type: ignore[valid-type]
     """Without ``path``: the random-weight model's family."""
-    size: Literal[SIZES] = "tiny"  # type: ignore[valid-type]
+    size: Literal[MODEL_SIZES] = "tiny"  # type: ignore[valid-type]
     """Without ``path``: the random-weight model's size."""
     seed: int = Field(0, ge=0)
     """Without ``path``: the random-weight model's weight seed."""

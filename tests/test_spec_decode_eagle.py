@@ -285,3 +285,13 @@ def test_options_an_eagle_head_cannot_run_with_are_refused(method, option, messa
         ClusterConfig.model_validate({"model": {"path": "/models/x", "name": "x"},
                                       "engine": {option: True, "speculative_config": {
                                           "method": method, "model": "/heads/x", "num_speculative_tokens": 2}}})
+
+
+def test_an_eagle_head_is_no_model_to_serve():
+    """make-model builds EAGLE heads, but a server's built model must be a whole causal LM."""
+    from pagedserve.cluster.config import ClusterConfig
+
+    assert ClusterConfig.model_validate({"model": {"size": "tiny-draft"}}).model.size == "tiny-draft"
+    for size in ("tiny-eagle", "small-eagle3"):
+        with pytest.raises(ValueError, match="model.size"):
+            ClusterConfig.model_validate({"model": {"size": size}})

@@ -76,6 +76,8 @@ SIZES = ("tiny", "tiny-tp", "small", "1b", "tiny-draft", "small-draft", "tiny-ea
 # EAGLE heads (speculative decoding) and the size of the target each one is for.
 EAGLE_TARGETS = {"tiny-eagle": "tiny", "tiny-tp-eagle": "tiny-tp", "small-eagle": "small"}
 EAGLE3_TARGETS = {"tiny-eagle3": "tiny", "small-eagle3": "small"}
+# The sizes that are whole causal LMs (a server may serve them): not the EAGLE heads.
+MODEL_SIZES = tuple(size for size in SIZES if size not in EAGLE_TARGETS and size not in EAGLE3_TARGETS)
 # The target layers whose incoming hidden states an EAGLE-3 head reads (vLLM's default for a
 # Llama of L layers, 2, L // 2 and L - 3, needs L >= 4: tiny has 2).
 EAGLE3_AUX_LAYERS = {"tiny": [0, 1, 1], "small": [2, 4, 5]}
