@@ -26,7 +26,7 @@ import torch
 
 from ..engine.request import Sequence
 from ..model.attention import PagedAttentionMetadata
-from ..model.host_lists import to_device
+from ..model.host_lists import int64_tensor, to_device
 from ..model.kv_cache import CacheShape, KVCache
 from ..model.model_input import ExecuteOutput, ModelInput, flatten
 from ..model.model_runner import ModelRunner
@@ -144,7 +144,7 @@ class EagleProposer:
                 starts.append(start)
                 counts.append(kept)
                 input_ids.extend(seq.token_ids[start + 1:start + 1 + kept])
-                hidden_rows.append(torch.arange(offset, offset + kept))
+                hidden_rows.extend(range(offset, offset + kept))
                 kept_seqs.append(seq)
             offset += length
         if not kept_seqs:
@@ -158,7 +158,7 @@ class EagleProposer:
             cu_seqlens_q=batch.cu_seqlens.to(device), seq_lens=batch.seq_lens.to(device), is_decode_only=False,
             kv_caches=self.kv.cache.device_caches, backend=target.kernel_backend, plan_window=self.sliding_window)
         ids = batch.input_ids.to(device)
-        features = hidden.index_select(0, to_device(torch.cat(hidden_rows), device))
+        features = hidden.index_select(0, to_device(int64_tensor(hidden_rows), device))
         estimates, carried = self.head(self.head.embed(ids), features, batch.positions.to(device), meta)
         self.num_kv_tokens += len(input_ids)
         last_rows = batch.cu_seqlens[1:].to(torch.int64) - 1
