@@ -2,8 +2,9 @@
 
 The core writes four numbers after every step (when the last step ended, unfinished
 requests, steps, generated tokens); the actor reads them for its heartbeat and stall check.
-No message and no lock: a reader may see a step's figures half updated, which only ever
-delays a stall verdict by one heartbeat.
+No message and no lock: the writer copies the packed figures in one slice assignment (never
+``struct.pack_into``, which zeroes the bytes before it writes them), and the reader takes a
+copy only once two copies in a row agree, so it never sees a half-written step.
 """
 
 from __future__ import annotations
@@ -32,18 +33,23 @@ class CoreProgress:
         return cls(path)
 
     def note_step(self, num_steps: int, num_unfinished: int, num_generated_tokens: int) -> None:
-        _LAYOUT.pack_into(self._map, 0, time.time(), num_unfinished, num_steps, num_generated_tokens)
+        self._write(time.time(), num_unfinished, num_steps, num_generated_tokens)
 
     def note_admitted(self, num_unfinished: int, was_idle: bool) -> None:
         """A request was admitted: ``num_unfinished`` now; an idle engine's progress clock
         starts at it (an idle engine has not stalled)."""
         last, _, num_steps, num_generated_tokens = _LAYOUT.unpack_from(self._map)
-        _LAYOUT.pack_into(self._map, 0, time.time() if was_idle else last, num_unfinished, num_steps,
-                          num_generated_tokens)
+        self._write(time.time() if was_idle else last, num_unfinished, num_steps, num_generated_tokens)
+
+    def _write(self, last: float, num_unfinished: int, num_steps: int, num_generated_tokens: int) -> None:
+        self._map[:SIZE] = _LAYOUT.pack(last, num_unfinished, num_steps, num_generated_tokens)
 
     def read(self) -> tuple[float, int, int, int]:
         """(last progress, unfinished requests, steps, generated tokens)."""
-        last, num_unfinished, num_steps, num_generated_tokens = _LAYOUT.unpack_from(self._map)
+        data = self._map[:SIZE]
+        while (again := self._map[:SIZE]) != data:   # a step was being written: read it whole
+            data = again
+        last, num_unfinished, num_steps, num_generated_tokens = _LAYOUT.unpack(data)
         return last, int(num_unfinished), int(num_steps), int(num_generated_tokens)
 
     def close(self) -> None:
