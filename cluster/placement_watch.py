@@ -3,7 +3,8 @@
 ``bootstrap.start`` calls ``PlacementWatch.check`` while it waits for its workers. A worker
 whose resources Ray has not granted (its placement group pending, or a lease of its shape
 waiting) is named on the log within ``GRACE_S``, with its group's ask and what each node has
-free, and again every ``REMIND_S`` or when what it waits for changes. Then:
+free, and again every ``REMIND_S`` or when what it waits for changes. A worker that waits for
+Ray's autoscaler (no node has its resources free) is named at once. Then:
 
 - when Ray's autoscaler can add nodes, or has not said yet whether it can, the wait goes on
   (``worker_ready_timeout_s`` bounds it);
@@ -93,7 +94,8 @@ class PlacementWatch:
         """Look at the workers (ids) still not ready; name the groups whose workers Ray has not
         placed, and raise ``PlacementError`` where waiting is hopeless."""
         now = self.clock()
-        if now - self.started_at < GRACE_S or not waiting:
+        in_grace = now - self.started_at < GRACE_S
+        if not waiting or (in_grace and self._can_autoscale is False):
             return
         try:
             state = self.resource_state()
@@ -112,7 +114,13 @@ class PlacementWatch:
         if self._can_autoscale is None:
             self._can_autoscale = self.autoscaler_adds_nodes()
         for group, workers in sorted(groups.items()):
+            if in_grace and not (self._can_autoscale and not self._fits_free(workers, state)):
+                continue   # resources free now are granted in a moment; a wait for a node is named at once
             self._judge(group, workers, state, now)
+
+    @staticmethod
+    def _fits_free(workers: list[PendingWorker], state: ray_compat.ResourceState) -> bool:
+        return fits(workers[0].ask, [node.free for node in state.nodes], len(workers))
 
     def _judge(self, group: int, workers: list[PendingWorker], state: ray_compat.ResourceState, now: float) -> None:
         ask = workers[0].ask

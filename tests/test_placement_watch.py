@@ -122,6 +122,20 @@ def test_with_an_autoscaler_the_wait_goes_on_and_says_so():
     assert "worker group 0" in notes[0]
 
 
+def test_a_wait_for_the_autoscaler_is_named_at_once_and_free_resources_get_the_grace():
+    gpu = PendingWorker("worker-0", _ask({"CPU": 1, "GPU": 1}))
+    cpu = PendingWorker("worker-1", _ask({"CPU": 2}, group=1))
+    state = _state([_node({"CPU": 4}, {"CPU": 2})], waiting=[({"CPU": 1, "GPU": 1}, 1), ({"CPU": 2}, 1)])
+    watch, clock, notes = _watch([gpu, cpu], state, can_autoscale=True)
+    clock.now = 0.5
+    watch.check({"worker-0", "worker-1"})
+    assert len(notes) == 1 and "worker group 0" in notes[0], notes   # no node has a GPU free: named now
+    assert "waiting for Ray's autoscaler to add a node" in notes[0]
+    clock.now = GRACE_S
+    watch.check({"worker-0", "worker-1"})
+    assert len(notes) == 2 and "worker group 1" in notes[1], notes   # it fits what is free: after the grace
+
+
 def test_a_busy_fixed_cluster_is_waited_for_up_to_placement_timeout_s():
     worker = PendingWorker("worker-0", _ask({"CPU": 2}))
     state = _state([_node({"CPU": 4}, {"CPU": 1})], waiting=[({"CPU": 2}, 1)])
