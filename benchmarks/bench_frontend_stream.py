@@ -48,7 +48,8 @@ class _SteppedHandle:
         self._stepper: asyncio.Task | None = None
 
     def generate(self, prompt, params, request_id=None, priority=0, prompt_token_ids=None, is_streamed=False,
-                 lora_request=None):
+                 lora_request=None, token_by_token=False):
+        assert not token_by_token, "this stand-in streams the engine's outputs as they come"
         return self._generate(prompt, params, request_id, prompt_token_ids or [])
 
     async def _generate(self, prompt, params, request_id, prompt_token_ids):

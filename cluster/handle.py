@@ -210,7 +210,8 @@ class ClusterHandle:
                        request_id: str | None = None, priority: int = 0,
                        prompt_token_ids: list[int] | None = None,
                        is_streamed: bool = False,
-                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+                       lora_request: LoRARequest | None = None,
+                       token_by_token: bool = False) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (cumulative text and token ids, plus deltas).
 
         Workers stream deltas (``workers.actor.protocol``); the request's one
@@ -222,6 +223,9 @@ class ClusterHandle:
         its worker fails after tokens were streamed (see ``RequestFlow``).
         ``lora_request``: generate with that adapter (one of ``lora_modules``), on every
         attempt; such a request always runs colocated (its KV is not exported).
+        ``token_by_token``: an output per new token, where a worker's delta brings several
+        together (a step's accepted proposals, ``stream_interval``, steps a busy reader merged);
+        refused for a request with stop strings, whose text its worker decodes.
         """
         from ray.exceptions import ObjectLostError, RayActorError
 
@@ -234,6 +238,9 @@ class ClusterHandle:
                                 else list(prompt or []))
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
+        if token_by_token and params.stop:
+            raise ValueError("streaming token by token is not available with stop strings (their text is "
+                             "decoded on the worker, a step's tokens together)")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this model's maximum "
                              f"context is {self.max_model_len} tokens, including at least one output token")
@@ -241,7 +248,8 @@ class ClusterHandle:
         await self._refresh_utilization()
         flow = RequestFlow(request_id, text, prompt_token_ids, params, priority,
                            max_attempts=2 * len(self.workers) + 3, is_streamed=is_streamed,
-                           text_decoder=self._text_decoder(prompt_token_ids, params), lora_request=lora_request)
+                           text_decoder=self._text_decoder(prompt_token_ids, params), lora_request=lora_request,
+                           token_by_token=token_by_token)
         if self.config.is_disaggregated and params.n == 1 and not params.use_beam_search:
             try:
                 async with aclosing(self._generate_disaggregated(flow, flow.start(is_disaggregated=True))) as run:
@@ -345,9 +353,9 @@ class ClusterHandle:
                     run.migrated = item
                     finished = True  # nothing left to abort on this worker
                     return
-                output = flow.accumulator.add(item)
-                finished = output.finished
-                yield output
+                for output in flow.outputs(item):
+                    finished = output.finished
+                    yield output
                 if finished:
                     return
         finally:
@@ -386,12 +394,14 @@ class ClusterHandle:
         is_done = sample.finish_reason == "stop" or params.max_tokens == 1
         if is_done or sample.finish_reason == "abort":
             first.finished = True
-            yield accumulator.add(first)
+            for output in flow.outputs(first):
+                yield output
             return
         # The prefill worker stopped at its one token ("length"); the request goes on.
         first.samples[0] = dataclasses.replace(sample, finish_reason=None, stop_reason=None)
         first.finished = False
-        yield accumulator.add(first)
+        for output in flow.outputs(first):
+            yield output
         decision = self.router.choose(f"{request_id}/decode", len(prompt_ids), params.max_tokens, {},
                                       exclude=set(self.workers) - decode_ids, adapter=adapter, holders=holders)
         worker = self.workers[decision.worker_id]
@@ -401,7 +411,8 @@ class ClusterHandle:
         try:
             async for delta in deltas:
                 finished = delta.finished
-                yield accumulator.add(delta)
+                for output in flow.outputs(delta):
+                    yield output
                 if finished:
                     return
         except (RayActorError, asyncio.TimeoutError, EngineDeadError, ChannelClosed) as exc:

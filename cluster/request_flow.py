@@ -41,7 +41,8 @@ from dataclasses import dataclass
 
 from pagedserve.workers.outputs.accumulator import OutputAccumulator
 from pagedserve.workers.outputs.detokenizer import DeltaTextDecoder
-from pagedserve.workers.actor.protocol import GenerateRequest, Migrated
+from pagedserve.workers.outputs.request_output import RequestOutput
+from pagedserve.workers.actor.protocol import GenerateRequest, Migrated, OutputDelta, split_delta
 from pagedserve.workers.lora.lora_request import LoRARequest
 from pagedserve.workers.sample.sampling_params import SamplingParams
 
@@ -86,7 +87,7 @@ class RequestFlow:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, priority: int, max_attempts: int, is_streamed: bool = False,
                  text_decoder: Callable[[], DeltaTextDecoder] | None = None,
-                 lora_request: LoRARequest | None = None) -> None:
+                 lora_request: LoRARequest | None = None, token_by_token: bool = False) -> None:
         self.request_id = request_id
         self.lora_request = lora_request  # every attempt runs with the same adapter
         self.prompt_token_ids = prompt_token_ids
@@ -98,10 +99,18 @@ class RequestFlow:
         self.max_attempts = max_attempts
         self.is_streamed = is_streamed  # the caller passes on deltas as they come
         self.accumulator = OutputAccumulator(request_id, prompt, prompt_token_ids, text_decoder)
+        self.token_by_token = token_by_token   # an output per new token (``outputs``)
         self.num_attempts = 0
         # (worker, engine loop) pairs that failed under this request; an engine of unknown id is
         # its worker's only one
         self.failed_engines: set[tuple[str, str | None]] = set()
+
+    def outputs(self, delta: OutputDelta) -> list[RequestOutput]:
+        """The outputs a worker's ``delta`` makes: one, or with ``token_by_token`` one per new
+        token (``split_delta``)."""
+        if not self.token_by_token:
+            return [self.accumulator.add(delta)]
+        return [self.accumulator.add(piece) for piece in split_delta(delta)]
 
     # ---- the transitions -----------------------------------------------------------------------
     def start(self, is_disaggregated: bool = False) -> Attempt:

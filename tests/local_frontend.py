@@ -77,7 +77,8 @@ class LocalHandle:
                                            ping=lambda: "worker-0")}
 
     def generate(self, prompt, params, request_id=None, priority=0, prompt_token_ids=None, is_streamed=False,
-                 lora_request=None):
+                 lora_request=None, token_by_token=False):
+        assert not token_by_token, "this stand-in streams the engine's outputs as they come"
         self.streamed[request_id] = is_streamed
         if self.fail_with is not None:
             return self._fail()

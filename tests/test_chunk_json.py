@@ -129,7 +129,8 @@ class _ScriptedHandle:
         self.script: list = []
 
     async def generate(self, prompt, params, request_id=None, priority=0, prompt_token_ids=None, is_streamed=False,
-                       lora_request=None):
+                       lora_request=None, token_by_token=False):
+        assert not token_by_token, "this stand-in streams the engine's outputs as they come"
         from pagedserve.workers.outputs.request_output import (CompletionOutput, RequestMetrics, RequestOutput,
                                                                SampleLogprobs)
 

@@ -18,7 +18,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from served_cluster import assert_idle, cluster_config, running_cluster  # noqa: E402
+from served_cluster import assert_idle, cluster_config, free_port, running_cluster  # noqa: E402
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
 
@@ -34,10 +34,10 @@ MAX_TOKENS = 48
 def served(tiny_model):
     from pagedserve.cluster.serving.deployment import deploy
 
-    config = cluster_config(tiny_model("llama"), MODEL, ENGINE, num_workers=1)
+    config = cluster_config(tiny_model("llama"), MODEL, ENGINE, num_workers=1, grpc_port=free_port())
     with running_cluster(config, num_cpus=2) as cluster:
         endpoints = deploy(cluster.handle, cluster.config, quiet=True)
-        yield cluster.handle, endpoints["http"]
+        yield cluster.handle, endpoints["http"], endpoints["grpc"]
 
 
 @pytest.fixture(autouse=True)
@@ -97,6 +97,96 @@ def test_served_speculation_streams_each_accepted_tokens_logprobs(served, tiny_m
     after = served[0].stats()["workers"]
     assert sum(w["spec_decode_num_drafts"] for w in after.values()) > \
         sum(w["spec_decode_num_drafts"] for w in before.values())
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_token_by_token_streams_an_event_per_accepted_token(api, served, tiny_model):
+    """``stream_options.token_by_token``: every chunk carries one token, with its own text and
+    logprob, and together they are what the request streams without it; with stop strings it is
+    refused with a 400 naming it."""
+    client = openai.OpenAI(base_url=served[1] + "/v1", api_key="unused", max_retries=0, timeout=120)
+    before = served[0].stats()["workers"]
+    extra = {"ignore_eos": True, "return_token_ids": True}
+
+    def stream(token_by_token: bool) -> list:
+        options = {"include_usage": True, "token_by_token": token_by_token}
+        if api == "completions":
+            chunks = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=MAX_TOKENS,
+                                               temperature=0, logprobs=1, stream=True, stream_options=options,
+                                               extra_body=extra)
+        else:
+            chunks = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "loop"}],
+                                                    max_tokens=MAX_TOKENS, temperature=0, logprobs=True,
+                                                    stream=True, stream_options=options, extra_body=extra)
+        return [chunk for chunk in chunks if chunk.choices]
+
+    def tokens(choice) -> list:
+        """A chunk's tokens: their ids (completions), or their logprob entries (chat)."""
+        if api == "completions":
+            return choice.token_ids or []
+        return choice.logprobs.content if choice.logprobs else []
+
+    def text_and_logprobs(chunks: list) -> tuple[str, list[float]]:
+        if api == "completions":
+            return ("".join(c.choices[0].text for c in chunks),
+                    [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs])
+        return ("".join(c.choices[0].delta.content or "" for c in chunks),
+                [e.logprob for c in chunks for e in tokens(c.choices[0])])
+
+    together, one_by_one = stream(False), stream(True)
+    assert max(len(tokens(c.choices[0])) for c in together) > 1   # accepted proposals come together
+    assert all(len(tokens(c.choices[0])) <= 1 for c in one_by_one)
+    assert sum(len(tokens(c.choices[0])) for c in one_by_one) == MAX_TOKENS
+    if api == "completions":
+        assert [t for c in one_by_one for t in tokens(c.choices[0])] == \
+            [t for c in together for t in tokens(c.choices[0])]
+    text, logprobs = text_and_logprobs(one_by_one)
+    assert text == text_and_logprobs(together)[0]
+    assert logprobs == pytest.approx(text_and_logprobs(together)[1], abs=1e-4) and len(logprobs) == MAX_TOKENS
+    assert one_by_one[-1].choices[0].finish_reason == "length"
+    after = served[0].stats()["workers"]
+    assert sum(w["spec_decode_num_accepted_tokens"] for w in after.values()) > \
+        sum(w["spec_decode_num_accepted_tokens"] for w in before.values())
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, stream=True, stop=["zz"],
+                                  stream_options={"token_by_token": True})
+    assert refused.value.body["param"] == "stream_options.token_by_token"
+    assert "stop strings" in refused.value.body["message"]
+
+
+def test_grpc_streams_token_by_token_when_asked(served):
+    """``token_by_token`` on ``GenerateStream`` and ``ChatStream``: a message per token, the
+    same tokens and text as without it; with stop strings, INVALID_ARGUMENT."""
+    grpc = pytest.importorskip("grpc")
+    from pagedserve.cluster.protos import pagedserve_pb2 as pb
+    from pagedserve.cluster.protos import pagedserve_pb2_grpc as pb_grpc
+
+    app = (("application", "pagedserve"),)
+    with grpc.insecure_channel(served[2]) as channel:
+        stub = pb_grpc.PagedServeStub(channel)
+        request = pb.GenerateRequest(prompt_token_ids=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
+                                     ignore_eos=True)
+        together = [c for m in stub.GenerateStream(request, metadata=app, timeout=120) for c in m.choices]
+        request.token_by_token = True
+        one_by_one = [c for m in stub.GenerateStream(request, metadata=app, timeout=120) for c in m.choices]
+        assert max(len(c.token_ids) for c in together) > 1
+        assert all(len(c.token_ids) <= 1 for c in one_by_one)
+        assert [t for c in one_by_one for t in c.token_ids] == [t for c in together for t in c.token_ids]
+        assert "".join(c.text for c in one_by_one) == "".join(c.text for c in together)
+
+        chat = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="loop")], max_tokens=MAX_TOKENS,
+                              temperature=0, ignore_eos=True, logprobs=True)
+        together = [c for m in stub.ChatStream(chat, metadata=app, timeout=120) for c in m.choices]
+        chat.token_by_token = True
+        one_by_one = [c for m in stub.ChatStream(chat, metadata=app, timeout=120) for c in m.choices]
+        assert max(len(c.logprobs) for c in together) > 1 and all(len(c.logprobs) <= 1 for c in one_by_one)
+        assert "".join(c.content for c in one_by_one) == "".join(c.content for c in together)
+
+        request.stop.append("zz")
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.GenerateStream(request, metadata=app, timeout=60))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_by_token" in refused.value.details()
 
 
 def test_a_beam_search_is_refused_with_a_400_naming_use_beam_search(served):

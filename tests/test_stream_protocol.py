@@ -19,7 +19,7 @@ import pytest
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.workers.actor.protocol import (EngineDeadError, OutputDelta, SampleDelta, deltas_from_batch,
-                                               merge_deltas)
+                                               merge_deltas, split_delta)
 from pagedserve.workers.outputs.accumulator import OutputAccumulator
 from pagedserve.workers.outputs.request_output import RequestMetrics, SampleLogprobs
 from pagedserve.workers.outputs.stream_batch import StreamBatch, StreamTarget, pack_logprobs, pack_metrics
@@ -260,6 +260,46 @@ def test_merged_batches_and_merged_deltas_rebuild_the_same_outputs(llm):
                         assert getattr(mine, name) == getattr(theirs, name), (rid, merge, group, name)
         if merge == 1:
             assert len([d for step in steps for d in step if d.request_id == "greedy"]) > 20
+
+
+def test_split_deltas_rebuild_the_outputs_of_the_whole_ones_a_token_at_a_time(llm):
+    """A stream read token by token (``split_delta``, for ``stream_options.token_by_token``):
+    merged deltas of several tokens, split, give outputs of one new token per sample each,
+    whose text (decoded by the reader) and logprobs add up to the whole deltas' output; the
+    finish comes once, on its sample's last token; a delta with text stays whole."""
+    from pagedserve.workers.outputs.detokenizer import DeltaTextDecoder
+
+    requests = {rid: (prompt, dataclasses.replace(params, detokenize=False))
+                for rid, (prompt, params) in MIXED_REQUESTS.items() if rid in ("greedy", "n3")}
+    engine = llm.engine
+    steps = _deltas(llm, requests)
+    for rid, (prompt, params) in requests.items():
+        def decoder():
+            return DeltaTextDecoder(engine.tokenizer, prompt, params, engine.eos_token_ids, engine.max_model_len)
+
+        run = [d for step in steps for d in step if d.request_id == rid]
+        merged = [merge_deltas(run[i:i + 3]) for i in range(0, len(run), 3)]
+        whole = OutputAccumulator(rid, None, prompt, decoder)
+        one_by_one = OutputAccumulator(rid, None, prompt, decoder)
+        num_pieces, finishes = 0, []
+        for delta in merged:
+            want = whole.add(delta)
+            pieces = split_delta(delta)
+            assert pieces[0].metrics is delta.metrics and all(p.metrics is None for p in pieces[1:])
+            assert [p.finished for p in pieces] == [False] * (len(pieces) - 1) + [delta.finished]
+            for piece in pieces:
+                got = one_by_one.add(piece)
+                num_pieces += 1
+                assert all(len(c.delta_token_ids) <= 1 for c in got.outputs)
+                finishes += [c.index for c in got.outputs if c.is_newly_finished]
+            for mine, theirs in zip(got.outputs, want.outputs, strict=True):
+                for name in ("index", "text", "token_ids", "logprobs", "finish_reason"):
+                    assert getattr(mine, name) == getattr(theirs, name), (rid, name)
+                assert mine.cumulative_logprob == pytest.approx(theirs.cumulative_logprob)
+        assert sorted(finishes) == list(range(params.n))   # each sample's finish, once
+        assert num_pieces == sum(max((len(s.token_ids) for s in d.samples), default=1) for d in merged) > len(merged)
+    with_text = OutputDelta("t", [SampleDelta(0, [5, 6], "ab")], False, None)
+    assert split_delta(with_text) == [with_text]
 
 
 def test_a_delta_carries_only_news(llm):

@@ -113,7 +113,7 @@ class Generation:
 
     def __init__(self, server: "Frontend", request_id: str, prompts: list[PromptInput],
                  params: SamplingParams, priority: int, client: str = "", is_streamed: bool = False,
-                 lora_request: LoRARequest | None = None) -> None:
+                 lora_request: LoRARequest | None = None, token_by_token: bool = False) -> None:
         self.server = server
         self.lora_request = lora_request
         self.request_id = request_id
@@ -122,6 +122,7 @@ class Generation:
         self.priority = priority
         self.client = client
         self.is_streamed = is_streamed  # the client gets deltas as they come (see ClusterHandle.generate)
+        self.token_by_token = token_by_token   # an output per new token
         self.progress = [_PromptProgress(time.time()) for _ in prompts]
         self.deadline = time.monotonic() + server.limits.request_timeout_s
         self._has_output = False
@@ -157,7 +158,8 @@ class Generation:
     def _open(self, index: int, prompt: PromptInput) -> AsyncIterator[RequestOutput]:
         return self.server.handle.generate(prompt.text, self._fitted(prompt), f"{self.request_id}-{index}",
                                            self.priority, prompt_token_ids=prompt.token_ids,
-                                           is_streamed=self.is_streamed, lora_request=self.lora_request)
+                                           is_streamed=self.is_streamed, lora_request=self.lora_request,
+                                           token_by_token=self.token_by_token)
 
     async def _pump(self, index: int, prompt: PromptInput) -> None:
         # Whatever fails here reaches the consumer, and the end marker always follows: a prompt
@@ -545,6 +547,10 @@ class Frontend:
                                 f"{len(stop)}", param="stop")
         for text in stop:
             check_unicode(text, "stop")
+        if request.streams_token_by_token and (stop or request.use_beam_search):
+            raise APIError(400, "stream_options.token_by_token cannot be honoured with "
+                                f"{'stop strings' if stop else 'beam search'}: that text is decoded on the worker, "
+                                "a step's tokens together", param="stream_options.token_by_token")
         if request.use_beam_search and self.speculates:
             raise APIError(400, "use_beam_search cannot be combined with speculative decoding, which this "
                                 "server runs (engine.speculative_config)", param="use_beam_search")
@@ -579,9 +585,10 @@ class Frontend:
 
     async def start_generation(self, request_id: str, prompts: list[PromptInput], params: SamplingParams,
                                priority: int, client: str = "", is_streamed: bool = False,
-                               lora_request: LoRARequest | None = None
+                               lora_request: LoRARequest | None = None, token_by_token: bool = False
                                ) -> tuple[Generation, tuple[int, RequestOutput] | None]:
         """Admit the request (429 when the replica or ``client`` is full), start it, await its first output.
+        ``token_by_token``: an output per new token (``ClusterHandle.generate``).
 
         Returns the running generation and its first item (None if it ended
         without output). Failures before the first output raise ``APIError``,
@@ -599,7 +606,8 @@ class Frontend:
             raise
         self.metrics.set_in_flight(self.limiter.num_in_flight)
         self.log_prompts(request_id, prompts, params)
-        generation = Generation(self, request_id, prompts, params, priority, client, is_streamed, lora_request)
+        generation = Generation(self, request_id, prompts, params, priority, client, is_streamed, lora_request,
+                                token_by_token)
         try:
             generation.start()
             first = await anext(generation, None)

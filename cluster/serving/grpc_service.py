@@ -145,7 +145,7 @@ class GrpcService:
                 fields[name] = _json_field(getattr(request, name), name)
         return fields
 
-    def _prepare(self, request: pb.GenerateRequest | None, grpc_context
+    def _prepare(self, request: pb.GenerateRequest | None, grpc_context, is_streamed: bool = False
                  ) -> tuple[str, PromptInput, object, int, str, LoRARequest | None]:
         client = self._authenticate(grpc_context)
         if request is None:  # see protos/servicer.py: the bytes were no GenerateRequest
@@ -158,6 +158,8 @@ class GrpcService:
                                                                   "length_penalty"))
         fields.update(use_beam_search=request.use_beam_search,
                       early_stopping=_early_stopping(request.early_stopping))
+        if is_streamed and request.token_by_token:   # checked as the HTTP API's stream_options.token_by_token
+            fields.update(stream=True, stream_options={"token_by_token": True})
         try:
             if request.messages:
                 chat = ChatCompletionRequest(
@@ -190,7 +192,7 @@ class GrpcService:
         if request.tools:
             fields["tools"] = _tools(request.tools)
         if stream:
-            fields["stream_options"] = {"include_usage": True}
+            fields["stream_options"] = {"include_usage": True, "token_by_token": request.token_by_token}
         try:
             return ChatCompletionRequest(model=request.model or None, messages=_messages(request.messages),
                                          logprobs=request.logprobs, tool_choice=_tool_choice(request),
@@ -260,10 +262,11 @@ class GrpcService:
     async def _start(self, request: pb.GenerateRequest | None, grpc_context, is_streamed: bool
                      ) -> tuple[str, Generation, tuple | None]:
         """Check, admit and start the request: its reply id, its generation and the first output."""
-        label, prompt, params, priority, client, lora_request = self._prepare(request, grpc_context)
+        label, prompt, params, priority, client, lora_request = self._prepare(request, grpc_context, is_streamed)
         # The engine's id is always the server's own: a client's label may collide with another's.
-        generation, first = await self.server.start_generation(f"grpc-{uuid.uuid4().hex}", [prompt],
-                                                               params, priority, client, is_streamed, lora_request)
+        generation, first = await self.server.start_generation(
+            f"grpc-{uuid.uuid4().hex}", [prompt], params, priority, client, is_streamed, lora_request,
+            token_by_token=is_streamed and request.token_by_token)
         return label or f"grpc-{uuid.uuid4().hex}", generation, first
 
     async def generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:

@@ -95,6 +95,10 @@ class StreamOptions(_Request):
     include_usage: Bool = False
     # vLLM: usage on every chunk, not only in the last event.
     continuous_usage_stats: Bool = False
+    # pagedserve: an event per token where several come together (a step's accepted speculative
+    # tokens, engine.stream_interval, steps merged for a reader behind); not with stop strings
+    # or beam search, whose text the worker decodes a step at a time.
+    token_by_token: Bool = False
 
 
 class JsonSchemaFormat(_Request):
@@ -273,6 +277,11 @@ class _SamplingFields(_RefusedFields):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def streams_token_by_token(self) -> bool:
+        """A stream of one event per token (``stream_options.token_by_token``)."""
+        return bool(self.stream and self.stream_options and self.stream_options.token_by_token)
 
     @property
     def continuous_usage(self) -> bool:

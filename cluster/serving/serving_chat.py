@@ -102,7 +102,8 @@ class ServingChat:
         request_id = request.request_id or engine_id
         generation, first = await frontend.start_generation(engine_id, [prompt], params, request.priority, client,
                                                             is_streamed=bool(request.stream),
-                                                            lora_request=lora_request)
+                                                            lora_request=lora_request,
+                                                            token_by_token=request.streams_token_by_token)
         if request.stream:
             return ChunkStream(lambda as_json: self._stream_chat(request, request_id, generation, first, as_json),
                                generation)

@@ -129,7 +129,8 @@ class ServingCompletion:
         request_id = request.request_id or engine_id
         generation, first = await frontend.start_generation(engine_id, prompts, params, request.priority, client,
                                                             is_streamed=bool(request.stream),
-                                                            lora_request=lora_request)
+                                                            lora_request=lora_request,
+                                                            token_by_token=request.streams_token_by_token)
         if request.stream:
             return ChunkStream(lambda as_json: self._stream_completion(request, request_id, generation, first,
                                                                        echoes, is_scoring_only, as_json),

@@ -117,6 +117,34 @@ def merge_deltas(deltas: list[OutputDelta]) -> OutputDelta:
                        last.num_generated_tokens)
 
 
+def split_delta(delta: OutputDelta) -> list[OutputDelta]:
+    """``delta`` as one delta per new token (the j-th holds each sample's j-th new token), for a
+    stream read token by token: the metrics and prompt logprobs go with the first, the request's
+    end with the last, and a sample's finish with its last token. A delta whose samples carry
+    text (decoded on the worker) stays whole: text is not split by token."""
+    longest = max((len(news.token_ids) for news in delta.samples), default=0)
+    if longest < 2 or any(news.text for news in delta.samples):
+        return [delta]
+    pieces = []
+    for j in range(longest):
+        samples = []
+        for news in delta.samples:
+            num_tokens = len(news.token_ids)
+            if j >= num_tokens:
+                continue
+            is_last = j == num_tokens - 1
+            samples.append(SampleDelta(
+                news.index, [news.token_ids[j]], "",
+                None if news.logprobs is None else [news.logprobs[j]], news.cumulative_logprob,
+                news.finish_reason if is_last else None, news.stop_reason if is_last else None))
+        is_first, is_end = j == 0, j == longest - 1
+        pieces.append(OutputDelta(delta.request_id, samples, delta.finished and is_end,
+                                  delta.metrics if is_first else None,
+                                  delta.prompt_logprobs if is_first else None,
+                                  delta.num_generated_tokens if is_end else None))
+    return pieces
+
+
 @dataclass
 class Migrated:
     """The KV manager moved the request to ``target``; the stream ends here.
@@ -212,4 +240,4 @@ def _join(seen: SampleDelta, news: SampleDelta) -> None:
 
 
 __all__ = ["ChannelItem", "ChannelMessage", "EngineDeadError", "GenerateRequest", "Migrated", "OutputDelta",
-           "SampleDelta", "deltas_from_batch", "error_from_batch", "merge_deltas"]
+           "SampleDelta", "deltas_from_batch", "error_from_batch", "merge_deltas", "split_delta"]
