@@ -26,7 +26,8 @@ The contenders run in turns, ``--rounds`` times; each row is one run: output tok
 to the baseline's run of the same round, and the mean acceptance length it measured (vLLM's
 ``spec_decode`` counters: 1 + accepted / drafts). A scripted run with j >= 1 right verifies
 every step, so its mean acceptance length over its speedup is what a verification step of
-k + 1 tokens costs against a one-token step (the "verify step" column). Every run's outputs are
+k + 1 tokens costs against a one-token step (the "verify step" column; on CUDA both replay CUDA
+graphs, the verification step's padded to k + 1 query rows a sequence). Every run's outputs are
 checked equal to the baseline's on the CPU in float32 (greedy speculation is exact); in half
 precision on a GPU, where batching changes the rounding, the outputs are not compared.
 
@@ -122,6 +123,10 @@ def main(argv=None) -> None:
         base = _engine(path, batch, args.prompt, args.max_tokens, None)
         speculating = _engine(path, batch, args.prompt, args.max_tokens, ngram)
         own = speculating.engine.speculator.proposer
+        verify_graphs = speculating.engine.runner.verify_graphs
+        print(f"batch {batch}: verification steps " + (
+            f"replay CUDA graphs ({len(verify_graphs.graphs)} sizes up to {verify_graphs.max_size} sequences)"
+            if verify_graphs is not None and verify_graphs.graphs else "run eagerly"))
         drafts = {}
         for draft in (args.drafts or f"self,{args.size}-draft,{args.size}-eagle").split(","):
             model = path if draft == "self" else str(ensure_model("llama", draft))

@@ -146,6 +146,24 @@ def test_the_forward_cuda_graphs_capture_never_reads_the_device(name):
     assert logits.shape == (4, runner.vocab_size)
 
 
+def test_the_verification_forward_cuda_graphs_capture_never_reads_the_device():
+    """The padded forward of a verification step (5 query rows a sequence: a CUDA graph's,
+    when speculation verifies on graphs) reads nothing back from the device either."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = _triton_llm("llama", speculative_config=spec)
+    runner = llm.engine.runner
+    max_blocks = -(-llm.engine.max_model_len // 16)
+    assert runner.enable_decode_graphs([4], max_blocks, capture=False)
+    assert runner.enable_verify_graphs([4], max_blocks, 5, capture=False)
+    graphs = runner.verify_graphs
+    with torch.inference_mode():
+        graphs._pad_only()
+        with DeviceWaitAudit("cpu") as audit:
+            logits = graphs._forward(4)
+    assert audit.summary() == []
+    assert logits.shape == (4 * 5, runner.vocab_size)
+
+
 def test_a_mixed_steps_forward_never_reads_the_device(monkeypatch):
     """A mixed step (a prefill chunk beside decoding sequences whose ids are still on the
     device) runs the decoder eagerly: on CUDA a read there would stop the host from running

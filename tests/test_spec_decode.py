@@ -228,6 +228,105 @@ def test_stop_strings_and_streaming_see_the_same_text(make_llm):
     assert max(b - a for a, b in zip(tokens, tokens[1:])) > 1
 
 
+# ---- verification steps on the padded static buffers that CUDA graphs replay -------------------
+
+def padded(llm: LLM, sizes=(1, 2, 4, 8)) -> LLM:
+    """``llm`` with its decode and verification steps on the padded buffers (run eagerly here;
+    CUDA graphs replay them on a GPU)."""
+    engine = llm.engine
+    runner = engine.runner
+    if runner.verify_graphs is None:
+        max_blocks = -(-engine.max_model_len // engine.config.block_size)
+        assert runner.enable_decode_graphs(list(sizes), max_blocks, capture=False)
+        query_len = engine.config.speculative_config.num_speculative_tokens + 1
+        assert runner.enable_verify_graphs(list(sizes), max_blocks, query_len, capture=False)
+    return llm
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_padded_verification_gives_transformers_tokens(arch, block_size, make_llm, hf_greedy):
+    """Scripted proposals of every acceptance length, verified on padded rows (4 queries a
+    sequence, fewer used where a sequence proposes less, padding sequences up to the size):
+    transformers' tokens; a batch over the largest padded size verifies eagerly."""
+    llm = padded(make_llm(arch, block_size=block_size, max_model_len=96), sizes=(1, 2, 4))
+    prompts = random_prompts((3, 7, 16, 17, 31, 50), seed=21)
+    reference = [hf_greedy(arch, p, MAX_TOKENS) for p in prompts]
+    script(llm, prompts, reference)
+    before = llm.stats()
+    assert outputs_of(llm.generate(prompts, greedy(), use_tqdm=False)) == reference
+    after = llm.stats()
+    verified = after["num_padded_verification_steps"] - before["num_padded_verification_steps"]
+    assert verified > 0 and after["num_padded_verification_rows"] > before["num_padded_verification_rows"]
+    assert after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"] > verified   # some eager: 6 > 4
+    assert after["num_verification_graph_replays"] == 0   # the CPU runs the padded forward eagerly
+
+
+def test_padded_verification_near_the_context_end_and_with_samples(make_llm, hf_greedy):
+    """Sequences that run to max_model_len (a padded row's position past it) and sampled
+    requests (the sampler reads each real row's logits) verify on padded rows too."""
+    llm = padded(make_llm(block_size=4, max_model_len=40))
+    prompts = random_prompts((30, 36, 12), seed=22)
+    reference = [hf_greedy("llama", p, 40 - len(p)) for p in prompts]
+    script(llm, prompts, reference)
+    assert outputs_of(llm.generate(prompts, [greedy(40 - len(p)) for p in prompts], use_tqdm=False)) == reference
+    base = make_llm(speculative=False)
+    params = SamplingParams(temperature=0.9, top_k=30, seed=23, max_tokens=MAX_TOKENS)
+    expected = outputs_of(base.generate(prompts[2:], params, use_tqdm=False))
+    script(llm, prompts[2:], expected, seed=5)
+    steps = llm.stats()["num_padded_verification_steps"]
+    assert outputs_of(llm.generate(prompts[2:], params, use_tqdm=False)) == expected
+    assert llm.stats()["num_padded_verification_steps"] > steps
+
+
+def test_padded_verification_through_the_triton_kernels(make_llm, hf_greedy):
+    """The Triton kernels CUDA runs (interpreted here) on the padded verification rows:
+    transformers' tokens."""
+    pytest.importorskip("triton")
+    llm = padded(make_llm(kernel_backend="triton", block_size=8, max_model_len=64), sizes=(2, 4))
+    prompts = random_prompts((5, 19, 12), seed=25)
+    reference = [hf_greedy("llama", p, 12) for p in prompts]
+    script(llm, prompts, reference)
+    assert outputs_of(llm.generate(prompts, greedy(12), use_tqdm=False)) == reference
+    assert llm.stats()["num_padded_verification_steps"] > 0
+
+
+def test_padded_verification_writes_only_the_real_rows_kv(make_llm):
+    """A verification step of 3 sequences on 4 padded ones: the KV slots written are exactly
+    those of each sequence's last token and proposals."""
+    llm = padded(make_llm(block_size=4, enable_prefix_caching=False), sizes=(4,))
+    engine = llm.engine
+    runner = engine.runner
+    prompts = random_prompts((6, 11, 3), seed=24)
+    script(llm, prompts, [[7] * MAX_TOKENS] * 3, num_right=0)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"v{i}", prompt, greedy(8, ignore_eos=True))
+    engine.step()   # the prompts
+    caches = runner.kv_cache.device_caches
+    before = [k.clone() for k, _ in caches]
+    expected: set[int] = set()
+    graphs = runner.verify_graphs
+    run, runs = graphs.run, graphs.num_runs
+
+    def recorded(model_input, pending_tokens=None):
+        host = runner.block_tables.host   # the step's tables, written before the run
+        for row, start, count in zip(model_input.rows, model_input.starts, model_input.num_tokens):
+            expected.update(int(host[row, p // 4]) * 4 + p % 4 for p in range(start, start + count))
+        return run(model_input, pending_tokens)
+
+    graphs.run = recorded
+    try:
+        engine.step()   # verification: each sequence's last token and its 4 proposals
+    finally:
+        del graphs.run
+    assert graphs.num_runs == runs + 1 and len(expected) == 3 * 5
+    for (k, _), old in zip(caches, before):
+        changed = set((k != old).flatten(2).any(-1).flatten().nonzero().squeeze(1).tolist())
+        assert changed == expected
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 # ---- sampling --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("params", [

@@ -106,6 +106,21 @@ def test_self_draft_accepts_everything_and_matches_transformers(arch, make_llm, 
     assert stats["spec_decode_draft_kv_tokens"] > 0
 
 
+def test_a_draft_verified_on_padded_rows(make_llm, hf_greedy):
+    """Verification steps on the padded buffers CUDA graphs replay (run eagerly here), of a
+    self-draft's proposals (every one kept): transformers' tokens."""
+    llm = make_llm("llama", block_size=4, max_num_seqs=8)   # an engine of its own: padded from now on
+    engine = llm.engine
+    max_blocks = -(-engine.max_model_len // 4)
+    assert engine.runner.enable_decode_graphs([1, 2, 4, 8], max_blocks, capture=False)
+    assert engine.runner.enable_verify_graphs([1, 2, 4, 8], max_blocks, K + 1, capture=False)
+    prompts = random_prompts((3, 15, 16, 17, 33, 50), seed=7)
+    outputs = outputs_of(llm.generate(prompts, greedy(), use_tqdm=False))
+    assert outputs == [hf_greedy("llama", p, MAX_TOKENS) for p in prompts]
+    stats = llm.stats()
+    assert stats["num_padded_verification_steps"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+
+
 @pytest.mark.parametrize("block_size", [4, 8])
 def test_self_draft_across_block_boundaries_and_chunked_prefill(block_size, make_llm, hf_greedy):
     """Small blocks put the last token at every offset of its block (the scratch copy), and

@@ -20,6 +20,7 @@ import torch
 from pagedserve.kvmanager import KVManager
 
 from ..lora.lora_request import LoRARequest
+from ..model.decode_graphs import verify_graph_sizes
 from ..model.input_batch import InputBatch
 from ..model.model_input import TokenScores
 from ..model.model_support import check_max_model_len
@@ -91,6 +92,10 @@ class LLMEngine:
         if self._uses_graphs or self._uses_compile:
             self.runner.enable_decode_graphs(config.graph_sizes(), max_blocks_per_seq,
                                              capture=self._uses_graphs, torch_compile=self._uses_compile)
+            if self._uses_graphs and self._verify_query_len > 1 and self.runner.decode_graphs is not None:
+                query_len = self._verify_query_len
+                self.runner.enable_verify_graphs(verify_graph_sizes(config.graph_sizes(), query_len),
+                                                 max_blocks_per_seq, query_len)
         if self.runner.device.type == "cuda" or self.runner.runs_triton:  # through the compiled forward, if any
             self.runner.warm_up_kernels(max_blocks_per_seq)
             if self.draft is not None:
@@ -158,6 +163,17 @@ class LLMEngine:
         ``enable_lora`` and an EAGLE head, which reads every step's hidden states, turn it off)."""
         return (self.runner.device.type == "cuda" and not self.config.enforce_eager and not self.config.enable_lora
                 and not self._reads_hidden_states)
+
+    @property
+    def _verify_query_len(self) -> int:
+        """The query tokens a sequence of a verification step replayed as a CUDA graph has
+        (its last token and up to ``num_speculative_tokens`` proposals); 1: such steps run
+        eagerly (no speculation, or a model with sliding windows, whose tables may hold -1
+        where a padded row would read)."""
+        spec = self.config.speculative_config
+        if spec is None or self.runner.attention.max_sliding_window is not None:
+            return 1
+        return spec.num_speculative_tokens + 1
 
     @property
     def _uses_compile(self) -> bool:
@@ -275,7 +291,7 @@ class LLMEngine:
             peak = self.runner.profile_peak_memory(
                 self.max_num_batched_tokens, config.block_size,
                 config.graph_sizes() if self._uses_graphs else None,
-                -(-self.max_model_len // config.block_size), self._uses_compile)
+                -(-self.max_model_len // config.block_size), self._uses_compile, self._verify_query_len)
             total = torch.cuda.get_device_properties(self.runner.device).total_memory
             budget = total * config.gpu_memory_utilization - peak - self._lora_slot_bytes()
         else:
@@ -744,6 +760,12 @@ class LLMEngine:
                           "num_padded_decode_steps": graphs.num_runs, "num_graph_replays": graphs.num_replays,
                           "num_padded_rows": graphs.num_padded_rows,
                           "decode_compiled": graphs.is_compiled})
+        verify = getattr(self.runner, "verify_graphs", None)
+        if verify is not None:
+            stats.update({"num_verification_graphs": len(verify.graphs),
+                          "num_padded_verification_steps": verify.num_runs,
+                          "num_verification_graph_replays": verify.num_replays,
+                          "num_padded_verification_rows": verify.num_padded_rows})
         if self.lora is not None:
             def names(seqs) -> list[str]:
                 return sorted({s.request.lora_request.lora_name for s in seqs if s.request.lora_request})

@@ -127,8 +127,9 @@ class EngineOptions(BaseModel):
     bundle per rank, else "mp"."""
     speculative_config: SpeculativeConfig | None = None
     """Speculative decoding (vLLM's name and keys), e.g. ``{"method": "ngram",
-    "num_speculative_tokens": 4}``. Verification steps run eagerly (not captured as CUDA
-    graphs); with ``async_scheduling`` only the steps of a batch at ``disable_by_batch_size``
+    "num_speculative_tokens": 4}``. Where decode steps replay CUDA graphs, verification steps
+    of up to 512 tokens do too (k + 1 query rows a sequence; not with an EAGLE head or a sliding
+    window); with ``async_scheduling`` only the steps of a batch at ``disable_by_batch_size``
     (which proposes nothing) overlap. Unset: off."""
     enable_lora: bool = False
     """Serve LoRA adapters (PEFT checkpoints) on the base model: a request names one with a

@@ -12,7 +12,7 @@ from pagedserve.kernels.gpu_targets import check_dtype, check_shared_memory
 
 from .attention import PagedAttentionMetadata, attention_context, register_paged_attention
 from .block_tables import BlockTableRows
-from .decode_graphs import DecodeGraphs
+from .decode_graphs import DecodeGraphs, verify_graph_sizes
 from .host_lists import int64_tensor, to_device
 from .host_memory import retain_freed_host_memory
 from .kv_cache import CacheShape, KVCache
@@ -157,6 +157,8 @@ class ModelRunner:
         self._kernels_checked: set[int] = set()  # block sizes whose kernels fit this GPU
         # Decode steps on static padded buffers (CUDA graphs on CUDA); None: every step eager.
         self.decode_graphs: DecodeGraphs | None = None
+        # Verification steps of speculative decoding on static padded buffers, likewise.
+        self.verify_graphs: DecodeGraphs | None = None
         # Return every token's last hidden states from eager forwards (an EAGLE head's input).
         self.keep_hidden_states = False
 
@@ -175,10 +177,11 @@ class ModelRunner:
 
     def profile_peak_memory(self, num_tokens: int, block_size: int,
                             graph_sizes: list[int] | None = None, max_blocks_per_seq: int = 1,
-                            torch_compile: bool = False) -> int:
+                            torch_compile: bool = False, verify_query_len: int = 1) -> int:
         """Peak CUDA bytes of one forward pass over ``num_tokens`` prompt tokens, plus the
         memory pool of the CUDA graphs of ``graph_sizes`` (captured here, compiled with
-        ``torch_compile``, then dropped).
+        ``torch_compile``, then dropped), and with ``verify_query_len`` > 1 of the
+        verification graphs (``enable_verify_graphs``).
 
         Runs against a throwaway cache just big enough for them; 0 off CUDA.
         """
@@ -200,6 +203,12 @@ class ModelRunner:
         if graph_sizes:
             graphs = self._try_graphs(graph_sizes, max_blocks_per_seq, torch_compile)
             graph_bytes = graphs.memory_bytes if graphs is not None else 0
+            if graphs is not None and verify_query_len > 1:
+                saved_graphs, self.decode_graphs = self.decode_graphs, graphs
+                if self.enable_verify_graphs(verify_graph_sizes(graph_sizes, verify_query_len), max_blocks_per_seq,
+                                             verify_query_len):
+                    graph_bytes += self.verify_graphs.memory_bytes
+                self.decode_graphs, self.verify_graphs = saved_graphs, None
             del graphs
         self.kv_cache = saved
         torch.cuda.empty_cache()
@@ -269,6 +278,28 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(self, sizes, max_blocks_per_seq, capture=False)
         return self.decode_graphs is not None
 
+    def enable_verify_graphs(self, sizes: list[int], max_blocks_per_seq: int, query_len: int,
+                             capture: bool = True) -> bool:
+        """Run verification steps of up to ``query_len`` tokens a sequence (the last token and
+        its proposals) padded on static buffers, captured as CUDA graphs when ``capture``,
+        into the decode graphs' memory pool and through their decoder stack (compiled, if
+        it is): after ``enable_decode_graphs``. Returns whether the padded path is on."""
+        decode = self.decode_graphs
+        if decode is None:
+            raise RuntimeError("enable_decode_graphs() must come first")
+        try:
+            self.verify_graphs = DecodeGraphs(self, sizes, max_blocks_per_seq, capture=capture and bool(decode.graphs),
+                                              torch_compile=decode.is_compiled, query_len=query_len,
+                                              decode_stack=decode.decode_stack, pool=decode.pool)
+        except Exception as error:  # as for decode steps: a forward that cannot be captured
+            logger.warning("verification steps run eagerly: the forward of %s cannot be captured with %d "
+                           "tokens a sequence (%s: %s)", type(self.model).__name__, query_len,
+                           type(error).__name__, _first_line(error))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.verify_graphs = None
+        return self.verify_graphs is not None
+
     def _try_graphs(self, sizes: list[int], max_blocks_per_seq: int,
                     torch_compile: bool = False) -> DecodeGraphs | None:
         if torch_compile:
@@ -305,10 +336,11 @@ class ModelRunner:
             raise RuntimeError("allocate_cache() must run before execute()")
         if model_input.pending and pending_tokens is None:
             raise ValueError("the step has pending tokens but no sampled ids to take them from")
-        graphs = self.decode_graphs
-        if graphs is not None and graphs.can_run(model_input) and not self.keep_hidden_states:
-            self.block_tables.write(model_input.table_updates)
-            return ExecuteOutput(graphs.run(model_input, pending_tokens), {})
+        if not self.keep_hidden_states:
+            for graphs in (self.decode_graphs, self.verify_graphs):
+                if graphs is not None and graphs.can_run(model_input):
+                    self.block_tables.write(model_input.table_updates)
+                    return ExecuteOutput(graphs.run(model_input, pending_tokens), {})
         device = self.device
         batch = flatten(model_input, self.block_tables, self.kv_cache.shape.block_size)
         input_ids = batch.input_ids.to(device, non_blocking=True)

@@ -174,7 +174,8 @@ class TensorParallelRunner:
         return self.kv_cache
 
     def profile_peak_memory(self, num_tokens: int, block_size: int, graph_sizes: list[int] | None = None,
-                            max_blocks_per_seq: int = 1, torch_compile: bool = False) -> int:
+                            max_blocks_per_seq: int = 1, torch_compile: bool = False,
+                            verify_query_len: int = 1) -> int:
         """Rank 0's peak (every rank runs the same shapes); no CUDA graphs (see
         ``enable_decode_graphs``), so ``graph_sizes`` take no memory."""
         if self.local.device.type != "cuda":
