@@ -13,8 +13,9 @@
 # Next (as of 2026-11-28): STEPS="served" first, with Ray's wheel in parts (below); then
 # STEPS="kernel_tests kernel_profile" (the decode kernel's per-sequence splits have not run on
 # a GPU yet; the profile runs also print each kind of step's device time), then
-# STEPS="kernel_tiles" on the warm machine, then "engine"; then "spec lora" (speculative decoding's
-# verification cost and LoRA's step cost on the GPU).
+# STEPS="kernel_tiles" on the warm machine, then "engine"; then "tests spec lora" (the verification
+# steps' CUDA graphs, never captured on a GPU yet: test_cuda_greedy's speculation tests, then their
+# cost against a one-token step; LoRA's step cost on the GPU).
 #
 # "tp" is for a machine with several GPUs (it says so and passes on one).
 #

@@ -155,3 +155,26 @@ def test_half_precision_is_as_close_to_float32_as_transformers(arch, dtype, mode
     theirs_equal = sum(r[2] for r in rows) / (len(rows) * MAX_TOKENS)
     print(f"  tokens equal to float32 before the first parting: ours {ours_equal:.1%}, "
           f"transformers {theirs_equal:.1%}")
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("mode", ["graphs", "compiled"])
+def test_float32_speculation_verifies_on_cuda_graphs(method, mode, tiny_model, hf_greedy):
+    """Verification steps replayed as CUDA graphs (k + 1 = 4 query rows a sequence, padded):
+    float32 greedy output token-identical to transformers on the same GPU, with a self-draft
+    (every proposal kept) and with n-gram proposals (most rejected)."""
+    path = tiny_model("llama")
+    spec = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+            if method == "ngram" else {"method": "draft_model", "model": path, "num_speculative_tokens": 3})
+    llm = LLM(path, device="cuda", dtype="float32", num_device_blocks=256, swap_space_gb=0.001,
+              cuda_graph_sizes=[1, 2, 4, 8], speculative_config=spec, **MODES[mode])
+    prompts = random_prompts(seed=2)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    for prompt, output in zip(prompts, outputs):
+        reference, _ = hf_generate(path, torch.float32, prompt)
+        assert list(output.outputs[0].token_ids) == reference, f"prompt of {len(prompt)} tokens diverged"
+    stats = llm.stats()
+    assert stats["num_verification_graphs"] > 0 and stats["num_verification_graph_replays"] > 0, stats
+    assert stats["spec_decode_num_drafts"] > 0
+    llm.check_integrity()
+    assert llm.engine.num_used_blocks() == 0
