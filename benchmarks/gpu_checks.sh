@@ -14,8 +14,9 @@
 # STEPS="kernel_tests kernel_profile" (the decode kernel's per-sequence splits have not run on
 # a GPU yet; the profile runs also print each kind of step's device time), then
 # STEPS="kernel_tiles" on the warm machine, then "engine"; then "tests spec lora" (the verification
-# steps' CUDA graphs, never captured on a GPU yet: test_cuda_greedy's speculation tests, then their
-# cost against a one-token step; LoRA's step cost on the GPU).
+# steps' and LoRA's decode steps' CUDA graphs, never captured on a GPU yet: test_cuda_greedy's
+# speculation tests and test_lora's CUDA test; then the verification cost against a one-token step
+# and LoRA's step cost on the GPU).
 #
 # "tp" is for a machine with several GPUs (it says so and passes on one).
 #
@@ -69,7 +70,8 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 # Engines end to end (test_cuda_greedy: CUDA graphs of the compiled forward, of the uncompiled
 # one, and eager; no kernel variant compiles after load), then the kernels and the sampler alone.
 TESTS=(tests/test_cuda_greedy.py tests/test_kernel_variants.py tests/test_sampler.py
-       "tests/test_structured_outputs.py::test_structured_outputs_on_cuda")
+       "tests/test_structured_outputs.py::test_structured_outputs_on_cuda"
+       "tests/test_lora.py::test_lora_decode_steps_replay_cuda_graphs_on_cuda")
 KERNEL_TESTS=(tests/test_gpu_targets.py tests/test_kernels_triton.py tests/test_kernels_torch.py
               tests/test_sampling_extensions.py)
 for name in ${STEPS:-engine host tests kernel_tests launches kernels sweep}; do

@@ -41,6 +41,10 @@ class SGMVSegments:
     slot_bits: int
 
 
+# ``SGMVSegments.slot_bits`` of static segments: every layer that holds slots runs its products.
+ALL_SLOTS = -1
+
+
 def build_segments(token_slots: torch.Tensor, device: torch.device) -> SGMVSegments | None:
     """The segments of a step whose token ``t`` uses slot ``token_slots[t]`` (int64, CPU;
     -1: the base model); None when no token uses an adapter. Tensor ops on the host, then
@@ -49,6 +53,52 @@ def build_segments(token_slots: torch.Tensor, device: torch.device) -> SGMVSegme
     num_adapted = adapted.numel()
     if num_adapted == 0:
         return None
+    table, num_tiles, used = _segment_table(token_slots, adapted)
+    if device.type == "cuda":
+        table = table.pin_memory()  # queued behind the stream's work, never waited for
+    table = table.to(device, non_blocking=True)
+    return SGMVSegments(table[0], table[1], table[2], table[3], num_adapted, num_tiles,
+                        sum(1 << slot for slot in used.tolist()))
+
+
+class StaticSegments:
+    """Segments of fixed shapes, for a forward CUDA graphs capture: ``max_tokens`` sorted
+    positions and as many tiles as the most segments of that many tokens over ``num_slots``
+    slots can need, on static device buffers. ``fill`` writes a step's (tiles past its own
+    cover nothing: start = end), and every layer that holds slots runs (``ALL_SLOTS``), so a
+    graph's kernels are launched whatever the step's adapters."""
+
+    def __init__(self, max_tokens: int, num_slots: int, device: torch.device) -> None:
+        self.max_tokens = max_tokens
+        self.num_tiles = -(-max_tokens // TILE_TOKENS) + num_slots
+        self.width = -(-max(max_tokens, self.num_tiles) // 4) * 4
+        # Two host tables, alternating: a step never writes the one the step before may still be copying.
+        self.hosts = [torch.zeros((4, self.width), dtype=torch.int32, pin_memory=device.type == "cuda")
+                      for _ in range(2)]
+        self.num_fills = 0
+        self.table = torch.zeros((4, self.width), dtype=torch.int32, device=device)
+        self.segments = SGMVSegments(self.table[0], self.table[1], self.table[2], self.table[3], max_tokens,
+                                     self.num_tiles, ALL_SLOTS)
+
+    def fill(self, token_slots: torch.Tensor | None) -> SGMVSegments:
+        """The segments of a step whose token ``t`` (of at most ``max_tokens``) uses slot
+        ``token_slots[t]`` (None: no token uses an adapter), written into the buffers."""
+        host = self.hosts[self.num_fills % 2]
+        self.num_fills += 1
+        host.zero_()
+        if token_slots is not None:
+            adapted = (token_slots >= 0).nonzero().squeeze(1)
+            if adapted.numel():
+                table, _, _ = _segment_table(token_slots, adapted)
+                host[:, :table.shape[1]] = table
+        self.table.copy_(host, non_blocking=True)
+        return self.segments
+
+
+def _segment_table(token_slots: torch.Tensor, adapted: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """The host table of ``SGMVSegments`` (token order, tile starts, ends and slots as int32
+    rows), its tile count, and the slots used."""
+    num_adapted = adapted.numel()
     slots, order = torch.sort(token_slots.index_select(0, adapted), stable=True)
     counts = torch.bincount(slots)
     used = counts.nonzero().squeeze(1)
@@ -67,11 +117,7 @@ def build_segments(token_slots: torch.Tensor, device: torch.device) -> SGMVSegme
     table[1, :num_tiles] = tile_starts
     table[2, :num_tiles] = torch.minimum(tile_starts + TILE_TOKENS, tile_segment_ends)
     table[3, :num_tiles] = used.index_select(0, tile_segment)
-    if device.type == "cuda":
-        table = table.pin_memory()  # queued behind the stream's work, never waited for
-    table = table.to(device, non_blocking=True)
-    return SGMVSegments(table[0], table[1], table[2], table[3], num_adapted, num_tiles,
-                        sum(1 << slot for slot in used.tolist()))
+    return table, num_tiles, used
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, segments: SGMVSegments) -> torch.Tensor:

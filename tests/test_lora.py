@@ -501,6 +501,56 @@ def test_adapters_speculate_exactly(tiny_model, adapters, peft_greedy):
     assert_idle(llm)
 
 
+def test_padded_decode_steps_run_the_adapters_on_static_segments(tiny_model, adapters, peft_greedy):
+    """What CUDA graphs capture with LoRA, run on the CPU through the Triton kernels
+    (interpreted): decode steps padded on static buffers, the adapters' products on segments
+    of fixed shapes (every layer's slots allocated first, tiles past a step's own covering
+    nothing), every adapter's and the base model's tokens those of transformers + PEFT."""
+    pytest.importorskip("triton")
+    loras = adapters("llama")
+    llm = make_llm(tiny_model("llama"), max_loras=4, max_lora_rank=16, kernel_backend="triton", block_size=8,
+                   num_device_blocks=64)
+    engine = llm.engine
+    layers = engine.lora.layers
+    layers.enable_static_segments(8)
+    assert layers.num_allocated == len(layers) and layers.context.static is not None
+    assert engine.runner.enable_decode_graphs([2, 4, 8], -(-engine.max_model_len // 8), capture=False,
+                                              lora=layers.context)
+    prompts = random_prompts((3, 9, 5, 2, 7), seed=23)
+    which = [None, *loras.values()][:len(prompts)]
+    max_tokens = [4, 6, 3, 5, 2]   # steps of 5 down to 1 sequences, padded to 8, 4 and 2
+    outputs = llm.generate(prompts, [greedy(n) for n in max_tokens], use_tqdm=False, lora_request=which)
+    for prompt, lora, n, output in zip(prompts, which, max_tokens, outputs):
+        assert output.outputs[0].token_ids == peft_greedy("llama", lora, prompt, n), lora
+    stats = llm.stats()
+    assert stats["num_padded_decode_steps"] > 0 and stats["num_padded_rows"] > 0, stats
+    assert layers.context.static.num_fills == stats["num_padded_decode_steps"]
+    assert_idle(llm)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_lora_decode_steps_replay_cuda_graphs_on_cuda(tiny_model, adapters):
+    """On CUDA an engine with LoRA captures its decode steps (the default): in float32, every
+    adapter's and the base model's tokens are those of the same engine run eagerly, and the
+    graphs replayed."""
+    loras = adapters("llama")
+    prompts, which = mixed_workload(loras, seed=29)
+
+    def run(**options):
+        llm = LLM(tiny_model("llama"), device="cuda", dtype="float32", enable_lora=True, max_loras=4,
+                  max_lora_rank=16, num_device_blocks=256, swap_space_gb=0.001, cuda_graph_sizes=[1, 2, 4, 8, 16],
+                  **options)
+        outputs = llm.generate(prompts, greedy(), use_tqdm=False, lora_request=which)
+        assert_idle(llm)
+        return [list(o.outputs[0].token_ids) for o in outputs], llm.stats()
+
+    graphed, stats = run()
+    eager, _ = run(enforce_eager=True)
+    assert graphed == eager
+    assert stats["num_cuda_graphs"] == 5 and stats["num_graph_replays"] > 0, stats
+
+
 def test_a_profiled_kv_budget_leaves_room_for_every_slot(tiny_model, adapters, peft_greedy):
     """Slots are allocated as adapters first target each layer, after the pools are sized: a
     KV budget from the GPU's profile (``_size_pools``) keeps ``max_slot_bytes`` out, which is

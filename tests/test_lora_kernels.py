@@ -119,6 +119,27 @@ def test_segments_tile_each_adapted_token_once_by_slot():
     assert triton_lora_ops.build_segments(torch.tensor([-1, -1]), DEVICE) is None
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_static_segments_give_each_steps_products_on_fixed_shapes(case):
+    """``StaticSegments`` (what a CUDA graph's kernels read): one buffer filled step after
+    step, shapes fixed for the most tokens and slots, the products equal each step's own
+    segments'; a step without adapters leaves every row as it was."""
+    dtype = torch.float32
+    slots, lora_a, lora_b, x, y = run_case(case, dtype)
+    static = triton_lora_ops.StaticSegments(64, lora_a.shape[0], DEVICE)
+    for step_slots in (slots, [-1] * len(slots), list(reversed(slots))):
+        segments = static.fill(torch.tensor(step_slots))
+        assert (segments.num_adapted, segments.num_tiles) == (64, -(-64 // TILE) + lora_a.shape[0])
+        ours = y.clone()
+        triton_lora_ops.lora_expand(ours, triton_lora_ops.lora_shrink(x, lora_a, segments), lora_b, segments)
+        if all(slot < 0 for slot in step_slots):
+            assert torch.equal(ours, y)
+            continue
+        expected = products(triton_lora_ops, step_slots, x, y, lora_a, lora_b)
+        torch.testing.assert_close(ours, expected, atol=1e-6, rtol=0)
+    assert static.fill(None) is segments and segments.token_order.data_ptr() == static.table.data_ptr()
+
+
 def test_shrink_and_expand_refuse_mismatched_operands():
     slots, lora_a, lora_b, x, y = run_case("one slot, one token", torch.float32)
     segments = triton_lora_ops.build_segments(torch.tensor(slots), DEVICE)

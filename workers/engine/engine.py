@@ -90,8 +90,13 @@ class LLMEngine:
             self.draft.allocate_cache(config.block_size, num_device, num_host, config.max_num_seqs)
         max_blocks_per_seq = -(-max_len // config.block_size)
         if self._uses_graphs or self._uses_compile:
+            lora = None
+            if self.lora is not None and self._uses_graphs and config.tensor_parallel_size == 1:
+                # every layer's slots now, and segments of fixed shapes, for the graphs to capture
+                self.lora.layers.enable_static_segments(max(config.graph_sizes()))
+                lora = self.lora.layers.context
             self.runner.enable_decode_graphs(config.graph_sizes(), max_blocks_per_seq,
-                                             capture=self._uses_graphs, torch_compile=self._uses_compile)
+                                             capture=self._uses_graphs, torch_compile=self._uses_compile, lora=lora)
             if self._uses_graphs and self._verify_query_len > 1 and self.runner.decode_graphs is not None:
                 query_len = self._verify_query_len
                 self.runner.enable_verify_graphs(verify_graph_sizes(config.graph_sizes(), query_len),
@@ -159,9 +164,11 @@ class LLMEngine:
 
     @property
     def _uses_graphs(self) -> bool:
-        """Decode steps replay CUDA graphs: the default on CUDA (``enforce_eager``,
-        ``enable_lora`` and an EAGLE head, which reads every step's hidden states, turn it off)."""
-        return (self.runner.device.type == "cuda" and not self.config.enforce_eager and not self.config.enable_lora
+        """Decode steps replay CUDA graphs: the default on CUDA (``enforce_eager``, an EAGLE
+        head, which reads every step's hidden states, and LoRA without the Triton kernels, whose
+        shapes follow each step's adapters, turn it off)."""
+        lora_fits = self.lora is None or self.lora.layers.context.has_static_shapes
+        return (self.runner.device.type == "cuda" and not self.config.enforce_eager and lora_fits
                 and not self._reads_hidden_states)
 
     @property
@@ -171,16 +178,17 @@ class LLMEngine:
         eagerly (no speculation, or a model with sliding windows, whose tables may hold -1
         where a padded row would read)."""
         spec = self.config.speculative_config
-        if spec is None or self.runner.attention.max_sliding_window is not None:
+        if spec is None or self.runner.attention.max_sliding_window is not None or self.lora is not None:
             return 1
         return spec.num_speculative_tokens + 1
 
     @property
     def _uses_compile(self) -> bool:
-        """Decode steps run through torch.compile: ``torch_compile``, else with CUDA graphs."""
+        """Decode steps run through torch.compile: ``torch_compile``, else with CUDA graphs
+        (not with LoRA, whose steps run uncompiled)."""
         if self.config.torch_compile is not None:
             return self.config.torch_compile
-        return self._uses_graphs
+        return self._uses_graphs and self.lora is None
 
     def _speculator(self, max_len: int) -> Speculator | None:
         """Speculative decoding's side of the engine, when ``speculative_config`` is set."""

@@ -134,8 +134,9 @@ class EngineOptions(BaseModel):
     enable_lora: bool = False
     """Serve LoRA adapters (PEFT checkpoints) on the base model: a request names one with a
     ``LoRARequest``, and a step mixes requests of different adapters and of the base model
-    (vLLM's name). Steps run eagerly (no CUDA graphs, no torch.compile); on a tensor-parallel
-    group each rank holds its slices of the adapters, cut as its weights are."""
+    (vLLM's name). Decode steps replay CUDA graphs on CUDA (every layer's slots allocated at
+    load); nothing runs through torch.compile; on a tensor-parallel group each rank holds its
+    slices of the adapters, cut as its weights are."""
     max_loras: int = Field(1, ge=1)
     """With enable_lora: adapters one step may use, each in a slot of every adapted layer
     (vLLM's name). Requests of further adapters wait; slots go to the least recently used."""

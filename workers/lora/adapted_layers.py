@@ -83,6 +83,17 @@ class AdaptedLayers:
         return sum(self.max_loras * self.max_lora_rank * (layer.in_features + layer.out_features) * element
                    for layer in self.by_name.values())
 
+    def enable_static_segments(self, max_tokens: int) -> None:
+        """Prepare the layers for CUDA graphs of forwards of up to ``max_tokens`` tokens: every
+        layer's slots allocated now (a graph captures the products of the layers that hold
+        slots), and segments of fixed shapes. Needs the Triton ops."""
+        if not self.context.has_static_shapes:
+            raise ValueError("CUDA graphs with LoRA need the Triton LoRA kernels")
+        for layer in self.by_name.values():
+            if layer.lora_a is None:
+                layer.allocate(self.max_loras, self.max_lora_rank)
+        self.context.static = self.context.ops.StaticSegments(max_tokens, self.max_loras, self.device)
+
     def read(self, request: LoRARequest) -> LoRAAdapter:
         """``request``'s adapter checked against the whole model (``LoRAAdapterError`` says why it
         cannot be served), as this rank's cut of it."""
@@ -108,11 +119,13 @@ class AdaptedLayers:
         token_slots = int64_tensor(list(chunk_slots))
         if num_tokens is not None:
             token_slots = torch.repeat_interleave(token_slots, int64_tensor(list(num_tokens)))
+        self.context.token_slots = token_slots
         self.context.segments = self.context.ops.build_segments(token_slots, self.device)
         try:
             yield
         finally:
             self.context.segments = None
+            self.context.token_slots = None
 
 
 def wrap_linear_layers(model: torch.nn.Module, context: LoRAContext) -> dict[str, LoRALinear]:

@@ -27,12 +27,22 @@ def lora_ops_for(device: torch.device, kernel_backend: str | None = None) -> Mod
 class LoRAContext:
     """What the adapted layers of one model read during a forward: the products ``ops``
     (``lora_ops_for``'s, chosen once per model) and the step's segments, which those ops
-    built (None: no token uses an adapter). One per model (never a global: two engines may
-    share a process), set by its ``LoRAManager``."""
+    built (None: no token uses an adapter), from ``token_slots`` (each token's slot, -1: the
+    base model; on the host). One per model (never a global: two engines may share a
+    process), set by its ``LoRAManager``. ``static``: segments of fixed shapes
+    (``StaticSegments`` of the Triton ops) that CUDA graphs of decode steps capture."""
 
     def __init__(self, ops: ModuleType = punica) -> None:
         self.ops = ops
         self.segments = None
+        self.token_slots: torch.Tensor | None = None
+        self.static = None
+
+    @property
+    def has_static_shapes(self) -> bool:
+        """Whether ``ops`` can run on segments of fixed shapes (the Triton kernels can; the
+        torch path's shapes follow each step's adapters)."""
+        return hasattr(self.ops, "StaticSegments")
 
 
 class LoRALinear(torch.nn.Module):
@@ -86,7 +96,11 @@ class LoRALinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)
         segments = self.context.segments
-        if segments is None or not (segments.slot_bits & self.slot_bits):
+        if segments is None or self.lora_a is None:
+            return y
+        # Static segments (negative bits) run every layer that holds slots: a CUDA graph's kernels
+        # must not depend on which adapters its capture saw.
+        if segments.slot_bits >= 0 and not (segments.slot_bits & self.slot_bits):
             return y
         ops = self.context.ops
         shrunk = ops.lora_shrink(x.reshape(-1, self.in_features), self.lora_a, segments)

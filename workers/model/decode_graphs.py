@@ -96,16 +96,24 @@ class DecodeGraphs:
     size here, so that nothing compiles inside a request. ``query_len``: the query rows of
     each sequence (1: decode steps; more: verification steps, see the module docstring).
     ``decode_stack``: the decoder stack's forward to run (another instance's, compiled once),
-    ``pool``: the memory pool to capture into (another instance's graphs').
+    ``pool``: the memory pool to capture into (another instance's graphs'). ``lora``: the
+    model's ``LoRAContext``, whose static segments (if it has them) a padded step fills with
+    its tokens' slots and runs on (a graph captures their fixed shapes).
     """
 
     def __init__(self, runner: GraphedRunner, sizes: list[int], max_blocks_per_seq: int,
                  capture: bool, torch_compile: bool = False, compile_backend: str = "inductor",
-                 query_len: int = 1, decode_stack=None, pool=None) -> None:
+                 query_len: int = 1, decode_stack=None, pool=None, lora=None) -> None:
         if not sizes or min(sizes) < 1:
             raise ValueError(f"graph batch sizes must be positive, got {sizes}")
         if query_len < 1:
             raise ValueError(f"query_len must be positive, got {query_len}")
+        if lora is not None and query_len > 1:
+            raise ValueError("verification steps with LoRA adapters run eagerly")
+        if lora is not None and lora.static is not None and lora.static.max_tokens < max(sizes):
+            raise ValueError(f"LoRA's static segments hold {lora.static.max_tokens} tokens, fewer than the "
+                             f"largest graph size {max(sizes)}")
+        self.lora = lora
         self.runner = runner
         self.sizes = sorted(set(sizes))
         self.max_size = self.sizes[-1]
@@ -204,7 +212,14 @@ class DecodeGraphs:
                             pending_tokens.index_select(0, self.inputs[_PENDING_FROM, :len(pending)]))
         self._gather_tables(num_seqs)
         self.num_padded_rows += size - num_seqs
-        return self._replay(size)[:num_seqs]
+        lora = self.lora
+        if lora is None or lora.static is None:
+            return self._replay(size)[:num_seqs]
+        step_segments, lora.segments = lora.segments, lora.static.fill(lora.token_slots)
+        try:
+            return self._replay(size)[:num_seqs]
+        finally:
+            lora.segments = step_segments
 
     def _run_verification(self, model_input: ModelInput) -> torch.Tensor:
         """A verification step on the padded rows: sequence i's real tokens in its first
@@ -313,6 +328,9 @@ class DecodeGraphs:
         self._pad_only()
         memory_before = torch.cuda.memory_reserved(self.device)
         pool = self.pool
+        lora = self.lora if self.lora is not None and self.lora.static is not None else None
+        if lora is not None:   # the adapters' kernels captured on segments that cover nothing
+            lora.segments = lora.static.fill(None)
         self._compiled_one_token()
         for size in reversed(self.sizes):
             side = torch.cuda.Stream(self.device)
@@ -327,6 +345,8 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[size] = (graph, logits)
         self.pool = pool
+        if lora is not None:
+            lora.segments = None
         torch.cuda.synchronize(self.device)
         self.memory_bytes = torch.cuda.memory_reserved(self.device) - memory_before
         logger.info("captured %d CUDA graphs (%s batch sizes %d..%d) in %.1f s, %.0f MiB",

@@ -263,19 +263,20 @@ class ModelRunner:
         forward([1], [0], max_blocks_per_seq)
 
     def enable_decode_graphs(self, sizes: list[int], max_blocks_per_seq: int, capture: bool = True,
-                             torch_compile: bool = False) -> bool:
+                             torch_compile: bool = False, lora=None) -> bool:
         """Run decode steps of up to ``max(sizes)`` sequences padded on static buffers,
         captured as CUDA graphs when ``capture`` (CUDA only), the decoder stack compiled
-        when ``torch_compile``. A model whose forward cannot be compiled or captured says
-        why in the log and runs without; returns whether the padded path is on."""
+        when ``torch_compile``; ``lora``: the model's ``LoRAContext`` (its static segments set,
+        for graphs). A model whose forward cannot be compiled or captured says why in the
+        log and runs without; returns whether the padded path is on."""
         if capture and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         if capture:
-            self.decode_graphs = self._try_graphs(sizes, max_blocks_per_seq, torch_compile)
+            self.decode_graphs = self._try_graphs(sizes, max_blocks_per_seq, torch_compile, lora)
         elif torch_compile:
             self.decode_graphs = self._try_compiled(sizes, max_blocks_per_seq)
         else:
-            self.decode_graphs = DecodeGraphs(self, sizes, max_blocks_per_seq, capture=False)
+            self.decode_graphs = DecodeGraphs(self, sizes, max_blocks_per_seq, capture=False, lora=lora)
         return self.decode_graphs is not None
 
     def enable_verify_graphs(self, sizes: list[int], max_blocks_per_seq: int, query_len: int,
@@ -301,7 +302,7 @@ class ModelRunner:
         return self.verify_graphs is not None
 
     def _try_graphs(self, sizes: list[int], max_blocks_per_seq: int,
-                    torch_compile: bool = False) -> DecodeGraphs | None:
+                    torch_compile: bool = False, lora=None) -> DecodeGraphs | None:
         if torch_compile:
             try:
                 return DecodeGraphs(self, sizes, max_blocks_per_seq, capture=True, torch_compile=True)
@@ -311,7 +312,7 @@ class ModelRunner:
                                type(error).__name__, _first_line(error))
                 torch.cuda.synchronize(self.device)
         try:
-            return DecodeGraphs(self, sizes, max_blocks_per_seq, capture=True)
+            return DecodeGraphs(self, sizes, max_blocks_per_seq, capture=True, lora=lora)
         except Exception as error:  # a forward that syncs with the host or has dynamic shapes
             logger.warning("decode steps run eagerly: the forward of %s cannot be captured as a "
                            "CUDA graph (%s: %s)", type(self.model).__name__, type(error).__name__, error)

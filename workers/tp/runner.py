@@ -191,7 +191,7 @@ class TensorParallelRunner:
             self.local.warm_up_kernels(max_blocks_per_seq)
 
     def enable_decode_graphs(self, sizes: list[int], max_blocks_per_seq: int, capture: bool = True,
-                             torch_compile: bool = False) -> bool:
+                             torch_compile: bool = False, lora=None) -> bool:
         """Decode steps of a group run eagerly: capturing CUDA graphs whose forward holds
         all-reduces needs every rank to capture and replay in step, which this runner does not
         do yet, and so does compiling every rank's forward alike. Returns False (the engine's
