@@ -164,6 +164,27 @@ def test_the_verification_forward_cuda_graphs_capture_never_reads_the_device():
     assert logits.shape == (4 * 5, runner.vocab_size)
 
 
+def test_the_lora_forward_cuda_graphs_capture_never_reads_the_device():
+    """A padded decode forward with adapter slots on static segments (what a CUDA graph of an
+    engine with LoRA captures) reads nothing back from the device. (The segments' fill is host
+    code on host tensors, which an audit of the CPU as the device cannot tell apart.)"""
+    llm = _triton_llm("llama", enable_lora=True, max_loras=2, max_lora_rank=8)
+    runner, layers = llm.engine.runner, llm.engine.lora.layers
+    layers.enable_static_segments(4)
+    assert runner.enable_decode_graphs([4], -(-llm.engine.max_model_len // 16), capture=False, lora=layers.context)
+    graphs, context = runner.decode_graphs, layers.context
+    with torch.inference_mode():
+        graphs._pad_only()
+        context.segments = context.static.fill(torch.tensor([0, -1, 1, 0]))
+        try:
+            with DeviceWaitAudit("cpu") as audit:
+                logits = graphs._forward(4)
+        finally:
+            context.segments = None
+    assert audit.summary() == []
+    assert logits.shape == (4, runner.vocab_size)
+
+
 def test_a_mixed_steps_forward_never_reads_the_device(monkeypatch):
     """A mixed step (a prefill chunk beside decoding sequences whose ids are still on the
     device) runs the decoder eagerly: on CUDA a read there would stop the host from running
