@@ -224,8 +224,9 @@ class ClusterHandle:
         ``lora_request``: generate with that adapter (one of ``lora_modules``), on every
         attempt; such a request always runs colocated (its KV is not exported).
         ``token_by_token``: an output per new token, where a worker's delta brings several
-        together (a step's accepted proposals, ``stream_interval``, steps a busy reader merged);
-        refused for a request with stop strings, whose text its worker decodes.
+        together (a step's accepted proposals, ``stream_interval``, steps a busy reader merged),
+        each with its own text (decoded here, even for a request with stop strings, which its
+        workers find); refused for a beam search, whose text is its engine's.
         """
         from ray.exceptions import ObjectLostError, RayActorError
 
@@ -238,9 +239,8 @@ class ClusterHandle:
                                 else list(prompt or []))
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
-        if token_by_token and params.stop:
-            raise ValueError("streaming token by token is not available with stop strings (their text is "
-                             "decoded on the worker, a step's tokens together)")
+        if token_by_token and params.use_beam_search:
+            raise ValueError("a beam search does not stream token by token: its text is its engine's")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this model's maximum "
                              f"context is {self.max_model_len} tokens, including at least one output token")
@@ -248,7 +248,8 @@ class ClusterHandle:
         await self._refresh_utilization()
         flow = RequestFlow(request_id, text, prompt_token_ids, params, priority,
                            max_attempts=2 * len(self.workers) + 3, is_streamed=is_streamed,
-                           text_decoder=self._text_decoder(prompt_token_ids, params), lora_request=lora_request,
+                           text_decoder=self._text_decoder(prompt_token_ids, params, token_by_token),
+                           lora_request=lora_request,
                            token_by_token=token_by_token)
         if self.config.is_disaggregated and params.n == 1 and not params.use_beam_search:
             try:
@@ -437,15 +438,18 @@ class ClusterHandle:
                 pass
         return None
 
-    def _text_decoder(self, prompt_token_ids: list[int], params: SamplingParams):
+    def _text_decoder(self, prompt_token_ids: list[int], params: SamplingParams, token_by_token: bool = False):
         """How this handle decodes a request's text itself, or None where its workers must: a
-        request with stop strings (found in the worker's text), a beam search (its outputs are
-        the engine's), one that asks for no text, or workers that do not say their EOS ids."""
+        request with stop strings (found in the worker's text; also decoded here when it streams
+        token by token, for each token's own piece), a beam search (its outputs are the engine's),
+        one that asks for no text, or workers that do not say their EOS ids."""
         eos_token_ids = self.info.get("eos_token_ids")
-        if params.stop or params.use_beam_search or not params.detokenize or eos_token_ids is None:
+        if (params.stop and not token_by_token) or params.use_beam_search or not params.detokenize \
+                or eos_token_ids is None:
             return None
         tokenizer, max_model_len = self.tokenizer, self.max_model_len
-        return lambda: DeltaTextDecoder(tokenizer, prompt_token_ids, params, eos_token_ids, max_model_len)
+        return lambda: DeltaTextDecoder(tokenizer, prompt_token_ids, params, eos_token_ids, max_model_len,
+                                        with_stop_strings=bool(params.stop))
 
     async def _route_hints(self, token_ids: list[int], extra_key: str | None, adapter: str | None
                            ) -> tuple[dict[str, int], set[str] | None]:

@@ -94,7 +94,9 @@ class RequestFlow:
         self.params = params
         # With a ``text_decoder`` the workers send token ids only (``detokenize`` off) and the
         # accumulator decodes their text.
-        self.worker_params = params if text_decoder is None else dataclasses.replace(params, detokenize=False)
+        # A request with stop strings is decoded on its workers too: they find the stop strings.
+        self.worker_params = (params if text_decoder is None or params.stop
+                              else dataclasses.replace(params, detokenize=False))
         self.priority = priority
         self.max_attempts = max_attempts
         self.is_streamed = is_streamed  # the caller passes on deltas as they come
@@ -110,7 +112,8 @@ class RequestFlow:
         token (``split_delta``)."""
         if not self.token_by_token:
             return [self.accumulator.add(delta)]
-        return [self.accumulator.add(piece) for piece in split_delta(delta)]
+        decodes_text = self.accumulator.text_decoder is not None   # the worker's text, if any, is not read
+        return [self.accumulator.add(piece) for piece in split_delta(delta, drop_text=decodes_text)]
 
     # ---- the transitions -----------------------------------------------------------------------
     def start(self, is_disaggregated: bool = False) -> Attempt:

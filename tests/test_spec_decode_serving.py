@@ -102,8 +102,8 @@ def test_served_speculation_streams_each_accepted_tokens_logprobs(served, tiny_m
 @pytest.mark.parametrize("api", ["completions", "chat"])
 def test_token_by_token_streams_an_event_per_accepted_token(api, served, tiny_model):
     """``stream_options.token_by_token``: every chunk carries one token, with its own text and
-    logprob, and together they are what the request streams without it; with stop strings it is
-    refused with a 400 naming it."""
+    logprob, and together they are what the request streams without it, stop strings included
+    (cut at the same place); with beam search it is refused with a 400 naming it."""
     client = openai.OpenAI(base_url=served[1] + "/v1", api_key="unused", max_retries=0, timeout=120)
     before = served[0].stats()["workers"]
     extra = {"ignore_eos": True, "return_token_ids": True}
@@ -148,16 +148,33 @@ def test_token_by_token_streams_an_event_per_accepted_token(api, served, tiny_mo
     assert sum(w["spec_decode_num_accepted_tokens"] for w in after.values()) > \
         sum(w["spec_decode_num_accepted_tokens"] for w in before.values())
 
+    if api == "completions":   # stop strings: found on the worker, and again where the text is decoded
+        whole_text = text_and_logprobs(together)[0]
+        stop = whole_text[len(whole_text) // 2:len(whole_text) // 2 + 3]
+        assert len(stop) == 3
+
+        def stopped(token_by_token: bool) -> list:
+            return [chunk for chunk in client.completions.create(
+                model=MODEL, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0, stream=True, stop=[stop],
+                stream_options={"token_by_token": token_by_token}, extra_body=extra) if chunk.choices]
+
+        whole, single = stopped(False), stopped(True)
+        assert all(len(tokens(c.choices[0])) <= 1 for c in single)
+        assert "".join(c.choices[0].text for c in single) == "".join(c.choices[0].text for c in whole)
+        assert stop not in "".join(c.choices[0].text for c in single)
+        assert (single[-1].choices[0].finish_reason, single[-1].choices[0].stop_reason) == ("stop", stop)
+        assert whole[-1].choices[0].stop_reason == stop
+
     with pytest.raises(openai.BadRequestError) as refused:
-        client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, stream=True, stop=["zz"],
-                                  stream_options={"token_by_token": True})
+        client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, stream=True, n=2,
+                                  stream_options={"token_by_token": True}, extra_body={"use_beam_search": True})
     assert refused.value.body["param"] == "stream_options.token_by_token"
-    assert "stop strings" in refused.value.body["message"]
+    assert "beam search" in refused.value.body["message"]
 
 
 def test_grpc_streams_token_by_token_when_asked(served):
     """``token_by_token`` on ``GenerateStream`` and ``ChatStream``: a message per token, the
-    same tokens and text as without it; with stop strings, INVALID_ARGUMENT."""
+    same tokens and text as without it; with beam search, INVALID_ARGUMENT."""
     grpc = pytest.importorskip("grpc")
     from pagedserve.cluster.protos import pagedserve_pb2 as pb
     from pagedserve.cluster.protos import pagedserve_pb2_grpc as pb_grpc
@@ -183,7 +200,7 @@ def test_grpc_streams_token_by_token_when_asked(served):
         assert max(len(c.logprobs) for c in together) > 1 and all(len(c.logprobs) <= 1 for c in one_by_one)
         assert "".join(c.content for c in one_by_one) == "".join(c.content for c in together)
 
-        request.stop.append("zz")
+        request.use_beam_search, request.n = True, 2
         with pytest.raises(grpc.RpcError) as refused:
             list(stub.GenerateStream(request, metadata=app, timeout=60))
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_by_token" in refused.value.details()

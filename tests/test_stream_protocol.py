@@ -266,25 +266,30 @@ def test_split_deltas_rebuild_the_outputs_of_the_whole_ones_a_token_at_a_time(ll
     """A stream read token by token (``split_delta``, for ``stream_options.token_by_token``):
     merged deltas of several tokens, split, give outputs of one new token per sample each,
     whose text (decoded by the reader) and logprobs add up to the whole deltas' output; the
-    finish comes once, on its sample's last token; a delta with text stays whole."""
+    finish comes once, on its sample's last token. A request with stop strings, whose worker
+    decodes its text and finds them, is decoded by the reader too (the worker's text dropped):
+    the same text after every delta, cut at the same stop string. A delta with text stays
+    whole unless its reader decodes the text."""
     from pagedserve.workers.outputs.detokenizer import DeltaTextDecoder
 
-    requests = {rid: (prompt, dataclasses.replace(params, detokenize=False))
-                for rid, (prompt, params) in MIXED_REQUESTS.items() if rid in ("greedy", "n3")}
+    requests = {rid: (prompt, params if params.stop else dataclasses.replace(params, detokenize=False))
+                for rid, (prompt, params) in MIXED_REQUESTS.items() if rid in ("greedy", "n3", "stop")}
     engine = llm.engine
     steps = _deltas(llm, requests)
     for rid, (prompt, params) in requests.items():
         def decoder():
-            return DeltaTextDecoder(engine.tokenizer, prompt, params, engine.eos_token_ids, engine.max_model_len)
+            return DeltaTextDecoder(engine.tokenizer, prompt, params, engine.eos_token_ids, engine.max_model_len,
+                                    with_stop_strings=bool(params.stop))
 
         run = [d for step in steps for d in step if d.request_id == rid]
         merged = [merge_deltas(run[i:i + 3]) for i in range(0, len(run), 3)]
-        whole = OutputAccumulator(rid, None, prompt, decoder)
+        # The whole deltas' output: the worker's text where it decodes (stop strings), else the reader's.
+        whole = OutputAccumulator(rid, None, prompt, None if params.stop else decoder)
         one_by_one = OutputAccumulator(rid, None, prompt, decoder)
         num_pieces, finishes = 0, []
         for delta in merged:
             want = whole.add(delta)
-            pieces = split_delta(delta)
+            pieces = split_delta(delta, drop_text=True)
             assert pieces[0].metrics is delta.metrics and all(p.metrics is None for p in pieces[1:])
             assert [p.finished for p in pieces] == [False] * (len(pieces) - 1) + [delta.finished]
             for piece in pieces:
@@ -293,13 +298,16 @@ def test_split_deltas_rebuild_the_outputs_of_the_whole_ones_a_token_at_a_time(ll
                 assert all(len(c.delta_token_ids) <= 1 for c in got.outputs)
                 finishes += [c.index for c in got.outputs if c.is_newly_finished]
             for mine, theirs in zip(got.outputs, want.outputs, strict=True):
-                for name in ("index", "text", "token_ids", "logprobs", "finish_reason"):
+                for name in ("index", "text", "token_ids", "logprobs", "finish_reason", "stop_reason"):
                     assert getattr(mine, name) == getattr(theirs, name), (rid, name)
                 assert mine.cumulative_logprob == pytest.approx(theirs.cumulative_logprob)
         assert sorted(finishes) == list(range(params.n))   # each sample's finish, once
         assert num_pieces == sum(max((len(s.token_ids) for s in d.samples), default=1) for d in merged) > len(merged)
+        if params.stop:
+            assert got.outputs[0].finish_reason == "stop" and got.outputs[0].stop_reason in params.stop
     with_text = OutputDelta("t", [SampleDelta(0, [5, 6], "ab")], False, None)
     assert split_delta(with_text) == [with_text]
+    assert [p.samples[0].text for p in split_delta(with_text, drop_text=True)] == ["", ""]
 
 
 def test_a_delta_carries_only_news(llm):

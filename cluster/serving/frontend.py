@@ -547,10 +547,9 @@ class Frontend:
                                 f"{len(stop)}", param="stop")
         for text in stop:
             check_unicode(text, "stop")
-        if request.streams_token_by_token and (stop or request.use_beam_search):
-            raise APIError(400, "stream_options.token_by_token cannot be honoured with "
-                                f"{'stop strings' if stop else 'beam search'}: that text is decoded on the worker, "
-                                "a step's tokens together", param="stream_options.token_by_token")
+        if request.streams_token_by_token and request.use_beam_search:
+            raise APIError(400, "stream_options.token_by_token cannot be honoured with beam search: its "
+                                "beams' text is its engine's", param="stream_options.token_by_token")
         if request.use_beam_search and self.speculates:
             raise APIError(400, "use_beam_search cannot be combined with speculative decoding, which this "
                                 "server runs (engine.speculative_config)", param="use_beam_search")

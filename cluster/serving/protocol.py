@@ -96,8 +96,8 @@ class StreamOptions(_Request):
     # vLLM: usage on every chunk, not only in the last event.
     continuous_usage_stats: Bool = False
     # pagedserve: an event per token where several come together (a step's accepted speculative
-    # tokens, engine.stream_interval, steps merged for a reader behind); not with stop strings
-    # or beam search, whose text the worker decodes a step at a time.
+    # tokens, engine.stream_interval, steps merged for a reader behind); not with beam search,
+    # whose text is its engine's.
     token_by_token: Bool = False
 
 

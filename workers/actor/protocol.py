@@ -117,13 +117,14 @@ def merge_deltas(deltas: list[OutputDelta]) -> OutputDelta:
                        last.num_generated_tokens)
 
 
-def split_delta(delta: OutputDelta) -> list[OutputDelta]:
+def split_delta(delta: OutputDelta, drop_text: bool = False) -> list[OutputDelta]:
     """``delta`` as one delta per new token (the j-th holds each sample's j-th new token), for a
     stream read token by token: the metrics and prompt logprobs go with the first, the request's
     end with the last, and a sample's finish with its last token. A delta whose samples carry
-    text (decoded on the worker) stays whole: text is not split by token."""
+    text (decoded on the worker) stays whole, since text is not split by token, unless
+    ``drop_text`` (its reader decodes the text itself)."""
     longest = max((len(news.token_ids) for news in delta.samples), default=0)
-    if longest < 2 or any(news.text for news in delta.samples):
+    if longest < 2 or (not drop_text and any(news.text for news in delta.samples)):
         return [delta]
     pieces = []
     for j in range(longest):

@@ -570,11 +570,14 @@ class DeltaTextDecoder:
     length limit) ends the text the same way (a stop token's text stays out); a sample
     ended after its last token (its grammar completed) flushes the text held back; an abort
     or a migration leaves it held (a migrated sample goes on with its next worker's tokens).
-    Only for requests without stop strings: those are found in the worker's text."""
+    A request with stop strings is decoded on its worker, which finds them; here only with
+    ``with_stop_strings`` (a stream read token by token, for each token's own piece): the same
+    rules on the same tokens find them at the same token and hold back the same text."""
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams,
-                 eos_token_ids: Collection[int], max_model_len: int | None = None) -> None:
-        if params.stop:
+                 eos_token_ids: Collection[int], max_model_len: int | None = None,
+                 with_stop_strings: bool = False) -> None:
+        if params.stop and not with_stop_strings:
             raise ValueError("a request with stop strings is decoded where they are found, on its worker")
         self._text = StreamingDetokenizer(tokenizer, prompt_token_ids, params, eos_token_ids, max_model_len)
 
