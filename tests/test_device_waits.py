@@ -175,12 +175,9 @@ def test_the_lora_forward_cuda_graphs_capture_never_reads_the_device():
     graphs, context = runner.decode_graphs, layers.context
     with torch.inference_mode():
         graphs._pad_only()
-        context.segments = context.static.fill(torch.tensor([0, -1, 1, 0]))
-        try:
-            with DeviceWaitAudit("cpu") as audit:
-                logits = graphs._forward(4)
-        finally:
-            context.segments = None
+        with context.using(context.static.fill(torch.tensor([0, -1, 1, 0]))), \
+                DeviceWaitAudit("cpu") as audit:
+            logits = graphs._forward(4)
     assert audit.summary() == []
     assert logits.shape == (4, runner.vocab_size)
 

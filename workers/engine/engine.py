@@ -768,7 +768,7 @@ class LLMEngine:
                           "num_padded_decode_steps": graphs.num_runs, "num_graph_replays": graphs.num_replays,
                           "num_padded_rows": graphs.num_padded_rows,
                           "decode_compiled": graphs.is_compiled})
-        verify = getattr(self.runner, "verify_graphs", None)
+        verify = self.runner.verify_graphs
         if verify is not None:
             stats.update({"num_verification_graphs": len(verify.graphs),
                           "num_padded_verification_steps": verify.num_runs,

@@ -119,13 +119,11 @@ class AdaptedLayers:
         token_slots = int64_tensor(list(chunk_slots))
         if num_tokens is not None:
             token_slots = torch.repeat_interleave(token_slots, int64_tensor(list(num_tokens)))
-        self.context.token_slots = token_slots
-        self.context.segments = self.context.ops.build_segments(token_slots, self.device)
+        self.context.begin_step(token_slots, self.device)
         try:
             yield
         finally:
-            self.context.segments = None
-            self.context.token_slots = None
+            self.context.end_step()
 
 
 def wrap_linear_layers(model: torch.nn.Module, context: LoRAContext) -> dict[str, LoRALinear]:

@@ -3,6 +3,8 @@ adapters' ``scaling * B(A(x))``."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from types import ModuleType
 
 import torch
@@ -24,19 +26,50 @@ def lora_ops_for(device: torch.device, kernel_backend: str | None = None) -> Mod
     return punica
 
 
+_UNBUILT = object()   # ``LoRAContext``'s segments of a step not read yet
+
+
 class LoRAContext:
     """What the adapted layers of one model read during a forward: the products ``ops``
-    (``lora_ops_for``'s, chosen once per model) and the step's segments, which those ops
-    built (None: no token uses an adapter), from ``token_slots`` (each token's slot, -1: the
-    base model; on the host). One per model (never a global: two engines may share a
-    process), set by its ``LoRAManager``. ``static``: segments of fixed shapes
-    (``StaticSegments`` of the Triton ops) that CUDA graphs of decode steps capture."""
+    (``lora_ops_for``'s, chosen once per model) and the step's ``segments``, which those ops
+    build from ``token_slots`` (each token's slot, -1: the base model; on the host) when a
+    layer first reads them (None: no token uses an adapter). One per model (never a global:
+    two engines may share a process), set by its ``LoRAManager``. ``static``: segments of
+    fixed shapes (``StaticSegments`` of the Triton ops) that CUDA graphs of decode steps
+    capture; a step replayed so runs on them (``using``) and builds no others."""
 
     def __init__(self, ops: ModuleType = punica) -> None:
         self.ops = ops
-        self.segments = None
+        self._segments = None
         self.token_slots: torch.Tensor | None = None
+        self._device: torch.device | None = None
         self.static = None
+
+    @property
+    def segments(self):
+        if self._segments is _UNBUILT:
+            self._segments = self.ops.build_segments(self.token_slots, self._device)
+        return self._segments
+
+    @segments.setter
+    def segments(self, segments) -> None:
+        self._segments = segments
+
+    def begin_step(self, token_slots: torch.Tensor, device: torch.device) -> None:
+        """A forward whose token ``t`` uses slot ``token_slots[t]``; its segments are built when read."""
+        self.token_slots, self._device, self._segments = token_slots, device, _UNBUILT
+
+    def end_step(self) -> None:
+        self.token_slots, self._segments = None, None
+
+    @contextlib.contextmanager
+    def using(self, segments) -> Iterator[None]:
+        """Within it, the layers read ``segments`` (the static ones a CUDA graph captures)."""
+        saved, self._segments = self._segments, segments
+        try:
+            yield
+        finally:
+            self._segments = saved
 
     @property
     def has_static_shapes(self) -> bool:

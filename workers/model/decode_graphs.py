@@ -33,6 +33,7 @@ process) it runs the forward uncompiled, and says so in its own warning.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any, Protocol
@@ -215,11 +216,8 @@ class DecodeGraphs:
         lora = self.lora
         if lora is None or lora.static is None:
             return self._replay(size)[:num_seqs]
-        step_segments, lora.segments = lora.segments, lora.static.fill(lora.token_slots)
-        try:
+        with lora.using(lora.static.fill(lora.token_slots)):   # the step's own segments never built
             return self._replay(size)[:num_seqs]
-        finally:
-            lora.segments = step_segments
 
     def _run_verification(self, model_input: ModelInput) -> torch.Tensor:
         """A verification step on the padded rows: sequence i's real tokens in its first
@@ -327,10 +325,19 @@ class DecodeGraphs:
         start = time.perf_counter()
         self._pad_only()
         memory_before = torch.cuda.memory_reserved(self.device)
-        pool = self.pool
-        lora = self.lora if self.lora is not None and self.lora.static is not None else None
-        if lora is not None:   # the adapters' kernels captured on segments that cover nothing
-            lora.segments = lora.static.fill(None)
+        lora = self.lora
+        # The adapters' kernels are captured on the static segments, covering nothing meanwhile.
+        with (lora.using(lora.static.fill(None)) if lora is not None and lora.static is not None
+              else contextlib.nullcontext()):
+            self.pool = self._capture_sizes(self.pool)
+        torch.cuda.synchronize(self.device)
+        self.memory_bytes = torch.cuda.memory_reserved(self.device) - memory_before
+        logger.info("captured %d CUDA graphs (%s batch sizes %d..%d) in %.1f s, %.0f MiB",
+                    len(self.graphs), self.kind, self.sizes[0], self.max_size, time.perf_counter() - start,
+                    self.memory_bytes / 2**20)
+
+    def _capture_sizes(self, pool):
+        """Each size's graph, largest first, into ``pool`` (None: a new one); returns the pool."""
         self._compiled_one_token()
         for size in reversed(self.sizes):
             side = torch.cuda.Stream(self.device)
@@ -344,14 +351,7 @@ class DecodeGraphs:
                 logits = self._forward(size)
             pool = graph.pool()
             self.graphs[size] = (graph, logits)
-        self.pool = pool
-        if lora is not None:
-            lora.segments = None
-        torch.cuda.synchronize(self.device)
-        self.memory_bytes = torch.cuda.memory_reserved(self.device) - memory_before
-        logger.info("captured %d CUDA graphs (%s batch sizes %d..%d) in %.1f s, %.0f MiB",
-                    len(self.graphs), self.kind, self.sizes[0], self.max_size, time.perf_counter() - start,
-                    self.memory_bytes / 2**20)
+        return pool
 
     @property
     def kind(self) -> str:
