@@ -61,3 +61,23 @@ def test_ingress_replicas_follow_the_workers_unless_set():
     assert replicas([{}], num_replicas=3) == 3
     with pytest.raises(ValueError):
         replicas([{}], num_replicas=0)
+
+
+def test_haproxys_ports_are_free_and_below_the_ephemeral_range(monkeypatch):
+    """HAProxy's stats and metrics ports are picked before Ray starts and bound once Serve is up:
+    below the ephemeral range, which Ray's processes draw from meanwhile (one took a picked port
+    once: "cannot bind socket"), and never a port taken now."""
+    import random
+    import socket
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_from = int(f.read().split()[0])
+    if ephemeral_from <= ingress._PORTS_FROM:
+        pytest.skip(f"this machine's ephemeral ports start at {ephemeral_from}")
+    ports = [ingress._free_port() for _ in range(20)]
+    assert all(ingress._PORTS_FROM <= port < ephemeral_from for port in ports), ports
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", ports[0]))
+        sample = random.sample
+        monkeypatch.setattr(random, "sample", lambda population, k: [ports[0], *sample(population, k - 1)])
+        assert ingress._free_port() != ports[0]

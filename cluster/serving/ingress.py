@@ -85,12 +85,32 @@ def _check_haproxy_binary() -> None:
 HAPROXY_PORT_ENVS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
 
 
+# Where HAProxy's own ports are picked: above Ray's worker ports (10002-19999 by default) and
+# below the kernel's ephemeral range, which every process binding port 0 draws from.
+_PORTS_FROM = 20000
+
+
 def _free_port() -> int:
+    """A port free now, for HAProxy to bind once Serve starts, tens of seconds later. Taken below
+    the ephemeral range where it can be: meanwhile Ray's processes bind port 0 by the dozen,
+    and one of them may be handed any free ephemeral port (it happened: "cannot bind socket")."""
+    import random
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_from = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_from = 32768   # Linux's default
+    candidates = random.sample(range(_PORTS_FROM, ephemeral_from), min(64, max(ephemeral_from - _PORTS_FROM, 0)))
+    for port in [*candidates, 0]:
+        with socket.socket() as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return sock.getsockname()[1]
+    raise RuntimeError("no free port for HAProxy")
 
 
 def prepare(ingress: str, joining: bool = False) -> None:
