@@ -106,26 +106,28 @@ def kernel_configs(dtype, head_dim, num_q_per_kv, block_size, index_dtype=torch.
            4)
 
 
-def lora_kernel_configs(dtype, max_rank, in_features, out_features):
+def lora_kernel_configs(dtype, max_rank, in_features, out_features, piece: int | None = None):
     """(kernel, arg types, constexprs, num_warps) of the LoRA shrink and expand as
-    ``triton_lora_ops`` launches them for a layer of these sizes."""
-    tiles = lora_kernels.lora_tiles(max_rank)
+    ``triton_lora_ops`` launches them for a layer of these sizes: on slot tensors, or with
+    ``piece`` on weights in pages of the KV cache (``lora_pages``)."""
+    tiles = lora_kernels.lora_tiles(max_rank, piece)
     precision = "ieee" if dtype == torch.float32 else "tf32"
     segments = dict(token_order_ptr=torch.int32, tile_starts_ptr=torch.int32, tile_ends_ptr=torch.int32,
                     tile_slots_ptr=torch.int32)
+    paged = dict(PAGED=piece is not None, PIECE=piece or 1)
     yield (lora_kernels.lora_shrink_kernel,
-           dict(x_ptr=dtype, lora_a_ptr=dtype, h_ptr=torch.float32, **segments),
+           dict(x_ptr=dtype, lora_a_ptr=dtype, h_ptr=torch.float32, a_table_ptr=torch.int32, **segments),
            dict(IN_FEATURES=in_features, MAX_RANK=max_rank, BLOCK_M=lora_kernels.TILE_TOKENS,
-                BLOCK_R=tiles.block_r, BLOCK_K=tiles.block_k, DOT_PRECISION=precision),
+                BLOCK_R=tiles.block_r, BLOCK_K=tiles.block_k, DOT_PRECISION=precision, **paged),
            tiles.num_warps)
     yield (lora_kernels.lora_expand_kernel,
-           dict(h_ptr=torch.float32, lora_b_ptr=dtype, y_ptr=dtype, **segments),
+           dict(h_ptr=torch.float32, lora_b_ptr=dtype, y_ptr=dtype, b_table_ptr=torch.int32, **segments),
            dict(OUT_FEATURES=out_features, MAX_RANK=max_rank, BLOCK_M=lora_kernels.TILE_TOKENS,
-                BLOCK_N=tiles.block_n, BLOCK_R=tiles.block_r, DOT_PRECISION=precision),
+                BLOCK_N=tiles.block_n, BLOCK_R=tiles.block_r, DOT_PRECISION=precision, **paged),
            tiles.num_warps)
 
 
 def kernel_label(kernel, constexprs: dict) -> str:
-    """The kernel's name, with ``+split`` / ``+variants`` for those specialisations."""
+    """The kernel's name, with ``+split`` / ``+variants`` / ``+paged`` for those specialisations."""
     return (kernel.__name__ + ("+split" if constexprs.get("IS_SPLIT") else "")
-            + ("+variants" if constexprs.get("HAS_WINDOW") else ""))
+            + ("+variants" if constexprs.get("HAS_WINDOW") else "") + ("+paged" if constexprs.get("PAGED") else ""))

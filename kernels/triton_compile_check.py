@@ -60,7 +60,8 @@ def main(argv=None) -> int:
                    for config in kernel_configs(dtype, head_dim, group, block_size)]
         configs += [(f"{dtype} lora rank={max_rank} in={in_features} out={out_features}", dtype, config)
                     for dtype, max_rank, in_features, out_features in lora
-                    for config in lora_kernel_configs(dtype, max_rank, in_features, out_features)]
+                    for piece in (None, 256)
+                    for config in lora_kernel_configs(dtype, max_rank, in_features, out_features, piece)]
         for case, dtype, (kernel, arg_types, constexprs, num_warps) in configs:
             label = f"sm_{arch} {case} {kernel_label(kernel, constexprs)}"
             outcomes[_check(label, spec, target, dtype, kernel, arg_types, constexprs, num_warps)] += 1

@@ -7,7 +7,10 @@ Tile ``i`` covers sorted positions ``tile_starts[i]:tile_ends[i]`` of slot ``til
 ``token_order[p]`` is the token (row of ``x`` and ``y``) at sorted position ``p``.
 
 Weights are slot-indexed: ``lora_a`` ``[slots, MAX_RANK, IN_FEATURES]`` and ``lora_b``
-``[slots, MAX_RANK, OUT_FEATURES]``, zero past an adapter's own rank. Feature and rank
+``[slots, MAX_RANK, OUT_FEATURES]``, zero past an adapter's own rank. With ``PAGED`` they lie
+in pages of a KV cache tensor instead (``pagedserve.kernels.lora_pages``): the weight pointer
+is the cache's, and an int32 table ``[slots, MAX_RANK, pieces]`` gives each rank-row's pieces
+of ``PIECE`` elements; a tile of ``BLOCK_K`` (or ``BLOCK_N``) features lies within one piece. Feature and rank
 sizes are constexprs (fixed per layer); the innermost dimension of every tensor is
 contiguous. Products accumulate in fp32.
 """
@@ -37,11 +40,15 @@ class LoRATiles:
 
 
 @functools.lru_cache(maxsize=None)
-def lora_tiles(max_rank: int) -> LoRATiles:
+def lora_tiles(max_rank: int, piece: int | None = None) -> LoRATiles:
     """The default tiles for slots of ``max_rank`` rank rows: the rank padded to at least 16
-    (tl.dot's minimum) and at most 64 per tile."""
-    return LoRATiles(block_r=min(64, max(16, triton.next_power_of_2(max_rank))), block_k=128, block_n=64,
-                     num_warps=4)
+    (tl.dot's minimum) and at most 64 per tile. Weights in pages of ``piece`` elements (a power
+    of two, at least 16) take feature tiles of at most a piece."""
+    block_k, block_n = 128, 64
+    if piece is not None:
+        block_k, block_n = min(block_k, piece), min(block_n, piece)
+    return LoRATiles(block_r=min(64, max(16, triton.next_power_of_2(max_rank))), block_k=block_k,
+                     block_n=block_n, num_warps=4)
 
 
 @triton.jit
@@ -57,12 +64,13 @@ def _tile_rows(token_order_ptr, tile_starts_ptr, tile_ends_ptr, tile_slots_ptr, 
     return positions, tokens, row_mask, slot
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_ts", "stride_tr"])
 def lora_shrink_kernel(
-    x_ptr, lora_a_ptr, h_ptr, token_order_ptr, tile_starts_ptr, tile_ends_ptr, tile_slots_ptr,
-    stride_xt, stride_as, stride_ar, stride_ht,
+    x_ptr, lora_a_ptr, h_ptr, token_order_ptr, tile_starts_ptr, tile_ends_ptr, tile_slots_ptr, a_table_ptr,
+    stride_xt, stride_as, stride_ar, stride_ht, stride_ts, stride_tr,
     IN_FEATURES: tl.constexpr, MAX_RANK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGED: tl.constexpr, PIECE: tl.constexpr,
 ):
     """``h[p] = x[token_order[p]] @ lora_a[slot]ᵀ`` for the tile's sorted positions p, in fp32.
 
@@ -75,23 +83,30 @@ def lora_shrink_kernel(
     r_mask = offs_r < MAX_RANK
     x_rows = x_ptr + tokens[:, None] * stride_xt
     a_rows = lora_a_ptr + slot * stride_as + offs_r[None, :] * stride_ar
+    table_rows = a_table_ptr + slot * stride_ts + offs_r * stride_tr
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     for k_start in range(0, IN_FEATURES, BLOCK_K):
         offs_k = k_start + tl.arange(0, BLOCK_K)
         k_mask = offs_k < IN_FEATURES
         x = tl.load(x_rows + offs_k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        a = tl.load(a_rows + offs_k[:, None], mask=k_mask[:, None] & r_mask[None, :], other=0.0)  # [K, R]
+        if PAGED:
+            pieces = tl.load(table_rows + k_start // PIECE, mask=r_mask, other=0).to(tl.int64)
+            a_ptrs = lora_a_ptr + (pieces * PIECE + k_start % PIECE)[None, :] + tl.arange(0, BLOCK_K)[:, None]
+        else:
+            a_ptrs = a_rows + offs_k[:, None]
+        a = tl.load(a_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)  # [K, R]
         acc = tl.dot(x, a, acc, input_precision=DOT_PRECISION)
     h_offsets = positions[:, None] * stride_ht + offs_r[None, :]
     tl.store(h_ptr + h_offsets, acc, mask=row_mask[:, None] & r_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_ts", "stride_tr"])
 def lora_expand_kernel(
-    h_ptr, lora_b_ptr, y_ptr, token_order_ptr, tile_starts_ptr, tile_ends_ptr, tile_slots_ptr,
-    stride_ht, stride_bs, stride_br, stride_yt,
+    h_ptr, lora_b_ptr, y_ptr, token_order_ptr, tile_starts_ptr, tile_ends_ptr, tile_slots_ptr, b_table_ptr,
+    stride_ht, stride_bs, stride_br, stride_yt, stride_ts, stride_tr,
     OUT_FEATURES: tl.constexpr, MAX_RANK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGED: tl.constexpr, PIECE: tl.constexpr,
 ):
     """``y[token_order[p]] += h[p] @ lora_b[slot]`` for the tile's sorted positions p, in place.
 
@@ -102,16 +117,23 @@ def lora_expand_kernel(
     """
     positions, tokens, row_mask, slot = _tile_rows(token_order_ptr, tile_starts_ptr, tile_ends_ptr,
                                                    tile_slots_ptr, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_start = tl.program_id(1) * BLOCK_N
+    offs_n = n_start + tl.arange(0, BLOCK_N)
     n_mask = offs_n < OUT_FEATURES
     b_cols = lora_b_ptr + slot * stride_bs + offs_n[None, :]
+    table_row = b_table_ptr + slot * stride_ts + n_start // PIECE
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for r_start in range(0, MAX_RANK, BLOCK_R):
         offs_r = r_start + tl.arange(0, BLOCK_R)
         r_mask = offs_r < MAX_RANK
         h = tl.load(h_ptr + positions[:, None] * stride_ht + offs_r[None, :],
                     mask=row_mask[:, None] & r_mask[None, :], other=0.0)
-        b = tl.load(b_cols + offs_r[:, None] * stride_br, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        if PAGED:
+            pieces = tl.load(table_row + offs_r * stride_tr, mask=r_mask, other=0).to(tl.int64)
+            b_ptrs = lora_b_ptr + (pieces * PIECE + n_start % PIECE)[:, None] + tl.arange(0, BLOCK_N)[None, :]
+        else:
+            b_ptrs = b_cols + offs_r[:, None] * stride_br
+        b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(h.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
     y_offsets = tokens[:, None] * stride_yt + offs_n[None, :]
     y_mask = row_mask[:, None] & n_mask[None, :]

@@ -5,8 +5,9 @@ once per step, shared by every layer, then per adapted layer one ``lora_shrink``
 ``lora_expand``, one kernel launch each, whatever the number of adapters in the step.
 
 Weights are slot-indexed: ``lora_a`` ``[slots, R, in]``, ``lora_b`` ``[slots, R, out]``
-(scaling folded into B, zero past an adapter's own rank). Host code never reads device
-values, so these ops do not synchronise.
+(scaling folded into B, zero past an adapter's own rank), or ``PagedLoRAWeights`` of the
+same shape in pages of the KV cache (``lora_pages``). Host code never reads device values,
+so these ops do not synchronise.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ import torch
 import triton
 
 from . import triton_lora_kernels as lora_kernels
+from .lora_pages import PagedLoRAWeights
 from .triton_lora_kernels import TILE_TOKENS
+
+LoRAWeights = torch.Tensor | PagedLoRAWeights
 
 
 @dataclass
@@ -120,23 +124,25 @@ def _segment_table(token_slots: torch.Tensor, adapted: torch.Tensor) -> tuple[to
     return table, num_tiles, used
 
 
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, segments: SGMVSegments) -> torch.Tensor:
+def lora_shrink(x: torch.Tensor, lora_a: LoRAWeights, segments: SGMVSegments) -> torch.Tensor:
     """``x`` ``[tokens, in]`` through each adapted token's A (``lora_a`` ``[slots, R, in]``):
     ``h`` ``[num_adapted, R]`` in float32, rows in the segments' sorted order."""
     _check_operands("lora_shrink", x, lora_a, segments)
     max_rank, in_features = lora_a.shape[1:]
     h = torch.empty((segments.num_adapted, max_rank), dtype=torch.float32, device=x.device)
-    tiles = lora_kernels.lora_tiles(max_rank)
+    weights, slot_strides, table, table_strides, piece = _weight_args(lora_a, segments)
+    tiles = lora_kernels.lora_tiles(max_rank, piece)
     lora_kernels.lora_shrink_kernel[(segments.num_tiles, triton.cdiv(max_rank, tiles.block_r))](
-        x, lora_a, h, segments.token_order, segments.tile_starts, segments.tile_ends, segments.tile_slots,
-        x.stride(0), lora_a.stride(0), lora_a.stride(1), h.stride(0),
+        x, weights, h, segments.token_order, segments.tile_starts, segments.tile_ends, segments.tile_slots, table,
+        x.stride(0), *slot_strides, h.stride(0), *table_strides,
         IN_FEATURES=in_features, MAX_RANK=max_rank, BLOCK_M=TILE_TOKENS, BLOCK_R=tiles.block_r,
-        BLOCK_K=tiles.block_k, DOT_PRECISION=_dot_precision(x.dtype), num_warps=tiles.num_warps,
+        BLOCK_K=tiles.block_k, DOT_PRECISION=_dot_precision(x.dtype), PAGED=piece is not None, PIECE=piece or 1,
+        num_warps=tiles.num_warps,
     )
     return h
 
 
-def lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, segments: SGMVSegments) -> None:
+def lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b: LoRAWeights, segments: SGMVSegments) -> None:
     """Add each adapted token's ``h @ B`` (``h`` from ``lora_shrink``; ``lora_b``
     ``[slots, R, out]``, scaling folded in) to its row of ``y`` ``[tokens, out]``, in place."""
     _check_operands("lora_expand", y, lora_b, segments)
@@ -144,25 +150,42 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, segments
     if h.shape != (segments.num_adapted, max_rank) or h.dtype != torch.float32 or h.stride(1) != 1:
         raise ValueError(f"lora_expand: h must be lora_shrink's float32 [{segments.num_adapted}, {max_rank}], "
                          f"got {h.dtype} {tuple(h.shape)}")
-    tiles = lora_kernels.lora_tiles(max_rank)
+    weights, slot_strides, table, table_strides, piece = _weight_args(lora_b, segments)
+    tiles = lora_kernels.lora_tiles(max_rank, piece)
     lora_kernels.lora_expand_kernel[(segments.num_tiles, triton.cdiv(out_features, tiles.block_n))](
-        h, lora_b, y, segments.token_order, segments.tile_starts, segments.tile_ends, segments.tile_slots,
-        h.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
+        h, weights, y, segments.token_order, segments.tile_starts, segments.tile_ends, segments.tile_slots, table,
+        h.stride(0), *slot_strides, y.stride(0), *table_strides,
         OUT_FEATURES=out_features, MAX_RANK=max_rank, BLOCK_M=TILE_TOKENS, BLOCK_N=tiles.block_n,
-        BLOCK_R=tiles.block_r, DOT_PRECISION=_dot_precision(lora_b.dtype), num_warps=tiles.num_warps,
+        BLOCK_R=tiles.block_r, DOT_PRECISION=_dot_precision(lora_b.dtype), PAGED=piece is not None,
+        PIECE=piece or 1, num_warps=tiles.num_warps,
     )
 
 
-def _check_operands(op_name: str, rows: torch.Tensor, weights: torch.Tensor, segments: SGMVSegments) -> None:
+def _weight_args(weights: LoRAWeights, segments: SGMVSegments):
+    """(weight pointer tensor, its slot and rank strides, table, the table's strides, piece) as
+    the kernels take them: a slot tensor's own, or the pages' storage and table (piece None:
+    not paged; the table argument is then an unread stand-in)."""
+    if isinstance(weights, PagedLoRAWeights):
+        table = weights.table
+        return weights.storage, (0, 0), table, (table.stride(0), table.stride(1)), weights.piece
+    return weights, (weights.stride(0), weights.stride(1)), segments.token_order, (0, 0), None
+
+
+def _check_operands(op_name: str, rows: torch.Tensor, weights: LoRAWeights, segments: SGMVSegments) -> None:
     """``rows`` ``[tokens, features]`` and slot weights ``[slots, R, features]``: one dtype, one
     device (the segments' too), the features contiguous; CUDA, or CPU under the interpreter."""
-    if rows.dim() != 2 or weights.dim() != 3 or rows.shape[1] != weights.shape[2]:
+    if rows.dim() != 2 or len(weights.shape) != 3 or rows.shape[1] != weights.shape[2]:
         raise ValueError(f"{op_name}: need [tokens, features] and [slots, R, features], "
                          f"got {tuple(rows.shape)} and {tuple(weights.shape)}")
     if rows.dtype != weights.dtype:
         raise TypeError(f"{op_name}: activations are {rows.dtype}, the adapter weights {weights.dtype}")
-    if rows.stride(1) != 1 or weights.stride(2) != 1:
+    paged = isinstance(weights, PagedLoRAWeights)
+    if rows.stride(1) != 1 or (not paged and weights.stride(2) != 1):
         raise ValueError(f"{op_name}: the feature dimension must be contiguous")
+    if paged and (weights.table.dtype != torch.int32 or weights.table.stride(2) != 1
+                  or weights.piece & (weights.piece - 1) or weights.piece < 16):
+        raise ValueError(f"{op_name}: paged weights need a contiguous int32 table and pieces of a power of "
+                         f"two of at least 16 elements, got {weights.table.dtype} and {weights.piece}")
     device = rows.device
     if weights.device != device or segments.token_order.device != device:
         raise ValueError(f"{op_name}: tensors on {device}, {weights.device} and {segments.token_order.device}")

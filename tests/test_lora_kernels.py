@@ -24,6 +24,7 @@ pytest.importorskip("triton")
 
 from pagedserve.kernels import triton_lora_kernels as lora_kernels  # noqa: E402
 from pagedserve.kernels import triton_lora_ops  # noqa: E402
+from pagedserve.kernels.lora_pages import PagedLoRAWeights  # noqa: E402
 from pagedserve.workers.lora import punica  # noqa: E402
 from pagedserve.workers.lora.layers import LoRAContext, LoRALinear, lora_ops_for  # noqa: E402
 from triton_interpreter import can_interpret_kernels, interpreter_guard  # noqa: E402
@@ -99,6 +100,43 @@ def test_kernels_equal_each_tokens_product_and_the_torch_path(case, dtype):
     torch.testing.assert_close(ours.double().cpu(), torch_path.double().cpu(), atol=2 * tolerance, rtol=0)
     base_rows = [t for t, slot in enumerate(slots) if slot < 0]
     assert torch.equal(ours[base_rows], y[base_rows])  # base-model tokens untouched
+
+
+def paged(dense: torch.Tensor, ranks: list[int], piece: int, generator) -> PagedLoRAWeights:
+    """``dense`` ``[slots, R, features]`` moved into shuffled pieces of a flat storage, as in pages
+    of a KV cache: rows past a slot's rank point at piece 0, which holds zeros."""
+    num_slots, max_rank, features = dense.shape
+    num_pieces = -(-features // piece)
+    rows = [(slot, r) for slot in range(num_slots) for r in range(ranks[slot])]
+    order = torch.randperm(len(rows) * num_pieces, generator=generator) + 1 + 3  # a few unused pieces
+    storage = torch.full(((len(rows) * num_pieces + 4) * piece,), float("nan"), dtype=dense.dtype, device=DEVICE)
+    storage[:piece] = 0
+    table = torch.zeros((num_slots, max_rank, num_pieces), dtype=torch.int32)
+    padded = torch.nn.functional.pad(dense, (0, num_pieces * piece - features))
+    for i, (slot, r) in enumerate(rows):
+        for j in range(num_pieces):
+            index = int(order[i * num_pieces + j])
+            table[slot, r, j] = index
+            storage[index * piece:(index + 1) * piece] = padded[slot, r, j * piece:(j + 1) * piece]
+    return PagedLoRAWeights(storage, table.to(DEVICE), piece, features)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", ["mixed, uneven", "every slot, decode", "rank over one tile"])
+def test_weights_in_pages_give_the_products_of_slot_tensors(case, dtype):
+    """Both backends read A and B through a page table of pieces (shuffled, a row's last piece
+    partly used, rows past a rank on a shared zero piece, every other piece NaN) as they read
+    slot tensors."""
+    slots, lora_a, lora_b, x, y = run_case(case, dtype)
+    ranks = CASES[case][2]
+    generator = torch.Generator().manual_seed(7)
+    paged_a, paged_b = paged(lora_a, ranks, 32, generator), paged(lora_b, ranks, 16, generator)
+    assert torch.equal(paged_a.gather(None, len(ranks)), lora_a)
+    expected = each_tokens_product(x, y, lora_a, lora_b, slots)
+    tolerance = TOLERANCES[dtype] * expected.abs().max().item()
+    for ops in (triton_lora_ops, punica):
+        ours = products(ops, slots, x, y, paged_a, paged_b)
+        torch.testing.assert_close(ours.double().cpu(), expected, atol=tolerance, rtol=0)
 
 
 def test_segments_tile_each_adapted_token_once_by_slot():
@@ -230,7 +268,7 @@ def test_the_compile_check_specialises_the_lora_kernels_as_their_launches_are():
             kernel.pre_run_hooks.remove(hook)
     num_slots, max_rank, features = lora_a.shape
     differences = {}
-    for kernel, arg_types, constexprs, _ in lora_kernel_configs(torch.float16, max_rank, features, features):
+    for kernel, arg_types, constexprs, _ in lora_kernel_configs(torch.float16, max_rank, features, features, None):
         args, kwargs = launches[kernel]
         differences[kernel.__name__] = specialisation_mismatch(kernel, arg_types, constexprs,
                                                                GPUTarget("cuda", 90, 32), args, kwargs)

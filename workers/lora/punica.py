@@ -15,7 +15,8 @@ the slot weights are read in place; otherwise each group's are gathered.
 
 The weights are slot-indexed ``[slots, R, features]``: rank-rows of the layer's input
 (A) or output (B) size, zero past an adapter's own rank, so padding the rank adds
-exact zeros.
+exact zeros. Weights in pages of the KV cache (``PagedLoRAWeights``) are gathered from
+their pages, one gather per product.
 
 This is the path on the CPU and the oracle of the Triton kernels, which run the same
 interface (``build_segments``, ``lora_shrink``, ``lora_expand``) on CUDA
@@ -27,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from pagedserve.kernels.lora_pages import PagedLoRAWeights
 
 from ..model.host_lists import to_device
 
@@ -49,8 +52,10 @@ class LoRASegments:
     group_size: int
     slot_bits: int
 
-    def weights(self, slot_weights: torch.Tensor) -> torch.Tensor:
+    def weights(self, slot_weights: torch.Tensor | PagedLoRAWeights) -> torch.Tensor:
         """Each group's rows of ``slot_weights`` ``[slots, R, features]`` -> ``[G, R, features]``."""
+        if isinstance(slot_weights, PagedLoRAWeights):
+            return slot_weights.gather(self.group_slots, self.num_groups)
         if self.group_slots is None:
             return slot_weights[:self.num_groups]
         return slot_weights.index_select(0, self.group_slots)
@@ -83,14 +88,15 @@ def build_segments(token_slots: torch.Tensor, device: torch.device) -> LoRASegme
                         group_slots, num_groups, group_size, sum(1 << s for s in used.tolist()))
 
 
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, segments: LoRASegments) -> torch.Tensor:
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor | PagedLoRAWeights, segments: LoRASegments) -> torch.Tensor:
     """``x`` ``[tokens, in]`` through each group's A (``lora_a`` ``[slots, R, in]``):
     ``[G, C, R]``."""
     rows = x.index_select(0, segments.token_index).view(segments.num_groups, segments.group_size, -1)
     return torch.bmm(rows, segments.weights(lora_a).transpose(1, 2))
 
 
-def lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, segments: LoRASegments) -> None:
+def lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor | PagedLoRAWeights,
+                segments: LoRASegments) -> None:
     """Add each adapted token's ``h @ B`` (``lora_b`` ``[slots, R, out]``, scaling folded
     in) to its row of ``y`` ``[tokens, out]``, in place."""
     delta = torch.bmm(h, segments.weights(lora_b)).view(-1, y.shape[-1])
