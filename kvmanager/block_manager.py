@@ -97,6 +97,8 @@ class BlockManager:
         # The last step's copies and imports, for dashboards: (device, host) pairs.
         self.last_swaps: list[tuple[int, int]] = []
         self.last_imported: set[int] = set()
+        # Device blocks lent out as pages of other data (LoRA adapters' weights), by owner.
+        self.pages: dict[str, list[int]] = {}
         if self.offload_evicted_to_host and self.enable_prefix_caching:
             self.device.on_evict = self._offload_evicted
 
@@ -597,6 +599,52 @@ class BlockManager:
         self.counters.num_blocks_offloaded += 1
 
     # ---- steps ----------------------------------------------------------------
+    # ---- pages lent to other data ----------------------------------------------
+    @property
+    def num_pages(self) -> int:
+        """Device blocks lent out as pages (``reserve_pages``)."""
+        return sum(len(pages) for pages in self.pages.values())
+
+    @property
+    def max_lendable_pages(self) -> int:
+        """Device blocks ``reserve_pages`` could take with no sequence and no pages lent: the
+        pool less its admission watermark."""
+        return self.device.num_blocks - self.watermark_blocks
+
+    @property
+    def num_lendable_pages(self) -> int:
+        """Device blocks ``reserve_pages`` may take now: the free and cached-free ones above the
+        admission watermark."""
+        return max(0, self.device.num_free_blocks - self.watermark_blocks)
+
+    def reserve_pages(self, owner: str, num_pages: int) -> list[int]:
+        """Lend ``num_pages`` device blocks to ``owner`` (a LoRA adapter's weights: unified
+        paging), or raise ``NoFreeBlocksError`` changing nothing. They count as used until
+        ``release_pages``; the admission watermark stays free for running sequences. Cached
+        blocks they take are dropped from the prefix cache, not offloaded: this runs between
+        steps, whose copies alone reach the worker."""
+        if owner in self.pages:
+            raise ValueError(f"{owner!r} already holds pages")
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        available = self.num_lendable_pages
+        if num_pages > available:
+            raise NoFreeBlocksError(f"device pool has {available} blocks to lend, {num_pages} requested")
+        on_evict, self.device.on_evict = self.device.on_evict, None
+        try:
+            pages = self.device.allocate_many(num_pages)
+        finally:
+            self.device.on_evict = on_evict
+        self.pages[owner] = pages
+        return pages
+
+    def release_pages(self, owner: str) -> int:
+        """Take back ``owner``'s pages (free blocks again); returns how many."""
+        pages = self.pages.pop(owner)
+        for block in pages:
+            self.device.free(block)
+        return len(pages)
+
     def begin_step(self) -> None:
         self.scratch = StepScratch()
 
@@ -665,6 +713,9 @@ class BlockManager:
                     raise IntegrityError(f"{seq.seq_id!r}: block {block} is indexed under another prefix")
         for block in self.scratch.host_blocks_to_release:
             host_refs[block] = host_refs.get(block, 0) + 1
+        for pages in self.pages.values():
+            for block in pages:
+                device_refs[block] = device_refs.get(block, 0) + 1
         self.device.check_integrity(device_refs)
         self.host.check_integrity(host_refs)
         num_stored, num_walked = self.num_stored_tokens(), self._num_stored_tokens_by_walk()
@@ -697,7 +748,7 @@ class BlockManager:
         several tables counts once, a block in use outside every table (a contiguous
         reservation's unused part) counts as empty. O(device sequences): see
         ``num_stored_tokens``."""
-        num_slots = self.device.num_used_blocks * self.block_size
+        num_slots = (self.device.num_used_blocks - self.num_pages) * self.block_size
         return self.num_stored_tokens() / num_slots if num_slots else 0.0
 
     def num_stored_tokens(self) -> int:
@@ -746,7 +797,8 @@ class BlockManager:
         for block, filled in fills.items():
             if ref_counts[block] == repeats.get(block, 1):  # no holder has it full
                 num_empty += bs - filled
-        num_tabled = self.device.num_used_blocks - self.policy.num_untabled_blocks(self.seqs.values())
+        num_tabled = (self.device.num_used_blocks - self.num_pages
+                      - self.policy.num_untabled_blocks(self.seqs.values()))
         return num_tabled * bs - num_empty
 
     def _num_stored_tokens_by_walk(self) -> int:

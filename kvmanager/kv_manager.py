@@ -467,6 +467,8 @@ class KVManager:
             "device_blocks_used": manager.device.num_used_blocks,
             "device_blocks_free": manager.device.num_free_blocks - manager.device.num_cached_free_blocks,
             "device_blocks_cached": manager.device.num_cached_free_blocks,
+            # Of the used ones, lent as pages of LoRA adapters' weights (unified paging).
+            "device_blocks_adapter_pages": manager.num_pages,
             "host_blocks_used": manager.host.num_used_blocks,
             "host_blocks_free": manager.host.num_free_blocks - manager.host.num_cached_free_blocks,
             "host_blocks_cached": manager.host.num_cached_free_blocks,
@@ -486,11 +488,13 @@ class KVManager:
         For each tier: ``states``, one character per block (``f`` free, ``u``
         in use, ``c`` cached-free, ``s`` shared: ref count > 1, ``w`` being
         swapped by the last step's copies, ``t`` imported by transfer last
-        step). Pools larger than ``max_cells`` are summarised as a density
-        map: ``density`` lists, per cell of ``blocks_per_cell`` blocks, the
+        step, ``a`` lent as a page of a LoRA adapter's weights). Pools
+        larger than ``max_cells`` are summarised as a density map:
+        ``density`` lists, per cell of ``blocks_per_cell`` blocks, the
         fraction of blocks in use. ``owners`` maps a block to its sequences
-        and ``hashes`` to a short hash prefix (in-use and cached blocks only,
-        for pools small enough to draw block by block).
+        (a lent page to its owner) and ``hashes`` to a short hash prefix
+        (in-use and cached blocks only, for pools small enough to draw block
+        by block).
         """
         manager = self._worker(worker_id)
         owners: dict[str, dict[int, list[str]]] = {"device": {}, "host": {}}
@@ -499,6 +503,7 @@ class KVManager:
                 owners["device"].setdefault(block, []).append(seq.seq_id)
             for block in (seq.host_table[seq.num_freed_blocks:] if seq.location == SeqLocation.SWAPPED else []):
                 owners["host"].setdefault(block, []).append(seq.seq_id)
+        lent = {block: owner for owner, pages in manager.pages.items() for block in pages}
         moving = {"device": set(), "host": set()}
         for device_block, host_block in manager.last_swaps:
             moving["device"].add(device_block)
@@ -512,6 +517,8 @@ class KVManager:
                     states.append("w")
                 elif tier == "device" and block in manager.last_imported:
                     states.append("t")
+                elif tier == "device" and block in lent:
+                    states.append("a")
                 elif refs > 1:
                     states.append("s")
                 elif refs == 1:
@@ -519,11 +526,13 @@ class KVManager:
                 else:
                     states.append("c" if pool.block_hashes[block] is not None else "f")
             entry = {"num_blocks": pool.num_blocks, "block_size": pool.block_size,
-                     "counts": {k: states.count(k) for k in "fucswt"}}
+                     "counts": {k: states.count(k) for k in "fucswta"}}
             if pool.num_blocks <= max_cells:
                 entry["states"] = "".join(states)
                 entry["ref_counts"] = {b: r for b, r in enumerate(pool.ref_counts) if r > 1}
                 entry["owners"] = {b: ids[:4] for b, ids in owners[tier].items()}
+                if tier == "device":
+                    entry["owners"].update({b: [owner] for b, owner in lent.items()})
                 entry["hashes"] = {b: h.hex()[:12] for b, h in enumerate(pool.block_hashes) if h is not None}
             else:
                 per_cell = -(-pool.num_blocks // max_cells)
@@ -549,8 +558,9 @@ class KVManager:
         return True
 
     def num_used_blocks(self) -> int:
-        """Device plus host blocks in use across all workers."""
-        return sum(m.device.num_used_blocks + m.host.num_used_blocks for m in self.workers.values())
+        """Device plus host blocks in use by sequences across all workers (not pages lent to
+        adapters' weights)."""
+        return sum(m.device.num_used_blocks - m.num_pages + m.host.num_used_blocks for m in self.workers.values())
 
     def check_integrity(self) -> None:
         """Raise ``IntegrityError`` unless every worker's accounting is consistent."""

@@ -144,6 +144,43 @@ def test_prefix_cache_hit_reuses_blocks_and_recomputes_last_token():
     manager.check_integrity()
 
 
+def test_pages_lent_to_adapters_are_counted_apart_and_never_given_to_sequences():
+    """Unified paging's side of the pool: lent blocks count as used, in the stats, the block map
+    and the integrity check, but not as sequences' KV; a loan takes cached blocks (dropped, not
+    offloaded: no step's copies carry it) and one the pool cannot make changes nothing."""
+    from pagedserve.kvmanager.local_manager import pool_occupancy
+
+    manager, worker = make_manager(num_device=8, num_host=4)
+    prompt = list(range(12))
+    worker.step(StepInput("w", waiting=["a"], new_sequences=[NewSequence("a", prompt)]))
+    worker.step(StepInput("w", finished=["a"]))
+    blocks = manager.block_manager("w")
+    assert blocks.device.num_cached_free_blocks == 3 and blocks.num_lendable_pages == 8
+    before = snapshot(manager)
+    with pytest.raises(NoFreeBlocksError, match="8 blocks to lend, 9 requested"):
+        blocks.reserve_pages("lora:1", 9)
+    assert snapshot(manager) == before and not blocks.pages
+    pages = blocks.reserve_pages("lora:1", 7)     # every free block, then cached ones
+    assert blocks.device.num_cached_free_blocks == 1 and blocks.host.num_used_blocks == 0
+    manager.check_integrity()
+    stats = manager.stats("w")
+    assert stats["device_blocks_used"] == 7 and stats["device_blocks_adapter_pages"] == 7
+    assert manager.num_used_blocks() == 0 and stats["kv_utilization"] == 0.0
+    assert pool_occupancy(blocks)["device"].num_used == 7   # what the central manager reads
+    drawn = manager.block_map("w")["tiers"]["device"]
+    assert drawn["counts"]["a"] == 7 and {drawn["states"][b] for b in pages} == {"a"}
+    assert drawn["owners"][pages[0]] == ["lora:1"]
+    # A sequence gets only what is left; taking the pages back frees them for it.
+    out = worker.step(StepInput("w", waiting=["b"], new_sequences=[NewSequence("b", list(range(50, 62)))]))
+    assert not out.scheduled
+    assert blocks.release_pages("lora:1") == 7
+    out = worker.step(StepInput("w", waiting=["b"]))
+    assert [s.seq_id for s in out.scheduled] == ["b"] and not set(pages) - set(range(8))
+    manager.check_integrity()
+    worker.step(StepInput("w", finished=["b"]))
+    assert manager.num_used_blocks() == 0 and blocks.device.num_used_blocks == 0
+
+
 def test_extra_key_separates_caches():
     manager, worker = make_manager()
     prompt = list(range(12))

@@ -3,9 +3,11 @@
 A hypothesis state machine plays a tiny engine: it adds requests (many share
 prefixes), forks, finishes and aborts them, and runs steps under random
 token budgets on pools small enough that eviction, swapping and
-recompute-preemption all happen. After every operation the manager's
-integrity check must pass, and a simulated worker checks that every block
-table really holds its sequence's tokens.
+recompute-preemption all happen; between steps it lends device blocks as pages
+(a LoRA adapter's weights, unified paging) and takes them back. After every
+operation the manager's integrity check must pass, a simulated worker checks
+that every block table really holds its sequence's tokens, and no step's table
+or copy touches a lent page.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pagedserve.kvmanager import KVManager, NewSequence, PoolConfig, SeqLocation, StepInput
+from pagedserve.kvmanager.errors import NoFreeBlocksError
 
 from kv_simulator import SimulatedWorker
 
@@ -41,6 +44,8 @@ class KVManagerMachine(RuleBasedStateMachine):
         self.waiting: list[str] = []
         self.computed: dict[str, int] = {}
         self.pending = StepInput("w0")
+        self.allocation = allocation
+        self.lent: dict[str, list[int]] = {}
 
     @property
     def ready(self) -> bool:
@@ -67,6 +72,24 @@ class KVManagerMachine(RuleBasedStateMachine):
         self.worker.tokens[seq_id] = list(tokens)
         self.waiting.append(seq_id)
         self.computed[seq_id] = 0
+
+    @precondition(lambda self: self.ready and self.allocation == "paged")
+    @rule(owner=st.integers(0, 2), num_pages=st.integers(1, 4))
+    def lend_or_take_back_pages(self, owner, num_pages) -> None:
+        manager = self.manager.block_manager("w0")
+        name = f"adapter{owner}"
+        if name in self.lent:
+            assert manager.release_pages(name) == len(self.lent.pop(name))
+            event("pages-returned")
+            return
+        lendable, used = manager.num_lendable_pages, manager.device.num_used_blocks
+        try:
+            self.lent[name] = manager.reserve_pages(name, num_pages)
+        except NoFreeBlocksError:
+            assert num_pages > lendable and manager.device.num_used_blocks == used   # refused, nothing changed
+            return
+        event("pages-lent")
+        assert manager.num_pages == sum(len(pages) for pages in self.lent.values())
 
     def _sampling(self) -> list[str]:
         """Running sequences whose known tokens are all computed."""
@@ -122,6 +145,11 @@ class KVManagerMachine(RuleBasedStateMachine):
         for seq_id, tokens in step_input.appended:
             self.worker.tokens[seq_id].extend(tokens)
         output = self.manager.step(step_input)
+        lent = {block for pages in self.lent.values() for block in pages}
+        for sched in output.scheduled:
+            assert not lent & set(sched.block_table), "a lent page in a block table"
+        for _, target in output.swap_in + output.copy_on_write:
+            assert target not in lent, "a copy onto a lent page"
         self.worker.execute(output)
         for preemption in output.preempted:
             event(f"preempt-{preemption.mode}")
@@ -167,6 +195,11 @@ class KVManagerMachine(RuleBasedStateMachine):
         self.manager.step(StepInput("w0", finished=self.running + self.waiting))
         self.manager.check_integrity()
         assert self.manager.num_used_blocks() == 0, "blocks leaked after every sequence finished"
+        manager = self.manager.block_manager("w0")
+        assert manager.device.num_used_blocks == manager.num_pages   # only the lent pages
+        for name in list(self.lent):
+            manager.release_pages(name)
+        assert manager.device.num_used_blocks == 0
 
 
 KVManagerMachine.TestCase.settings = settings(
