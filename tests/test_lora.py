@@ -501,15 +501,17 @@ def test_adapters_speculate_exactly(tiny_model, adapters, peft_greedy):
     assert_idle(llm)
 
 
-def test_padded_decode_steps_run_the_adapters_on_static_segments(tiny_model, adapters, peft_greedy):
+@pytest.mark.parametrize("paging", ["slots", "unified"])
+def test_padded_decode_steps_run_the_adapters_on_static_segments(paging, tiny_model, adapters, peft_greedy):
     """What CUDA graphs capture with LoRA, run on the CPU through the Triton kernels
     (interpreted): decode steps padded on static buffers, the adapters' products on segments
-    of fixed shapes (every layer's slots allocated first, tiles past a step's own covering
-    nothing), every adapter's and the base model's tokens those of transformers + PEFT."""
+    of fixed shapes (every layer's slots allocated first, or with unified paging its page
+    tables; tiles past a step's own covering nothing), every adapter's and the base model's
+    tokens those of transformers + PEFT."""
     pytest.importorskip("triton")
     loras = adapters("llama")
     llm = make_llm(tiny_model("llama"), max_loras=4, max_lora_rank=16, kernel_backend="triton", block_size=8,
-                   num_device_blocks=64)
+                   num_device_blocks=96, max_model_len=128, lora_paging=paging)
     engine = llm.engine
     layers = engine.lora.layers
     layers.enable_static_segments(8)
@@ -525,22 +527,24 @@ def test_padded_decode_steps_run_the_adapters_on_static_segments(tiny_model, ada
     stats = llm.stats()
     assert stats["num_padded_decode_steps"] > 0 and stats["num_padded_rows"] > 0, stats
     assert layers.context.static.num_fills == stats["num_padded_decode_steps"]
+    assert stats["lora"]["lora_paging"] == paging
     assert_idle(llm)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_lora_decode_steps_replay_cuda_graphs_on_cuda(tiny_model, adapters):
+@pytest.mark.parametrize("paging", ["slots", "unified"])
+def test_lora_decode_steps_replay_cuda_graphs_on_cuda(paging, tiny_model, adapters):
     """On CUDA an engine with LoRA captures its decode steps (the default): in float32, every
     adapter's and the base model's tokens are those of the same engine run eagerly, and the
-    graphs replayed."""
+    graphs replayed; with the adapters in slots or in pages of the KV pool."""
     loras = adapters("llama")
     prompts, which = mixed_workload(loras, seed=29)
 
     def run(**options):
         llm = LLM(tiny_model("llama"), device="cuda", dtype="float32", enable_lora=True, max_loras=4,
                   max_lora_rank=16, num_device_blocks=256, swap_space_gb=0.001, cuda_graph_sizes=[1, 2, 4, 8, 16],
-                  **options)
+                  max_model_len=128, lora_paging=paging, **options)
         outputs = llm.generate(prompts, greedy(), use_tqdm=False, lora_request=which)
         assert_idle(llm)
         return [list(o.outputs[0].token_ids) for o in outputs], llm.stats()
@@ -564,3 +568,132 @@ def test_a_profiled_kv_budget_leaves_room_for_every_slot(tiny_model, adapters, p
     allocated = sum(layer.lora_a.nbytes + layer.lora_b.nbytes for layer in layers.by_name.values())
     assert allocated == layers.max_slot_bytes == llm.engine._lora_slot_bytes() > 0
     assert_idle(llm)
+
+
+# ---- unified paging: adapters in pages of the KV pool ------------------------------------------
+def paged_llm(path: str, **kwargs) -> LLM:
+    kwargs.setdefault("block_size", 8)
+    kwargs.setdefault("max_model_len", 128)
+    return make_llm(path, lora_paging="unified", **kwargs)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_adapters_in_kv_pages_match_transformers_and_peft(arch, tiny_model, adapters, peft_greedy):
+    """Four adapters and the base model with their weights in pages of the KV pool, which
+    cannot hold every adapter and every sequence at once: adapters leave their pages for the
+    sequences' KV and come back through the swap path, sequences wait for their adapter's
+    pages, and every output is transformers + PEFT's."""
+    loras = adapters(arch)
+    llm = paged_llm(tiny_model(arch), max_loras=2, num_device_blocks=60, max_num_batched_tokens=48,
+                    preemption_mode="recompute")
+    prompts, which = mixed_workload(loras, seed=5)
+    for _ in range(2):
+        check_exact(llm, arch, prompts, which, peft_greedy)
+        assert_idle(llm)
+    stats = llm.stats()["lora"]
+    assert stats["lora_paging"] == "unified"
+    assert stats["num_page_evictions"] > 0 and stats["num_page_swap_ins"] > len(loras), stats
+    pages = llm.engine.lora.pages
+    pool = llm.engine.kv_manager.stats("local")
+    assert pool["device_blocks_adapter_pages"] == pages.num_pages + 1   # and the page of zeros
+    assert pool["device_blocks_used"] == pool["device_blocks_adapter_pages"]
+
+
+def test_idle_adapters_give_their_pages_to_a_sequence_that_needs_them(tiny_model, adapters, hf_greedy):
+    """Memory moves from adapters to sequences on demand: with every adapter in pages and
+    idle, a base-model prompt needing most of the pool is admitted once the least recently
+    used adapters have given their pages back."""
+    loras = adapters("llama")
+    llm = paged_llm(tiny_model("llama"), max_loras=4, num_device_blocks=60)
+    order = list(loras.values())
+    llm.generate([[7, 8, 9]] * len(order), greedy(2), use_tqdm=False, lora_request=order)
+    pages = llm.engine.lora.pages
+    assert set(pages.resident) == {lora.lora_int_id for lora in order}
+    free = llm.engine.kv_manager.block_manager("local").num_lendable_pages
+    prompt = random_prompts([100], seed=9)[0]   # 13 blocks of 8 with its tokens
+    assert free < 13 < free + pages.num_pages
+    output = llm.generate([prompt], greedy(4), use_tqdm=False)[0]
+    assert output.outputs[0].token_ids == hf_greedy("llama", prompt, 4)
+    assert 0 < pages.num_evictions < len(order)
+    evicted = [lora.lora_int_id for lora in order if lora.lora_int_id not in pages.resident]
+    assert evicted == [lora.lora_int_id for lora in order[:len(evicted)]]   # least recently used first
+    assert_idle(llm)
+
+
+def test_an_adapter_takes_pages_by_its_rank_and_one_that_cannot_fit_is_refused(tiny_model, adapters):
+    """A rank-4 cut of an adapter takes half the pages of the rank-8 whole (S-LoRA: memory by
+    rank, not by max_lora_rank). An adapter whose pages and a sequence of max_model_len could
+    never share the pool is refused up front, naming the pages it needs."""
+    import dataclasses
+
+    loras = adapters("llama")
+    llm = paged_llm(tiny_model("llama"), max_loras=2, num_device_blocks=64, max_model_len=256)
+    manager = llm.engine.lora
+    whole = manager.layers.read(loras["attn"])
+    half = dataclasses.replace(whole, rank=4, weights={name: (a[:4], b[:4]) for name, (a, b) in whole.weights.items()})
+    pack = manager.pages.pack
+    assert pack(whole, manager.layers.layer_of).num_pages == 2 * pack(half, manager.layers.layer_of).num_pages
+    llm.engine.add_lora(loras["attn"])
+    with pytest.raises(LoRAAdapterError, match=r"'all' \(rank 16\) needs \d+ pages of the KV pool.*lends at most"):
+        llm.engine.add_lora(loras["all"])
+    assert [lora.lora_name for lora in manager.list()] == ["attn"]
+
+
+def test_adapter_pages_hold_each_row_where_its_tables_say_and_evict_the_least_recently_used():
+    """``AdapterPages`` on a real pool and KV cache: an adapter swapped in reads back, through a
+    linear's page tables, exactly its weights (zeros past its rank); eviction takes the least
+    recently used adapter not protected, gives its pages back and says so; an adapter the pool
+    cannot lend pages for even then changes nothing but those evictions."""
+    from pagedserve.kvmanager import BlockManager
+    from pagedserve.workers.lora.adapter_pages import AdapterPages
+    from pagedserve.workers.lora.peft_adapter import LoRAAdapter
+    from pagedserve.workers.model.kv_cache import CacheShape, KVCache
+
+    shape = CacheShape(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)  # chunks of 64
+    pool = BlockManager(10, block_size=4, watermark=0.0)
+    pages = AdapterPages(pool, KVCache(shape, 10, 0, torch.device("cpu")), min_features=24, sequence_blocks=2)
+    assert pages.geometry.piece == 16 and pool.num_pages == 1
+    layer_of = {"layers.0.q": 0, "layers.1.q": 1, "layers.1.down": 1}
+    features = {"layers.0.q": (24, 40), "layers.1.q": (24, 40), "layers.1.down": (40, 24)}
+    generator = torch.Generator().manual_seed(3)
+
+    def adapter(name: str, rank: int, targets) -> LoRAAdapter:
+        weights = {t: (torch.randn(rank, features[t][0], generator=generator),
+                       torch.randn(rank, features[t][1], generator=generator)) for t in targets}
+        return LoRAAdapter(LoRARequest(name, 1, "/nowhere"), rank, 1.0, weights)
+
+    first = adapter("first", 3, ["layers.0.q", "layers.1.down"])
+    images = {1: pages.pack(first, layer_of), 2: pages.pack(adapter("second", 4, list(layer_of)), layer_of),
+              3: pages.pack(adapter("third", 2, ["layers.1.q"]), layer_of)}
+    evicted = []
+    pages.on_evict = evicted.append
+    resident = pages.swap_in(1, images[1], protected=set())
+    for name in layer_of:
+        lora_a, lora_b = pages.weights(layer_of[name], num_slots=2, max_rank=5, in_features=features[name][0],
+                                       out_features=features[name][1])
+        slot_tables = resident.pieces.get(name)
+        if slot_tables is not None:
+            rank = slot_tables[0].shape[0]
+            lora_a.table[1, :rank], lora_b.table[1, :rank] = slot_tables
+        a, b = lora_a.gather(None, 2), lora_b.gather(None, 2)
+        assert not a[0].any() and not b[0].any()            # slot 0: on the zero page
+        if name in first.weights:                           # slot 1: the adapter, zeros past its rank
+            expected_a, expected_b = first.weights[name]
+            assert torch.equal(a[1, :3], expected_a) and torch.equal(b[1, :3], expected_b)
+            assert not a[1, 3:].any() and not b[1, 3:].any()
+        else:
+            assert not a[1].any() and not b[1].any()
+    pages.swap_in(2, images[2], protected=set())
+    assert pages.touch(1) and list(pages.resident) == [2, 1]
+    assert pool.num_pages == 1 + pages.num_pages == 1 + images[1].num_pages + images[2].num_pages
+    free_before = pool.num_lendable_pages
+    assert images[3].num_pages > free_before             # the third needs an eviction: the second is LRU
+    pages.swap_in(3, images[3], protected=set())
+    assert evicted == [2] and list(pages.resident) == [1, 3]
+    pool.reserve_pages("other", pool.num_lendable_pages)  # the pool's KV takes every free block
+    assert pages.swap_in(2, images[2], protected={1, 3}) is None and list(pages.resident) == [1, 3]
+    assert pages.relieve(images[1].num_pages, protected={3}) == [1] and evicted == [2, 1]
+    pool.release_pages("other")
+    pages.evict(3)
+    assert pool.num_pages == 1 and pages.num_pages == 0
+    pool.check_integrity()

@@ -19,6 +19,7 @@ import torch
 
 from pagedserve.kvmanager import KVManager
 
+from ..lora.adapter_pages import AdapterPages
 from ..lora.lora_request import LoRARequest
 from ..model.decode_graphs import verify_graph_sizes
 from ..model.input_batch import InputBatch
@@ -88,6 +89,12 @@ class LLMEngine:
         if self.draft is not None:
             self._check_draft_window(self.pool_config.sliding_window)
             self.draft.allocate_cache(config.block_size, num_device, num_host, config.max_num_seqs)
+        self.kv_manager = kv_manager if kv_manager is not None else KVManager()
+        self.kv_manager.add_worker(worker_id, self.pool_config)
+        paged_lora = self.lora is not None and config.lora_paging == "unified"
+        if paged_lora:   # before CUDA graphs capture the layers' page tables
+            self.lora.use_pages(AdapterPages(self.kv_manager.block_manager(worker_id), self.runner.kv_cache,
+                                             self.lora.layers.min_features, -(-max_len // config.block_size)))
         max_blocks_per_seq = -(-max_len // config.block_size)
         if self._uses_graphs or self._uses_compile:
             lora = None
@@ -105,12 +112,11 @@ class LLMEngine:
             self.runner.warm_up_kernels(max_blocks_per_seq)
             if self.draft is not None:
                 self.draft.warm_up(max_blocks_per_seq)
-        self.kv_manager = kv_manager if kv_manager is not None else KVManager()
-        self.kv_manager.add_worker(worker_id, self.pool_config)
         self.step_hooks: list[Callable[[], None]] = []
         self.scheduler = Scheduler(self.kv_manager.step, worker_id, config.max_num_seqs,
                                    self.max_num_batched_tokens, config.scheduling_policy,
-                                   max_loras=config.max_loras if config.enable_lora else None)
+                                   max_loras=config.max_loras if config.enable_lora else None,
+                                   adapter_pages=self.lora if paged_lora else None, block_size=config.block_size)
         self.batch = InputBatch(self.runner.block_tables, self.eos_token_ids, max_len)
         self.output_processor = OutputProcessor(config.stream_interval)
         self.beam_groups = BeamGroups(self.scheduler, self.batch, self._new_sequence,
@@ -274,8 +280,8 @@ class LLMEngine:
     def _lora_slot_bytes(self) -> int:
         """What LoRA slots may come to take on this device (they are allocated as adapters
         first target each layer, after the pools): kept out of a profiled KV budget."""
-        if self.lora is None:
-            return 0
+        if self.lora is None or self.config.lora_paging == "unified":
+            return 0   # unified paging: adapters take pages of the KV pool itself
         num_bytes = self.lora.layers.max_slot_bytes
         logger.info("LoRA slots (max_loras %d, max_lora_rank %d) may take %.1f MiB; kept out of the KV budget",
                     self.lora.max_loras, self.lora.max_lora_rank, num_bytes / 2**20)

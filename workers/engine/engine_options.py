@@ -46,6 +46,7 @@ PreemptionMode = Literal[PREEMPTION_MODES]  # type: ignore[valid-type]
 SchedulingPolicy = Literal[SCHEDULING_POLICIES]  # type: ignore[valid-type]
 KernelBackend = Literal[KERNEL_BACKENDS]  # type: ignore[valid-type]
 ExecutorBackend = Literal["mp", "ray"]
+LoRAPaging = Literal["slots", "unified"]
 
 
 class EngineOptions(BaseModel):
@@ -146,6 +147,14 @@ class EngineOptions(BaseModel):
     """With enable_lora: adapters kept in host memory, the least recently used dropped past it
     (never one an unfinished request uses) and read again when asked for (vLLM's name).
     At least max_loras; unset: max_loras."""
+    lora_paging: LoRAPaging = "slots"
+    """With enable_lora: where adapters' weights live on the device. "slots": slot tensors of
+    max_loras adapters at max_lora_rank, kept out of the KV budget. "unified": pages of the KV
+    pool itself (S-LoRA's unified paging): an adapter takes blocks of the pool at its own rank
+    while a sequence may need it, a waiting sequence is admitted once its adapter holds pages,
+    and idle adapters give their pages back, least recently used first, when sequences need
+    them (their host copies stay, swapped back in on demand). One device only, with paged
+    allocation."""
 
     @field_validator("block_size")
     @classmethod
@@ -198,6 +207,13 @@ class EngineOptions(BaseModel):
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         if self.torch_compile:
             raise ValueError("enable_lora runs steps eagerly: leave torch_compile unset or false")
+        if self.lora_paging == "unified" and self.tensor_parallel_size > 1:
+            raise ValueError("lora_paging \"unified\" runs on one device; a tensor-parallel group "
+                             f"(tensor_parallel_size={self.tensor_parallel_size}) keeps adapters in slots: "
+                             "use lora_paging \"slots\"")
+        if self.lora_paging == "unified" and self.allocation != "paged":
+            raise ValueError(f"lora_paging \"unified\" lends blocks of a paged pool; allocation is "
+                             f"{self.allocation!r}: use allocation \"paged\" or lora_paging \"slots\"")
         return self
 
     @model_validator(mode="after")

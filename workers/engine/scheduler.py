@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 from pagedserve.kvmanager import NewSequence, ScheduledSeq, StepInput, StepOutput
 
@@ -36,10 +36,19 @@ class SchedulerOutput:
         return not self.scheduled and not self.migrated
 
 
+class AdapterPages(Protocol):
+    """LoRA adapters in pages of the KV pool (``LoRAManager`` with unified paging)."""
+
+    def admit(self, request, protected: set[int]) -> bool: ...
+
+    def relieve(self, num_pages: int, protected: set[int]) -> None: ...
+
+
 class Scheduler:
     def __init__(self, kv_step: Callable[[StepInput], StepOutput], worker_id: str,
                  max_num_seqs: int, max_num_batched_tokens: int, policy: str = "fcfs",
-                 max_loras: int | None = None) -> None:
+                 max_loras: int | None = None, adapter_pages: AdapterPages | None = None,
+                 block_size: int = 16) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
         self.kv_step = kv_step
@@ -49,6 +58,9 @@ class Scheduler:
         self.policy = policy
         # With LoRA: at most this many distinct adapters among the running sequences.
         self.max_loras = max_loras
+        # With unified paging: a waiting sequence is admitted once its adapter holds pages.
+        self.adapter_pages = adapter_pages
+        self.block_size = block_size
         # Both queues are kept in scheduling order (``_order``) as sequences enter them,
         # so a step never sorts them; ``_queued`` finds either queue's sequences by id.
         self.waiting: list[Sequence] = []
@@ -140,7 +152,7 @@ class Scheduler:
     def _admissible_by_adapter(self, limit: int) -> list[str]:
         """Up to ``limit`` waiting sequences, in order, skipping those whose adapter would make
         the running ones use more than ``max_loras`` adapters."""
-        adapters = {s.request.lora_request.lora_int_id for s in self.running if s.request.lora_request}
+        adapters = self._running_adapters()
         picked = []
         for seq in self.waiting:
             if len(picked) == limit:
@@ -149,9 +161,29 @@ class Scheduler:
             if lora is not None and lora.lora_int_id not in adapters:
                 if len(adapters) == self.max_loras:
                     continue
+                if self.adapter_pages is not None and not self.adapter_pages.admit(lora, adapters):
+                    continue   # no pages for its adapter now: the pool's KV comes first
                 adapters.add(lora.lora_int_id)
             picked.append(seq.seq_id)
         return picked
+
+    def _running_adapters(self) -> set[int]:
+        return {s.request.lora_request.lora_int_id for s in self.running if s.request.lora_request}
+
+    def _relieve_adapter_pages(self, step_input: StepInput, output: SchedulerOutput) -> None:
+        """When a sequence was preempted, or the first one picked from the waiting queue was not
+        admitted, idle adapters give back pages for its KV (unified paging)."""
+        short = [seq for seq in output.preempted if seq.status == SequenceStatus.WAITING][:1]
+        if not short and step_input.waiting:
+            first = self._queued.get(step_input.waiting[0])
+            short = [first] if first is not None and first.status == SequenceStatus.WAITING else []
+        if not short:
+            return
+        seq = short[0]
+        protected = self._running_adapters()
+        if seq.request.lora_request is not None:
+            protected.add(seq.request.lora_request.lora_int_id)
+        self.adapter_pages.relieve(-(-len(seq.token_ids) // self.block_size), protected)
 
     def schedule(self) -> SchedulerOutput:
         """Ask the KV manager for this step's plan and update the queues from it."""
@@ -217,4 +249,6 @@ class Scheduler:
             self.waiting = [s for s in self.waiting if id(s) not in admitted_ids]
             for seq in admitted:
                 self._enqueue(self.running, seq)
+        if self.adapter_pages is not None:
+            self._relieve_adapter_pages(step_input, output)
         return output

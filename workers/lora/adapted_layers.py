@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Iterator, Mapping, Protocol, Sequence
 
 import torch
 
@@ -27,6 +27,9 @@ from ..model.host_lists import int64_tensor
 from .layers import LoRAContext, LoRALinear, lora_ops_for
 from .lora_request import LoRARequest
 from .peft_adapter import LoRAAdapter, read_peft_adapter
+
+if TYPE_CHECKING:
+    from .adapter_pages import AdapterPages, ResidentAdapter
 
 # A cut weight's dims: [out, in].
 _OUTPUT_DIM, _INPUT_DIM = 0, 1
@@ -67,6 +70,7 @@ class AdaptedLayers:
         self._whole_features = {name: _whole_features(layer, self._cuts.get(name))
                                 for name, layer in self.by_name.items()}
         self._module_names = {name for name, _ in model.named_modules()} - {""}
+        self.layer_of = _decoder_layer_of(model, self.by_name)
 
     def __len__(self) -> int:
         return len(self.by_name)
@@ -83,6 +87,11 @@ class AdaptedLayers:
         return sum(self.max_loras * self.max_lora_rank * (layer.in_features + layer.out_features) * element
                    for layer in self.by_name.values())
 
+    @property
+    def min_features(self) -> int:
+        """The narrowest input or output of a layer: the shortest weight row."""
+        return min(min(layer.in_features, layer.out_features) for layer in self.by_name.values())
+
     def enable_static_segments(self, max_tokens: int) -> None:
         """Prepare the layers for CUDA graphs of forwards of up to ``max_tokens`` tokens: every
         layer's slots allocated now (a graph captures the products of the layers that hold
@@ -93,6 +102,23 @@ class AdaptedLayers:
             if layer.lora_a is None:
                 layer.allocate(self.max_loras, self.max_lora_rank)
         self.context.static = self.context.ops.StaticSegments(max_tokens, self.max_loras, self.device)
+
+    def attach_pages(self, pages: "AdapterPages") -> None:
+        """Unified paging: every layer reads its slots' weights through page tables into
+        ``pages``' KV cache, its decoder layer's key (A) and value (B) cache."""
+        if len(self.layer_of) != len(self.by_name):
+            outside = sorted(set(self.by_name) - set(self.layer_of))[:3]
+            raise ValueError(f"lora_paging \"unified\" keeps an adapter's weights in its decoder layer's KV pages; "
+                             f"these linears are in no decoder layer: {outside}")
+        for name, layer in self.by_name.items():
+            lora_a, lora_b = pages.weights(self.layer_of[name], self.max_loras, self.max_lora_rank,
+                                           layer.in_features, layer.out_features)
+            layer.attach_pages(lora_a, lora_b, pages.zero_piece)
+
+    def write_pieces(self, slot: int, resident: "ResidentAdapter") -> None:
+        """Point ``slot`` of every layer at a paged adapter's pieces (zeros where it adapts none)."""
+        for name, layer in self.by_name.items():
+            layer.set_slot_pieces(slot, resident.pieces.get(name))
 
     def read(self, request: LoRARequest) -> LoRAAdapter:
         """``request``'s adapter checked against the whole model (``LoRAAdapterError`` says why it
@@ -157,6 +183,13 @@ def _move_forward_hooks(source: torch.nn.Module, target: torch.nn.Module) -> Non
     for hooks in (source._forward_pre_hooks, source._forward_pre_hooks_with_kwargs, source._forward_hooks,
                   source._forward_hooks_with_kwargs, source._forward_hooks_always_called):
         hooks.clear()
+
+
+def _decoder_layer_of(model: torch.nn.Module, layers: dict[str, LoRALinear]) -> dict[str, int]:
+    """The index of the decoder layer (``model.get_decoder().layers``) each of ``layers`` is in."""
+    decoder_layers = getattr(model.get_decoder(), "layers", None) or []
+    index_of = {id(module): i for i, layer in enumerate(decoder_layers) for module in layer.modules()}
+    return {name: index_of[id(layer)] for name, layer in layers.items() if id(layer) in index_of}
 
 
 def _whole_features(layer: LoRALinear, cut: WeightCut | None) -> tuple[int, int]:

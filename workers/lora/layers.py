@@ -10,6 +10,7 @@ from types import ModuleType
 import torch
 
 from pagedserve.kernels import select_backend
+from pagedserve.kernels.lora_pages import PagedLoRAWeights
 
 from . import punica
 
@@ -81,9 +82,10 @@ class LoRAContext:
 class LoRALinear(torch.nn.Module):
     """A linear layer (``base_layer``: a ``Linear``, or a piece of a merged projection) with
     ``num_slots`` adapter slots: ``lora_a`` ``[slots, max_rank, in]`` and ``lora_b``
-    ``[slots, max_rank, out]``, allocated when an adapter first targets it. ``slot_bits``
-    has bit ``s`` set while slot ``s`` holds weights for this layer; a step none of whose
-    slots do computes the base layer only."""
+    ``[slots, max_rank, out]``, allocated when an adapter first targets it, or, with unified
+    paging, ``PagedLoRAWeights`` of that shape whose tables point into KV cache pages
+    (``attach_pages``). ``slot_bits`` has bit ``s`` set while slot ``s`` holds weights for
+    this layer; a step none of whose slots do computes the base layer only."""
 
     def __init__(self, base_layer: torch.nn.Linear, context: LoRAContext) -> None:
         super().__init__()
@@ -107,6 +109,30 @@ class LoRALinear(torch.nn.Module):
         weight = self.base_layer.weight
         self.lora_a = torch.zeros((num_slots, max_rank, self.in_features), dtype=weight.dtype, device=weight.device)
         self.lora_b = torch.zeros((num_slots, max_rank, self.out_features), dtype=weight.dtype, device=weight.device)
+
+    def attach_pages(self, lora_a: PagedLoRAWeights, lora_b: PagedLoRAWeights, zero_piece: int) -> None:
+        """Read every slot's weights through page tables (every row on ``zero_piece`` now)."""
+        self.lora_a, self.lora_b, self.zero_piece = lora_a, lora_b, zero_piece
+        self.slot_bits = 0
+
+    def set_slot_pieces(self, slot: int, pieces: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Point ``slot``'s rows at an adapter's (A, B) pieces in pages (int32 ``[rank, pieces]``
+        each), the rest at the zero piece; None: the adapter leaves this layer as it is."""
+        bit = 1 << slot
+        a_table, b_table = self.lora_a.table, self.lora_b.table
+        if pieces is None:
+            if self.slot_bits & bit:
+                a_table[slot].fill_(self.zero_piece)
+                b_table[slot].fill_(self.zero_piece)
+                self.slot_bits &= ~bit
+            return
+        a, b = pieces
+        rank = a.shape[0]
+        a_table[slot, rank:].fill_(self.zero_piece)
+        b_table[slot, rank:].fill_(self.zero_piece)
+        a_table[slot, :rank].copy_(a)
+        b_table[slot, :rank].copy_(b)
+        self.slot_bits |= bit
 
     def set_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Write an adapter's (A ``[r, in]``, scaled Bᵀ ``[r, out]``) into ``slot``, or clear it
@@ -141,5 +167,7 @@ class LoRALinear(torch.nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        slots = "unallocated" if self.lora_a is None else f"slots={self.lora_a.shape[0]}, max_rank={self.lora_a.shape[1]}"
-        return slots
+        if self.lora_a is None:
+            return "unallocated"
+        paged = ", in pages" if isinstance(self.lora_a, PagedLoRAWeights) else ""
+        return f"slots={self.lora_a.shape[0]}, max_rank={self.lora_a.shape[1]}{paged}"

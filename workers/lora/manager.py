@@ -10,6 +10,7 @@ from collections import OrderedDict
 from typing import Callable, Iterator, Sequence
 
 from .adapted_layers import AdaptedLayers
+from .adapter_pages import AdapterImage, AdapterPages
 from .follower import LoRAUpdate
 from .lora_request import LoRARequest
 from .peft_adapter import LoRAAdapter, LoRAAdapterError
@@ -31,6 +32,12 @@ class LoRAManager:
     On rank 0 of a tensor-parallel group ``publish`` hands each step's decisions (a
     ``LoRAUpdate``: host copies dropped, slots written, the chunks' slots) to the other
     ranks, whose ``LoRAFollower`` mirror them on their own cuts of the layers.
+
+    With unified paging (``use_pages``) the slots' weights live in pages of the KV pool:
+    the host copies are packed page images, the scheduler's ``admit`` brings a waiting
+    sequence's adapter into pages (or keeps the sequence waiting), ``relieve`` gives idle
+    adapters' pages back when the KV needs them, and a slot only points its layers' page
+    tables at its adapter's pages.
     """
 
     def __init__(self, layers: AdaptedLayers, max_cpu_loras: int, in_use: Callable[[], set[int]],
@@ -48,12 +55,22 @@ class LoRAManager:
         self._id_of_name: dict[str, int] = {}
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self._dropped: list[int] = []     # host copies dropped since the last update (with ``publish``)
+        self.pages: AdapterPages | None = None
+        self._paged: frozenset[int] = frozenset()   # ids in pages, for other threads to read
         self.num_reads = 0
         self.num_host_evictions = 0
         # Grows whenever the adapters held (in host memory or a slot) change: the worker reports them.
         self.residency_version = 0
         logger.info("LoRA: %d linear layers take adapters (max_loras %d, max_lora_rank %d, max_cpu_loras %d)",
                     len(layers), self.max_loras, self.max_lora_rank, max_cpu_loras)
+
+    def use_pages(self, pages: AdapterPages) -> None:
+        """Keep adapters in pages of the KV pool from now on (before any adapter is added)."""
+        if self._known:
+            raise RuntimeError("unified paging is set up before any adapter is added")
+        self.layers.attach_pages(pages)
+        pages.on_evict = self._left_pages
+        self.pages = pages
 
     # ---- requests ---------------------------------------------------------------------
     def add(self, request: LoRARequest) -> None:
@@ -103,12 +120,14 @@ class LoRAManager:
                 del self._id_of_name[request.lora_name]
             self.residency_version += 1
         self.slots.release(lora_int_id)
+        if self.pages is not None:
+            self.pages.evict(lora_int_id)
         return True
 
     def resident_keys(self) -> list[str]:
         """The ``cache_key`` of every adapter held, in host memory or in a slot."""
         with self._lock:
-            ids = set(self._host) | set(self.slots.resident)
+            ids = set(self._host) | set(self.slots.resident) | self._paged
             return sorted(self._known[i].cache_key for i in ids if i in self._known)
 
     def list(self) -> list[LoRARequest]:
@@ -116,11 +135,53 @@ class LoRAManager:
         with self._lock:
             return list(self._known.values())
 
-    def _read(self, request: LoRARequest) -> LoRAAdapter:
+    def _read(self, request: LoRARequest) -> LoRAAdapter | AdapterImage:
+        """The adapter's host copy: as read, or with unified paging packed as its pages hold it."""
         adapter = self.layers.read(request)
         logger.info("LoRA adapter %r read: rank %d, scaling %g, %d layers, %.1f MiB", request.lora_name,
                     adapter.rank, adapter.scaling, len(adapter.weights), adapter.num_bytes / 2**20)
+        if self.pages is None:
+            return adapter
+        return self.pages.pack(adapter, self.layers.layer_of)
+
+    def _host_copy(self, adapter_id: int) -> LoRAAdapter | AdapterImage:
+        """The adapter's host copy, read again if it was dropped."""
+        with self._lock:
+            adapter = self._host.get(adapter_id)
+            request = self._known[adapter_id]
+        if adapter is None:
+            adapter = self._read(request)
+            with self._lock:
+                self._host[adapter_id] = adapter
+                self.num_reads += 1
         return adapter
+
+    # ---- unified paging: the scheduler's side --------------------------------------------
+    def admit(self, request: LoRARequest, protected: set[int]) -> bool:
+        """Whether a waiting sequence of ``request``'s adapter may be admitted now: always with
+        slots; with pages, once the adapter holds pages (brought in now if need be, evicting
+        idle adapters, never those in ``protected``: the running and admitted sequences')."""
+        if self.pages is None or self.pages.touch(request.lora_int_id):
+            return True
+        adapter_id = request.lora_int_id
+        resident = self.pages.swap_in(adapter_id, self._host_copy(adapter_id), protected)
+        if resident is None:
+            return False
+        self._paged = frozenset(self.pages.resident)
+        self.residency_version += 1
+        return True
+
+    def relieve(self, num_pages: int, protected: set[int]) -> None:
+        """Give idle adapters' pages back until the pool can lend ``num_pages`` (the KV of a
+        sequence that could not be admitted or was preempted needs them)."""
+        if self.pages is not None:
+            self.pages.relieve(num_pages, protected)
+
+    def _left_pages(self, adapter_id: int) -> None:
+        """An adapter left its pages: its slot's tables point at pages given back."""
+        self.slots.release(adapter_id)
+        self._paged = frozenset(self.pages.resident)
+        self.residency_version += 1
 
     # ---- steps --------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -146,16 +207,18 @@ class LoRAManager:
             yield
 
     def _load(self, adapter_id: int, slot: int) -> LoRARequest:
-        """Write the adapter's weights into ``slot`` of every layer; returns its request."""
+        """Write the adapter's weights into ``slot`` of every layer (with pages: point the slot at
+        its pages); returns its request."""
         with self._lock:
-            adapter = self._host.get(adapter_id)
             request = self._known[adapter_id]
-        if adapter is None:  # dropped from host memory before its first step: read it again
-            adapter = self._read(request)
-            with self._lock:
-                self._host[adapter_id] = adapter
-                self.num_reads += 1
-        self.layers.write(slot, adapter)
+        if self.pages is None:
+            self.layers.write(slot, self._host_copy(adapter_id))
+            return request
+        resident = self.pages.resident.get(adapter_id)
+        if resident is None:
+            raise RuntimeError(f"LoRA adapter {request.lora_name!r} runs in a step but holds no pages: "
+                               "its sequence was admitted without LoRAManager.admit")
+        self.layers.write_pieces(slot, resident)
         return request
 
     def _evict_host(self) -> None:
@@ -192,7 +255,14 @@ class LoRAManager:
         by_slot = [None] * self.max_loras
         for adapter_id, slot in self.slots.resident.items():
             by_slot[slot] = names[adapter_id]
-        return {"slot_adapters": by_slot,
+        paged = {}
+        if self.pages is not None:
+            # Other threads read this: the engine thread's snapshot of the adapters in pages, not the LRU itself.
+            paged = {"adapter_pages": self.pages.num_pages,
+                     "paged_adapters": sorted(names[a] for a in self._paged if a in names),
+                     "num_page_swap_ins": self.pages.num_swap_ins, "num_page_evictions": self.pages.num_evictions,
+                     "bytes_per_page": self.pages.geometry.bytes_per_page}
+        return {"lora_paging": "unified" if self.pages is not None else "slots", **paged, "slot_adapters": by_slot,
                 "num_host_adapters": num_host, "num_adapter_reads": self.num_reads,
                 "num_slot_loads": self.slots.num_loads, "num_slot_evictions": self.slots.num_evictions,
                 "num_host_evictions": self.num_host_evictions,
