@@ -406,6 +406,9 @@ def format_status(stats: dict) -> str:
             f"{pool.get('num_preemptions_swap', 0)}/{pool.get('num_preemptions_recompute', 0):<9}")
         if worker.get("error"):
             lines.append(f"  {worker_id}: {worker['error']}")
+        if pool.get("device_blocks_adapter_pages"):
+            lines.append(f"  {worker_id}: LoRA adapters' weights hold {pool['device_blocks_adapter_pages']} of the "
+                         "device blocks in use (unified paging)")
         if worker.get("spec_decode_num_drafts"):
             lines.append(f"  {worker_id}: speculative decoding: mean acceptance length "
                          f"{worker['spec_decode_mean_acceptance_length']:.2f} ({worker['spec_decode_num_drafts']} drafts, "

@@ -8,7 +8,8 @@
   const POLL_MS = 1000;
   const HISTORY_S = 300;       // client-side history kept for the charts
   const CHART_WINDOW_S = 120;  // what the charts show
-  const STATE_NAMES = { f: "free", u: "in use", c: "cached (free)", s: "shared", w: "being swapped", t: "transferred in" };
+  const STATE_NAMES = { f: "free", u: "in use", c: "cached (free)", s: "shared", w: "being swapped", t: "transferred in",
+                        a: "LoRA adapter pages" };
   const COLORS = ["#2f6fdb", "#e0445a", "#2a9d63", "#f2a516", "#7b3fd1", "#1aa3b8", "#8a5a2b", "#d14fa0"];
   const TIERS = ["device", "host"];
 
@@ -376,6 +377,7 @@
         td(pct(pool.prefix_cache_hit_rate), id + ".prefix_cache_hit_rate", pool.prefix_cache_hit_rate),
         td(num(pool.num_prefix_hit_tokens) + " / " + num(pool.num_prefix_query_tokens), id + ".prefix_hit_tokens", pool.num_prefix_hit_tokens),
         td(num(pool.device_blocks_cached), id + ".device_blocks_cached", pool.device_blocks_cached),
+        td(num(pool.device_blocks_adapter_pages), id + ".device_blocks_adapter_pages", pool.device_blocks_adapter_pages),
       ];
     }));
   }
