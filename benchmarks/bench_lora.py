@@ -4,7 +4,10 @@ One small random-weight llama (hidden 512, 8 layers) serves ``--batch`` greedy s
 (prompts of ``--prompt`` tokens, EOS ignored) in decode steps; sequence i uses adapter
 i mod N. Each configuration runs on an engine of its own: without ``enable_lora`` (the
 plain base step), with it but no adapter in the step (the baseline of the ratios), and
-N adapters of rank ``--rank`` for each N of ``--adapters`` (``max_loras`` the largest N).
+N adapters of rank ``--rank`` for each N of ``--adapters`` (``max_loras`` the largest N),
+their weights in slot tensors and, with ``--lora-paging unified`` or ``both`` (the
+default), in pages of the KV pool (``lora_paging="unified"``: the products read them
+through page tables; the pool holds the adapters' pages besides the batch's KV).
 The adapters are random PEFT-layout checkpoints (A and B non-zero) adapting
 ``--targets``. The engines take decode steps in turns (``LLMEngine.step``, whole:
 schedule, forward, sampling), so each step's ratio to the baseline's compares steps run
@@ -17,7 +20,7 @@ Then an adapter's load: the time to the first token of one request (its prompt o
 engine has one slot: another adapter took it), and one already in its slot; each
 ``--load-rounds`` times with fresh adapters, medians and their ratio to the base model's.
 
-    python benchmarks/bench_lora.py [--batch 64 --adapters 1,8,32 --rank 16 --steps 40]
+    python benchmarks/bench_lora.py [--batch 64 --adapters 1,8,32 --rank 16 --steps 40 --lora-paging both]
     python benchmarks/bench_lora.py --targets q_proj,v_proj
     python benchmarks/bench_lora.py --size 1b --device cuda --dtype bfloat16
 
@@ -93,6 +96,18 @@ class Decoding:
         engine.step()
         self.llm.check_integrity()
         assert engine.num_used_blocks() == 0
+
+
+def adapter_pages(llm: LLM, lora: LoRARequest) -> int:
+    """The pages of the KV pool ``lora``'s adapter takes with unified paging, on ``llm``'s model
+    and pool layout (``llm``: an engine with LoRA)."""
+    from pagedserve.workers.lora.adapter_pages import pack_adapter, page_geometry
+
+    layers = llm.engine.lora.layers
+    shape = llm.engine.runner.kv_cache.shape
+    geometry = page_geometry(shape, layers.min_features)
+    block = (shape.block_size, shape.num_kv_heads, shape.head_dim)
+    return pack_adapter(layers.read(lora), layers.layer_of, geometry, block, pin=False).num_pages
 
 
 def time_to_first_token(llm: LLM, prompt: list[int], lora: LoRARequest | None) -> float:
@@ -200,6 +215,8 @@ def main(argv=None) -> None:
     parser.add_argument("--kernel-adapters", type=int, default=8, help="kernel comparison (CUDA): adapters")
     parser.add_argument("--kernel-hidden", type=int, default=2048, help="kernel comparison (CUDA): features")
     parser.add_argument("--kernels-only", action="store_true", help="only the kernel comparison (CUDA)")
+    parser.add_argument("--lora-paging", choices=("slots", "unified", "both"), default="both",
+                        help="where the adapters' weights live (default: both, side by side)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -217,16 +234,25 @@ def main(argv=None) -> None:
     max_tokens = args.steps + 4
     blocks = args.batch * -(-(args.prompt + max_tokens) // 16) + 16
     device = dict(device=args.device, dtype=args.dtype)
+    max_model_len = args.prompt + max_tokens + 16
     common = dict(**device, swap_space_gb=0.01, max_num_seqs=args.batch, block_size=16,
-                  num_device_blocks=blocks, enable_prefix_caching=False)
+                  num_device_blocks=blocks, enable_prefix_caching=False, max_model_len=max_model_len)
     lora = dict(enable_lora=True, max_loras=max(counts), max_lora_rank=args.rank)
+    pagings = ("slots", "unified") if args.lora_paging == "both" else (args.lora_paging,)
     configs = {"base, LoRA off": (LLM(path, **common), 0), "base, LoRA on": (LLM(path, **common, **lora), 0)}
-    for n in counts:
-        configs[f"{n} adapter{'s' if n > 1 else ''}"] = (LLM(path, **common, **lora), n)
     with tempfile.TemporaryDirectory() as root:
         model = configs["base, LoRA off"][0].engine.runner.model
         adapters = [LoRARequest(f"adapter-{i}", i + 1, write_adapter(Path(root) / str(i), model, args.rank, targets, i))
                     for i in range(max(counts))]
+        # With unified paging the pool takes the adapters' pages too (and a page of zeros, and room
+        # for a sequence of max_model_len beside any adapter).
+        pages = adapter_pages(configs["base, LoRA on"][0], adapters[0])
+        for paging in pagings:
+            extra = 0 if paging == "slots" else max(counts) * pages + 1 + -(-max_model_len // 16)
+            options = {**common, **lora, "lora_paging": paging, "num_device_blocks": blocks + extra}
+            for n in counts:
+                label = f"{n} adapter{'s' if n > 1 else ''}" + (", in pages" if paging == "unified" else "")
+                configs[label] = (LLM(path, **options), n)
         runs = {name: Decoding(llm, prompts, [adapters[i % n] if n else None for i in range(args.batch)], max_tokens)
                 for name, (llm, n) in configs.items()}
     # Steps taken in turns, one per configuration, so that each ratio compares steps run under the same load.
@@ -240,10 +266,12 @@ def main(argv=None) -> None:
     print(f"llama-{args.size} on {args.device} ({args.dtype}), {args.batch} decoding sequences, rank {args.rank}, "
           f"targets {args.targets}, "
           f"torch threads {torch.get_num_threads()}, {args.steps} steps each, in turns")
-    print(f"{'configuration':>16} {'median step ms':>15} {'vs base (median of paired ratios)':>34}")
+    if "unified" in pagings:
+        print(f"with unified paging each adapter takes {pages} pages of the KV pool")
+    print(f"{'configuration':>26} {'median step ms':>15} {'vs base (median of paired ratios)':>34}")
     for name, values in times.items():
         ratio = statistics.median(t / b for t, b in zip(values, base))
-        print(f"{name:>16} {1e3 * statistics.median(values):15.2f} {ratio:33.2f}x")
+        print(f"{name:>26} {1e3 * statistics.median(values):15.2f} {ratio:33.2f}x")
     if args.load_rounds:
         with tempfile.TemporaryDirectory() as root:
             adapter_load(path, model, prompts[0], args.rank, targets, args.load_rounds, Path(root), device)

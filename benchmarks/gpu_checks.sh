@@ -73,7 +73,7 @@ TESTS=(tests/test_cuda_greedy.py tests/test_kernel_variants.py tests/test_sample
        "tests/test_structured_outputs.py::test_structured_outputs_on_cuda"
        "tests/test_lora.py::test_lora_decode_steps_replay_cuda_graphs_on_cuda")
 KERNEL_TESTS=(tests/test_gpu_targets.py tests/test_kernels_triton.py tests/test_kernels_torch.py
-              tests/test_sampling_extensions.py)
+              tests/test_sampling_extensions.py tests/test_lora_kernels.py)
 for name in ${STEPS:-engine host tests kernel_tests launches kernels sweep}; do
     case $name in
         kernels) step bench_kernels 150 python3 benchmarks/bench_kernels_gpu.py ;;
