@@ -406,9 +406,6 @@ def format_status(stats: dict) -> str:
             f"{pool.get('num_preemptions_swap', 0)}/{pool.get('num_preemptions_recompute', 0):<9}")
         if worker.get("error"):
             lines.append(f"  {worker_id}: {worker['error']}")
-        if pool.get("device_blocks_adapter_pages"):
-            lines.append(f"  {worker_id}: LoRA adapters' weights hold {pool['device_blocks_adapter_pages']} of the "
-                         "device blocks in use (unified paging)")
         if worker.get("spec_decode_num_drafts"):
             lines.append(f"  {worker_id}: speculative decoding: mean acceptance length "
                          f"{worker['spec_decode_mean_acceptance_length']:.2f} ({worker['spec_decode_num_drafts']} drafts, "
@@ -426,6 +423,10 @@ def format_status(stats: dict) -> str:
                          f"{lora['max_cpu_loras']} in host memory; running {', '.join(lora['running_adapters']) or '-'}, "
                          f"waiting {', '.join(lora['waiting_adapters']) or '-'}; {lora['num_adapter_reads']} reads, "
                          f"{lora['num_slot_loads']} slot loads ({lora['num_slot_evictions']} evicting)")
+            if lora.get("lora_paging") == "unified":
+                lines.append(f"  {worker_id}: LoRA pages in the KV pool: {', '.join(lora['paged_adapters']) or 'none'} "
+                             f"hold {lora['adapter_pages']} device blocks ({lora['bytes_per_page'] / 2**10:.0f} KiB "
+                             f"each); {lora['num_page_swap_ins']} swapped in, {lora['num_page_evictions']} evicted")
         lines.extend(_rank_lines(worker))
     reasons = stats.get("router", {}).get("reasons")
     if reasons:

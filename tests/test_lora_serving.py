@@ -32,8 +32,9 @@ from pagedserve.cluster.bootstrap import NAMESPACE  # noqa: E402
 from pagedserve.cluster.runtime_adapters import RuntimeAdapterRegistry  # noqa: E402
 
 MODEL = "tiny-lora"
+# The adapters' weights in pages of the KV pool (unified paging), served as in slots.
 ENGINE = {"num_device_blocks": 256, "swap_space_gb": 0.001, "enable_lora": True, "max_loras": 2,
-          "max_lora_rank": 8}
+          "max_lora_rank": 8, "lora_paging": "unified"}
 # name -> (rank, targets); "wide" is past max_lora_rank: configured, but refused when asked for.
 ADAPTERS = {"attn": (8, ["q_proj", "v_proj"]), "mlp": (4, ["gate_proj", "up_proj", "down_proj"]),
             "wide": (16, ["q_proj"]), "dyn": (4, ["v_proj", "o_proj"])}
@@ -131,8 +132,9 @@ def test_an_adapters_requests_go_to_the_worker_that_holds_it(served, client):
 
 
 def test_status_and_metrics_show_each_workers_adapters(served, client):
-    """``pagedserve status`` has a LoRA line per worker (slots, host memory, reads); /metrics has
-    vLLM's ``vllm:lora_requests_info`` per engine, with ``max_lora``."""
+    """``pagedserve status`` has LoRA lines per worker (slots, host memory, reads; the pages its
+    adapters hold in the KV pool); /metrics has vLLM's ``vllm:lora_requests_info`` per engine,
+    with ``max_lora``."""
     from prometheus_client.parser import text_string_to_metric_families
 
     from pagedserve.cluster.launcher import format_status
@@ -144,6 +146,10 @@ def test_status_and_metrics_show_each_workers_adapters(served, client):
     status = format_status(stats)
     for worker_id in lora:
         assert f"{worker_id}: LoRA adapters: " in status and f"of {ENGINE['max_loras']} slots" in status
+        assert f"{worker_id}: LoRA pages in the KV pool: " in status
+    holder = next(worker_id for worker_id, figures in lora.items() if "attn" in figures["paged_adapters"])
+    pool = stats["kv_manager"]["workers"][holder]
+    assert pool["device_blocks_adapter_pages"] == lora[holder]["adapter_pages"] + 1 > 1   # and the zero page
     text = httpx.get(served[1] + "/metrics", timeout=30).text
     info = [sample for family in text_string_to_metric_families(text) for sample in family.samples
             if sample.name == "vllm:lora_requests_info"]
