@@ -19,6 +19,9 @@ Then an adapter's load: the time to the first token of one request (its prompt o
 (read from disk, checked, copied into a slot), one in host memory but not in a slot (the
 engine has one slot: another adapter took it), and one already in its slot; each
 ``--load-rounds`` times with fresh adapters, medians and their ratio to the base model's.
+With unified paging the same four, where "in host memory" is an adapter whose pages another
+took (the pool holds one adapter beside a sequence), swapped back in from its packed image.
+``--steps 0`` skips the step comparison.
 
     python benchmarks/bench_lora.py [--batch 64 --adapters 1,8,32 --rank 16 --steps 40 --lora-paging both]
     python benchmarks/bench_lora.py --targets q_proj,v_proj
@@ -125,10 +128,19 @@ def time_to_first_token(llm: LLM, prompt: list[int], lora: LoRARequest | None) -
 
 
 def adapter_load(path: str, model, prompt: list[int], rank: int, targets: list[str], rounds: int, root: Path,
-                 device: dict) -> None:
-    """Time to first token: base, cold adapter, adapter in host memory only, adapter in its slot."""
-    llm = LLM(path, **device, swap_space_gb=0.01, block_size=16, num_device_blocks=64,
-              enable_prefix_caching=False, enable_lora=True, max_loras=1, max_lora_rank=rank, max_cpu_loras=2)
+                 device: dict, paging: str) -> None:
+    """Time to first token: base, cold adapter, adapter in host memory only, adapter in its slot
+    (with unified paging: in its pages; the pool holds one adapter's pages beside a sequence)."""
+    options = dict(**device, swap_space_gb=0.01, block_size=16, enable_prefix_caching=False, enable_lora=True,
+                   max_loras=1, max_lora_rank=rank, max_cpu_loras=2, max_model_len=len(prompt) + 16,
+                   lora_paging=paging)
+    blocks = -(-(len(prompt) + 16) // 16)
+    if paging == "unified":
+        probe = LLM(path, **{**options, "lora_paging": "slots", "num_device_blocks": 64})
+        pages = adapter_pages(probe, LoRARequest("probe", 999, write_adapter(root / "probe", model, rank, targets, 99)))
+        del probe
+        blocks += 1 + pages + pages // 2   # the zero page and one adapter, not two
+    llm = LLM(path, **options, num_device_blocks=max(blocks, 64) if paging == "slots" else blocks)
     time_to_first_token(llm, prompt, None)   # warm
     times: dict[str, list[float]] = {"base model": [], "cold (from disk)": [], "in host memory": [],
                                      "in its slot": []}
@@ -142,8 +154,11 @@ def adapter_load(path: str, model, prompt: list[int], rank: int, targets: list[s
         time_to_first_token(llm, prompt, other)   # takes the only slot; first stays in host memory
         times["in host memory"].append(time_to_first_token(llm, prompt, first))
     llm.check_integrity()
+    if paging == "unified":
+        stats = llm.stats()["lora"]
+        assert stats["num_page_evictions"] >= rounds, stats   # "in host memory" was swapped back in
     base = statistics.median(times["base model"])
-    print(f"\nadapter load: time to first token, prompt of {len(prompt)} tokens, rank {rank}, "
+    print(f"\nadapter load ({paging}): time to first token, prompt of {len(prompt)} tokens, rank {rank}, "
           f"median of {rounds} fresh adapters")
     for name, values in times.items():
         median = statistics.median(values)
@@ -262,19 +277,26 @@ def main(argv=None) -> None:
             times[name].append(run.step())
     for run in runs.values():
         run.finish()
-    base = times["base, LoRA on"]
     print(f"llama-{args.size} on {args.device} ({args.dtype}), {args.batch} decoding sequences, rank {args.rank}, "
           f"targets {args.targets}, "
           f"torch threads {torch.get_num_threads()}, {args.steps} steps each, in turns")
+    slot_engine = configs["base, LoRA on"][0].engine
+    bytes_per_page = slot_engine.runner.kv_cache.shape.bytes_per_block
+    print(f"in slots, max_loras {max(counts)} at max_lora_rank {args.rank} keep "
+          f"{slot_engine.lora.layers.max_slot_bytes / 2**20:.1f} MiB out of the KV budget whatever is served")
     if "unified" in pagings:
-        print(f"with unified paging each adapter takes {pages} pages of the KV pool")
-    print(f"{'configuration':>26} {'median step ms':>15} {'vs base (median of paired ratios)':>34}")
-    for name, values in times.items():
-        ratio = statistics.median(t / b for t, b in zip(values, base))
-        print(f"{name:>26} {1e3 * statistics.median(values):15.2f} {ratio:33.2f}x")
+        print(f"with unified paging each adapter takes {pages} pages of the KV pool "
+              f"({pages * bytes_per_page / 2**20:.1f} MiB) while it holds pages, none otherwise")
+    if args.steps:
+        base = times["base, LoRA on"]
+        print(f"{'configuration':>26} {'median step ms':>15} {'vs base (median of paired ratios)':>34}")
+        for name, values in times.items():
+            ratio = statistics.median(t / b for t, b in zip(values, base))
+            print(f"{name:>26} {1e3 * statistics.median(values):15.2f} {ratio:33.2f}x")
     if args.load_rounds:
-        with tempfile.TemporaryDirectory() as root:
-            adapter_load(path, model, prompts[0], args.rank, targets, args.load_rounds, Path(root), device)
+        for paging in pagings:
+            with tempfile.TemporaryDirectory() as root:
+                adapter_load(path, model, prompts[0], args.rank, targets, args.load_rounds, Path(root), device, paging)
 
 
 if __name__ == "__main__":
