@@ -577,7 +577,7 @@ def paged_llm(path: str, **kwargs) -> LLM:
     return make_llm(path, lora_paging="unified", **kwargs)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "qwen3_moe"])
 def test_adapters_in_kv_pages_match_transformers_and_peft(arch, tiny_model, adapters, peft_greedy):
     """Four adapters and the base model with their weights in pages of the KV pool, which
     cannot hold every adapter and every sequence at once: adapters leave their pages for the
