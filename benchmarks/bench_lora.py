@@ -28,10 +28,11 @@ took (the pool holds one adapter beside a sequence), swapped back in from its pa
     python benchmarks/bench_lora.py --size 1b --device cuda --dtype bfloat16
 
 With ``--device cuda`` it first times one layer's LoRA products on their own: the Triton
-SGMV kernels (``kernels/triton_lora_ops.py``) against the torch path's batched matmuls
+SGMV kernels (``kernels/triton_lora_ops.py``) on slot tensors and on weights in pages,
+against a torch loop over the adapters and the torch path's batched matmuls
 (``workers/lora/punica.py``) on a decode batch (``--kernel-tokens`` tokens, token i on
 adapter i mod ``--kernel-adapters``, rank ``--rank``, ``--kernel-hidden`` features in and
-out), and reports the torch path's time over Triton's. ``--kernels-only`` stops there.
+out), and reports each one's time over Triton's. ``--kernels-only`` stops there.
 
     python benchmarks/bench_lora.py --device cuda --dtype bfloat16 --kernels-only
 """
@@ -50,6 +51,7 @@ import torch
 
 from pagedserve import LLM, LoRARequest, SamplingParams
 from pagedserve.devtools.model_factory import ensure_model
+from pagedserve.kernels.lora_pages import PagedLoRAWeights
 
 ALL_LINEAR = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
@@ -165,10 +167,25 @@ def adapter_load(path: str, model, prompt: list[int], rank: int, targets: list[s
         print(f"{name:>18} {1e3 * median:9.2f} ms {median / base:6.2f}x")
 
 
+def in_pages(weights: torch.Tensor, piece: int) -> PagedLoRAWeights:
+    """``weights`` ``[slots, R, features]`` moved into pieces of one flat storage in reverse order (as
+    pages of a KV cache are in no order), read through a table."""
+    num_slots, rank, features = weights.shape
+    per_row = -(-features // piece)
+    padded = torch.nn.functional.pad(weights, (0, per_row * piece - features)).reshape(-1, piece)
+    order = torch.arange(padded.shape[0] - 1, -1, -1, device=weights.device)
+    storage = torch.empty_like(padded)
+    storage[order] = padded
+    table = order.to(torch.int32).view(num_slots, rank, per_row).contiguous()
+    return PagedLoRAWeights(storage.view(-1), table, piece, features)
+
+
 def lora_products(device: torch.device, dtype: torch.dtype, num_tokens: int, num_adapters: int, rank: int,
                   hidden: int) -> dict[str, dict]:
-    """Per path (the torch path, the Triton kernels): its shrink, its expand and both, as
-    callables on one layer's decode batch, and the output of both (each path from the same y)."""
+    """Per path (a torch loop over the adapters, the torch path's batched matmuls, the Triton
+    kernels on slot tensors and on weights in pages of 256 elements): its shrink, its expand and
+    both, as callables on one layer's decode batch, and the output of both (each path from the
+    same y)."""
     from pagedserve.kernels import triton_lora_ops
     from pagedserve.workers.lora import punica
 
@@ -177,18 +194,34 @@ def lora_products(device: torch.device, dtype: torch.dtype, num_tokens: int, num
     lora_b = (torch.randn(num_adapters, rank, hidden, generator=generator) / rank ** 0.5).to(device, dtype)
     x = torch.randn(num_tokens, hidden, generator=generator).to(device, dtype)
     token_slots = torch.arange(num_tokens) % num_adapters
-    paths = {}
-    for name, ops in (("torch bmm", punica), ("triton sgmv", triton_lora_ops)):
+    rows = [(token_slots == slot).nonzero().squeeze(1).to(device) for slot in range(num_adapters)]
+
+    def loop_shrink():
+        return [x.index_select(0, index) @ lora_a[slot].T for slot, index in enumerate(rows)]
+
+    def loop_expand(y, h):
+        for slot, index in enumerate(rows):
+            y.index_add_(0, index, h[slot] @ lora_b[slot])
+
+    y = torch.zeros(num_tokens, hidden, device=device, dtype=dtype)
+    h = loop_shrink()
+    loop_expand(y, h)
+    paths = {"torch loop": {"output": y.clone(), "shrink": loop_shrink,
+                            "expand": lambda y=y, h=h: loop_expand(y, h),
+                            "both": lambda y=y: loop_expand(y, loop_shrink())}}
+    contenders = (("torch bmm", punica, lora_a, lora_b), ("triton sgmv", triton_lora_ops, lora_a, lora_b),
+                  ("triton sgmv, paged", triton_lora_ops, in_pages(lora_a, 256), in_pages(lora_b, 256)))
+    for name, ops, a, b in contenders:
         segments = ops.build_segments(token_slots, device)
         y = torch.zeros(num_tokens, hidden, device=device, dtype=dtype)
-        h = ops.lora_shrink(x, lora_a, segments)
-        ops.lora_expand(y, h, lora_b, segments)
+        h = ops.lora_shrink(x, a, segments)
+        ops.lora_expand(y, h, b, segments)
         paths[name] = {
             "output": y.clone(),
-            "shrink": lambda ops=ops, segments=segments: ops.lora_shrink(x, lora_a, segments),
-            "expand": lambda ops=ops, segments=segments, y=y, h=h: ops.lora_expand(y, h, lora_b, segments),
-            "both": lambda ops=ops, segments=segments, y=y: ops.lora_expand(
-                y, ops.lora_shrink(x, lora_a, segments), lora_b, segments),
+            "shrink": lambda ops=ops, segments=segments, a=a: ops.lora_shrink(x, a, segments),
+            "expand": lambda ops=ops, segments=segments, y=y, h=h, b=b: ops.lora_expand(y, h, b, segments),
+            "both": lambda ops=ops, segments=segments, y=y, a=a, b=b: ops.lora_expand(
+                y, ops.lora_shrink(x, a, segments), b, segments),
         }
     return paths
 
@@ -201,16 +234,18 @@ def compare_kernels(args) -> None:
     dtype = getattr(torch, args.dtype)
     paths = lora_products(torch.device(args.device), dtype, args.kernel_tokens, args.kernel_adapters, args.rank,
                           args.kernel_hidden)
-    torch_path, triton_path = paths["torch bmm"], paths["triton sgmv"]
-    torch.testing.assert_close(triton_path["output"], torch_path["output"], atol=5e-2, rtol=5e-2)
+    triton_path = paths["triton sgmv"]
+    for name, path in paths.items():
+        torch.testing.assert_close(path["output"], triton_path["output"], atol=5e-2, rtol=5e-2, msg=name)
     print(f"LoRA products of one layer on {torch.cuda.get_device_name()} ({args.dtype}): {args.kernel_tokens} "
           f"decoding tokens over {args.kernel_adapters} adapters, rank {args.rank}, {args.kernel_hidden} -> "
-          f"{args.kernel_hidden} features")
-    print(f"{'product':>8} {'torch bmm ms':>13} {'triton sgmv ms':>15} {'torch / triton':>15}")
+          f"{args.kernel_hidden} features; each path's median ms and its time over the Triton kernels'")
+    print(f"{'product':>8} " + " ".join(f"{name:>22}" for name in paths))
     for product in ("shrink", "expand", "both"):
-        torch_ms = triton.testing.do_bench(torch_path[product], warmup=25, rep=200, return_mode="median")
-        triton_ms = triton.testing.do_bench(triton_path[product], warmup=25, rep=200, return_mode="median")
-        print(f"{product:>8} {torch_ms:13.4f} {triton_ms:15.4f} {torch_ms / triton_ms:14.2f}x")
+        times = {name: triton.testing.do_bench(path[product], warmup=25, rep=200, return_mode="median")
+                 for name, path in paths.items()}
+        base = times["triton sgmv"]
+        print(f"{product:>8} " + " ".join(f"{ms:12.4f} ({ms / base:5.2f}x)" for ms in times.values()))
 
 
 def main(argv=None) -> None:
