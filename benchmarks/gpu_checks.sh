@@ -123,7 +123,7 @@ for name in ${STEPS:-engine host tests kernel_tests launches kernels sweep}; do
                   --batches 1,4,16 --rounds 2 ;;
         # LoRA, llama-1b bf16: the decode step with 1, 8 and 32 adapters against the base model's (the
         # 1.3x target at 8), and an adapter's load against the base model's time to first token.
-        lora) step lora 240 python3 benchmarks/bench_lora.py --size 1b --device cuda --dtype bfloat16 --load-rounds 3 ;;
+        lora) step lora 360 python3 benchmarks/bench_lora.py --size 1b --device cuda --dtype bfloat16 --load-rounds 3 --kernel-tokens 64 ;;
         profile) step profile 90 python3 benchmarks/bench_engine_gpu.py --contenders pagedserve --num-requests 128 \
                      --output-len 128 --profile "$OUT/profile_top.txt"
                  head -c 4000 "$OUT/profile_top.txt" ;;
