@@ -212,17 +212,13 @@ class AdapterPages:
 
     def swap_in(self, adapter_id: int, image: AdapterImage, protected: set[int]) -> ResidentAdapter | None:
         """Bring ``image`` into pages, evicting adapters not in ``protected`` (least recently used
-        first) as needed; None, changing nothing but those evictions, if the pool cannot lend
-        its pages even then."""
-        from pagedserve.kvmanager.errors import NoFreeBlocksError
-
-        while True:
-            try:
-                pages = self.pool.reserve_pages(_owner(adapter_id), image.num_pages)
-                break
-            except NoFreeBlocksError:
-                if not self._evict_one(protected | {adapter_id}):
-                    return None
+        first) as needed; None, changing nothing, if the pool cannot lend its pages even then."""
+        protected = protected | {adapter_id}
+        evictable = sum(len(r.pages) for a, r in self.resident.items() if a not in protected)
+        if self.pool.num_lendable_pages + evictable < image.num_pages:
+            return None
+        self.relieve(image.num_pages, protected)
+        pages = self.pool.reserve_pages(_owner(adapter_id), image.num_pages)
         pairs = torch.tensor([[i, page] for i, page in enumerate(pages)], dtype=torch.int64)
         for (k_cache, v_cache), keys, values in zip(self.cache.device_caches, image.keys, image.values):
             kernels.swap_blocks(keys, k_cache, pairs)
@@ -252,14 +248,10 @@ class AdapterPages:
             self.on_evict(adapter_id)
         return True
 
-    def _evict_one(self, protected: set[int]) -> bool:
-        victim = next((a for a in self.resident if a not in protected), None)
-        return victim is not None and self.evict(victim)
-
     def relieve(self, num_pages: int, protected: set[int]) -> list[int]:
         """Evict adapters not in ``protected``, least recently used first, until the pool can
-        lend ``num_pages`` (or none is left to evict): the KV of waiting or preempted sequences
-        needs them. Returns their ids."""
+        lend ``num_pages`` (or none is left to evict): for another adapter, or for the KV of a
+        waiting or preempted sequence. Returns their ids."""
         free_pages = self.pool.num_lendable_pages
         evicted = []
         while free_pages < num_pages:
