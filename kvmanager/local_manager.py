@@ -27,12 +27,17 @@ from .preemption import LocalPreemptionPolicy, PreemptionPolicy
 
 def pool_occupancy(manager: BlockManager) -> dict[str, TierOccupancy]:
     """The constant-size occupancy summary of a block manager's two tiers. Another thread (a
-    publisher's tick) may read it mid-step: then the counts are clamped, never negative."""
+    publisher's tick) may read it mid-step: then the counts are clamped, never negative.
+
+    Device blocks lent as pages of LoRA adapters' weights count as cached-free: like a cached
+    prefix, an idle adapter gives its pages back when sequences need them, so a pool full of
+    adapters is not a full pool to the router."""
     out = {}
     for pool in (manager.device, manager.host):
         cached = pool.num_cached_free_blocks
-        out[pool.tier] = TierOccupancy(max(0, pool.num_used_blocks), cached, max(0, pool.num_free_blocks - cached),
-                                       pool.num_blocks)
+        lent = manager.num_pages if pool is manager.device else 0
+        out[pool.tier] = TierOccupancy(max(0, pool.num_used_blocks - lent), cached + lent,
+                                       max(0, pool.num_free_blocks - cached), pool.num_blocks)
     return out
 
 

@@ -166,7 +166,8 @@ def test_pages_lent_to_adapters_are_counted_apart_and_never_given_to_sequences()
     stats = manager.stats("w")
     assert stats["device_blocks_used"] == 7 and stats["device_blocks_adapter_pages"] == 7
     assert manager.num_used_blocks() == 0 and stats["kv_utilization"] == 0.0
-    assert pool_occupancy(blocks)["device"].num_used == 7   # what the central manager reads
+    occupancy = pool_occupancy(blocks)["device"]   # what the central manager (and the router) reads:
+    assert (occupancy.num_used, occupancy.num_cached_free) == (0, 8)   # pages are reclaimable, as cached blocks
     drawn = manager.block_map("w")["tiers"]["device"]
     assert drawn["counts"]["a"] == 7 and {drawn["states"][b] for b in pages} == {"a"}
     assert drawn["owners"][pages[0]] == ["lora:1"]
