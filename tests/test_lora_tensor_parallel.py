@@ -24,7 +24,7 @@ from pagedserve.workers.lora.layers import LoRAContext
 from pagedserve.workers.lora.peft_adapter import LoRAAdapterError
 from pagedserve.workers.model.merged_projections import merge_same_input_projections
 from pagedserve.workers.tp.load import ShardLoader
-from pagedserve.workers.tp.messages import EnableLoRA, RunStep, pack, unpack
+from pagedserve.workers.tp.messages import EnableLoRA, EnableLoRAPages, RunStep, pack, unpack
 from offline_checks import assert_idle
 from peft_adapters import adapter_sets, make_peft_adapter
 from test_tensor_parallel import make_engine, random_prompts, run_ranks
@@ -141,10 +141,12 @@ def test_a_wrapped_layer_keeps_its_forward_hooks_after_the_adapters_delta():
 
 def test_lora_fields_of_a_step_round_trip():
     step = RunStep([0], [0], [7, 8], [], [2], lora_dropped=[3], lora_loads=[(1, 4, "mlp", "/a/mlp")],
-                   lora_slots=[1])
+                   lora_slots=[1], lora_pages=[(4, "mlp", "/a/mlp", [5, 9]), (2, "", "", [])])
     command, _ = unpack(pack(step))
     assert (command.lora_dropped, command.lora_loads, command.lora_slots) == ([3], [[1, 4, "mlp", "/a/mlp"]], [1])
+    assert command.lora_pages == [[4, "mlp", "/a/mlp", [5, 9]], [2, "", "", []]]
     assert unpack(pack(EnableLoRA(4, 16)))[0] == EnableLoRA(4, 16)
+    assert unpack(pack(EnableLoRAPages(3, 32)))[0] == EnableLoRAPages(3, 32)
     assert unpack(pack(RunStep([0], [0], [7], [])))[0].lora_slots is None
 
 
@@ -279,3 +281,42 @@ def test_a_group_removes_replaces_and_refuses_adapters_as_one_rank_does(group, o
     check_exact(llm, prompt, [loras["out"]], peft_greedy)
     assert_idle(llm)
     assert_idle(one_rank)
+
+
+@pytest.mark.slow
+def test_a_group_keeps_adapters_in_the_same_pages_of_every_ranks_pool(tp_model, adapters, peft_greedy):
+    """Unified paging on a group of 2: rank 0 picks an adapter's blocks, and every rank writes its
+    cut of the adapter into the same blocks of its own KV cache. The outputs are PEFT's, before
+    and after every adapter left its pages and came back into other blocks."""
+    llm = make_engine(tp_model("llama"), 2, lora_paging="unified", max_model_len=128, **ENGINE)
+    runner, steps = llm.engine.runner, []
+    send = runner.send
+
+    def recording(command):
+        if isinstance(command, RunStep):
+            steps.append(command)
+        send(command)
+
+    runner.send = recording
+    try:
+        loras = adapters("llama")
+        prompts = random_prompts((9, 33, 2, 17, 21, 6, 40, 12), seed=25)
+        which = [[None, *loras.values()][i % 5] for i in range(len(prompts))]
+        check_exact(llm, prompts, which, peft_greedy)
+        pages = llm.engine.lora.pages
+        before = {adapter_id: list(entry.pages) for adapter_id, entry in pages.resident.items()}
+        assert before
+        # Every adapter leaves its pages; other data takes those blocks, so they come back elsewhere.
+        pages.relieve(llm.engine.kv_manager.block_manager("local").device.num_blocks, protected=set())
+        pool = llm.engine.kv_manager.block_manager("local")
+        pool.reserve_pages("other", sum(len(p) for p in before.values()))
+        check_exact(llm, prompts, which, peft_greedy)
+        after = {adapter_id: list(entry.pages) for adapter_id, entry in pages.resident.items()}
+        assert all(not set(after[a]) & set(before[a]) for a in after.keys() & before.keys())
+        pool.release_pages("other")
+        moves = [move for step in steps for move in step.lora_pages or ()]
+        assert {move[0] for move in moves if move[3]} == {lora.lora_int_id for lora in loras.values()}
+        assert sum(1 for move in moves if not move[3]) == pages.num_evictions > 0
+        assert_idle(llm)
+    finally:
+        runner.shutdown()

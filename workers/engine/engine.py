@@ -19,7 +19,6 @@ import torch
 
 from pagedserve.kvmanager import KVManager
 
-from ..lora.adapter_pages import AdapterPages
 from ..lora.lora_request import LoRARequest
 from ..model.decode_graphs import verify_graph_sizes
 from ..model.input_batch import InputBatch
@@ -44,7 +43,7 @@ from .engine_options import EngineConfig
 from .kv_transfer import KVTransfer, check_compatible, export_kv, import_kv, read_header
 from .prepared_step import prepare_step
 from .request import Request, Sequence
-from .runners import build_lora_manager, build_runner
+from .runners import build_lora_manager, build_runner, enable_lora_pages
 from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -93,8 +92,8 @@ class LLMEngine:
         self.kv_manager.add_worker(worker_id, self.pool_config)
         paged_lora = self.lora is not None and config.lora_paging == "unified"
         if paged_lora:   # before CUDA graphs capture the layers' page tables
-            self.lora.use_pages(AdapterPages(self.kv_manager.block_manager(worker_id), self.runner.kv_cache,
-                                             self.lora.layers.min_features, -(-max_len // config.block_size)))
+            enable_lora_pages(self.runner, self.lora, self.kv_manager.block_manager(worker_id),
+                              -(-max_len // config.block_size))
         max_blocks_per_seq = -(-max_len // config.block_size)
         if self._uses_graphs or self._uses_compile:
             lora = None

@@ -153,8 +153,8 @@ class EngineOptions(BaseModel):
     pool itself (S-LoRA's unified paging): an adapter takes blocks of the pool at its own rank
     while a sequence may need it, a waiting sequence is admitted once its adapter holds pages,
     and idle adapters give their pages back, least recently used first, when sequences need
-    them (their host copies stay, swapped back in on demand). One device only, with paged
-    allocation."""
+    them (their host copies stay, swapped back in on demand). On a tensor-parallel group
+    every rank holds its cut of an adapter in the same blocks. Needs paged allocation."""
 
     @field_validator("block_size")
     @classmethod
@@ -207,10 +207,6 @@ class EngineOptions(BaseModel):
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         if self.torch_compile:
             raise ValueError("enable_lora runs steps eagerly: leave torch_compile unset or false")
-        if self.lora_paging == "unified" and self.tensor_parallel_size > 1:
-            raise ValueError("lora_paging \"unified\" runs on one device; a tensor-parallel group "
-                             f"(tensor_parallel_size={self.tensor_parallel_size}) keeps adapters in slots: "
-                             "use lora_paging \"slots\"")
         if self.lora_paging == "unified" and self.allocation != "paged":
             raise ValueError(f"lora_paging \"unified\" lends blocks of a paged pool; allocation is "
                              f"{self.allocation!r}: use allocation \"paged\" or lora_paging \"slots\"")

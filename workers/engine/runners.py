@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..lora.adapted_layers import AdaptedLayers
+from ..lora.adapter_pages import AdapterPages, PagePool
 from ..lora.manager import LoRAManager
 from ..model.model_runner import ModelRunner
 from ..tp.launch import RankLauncher, choose_launcher
@@ -39,3 +40,16 @@ def build_lora_manager(runner: ModelRunner | TensorParallelRunner, config: Engin
                            publish=runner.queue_lora_update)
     layers = AdaptedLayers(runner.model, config.max_loras, config.max_lora_rank, config.kernel_backend)
     return LoRAManager(layers, max_cpu_loras, in_use)
+
+
+def enable_lora_pages(runner: ModelRunner | TensorParallelRunner, lora: LoRAManager, pool: PagePool,
+                      sequence_blocks: int) -> None:
+    """Unified paging: ``lora``'s adapters in pages of ``pool`` (the KV manager's device pool for
+    this worker) in ``runner``'s KV cache; on a tensor-parallel group rank 0 picks the pages
+    and every rank writes its cut of each adapter into the same blocks of its own cache."""
+    if isinstance(runner, TensorParallelRunner):
+        pages = AdapterPages(pool, runner.local.kv_cache, lora.layers.min_features, sequence_blocks)
+        runner.enable_lora_pages(pages.zero_page, pages.min_features)
+    else:
+        pages = AdapterPages(pool, runner.kv_cache, lora.layers.min_features, sequence_blocks)
+    lora.use_pages(pages)

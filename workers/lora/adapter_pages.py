@@ -146,79 +146,35 @@ class ResidentAdapter:
     pieces: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
-class AdapterPages:
-    """Adapters held in pages of ``pool`` (the KV manager's device pool), whose memory is
-    ``cache``'s (the runner's KV cache), least recently used first. One page of zeros is
-    lent at creation: rows past an adapter's rank and linears it does not adapt read it.
-    ``min_features``: the adapted linears' narrowest input or output; ``sequence_blocks``:
-    the blocks of a sequence of the longest context, which must fit beside any adapter."""
+class PagedAdapters:
+    """Adapters in pages of ``cache`` (a KV cache; ``zero_page``: a block of it kept zero): how
+    they are packed, written into given pages and read (``weights``). ``min_features``: the
+    adapted linears' narrowest input or output. ``AdapterPages`` decides which pages; on a
+    tensor-parallel group's other ranks ``PagesMirror`` follows rank 0's decisions."""
 
-    def __init__(self, pool: PagePool, cache: KVCache, min_features: int, sequence_blocks: int) -> None:
-        self.pool = pool
+    def __init__(self, cache: KVCache, min_features: int, zero_page: int) -> None:
         self.cache = cache
-        self.sequence_blocks = sequence_blocks
         self.geometry = page_geometry(cache.shape, min_features)
+        self.min_features = min_features
         self.block = (cache.shape.block_size, cache.shape.num_kv_heads, cache.shape.head_dim)
-        self.zero_page = pool.reserve_pages("lora:zeros", 1)[0]
+        self.zero_page = zero_page
         for k_cache, v_cache in cache.device_caches:
-            k_cache[self.zero_page].zero_()
-            v_cache[self.zero_page].zero_()
+            k_cache[zero_page].zero_()
+            v_cache[zero_page].zero_()
         self.resident: OrderedDict[int, ResidentAdapter] = OrderedDict()
-        # Called with an adapter's id when it leaves its pages (its slot's tables are stale).
-        self.on_evict: Callable[[int], None] | None = None
         self.num_pages = 0            # pages the adapters hold (the zero page not counted)
         self.num_swap_ins = 0
-        self.num_evictions = 0
 
     @property
     def zero_piece(self) -> int:
         return self.zero_page * self.geometry.pieces_per_page
 
-
     def pack(self, adapter: LoRAAdapter, layer_of: dict[str, int]) -> AdapterImage:
-        """``adapter`` packed as its pages will hold it; ``LoRAAdapterError`` if its pages and a
-        sequence of the longest context could never fit in the pool together (its requests
-        would wait for ever)."""
-        image = pack_adapter(adapter, layer_of, self.geometry, self.block, pin=self.cache.device.type == "cuda")
-        room = self.pool.max_lendable_pages - 1 - self.sequence_blocks   # the zero page, a sequence
-        if image.num_pages > room:
-            raise LoRAAdapterError(
-                f"LoRA adapter {image.name!r} (rank {image.rank}) needs {image.num_pages} pages of the KV pool "
-                f"({image.num_pages * self.geometry.bytes_per_page / 2**20:.1f} MiB); beside a sequence of "
-                f"max_model_len the pool lends at most {max(room, 0)}: raise the KV budget, lower max_model_len, "
-                "or use lora_paging \"slots\"")
-        return image
+        """``adapter`` packed as its pages will hold it."""
+        return pack_adapter(adapter, layer_of, self.geometry, self.block, pin=self.cache.device.type == "cuda")
 
-    def weights(self, storage_layer: int, num_slots: int, max_rank: int, in_features: int,
-                out_features: int) -> tuple[PagedLoRAWeights, PagedLoRAWeights]:
-        """A linear's (A, B) weights of ``num_slots`` slots in pages of layer ``storage_layer``:
-        tables pointing every row at the zero piece."""
-        k_cache, v_cache = self.cache.device_caches[storage_layer]
-        piece = self.geometry.piece
-
-        def table(features: int) -> torch.Tensor:
-            return torch.full((num_slots, max_rank, -(-features // piece)), self.zero_piece, dtype=torch.int32,
-                              device=k_cache.device)
-
-        return (PagedLoRAWeights(k_cache.view(-1), table(in_features), piece, in_features),
-                PagedLoRAWeights(v_cache.view(-1), table(out_features), piece, out_features))
-
-    def touch(self, adapter_id: int) -> bool:
-        """Mark ``adapter_id`` most recently used; False if it holds no pages."""
-        if adapter_id not in self.resident:
-            return False
-        self.resident.move_to_end(adapter_id)
-        return True
-
-    def swap_in(self, adapter_id: int, image: AdapterImage, protected: set[int]) -> ResidentAdapter | None:
-        """Bring ``image`` into pages, evicting adapters not in ``protected`` (least recently used
-        first) as needed; None, changing nothing, if the pool cannot lend its pages even then."""
-        protected = protected | {adapter_id}
-        evictable = sum(len(r.pages) for a, r in self.resident.items() if a not in protected)
-        if self.pool.num_lendable_pages + evictable < image.num_pages:
-            return None
-        self.relieve(image.num_pages, protected)
-        pages = self.pool.reserve_pages(_owner(adapter_id), image.num_pages)
+    def _write(self, adapter_id: int, image: AdapterImage, pages: list[int]) -> ResidentAdapter:
+        """Swap ``image`` into ``pages`` (the KV swap path) and hold it there."""
         pairs = torch.tensor([[i, page] for i, page in enumerate(pages)], dtype=torch.int64)
         for (k_cache, v_cache), keys, values in zip(self.cache.device_caches, image.keys, image.values):
             kernels.swap_blocks(keys, k_cache, pairs)
@@ -237,12 +193,99 @@ class AdapterPages:
         self.cache.num_bytes_swapped_in += image.num_bytes
         return resident
 
+    def _forget(self, adapter_id: int) -> ResidentAdapter | None:
+        resident = self.resident.pop(adapter_id, None)
+        if resident is not None:
+            self.num_pages -= len(resident.pages)
+        return resident
+
+    def weights(self, storage_layer: int, num_slots: int, max_rank: int, in_features: int,
+                out_features: int) -> tuple[PagedLoRAWeights, PagedLoRAWeights]:
+        """A linear's (A, B) weights of ``num_slots`` slots in pages of layer ``storage_layer``:
+        tables pointing every row at the zero piece."""
+        k_cache, v_cache = self.cache.device_caches[storage_layer]
+        piece = self.geometry.piece
+
+        def table(features: int) -> torch.Tensor:
+            return torch.full((num_slots, max_rank, -(-features // piece)), self.zero_piece, dtype=torch.int32,
+                              device=k_cache.device)
+
+        return (PagedLoRAWeights(k_cache.view(-1), table(in_features), piece, in_features),
+                PagedLoRAWeights(v_cache.view(-1), table(out_features), piece, out_features))
+
+
+class PagesMirror(PagedAdapters):
+    """A tensor-parallel rank's adapters in pages: rank 0's ``AdapterPages`` picks the block ids
+    and this rank writes its own cut of each adapter into the same blocks of its own KV cache
+    (every rank's cut and cache have the same shapes, so the layouts agree)."""
+
+    def swap_in(self, adapter_id: int, image: AdapterImage, pages: list[int]) -> ResidentAdapter:
+        if image.num_pages != len(pages):
+            raise RuntimeError(f"LoRA adapter {image.name!r}: this rank's cut takes {image.num_pages} pages, "
+                               f"rank 0 gave it {len(pages)}")
+        return self._write(adapter_id, image, pages)
+
+    def evict(self, adapter_id: int) -> None:
+        self._forget(adapter_id)
+
+
+class AdapterPages(PagedAdapters):
+    """Adapters held in pages of ``pool`` (the KV manager's device pool), whose memory is
+    ``cache``'s (the runner's KV cache; rank 0's on a tensor-parallel group), least recently
+    used first. One page of zeros is lent at creation: rows past an adapter's rank and
+    linears it does not adapt read it. ``sequence_blocks``: the blocks of a sequence of the
+    longest context, which must fit beside any adapter."""
+
+    def __init__(self, pool: PagePool, cache: KVCache, min_features: int, sequence_blocks: int) -> None:
+        super().__init__(cache, min_features, pool.reserve_pages("lora:zeros", 1)[0])
+        self.pool = pool
+        self.sequence_blocks = sequence_blocks
+        # Called with an adapter's id when it leaves its pages (its slot's tables are stale).
+        self.on_evict: Callable[[int], None] | None = None
+        # Called with an adapter's id and pages when it comes into them.
+        self.on_swap_in: Callable[[int, list[int]], None] | None = None
+        self.num_evictions = 0
+
+    def pack(self, adapter: LoRAAdapter, layer_of: dict[str, int]) -> AdapterImage:
+        """``adapter`` packed as its pages will hold it; ``LoRAAdapterError`` if its pages and a
+        sequence of the longest context could never fit in the pool together (its requests
+        would wait for ever)."""
+        image = super().pack(adapter, layer_of)
+        room = self.pool.max_lendable_pages - 1 - self.sequence_blocks   # the zero page, a sequence
+        if image.num_pages > room:
+            raise LoRAAdapterError(
+                f"LoRA adapter {image.name!r} (rank {image.rank}) needs {image.num_pages} pages of the KV pool "
+                f"({image.num_pages * self.geometry.bytes_per_page / 2**20:.1f} MiB); beside a sequence of "
+                f"max_model_len the pool lends at most {max(room, 0)}: raise the KV budget, lower max_model_len, "
+                "or use lora_paging \"slots\"")
+        return image
+
+    def touch(self, adapter_id: int) -> bool:
+        """Mark ``adapter_id`` most recently used; False if it holds no pages."""
+        if adapter_id not in self.resident:
+            return False
+        self.resident.move_to_end(adapter_id)
+        return True
+
+    def swap_in(self, adapter_id: int, image: AdapterImage, protected: set[int]) -> ResidentAdapter | None:
+        """Bring ``image`` into pages, evicting adapters not in ``protected`` (least recently used
+        first) as needed; None, changing nothing, if the pool cannot lend its pages even then."""
+        protected = protected | {adapter_id}
+        evictable = sum(len(r.pages) for a, r in self.resident.items() if a not in protected)
+        if self.pool.num_lendable_pages + evictable < image.num_pages:
+            return None
+        self.relieve(image.num_pages, protected)
+        pages = self.pool.reserve_pages(_owner(adapter_id), image.num_pages)
+        resident = self._write(adapter_id, image, pages)
+        if self.on_swap_in is not None:
+            self.on_swap_in(adapter_id, pages)
+        return resident
+
     def evict(self, adapter_id: int) -> bool:
         """Give ``adapter_id``'s pages back to the pool; False if it holds none."""
-        resident = self.resident.pop(adapter_id, None)
-        if resident is None:
+        if self._forget(adapter_id) is None:
             return False
-        self.num_pages -= self.pool.release_pages(_owner(adapter_id))
+        self.pool.release_pages(_owner(adapter_id))
         self.num_evictions += 1
         if self.on_evict is not None:
             self.on_evict(adapter_id)

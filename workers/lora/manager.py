@@ -55,6 +55,7 @@ class LoRAManager:
         self._id_of_name: dict[str, int] = {}
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self._dropped: list[int] = []     # host copies dropped since the last update (with ``publish``)
+        self._page_moves: list[tuple[int, LoRARequest | None, list[int]]] = []   # likewise, pages
         self.pages: AdapterPages | None = None
         self._paged: frozenset[int] = frozenset()   # ids in pages, for other threads to read
         self.num_reads = 0
@@ -70,6 +71,7 @@ class LoRAManager:
             raise RuntimeError("unified paging is set up before any adapter is added")
         self.layers.attach_pages(pages)
         pages.on_evict = self._left_pages
+        pages.on_swap_in = self._entered_pages
         self.pages = pages
 
     # ---- requests ---------------------------------------------------------------------
@@ -177,8 +179,16 @@ class LoRAManager:
         if self.pages is not None:
             self.pages.relieve(num_pages, protected)
 
+    def _entered_pages(self, adapter_id: int, pages: list[int]) -> None:
+        if self._publish is not None:
+            with self._lock:
+                self._page_moves.append((adapter_id, self._known[adapter_id], pages))
+
     def _left_pages(self, adapter_id: int) -> None:
         """An adapter left its pages: its slot's tables point at pages given back."""
+        if self._publish is not None:
+            with self._lock:
+                self._page_moves.append((adapter_id, None, []))
         self.slots.release(adapter_id)
         self._paged = frozenset(self.pages.resident)
         self.residency_version += 1
@@ -244,8 +254,9 @@ class LoRAManager:
             return
         with self._lock:
             dropped, self._dropped = self._dropped, []
-        if dropped or loads or chunk_slots is not None:
-            self._publish(LoRAUpdate(dropped, loads, chunk_slots))
+            page_moves, self._page_moves = self._page_moves, []
+        if dropped or loads or chunk_slots is not None or page_moves:
+            self._publish(LoRAUpdate(dropped, loads, chunk_slots, page_moves))
 
     # ---- introspection -------------------------------------------------------------------
     def stats(self) -> dict:

@@ -39,7 +39,8 @@ class RunStep:
     to device, so that no rank waits for them on the host. The ``lora_*`` fields (None without
     adapters) are a ``LoRAUpdate``: the adapter ids whose host copies rank 0 dropped, the slots
     it wrote as (slot, lora_int_id, lora_name, lora_path), each chunk's slot (-1: the base
-    model; None: no chunk has an adapter)."""
+    model; None: no chunk has an adapter), and with unified paging the adapters that came into
+    pages as (lora_int_id, lora_name, lora_path, page ids) or left them (no page ids), in order."""
 
     TAG: ClassVar[int] = 1
     rows: list[int]
@@ -53,6 +54,7 @@ class RunStep:
     lora_dropped: list[int] | None = None
     lora_loads: list[tuple[int, int, str, str]] | None = None
     lora_slots: list[int] | None = None
+    lora_pages: list[tuple[int, str, str, list[int]]] | None = None
 
 
 @dataclass
@@ -63,6 +65,17 @@ class EnableLoRA:
     TAG: ClassVar[int] = 8
     max_loras: int
     max_lora_rank: int
+
+
+@dataclass
+class EnableLoRAPages:
+    """Unified paging: the rank's adapter slots read pages of its KV cache, block
+    ``zero_page`` kept zero, pieces cut for rows of at least ``min_features`` (rank 0's
+    figures); steps' ``lora_pages`` say which adapter is in which blocks."""
+
+    TAG: ClassVar[int] = 9
+    zero_page: int
+    min_features: int
 
 
 @dataclass
@@ -117,9 +130,10 @@ class Stop:
     TAG: ClassVar[int] = 6
 
 
-Command = RunStep | EnableLoRA | AllocateCache | ProfilePeak | ReadBlocks | WriteBlocks | WarmUpKernels | Stop
-COMMANDS: dict[int, type] = {cls.TAG: cls for cls in (RunStep, EnableLoRA, AllocateCache, ProfilePeak, ReadBlocks,
-                                                        WriteBlocks, WarmUpKernels, Stop)}
+Command = (RunStep | EnableLoRA | EnableLoRAPages | AllocateCache | ProfilePeak | ReadBlocks | WriteBlocks
+           | WarmUpKernels | Stop)
+COMMANDS: dict[int, type] = {cls.TAG: cls for cls in (RunStep, EnableLoRA, EnableLoRAPages, AllocateCache, ProfilePeak,
+                                                        ReadBlocks, WriteBlocks, WarmUpKernels, Stop)}
 _FIELDS: dict[type, tuple[str, ...]] = {cls: tuple(f.name for f in fields(cls)) for cls in COMMANDS.values()}
 
 

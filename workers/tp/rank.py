@@ -21,6 +21,7 @@ from typing import Iterator
 import torch
 
 from ..lora.adapted_layers import AdaptedLayers
+from ..lora.adapter_pages import PagesMirror
 from ..lora.follower import LoRAFollower, LoRAUpdate
 from ..lora.lora_request import LoRARequest
 from ..model.model_input import ModelInput
@@ -29,8 +30,8 @@ from ..model.model_support import load_config
 from .dispatch import CommandChannel, GroupBrokenError, open_channel
 from .group import Rendezvous, TensorParallelGroup
 from .load import ShardLoader
-from .messages import (AllocateCache, EnableLoRA, KVCopies, ProfilePeak, ReadBlocks, RunStep, Stop, WarmUpKernels,
-                          WriteBlocks, unpack)
+from .messages import (AllocateCache, EnableLoRA, EnableLoRAPages, KVCopies, ProfilePeak, ReadBlocks, RunStep, Stop,
+                       WarmUpKernels, WriteBlocks, unpack)
 from .plan import SliceSpec, TensorParallelError, check_tensor_parallel, shard_slice
 
 logger = logging.getLogger(__name__)
@@ -147,6 +148,8 @@ class RankExecutor:
         elif isinstance(command, EnableLoRA):
             self.lora = LoRAFollower(AdaptedLayers(runner.model, command.max_loras, command.max_lora_rank,
                                                    runner.kernel_backend, self.weight_cuts))
+        elif isinstance(command, EnableLoRAPages):
+            self.lora.use_pages(PagesMirror(runner.kv_cache, command.min_features, command.zero_page))
         elif isinstance(command, WarmUpKernels):
             runner.warm_up_kernels(command.max_blocks_per_seq)
         elif isinstance(command, AllocateCache):
@@ -164,14 +167,17 @@ class RankExecutor:
     @contextlib.contextmanager
     def _adapters(self, command: RunStep) -> Iterator[None]:
         """Around a step's forward: its adapters, as rank 0 put them in slots (none without LoRA)."""
-        if command.lora_dropped is None and command.lora_loads is None and command.lora_slots is None:
+        if (command.lora_dropped is None and command.lora_loads is None and command.lora_slots is None
+                and command.lora_pages is None):
             yield
             return
         if self.lora is None:
             raise RuntimeError("a step with adapters reached a rank whose layers take none (no EnableLoRA)")
         loads = [(slot, LoRARequest(name, lora_int_id, path))
                  for slot, lora_int_id, name, path in command.lora_loads or ()]
-        update = LoRAUpdate(command.lora_dropped or [], loads, command.lora_slots)
+        pages = [(lora_int_id, LoRARequest(name, lora_int_id, path) if page_ids else None, page_ids)
+                 for lora_int_id, name, path, page_ids in command.lora_pages or ()]
+        update = LoRAUpdate(command.lora_dropped or [], loads, command.lora_slots, pages)
         self.lora.apply(update)
         with self.lora.step(update, command.num_tokens):
             yield

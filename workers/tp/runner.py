@@ -35,8 +35,8 @@ from ..model.model_support import load_config
 from .dispatch import CommandChannel, GroupBrokenError, open_channel
 from .group import TensorParallelGroup, host_store
 from .launch import RankLauncher, RankSet
-from .messages import (AllocateCache, EnableLoRA, KVCopies, ProfilePeak, ReadBlocks, RunStep, Stop, WarmUpKernels,
-                          WriteBlocks, pack)
+from .messages import (AllocateCache, EnableLoRA, EnableLoRAPages, KVCopies, ProfilePeak, ReadBlocks, RunStep, Stop,
+                       WarmUpKernels, WriteBlocks, pack)
 from .plan import check_tensor_parallel
 from .rank import (HEAD_DIM_OF_PAYLOAD, RankSpec, broadcast_payload, load_rank_runner, local_heads, node_key,
                       publish_rank_info, rank_device, read_rank_info)
@@ -211,6 +211,12 @@ class TensorParallelRunner:
             self.send(EnableLoRA(max_loras, max_lora_rank))
         return AdaptedLayers(self.local.model, max_loras, max_lora_rank, self.spec.kernel_backend, self.weight_cuts)
 
+    def enable_lora_pages(self, zero_page: int, min_features: int) -> None:
+        """Unified paging: the other ranks' slots read pages of their KV caches, as rank 0's
+        (``PagesMirror``); each step's update says which adapter is in which blocks."""
+        with self.on_group():
+            self.send(EnableLoRAPages(zero_page, min_features))
+
     def queue_lora_update(self, update: LoRAUpdate) -> None:
         """Send ``update`` (rank 0's adapter decisions for the coming step) with the next step."""
         self.pending_lora = update if self.pending_lora is None else self.pending_lora.then(update)
@@ -283,8 +289,10 @@ class TensorParallelRunner:
 
 
 def _lora_fields(update: LoRAUpdate | None) -> tuple:
-    """``RunStep``'s ``lora_dropped``, ``lora_loads`` and ``lora_slots`` for ``update``."""
+    """``RunStep``'s ``lora_dropped``, ``lora_loads``, ``lora_slots`` and ``lora_pages`` for ``update``."""
     if update is None:
-        return None, None, None
+        return None, None, None, None
     loads = [(slot, request.lora_int_id, request.lora_name, request.lora_path) for slot, request in update.loads]
-    return update.dropped, loads, update.chunk_slots
+    pages = [(adapter_id, "", "", []) if request is None else (adapter_id, request.lora_name, request.lora_path, ids)
+             for adapter_id, request, ids in update.pages]
+    return update.dropped, loads, update.chunk_slots, pages or None
