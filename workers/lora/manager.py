@@ -127,7 +127,7 @@ class LoRAManager:
         return True
 
     def resident_keys(self) -> list[str]:
-        """The ``cache_key`` of every adapter held, in host memory or in a slot."""
+        """The ``cache_key`` of every adapter held, in host memory, a slot or pages."""
         with self._lock:
             ids = set(self._host) | set(self.slots.resident) | self._paged
             return sorted(self._known[i].cache_key for i in ids if i in self._known)
