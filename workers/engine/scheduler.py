@@ -151,7 +151,8 @@ class Scheduler:
 
     def _admissible_by_adapter(self, limit: int) -> list[str]:
         """Up to ``limit`` waiting sequences, in order, skipping those whose adapter would make
-        the running ones use more than ``max_loras`` adapters."""
+        the running ones use more than ``max_loras`` adapters, and with unified paging those
+        whose adapter cannot get pages now."""
         adapters = self._running_adapters()
         picked = []
         for seq in self.waiting:
