@@ -197,8 +197,13 @@ def group(request, tp_model):
     size, merged = request.param
     llm = make_engine(tp_model("llama"), size, merge_projections=merged, **ENGINE)
     assert bool(llm.engine.runner.local.merged_projections) == merged
-    runner, steps = llm.engine.runner, []
-    send = runner.send
+    yield llm, recorded_steps(llm.engine.runner)
+    llm.engine.runner.shutdown()
+
+
+def recorded_steps(runner) -> list[RunStep]:
+    """The ``RunStep``s rank 0's ``runner`` sends from now on (what the other ranks follow)."""
+    steps, send = [], runner.send
 
     def recording(command):
         if isinstance(command, RunStep):
@@ -206,8 +211,7 @@ def group(request, tp_model):
         send(command)
 
     runner.send = recording
-    yield llm, steps
-    runner.shutdown()
+    return steps
 
 
 @pytest.fixture(scope="module")
@@ -289,15 +293,7 @@ def test_a_group_keeps_adapters_in_the_same_pages_of_every_ranks_pool(tp_model, 
     cut of the adapter into the same blocks of its own KV cache. The outputs are PEFT's, before
     and after every adapter left its pages and came back into other blocks."""
     llm = make_engine(tp_model("llama"), 2, lora_paging="unified", max_model_len=128, **ENGINE)
-    runner, steps = llm.engine.runner, []
-    send = runner.send
-
-    def recording(command):
-        if isinstance(command, RunStep):
-            steps.append(command)
-        send(command)
-
-    runner.send = recording
+    steps = recorded_steps(llm.engine.runner)
     try:
         loras = adapters("llama")
         prompts = random_prompts((9, 33, 2, 17, 21, 6, 40, 12), seed=25)
@@ -319,4 +315,4 @@ def test_a_group_keeps_adapters_in_the_same_pages_of_every_ranks_pool(tp_model, 
         assert sum(1 for move in moves if not move[3]) == pages.num_evictions > 0
         assert_idle(llm)
     finally:
-        runner.shutdown()
+        llm.engine.runner.shutdown()
