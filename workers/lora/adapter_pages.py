@@ -16,7 +16,6 @@ adapter that a running sequence uses never leaves.
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -29,8 +28,6 @@ from pagedserve.kernels.lora_pages import PagedLoRAWeights, piece_size
 from ..model.host_lists import int64_tensor
 from ..model.kv_cache import CacheShape, KVCache
 from .peft_adapter import LoRAAdapter, LoRAAdapterError
-
-logger = logging.getLogger(__name__)
 
 
 class PagePool(Protocol):

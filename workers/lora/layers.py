@@ -118,38 +118,28 @@ class LoRALinear(torch.nn.Module):
     def set_slot_pieces(self, slot: int, pieces: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Point ``slot``'s rows at an adapter's (A, B) pieces in pages (int32 ``[rank, pieces]``
         each), the rest at the zero piece; None: the adapter leaves this layer as it is."""
-        bit = 1 << slot
-        a_table, b_table = self.lora_a.table, self.lora_b.table
-        if pieces is None:
-            if self.slot_bits & bit:
-                a_table[slot].fill_(self.zero_piece)
-                b_table[slot].fill_(self.zero_piece)
-                self.slot_bits &= ~bit
-            return
-        a, b = pieces
-        rank = a.shape[0]
-        a_table[slot, rank:].fill_(self.zero_piece)
-        b_table[slot, rank:].fill_(self.zero_piece)
-        a_table[slot, :rank].copy_(a)
-        b_table[slot, :rank].copy_(b)
-        self.slot_bits |= bit
+        self._write_slot(slot, (self.lora_a.table, self.lora_b.table), pieces, self.zero_piece, non_blocking=False)
 
     def set_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Write an adapter's (A ``[r, in]``, scaled Bᵀ ``[r, out]``) into ``slot``, or clear it
         (None: the adapter leaves this layer as it is)."""
+        self._write_slot(slot, (self.lora_a, self.lora_b), weights, 0, non_blocking=True)
+
+    def _write_slot(self, slot: int, targets: tuple[torch.Tensor, torch.Tensor],
+                    rows: tuple[torch.Tensor, torch.Tensor] | None, fill: int, non_blocking: bool) -> None:
+        """Copy ``rows`` (A's, B's ``[rank, ...]``) into ``slot`` of ``targets`` (slot tensors or
+        page tables), ``fill`` past the rank; None: ``fill`` the slot if it holds this layer."""
         bit = 1 << slot
-        if weights is None:
+        if rows is None:
             if self.slot_bits & bit:
-                self.lora_a[slot].zero_()
-                self.lora_b[slot].zero_()
+                for target in targets:
+                    target[slot].fill_(fill)
                 self.slot_bits &= ~bit
             return
-        a, b = weights
-        rank = a.shape[0]
-        self.lora_a[slot, rank:].zero_()
-        self.lora_b[slot, rank:].zero_()
-        self.lora_a[slot, :rank].copy_(a, non_blocking=True)
-        self.lora_b[slot, :rank].copy_(b, non_blocking=True)
+        for target, row in zip(targets, rows):
+            rank = row.shape[0]
+            target[slot, rank:].fill_(fill)
+            target[slot, :rank].copy_(row, non_blocking=non_blocking)
         self.slot_bits |= bit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
