@@ -166,12 +166,7 @@ class LoRAManager:
         if self.pages is None or self.pages.touch(request.lora_int_id):
             return True
         adapter_id = request.lora_int_id
-        resident = self.pages.swap_in(adapter_id, self._host_copy(adapter_id), protected)
-        if resident is None:
-            return False
-        self._paged = frozenset(self.pages.resident)
-        self.residency_version += 1
-        return True
+        return self.pages.swap_in(adapter_id, self._host_copy(adapter_id), protected) is not None
 
     def relieve(self, num_pages: int, protected: set[int]) -> None:
         """Give idle adapters' pages back until the pool can lend ``num_pages`` (the KV of a
@@ -180,9 +175,12 @@ class LoRAManager:
             self.pages.relieve(num_pages, protected)
 
     def _entered_pages(self, adapter_id: int, pages: list[int]) -> None:
+        """An adapter came into pages: the other ranks and the worker's report follow."""
         if self._publish is not None:
             with self._lock:
                 self._page_moves.append((adapter_id, self._known[adapter_id], pages))
+        self._paged = frozenset(self.pages.resident)
+        self.residency_version += 1
 
     def _left_pages(self, adapter_id: int) -> None:
         """An adapter left its pages: its slot's tables point at pages given back."""
