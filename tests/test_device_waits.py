@@ -10,6 +10,7 @@ the CPU with the Triton kernels it runs on CUDA (interpreted). On CUDA,
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -137,13 +138,19 @@ def test_the_forward_cuda_graphs_capture_never_reads_the_device(name):
     llm = _triton_llm(name)
     runner = llm.engine.runner
     assert runner.enable_decode_graphs([4], -(-llm.engine.max_model_len // 16), capture=False)
-    graphs = runner.decode_graphs
+    waits, logits = audited_padded_forward(runner.decode_graphs, 4)
+    assert waits == []
+    assert logits.shape == (4, runner.vocab_size)
+
+
+def audited_padded_forward(graphs, size: int, within=contextlib.nullcontext):
+    """``graphs``' padded forward of ``size`` rows, run eagerly on padding inside ``within()``:
+    (the device waits it made, its logits)."""
     with torch.inference_mode():
         graphs._pad_only()
-        with DeviceWaitAudit("cpu") as audit:
-            logits = graphs._forward(4)
-    assert audit.summary() == []
-    assert logits.shape == (4, runner.vocab_size)
+        with within(), DeviceWaitAudit("cpu") as audit:
+            logits = graphs._forward(size)
+    return audit.summary(), logits
 
 
 def test_the_verification_forward_cuda_graphs_capture_never_reads_the_device():
@@ -155,12 +162,8 @@ def test_the_verification_forward_cuda_graphs_capture_never_reads_the_device():
     max_blocks = -(-llm.engine.max_model_len // 16)
     assert runner.enable_decode_graphs([4], max_blocks, capture=False)
     assert runner.enable_verify_graphs([4], max_blocks, 5, capture=False)
-    graphs = runner.verify_graphs
-    with torch.inference_mode():
-        graphs._pad_only()
-        with DeviceWaitAudit("cpu") as audit:
-            logits = graphs._forward(4)
-    assert audit.summary() == []
+    waits, logits = audited_padded_forward(runner.verify_graphs, 4)
+    assert waits == []
     assert logits.shape == (4 * 5, runner.vocab_size)
 
 
@@ -172,13 +175,10 @@ def test_the_lora_forward_cuda_graphs_capture_never_reads_the_device():
     runner, layers = llm.engine.runner, llm.engine.lora.layers
     layers.enable_static_segments(4)
     assert runner.enable_decode_graphs([4], -(-llm.engine.max_model_len // 16), capture=False, lora=layers.context)
-    graphs, context = runner.decode_graphs, layers.context
-    with torch.inference_mode():
-        graphs._pad_only()
-        with context.using(context.static.fill(torch.tensor([0, -1, 1, 0]))), \
-                DeviceWaitAudit("cpu") as audit:
-            logits = graphs._forward(4)
-    assert audit.summary() == []
+    context = layers.context
+    waits, logits = audited_padded_forward(
+        runner.decode_graphs, 4, within=lambda: context.using(context.static.fill(torch.tensor([0, -1, 1, 0]))))
+    assert waits == []
     assert logits.shape == (4, runner.vocab_size)
 
 
