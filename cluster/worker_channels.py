@@ -172,6 +172,8 @@ class WorkerChannel:
                         if inbox is not None:
                             inbox.put(entry)
                             inbox.last_at = now
+                        else:   # the request stopped reading: nobody fetches its KV export
+                            self._release_export(entry)
             error = ChannelClosed(f"the output channel of worker {self.worker_id} ended")
         except asyncio.CancelledError:  # this event loop is closing
             error = ChannelClosed(f"the output channel of worker {self.worker_id} was closed")
@@ -205,6 +207,14 @@ class WorkerChannel:
                 except Exception:  # the worker is gone: the reader finds out
                     pass
 
+    def _release_export(self, migrated: Migrated) -> None:
+        """Let the worker drop a migration's KV export no attempt will fetch (else it holds it,
+        and a draining worker cannot go, until the hold expires)."""
+        try:
+            self.worker.release_export.remote(migrated.request_id)
+        except Exception:  # the worker is gone, and its exports with it
+            pass
+
     def _close_remote(self) -> None:
         try:
             self.worker.close_channel.remote(self.channel_id)
@@ -221,6 +231,7 @@ class WorkerChannel:
         key = next(self._keys)
         inbox = self.inboxes[request_id] = self.by_key[key] = _Inbox(self.loop, request_id, timeout_s)
         request = dataclasses.replace(request, key=key)
+        items, num_read = [], 0
         try:
             if self.error is not None:
                 raise self.error
@@ -231,13 +242,18 @@ class WorkerChannel:
             if not await asyncio.wait_for(submitted, timeout=timeout_s):
                 raise ChannelClosed(f"the output channel of worker {self.worker_id} had closed")
             while True:
-                for item in _merged(await inbox.take()):  # a timeout comes as an item too (``_tend``)
+                items, num_read = _merged(await inbox.take()), 0  # a timeout comes as an item too (``_tend``)
+                for item in items:
+                    num_read += 1
                     if isinstance(item, BaseException):
                         raise item
                     yield item
         finally:
             del self.inboxes[request_id]
             del self.by_key[key]
+            for item in items[num_read:] + inbox.items:   # never read: a migration nobody follows
+                if isinstance(item, Migrated):
+                    self._release_export(item)
 
     def close(self) -> None:
         """Stop reading; the worker aborts what still runs on this channel."""
