@@ -285,9 +285,25 @@ class OutputProcessor:
         batch = self._batch(target)
         key = target.key
         interval = self.stream_interval
+        seqs = request.seqs
+        if (interval == 1 and len(seqs) == 1 and not is_finished and not is_migrated
+                and request.params.logprobs is None and request.prompt_logprobs is None):
+            # The common row, by a short way (what the loop below does for it): one sample's new
+            # tokens, without text, logprobs or a finish.
+            seq = seqs[0]
+            stream = seq.stream
+            num_tokens, num_streamed = stream.num_tokens, stream.num_streamed_tokens
+            if num_tokens > num_streamed and stream.finish_reason is None and not stream.delta_text:
+                stream.num_streamed_tokens = num_tokens
+                batch.add(key, seq.sample_index, seq.output_token_ids[num_streamed:num_tokens])
+                metrics = request.metrics
+                metrics.num_generated_tokens = num_tokens
+                if target.milestones_moved(metrics, False):
+                    batch.metrics.append((key, pack_metrics(metrics)))
+                return
         wants_logprobs = request.params.logprobs is not None
         num_generated_tokens = 0
-        for seq in request.seqs:
+        for seq in seqs:
             stream = seq.stream
             num_tokens = stream.num_tokens
             num_generated_tokens += num_tokens
