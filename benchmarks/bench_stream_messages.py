@@ -17,7 +17,10 @@ requests stream, as the dashboard does (each second): the polls' latency, and th
 waits, show what a poll costs the serving processes. ``--per-output-us U`` spins U
 microseconds of this process's CPU per output received, as a server's work per chunk
 (building, framing and writing it) would: with enough of it the handle falls behind the
-worker, as a replica at full load does at a GPU's step rate.
+worker, as a replica at full load does at a GPU's step rate. Also reported: the worker's
+engine core's CPU over the served run by phase of its loop (its inbox, steps, output
+processing, sends, KV events), per step and per token: what serving costs the core's
+thread, beside the steps themselves.
 
     python benchmarks/bench_stream_messages.py [--streams 64] [--max-tokens 128] [--poll-stats 1]
                                                [--per-output-us 200] [--json PATH]
@@ -83,6 +86,26 @@ async def _stream_in_process(llm, prompts: list[list[int]], params) -> float:
         engine.shutdown()
 
 
+async def _core_figures(handle) -> tuple[dict, int] | None:
+    """The first worker's engine-core CPU seconds by phase, and its steps so far (None for a
+    build without them)."""
+    from pagedserve.cluster.stats import gather_stats
+
+    worker = next(iter((await gather_stats(handle))["workers"].values()))
+    seconds = worker.get("engine_core_cpu_seconds")
+    return None if seconds is None else (seconds, worker["num_steps"])
+
+
+def _core_phases(before: tuple[dict, int] | None, after: tuple[dict, int] | None, num_tokens: int) -> dict | None:
+    """Each phase's CPU per step and per token (µs) between two ``_core_figures``."""
+    if before is None or after is None:
+        return None
+    num_steps = after[1] - before[1]
+    return {phase: {"us_per_step": 1e6 * (seconds - before[0].get(phase, 0.0)) / num_steps,
+                    "us_per_token": 1e6 * (seconds - before[0].get(phase, 0.0)) / num_tokens}
+            for phase, seconds in after[0].items()} | {"steps": num_steps}
+
+
 def _worker_messages(handle) -> int | None:
     """Messages read from the workers so far (None for a build without output channels)."""
     channels = getattr(handle, "channels", None)
@@ -125,6 +148,7 @@ def main() -> None:
     async def run_all():
         await asyncio.gather(*(_stream(handle, p, params) for p in prompts[:2]))  # warm-up
         messages_before = _worker_messages(handle)
+        core_before = await _core_figures(handle)
         poller = (asyncio.create_task(_poll_stats(handle, args.poll_stats, poll_latencies_s))
                   if args.poll_stats else None)
         start_s = time.perf_counter()
@@ -132,10 +156,11 @@ def main() -> None:
         served_s = time.perf_counter() - start_s
         if poller is not None:
             poller.cancel()
+        core_after = await _core_figures(handle)
         return results, served_s, (
-            None if messages_before is None else _worker_messages(handle) - messages_before)
+            None if messages_before is None else _worker_messages(handle) - messages_before), (core_before, core_after)
 
-    results, served_s, worker_messages = asyncio.run(run_all())
+    results, served_s, worker_messages, core_figures = asyncio.run(run_all())
     handle_gc_figures = handle_gc.snapshot() if handle_gc is not None else None   # before the offline runs
     if worker_messages is None:  # a build whose workers sent one message per output
         worker_messages = sum(m for m, _, _ in results)
@@ -177,6 +202,7 @@ def main() -> None:
         "worker_decode_step_ms": served_step_ms, "offline_decode_step_ms": offline_step_ms,
         "longest_output_gap_ms": {"median_stream": gaps_ms[len(gaps_ms) // 2], "max": gaps_ms[-1]},
         "worker_gc": worker_gc,
+        "engine_core_phases": _core_phases(*core_figures, num_tokens),
     }
     if args.poll_stats:
         polls_ms = sorted(1e3 * s for s in poll_latencies_s)
@@ -192,6 +218,11 @@ def main() -> None:
           f"({figures['worker_messages_per_request']:.1f} per request); decode step {served_step_ms:.2f} ms in the "
           f"worker, {offline_step_ms:.2f} ms offline; longest wait between two outputs "
           f"{gaps_ms[len(gaps_ms) // 2]:.1f} ms (median stream), {gaps_ms[-1]:.1f} ms (max)")
+    phases = figures["engine_core_phases"]
+    if phases is not None:
+        print(f"the engine core's CPU over {phases['steps']} steps, by phase, per step (per token): " + ", ".join(
+            f"{phase} {value['us_per_step']:.1f} us ({value['us_per_token']:.2f})"
+            for phase, value in phases.items() if phase != "steps"))
     figures["handle_gc"] = handle_gc_figures
     for process, gc_figures in (("worker", worker_gc), ("handle", handle_gc_figures)):
         if gc_figures is not None:
