@@ -10,7 +10,12 @@ the same client, workload and process accounting as a real server, so its CPU pe
 token (replica, HAProxy or proxy actor, Ray's daemons) is what any server on this stack pays
 at least: the floor the served figures are judged against.
 
-    python benchmarks/bench_serve_floor.py [--streams 64] [--tokens 256] [--ingress haproxy]
+``--busy-cpus N`` keeps N processes spinning beside the server while it is loaded, as a
+worker's engine core keeps a CPU busy during a served run: the floor measured on the CPUs a
+real server's ingress has left (on a small machine the ingress, HAProxy and the client then
+share fewer cores, and every write wakes a process that must take a core from another).
+
+    python benchmarks/bench_serve_floor.py [--streams 64] [--tokens 256] [--ingress haproxy] [--busy-cpus 1]
 """
 
 from __future__ import annotations
@@ -117,6 +122,8 @@ def main() -> None:
     parser.add_argument("--ingress", default="haproxy", choices=("haproxy", "proxy"))
     parser.add_argument("--port", type=int, default=8131)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--busy-cpus", type=int, default=0,
+                        help="processes spinning beside the server while it is loaded (an engine core's CPU)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)   # the server's own process
     args = parser.parse_args()
     if args.serve:
@@ -129,12 +136,18 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as workdir:
             for _ in range(args.rounds):
                 out = os.path.join(workdir, "floor.json")
-                done = subprocess.run(
-                    [sys.executable, "-m", "pagedserve", "bench", "serve", "--port", str(args.port), "--model", "floor",
-                     "--request-rate", "inf", "--num-requests", str(args.streams), "--random-input-len", "16",
-                     "--random-output-len", str(args.tokens), "--random-range-ratio", "0", "--no-progress",
-                     "--cpu-per-token", "--server-pid", str(server.pid), "--out", out],
-                    capture_output=True, text=True, timeout=900)
+                spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy_cpus)]
+                try:
+                    done = subprocess.run(
+                        [sys.executable, "-m", "pagedserve", "bench", "serve", "--port", str(args.port), "--model",
+                         "floor", "--request-rate", "inf", "--num-requests", str(args.streams), "--random-input-len",
+                         "16", "--random-output-len", str(args.tokens), "--random-range-ratio", "0", "--no-progress",
+                         "--cpu-per-token", "--server-pid", str(server.pid), "--out", out],
+                        capture_output=True, text=True, timeout=900)
+                finally:
+                    for spinner in spinners:
+                        spinner.kill()
+                        spinner.wait()
                 if not os.path.exists(out):
                     raise RuntimeError(f"bench serve failed ({done.returncode}): {done.stderr[-2000:]}")
                 with open(out) as f:
@@ -143,6 +156,7 @@ def main() -> None:
                     print(f"{data['failed']} requests failed: {data['errors'][:3]}", flush=True)
                 cpu = data["cpu_per_token"]
                 print(json.dumps({"ingress": args.ingress, "streams": args.streams, "tokens": args.tokens,
+                                  "busy_cpus": args.busy_cpus,
                                   "output_tok_s": round(data["output_throughput"]),
                                   "server_us": round(cpu["server_total"]["us_per_token"], 1),
                                   "groups": {k: round(g["us_per_token"], 1) for k, g in cpu["groups"].items()},
