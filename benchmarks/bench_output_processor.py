@@ -42,21 +42,24 @@ def _sequences(num_streams: int, served: bool) -> list[Sequence]:
     return seqs
 
 
-def run(num_streams: int, num_steps: int, served: bool) -> float:
-    """µs of CPU per step (``time.thread_time``) of processing, and packing where served."""
+def run(num_streams: int, num_steps: int, served: bool) -> tuple[float, int]:
+    """µs of CPU per step (``time.thread_time``) of processing, and packing where served; and
+    the rows the channel's batches carried (a stream's news of a step is a row)."""
     seqs = _sequences(num_streams, served)
     processor = OutputProcessor()
     token_ids = [TOKEN] * num_streams
-    seconds = 0.0
+    seconds, num_rows = 0.0, 0
     for _ in range(num_steps):
         for seq in seqs:   # the engine's part: not measured
             seq.append_token(TOKEN)
         start = time.thread_time()
         processor.process(EngineStep([StepTokens(seqs, token_ids)]))
-        for batch in processor.take_batches().values():
+        batches = processor.take_batches().values()
+        for batch in batches:
             batch.pack()
         seconds += time.thread_time() - start
-    return 1e6 * seconds / num_steps
+        num_rows += sum(len(batch) for batch in batches)
+    return 1e6 * seconds / num_steps, num_rows
 
 
 def main() -> None:
@@ -66,8 +69,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     for round_index in range(args.rounds):
-        offline = run(args.streams, args.steps, served=False)
-        served = run(args.streams, args.steps, served=True)
+        offline, _ = run(args.streams, args.steps, served=False)
+        served, _ = run(args.streams, args.steps, served=True)
         print(f"round {round_index + 1}: {args.streams} streams, per step (per token): served "
               f"{served:.0f} us ({served / args.streams:.2f}), offline {offline:.0f} us "
               f"({offline / args.streams:.2f}); serving adds {served - offline:.0f} us a step", flush=True)

@@ -532,6 +532,14 @@ def test_the_roofline_replay_runs_a_workload_on_the_cpu(tmp_path, capsys):
     assert 0 < result["flop_utilisation_at_serial_floor"] <= result["flop_utilisation_at_roofline"] <= 1
 
 
+def test_the_output_processor_bench_measures_a_row_per_stream_and_step_served_and_none_offline():
+    bench = _benchmark_module("bench_output_processor")
+    served_us, served_rows = bench.run(8, 5, served=True)
+    offline_us, offline_rows = bench.run(8, 5, served=False)
+    assert (served_rows, offline_rows) == (8 * 5, 0)   # offline: final outputs, none before the end
+    assert served_us > 0 and offline_us > 0
+
+
 def test_gpu_engine_bench_smoke_on_cpu(tmp_path, tiny_model):
     """benchmarks/bench_engine_gpu.py's every path but CUDA: six contenders, one report."""
     import subprocess
