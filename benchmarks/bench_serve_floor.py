@@ -15,7 +15,12 @@ worker's engine core keeps a CPU busy during a served run: the floor measured on
 real server's ingress has left (on a small machine the ingress, HAProxy and the client then
 share fewer cores, and every write wakes a process that must take a core from another).
 
+``--work-us U`` spins U µs of the replica's CPU before each chunk, as a server's own work per
+token (the handle's read, text decoding, the chunk) would: whether spreading the writes out
+costs more than the work itself.
+
     python benchmarks/bench_serve_floor.py [--streams 64] [--tokens 256] [--ingress haproxy] [--busy-cpus 1]
+                                           [--work-us 20]
 """
 
 from __future__ import annotations
@@ -35,8 +40,9 @@ from fastapi import Request   # at module level: the route's annotation is resol
 CHUNK_TEXT = " the"
 
 
-def build_app():
-    """The FastAPI app: ``/v1/models`` and a streamed ``/v1/completions``."""
+def build_app(work_us: float = 0.0):
+    """The FastAPI app: ``/v1/models`` and a streamed ``/v1/completions`` (``work_us`` of CPU
+    spun before each chunk)."""
     from fastapi import FastAPI
     from fastapi.responses import StreamingResponse
 
@@ -77,6 +83,10 @@ def build_app():
                 for sent in range(max_tokens):
                     await stream[0].wait()
                     stream[0].clear()
+                    if work_us:
+                        started = time.perf_counter()
+                        while time.perf_counter() - started < work_us * 1e-6:
+                            pass
                     yield last if sent == max_tokens - 1 else chunk
             finally:
                 streams.remove(stream)
@@ -87,7 +97,7 @@ def build_app():
     return app
 
 
-def serve_floor(port: int, ingress_name: str) -> None:
+def serve_floor(port: int, ingress_name: str, work_us: float) -> None:
     """This process: a private Ray with ``ingress_name``'s environment, the floor app deployed
     as pagedserve's own is, serving until killed."""
     import ray
@@ -99,7 +109,7 @@ def serve_floor(port: int, ingress_name: str) -> None:
 
     ingress.prepare(ingress_name)
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="WARNING")
-    app = build_app()
+    app = build_app(work_us)
 
     @serve.deployment(name="PagedServe", max_ongoing_requests=1100,
                       ray_actor_options={"num_cpus": 0, **ray_compat.head_node_placement()})
@@ -124,13 +134,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--busy-cpus", type=int, default=0,
                         help="processes spinning beside the server while it is loaded (an engine core's CPU)")
+    parser.add_argument("--work-us", type=float, default=0.0,
+                        help="µs of the replica's CPU spun before each chunk (a server's own work per token)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)   # the server's own process
     args = parser.parse_args()
     if args.serve:
-        serve_floor(args.port, args.ingress)
+        serve_floor(args.port, args.ingress, args.work_us)
         return
-    server = subprocess.Popen([sys.executable, __file__, "--serve", "--port", str(args.port), "--ingress", args.ingress],
-                              stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen([sys.executable, __file__, "--serve", "--port", str(args.port), "--ingress", args.ingress,
+                               "--work-us", str(args.work_us)], stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout.readline().strip() == "floor serving", "the floor app did not start"
         with tempfile.TemporaryDirectory() as workdir:
@@ -156,7 +168,7 @@ def main() -> None:
                     print(f"{data['failed']} requests failed: {data['errors'][:3]}", flush=True)
                 cpu = data["cpu_per_token"]
                 print(json.dumps({"ingress": args.ingress, "streams": args.streams, "tokens": args.tokens,
-                                  "busy_cpus": args.busy_cpus,
+                                  "busy_cpus": args.busy_cpus, "work_us": args.work_us,
                                   "output_tok_s": round(data["output_throughput"]),
                                   "server_us": round(cpu["server_total"]["us_per_token"], 1),
                                   "groups": {k: round(g["us_per_token"], 1) for k, g in cpu["groups"].items()},
