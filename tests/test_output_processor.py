@@ -294,3 +294,25 @@ def test_a_migrated_stream_targets_last_rows_carry_no_end_and_its_kv_goes_with_i
     assert key == 5 and delta.samples[-1].token_ids == [42] and not delta.finished
     assert all(s.finish_reason is None for s in delta.samples)
     assert processor.process(EngineStep()).outputs == [] and not processor.take_batches()
+
+
+def test_a_stream_targets_row_carries_every_token_a_step_read():
+    """A step that reads two steps' tokens (overlapped scheduling read the running step's
+    early; speculative decoding accepts several) gives a stream target one row with all of
+    them, whether its metrics go too (the first row) or not (every later one)."""
+    from pagedserve.workers.outputs.output_processor import EngineStep, OutputProcessor, StepTokens
+    from pagedserve.workers.outputs.sequence_stream import SequenceStream, UndecodedText
+
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False)
+    request = Request("r", None, [10, 11, 12], params)
+    request.stream_target = StreamTarget("channel", 7)
+    seq = Sequence("r#0", request, 0, [10, 11, 12])
+    seq.stream = SequenceStream(UndecodedText([]), 0)
+    request.seqs.append(seq)
+    processor = OutputProcessor()
+    for tokens in ([40, 41], [42, 43, 44]):
+        for token in tokens:
+            seq.append_token(token)
+        processor.process(EngineStep(tokens=[StepTokens([seq], [token]) for token in tokens]))
+        [(key, delta)] = deltas_from_batch(StreamBatch.unpack(processor.take_batches()["channel"].pack()))
+        assert key == 7 and [s.token_ids for s in delta.samples] == [tokens] and not delta.finished
