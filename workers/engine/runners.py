@@ -47,9 +47,9 @@ def enable_lora_pages(runner: ModelRunner | TensorParallelRunner, lora: LoRAMana
     """Unified paging: ``lora``'s adapters in pages of ``pool`` (the KV manager's device pool for
     this worker) in ``runner``'s KV cache; on a tensor-parallel group rank 0 picks the pages
     and every rank writes its cut of each adapter into the same blocks of its own cache."""
-    if isinstance(runner, TensorParallelRunner):
-        pages = AdapterPages(pool, runner.local.kv_cache, lora.layers.min_features, sequence_blocks)
+    is_group = isinstance(runner, TensorParallelRunner)
+    pages = AdapterPages(pool, runner.local.kv_cache if is_group else runner.kv_cache, lora.layers.min_features,
+                         sequence_blocks)
+    if is_group:
         runner.enable_lora_pages(pages.zero_page, pages.min_features)
-    else:
-        pages = AdapterPages(pool, runner.kv_cache, lora.layers.min_features, sequence_blocks)
     lora.use_pages(pages)
