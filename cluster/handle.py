@@ -38,7 +38,7 @@ from .placement import remove_worker_placement
 from .request_flow import (MIGRATE, Attempt, AttemptsExhausted, RepeatedEngineFailure, RequestFlow,
                            StreamNotResumable)
 from .router import Router, kv_blocks_used_frac
-from .worker_channels import ChannelClosed, WorkerChannels
+from .worker_channels import ChannelClosed, WorkerChannels, release_export
 from .worker_pool import actor_name_of
 from .stats import gather_stats_sync, kv_manager_stats
 from .turn_batch import TurnBatch
@@ -431,11 +431,7 @@ class ClusterHandle:
     def _release_export(export_source: tuple | None) -> None:
         """Tell a migration's source worker that its KV export is no longer needed."""
         if export_source is not None:
-            worker, request_id = export_source
-            try:
-                worker.release_export.remote(request_id)
-            except Exception:
-                pass
+            release_export(*export_source)
         return None
 
     def _text_decoder(self, prompt_token_ids: list[int], params: SamplingParams, token_by_token: bool = False):

@@ -210,10 +210,7 @@ class WorkerChannel:
     def _release_export(self, migrated: Migrated) -> None:
         """Let the worker drop a migration's KV export no attempt will fetch (else it holds it,
         and a draining worker cannot go, until the hold expires)."""
-        try:
-            self.worker.release_export.remote(migrated.request_id)
-        except Exception:  # the worker is gone, and its exports with it
-            pass
+        release_export(self.worker, migrated.request_id)
 
     def _close_remote(self) -> None:
         try:
@@ -324,6 +321,15 @@ class WorkerChannels:
         return sum(channel._submissions.num_calls for channel in self._channels.values())
 
 
+def release_export(worker, request_id: str) -> None:
+    """Tell ``worker``, a migration's source, that the KV it exports for ``request_id`` is no
+    longer needed (a worker that is gone held nothing)."""
+    try:
+        worker.release_export.remote(request_id)
+    except Exception:  # the worker is gone, and its exports with it
+        pass
+
+
 async def _only(answers):
     """The one answer of a ``Worker.submit`` call of one request (raised when it is an error)."""
     [answer] = await answers
@@ -347,4 +353,4 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
-__all__ = ["ChannelClosed", "WorkerChannel", "WorkerChannels"]
+__all__ = ["ChannelClosed", "WorkerChannel", "WorkerChannels", "release_export"]
