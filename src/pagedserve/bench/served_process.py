@@ -8,6 +8,8 @@ import sys
 import time
 import urllib.request
 
+LOG_TAIL_CHARS = 4000   # of a server's output, in the error when it does not start
+
 
 def wait_ready(url: str, server: subprocess.Popen, timeout_s: float) -> None:
     """Return once ``url``'s ``/health`` answers 200; ``RuntimeError`` if the server exits first,
@@ -34,9 +36,12 @@ def start_server(args: list[str], port: int, log_path: str, env: dict | None = N
                               env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_ready(f"http://127.0.0.1:{port}", server, timeout_s)
-    except BaseException:
+    except BaseException as exc:
         server.kill()
-        raise
+        log.flush()
+        with open(log_path, errors="replace") as f:
+            tail = f.read()[-LOG_TAIL_CHARS:]
+        raise RuntimeError(f"{exc}; the end of its output ({log_path}):\n{tail}") from exc
     return server
 
 
