@@ -5,25 +5,32 @@ Three parts, each in processes of their own so that the GPU is free for the next
 1. offline: ``bench_engine_gpu.py --contenders pagedserve`` on the workload (256 prompts of
    128-1,024 tokens, 256 output tokens each, EOS ignored, llama-1b in bf16 by default): its
    output tok/s and decode step;
-2. served: ``pagedserve serve`` with the same checkpoint and engine options (one worker, the
-   default ingress), then the same prompts and lengths streamed from ``/v1/completions``, all
-   at once (``pagedserve bench serve``'s client), with every server process's CPU read
-   (``--cpu-per-token``'s probe);
-3. the report: served over offline output tok/s, TTFT and ITL percentiles, ITL p99 over the
-   offline decode step, and CPU per streamed token by process.
+2. served, once per ``--num-replicas`` entry (``auto``: the configuration's default; ``1,auto``
+   puts one ingress replica beside the default): ``pagedserve serve`` with the same checkpoint
+   and engine options (one worker, the default ingress), then the same prompts and lengths
+   streamed from ``/v1/completions``, all at once (``pagedserve bench serve``'s client), with
+   every server process's CPU read (``--cpu-per-token``'s probe) and the worker's ``/stats``
+   read before and after (after the warm-up): the engine's decode step while served, and its
+   engine core's CPU by phase of its loop;
+3. the report, per served run: served over offline output tok/s, TTFT and ITL percentiles, ITL
+   p99 and the served decode step over the offline decode step, and CPU per streamed token by
+   process.
 
-    python benchmarks/bench_served_gpu.py [--size 1b] [--device cuda] [--json PATH]
+    python benchmarks/bench_served_gpu.py [--size 1b] [--device cuda] [--num-replicas 1,auto] [--json PATH]
     python benchmarks/bench_served_gpu.py --device cpu --size tiny --num-requests 16 \\
         --min-prompt 16 --max-prompt 64 --output-len 32          # a smoke run on the CPU
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -57,32 +64,59 @@ def engine_options(args) -> dict:
     return options
 
 
-def write_config(path: str, args, port: int, workdir: str) -> str:
-    """The served run's configuration: the checkpoint, the engine options, one worker."""
+def write_config(path: str, args, port: int, workdir: str, num_replicas: int | None) -> str:
+    """The served run's configuration: the checkpoint, the engine options, one worker, and
+    ``num_replicas`` ingress replicas (None: the default)."""
     import yaml
 
+    server = {"port": port, **({"num_replicas": num_replicas} if num_replicas is not None else {})}
     config = {"model": {"path": path}, "engine": engine_options(args),
               "workers": [{"count": 1, **({"num_gpus": 1} if args.device.startswith("cuda") else {})}],
-              "server": {"port": port}}
+              "server": server}
     config_path = os.path.join(workdir, "served.yaml")
     with open(config_path, "w") as f:
         yaml.safe_dump(config, f)
     return config_path
 
 
-def run_served(args, path: str, prompts: list[list[int]], workdir: str) -> dict:
-    from pagedserve.bench.serve import CpuPerTokenConfig, ServeBenchConfig, run_benchmark
+def worker_figures(url: str) -> dict:
+    """The one worker's ``/stats`` entry."""
+    with urllib.request.urlopen(f"{url}/stats", timeout=60) as response:
+        workers = json.load(response)["workers"]
+    return next(iter(workers.values()))
+
+
+def engine_while_served(before: dict, after: dict) -> dict:
+    """The engine's steps between two ``worker_figures``: the mean decode step, and the engine
+    core's CPU per step by phase of its loop (µs)."""
+    num_steps = after["num_steps"] - before["num_steps"]
+    num_decode = after["num_decode_steps"] - before["num_decode_steps"]
+    decode_ms = (after["mean_decode_step_ms"] * after["num_decode_steps"]
+                 - before["mean_decode_step_ms"] * before["num_decode_steps"])
+    cpu_before, cpu_after = before.get("engine_core_cpu_seconds") or {}, after.get("engine_core_cpu_seconds") or {}
+    return {"num_steps": num_steps, "num_decode_steps": num_decode,
+            "decode_step_ms": decode_ms / num_decode if num_decode else None,
+            "core_cpu_us_per_step": {phase: 1e6 * (seconds - cpu_before.get(phase, 0.0)) / max(num_steps, 1)
+                                     for phase, seconds in cpu_after.items()}}
+
+
+def run_served(args, path: str, prompts: list[list[int]], workdir: str, num_replicas: int | None) -> dict:
+    from pagedserve.bench.serve import CpuPerTokenConfig, ServeBenchConfig, run_benchmark, run_load, warmup_config
 
     port = args.port
-    server = start_server(["--config", write_config(path, args, port, workdir)], port,
+    url = f"http://127.0.0.1:{port}"
+    server = start_server(["--config", write_config(path, args, port, workdir, num_replicas)], port,
                           os.path.join(workdir, "serve.log"), timeout_s=START_TIMEOUT_S)
     try:
-        config = ServeBenchConfig(url=f"http://127.0.0.1:{port}", num_requests=len(prompts),
-                                  num_warmups=min(len(prompts), 32), seed=args.seed + 2,
-                                  request_timeout_s=1800.0, max_duration_s=1800.0)
+        config = ServeBenchConfig(url=url, num_requests=len(prompts), num_warmups=min(len(prompts), 32),
+                                  seed=args.seed + 2, request_timeout_s=1800.0, max_duration_s=1800.0)
+        asyncio.run(run_load(warmup_config(config)))
+        before = worker_figures(url)
         requests = [(prompt, len(prompt), args.output_len) for prompt in prompts]
-        return run_benchmark(config, show_progress=False, cpu=CpuPerTokenConfig(server_pid=server.pid),
-                             requests=requests)
+        served = run_benchmark(dataclasses.replace(config, num_warmups=0), show_progress=False,
+                               cpu=CpuPerTokenConfig(server_pid=server.pid), requests=requests)
+        served["engine"] = engine_while_served(before, worker_figures(url))
+        return served
     finally:
         stop_server(server)
 
@@ -91,18 +125,28 @@ def report(offline: dict, served: dict) -> dict:
     pagedserve = offline["results"][bench_engine_gpu.LABELS["pagedserve"]]
     offline_tps = pagedserve["output_tok_per_s"]
     decode_ms = pagedserve.get("decode_step_ms")
+    served_decode_ms = served["engine"]["decode_step_ms"]
     cpu = served.get("cpu_per_token") or {}
     return {
         "offline_output_tok_s": offline_tps, "served_output_tok_s": served["output_throughput"],
         "served_over_offline": served["output_throughput"] / offline_tps,
         "offline_decode_step_ms": decode_ms,
+        "served_decode_step_ms": served_decode_ms,
+        "served_over_offline_decode_step": served_decode_ms / decode_ms if decode_ms and served_decode_ms else None,
         "ttft_ms": {q: served[f"p{q}_ttft_ms"] for q in (50, 90, 99)},
         "itl_ms": {q: served[f"p{q}_itl_ms"] for q in (50, 90, 99)},
+        "tpot_ms": {q: served[f"p{q}_tpot_ms"] for q in (50, 90, 99)},
         "itl_p99_over_offline_step": served["p99_itl_ms"] / decode_ms if decode_ms else None,
         "cpu_us_per_token": {name: group["us_per_token"] for name, group in (cpu.get("groups") or {}).items()},
         "server_cpu_us_per_token": (cpu.get("server_total") or {}).get("us_per_token"),
+        "engine_core_cpu_us_per_step": served["engine"]["core_cpu_us_per_step"],
         "completed": served["completed"], "failed": served["failed"], "errors": served.get("errors"),
     }
+
+
+def parse_replicas(text: str) -> list[int | None]:
+    """``--num-replicas``: a comma-separated list of counts, ``auto`` for the default."""
+    return [None if item == "auto" else int(item) for item in text.split(",")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
         at = argv.index("--json")
         json_path = argv[at + 1]
         del argv[at:at + 2]
+    replicas: list[int | None] = [None]
+    if "--num-replicas" in argv:
+        at = argv.index("--num-replicas")
+        replicas = parse_replicas(argv[at + 1])
+        del argv[at:at + 2]
     args = bench_engine_gpu.parse_args(argv)
     args.port = port
     from transformers import AutoConfig
@@ -127,18 +176,21 @@ def main(argv: list[str] | None = None) -> int:
     model_config = AutoConfig.from_pretrained(path)
     prompts, _ = bench_engine_gpu.make_prompts(args, model_config.vocab_size,
                                                 getattr(model_config, "max_position_embeddings", 2048))
+    runs = []
     with tempfile.TemporaryDirectory(prefix="served-gpu-") as workdir:
         log(f"offline: {len(prompts)} prompts, {args.output_len} output tokens each")
         offline = run_offline([*argv, "--model", path], workdir)
-        log("served: starting pagedserve serve")
-        served = run_served(args, path, prompts, workdir)
-        if served["failed"]:
-            log(f"{served['failed']} requests failed: {served.get('errors')}")
-        result = report(offline, served)
-    print(json.dumps(result, indent=2), flush=True)
+        for num_replicas in replicas:
+            label = "default" if num_replicas is None else str(num_replicas)
+            log(f"served: starting pagedserve serve, ingress replicas: {label}")
+            served = run_served(args, path, prompts, workdir, num_replicas)
+            if served["failed"]:
+                log(f"{served['failed']} requests failed: {served.get('errors')}")
+            runs.append({"num_replicas": label, "report": report(offline, served), "served": served})
+            print(json.dumps({"num_replicas": label, **runs[-1]["report"]}, indent=2), flush=True)
     if json_path:
-        Path(json_path).write_text(json.dumps({"report": result, "offline": offline, "served": served}, indent=2))
-    return 0 if not served["failed"] else 1
+        Path(json_path).write_text(json.dumps({"offline": offline, "runs": runs}, indent=2))
+    return 0 if not any(run["served"]["failed"] for run in runs) else 1
 
 
 if __name__ == "__main__":

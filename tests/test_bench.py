@@ -775,11 +775,18 @@ def test_served_gpu_bench_smoke_on_cpu(tmp_path, tiny_model):
     done = subprocess.run([sys.executable, str(script), "--model", tiny_model("llama"), "--device", "cpu",
                            "--dtype", "float32", "--num-requests", "8", "--min-prompt", "8", "--max-prompt", "24",
                            "--output-len", "8", "--static-batch", "2", "--matmul-size", "64",
-                           "--port", str(free_port()), "--json", str(out)],
+                           "--port", str(free_port()), "--num-replicas", "auto,2", "--json", str(out)],
                           capture_output=True, text=True, timeout=800, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    report = json.loads(out.read_text())["report"]
-    assert report["completed"] == 8 and report["failed"] == 0
-    assert report["served_output_tok_s"] > 0 and report["offline_output_tok_s"] > 0
-    assert {"serve replica", "worker 0", "engine core 0"} <= set(report["cpu_us_per_token"])
-    assert report["server_cpu_us_per_token"] == pytest.approx(sum(report["cpu_us_per_token"].values()), rel=1e-6)
+    runs = json.loads(out.read_text())["runs"]
+    assert [run["num_replicas"] for run in runs] == ["default", "2"]
+    for run in runs:
+        report = run["report"]
+        assert report["completed"] == 8 and report["failed"] == 0
+        assert report["served_output_tok_s"] > 0 and report["offline_output_tok_s"] > 0
+        assert {"serve replica", "worker 0", "engine core 0"} <= set(report["cpu_us_per_token"])
+        assert report["server_cpu_us_per_token"] == pytest.approx(sum(report["cpu_us_per_token"].values()), rel=1e-6)
+        assert report["served_decode_step_ms"] > 0 and run["served"]["engine"]["num_decode_steps"] > 0
+        assert report["engine_core_cpu_us_per_step"]["outputs"] > 0
+    # Two replicas are two processes, each read apart from the other processes.
+    assert len(runs[1]["served"]["cpu_per_token"]["groups"]["serve replica"]["pids"]) == 2
