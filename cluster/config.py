@@ -19,10 +19,11 @@ from pagedserve.devtools.model_factory import ARCHS, MODEL_SIZES
 from pagedserve.tool_parsers import TOOL_PARSERS
 
 # The ingress replicas' rule (docs/deployment.md, "Ingress"): a replica is one process, one core
-# at most, and carries 14-26k streamed tok/s at the CPU per token measured behind HAProxy
-# (docs/benchmarks.md, "Serving"); a worker streams 5-9k (a CPU) to 42k (an H200) tok/s, and
-# each replica adds one output channel to every worker.
-WORKERS_PER_INGRESS_REPLICA = 1
+# at most. On an H200's host one replica took 38 µs of CPU per streamed token and carried 25k tok/s
+# with its core saturated, where the worker made 34-43k offline (docs/benchmarks.md, "Served on an
+# H200"); a CPU worker streams 5-9k. Each replica adds one output channel to every worker.
+INGRESS_REPLICAS_PER_CPU_WORKER = 1
+INGRESS_REPLICAS_PER_GPU_WORKER = 2
 
 
 class ConfigError(ValueError):
@@ -278,8 +279,9 @@ class ServerConfig(_Strict):
     log_requests: bool = False
     """Log prompts and completions (INFO, logger "pagedserve.server")."""
     num_replicas: int | None = Field(None, ge=1)
-    """Ingress replicas (Ray Serve), all on the head node; limits apply per replica. Unset: one
-    per worker, the most the groups can grow to, at least one (docs/deployment.md says why).
+    """Ingress replicas (Ray Serve), all on the head node; limits apply per replica. Unset: two
+    per worker on GPUs (``num_gpus`` above zero, device not "cpu") and one per other worker,
+    the most the groups can grow to, at least one (docs/deployment.md says why).
     Worker health is watched once per cluster (the controller actor), whatever this number."""
     tool_call_parser: str = "hermes"
     """How "auto" tool choice reads calls out of the model's text (vLLM's --tool-call-parser):
@@ -391,12 +393,20 @@ class ClusterConfig(_Strict):
 
     @property
     def num_ingress_replicas(self) -> int:
-        """``server.num_replicas`` if set, else one per ``WORKERS_PER_INGRESS_REPLICA`` workers
-        (counting each group at its ``max_workers``), at least one."""
+        """``server.num_replicas`` if set, else ``INGRESS_REPLICAS_PER_GPU_WORKER`` per worker on
+        GPUs (``num_gpus`` above zero, its engine's device not "cpu") and
+        ``INGRESS_REPLICAS_PER_CPU_WORKER`` per other worker (each group counted at its
+        ``max_workers``), at least one."""
         if self.server.num_replicas is not None:
             return self.server.num_replicas
-        num_workers = sum(group.max_workers for group in self.workers)
-        return max(1, -(-num_workers // WORKERS_PER_INGRESS_REPLICA))
+
+        def on_gpus(group: WorkerGroup) -> bool:
+            device = group.engine.get("device", self.engine.device)
+            return group.num_gpus > 0 and not (device or "").startswith("cpu")
+
+        return max(1, sum(group.max_workers * (INGRESS_REPLICAS_PER_GPU_WORKER if on_gpus(group)
+                                               else INGRESS_REPLICAS_PER_CPU_WORKER)
+                          for group in self.workers))
 
 
 def _set_dotted(data: dict, dotted: str, value: Any) -> None:

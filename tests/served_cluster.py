@@ -65,7 +65,7 @@ def cluster_config(model_path: str, name: str, engine: dict, num_workers: int, w
                    step_timeout_s: float = 20.0, **server) -> dict:
     """A ``ClusterConfig`` dump: one group of ``num_workers`` CPU workers, the HTTP port free
     and one ingress replica unless ``server`` (more server options) says otherwise
-    (``num_replicas=None``: the rule, one per worker)."""
+    (``num_replicas=None``: the rule, one per CPU worker)."""
     return {"model": {"path": model_path, "name": name}, "engine": engine,
             "workers": [{"count": num_workers, "num_cpus": worker_cpus}],
             "server": {"port": free_port(), "num_replicas": 1, **server}, "step_timeout_s": step_timeout_s}

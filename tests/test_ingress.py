@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from pagedserve.cluster.config import WORKERS_PER_INGRESS_REPLICA, ClusterConfig
+from pagedserve.cluster.config import INGRESS_REPLICAS_PER_CPU_WORKER, INGRESS_REPLICAS_PER_GPU_WORKER, ClusterConfig
 from pagedserve.cluster.serving import ingress
 
 
@@ -50,12 +50,18 @@ def test_ingress_replicas_follow_the_workers_unless_set():
     def replicas(workers: list[dict], **server) -> int:
         return ClusterConfig.model_validate({"workers": workers, "server": server}).num_ingress_replicas
 
-    assert WORKERS_PER_INGRESS_REPLICA == 1
+    assert (INGRESS_REPLICAS_PER_CPU_WORKER, INGRESS_REPLICAS_PER_GPU_WORKER) == (1, 2)
     assert replicas([{}]) == 1
-    assert replicas([{"count": 4, "num_gpus": 1}]) == 4
+    assert replicas([{"count": 4, "num_gpus": 1}]) == 8     # a GPU worker outruns one replica's core
+    assert replicas([{"count": 2, "num_gpus": 0.5}]) == 4
+    # A GPU resource for a CPU engine (a fake GPU node): one replica per worker.
+    assert replicas([{"count": 2, "num_gpus": 1, "engine": {"device": "cpu"}}]) == 2
+    assert ClusterConfig.model_validate({"workers": [{"count": 2, "num_gpus": 1}],
+                                         "engine": {"device": "cpu"}}).num_ingress_replicas == 2
     # Each group at the most workers it can grow to; a worker of several ranks is one worker.
     assert replicas([{"autoscaling": {"min_replicas": 1, "max_replicas": 3}},
                      {"count": 1, "tensor_parallel_size": 2, "num_cpus": 1}]) == 4
+    assert replicas([{"count": 1, "tensor_parallel_size": 2, "num_gpus": 1}, {"count": 2}]) == 4
     assert replicas([{"role": "prefill", "count": 2}, {"role": "decode", "count": 3}]) == 5
     assert replicas([{"count": 4}], num_replicas=1) == 1   # an explicit number wins
     assert replicas([{}], num_replicas=3) == 3
