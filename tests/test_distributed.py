@@ -28,6 +28,7 @@ ENGINE = {"num_device_blocks": 128, "swap_space_gb": 0.001}
 PROMPT_LENGTHS = [5, 17, 33, 48, 64, 90, 120, 150]
 MAX_TOKENS = 14          # the equivalence test
 MAX_TOKENS_FAULT = 48    # the kill tests: long enough to kill mid-stream
+HELD_STREAMS_TIMEOUT_S = 120.0   # for a held handle's streams to make their first outputs
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
@@ -292,8 +293,14 @@ def test_a_worker_sends_a_busy_handle_few_messages_ahead_and_merges_the_rest(han
                 progress[index] += 1
                 time.sleep(0.05)
 
-        tasks = [asyncio.create_task(one_of_many(i, p)) for i, p in enumerate(prompts)]  # noqa: F841
+        tasks = [asyncio.create_task(one_of_many(i, p)) for i, p in enumerate(prompts)]
+        deadline = time.monotonic() + HELD_STREAMS_TIMEOUT_S
         while min(progress) < 3:
+            for task in tasks:   # a stream that ended early says why, instead of the loop waiting on
+                if task.done():
+                    raise AssertionError(f"a stream ended after {progress} outputs") from task.exception()
+            assert time.monotonic() < deadline, (f"streams stalled at {progress} outputs; "
+                                                 f"{handle.num_used_blocks()} blocks in use")
             await asyncio.sleep(0.01)
 
     asyncio.run(held_then_dropped())
