@@ -128,8 +128,14 @@ class OutputProcessor:
     def process(self, step: EngineStep) -> ProcessedStep:
         touched: dict[str, Request] = {}
         stopped: list[Sequence] = []
-        for tokens in step.tokens:
-            self._take_tokens(tokens, touched, stopped)
+        # A step of one sample's tokens, nothing aborted or migrated: a stream target's common
+        # row goes into its batch as its token is taken (``_take_stream_rows``).
+        if (len(step.tokens) == 1 and self.stream_interval == 1 and not step.aborted and not step.migrated
+                and step.tokens[0].logprobs is None):
+            self._take_stream_rows(step.tokens[0], touched, stopped)
+        else:
+            for tokens in step.tokens:
+                self._take_tokens(tokens, touched, stopped)
         for seq, transfer, target in step.migrated:
             self._end(seq, "migrated")
             seq.stream.kv_transfer, seq.stream.migrate_to = transfer, target
@@ -201,6 +207,59 @@ class OutputProcessor:
             if not stream.is_finished:
                 stream.end(finish.reason)
             touched[seq.request.request_id] = seq.request
+
+    def _take_stream_rows(self, tokens: StepTokens, touched: dict[str, Request], stopped: list[Sequence]) -> None:
+        """``_take_tokens``, where a stream target's common row (one sample, not finished, no
+        text decoded here, no logprobs) goes into its channel's batch at once: what ``process``
+        and ``_emit``'s short way would make of it, without a second pass over the requests.
+        Every other sequence is taken as ``_take_tokens`` takes it, for ``process`` to emit."""
+        seqs, token_ids = tokens.seqs, tokens.token_ids
+        if tokens.text_positions is not None:   # some tokens' text is not followed: the general way
+            self._take_tokens(tokens, touched, stopped)
+            return
+        positions: range | list[int] = range(len(seqs))
+        if tokens.finished:   # the sequences that end here go the general way
+            finishing = {id(finish.seq) for finish in tokens.finished}
+            ending = [i for i in positions if id(seqs[i]) in finishing]
+            positions = [i for i in positions if id(seqs[i]) not in finishing]
+            self._take_tokens(StepTokens([seqs[i] for i in ending], [token_ids[i] for i in ending],
+                                         finished=tokens.finished), touched, stopped)
+        batches, channel_id, batch = self.batches, None, None
+        for i in positions:
+            seq = seqs[i]
+            stream = seq.stream
+            if stream.finish_reason is not None:
+                continue  # a stop string ended it; the engine had not heard yet
+            request = seq.request
+            target = request.stream_target
+            if (target is None or stream.text.__class__ is not UndecodedText or stream.delta_text
+                    or len(request.seqs) != 1 or request.is_final_streamed
+                    or request.params.logprobs is not None or request.prompt_logprobs is not None):
+                stream.add_token(token_ids[i], None)
+                if stream.finish_reason is not None:
+                    stopped.append(seq)
+                touched[request.request_id] = request
+                continue
+            # UndecodedText.append of a token that ends nothing changes nothing: only the count.
+            num_streamed = stream.num_streamed_tokens
+            num_tokens = stream.num_tokens = stream.num_tokens + 1
+            stream.num_streamed_tokens = num_tokens
+            if target.channel_id != channel_id:
+                channel_id = target.channel_id
+                batch = batches.get(channel_id)
+                if batch is None:
+                    batch = batches[channel_id] = StreamBatch()
+            if num_tokens - num_streamed == 1 and batch.counts is None and batch.indexes is None \
+                    and not seq.sample_index:
+                batch.keys.append(target.key)
+                batch.token_ids.append(seq.output_token_ids[num_streamed])
+            else:
+                batch.add(target.key, seq.sample_index, seq.output_token_ids[num_streamed:num_tokens])
+            metrics = request.metrics
+            metrics.num_generated_tokens = num_tokens
+            if target.milestones_moved(metrics, False):
+                batch.metrics.append((target.key, pack_metrics(metrics)))
+        self.num_tokens_processed += len(positions)
 
     def _end(self, seq: Sequence, reason: str) -> None:
         """An abort or a migration: the stream stops where it is."""
