@@ -61,6 +61,7 @@ from pagedserve.bench.report import format_table, write_json  # noqa: E402
 from pagedserve.bench.roofline import record_steps, roofline_seconds  # noqa: E402
 from pagedserve.bench.step_device_time import (format_step_device_times, record_step_device_times,  # noqa: E402
                                                summarize_step_device_times)
+from pagedserve.bench.token_times import record_token_times  # noqa: E402
 from pagedserve.bench.workload import random_token_ids  # noqa: E402
 
 LABELS = {"pagedserve": "pagedserve LLM.generate", "uncompiled": "pagedserve LLM.generate (uncompiled)",
@@ -168,6 +169,7 @@ def bench_pagedserve(args, path: str, prompts, warm_prompts, state: dict, enforc
     log(f"pagedserve: timing {len(prompts)} requests")
     shapes = record_steps(runner)
     step_times = record_step_device_times(engine)  # CUDA only: two events a step
+    token_times = record_token_times(engine) if args.token_times else None
     compiled_before, frames_before = compiled_variants(), dynamo_frames_compiled()
     synchronize(args.device)
     profiler = cProfile.Profile() if args.profile else None
@@ -209,6 +211,10 @@ def bench_pagedserve(args, path: str, prompts, warm_prompts, state: dict, enforc
               "num_cuda_graphs": stats.get("num_cuda_graphs", 0),
               "num_graph_replays": stats.get("num_graph_replays", 0), "kernel_profile": kernels,
               "step_device_times": device_steps}
+    if token_times is not None:
+        result["itl_ms"] = token_times.summary()
+        log("pagedserve: the engine's inter-token latency (ms): "
+            + ", ".join(f"{name} {value:.2f}" for name, value in result["itl_ms"].items()))
     if speculative_config is not None:
         drafts = stats["spec_decode_num_drafts"] - spec_before["spec_decode_num_drafts"]
         accepted = stats["spec_decode_num_accepted_tokens"] - spec_before["spec_decode_num_accepted_tokens"]
@@ -327,7 +333,7 @@ def summarise(args, env: dict, prompts, runs: dict, errors: dict, rates: dict, s
             row["num_mixed_steps"] = run["num_mixed_steps"]
             row["mixed_step_ms"] = run["mixed_seconds"] / run["num_mixed_steps"] * 1e3
         for name in ("num_cuda_graphs", "num_graph_replays", "triton_compiles_in_run", "dynamo_compiles_in_run",
-                     "kernel_profile", "step_device_times"):
+                     "kernel_profile", "step_device_times", "itl_ms"):
             if name in run:
                 row[name] = run[name]
         results[LABELS[key]] = row
@@ -467,6 +473,9 @@ def parse_args(argv=None):
     parser.add_argument("--kernel-profile", action="store_true",
                         help="run pagedserve's timed run under torch.profiler: device time by kernel kind "
                              "against the wall time (in the log and the JSON; the profiler slows the host)")
+    parser.add_argument("--token-times", action="store_true",
+                        help="pagedserve's contenders: the engine's own inter-token latency (a timestamp per "
+                             "sequence per step, as its output processor takes the step's tokens)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON (after every contender too)")
     args = parser.parse_args(argv)
     if args.quick:

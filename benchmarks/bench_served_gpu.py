@@ -4,7 +4,7 @@ Three parts, each in processes of their own so that the GPU is free for the next
 
 1. offline: ``bench_engine_gpu.py --contenders pagedserve`` on the workload (256 prompts of
    128-1,024 tokens, 256 output tokens each, EOS ignored, llama-1b in bf16 by default): its
-   output tok/s and decode step;
+   output tok/s, decode step, and the engine's own inter-token latency (``--token-times``);
 2. served, once per ``--num-replicas`` entry (``auto``: the configuration's default; ``1,auto``
    puts one ingress replica beside the default): ``pagedserve serve`` with the same checkpoint
    and engine options (one worker, the default ingress), then the same prompts and lengths
@@ -13,8 +13,8 @@ Three parts, each in processes of their own so that the GPU is free for the next
    read before and after (after the warm-up): the engine's decode step while served, and its
    engine core's CPU by phase of its loop;
 3. the report, per served run: served over offline output tok/s, TTFT and ITL percentiles, ITL
-   p99 and the served decode step over the offline decode step, and CPU per streamed token by
-   process.
+   p99 over the offline decode step and over the engine's own ITL p99, the served decode step
+   over the offline one, and CPU per streamed token by process.
 
     python benchmarks/bench_served_gpu.py [--size 1b] [--device cuda] [--num-replicas 1,auto] [--json PATH]
     python benchmarks/bench_served_gpu.py --device cpu --size tiny --num-requests 16 \\
@@ -50,7 +50,7 @@ def log(message: str) -> None:
 def run_offline(argv: list[str], workdir: str) -> dict:
     path = os.path.join(workdir, "offline.json")
     subprocess.run([sys.executable, str(HERE / "bench_engine_gpu.py"), *argv, "--contenders", "pagedserve",
-                    "--json", path], check=True)
+                    "--token-times", "--json", path], check=True)
     with open(path) as f:
         return json.load(f)
 
@@ -125,6 +125,7 @@ def report(offline: dict, served: dict) -> dict:
     pagedserve = offline["results"][bench_engine_gpu.LABELS["pagedserve"]]
     offline_tps = pagedserve["output_tok_per_s"]
     decode_ms = pagedserve.get("decode_step_ms")
+    offline_itl = pagedserve.get("itl_ms") or {}
     served_decode_ms = served["engine"]["decode_step_ms"]
     cpu = served.get("cpu_per_token") or {}
     return {
@@ -137,6 +138,10 @@ def report(offline: dict, served: dict) -> dict:
         "itl_ms": {q: served[f"p{q}_itl_ms"] for q in (50, 90, 99)},
         "tpot_ms": {q: served[f"p{q}_tpot_ms"] for q in (50, 90, 99)},
         "itl_p99_over_offline_step": served["p99_itl_ms"] / decode_ms if decode_ms else None,
+        # The engine's own ITL on the workload (offline): the floor of the served ITL.
+        "offline_itl_ms": {q: offline_itl.get(f"p{q}") for q in (50, 90, 99)},
+        "itl_p99_over_offline_itl_p99": (served["p99_itl_ms"] / offline_itl["p99"]
+                                         if offline_itl.get("p99") else None),
         "cpu_us_per_token": {name: group["us_per_token"] for name, group in (cpu.get("groups") or {}).items()},
         "server_cpu_us_per_token": (cpu.get("server_total") or {}).get("us_per_token"),
         "engine_core_cpu_us_per_step": served["engine"]["core_cpu_us_per_step"],

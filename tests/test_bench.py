@@ -550,7 +550,8 @@ def test_gpu_engine_bench_smoke_on_cpu(tmp_path, tiny_model):
     out = tmp_path / "gpu.json"
     done = subprocess.run([sys.executable, str(script), "--model", tiny_model("llama"), "--device", "cpu",
                            "--dtype", "float32", "--num-requests", "4", "--min-prompt", "8", "--max-prompt", "24",
-                           "--output-len", "4", "--static-batch", "2", "--matmul-size", "64", "--json", str(out)],
+                           "--output-len", "4", "--static-batch", "2", "--matmul-size", "64", "--token-times",
+                           "--json", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "greedy agreement of pagedserve LLM.generate with static generate: 4/4" in done.stdout
@@ -572,6 +573,7 @@ def test_gpu_engine_bench_smoke_on_cpu(tmp_path, tiny_model):
         assert data["greedy_agreement_vs_static"][name]["mean_matching_prefix_len"] == 4
         ours = data["results"][name]
         assert ours["num_decode_steps"] == 3
+        assert 0 < ours["itl_ms"]["p50"] <= ours["itl_ms"]["p99"]   # --token-times: 4 x 3 gaps
         # The run's roofline: its own steps at the measured rates (a positive time; a fraction
         # of the measured time, which on this loaded machine is its only check).
         assert ours["roofline_seconds"] > 0 and 0 < ours["roofline_fraction"] < 1
@@ -790,3 +792,23 @@ def test_served_gpu_bench_smoke_on_cpu(tmp_path, tiny_model):
         assert report["engine_core_cpu_us_per_step"]["outputs"] > 0
     # Two replicas are two processes, each read apart from the other processes.
     assert len(runs[1]["served"]["cpu_per_token"]["groups"]["serve replica"]["pids"]) == 2
+
+
+def test_token_times_are_each_sequences_token_times_from_the_engine(tiny_model):
+    """``record_token_times``: one time per sampled token of each sequence, in order, taken as the
+    engine's output processor takes them; the gaps pooled over sequences (the engine's own ITL)."""
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.bench.token_times import record_token_times
+
+    llm = LLM(tiny_model("llama"), num_device_blocks=64, max_num_batched_tokens=64)
+    recorded = record_token_times(llm.engine)
+    prompts = [[5 + i] * (8 + 40 * i) for i in range(3)]   # the last prompt takes several steps' chunks
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 6 for o in outputs)
+    assert sorted(len(times) for times in recorded.times.values()) == [6, 6, 6]
+    assert all(times == sorted(times) for times in recorded.times.values())
+    gaps = recorded.gaps_ms()
+    assert len(gaps) == 3 * 5 and min(gaps) > 0
+    assert recorded.summary()["p50"] == pytest.approx(percentile(gaps, 50))
+    assert llm.engine.num_used_blocks() == 0
+
