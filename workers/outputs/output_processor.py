@@ -39,6 +39,23 @@ from .stream_batch import StreamBatch, StreamTarget, pack_logprobs, pack_metrics
 OUTPUT_KINDS = ("stream", "final")
 
 
+def _add_common_row(batch: StreamBatch, target: StreamTarget, request: Request, seq: Sequence,
+                    stream: SequenceStream) -> None:
+    """A stream target's common row: one sample's tokens not streamed yet (at least one), without
+    text, logprobs or a finish; and its metrics when a milestone moved."""
+    num_tokens, num_streamed = stream.num_tokens, stream.num_streamed_tokens
+    stream.num_streamed_tokens = num_tokens
+    if num_tokens - num_streamed == 1 and batch.counts is None and batch.indexes is None and not seq.sample_index:
+        batch.keys.append(target.key)   # what ``batch.add`` does for one token of sample 0
+        batch.token_ids.append(seq.output_token_ids[num_streamed])
+    else:
+        batch.add(target.key, seq.sample_index, seq.output_token_ids[num_streamed:num_tokens])
+    metrics = request.metrics
+    metrics.num_generated_tokens = num_tokens
+    if target.milestones_moved(metrics, False):
+        batch.metrics.append((target.key, pack_metrics(metrics)))
+
+
 @dataclass
 class SeqFinish:
     """The engine ended ``seq`` this step. ``by_token``: the sampled token itself decided it
@@ -240,25 +257,13 @@ class OutputProcessor:
                     stopped.append(seq)
                 touched[request.request_id] = request
                 continue
-            # UndecodedText.append of a token that ends nothing changes nothing: only the count.
-            num_streamed = stream.num_streamed_tokens
-            num_tokens = stream.num_tokens = stream.num_tokens + 1
-            stream.num_streamed_tokens = num_tokens
+            stream.num_tokens += 1   # all that UndecodedText.append of a token ending nothing changes
             if target.channel_id != channel_id:
                 channel_id = target.channel_id
                 batch = batches.get(channel_id)
                 if batch is None:
                     batch = batches[channel_id] = StreamBatch()
-            if num_tokens - num_streamed == 1 and batch.counts is None and batch.indexes is None \
-                    and not seq.sample_index:
-                batch.keys.append(target.key)
-                batch.token_ids.append(seq.output_token_ids[num_streamed])
-            else:
-                batch.add(target.key, seq.sample_index, seq.output_token_ids[num_streamed:num_tokens])
-            metrics = request.metrics
-            metrics.num_generated_tokens = num_tokens
-            if target.milestones_moved(metrics, False):
-                batch.metrics.append((target.key, pack_metrics(metrics)))
+            _add_common_row(batch, target, request, seq, stream)
         self.num_tokens_processed += len(positions)
 
     def _end(self, seq: Sequence, reason: str) -> None:
@@ -351,14 +356,9 @@ class OutputProcessor:
             # tokens, without text, logprobs or a finish.
             seq = seqs[0]
             stream = seq.stream
-            num_tokens, num_streamed = stream.num_tokens, stream.num_streamed_tokens
-            if num_tokens > num_streamed and stream.finish_reason is None and not stream.delta_text:
-                stream.num_streamed_tokens = num_tokens
-                batch.add(key, seq.sample_index, seq.output_token_ids[num_streamed:num_tokens])
-                metrics = request.metrics
-                metrics.num_generated_tokens = num_tokens
-                if target.milestones_moved(metrics, False):
-                    batch.metrics.append((key, pack_metrics(metrics)))
+            if stream.num_tokens > stream.num_streamed_tokens and stream.finish_reason is None \
+                    and not stream.delta_text:
+                _add_common_row(batch, target, request, seq, stream)
                 return
         wants_logprobs = request.params.logprobs is not None
         num_generated_tokens = 0
