@@ -241,7 +241,7 @@ class OutputProcessor:
             positions = [i for i in positions if id(seqs[i]) not in finishing]
             self._take_tokens(StepTokens([seqs[i] for i in ending], [token_ids[i] for i in ending],
                                          finished=tokens.finished), touched, stopped)
-        batches, channel_id, batch = self.batches, None, None
+        channel_id, batch = None, None
         for i in positions:
             seq = seqs[i]
             stream = seq.stream
@@ -258,11 +258,8 @@ class OutputProcessor:
                 touched[request.request_id] = request
                 continue
             stream.num_tokens += 1   # all that UndecodedText.append of a token ending nothing changes
-            if target.channel_id != channel_id:
-                channel_id = target.channel_id
-                batch = batches.get(channel_id)
-                if batch is None:
-                    batch = batches[channel_id] = StreamBatch()
+            if target.channel_id != channel_id:   # most steps' targets share one channel
+                channel_id, batch = target.channel_id, self._batch(target)
             _add_common_row(batch, target, request, seq, stream)
         self.num_tokens_processed += len(positions)
 
