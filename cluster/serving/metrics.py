@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -229,6 +230,27 @@ class _VllmAliasCollector:
                 yield renamed
 
 
+class _ModelSeries(NamedTuple):
+    """The one-model series of ``ServerMetrics``' metrics, bound to its model's label."""
+
+    in_flight: Gauge
+    prompt_tokens: Counter
+    cached_tokens: Counter
+    generation_tokens: Counter
+    ttft: Histogram
+    tpot: Histogram
+    e2e: Histogram
+    queue_time: Histogram
+    prefill_time: Histogram
+    decode_time: Histogram
+    inference_time: Histogram
+    request_prompt_tokens: Histogram
+    request_generation_tokens: Histogram
+    request_max_generation_tokens: Histogram
+    request_n: Histogram
+    request_max_tokens: Histogram
+
+
 class ServerMetrics:
     """Counters and histograms of one server, rendered with a cluster stats snapshot."""
 
@@ -288,24 +310,33 @@ class ServerMetrics:
         self.request_max_tokens = Histogram("pagedserve_request_params_max_tokens",
                                             "The max_tokens parameter of requests", labels,
                                             buckets=TOKEN_COUNT_BUCKETS, registry=self.registry)
-        self.in_flight.labels(model_name).set(0)
         histograms = [self.ttft, self.tpot, self.e2e, self.itl, self.queue_time, self.prefill_time,
                       self.decode_time, self.inference_time, self.request_prompt_tokens,
                       self.request_generation_tokens, self.request_max_generation_tokens, self.request_n,
                       self.request_max_tokens]
-        # Export zeroed series from the start, so dashboards and scrapers see them before traffic.
-        for metric in (self.prompt_tokens, self.cached_tokens, self.generation_tokens, *histograms):
-            if metric is not self.itl:  # its one series exists from the start
-                metric.labels(model_name)
+        # The model's series, bound once: ``labels()`` checks and joins its labels under a lock on every
+        # call, some 20 calls a request. Binding them also exports them zeroed from the start, so
+        # dashboards and scrapers see them before traffic.
+        self._series = _ModelSeries(*(metric.labels(model_name) for metric in (
+            self.in_flight, self.prompt_tokens, self.cached_tokens, self.generation_tokens, self.ttft, self.tpot,
+            self.e2e, self.queue_time, self.prefill_time, self.decode_time, self.inference_time,
+            self.request_prompt_tokens, self.request_generation_tokens, self.request_max_generation_tokens,
+            self.request_n, self.request_max_tokens)))
+        self._finished_by_reason: dict[str, Counter] = {}
+        self._requests_by_status: dict[tuple[str, int], Counter] = {}
+        self._series.in_flight.set(0)
         aliased = [self.prompt_tokens, self.generation_tokens, self.finished, *histograms]
         self.registry.register(_VllmAliasCollector(aliased, VLLM_ALIASES))
         self.registry.register(_VllmAliasCollector(aliased, VLLM_LEGACY_ALIASES))
 
     def set_in_flight(self, num_requests: int) -> None:
-        self.in_flight.labels(self.model_name).set(num_requests)
+        self._series.in_flight.set(num_requests)
 
     def observe_response(self, api: str, status: int) -> None:
-        self.requests.labels(self.model_name, api, str(status)).inc()
+        series = self._requests_by_status.get((api, status))
+        if series is None:
+            series = self._requests_by_status[(api, status)] = self.requests.labels(self.model_name, api, str(status))
+        series.inc()
 
     def observe_inter_token(self, interval_s: float, num_tokens: int) -> None:
         """``num_tokens`` new tokens of one sample arrived ``interval_s`` after its previous ones:
@@ -317,42 +348,46 @@ class ServerMetrics:
     def observe_phases(self, arrival: float, first_scheduled: float | None, first_token: float | None,
                        finished: float | None) -> None:
         """Queue, prefill, decode and inference times from a worker's request timings (its clock)."""
-        model = self.model_name
         if first_scheduled is None:
             return
-        self.queue_time.labels(model).observe(max(0.0, first_scheduled - arrival))
+        series = self._series
+        series.queue_time.observe(max(0.0, first_scheduled - arrival))
         if first_token is not None:
-            self.prefill_time.labels(model).observe(max(0.0, first_token - first_scheduled))
+            series.prefill_time.observe(max(0.0, first_token - first_scheduled))
             if finished is not None:
-                self.decode_time.labels(model).observe(max(0.0, finished - first_token))
+                series.decode_time.observe(max(0.0, finished - first_token))
         if finished is not None:
-            self.inference_time.labels(model).observe(max(0.0, finished - first_scheduled))
+            series.inference_time.observe(max(0.0, finished - first_scheduled))
 
     def observe_generation(self, arrival: float, first_token: float | None, finished: float,
                            num_prompt_tokens: int, num_cached_tokens: int, num_generated_tokens: int,
                            finish_reasons: list[str], max_tokens: int | None = None,
                            max_sample_tokens: int | None = None) -> None:
         """Record one finished prompt's generation (all its ``n`` samples)."""
-        model = self.model_name
-        self.prompt_tokens.labels(model).inc(num_prompt_tokens)
-        self.cached_tokens.labels(model).inc(num_cached_tokens)
-        self.generation_tokens.labels(model).inc(num_generated_tokens)
+        series = self._series
+        series.prompt_tokens.inc(num_prompt_tokens)
+        series.cached_tokens.inc(num_cached_tokens)
+        series.generation_tokens.inc(num_generated_tokens)
         for reason in finish_reasons:
-            self.finished.labels(model, reason or "unknown").inc()
-        self.request_prompt_tokens.labels(model).observe(num_prompt_tokens)
-        self.request_generation_tokens.labels(model).observe(num_generated_tokens)
-        self.request_n.labels(model).observe(max(1, len(finish_reasons)))
+            reason = reason or "unknown"
+            finished_series = self._finished_by_reason.get(reason)
+            if finished_series is None:
+                finished_series = self._finished_by_reason[reason] = self.finished.labels(self.model_name, reason)
+            finished_series.inc()
+        series.request_prompt_tokens.observe(num_prompt_tokens)
+        series.request_generation_tokens.observe(num_generated_tokens)
+        series.request_n.observe(max(1, len(finish_reasons)))
         if max_tokens is not None:
-            self.request_max_tokens.labels(model).observe(max_tokens)
+            series.request_max_tokens.observe(max_tokens)
         if max_sample_tokens is not None:
-            self.request_max_generation_tokens.labels(model).observe(max_sample_tokens)
-        self.e2e.labels(model).observe(finished - arrival)
+            series.request_max_generation_tokens.observe(max_sample_tokens)
+        series.e2e.observe(finished - arrival)
         if first_token is not None:
-            self.ttft.labels(model).observe(first_token - arrival)
+            series.ttft.observe(first_token - arrival)
             num_samples = max(1, len(finish_reasons))
             per_sample = num_generated_tokens / num_samples
             if per_sample > 1:
-                self.tpot.labels(model).observe((finished - first_token) / (per_sample - 1))
+                series.tpot.observe((finished - first_token) / (per_sample - 1))
 
     def render(self, stats: dict) -> bytes:
         """The exposition text, with cluster figures from ``stats`` (``cluster.stats.gather_stats``' shape)."""
