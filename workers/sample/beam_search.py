@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.host_lists import to_device
-from .sampling_params import SamplingParams
 
 # transformers' stand-in score for "not a candidate" (-1e9, added in float32).
 EXCLUDED = -1.0e9
