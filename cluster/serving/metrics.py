@@ -231,7 +231,8 @@ class _VllmAliasCollector:
 
 
 class _ModelSeries(NamedTuple):
-    """The one-model series of ``ServerMetrics``' metrics, bound to its model's label."""
+    """The one-model series of ``ServerMetrics``' metrics (each field names its metric's
+    attribute), bound to its model's label."""
 
     in_flight: Gauge
     prompt_tokens: Counter
@@ -317,11 +318,7 @@ class ServerMetrics:
         # The model's series, bound once: ``labels()`` checks and joins its labels under a lock on every
         # call, some 20 calls a request. Binding them also exports them zeroed from the start, so
         # dashboards and scrapers see them before traffic.
-        self._series = _ModelSeries(*(metric.labels(model_name) for metric in (
-            self.in_flight, self.prompt_tokens, self.cached_tokens, self.generation_tokens, self.ttft, self.tpot,
-            self.e2e, self.queue_time, self.prefill_time, self.decode_time, self.inference_time,
-            self.request_prompt_tokens, self.request_generation_tokens, self.request_max_generation_tokens,
-            self.request_n, self.request_max_tokens)))
+        self._series = _ModelSeries(**{name: getattr(self, name).labels(model_name) for name in _ModelSeries._fields})
         self._finished_by_reason: dict[str, Counter] = {}
         self._requests_by_status: dict[tuple[str, int], Counter] = {}
         self._series.in_flight.set(0)
