@@ -34,11 +34,17 @@ def test_auto_is_haproxy_where_it_can_run(monkeypatch):
     choice = ingress.choose("auto", cluster_env=lambda: without)
     assert choice.name == "proxy" and "not installed" in choice.reason
     # Before a private Ray starts, "auto" sets HAProxy's variables only where its binary is.
-    for name in (*ingress.HAPROXY_ENV, ingress.DRAINING_PERIOD_ENV, ingress.PROXY_GC_THRESHOLD_ENV):
+    for name in (*ingress.HAPROXY_ENV, ingress.DRAINING_PERIOD_ENV, ingress.PROXY_GC_THRESHOLD_ENV,
+                 ingress.PROXY_READY_CHECK_ENV):
         monkeypatch.setenv(name, "")   # so that the test's end restores them
         monkeypatch.delenv(name)
     ingress.prepare("auto")
     assert not any(os.environ.get(name) for name in ingress.HAPROXY_ENV)
+    # Either ingress: a starting proxy has a minute for Serve's ready check (not its 5 s), unless set.
+    assert os.environ[ingress.PROXY_READY_CHECK_ENV] == "60"
+    monkeypatch.setenv(ingress.PROXY_READY_CHECK_ENV, "7")
+    ingress.prepare("proxy")
+    assert os.environ[ingress.PROXY_READY_CHECK_ENV] == "7"
     monkeypatch.setenv(ingress.HAPROXY_BINARY_ENV, "/usr/sbin/haproxy")
     ingress.prepare("auto", joining=True)   # a joined cluster's own environment decides
     assert not any(os.environ.get(name) for name in ingress.HAPROXY_ENV)

@@ -25,7 +25,9 @@ draining period cut from Serve's 30 s to what HAProxy needs to see it
 joins must have been started with them (``ray start`` on every node), which
 ``choose`` reads from the cluster before the application is deployed.
 
-Through the proxy, ``prepare`` also spaces the proxy actor's young garbage
+For either, ``prepare`` gives a starting proxy a minute to answer Serve's ready check
+(``RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S``, unless set) instead of Serve's 5 s. Through
+the proxy, ``prepare`` also spaces the proxy actor's young garbage
 collections out as pagedserve's own processes do (``workers.process.gc_heap``):
 ``RAY_SERVE_PROXY_GC_THRESHOLD``, Serve's knob for its proxy (700 by default),
 unless it is set.
@@ -48,6 +50,12 @@ HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
 DRAINING_PERIOD_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 DRAINING_PERIOD_S = 6.0
 PROXY_GC_THRESHOLD_ENV = "RAY_SERVE_PROXY_GC_THRESHOLD"
+# How long Serve's controller waits for a new proxy (the proxy actor, or HAProxy's manager) to
+# answer its ready check before it kills the proxy, which fails ``serve.start``. Serve's 5 s is
+# less than a proxy's start takes on a loaded machine (it happened on a busy 2-core one); a proxy
+# that never becomes ready still fails ``serve.start`` within Serve's own 60 s wait.
+PROXY_READY_CHECK_ENV = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
+PROXY_READY_CHECK_S = 60.0
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -120,6 +128,7 @@ def prepare(ingress: str, joining: bool = False) -> None:
     if HAProxy is asked for and missing."""
     if ingress == "auto":
         ingress = "haproxy" if not joining and haproxy_binary() is not None else "proxy"
+    os.environ.setdefault(PROXY_READY_CHECK_ENV, f"{PROXY_READY_CHECK_S:g}")
     if ingress != "haproxy":
         os.environ.setdefault(PROXY_GC_THRESHOLD_ENV, str(YOUNG_GC_THRESHOLD))
         return
