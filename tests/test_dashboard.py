@@ -497,6 +497,9 @@ def test_dashboard_in_headless_chromium(served, browser):
                     f"[data-tier=\"device\"] .cell[data-i=\"{block}\"]'); c.scrollIntoView({{block: 'center'}});"
                     f" const r = c.getBoundingClientRect(); return [r.left, r.top, r.width]; }})()")
                 x, y = box[0] + box[2] / 2, box[1] + box[2] / 2
+                # Off the grid first: a move to where the pointer already is (the same block as a
+                # missed try) may fire no mousemove, and the tooltip would never change.
+                browser.call("Input.dispatchMouseEvent", type="mouseMoved", x=0, y=0)
                 browser.call("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
                 tooltip = browser.evaluate("document.getElementById('tooltip').hidden ? null : "
                                            "document.getElementById('tooltip').textContent")
