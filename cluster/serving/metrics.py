@@ -319,8 +319,7 @@ class ServerMetrics:
         # call, some 20 calls a request. Binding them also exports them zeroed from the start, so
         # dashboards and scrapers see them before traffic.
         self._series = _ModelSeries(**{name: getattr(self, name).labels(model_name) for name in _ModelSeries._fields})
-        self._finished_by_reason: dict[str, Counter] = {}
-        self._requests_by_status: dict[tuple[str, int], Counter] = {}
+        self._children: dict[tuple, Counter] = {}   # series of several labels, bound as first seen
         self._series.in_flight.set(0)
         aliased = [self.prompt_tokens, self.generation_tokens, self.finished, *histograms]
         self.registry.register(_VllmAliasCollector(aliased, VLLM_ALIASES))
@@ -330,10 +329,15 @@ class ServerMetrics:
         self._series.in_flight.set(num_requests)
 
     def observe_response(self, api: str, status: int) -> None:
-        series = self._requests_by_status.get((api, status))
-        if series is None:
-            series = self._requests_by_status[(api, status)] = self.requests.labels(self.model_name, api, str(status))
-        series.inc()
+        self._child(self.requests, api, str(status)).inc()
+
+    def _child(self, metric: Counter, *labels: str) -> Counter:
+        """``metric``'s series for this model and ``labels``, bound once."""
+        key = (metric, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(self.model_name, *labels)
+        return child
 
     def observe_inter_token(self, interval_s: float, num_tokens: int) -> None:
         """``num_tokens`` new tokens of one sample arrived ``interval_s`` after its previous ones:
@@ -366,11 +370,7 @@ class ServerMetrics:
         series.cached_tokens.inc(num_cached_tokens)
         series.generation_tokens.inc(num_generated_tokens)
         for reason in finish_reasons:
-            reason = reason or "unknown"
-            finished_series = self._finished_by_reason.get(reason)
-            if finished_series is None:
-                finished_series = self._finished_by_reason[reason] = self.finished.labels(self.model_name, reason)
-            finished_series.inc()
+            self._child(self.finished, reason or "unknown").inc()
         series.request_prompt_tokens.observe(num_prompt_tokens)
         series.request_generation_tokens.observe(num_generated_tokens)
         series.request_n.observe(max(1, len(finish_reasons)))
