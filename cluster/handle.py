@@ -138,7 +138,7 @@ class ClusterHandle:
         self._num_not_resumable = 0
         self._num_repeated_engine_failures = 0
         self._lock = threading.Lock()
-        self.channels = WorkerChannels()
+        self.channels = WorkerChannels(self.config.output_transport)
 
     def __getstate__(self):
         state = {k: v for k, v in self.__dict__.items()

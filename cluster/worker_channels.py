@@ -50,6 +50,7 @@ from typing import AsyncIterator
 
 from pagedserve.workers.actor.protocol import (ChannelItem, EngineDeadError, GenerateRequest, Migrated, OutputDelta,
                                                deltas_from_batch, merge_deltas)
+from pagedserve.workers.actor.channel_socket import BATCH, DEAD, MIGRATED, ChannelSocketReceiver, decode
 from pagedserve.workers.outputs.stream_batch import StreamBatch
 
 from .turn_batch import TurnBatch
@@ -64,6 +65,9 @@ RENEW_EVERY_S = 5.0
 WATCH_EVERY_S = 0.5
 # How many messages a worker may send ahead of the handle's reading (see the module docstring).
 MESSAGES_AHEAD = 2
+# How long a socket channel's reader may still wait for the socket's end once the channel's Ray
+# call has ended (the end comes first unless the worker could not send it).
+LIFELINE_GRACE_S = 2.0
 
 
 class ChannelClosed(ConnectionError):
@@ -123,9 +127,10 @@ def _merged(items: list[ChannelItem]) -> list[ChannelItem]:
 class WorkerChannel:
     """One worker's channel on this event loop, and the inboxes of the requests on it."""
 
-    def __init__(self, worker_id: str, worker) -> None:
+    def __init__(self, worker_id: str, worker, transport: str = "zmq") -> None:
         self.worker_id = worker_id
         self.worker = worker
+        self.transport = transport
         self.channel_id = f"{worker_id}/{uuid.uuid4().hex[:16]}"
         self.loop = asyncio.get_running_loop()
         self.error: BaseException | None = None
@@ -133,6 +138,8 @@ class WorkerChannel:
         self.by_key: dict[int, _Inbox] = {}    # by the request's key in this channel's batches
         self._keys = itertools.count()
         self.num_messages = 0
+        self._lifeline_ended: BaseException | None = None   # the socket transport's Ray call ended
+        self._deliveries: set[asyncio.Task] = set()          # migrations whose KV ref is being fetched
         self._submissions = TurnBatch(self.loop, lambda requests: worker.submit.remote(self.channel_id, requests))
         # An empty context: the channel must not belong to the request that happened to open it.
         # Ray cancels the calls a cancelled actor call made from its context (Serve cancels a
@@ -152,33 +159,20 @@ class WorkerChannel:
         error: BaseException
         try:
             stream = self.worker.channel_outputs.options(
-                num_returns="streaming", _generator_backpressure_num_objects=MESSAGES_AHEAD).remote(self.channel_id)
-            async for ref in stream:
-                message = await ref
-                self.num_messages += 1
-                now = time.monotonic()
-                by_key = self.by_key
-                for entry in message:
-                    if isinstance(entry, bytes):
-                        for key, item in deltas_from_batch(StreamBatch.unpack(entry)):
-                            inbox = by_key.get(key)
-                            if inbox is not None:  # else the request stopped reading (aborted)
-                                if type(item) is OutputDelta:
-                                    item.request_id = inbox.request_id
-                                inbox.put(item)
-                                inbox.last_at = now
-                    else:   # a control item (Migrated)
-                        inbox = self.inboxes.get(entry.request_id)
-                        if inbox is not None:
-                            inbox.put(entry)
-                            inbox.last_at = now
-                        else:   # the request stopped reading: nobody fetches its KV export
-                            self._release_export(entry)
+                num_returns="streaming", _generator_backpressure_num_objects=MESSAGES_AHEAD).remote(
+                    self.channel_id, self.transport, MESSAGES_AHEAD)
+            if self.transport == "zmq":
+                await self._read_socket(stream)
+            else:
+                async for ref in stream:
+                    self._take_message(await ref)
             error = ChannelClosed(f"the output channel of worker {self.worker_id} ended")
-        except asyncio.CancelledError:  # this event loop is closing
-            error = ChannelClosed(f"the output channel of worker {self.worker_id} was closed")
-            self._close_remote()
-            raise
+        except asyncio.CancelledError:
+            if self._lifeline_ended is None:  # this event loop is closing
+                error = ChannelClosed(f"the output channel of worker {self.worker_id} was closed")
+                self._close_remote()
+                raise
+            error = self._lifeline_ended       # the socket transport's Ray call ended (``_watch``)
         except Exception as exc:  # the worker or its engine died: its requests go on elsewhere
             error = exc if isinstance(exc, (RayActorError, EngineDeadError)) else _broken(self.worker_id, exc)
         finally:
@@ -186,6 +180,100 @@ class WorkerChannel:
             self._tender.cancel()
             for inbox in self.inboxes.values():
                 inbox.put(error)
+
+    def _take_message(self, message: list) -> None:
+        """A Ray-carried message: its batches to their requests' inboxes, then its control items."""
+        self.num_messages += 1
+        now = time.monotonic()
+        for entry in message:
+            if isinstance(entry, bytes):
+                self._take_batch(entry, now)
+            else:   # a control item (Migrated)
+                inbox = self.inboxes.get(entry.request_id)
+                if inbox is not None:
+                    inbox.put(entry)
+                    inbox.last_at = now
+                else:   # the request stopped reading: nobody fetches its KV export
+                    self._release_export(entry)
+
+    def _take_batch(self, packed: bytes, now: float) -> None:
+        by_key = self.by_key
+        for key, item in deltas_from_batch(StreamBatch.unpack(packed)):
+            inbox = by_key.get(key)
+            if inbox is not None:  # else the request stopped reading (aborted)
+                if type(item) is OutputDelta:
+                    item.request_id = inbox.request_id
+                inbox.put(item)
+                inbox.last_at = now
+
+    async def _read_socket(self, stream) -> None:
+        """Read the channel's socket (``workers.actor.channel_socket``) until its end; the Ray
+        call, whose one item is the socket's address, is watched meanwhile (``_watch``)."""
+        try:
+            address = await (await stream.__anext__())
+        except StopAsyncIteration:
+            return   # the channel had closed on the worker
+        receiver = ChannelSocketReceiver(address, self.channel_id)
+        lifeline = self.loop.create_task(self._watch(stream), name=f"pagedserve-lifeline-{self.channel_id}")
+        try:
+            while True:
+                entries = decode(await receiver.receive())
+                self.num_messages += 1
+                now = time.monotonic()
+                for kind, value in entries:
+                    if kind == BATCH:
+                        self._take_batch(value, now)
+                    elif kind == MIGRATED:
+                        self._migrated(*value, now)
+                    elif kind == DEAD:
+                        raise value
+                    else:   # END
+                        return
+                receiver.read_one()
+        finally:
+            receiver.close()
+            lifeline.cancel()
+
+    async def _watch(self, stream) -> None:
+        """End the socket's reader when the channel's Ray call ends: at once when it failed (the
+        worker died), else after ``LIFELINE_GRACE_S`` (the socket's end normally comes first)."""
+        from ray.exceptions import RayActorError
+
+        try:
+            async for ref in stream:
+                await ref   # nothing comes past the address
+            await asyncio.sleep(LIFELINE_GRACE_S)
+            ended: BaseException = ChannelClosed(f"the output channel of worker {self.worker_id} ended")
+        except Exception as exc:
+            ended = exc if isinstance(exc, (RayActorError, EngineDeadError)) else _broken(self.worker_id, exc)
+        self._lifeline_ended = ended
+        self._reader.cancel()
+
+    def _migrated(self, request_id: str, target: str, now: float) -> None:
+        """A migration read from the socket: its KV's ObjectRef is fetched from the worker, then
+        it reaches the request (nothing else of that request comes after it)."""
+        inbox = self.inboxes.get(request_id)
+        if inbox is None:   # the request stopped reading: nobody fetches its KV export
+            release_export(self.worker, request_id)
+            return
+        inbox.last_at = now
+        task = self.loop.create_task(self._deliver_migrated(inbox, request_id, target),
+                                     context=contextvars.Context())
+        self._deliveries.add(task)
+        task.add_done_callback(self._deliveries.discard)
+
+    async def _deliver_migrated(self, inbox: _Inbox, request_id: str, target: str) -> None:
+        item: ChannelItem
+        try:
+            held = await asyncio.wait_for(self.worker.export_ref.remote(request_id), timeout=inbox.timeout_s)
+            item = (Migrated(request_id, target, held[0]) if held else
+                    ChannelClosed(f"worker {self.worker_id} no longer held the KV of migrated request {request_id}"))
+        except Exception as exc:  # the worker died: the request goes on elsewhere
+            item = exc
+        if self.inboxes.get(request_id) is inbox:
+            inbox.put(item)
+        elif isinstance(item, Migrated):
+            self._release_export(item)
 
     async def _tend(self) -> None:
         """Every ``WATCH_EVERY_S``, end the requests that waited past their timeout for an
@@ -268,9 +356,11 @@ class WorkerChannel:
 
 
 class WorkerChannels:
-    """The open channels of a handle, one per (event loop, worker)."""
+    """The open channels of a handle, one per (event loop, worker), over ``transport``: "zmq"
+    (a socket per channel, ``workers.actor.channel_socket``) or "ray" (Ray streamed items)."""
 
-    def __init__(self) -> None:
+    def __init__(self, transport: str = "zmq") -> None:
+        self.transport = transport
         self._channels: dict[tuple[int, str], WorkerChannel] = {}
 
     def get(self, worker_id: str, worker) -> WorkerChannel:
@@ -281,7 +371,7 @@ class WorkerChannels:
         # Keyed by id: the handle's actor handles are new objects whenever the worker set changes.
         if channel is None or not channel.is_open or channel.loop is not loop:
             self._prune()
-            channel = self._channels[key] = WorkerChannel(worker_id, worker)
+            channel = self._channels[key] = WorkerChannel(worker_id, worker, self.transport)
         return channel
 
     async def stream(self, worker_id: str, worker, request: GenerateRequest,

@@ -308,6 +308,34 @@ def test_a_worker_sends_a_busy_handle_few_messages_ahead_and_merges_the_rest(han
     _wait_for(lambda: handle.num_used_blocks() == 0, 30, "the abandoned requests' blocks to come back")
 
 
+@pytest.mark.parametrize("transport", ["zmq", "ray"])
+def test_streams_are_exact_over_either_output_transport(handle, reference, transport):
+    """``output_transport``: a channel's messages over a socket (the default) or as Ray's streamed
+    items; each stream ends with the single-process engine's tokens either way."""
+    from pagedserve.cluster.worker_channels import WorkerChannels
+
+    prompts = _prompts(seed=23)
+    used, handle.channels = handle.channels, WorkerChannels(transport)
+
+    async def one(prompt):
+        async for output in handle.generate(None, _greedy(MAX_TOKENS_FAULT), prompt_token_ids=prompt,
+                                            is_streamed=True):
+            pass
+        return list(output.outputs[0].token_ids)
+
+    async def run():
+        return await asyncio.gather(*(one(prompt) for prompt in prompts))
+
+    try:
+        assert asyncio.run(run()) == reference(prompts, MAX_TOKENS_FAULT)
+        channels = list(handle.channels._channels.values())
+        assert channels and all(channel.transport == transport for channel in channels)
+        assert handle.channels.num_messages() > 0
+    finally:
+        handle.channels.close()
+        handle.channels = used
+
+
 def _frontend_class():
     """A handle in an async actor, as in a Serve replica, whose calls can be cancelled. Made
     here so that Ray ships the class by value (the workers cannot import the tests)."""

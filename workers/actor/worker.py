@@ -40,6 +40,7 @@ from ..model.model_source import ModelSource
 from ..outputs.stream_batch import StreamBatch
 from ..process.fault_injection import FAULT_INJECTION_ENV, check_fault_injection
 from ..process.gc_heap import prepare_serving_heap
+from .channel_socket import ChannelSocketSender
 from .core_client import CoreDead, EngineCoreClient
 from .output_channel import CHANNEL_LEASE_S, OutputChannel
 from .protocol import (ChannelMessage, EngineDeadError, GenerateRequest, Migrated, OutputDelta, deltas_from_batch,
@@ -258,15 +259,30 @@ class Worker:
         channel.renew()
         return True
 
-    async def channel_outputs(self, channel_id: str) -> AsyncIterator[ChannelMessage]:
+    async def channel_outputs(self, channel_id: str, transport: str = "ray",
+                              messages_ahead: int = 2) -> AsyncIterator[ChannelMessage | str]:
         """Stream channel ``channel_id``: one message whenever its requests made something
         since the last one. Ends when the channel is closed, or with ``EngineDeadError`` when
-        the engine died; the caller going away closes it, aborting its requests."""
+        the engine died; the caller going away closes it, aborting its requests.
+
+        With ``transport`` "zmq" the messages go over a socket (``channel_socket``): this call
+        yields the socket's address, then nothing until the channel ends, at most
+        ``messages_ahead`` messages past the reader's credits."""
         self.core.bind_loop(asyncio.get_running_loop())
         channel = self._channel(channel_id)
         try:
-            while (message := await channel.take()) is not None:
-                yield message
+            if transport == "zmq":
+                sender = ChannelSocketSender(channel_id, messages_ahead)
+                try:
+                    yield sender.address
+                    await _send_over_socket(channel, sender)
+                finally:
+                    sender.close()
+            elif transport == "ray":
+                while (message := await channel.take()) is not None:
+                    yield message
+            else:
+                raise ValueError(f"unknown output transport {transport!r}; known: ray, zmq")
         finally:
             self.close_channel(channel_id)
 
@@ -343,6 +359,13 @@ class Worker:
         ref = ray.put(transfer)
         self.held_exports[request_id] = (ref, now)
         return ref
+
+    def export_ref(self, request_id: str) -> list | None:
+        """The ObjectRef of a migration's KV held for ``request_id`` (nested in a list, so that the
+        caller gets the ref, not the object), or None once released or expired: a handle that
+        reads its channel over a socket asks for it here."""
+        held = self.held_exports.get(request_id)
+        return None if held is None else [held[0]]
 
     def release_export(self, request_id: str) -> bool:
         """The migration target has fetched ``request_id``'s KV: let the object go."""
@@ -486,6 +509,20 @@ class Worker:
 
     def shutdown(self) -> None:
         self.core.shutdown()
+
+
+async def _send_over_socket(channel: OutputChannel, sender: ChannelSocketSender) -> None:
+    """Send ``channel``'s messages over ``sender`` until the channel closes, then its end, with
+    the engine's error when that ended it."""
+    last: list = []
+    is_closed = lambda: channel.is_closed  # noqa: E731
+    try:
+        while (message := await channel.take()) is not None:
+            if not await sender.send(message, is_closed):
+                break
+    except EngineDeadError as exc:
+        last = [exc]
+    sender.send_end(last)
 
 
 def _ranks_are_actors(engine_config: dict, size: int) -> bool:
