@@ -1,18 +1,20 @@
 """CPU that serving adds per streamed token, by process, over a matrix of loads and settings.
 
-For each ingress, concurrency and stream interval: a fresh ``pagedserve serve`` (the tiny
+For each ingress, output transport, concurrency and stream interval: a fresh ``pagedserve serve`` (the tiny
 model, one worker, a private Ray), then ``pagedserve bench serve --cpu-per-token
 --offline-baseline`` (every server process's CPU over the timed load, by role, per streamed
 token, and the same requests through ``LLM.generate`` in a process of its own), then the
 server stopped. Prints one row per run and writes every run's JSON to ``--out``.
 
     python benchmarks/bench_serving_cpu.py [--streams 64,256] [--intervals 1,4,16]
-                                           [--ingresses haproxy,proxy] [--tokens 256] [--rounds 1]
+                                           [--ingresses haproxy,proxy] [--transports zmq]
+                                           [--tokens 256] [--rounds 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -22,12 +24,14 @@ import tempfile
 from pagedserve.bench.served_process import start_server, stop_server
 
 
-def run_one(ingress: str, streams: int, interval: int, tokens: int, port: int, workdir: str) -> dict:
+def run_one(ingress: str, transport: str, streams: int, interval: int, tokens: int, port: int,
+            workdir: str) -> dict:
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
-    server = start_server(["--set", f"server.ingress={ingress}", "--stream-interval", str(interval)], port,
-                          os.path.join(workdir, f"serve-{ingress}-{streams}-{interval}.log"), env)
-    out = os.path.join(workdir, f"bench-{ingress}-{streams}-{interval}.json")
+    name = f"{ingress}-{transport}-{streams}-{interval}"
+    server = start_server(["--set", f"server.ingress={ingress}", "--set", f"output_transport={transport}",
+                           "--stream-interval", str(interval)], port, os.path.join(workdir, f"serve-{name}.log"), env)
+    out = os.path.join(workdir, f"bench-{name}.json")
     try:
         done = subprocess.run(
             [sys.executable, "-m", "pagedserve", "bench", "serve", "--port", str(port), "--request-rate", "inf",
@@ -47,6 +51,7 @@ def main() -> None:
     parser.add_argument("--streams", default="64,256")
     parser.add_argument("--intervals", default="1,4,16")
     parser.add_argument("--ingresses", default="haproxy,proxy")
+    parser.add_argument("--transports", default="zmq", help="output_transport values, alternating within a round")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--port", type=int, default=8123)
@@ -57,11 +62,13 @@ def main() -> None:
         for round_index in range(args.rounds):
             for streams in map(int, args.streams.split(",")):
                 for interval in map(int, args.intervals.split(",")):
-                    for ingress in args.ingresses.split(","):
-                        data = run_one(ingress, streams, interval, args.tokens, args.port, workdir)
+                    for ingress, transport in itertools.product(args.ingresses.split(","),
+                                                                args.transports.split(",")):
+                        data = run_one(ingress, transport, streams, interval, args.tokens, args.port, workdir)
                         cpu = data["cpu_per_token"]
                         groups = {name: round(g["us_per_token"], 1) for name, g in cpu["groups"].items()}
-                        row = {"round": round_index + 1, "ingress": ingress, "streams": streams,
+                        row = {"round": round_index + 1, "ingress": ingress, "transport": transport,
+                               "streams": streams,
                                "stream_interval": interval, "output_tok_s": round(data["output_throughput"]),
                                "server_us": round(cpu["server_total"]["us_per_token"], 1),
                                "offline_us": round(data["offline"]["us_per_token"], 1),

@@ -7,7 +7,7 @@ requests through an engine with the worker's settings offline (``LLM.generate`` 
 process, with the worker's torch threads, final outputs only), and streamed from that engine
 in this process (``AsyncLLMEngine``, one coroutine per request: what the worker does, without
 Ray). Reported: delivered output tok/s, the offline
-engine's, their ratio, the outputs each request received and their tokens, the Ray
+engine's, their ratio, the outputs each request received and their tokens, the
 messages the worker sent (one per engine step for all of the handle's requests, through
 its output channel, ``workers.actor.output_channel``), and the mean decode step in the worker
 and offline (the worker's engine thread shares its process's GIL with the event loop
@@ -23,7 +23,8 @@ processing, sends, KV events), per step and per token: what serving costs the co
 thread, beside the steps themselves.
 
     python benchmarks/bench_stream_messages.py [--streams 64] [--max-tokens 128] [--poll-stats 1]
-                                               [--per-output-us 200] [--json PATH]
+                                               [--per-output-us 200] [--output-transport zmq|ray]
+                                               [--json PATH]
 """
 
 from __future__ import annotations
@@ -122,6 +123,8 @@ def main() -> None:
                         help="gather the cluster's stats every S seconds while streaming (the dashboard: 1)")
     parser.add_argument("--per-output-us", type=float, default=0.0,
                         help="spin this long per output received, as a server's work per chunk would")
+    parser.add_argument("--output-transport", default="zmq", choices=("zmq", "ray"),
+                        help="how the worker's channel carries its messages to the handle")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
 
@@ -133,7 +136,8 @@ def main() -> None:
     engine_config = {"kv_cache_memory_gb": 0.25, "swap_space_gb": 0.01, "max_num_seqs": max(args.streams, 8)}
     ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="pagedserve", log_to_driver=False)
     handle = start({"model": {"arch": "llama", "size": "tiny"}, "engine": engine_config,
-                    "workers": [{"role": "mixed", "count": 1, "num_cpus": args.worker_cpus}]})
+                    "workers": [{"role": "mixed", "count": 1, "num_cpus": args.worker_cpus}],
+                    "output_transport": args.output_transport})
     prompts = [[5 + (i * 31 + j) % 900 for j in range(args.prompt_len)] for i in range(args.streams)]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     handle_gc = None
