@@ -5,9 +5,12 @@ event loop started for that worker in one turn or while the last call was out
 (``turn_batch``: a burst of requests costs a few Ray calls, not one each; a request that
 brings KV, migrated or prefilled elsewhere, goes alone, since the worker answers it once
 it has read the transfer), and reads every
-request's outputs from one streamed call per worker, ``Worker.channel_outputs``
-(``workers.actor.output_channel``): one message per engine step for all the requests
-in flight there, rather than one per request. Each request has a key on its
+request's outputs from one channel per worker (``workers.actor.output_channel``): one
+message per engine step for all the requests in flight there, rather than one per
+request. The channel is a streamed call, ``Worker.channel_outputs``, that yields the
+address of a ZeroMQ socket the messages then come over (``output_transport: zmq``,
+``workers.actor.channel_socket``), the call staying open as the channel's lifeline; or,
+with ``output_transport: ray``, whose streamed items are the messages. Each request has a key on its
 channel (``GenerateRequest.key``); a message carries the engine core's packed
 batches, whose rows name requests by key, and control items. A reader task per
 channel unpacks each batch once and hands each request its delta
@@ -29,7 +32,7 @@ runs one per call) opens channels in each, and a channel whose loop has gone is
 closed on the worker, which aborts what still ran on it.
 
 A worker sends at most ``MESSAGES_AHEAD`` messages more than the handle has read
-(Ray's streaming-generator backpressure). A handle that falls behind (its
+(the credits the handle returns on the socket, or Ray's streaming-generator backpressure). A handle that falls behind (its
 process busy, as a replica at full load is) makes the worker wait to send, and
 what the worker's requests make meanwhile goes out in the next message, read as
 fewer, larger deltas, each a request's several tokens, instead of one message
@@ -48,9 +51,9 @@ import time
 import uuid
 from typing import AsyncIterator
 
+from pagedserve.workers.actor.channel_socket import BATCH, DEAD, MIGRATED, ChannelSocketReceiver, decode
 from pagedserve.workers.actor.protocol import (ChannelItem, EngineDeadError, GenerateRequest, Migrated, OutputDelta,
                                                deltas_from_batch, merge_deltas)
-from pagedserve.workers.actor.channel_socket import BATCH, DEAD, MIGRATED, ChannelSocketReceiver, decode
 from pagedserve.workers.outputs.stream_batch import StreamBatch
 
 from .turn_batch import TurnBatch
