@@ -92,7 +92,10 @@ class ChannelSocketSender:
         self._socket.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
         host = host or node_ip()
         self.address = f"tcp://{host}:{self._socket.bind_to_random_port(f'tcp://{host}')}"
-        self._sync = zmq.Socket.shadow(self._socket.underlying)   # non-blocking reads and sends
+        # Non-blocking reads and sends, never while an asyncio wait on the socket is pending: each
+        # asyncio wait starts by reading the socket's events, so none is missed (its descriptor
+        # signals edges).
+        self._sync = zmq.Socket.shadow(self._socket.underlying)
         self._peer: bytes | None = None
         self.num_sent = 0
         self.num_read = 0   # the reader's credits
@@ -143,7 +146,7 @@ class ChannelSocketReceiver:
         self._socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(address)
-        self._sync = zmq.Socket.shadow(self._socket.underlying)
+        self._sync = zmq.Socket.shadow(self._socket.underlying)   # between receives only (as above)
         self._sync.send_multipart([HELLO, channel_id.encode()])
 
     async def receive(self) -> list[bytes]:
