@@ -151,6 +151,16 @@ async def _next(stream, timeout_s: float = 10):
     return await asyncio.wait_for(stream.__anext__(), timeout_s)
 
 
+async def _one_socket_stream():
+    """A socket channel's worker, one request's stream on it, and its first read, once the
+    worker's end is open."""
+    worker = SocketWorker()
+    stream = WorkerChannel("w0", worker, "zmq").stream(_request("a"), 30)
+    reading = asyncio.ensure_future(_next(stream))
+    await worker.opened.wait()
+    return worker, stream, reading
+
+
 def test_a_socket_channel_brings_each_request_its_tokens_in_order_and_its_end():
     async def run():
         worker = SocketWorker()
@@ -183,11 +193,7 @@ def test_a_socket_channel_brings_each_request_its_tokens_in_order_and_its_end():
 
 def test_a_socket_channel_ends_with_the_engines_death_after_what_came_before_it():
     async def run():
-        worker = SocketWorker()
-        channel = WorkerChannel("w0", worker, "zmq")
-        stream = channel.stream(_request("a"), 30)
-        reading = asyncio.ensure_future(_next(stream))
-        await worker.opened.wait()
+        worker, stream, reading = await _one_socket_stream()
         worker.channel.put(_batch((0, [5])))
         worker.channel.fail(EngineDeadError("the engine core process ended", "engine-7"))
         assert isinstance(await reading, OutputDelta)
@@ -200,11 +206,7 @@ def test_a_socket_channel_ends_with_the_engines_death_after_what_came_before_it(
 
 def test_a_socket_channel_whose_worker_died_ends_at_once_with_its_error():
     async def run():
-        worker = SocketWorker()
-        channel = WorkerChannel("w0", worker, "zmq")
-        stream = channel.stream(_request("a"), 30)
-        reading = asyncio.ensure_future(_next(stream))
-        await worker.opened.wait()
+        worker, stream, reading = await _one_socket_stream()
         worker.lifeline_error.set_result(RayActorError())   # the socket stays silent
         with pytest.raises(RayActorError):
             await reading
