@@ -157,8 +157,6 @@ class WorkerChannel:
         return self.error is None and not self.loop.is_closed()
 
     async def _read(self) -> None:
-        from ray.exceptions import RayActorError
-
         error: BaseException
         try:
             stream = self.worker.channel_outputs.options(
@@ -177,7 +175,7 @@ class WorkerChannel:
                 raise
             error = self._lifeline_ended       # the socket transport's Ray call ended (``_watch``)
         except Exception as exc:  # the worker or its engine died: its requests go on elsewhere
-            error = exc if isinstance(exc, (RayActorError, EngineDeadError)) else _broken(self.worker_id, exc)
+            error = _ended_by(self.worker_id, exc)
         finally:
             self.error = self.error or error
             self._tender.cancel()
@@ -240,15 +238,13 @@ class WorkerChannel:
     async def _watch(self, stream) -> None:
         """End the socket's reader when the channel's Ray call ends: at once when it failed (the
         worker died), else after ``LIFELINE_GRACE_S`` (the socket's end normally comes first)."""
-        from ray.exceptions import RayActorError
-
         try:
             async for ref in stream:
                 await ref   # nothing comes past the address
             await asyncio.sleep(LIFELINE_GRACE_S)
             ended: BaseException = ChannelClosed(f"the output channel of worker {self.worker_id} ended")
         except Exception as exc:
-            ended = exc if isinstance(exc, (RayActorError, EngineDeadError)) else _broken(self.worker_id, exc)
+            ended = _ended_by(self.worker_id, exc)
         self._lifeline_ended = ended
         self._reader.cancel()
 
@@ -429,6 +425,14 @@ async def _only(answers):
     if isinstance(answer, BaseException):
         raise answer
     return answer
+
+
+def _ended_by(worker_id: str, exc: Exception) -> BaseException:
+    """What ends a channel's requests when ``exc`` ended its reading: the worker's death or its
+    engine's as it came, anything else as a broken channel (``_broken``)."""
+    from ray.exceptions import RayActorError
+
+    return exc if isinstance(exc, (RayActorError, EngineDeadError)) else _broken(worker_id, exc)
 
 
 def _broken(worker_id: str, cause: Exception) -> ChannelClosed:

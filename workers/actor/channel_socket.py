@@ -55,7 +55,7 @@ def encode(message: list) -> list[bytes]:
             frames.append(msgpack.packb([entry.request_id, entry.target]))
         elif isinstance(entry, EngineDeadError):
             kinds += DEAD
-            frames.append(msgpack.packb([str(entry.args[0]) if entry.args else str(entry), entry.engine_id]))
+            frames.append(msgpack.packb([str(entry), entry.engine_id]))
         else:
             raise TypeError(f"an output channel carries no {type(entry).__name__}")
     frames[0] = bytes(kinds)
