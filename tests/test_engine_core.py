@@ -248,7 +248,7 @@ from pagedserve.workers.engine.core_process import CoreSpec
 spec = CoreSpec("orphan", {"model": sys.argv[1], "device": "cpu", "num_device_blocks": 32, "swap_space_gb": 0.001})
 client = EngineCoreClient(spec, InProcessTransport(KVManagerService()), lambda items: None, lambda m, e: None)
 client.start(timeout_s=120)
-print(client.pid, flush=True)
+print(client.pid, client._dir, flush=True)
 time.sleep(600)
 """
 
@@ -256,8 +256,10 @@ time.sleep(600)
 def test_a_core_never_outlives_its_worker_even_one_killed_with_sigkill(model):
     parent = subprocess.Popen([sys.executable, "-c", _PARENT, model], stdout=subprocess.PIPE, text=True)
     try:
-        core_pid = int(parent.stdout.readline())
+        pid, socket_dir = parent.stdout.readline().split()
+        core_pid = int(pid)
         assert psutil.Process(core_pid).ppid() == parent.pid
+        assert not os.path.exists(socket_dir), "a killed worker would leave its core's socket folder behind"
         parent.kill()
         parent.wait(10)
         deadline = time.monotonic() + 10

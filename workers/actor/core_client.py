@@ -155,6 +155,9 @@ class EngineCoreClient:
         except CoreDead:
             self.shutdown()
             raise
+        # Both ends are connected and both have mapped the progress file, so nothing needs the
+        # paths any more: gone now, they are not left behind by an actor that is killed.
+        shutil.rmtree(self._dir, ignore_errors=True)
         return self.info
 
     @property
