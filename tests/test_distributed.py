@@ -341,11 +341,13 @@ def _frontend_class():
     here so that Ray ships the class by value (the workers cannot import the tests)."""
 
     class Frontend:
-        def __init__(self, handle, renew_every_s: float | None = None) -> None:
-            if renew_every_s is not None:
-                import pagedserve.cluster.worker_channels as worker_channels
+        def __init__(self, handle, renew_every_s: float | None = None, transport: str | None = None) -> None:
+            import pagedserve.cluster.worker_channels as worker_channels
 
+            if renew_every_s is not None:
                 worker_channels.RENEW_EVERY_S = renew_every_s
+            if transport is not None:
+                handle.channels = worker_channels.WorkerChannels(transport)
             self.handle = handle
             self.progress: dict[int, int] = {}
             self.num_opened = 0
@@ -402,22 +404,27 @@ def _set_channel_lease(handle, lease_s: float) -> None:
     ray.get([worker.__ray_call__.remote(set_lease) for worker in handle.workers.values()], timeout=30)
 
 
-def test_a_dead_handles_channels_close_on_their_lease_and_free_their_requests(handle):
-    """Ray does not end a streamed call whose caller's process died (a Serve replica that
-    crashed): its channels close once their lease runs out, aborting what ran on them."""
+@pytest.mark.parametrize("transport", ["zmq", "ray"])
+def test_a_dead_handles_channels_close_and_free_their_requests(handle, transport):
+    """A Serve replica that crashed: over a socket its channels close as soon as its connections
+    do, well within their lease; over Ray's streamed items (Ray does not end a streamed call
+    whose caller's process died) once their lease runs out. Either way what ran on them is
+    aborted."""
     from pagedserve.workers.actor.output_channel import CHANNEL_LEASE_S
 
     prompts = _prompts(seed=14)
-    _set_channel_lease(handle, 3.0)  # for the channels opened from now on
+    if transport == "ray":
+        _set_channel_lease(handle, 3.0)  # for the channels opened from now on
     try:
-        frontend = _frontend_class().remote(handle, renew_every_s=0.5)
+        frontend = _frontend_class().remote(handle, renew_every_s=0.5, transport=transport)
         runs = [frontend.run.remote(i, p, 300) for i, p in enumerate(prompts)]
         _wait_for(lambda: (lambda progress: len(progress) == len(prompts) and min(progress.values()) >= 2)(
             ray.get(frontend.state.remote(), timeout=30)[1]), 120, "every request to stream")
         ray.kill(frontend)
         del runs
         assert _open_channels(handle) > 0
-        _wait_for(lambda: _open_channels(handle) == 0, 60, "the dead handle's channels to close")
+        _wait_for(lambda: _open_channels(handle) == 0, CHANNEL_LEASE_S / 2 if transport == "zmq" else 60,
+                  "the dead handle's channels to close")
         _wait_for(lambda: handle.num_used_blocks() == 0, 60, "its requests' blocks to come back")
     finally:
         _set_channel_lease(handle, CHANNEL_LEASE_S)

@@ -11,6 +11,8 @@ stopped reading, or it never reached the reader), the channel releases the expor
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import pytest
 import zmq
@@ -281,6 +283,78 @@ def test_a_socket_sender_sends_only_to_the_peer_that_named_its_channel():
         assert not await stranger.poll(200)
         for socket in (stranger, receiver, sender):
             socket.close()
+
+    asyncio.run(run())
+
+
+_READER = """
+import asyncio, sys
+from pagedserve.workers.actor.channel_socket import ChannelSocketReceiver
+
+async def main():
+    receiver = ChannelSocketReceiver(sys.argv[1], sys.argv[2])
+    await receiver.receive()
+    print("read", flush=True)   # and no credit: the worker waits for one
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("sending", [False, True], ids=["idle", "waiting-for-a-credit"])
+def test_a_socket_channel_whose_reader_was_killed_closes_at_once_not_at_its_lease(sending):
+    """A handle's process that dies closes its connection: the worker closes the channel then
+    (the engine aborts its requests), not after its lease, whether or not it had more to send."""
+    async def run():
+        closed = []
+        channel = OutputChannel("c1", closed.append, lease_s=300)
+        sender = ChannelSocketSender("c1", messages_ahead=1, host="127.0.0.1")
+        reader = subprocess.Popen([sys.executable, "-c", _READER, sender.address, "c1"], stdout=subprocess.PIPE,
+                                  text=True)
+        try:
+            pumping = asyncio.ensure_future(_send_over_socket(channel, sender))
+            channel.put(_batch((0, [1])))
+            line = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, reader.stdout.readline), 60)
+            assert line == "read\n"
+            if sending:
+                channel.put(_batch((0, [2])))   # unread: the sender waits for a credit
+            await asyncio.sleep(0.2)
+            assert not pumping.done()
+            reader.kill()
+            await asyncio.wait_for(pumping, 10)
+            assert sender.is_reader_gone and closed == ["c1"]
+        finally:
+            reader.kill()
+            reader.wait()
+            sender.close()
+
+    asyncio.run(run())
+
+
+def test_a_strangers_connection_closing_leaves_the_channel_open():
+    async def run():
+        sender = ChannelSocketSender("c1", messages_ahead=1, host="127.0.0.1")
+        receiver = ChannelSocketReceiver(sender.address, "c1")
+        never = lambda: False  # noqa: E731
+        assert await asyncio.wait_for(sender.send([_batch((0, [1]))], never), 10)
+        stranger = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        stranger.setsockopt(zmq.LINGER, 0)
+        stranger.connect(sender.address)
+        await stranger.send_multipart([HELLO, b"c1"])   # the channel's name, too late: ignored
+        await asyncio.sleep(0.1)
+        stranger.close()
+        await asyncio.sleep(0.3)
+        waiting = asyncio.ensure_future(sender.send([_batch((0, [2]))], never))
+        watching = asyncio.ensure_future(sender.wait_reader_gone())
+        await asyncio.sleep(0.5)
+        assert not waiting.done() and not watching.done()   # the stranger's going was ignored
+        decode(await receiver.receive())
+        receiver.read_one()
+        assert await asyncio.wait_for(waiting, 10)
+        receiver.close()   # the reader's own connection closing is what counts
+        await asyncio.wait_for(watching, 10)
+        assert sender.is_reader_gone
+        sender.close()
 
     asyncio.run(run())
 

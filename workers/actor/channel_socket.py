@@ -19,7 +19,11 @@ the socket, in order:
   ``B`` a packed ``StreamBatch``, ``M`` a migration (msgpack ``[request_id, target]``: the
   handle asks the worker for the KV's ObjectRef, ``Worker.export_ref``, since an ObjectRef
   is Ray's to carry), ``E`` the engine's death (msgpack ``[message, engine_id]``, last), ``X``
-  the channel's end (last).
+  the channel's end (last);
+- the worker watches its socket's connections (a ZeroMQ monitor): when the connection its
+  reader said hello on closes (the handle's process died, or its loop closed the channel),
+  the channel ends at once and the engine aborts its requests, rather than at the channel's
+  lease; another peer's connection coming or going changes nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Callable
 import msgpack
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from ..kv_events.wire import node_ip
 from .protocol import EngineDeadError, Migrated
@@ -96,7 +101,11 @@ class ChannelSocketSender:
         # asyncio wait starts by reading the socket's events, so none is missed (its descriptor
         # signals edges).
         self._sync = zmq.Socket.shadow(self._socket.underlying)
+        self._monitor_socket = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = zmq.Socket.shadow(self._monitor_socket.underlying)   # between waits, as above
         self._peer: bytes | None = None
+        self._peer_fd: int | None = None   # the descriptor of the reader's connection
+        self.is_reader_gone = False
         self.num_sent = 0
         self.num_read = 0   # the reader's credits
 
@@ -104,14 +113,32 @@ class ChannelSocketSender:
         """The hello and credits that came, without waiting."""
         sync = self._sync
         while sync.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            frames = sync.recv_multipart(zmq.NOBLOCK)
+            frames = sync.recv_multipart(zmq.NOBLOCK, copy=False)
             if len(frames) < 2:
                 continue
-            peer, kind = frames[0], frames[1]
+            peer, kind = frames[0].bytes, frames[1].bytes
             if kind == CREDIT and peer == self._peer:
                 self.num_read += 1
-            elif kind == HELLO and self._peer is None and frames[2:] == [self.channel_id]:
+            elif kind == HELLO and self._peer is None and [f.bytes for f in frames[2:]] == [self.channel_id]:
                 self._peer = peer
+                try:
+                    self._peer_fd = frames[1].get(zmq.SRCFD)
+                except zmq.ZMQError:   # a libzmq without it: the channel's lease still ends it
+                    self._peer_fd = None
+
+    async def wait_reader_gone(self) -> None:
+        """Return once the connection the reader said hello on has closed (``is_reader_gone``);
+        other connections coming and going are ignored."""
+        monitor, events = self._monitor_socket, self._monitor
+        while True:
+            await monitor.poll()
+            while events.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                gone_fd = parse_monitor_message(events.recv_multipart(zmq.NOBLOCK))["value"]
+                if self._peer_fd is None:   # the hello may be unread yet (nothing was sent)
+                    self._take_incoming()
+                if gone_fd == self._peer_fd:
+                    self.is_reader_gone = True
+                    return
 
     async def send(self, message: list, is_closed: Callable[[], bool]) -> bool:
         """Send ``message`` (see ``encode``) once its reader has said hello and is at most
@@ -136,6 +163,8 @@ class ChannelSocketSender:
             self._sync.send_multipart([self._peer, *frames, b""])
 
     def close(self) -> None:
+        self._socket.disable_monitor()
+        self._monitor_socket.close(linger=0)
         self._socket.close()   # lingers up to CLOSE_LINGER_MS for the last message
 
 

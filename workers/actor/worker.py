@@ -512,17 +512,29 @@ class Worker:
 
 
 async def _send_over_socket(channel: OutputChannel, sender: ChannelSocketSender) -> None:
-    """Send ``channel``'s messages over ``sender`` until the channel closes, then its end, with
-    the engine's error when that ended it."""
+    """Send ``channel``'s messages over ``sender`` until the channel closes or its reader's
+    connection does, then its end, with the engine's error when that ended it."""
     last: list = []
     is_closed = lambda: channel.is_closed  # noqa: E731
+    watching = asyncio.ensure_future(_close_when_reader_goes(channel, sender))
     try:
         while (message := await channel.take()) is not None:
             if not await sender.send(message, is_closed):
                 break
     except EngineDeadError as exc:
         last = [exc]
+    finally:
+        watching.cancel()
     sender.send_end(last)
+
+
+async def _close_when_reader_goes(channel: OutputChannel, sender: ChannelSocketSender) -> None:
+    """Close ``channel`` (its requests are aborted) once its reader's connection has closed: the
+    handle's process died, which Ray's call alone would tell only at the channel's lease."""
+    await sender.wait_reader_gone()
+    if not channel.is_closed:
+        logger.warning("the reader of output channel %s disconnected; closing the channel", channel.channel_id)
+        channel.close()
 
 
 def _ranks_are_actors(engine_config: dict, size: int) -> bool:
