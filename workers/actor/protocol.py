@@ -102,6 +102,33 @@ def merge_deltas(deltas: list[OutputDelta]) -> OutputDelta:
     latest metrics, and the prompt logprobs if one of them carried them."""
     if len(deltas) == 1:
         return deltas[0]
+    # Most merges: one sample each, no per-token logprobs (a stream read behind the engine).
+    token_ids: list[int] = []
+    texts: list[str] = []
+    cumulative_logprob = prompt_logprobs = metrics = None
+    for delta in deltas:
+        samples = delta.samples
+        if len(samples) != 1 or samples[0].index != 0 or samples[0].logprobs is not None:
+            return _merge_samples(deltas)
+        news = samples[0]
+        token_ids += news.token_ids
+        if news.text:
+            texts.append(news.text)
+        if news.cumulative_logprob is not None:
+            cumulative_logprob = news.cumulative_logprob
+        if prompt_logprobs is None:
+            prompt_logprobs = delta.prompt_logprobs
+        if delta.metrics is not None:
+            metrics = delta.metrics
+    last = deltas[-1]
+    news = last.samples[0]
+    return OutputDelta(last.request_id, [SampleDelta(0, token_ids, "".join(texts), None, cumulative_logprob,
+                                                     news.finish_reason, news.stop_reason)],
+                       last.finished, metrics, prompt_logprobs, last.num_generated_tokens)
+
+
+def _merge_samples(deltas: list[OutputDelta]) -> OutputDelta:
+    """``merge_deltas`` of deltas with several samples or logprobs."""
     samples: dict[int, SampleDelta] = {}
     for delta in deltas:
         for news in delta.samples:
