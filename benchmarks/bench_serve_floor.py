@@ -19,8 +19,14 @@ share fewer cores, and every write wakes a process that must take a core from an
 token (the handle's read, text decoding, the chunk) would: whether spreading the writes out
 costs more than the work itself.
 
+``--tok-s R`` paces the ticks so that the streams together make about R tokens a second, as
+an engine's steps pace a served run: the floor at a served run's rate. Unpaced, the floor
+streams several times faster than a served run on the same machine, so the costs that run
+by the second (Serve's controller, Ray's daemons) and the ingress's wake-ups, each for a
+burst of writes, weigh on each of its tokens several times less.
+
     python benchmarks/bench_serve_floor.py [--streams 64] [--tokens 256] [--ingress haproxy] [--busy-cpus 1]
-                                           [--work-us 20]
+                                           [--work-us 20] [--tok-s 5000]
 """
 
 from __future__ import annotations
@@ -40,9 +46,9 @@ from fastapi import Request   # at module level: the route's annotation is resol
 CHUNK_TEXT = " the"
 
 
-def build_app(work_us: float = 0.0):
+def build_app(work_us: float = 0.0, tok_s: float = 0.0):
     """The FastAPI app: ``/v1/models`` and a streamed ``/v1/completions`` (``work_us`` of CPU
-    spun before each chunk)."""
+    spun before each chunk; ticks paced to ``tok_s`` tokens a second, 0: as fast as the loop goes)."""
     from fastapi import FastAPI
     from fastapi.responses import StreamingResponse
 
@@ -51,10 +57,16 @@ def build_app(work_us: float = 0.0):
     ticker: dict = {}
 
     async def tick() -> None:
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
         while streams:
             for stream in list(streams):
                 stream[0].set()
-            await asyncio.sleep(0)   # one step: the streams write, then the next
+            if tok_s:   # the next step once this one's tokens are due at the rate
+                next_at = max(next_at + len(streams) / tok_s, loop.time() - 0.1)
+                await asyncio.sleep(max(next_at - loop.time(), 0.0))
+            else:
+                await asyncio.sleep(0)   # one step: the streams write, then the next
         ticker.pop("task", None)
 
     @app.get("/v1/models")
@@ -97,7 +109,7 @@ def build_app(work_us: float = 0.0):
     return app
 
 
-def serve_floor(port: int, ingress_name: str, work_us: float) -> None:
+def serve_floor(port: int, ingress_name: str, work_us: float, tok_s: float) -> None:
     """This process: a private Ray with ``ingress_name``'s environment, the floor app deployed
     as pagedserve's own is, serving until killed."""
     import ray
@@ -109,7 +121,7 @@ def serve_floor(port: int, ingress_name: str, work_us: float) -> None:
 
     ingress.prepare(ingress_name)
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="WARNING")
-    app = build_app(work_us)
+    app = build_app(work_us, tok_s)
 
     @serve.deployment(name="PagedServe", max_ongoing_requests=1100,
                       ray_actor_options={"num_cpus": 0, **ray_compat.head_node_placement()})
@@ -136,13 +148,16 @@ def main() -> None:
                         help="processes spinning beside the server while it is loaded (an engine core's CPU)")
     parser.add_argument("--work-us", type=float, default=0.0,
                         help="µs of the replica's CPU spun before each chunk (a server's own work per token)")
+    parser.add_argument("--tok-s", type=float, default=0.0,
+                        help="tokens a second the streams make together (a served run's rate); 0: unpaced")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)   # the server's own process
     args = parser.parse_args()
     if args.serve:
-        serve_floor(args.port, args.ingress, args.work_us)
+        serve_floor(args.port, args.ingress, args.work_us, args.tok_s)
         return
     server = subprocess.Popen([sys.executable, __file__, "--serve", "--port", str(args.port), "--ingress", args.ingress,
-                               "--work-us", str(args.work_us)], stdout=subprocess.PIPE, text=True)
+                               "--work-us", str(args.work_us), "--tok-s", str(args.tok_s)],
+                              stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout.readline().strip() == "floor serving", "the floor app did not start"
         with tempfile.TemporaryDirectory() as workdir:
@@ -168,7 +183,7 @@ def main() -> None:
                     print(f"{data['failed']} requests failed: {data['errors'][:3]}", flush=True)
                 cpu = data["cpu_per_token"]
                 print(json.dumps({"ingress": args.ingress, "streams": args.streams, "tokens": args.tokens,
-                                  "busy_cpus": args.busy_cpus, "work_us": args.work_us,
+                                  "busy_cpus": args.busy_cpus, "work_us": args.work_us, "tok_s_paced": args.tok_s,
                                   "output_tok_s": round(data["output_throughput"]),
                                   "server_us": round(cpu["server_total"]["us_per_token"], 1),
                                   "groups": {k: round(g["us_per_token"], 1) for k, g in cpu["groups"].items()},

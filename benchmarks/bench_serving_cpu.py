@@ -6,9 +6,14 @@ model, one worker, a private Ray), then ``pagedserve bench serve --cpu-per-token
 token, and the same requests through ``LLM.generate`` in a process of its own), then the
 server stopped. Prints one row per run and writes every run's JSON to ``--out``.
 
+With ``--floor``, each run at stream interval 1 is followed by Serve's floor on the same
+ingress (``bench_serve_floor.py``: pre-rendered chunks, no engine) paced to the run's token
+rate, the same streams and tokens, with one CPU kept busy as the run's engine core keeps
+one: the row adds the floor's CPU per token and what serving adds over it.
+
     python benchmarks/bench_serving_cpu.py [--streams 64,256] [--intervals 1,4,16]
                                            [--ingresses haproxy,proxy] [--transports zmq]
-                                           [--tokens 256] [--rounds 1]
+                                           [--tokens 256] [--rounds 1] [--floor]
 """
 
 from __future__ import annotations
@@ -46,6 +51,18 @@ def run_one(ingress: str, transport: str, streams: int, interval: int, tokens: i
         stop_server(server)
 
 
+def run_floor(ingress: str, streams: int, tokens: int, tok_s: float) -> dict:
+    """``bench_serve_floor.py``'s row for the same load paced to ``tok_s``, one CPU busy."""
+    floor = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_serve_floor.py")
+    done = subprocess.run([sys.executable, floor, "--ingress", ingress, "--streams", str(streams), "--tokens",
+                           str(tokens), "--tok-s", str(round(tok_s)), "--busy-cpus", "1"],
+                          capture_output=True, text=True, timeout=1800)
+    rows = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not rows:
+        raise RuntimeError(f"the floor failed ({done.returncode}): {done.stderr[-2000:]}")
+    return json.loads(rows[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", default="64,256")
@@ -56,6 +73,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--out", default="artifacts/serving_cpu.json")
+    parser.add_argument("--floor", action="store_true",
+                        help="after each run at stream interval 1, Serve's floor paced to its token rate")
     args = parser.parse_args()
     runs = []
     with tempfile.TemporaryDirectory(prefix="serving-cpu-") as workdir:
@@ -74,6 +93,11 @@ def main() -> None:
                                "offline_us": round(data["offline"]["us_per_token"], 1),
                                "serving_adds_us": round(cpu["serving_adds_us_per_token"], 1),
                                "groups": groups, "failed": data["failed"]}
+                        if args.floor and interval == 1:
+                            floor = run_floor(ingress, streams, args.tokens, data["output_throughput"])
+                            row["floor"] = {"output_tok_s": floor["output_tok_s"], "server_us": floor["server_us"],
+                                            "groups": floor["groups"]}
+                            row["adds_over_floor"] = round(cpu["serving_adds_us_per_token"] / floor["server_us"], 2)
                         print(json.dumps(row), flush=True)
                         runs.append({"row": row, "data": data})
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
