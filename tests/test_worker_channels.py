@@ -244,14 +244,22 @@ def test_a_migration_over_a_socket_brings_its_kv_ref_or_sends_the_request_elsewh
     asyncio.run(run())
 
 
+def _never_closed() -> bool:
+    return False
+
+
+def _socket_pair(messages_ahead: int) -> tuple[ChannelSocketSender, ChannelSocketReceiver]:
+    """A channel "c1"'s sender on the loopback and a reader connected to it."""
+    sender = ChannelSocketSender("c1", messages_ahead=messages_ahead, host="127.0.0.1")
+    return sender, ChannelSocketReceiver(sender.address, "c1")
+
+
 def test_a_socket_sender_stays_at_most_its_messages_ahead_of_the_reader():
     async def run():
-        sender = ChannelSocketSender("c1", messages_ahead=2, host="127.0.0.1")
-        receiver = ChannelSocketReceiver(sender.address, "c1")
-        never = lambda: False  # noqa: E731
+        sender, receiver = _socket_pair(messages_ahead=2)
         for n in range(2):
-            await asyncio.wait_for(sender.send([_batch((0, [n]))], never), 10)
-        third = asyncio.ensure_future(sender.send([_batch((0, [2]))], never))
+            await asyncio.wait_for(sender.send([_batch((0, [n]))], _never_closed), 10)
+        third = asyncio.ensure_future(sender.send([_batch((0, [2]))], _never_closed))
         await asyncio.sleep(0.3)
         assert not third.done()   # two unread: it waits for a credit
         frames = await receiver.receive()
@@ -333,10 +341,8 @@ def test_a_socket_channel_whose_reader_was_killed_closes_at_once_not_at_its_leas
 
 def test_a_strangers_connection_closing_leaves_the_channel_open():
     async def run():
-        sender = ChannelSocketSender("c1", messages_ahead=1, host="127.0.0.1")
-        receiver = ChannelSocketReceiver(sender.address, "c1")
-        never = lambda: False  # noqa: E731
-        assert await asyncio.wait_for(sender.send([_batch((0, [1]))], never), 10)
+        sender, receiver = _socket_pair(messages_ahead=1)
+        assert await asyncio.wait_for(sender.send([_batch((0, [1]))], _never_closed), 10)
         stranger = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         stranger.setsockopt(zmq.LINGER, 0)
         stranger.connect(sender.address)
@@ -344,7 +350,7 @@ def test_a_strangers_connection_closing_leaves_the_channel_open():
         await asyncio.sleep(0.1)
         stranger.close()
         await asyncio.sleep(0.3)
-        waiting = asyncio.ensure_future(sender.send([_batch((0, [2]))], never))
+        waiting = asyncio.ensure_future(sender.send([_batch((0, [2]))], _never_closed))
         watching = asyncio.ensure_future(sender.wait_reader_gone())
         await asyncio.sleep(0.5)
         assert not waiting.done() and not watching.done()   # the stranger's going was ignored
