@@ -87,7 +87,7 @@ def test_haproxys_ports_are_free_and_below_the_ephemeral_range(monkeypatch):
     if ephemeral_from <= ingress._PORTS_FROM:
         pytest.skip(f"this machine's ephemeral ports start at {ephemeral_from}")
     ports = [ingress._free_port() for _ in range(20)]
-    assert all(ingress._PORTS_FROM <= port < ephemeral_from for port in ports), ports
+    assert all(ingress._PORTS_FROM <= port < min(ephemeral_from, 30000) for port in ports), ports
     with socket.socket() as taken:
         taken.bind(("0.0.0.0", ports[0]))
         sample = random.sample

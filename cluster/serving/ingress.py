@@ -93,24 +93,34 @@ def _check_haproxy_binary() -> None:
 HAPROXY_PORT_ENVS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
 
 
-# Where HAProxy's own ports are picked: above Ray's worker ports (10002-19999 by default) and
-# below the kernel's ephemeral range, which every process binding port 0 draws from.
-_PORTS_FROM = 20000
+# Where HAProxy's own ports are picked: above Ray's worker ports (10002-19999 by default), and
+# below both Serve's direct-ingress ports (a replica binds one from 30000, its gRPC one from
+# 40000) and the kernel's ephemeral range, which every process binding port 0 draws from.
+_PORTS_FROM = 25000
+DIRECT_INGRESS_MIN_PORT_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"
 
 
-def _free_port() -> int:
-    """A port free now, for HAProxy to bind once Serve starts, tens of seconds later. Taken below
-    the ephemeral range where it can be: meanwhile Ray's processes bind port 0 by the dozen,
-    and one of them may be handed any free ephemeral port (it happened: "cannot bind socket")."""
-    import random
-    import socket
-
+def _ports_to() -> int:
+    """Where the range ``_free_port`` picks from ends: the lower of the ephemeral range's start
+    and Serve's first direct-ingress port."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             ephemeral_from = int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         ephemeral_from = 32768   # Linux's default
-    candidates = random.sample(range(_PORTS_FROM, ephemeral_from), min(64, max(ephemeral_from - _PORTS_FROM, 0)))
+    return min(ephemeral_from, int(os.environ.get(DIRECT_INGRESS_MIN_PORT_ENV, "30000")))
+
+
+def _free_port() -> int:
+    """A port free now, for HAProxy to bind once Serve starts, tens of seconds later. Taken below
+    the ephemeral range and the replicas' ports where it can be: meanwhile Ray's processes bind
+    port 0 by the dozen, and one of them may be handed any free ephemeral port (it happened:
+    "cannot bind socket")."""
+    import random
+    import socket
+
+    ports_to = _ports_to()
+    candidates = random.sample(range(_PORTS_FROM, ports_to), min(64, max(ports_to - _PORTS_FROM, 0)))
     for port in [*candidates, 0]:
         with socket.socket() as sock:
             try:
