@@ -21,6 +21,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from pagedserve.cluster.serving.ingress import _PORTS_FROM as HAPROXY_PORTS_FROM
+
 
 def _ephemeral_low(default: int = 32768) -> int:
     try:
@@ -32,12 +34,12 @@ def _ephemeral_low(default: int = 32768) -> int:
 
 # Ports handed to servers the tests start (Serve's HTTP and gRPC proxies, GCS ports): between
 # the worker ports of ``ray start`` (10002-19999) and the range a server picks HAProxy's own
-# ports from (``cluster.serving.ingress``, from 25000), so that a test's server never takes the
+# ports from (``cluster.serving.ingress``, from ``HAPROXY_PORTS_FROM``), so that a test's server never takes the
 # port another test's server picked for its HAProxy; below the kernel's ephemeral range, which
 # ``bind(0)`` draws from and above which Ray picks its other ports at random.
 # A port checked free here cannot be taken by another process's ``bind(0)`` before its server
 # binds it, as a port drawn from the ephemeral range was under load.
-TEST_PORTS = range(20000, max(min(_ephemeral_low(), 25000), 21000))
+TEST_PORTS = range(20000, max(min(_ephemeral_low(), HAPROXY_PORTS_FROM), 21000))
 _handed_out: set[int] = set()
 
 
