@@ -24,7 +24,6 @@ from typing import Any, Iterator
 from pagedserve.cluster.serving.ingress import _PORTS_FROM as HAPROXY_PORTS_FROM
 
 
-
 def _ephemeral_low(default: int = 32768) -> int:
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
