@@ -192,6 +192,7 @@ def main() -> None:
     from pagedserve.cluster.serving.frontend import Frontend
     from pagedserve.cluster.serving.http_app import build_app
     from pagedserve.devtools.model_factory import ensure_model
+    from pagedserve.workers.process.gc_heap import prepare_serving_heap
 
     model_path = str(ensure_model("llama", "tiny"))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -199,6 +200,7 @@ def main() -> None:
     server = Frontend(handle, ServerConfig())
     app = build_app(server)
     bare_app = _bare_app(handle) if args.floor else None
+    prepare_serving_heap("bench")   # as a Serve replica does once it has started
     num_tokens = args.streams * args.tokens
     rounds = []
     for _ in range(args.rounds):
