@@ -11,6 +11,10 @@ ingress (``bench_serve_floor.py``: pre-rendered chunks, no engine) paced to the 
 rate, the same streams and tokens, with one CPU kept busy as the run's engine core keeps
 one: the row adds the floor's CPU per token and what serving adds over it.
 
+Each row also has the engine's steps, served and offline (``bench.engine_steps``): tokens a
+step, CPU a step, and the served engine core's excess per token split into fewer tokens a
+step and costlier steps.
+
     python benchmarks/bench_serving_cpu.py [--streams 64,256] [--intervals 1,4,16]
                                            [--ingresses haproxy,proxy] [--transports zmq]
                                            [--tokens 256] [--rounds 1] [--floor]
@@ -63,6 +67,19 @@ def run_floor(ingress: str, streams: int, tokens: int, tok_s: float) -> dict:
     return json.loads(rows[-1])
 
 
+def _engine_row(steps: dict) -> dict:
+    """Tokens a step and CPU a step, served and offline, and the served engine core's excess
+    per token split into fewer tokens a step and costlier steps (``bench.engine_steps``)."""
+    served, offline, split = steps["served"], steps["offline"], steps["split"]
+    return {"tokens_per_step": [round(served["tokens_per_step"], 1), round(offline["tokens_per_step"], 1)],
+            "cpu_us_per_step": [round(served["cpu_us_per_step"]), round(offline["cpu_us_per_step"])],
+            "decode_step_ms": [round(served["decode_step_ms"], 2), round(offline["decode_step_ms"], 2)],
+            "core_phase_us_per_step": {p: round(us) for p, us in served.get("phase_us_per_step", {}).items()},
+            "excess_us": round(split["excess_us_per_token"], 1),
+            "fewer_tokens_per_step_us": round(split["fewer_tokens_per_step_us"], 1),
+            "costlier_steps_us": round(split["costlier_steps_us"], 1)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", default="64,256")
@@ -93,6 +110,8 @@ def main() -> None:
                                "offline_us": round(data["offline"]["us_per_token"], 1),
                                "serving_adds_us": round(cpu["serving_adds_us_per_token"], 1),
                                "groups": groups, "failed": data["failed"]}
+                        if "split" in data.get("engine_steps", {}):
+                            row["engine_steps"] = _engine_row(data["engine_steps"])
                         if args.floor and interval == 1:
                             floor = run_floor(ingress, streams, args.tokens, data["output_throughput"])
                             row["floor"] = {"output_tok_s": floor["output_tok_s"], "server_us": floor["server_us"],

@@ -454,6 +454,43 @@ def test_cpu_per_token_against_a_real_server(tmp_path, tiny_model, monkeypatch, 
     assert cpu["serving_adds_us_per_token"] == pytest.approx(
         cpu["server_total"]["us_per_token"] - offline["us_per_token"])
     assert "serving adds" in printed and "serve replica" in printed
+    steps = data["engine_steps"]
+    served_steps, offline_steps = steps["served"], steps["offline"]
+    assert served_steps["tokens"] == offline_steps["tokens"] == 8 * 64   # the window's, warm-ups outside it
+    for w in (served_steps, offline_steps):
+        assert 1 <= w["tokens_per_step"] <= 8 and w["step_ms"] > 0 and w["cpu_us_per_step"] > 0
+    assert served_steps["cpu_s"] == pytest.approx(groups["engine core 0"]["cpu_s"])
+    assert set(served_steps["phase_us_per_step"]) >= {"step", "outputs", "send"}
+    split = steps["split"]
+    assert split["fewer_tokens_per_step_us"] + split["costlier_steps_us"] == pytest.approx(
+        split["excess_us_per_token"])
+    assert "engine steps over the load" in printed
+
+
+def test_engine_steps_split_the_served_engines_excess_into_fuller_steps_and_costlier_ones():
+    from pagedserve.bench import engine_steps
+
+    def snapshot(steps, tokens, step_s, core=None):
+        stats = {"num_steps": steps, "num_decode_steps": steps - 1, "num_generated_tokens": tokens,
+                 "mean_step_ms": 1e3 * step_s / steps, "mean_decode_step_ms": 1e3 * step_s / (steps - 1)}
+        if core is not None:
+            stats["engine_core_cpu_seconds"] = core
+        return engine_steps.counters(stats)
+
+    # Offline: 100 steps of 64 tokens, 1 ms of CPU each. Served: the same tokens in 128 steps
+    # of 1.25 ms of CPU each (the core's loop by phase).
+    offline = engine_steps.window(snapshot(10, 10, 0.01), snapshot(110, 6410, 0.11), cpu_s=0.1)
+    served = engine_steps.window(snapshot(5, 5, 0.0, {"step": 1.0, "send": 0.0}),
+                                 snapshot(133, 6405, 0.128, {"step": 1.15, "send": 0.01}))
+    assert offline["tokens_per_step"] == 64 and offline["cpu_us_per_step"] == pytest.approx(1000)
+    assert served["steps"] == 128 and served["tokens_per_step"] == 50
+    assert served["cpu_us_per_step"] == pytest.approx(1250)
+    assert served["phase_us_per_step"] == pytest.approx({"step": 1171.875, "send": 78.125})
+    assert served["step_ms"] == pytest.approx(1.0) and served["decode_step_ms"] == pytest.approx(1.0)
+    split = engine_steps.split_excess(served, offline)
+    assert split["excess_us_per_token"] == pytest.approx(25 - 15.625)
+    assert split["fewer_tokens_per_step_us"] == pytest.approx(20 - 15.625)   # 1 ms over 50 tokens, not 64
+    assert split["costlier_steps_us"] == pytest.approx(5)                     # 0.25 ms over 50 tokens
 
 
 def test_offline_runs_all_contenders(tmp_path, tiny_model):

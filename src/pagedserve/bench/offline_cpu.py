@@ -4,7 +4,8 @@
 ``max_tokens``) with one torch thread, as a worker actor of one CPU runs, after a warm-up
 on other requests. The figure is the process's own CPU time (user + system, all its
 threads) over the timed call, divided by the output tokens: the engine's cost of a token
-with no server around it, the baseline of ``bench serve --cpu-per-token``.
+with no server around it, the baseline of ``bench serve --cpu-per-token``; and the engine's
+steps over the call (``engine_steps``).
 
 ``measure_in_subprocess`` runs it in a fresh spawned process, so that the figure holds
 nothing of the caller's (its load client, its imports) and the caller's torch is untouched.
@@ -25,6 +26,7 @@ def measure(model: str, requests: list[tuple[Prompt, int]], warmup: list[tuple[P
 
     from pagedserve import LLM, SamplingParams
 
+    from . import engine_steps
     from .report import torch_threads
 
     def run(batch: list[tuple[Prompt, int]]) -> int:
@@ -37,14 +39,17 @@ def measure(model: str, requests: list[tuple[Prompt, int]], warmup: list[tuple[P
         if warmup:
             run(warmup)
         process = psutil.Process()
+        steps_before = engine_steps.counters(llm.engine.stats())
         before, start = process.cpu_times(), time.perf_counter()
         num_tokens = run(requests)
         seconds, after = time.perf_counter() - start, process.cpu_times()
+        steps_after = engine_steps.counters(llm.engine.stats())
     cpu_s = (after.user + after.system) - (before.user + before.system)
     return {"model": model, "threads": threads, "engine_options": engine_options or {},
             "num_requests": len(requests), "num_output_tokens": num_tokens, "seconds": seconds,
             "output_throughput": num_tokens / seconds, "cpu_s": cpu_s,
-            "us_per_token": cpu_s / num_tokens * 1e6 if num_tokens else float("nan")}
+            "us_per_token": cpu_s / num_tokens * 1e6 if num_tokens else float("nan"),
+            "engine_steps": engine_steps.window(steps_before, steps_after, cpu_s)}
 
 
 def measure_in_subprocess(model: str, requests: list[tuple[Prompt, int]], warmup: list[tuple[Prompt, int]],

@@ -28,6 +28,7 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 
+from . import engine_steps
 from .plots import plot_cdfs
 from .report import format_table, percentile, progress_bar, summarize, write_json
 from .workload import LengthDist, poisson_arrivals, random_token_ids
@@ -277,9 +278,11 @@ def run_benchmark(config: ServeBenchConfig, out: str | None = None, plot_dir: st
     if config.num_warmups:
         asyncio.run(run_load(warmup_config(config)))
     num_requests = config.num_requests if requests is None else len(requests)
+    steps_before = _served_steps(config) if probe else None
     with progress_bar(num_requests, "serve", disable=not show_progress) as bar, \
             (probe.measure() if probe else contextlib.nullcontext()) as window:
         results, duration = asyncio.run(run_load(config, on_finish=lambda _: bar.update(1), requests=requests))
+    steps_after = _served_steps(config) if probe else None
     summary = summarize_results(results, duration)
     data = {"config": {k: v for k, v in asdict(config).items() if k != "api_key"},
             **summary,
@@ -288,10 +291,20 @@ def run_benchmark(config: ServeBenchConfig, out: str | None = None, plot_dir: st
                          for r in results]}
     if window is not None:
         data["cpu_per_token"] = window.result(summary["total_output_tokens"])
+        served_steps = None
+        if steps_before is not None and steps_after is not None:
+            core_cpu_s = sum(g["cpu_s"] for label, g in data["cpu_per_token"]["groups"].items()
+                             if label.startswith("engine core"))
+            served_steps = engine_steps.window(steps_before, steps_after, core_cpu_s or None)
+            data["engine_steps"] = {"served": served_steps}
         if cpu.offline:
             data["offline"] = run_offline(config, cpu, requests)
             served = data["cpu_per_token"]["server_total"]["us_per_token"]
             data["cpu_per_token"]["serving_adds_us_per_token"] = served - data["offline"]["us_per_token"]
+            if served_steps is not None:
+                offline_steps = data["offline"]["engine_steps"]
+                data["engine_steps"].update(offline=offline_steps,
+                                            split=engine_steps.split_excess(served_steps, offline_steps))
     write_json(out, data)
     if plot_dir:
         from pathlib import Path
@@ -303,6 +316,16 @@ def run_benchmark(config: ServeBenchConfig, out: str | None = None, plot_dir: st
                    "end-to-end": {"e2el": [r.e2e_s * 1e3 for r in ok]}},
                   Path(plot_dir) / "serve_latency_cdf.png", f"online load against {config.url}", xlabel="ms")
     return data
+
+
+def _served_steps(config: ServeBenchConfig) -> dict | None:
+    """The server's engine step figures (``engine_steps``), or None where ``/stats`` gives none
+    (another server than pagedserve, say)."""
+    try:
+        return engine_steps.served_counters(config.url, _headers(config))
+    except Exception as exc:  # the CPU figures stand without it
+        print(f"bench serve: no engine step figures from {config.url}/stats: {exc!r}"[:300])
+        return None
 
 
 def run_offline(config: ServeBenchConfig, cpu: CpuPerTokenConfig, requests: list[tuple] | None = None) -> dict:
@@ -353,10 +376,32 @@ def format_cpu_per_token(data: dict) -> str:
                      f"{cpu['server_total']['us_per_token']:.1f} less the offline engine's "
                      f"{data['offline']['us_per_token']:.1f}); served {data['output_throughput']:.0f} against "
                      f"offline {data['offline']['output_throughput']:.0f} output tok/s")
+    if "engine_steps" in data:
+        lines.extend(format_engine_steps(data["engine_steps"]))
     if cpu["ended_processes"]:
         lines.append("ended during the run (CPU after the first snapshot not counted): " + ", ".join(
             f"{p['name']} ({p['pid']})" for p in cpu["ended_processes"]))
     return "\n".join(lines)
+
+
+def format_engine_steps(steps: dict) -> list[str]:
+    """The engine's steps over the load, served and offline, and its excess split in two."""
+    def one(name: str, w: dict) -> str:
+        phases = w.get("phase_us_per_step")
+        by_phase = (" (core loop: " + ", ".join(f"{p} {us:.0f}" for p, us in phases.items()) + ")"
+                    if phases else "")
+        return (f"{name}: {w['steps']:,} steps ({w['decode_steps']:,} decode), {w['tokens_per_step']:.1f} tokens "
+                f"a step, step {w['step_ms']:.2f} ms (decode {w['decode_step_ms']:.2f}), CPU "
+                f"{w['cpu_us_per_step']:.0f} us a step{by_phase}, {w['cpu_us_per_token']:.1f} us a token")
+
+    lines = ["engine steps over the load:", one("  served engine core", steps["served"])]
+    if "offline" in steps:
+        lines.append(one("  offline engine", steps["offline"]))
+        split = steps["split"]
+        lines.append(f"  the served engine's {split['excess_us_per_token']:.1f} us a token over offline: "
+                     f"{split['fewer_tokens_per_step_us']:.1f} from fewer tokens a step, "
+                     f"{split['costlier_steps_us']:.1f} from costlier steps")
+    return lines
 
 
 def format_results(data: dict) -> str:
