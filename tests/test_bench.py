@@ -262,6 +262,18 @@ def test_serve_metrics_against_a_streaming_server(fake_server, tmp_path):
     assert (tmp_path / "serve_latency_cdf.png").is_file()
 
 
+def test_the_load_clients_lines_are_whole_however_the_stream_is_cut():
+    from pagedserve.bench.serve import LineSplitter
+
+    stream = b'data: {"a": 1}\n\ndata: {"b": 2}\r\n\r\ndata: [DONE]\n\n'
+    for cut in range(1, len(stream) + 1):   # every piece size, the last piece shorter
+        lines = LineSplitter()
+        got = [line for start in range(0, len(stream), cut) for line in lines.feed(stream[start:start + cut])]
+        assert got == [b'data: {"a": 1}', b"", b'data: {"b": 2}\r', b"\r", b"data: [DONE]", b""], cut
+    lines = LineSplitter()
+    assert lines.feed(b"data: x") == [] and lines.feed(b"y\n") == [b"data: xy"]
+
+
 def test_serve_reports_a_dead_server_as_errors():
     config = serve.ServeBenchConfig(url="http://127.0.0.1:9", model="m", num_requests=2, request_timeout_s=5)
     results, _ = asyncio.run(serve.run_load(config))

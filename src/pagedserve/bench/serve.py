@@ -133,6 +133,20 @@ async def _model_name(session, config: ServeBenchConfig) -> str:
     return models[0]["id"]
 
 
+class LineSplitter:
+    """Complete lines out of a byte stream read in arbitrary pieces."""
+
+    def __init__(self) -> None:
+        self._partial = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """The lines ``data`` completes, without their line ends (``\\n``, or ``\\r\\n``
+        less the ``\\n``); an unfinished last line waits for the next piece."""
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        return lines
+
+
 async def _send(session, config: ServeBenchConfig, model: str, prompt, prompt_len: int, max_tokens: int,
                 run_start: float) -> RequestResult:
     """Stream one completion, timing every chunk that carries text."""
@@ -153,27 +167,35 @@ async def _send(session, config: ServeBenchConfig, model: str, prompt, prompt_le
                 text = (await response.read()).decode(errors="replace")
                 result.error = f"HTTP {response.status}: {text[:300]}"
                 return result
-            async for line in response.content:   # server-sent events: one "data:" line each
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[len(b"data:"):].strip()
-                if payload == b"[DONE]":
+            lines = LineSplitter()
+            is_done = False
+            # Whatever the socket has, at once (as vLLM's client reads): aiohttp's line by line
+            # reading cost the client as much CPU per token as the server's replica spent.
+            async for data in response.content.iter_any():
+                for line in lines.feed(data):   # server-sent events: one "data:" line each
+                    if not line.startswith(b"data:"):
+                        continue
+                    payload = line[len(b"data:"):].strip()
+                    if payload == b"[DONE]":
+                        is_done = True
+                        break
+                    chunk = json.loads(payload)
+                    if "error" in chunk:
+                        result.error = f"stream error: {json.dumps(chunk['error'])[:300]}"
+                        return result
+                    if chunk.get("usage"):
+                        usage_tokens = chunk["usage"].get("completion_tokens")
+                        result.prompt_len = chunk["usage"].get("prompt_tokens", prompt_len)
+                    if any(choice.get("text") for choice in chunk.get("choices") or []):
+                        now = time.perf_counter()
+                        if num_chunks == 0:
+                            result.ttft_s = now - start
+                        else:
+                            result.itl_s.append(now - last)
+                        last = now
+                        num_chunks += 1
+                if is_done:
                     break
-                chunk = json.loads(payload)
-                if "error" in chunk:
-                    result.error = f"stream error: {json.dumps(chunk['error'])[:300]}"
-                    return result
-                if chunk.get("usage"):
-                    usage_tokens = chunk["usage"].get("completion_tokens")
-                    result.prompt_len = chunk["usage"].get("prompt_tokens", prompt_len)
-                if any(choice.get("text") for choice in chunk.get("choices") or []):
-                    now = time.perf_counter()
-                    if num_chunks == 0:
-                        result.ttft_s = now - start
-                    else:
-                        result.itl_s.append(now - last)
-                    last = now
-                    num_chunks += 1
         result.e2e_s = time.perf_counter() - start
         result.output_tokens = usage_tokens if usage_tokens is not None else num_chunks
         result.success = num_chunks > 0
