@@ -40,6 +40,7 @@ from .errors import APIError, error_from_exception, timeout_error
 from .limits import ClientLimiter, RequestLimiter
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, ModelCard, ModelList, Usage
+from .prompt_encoder import PromptEncoder
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -396,6 +397,7 @@ class Frontend:
         # Some worker speculates: beam search is refused (``ClusterConfig.speculates``).
         self.speculates = bool(getattr(getattr(handle, "config", None), "speculates", False))
         self.tokenizer = handle.tokenizer
+        self.prompt_encoder = PromptEncoder(self.tokenizer)
         self.vocab_size = _model_vocab_size(handle.model_path, self.tokenizer)
         self.limiter = RequestLimiter(self.limits.max_queued_requests)
         self.client_limiter = ClientLimiter(self.limits.max_requests_per_client)
@@ -485,7 +487,7 @@ class Frontend:
                  truncate_prompt_tokens: int | None = None) -> PromptInput:
         if isinstance(prompt, str):
             check_unicode(prompt, param)
-            token_ids = self.tokenizer.encode(prompt)
+            token_ids = self.prompt_encoder.encode(prompt)
             text = prompt
         else:
             token_ids, text = list(prompt), None
@@ -522,7 +524,7 @@ class Frontend:
                                param="messages") from None
             raise APIError(400, str(exc), param=exc.param) from None
         # The template writes the special tokens; add_special_tokens (vLLM) adds the tokenizer's too.
-        return PromptInput(text, self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens))
+        return PromptInput(text, self.prompt_encoder.encode(text, add_special_tokens=request.add_special_tokens))
 
     @staticmethod
     def _template_message(message) -> dict[str, Any]:

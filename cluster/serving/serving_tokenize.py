@@ -41,7 +41,7 @@ class ServingTokenize:
             token_ids = frontend.render_chat(request).token_ids
         else:
             check_unicode(request.prompt, "prompt")
-            token_ids = frontend.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+            token_ids = frontend.prompt_encoder.encode(request.prompt, add_special_tokens=request.add_special_tokens)
         token_strs = frontend.tokenizer.convert_ids_to_tokens(token_ids) if request.return_token_strs else None
         return TokenizeResponse(count=len(token_ids), max_model_len=frontend.max_model_len, tokens=token_ids,
                                 token_strs=token_strs)
