@@ -11,7 +11,10 @@ ingress (``bench_serve_floor.py``: pre-rendered chunks, no engine) paced to the 
 rate, the same streams and tokens, with one CPU kept busy as the run's engine core keeps
 one: the row adds the floor's CPU per token and what serving adds over it.
 
-Each row also has the engine's steps, served and offline (``bench.engine_steps``): tokens a
+Each row also has the idle server's CPU by process (``--idle-s`` seconds with no load, after
+the run), and what it comes to per token at the run's rate: the part of the CPU a token that
+is paid by the second (heartbeats, health and load polls, Ray's and Serve's daemons), so falls
+per token as the token rate rises. And the engine's steps, served and offline (``bench.engine_steps``): tokens a
 step, CPU a step, and the served engine core's excess per token split into fewer tokens a
 step and costlier steps.
 
@@ -29,12 +32,26 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
+from pagedserve.bench.process_cpu import ServerCpuProbe, find_server_root
 from pagedserve.bench.served_process import start_server, stop_server
+
+IDLE_SETTLE_S = 2.0   # after the load, before the idle window: streams' last writes and closes
+
+
+def idle_cpu(server_pid: int, port: int, seconds: float) -> dict:
+    """Each group of the idle server's processes' CPU, in cores, over ``seconds`` with no load."""
+    probe = ServerCpuProbe(find_server_root(f"http://127.0.0.1:{port}", server_pid))
+    time.sleep(IDLE_SETTLE_S)
+    with probe.measure() as window:
+        time.sleep(seconds)
+    groups = window.result(1)["groups"]
+    return {label: group["cpu_s"] / seconds for label, group in groups.items()}
 
 
 def run_one(ingress: str, transport: str, streams: int, interval: int, tokens: int, port: int,
-            workdir: str) -> dict:
+            workdir: str, idle_s: float = 0.0) -> dict:
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
     name = f"{ingress}-{transport}-{streams}-{interval}"
@@ -50,7 +67,10 @@ def run_one(ingress: str, transport: str, streams: int, interval: int, tokens: i
         if done.returncode != 0:
             raise RuntimeError(done.stderr[-2000:])
         with open(out) as f:
-            return json.load(f)
+            data = json.load(f)
+        if idle_s > 0:
+            data["idle_cores"] = idle_cpu(server.pid, port, idle_s)
+        return data
     finally:
         stop_server(server)
 
@@ -90,6 +110,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--out", default="artifacts/serving_cpu.json")
+    parser.add_argument("--idle-s", type=float, default=5.0,
+                        help="after each run, the idle server's CPU by process over this long (0: skip)")
     parser.add_argument("--floor", action="store_true",
                         help="after each run at stream interval 1, Serve's floor paced to its token rate")
     args = parser.parse_args()
@@ -100,7 +122,8 @@ def main() -> None:
                 for interval in map(int, args.intervals.split(",")):
                     for ingress, transport in itertools.product(args.ingresses.split(","),
                                                                 args.transports.split(",")):
-                        data = run_one(ingress, transport, streams, interval, args.tokens, args.port, workdir)
+                        data = run_one(ingress, transport, streams, interval, args.tokens, args.port, workdir,
+                                       args.idle_s)
                         cpu = data["cpu_per_token"]
                         groups = {name: round(g["us_per_token"], 1) for name, g in cpu["groups"].items()}
                         row = {"round": round_index + 1, "ingress": ingress, "transport": transport,
@@ -110,6 +133,13 @@ def main() -> None:
                                "offline_us": round(data["offline"]["us_per_token"], 1),
                                "serving_adds_us": round(cpu["serving_adds_us_per_token"], 1),
                                "groups": groups, "failed": data["failed"]}
+                        if "idle_cores" in data:
+                            idle = data["idle_cores"]
+                            row["idle_cores"] = round(sum(idle.values()), 3)
+                            # What the idle server's CPU alone comes to per token at the run's rate.
+                            row["idle_us"] = {label: round(cores / data["output_throughput"] * 1e6, 1)
+                                              for label, cores in idle.items()}
+                            row["idle_us_total"] = round(sum(row["idle_us"].values()), 1)
                         if "split" in data.get("engine_steps", {}):
                             row["engine_steps"] = _engine_row(data["engine_steps"])
                         if args.floor and interval == 1:
