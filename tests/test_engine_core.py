@@ -270,6 +270,50 @@ def test_a_core_never_outlives_its_worker_even_one_killed_with_sigkill(model):
         parent.kill()
 
 
+_PARENT_NEVER_READY = """
+import sys, threading, time
+from pagedserve.kvmanager import InProcessTransport
+from pagedserve.kvmanager.service import KVManagerService
+from pagedserve.workers.actor import core_client
+from pagedserve.workers.engine.core_process import CoreSpec
+
+def never(body):   # READY never completes: this worker stays in its core's start
+    time.sleep(600)
+
+core_client.CoreInfo.from_body = staticmethod(never)
+spec = CoreSpec("loading", {"model": sys.argv[1], "device": "cpu", "num_device_blocks": 32, "swap_space_gb": 0.001})
+client = core_client.EngineCoreClient(spec, InProcessTransport(KVManagerService()), lambda items: None,
+                                      lambda m, e: None)
+print(client._dir, flush=True)
+threading.Thread(target=client.start, kwargs={"timeout_s": 600}, daemon=True).start()
+while client.pid is None:
+    time.sleep(0.01)
+print(client.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_worker_killed_before_its_core_is_ready_leaves_no_socket_folder(model):
+    """The folder of the core's socket paths goes once the core has its spec, before its model
+    loads: here its READY is never taken, and the folder is gone all the same."""
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT_NEVER_READY, model], stdout=subprocess.PIPE, text=True)
+    try:
+        socket_dir = parent.stdout.readline().strip()
+        core_pid = int(parent.stdout.readline())
+        deadline = time.monotonic() + 120
+        while os.path.exists(socket_dir) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(socket_dir), "the folder stays until the core is ready"
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(core_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(core_pid)
+    finally:
+        parent.kill()
+
+
 def _alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE

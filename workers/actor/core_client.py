@@ -155,9 +155,6 @@ class EngineCoreClient:
         except CoreDead:
             self.shutdown()
             raise
-        # Both ends are connected and both have mapped the progress file, so nothing needs the
-        # paths any more: gone now, they are not left behind by an actor that is killed.
-        shutil.rmtree(self._dir, ignore_errors=True)
         return self.info
 
     @property
@@ -290,6 +287,11 @@ class EngineCoreClient:
             items.append(("export", channel_id, key, request_id, header, payload))
         elif kind == FromCore.ASK:
             self._answer(*unpack(frames[1].buffer))
+        elif kind == FromCore.STARTED:
+            # Both ends are connected (this came over one, the spec over the other) and both have
+            # mapped the progress file, so nothing needs the paths any more: gone now, before the
+            # model loads, they are not left behind by an actor killed at any time after.
+            shutil.rmtree(self._dir, ignore_errors=True)
         elif kind == FromCore.READY:
             self._ready.set_result(CoreInfo.from_body(frames[1].buffer))
         elif kind == FromCore.DEAD:

@@ -45,6 +45,7 @@ class ToCore:
 
 
 class FromCore:
+    STARTED = b"s"   # the core has its spec and its progress file: the paths between them can go
     READY = b"r"
     OUTPUTS = b"o"
     MIGRATED = b"m"

@@ -135,8 +135,10 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"engine core: expected its spec first, got {kind!r}")
     spec = CoreSpec.from_body(body)
     logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    progress = CoreProgress(progress_path)
+    link.send(FromCore.STARTED)   # before the model loads: an actor killed meanwhile leaves no paths behind
     try:
-        core = build_core(spec, link, CoreProgress(progress_path), parent_pid)
+        core = build_core(spec, link, progress, parent_pid)
     except Exception as exc:
         logger.exception("engine core of worker %s could not start", spec.worker_id)
         link.send(FromCore.DEAD, pack([None, f"the engine could not start: {exc!r}"]))
