@@ -260,12 +260,7 @@ def test_a_core_never_outlives_its_worker_even_one_killed_with_sigkill(model):
         core_pid = int(pid)
         assert psutil.Process(core_pid).ppid() == parent.pid
         assert not os.path.exists(socket_dir), "a killed worker would leave its core's socket folder behind"
-        parent.kill()
-        parent.wait(10)
-        deadline = time.monotonic() + 10
-        while _alive(core_pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(core_pid)
+        _kill_and_see_its_core_end(parent, core_pid)
     finally:
         parent.kill()
 
@@ -304,14 +299,19 @@ def test_a_worker_killed_before_its_core_is_ready_leaves_no_socket_folder(model)
         while os.path.exists(socket_dir) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not os.path.exists(socket_dir), "the folder stays until the core is ready"
-        parent.kill()
-        parent.wait(10)
-        deadline = time.monotonic() + 10
-        while _alive(core_pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(core_pid)
+        _kill_and_see_its_core_end(parent, core_pid)
     finally:
         parent.kill()
+
+
+def _kill_and_see_its_core_end(parent: subprocess.Popen, core_pid: int) -> None:
+    """SIGKILL the worker's process; its core must end within 10 s."""
+    parent.kill()
+    parent.wait(10)
+    deadline = time.monotonic() + 10
+    while _alive(core_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(core_pid)
 
 
 def _alive(pid: int) -> bool:
