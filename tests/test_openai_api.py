@@ -349,11 +349,13 @@ def test_a_steady_stream_outlives_its_idle_timeout(local_handle):
     assert idle.limiter.num_in_flight == 0
 
 
-@pytest.mark.parametrize("leaving", ["http.disconnect", "serve_cancel"])
+@pytest.mark.parametrize("leaving", ["http.disconnect", "serve_cancel", "receive_fails"])
 def test_a_client_leaving_mid_stream_ends_the_response_quietly_and_aborts(server, local_handle, leaving):
     """Starlette sees a client leave as ``http.disconnect``; under Ray Serve the proxy cancels the
     request and the replica's ``receive`` raises ``TaskCancelledError``. Either way the app returns
-    without an error (Serve would log one for every client that leaves) and the request is aborted."""
+    without an error (Serve would log one for every client that leaves) and the request is aborted.
+    A ``receive`` that breaks otherwise stops the stream too, and its error comes out of the app,
+    as it would out of starlette's own streaming response."""
     from ray.exceptions import TaskCancelledError
 
     from pagedserve.cluster.serving.http_app import build_app
@@ -378,6 +380,8 @@ def test_a_client_leaving_mid_stream_ends_the_response_quietly_and_aborts(server
             await streaming.wait()
             if leaving == "serve_cancel":
                 raise TaskCancelledError()
+            if leaving == "receive_fails":
+                raise RuntimeError("the connection broke")
             return {"type": "http.disconnect"}
 
         async def send(message: dict) -> None:
@@ -385,7 +389,11 @@ def test_a_client_leaving_mid_stream_ends_the_response_quietly_and_aborts(server
             if message["type"] == "http.response.body" and message.get("body"):
                 streaming.set()
 
-        await build_app(server)(scope, receive, send)
+        if leaving == "receive_fails":
+            with pytest.raises(RuntimeError, match="the connection broke"):
+                await build_app(server)(scope, receive, send)
+        else:
+            await build_app(server)(scope, receive, send)
         deadline = time.monotonic() + 10  # the engine thread delivers the abort to this loop
         while local_handle.has_streams() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)

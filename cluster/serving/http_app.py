@@ -65,7 +65,8 @@ async def parse_body(request: Request, model: type[BaseModel] | Any, limits: Lim
 
     timeout = limits.body_read_timeout_s
     try:
-        body = await asyncio.wait_for(read(), timeout)
+        async with asyncio.timeout(timeout):   # in this task: ``wait_for`` made one a request
+            body = await read()
     except TimeoutError:
         raise timeout_error(f"the request body was not received within {timeout:g} s",
                             "body_read_timeout") from None
@@ -196,12 +197,14 @@ def build_app(server: Frontend):
         return error_response(APIError(exc.status_code, str(exc.detail), kind))
 
     class _SSEResponse(StreamingResponse):
-        """Closes the generation even if the client left before the body started.
+        """Streams ``stream``'s events while a plain task waits for the client to leave, and
+        closes the generation however the response ends (before the body started too).
 
-        A client that leaves mid-stream ends the response quietly, as starlette ends it on
-        ``http.disconnect``. Under Ray Serve the proxy cancels the request instead, and the
-        replica's ``receive`` raises ``TaskCancelledError``; let out, it would be logged as
-        an unretrieved exception for every client that leaves.
+        A client that leaves mid-stream (``http.disconnect``; under Ray Serve's proxy the
+        replica's ``receive`` raises ``TaskCancelledError`` instead) stops the stream quietly,
+        as starlette's own ``StreamingResponse`` does, without its anyio task group: that
+        group's cancel scopes and second task cost a request about a tenth of the app's
+        per-request CPU (``benchmarks/bench_frontend_stream.py --tokens 1``).
         """
 
         def __init__(self, stream: EventStream) -> None:
@@ -210,11 +213,30 @@ def build_app(server: Frontend):
             self._stream = stream
 
         async def __call__(self, scope, receive, send) -> None:
+            streaming = asyncio.current_task()
+            stopped_by: list[BaseException | None] = []   # set once the listener stopped the stream
+
+            async def listen() -> None:
+                try:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    stopped_by.append(None)
+                except TaskCancelledError:   # Serve's proxy cancelled the request: the client left
+                    stopped_by.append(None)
+                except Exception as exc:     # raised here, as starlette's task group would
+                    stopped_by.append(exc)
+                streaming.cancel()
+
+            listener = asyncio.ensure_future(listen())
             try:
-                await super().__call__(scope, receive, send)
-            except TaskCancelledError:
-                pass
+                await self.stream_response(send)
+            except asyncio.CancelledError:
+                if not stopped_by or streaming.uncancel() > 0:
+                    raise   # not (only) the listener's: the request itself was cancelled
+                if stopped_by[0] is not None:
+                    raise stopped_by[0] from None
             finally:
+                listener.cancel()
                 await self._stream.aclose()
 
     async def generate(api: str, request: Request, model: type[BaseModel], create) -> Response:
