@@ -203,8 +203,8 @@ def build_app(server: Frontend):
         A client that leaves mid-stream (``http.disconnect``; under Ray Serve's proxy the
         replica's ``receive`` raises ``TaskCancelledError`` instead) stops the stream quietly,
         as starlette's own ``StreamingResponse`` does, without its anyio task group: that
-        group's cancel scopes and second task cost a request about a tenth of the app's
-        per-request CPU (``benchmarks/bench_frontend_stream.py --tokens 1``).
+        group (cancel scopes, a second task) and ``parse_body``'s former ``wait_for`` task
+        cost the app about a fifth of its CPU a request (``bench_frontend_stream.py --tokens 1``).
         """
 
         def __init__(self, stream: EventStream) -> None:
