@@ -214,27 +214,28 @@ def build_app(server: Frontend):
 
         async def __call__(self, scope, receive, send) -> None:
             streaming = asyncio.current_task()
-            stopped_by: list[BaseException | None] = []   # set once the listener stopped the stream
 
-            async def listen() -> None:
+            async def listen() -> BaseException | None:
+                """Stop the stream once the client leaves; what ``receive`` raised, if it broke."""
+                error = None
                 try:
                     while (await receive())["type"] != "http.disconnect":
                         pass
-                    stopped_by.append(None)
                 except TaskCancelledError:   # Serve's proxy cancelled the request: the client left
-                    stopped_by.append(None)
+                    pass
                 except Exception as exc:     # raised here, as starlette's task group would
-                    stopped_by.append(exc)
+                    error = exc
                 streaming.cancel()
+                return error
 
             listener = asyncio.ensure_future(listen())
             try:
                 await self.stream_response(send)
             except asyncio.CancelledError:
-                if not stopped_by or streaming.uncancel() > 0:
+                if not listener.done() or streaming.uncancel() > 0:
                     raise   # not (only) the listener's: the request itself was cancelled
-                if stopped_by[0] is not None:
-                    raise stopped_by[0] from None
+                if (error := listener.result()) is not None:
+                    raise error from None
             finally:
                 listener.cancel()
                 await self._stream.aclose()
