@@ -304,6 +304,21 @@ def test_a_worker_killed_before_its_core_is_ready_leaves_no_socket_folder(model)
         parent.kill()
 
 
+def test_a_core_whose_worker_died_before_it_started_removes_the_socket_folder(tmp_path):
+    """A worker killed while its core's interpreter starts (before the core's ``STARTED``, when
+    the worker removes the folder) leaves the folder: the core, finding its parent gone, removes it."""
+    socket_dir = tmp_path / "pagedserve-core-test"
+    socket_dir.mkdir()
+    (socket_dir / "progress").write_bytes(b"")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()   # a pid that is not the core's parent
+    core = subprocess.run([sys.executable, "-m", "pagedserve.workers.engine.core_process",
+                           f"ipc://{socket_dir}/in", f"ipc://{socket_dir}/out", str(socket_dir / "progress"),
+                           str(gone.pid)], timeout=120)
+    assert core.returncode == 1
+    assert not socket_dir.exists()
+
+
 def _kill_and_see_its_core_end(parent: subprocess.Popen, core_pid: int) -> None:
     """SIGKILL the worker's process; its core must end within 10 s."""
     parent.kill()

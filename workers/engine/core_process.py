@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import sys
 import uuid
@@ -52,8 +53,10 @@ class CoreSpec:
         return cls(**unpack(body))
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """Have the kernel end this process when its parent goes (Linux); exit now if it is gone."""
+def die_with_parent(parent_pid: int, socket_dir: str) -> None:
+    """Have the kernel end this process when its parent goes (Linux); exit now if it is gone,
+    removing ``socket_dir``: the folder of the socket paths, which the parent removes only once
+    this core has said ``STARTED`` (a parent killed while this interpreter started leaves it)."""
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
@@ -61,6 +64,7 @@ def die_with_parent(parent_pid: int) -> None:
         except (OSError, AttributeError):   # the parent's pid check in the loop still holds
             pass
     if os.getppid() != parent_pid:
+        shutil.rmtree(socket_dir, ignore_errors=True)
         os._exit(1)
 
 
@@ -117,7 +121,7 @@ def describe(core) -> CoreInfo:
 def main(argv: list[str]) -> int:
     inbox_address, outbox_address, progress_path, parent = argv
     parent_pid = int(parent)
-    die_with_parent(parent_pid)
+    die_with_parent(parent_pid, os.path.dirname(progress_path))
     import zmq
 
     from .core import ActorLink
