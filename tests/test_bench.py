@@ -463,6 +463,9 @@ def test_cpu_per_token_against_a_real_server(tmp_path, tiny_model, monkeypatch, 
     assert cpu["client"]["cpu_s"] > 0
     offline = data["offline"]
     assert offline["num_output_tokens"] == 8 * 64 and offline["threads"] == 1 and offline["us_per_token"] > 0
+    rounds = offline["rounds_us_per_token"]     # three timed rounds by default; the baseline is their median
+    assert len(rounds) == 3 and rounds == sorted(rounds) and offline["us_per_token"] == rounds[1]
+    assert offline["engine_steps"]["tokens"] == 8 * 64    # the median round's own steps, not the three's
     assert cpu["serving_adds_us_per_token"] == pytest.approx(
         cpu["server_total"]["us_per_token"] - offline["us_per_token"])
     assert "serving adds" in printed and "serve replica" in printed
@@ -693,7 +696,13 @@ def test_bench_cli_parses():
     assert cpu_per_token_config(args) is None and serve_bench_config(args).num_warmups == 0
     args = parser.parse_args(["bench", "serve", "--cpu-per-token", "--offline-baseline", "--server-pid", "12"])
     cpu = cpu_per_token_config(args)
-    assert (cpu.server_pid, cpu.offline, cpu.offline_threads) == (12, True, 1)
+    assert (cpu.server_pid, cpu.offline, cpu.offline_threads, cpu.offline_rounds) == (12, True, 1, 3)
+    args = parser.parse_args(["bench", "serve", "--cpu-per-token", "--offline-baseline", "--offline-rounds", "5"])
+    assert cpu_per_token_config(args).offline_rounds == 5
+    with pytest.raises(ValueError, match="--offline-rounds needs --offline-baseline"):
+        cpu_per_token_config(parser.parse_args(["bench", "serve", "--cpu-per-token", "--offline-rounds", "2"]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "serve", "--cpu-per-token", "--offline-baseline", "--offline-rounds", "0"])
     assert serve_bench_config(args).num_warmups == 4
     with pytest.raises(ValueError, match="--offline-baseline needs --cpu-per-token"):
         cpu_per_token_config(parser.parse_args(["bench", "serve", "--offline-baseline"]))

@@ -205,6 +205,9 @@ def _add_serve_parser(subparsers) -> None:
     cpu.add_argument("--offline-baseline", action="store_true",
                      help="then run the same requests through LLM.generate (one torch thread) in a process "
                           "of its own: serving adds = the server's CPU per token less the engine's")
+    cpu.add_argument("--offline-rounds", type=positive_int, default=None,
+                     help="the offline call's timed rounds, one after another in its process; their median "
+                          "is the baseline (default: 3)")
     cpu.add_argument("--offline-model", default=None,
                      help="the offline run's checkpoint (default: the served one the state file records, "
                           "with its engine options; else the built tiny model)")
@@ -260,9 +263,13 @@ def cpu_per_token_config(args: argparse.Namespace):
                 raise ValueError(f"--{flag.replace('_', '-')} needs --cpu-per-token")
         if args.offline_baseline:
             raise ValueError("--offline-baseline needs --cpu-per-token")
+    if args.offline_rounds is not None and not args.offline_baseline:
+        raise ValueError("--offline-rounds needs --offline-baseline")
+    if not args.cpu_per_token:
         return None
+    rounds = {} if args.offline_rounds is None else {"offline_rounds": args.offline_rounds}
     return serve.CpuPerTokenConfig(server_pid=args.server_pid, offline=args.offline_baseline,
-                                   offline_model=args.offline_model)
+                                   offline_model=args.offline_model, **rounds)
 
 
 def _result_path(args: argparse.Namespace, config) -> str | None:

@@ -81,6 +81,7 @@ class CpuPerTokenConfig:
     offline: bool = False                    # also LLM.generate on the same requests, in its own process
     offline_model: str | None = None         # default: the state file's model, else the built tiny model
     offline_threads: int = 1
+    offline_rounds: int = 3                  # the offline call's timed rounds; their median is the baseline
 
 
 @dataclass
@@ -371,7 +372,7 @@ def run_offline(config: ServeBenchConfig, cpu: CpuPerTokenConfig, requests: list
     requests = [(prompt, max_tokens) for prompt, _, max_tokens in (requests or make_prompts(config))]
     warmup = [(prompt, max_tokens) for prompt, _, max_tokens in make_prompts(warmup_config(config))] \
         if config.num_warmups else []
-    return measure_in_subprocess(model, requests, warmup, cpu.offline_threads, engine_options)
+    return measure_in_subprocess(model, requests, warmup, cpu.offline_threads, engine_options, cpu.offline_rounds)
 
 
 def format_cpu_per_token(data: dict) -> str:
@@ -387,8 +388,11 @@ def format_cpu_per_token(data: dict) -> str:
     rows.append(["load client (not the server's)", 1, cpu["client"]["cpu_s"], cpu["client"]["us_per_token"], ""])
     if "offline" in data:
         offline = data["offline"]
+        spread = offline.get("rounds_us_per_token", [])
+        of_rounds = (f"; the median of {len(spread)} rounds, {min(spread):.1f}-{max(spread):.1f} us/token"
+                     if len(spread) > 1 else "")
         rows.append([f"offline LLM.generate ({offline['threads']} torch thread(s))", 1, offline["cpu_s"],
-                     offline["us_per_token"], f"{offline['output_throughput']:.0f} output tok/s"])
+                     offline["us_per_token"], f"{offline['output_throughput']:.0f} output tok/s{of_rounds}"])
     ingress = f", ingress {cpu['ingress']}" if cpu.get("ingress") else ""
     lines = [f"CPU per streamed output token ({cpu['num_output_tokens']:,} tokens; this machine's processes"
              f"{ingress}):",
