@@ -319,6 +319,43 @@ def test_a_core_whose_worker_died_before_it_started_removes_the_socket_folder(tm
     assert not socket_dir.exists()
 
 
+def test_a_new_worker_removes_the_socket_folders_of_workers_that_are_gone(tmp_path, monkeypatch):
+    """A worker killed after making its folder and before its core started (or with a core
+    killed with it before ``STARTED``) leaves the folder: the next worker's client removes it,
+    and no folder whose owner still runs, nor one without an owner yet."""
+    import tempfile
+
+    from pagedserve.workers.actor import socket_folder
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    killed = subprocess.Popen([sys.executable, "-c", "import time\nfrom pagedserve.workers.actor import "
+                               "socket_folder\nprint(socket_folder.make(), flush=True)\ntime.sleep(600)"],
+                              stdout=subprocess.PIPE, text=True, env=env)
+    left = killed.stdout.readline().strip()
+    killed.kill()
+    killed.wait(10)
+    ours = socket_folder.make()                      # this process's: it runs
+    reused = socket_folder.make()                    # this pid, another process's start time: a reused pid
+    with open(os.path.join(reused, "owner"), "w") as owner:
+        owner.write(f"{os.getpid()} 1")
+    unowned = tempfile.mkdtemp(prefix=socket_folder.PREFIX)   # its owner has not written it yet
+    other = tmp_path / "not-a-core-folder"
+    other.mkdir()
+    assert left.startswith(str(tmp_path)) and os.path.exists(left)
+    client = EngineCoreClient(CoreSpec("sweeper", {}), InProcessTransport(KVManagerService()),
+                              lambda items: None, lambda m, e: None)
+    try:
+        assert not os.path.exists(left) and not os.path.exists(reused)
+        assert os.path.exists(ours) and os.path.exists(unowned) and other.exists()
+        assert os.path.exists(client._dir) and client._dir.startswith(str(tmp_path))
+    finally:
+        client.shutdown()
+    assert not os.path.exists(client._dir)
+    assert socket_folder.sweep() == []               # the rest all stay
+    assert os.path.exists(ours) and os.path.exists(unowned)
+
+
 def _kill_and_see_its_core_end(parent: subprocess.Popen, core_pid: int) -> None:
     """SIGKILL the worker's process; its core must end within 10 s."""
     parent.kill()

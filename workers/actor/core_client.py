@@ -29,7 +29,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 from typing import Any, Callable
 
@@ -38,6 +37,7 @@ from ..engine.core_messages import (ZERO_COPY_BYTES, AddRequest, CoreInfo, FromC
 from ..engine.core_process import INIT, CoreSpec
 from ..engine.core_progress import CoreProgress
 from ..process.background_loop import BackgroundLoop
+from . import socket_folder
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,8 @@ class EngineCoreClient:
         self.dead: CoreDead | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._early_items: list = []                   # outputs before a loop was bound
-        self._dir = tempfile.mkdtemp(prefix="pagedserve-core-")
+        socket_folder.sweep()   # what workers killed before their cores started left
+        self._dir = socket_folder.make()
         self.progress = CoreProgress.create(os.path.join(self._dir, "progress"))
         self._context = zmq.Context()
         # Connected, not bound: what is sent before the core binds its end waits in the queue.
