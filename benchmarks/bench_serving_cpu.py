@@ -16,7 +16,9 @@ the run), and what it comes to per token at the run's rate: the part of the CPU 
 is paid by the second (heartbeats, health and load polls, Ray's and Serve's daemons), so falls
 per token as the token rate rises. And the engine's steps, served and offline (``bench.engine_steps``): tokens a
 step, CPU a step, and the served engine core's excess per token split into fewer tokens a
-step and costlier steps.
+step and costlier steps. Last, per setting with a floor, the median and the range of what
+serving adds over it across the rounds (``--rounds``): one round's ratio on a shared VM can
+stray by a third from the next one's.
 
     python benchmarks/bench_serving_cpu.py [--streams 64,256] [--intervals 1,4,16]
                                            [--ingresses haproxy,proxy] [--transports zmq]
@@ -29,6 +31,7 @@ import argparse
 import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -149,9 +152,24 @@ def main() -> None:
                             row["adds_over_floor"] = round(cpu["serving_adds_us_per_token"] / floor["server_us"], 2)
                         print(json.dumps(row), flush=True)
                         runs.append({"row": row, "data": data})
+    for line in summarize_ratios([run["row"] for run in runs]):
+        print(line, flush=True)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(runs, f, indent=2)
+
+
+def summarize_ratios(rows: list[dict]) -> list[str]:
+    """Per setting, what serving adds over the floor across the rounds: the median and the range.
+    One round's ratio on a shared VM can stray by a third from the next one's."""
+    ratios: dict[tuple, list[float]] = {}
+    for row in rows:
+        if "adds_over_floor" in row:
+            key = (row["ingress"], row["transport"], row["streams"], row["stream_interval"])
+            ratios.setdefault(key, []).append(row["adds_over_floor"])
+    return [f"{ingress}, {transport}, {streams} streams, interval {interval}: serving adds "
+            f"{statistics.median(values):.2f}x the floor (median of {len(values)}; {min(values):.2f}-{max(values):.2f})"
+            for (ingress, transport, streams, interval), values in ratios.items()]
 
 
 if __name__ == "__main__":

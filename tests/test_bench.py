@@ -534,6 +534,18 @@ def _benchmark_module(name: str):
     return module
 
 
+def test_the_serving_cpu_bench_sums_up_each_settings_ratio_over_its_rounds():
+    """benchmarks/bench_serving_cpu.py's last lines: per setting, the median and the range of
+    what serving adds over the floor across rounds; a row without a floor is left out."""
+    bench = _benchmark_module("bench_serving_cpu")
+    rows = [{"ingress": "haproxy", "transport": "zmq", "streams": streams, "stream_interval": 1,
+             "adds_over_floor": ratio} for streams, ratio in ((64, 2.7), (256, 1.8), (64, 1.7), (64, 2.2))]
+    rows.append({"ingress": "haproxy", "transport": "zmq", "streams": 64, "stream_interval": 4})
+    assert bench.summarize_ratios(rows) == [
+        "haproxy, zmq, 64 streams, interval 1: serving adds 2.20x the floor (median of 3; 1.70-2.70)",
+        "haproxy, zmq, 256 streams, interval 1: serving adds 1.80x the floor (median of 1; 1.80-1.80)"]
+
+
 def test_the_roofline_replay_draws_the_gpu_benchs_prompts_and_counts_llama_1b():
     """benchmarks/bench_roofline_replay.py replays bench_engine_gpu.py's workload: the same
     prompt lengths (drawn in the 1b model's vocabulary, clipped to its context), and the 1b
