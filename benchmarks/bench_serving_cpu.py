@@ -23,6 +23,13 @@ stray by a third from the next one's.
     python benchmarks/bench_serving_cpu.py [--streams 64,256] [--intervals 1,4,16]
                                            [--ingresses haproxy,proxy] [--transports zmq]
                                            [--tokens 256] [--rounds 1] [--floor]
+                                           [--waves 1] [--length-ratio 0]
+
+By default each run is one burst: ``--streams`` requests at once, all of the same lengths, so
+the engine's batch fills as the burst is admitted and empties at its end. ``--waves 4
+--length-ratio 0.5`` measures a sustained load instead: four times as many requests, at most
+``--streams`` at once, of lengths that differ so that streams end apart (the offline baseline
+then holds as many requests at once as the load did).
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ def idle_cpu(server_pid: int, port: int, seconds: float) -> dict:
 
 
 def run_one(ingress: str, transport: str, streams: int, interval: int, tokens: int, port: int,
-            workdir: str, idle_s: float = 0.0) -> dict:
+            workdir: str, idle_s: float = 0.0, waves: int = 1, length_ratio: float = 0.0) -> dict:
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
     name = f"{ingress}-{transport}-{streams}-{interval}"
@@ -64,8 +71,9 @@ def run_one(ingress: str, transport: str, streams: int, interval: int, tokens: i
     try:
         done = subprocess.run(
             [sys.executable, "-m", "pagedserve", "bench", "serve", "--port", str(port), "--request-rate", "inf",
-             "--num-requests", str(streams), "--random-input-len", "16", "--random-output-len", str(tokens),
-             "--random-range-ratio", "0", "--seed", "0", "--cpu-per-token", "--offline-baseline",
+             "--num-requests", str(streams * waves), "--max-concurrency", str(streams),
+             "--random-input-len", "16", "--random-output-len", str(tokens),
+             "--random-range-ratio", str(length_ratio), "--seed", "0", "--cpu-per-token", "--offline-baseline",
              "--no-progress", "--out", out], env=env, capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:
             raise RuntimeError(done.stderr[-2000:])
@@ -115,6 +123,11 @@ def main() -> None:
     parser.add_argument("--out", default="artifacts/serving_cpu.json")
     parser.add_argument("--idle-s", type=float, default=5.0,
                         help="after each run, the idle server's CPU by process over this long (0: skip)")
+    parser.add_argument("--waves", type=int, default=1,
+                        help="requests: this many times --streams, at most --streams at once (1: one burst)")
+    parser.add_argument("--length-ratio", type=float, default=0.0,
+                        help="prompt and output lengths uniform within this ratio of their means (vLLM's "
+                             "--random-range-ratio): with --waves, streams end apart and the batch stays full")
     parser.add_argument("--floor", action="store_true",
                         help="after each run at stream interval 1, Serve's floor paced to its token rate")
     args = parser.parse_args()
@@ -126,7 +139,7 @@ def main() -> None:
                     for ingress, transport in itertools.product(args.ingresses.split(","),
                                                                 args.transports.split(",")):
                         data = run_one(ingress, transport, streams, interval, args.tokens, args.port, workdir,
-                                       args.idle_s)
+                                       args.idle_s, args.waves, args.length_ratio)
                         cpu = data["cpu_per_token"]
                         groups = {name: round(g["us_per_token"], 1) for name, g in cpu["groups"].items()}
                         row = {"round": round_index + 1, "ingress": ingress, "transport": transport,

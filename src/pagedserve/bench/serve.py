@@ -369,6 +369,11 @@ def run_offline(config: ServeBenchConfig, cpu: CpuPerTokenConfig, requests: list
         from pagedserve.devtools.model_factory import ensure_model
 
         model = str(ensure_model("llama", "tiny"))
+    if config.max_concurrency is not None:
+        # The served engine never had more than that many requests at once: nor does the offline one.
+        engine_options = dict(engine_options or {})
+        engine_options["max_num_seqs"] = min(config.max_concurrency,
+                                             engine_options.get("max_num_seqs", config.max_concurrency))
     requests = [(prompt, max_tokens) for prompt, _, max_tokens in (requests or make_prompts(config))]
     warmup = [(prompt, max_tokens) for prompt, _, max_tokens in make_prompts(warmup_config(config))] \
         if config.num_warmups else []
