@@ -25,8 +25,11 @@ streams several times faster than a served run on the same machine, so the costs
 by the second (Serve's controller, Ray's daemons) and the ingress's wake-ups, each for a
 burst of writes, weigh on each of its tokens several times less.
 
+``--pin`` puts the busy processes on one CPU and the server, its load client and Ray on the
+others, as ``bench_serving_cpu.py --pin-engine-core`` pins a served run.
+
     python benchmarks/bench_serve_floor.py [--streams 64] [--tokens 256] [--ingress haproxy] [--busy-cpus 1]
-                                           [--work-us 20] [--tok-s 5000]
+                                           [--work-us 20] [--tok-s 5000] [--pin]
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ import tempfile
 import time
 
 from fastapi import Request   # at module level: the route's annotation is resolved in its globals
+
+from pagedserve.bench.cpu_pinning import pin_threads, split_cpus
 
 CHUNK_TEXT = " the"
 
@@ -150,11 +155,18 @@ def main() -> None:
                         help="µs of the replica's CPU spun before each chunk (a server's own work per token)")
     parser.add_argument("--tok-s", type=float, default=0.0,
                         help="tokens a second the streams make together (a served run's rate); 0: unpaced")
+    parser.add_argument("--pin", action="store_true",
+                        help="the busy processes on one CPU, the server and its load on the others (as "
+                             "bench_serving_cpu.py --pin-engine-core pins a served run)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)   # the server's own process
     args = parser.parse_args()
     if args.serve:
         serve_floor(args.port, args.ingress, args.work_us, args.tok_s)
         return
+    busy_cpus = None
+    if args.pin:   # what this process starts inherits the other CPUs
+        busy_cpus, other_cpus = split_cpus()
+        os.sched_setaffinity(0, other_cpus)
     server = subprocess.Popen([sys.executable, __file__, "--serve", "--port", str(args.port), "--ingress", args.ingress,
                                "--work-us", str(args.work_us), "--tok-s", str(args.tok_s)],
                               stdout=subprocess.PIPE, text=True)
@@ -164,6 +176,8 @@ def main() -> None:
             for _ in range(args.rounds):
                 out = os.path.join(workdir, "floor.json")
                 spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy_cpus)]
+                for spinner in spinners if busy_cpus else ():
+                    pin_threads(spinner.pid, busy_cpus)
                 try:
                     done = subprocess.run(
                         [sys.executable, "-m", "pagedserve", "bench", "serve", "--port", str(args.port), "--model",

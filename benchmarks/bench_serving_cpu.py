@@ -23,13 +23,14 @@ stray by a third from the next one's.
     python benchmarks/bench_serving_cpu.py [--streams 64,256] [--intervals 1,4,16]
                                            [--ingresses haproxy,proxy] [--transports zmq]
                                            [--tokens 256] [--rounds 1] [--floor]
-                                           [--waves 1] [--length-ratio 0]
+                                           [--waves 1] [--length-ratio 0] [--pin-engine-core]
 
 By default each run is one burst: ``--streams`` requests at once, all of the same lengths, so
 the engine's batch fills as the burst is admitted and empties at its end. ``--waves 4
 --length-ratio 0.5`` measures a sustained load instead: four times as many requests, at most
 ``--streams`` at once, of lengths that differ so that streams end apart (the offline baseline
-then holds as many requests at once as the load did).
+then holds as many requests at once as the load did). ``--pin-engine-core`` gives the engine
+core a CPU of its own, as a GPU host's cores allow (``pagedserve.bench.cpu_pinning``).
 """
 
 from __future__ import annotations
@@ -44,9 +45,11 @@ import sys
 import tempfile
 import time
 
+from pagedserve.bench.cpu_pinning import pin_engine_cores, split_cpus
 from pagedserve.bench.process_cpu import ServerCpuProbe, find_server_root
 from pagedserve.bench.served_process import start_server, stop_server
 
+ALL_CPUS = os.sched_getaffinity(0)   # this process's, before --pin-engine-core narrows them
 IDLE_SETTLE_S = 2.0   # after the load, before the idle window: streams' last writes and closes
 
 
@@ -61,7 +64,8 @@ def idle_cpu(server_pid: int, port: int, seconds: float) -> dict:
 
 
 def run_one(ingress: str, transport: str, streams: int, interval: int, tokens: int, port: int,
-            workdir: str, idle_s: float = 0.0, waves: int = 1, length_ratio: float = 0.0) -> dict:
+            workdir: str, idle_s: float = 0.0, waves: int = 1, length_ratio: float = 0.0,
+            engine_cpus: set[int] | None = None) -> dict:
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
     name = f"{ingress}-{transport}-{streams}-{interval}"
@@ -69,11 +73,14 @@ def run_one(ingress: str, transport: str, streams: int, interval: int, tokens: i
                            "--stream-interval", str(interval)], port, os.path.join(workdir, f"serve-{name}.log"), env)
     out = os.path.join(workdir, f"bench-{name}.json")
     try:
+        if engine_cpus is not None:   # the rest of the server inherited this process's other CPUs
+            pin_engine_cores(server.pid, engine_cpus)
         done = subprocess.run(
             [sys.executable, "-m", "pagedserve", "bench", "serve", "--port", str(port), "--request-rate", "inf",
              "--num-requests", str(streams * waves), "--max-concurrency", str(streams),
              "--random-input-len", "16", "--random-output-len", str(tokens),
              "--random-range-ratio", str(length_ratio), "--seed", "0", "--cpu-per-token", "--offline-baseline",
+             *(["--offline-cpus", ",".join(map(str, sorted(engine_cpus)))] if engine_cpus else []),
              "--no-progress", "--out", out], env=env, capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:
             raise RuntimeError(done.stderr[-2000:])
@@ -86,12 +93,14 @@ def run_one(ingress: str, transport: str, streams: int, interval: int, tokens: i
         stop_server(server)
 
 
-def run_floor(ingress: str, streams: int, tokens: int, tok_s: float) -> dict:
-    """``bench_serve_floor.py``'s row for the same load paced to ``tok_s``, one CPU busy."""
+def run_floor(ingress: str, streams: int, tokens: int, tok_s: float, pin: bool = False) -> dict:
+    """``bench_serve_floor.py``'s row for the same load paced to ``tok_s``, one CPU busy (with
+    ``pin``, the busy process on the engine's CPU and the floor on the others)."""
     floor = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_serve_floor.py")
     done = subprocess.run([sys.executable, floor, "--ingress", ingress, "--streams", str(streams), "--tokens",
-                           str(tokens), "--tok-s", str(round(tok_s)), "--busy-cpus", "1"],
-                          capture_output=True, text=True, timeout=1800)
+                           str(tokens), "--tok-s", str(round(tok_s)), "--busy-cpus", "1", *(["--pin"] if pin else [])],
+                          capture_output=True, text=True, timeout=1800,
+                          preexec_fn=lambda: os.sched_setaffinity(0, ALL_CPUS))   # it pins its own
     rows = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not rows:
         raise RuntimeError(f"the floor failed ({done.returncode}): {done.stderr[-2000:]}")
@@ -128,9 +137,17 @@ def main() -> None:
     parser.add_argument("--length-ratio", type=float, default=0.0,
                         help="prompt and output lengths uniform within this ratio of their means (vLLM's "
                              "--random-range-ratio): with --waves, streams end apart and the batch stays full")
+    parser.add_argument("--pin-engine-core", action="store_true",
+                        help="the engine core and the offline baseline on a CPU of their own, the rest of the "
+                             "server and the load client on the others (the floor's busy process on the "
+                             "engine's CPU, the floor on the others)")
     parser.add_argument("--floor", action="store_true",
                         help="after each run at stream interval 1, Serve's floor paced to its token rate")
     args = parser.parse_args()
+    engine_cpus = None
+    if args.pin_engine_core:   # what this process starts inherits the other CPUs
+        engine_cpus, other_cpus = split_cpus()
+        os.sched_setaffinity(0, other_cpus)
     runs = []
     with tempfile.TemporaryDirectory(prefix="serving-cpu-") as workdir:
         for round_index in range(args.rounds):
@@ -139,7 +156,7 @@ def main() -> None:
                     for ingress, transport in itertools.product(args.ingresses.split(","),
                                                                 args.transports.split(",")):
                         data = run_one(ingress, transport, streams, interval, args.tokens, args.port, workdir,
-                                       args.idle_s, args.waves, args.length_ratio)
+                                       args.idle_s, args.waves, args.length_ratio, engine_cpus)
                         cpu = data["cpu_per_token"]
                         groups = {name: round(g["us_per_token"], 1) for name, g in cpu["groups"].items()}
                         row = {"round": round_index + 1, "ingress": ingress, "transport": transport,
@@ -159,7 +176,8 @@ def main() -> None:
                         if "split" in data.get("engine_steps", {}):
                             row["engine_steps"] = _engine_row(data["engine_steps"])
                         if args.floor and interval == 1:
-                            floor = run_floor(ingress, streams, args.tokens, data["output_throughput"])
+                            floor = run_floor(ingress, streams, args.tokens, data["output_throughput"],
+                                              args.pin_engine_core)
                             row["floor"] = {"output_tok_s": floor["output_tok_s"], "server_us": floor["server_us"],
                                             "groups": floor["groups"]}
                             row["adds_over_floor"] = round(cpu["serving_adds_us_per_token"] / floor["server_us"], 2)

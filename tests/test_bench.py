@@ -8,6 +8,8 @@ import dataclasses
 import json
 import math
 import os
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -440,7 +442,7 @@ def test_cpu_per_token_against_a_real_server(tmp_path, tiny_model, monkeypatch, 
         out = tmp_path / "cpu.json"
         assert main(["bench", "serve", "--port", str(port), "--num-requests", "8", "--random-input-len", "8",
                      "--random-output-len", "64", "--max-concurrency", "4", "--num-warmups", "2",
-                     "--cpu-per-token", "--offline-baseline",
+                     "--cpu-per-token", "--offline-baseline", "--offline-cpus", str(max(os.sched_getaffinity(0))),
                      "--no-progress", "--out", str(out)]) == 0
         printed = capsys.readouterr().out
         assert main(["stop", "--timeout", "120"]) == 0
@@ -464,6 +466,7 @@ def test_cpu_per_token_against_a_real_server(tmp_path, tiny_model, monkeypatch, 
     assert cpu["client"]["cpu_s"] > 0
     offline = data["offline"]
     assert offline["num_output_tokens"] == 8 * 64 and offline["threads"] == 1 and offline["us_per_token"] > 0
+    assert offline["cpus"] == [max(os.sched_getaffinity(0))]   # the process ran there only
     rounds = offline["rounds_us_per_token"]     # three timed rounds by default; the baseline is their median
     assert len(rounds) == 3 and rounds == sorted(rounds) and offline["us_per_token"] == rounds[1]
     assert offline["engine_steps"]["tokens"] == 8 * 64    # the median round's own steps, not the three's
@@ -545,6 +548,37 @@ def test_the_serving_cpu_bench_sums_up_each_settings_ratio_over_its_rounds():
     assert bench.summarize_ratios(rows) == [
         "haproxy, zmq, 64 streams, interval 1: serving adds 2.20x the floor (median of 3; 1.70-2.70)",
         "haproxy, zmq, 256 streams, interval 1: serving adds 1.80x the floor (median of 1; 1.80-1.80)"]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="pinning needs Linux and two CPUs")
+def test_cpu_pinning_puts_the_engine_cores_every_thread_on_the_engines_cpu():
+    """``bench_serving_cpu.py --pin-engine-core``: the engine core processes under a server
+    (found by their module in the command line) are pinned, every thread of theirs, to the
+    engine's CPU; nothing else is; a server with no engine core is an error."""
+    from pagedserve.bench.cpu_pinning import ENGINE_CORE_MODULE, engine_core_pids, pin_engine_cores, split_cpus
+
+    engine_cpus, other_cpus = split_cpus()
+    assert engine_cpus and other_cpus and not engine_cpus & other_cpus
+    assert engine_cpus | other_cpus == os.sched_getaffinity(0)
+    code = ("import threading, time\n"
+            "for _ in range(3): threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+            "print('up', flush=True)\ntime.sleep(60)")
+    core = subprocess.Popen([sys.executable, "-c", code, ENGINE_CORE_MODULE], stdout=subprocess.PIPE, text=True)
+    other = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert core.stdout.readline().strip() == "up" and other.stdout.readline().strip() == "up"
+        assert engine_core_pids(os.getpid()) == [core.pid]
+        assert pin_engine_cores(os.getpid(), engine_cpus) == [core.pid]
+        threads = os.listdir(f"/proc/{core.pid}/task")
+        assert len(threads) >= 4 and all(os.sched_getaffinity(int(tid)) == engine_cpus for tid in threads)
+        assert os.sched_getaffinity(other.pid) == os.sched_getaffinity(0) == engine_cpus | other_cpus
+    finally:
+        for child in (core, other):
+            child.kill()
+            child.wait()
+    with pytest.raises(RuntimeError, match="no engine core process"):
+        pin_engine_cores(os.getpid(), engine_cpus)
 
 
 def test_the_roofline_replay_draws_the_gpu_benchs_prompts_and_counts_llama_1b():
@@ -710,8 +744,15 @@ def test_bench_cli_parses():
     args = parser.parse_args(["bench", "serve", "--cpu-per-token", "--offline-baseline", "--server-pid", "12"])
     cpu = cpu_per_token_config(args)
     assert (cpu.server_pid, cpu.offline, cpu.offline_threads, cpu.offline_rounds) == (12, True, 1, 3)
-    args = parser.parse_args(["bench", "serve", "--cpu-per-token", "--offline-baseline", "--offline-rounds", "5"])
-    assert cpu_per_token_config(args).offline_rounds == 5
+    args = parser.parse_args(["bench", "serve", "--cpu-per-token", "--offline-baseline", "--offline-rounds", "5",
+                              "--offline-cpus", "3,1"])
+    assert (cpu_per_token_config(args).offline_rounds, cpu_per_token_config(args).offline_cpus) == (5, (1, 3))
+    assert cpu.offline_cpus is None
+    with pytest.raises(ValueError, match="--offline-cpus needs --offline-baseline"):
+        cpu_per_token_config(parser.parse_args(["bench", "serve", "--cpu-per-token", "--offline-cpus", "0"]))
+    for bad in ("", "a", "1,-2"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["bench", "serve", "--cpu-per-token", "--offline-baseline", "--offline-cpus", bad])
     with pytest.raises(ValueError, match="--offline-rounds needs --offline-baseline"):
         cpu_per_token_config(parser.parse_args(["bench", "serve", "--cpu-per-token", "--offline-rounds", "2"]))
     with pytest.raises(SystemExit):

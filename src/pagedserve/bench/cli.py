@@ -208,6 +208,9 @@ def _add_serve_parser(subparsers) -> None:
     cpu.add_argument("--offline-rounds", type=positive_int, default=None,
                      help="the offline call's timed rounds, one after another in its process; their median "
                           "is the baseline (default: 3)")
+    cpu.add_argument("--offline-cpus", type=_cpu_list, default=None,
+                     help="the offline run on these CPUs only, comma-separated (a served run whose engine core "
+                          "was pinned: the same CPU)")
     cpu.add_argument("--offline-model", default=None,
                      help="the offline run's checkpoint (default: the served one the state file records, "
                           "with its engine options; else the built tiny model)")
@@ -263,13 +266,25 @@ def cpu_per_token_config(args: argparse.Namespace):
                 raise ValueError(f"--{flag.replace('_', '-')} needs --cpu-per-token")
         if args.offline_baseline:
             raise ValueError("--offline-baseline needs --cpu-per-token")
-    if args.offline_rounds is not None and not args.offline_baseline:
-        raise ValueError("--offline-rounds needs --offline-baseline")
+    for flag in ("offline_rounds", "offline_cpus"):
+        if getattr(args, flag) is not None and not args.offline_baseline:
+            raise ValueError(f"--{flag.replace('_', '-')} needs --offline-baseline")
     if not args.cpu_per_token:
         return None
     rounds = {} if args.offline_rounds is None else {"offline_rounds": args.offline_rounds}
     return serve.CpuPerTokenConfig(server_pid=args.server_pid, offline=args.offline_baseline,
-                                   offline_model=args.offline_model, **rounds)
+                                   offline_model=args.offline_model, offline_cpus=args.offline_cpus, **rounds)
+
+
+def _cpu_list(text: str) -> tuple[int, ...]:
+    """``--offline-cpus``: CPU numbers, comma-separated."""
+    try:
+        cpus = tuple(sorted({int(part) for part in text.split(",")}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected CPU numbers separated by commas, got {text!r}") from None
+    if not cpus or min(cpus) < 0:
+        raise argparse.ArgumentTypeError(f"expected CPU numbers of 0 or more, got {text!r}")
+    return cpus
 
 
 def _result_path(args: argparse.Namespace, config) -> str | None:

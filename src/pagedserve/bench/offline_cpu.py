@@ -17,18 +17,23 @@ nothing of the caller's (its load client, its imports) and the caller's torch is
 
 from __future__ import annotations
 
+import os
 import time
 
 Prompt = str | list[int]
 
 
 def measure(model: str, requests: list[tuple[Prompt, int]], warmup: list[tuple[Prompt, int]],
-            num_threads: int = 1, engine_options: dict | None = None, rounds: int = 1) -> dict:
+            num_threads: int = 1, engine_options: dict | None = None, rounds: int = 1,
+            cpus: set[int] | None = None) -> dict:
     """CPU seconds, output tokens and seconds of ``LLM.generate`` on ``requests`` in this
     process (``(prompt, max_tokens)`` each), after ``warmup``: the median of ``rounds`` timed
-    calls, with each round's CPU per token (``rounds_us_per_token``)."""
+    calls, with each round's CPU per token (``rounds_us_per_token``). ``cpus``: this process
+    runs on those CPUs only (a pinned served run's engine CPU)."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     import psutil
 
     from pagedserve import LLM, SamplingParams
@@ -48,6 +53,7 @@ def measure(model: str, requests: list[tuple[Prompt, int]], warmup: list[tuple[P
         timed = [_timed_call(llm, run, requests, process) for _ in range(rounds)]
     timed.sort(key=lambda one: one["us_per_token"])
     return {"model": model, "threads": threads, "engine_options": engine_options or {},
+            "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "num_requests": len(requests), **timed[(len(timed) - 1) // 2],
             "rounds_us_per_token": [one["us_per_token"] for one in timed]}
 
@@ -68,10 +74,11 @@ def _timed_call(llm, run, requests: list[tuple[Prompt, int]], process) -> dict:
 
 
 def measure_in_subprocess(model: str, requests: list[tuple[Prompt, int]], warmup: list[tuple[Prompt, int]],
-                          num_threads: int = 1, engine_options: dict | None = None, rounds: int = 1) -> dict:
+                          num_threads: int = 1, engine_options: dict | None = None, rounds: int = 1,
+                          cpus: set[int] | None = None) -> dict:
     """``measure`` in a new process (``spawn``); its result."""
     import concurrent.futures
     import multiprocessing
 
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(measure, model, requests, warmup, num_threads, engine_options, rounds).result()
+        return pool.submit(measure, model, requests, warmup, num_threads, engine_options, rounds, cpus).result()

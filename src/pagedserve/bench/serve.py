@@ -82,6 +82,7 @@ class CpuPerTokenConfig:
     offline_model: str | None = None         # default: the state file's model, else the built tiny model
     offline_threads: int = 1
     offline_rounds: int = 3                  # the offline call's timed rounds; their median is the baseline
+    offline_cpus: tuple[int, ...] | None = None   # the offline process runs on these CPUs only
 
 
 @dataclass
@@ -377,7 +378,8 @@ def run_offline(config: ServeBenchConfig, cpu: CpuPerTokenConfig, requests: list
     requests = [(prompt, max_tokens) for prompt, _, max_tokens in (requests or make_prompts(config))]
     warmup = [(prompt, max_tokens) for prompt, _, max_tokens in make_prompts(warmup_config(config))] \
         if config.num_warmups else []
-    return measure_in_subprocess(model, requests, warmup, cpu.offline_threads, engine_options, cpu.offline_rounds)
+    return measure_in_subprocess(model, requests, warmup, cpu.offline_threads, engine_options, cpu.offline_rounds,
+                                set(cpu.offline_cpus) if cpu.offline_cpus else None)
 
 
 def format_cpu_per_token(data: dict) -> str:
