@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import signal
 import time
 
 import pytest
@@ -375,6 +376,16 @@ def _frontend_class():
     return ray.remote(num_cpus=0)(Frontend)
 
 
+def _signal_engine_cores(handle, signum: int) -> None:
+    """Send ``signum`` to every worker's engine core process."""
+    def send(worker):
+        import os
+
+        os.kill(worker.core.pid, signum)
+
+    ray.get([worker.__ray_call__.remote(send) for worker in handle.workers.values()], timeout=30)
+
+
 def test_cancelling_the_call_that_opened_a_channel_ends_no_other_request(handle, reference):
     """Ray cancels what a cancelled actor call started (Serve cancels a request whose client
     went away): the channels a request opened must outlive it, or every request reading them
@@ -388,10 +399,16 @@ def test_cancelling_the_call_that_opened_a_channel_ends_no_other_request(handle,
     runs = [frontend.run.remote(i, p, max_tokens) for i, p in enumerate(prompts)]
     _wait_for(lambda: (lambda progress: len(progress) == len(prompts) and min(progress.values()) >= 2)(
         ray.get(frontend.state.remote(), timeout=30)[1]), 120, "every request to stream")
-    ray.cancel(opener)
-    with pytest.raises(ray.exceptions.TaskCancelledError):
-        ray.get(opener, timeout=60)
-    progress_at_cancel = ray.get(frontend.state.remote(), timeout=30)[1]
+    # The engine cores hold still while the cancel lands, so that it lands mid-stream however
+    # long it takes on a loaded machine.
+    _signal_engine_cores(handle, signal.SIGSTOP)
+    try:
+        ray.cancel(opener)
+        with pytest.raises(ray.exceptions.TaskCancelledError):
+            ray.get(opener, timeout=60)
+        progress_at_cancel = ray.get(frontend.state.remote(), timeout=30)[1]
+    finally:
+        _signal_engine_cores(handle, signal.SIGCONT)
     assert ray.get(runs, timeout=300) == reference(prompts, max_tokens)
     assert max(progress_at_cancel.values()) < max_tokens, "the requests should still run when the cancel lands"
     ray.kill(frontend)
@@ -413,8 +430,11 @@ def test_a_dead_handles_channels_close_and_free_their_requests(handle, transport
     from pagedserve.workers.actor.output_channel import CHANNEL_LEASE_S
 
     prompts = _prompts(seed=14)
-    if transport == "ray":
-        _set_channel_lease(handle, 3.0)  # for the channels opened from now on
+    # For the channels opened from now on: over Ray, a short lease ends them; over a socket, a
+    # long one, so that a close within half of it is the connection's doing even on a loaded
+    # machine.
+    lease_s = 3.0 if transport == "ray" else 4 * CHANNEL_LEASE_S
+    _set_channel_lease(handle, lease_s)
     try:
         frontend = _frontend_class().remote(handle, renew_every_s=0.5, transport=transport)
         runs = [frontend.run.remote(i, p, 300) for i, p in enumerate(prompts)]
@@ -423,7 +443,7 @@ def test_a_dead_handles_channels_close_and_free_their_requests(handle, transport
         ray.kill(frontend)
         del runs
         assert _open_channels(handle) > 0
-        _wait_for(lambda: _open_channels(handle) == 0, CHANNEL_LEASE_S / 2 if transport == "zmq" else 60,
+        _wait_for(lambda: _open_channels(handle) == 0, lease_s / 2 if transport == "zmq" else 60,
                   "the dead handle's channels to close")
         _wait_for(lambda: handle.num_used_blocks() == 0, 60, "its requests' blocks to come back")
     finally:
