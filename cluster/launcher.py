@@ -29,7 +29,9 @@ import threading
 import time
 from typing import IO, Callable, Iterator
 
-from . import processes, ray_compat, server_records
+from pagedserve.workers.process import processes
+
+from . import ray_compat, server_records
 from .config import ClusterConfig
 from .router import kv_blocks_used_frac
 from .server_records import ServerRecord

@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from . import processes
+from pagedserve.workers.process import processes
 
 RECORDS_DIR_NAME = "servers"
 
@@ -90,10 +90,7 @@ def records_dir() -> Path:
 
 def is_alive(record: ServerRecord) -> bool:
     """Whether the record's process still runs (and is the same process, not a reused pid)."""
-    if not processes.is_running(record.pid):
-        return False
-    started = processes.started_at(record.pid)
-    return record.pid_started is None or started is None or started == record.pid_started
+    return processes.is_same_process(record.pid, record.pid_started)
 
 
 def _read(path: Path) -> ServerRecord | None:

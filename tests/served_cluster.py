@@ -154,7 +154,7 @@ class ServeProcess:
 
     def kill(self) -> None:
         """Kill the server and every process under it (its private Ray's)."""
-        from pagedserve.cluster.processes import descendants
+        from pagedserve.workers.process.processes import descendants
 
         if self.process.poll() is None:
             tree = descendants(self.process.pid)

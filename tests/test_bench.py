@@ -402,7 +402,8 @@ def test_cpu_per_token_groups_a_servers_processes_and_adds_up():
 
 def test_cpu_per_token_finds_the_server_from_its_record(tmp_path, monkeypatch):
     from pagedserve.bench import process_cpu
-    from pagedserve.cluster import processes, server_records
+    from pagedserve.cluster import server_records
+    from pagedserve.workers.process import processes
 
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(ValueError, match="no running 'pagedserve serve' on port 8000"):

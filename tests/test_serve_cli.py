@@ -214,7 +214,7 @@ def _streamed_equals_whole(port: int) -> bool:
 
 def _descendant_commands(pid: int) -> list[str]:
     """The command lines of ``pid``'s descendants (a private Ray's processes are)."""
-    from pagedserve.cluster.processes import descendants
+    from pagedserve.workers.process.processes import descendants
 
     commands = []
     for child in descendants(pid):
@@ -329,7 +329,7 @@ def own_records(tmp_path, monkeypatch):
         return process
 
     yield spawn
-    from pagedserve.cluster.processes import descendants
+    from pagedserve.workers.process.processes import descendants
 
     for process in started:
         for pid in [*descendants(process.pid), process.pid]:
@@ -338,7 +338,7 @@ def own_records(tmp_path, monkeypatch):
 
 
 def _record(port: int, pid: int, **fields):
-    from pagedserve.cluster.processes import started_at
+    from pagedserve.workers.process.processes import started_at
     from pagedserve.cluster.server_records import ServerRecord
 
     record = ServerRecord(port=port, pid=pid, host="127.0.0.1", state="serving",
@@ -390,7 +390,7 @@ def test_stop_names_what_it_stops_and_refuses_to_guess(own_records, capsys):
 
 def test_stop_kills_a_server_that_outlives_its_bound(own_records, capsys):
     from pagedserve.cluster.launcher import KILL_WAIT_S
-    from pagedserve.cluster.processes import descendants, is_running
+    from pagedserve.workers.process.processes import descendants, is_running
 
     stuck = own_records(ignore_term=True)
     _record(8301, stuck.pid, stage="shutting down Ray Serve")
@@ -456,7 +456,7 @@ def test_two_servers_on_one_machine(tmp_path, tiny_model):
     controller is gone is stopped by its port within the bound, all its processes with it, and
     the other serves on until ``stop --all`` stops it cleanly."""
     from pagedserve.cluster.launcher import KILL_WAIT_S
-    from pagedserve.cluster.processes import descendants, is_running
+    from pagedserve.workers.process.processes import descendants, is_running
     from served_cluster import free_port
 
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}

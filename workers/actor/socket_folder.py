@@ -14,6 +14,8 @@ import os
 import shutil
 import tempfile
 
+from ..process import processes
+
 PREFIX = "pagedserve-core-"
 OWNER = "owner"
 
@@ -22,7 +24,8 @@ def make() -> str:
     """A new folder in the temporary directory, with this process named as its owner."""
     path = tempfile.mkdtemp(prefix=PREFIX)
     with open(os.path.join(path, OWNER), "w") as owner:
-        owner.write(f"{os.getpid()} {_start_time(os.getpid())}")
+        started = processes.started_at(os.getpid())
+        owner.write(f"{os.getpid()} {'' if started is None else started}")
     return path
 
 
@@ -40,34 +43,14 @@ def sweep(parent: str | None = None) -> list[str]:
         path = os.path.join(parent, name)
         try:
             with open(os.path.join(path, OWNER)) as owner:
-                pid_text, _, start_time = owner.read().partition(" ")
-            pid = int(pid_text)
+                pid_text, _, started_text = owner.read().partition(" ")
+            pid, started = int(pid_text), float(started_text) if started_text else None
         except (OSError, ValueError):
             continue
-        if not _is_running(pid, start_time):
+        if not processes.is_same_process(pid, started):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
-
-
-def _is_running(pid: int, start_time: str) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:   # another user's process: it exists
-        pass
-    return not start_time or _start_time(pid) == start_time
-
-
-def _start_time(pid: int) -> str:
-    """The process's start time in clock ticks since boot (Linux's ``/proc/<pid>/stat``), or
-    "" where there is none to read."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[19]
-    except (OSError, IndexError):
-        return ""
 
 
 __all__ = ["make", "sweep"]

@@ -1,5 +1,6 @@
 """Processes on this machine, as ``/proc`` shows them: whether one runs, when it started, and
-what runs under it (a private Ray's processes are its ``serve`` process's descendants).
+what runs under it (a private Ray's processes are its ``serve`` process's descendants). Its
+users: the server records and the launcher (``cluster``), the engine cores' socket folders.
 
 Without ``/proc`` (not Linux), ``is_running`` falls back to a signal 0, and the others know
 nothing.
@@ -45,6 +46,15 @@ def started_at(pid: int) -> float | None:
         return float(fields[19]) if fields else None
     except (IndexError, ValueError):
         return None
+
+
+def is_same_process(pid: int, started: float | None) -> bool:
+    """Whether ``pid`` runs and is the process that started at ``started`` (``started_at``), not
+    a later one given the same pid; any process of that pid where a start time is unknown."""
+    if not is_running(pid):
+        return False
+    now = started_at(pid)
+    return started is None or now is None or now == started
 
 
 def descendants(pid: int) -> list[int]:
