@@ -46,7 +46,7 @@ import time
 
 from fastapi import Request   # at module level: the route's annotation is resolved in its globals
 
-from pagedserve.bench.cpu_pinning import pin_threads, split_cpus
+from pagedserve.bench.cpu_pinning import split_cpus
 
 CHUNK_TEXT = " the"
 
@@ -175,9 +175,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as workdir:
             for _ in range(args.rounds):
                 out = os.path.join(workdir, "floor.json")
-                spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy_cpus)]
-                for spinner in spinners if busy_cpus else ():
-                    pin_threads(spinner.pid, busy_cpus)
+                on_busy_cpus = (lambda: os.sched_setaffinity(0, busy_cpus)) if busy_cpus else None
+                spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=on_busy_cpus)
+                            for _ in range(args.busy_cpus)]
                 try:
                     done = subprocess.run(
                         [sys.executable, "-m", "pagedserve", "bench", "serve", "--port", str(args.port), "--model",

@@ -34,7 +34,7 @@ def pin_threads(pid: int, cpus: set[int]) -> int:
         try:
             os.sched_setaffinity(int(tid), cpus)
             pinned += 1
-        except (ProcessLookupError, PermissionError):   # a thread that ended meanwhile
+        except ProcessLookupError:   # a thread that ended meanwhile
             pass
     return pinned
 

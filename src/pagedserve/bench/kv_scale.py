@@ -86,6 +86,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, fields
 
+from .cpu_pinning import pin_threads
 from .kv_sim import Migration, SimulatedKVWorker, SimWorkload
 
 WORKERS_SUPPORTED_FORMULA = "1e6 / (50 * central_cpu_us_per_worker_step)"
@@ -531,15 +532,6 @@ def _flush_and_check_central(central, groups: list) -> str | None:
     return None
 
 
-def _pin_process(pid: int, cpus: set[int]) -> None:
-    """Every thread of process ``pid`` onto ``cpus`` (threads it starts later inherit it)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except ProcessLookupError:  # a thread that just ended
-            pass
-
-
 def _split_cpus(central_cpus: tuple[int, ...]) -> tuple[set[int], set[int]]:
     """(the central's CPUs, everything else's), or ValueError naming what is wrong."""
     if not hasattr(os, "sched_setaffinity"):
@@ -575,7 +567,7 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
             config.transport, config.relay_flush_s)
         ray.get(central.get_incarnation.remote(), timeout=120)
         if pinned:
-            _pin_process(ray.get(central.stats.remote(), timeout=60)["pid"], pinned[0])
+            pin_threads(ray.get(central.stats.remote(), timeout=60)["pid"], pinned[0])
         worker_ids = config.worker_ids
         per = config.workers_per_process
         chunks = [worker_ids[i:i + per] for i in range(0, len(worker_ids), per)]
@@ -588,13 +580,13 @@ def run_kv_scale(config: KVScaleConfig, out: str | None = None, log=print) -> di
         relay_pids = [s["pid"] for s in ray.get([r.stats.remote() for r in relays], timeout=120)]
         if pinned:
             for pid in relay_pids:
-                _pin_process(pid, pinned[1])
+                pin_threads(pid, pinned[1])
         group_cls = ray.remote(SimWorkerGroup).options(num_cpus=0, max_concurrency=4)
         groups = [group_cls.remote(config, chunk, central, groups_by_worker, relays) for chunk in chunks]
         ray.get([g.connect.remote(groups) for g in groups], timeout=600)
         if pinned:
             for pid in ray.get([g.pid.remote() for g in groups], timeout=60):
-                _pin_process(pid, pinned[1])
+                pin_threads(pid, pinned[1])
         ray.get([g.register.remote() for g in groups], timeout=600)
         # The central process's CPU with nobody calling (Ray's own threads): amortised over
         # few worker-steps when the simulated workers are slow, so reported apart.
