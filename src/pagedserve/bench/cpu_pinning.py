@@ -3,7 +3,7 @@ server and the load client on the others.
 
 On a 2-core VM a served run's engine core shares its CPU with the server's other processes,
 and each switch to another process costs the core its private caches: the offline engine
-pinned to one CPU took 1.16-1.24x its CPU per token beside a process that wakes every 100 µs
+pinned to one CPU took 1.16-1.24x its CPU per token beside a process that wakes every ~160 µs
 on the same CPU, and 0.85-0.93x beside the same process on another CPU
 (``benchmarks/bench_engine_time_sharing.py``). A GPU host has cores to spare; pinning gives
 the engine core one here too, so a run measures what the server adds rather than what
