@@ -77,7 +77,8 @@ class ClusterController:
         if pool is not None:
             kv_manager = ray.get_actor(pool["kv_manager_name"], namespace=namespace)
             self.pool = WorkerPool(**pool, kv_manager=kv_manager, namespace=namespace, workers=handles,
-                                   on_ready=self.add_worker, on_gone=self.remove_worker)
+                                   on_ready=self.add_worker, on_gone=self.remove_worker,
+                                   read_liveness=self.health.snapshot)
         self.adapters = RuntimeAdapterRegistry(namespace)
 
     def report(self) -> HealthReport:

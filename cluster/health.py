@@ -3,6 +3,8 @@ cluster controller (``controller.ClusterController``), never in an ingress repli
 
 Every worker is probed with ``Worker.heartbeat`` about four times a second,
 without blocking: a probe is sent, and its answer is read on a later poll.
+A heartbeat also carries the worker's unfinished requests: the worker pool's
+load figure (``worker_pool.WorkerPool``), so the pool asks nothing of a ready worker.
 A worker is routable once it answers without being stalled. It stops being
 routable at its first failure: an actor error (killed, node lost), a
 heartbeat that says the engine is stalled (or its loop ended), or a
@@ -43,7 +45,10 @@ class WorkerLiveness:
     pid: int | None = None
     actor_id: str | None = None      # from the heartbeat, for Ray's actor state
     last_beat: float = 0.0           # time of the last heartbeat answered
+    is_answering: bool = True        # its last heartbeat came back (stalled or not), neither failed nor overdue
+    num_unfinished: int = 0          # the worker's requests at its last heartbeat (the pool's load)
     last_failure: float | None = None
+    failure_reason: str | None = None  # of the last failure
     num_failures: int = 0
     num_restarts_requested: int = 0  # kills sent because the worker stalled
     state_unknown: bool = False      # Ray's actor state could not be read at the last check
@@ -76,25 +81,31 @@ class WorkerHealth:
 
     # ---- probing ------------------------------------------------------------------------
     def poll(self) -> None:
-        """Read answered probes, judge overdue ones, send new ones. Never blocks on a worker."""
+        """Read answered probes, judge overdue ones, send new ones. Never blocks on a worker:
+        one ``ray.wait`` for every probe in flight, so a poll costs little per worker."""
         import ray
 
         now = time.time()
         with self._lock:
             workers = list(self.workers.items())
+            probes = {w: self._probes[w] for w, _ in workers if w in self._probes}
+        answered = set()
+        if probes:
+            refs = [ref for ref, _ in probes.values()]
+            answered, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            answered = set(answered)
         for worker_id, worker in workers:
-            with self._lock:
-                probe = self._probes.get(worker_id)
+            probe = probes.get(worker_id)
             if probe is None:
                 if now - self._last_sent.get(worker_id, 0.0) >= self.probe_interval_s:
                     self._send_probe(worker_id, worker, now)
                 continue
             ref, sent_at = probe
-            ready, _ = ray.wait([ref], timeout=0)
-            if ready:
+            if ref in answered:
                 self._read_probe(worker_id, ref)
             elif now - sent_at > self.stall_timeout_s:
                 self._drop_probe(worker_id, ref)
+                self._note_answer(worker_id, None)
                 self._fail(worker_id, "heartbeat unanswered", restart=self._is_hung(worker_id, worker))
 
     def _send_probe(self, worker_id: str, worker, now: float) -> None:
@@ -146,13 +157,25 @@ class WorkerHealth:
         try:
             beat = ray.get(ref, timeout=0)
         except Exception as exc:
+            self._note_answer(worker_id, None)
             self._fail(worker_id, f"heartbeat failed: {type(exc).__name__}", restart=False)
             return
+        self._note_answer(worker_id, beat)
         if beat["is_stalled"]:
             self._fail(worker_id, f"stalled for {beat['seconds_since_progress']:.1f} s", restart=True,
                        pid=beat.get("pid"))
         else:
             self._revive(worker_id, beat)
+
+    def _note_answer(self, worker_id: str, beat: dict | None) -> None:
+        """A heartbeat came back (``beat``), or failed or was overdue (None)."""
+        with self._lock:
+            state = self.liveness.get(worker_id)
+            if state is None:
+                return  # removed meanwhile
+            state.is_answering = beat is not None
+            if beat is not None:
+                state.num_unfinished = beat["num_unfinished"]
 
     # ---- the set of workers -------------------------------------------------------------
     def add_worker(self, worker_id: str, worker) -> None:
@@ -188,6 +211,7 @@ class WorkerHealth:
             was_alive = state.is_alive
             state.is_alive = False
             state.last_failure = time.time()
+            state.failure_reason = reason
             state.num_failures += was_alive
             incarnation = pid if pid is not None else state.pid
             should_restart = restart and (was_alive or (incarnation is not None

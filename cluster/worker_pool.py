@@ -20,8 +20,9 @@ a ``ScalingPolicy`` twice a second how many workers the load wants and acts:
   idle node.
 
 States: ``starting`` -> ``ready`` -> ``draining`` -> ``dead``; a ready
-worker that stops answering is ``dead`` until it answers again (Ray
-restarts it). Handles read ``membership`` (versioned) to follow changes.
+worker whose heartbeats fail or go unanswered is ``dead`` until one answers
+again (Ray restarts it). A ready worker's load is what its last heartbeat
+said; only a draining worker is asked its ``drain_status``. Handles read ``membership`` (versioned) to follow changes.
 """
 
 from __future__ import annotations
@@ -124,13 +125,16 @@ class WorkerPool:
     look up). ``workers`` are the ready workers ``start``
     brought up (id -> actor) and ``groups`` their group indices.
     ``on_ready(worker_id, actor, role)`` and ``on_gone(worker_id)`` tell the
-    owner (the controller's heartbeat monitor) when workers join and leave.
+    owner (the controller's heartbeat monitor) when workers join and leave;
+    ``read_liveness()`` is that monitor's view (``health.WorkerHealth.snapshot``), from
+    which the pool takes each ready worker's load and whether it answers.
     """
 
     def __init__(self, config: dict, model_path: str, model_source: dict, kv_manager, kv_manager_name: str,
                  namespace: str, workers: dict, groups: dict[str, int],
                  on_ready: Callable[[str, Any, str], None] = lambda *_: None,
                  on_gone: Callable[[str], None] = lambda _: None,
+                 read_liveness: Callable[[], dict[str, dict]] = dict,
                  control_interval_s: float = CONTROL_INTERVAL_S) -> None:
         import ray
 
@@ -144,6 +148,7 @@ class WorkerPool:
         self.namespace = namespace
         self.on_ready = on_ready
         self.on_gone = on_gone
+        self.read_liveness = read_liveness
         self.control_interval_s = control_interval_s
         self.worker_cls = ray.remote(Worker)
         self.records: dict[str, WorkerRecord] = {}
@@ -295,36 +300,59 @@ class WorkerPool:
             logger.info("worker pool: %s ready on node %s", worker_id, record.node_id)
 
     def _poll_load(self) -> None:
-        """Read each ready or draining worker's ``drain_status`` (sent last tick), send the next."""
-        import ray
-
+        """Each worker's load and state: a ready (or dead) one's from the controller's heartbeats
+        (``read_liveness``), at no call of its own; a draining one's from its ``drain_status``
+        (sent last tick, the next sent now), which alone says what exports it still holds."""
         with self._lock:
             live = {w: r for w, r in self.records.items() if r.state != "starting" and not r.is_gone}
-        now = time.time()
+        liveness = self.read_liveness()
+        draining = {}
         for worker_id, record in live.items():
-            probe = self._status_refs.get(worker_id)
+            if record.state == "draining":
+                draining[worker_id] = record
+                continue
+            beat = liveness.get(worker_id)
+            if beat is None:
+                continue  # not watched yet
+            if not beat["is_answering"]:
+                if record.state == "ready":
+                    self._set_state(record, "dead", beat["failure_reason"])
+                continue
+            with self._lock:
+                record.num_ongoing = beat["num_unfinished"]
+            if record.state == "dead" and beat["is_alive"]:
+                record.reason = None
+                self._set_state(record, "ready")  # Ray restarted it
+        self._poll_drain_status(draining)
+
+    def _poll_drain_status(self, draining: dict[str, WorkerRecord]) -> None:
+        import ray
+
+        for worker_id in set(self._status_refs) - set(draining):
+            del self._status_refs[worker_id]   # no longer draining: its answer is not needed
+        probes = {w: self._status_refs[w] for w in draining if w in self._status_refs}
+        done = set()
+        if probes:
+            refs = [ref for ref, _ in probes.values()]
+            done = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+        now = time.time()
+        for worker_id, record in draining.items():
+            probe = probes.get(worker_id)
             if probe is not None:
-                ref, sent_at = probe
-                done, _ = ray.wait([ref], timeout=0)
-                if not done:
-                    if now - sent_at > 2 * self.config.step_timeout_s and record.state == "ready":
-                        self._set_state(record, "dead", "not answering")
+                ref, _ = probe
+                if ref not in done:
                     continue
                 del self._status_refs[worker_id]
                 try:
                     status = ray.get(ref)
-                except Exception as exc:
-                    if record.state == "ready":
-                        self._set_state(record, "dead", f"failed: {type(exc).__name__}")
-                    continue
-                with self._lock:
-                    record.num_ongoing = status["num_unfinished"]
-                    record.num_drain_migrations = status["num_drain_migrations"]
-                    record.is_drained = (status["is_draining"] and status["num_unfinished"] == 0
-                                         and status["num_held_exports"] == 0)
-                if record.state == "dead":
-                    record.reason = None
-                    self._set_state(record, "ready")  # Ray restarted it
+                except Exception:   # dead or restarting: asked again below
+                    pass
+                else:
+                    with self._lock:
+                        record.num_ongoing = status["num_unfinished"]
+                        record.num_drain_migrations = status["num_drain_migrations"]
+                        record.is_drained = (status["is_draining"] and status["num_unfinished"] == 0
+                                             and status["num_held_exports"] == 0)
             self._status_refs[worker_id] = (record.actor.drain_status.remote(), now)
 
     def _remove(self, worker_id: str) -> None:

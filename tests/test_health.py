@@ -31,13 +31,18 @@ def _fake_worker_class():
 
         def __init__(self) -> None:
             self.is_stalled = False
+            self.num_unfinished = 0
 
         def heartbeat(self) -> dict:
             return {"pid": os.getpid(), "actor_id": ray.get_runtime_context().get_actor_id(),
-                    "is_stalled": self.is_stalled, "seconds_since_progress": 0.0}
+                    "is_stalled": self.is_stalled, "seconds_since_progress": 0.0,
+                    "num_unfinished": self.num_unfinished}
 
         def set_stalled(self, is_stalled: bool) -> None:
             self.is_stalled = is_stalled
+
+        def set_unfinished(self, num_unfinished: int) -> None:
+            self.num_unfinished = num_unfinished
 
         def block(self, seconds: float) -> None:
             time.sleep(seconds)
@@ -89,7 +94,10 @@ def test_a_killed_worker_is_unroutable_until_its_restart_answers(monitored):
     ray.kill(workers["w0"], no_restart=False)
     _wait(lambda: "w0" not in health.alive_workers())
     assert "w0" not in _routable(router) and "w1" in _routable(router)
+    assert not health.snapshot()["w0"]["is_answering"]   # what the worker pool reads as dead
+    assert health.snapshot()["w0"]["failure_reason"].startswith("heartbeat failed")
     _wait(lambda: health.alive_workers() == {"w0", "w1"})
+    assert health.snapshot()["w0"]["is_answering"]
     assert ray.get(workers["w0"].pid.remote()) != old_pid
     assert _routable(router) == {"w0", "w1"}
     assert health.snapshot()["w0"]["num_restarts_requested"] == 0  # Ray restarted it, not the monitor
@@ -100,6 +108,7 @@ def test_a_stalled_worker_is_restarted_once(monitored):
     old_pid = ray.get(workers["w1"].pid.remote())
     ray.get(workers["w1"].set_stalled.remote(True))
     _wait(lambda: health.snapshot()["w1"]["num_restarts_requested"] == 1)
+    assert health.snapshot()["w1"]["failure_reason"].startswith("stalled")
     _wait(lambda: health.alive_workers() == {"w0", "w1"})  # the new incarnation is not stalled
     assert ray.get(workers["w1"].pid.remote()) != old_pid
     assert health.snapshot()["w1"]["num_restarts_requested"] == 1
@@ -115,10 +124,19 @@ def test_a_worker_that_stops_answering_is_restarted(monitored):
     assert ray.get(workers["w0"].pid.remote()) != old_pid
 
 
+def test_each_heartbeat_carries_the_workers_unfinished_requests(monitored):
+    """The worker pool's load figure: it asks a ready worker nothing of its own."""
+    workers, router, health = monitored
+    ray.get(workers["w1"].set_unfinished.remote(5))
+    _wait(lambda: health.snapshot()["w1"]["num_unfinished"] == 5)
+    assert health.snapshot()["w0"]["num_unfinished"] == 0
+
+
 def test_a_failure_noted_by_a_request_takes_the_worker_out_until_the_next_heartbeat(monitored):
     workers, router, health = monitored
     health.note_failure("w1", "request timed out")
     assert "w1" not in _routable(router)
+    assert health.snapshot()["w1"]["is_answering"]   # unroutable, but not dead for the pool
     _wait(lambda: "w1" in health.alive_workers())  # it was fine after all: back at the next answer
     assert health.snapshot()["w1"]["num_restarts_requested"] == 0
 
