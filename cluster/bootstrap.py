@@ -235,7 +235,8 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
     controller = controller_cls.options(
         name=CONTROLLER_NAME, namespace=NAMESPACE, max_restarts=-1, max_task_retries=0, num_cpus=0,
         max_concurrency=16, **ray_compat.head_node_placement()).remote(
-            names, roles, stall_timeout_s(config.step_timeout_s), pool=pool, namespace=NAMESPACE)
+            names, roles, stall_timeout_s(config.step_timeout_s), probe_interval_s=config.health_check_period_s,
+            pool=pool, namespace=NAMESPACE)
     try:
         ray.get(controller.ping.remote(), timeout=ready_timeout_s)
     except BaseException:

@@ -52,7 +52,7 @@ SECTIONS = {
                               "downscale_delay_s"],
 }
 TOP_KEYS = ["model", "engine", "workers", "router", "server", "kv_manager_num_cpus", "step_timeout_s",
-            "worker_ready_timeout_s"]
+            "health_check_period_s", "worker_ready_timeout_s"]
 KEY_PATHS = ([f"{section}.{key}" for section, keys in SECTIONS.items() for key in keys] + TOP_KEYS)
 
 WEIRD_TEXT = st.sampled_from(["", " ", "\x00", "\ud800", "🦙", "é", "\u202e", "a" * 5000, "0.0.0.0", "-1",

@@ -159,6 +159,8 @@ def test_rays_validator_rejects_a_broken_launcher_file():
     (["workers.0.engine.num_device_blocks=0"], "num_device_blocks"),
     (["router.prefix_weight=-1"], "router.prefix_weight"),
     (["engine.seed=-1"], "engine.seed"),
+    (["health_check_period_s=0"], "health_check_period_s"),
+    (["health_check_period_s=5", "step_timeout_s=2"], "health_check_period_s"),
 ])
 def test_bad_values_are_rejected_naming_the_key(overrides, path_in_error):
     with pytest.raises(ValueError, match=path_in_error.replace(".", r"\.")):
