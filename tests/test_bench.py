@@ -551,6 +551,20 @@ def test_the_serving_cpu_bench_sums_up_each_settings_ratio_over_its_rounds():
         "haproxy, zmq, 256 streams, interval 1: serving adds 1.80x the floor (median of 1; 1.80-1.80)"]
 
 
+def test_the_control_plane_bench_measures_the_controller_ready_and_draining():
+    """benchmarks/bench_control_plane.py end to end, small: a row per pool state, each with the
+    controller's CPU and the stand-ins' (both busy: heartbeats, and drain_status while draining)."""
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_control_plane.py")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run([sys.executable, path, "--workers", "4", "--actors", "1", "--window-s", "1",
+                           "--rounds", "1"], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [(row["workers"], row["pool"]) for row in rows] == [(4, "ready"), (4, "draining")]
+    for row in rows:
+        assert row["controller_ms_per_s"] > 0 and row["stand_ins_ms_per_s"] > 0, row
+
+
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="pinning needs Linux and two CPUs")
 def test_cpu_pinning_puts_the_engine_cores_every_thread_on_the_engines_cpu():
