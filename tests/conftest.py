@@ -181,6 +181,18 @@ def hf_greedy(tiny_model):
 
 
 @pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray of two CPUs per module, no dashboard: for stand-in actors."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=2, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
 def ray_cluster(request):
     """A ``ray.cluster_utils.Cluster`` per module: a head node plus fake-GPU worker nodes.
 

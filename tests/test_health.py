@@ -53,15 +53,6 @@ def _fake_worker_class():
     return FakeWorker
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
 @pytest.fixture
 def monitored(local_ray):
     actor_cls = ray.remote(_fake_worker_class())

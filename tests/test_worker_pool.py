@@ -61,15 +61,6 @@ def _fake_kv_manager_class():
     return FakeKVManager
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
 @pytest.fixture
 def pool(local_ray):
     worker_cls = ray.remote(_fake_worker_class())
