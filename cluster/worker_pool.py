@@ -22,7 +22,8 @@ a ``ScalingPolicy`` twice a second how many workers the load wants and acts:
 States: ``starting`` -> ``ready`` -> ``draining`` -> ``dead``; a ready
 worker whose heartbeats fail or go unanswered is ``dead`` until one answers
 again (Ray restarts it). A ready worker's load is what its last heartbeat
-said; only a draining worker is asked its ``drain_status``. Handles read ``membership`` (versioned) to follow changes.
+said; only a draining worker is asked its ``drain_status``. Handles read
+``membership`` (versioned) to follow changes.
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ class WorkerPool:
         self.num_start_failures = {index: 0 for index in range(len(self.config.workers))}
         self.decisions: list[dict] = []
         self._info_refs: dict[str, Any] = {}
-        self._status_refs: dict[str, tuple[Any, float]] = {}
+        self._status_refs: dict[str, Any] = {}   # draining worker -> its drain_status in flight
         self._kv_leaves_pending: set[str] = set()   # gone workers the KV manager still lists
         self._late_leaves: dict[str, float] = {}     # never-ready gone worker -> leave again until
         self._lock = threading.RLock()
@@ -331,18 +332,12 @@ class WorkerPool:
         for worker_id in set(self._status_refs) - set(draining):
             del self._status_refs[worker_id]   # no longer draining: its answer is not needed
         probes = {w: self._status_refs[w] for w in draining if w in self._status_refs}
-        done = set()
-        if probes:
-            refs = [ref for ref, _ in probes.values()]
-            done = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
-        now = time.time()
+        done = set(ray.wait(list(probes.values()), num_returns=len(probes), timeout=0)[0]) if probes else set()
         for worker_id, record in draining.items():
-            probe = probes.get(worker_id)
-            if probe is not None:
-                ref, _ = probe
+            ref = probes.get(worker_id)
+            if ref is not None:
                 if ref not in done:
                     continue
-                del self._status_refs[worker_id]
                 try:
                     status = ray.get(ref)
                 except Exception:   # dead or restarting: asked again below
@@ -353,7 +348,7 @@ class WorkerPool:
                         record.num_drain_migrations = status["num_drain_migrations"]
                         record.is_drained = (status["is_draining"] and status["num_unfinished"] == 0
                                              and status["num_held_exports"] == 0)
-            self._status_refs[worker_id] = (record.actor.drain_status.remote(), now)
+            self._status_refs[worker_id] = record.actor.drain_status.remote()
 
     def _remove(self, worker_id: str) -> None:
         """Cancel a starting worker, or start draining a ready one."""
