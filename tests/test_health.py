@@ -86,7 +86,8 @@ def test_a_killed_worker_is_unroutable_until_its_restart_answers(monitored):
     _wait(lambda: "w0" not in health.alive_workers())
     assert "w0" not in _routable(router) and "w1" in _routable(router)
     assert not health.snapshot()["w0"]["is_answering"]   # what the worker pool reads as dead
-    assert health.snapshot()["w0"]["failure_reason"].startswith("heartbeat failed")
+    # Ray's actor error, or, on a loaded machine, the stall timeout first: either way it is not answering.
+    assert health.snapshot()["w0"]["failure_reason"].startswith(("heartbeat failed", "heartbeat unanswered"))
     _wait(lambda: health.alive_workers() == {"w0", "w1"})
     assert health.snapshot()["w0"]["is_answering"]
     assert ray.get(workers["w0"].pid.remote()) != old_pid
