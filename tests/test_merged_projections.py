@@ -32,7 +32,8 @@ def test_the_pieces_are_views_of_the_merged_weights(tiny_model):
         expected = getattr(reference, name)(x)
         assert torch.equal(piece(x), expected)  # an input the group did not project: computed alone
         start = sum(p.out_features for p in pieces[:pieces.index(piece)])
-        assert torch.equal(merged_output[:, start:start + piece.out_features], expected)
+        # One matmul against three: the CPU's kernel for each shape may sum in another order.
+        torch.testing.assert_close(merged_output[:, start:start + piece.out_features], expected)
 
 
 def test_each_groups_old_weights_are_freed_as_it_is_merged(tiny_model, monkeypatch):
@@ -100,8 +101,10 @@ def test_a_forward_off_the_pattern_is_left_unmerged(calls):
         merged = merge_same_input_projections(module, lambda: module(x))
         after = module(x)
     assert merged == ([": q_proj+k_proj+v_proj"] if calls == "all three" else [])
-    assert torch.equal(after, before)
-    if calls != "all three":  # taken back whole: the Linears, the class's forward, no buffer
+    if calls == "all three":  # one matmul for three: equal up to the order of a kernel's sums
+        torch.testing.assert_close(after, before)
+    else:  # taken back whole: the Linears, the class's forward, no buffer
+        assert torch.equal(after, before)
         assert all(type(getattr(module, n)) is torch.nn.Linear for n in ("q_proj", "k_proj", "v_proj"))
         assert "forward" not in vars(module) and not list(module.buffers())
 
