@@ -87,6 +87,7 @@ def main() -> None:
     server = start_server(["--set", "server.ingress=haproxy", "--set", "output_transport=zmq"], args.port,
                           os.path.join(workdir, "serve.log"), env)
     load = None
+    load_log = open(os.path.join(workdir, "load.log"), "w")
     try:
         if args.pin_engine_core:
             engine_cpus, other_cpus = split_cpus()
@@ -98,14 +99,15 @@ def main() -> None:
             [sys.executable, "-m", "pagedserve", "bench", "serve", "--port", str(args.port), "--request-rate", "inf",
              "--num-requests", str(args.streams * args.waves), "--max-concurrency", str(args.streams),
              "--random-input-len", "16", "--random-output-len", str(args.tokens), "--random-range-ratio", "0.5",
-             "--seed", "0", "--no-progress"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             "--seed", "0", "--no-progress"], env=env, stdout=subprocess.DEVNULL, stderr=load_log)
         time.sleep(WARM_UP_S)
         for round_number in range(1, args.rounds + 1):
             steps_before, cpu_before = served_counters(url), thread_cpu(pid)
             time.sleep(args.window_s)
             steps_after, cpu_after = served_counters(url), thread_cpu(pid)
             if load.poll() is not None:
-                raise RuntimeError("the load ended within the window: raise --waves")
+                with open(load_log.name) as f:
+                    raise RuntimeError(f"the load ended within the window (raise --waves): {f.read()[-2000:]}")
             steps = window(steps_before, steps_after)
             num_steps, num_tokens = steps["steps"], steps["tokens"]
             used = sorted(((cpu_after[tid] - cpu_before.get(tid, 0.0), tid) for tid in cpu_after), reverse=True)
@@ -122,6 +124,7 @@ def main() -> None:
         if load is not None and load.poll() is None:
             load.kill()
         stop_server(server)
+        load_log.close()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
