@@ -8,12 +8,13 @@ times ``--streams`` requests, at most ``--streams`` at once, lengths within ±50
 through psutil) over the engine's steps and tokens in the window (the workers' ``/stats``).
 
 Threads are named as Python knows them where ``py-spy dump`` can read the process (its
-threads' native ids), else by their kernel names. ``--process`` picks the process by a part
-of its command line: ``ray::Worker`` (the worker actor, the default), ``core_process`` (the
-engine core), ``ray::ServeReplica`` (the ingress replica). ``--pin-engine-core`` gives the
-engine core a CPU of its own, the rest of the server and the load the others.
+threads' native ids), else by their kernel names. ``--process`` picks the process by its
+role, as ``bench serve --cpu-per-token`` groups the server's processes
+(``pagedserve.bench.process_cpu``): "worker 0" (the worker actor, the default), "engine core
+0", "serve replica". ``--pin-engine-core`` gives the engine core a CPU of its own, the rest
+of the server and the load the others.
 
-    python benchmarks/bench_process_threads.py [--process ray::Worker] [--streams 64]
+    python benchmarks/bench_process_threads.py [--process "worker 0"] [--streams 64]
                                                [--rounds 2] [--window-s 6] [--pin-engine-core]
 """
 
@@ -30,20 +31,20 @@ import time
 
 from pagedserve.bench.cpu_pinning import pin_engine_cores, split_cpus
 from pagedserve.bench.engine_steps import served_counters, window
+from pagedserve.bench.process_cpu import ServerCpuProbe, cpu_by_group, find_server_root
 from pagedserve.bench.served_process import start_server, stop_server
 
 WARM_UP_S = 5.0   # from the load's start to the first window: the batch fills
 
 
-def find_process(word: str) -> int:
-    import psutil
-
-    mine = {os.getpid(), *(parent.pid for parent in psutil.Process().parents())}   # they name it too
-    found = [p.pid for p in psutil.process_iter(["cmdline"])
-             if p.pid not in mine and any(word in part for part in p.info["cmdline"] or [])]
-    if len(found) != 1:
-        raise RuntimeError(f"{len(found)} processes have {word!r} in their command line; one was expected")
-    return found[0]
+def find_process(url: str, server_pid: int, role: str) -> int:
+    """The pid of the one process of the server's group ``role`` (``process_cpu.group_of``)."""
+    snapshot = ServerCpuProbe(find_server_root(url, server_pid)).snapshot()
+    groups = cpu_by_group(snapshot, snapshot, server_pid).groups
+    if role not in groups or len(groups[role].pids) != 1:
+        raise RuntimeError(f"no one process is {role!r}; the server's groups: "
+                           + ", ".join(f"{label} ({len(group.pids)})" for label, group in groups.items()))
+    return groups[role].pids[0]
 
 
 def python_thread_names(pid: int) -> dict[int, str]:
@@ -71,7 +72,7 @@ def kernel_name(pid: int, tid: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--process", default="ray::Worker")
+    parser.add_argument("--process", default="worker 0", help="a group of the server's processes")
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--waves", type=int, default=12)
@@ -93,7 +94,7 @@ def main() -> None:
             engine_cpus, other_cpus = split_cpus()
             pin_engine_cores(server.pid, engine_cpus)
             os.sched_setaffinity(0, other_cpus)   # the load client inherits them
-        pid = find_process(args.process)
+        pid = find_process(url, server.pid, args.process)
         names = python_thread_names(pid)
         load = subprocess.Popen(
             [sys.executable, "-m", "pagedserve", "bench", "serve", "--port", str(args.port), "--request-rate", "inf",
