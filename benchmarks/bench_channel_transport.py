@@ -3,7 +3,7 @@ call (``output_transport: ray``) or a ZeroMQ socket (``zmq``), the CPU of both p
 
 A worker's output channel sends one message per engine step to each handle, the step's
 packed ``StreamBatch``: a streamed item of a Ray call (``Worker.channel_outputs``), or a
-socket message (``workers.actor.channel_socket``, which also returns a credit per message). Each
+socket message (``workers.outputs.channel_socket``, which also returns a credit per message). Each
 message costs the worker's process and the handle's a share of CPU whatever it holds, so
 per streamed token that cost is divided by the streams in a step. This measures it
 alone: an actor yields ``--messages`` packed batches of ``--rows`` one-token rows, one

@@ -341,9 +341,10 @@ class ClusterConfig(_Strict):
     """How workers' KV events reach the central KV manager."""
     output_transport: Literal["zmq", "ray"] = "zmq"
     """How a worker's output channel carries its messages (one per engine step) to a handle:
-    "zmq", a ZeroMQ socket per channel, the Ray call only its lifeline (about a fifth of the CPU
-    per message of a Ray streamed item); "ray", each message a streamed item of a Ray call (no
-    port besides Ray's between the handle's node and the worker's)."""
+    "zmq", a ZeroMQ socket per channel that the engine core sends to itself, the worker actor's
+    Ray call only its lifeline (about a fifth of the CPU per message of a Ray streamed item, and
+    no relay through the actor); "ray", each message a streamed item of a Ray call, relayed by
+    the worker actor (no port besides Ray's between the handle's node and the worker's)."""
     step_timeout_s: float = Field(30.0, gt=0)
     """Timeout of the handle's calls to workers and the controller. A worker with work and no
     engine progress for twice this long counts as stalled and is restarted."""

@@ -9,7 +9,7 @@ request's outputs from one channel per worker (``workers.actor.output_channel``)
 message per engine step for all the requests in flight there, rather than one per
 request. The channel is a streamed call, ``Worker.channel_outputs``, that yields the
 address of a ZeroMQ socket the messages then come over (``output_transport: zmq``,
-``workers.actor.channel_socket``), the call staying open as the channel's lifeline; or,
+``workers.outputs.channel_socket``), the call staying open as the channel's lifeline; or,
 with ``output_transport: ray``, whose streamed items are the messages. Each request has a key on its
 channel (``GenerateRequest.key``); a message carries the engine core's packed
 batches, whose rows name requests by key, and control items. A reader task per
@@ -51,7 +51,7 @@ import time
 import uuid
 from typing import AsyncIterator
 
-from pagedserve.workers.actor.channel_socket import BATCH, DEAD, MIGRATED, ChannelSocketReceiver, decode
+from pagedserve.workers.outputs.channel_socket import BATCH, DEAD, MIGRATED, ChannelSocketReceiver, decode
 from pagedserve.workers.actor.protocol import (ChannelItem, EngineDeadError, GenerateRequest, Migrated, OutputDelta,
                                                deltas_from_batch, merge_deltas)
 from pagedserve.workers.outputs.stream_batch import StreamBatch
@@ -208,7 +208,7 @@ class WorkerChannel:
                 inbox.last_at = now
 
     async def _read_socket(self, stream) -> None:
-        """Read the channel's socket (``workers.actor.channel_socket``) until its end; the Ray
+        """Read the channel's socket (``workers.outputs.channel_socket``) until its end; the Ray
         call, whose one item is the socket's address, is watched meanwhile (``_watch``)."""
         try:
             address = await (await stream.__anext__())
@@ -356,7 +356,7 @@ class WorkerChannel:
 
 class WorkerChannels:
     """The open channels of a handle, one per (event loop, worker), over ``transport``: "zmq"
-    (a socket per channel, ``workers.actor.channel_socket``) or "ray" (Ray streamed items)."""
+    (a socket per channel, ``workers.outputs.channel_socket``) or "ray" (Ray streamed items)."""
 
     def __init__(self, transport: str = "zmq") -> None:
         self.transport = transport

@@ -4,7 +4,8 @@
 manager in this process behind its transport (``InProcessTransport``):
 
 - each step's rows come as one packed batch per output channel, and rebuild exactly the
-  tokens the offline engine makes;
+  tokens the offline engine makes; a channel of the socket transport gets them from the core
+  itself, and one whose reader leaves has its requests aborted;
 - closing a channel aborts its requests and nothing else; a refused request ends alone, with
   its error; utility calls answer between steps; KV events reach the central manager;
 - an engine that fails, or a core process that is killed, is reported dead once, with its
@@ -36,6 +37,7 @@ from pagedserve.workers.actor.protocol import EngineDeadError, OutputDelta, delt
 from pagedserve.workers.engine.core_messages import AddRequest
 from pagedserve.workers.engine.core_process import CoreSpec
 from pagedserve.workers.outputs.accumulator import OutputAccumulator
+from pagedserve.workers.outputs.channel_socket import BATCH, DEAD, END, ChannelSocketReceiver, decode
 from pagedserve.workers.outputs.stream_batch import StreamBatch
 
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 17, 30, 9)]
@@ -69,6 +71,13 @@ class Core:
 
     def add(self, channel: str, key: int, prompt: list[int], params: SamplingParams) -> None:
         self.client.add(AddRequest(channel, key, f"{channel}/{key}", prompt, params))
+
+    async def open_socket(self, channel: str) -> ChannelSocketReceiver:
+        """Open ``channel`` as a socket channel in the core (as ``Worker.channel_outputs`` does)
+        and connect a reader to it, as a handle does; on this loop, which gets the core's news."""
+        self.client.bind_loop(asyncio.get_running_loop())
+        address = await asyncio.wrap_future(self.client.call("open_output_socket", channel, 2, "127.0.0.1"))
+        return ChannelSocketReceiver(address, channel)
 
     def deltas(self, channel: str) -> dict[int, list]:
         """The channel's deltas (and errors) by key, from the batches that came so far."""
@@ -146,6 +155,82 @@ def test_each_channel_gets_one_batch_per_step_and_its_rows_rebuild_the_engines_t
     core.service.check_consistency([snapshot])
     stats = core.client.call("stats").result(30)
     assert stats["engine"]["num_generated_tokens"] == 64 and stats["kv_link"]["num_event_batches"] >= 1
+
+
+async def _read_socket(receiver: ChannelSocketReceiver, by_key: dict[int, list], until) -> list:
+    """Read a socket channel's messages as a handle does (a credit for each), its batches' deltas
+    by key, until ``until(by_key)`` or the channel's end; the message kinds read, in order."""
+    kinds = []
+    while not until(by_key):
+        entries = decode(await asyncio.wait_for(receiver.receive(), 60))
+        receiver.read_one()
+        for kind, value in entries:
+            kinds.append(kind)
+            if kind == BATCH:
+                for key, delta in deltas_from_batch(StreamBatch.unpack(value)):
+                    by_key.setdefault(key, []).append(delta)
+        if kinds[-1] == END:
+            break
+    return kinds
+
+
+def test_a_socket_channels_rows_go_from_the_core_to_its_reader_and_nowhere_else(core, expected):
+    """A channel of the socket transport: the core sends its batches to the reader's socket
+    itself (the actor gets none of them), one message a step while the reader keeps up, and
+    its rows rebuild the engine's tokens; another channel's still come to the actor."""
+    async def run():
+        receiver = await core.open_socket("direct")
+        for key, prompt in enumerate(PROMPTS):
+            core.add("direct" if key < 3 else "relayed", key, prompt, _greedy(16))
+        by_key: dict[int, list] = {}
+        kinds = await _read_socket(receiver, by_key, lambda got: all(_ended(got.get(k, [])) for k in range(3)))
+        await core.wait_for(lambda: _ended(core.deltas("relayed").get(3, [])))
+        assert await asyncio.wrap_future(core.client.call("close_channel", "direct")) == 0
+        assert (await _read_socket(receiver, {}, lambda _: False))[-1] == END   # the channel's end
+        receiver.close()
+        return by_key, kinds
+
+    by_key, kinds = asyncio.run(run())
+    assert "direct" not in core.items
+    assert 16 <= kinds.count(BATCH) <= 20 and set(kinds) == {BATCH}
+    for key, prompt in enumerate(PROMPTS):
+        deltas = by_key[key] if key < 3 else core.deltas("relayed")[key]
+        accumulator = OutputAccumulator(str(key), None, prompt)
+        final = [accumulator.add(d) for d in deltas][-1]
+        assert final.finished and final.outputs[0].token_ids == expected[key]
+
+
+def test_a_socket_channel_whose_reader_leaves_has_its_requests_aborted_and_is_reported(core):
+    async def run():
+        receiver = await core.open_socket("left")
+        core.add("left", 0, PROMPTS[0], _greedy(400))
+        core.add("left", 1, PROMPTS[1], _greedy(400))
+        core.add("stays", 0, PROMPTS[2], _greedy(12))
+        await _read_socket(receiver, {}, lambda got: len(got.get(1, [])) >= 2)
+        receiver.close()   # its process died, say
+        await core.wait_for(lambda: ("gone", "left") in core.items.get("left", []))
+        await core.wait_for(lambda: _ended(core.deltas("stays").get(0, [])))
+        status = await asyncio.wrap_future(core.client.call("drain_status"))
+        assert status["num_unfinished"] == 0
+
+    asyncio.run(run())
+    assert core.deltas("stays")[0][-1].samples[0].finish_reason == "length"
+
+
+def test_an_engine_that_fails_ends_each_socket_channel_with_its_error(core):
+    async def run():
+        receiver = await core.open_socket("c")
+        core.add("c", 0, PROMPTS[1], _greedy(400))
+        await _read_socket(receiver, {}, lambda got: got.get(0))
+        await asyncio.wrap_future(core.client.call("inject_failure", "a device error"))
+        kinds = await _read_socket(receiver, {}, lambda _: False)
+        await core.wait_for(lambda: core.deaths)
+        receiver.close()
+        return kinds
+
+    kinds = asyncio.run(run())
+    assert kinds[-2:] == [DEAD, END]
+    assert core.deaths[0][1] == core.info.engine_id
 
 
 def test_a_speculating_core_streams_the_tokens_of_one_that_does_not(model, expected):

@@ -1,7 +1,8 @@
 """A worker's output channel on the handle's side (``cluster/worker_channels.py``), over a
 stand-in for the worker actor (Ray's streaming call and actor methods, mocked: the channel's
 bookkeeping is under test, not Ray). With the socket transport the stand-in runs the
-worker's real end (``OutputChannel`` and ``ChannelSocketSender`` over a real ZeroMQ socket).
+worker's real ends: the engine core's ``ChannelSocketSender`` over a real ZeroMQ socket, served
+as the core's loop serves it, and the actor's direct ``OutputChannel`` that its Ray call waits on.
 
 A migration's KV stays held on its source worker until someone releases it; a draining
 worker cannot go before. When no attempt will follow a ``Migrated`` item (its request
@@ -21,11 +22,10 @@ from ray.exceptions import RayActorError
 
 from pagedserve import SamplingParams
 from pagedserve.cluster.worker_channels import ChannelClosed, WorkerChannel
-from pagedserve.workers.actor.channel_socket import (CREDIT, HELLO, ChannelSocketReceiver, ChannelSocketSender,
+from pagedserve.workers.outputs.channel_socket import (CREDIT, HELLO, ChannelSocketReceiver, ChannelSocketSender,
                                                      decode, encode)
 from pagedserve.workers.actor.output_channel import OutputChannel
 from pagedserve.workers.actor.protocol import EngineDeadError, GenerateRequest, Migrated, OutputDelta
-from pagedserve.workers.actor.worker import _send_over_socket
 from pagedserve.workers.outputs.stream_batch import StreamBatch
 
 
@@ -106,12 +106,14 @@ def _done(value):
 
 
 class SocketWorker:
-    """The worker's end of a socket channel, real (``OutputChannel``, the sender, the loop that
-    feeds it), behind a stand-in for its Ray call: the test puts the engine core's output in
-    ``channel`` and may end the call with ``lifeline_error``."""
+    """The worker's end of a socket channel, real where it runs (the core's sender, served every
+    2 ms as the core's loop serves it; the actor's direct ``OutputChannel``), behind a stand-in
+    for its Ray call: the test sends the core's output with ``put`` and ends the channel with
+    ``close`` or ``die`` as the core would, and may end the call with ``lifeline_error``."""
 
     def __init__(self) -> None:
         self.channel: OutputChannel | None = None
+        self.sender: ChannelSocketSender | None = None
         self.opened = asyncio.Event()
         self.exports: dict[str, object] = {}
         self.released: list[str] = []
@@ -122,22 +124,43 @@ class SocketWorker:
         self.export_ref = _Method(lambda request_id: _done([self.exports[request_id]] if request_id in self.exports
                                                            else None))
         self.renew_channel = _Method(lambda channel_id: None)
-        self.close_channel = _Method(lambda channel_id: self.channel.close())
+        self.close_channel = _Method(lambda channel_id: self.close())
 
     async def _outputs(self, channel_id, transport, messages_ahead):
         assert transport == "zmq"
         self.channel = OutputChannel(channel_id, lambda _: None)
-        sender = ChannelSocketSender(channel_id, messages_ahead, host="127.0.0.1")
+        self.sender = ChannelSocketSender(zmq.Context.instance(), channel_id, messages_ahead, host="127.0.0.1")
+        self.channel.start(is_direct=True)
+        serving = asyncio.ensure_future(self._serve())
         self.opened.set()
         try:
-            yield _done(sender.address)
-            pumping = asyncio.ensure_future(_send_over_socket(self.channel, sender))
-            await asyncio.wait([pumping, self.lifeline_error], return_when=asyncio.FIRST_COMPLETED)
+            yield _done(self.sender.address)
+            ended = asyncio.ensure_future(self.channel.wait_ended())
+            await asyncio.wait([ended, self.lifeline_error], return_when=asyncio.FIRST_COMPLETED)
             if self.lifeline_error.done():
-                pumping.cancel()
+                ended.cancel()
                 raise self.lifeline_error.result()
+            await ended
         finally:
-            sender.close()
+            serving.cancel()
+            self.sender.close()
+
+    async def _serve(self) -> None:
+        while self.sender.service():
+            await asyncio.sleep(0.002)
+
+    def put(self, entry) -> None:
+        self.sender.put(entry)
+
+    def close(self) -> None:
+        """The channel closed on the worker: the core ends its socket."""
+        self.sender.send_end()
+        self.channel.close()
+
+    def die(self, error: EngineDeadError) -> None:
+        """The engine failed: the core ends its socket with the error; the actor hears of it later."""
+        self.sender.send_end([error])
+        asyncio.get_running_loop().call_later(0.05, self.channel.fail, error)
 
 
 def _batch(*rows: tuple[int, list[int]], ends: tuple = ()) -> bytes:
@@ -172,8 +195,9 @@ def test_a_socket_channel_brings_each_request_its_tokens_in_order_and_its_end():
         await worker.opened.wait()
         reading_b = asyncio.ensure_future(_next(second))
         await asyncio.sleep(0.05)
-        worker.channel.put(_batch((0, [5]), (1, [7])))
-        worker.channel.put(_batch((0, [6]), (1, [8]), ends=((0, 2),)))
+        worker.put(_batch((0, [5]), (1, [7])))
+        await asyncio.sleep(0.01)
+        worker.put(_batch((0, [6]), (1, [8]), ends=((0, 2),)))
         deltas = [await reading]
         while not deltas[-1].finished:
             deltas.append(await _next(first))
@@ -184,7 +208,7 @@ def test_a_socket_channel_brings_each_request_its_tokens_in_order_and_its_end():
         tokens = [t for d in deltas for s in d.samples for t in s.token_ids]
         assert tokens == [5, 6] and all(d.request_id == "a" for d in deltas)
         assert [t for s in b.samples for t in s.token_ids] == [7, 8] and not b.finished
-        worker.channel.close()   # the worker closed the channel: what still reads ends
+        worker.close()   # the worker closed the channel: what still reads ends
         with pytest.raises(ChannelClosed):
             await _next(second)
         await first.aclose()
@@ -196,8 +220,9 @@ def test_a_socket_channel_brings_each_request_its_tokens_in_order_and_its_end():
 def test_a_socket_channel_ends_with_the_engines_death_after_what_came_before_it():
     async def run():
         worker, stream, reading = await _one_socket_stream()
-        worker.channel.put(_batch((0, [5])))
-        worker.channel.fail(EngineDeadError("the engine core process ended", "engine-7"))
+        worker.put(_batch((0, [5])))
+        await asyncio.sleep(0.01)
+        worker.die(EngineDeadError("the engine loop failed", "engine-7"))
         assert isinstance(await reading, OutputDelta)
         with pytest.raises(EngineDeadError) as raised:
             await _next(stream)
@@ -228,10 +253,10 @@ def test_a_migration_over_a_socket_brings_its_kv_ref_or_sends_the_request_elsewh
         await asyncio.sleep(0.01)
         await gone.aclose()
         worker.exports["moved"] = ref = object()
-        worker.channel.put(_batch((0, [5])))
-        worker.channel.put(Migrated("moved", "w1", None))
-        worker.channel.put(Migrated("lost", "w2", None))   # its export expired on the worker
-        worker.channel.put(Migrated("gone", "w1", None))   # its request stopped reading
+        worker.put(_batch((0, [5])))
+        worker.put(Migrated("moved", "w1", None))
+        worker.put(Migrated("lost", "w2", None))   # its export expired on the worker
+        worker.put(Migrated("gone", "w1", None))   # its request stopped reading
         assert isinstance(await readings[0], OutputDelta)
         migrated = await _next(moved)
         assert (migrated.request_id, migrated.target, migrated.kv) == ("moved", "w1", ref)
@@ -244,31 +269,45 @@ def test_a_migration_over_a_socket_brings_its_kv_ref_or_sends_the_request_elsewh
     asyncio.run(run())
 
 
-def _never_closed() -> bool:
-    return False
+def _sender(channel_id: str, messages_ahead: int) -> ChannelSocketSender:
+    return ChannelSocketSender(zmq.Context.instance(), channel_id, messages_ahead, host="127.0.0.1")
 
 
 def _socket_pair(messages_ahead: int) -> tuple[ChannelSocketSender, ChannelSocketReceiver]:
     """A channel "c1"'s sender on the loopback and a reader connected to it."""
-    sender = ChannelSocketSender("c1", messages_ahead=messages_ahead, host="127.0.0.1")
+    sender = _sender("c1", messages_ahead)
     return sender, ChannelSocketReceiver(sender.address, "c1")
+
+
+async def _serve_until(sender: ChannelSocketSender, done, timeout_s: float = 10) -> None:
+    """Serve ``sender`` as the core's loop does until ``done()``."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not done():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        sender.service()
+        await asyncio.sleep(0.005)
 
 
 def test_a_socket_sender_stays_at_most_its_messages_ahead_of_the_reader():
     async def run():
         sender, receiver = _socket_pair(messages_ahead=2)
         for n in range(2):
-            await asyncio.wait_for(sender.send([_batch((0, [n]))], _never_closed), 10)
-        third = asyncio.ensure_future(sender.send([_batch((0, [2]))], _never_closed))
-        await asyncio.sleep(0.3)
-        assert not third.done()   # two unread: it waits for a credit
-        frames = await receiver.receive()
-        [(kind, packed)] = decode(frames)
+            sender.put(_batch((0, [n])))
+            await _serve_until(sender, lambda: not sender.has_pending)
+        sender.put(_batch((0, [2])))
+        sender.put(_batch((0, [3])))
+        for _ in range(60):
+            sender.service()
+            await asyncio.sleep(0.005)
+        assert sender.has_pending and sender.num_sent == 2   # two unread: it waits for a credit
+        [(kind, packed)] = decode(await receiver.receive())
         assert StreamBatch.unpack(packed).token_ids == [0]
         receiver.read_one()
-        assert await asyncio.wait_for(third, 10)
-        closed = asyncio.ensure_future(sender.send([_batch((0, [3]))], lambda: True))
-        assert await asyncio.wait_for(closed, 10) is False   # the channel closed while it waited
+        await _serve_until(sender, lambda: not sender.has_pending)
+        decode(await receiver.receive())
+        receiver.read_one()
+        # What waited for the credit went as one message.
+        assert [StreamBatch.unpack(v).token_ids for _, v in decode(await receiver.receive())] == [[2], [3]]
         sender.close()
         receiver.close()
 
@@ -277,16 +316,18 @@ def test_a_socket_sender_stays_at_most_its_messages_ahead_of_the_reader():
 
 def test_a_socket_sender_sends_only_to_the_peer_that_named_its_channel():
     async def run():
-        sender = ChannelSocketSender("c1", messages_ahead=2, host="127.0.0.1")
+        sender = _sender("c1", messages_ahead=2)
         stranger = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         stranger.connect(sender.address)
         await stranger.send_multipart([HELLO, b"c2"])
         await stranger.send_multipart([CREDIT])
-        sending = asyncio.ensure_future(sender.send([_batch((0, [1]))], lambda: False))
-        await asyncio.sleep(0.3)
-        assert not sending.done()   # nobody who named the channel is there
+        sender.put(_batch((0, [1])))
+        for _ in range(60):
+            sender.service()
+            await asyncio.sleep(0.005)
+        assert sender.has_pending   # nobody who named the channel is there
         receiver = ChannelSocketReceiver(sender.address, "c1")
-        assert await asyncio.wait_for(sending, 10)
+        await _serve_until(sender, lambda: not sender.has_pending)
         assert decode(await receiver.receive())[0][0] == b"B"
         assert not await stranger.poll(200)
         for socket in (stranger, receiver, sender):
@@ -297,12 +338,12 @@ def test_a_socket_sender_sends_only_to_the_peer_that_named_its_channel():
 
 _READER = """
 import asyncio, sys
-from pagedserve.workers.actor.channel_socket import ChannelSocketReceiver
+from pagedserve.workers.outputs.channel_socket import ChannelSocketReceiver
 
 async def main():
     receiver = ChannelSocketReceiver(sys.argv[1], sys.argv[2])
     await receiver.receive()
-    print("read", flush=True)   # and no credit: the worker waits for one
+    print("read", flush=True)   # and no credit: the sender waits for one
     await asyncio.sleep(600)
 
 asyncio.run(main())
@@ -310,27 +351,27 @@ asyncio.run(main())
 
 
 @pytest.mark.parametrize("sending", [False, True], ids=["idle", "waiting-for-a-credit"])
-def test_a_socket_channel_whose_reader_was_killed_closes_at_once_not_at_its_lease(sending):
-    """A handle's process that dies closes its connection: the worker closes the channel then
-    (the engine aborts its requests), not after its lease, whether or not it had more to send."""
+def test_a_socket_channel_whose_reader_was_killed_ends_at_once_not_at_its_lease(sending):
+    """A handle's process that dies closes its connection: the sender says so at once (the core
+    then aborts the channel's requests), not after the channel's lease, whether or not it had
+    more to send."""
     async def run():
-        closed = []
-        channel = OutputChannel("c1", closed.append, lease_s=300)
-        sender = ChannelSocketSender("c1", messages_ahead=1, host="127.0.0.1")
+        sender = _sender("c1", messages_ahead=1)
         reader = subprocess.Popen([sys.executable, "-c", _READER, sender.address, "c1"], stdout=subprocess.PIPE,
                                   text=True)
         try:
-            pumping = asyncio.ensure_future(_send_over_socket(channel, sender))
-            channel.put(_batch((0, [1])))
-            line = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, reader.stdout.readline), 60)
-            assert line == "read\n"
+            sender.put(_batch((0, [1])))
+            reading = asyncio.get_running_loop().run_in_executor(None, reader.stdout.readline)
+            await _serve_until(sender, reading.done, 60)
+            assert reading.result() == "read\n"
             if sending:
-                channel.put(_batch((0, [2])))   # unread: the sender waits for a credit
-            await asyncio.sleep(0.2)
-            assert not pumping.done()
+                sender.put(_batch((0, [2])))   # unread: the sender waits for a credit
+            for _ in range(40):
+                assert sender.service()
+                await asyncio.sleep(0.005)
             reader.kill()
-            await asyncio.wait_for(pumping, 10)
-            assert sender.is_reader_gone and closed == ["c1"]
+            await _serve_until(sender, lambda: sender.is_reader_gone)
+            assert not sender.service()
         finally:
             reader.kill()
             reader.wait()
@@ -342,25 +383,40 @@ def test_a_socket_channel_whose_reader_was_killed_closes_at_once_not_at_its_leas
 def test_a_strangers_connection_closing_leaves_the_channel_open():
     async def run():
         sender, receiver = _socket_pair(messages_ahead=1)
-        assert await asyncio.wait_for(sender.send([_batch((0, [1]))], _never_closed), 10)
+        sender.put(_batch((0, [1])))
+        await _serve_until(sender, lambda: not sender.has_pending)
         stranger = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         stranger.setsockopt(zmq.LINGER, 0)
         stranger.connect(sender.address)
         await stranger.send_multipart([HELLO, b"c1"])   # the channel's name, too late: ignored
         await asyncio.sleep(0.1)
         stranger.close()
-        await asyncio.sleep(0.3)
-        waiting = asyncio.ensure_future(sender.send([_batch((0, [2]))], _never_closed))
-        watching = asyncio.ensure_future(sender.wait_reader_gone())
-        await asyncio.sleep(0.5)
-        assert not waiting.done() and not watching.done()   # the stranger's going was ignored
+        sender.put(_batch((0, [2])))
+        for _ in range(100):
+            assert sender.service()   # the stranger's going is ignored
+            await asyncio.sleep(0.005)
+        assert sender.has_pending   # no credit yet
         decode(await receiver.receive())
         receiver.read_one()
-        assert await asyncio.wait_for(waiting, 10)
+        await _serve_until(sender, lambda: not sender.has_pending)
         receiver.close()   # the reader's own connection closing is what counts
-        await asyncio.wait_for(watching, 10)
-        assert sender.is_reader_gone
+        await _serve_until(sender, lambda: sender.is_reader_gone)
         sender.close()
+
+    asyncio.run(run())
+
+
+def test_a_socket_channels_end_carries_what_was_queued_then_the_engines_error():
+    async def run():
+        sender, receiver = _socket_pair(messages_ahead=1)
+        sender.put(_batch((0, [1])))
+        await _serve_until(sender, lambda: not sender.has_pending)
+        sender.put(_batch((0, [2])))   # past the credits: it goes with the end
+        sender.send_end([EngineDeadError("gone", "engine-1")])
+        assert [kind for kind, _ in decode(await receiver.receive())] == [b"B"]
+        assert [kind for kind, _ in decode(await receiver.receive())] == [b"B", b"E", b"X"]
+        sender.close()
+        receiver.close()
 
     asyncio.run(run())
 

@@ -3,7 +3,9 @@
 ``EngineCoreClient`` starts the core, binds the two IPC sockets it connects to (one each way),
 and talks to it in bulk: requests in (``add``, ``abort``, utility ``call``s), and a step's
 outputs out as one packed ``StreamBatch`` per output channel, which it hands to the actor's
-event loop unopened (``on_items``: one call per wake-up, however many channels and steps).
+event loop unopened (``on_items``: one call per wake-up, however many channels and steps). A
+channel of the socket transport never comes here: the core sends its batches to the handle
+itself (``workers.engine.output_sockets``).
 
 The actor connects its sending socket and binds its receiving one; the core binds and
 connects the other ends. A reader thread owns the socket from the core: it routes outputs to the event loop, replies
@@ -106,7 +108,8 @@ class EngineCoreClient:
     ``on_items(items)`` gets, on the event loop given to ``bind_loop``, each batch of what the
     core sent, in order: ``("outputs", channel_id, packed)``, ``("migrated", channel_id, key,
     request_id, target, header, payload)``, ``("export", channel_id, key, request_id, header,
-    payload)`` (header and payload None when the request kept no KV). ``on_ask(method,
+    payload)`` (header and payload None when the request kept no KV), ``("gone", channel_id)``
+    (a socket channel's reader disconnected; the core aborted its requests). ``on_ask(method,
     args)`` answers the core's asks other than ``kv_call`` (on the reader thread).
     """
 
@@ -281,6 +284,8 @@ class EngineCoreClient:
             header = frames[2].bytes
             items.append(("migrated", channel_id, key, request_id, target, header,
                           payload_from_frame(header, frames[3].buffer)))
+        elif kind == FromCore.CHANNEL_GONE:
+            items.append(("gone", frames[1].bytes.decode()))
         elif kind == FromCore.EXPORT:
             channel_id, key, request_id, has_export = unpack(frames[1].buffer)
             header = frames[2].bytes if has_export else None

@@ -16,6 +16,13 @@ messages ahead of its reading, ``cluster.worker_channels.MESSAGES_AHEAD``), then
 control items: ``Migrated`` when the KV manager moved a request. The handle reads
 the batches by request key (``cluster.worker_channels``).
 
+With the socket transport the engine core sends the channel's batches and migrations to
+the handle itself (``workers.engine.output_sockets``): the channel here is then ``direct``,
+holds nothing, and only keeps the lease and the channel's Ray call (``wait_ended``).
+
+A channel's requests start once its stream has (``start``): the core must know where a
+request's first rows go before it makes them.
+
 A channel that closes (the handle closed it, or stopped renewing it: its process
 died; a timer watches the lease) has its requests aborted in the engine core. A
 channel whose engine died ends with that error (``fail``).
@@ -50,10 +57,28 @@ class OutputChannel:
         self.lease_s = lease_s
         self.renewed_at = time.monotonic()
         self.is_closed = False
+        self.is_direct = False   # the core sends its outputs to the handle's socket
         self.error: BaseException | None = None
+        self.is_started = False
         self._pending: ChannelMessage = []
         self._ready = asyncio.Event()
         self._lease_timer: asyncio.TimerHandle | None = None
+
+    def start(self, is_direct: bool = False) -> None:
+        """The channel's stream has started (``is_direct``: over the core's own socket); its
+        requests may start."""
+        self.is_direct = is_direct
+        self.is_started = True
+        self._ready.set()
+
+    async def wait_started(self) -> bool:
+        """Return once the stream has started (True), or the channel closed first (False)."""
+        if self._lease_timer is None and not self.is_closed:
+            self.watch_lease()
+        while not (self.is_started or self.is_closed):
+            await self._ready.wait()   # set by start and close (the lease's timer too)
+            self._ready.clear()
+        return not self.is_closed
 
     def put(self, item: bytes | Migrated | object) -> None:
         """A packed batch, or a control item, in the order the engine core made them."""
@@ -109,6 +134,17 @@ class OutputChannel:
             return None
         message, self._pending = self._pending, []
         return message
+
+    async def wait_ended(self) -> None:
+        """Return once the channel has closed (its lease too may run out); raises the engine's
+        error (``fail``). A direct channel's Ray call waits here."""
+        if self._lease_timer is None and not self.is_closed:
+            self.watch_lease()
+        while not self.is_closed:
+            if self.error is not None:
+                raise self.error
+            await self._ready.wait()
+            self._ready.clear()
 
     def close(self) -> None:
         """Stop: the engine core aborts the requests still running here; ``take`` wakes."""

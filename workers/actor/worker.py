@@ -35,12 +35,11 @@ import numpy as np
 
 from ..engine.core_messages import AddRequest
 from ..engine.core_process import CoreSpec
-from ..kv_events.wire import ZmqTransport, connect_transport
+from ..kv_events.wire import ZmqTransport, connect_transport, node_ip
 from ..model.model_source import ModelSource
 from ..outputs.stream_batch import StreamBatch
 from ..process.fault_injection import FAULT_INJECTION_ENV, check_fault_injection
 from ..process.gc_heap import prepare_serving_heap
-from .channel_socket import ChannelSocketSender
 from .core_client import CoreDead, EngineCoreClient
 from .output_channel import CHANNEL_LEASE_S, OutputChannel
 from .protocol import (ChannelMessage, EngineDeadError, GenerateRequest, Migrated, OutputDelta, deltas_from_batch,
@@ -62,6 +61,8 @@ CLOSED_CHANNELS_KEPT = 4096
 # A migrated sequence's KV export is kept alive here until the handle releases it
 # (the target has fetched it) or, should the handle never do so, this long.
 EXPORT_HOLD_S = 300.0
+# How long ``export_ref`` waits for a migration's hold that the core has announced to the handle.
+EXPORT_WAIT_S = 10.0
 
 
 def stall_timeout_s(step_timeout_s: float) -> float:
@@ -120,6 +121,7 @@ class Worker:
         self.role = role
         self.step_timeout_s = step_timeout_s
         self.held_exports: dict[str, tuple[object, float]] = {}
+        self._exports_held = asyncio.Event()   # set by each new hold (``export_ref`` waits on it)
         self.channels: dict[str, OutputChannel] = {}
         self.channel_lease_s = CHANNEL_LEASE_S
         self.closed_channels: dict[str, None] = {}   # insertion-ordered: the oldest go first
@@ -161,7 +163,8 @@ class Worker:
     # ---- the engine core's news, on the event loop ----------------------------------------------
     def _on_items(self, items: list) -> None:
         """What the core sent since the reader's last wake-up, in order: each channel's batches
-        queued unopened, a migration's KV held in the object store, a prefill's KV export."""
+        queued unopened, a migration's KV held in the object store (a direct channel's handle
+        hears of it from the core), a prefill's KV export, a direct channel whose reader left."""
         channels = self.channels
         for item in items:
             kind, channel_id = item[0], item[1]
@@ -172,7 +175,12 @@ class Worker:
                 channel.put(item[2])
             elif kind == "migrated":
                 _, _, _, request_id, target, header, payload = item
-                channel.put(Migrated(request_id, target, self._hold_export(request_id, (header, payload))))
+                ref = self._hold_export(request_id, (header, payload))
+                if not channel.is_direct:
+                    channel.put(Migrated(request_id, target, ref))
+            elif kind == "gone":
+                logger.warning("the reader of output channel %s disconnected; closing the channel", channel_id)
+                self.close_channel(channel_id)
             elif kind == "export":
                 _, _, _, _, header, payload = item
                 channel.put(_KVExport(header, payload))
@@ -220,6 +228,9 @@ class Worker:
             return [False] * len(requests)
         self._check_core()
         self.core.bind_loop(asyncio.get_running_loop())
+        channel = self._channel(channel_id)
+        if not channel.is_started and not await channel.wait_started():   # its stream's call comes first
+            return [False] * len(requests)
         answers: list[bool | BaseException] = []
         for request in requests:
             if not request.kv:
@@ -265,24 +276,29 @@ class Worker:
         since the last one. Ends when the channel is closed, or with ``EngineDeadError`` when
         the engine died; the caller going away closes it, aborting its requests.
 
-        With ``transport`` "zmq" the messages go over a socket (``channel_socket``): this call
-        yields the socket's address, then nothing until the channel ends, at most
-        ``messages_ahead`` messages past the reader's credits."""
+        With ``transport`` "zmq" the engine core sends the messages to a socket of its own
+        (``workers.engine.output_sockets``): this call yields the socket's address, then
+        nothing until the channel ends; the core sends at most ``messages_ahead`` messages past
+        the reader's credits."""
         self.core.bind_loop(asyncio.get_running_loop())
         channel = self._channel(channel_id)
         try:
             if transport == "zmq":
-                sender = ChannelSocketSender(channel_id, messages_ahead)
-                try:
-                    yield sender.address
-                    await _send_over_socket(channel, sender)
-                finally:
-                    sender.close()
+                self._check_core()
+                # Sent to the core before any request of the channel (``submit`` waits for
+                # ``start``), so their rows all go to the socket.
+                opening = self.core.call("open_output_socket", channel_id, messages_ahead, node_ip())
+                channel.start(is_direct=True)
+                yield await asyncio.wrap_future(opening)
+                await channel.wait_ended()
             elif transport == "ray":
+                channel.start()
                 while (message := await channel.take()) is not None:
                     yield message
             else:
                 raise ValueError(f"unknown output transport {transport!r}; known: ray, zmq")
+        except CoreDead as exc:
+            raise EngineDeadError(str(exc), exc.engine_id or self.engine_id) from None
         finally:
             self.close_channel(channel_id)
 
@@ -319,6 +335,7 @@ class Worker:
         self.core.bind_loop(asyncio.get_running_loop())
         channel_id = f"prefill/{uuid.uuid4().hex}"
         channel = self._channel(channel_id)
+        channel.start()
         params = dataclasses.replace(request.params, max_tokens=1)
         self.core.add(AddRequest(channel_id, 0, request.request_id, request.prompt_token_ids, params,
                                  request.priority, request.prompt, export_kv=True, lora_request=request.lora_request))
@@ -358,13 +375,22 @@ class Worker:
             del self.held_exports[stale]
         ref = ray.put(transfer)
         self.held_exports[request_id] = (ref, now)
+        self._exports_held.set()
         return ref
 
-    def export_ref(self, request_id: str) -> list | None:
+    async def export_ref(self, request_id: str) -> list | None:
         """The ObjectRef of a migration's KV held for ``request_id`` (nested in a list, so that the
         caller gets the ref, not the object), or None once released or expired: a handle that
-        reads its channel over a socket asks for it here."""
-        held = self.held_exports.get(request_id)
+        reads its channel over a socket asks for it here. The core tells the handle and this
+        actor at once, so the hold may come a moment after the question: it is waited for up
+        to ``EXPORT_WAIT_S``."""
+        deadline = time.monotonic() + EXPORT_WAIT_S
+        while (held := self.held_exports.get(request_id)) is None and (left := deadline - time.monotonic()) > 0:
+            self._exports_held.clear()
+            try:
+                await asyncio.wait_for(self._exports_held.wait(), left)
+            except asyncio.TimeoutError:
+                break
         return None if held is None else [held[0]]
 
     def release_export(self, request_id: str) -> bool:
@@ -509,32 +535,6 @@ class Worker:
 
     def shutdown(self) -> None:
         self.core.shutdown()
-
-
-async def _send_over_socket(channel: OutputChannel, sender: ChannelSocketSender) -> None:
-    """Send ``channel``'s messages over ``sender`` until the channel closes or its reader's
-    connection does, then its end, with the engine's error when that ended it."""
-    last: list = []
-    is_closed = lambda: channel.is_closed  # noqa: E731
-    watching = asyncio.ensure_future(_close_when_reader_goes(channel, sender))
-    try:
-        while (message := await channel.take()) is not None:
-            if not await sender.send(message, is_closed):
-                break
-    except EngineDeadError as exc:
-        last = [exc]
-    finally:
-        watching.cancel()
-    sender.send_end(last)
-
-
-async def _close_when_reader_goes(channel: OutputChannel, sender: ChannelSocketSender) -> None:
-    """Close ``channel`` (its requests are aborted) once its reader's connection has closed: the
-    handle's process died, which Ray's call alone would tell only at the channel's lease."""
-    await sender.wait_reader_gone()
-    if not channel.is_closed:
-        logger.warning("the reader of output channel %s disconnected; closing the channel", channel.channel_id)
-        channel.close()
 
 
 def _ranks_are_actors(engine_config: dict, size: int) -> bool:

@@ -4,7 +4,8 @@
 thread: no event loop, no Ray, no output thread shares its GIL. Between steps it reads its
 inbox (requests to add, aborts, utility calls: ``core_messages.ToCore``), and after each step
 it sends each output channel one packed ``StreamBatch`` (the step's rows for that handle's
-requests) to the worker actor, which forwards the bytes unopened.
+requests): straight to the handle's socket for a channel of the socket transport
+(``output_sockets``), else to the worker actor, which forwards the bytes unopened.
 
 Block accounting stays here (``LocalKVManager``): the KV publisher drains and packs events
 after steps as before, and hands the packed batches to the actor, which owns the transport to
@@ -26,6 +27,7 @@ from typing import Any, Callable
 
 from pagedserve.kvmanager import AdapterReport
 
+from ..actor.protocol import EngineDeadError, Migrated
 from ..lora.lora_request import LoRARequest
 from ..outputs.stream_batch import StreamBatch, StreamTarget
 from .core_messages import (ZERO_COPY_BYTES, AddRequest, FromCore, ToCore, error_to_wire, pack, payload_from_frame,
@@ -33,6 +35,7 @@ from .core_messages import (ZERO_COPY_BYTES, AddRequest, FromCore, ToCore, error
 from .core_progress import CoreProgress
 from .engine import LLMEngine
 from .kv_transfer import KVTransfer
+from .output_sockets import OutputSockets
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +65,13 @@ class ActorLink:
         self._next_ask = 0
         self._poller = zmq.Poller()
         self._poller.register(inbox, zmq.POLLIN)
+
+    def watch(self, socket) -> None:
+        """Wake ``receive``'s wait when ``socket`` has input too (a channel's socket)."""
+        self._poller.register(socket, self._zmq.POLLIN)
+
+    def unwatch(self, socket) -> None:
+        self._poller.unregister(socket)
 
     def send(self, kind: bytes, *frames) -> None:
         self.outbox.send_multipart([kind, *frames], copy=all(memoryview(f).nbytes < ZERO_COPY_BYTES for f in frames))
@@ -189,12 +199,14 @@ class EngineCore:
         self._reported_adapters = 0   # the LoRA residency version last reported to the central manager
         self._next_parent_check = 0.0
         self.clock = PhaseClock()
+        self.sockets = OutputSockets(link.watch, link.unwatch)
         self._calls: dict[str, Callable[..., Any]] = {
             "stats": self._stats, "block_map": engine.block_map, "check_integrity": engine.check_integrity,
             "num_used_blocks": engine.num_used_blocks, "kv_sync": self._kv_sync,
             "start_draining": self._start_draining, "drain_status": self._drain_status,
             "inject_stall": self._inject_stall, "inject_failure": self._inject_failure,
-            "close_channel": self._close_channel, "add_lora": self._add_lora,
+            "close_channel": self._close_channel, "open_output_socket": self.sockets.open,
+            "add_lora": self._add_lora,
             "remove_lora": engine.remove_lora}
 
     def attach_publisher(self, publisher, preemption=None) -> None:
@@ -227,8 +239,11 @@ class EngineCore:
                 clock.mark("kv")
         except Exception as exc:
             logger.exception("engine core %s failed", self.engine_id)
-            self.send(FromCore.DEAD, pack([self.engine_id, f"the engine loop failed: {exc!r}"]))
+            message = f"the engine loop failed: {exc!r}"
+            self.sockets.close_all(EngineDeadError(message, self.engine_id))
+            self.send(FromCore.DEAD, pack([self.engine_id, message]))
             raise
+        self.sockets.close_all()
 
     def _step(self) -> None:
         if self._pending_failure is not None:
@@ -249,15 +264,27 @@ class EngineCore:
         self._flush_batches()
         for request, (header, payload), target in processed.migrated:
             stream = request.stream_target
+            # The actor holds the KV for the handle (``Worker.export_ref``); a socket channel's
+            # handle hears of the migration here, after the request's last rows.
             self.send(FromCore.MIGRATED, pack([stream.channel_id, stream.key, request.request_id, target]),
                       header, payload)
+            self.sockets.put(stream.channel_id, Migrated(request.request_id, target, None))
         if self._exports:
             self._send_exports()
 
     def _flush_batches(self) -> None:
+        sockets = self.sockets
         for channel_id, batch in self.processor.take_batches().items():
             if batch:
-                self.send(FromCore.OUTPUTS, channel_id.encode(), batch.pack())
+                packed = batch.pack()
+                if not sockets.put(channel_id, packed):
+                    self.send(FromCore.OUTPUTS, channel_id.encode(), packed)
+        if sockets.senders:
+            for channel_id in sockets.service():
+                logger.warning("engine core %s: the reader of output channel %s disconnected; aborting its "
+                               "requests", self.engine_id, channel_id)
+                self._close_channel(channel_id)
+                self.send(FromCore.CHANNEL_GONE, channel_id.encode())
 
     def _send_exports(self) -> None:
         """The prompt KV of each prefill request that ended, after its last outputs."""
@@ -392,12 +419,14 @@ class EngineCore:
         return self.engine.add_lora(LoRARequest(lora_name, lora_int_id, lora_path))
 
     def _close_channel(self, channel_id: str) -> int:
-        """Abort every request of output channel ``channel_id`` (its handle is gone); how many."""
+        """Abort every request of output channel ``channel_id`` (its handle is gone) and end its
+        socket if it has one; how many requests."""
         engine = self.engine
         request_ids = [rid for rid, request in engine.requests.items()
                        if request.stream_target is not None and request.stream_target.channel_id == channel_id]
         for request_id in request_ids:
             engine.abort_request(request_id)
+        self.sockets.close(channel_id)
         return len(request_ids)
 
     # Fault injection for tests; the worker actor, the core's only caller, checks that it is on.

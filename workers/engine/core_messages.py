@@ -49,6 +49,7 @@ class FromCore:
     READY = b"r"
     OUTPUTS = b"o"
     MIGRATED = b"m"
+    CHANNEL_GONE = b"g"   # a socket channel's reader disconnected: its requests were aborted
     EXPORT = b"p"
     REPLY = b"c"
     KV_SEND = b"k"
