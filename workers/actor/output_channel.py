@@ -73,8 +73,7 @@ class OutputChannel:
 
     async def wait_started(self) -> bool:
         """Return once the stream has started (True), or the channel closed first (False)."""
-        if self._lease_timer is None and not self.is_closed:
-            self.watch_lease()
+        self._start_lease_watch()
         while not (self.is_started or self.is_closed):
             await self._ready.wait()   # set by start and close (the lease's timer too)
             self._ready.clear()
@@ -110,6 +109,11 @@ class OutputChannel:
             return
         self._expire()
 
+    def _start_lease_watch(self) -> None:
+        """Watch the lease from the first wait on, once (``watch_lease`` sets itself again)."""
+        if self._lease_timer is None and not self.is_closed:
+            self.watch_lease()
+
     def _expire(self) -> None:
         logger.warning("output channel %s: not renewed for %.0f s (its handle is gone?); closing it and "
                        "aborting its requests", self.channel_id, self.lease_s)
@@ -119,8 +123,7 @@ class OutputChannel:
         """Everything made since the last call, once there is something; None once closed, or
         once its lease has run out (it is then closed). Raises the engine's error (``fail``)
         once nothing made before it is left."""
-        if self._lease_timer is None and not self.is_closed:
-            self.watch_lease()
+        self._start_lease_watch()
         while not self._pending:
             if self.is_closed:
                 return None
@@ -138,8 +141,7 @@ class OutputChannel:
     async def wait_ended(self) -> None:
         """Return once the channel has closed (its lease too may run out); raises the engine's
         error (``fail``). A direct channel's Ray call waits here."""
-        if self._lease_timer is None and not self.is_closed:
-            self.watch_lease()
+        self._start_lease_watch()
         while not self.is_closed:
             if self.error is not None:
                 raise self.error

@@ -33,9 +33,6 @@ class OutputSockets:
         self._unwatch = unwatch
         self.senders: dict[str, ChannelSocketSender] = {}
 
-    def __contains__(self, channel_id: str) -> bool:
-        return channel_id in self.senders
-
     def open(self, channel_id: str, messages_ahead: int, host: str) -> str:
         """Bind channel ``channel_id``'s socket on ``host``; its address (the same one if it is open)."""
         sender = self.senders.get(channel_id)
