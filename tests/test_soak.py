@@ -83,7 +83,11 @@ MAX_RSS_GROWTH_MIB = 24.0
 # warm requests, at the replica. Client-side, p99 / cycle read 0.66 (1-minute run) and 1.38
 # (2 minutes) on 2026-11-26; with the engine core in a process of its own the server got faster
 # and the clients' event loop became the bottleneck: 3.0 and 3.3 client-side (2026-11-29), while
-# the replica saw no first token later than 2.5 s (about 1 cycle).
+# the replica saw no first token later than 2.5 s (about 1 cycle). The histogram's bounds (vLLM's:
+# 5, 7.5, 10, 20, 40 s) make the check conservative: it counts the requests above the largest bound
+# within the limit. On a CI machine running other tests beside it (a cycle of 8.7 s, 2026-12-01), 15
+# of 382 warm requests were over 10 s; alone with two busy loops on its 2 cores (a cycle of 7.5 s),
+# none over 10 s.
 MAX_TTFT_CYCLES = 3.0
 REPORT_PATH = os.environ.get("PAGEDSERVE_SOAK_REPORT")
 
