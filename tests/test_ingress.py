@@ -34,8 +34,8 @@ def test_auto_is_haproxy_where_it_can_run(monkeypatch):
     choice = ingress.choose("auto", cluster_env=lambda: without)
     assert choice.name == "proxy" and "not installed" in choice.reason
     # Before a private Ray starts, "auto" sets HAProxy's variables only where its binary is.
-    for name in (*ingress.HAPROXY_ENV, ingress.DRAINING_PERIOD_ENV, ingress.PROXY_GC_THRESHOLD_ENV,
-                 ingress.PROXY_READY_CHECK_ENV):
+    for name in (*ingress.HAPROXY_ENV, *ingress.HAPROXY_PORT_ENVS, ingress.DRAINING_PERIOD_ENV,
+                 ingress.PROXY_GC_THRESHOLD_ENV, ingress.PROXY_READY_CHECK_ENV):
         monkeypatch.setenv(name, "")   # so that the test's end restores them
         monkeypatch.delenv(name)
     ingress.prepare("auto")
@@ -93,3 +93,27 @@ def test_haproxys_ports_are_free_and_below_the_ephemeral_range(monkeypatch):
         sample = random.sample
         monkeypatch.setattr(random, "sample", lambda population, k: [ports[0], *sample(population, k - 1)])
         assert ingress._free_port() != ports[0]
+
+
+def test_haproxys_two_ports_differ_even_where_the_draw_offers_one_twice(monkeypatch):
+    """The stats and metrics ports are drawn one after the other, each free when drawn and bound
+    by nobody until HAProxy starts: the second draw must skip the first's port (HAProxy cannot
+    bind one port twice: "cannot bind socket"). A port the user set is kept and never drawn."""
+    import random
+
+    for name in (*ingress.HAPROXY_ENV, *ingress.HAPROXY_PORT_ENVS, ingress.DRAINING_PERIOD_ENV):
+        monkeypatch.setenv(name, "")   # so that the test's end restores them
+        monkeypatch.delenv(name)
+    monkeypatch.setenv(ingress.HAPROXY_BINARY_ENV, "/usr/sbin/haproxy")
+    first = ingress._free_port()
+    sample = random.sample
+    monkeypatch.setattr(random, "sample", lambda population, k: [first, *sample(population, k - 1)])
+    assert ingress._free_port() == first   # the draw offers it first, and it is free
+    ingress.prepare("haproxy")
+    stats, metrics = (int(os.environ[name]) for name in ingress.HAPROXY_PORT_ENVS)
+    assert stats == first and metrics != first
+    monkeypatch.delenv(ingress.HAPROXY_PORT_ENVS[0])
+    monkeypatch.setenv(ingress.HAPROXY_PORT_ENVS[1], str(first))   # the user's
+    ingress.prepare("haproxy")
+    assert int(os.environ[ingress.HAPROXY_PORT_ENVS[0]]) != first
+    assert os.environ[ingress.HAPROXY_PORT_ENVS[1]] == str(first)

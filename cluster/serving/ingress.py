@@ -38,6 +38,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from pagedserve.workers.process.gc_heap import YOUNG_GC_THRESHOLD
@@ -111,23 +112,25 @@ def _ports_to() -> int:
     return min(ephemeral_from, int(os.environ.get(DIRECT_INGRESS_MIN_PORT_ENV, "30000")))
 
 
-def _free_port() -> int:
-    """A port free now, for HAProxy to bind once Serve starts, tens of seconds later. Taken below
-    the ephemeral range and the replicas' ports where it can be: meanwhile Ray's processes bind
-    port 0 by the dozen, and one of them may be handed any free ephemeral port (it happened:
-    "cannot bind socket")."""
+def _free_port(taken: Collection[int] = ()) -> int:
+    """A port free now and not in ``taken`` (the ports already picked for HAProxy, which nothing
+    binds yet), for HAProxy to bind once Serve starts, tens of seconds later. Taken below the
+    ephemeral range and the replicas' ports where it can be: meanwhile Ray's processes bind port
+    0 by the dozen, and one of them may be handed any free ephemeral port."""
     import random
     import socket
 
     ports_to = _ports_to()
     candidates = random.sample(range(_PORTS_FROM, ports_to), min(64, max(ports_to - _PORTS_FROM, 0)))
-    for port in [*candidates, 0]:
+    for candidate in [*candidates, 0]:
         with socket.socket() as sock:
             try:
-                sock.bind(("0.0.0.0", port))
+                sock.bind(("0.0.0.0", candidate))
             except OSError:
                 continue
-            return sock.getsockname()[1]
+            port = sock.getsockname()[1]
+        if port not in taken:
+            return port
     raise RuntimeError("no free port for HAProxy")
 
 
@@ -147,9 +150,14 @@ def prepare(ingress: str, joining: bool = False) -> None:
     os.environ.setdefault(DRAINING_PERIOD_ENV, f"{DRAINING_PERIOD_S:g}")
     # HAProxy's stats and metrics ports are fixed by default (8404, 9101): a second server on
     # this machine would find them taken and its HAProxy would not start. A private Ray's get
-    # free ones, unless they are set.
+    # free ones, unless they are set; never the same one twice (HAProxy would fail to bind the
+    # second: "cannot bind socket").
+    picked = {int(os.environ[name]) for name in HAPROXY_PORT_ENVS if os.environ.get(name, "").isdigit()}
     for name in HAPROXY_PORT_ENVS:
-        os.environ.setdefault(name, str(_free_port()))
+        if name not in os.environ:
+            port = _free_port(taken=picked)
+            picked.add(port)
+            os.environ[name] = str(port)
 
 
 def _serve_env() -> dict[str, str | None]:
