@@ -101,7 +101,8 @@ def test_haproxys_two_ports_differ_even_where_the_draw_offers_one_twice(monkeypa
     bind one port twice: "cannot bind socket"). A port the user set is kept and never drawn."""
     import random
 
-    for name in (*ingress.HAPROXY_ENV, *ingress.HAPROXY_PORT_ENVS, ingress.DRAINING_PERIOD_ENV):
+    for name in (*ingress.HAPROXY_ENV, *ingress.HAPROXY_PORT_ENVS, ingress.DRAINING_PERIOD_ENV,
+                 ingress.PROXY_READY_CHECK_ENV):
         monkeypatch.setenv(name, "")   # so that the test's end restores them
         monkeypatch.delenv(name)
     monkeypatch.setenv(ingress.HAPROXY_BINARY_ENV, "/usr/sbin/haproxy")
