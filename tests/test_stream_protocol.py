@@ -16,10 +16,12 @@ import dataclasses
 import pickle
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.workers.actor.protocol import (EngineDeadError, OutputDelta, SampleDelta, deltas_from_batch,
-                                               merge_deltas, split_delta)
+from pagedserve.workers.actor.protocol import (EngineDeadError, OutputDelta, SampleDelta, _deltas_any,
+                                               deltas_from_batch, merge_deltas, split_delta)
 from pagedserve.workers.outputs.accumulator import OutputAccumulator
 from pagedserve.workers.outputs.request_output import RequestMetrics, SampleLogprobs
 from pagedserve.workers.outputs.stream_batch import StreamBatch, StreamTarget, pack_logprobs, pack_metrics
@@ -437,3 +439,48 @@ def test_a_resumed_requests_cumulative_logprob_counts_every_token():
     (completion,) = resumed.outputs
     assert [lp.logprob for lp in completion.logprobs] == [-1.0, -2.0, -0.5]
     assert completion.cumulative_logprob == -3.5
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 2**20), min_size=1, max_size=40, unique=True), st.data())
+def test_a_plain_steps_deltas_equal_the_general_readers(keys, data):
+    """A decoding step with one new token a request and nothing else is read by a short path;
+    its deltas are the general reader's."""
+    batch = StreamBatch()
+    for key in keys:
+        batch.add(key, 0, [data.draw(st.integers(0, 50_000))])
+    received = StreamBatch.unpack(batch.pack())
+    assert deltas_from_batch(received) == _deltas_any(received)
+
+
+# A request's deltas: per sample (index), its tokens and text, logprobs if the request asked for
+# them (else maybe a running total, as a beam's), maybe a finish; maybe metrics and a count.
+def _random_deltas(with_logprobs: bool):
+    news = st.builds(
+        lambda index, tokens, cumulative, finish: SampleDelta(
+            index, tokens, "".join(chr(97 + t % 26) for t in tokens),
+            [SampleLogprobs(t, -0.5) for t in tokens] if with_logprobs else None,
+            -0.5 * len(tokens) if with_logprobs else cumulative, finish, None if finish is None else "x"),
+        st.sampled_from([0, 0, 0, 1]), st.lists(st.integers(0, 99), min_size=0, max_size=3),
+        st.one_of(st.none(), st.floats(-9.0, 0.0)), st.sampled_from([None, None, None, "stop", "length"]))
+    return st.lists(st.builds(
+        lambda samples, with_metrics, count, finished: OutputDelta(
+            "r", samples, finished, RequestMetrics(1.0, num_prompt_tokens=2) if with_metrics else None,
+            num_generated_tokens=count),
+        st.lists(news, min_size=1, max_size=2, unique_by=lambda sample: sample.index),
+        st.sampled_from([False, False, False, True]), st.sampled_from([None, None, None, 7]), st.booleans()),
+        min_size=1, max_size=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.booleans().flatmap(_random_deltas))
+def test_the_accumulators_short_path_makes_the_general_paths_outputs(deltas):
+    """``add`` takes most decoding steps' deltas by a short path (one sample, no logprobs, no
+    metrics); every output, and every output kept from before, equals the general path's."""
+    short, general = OutputAccumulator("r", None, [1, 2]), OutputAccumulator("r", None, [1, 2])
+    kept = []
+    for delta in deltas:
+        made, expected = short.add(delta), general._add_any(delta)
+        assert made == expected
+        kept.append((made, expected))
+    assert all(made == expected for made, expected in kept)

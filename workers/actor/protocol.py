@@ -204,6 +204,18 @@ def error_from_batch(kind: str, message: str, engine_id: str | None) -> BaseExce
 def deltas_from_batch(batch: StreamBatch) -> list[tuple[int, OutputDelta | BaseException]]:
     """A batch's news as ``(key, item)`` pairs in the order the requests first appear: one
     ``OutputDelta`` per request (a sample's rows joined), or the error that ended it."""
+    keys = batch.keys
+    if not (batch.texts or batch.logprobs or batch.finishes or batch.metrics or batch.prompt_logprobs
+            or batch.ends or batch.errors) and batch.indexes is None and batch.counts is None \
+            and len(set(keys)) == len(keys):
+        # Most decoding steps: one token a request, and nothing else to say (``_deltas_any``'s
+        # deltas, without its lookups a row).
+        return [(key, OutputDelta("", [SampleDelta(0, [token], "")], False, None))
+                for key, token in zip(keys, batch.token_ids)]
+    return _deltas_any(batch)
+
+
+def _deltas_any(batch: StreamBatch) -> list[tuple[int, OutputDelta | BaseException]]:
     keys, token_ids = batch.keys, batch.token_ids
     texts = dict(batch.texts) if batch.texts else None
     logprobs = {row: (packed, cumulative) for row, packed, cumulative in batch.logprobs} if batch.logprobs else None
