@@ -78,12 +78,13 @@ class _SteppedHandle:
                 sent[request_id] = count
                 is_last = count >= max_tokens
                 token = token_ids[count % len(token_ids)]
-                # Metrics come on a request's first and last delta (``DeltaEncoder``'s milestones).
+                # Metrics come on a request's first and last delta (``DeltaEncoder``'s milestones), the
+                # count of its tokens on its last (``deltas_from_batch``).
                 metrics = (RequestMetrics(now - 1.0, now - 0.9, now - 0.8, now if is_last else None, 16, count)
                            if count == 1 or is_last else None)
                 queue.put_nowait(OutputDelta(request_id, [SampleDelta(0, [token], f" w{count % 10}",
                                                                       finish_reason="length" if is_last else None)],
-                                             is_last, metrics, num_generated_tokens=count))
+                                             is_last, metrics, num_generated_tokens=count if is_last else None))
             await asyncio.sleep(self.step_s)
 
 
