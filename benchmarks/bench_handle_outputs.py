@@ -8,7 +8,7 @@ path in one process, ``--streams`` one-token rows a step for ``--steps`` steps, 
 the work any reader of the same steps must do in the same run: unpack the step, decode
 each row's text with the same decoder, and write the same chunk. The difference is what
 the handle's objects (deltas, outputs, prefixes) cost a token. Decoding alone is
-reported too. Best of ``--repeats`` per round, the paths alternating, the serving heap
+reported too. Each round runs the three in turn, each the best of ``--repeats``; the serving heap
 prepared as a replica's is (``prepare_serving_heap``).
 
     python benchmarks/bench_handle_outputs.py [--streams 64] [--steps 200] [--rounds 3]
@@ -45,7 +45,7 @@ def _steps(num_streams: int, num_steps: int) -> list[bytes]:
 def _handles_path(tokenizer, params, steps: list[bytes], num_streams: int) -> float:
     """Seconds of CPU: steps -> deltas -> accumulated outputs -> chunks."""
     accumulators = {key: OutputAccumulator(f"r{key}", None, PROMPT,
-                                           lambda: DeltaTextDecoder(tokenizer, PROMPT, params, [2]))
+                                           lambda: DeltaTextDecoder(tokenizer, PROMPT, params, [tokenizer.eos_token_id]))
                     for key in range(num_streams)}
     encoder = CompletionChunkJSON("cmpl-bench", 1, "bench")
     start = time.process_time()
@@ -58,7 +58,8 @@ def _handles_path(tokenizer, params, steps: list[bytes], num_streams: int) -> fl
 
 def _direct_path(tokenizer, params, steps: list[bytes], num_streams: int, with_chunks: bool = True) -> float:
     """Seconds of CPU: steps -> each row's text -> chunks (``with_chunks``), no objects between."""
-    decoders = {key: DeltaTextDecoder(tokenizer, PROMPT, params, [2]) for key in range(num_streams)}
+    decoders = {key: DeltaTextDecoder(tokenizer, PROMPT, params, [tokenizer.eos_token_id])
+                for key in range(num_streams)}
     encoder = CompletionChunkJSON("cmpl-bench", 1, "bench")
     start = time.process_time()
     for packed in steps:
