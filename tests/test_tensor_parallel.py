@@ -575,3 +575,41 @@ def test_a_rank_that_dies_breaks_the_group(tp_model):
             llm.generate([random_prompts([8], seed=10)[0]], greedy(4))
     finally:
         llm.engine.runner.shutdown()
+
+
+class _ExitingLauncher:
+    """Starts rank 1 as a process that exits at once, before it reaches the group's store."""
+
+    def launch(self, spec):
+        import multiprocessing
+
+        from pagedserve.workers.tp.launch import ProcessRanks
+
+        process = multiprocessing.get_context("spawn").Process(target=os._exit, args=(3,), daemon=True)
+        process.start()
+        return ProcessRanks([process])
+
+
+def test_a_rank_that_ends_before_joining_fails_the_start_instead_of_hanging(tp_model):
+    """Rank 0's process groups would wait for a missing rank without end (the control group's
+    timeout is unbounded): the start fails, naming the rank's exit, as soon as it ends."""
+    from pagedserve.workers.tp.group import RankNeverJoined
+    from pagedserve.workers.tp.runner import TensorParallelRunner
+
+    began = time.monotonic()
+    with pytest.raises(RankNeverJoined, match=r"rank process \d+ ended \(exit code 3\) before it joined"):
+        TensorParallelRunner(tp_model("llama"), 2, _ExitingLauncher(), device="cpu")
+    assert time.monotonic() - began < RANK_TIMEOUT_S
+
+
+def test_ranks_that_do_not_arrive_in_time_fail_the_start():
+    import datetime
+
+    from pagedserve.workers.tp.group import RankNeverJoined, await_ranks, joined_key
+
+    store, _ = host_store(3, "127.0.0.1")
+    store.set(joined_key(2), b"1")
+    with pytest.raises(RankNeverJoined, match="ranks 1 of 3 did not join the tensor-parallel group within 0 s"):
+        await_ranks(store, 3, lambda: None, datetime.timedelta(seconds=0.2))
+    store.set(joined_key(1), b"1")
+    await_ranks(store, 3, lambda: None, datetime.timedelta(seconds=0.2))

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import datetime
 import socket
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -30,6 +32,16 @@ JOIN_TIMEOUT = datetime.timedelta(seconds=300)
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
 # The control group's wait for the next step: an idle engine sends nothing for as long as it likes.
 IDLE_TIMEOUT = datetime.timedelta(days=3650)
+# How often rank 0 looks for the other ranks while they start.
+JOIN_POLL_S = 0.05
+
+
+class RankNeverJoined(RuntimeError):
+    """A rank ended, or did not arrive in time, before the group was formed."""
+
+
+def joined_key(rank: int) -> str:
+    return f"joined/{rank}"
 
 
 @dataclass(frozen=True)
@@ -60,6 +72,28 @@ def host_store(size: int, host: str | None = None) -> tuple[dist.TCPStore, Rende
     return store, Rendezvous(host, store.port, size)
 
 
+def await_ranks(store: dist.TCPStore, size: int, ended: Callable[[], str | None],
+                timeout: datetime.timedelta = JOIN_TIMEOUT) -> None:
+    """On rank 0, before its process groups: wait until ranks 1..size-1 have reached the store.
+
+    Building a process group waits for every rank with the group's own timeout, which is
+    unbounded for ``control``: a rank that died while it started (an import error, a script
+    without an ``if __name__ == "__main__"`` guard under spawn) would leave rank 0 waiting
+    forever. ``ended()`` says why a rank is gone (None while all run); either that or the
+    timeout raises ``RankNeverJoined``."""
+    keys = [joined_key(rank) for rank in range(1, size)]
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not store.check(keys):
+        reason = ended()
+        if reason is not None:
+            raise RankNeverJoined(f"{reason} before it joined the tensor-parallel group; its output above says why")
+        if time.monotonic() > deadline:
+            missing = [key.rpartition("/")[2] for key in keys if not store.check([key])]
+            raise RankNeverJoined(f"ranks {', '.join(missing)} of {size} did not join the tensor-parallel group "
+                                  f"within {timeout.total_seconds():.0f} s")
+        time.sleep(JOIN_POLL_S)
+
+
 class TensorParallelGroup:
     """Rank ``rank`` of a group of ``rendezvous.size``: its control and model process groups.
 
@@ -78,6 +112,7 @@ class TensorParallelGroup:
         if store is None:
             store = dist.TCPStore(rendezvous.host, rendezvous.port, rendezvous.size, is_master=False,
                                   timeout=JOIN_TIMEOUT)
+            store.set(joined_key(rank), b"1")
         self.store = store
         self.control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, self.size, IDLE_TIMEOUT)
         if self.device.type == "cuda":

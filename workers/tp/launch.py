@@ -43,6 +43,9 @@ class RankSet(Protocol):
     def is_broken(self) -> bool:
         """A rank ended while the group was in use."""
 
+    def broken_reason(self) -> str | None:
+        """Why the group is broken (which rank ended, how), or None while every rank runs."""
+
     def wait_broken(self, timeout_s: float) -> bool:
         """Whether a rank has ended, waiting up to ``timeout_s`` for one to."""
 
@@ -74,6 +77,9 @@ class ProcessRanks:
 
     def is_broken(self) -> bool:
         return self._broken is not None
+
+    def broken_reason(self) -> str | None:
+        return self._broken
 
     def wait_broken(self, timeout_s: float) -> bool:
         from multiprocessing.connection import wait
@@ -148,6 +154,9 @@ class RayRanks:
 
     def is_broken(self) -> bool:
         return self._broken is not None
+
+    def broken_reason(self) -> str | None:
+        return self._broken
 
     def wait_broken(self, timeout_s: float) -> bool:
         import ray
@@ -243,6 +252,9 @@ class ActorRanks:
 
     def is_broken(self) -> bool:
         return False   # the actor's watcher ends both processes first
+
+    def broken_reason(self) -> str | None:
+        return None
 
     def wait_broken(self, timeout_s: float) -> bool:
         return bool(self.link.ask("ranks_wait_broken", [timeout_s], timeout_s + STOP_TIMEOUT_S))

@@ -33,7 +33,7 @@ from ..model.kv_cache import CacheShape, KVCache
 from ..model.model_input import ExecuteOutput, ModelInput
 from ..model.model_support import load_config
 from .dispatch import CommandChannel, GroupBrokenError, open_channel
-from .group import TensorParallelGroup, host_store
+from .group import TensorParallelGroup, await_ranks, host_store
 from .launch import RankLauncher, RankSet
 from .messages import (AllocateCache, EnableLoRA, EnableLoRAPages, KVCopies, ProfilePeak, ReadBlocks, RunStep, Stop,
                        WarmUpKernels, WriteBlocks, pack)
@@ -129,6 +129,7 @@ class TensorParallelRunner:
                              trust_remote_code, kernel_backend, merge_projections)
         self.ranks = launcher.launch(self.spec)
         try:
+            await_ranks(store, tensor_parallel_size, self.ranks.broken_reason)
             self.group = TensorParallelGroup(rendezvous, 0, device, store)
             publish_rank_info(self.group)
             self.local, self.weight_cuts = load_rank_runner(self.spec, self.group)
