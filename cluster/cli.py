@@ -336,13 +336,11 @@ def _add_serve_parser(subparsers) -> None:
 def _run_serve(args: argparse.Namespace) -> int:
     import os
 
-    from pagedserve.cluster.bootstrap import check_model
     from pagedserve.cluster.config import load_config
     from pagedserve.cluster.launcher import serve_forever
 
-    try:
+    try:   # serve_forever refuses a taken port, then a model the workers cannot serve
         config = load_config(args.config, _overrides(args))
-        check_model(config, config.model.resolve_path())   # refused before anything starts
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

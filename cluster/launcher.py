@@ -126,17 +126,12 @@ def _log_to_console() -> None:
 def serve_forever(config: ClusterConfig, address: str | None = None, progress: Progress | None = None,
                   stdout: IO[str] | None = None) -> int:
     """Bring the cluster and the API up, block until SIGINT/SIGTERM, tear down; exit status
-    (2 when a port is taken, 1 when the workers cannot start)."""
-    import ray
-
-    from .bootstrap import WorkerStartError, init_ray, start
-    from .placement_watch import PlacementError
-    from .serving import ingress
-    from .serving.deployment import deploy
-
+    (2 when a port is taken or the model cannot be served, 1 when the workers cannot start)."""
     progress = progress or Progress()
     stdout = stdout or sys.stdout
-    try:   # before anything starts: the port is this server's, and free
+    # Before anything starts, cheapest first: the port is this server's, and free (checked
+    # before the imports below, which take seconds), and the workers can serve the model.
+    try:
         record = server_records.claim(config.server.port, config.server.host)
     except server_records.PortTaken as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -144,6 +139,19 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
     try:
         check_ports_free(config)
     except PortInUse as exc:
+        server_records.release(record)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    import ray
+
+    from .bootstrap import WorkerStartError, check_model, init_ray, start
+    from .placement_watch import PlacementError
+    from .serving import ingress
+    from .serving.deployment import deploy
+
+    try:
+        check_model(config, config.model.resolve_path())
+    except (ValueError, OSError) as exc:
         server_records.release(record)
         print(f"error: {exc}", file=sys.stderr)
         return 2

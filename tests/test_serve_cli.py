@@ -74,12 +74,24 @@ def test_serve_takes_the_model_positionally_like_vllm():
     assert args.enable_prefix_caching is True and args.api_key == "k" and args.address is None
 
 
-def test_tensor_parallel_size_sets_the_engine_option_and_serve_checks_the_model(capsys):
+@pytest.fixture
+def serve_port(tmp_path, monkeypatch):
+    """A free port for an in-process ``serve`` that is refused, and server records of the
+    test's own (``serve`` claims its port's record before it checks the model)."""
+    from pagedserve.cluster import server_records
+    from served_cluster import free_port
+
+    monkeypatch.setattr(server_records, "records_dir", lambda: tmp_path / "servers")
+    yield str(free_port())
+    assert not list((tmp_path / "servers").glob("*.json")), "a refused serve left its record"
+
+
+def test_tensor_parallel_size_sets_the_engine_option_and_serve_checks_the_model(serve_port, capsys):
     config = _show("--tensor-parallel-size", "2", capsys=capsys)
     assert config["engine"]["tensor_parallel_size"] == 2
     assert _show("-tp", "4", capsys=capsys)["engine"]["tensor_parallel_size"] == 4
     # The default model (tiny llama: 4 heads over 2 KV heads) splits in 2, not in 4.
-    assert main(["serve", "-tp", "4"]) == 2  # refused before anything starts
+    assert main(["serve", "-tp", "4", "--port", serve_port]) == 2  # refused before anything starts
     assert "has 2 key/value heads, which do not divide by 4" in capsys.readouterr().err
 
 
@@ -101,14 +113,14 @@ def _config_file(tmp_path, config: dict) -> str:
 
 
 @pytest.mark.parametrize(("config", "message"), MODEL_MISFITS)
-def test_config_validate_refuses_a_model_misfit_as_serve_does(config, message, tmp_path, capsys):
+def test_config_validate_refuses_a_model_misfit_as_serve_does(config, message, tmp_path, serve_port, capsys):
     """Head counts against the tensor-parallel size, the context against the model's: the
     message ``serve`` gives before it starts anything."""
     file = _config_file(tmp_path, config)
     assert main(["config", "validate", file]) == 1
     validated = capsys.readouterr().err
     assert message in validated
-    assert main(["serve", "--config", file]) == 2  # refused before anything starts
+    assert main(["serve", "--config", file, "--port", serve_port]) == 2  # refused before anything starts
     assert capsys.readouterr().err == validated
 
 
