@@ -421,6 +421,45 @@ def test_a_socket_channels_end_carries_what_was_queued_then_the_engines_error():
     asyncio.run(run())
 
 
+_EXITING_SENDER = """
+import sys, time
+from pagedserve.workers.actor.protocol import EngineDeadError
+from pagedserve.workers.engine.output_sockets import OutputSockets
+
+sockets = OutputSockets(lambda socket: None, lambda socket: None)
+print(sockets.open("c1", 1, "127.0.0.1"), flush=True)
+while sockets.senders["c1"]._peer is None:   # the reader's hello
+    sockets.service()
+    time.sleep(0.005)
+sockets.put("c1", b"x" * int(sys.argv[1]))
+sockets.close_all(EngineDeadError("gone", "engine-1"))
+sockets.terminate()
+"""   # and the process exits at once, as the engine core's does after its loop fails
+
+
+def test_a_socket_channels_last_message_reaches_its_reader_when_the_core_exits_right_after():
+    """ZeroMQ sends from an I/O thread that an exiting process ends without waiting: the core's
+    sockets are terminated first, so a last message too big to be sent at once (32 MB) still
+    arrives whole, with the engine's error and the channel's end."""
+    size = 32 << 20
+    async def run():
+        sender = subprocess.Popen([sys.executable, "-c", _EXITING_SENDER, str(size)], stdout=subprocess.PIPE,
+                                  text=True)
+        try:
+            address = await asyncio.get_running_loop().run_in_executor(None, sender.stdout.readline)
+            receiver = ChannelSocketReceiver(address.strip(), "c1")
+            entries = decode(await asyncio.wait_for(receiver.receive(), 60))
+            receiver.close()
+            assert await asyncio.get_running_loop().run_in_executor(None, sender.wait) == 0
+            return entries
+        finally:
+            sender.kill()
+            sender.wait()
+
+    entries = asyncio.run(run())
+    assert [kind for kind, _ in entries] == [b"B", b"E", b"X"] and len(entries[0][1]) == size
+
+
 def test_channel_socket_frames_carry_each_kind_of_entry():
     error = EngineDeadError("gone", "engine-1")
     frames = encode([b"packed", Migrated("r1", "w3", object()), error])

@@ -142,6 +142,18 @@ def main(argv: list[str]) -> int:
     progress = CoreProgress(progress_path)
     link.send(FromCore.STARTED)   # before the model loads: an actor killed meanwhile leaves no paths behind
     try:
+        return _build_and_run(spec, link, progress, parent_pid)
+    finally:
+        # The last messages (the engine's error, ``DEAD``) are still in ZeroMQ's I/O thread,
+        # which the interpreter's exit would end without waiting: send them first (the
+        # outbox's linger at most, if the actor is gone).
+        inbox.close(linger=0)
+        outbox.close()
+        context.term()
+
+
+def _build_and_run(spec: CoreSpec, link, progress, parent_pid: int) -> int:
+    try:
         core = build_core(spec, link, progress, parent_pid)
     except Exception as exc:
         logger.exception("engine core of worker %s could not start", spec.worker_id)
@@ -153,6 +165,7 @@ def main(argv: list[str]) -> int:
     except Exception:
         return 1
     finally:
+        core.sockets.terminate()   # each socket channel's last message goes out
         shutdown = getattr(core.engine.runner, "shutdown", None)
         if shutdown is not None:   # a tensor-parallel group: its other ranks stop too
             shutdown()

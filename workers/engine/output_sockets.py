@@ -28,7 +28,7 @@ class OutputSockets:
     remove the sockets the core's idle wait polls along with its inbox (``ActorLink``)."""
 
     def __init__(self, watch: Callable[[zmq.Socket], None], unwatch: Callable[[zmq.Socket], None]) -> None:
-        self._context = zmq.Context.instance()
+        self._context = zmq.Context()   # its own, so that ``terminate`` waits for these sockets alone
         self._watch = watch
         self._unwatch = unwatch
         self.senders: dict[str, ChannelSocketSender] = {}
@@ -69,6 +69,14 @@ class OutputSockets:
         """End every channel, with ``error`` (the engine failed) or without (the core stops)."""
         for channel_id in list(self.senders):
             self.close(channel_id, [] if error is None else [error])
+
+    def terminate(self) -> None:
+        """End every channel left and wait until the last messages are sent, each socket's linger
+        at most: ZeroMQ sends from its own I/O thread, which an exiting process ends without
+        waiting (pyzmq leaves its contexts alone at exit), so a channel's end, or the engine's
+        error, could otherwise be lost when the core exits right after it."""
+        self.close_all()
+        self._context.term()
 
 
 __all__ = ["OutputSockets"]
