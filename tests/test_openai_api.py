@@ -25,6 +25,7 @@ from local_frontend import assert_error as _assert_error  # noqa: E402
 from local_frontend import events as _events  # noqa: E402
 from local_frontend import make_frontend as _server  # noqa: E402
 
+import pagedserve  # noqa: E402
 from pagedserve.cluster.handle import NoCapacityError  # noqa: E402
 from pagedserve.cluster.serving.auth import check_api_key, client_key  # noqa: E402
 from pagedserve.cluster.serving.limits import ClientLimiter, RequestLimiter  # noqa: E402
@@ -131,6 +132,7 @@ def test_models_health_metrics(server):
     assert models["data"][0]["id"] == MODEL
     _assert_error(call(server, "GET", "/v1/models/other"), 404)
     assert call(server, "GET", "/health").json()["status"] == "ok"
+    assert call(server, "GET", "/version").json() == {"version": pagedserve.__version__}
     text = call(server, "GET", "/metrics").text
     for name in ("pagedserve_num_requests_running", "pagedserve_num_requests_waiting",
                  "pagedserve_kv_cache_usage_ratio", "pagedserve_kv_slots_filled_ratio", "pagedserve_prefix_cache_hit_rate",
@@ -564,7 +566,7 @@ def test_pickled_bodies_are_never_unpickled(server, tmp_path):
 # ---- security ------------------------------------------------------------------------------------
 def test_api_key_guards_every_route_but_health(local_handle):
     secured = _server(local_handle, api_key="sekrit")
-    for path in ("/openapi.json", "/docs", "/redoc", "/stats", "/metrics", "/v1/models", "/v1/models/x",
+    for path in ("/openapi.json", "/docs", "/redoc", "/stats", "/metrics", "/version", "/v1/models", "/v1/models/x",
                  "/v1/nothing"):
         _assert_error(call(secured, "GET", path), 401)
     for path in ("/v1/completions", "/v1/chat/completions", "/health/../v1/completions", "/v1/load_lora_adapter",

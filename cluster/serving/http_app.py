@@ -2,7 +2,8 @@
 
 Routes: ``/v1/completions`` (``serving_completion``), ``/v1/chat/completions``
 (``serving_chat``), vLLM's ``/tokenize`` and ``/detokenize`` (``serving_tokenize``),
-``/v1/models``, ``/health``, ``/metrics``, ``/stats`` and the dashboard. Every failure is OpenAI's error body with a meaningful status:
+``/v1/models``, ``/health``, ``/version``, ``/metrics``, ``/stats`` and the dashboard. Every failure
+is OpenAI's error body with a meaningful status:
 
 * 400 malformed JSON, invalid or unknown fields, a prompt too long (the
   message states the limit); 413 a body over ``max_request_body_bytes``;
@@ -28,6 +29,8 @@ from typing import Any
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
+
+from pagedserve import __version__
 
 from ..config import LimitsConfig
 from .auth import client_key
@@ -302,6 +305,10 @@ def build_app(server: Frontend):
         body = {"status": "ok" if health["is_healthy"] else "unavailable", "model": server.model_name,
                 "workers": health["workers"]}  # starting / ready / draining / dead
         return body if health["is_healthy"] else _json_response(body, 503)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}   # vLLM's route and body
 
     @app.get("/metrics")
     async def metrics():
