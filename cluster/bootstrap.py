@@ -108,7 +108,21 @@ def _wait_ready(refs: dict[str, Any], timeout_s: float, show_progress: bool,
 def check_model(config: ClusterConfig, model_path: str) -> None:
     """Refuse, with the reason, a model the workers cannot serve exactly, or that does not
     fit a worker group (``check_model_fits``). Reads the model's config only."""
-    check_model_fits(config, check_servable_config(model_path))
+    check_model_fits(config, servable_config(config.model, model_path))
+
+
+def servable_config(model: ModelConfig, model_path: str):
+    """``check_servable_config`` of the checkpoint at ``model_path``, running its own code only
+    with ``model.trust_remote_code``; a checkpoint that needs it, while that is off, is refused
+    naming the key and the flag (transformers' message names its own argument)."""
+    try:
+        return check_servable_config(model_path, model.trust_remote_code)
+    except ValueError as exc:
+        if model.trust_remote_code or "trust_remote_code" not in str(exc):
+            raise
+        raise ValueError(f"{model_path} holds code of its own (config.json's auto_map), which pagedserve runs "
+                         "only with model.trust_remote_code: true (serve --trust-remote-code), for a checkpoint "
+                         "you trust") from None
 
 
 def check_model_fits(config: ClusterConfig, model_config) -> None:
@@ -133,12 +147,12 @@ def cached_model_config(model: ModelConfig):
         return build_config(model.arch, model.size)
     source = model.source()
     if not source.is_hub_id:
-        return check_servable_config(source.resolve(weights=False))
+        return servable_config(model, source.resolve(weights=False))
     from huggingface_hub import try_to_load_from_cache
 
     cached = try_to_load_from_cache(source.reference, "config.json", cache_dir=source.download_dir,
                                     revision=source.revision)
-    return check_servable_config(str(Path(cached).parent)) if isinstance(cached, str) else None
+    return servable_config(model, str(Path(cached).parent)) if isinstance(cached, str) else None
 
 
 def init_ray(address: str | None = None, **ray_init_kwargs: Any) -> bool:

@@ -217,6 +217,9 @@ def _add_config_sources(parser: argparse.ArgumentParser, with_file: bool = True)
                       help="the model id clients send (model.name; one name)")
     vllm.add_argument("--revision", help="hub revision: branch, tag or commit (model.revision)")
     vllm.add_argument("--download-dir", help="hub download cache on every node (model.download_dir)")
+    vllm.add_argument("--trust-remote-code", action="store_true", default=None,
+                      help="run the checkpoint's own code (its config.json's auto_map) on every node, for a "
+                           "checkpoint you trust (model.trust_remote_code)")
     vllm.add_argument("--tensor-parallel-size", "-tp", type=positive_int,
                       help="GPUs (ranks) per model replica (engine.tensor_parallel_size; a worker group's "
                            "workers[].tensor_parallel_size wins); the model's head counts must divide by it")
@@ -294,8 +297,9 @@ def _overrides(args: argparse.Namespace) -> list[str]:
         import json
 
         overrides.append(f"model.lora_modules={json.dumps(args.lora_modules)}")
-    if args.allow_runtime_lora_updating:
-        overrides.append("model.allow_runtime_lora_updating=true")
+    for attribute in ("trust_remote_code", "allow_runtime_lora_updating"):
+        if getattr(args, attribute):
+            overrides.append(f"model.{attribute}=true")
     for attribute in ("port", "grpc_port"):
         if getattr(args, attribute) is not None:
             overrides.append(f"server.{attribute}={getattr(args, attribute)}")

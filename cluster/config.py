@@ -70,6 +70,10 @@ class ModelConfig(_Strict):
     """Without ``path``: the random-weight model's size."""
     seed: int = Field(0, ge=0)
     """Without ``path``: the random-weight model's weight seed."""
+    trust_remote_code: bool = False
+    """Run the checkpoint's own Python code (the classes its config.json's ``auto_map`` names)
+    wherever it loads: the head node's config and tokenizer, every worker's model. Only for a
+    checkpoint you trust (vLLM's ``--trust-remote-code``). Off, such a checkpoint is refused."""
     name: str | None = None
     """The id clients send as "model". Unset: the hub id, the directory's name, or
     pagedserve-ARCH-SIZE."""

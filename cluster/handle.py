@@ -202,7 +202,8 @@ class ClusterHandle:
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_path,
+                                                            trust_remote_code=self.config.model.trust_remote_code)
         return self._tokenizer
 
     # ---- generation ---------------------------------------------------------------

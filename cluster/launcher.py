@@ -194,6 +194,8 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
         # What `bench serve --offline-baseline` runs offline: the first group's engine.
         record.model_path = handle.model_path
         record.engine = {**config.engine.model_dump(mode="json", exclude_defaults=True), **config.workers[0].engine}
+        if config.model.trust_remote_code:
+            record.engine["trust_remote_code"] = True
         record.save()
         http = endpoints["http"]
         print(f"pagedserve is serving '{handle.model_name}' (context {handle.max_model_len} tokens, "

@@ -73,7 +73,7 @@ def group_engine_config(config: ClusterConfig, group: WorkerGroup, model_path: s
     options = group_engine_options(config, group)
     if options.tensor_parallel_size > 1:
         options = type(options).model_validate({**options.model_dump(), "distributed_executor_backend": "ray"})
-    return options.to_engine_config(model_path).model_dump()
+    return options.to_engine_config(model_path, trust_remote_code=config.model.trust_remote_code).model_dump()
 
 
 def group_tensor_parallel_size(config: ClusterConfig, group: WorkerGroup) -> int:

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from hub_mirror import HubMirror, MirroredRepo
+from remote_code_model import make_remote_code_model
 from pagedserve.workers.model.model_source import ModelSource, ModelSourceError, is_hub_id
 
 pytestmark = pytest.mark.timeout(600)
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.timeout(600)
 TOKEN = "hf_pagedserve_test_token"
 GATED = "pagedserve-test/tiny-llama"        # needs TOKEN to download files
 NO_WEIGHTS = "pagedserve-test/no-weights"   # config and tokenizer only
+REMOTE_CODE = "pagedserve-test/remote-llama"   # classes of its own (tests/remote_code_model.py)
 HOST = socket.gethostname()
 
 _RESOLVE = """
@@ -71,8 +73,9 @@ def repos(tiny_model, tmp_path_factory):
     for path in model_dir.iterdir():
         if path.suffix != ".safetensors":
             shutil.copy(path, no_weights / path.name)
+    remote_code = make_remote_code_model(model_dir, tmp_path_factory.mktemp("remote-code"))
     return {GATED: MirroredRepo(model_dir, revisions=("main", "v1"), token=TOKEN),
-            NO_WEIGHTS: MirroredRepo(no_weights)}
+            NO_WEIGHTS: MirroredRepo(no_weights), REMOTE_CODE: MirroredRepo(remote_code)}
 
 
 @pytest.fixture
@@ -138,6 +141,17 @@ def test_a_hub_id_is_fetched_with_the_token_at_a_revision(mirror, repos, tmp_pat
     result = _resolve(ModelSource(GATED), _env(HF_ENDPOINT=mirror.url, HF_HOME=str(tmp_path / "own"),
                                                HF_TOKEN=TOKEN))
     assert "dir" in result, result
+
+
+def test_a_hub_checkpoints_own_code_comes_with_its_config(mirror, repos, tmp_path):
+    """The head node (config and tokenizer) and a worker (weights too) fetch the checkpoint's
+    code with its config: transformers imports its classes from the same folder."""
+    for weights in (False, True):
+        result = _resolve(ModelSource(REMOTE_CODE), _env(HF_ENDPOINT=mirror.url, HF_HOME=str(tmp_path / str(weights))),
+                          weights=weights)
+        assert "dir" in result, result
+        for name in ("configuration_remote_llama.py", "modeling_remote_llama.py"):
+            assert (Path(result["dir"]) / name).read_bytes() == repos[REMOTE_CODE].files[name], (weights, name)
 
 
 @pytest.mark.parametrize("source, reason", [
@@ -233,3 +247,26 @@ def test_cluster_workers_fetch_the_hub_id_with_the_drivers_token(repos, tmp_path
     assert "worker-0 could not start" in result["error"] and HOST in result["error"]
     assert "holds no *.safetensors or *.bin weights" in result["error"]
     assert result["error_seconds"] < 120, result
+
+
+# ---- a checkpoint with code of its own ----------------------------------------------------------------
+@pytest.mark.distributed
+def test_a_cluster_serves_a_checkpoint_with_code_of_its_own_when_trusted(tiny_model, tmp_path):
+    """``model.trust_remote_code``: the head's tokenizer and every worker's model load through
+    the checkpoint's own code (a worker refuses the model without it), and serve what the
+    offline engine makes of it."""
+    from pagedserve.workers.offline.llm import LLM
+    from pagedserve.workers.sample.sampling_params import SamplingParams
+    from served_cluster import cluster_config, running_cluster
+
+    path = str(make_remote_code_model(tiny_model("llama"), tmp_path))
+    prompt = "The paged KV cache splits every sequence into blocks"
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine = {"num_device_blocks": 64, "swap_space_gb": 0.001}
+    offline = LLM(path, trust_remote_code=True, **engine)
+    expected = offline.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    config = cluster_config(path, "remote", engine, num_workers=1)
+    config["model"]["trust_remote_code"] = True
+    with running_cluster(config, num_cpus=2) as cluster:
+        output = cluster.handle.generate_sync([prompt], params)[0]   # a text prompt: the head's tokenizer
+    assert list(output.outputs[0].token_ids) == list(expected)

@@ -265,6 +265,41 @@ def test_serve_refuses_before_starting_ray(tmp_path, monkeypatch):
         bootstrap.start({"model": {"path": str(path)}})
 
 
+def test_a_checkpoint_with_code_of_its_own_runs_it_only_when_trusted(tiny_model, tmp_path, monkeypatch):
+    """A checkpoint whose config.json maps its classes to its own files loads through them with
+    ``trust_remote_code``, exactly as transformers runs it; without, it is refused, by ``serve``
+    before Ray starts, naming the key and the flag."""
+    import ray
+    from transformers import AutoModelForCausalLM
+
+    from pagedserve.cluster import bootstrap
+    from pagedserve.cluster.config import ClusterConfig
+    from remote_code_model import MODEL_CLASS, make_remote_code_model
+
+    path = make_remote_code_model(tiny_model("llama"), tmp_path)
+    with pytest.raises(ValueError, match="trust_remote_code=True"):
+        make_llm(path)
+    monkeypatch.setattr(ray, "init", lambda *args, **kwargs: pytest.fail("Ray started for a refused model"))
+    with pytest.raises(ValueError, match=r"model.trust_remote_code: true \(serve --trust-remote-code\)"):
+        bootstrap.start({"model": {"path": str(path)}})
+    trusted = ClusterConfig.model_validate({"model": {"path": str(path), "trust_remote_code": True}})
+    bootstrap.check_model(trusted, str(path))   # its checks pass
+
+    llm = make_llm(path, trust_remote_code=True, num_device_blocks=64)
+    assert type(llm.engine.runner.model).__name__ == MODEL_CLASS
+    prompts = random_prompts([5, 19, 33], seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outputs = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    reference = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, trust_remote_code=True).eval()
+    assert type(reference).__name__ == MODEL_CLASS
+    for prompt, output in zip(prompts, outputs):
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            expected = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16)
+        assert list(output) == expected[0, len(prompt):].tolist()
+    assert_idle(llm)
+
+
 def test_window_the_engine_cannot_honour_is_refused(tmp_path):
     path = make_matrix_model("mistral", tmp_path / "zero-window", sliding_window=0)
     with pytest.raises(UnsupportedModelError, match="'mistral'.*sliding_window=0.*positive integer"):

@@ -47,10 +47,11 @@ def test_vllm_flags_set_the_configuration_and_win_over_file_and_set(tmp_path, ca
                    "--dtype", "bfloat16", "--served-model-name", "qwen", "--no-enable-prefix-caching",
                    "--max-num-seqs", "128", "--port", "9001", "--host", "0.0.0.0", "--swap-space", "2",
                    "--tool-call-parser", "llama3_json", "-tp", "1", "--enforce-eager", "--no-async-scheduling",
-                   "--cuda-graph-sizes", "1", "8", "64", "--stream-interval", "4",
+                   "--cuda-graph-sizes", "1", "8", "64", "--stream-interval", "4", "--trust-remote-code",
                    "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}',
                    capsys=capsys)
     assert config["model"]["path"] == "Qwen/Qwen2.5-7B-Instruct" and config["model"]["name"] == "qwen"
+    assert config["model"]["trust_remote_code"] is True
     engine = config["engine"]
     assert (engine["block_size"], engine["max_model_len"], engine["gpu_memory_utilization"]) == (64, 8192, 0.8)
     assert (engine["dtype"], engine["enable_prefix_caching"], engine["max_num_seqs"]) == ("bfloat16", False, 128)
@@ -65,6 +66,7 @@ def test_vllm_flags_set_the_configuration_and_win_over_file_and_set(tmp_path, ca
     config = _show(str(file), "--set", "engine.max_num_seqs=16", capsys=capsys)
     assert (config["engine"]["block_size"], config["engine"]["max_num_seqs"]) == (8, 16)
     assert config["server"]["port"] == 7000 and config["model"]["name"] == "from-file"
+    assert config["model"]["trust_remote_code"] is False
 
 
 def test_serve_takes_the_model_positionally_like_vllm():
@@ -122,6 +124,22 @@ def test_config_validate_refuses_a_model_misfit_as_serve_does(config, message, t
     assert message in validated
     assert main(["serve", "--config", file, "--port", serve_port]) == 2  # refused before anything starts
     assert capsys.readouterr().err == validated
+
+
+def test_config_validate_and_serve_refuse_a_checkpoints_own_code_unless_trusted(tiny_model, tmp_path, serve_port,
+                                                                                 capsys):
+    from remote_code_model import make_remote_code_model
+
+    path = make_remote_code_model(tiny_model("llama"), tmp_path)
+    file = _config_file(tmp_path, {"model": {"path": str(path)}})
+    assert main(["config", "validate", file]) == 1
+    refused = capsys.readouterr().err
+    assert "holds code of its own" in refused and "model.trust_remote_code: true (serve --trust-remote-code)" in refused
+    assert main(["serve", "--config", file, "--port", serve_port]) == 2  # refused before anything starts
+    assert capsys.readouterr().err == refused
+    trusted = _config_file(tmp_path, {"model": {"path": str(path), "trust_remote_code": True}})
+    assert main(["config", "validate", trusted]) == 0
+    assert capsys.readouterr().out.endswith("serve.yaml: valid\n")
 
 
 def test_config_validate_reads_a_directory_or_the_hub_cache_without_weights(tiny_model, tmp_path, capsys):

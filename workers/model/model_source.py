@@ -26,10 +26,11 @@ from pathlib import Path
 TOKEN_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 # huggingface_hub's own repo id rule (validate_repo_id): [namespace/]name of word characters, '-', '.'.
 _HUB_ID = re.compile(r"^(?:[\w\-.]+/)?[\w\-.]+$")
-# What a worker needs: configs, tokenizer files, chat templates, safetensors weights
-# (PyTorch .bin weights only for a repo without safetensors). Never the duplicates
-# (GGUF, ONNX, original/ checkpoints) that many repos carry too.
-_CONFIG_PATTERNS = ["*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken", "tokenizer*"]
+# What a worker needs: configs, tokenizer files, chat templates, the checkpoint's own code
+# (run only with ``model.trust_remote_code``), safetensors weights (PyTorch .bin weights only
+# for a repo without safetensors). Never the duplicates (GGUF, ONNX, original/ checkpoints)
+# that many repos carry too.
+_CONFIG_PATTERNS = ["*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken", "tokenizer*", "*.py"]
 _WEIGHT_PATTERNS = ["*.safetensors"]
 _FALLBACK_WEIGHT_PATTERNS = ["*.bin"]
 
