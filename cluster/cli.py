@@ -247,6 +247,9 @@ def _add_config_sources(parser: argparse.ArgumentParser, with_file: bool = True)
                       help="open /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
                            "VLLM_ALLOW_RUNTIME_LORA_UPDATING; model.allow_runtime_lora_updating; needs --enable-lora)")
     vllm.add_argument("--tool-call-parser", help="how 'auto' tool choice reads calls (server.tool_call_parser)")
+    vllm.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
+                      help="a Jinja chat template in place of the tokenizer's: a file, or the template itself "
+                           "(server.chat_template)")
     vllm.add_argument("--enable-auto-tool-choice", action="store_true",
                       help="accepted for vLLM's command lines: 'auto' tool choice is always on here")
     vllm.add_argument("--host", help="HTTP host (server.host; default 127.0.0.1, loopback only: other "
@@ -276,7 +279,7 @@ def _overrides(args: argparse.Namespace) -> list[str]:
         overrides.append(f"engine.tensor_parallel_size={args.tensor_parallel_size}")
     for attribute, key in (("revision", "model.revision"), ("download_dir", "model.download_dir"),
                            ("dtype", "engine.dtype"), ("tool_call_parser", "server.tool_call_parser"),
-                           ("host", "server.host")):
+                           ("chat_template", "server.chat_template"), ("host", "server.host")):
         value = getattr(args, attribute)
         if value is not None:
             overrides.append(f"{key}={_yaml_text(value)}")

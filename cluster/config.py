@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pagedserve.workers.engine.engine_options import EngineOptions  # the one schema; re-exported here
 from pagedserve.workers.model.model_source import ModelSource, is_hub_id, token_from_environment
+from pagedserve.workers.offline.chat_template import load_chat_template
 from pagedserve.devtools.model_factory import ARCHS, MODEL_SIZES
 from pagedserve.tool_parsers import TOOL_PARSERS
 
@@ -290,6 +291,10 @@ class ServerConfig(_Strict):
     tool_call_parser: str = "hermes"
     """How "auto" tool choice reads calls out of the model's text (vLLM's --tool-call-parser):
     "hermes" (Hermes, Qwen 2.5/3, make-model's template) or "llama3_json"."""
+    chat_template: str | None = None
+    """A Jinja chat template for chat completions (and /tokenize's messages) in place of the
+    tokenizer's, e.g. for a model that has none (vLLM's --chat-template): the path of a file,
+    read when the configuration loads, or the template itself. Unset: the tokenizer's."""
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     """Limits that protect the service."""
 
@@ -299,6 +304,11 @@ class ServerConfig(_Strict):
         if value not in TOOL_PARSERS:
             raise ValueError(f"unknown tool-call parser {value!r}; known: {', '.join(sorted(TOOL_PARSERS))}")
         return value
+
+    @field_validator("chat_template")
+    @classmethod
+    def _readable_chat_template(cls, value: str | None) -> str | None:
+        return None if value is None else load_chat_template(value)
 
 
 class KVEventsConfig(_Strict):

@@ -265,9 +265,15 @@ def test_llm_chat_renders_conversations_as_transformers_does(make_llm, hf_greedy
     [with_tools] = llm.chat([plain], greedy(), use_tqdm=False, tools=tools)
     assert with_tools.prompt_token_ids == template_ids([plain], add_generation_prompt=True, tools=tools)
     assert "get_weather" in tokenizer.decode(with_tools.prompt_token_ids)
+    # vLLM's chat_template: a template (or its file) in place of the tokenizer's, as transformers renders it.
+    own = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    [templated] = llm.chat([system, plain], greedy(), use_tqdm=False, chat_template=own)
+    assert templated.prompt_token_ids == template_ids([system, plain], chat_template=own)
+    assert tokenizer.decode(templated.prompt_token_ids) == "<system>Be brief.<user>Hi there"
     for conversation, kwargs, reason in (
             (other, {"continue_final_message": True}, "add_generation_prompt"),
             ([plain], {"chat_template_kwargs": {"tools": []}}, "may not set tools"),
+            ([plain], {"chat_template": "{% if %}"}, "not valid Jinja"),
             ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], {}, "text only")):
         with pytest.raises(ValueError, match=reason):
             llm.chat(conversation, greedy(), use_tqdm=False, **kwargs)

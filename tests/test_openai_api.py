@@ -969,6 +969,46 @@ def test_tokenize_and_detokenize(server, local_handle):
         _assert_error(call(server, "POST", path, json=body), 404 if param == "model" else 400, param)
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
+def test_a_chat_template_of_the_servers_own_replaces_the_tokenizers(local_handle, tmp_path):
+    """server.chat_template (vLLM's --chat-template; a file or the template itself) renders
+    every chat completion and /tokenize's messages; a tokenizer without one then serves chats."""
+    tokenizer = local_handle.tokenizer
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    rendered = "[system] Be brief.\n[user] Hi!\n[assistant] "
+    template_file = tmp_path / "chat.jinja"
+    template_file.write_text(CHAT_TEMPLATE)
+    for given in (CHAT_TEMPLATE, str(template_file)):
+        server = _server(local_handle, chat_template=given)
+        chat = call(server, "POST", "/tokenize", json={"messages": messages}).json()
+        assert chat["tokens"] == tokenizer.encode(rendered, add_special_tokens=False)
+        completion = call(server, "POST", "/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+        assert completion.json()["usage"]["prompt_tokens"] == chat["count"]
+    saved, tokenizer.chat_template = tokenizer.chat_template, None
+    try:
+        _assert_error(call(_server(local_handle), "POST", "/v1/chat/completions",
+                           json={"messages": messages, "max_tokens": 1}), 400, "messages")
+        served = call(_server(local_handle, chat_template=CHAT_TEMPLATE), "POST", "/v1/chat/completions",
+                      json={"messages": messages, "max_tokens": 2, "ignore_eos": True}).json()
+        assert served["usage"]["completion_tokens"] == 2
+    finally:
+        tokenizer.chat_template = saved
+
+
+@pytest.mark.parametrize("given, message", [
+    ("{% for m in messages %}", "not valid Jinja \\(line 1\\)"),
+    ("/no/such/template.jinja", "looks like a chat template's file, which cannot be read"),
+])
+def test_a_chat_template_that_cannot_be_read_or_parsed_is_refused_naming_the_key(given, message):
+    from pagedserve.cluster.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=f"server.chat_template: .*{message}"):
+        load_config(overrides=[f"server.chat_template={json.dumps(given)}"])
+
+
 def test_stop_reason_names_the_stop_string_or_token(server):
     """vLLM's stop_reason: the stop string or stop token id that ended a choice, null for a
     length limit; in completions, chat, and their streams' last chunks."""

@@ -48,6 +48,7 @@ def test_vllm_flags_set_the_configuration_and_win_over_file_and_set(tmp_path, ca
                    "--max-num-seqs", "128", "--port", "9001", "--host", "0.0.0.0", "--swap-space", "2",
                    "--tool-call-parser", "llama3_json", "-tp", "1", "--enforce-eager", "--no-async-scheduling",
                    "--cuda-graph-sizes", "1", "8", "64", "--stream-interval", "4", "--trust-remote-code",
+                   "--chat-template", "{{ messages[0]['content'] }}",
                    "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}',
                    capsys=capsys)
     assert config["model"]["path"] == "Qwen/Qwen2.5-7B-Instruct" and config["model"]["name"] == "qwen"
@@ -59,6 +60,7 @@ def test_vllm_flags_set_the_configuration_and_win_over_file_and_set(tmp_path, ca
     assert (engine["enforce_eager"], engine["async_scheduling"], engine["cuda_graph_sizes"]) == (True, False, [1, 8, 64])
     assert (config["server"]["port"], config["server"]["host"]) == (9001, "0.0.0.0")
     assert config["server"]["tool_call_parser"] == "llama3_json"
+    assert config["server"]["chat_template"] == "{{ messages[0]['content'] }}"
     assert engine["speculative_config"] == {"method": "ngram", "model": None, "num_speculative_tokens": 3,
                                             "prompt_lookup_min": 4, "prompt_lookup_max": 4,
                                             "disable_by_batch_size": None}

@@ -517,10 +517,11 @@ class Frontend:
                 self.tokenizer, messages, add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 tools=[tool.model_dump(exclude_none=True) for tool in request.tools or ()],
-                chat_template_kwargs=request.chat_template_kwargs)
+                chat_template_kwargs=request.chat_template_kwargs, chat_template=self.config.chat_template)
         except ChatTemplateError as exc:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise APIError(400, f"the model '{self.model_name}' has no chat template; use /v1/completions",
+            if not (self.config.chat_template or getattr(self.tokenizer, "chat_template", None)):
+                raise APIError(400, f"the model '{self.model_name}' has no chat template (server.chat_template, "
+                                    "--chat-template, gives it one); use /v1/completions",
                                param="messages") from None
             raise APIError(400, str(exc), param=exc.param) from None
         # The template writes the special tokens; add_special_tokens (vLLM) adds the tokenizer's too.

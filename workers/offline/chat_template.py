@@ -8,12 +8,15 @@ render wrong: no chat template, ``continue_final_message`` without an assistant
 message to continue (or with a generation prompt after it), template variables the
 caller may not set, a template that fails on the conversation or renders no text.
 ``template_message`` turns an OpenAI-style message dict into that form.
+``load_chat_template`` reads a template given in place of the tokenizer's (vLLM's
+``--chat-template``: a file, or the template itself) and checks its syntax.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 # Template variables set by the renderer or by a request's own fields, never by
@@ -32,9 +35,10 @@ class ChatTemplateError(ValueError):
 
 def render_conversation(tokenizer, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                         continue_final_message: bool = False, tools: Sequence[Mapping] | None = None,
-                        chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
-    """The conversation's text as the tokenizer's chat template writes it (special tokens included)."""
-    if not getattr(tokenizer, "chat_template", None):
+                        chat_template_kwargs: Mapping[str, Any] | None = None, chat_template: str | None = None) -> str:
+    """The conversation's text as the chat template writes it (special tokens included):
+    ``chat_template`` (``load_chat_template``'s) if given, else the tokenizer's."""
+    if not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise ChatTemplateError("the model has no chat template; send a prompt instead", "messages")
     if not messages:
         raise ChatTemplateError("a conversation needs at least one message", "messages")
@@ -53,6 +57,8 @@ def render_conversation(tokenizer, messages: Sequence[Mapping[str, Any]], *, add
         raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(reserved)} (set by the server "
                                 "or by the request's own fields)", "chat_template_kwargs")
     kwargs.update(extra)
+    if chat_template:
+        kwargs["chat_template"] = chat_template
     try:
         text = tokenizer.apply_chat_template(list(messages), tokenize=False, **kwargs)
     except Exception as exc:  # the template rejects the conversation (e.g. role order)
@@ -61,6 +67,34 @@ def render_conversation(tokenizer, messages: Sequence[Mapping[str, Any]], *, add
         raise ChatTemplateError("the chat template did not render text with these chat_template_kwargs",
                                 "chat_template_kwargs")
     return text
+
+
+def load_chat_template(template: str) -> str:
+    """A chat template given as vLLM's ``--chat-template`` takes it: the path of a file (a value
+    without ``{``, ``}`` or a line break) or the template itself; ValueError if the file cannot
+    be read or the template is not valid Jinja (as transformers renders it)."""
+    if not any(char in template for char in "{}\n"):
+        try:
+            template = Path(template).expanduser().read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{template!r} looks like a chat template's file, which cannot be read: {exc}") from None
+    import jinja2
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):   # transformers' {% generation %} block: its syntax only
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+    try:
+        ImmutableSandboxedEnvironment(extensions=[Generation, "jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"the chat template is not valid Jinja (line {exc.lineno}): {exc.message}") from None
+    return template
 
 
 def template_message(message: Mapping[str, Any]) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from ..lora.lora_request import LoRARequest
 from ..outputs.request_output import RequestOutput
 from ..sample.beam_search import BeamSearchOutput, BeamSearchSequence
 from ..sample.sampling_params import BeamSearchParams, SamplingParams
-from .chat_template import render_conversation, template_message
+from .chat_template import load_chat_template, render_conversation, template_message
 
 
 class LLM:
@@ -98,20 +98,23 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = True,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: Sequence[dict] | None = None, chat_template_kwargs: dict | None = None,
+             chat_template: str | None = None,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (OpenAI-style message dicts: ``role``, text
         ``content`` or text parts, assistant ``tool_calls``) or a list of them, rendered by the
         tokenizer's chat template (which writes the special tokens) with ``tools`` and
         ``chat_template_kwargs``, then generated as ``generate`` does (``lora_request`` too). A conversation the
-        template cannot render as asked raises ValueError naming why."""
+        template cannot render as asked raises ValueError naming why. ``chat_template``: a template (or
+        its file) in place of the tokenizer's."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        template = None if chat_template is None else load_chat_template(chat_template)
         tokenizer = self.engine.tokenizer
         prompts = []
         for conversation in conversations:
             text = render_conversation(tokenizer, [template_message(m) for m in conversation],
                                        add_generation_prompt=add_generation_prompt,
                                        continue_final_message=continue_final_message, tools=tools,
-                                       chat_template_kwargs=chat_template_kwargs)
+                                       chat_template_kwargs=chat_template_kwargs, chat_template=template)
             prompts.append(tokenizer.encode(text, add_special_tokens=False))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
