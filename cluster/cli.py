@@ -247,6 +247,12 @@ def _add_config_sources(parser: argparse.ArgumentParser, with_file: bool = True)
                       help="open /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
                            "VLLM_ALLOW_RUNTIME_LORA_UPDATING; model.allow_runtime_lora_updating; needs --enable-lora)")
     vllm.add_argument("--tool-call-parser", help="how 'auto' tool choice reads calls (server.tool_call_parser)")
+    vllm.add_argument("--generation-config", metavar="auto|vllm|FOLDER",
+                      help="sampling defaults for fields a request leaves out: the model's generation_config.json "
+                           "(auto), none (vllm), or a folder's (server.generation_config)")
+    vllm.add_argument("--override-generation-config", type=json_object, metavar="JSON",
+                      help="sampling defaults that win over the generation config's, e.g. '{\"temperature\": 0.5}' "
+                           "(server.override_generation_config)")
     vllm.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
                       help="a Jinja chat template in place of the tokenizer's: a file, or the template itself "
                            "(server.chat_template)")
@@ -279,7 +285,8 @@ def _overrides(args: argparse.Namespace) -> list[str]:
         overrides.append(f"engine.tensor_parallel_size={args.tensor_parallel_size}")
     for attribute, key in (("revision", "model.revision"), ("download_dir", "model.download_dir"),
                            ("dtype", "engine.dtype"), ("tool_call_parser", "server.tool_call_parser"),
-                           ("chat_template", "server.chat_template"), ("host", "server.host")):
+                           ("chat_template", "server.chat_template"), ("generation_config", "server.generation_config"),
+                           ("host", "server.host")):
         value = getattr(args, attribute)
         if value is not None:
             overrides.append(f"{key}={_yaml_text(value)}")
@@ -296,6 +303,10 @@ def _overrides(args: argparse.Namespace) -> list[str]:
         import json
 
         overrides.append(f"engine.speculative_config={json.dumps(args.speculative_config)}")  # YAML reads JSON
+    if args.override_generation_config is not None:
+        import json
+
+        overrides.append(f"server.override_generation_config={json.dumps(args.override_generation_config)}")
     if args.lora_modules:
         import json
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pagedserve.workers.engine.engine_options import EngineOptions  # the one schema; re-exported here
 from pagedserve.workers.model.model_source import ModelSource, is_hub_id, token_from_environment
 from pagedserve.workers.offline.chat_template import load_chat_template
+from pagedserve.workers.sample.generation_defaults import check_generation_config_source, check_sampling_overrides
 from pagedserve.devtools.model_factory import ARCHS, MODEL_SIZES
 from pagedserve.tool_parsers import TOOL_PARSERS
 
@@ -295,6 +296,14 @@ class ServerConfig(_Strict):
     """A Jinja chat template for chat completions (and /tokenize's messages) in place of the
     tokenizer's, e.g. for a model that has none (vLLM's --chat-template): the path of a file,
     read when the configuration loads, or the template itself. Unset: the tokenizer's."""
+    generation_config: str = "auto"
+    """Sampling defaults for a request that leaves a field out (vLLM's --generation-config):
+    "auto", the model's generation_config.json (its temperature, top_p, top_k, min_p and
+    repetition_penalty; its max_new_tokens for a chat's max_tokens); "vllm", none (OpenAI's:
+    temperature 1, top_p 1); or a folder holding a generation_config.json."""
+    override_generation_config: dict[str, int | float] = Field(default_factory=dict)
+    """Sampling defaults that win over the generation config's (vLLM's
+    --override-generation-config), e.g. {"temperature": 0.5}; keys as in generation_config.json."""
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     """Limits that protect the service."""
 
@@ -309,6 +318,16 @@ class ServerConfig(_Strict):
     @classmethod
     def _readable_chat_template(cls, value: str | None) -> str | None:
         return None if value is None else load_chat_template(value)
+
+    @field_validator("generation_config")
+    @classmethod
+    def _known_generation_config(cls, value: str) -> str:
+        return check_generation_config_source(value)
+
+    @field_validator("override_generation_config", mode="before")
+    @classmethod
+    def _sampling_keys_only(cls, value: Any) -> Any:
+        return check_sampling_overrides(value) if isinstance(value, dict) else value
 
 
 class KVEventsConfig(_Strict):

@@ -998,6 +998,67 @@ def test_a_chat_template_of_the_servers_own_replaces_the_tokenizers(local_handle
         tokenizer.chat_template = saved
 
 
+def test_a_request_that_leaves_sampling_out_gets_the_models_generation_config(local_handle, tmp_path):
+    """vLLM's --generation-config: a sampling field a request leaves out takes the generation
+    config's value ("auto": the model's; a folder's), overrides winning; what the request states
+    stands; "vllm" keeps OpenAI's defaults. A chat without max_tokens stops at max_new_tokens."""
+    from pagedserve.cluster.serving.protocol import ChatCompletionRequest, CompletionRequest
+
+    folder = tmp_path / "generation"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05,
+         "repetition_penalty": 1.05, "max_new_tokens": 3}))
+    server = _server(local_handle, generation_config=str(folder), override_generation_config={"top_p": 0.8})
+    left_out = server.sampling_params(CompletionRequest.model_validate({"prompt": "x"}), 16, None)
+    assert (left_out.temperature, left_out.top_p, left_out.top_k) == (0.6, 0.8, 20)
+    assert (left_out.min_p, left_out.repetition_penalty) == (0.05, 1.05)
+    stated = server.sampling_params(CompletionRequest.model_validate(
+        {"prompt": "x", "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}), 16, None)
+    assert (stated.temperature, stated.top_p, stated.top_k, stated.min_p, stated.repetition_penalty) == (1.0, 1.0, -1, 0.0, 1.0)
+    beams = server.sampling_params(CompletionRequest.model_validate({"prompt": "x", "use_beam_search": True, "n": 2}),
+                                   16, None)
+    assert beams.temperature == 0.0
+    neutral = _server(local_handle, generation_config="vllm").sampling_params(
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}]}), 16, None)
+    assert (neutral.temperature, neutral.top_p, neutral.top_k, neutral.min_p, neutral.repetition_penalty) == \
+        (1.0, 1.0, -1, 0.0, 1.0)
+    # Served: greedy by default (an override), the chat's length from max_new_tokens.
+    greedy = _server(local_handle, generation_config=str(folder), override_generation_config={"temperature": 0})
+    chat = {"messages": [{"role": "user", "content": "Tell a story"}], "ignore_eos": True}
+    by_default = call(greedy, "POST", "/v1/chat/completions", json=chat).json()
+    assert by_default["usage"]["completion_tokens"] == 3
+    stated_greedy = call(greedy, "POST", "/v1/chat/completions",
+                         json={**chat, "temperature": 0, "top_p": 0.8, "top_k": 20, "min_p": 0.05,
+                               "repetition_penalty": 1.05, "max_tokens": 3}).json()
+    assert by_default["choices"][0]["message"] == stated_greedy["choices"][0]["message"]
+
+
+def test_sampling_defaults_read_what_a_generation_config_sets(tiny_model, tmp_path):
+    from pagedserve.workers.sample.generation_defaults import sampling_defaults
+
+    assert sampling_defaults(tiny_model("llama")) == {}   # bos, eos, do_sample: no sampling defaults
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "max_new_tokens": 9,
+                                                              "do_sample": True, "bos_token_id": 1}))
+    assert sampling_defaults(str(model)) == {"temperature": 0.7, "max_tokens": 9}
+    assert sampling_defaults(str(model), "vllm") == {}
+    assert sampling_defaults(str(model), "vllm", {"top_k": 5}) == {"top_k": 5}
+
+
+@pytest.mark.parametrize("override, message", [
+    ("server.generation_config=/nowhere", "neither 'auto', 'vllm' nor a folder holding a generation_config.json"),
+    ('server.override_generation_config={"do_sample": true}', "do_sample: not a sampling default"),
+    ('server.override_generation_config={"temperature": "hot"}', "temperature must be a number"),
+])
+def test_generation_config_settings_that_cannot_be_honoured_are_refused(override, message):
+    from pagedserve.cluster.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=[override])
+
+
 @pytest.mark.parametrize("given, message", [
     ("{% for m in messages %}", "not valid Jinja \\(line 1\\)"),
     ("/no/such/template.jinja", "looks like a chat template's file, which cannot be read"),

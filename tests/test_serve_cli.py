@@ -48,7 +48,8 @@ def test_vllm_flags_set_the_configuration_and_win_over_file_and_set(tmp_path, ca
                    "--max-num-seqs", "128", "--port", "9001", "--host", "0.0.0.0", "--swap-space", "2",
                    "--tool-call-parser", "llama3_json", "-tp", "1", "--enforce-eager", "--no-async-scheduling",
                    "--cuda-graph-sizes", "1", "8", "64", "--stream-interval", "4", "--trust-remote-code",
-                   "--chat-template", "{{ messages[0]['content'] }}",
+                   "--chat-template", "{{ messages[0]['content'] }}", "--generation-config", "vllm",
+                   "--override-generation-config", '{"temperature": 0.5, "top_k": 20}',
                    "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}',
                    capsys=capsys)
     assert config["model"]["path"] == "Qwen/Qwen2.5-7B-Instruct" and config["model"]["name"] == "qwen"
@@ -61,6 +62,8 @@ def test_vllm_flags_set_the_configuration_and_win_over_file_and_set(tmp_path, ca
     assert (config["server"]["port"], config["server"]["host"]) == (9001, "0.0.0.0")
     assert config["server"]["tool_call_parser"] == "llama3_json"
     assert config["server"]["chat_template"] == "{{ messages[0]['content'] }}"
+    assert config["server"]["generation_config"] == "vllm"
+    assert config["server"]["override_generation_config"] == {"temperature": 0.5, "top_k": 20}
     assert engine["speculative_config"] == {"method": "ngram", "model": None, "num_speculative_tokens": 3,
                                             "prompt_lookup_min": 4, "prompt_lookup_max": 4,
                                             "disable_by_batch_size": None}

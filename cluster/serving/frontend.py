@@ -30,6 +30,7 @@ from pagedserve.workers.lora.lora_request import LoRARequest
 from pagedserve.workers.offline.chat_template import ChatTemplateError, render_conversation, template_message
 from pagedserve.workers.process.gc_heap import GCPauses
 from pagedserve.workers.outputs.request_output import RequestOutput
+from pagedserve.workers.sample.generation_defaults import sampling_defaults
 from pagedserve.workers.sample.sampling_params import SamplingParams, StructuredOutputsParams
 
 from ..config import ServerConfig
@@ -399,6 +400,12 @@ class Frontend:
         self.tokenizer = handle.tokenizer
         self.prompt_encoder = PromptEncoder(self.tokenizer)
         self.vocab_size = _model_vocab_size(handle.model_path, self.tokenizer)
+        # What a request that leaves a sampling field out gets (vLLM's --generation-config).
+        self.sampling_defaults = sampling_defaults(handle.model_path, self.config.generation_config,
+                                                   self.config.override_generation_config)
+        if self.sampling_defaults:
+            logger.info("sampling defaults from the model's generation config: %s (server.generation_config "
+                        "'vllm' for OpenAI's)", self.sampling_defaults)
         self.limiter = RequestLimiter(self.limits.max_queued_requests)
         self.client_limiter = ClientLimiter(self.limits.max_requests_per_client)
         self.metrics = ServerMetrics(self.model_name)
@@ -556,14 +563,24 @@ class Frontend:
         if request.use_beam_search and self.speculates:
             raise APIError(400, "use_beam_search cannot be combined with speculative decoding, which this "
                                 "server runs (engine.speculative_config)", param="use_beam_search")
-        default_temperature = 0.0 if request.use_beam_search else 1.0
+        # Beam search samples nothing: the model's sampling defaults do not apply to it.
+        defaults = {} if request.use_beam_search else self.sampling_defaults
+        given = request.model_fields_set
+        temperature = request.temperature
+        if temperature is None:
+            temperature = 0.0 if request.use_beam_search else defaults.get("temperature", 1.0)
+        min_p, repetition_penalty = request.min_p, request.repetition_penalty
+        if "min_p" not in given:
+            min_p = defaults.get("min_p", min_p)
+        if "repetition_penalty" not in given:
+            repetition_penalty = defaults.get("repetition_penalty", repetition_penalty)
         try:
             params = SamplingParams(
-                n=request.n, max_tokens=max_tokens,
-                temperature=default_temperature if request.temperature is None else request.temperature,
-                top_p=1.0 if request.top_p is None else request.top_p, top_k=request.top_k,
-                min_p=request.min_p, seed=request.seed, presence_penalty=request.presence_penalty,
-                frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
+                n=request.n, max_tokens=max_tokens, temperature=temperature,
+                top_p=defaults.get("top_p", 1.0) if request.top_p is None else request.top_p,
+                top_k=defaults.get("top_k") if request.top_k is None else request.top_k,
+                min_p=min_p, seed=request.seed, presence_penalty=request.presence_penalty,
+                frequency_penalty=request.frequency_penalty, repetition_penalty=repetition_penalty,
                 stop=stop, stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
                 logprobs=logprobs, skip_special_tokens=request.skip_special_tokens,
                 spaces_between_special_tokens=request.spaces_between_special_tokens,

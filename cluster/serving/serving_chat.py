@@ -87,7 +87,8 @@ class ServingChat:
         stated = request.effective_max_tokens
         frontend.check_output_fits([prompt], stated, request.min_tokens,
                                    "max_completion_tokens" if request.max_completion_tokens else "max_tokens")
-        max_tokens = stated or frontend.max_model_len - len(prompt.token_ids)
+        room = frontend.max_model_len - len(prompt.token_ids)
+        max_tokens = stated or min(room, frontend.sampling_defaults.get("max_tokens", room))
         params = frontend.sampling_params(request, max_tokens, logprobs, constraint, request.prompt_logprobs)
         return prompt, params, lora_request
 
