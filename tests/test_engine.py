@@ -279,6 +279,29 @@ def test_llm_chat_renders_conversations_as_transformers_does(make_llm, hf_greedy
             llm.chat(conversation, greedy(), use_tqdm=False, **kwargs)
 
 
+def test_without_sampling_params_the_models_generation_config_decides(make_llm, tiny_model, tmp_path):
+    """vLLM's get_default_sampling_params: what the model's generation_config.json recommends
+    (here greedy, 5 tokens) is what generate and chat use when given no sampling params."""
+    import json
+    import shutil
+
+    assert make_llm("llama").get_default_sampling_params().temperature == 1.0   # it recommends nothing
+    path = tmp_path / "recommending"
+    shutil.copytree(tiny_model("llama"), path)
+    config = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.0, "max_new_tokens": 5}))
+    llm = LLM(str(path), num_device_blocks=64, swap_space_gb=0.001)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.max_tokens) == (0.0, 5)
+    prompt = random_prompts([9], seed=4)[0]
+    [by_default] = llm.generate([prompt], use_tqdm=False)
+    [stated] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
+    assert by_default.outputs[0].token_ids == stated.outputs[0].token_ids and len(stated.outputs[0].token_ids) <= 5
+    [chat] = llm.chat([{"role": "user", "content": "Hi"}], use_tqdm=False)
+    assert len(chat.outputs[0].token_ids) <= 5
+    assert_idle(llm)
+
+
 def test_generate_takes_vllms_prompt_dicts_and_shows_progress(make_llm, capsys):
     llm = make_llm("llama")
     ids = random_prompts([12], seed=33)[0]

@@ -10,6 +10,7 @@ from ..engine.engine import EngineConfig, LLMEngine
 from ..lora.lora_request import LoRARequest
 from ..outputs.request_output import RequestOutput
 from ..sample.beam_search import BeamSearchOutput, BeamSearchSequence
+from ..sample.generation_defaults import sampling_defaults
 from ..sample.sampling_params import BeamSearchParams, SamplingParams
 from .chat_template import load_chat_template, render_conversation, template_message
 
@@ -31,6 +32,12 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the sampling the model's generation_config.json recommends (its temperature,
+        top_p, top_k, min_p, repetition_penalty, max_new_tokens), else ``SamplingParams()``'s;
+        what ``generate`` and ``chat`` use when given no sampling params."""
+        return SamplingParams(**sampling_defaults(self.engine.config.model))
+
     def generate(self, prompts: str | Sequence[int] | dict | Sequence[str | Sequence[int] | dict],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  priority: Sequence[int] | None = None, *, use_tqdm: bool = True,
@@ -48,7 +55,7 @@ class LLM:
             prompts = [prompts]
         prompts = [_prompt_of(p) for p in prompts]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
                   else list(sampling_params))
         if len(params) != len(prompts):

@@ -54,13 +54,17 @@ def sampling_defaults(model_path: str, source: str = "auto", overrides: Mapping[
     return defaults
 
 
-def _set_fields(folder: Path) -> dict[str, Any]:
-    """What the folder's generation config sets (transformers' ``to_diff_dict``)."""
-    if not (folder / GENERATION_CONFIG_FILE).is_file():
+def _set_fields(model: Path) -> dict[str, Any]:
+    """What the generation config of ``model`` (a folder, or a hub id as transformers finds it)
+    sets (transformers' ``to_diff_dict``); nothing when it has none."""
+    if model.is_dir() and not (model / GENERATION_CONFIG_FILE).is_file():
         return {}
     from transformers import GenerationConfig
 
-    return GenerationConfig.from_pretrained(str(folder)).to_diff_dict()
+    try:
+        return GenerationConfig.from_pretrained(str(model)).to_diff_dict()
+    except OSError:   # a hub id without one (or out of reach): transformers' defaults
+        return {}
 
 
 __all__ = ["SAMPLING_KEYS", "check_generation_config_source", "check_sampling_overrides", "sampling_defaults"]
