@@ -14,6 +14,7 @@ argument errors stay fast.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 
@@ -300,16 +301,10 @@ def _overrides(args: argparse.Namespace) -> list[str]:
     if args.cuda_graph_sizes:
         overrides.append(f"engine.cuda_graph_sizes=[{', '.join(map(str, args.cuda_graph_sizes))}]")
     if args.speculative_config is not None:
-        import json
-
         overrides.append(f"engine.speculative_config={json.dumps(args.speculative_config)}")  # YAML reads JSON
     if args.override_generation_config is not None:
-        import json
-
         overrides.append(f"server.override_generation_config={json.dumps(args.override_generation_config)}")
     if args.lora_modules:
-        import json
-
         overrides.append(f"model.lora_modules={json.dumps(args.lora_modules)}")
     for attribute in ("trust_remote_code", "allow_runtime_lora_updating"):
         if getattr(args, attribute):
@@ -324,8 +319,6 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 
 def _yaml_text(value: str) -> str:
     """``value`` as a YAML string scalar, so that ``--set``'s parsing keeps it a string."""
-    import json
-
     return json.dumps(value)
 
 
@@ -381,8 +374,6 @@ def _add_status_parser(subparsers) -> None:
 
 
 def _run_status(args: argparse.Namespace) -> int:
-    import json
-
     from pagedserve.cluster.launcher import fetch_status, format_status
 
     try:

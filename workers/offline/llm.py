@@ -28,6 +28,7 @@ class LLM:
     def __init__(self, model: str, **kwargs) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
         self._next_id = 0
+        self._sampling_defaults: dict | None = None   # read from the checkpoint once, when first asked
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -36,7 +37,9 @@ class LLM:
         """vLLM's: the sampling the model's generation_config.json recommends (its temperature,
         top_p, top_k, min_p, repetition_penalty, max_new_tokens), else ``SamplingParams()``'s;
         what ``generate`` and ``chat`` use when given no sampling params."""
-        return SamplingParams(**sampling_defaults(self.engine.config.model))
+        if self._sampling_defaults is None:
+            self._sampling_defaults = sampling_defaults(self.engine.config.model)
+        return SamplingParams(**self._sampling_defaults)
 
     def generate(self, prompts: str | Sequence[int] | dict | Sequence[str | Sequence[int] | dict],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
