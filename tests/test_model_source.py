@@ -257,7 +257,7 @@ def test_a_cluster_serves_a_checkpoint_with_code_of_its_own_when_trusted(tiny_mo
     offline engine makes of it."""
     from pagedserve.workers.offline.llm import LLM
     from pagedserve.workers.sample.sampling_params import SamplingParams
-    from served_cluster import cluster_config, running_cluster
+    from served_cluster import assert_idle, cluster_config, running_cluster
 
     path = str(make_remote_code_model(tiny_model("llama"), tmp_path))
     prompt = "The paged KV cache splits every sequence into blocks"
@@ -269,4 +269,5 @@ def test_a_cluster_serves_a_checkpoint_with_code_of_its_own_when_trusted(tiny_mo
     config["model"]["trust_remote_code"] = True
     with running_cluster(config, num_cpus=2) as cluster:
         output = cluster.handle.generate_sync([prompt], params)[0]   # a text prompt: the head's tokenizer
+        assert_idle(cluster.handle)
     assert list(output.outputs[0].token_ids) == list(expected)
