@@ -577,6 +577,14 @@ def test_a_rank_that_dies_breaks_the_group(tp_model):
         llm.engine.runner.shutdown()
 
 
+def _exit_after_closing_descriptors(code: int) -> None:
+    """Close every descriptor (the parent's sentinel fires), then exit a moment later: the
+    window in which the process is gone to its sentinel but cannot yet be reaped, widened."""
+    os.closerange(3, 65536)
+    time.sleep(1.0)
+    os._exit(code)
+
+
 class _ExitingLauncher:
     """Starts rank 1 as a process that exits at once, before it reaches the group's store."""
 
@@ -585,7 +593,8 @@ class _ExitingLauncher:
 
         from pagedserve.workers.tp.launch import ProcessRanks
 
-        process = multiprocessing.get_context("spawn").Process(target=os._exit, args=(3,), daemon=True)
+        process = multiprocessing.get_context("spawn").Process(target=_exit_after_closing_descriptors,
+                                                               args=(3,), daemon=True)
         process.start()
         return ProcessRanks([process])
 

@@ -98,6 +98,9 @@ class ProcessRanks:
         while sentinels and not self.is_stopping:
             for sentinel in wait(list(sentinels), timeout=1.0):
                 process = sentinels.pop(sentinel)
+                # The sentinel closes while the process exits, before it can be reaped:
+                # join (a blocking wait, the exit is under way) to read its exit code.
+                process.join(timeout=STOP_TIMEOUT_S)
                 if not self.is_stopping:
                     self._broken = f"rank process {process.pid} ended (exit code {process.exitcode})"
                     logger.error("tensor-parallel group broken: %s", self._broken)
