@@ -59,7 +59,7 @@ class ServingChat:
         self.logprobs = LogprobFormatter(frontend.tokenizer)
         self.tool_parser = get_tool_parser(frontend.config.tool_call_parser)
 
-    def _parser(self, request: ChatCompletionRequest) -> ToolParser | None:
+    def output_parser(self, request: ChatCompletionRequest) -> ToolParser | None:
         """A fresh parser for one output, or None when tool calls are not parsed."""
         tool_choice = request.tool_choice
         if not request.tools or tool_choice == "none":
@@ -71,10 +71,12 @@ class ServingChat:
     def _chat_logprobs(self, request: ChatCompletionRequest, samples) -> ChoiceLogprobs:
         return self.logprobs.chat(samples or [], bool(request.return_tokens_as_token_ids))
 
-    def prepare(self, request: ChatCompletionRequest) -> tuple[PromptInput, SamplingParams, LoRARequest | None]:
+    def prepare(self, request: ChatCompletionRequest, max_tokens_param: str | None = None
+                ) -> tuple[PromptInput, SamplingParams, LoRARequest | None]:
         """Check ``request`` and build its prompt, sampling params and the LoRA adapter its
-        ``model`` names (``APIError`` naming what is wrong); what both transports run before a
-        chat completion starts."""
+        ``model`` names (``APIError`` naming what is wrong); what both transports (and the
+        Responses API, whose name for the token limit is ``max_tokens_param``) run before a chat
+        completion starts."""
         frontend = self.frontend
         lora_request = frontend.resolve_model(request.model)
         if request.tool_choice not in (None, "none") and not request.tools:
@@ -85,8 +87,8 @@ class ServingChat:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         stated = request.effective_max_tokens
-        frontend.check_output_fits([prompt], stated, request.min_tokens,
-                                   "max_completion_tokens" if request.max_completion_tokens else "max_tokens")
+        frontend.check_output_fits([prompt], stated, request.min_tokens, max_tokens_param or (
+            "max_completion_tokens" if request.max_completion_tokens else "max_tokens"))
         room = frontend.max_model_len - len(prompt.token_ids)
         max_tokens = stated or min(room, frontend.sampling_defaults.get("max_tokens", room))
         params = frontend.sampling_params(request, max_tokens, logprobs, constraint, request.prompt_logprobs)
@@ -132,7 +134,7 @@ class ServingChat:
 
     def _choice(self, request: ChatCompletionRequest, completion: CompletionOutput, echo: str = "") -> ChatChoice:
         content, calls, finish_reason = completion.text, [], completion.finish_reason
-        parser = self._parser(request)
+        parser = self.output_parser(request)
         if parser is not None:
             parsed = parser.parse(completion.text, is_cut_off=finish_reason == "length")
             content = parsed.content
@@ -165,7 +167,7 @@ class ServingChat:
                 index = completion.index
                 cursor = cursors.get(index)
                 if cursor is None:
-                    cursor = cursors[index] = _Cursor(self._parser(request))
+                    cursor = cursors[index] = _Cursor(self.output_parser(request))
                 if cursor.is_finished:
                     continue
                 if not cursor.is_started:

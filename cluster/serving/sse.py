@@ -1,7 +1,8 @@
 """Server-sent events: how the HTTP transport frames a ``ChunkStream``.
 
 Every chunk is one ``data:`` event with the chunk as JSON, and the stream
-ends with ``data: [DONE]``. The chunks of one output go out as one body (one
+ends with ``data: [DONE]``; a stream of named events (the Responses API's)
+comes whole, failure included, and ends without it. The chunks of one output go out as one body (one
 write per stream per step). A failure mid-stream becomes an error event in
 OpenAI's error shape (the status line was already sent), then ``[DONE]``.
 """
@@ -33,6 +34,13 @@ class EventStream:
         self.lines: AsyncIterator[str] = self._lines()
 
     async def _lines(self) -> AsyncIterator[str]:
+        if self.stream.named_events:
+            try:
+                async for batch in self.stream.batches(as_json=True):
+                    yield "".join(batch)
+            finally:
+                await self.stream.aclose()
+            return
         try:
             async for batch in self.stream.batches(as_json=True):
                 yield "data: " + "\n\ndata: ".join(batch) + "\n\n"

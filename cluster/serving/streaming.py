@@ -23,10 +23,14 @@ from .frontend import Generation
 class ChunkStream:
     """A streamed response over ``generation``; ``make_batches(as_json)`` starts its chunks."""
 
-    def __init__(self, make_batches: Callable[[bool], AsyncIterator[list]], generation: Generation) -> None:
+    def __init__(self, make_batches: Callable[[bool], AsyncIterator[list]], generation: Generation,
+                 named_events: bool = False) -> None:
         self._make_batches = make_batches
         self._batches: AsyncIterator[list] | None = None
         self.generation = generation
+        # The Responses API's stream: its chunks are whole named server-sent events (HTTP only),
+        # a failure among them, and no [DONE] after them.
+        self.named_events = named_events
 
     def batches(self, as_json: bool = False) -> AsyncIterator[list]:
         """The chunks, one list per output (in order): the API's models, or with ``as_json``
