@@ -419,6 +419,40 @@ def test_tool_choice_none_and_tool_messages_round_trip(client, tokenizer):
     assert answer.usage.prompt_tokens == len(tokenizer.encode(expected, add_special_tokens=False))
 
 
+def test_responses_api_function_call_round_trip_and_stream(client, tokenizer):
+    """The official client's Responses API against the served app: a forced call, its output
+    sent back as input items (rendered as the chat template renders the tool messages), and the
+    client's own stream helper, which rebuilds the response from the events."""
+    add = {"type": "function", **TOOLS[1]["function"]}
+    called = client.responses.create(model=MODEL, input="What is 2 + 3?", tools=[add], tool_choice="required",
+                                     parallel_tool_calls=False, max_output_tokens=128, temperature=0)
+    assert called.status == "completed"
+    [call] = [item for item in called.output if item.type == "function_call"]
+    assert call.name == "add"
+    jsonschema.validate(json.loads(call.arguments), add["parameters"])
+    items = [{"role": "user", "content": "What is 2 + 3?"}, call.model_dump(mode="json", exclude_none=True),
+             {"type": "function_call_output", "call_id": call.call_id, "output": "5"}]
+    answer = client.responses.create(model=MODEL, input=items, tools=[add], max_output_tokens=4, temperature=0)
+    expected = tokenizer.apply_chat_template(
+        [items[0], {"role": "assistant", "content": "", "tool_calls": [
+            {"id": call.call_id, "type": "function",
+             "function": {"name": "add", "arguments": json.loads(call.arguments)}}]},
+         {"role": "tool", "tool_call_id": call.call_id, "content": "5"}],
+        tools=TOOLS[1:], add_generation_prompt=True, tokenize=False)
+    assert answer.usage.input_tokens == len(tokenizer.encode(expected, add_special_tokens=False))
+
+    # Cut off at 4 tokens, the stream ends with response.incomplete (the helper's
+    # get_final_response waits for response.completed only).
+    with client.responses.stream(model=MODEL, input=items, tools=[add], max_output_tokens=4,
+                                 temperature=0) as stream:
+        events = list(stream)
+    deltas = [event.delta for event in events if event.type == "response.output_text.delta"]
+    final = events[-1].response
+    assert events[-1].type == "response.incomplete" and answer.status == final.status == "incomplete"
+    assert "".join(deltas) == final.output_text == answer.output_text
+    assert final.usage.output_tokens == answer.usage.output_tokens == 4
+
+
 # ---- log-probabilities --------------------------------------------------------------------------
 PROMPT = "The paged KV cache splits every sequence into blocks"
 

@@ -202,7 +202,8 @@ def _header(response, name: str) -> str:
 
 
 def _check_response(response, category: str) -> None:
-    """No 5xx; errors in OpenAI's shape; a stream that started ends with [DONE]."""
+    """No 5xx; errors in OpenAI's shape; a stream that started ends with [DONE] (a Responses
+    API stream with its last event)."""
     status = response.status_code
     TALLY[category][str(status)] += 1
     assert status < 500, (status, response.text[:500])
@@ -217,13 +218,14 @@ def _check_response(response, category: str) -> None:
         text = response.text
         # schemathesis stops reading a stream after a few events and hangs up (the server
         # then aborts the request); only a stream read to its end must finish with [DONE].
+        events = [json.loads(line[len("data: "):]) for line in text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
         if getattr(response, "stream_cut_short", False):
             TALLY[category]["streams cut short by the client"] += 1
+        elif text.startswith("event: "):   # the Responses API's named events: no [DONE]
+            assert events[-1]["type"] in ("response.completed", "response.incomplete", "error"), text[-300:]
         else:
             assert text.rstrip().endswith("data: [DONE]"), text[-300:]
-        for line in text.splitlines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                json.loads(line[len("data: "):])
 
 
 # ---- schemathesis -------------------------------------------------------------------------------
@@ -234,7 +236,8 @@ def test_schemathesis_against_the_openapi_schema(served, long_form):
     schema = schemathesis.openapi.from_url(served.url + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     labels = {op.label for op in operations}
-    assert {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models"} <= labels, labels
+    expected = {"POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses", "GET /v1/models"}
+    assert expected <= labels, labels
     for operation in operations:
         is_generation = operation.method.upper() == "POST"
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):

@@ -1,7 +1,8 @@
 """The HTTP transport: the FastAPI app over a ``Frontend``.
 
 Routes: ``/v1/completions`` (``serving_completion``), ``/v1/chat/completions``
-(``serving_chat``), vLLM's ``/tokenize`` and ``/detokenize`` (``serving_tokenize``),
+(``serving_chat``), ``/v1/responses`` (``serving_responses``), vLLM's ``/tokenize`` and
+``/detokenize`` (``serving_tokenize``),
 ``/v1/models``, ``/health``, ``/version``, ``/metrics``, ``/stats`` and the dashboard. Every failure
 is OpenAI's error body with a meaningful status:
 
@@ -42,9 +43,11 @@ from .protocol import (ChatCompletionRequest, ChatCompletionResponse, Completion
                        DetokenizeRequest, DetokenizeResponse, ErrorResponse, LoadLoRAAdapterRequest, ModelCard,
                        ModelList, TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse,
                        UnloadLoRAAdapterRequest)
+from .responses_protocol import ResponseObject, ResponsesRequest
 from .serving_chat import ServingChat
 from .serving_completion import ServingCompletion
 from .serving_lora import ServingLoRA
+from .serving_responses import ServingResponses
 from .serving_tokenize import ServingTokenize, TokenizeRequest
 from .sse import EventStream
 
@@ -178,10 +181,11 @@ def build_app(server: Frontend):
     app.add_middleware(APIKeyMiddleware, server=server)
     completion = ServingCompletion(server)
     chat = ServingChat(server)
+    serving_responses = ServingResponses(chat)
     tokenize = ServingTokenize(server)
     lora = ServingLoRA(server)
-    _install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest,
-                           DetokenizeRequest, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest])
+    _install_openapi(app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeCompletionRequest,
+                           TokenizeChatRequest, DetokenizeRequest, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest])
 
     def error_response(error: APIError):
         return _json_response(error.body(), error.status, error.headers)
@@ -266,6 +270,11 @@ def build_app(server: Frontend):
               responses=_responses(ChatCompletionResponse, is_streamable=True))
     async def chat_completions(request: Request):
         return await generate("chat", request, ChatCompletionRequest, chat.create_chat_completion)
+
+    @app.post("/v1/responses", openapi_extra=_json_body(ResponsesRequest),
+              responses=_responses(ResponseObject, is_streamable=True))
+    async def responses_route(request: Request):
+        return await generate("responses", request, ResponsesRequest, serving_responses.create_response)
 
     @app.post("/tokenize", openapi_extra=_json_body(TokenizeCompletionRequest, TokenizeChatRequest),
               responses=_responses(TokenizeResponse))

@@ -1,0 +1,344 @@
+"""``POST /v1/responses``: OpenAI's Responses API over the chat path.
+
+A request becomes the chat completion it means (``chat_request``):
+``instructions`` a system message, ``input`` the messages, an earlier
+``function_call`` item an assistant's tool call and its
+``function_call_output`` the tool's message, function tools and
+``tool_choice`` chat's, ``text.format`` chat's ``response_format``,
+``max_output_tokens`` the token limit. ``ServingChat.prepare`` checks and
+renders it, so a response and the chat completion of the same conversation
+generate the same tokens. Errors name the Responses API's fields.
+
+The output is a ``message`` item with one ``output_text`` part (its logprobs
+with ``include: ["message.output_text.logprobs"]`` or ``top_logprobs``), and a
+``function_call`` item per parsed call. An output cut off by the token limit
+makes the response ``incomplete`` (``incomplete_details.reason:
+"max_output_tokens"``).
+
+Streamed, the events are OpenAI's, each a named server-sent event with its
+``sequence_number``: ``response.created`` and ``response.in_progress``; per
+item ``response.output_item.added``, then for a message
+``response.content_part.added``, ``response.output_text.delta`` per step and
+the ``.done`` events, for a call ``response.function_call_arguments.delta``
+and ``.done``, then ``response.output_item.done``; last
+``response.completed`` or ``response.incomplete`` with the usage. One item is
+open at a time. A failure mid-stream is an ``error`` event.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import ValidationError
+
+from pagedserve.tool_parsers import ToolParser
+from pagedserve.workers.outputs.request_output import CompletionOutput, RequestOutput
+
+from .errors import APIError
+from .frontend import Generation
+from .protocol import ChatCompletionRequest, TokenLogprob
+from .responses_protocol import (FunctionCallItem, FunctionCallOutputItem, IncompleteDetails, InputTokensDetails,
+                                 OutputFunctionCall, OutputMessage, OutputText, ResponseObject, ResponsesRequest,
+                                 ResponseUsage)
+from .serving_chat import ServingChat
+from .streaming import ChunkStream, generation_batches
+
+# Chat's names for what a Responses request calls otherwise (for the errors the chat path raises).
+_PARAM_NAMES = {"messages": "input", "response_format": "text.format", "max_completion_tokens": "max_output_tokens",
+                "logprobs": "include"}
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _renamed(error: APIError) -> APIError:
+    """``error`` naming the Responses API's field where the chat path named its own."""
+    param = error.param
+    if param is None:
+        return error
+    head, dot, rest = param.partition(".")
+    if head not in _PARAM_NAMES:
+        return error
+    name = _PARAM_NAMES[head] + dot + rest
+    message = error.message.replace(head, _PARAM_NAMES[head]) if head == "response_format" else error.message
+    return APIError(error.status, message, error.type, name, error.code, error.headers)
+
+
+def _chat_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    if request.instructions:
+        messages.append({"role": "system", "content": request.instructions})
+    if isinstance(request.input, str):
+        messages.append({"role": "user", "content": request.input})
+        return messages
+    for item in request.input:
+        if isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)   # parallel calls: one assistant message
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif isinstance(item, FunctionCallOutputItem):
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+        else:
+            messages.append({"role": item.role, "content": item.text()})
+    return messages
+
+
+def chat_request(request: ResponsesRequest):
+    """The chat completion request ``request`` means (``APIError`` 400 if it cannot be one)."""
+    if request.wants_logprobs and request.tools:
+        raise APIError(400, "logprobs (include message.output_text.logprobs, top_logprobs) cannot be combined with "
+                            "tools here", param="include" if request.include else "top_logprobs")
+    messages = _chat_messages(request)
+    if not messages:
+        raise APIError(400, "the conversation is empty: input holds no item and there are no instructions",
+                       param="input")
+    fields: dict[str, Any] = {
+        "model": request.model, "messages": messages, "stream": request.stream,
+        "max_completion_tokens": request.max_output_tokens, "temperature": request.temperature,
+        "top_p": request.top_p, "parallel_tool_calls": request.parallel_tool_calls, "user": request.user,
+        "safety_identifier": request.safety_identifier, "prompt_cache_key": request.prompt_cache_key,
+        "priority": request.priority, "cache_salt": request.cache_salt, "top_k": request.top_k,
+    }
+    for name in ("min_p", "repetition_penalty"):
+        if name in request.model_fields_set:
+            fields[name] = getattr(request, name)
+    if request.wants_logprobs:
+        fields.update(logprobs=True, top_logprobs=request.top_logprobs or 0)
+    if request.tools:
+        fields["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
+                           for tool in request.tools]
+    choice = request.tool_choice
+    if choice is not None:
+        fields["tool_choice"] = choice if isinstance(choice, str) else {"type": "function",
+                                                                        "function": {"name": choice.name}}
+    text_format = request.text.format if request.text else None
+    if text_format is not None and text_format.type == "json_schema":
+        fields["response_format"] = {"type": "json_schema", "json_schema": text_format.model_dump(
+            exclude={"type"}, exclude_none=True, by_alias=True)}
+    elif text_format is not None:
+        fields["response_format"] = {"type": text_format.type}
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+    except ValidationError as exc:
+        raise APIError(400, f"invalid request: {exc.errors(include_url=False)}") from None
+
+
+class ServingResponses:
+    """Answers Responses API requests for one ``Frontend``, through its chat path."""
+
+    def __init__(self, chat: ServingChat) -> None:
+        self.chat = chat
+        self.frontend = chat.frontend
+
+    async def create_response(self, request: ResponsesRequest, client: str = "") -> ResponseObject | ChunkStream:
+        """The response, or a ``ChunkStream`` of its events (SSE text) when ``stream`` is set."""
+        frontend = self.frontend
+        chat = chat_request(request)
+        try:
+            prompt, params, lora_request = self.chat.prepare(chat, "max_output_tokens")
+        except APIError as exc:
+            raise _renamed(exc) from None
+        engine_id = _item_id("resp")
+        generation, first = await frontend.start_generation(engine_id, [prompt], params, request.priority, client,
+                                                            is_streamed=request.stream, lora_request=lora_request)
+        response = ResponseObject(
+            id=request.request_id or engine_id, status="in_progress", model=frontend.response_model(lora_request),
+            instructions=request.instructions, max_output_tokens=request.max_output_tokens,
+            temperature=params.temperature, top_p=params.top_p, top_logprobs=request.top_logprobs,
+            parallel_tool_calls=request.parallel_tool_calls,
+            text=request.text.model_dump(exclude_none=True, by_alias=True) if request.text and request.text.format
+            else {"format": {"type": "text"}},
+            tool_choice=(request.tool_choice.model_dump() if request.tool_choice is not None
+                         and not isinstance(request.tool_choice, str) else request.tool_choice or "auto"),
+            tools=[tool.model_dump(exclude_none=True) for tool in request.tools or ()],
+            metadata=request.metadata, user=request.user, safety_identifier=request.safety_identifier,
+            prompt_cache_key=request.prompt_cache_key)
+        if request.stream:
+            stream = _ResponseEvents(self, chat, request, response, generation)
+            return ChunkStream(lambda _: stream.batches(first), generation, named_events=True)
+        await generation.run_to_end(first)
+        last = generation.progress[0].last
+        completion = last.outputs[0] if last is not None and last.outputs else None
+        return finished(response, self._output(chat, request, completion), completion, generation)
+
+    def _output(self, chat, request: ResponsesRequest, completion: CompletionOutput | None
+                ) -> list[OutputMessage | OutputFunctionCall]:
+        text = completion.text if completion is not None else ""
+        is_cut_off = completion is not None and completion.finish_reason == "length"
+        calls = []
+        parser = self.chat.output_parser(chat)
+        if parser is not None:
+            parsed = parser.parse(text, is_cut_off=is_cut_off)
+            text, calls = parsed.content or "", parsed.tool_calls
+        items: list[OutputMessage | OutputFunctionCall] = []
+        if text or not calls:
+            logprobs = (self.chat.logprobs.chat(completion.logprobs or []).content
+                        if request.wants_logprobs and completion is not None else None)
+            items.append(OutputMessage(id=_item_id("msg"), status="incomplete" if is_cut_off and not calls
+                                       else "completed", content=[OutputText(text=text, logprobs=logprobs)]))
+        items += [OutputFunctionCall(id=_item_id("fc"), call_id=call.id, name=call.name, arguments=call.arguments,
+                                     status="completed" if call.is_complete else "incomplete") for call in calls]
+        return items
+
+
+def finished(response: ResponseObject, output: list, completion: CompletionOutput | None,
+             generation: Generation) -> ResponseObject:
+    """``response`` completed (or incomplete, cut off by the token limit) with ``output``."""
+    usage = generation.usage()
+    is_cut_off = completion is not None and completion.finish_reason == "length"
+    return response.model_copy(update=dict(
+        status="incomplete" if is_cut_off else "completed", completed_at=float(int(time.time())), output=output,
+        incomplete_details=IncompleteDetails(reason="max_output_tokens") if is_cut_off else None,
+        usage=ResponseUsage(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
+                            total_tokens=usage.total_tokens,
+                            input_tokens_details=InputTokensDetails(
+                                cached_tokens=usage.prompt_tokens_details.cached_tokens))))
+
+
+class _ResponseEvents:
+    """The SSE events of one streamed response, built as its outputs arrive."""
+
+    def __init__(self, serving: ServingResponses, chat, request: ResponsesRequest, response: ResponseObject,
+                 generation: Generation) -> None:
+        self.serving = serving
+        self.request = request
+        self.response = response
+        self.generation = generation
+        self.parser: ToolParser | None = serving.chat.output_parser(chat)
+        self.sequence = 0
+        self.items: list[OutputMessage | OutputFunctionCall] = []
+        self.open: OutputMessage | OutputFunctionCall | None = None
+        self.calls: dict[int, OutputFunctionCall] = {}   # the parser's call index -> its item
+        self.completion: CompletionOutput | None = None
+        self.is_finished = False
+
+    def event(self, kind: str, **fields) -> str:
+        fields["type"] = kind
+        fields["sequence_number"] = self.sequence
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(fields)}\n\n"
+
+    def _text_delta(self, item: OutputMessage, delta: str, logprobs: list) -> str:
+        """A ``response.output_text.delta`` event, written directly: one per step on the token path."""
+        sequence = self.sequence
+        self.sequence += 1
+        return ('event: response.output_text.delta\ndata: {"type":"response.output_text.delta","item_id":"'
+                + item.id + '","output_index":' + str(len(self.items) - 1) + ',"content_index":0,"delta":'
+                + json.dumps(delta) + ',"logprobs":' + (json.dumps(logprobs) if logprobs else "[]")
+                + ',"sequence_number":' + str(sequence) + '}\n\n')
+
+    async def batches(self, first) -> AsyncIterator[list[str]]:
+        response = self.response.model_dump(mode="json")
+        yield [self.event("response.created", response=response),
+               self.event("response.in_progress", response=response)]
+        try:
+            async for batch in generation_batches(self.generation, first, self._output_events, self._last_events):
+                yield batch
+        except APIError as exc:
+            yield [self.event("error", code=exc.code or exc.type, message=exc.message, param=exc.param)]
+
+    def _output_events(self, _: int, output: RequestOutput) -> list[str]:
+        events: list[str] = []
+        if self.is_finished or not output.outputs:
+            return events
+        completion = self.completion = output.outputs[0]
+        if self.parser is None:
+            logprobs = (self.serving.chat.logprobs.chat(completion.delta_logprobs or []).content
+                        if self.request.wants_logprobs else [])
+            if completion.delta_text or logprobs:   # a token's logprobs go out while its text waits for more bytes
+                self._add_text(events, completion.delta_text, logprobs)
+        else:
+            self._add_parsed(events, self.parser.feed(completion.delta_text))
+        if completion.finish_reason is not None:
+            self.is_finished = True
+            if self.parser is not None:
+                self._add_parsed(events, self.parser.finish())
+            if not self.items:   # no text and no call: the message is there, empty
+                self._open_message(events)
+            self._close(events)
+        return events
+
+    def _last_events(self) -> list[str]:
+        response = finished(self.response, self.items, self.completion, self.generation)
+        kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
+        return [self.event(kind, response=response.model_dump(mode="json"))]
+
+    def _add_parsed(self, events: list[str], parsed) -> None:
+        if parsed.content:
+            self._add_text(events, parsed.content, [])
+        for piece in parsed.tool_calls:
+            item = self.calls.get(piece.index)
+            if item is None:
+                self._close(events)
+                item = self.calls[piece.index] = OutputFunctionCall(
+                    id=_item_id("fc"), call_id=piece.id or "", name=piece.name or "", arguments="",
+                    status="in_progress")
+                self._add_item(events, item)
+            if piece.arguments:
+                item.arguments += piece.arguments
+                events.append(self.event("response.function_call_arguments.delta", item_id=item.id,
+                                         output_index=self.items.index(item), delta=piece.arguments))
+
+    def _add_text(self, events: list[str], text: str, logprobs: list[TokenLogprob]) -> None:
+        message = self.open if isinstance(self.open, OutputMessage) else self._open_message(events)
+        part = message.content[0]
+        part.text += text
+        if logprobs:
+            part.logprobs.extend(logprobs)
+        events.append(self._text_delta(message, text, [entry.model_dump() for entry in logprobs]))
+
+    def _open_message(self, events: list[str]) -> OutputMessage:
+        self._close(events)
+        message = OutputMessage(id=_item_id("msg"), status="in_progress",
+                                content=[OutputText(text="", logprobs=[] if self.request.wants_logprobs else None)])
+        self._add_item(events, message)
+        events.append(self.event("response.content_part.added", item_id=message.id,
+                                 output_index=len(self.items) - 1, content_index=0,
+                                 part={"type": "output_text", "text": "", "annotations": []}))
+        return message
+
+    def _add_item(self, events: list[str], item) -> None:
+        self.items.append(item)
+        self.open = item
+        events.append(self.event("response.output_item.added", output_index=len(self.items) - 1,
+                                 item=item.model_dump(mode="json")))
+
+    def _close(self, events: list[str]) -> None:
+        """End the open item (if any): its ``.done`` events."""
+        item, self.open = self.open, None
+        if item is None:
+            return
+        index = self.items.index(item)
+        is_cut_off = self.completion is not None and self.completion.finish_reason == "length"
+        if isinstance(item, OutputMessage):
+            part = item.content[0]
+            item.status = "incomplete" if is_cut_off and self.is_finished else "completed"
+            events.append(self.event("response.output_text.done", item_id=item.id, output_index=index,
+                                     content_index=0, text=part.text,
+                                     logprobs=[entry.model_dump() for entry in part.logprobs or ()]))
+            events.append(self.event("response.content_part.done", item_id=item.id, output_index=index,
+                                     content_index=0, part=part.model_dump(mode="json", exclude_none=True)))
+        else:
+            is_complete = not (is_cut_off and self.is_finished) or _is_json(item.arguments)
+            item.status = "completed" if is_complete else "incomplete"
+            events.append(self.event("response.function_call_arguments.done", item_id=item.id,
+                                     output_index=index, name=item.name, arguments=item.arguments))
+        events.append(self.event("response.output_item.done", output_index=index,
+                                 item=item.model_dump(mode="json", exclude_none=True)))
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,307 @@
+"""OpenAI's Responses API (``POST /v1/responses``) without Ray: the ``Frontend``'s app over an
+in-process engine, driven by the official ``openai`` client through httpx's ASGI transport.
+
+The oracle is the chat path, itself checked against transformers: a response
+generates what the chat completion of the same conversation does (greedy),
+with the same token counts. The stream is OpenAI's named events, which add up
+to the response; refusals are 400s naming the field. The served deployment is
+covered in ``test_api_clients.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+
+from local_frontend import MODEL, LocalHandle, assert_error, call, make_frontend, with_context_length  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+ADD = {"type": "function", "name": "add", "description": "Add two digits",
+       "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                                      "b": {"type": "integer", "minimum": 0, "maximum": 9}},
+                      "required": ["a", "b"], "additionalProperties": False}}
+DIGIT = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"],
+         "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def local_handle(tiny_model, tmp_path_factory):
+    """The tiny Llama with a 2048-token context: the tools' system prompt alone is about 500 tokens."""
+    handle = LocalHandle(with_context_length(tiny_model("llama"), tmp_path_factory.mktemp("m") / "llama", 2048))
+    yield handle
+    handle.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(local_handle):
+    return make_frontend(local_handle)
+
+
+@pytest.fixture(autouse=True)
+def idle_after(local_handle):
+    yield
+    deadline = time.time() + 10
+    while local_handle.num_used_blocks() and time.time() < deadline:
+        time.sleep(0.05)
+    assert local_handle.num_used_blocks() == 0
+    local_handle.engine.check_integrity()
+
+
+def with_client(server, use):
+    """``await use(client)`` with the official async client on ``server``'s app, in a fresh loop."""
+    from pagedserve.cluster.serving.http_app import build_app
+
+    async def run():
+        transport = httpx.ASGITransport(app=build_app(server))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test/v1") as http_client:
+            client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=http_client,
+                                        max_retries=0)
+            result = await use(client)
+        deadline = time.monotonic() + 10
+        while server.handle.has_streams() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return result
+    return asyncio.run(run())
+
+
+def create(server, **body):
+    return with_client(server, lambda client: client.responses.create(model=MODEL, **body))
+
+
+def stream_events(server, **body) -> list:
+    async def use(client):
+        stream = await client.responses.create(model=MODEL, stream=True, **body)
+        return [event async for event in stream]
+    return with_client(server, use)
+
+
+def chat(server, messages, **body) -> dict:
+    response = call(server, "POST", "/v1/chat/completions", json={"messages": messages, **body})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_a_response_is_the_chat_completion_of_its_conversation(server):
+    for instructions, max_tokens in ((None, 12), ("Answer in one word.", 9), ("Be brief.", 400)):
+        response = create(server, input="What is a paged KV cache?", instructions=instructions,
+                          max_output_tokens=max_tokens, temperature=0)
+        messages = ([{"role": "system", "content": instructions}] if instructions else []) + [
+            {"role": "user", "content": "What is a paged KV cache?"}]
+        expected = chat(server, messages, max_completion_tokens=max_tokens, temperature=0)
+        choice = expected["choices"][0]
+        assert response.output_text == choice["message"]["content"]
+        assert response.object == "response" and response.id.startswith("resp_")
+        assert response.model == MODEL and response.instructions == instructions
+        assert response.usage.input_tokens == expected["usage"]["prompt_tokens"]
+        assert response.usage.output_tokens == expected["usage"]["completion_tokens"]
+        assert response.usage.total_tokens == expected["usage"]["total_tokens"]
+        [message] = response.output
+        assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+        if choice["finish_reason"] == "length":
+            assert response.status == "incomplete" and message.status == "incomplete"
+            assert response.incomplete_details.reason == "max_output_tokens"
+        else:
+            assert response.status == "completed" and message.status == "completed"
+            assert response.incomplete_details is None
+        assert response.temperature == 0 and response.max_output_tokens == max_tokens
+        assert response.store is False and response.previous_response_id is None
+
+
+def test_input_items_are_the_conversation_with_its_function_calls(server):
+    """Messages (with or without ``type``, text or parts), an earlier call and its output render
+    as the chat messages they stand for: same prompt, same greedy output."""
+    items = [
+        {"role": "developer", "content": "Use the tools."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Add 2 and "},
+                                                        {"type": "input_text", "text": "3."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": '{"a": 2, "b": 3}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "5"},
+        {"type": "message", "role": "assistant", "id": "msg_0", "status": "completed",
+         "content": [{"type": "output_text", "text": "It is 5.", "annotations": []}]},
+        {"role": "user", "content": "And 4 and 4?"},
+    ]
+    response = create(server, input=items, tools=[ADD], tool_choice="none", max_output_tokens=8, temperature=0)
+    messages = [
+        {"role": "developer", "content": "Use the tools."},
+        {"role": "user", "content": "Add 2 and 3."},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+        {"role": "assistant", "content": "It is 5."},
+        {"role": "user", "content": "And 4 and 4?"},
+    ]
+    tool = {"type": "function", "function": {k: v for k, v in ADD.items() if k != "type"}}
+    expected = chat(server, messages, tools=[tool], tool_choice="none", max_tokens=8, temperature=0)
+    assert response.usage.input_tokens == expected["usage"]["prompt_tokens"]
+    assert response.output_text == expected["choices"][0]["message"]["content"]
+    assert response.tools[0].name == "add" and response.tool_choice == "none"
+
+
+def test_the_stream_is_openais_events_and_adds_up_to_the_response(server):
+    body = dict(input="Tell me about blocks.", max_output_tokens=10, temperature=0)
+    whole = create(server, **body)
+    events = stream_events(server, **body)
+    kinds = [event.type for event in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    deltas = [event for event in events if event.type == "response.output_text.delta"]
+    assert kinds[4:4 + len(deltas)] == ["response.output_text.delta"] * len(deltas)
+    assert kinds[4 + len(deltas):] == ["response.output_text.done", "response.content_part.done",
+                                       "response.output_item.done", "response.incomplete"]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    item_id = events[2].item.id
+    assert all(event.item_id == item_id and event.output_index == 0 for event in deltas)
+    text = "".join(event.delta for event in deltas)
+    assert text == events[-4].text == whole.output_text
+    assert events[-2].item.status == "incomplete" and events[-2].item.content[0].text == text
+    last = events[-1].response
+    assert last.status == "incomplete" and last.output_text == text and last.id == events[0].response.id
+    assert last.usage.output_tokens == whole.usage.output_tokens == 10
+
+
+def test_the_stream_is_named_server_sent_events_without_done(server):
+    response = call(server, "POST", "/v1/responses",
+                    json={"input": "Hi", "max_output_tokens": 3, "temperature": 0, "stream": True})
+    assert response.headers["content-type"].startswith("text/event-stream")
+    blocks = [block for block in response.text.split("\n\n") if block]
+    assert "[DONE]" not in response.text
+    for block in blocks:
+        event_line, data_line = block.split("\n")
+        assert event_line.startswith("event: ") and data_line.startswith("data: ")
+        assert json.loads(data_line[len("data: "):])["type"] == event_line[len("event: "):]
+
+
+def test_text_format_json_schema_constrains_the_output(server):
+    """Random weights: only the grammar makes the output valid; each that completes validates."""
+    num_valid = 0
+    for question in ("Pick one.", "Which digit?", "A number, please.", "Choose."):
+        text = {"format": {"type": "json_schema", "name": "digit", "schema": DIGIT, "strict": True}}
+        response = create(server, input=question, text=text, max_output_tokens=48, temperature=0)
+        assert response.text.format.type == "json_schema" and response.text.format.name == "digit"
+        if response.status == "completed":
+            jsonschema.validate(json.loads(response.output_text), DIGIT)
+            num_valid += 1
+    assert num_valid >= 2
+    response = create(server, input="An object.", text={"format": {"type": "json_object"}}, max_output_tokens=48,
+                      temperature=0)
+    if response.status == "completed":
+        assert isinstance(json.loads(response.output_text), dict)
+
+
+def test_a_forced_function_call_is_a_function_call_item_streamed_and_not(server):
+    body = dict(input="Add 2 and 3.", tools=[ADD], tool_choice={"type": "function", "name": "add"},
+                max_output_tokens=64, temperature=0)
+    response = create(server, **body)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert calls and all(item.name == "add" and item.call_id.startswith("call_") for item in calls)
+    assert response.status == "completed", response
+    for item in calls:
+        jsonschema.validate(json.loads(item.arguments), ADD["parameters"])
+        assert item.status == "completed" and item.id.startswith("fc_")
+    assert response.tool_choice.type == "function" and response.tool_choice.name == "add"
+
+    events = stream_events(server, **body)
+    added = [event.item for event in events if event.type == "response.output_item.added"]
+    assert [item.type for item in added] == [item.type for item in response.output]
+    for index, item in enumerate(added):
+        if item.type != "function_call":
+            continue
+        pieces = "".join(event.delta for event in events if event.type == "response.function_call_arguments.delta"
+                         and event.item_id == item.id)
+        [done] = [event for event in events if event.type == "response.function_call_arguments.done"
+                  and event.item_id == item.id]
+        assert pieces == done.arguments == response.output[index].arguments
+        assert item.name == "add" and done.output_index == index
+    assert events[-1].type == "response.completed"
+    assert [item.type for item in events[-1].response.output] == [item.type for item in response.output]
+
+
+def test_required_tool_choice_needs_tools_and_tool_calls_parse_in_order(server):
+    assert_error(call(server, "POST", "/v1/responses", json={"input": "x", "tool_choice": "required"}), 400,
+                 "tool_choice")
+    response = create(server, input="Use a tool.", tools=[ADD], tool_choice="required", max_output_tokens=80,
+                      temperature=0)
+    assert response.output and response.output[0].type == "function_call"
+    assert response.usage.output_tokens <= 80
+
+
+def test_logprobs_come_with_the_text_streamed_and_not(server, local_handle):
+    body = dict(input="Logprobs, please.", max_output_tokens=6, temperature=0, top_logprobs=2,
+                include=["message.output_text.logprobs"])
+    response = create(server, **body)
+    part = response.output[0].content[0]
+    assert len(part.logprobs) == response.usage.output_tokens == 6
+    assert "".join(entry.token for entry in part.logprobs) == part.text
+    assert all(len(entry.top_logprobs) == 2 for entry in part.logprobs)
+    assert all(entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-6) for entry in part.logprobs)
+    events = stream_events(server, **body)
+    streamed = [entry for event in events if event.type == "response.output_text.delta" for entry in event.logprobs]
+    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [(e.token, round(e.logprob, 5))
+                                                                  for e in part.logprobs]
+    without = create(server, input="Logprobs, please.", max_output_tokens=6, temperature=0)
+    assert without.output[0].content[0].logprobs is None and without.output_text == part.text
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"store": True}, "store", "not stored"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id", "not stored"),
+    ({"background": True}, "background", "stored responses"),
+    ({"conversation": "conv_1"}, "conversation", "not stored"),
+    ({"reasoning": {"effort": "high"}}, "reasoning", "reasoning model"),
+    ({"truncation": "auto"}, "truncation", "never truncated"),
+    ({"include": ["reasoning.encrypted_content"]}, "include", "includes only"),
+    ({"tools": [{"type": "web_search"}]}, "tools", "function tools only"),
+    ({"tool_choice": {"type": "file_search"}}, "tool_choice", "function tools only"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input",
+     "text-only"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "not stored"),
+    ({"stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation", None),
+    ({"max_output_tokens": 10**6}, "max_output_tokens", "maximum context length"),
+    ({"tools": [ADD], "top_logprobs": 2}, "top_logprobs", "cannot be combined with tools"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text.format", None),
+    ({"n": 2}, "n", "unknown field"),
+])
+def test_what_cannot_be_honoured_is_a_400_naming_the_field(server, body, param, words):
+    response = call(server, "POST", "/v1/responses", json={"input": "Hi", **body})
+    error = assert_error(response, 400)
+    assert param in (error["param"] or error["message"]), error
+    if words is not None:
+        assert words in error["message"], error
+    assert "response_format" not in error["message"]
+
+
+def test_harmless_values_of_refused_fields_pass(server):
+    response = create(server, input="Hi", store=False, background=False, truncation="disabled",
+                      service_tier="auto", reasoning={}, metadata={"trace": "t1"}, user="u",
+                      max_output_tokens=2, temperature=0)
+    assert response.metadata == {"trace": "t1"} and response.user == "u"
+    assert response.usage.output_tokens == 2
+
+
+def test_a_stream_that_fails_mid_way_ends_with_an_error_event(server, local_handle):
+    from pagedserve.cluster.request_flow import StreamNotResumable
+
+    local_handle.fail_after_first = StreamNotResumable("the worker failed; the stream cannot be continued")
+    try:
+        streamed = call(server, "POST", "/v1/responses",
+                        json={"input": "Hello", "max_output_tokens": 20, "temperature": 0, "stream": True})
+        whole = call(server, "POST", "/v1/responses", json={"input": "Hello", "max_output_tokens": 20})
+    finally:
+        local_handle.fail_after_first = None
+    assert streamed.status_code == 200
+    events = [json.loads(line[len("data: "):]) for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert events[0]["type"] == "response.created"
+    assert events[-1]["type"] == "error" and events[-1]["code"] == "worker_failed"
+    assert "cannot be continued" in events[-1]["message"]
+    assert events[-1]["sequence_number"] == len(events) - 1
+    assert not any(event["type"] == "response.completed" for event in events)
+    assert_error(whole, 503)
