@@ -20,7 +20,8 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-from local_frontend import MODEL, LocalHandle, assert_error, call, make_frontend, with_context_length  # noqa: E402
+from local_frontend import (MODEL, LocalHandle, assert_error, assert_idle, call, make_frontend,  # noqa: E402
+                            with_context_length)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -48,11 +49,7 @@ def server(local_handle):
 @pytest.fixture(autouse=True)
 def idle_after(local_handle):
     yield
-    deadline = time.time() + 10
-    while local_handle.num_used_blocks() and time.time() < deadline:
-        time.sleep(0.05)
-    assert local_handle.num_used_blocks() == 0
-    local_handle.engine.check_integrity()
+    assert_idle(local_handle)
 
 
 def with_client(server, use):
