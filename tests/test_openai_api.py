@@ -132,6 +132,8 @@ def test_models_health_metrics(server):
     assert models["data"][0]["id"] == MODEL
     _assert_error(call(server, "GET", "/v1/models/other"), 404)
     assert call(server, "GET", "/health").json()["status"] == "ok"
+    for method in ("GET", "POST"):   # vLLM's /ping: /health by another name
+        assert call(server, method, "/ping").json() == call(server, "GET", "/health").json()
     assert call(server, "GET", "/version").json() == {"version": pagedserve.__version__}
     text = call(server, "GET", "/metrics").text
     for name in ("pagedserve_num_requests_running", "pagedserve_num_requests_waiting",
@@ -569,10 +571,11 @@ def test_api_key_guards_every_route_but_health(local_handle):
     for path in ("/openapi.json", "/docs", "/redoc", "/stats", "/metrics", "/version", "/v1/models", "/v1/models/x",
                  "/v1/nothing"):
         _assert_error(call(secured, "GET", path), 401)
-    for path in ("/v1/completions", "/v1/chat/completions", "/health/../v1/completions", "/v1/load_lora_adapter",
-                 "/v1/unload_lora_adapter"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/health/../v1/completions",
+                 "/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
         _assert_error(call(secured, "POST", path, json={"prompt": "x"}), 401)
     assert call(secured, "GET", "/health").status_code == 200
+    assert call(secured, "GET", "/ping").status_code == call(secured, "POST", "/ping").status_code == 200
     # The dashboard checks the key itself: a login form, never data.
     assert call(secured, "GET", "/dashboard/state").status_code == 401
     page = call(secured, "GET", "/dashboard")

@@ -14,7 +14,7 @@ import hmac
 from .errors import APIError
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/health", "/ping")
 SELF_AUTHENTICATED_PREFIXES = ("/dashboard",)  # the dashboard checks the key itself (login form)
 
 

@@ -3,7 +3,7 @@
 Routes: ``/v1/completions`` (``serving_completion``), ``/v1/chat/completions``
 (``serving_chat``), ``/v1/responses`` (``serving_responses``), vLLM's ``/tokenize`` and
 ``/detokenize`` (``serving_tokenize``),
-``/v1/models``, ``/health``, ``/version``, ``/metrics``, ``/stats`` and the dashboard. Every failure
+``/v1/models``, ``/health`` (and vLLM's ``/ping``), ``/version``, ``/metrics``, ``/stats`` and the dashboard. Every failure
 is OpenAI's error body with a meaningful status:
 
 * 400 malformed JSON, invalid or unknown fields, a prompt too long (the
@@ -314,6 +314,9 @@ def build_app(server: Frontend):
         body = {"status": "ok" if health["is_healthy"] else "unavailable", "model": server.model_name,
                 "workers": health["workers"]}  # starting / ready / draining / dead
         return body if health["is_healthy"] else _json_response(body, 503)
+
+    # vLLM's (SageMaker's probe): /health by another name, GET or POST.
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
 
     @app.get("/version")
     async def version():
