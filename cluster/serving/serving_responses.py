@@ -218,6 +218,7 @@ class _ResponseEvents:
         self.items: list[OutputMessage | OutputFunctionCall] = []
         self.open: OutputMessage | OutputFunctionCall | None = None
         self.calls: dict[int, OutputFunctionCall] = {}   # the parser's call index -> its item
+        self.text_pieces: list[str] = []                 # the open message's text so far
         self.completion: CompletionOutput | None = None
         self.is_finished = False
 
@@ -290,10 +291,9 @@ class _ResponseEvents:
 
     def _add_text(self, events: list[str], text: str, logprobs: list[TokenLogprob]) -> None:
         message = self.open if isinstance(self.open, OutputMessage) else self._open_message(events)
-        part = message.content[0]
-        part.text += text
+        self.text_pieces.append(text)   # joined when the message closes: no copy of the text a step
         if logprobs:
-            part.logprobs.extend(logprobs)
+            message.content[0].logprobs.extend(logprobs)
         events.append(self._text_delta(message, text, [entry.model_dump() for entry in logprobs]))
 
     def _open_message(self, events: list[str]) -> OutputMessage:
@@ -321,6 +321,8 @@ class _ResponseEvents:
         is_cut_off = self.completion is not None and self.completion.finish_reason == "length"
         if isinstance(item, OutputMessage):
             part = item.content[0]
+            part.text = "".join(self.text_pieces)
+            self.text_pieces = []
             item.status = "incomplete" if is_cut_off and self.is_finished else "completed"
             events.append(self.event("response.output_text.done", item_id=item.id, output_index=index,
                                      content_index=0, text=part.text,
