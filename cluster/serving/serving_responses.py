@@ -30,7 +30,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from json.encoder import encode_basestring as _json_str  # as pydantic writes strings: non-ASCII kept
 from typing import Any
 
 from pydantic import ValidationError
@@ -164,7 +165,7 @@ class ServingResponses:
             prompt_cache_key=request.prompt_cache_key)
         if request.stream:
             stream = _ResponseEvents(self, chat, request, response, generation)
-            return ChunkStream(lambda _: stream.batches(first), generation, named_events=True)
+            return ChunkStream(lambda _: stream.batches(first), generation, stream.error_event)
         await generation.run_to_end(first)
         last = generation.progress[0].last
         completion = last.outputs[0] if last is not None and last.outputs else None
@@ -209,8 +210,8 @@ class _ResponseEvents:
 
     def __init__(self, serving: ServingResponses, chat, request: ResponsesRequest, response: ResponseObject,
                  generation: Generation) -> None:
-        self.serving = serving
-        self.request = request
+        self.logprobs = serving.chat.logprobs
+        self.wants_logprobs = request.wants_logprobs
         self.response = response
         self.generation = generation
         self.parser: ToolParser | None = serving.chat.output_parser(chat)
@@ -219,7 +220,9 @@ class _ResponseEvents:
         self.open: OutputMessage | OutputFunctionCall | None = None
         self.calls: dict[int, OutputFunctionCall] = {}   # the parser's call index -> its item
         self.text_pieces: list[str] = []                 # the open message's text so far
+        self.delta_head = ""                             # the open message's delta events, up to the delta
         self.completion: CompletionOutput | None = None
+        self.is_started = False
         self.is_finished = False
 
     def event(self, kind: str, **fields) -> str:
@@ -228,33 +231,28 @@ class _ResponseEvents:
         self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(fields)}\n\n"
 
-    def _text_delta(self, item: OutputMessage, delta: str, logprobs: list) -> str:
-        """A ``response.output_text.delta`` event, written directly: one per step on the token path."""
-        sequence = self.sequence
-        self.sequence += 1
-        return ('event: response.output_text.delta\ndata: {"type":"response.output_text.delta","item_id":"'
-                + item.id + '","output_index":' + str(len(self.items) - 1) + ',"content_index":0,"delta":'
-                + json.dumps(delta) + ',"logprobs":' + (json.dumps(logprobs) if logprobs else "[]")
-                + ',"sequence_number":' + str(sequence) + '}\n\n')
+    def error_event(self, error: APIError) -> str:
+        """The stream's last event when the generation fails mid-way."""
+        return self.event("error", code=error.code or error.type, message=error.message, param=error.param)
 
-    async def batches(self, first) -> AsyncIterator[list[str]]:
+    def batches(self, first) -> AsyncIterator[list[str]]:
+        return generation_batches(self.generation, first, self._output_events, self._last_events)
+
+    def _start(self, events: list[str]) -> None:
+        self.is_started = True
         response = self.response.model_dump(mode="json")
-        yield [self.event("response.created", response=response),
-               self.event("response.in_progress", response=response)]
-        try:
-            async for batch in generation_batches(self.generation, first, self._output_events, self._last_events):
-                yield batch
-        except APIError as exc:
-            yield [self.event("error", code=exc.code or exc.type, message=exc.message, param=exc.param)]
+        events.append(self.event("response.created", response=response))
+        events.append(self.event("response.in_progress", response=response))
 
     def _output_events(self, _: int, output: RequestOutput) -> list[str]:
         events: list[str] = []
+        if not self.is_started:
+            self._start(events)
         if self.is_finished or not output.outputs:
             return events
         completion = self.completion = output.outputs[0]
         if self.parser is None:
-            logprobs = (self.serving.chat.logprobs.chat(completion.delta_logprobs or []).content
-                        if self.request.wants_logprobs else [])
+            logprobs = self.logprobs.chat(completion.delta_logprobs or []).content if self.wants_logprobs else ()
             if completion.delta_text or logprobs:   # a token's logprobs go out while its text waits for more bytes
                 self._add_text(events, completion.delta_text, logprobs)
         else:
@@ -269,9 +267,13 @@ class _ResponseEvents:
         return events
 
     def _last_events(self) -> list[str]:
+        events: list[str] = []
+        if not self.is_started:
+            self._start(events)
         response = finished(self.response, self.items, self.completion, self.generation)
         kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
-        return [self.event(kind, response=response.model_dump(mode="json"))]
+        events.append(self.event(kind, response=response.model_dump(mode="json")))
+        return events
 
     def _add_parsed(self, events: list[str], parsed) -> None:
         if parsed.content:
@@ -289,18 +291,26 @@ class _ResponseEvents:
                 events.append(self.event("response.function_call_arguments.delta", item_id=item.id,
                                          output_index=self.items.index(item), delta=piece.arguments))
 
-    def _add_text(self, events: list[str], text: str, logprobs: list[TokenLogprob]) -> None:
+    def _add_text(self, events: list[str], text: str, logprobs: Sequence[TokenLogprob]) -> None:
+        """A ``response.output_text.delta`` event, written directly: one per step on the token path."""
         message = self.open if isinstance(self.open, OutputMessage) else self._open_message(events)
         self.text_pieces.append(text)   # joined when the message closes: no copy of the text a step
+        entries = "[]"
         if logprobs:
             message.content[0].logprobs.extend(logprobs)
-        events.append(self._text_delta(message, text, [entry.model_dump() for entry in logprobs]))
+            entries = json.dumps([entry.model_dump() for entry in logprobs])
+        sequence = self.sequence
+        self.sequence += 1
+        events.append(f'{self.delta_head}{_json_str(text)},"logprobs":{entries},"sequence_number":{sequence}}}\n\n')
 
     def _open_message(self, events: list[str]) -> OutputMessage:
         self._close(events)
         message = OutputMessage(id=_item_id("msg"), status="in_progress",
-                                content=[OutputText(text="", logprobs=[] if self.request.wants_logprobs else None)])
+                                content=[OutputText(text="", logprobs=[] if self.wants_logprobs else None)])
         self._add_item(events, message)
+        self.delta_head = ('event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
+                           f'"item_id":"{message.id}","output_index":{len(self.items) - 1},"content_index":0,'
+                           '"delta":')
         events.append(self.event("response.content_part.added", item_id=message.id,
                                  output_index=len(self.items) - 1, content_index=0,
                                  part={"type": "output_text", "text": "", "annotations": []}))

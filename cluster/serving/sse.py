@@ -34,21 +34,17 @@ class EventStream:
         self.lines: AsyncIterator[str] = self._lines()
 
     async def _lines(self) -> AsyncIterator[str]:
-        if self.stream.named_events:
-            try:
-                async for batch in self.stream.batches(as_json=True):
-                    yield "".join(batch)
-            finally:
-                await self.stream.aclose()
-            return
+        stream = self.stream
+        error_event = stream.error_event   # set: named events, whole
         try:
-            async for batch in self.stream.batches(as_json=True):
-                yield "data: " + "\n\ndata: ".join(batch) + "\n\n"
+            async for batch in stream.batches(as_json=True):
+                yield "".join(batch) if error_event else "data: " + "\n\ndata: ".join(batch) + "\n\n"
         except APIError as exc:
-            yield sse(exc.body())
+            yield error_event(exc) if error_event else sse(exc.body())
         finally:
-            await self.stream.aclose()
-        yield DONE
+            await stream.aclose()
+        if error_event is None:
+            yield DONE
 
     async def aclose(self) -> None:
         """Stop streaming and release the request, even if iteration never started."""

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 
 from pagedserve.workers.outputs.request_output import RequestOutput
 
+from .errors import APIError
 from .frontend import Generation
 
 
@@ -24,13 +25,13 @@ class ChunkStream:
     """A streamed response over ``generation``; ``make_batches(as_json)`` starts its chunks."""
 
     def __init__(self, make_batches: Callable[[bool], AsyncIterator[list]], generation: Generation,
-                 named_events: bool = False) -> None:
+                 error_event: Callable[[APIError], str] | None = None) -> None:
         self._make_batches = make_batches
         self._batches: AsyncIterator[list] | None = None
         self.generation = generation
-        # The Responses API's stream: its chunks are whole named server-sent events (HTTP only),
-        # a failure among them, and no [DONE] after them.
-        self.named_events = named_events
+        # Set for a stream of named events (the Responses API's, HTTP only): its chunks are whole
+        # server-sent events, this makes the event of a failure, and no [DONE] follows them.
+        self.error_event = error_event
 
     def batches(self, as_json: bool = False) -> AsyncIterator[list]:
         """The chunks, one list per output (in order): the API's models, or with ``as_json``
