@@ -5,7 +5,7 @@ every output of every streamed request it wakes the request's ``Generation``,
 builds the API's chunk, frames it as a server-sent event and hands it to the ASGI
 server. This measures that path alone, in one process and one event loop, with no
 Ray, Serve proxy or engine: ``--streams`` concurrent streamed ``/v1/completions``
-(or ``--api chat``) requests through the real FastAPI app, called as an ASGI
+(or ``--api chat``, ``--api responses``) requests through the real FastAPI app, called as an ASGI
 server calls it, over a stand-in handle whose outputs come from a real
 ``OutputAccumulator`` fed one ``OutputDelta`` per request per "step" (what a
 worker's output channel delivers), every stream one token per step.
@@ -17,7 +17,8 @@ straight from the handle); the difference is what the app adds per token. With
 of the same stand-in: what FastAPI's streaming response costs by itself, the
 floor of what the app adds.
 
-    python benchmarks/bench_frontend_stream.py [--streams 64] [--tokens 256] [--api completions|chat] [--floor]
+    python benchmarks/bench_frontend_stream.py [--streams 64] [--tokens 256] [--floor]
+        [--api completions|chat|responses]
 """
 
 from __future__ import annotations
@@ -119,11 +120,14 @@ async def _drive(app, body: dict, path: str) -> int:
 
 
 async def _run_app(app, streams: int, tokens: int, api: str) -> tuple[float, float]:
-    if api == "chat":
-        path, body = "/v1/chat/completions", {"model": "bench", "messages": [{"role": "user", "content": "Hi"}]}
+    if api == "responses":   # the stand-in ends each stream at its token limit: no EOS to ignore
+        path, body = "/v1/responses", {"model": "bench", "input": "Hi", "stream": True, "max_output_tokens": tokens}
     else:
-        path, body = "/v1/completions", {"model": "bench", "prompt": "Hello there"}
-    body.update(stream=True, max_tokens=tokens, ignore_eos=True)
+        if api == "chat":
+            path, body = "/v1/chat/completions", {"model": "bench", "messages": [{"role": "user", "content": "Hi"}]}
+        else:
+            path, body = "/v1/completions", {"model": "bench", "prompt": "Hello there"}
+        body.update(stream=True, max_tokens=tokens, ignore_eos=True)
     await asyncio.gather(*(_drive(app, body, path) for _ in range(2)))  # warm-up
     cpu, wall = time.process_time(), time.perf_counter()
     sizes = await asyncio.gather(*(_drive(app, body, path) for _ in range(streams)))
@@ -157,7 +161,7 @@ def _bare_app(handle):
             yield "data: [DONE]\n\n"
         return StreamingResponse(lines(), media_type="text/event-stream")
 
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         app.router.add_route(path, stream, methods=["POST"])
     return app
 
@@ -180,7 +184,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--api", choices=["completions", "chat"], default="completions")
+    parser.add_argument("--api", choices=["completions", "chat", "responses"], default="completions")
     parser.add_argument("--step-ms", type=float, default=0.0, help="pause between steps (0: back to back)")
     parser.add_argument("--floor", action="store_true", help="also measure a bare FastAPI streaming route")
     parser.add_argument("--rounds", type=int, default=3)
