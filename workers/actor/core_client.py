@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 900.0        # loading a large model onto a GPU, compiling and capturing graphs
 STOP_TIMEOUT_S = 10.0          # a stopping core's time to end before it is killed
 POLL_S = 0.5                   # the reader checks the core's process at least this often
+EXIT_DRAIN_S = 0.2             # once it has exited, how long its last messages may take to arrive
 KV_POLL_S = 0.025              # the forwarder reads acks this often while sends are in flight
 
 
@@ -246,10 +247,15 @@ class EngineCoreClient:
         socket, process = self._from_core, self._process
         while True:
             if not socket.poll(int(POLL_S * 1e3)):
-                if process.poll() is not None:
-                    self._died(f"the engine core process ended (exit code {process.returncode})", None)
-                    return
-                continue
+                if process.poll() is None:
+                    continue
+                # A core that exits right after its last messages (DEAD with the engine's error)
+                # has flushed them to the socket; ZeroMQ's I/O thread here may not have queued
+                # them yet: read them first.
+                if socket.poll(int(EXIT_DRAIN_S * 1e3)):
+                    continue
+                self._died(f"the engine core process ended (exit code {process.returncode})", None)
+                return
             items = []
             while True:
                 try:
