@@ -149,8 +149,6 @@ class ServingResponses:
         except APIError as exc:
             raise _renamed(exc) from None
         engine_id = _item_id("resp")
-        generation, first = await frontend.start_generation(engine_id, [prompt], params, request.priority, client,
-                                                            is_streamed=request.stream, lora_request=lora_request)
         response = ResponseObject(
             id=request.request_id or engine_id, status="in_progress", model=frontend.response_model(lora_request),
             instructions=request.instructions, max_output_tokens=request.max_output_tokens,
@@ -163,6 +161,8 @@ class ServingResponses:
             tools=[tool.model_dump(exclude_none=True) for tool in request.tools or ()],
             metadata=request.metadata, user=request.user, safety_identifier=request.safety_identifier,
             prompt_cache_key=request.prompt_cache_key)
+        generation, first = await frontend.start_generation(engine_id, [prompt], params, request.priority, client,
+                                                            is_streamed=request.stream, lora_request=lora_request)
         if request.stream:
             stream = _ResponseEvents(self, chat, request, response, generation)
             return ChunkStream(lambda _: stream.batches(first), generation, stream.error_event)
