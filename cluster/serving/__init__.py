@@ -16,6 +16,8 @@ a circle):
 ``sse``                server-sent events framing and stream lifetime
 ``serving_completion`` ``/v1/completions`` responses and stream
 ``serving_chat``       ``/v1/chat/completions`` responses and stream
+``responses_protocol`` the Responses API's request and response models
+``serving_responses``  ``/v1/responses`` over the chat path, and its named-event stream
 ``http_app``           the FastAPI app: routes, body parsing, API-key middleware, OpenAPI
 ``grpc_service``       the gRPC ``Generate``/``GenerateStream`` RPCs
 ``dashboard``          the live KV-cache dashboard (``/dashboard``)
