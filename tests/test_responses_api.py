@@ -302,3 +302,80 @@ def test_a_stream_that_fails_mid_way_ends_with_an_error_event(server, local_hand
     assert events[-1]["sequence_number"] == len(events) - 1
     assert not any(event["type"] == "response.completed" for event in events)
     assert_error(whole, 503)
+
+
+class _ScriptedGeneration:
+    """A generation whose outputs are given: each a delta of text, the last finished."""
+
+    def __init__(self, pieces: list[str], finish_reason: str) -> None:
+        from pagedserve.workers.outputs.request_output import CompletionOutput, RequestOutput
+
+        self.outputs = []
+        for number, piece in enumerate(pieces, 1):
+            is_last = number == len(pieces)
+            completion = CompletionOutput(0, "".join(pieces[:number]), list(range(number)), None, None,
+                                          finish_reason if is_last else None, delta_text=piece,
+                                          delta_token_ids=[number], is_newly_finished=is_last)
+            self.outputs.append((0, RequestOutput("r", None, [1, 2], [completion], is_last, None)))
+
+    async def __aiter__(self):
+        for output in self.outputs[1:]:
+            yield output
+
+    async def aclose(self) -> None:
+        pass
+
+    def usage(self):
+        from pagedserve.cluster.serving.protocol import Usage
+
+        return Usage(prompt_tokens=2, completion_tokens=len(self.outputs), total_tokens=2 + len(self.outputs))
+
+
+def test_text_then_a_parsed_call_stream_as_two_items_in_order(server):
+    """Under tool_choice "auto" the model's own format is parsed (hermes): the text before the
+    call is a message item, closed before the call's item opens; the events name each item's
+    index, and the last event's output is what a non-streamed response returns."""
+    from pagedserve.cluster.serving.responses_protocol import ResponseObject, ResponsesRequest
+    from pagedserve.cluster.serving.serving_chat import ServingChat
+    from pagedserve.cluster.serving.serving_responses import ServingResponses, _ResponseEvents, chat_request
+
+    request = ResponsesRequest.model_validate({"input": "Add 1 and 2.", "tools": [ADD], "stream": True})
+    serving = ServingResponses(ServingChat(server))
+    chat = chat_request(request)
+    pieces = ["Sure", ". ", "<tool_call>\n", '{"name": "add", ', '"arguments": {"a": 1, ', '"b": 2}}\n</tool_call>']
+    generation = _ScriptedGeneration(pieces, "stop")
+    response = ResponseObject(id="resp_x", status="in_progress", model=MODEL, parallel_tool_calls=True,
+                              text={"format": {"type": "text"}}, tool_choice="auto", tools=[ADD])
+    stream = _ResponseEvents(serving, chat, request, response, generation)
+
+    async def read():
+        return [event async for batch in stream.batches(generation.outputs[0]) for event in batch]
+    events = []
+    for text in asyncio.run(read()):
+        event_line, data_line = text.rstrip("\n").split("\n")
+        events.append(json.loads(data_line[len("data: "):]))
+        assert event_line == "event: " + events[-1]["type"]
+    kinds = [event["type"] for event in events]
+    message_done = kinds.index("response.output_item.done")
+    assert kinds[:message_done + 1] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        *["response.output_text.delta"] * (kinds.count("response.output_text.delta")),
+        "response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert kinds[message_done + 1] == "response.output_item.added" and kinds[-1] == "response.completed"
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    text = "".join(event["delta"] for event in events if event["type"] == "response.output_text.delta")
+    assert text.strip() == "Sure."
+    call_added = events[message_done + 1]
+    assert call_added["output_index"] == 1 and call_added["item"]["name"] == "add"
+    arguments = "".join(event["delta"] for event in events if event["type"] == "response.function_call_arguments.delta")
+    assert json.loads(arguments) == {"a": 1, "b": 2}
+    assert all(event["output_index"] == 1 for event in events
+               if event["type"].startswith("response.function_call_arguments"))
+    output = events[-1]["response"]["output"]
+    assert [item["type"] for item in output] == ["message", "function_call"]
+    assert output[1]["arguments"] == arguments and output[1]["status"] == "completed"
+    assert output[0]["content"][0]["text"] == text and output[0]["status"] == "completed"
+    whole = serving._output(chat, request, generation.outputs[-1][1].outputs[0])
+    assert [(item.type, getattr(item, "arguments", None)) for item in whole] == [
+        (item["type"], item.get("arguments")) for item in output]
+    assert whole[0].content[0].text.strip() == text.strip()
