@@ -379,3 +379,27 @@ def test_text_then_a_parsed_call_stream_as_two_items_in_order(server):
     assert [(item.type, getattr(item, "arguments", None)) for item in whole] == [
         (item["type"], item.get("arguments")) for item in output]
     assert whole[0].content[0].text.strip() == text.strip()
+
+
+def test_a_call_cut_off_by_the_token_limit_is_incomplete_streamed_and_not(server):
+    """The parser's verdict on a call decides its status in both forms."""
+    from pagedserve.cluster.serving.responses_protocol import ResponseObject, ResponsesRequest
+    from pagedserve.cluster.serving.serving_chat import ServingChat
+    from pagedserve.cluster.serving.serving_responses import ServingResponses, _ResponseEvents, chat_request
+
+    request = ResponsesRequest.model_validate({"input": "Add 1 and 2.", "tools": [ADD], "stream": True})
+    serving = ServingResponses(ServingChat(server))
+    chat = chat_request(request)
+    generation = _ScriptedGeneration(["<tool_call>\n", '{"name": "add", ', '"arguments": {"a": 1'], "length")
+    response = ResponseObject(id="resp_x", status="in_progress", model=MODEL, parallel_tool_calls=True,
+                              text={"format": {"type": "text"}}, tool_choice="auto", tools=[ADD])
+    stream = _ResponseEvents(serving, chat, request, response, generation)
+
+    async def read():
+        return [event async for batch in stream.batches(generation.outputs[0]) for event in batch]
+    last = json.loads(asyncio.run(read())[-1].split("\ndata: ", 1)[1])
+    assert last["type"] == "response.incomplete"
+    assert [(item["type"], item["status"]) for item in last["response"]["output"]] == [("function_call", "incomplete")]
+    whole = serving._output(chat, request, generation.outputs[-1][1].outputs[0])
+    assert [(item.type, item.status, item.arguments) for item in whole] == [
+        ("function_call", "incomplete", last["response"]["output"][0]["arguments"])]

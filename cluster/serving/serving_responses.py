@@ -36,7 +36,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pagedserve.tool_parsers import ToolParser
+from pagedserve.tool_parsers import ToolCall, ToolParser
 from pagedserve.workers.outputs.request_output import CompletionOutput, RequestOutput
 
 from .errors import APIError
@@ -174,7 +174,7 @@ class ServingResponses:
     def _output(self, chat, request: ResponsesRequest, completion: CompletionOutput | None
                 ) -> list[OutputMessage | OutputFunctionCall]:
         text = completion.text if completion is not None else ""
-        is_cut_off = completion is not None and completion.finish_reason == "length"
+        is_cut_off = _is_cut_off(completion)
         calls = []
         parser = self.chat.output_parser(chat)
         if parser is not None:
@@ -191,11 +191,16 @@ class ServingResponses:
         return items
 
 
+def _is_cut_off(completion: CompletionOutput | None) -> bool:
+    """The output ran out of tokens (the token limit, or the context)."""
+    return completion is not None and completion.finish_reason == "length"
+
+
 def finished(response: ResponseObject, output: list, completion: CompletionOutput | None,
              generation: Generation) -> ResponseObject:
     """``response`` completed (or incomplete, cut off by the token limit) with ``output``."""
     usage = generation.usage()
-    is_cut_off = completion is not None and completion.finish_reason == "length"
+    is_cut_off = _is_cut_off(completion)
     return response.model_copy(update=dict(
         status="incomplete" if is_cut_off else "completed", completed_at=float(int(time.time())), output=output,
         incomplete_details=IncompleteDetails(reason="max_output_tokens") if is_cut_off else None,
@@ -219,6 +224,7 @@ class _ResponseEvents:
         self.items: list[OutputMessage | OutputFunctionCall] = []
         self.open: OutputMessage | OutputFunctionCall | None = None
         self.calls: dict[int, OutputFunctionCall] = {}   # the parser's call index -> its item
+        self.parsed_calls: dict[str, ToolCall] = {}      # an item's id -> the parser's call
         self.text_pieces: list[str] = []                 # the open message's text so far
         self.delta_head = ""                             # the open message's delta events, up to the delta
         self.completion: CompletionOutput | None = None
@@ -285,6 +291,7 @@ class _ResponseEvents:
                 item = self.calls[piece.index] = OutputFunctionCall(
                     id=_item_id("fc"), call_id=piece.id or "", name=piece.name or "", arguments="",
                     status="in_progress")
+                self.parsed_calls[item.id] = self.parser.started_calls[piece.index]
                 self._add_item(events, item)
             if piece.arguments:
                 item.arguments += piece.arguments
@@ -328,29 +335,21 @@ class _ResponseEvents:
         if item is None:
             return
         index = self.items.index(item)
-        is_cut_off = self.completion is not None and self.completion.finish_reason == "length"
         if isinstance(item, OutputMessage):
             part = item.content[0]
             part.text = "".join(self.text_pieces)
             self.text_pieces = []
-            item.status = "incomplete" if is_cut_off and self.is_finished else "completed"
+            item.status = "incomplete" if self.is_finished and _is_cut_off(self.completion) else "completed"
             events.append(self.event("response.output_text.done", item_id=item.id, output_index=index,
                                      content_index=0, text=part.text,
                                      logprobs=[entry.model_dump() for entry in part.logprobs or ()]))
             events.append(self.event("response.content_part.done", item_id=item.id, output_index=index,
                                      content_index=0, part=part.model_dump(mode="json", exclude_none=True)))
         else:
-            is_complete = not (is_cut_off and self.is_finished) or _is_json(item.arguments)
-            item.status = "completed" if is_complete else "incomplete"
+            # The parser's verdict, as for a response that is not streamed.
+            item.status = "completed" if self.parsed_calls[item.id].is_complete else "incomplete"
             events.append(self.event("response.function_call_arguments.done", item_id=item.id,
                                      output_index=index, name=item.name, arguments=item.arguments))
         events.append(self.event("response.output_item.done", output_index=index,
                                  item=item.model_dump(mode="json", exclude_none=True)))
 
-
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
