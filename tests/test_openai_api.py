@@ -20,7 +20,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from local_frontend import MODEL, LocalHandle, call  # noqa: E402
+from local_frontend import MODEL, LocalHandle, assert_idle, call  # noqa: E402
 from local_frontend import assert_error as _assert_error  # noqa: E402
 from local_frontend import events as _events  # noqa: E402
 from local_frontend import make_frontend as _server  # noqa: E402
@@ -49,11 +49,7 @@ def server(local_handle):
 def idle_after(local_handle):
     yield
     local_handle.stall_s = 0.0
-    deadline = time.time() + 10
-    while local_handle.num_used_blocks() and time.time() < deadline:
-        time.sleep(0.05)
-    assert local_handle.num_used_blocks() == 0
-    local_handle.engine.check_integrity()
+    assert_idle(local_handle)
 
 
 # ---- happy paths ---------------------------------------------------------------------------------
