@@ -261,6 +261,7 @@ def test_logprobs_come_with_the_text_streamed_and_not(server, local_handle):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input",
      "text-only"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "not stored"),
+    ({"input": [True, {"type": [{}], "content": "x"}]}, "input", None),
     ({"stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation", None),
     ({"max_output_tokens": 10**6}, "max_output_tokens", "maximum context length"),
     ({"tools": [ADD], "top_logprobs": 2}, "top_logprobs", "cannot be combined with tools"),

@@ -219,7 +219,7 @@ class ResponsesRequest(_Request):
                 kind = item.get("type")
                 if kind is None and "role" in item:
                     item = {**item, "type": "message"}
-                elif kind in _UNSTORED_ITEMS:
+                elif isinstance(kind, str) and kind in _UNSTORED_ITEMS:
                     raise ValueError(f"input[{index}] is {kind}: {_UNSTORED_ITEMS[kind]}")
                 _check_text_parts(item.get("content"), f"input[{index}].content")
                 _check_text_parts(item.get("output"), f"input[{index}].output")
