@@ -687,6 +687,9 @@ def test_openapi_schema_describes_the_request_bodies(server):
     assert {"type": "null"} in properties["n"]["anyOf"] and properties["n"]["default"] == 1
     max_tokens = next(s for s in properties["max_tokens"]["anyOf"] if s.get("type") == "integer")
     assert (max_tokens["minimum"], "ge" in max_tokens) == (0, False)
+    # Each operation has an id of its own (a route with two methods gets one per method).
+    ids = [operation["operationId"] for methods in schema["paths"].values() for operation in methods.values()]
+    assert len(ids) == len(set(ids)), sorted(ids)
 
 
 def test_grpc_undecodable_bytes_are_invalid_argument(local_handle):

@@ -315,8 +315,9 @@ def build_app(server: Frontend):
                 "workers": health["workers"]}  # starting / ready / draining / dead
         return body if health["is_healthy"] else _json_response(body, 503)
 
-    # vLLM's (SageMaker's probe): /health by another name, GET or POST.
-    app.add_api_route("/ping", health, methods=["GET", "POST"])
+    # vLLM's (SageMaker's probe): /health by another name, GET or POST (an operation id for each).
+    for method in ("GET", "POST"):
+        app.add_api_route("/ping", health, methods=[method], operation_id=f"ping_{method.lower()}")
 
     @app.get("/version")
     async def version():
