@@ -147,6 +147,36 @@ def test_config_validate_and_serve_refuse_a_checkpoints_own_code_unless_trusted(
     assert capsys.readouterr().out.endswith("serve.yaml: valid\n")
 
 
+def test_config_validate_and_serve_refuse_a_draft_model_that_cannot_propose(tiny_model, tmp_path, serve_port,
+                                                                          capsys):
+    """speculative_config's draft model is read as the target is, before any worker starts:
+    another vocabulary, a shorter context, or code of its own while that is not trusted."""
+    from local_frontend import with_context_length
+    from remote_code_model import make_remote_code_model
+
+    from pagedserve.devtools.model_factory import ensure_model
+
+    def spec(draft: str, **model) -> str:
+        return _config_file(tmp_path, {"model": model, "engine": {"speculative_config": {
+            "method": "draft_model", "model": draft, "num_speculative_tokens": 2}}})
+
+    short = with_context_length(tiny_model("llama"), tmp_path / "short", 256)
+    own_code = str(make_remote_code_model(tiny_model("llama"), tmp_path))
+    for draft, words in ((str(ensure_model("llama", "small-draft")), "must share the target's vocabulary"),
+                         (short, "computes at most 256 tokens of context"),
+                         (own_code, "holds code of its own")):
+        file = spec(draft)   # one file, rewritten for each draft
+        assert main(["config", "validate", file]) == 1
+        refused = capsys.readouterr().err
+        assert "speculative_config.model" in refused and words in refused, refused
+        assert main(["serve", "--config", file, "--port", serve_port]) == 2  # refused before anything starts
+        assert capsys.readouterr().err == refused
+    for draft, model in ((tiny_model("llama"), {}), (own_code, {"trust_remote_code": True}),
+                         ("org/not-in-the-cache", {})):
+        assert main(["config", "validate", spec(draft, **model)]) == 0, capsys.readouterr().err
+        assert capsys.readouterr().out.endswith("serve.yaml: valid\n")
+
+
 def test_config_validate_reads_a_directory_or_the_hub_cache_without_weights(tiny_model, tmp_path, capsys):
     """A checkpoint directory's config, or a hub id's in the hub cache (no weights there, no
     network); a hub id the cache lacks is left to ``serve``, and said so."""

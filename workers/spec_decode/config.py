@@ -81,3 +81,17 @@ class SpeculativeConfig(BaseModel):
         object.__setattr__(self, "prompt_lookup_min", low)
         object.__setattr__(self, "prompt_lookup_max", high)
         return self
+
+
+def check_draft_fits(model: str, vocab_size: int, target_vocab_size: int, max_context_len: int,
+                     context_reason: str, max_model_len: int) -> None:
+    """Refuse a draft model ("draft_model") that cannot propose for its target: another
+    vocabulary, or a shorter exact context than ``max_model_len``. The engine checks the loaded
+    draft with it, and ``serve`` the draft's config before any worker starts."""
+    if vocab_size != target_vocab_size:
+        raise ValueError(f"speculative_config.model {model!r}: its vocabulary has {vocab_size} tokens, the "
+                         f"target's {target_vocab_size}; a draft model must share the target's vocabulary")
+    if max_context_len < max_model_len:
+        raise ValueError(f"speculative_config.model {model!r} computes at most {max_context_len} tokens of "
+                         f"context ({context_reason}), less than max_model_len {max_model_len}; "
+                         "lower max_model_len")

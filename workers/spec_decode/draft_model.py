@@ -34,6 +34,7 @@ from ..model.kv_cache import CacheShape, KVCache
 from ..model.model_input import ExecuteOutput, ModelInput
 from ..model.model_runner import ModelRunner
 from .draft_kv import DraftKV
+from .config import check_draft_fits
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +54,8 @@ class DraftModel:
         self.runner = ModelRunner(model, target.dtype, target.device, trust_remote_code, kernel_backend,
                                   merge_projections=bool(target.merged_projections))
         runner = self.runner
-        if runner.vocab_size != target.vocab_size:
-            raise ValueError(f"speculative_config.model {model!r}: its vocabulary has {runner.vocab_size} "
-                             f"tokens, the target's {target.vocab_size}; a draft model must share the "
-                             "target's vocabulary")
-        if runner.max_context_len < max_model_len:
-            raise ValueError(f"speculative_config.model {model!r} computes at most {runner.max_context_len} "
-                             f"tokens of context ({runner.context_limit_reason}), less than max_model_len "
-                             f"{max_model_len}; lower max_model_len")
+        check_draft_fits(model, runner.vocab_size, target.vocab_size, runner.max_context_len,
+                         runner.context_limit_reason, max_model_len)
         # The target's rows: the draft reads the same tables, and the engine keeps them current.
         runner.block_tables = self.block_tables = target.block_tables
         self.model = model
