@@ -274,8 +274,9 @@ TEXTS = st.one_of(st.text(max_size=40), UNICODE_EDGES, st.lists(UNICODE_EDGES, m
 def hostile_requests(draw, vocab_size: int) -> tuple[str, str, bytes]:
     """``(category, path, body bytes)`` for one hostile request."""
     category = draw(st.sampled_from(["numbers", "raw constants", "wrong types", "unicode", "empty/oversized",
-                                     "stop strings", "n", "token ids", "messages", "not json"]))
-    path = "/v1/chat/completions" if category == "messages" else "/v1/completions"
+                                     "stop strings", "n", "token ids", "messages", "responses items",
+                                     "not json"]))
+    path = {"messages": "/v1/chat/completions", "responses items": "/v1/responses"}.get(category, "/v1/completions")
     body: dict = {"model": MODEL, "prompt": f"{MARKER} {draw(TEXTS)}", "max_tokens": draw(st.integers(1, 8))}
     if draw(st.booleans()):
         body["stream"] = True
@@ -320,6 +321,21 @@ def hostile_requests(draw, vocab_size: int) -> tuple[str, str, bytes]:
         body["messages"] = draw(st.one_of(st.lists(message, max_size=4),
                                           st.sampled_from([[], [{"role": "user", "content": MARKER}] * 3000,
                                                            [{"role": "user"}], [{}], "hello", None])))
+    elif category == "responses items":
+        # The Responses API's input items: kinds it runs, kinds it refuses, and shapes of neither.
+        body = {"model": MODEL, "max_output_tokens": body["max_tokens"], "stream": body.get("stream", False)}
+        kinds = st.one_of(st.sampled_from(["message", "function_call", "function_call_output", "item_reference",
+                                           "reasoning", "input_text", "output_text", "input_image"]), WRONG_TYPES)
+        part = st.fixed_dictionaries({"type": kinds}, optional={"text": TEXTS, "image_url": TEXTS})
+        content = st.one_of(TEXTS.map(lambda t: MARKER + t), st.lists(part, max_size=3), WRONG_TYPES)
+        item = st.fixed_dictionaries({}, optional={
+            "type": kinds, "role": st.sampled_from(["system", "developer", "user", "assistant", "tool", "robot"]),
+            "content": content, "call_id": TEXTS, "name": TEXTS, "arguments": TEXTS, "output": content,
+            "id": TEXTS})
+        body["input"] = draw(st.one_of(TEXTS.map(lambda t: MARKER + t), st.lists(st.one_of(item, WRONG_TYPES),
+                                                                                  max_size=4), WRONG_TYPES))
+        if draw(st.booleans()):
+            body["instructions"] = draw(st.one_of(TEXTS, WRONG_TYPES))
     else:
         raw = draw(st.sampled_from([b"", b"{", b"null", b"[]", b"\xff\xfe\x00", b'{"prompt": "x"}' * 3,
                                     b'{"prompt": "\xed\xa0\x80"}', b"[" * 50000, b"{}" + b" " * 70000,
