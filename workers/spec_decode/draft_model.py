@@ -33,8 +33,8 @@ from ..model.host_lists import int64_tensor, to_device
 from ..model.kv_cache import CacheShape, KVCache
 from ..model.model_input import ExecuteOutput, ModelInput
 from ..model.model_runner import ModelRunner
-from .draft_kv import DraftKV
 from .config import check_draft_fits
+from .draft_kv import DraftKV
 
 logger = logging.getLogger(__name__)
 
