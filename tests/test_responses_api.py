@@ -175,6 +175,9 @@ def test_the_stream_is_named_server_sent_events_without_done(server):
         event_line, data_line = block.split("\n")
         assert event_line.startswith("event: ") and data_line.startswith("data: ")
         assert json.loads(data_line[len("data: "):])["type"] == event_line[len("event: "):]
+    # Times are whole Unix seconds on the wire, as OpenAI's are.
+    last = json.loads(blocks[-1].split("\n")[1][len("data: "):])["response"]
+    assert type(last["created_at"]) is int and type(last["completed_at"]) is int, last
 
 
 def test_text_format_json_schema_constrains_the_output(server):

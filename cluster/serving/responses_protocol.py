@@ -314,9 +314,9 @@ class ResponseObject(BaseModel):
 
     id: str
     object: Literal["response"] = "response"
-    created_at: float = Field(default_factory=lambda: float(int(time.time())))
+    created_at: int = Field(default_factory=lambda: int(time.time()))
     status: Literal["in_progress", "completed", "incomplete", "failed"]
-    completed_at: float | None = None
+    completed_at: int | None = None
     error: dict[str, Any] | None = None
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None = None

@@ -202,7 +202,7 @@ def finished(response: ResponseObject, output: list, completion: CompletionOutpu
     usage = generation.usage()
     is_cut_off = _is_cut_off(completion)
     return response.model_copy(update=dict(
-        status="incomplete" if is_cut_off else "completed", completed_at=float(int(time.time())), output=output,
+        status="incomplete" if is_cut_off else "completed", completed_at=int(time.time()), output=output,
         incomplete_details=IncompleteDetails(reason="max_output_tokens") if is_cut_off else None,
         usage=ResponseUsage(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
                             total_tokens=usage.total_tokens,
