@@ -280,6 +280,17 @@ def test_what_cannot_be_honoured_is_a_400_naming_the_field(server, body, param, 
     assert "response_format" not in error["message"]
 
 
+def test_stored_response_routes_answer_that_nothing_is_stored(server):
+    async def use(client):
+        for ask in (client.responses.retrieve, client.responses.delete, client.responses.cancel,
+                    client.responses.input_items.list):
+            with pytest.raises(openai.NotFoundError) as caught:
+                await ask("resp_1")
+            assert caught.value.body["param"] == "response_id", caught.value.body
+            assert "does not store responses" in caught.value.body["message"], caught.value.body
+    with_client(server, use)
+
+
 def test_harmless_values_of_refused_fields_pass(server):
     response = create(server, input="Hi", store=False, background=False, truncation="disabled",
                       service_tier="auto", reasoning={}, metadata={"trace": "t1"}, user="u",

@@ -276,6 +276,18 @@ def build_app(server: Frontend):
     async def responses_route(request: Request):
         return await generate("responses", request, ResponsesRequest, serving_responses.create_response)
 
+    # OpenAI's routes for stored responses: nothing is stored here (``store: true`` is refused),
+    # so every id is unknown, and the 404 says why rather than a bare "Not Found".
+    async def stored_response(response_id: str):
+        raise APIError(404, f"Response with id {response_id!r} not found: this server does not store responses "
+                            "(store: true is refused)", param="response_id")
+
+    for method, path, name in (("GET", "", "retrieve"), ("DELETE", "", "delete"), ("POST", "/cancel", "cancel"),
+                               ("GET", "/input_items", "input_items")):
+        app.add_api_route("/v1/responses/{response_id}" + path, stored_response, methods=[method],
+                          operation_id=f"responses_{name}",
+                          responses={404: {"model": ErrorResponse, "description": "no stored response"}})
+
     @app.post("/tokenize", openapi_extra=_json_body(TokenizeCompletionRequest, TokenizeChatRequest),
               responses=_responses(TokenizeResponse))
     async def tokenize_route(request: Request):
