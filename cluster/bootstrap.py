@@ -12,7 +12,7 @@ from typing import Any
 from pagedserve.workers.actor.worker import stall_timeout_s
 from pagedserve.workers.model.model_support import check_max_model_len, check_servable_config, context_limit
 from pagedserve.workers.model.model_source import is_hub_id
-from pagedserve.workers.spec_decode.config import check_draft_fits
+from pagedserve.workers.spec_decode.config import MODEL_METHODS, check_draft_fits, check_eagle_head_fits
 from pagedserve.workers.tp.plan import check_tensor_parallel
 
 from . import ray_compat
@@ -131,25 +131,30 @@ def check_model_fits(config: ClusterConfig, model_config) -> None:
     """Refuse, with the reason, a model (its transformers config) whose layers cannot be split
     across a worker group's ``tensor_parallel_size`` ranks (no tensor-parallel plan, head
     counts that do not divide), or that computes exactly a shorter context than a group's
-    ``max_model_len``, and a draft model (``speculative_config``) that cannot propose for it:
-    the messages a worker's engine would give."""
+    ``max_model_len``, and a draft model or EAGLE head (``speculative_config``) that cannot
+    propose for it: the messages a worker's engine would give."""
     for group in config.workers:
         options = group_engine_options(config, group)
         check_tensor_parallel(model_config, options.tensor_parallel_size)
         max_model_len = check_max_model_len(options.max_model_len, *context_limit(model_config))
         spec = options.speculative_config
-        if spec is not None and spec.method == "draft_model":
-            draft_config = draft_model_config(config.model, spec.model)
-            if draft_config is not None:
-                check_draft_fits(spec.model, draft_config.vocab_size, model_config.vocab_size,
-                                 *context_limit(draft_config), max_model_len)
+        if spec is None or spec.method not in MODEL_METHODS:
+            continue
+        draft_config = draft_model_config(config.model, spec.model, spec.method)
+        if draft_config is None:
+            continue
+        if spec.method == "draft_model":
+            check_draft_fits(spec.model, draft_config.vocab_size, model_config.vocab_size,
+                             *context_limit(draft_config), max_model_len)
+        else:
+            check_eagle_head_fits(spec.model, draft_config, model_config.get_text_config(), spec.method)
 
 
-def draft_model_config(model: ModelConfig, draft: str):
-    """The transformers config of speculative decoding's draft model, checked as the target's is
-    (its own code runs only with ``model.trust_remote_code``): a directory's, or a hub id's from
-    this node's hub cache. None where this node has neither: the workers resolve the draft on
-    their own nodes, and check it there."""
+def draft_model_config(model: ModelConfig, draft: str, method: str):
+    """The transformers config of speculative decoding's draft model or EAGLE head: a
+    directory's, or a hub id's from this node's hub cache. A draft model's is checked as the
+    target's is (its own code runs only with ``model.trust_remote_code``). None where this node
+    has neither: the workers resolve the draft on their own nodes, and check it there."""
     path = draft
     if is_hub_id(draft):
         from huggingface_hub import try_to_load_from_cache
@@ -161,8 +166,12 @@ def draft_model_config(model: ModelConfig, draft: str):
     elif not Path(draft).is_dir():
         return None
     try:
-        return servable_config(model, path)
-    except ValueError as exc:
+        if method == "draft_model":
+            return servable_config(model, path)
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
         raise ValueError(f"speculative_config.model {draft!r}: {exc}") from None
 
 

@@ -149,31 +149,38 @@ def test_config_validate_and_serve_refuse_a_checkpoints_own_code_unless_trusted(
 
 def test_config_validate_and_serve_refuse_a_draft_model_that_cannot_propose(tiny_model, tmp_path, serve_port,
                                                                           capsys):
-    """speculative_config's draft model is read as the target is, before any worker starts:
-    another vocabulary, a shorter context, or code of its own while that is not trusted."""
+    """speculative_config's draft model or EAGLE head is read as the target is, before any
+    worker starts: a draft of another vocabulary, of a shorter context, or with code of its own
+    while that is not trusted; a head of another width, or an EAGLE-3 head whose aux layers the
+    target lacks."""
     from local_frontend import with_context_length
     from remote_code_model import make_remote_code_model
 
     from pagedserve.devtools.model_factory import ensure_model
 
-    def spec(draft: str, **model) -> str:
+    def spec(draft: str, method: str = "draft_model", **model) -> str:
         return _config_file(tmp_path, {"model": model, "engine": {"speculative_config": {
-            "method": "draft_model", "model": draft, "num_speculative_tokens": 2}}})
+            "method": method, "model": draft, "num_speculative_tokens": 2}}})
 
     short = with_context_length(tiny_model("llama"), tmp_path / "short", 256)
     own_code = str(make_remote_code_model(tiny_model("llama"), tmp_path))
-    for draft, words in ((str(ensure_model("llama", "small-draft")), "must share the target's vocabulary"),
-                         (short, "computes at most 256 tokens of context"),
-                         (own_code, "holds code of its own")):
-        file = spec(draft)   # one file, rewritten for each draft
+    tiny_head = str(ensure_model("llama", "tiny-eagle"))
+    for draft, method, words in (
+            (str(ensure_model("llama", "small-draft")), "draft_model", "must share the target's vocabulary"),
+            (short, "draft_model", "computes at most 256 tokens of context"),
+            (own_code, "draft_model", "holds code of its own"),
+            (str(ensure_model("llama", "small-eagle")), "eagle", "an EAGLE head of width 512"),
+            (tiny_head, "eagle3", "aux hidden state layers")):   # vLLM's default layers need 4 or more
+        file = spec(draft, method)   # one file, rewritten for each draft
         assert main(["config", "validate", file]) == 1
         refused = capsys.readouterr().err
         assert "speculative_config.model" in refused and words in refused, refused
         assert main(["serve", "--config", file, "--port", serve_port]) == 2  # refused before anything starts
         assert capsys.readouterr().err == refused
-    for draft, model in ((tiny_model("llama"), {}), (own_code, {"trust_remote_code": True}),
-                         ("org/not-in-the-cache", {})):
-        assert main(["config", "validate", spec(draft, **model)]) == 0, capsys.readouterr().err
+    for draft, method, model in ((tiny_model("llama"), "draft_model", {}),
+                                 (own_code, "draft_model", {"trust_remote_code": True}),
+                                 ("org/not-in-the-cache", "draft_model", {}), (tiny_head, "eagle", {})):
+        assert main(["config", "validate", spec(draft, method, **model)]) == 0, capsys.readouterr().err
         assert capsys.readouterr().out.endswith("serve.yaml: valid\n")
 
 

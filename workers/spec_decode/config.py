@@ -95,3 +95,34 @@ def check_draft_fits(model: str, vocab_size: int, target_vocab_size: int, max_co
         raise ValueError(f"speculative_config.model {model!r} computes at most {max_context_len} tokens of "
                          f"context ({context_reason}), less than max_model_len {max_model_len}; "
                          "lower max_model_len")
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """vLLM's Llama default for an EAGLE-3 head: the hidden states entering these layers of the
+    target."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def check_eagle_head_fits(model: str, config, target_config, method: str) -> tuple[int, ...] | None:
+    """Refuse an EAGLE ("eagle") or EAGLE-3 ("eagle3") head whose config (transformers') does not
+    fit the target's text config: another family, another width, or for EAGLE-3 more than one
+    layer or aux hidden state layers the target lacks. Returns an EAGLE-3 head's aux layers.
+    The engine checks a head with it when it loads one, and ``serve`` before any worker starts."""
+    if config.model_type != "llama":
+        raise ValueError(f"speculative_config.model {model!r}: an EAGLE head of model_type {config.model_type!r}; "
+                         "only Llama-layer heads (vLLM's Eagle(3)LlamaForCausalLM layouts) are supported")
+    target_hidden = getattr(config, "target_hidden_size", None) or config.hidden_size
+    if target_hidden != target_config.hidden_size:
+        raise ValueError(f"speculative_config.model {model!r}: an EAGLE head of width {target_hidden} for a "
+                         f"target of width {target_config.hidden_size}")
+    if method != "eagle3":
+        return None
+    if config.num_hidden_layers != 1:
+        raise ValueError(f"speculative_config.model {model!r}: an EAGLE-3 head of {config.num_hidden_layers} "
+                         "layers; only one-layer heads (midlayer) are supported")
+    num_layers = target_config.num_hidden_layers
+    aux = tuple(getattr(config, "eagle_aux_hidden_state_layer_ids", None) or default_aux_layers(num_layers))
+    if len(aux) != 3 or not all(0 <= i < num_layers for i in aux):
+        raise ValueError(f"speculative_config.model {model!r}: aux hidden state layers {list(aux)} for a "
+                         f"target of {num_layers} layers (set eagle_aux_hidden_state_layer_ids)")
+    return aux

@@ -28,11 +28,7 @@ import torch
 
 from ..model.attention import PagedAttentionMetadata, register_paged_attention
 from ..model.model_runner import ModelRunner
-
-def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
-    """vLLM's Llama default: the hidden states entering these layers of the target."""
-    return (2, num_layers // 2, num_layers - 3)
-
+from .config import check_eagle_head_fits
 
 class EagleHead(torch.nn.Module):
     """EAGLE's head (module docstring)."""
@@ -145,26 +141,11 @@ def load_eagle_head(model: str, target: ModelRunner, method: str) -> tuple[torch
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(_resolve(model))
-    if config.model_type != "llama":
-        raise ValueError(f"speculative_config.model {model!r}: an EAGLE head of model_type {config.model_type!r}; "
-                         "only Llama-layer heads (vLLM's Eagle(3)LlamaForCausalLM layouts) are supported")
-    target_config = target.config.get_text_config()
-    target_hidden = getattr(config, "target_hidden_size", None) or config.hidden_size
-    if target_hidden != target_config.hidden_size:
-        raise ValueError(f"speculative_config.model {model!r}: an EAGLE head of width {target_hidden} for a "
-                         f"target of width {target_config.hidden_size}")
+    aux = check_eagle_head_fits(model, config, target.config.get_text_config(), method)
     names = {name.removeprefix("model."): tensor for name, tensor in _read_weights(_resolve(model)).items()}
     if method == "eagle3":
-        if config.num_hidden_layers != 1:
-            raise ValueError(f"speculative_config.model {model!r}: an EAGLE-3 head of {config.num_hidden_layers} "
-                             "layers; only one-layer heads (midlayer) are supported")
         names = {name.replace("layers.0.", "midlayer."): tensor for name, tensor in names.items()}
         names.pop("t2d", None)                       # the reverse map, not needed
-        num_layers = target_config.num_hidden_layers
-        aux = tuple(getattr(config, "eagle_aux_hidden_state_layer_ids", None) or default_aux_layers(num_layers))
-        if len(aux) != 3 or not all(0 <= i < num_layers for i in aux):
-            raise ValueError(f"speculative_config.model {model!r}: aux hidden state layers {list(aux)} for a "
-                             f"target of {num_layers} layers (set eagle_aux_hidden_state_layer_ids)")
         head = Eagle3Head(config, aux, "embed_tokens.weight" in names, target)
         skipped = {"rotary_emb."}
     else:
