@@ -1,4 +1,6 @@
-"""``speculative_config``: vLLM's keys, checked once, torch-free (the cluster's schema loads it)."""
+"""``speculative_config``: vLLM's keys, checked once, torch-free (the cluster's schema loads it);
+and the rules a draft model's or EAGLE head's config must meet against the target's, which the
+engine checks when it loads one and ``serve`` before any worker starts."""
 
 from __future__ import annotations
 
