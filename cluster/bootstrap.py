@@ -155,15 +155,11 @@ def draft_model_config(model: ModelConfig, draft: str, method: str):
     directory's, or a hub id's from this node's hub cache. A draft model's is checked as the
     target's is (its own code runs only with ``model.trust_remote_code``). None where this node
     has neither: the workers resolve the draft on their own nodes, and check it there."""
-    path = draft
     if is_hub_id(draft):
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = try_to_load_from_cache(draft, "config.json")
-        if not isinstance(cached, str):
-            return None
-        path = str(Path(cached).parent)
-    elif not Path(draft).is_dir():
+        path = _hub_cache_folder(draft)
+    else:
+        path = draft if Path(draft).is_dir() else None
+    if path is None:
         return None
     try:
         if method == "draft_model":
@@ -187,11 +183,16 @@ def cached_model_config(model: ModelConfig):
     source = model.source()
     if not source.is_hub_id:
         return servable_config(model, source.resolve(weights=False))
+    folder = _hub_cache_folder(source.reference, source.download_dir, source.revision)
+    return servable_config(model, folder) if folder is not None else None
+
+
+def _hub_cache_folder(hub_id: str, cache_dir: str | None = None, revision: str | None = None) -> str | None:
+    """The folder of ``hub_id``'s config in this node's hub cache; None where the cache lacks it."""
     from huggingface_hub import try_to_load_from_cache
 
-    cached = try_to_load_from_cache(source.reference, "config.json", cache_dir=source.download_dir,
-                                    revision=source.revision)
-    return servable_config(model, str(Path(cached).parent)) if isinstance(cached, str) else None
+    cached = try_to_load_from_cache(hub_id, "config.json", cache_dir=cache_dir, revision=revision)
+    return str(Path(cached).parent) if isinstance(cached, str) else None
 
 
 def init_ray(address: str | None = None, **ray_init_kwargs: Any) -> bool:

@@ -30,6 +30,7 @@ from ..model.attention import PagedAttentionMetadata, register_paged_attention
 from ..model.model_runner import ModelRunner
 from .config import check_eagle_head_fits
 
+
 class EagleHead(torch.nn.Module):
     """EAGLE's head (module docstring)."""
 
