@@ -165,12 +165,13 @@ def test_config_validate_and_serve_refuse_a_draft_model_that_cannot_propose(tiny
     short = with_context_length(tiny_model("llama"), tmp_path / "short", 256)
     own_code = str(make_remote_code_model(tiny_model("llama"), tmp_path))
     tiny_head = str(ensure_model("llama", "tiny-eagle"))
-    for draft, method, words in (
-            (str(ensure_model("llama", "small-draft")), "draft_model", "must share the target's vocabulary"),
-            (short, "draft_model", "computes at most 256 tokens of context"),
-            (own_code, "draft_model", "holds code of its own"),
-            (str(ensure_model("llama", "small-eagle")), "eagle", "an EAGLE head of width 512"),
-            (tiny_head, "eagle3", "aux hidden state layers")):   # vLLM's default layers need 4 or more
+    drafts = ((str(ensure_model("llama", "small-draft")), "draft_model", "must share the target's vocabulary"),
+              (short, "draft_model", "computes at most 256 tokens of context"),
+              (own_code, "draft_model", "holds code of its own"),
+              (str(ensure_model("llama", "small-eagle")), "eagle", "an EAGLE head of width 512"),
+              (tiny_head, "eagle3", "aux hidden state layers"))   # vLLM's default layers need 4 or more
+    capsys.readouterr()   # building a checkpoint the cache lacks writes progress bars to stderr
+    for draft, method, words in drafts:
         file = spec(draft, method)   # one file, rewritten for each draft
         assert main(["config", "validate", file]) == 1
         refused = capsys.readouterr().err
