@@ -83,18 +83,23 @@ def pytest_terminal_summary(terminalreporter, config):
             terminalreporter.line(f"    {process}")
 
 
-# Every module that takes over about 15 s, slowest first (mean of two clean-clone runs on this
-# 2-core machine, 2026-11-28, from their JUnit times). Under ``-n 2 --dist loadfile`` (``make
-# test``) each worker takes whole modules in collection order, so starting with the longest
-# keeps one worker from finishing alone on a long module at the end. A module missing here runs
-# after these; a stale figure only costs packing, never coverage.
+# Every module that takes over about 15 s, slowest first (one clean-clone run with a cold model,
+# Triton and inductor cache on this 2-core machine, 2026-12-02, from its
+# JUnit times). Under ``-n 2 --dist loadfile`` (``make test``) each worker takes whole modules in
+# collection order, so starting with the longest keeps one worker from finishing alone on a long
+# module at the end. A module missing here runs after these; a stale figure only costs packing,
+# never coverage.
 SLOWEST_MODULES = (
-    "test_tensor_parallel", "test_autoscaling", "test_chaos", "test_api_clients", "test_soak", "test_distributed",
-    "test_serve_cli", "test_ingress_replicas", "test_distributed_layouts", "test_fuzz", "test_kv_scale",
-    "test_cli_autoscaling", "test_server", "test_model_source", "test_torch_compile", "test_dashboard",
-    "test_first_run", "test_distributed_tp", "test_kernels_triton", "test_device_waits", "test_bench",
-    "test_health", "test_fake_cluster", "test_kv_relay", "test_kv_wire", "test_kv_replay", "test_gpu_targets",
-    "test_kernel_variants", "test_kv_tick_cluster", "test_output_processor", "test_beam_search",
+    "test_serve_cli", "test_tensor_parallel", "test_kernels_triton", "test_torch_compile", "test_chaos", "test_bench",
+    "test_api_clients", "test_distributed", "test_fuzz", "test_autoscaling", "test_soak", "test_distributed_layouts",
+    "test_lora", "test_ingress_replicas", "test_model_source", "test_cli_autoscaling", "test_first_run",
+    "test_engine_core", "test_distributed_tp", "test_server", "test_gpu_targets", "test_lora_serving", "test_models",
+    "test_dashboard", "test_beam_search", "test_output_processor", "test_kernel_variants", "test_kv_tick_cluster",
+    "test_kv_scale", "test_device_waits", "test_placement_watch", "test_spec_decode_serving", "test_health",
+    "test_spec_decode_distribution", "test_spec_decode_draft_serving", "test_engine", "test_kv_relay",
+    "test_fake_cluster", "test_structured_outputs", "test_lora_kernels", "test_kv_wire", "test_lora_tensor_parallel",
+    "test_spec_decode", "test_kv_replay", "test_request_bounds", "test_merged_projections", "test_ray_compat",
+    "test_openai_api",
 )
 
 
