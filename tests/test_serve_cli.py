@@ -120,9 +120,12 @@ def _config_file(tmp_path, config: dict) -> str:
 
 
 @pytest.mark.parametrize(("config", "message"), MODEL_MISFITS)
-def test_config_validate_refuses_a_model_misfit_as_serve_does(config, message, tmp_path, serve_port, capsys):
+def test_config_validate_refuses_a_model_misfit_as_serve_does(config, message, tiny_model, tmp_path, serve_port,
+                                                             capsys):
     """Head counts against the tensor-parallel size, the context against the model's: the
     message ``serve`` gives before it starts anything."""
+    tiny_model("llama")   # the default model: ``serve`` builds it where the cache lacks it, with progress bars
+    capsys.readouterr()
     file = _config_file(tmp_path, config)
     assert main(["config", "validate", file]) == 1
     validated = capsys.readouterr().err
@@ -136,6 +139,7 @@ def test_config_validate_and_serve_refuse_a_checkpoints_own_code_unless_trusted(
     from remote_code_model import make_remote_code_model
 
     path = make_remote_code_model(tiny_model("llama"), tmp_path)
+    capsys.readouterr()   # building a checkpoint the cache lacks writes progress bars to stderr
     file = _config_file(tmp_path, {"model": {"path": str(path)}})
     assert main(["config", "validate", file]) == 1
     refused = capsys.readouterr().err
@@ -189,6 +193,7 @@ def test_config_validate_reads_a_directory_or_the_hub_cache_without_weights(tiny
     """A checkpoint directory's config, or a hub id's in the hub cache (no weights there, no
     network); a hub id the cache lacks is left to ``serve``, and said so."""
     directory = {"model": {"path": tiny_model("llama")}, "engine": {"tensor_parallel_size": 5}}
+    capsys.readouterr()   # building a checkpoint the cache lacks writes progress bars to stderr
     assert main(["config", "validate", _config_file(tmp_path, directory)]) == 1
     expected = capsys.readouterr().err
     assert "has 4 attention heads, which do not divide by 5" in expected
