@@ -83,12 +83,11 @@ def pytest_terminal_summary(terminalreporter, config):
             terminalreporter.line(f"    {process}")
 
 
-# Every module that takes over about 15 s, slowest first (one clean-clone run with a cold model,
-# Triton and inductor cache on this 2-core machine, 2026-12-02, from its
-# JUnit times). Under ``-n 2 --dist loadfile`` (``make test``) each worker takes whole modules in
-# collection order, so starting with the longest keeps one worker from finishing alone on a long
-# module at the end. A module missing here runs after these; a stale figure only costs packing,
-# never coverage.
+# Every module that takes over about 15 s, slowest first (one clean-clone run's JUnit times, with
+# cold model, Triton and inductor caches, on this 2-core machine, 2026-12-02). Under ``-n 2 --dist
+# loadfile`` (``make test``) each worker takes whole modules in collection order, so starting with
+# the longest keeps one worker from finishing alone on a long module at the end. A module missing
+# here runs after these; a stale figure only costs packing, never coverage.
 SLOWEST_MODULES = (
     "test_serve_cli", "test_tensor_parallel", "test_kernels_triton", "test_torch_compile", "test_chaos", "test_bench",
     "test_api_clients", "test_distributed", "test_fuzz", "test_autoscaling", "test_soak", "test_distributed_layouts",
