@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 
+from pagedserve.workers.engine import core_progress
 from pagedserve.workers.engine.core_progress import CoreProgress
 
 
@@ -37,6 +38,20 @@ def test_a_reader_sees_whole_steps_while_the_core_writes(tmp_path):
     assert writer.exitcode == 0
     assert not torn, f"{len(torn)} of {num_reads} reads saw a half-written step: {torn[:5]}"
     assert last_step > 0
+    progress.unlink()
+
+
+def test_a_writer_stopped_mid_copy_leaves_the_last_whole_step(tmp_path):
+    """What a reader sees while the core is paused (or was killed) halfway through its copy:
+    two reads in a row agree on the half-written bytes, so agreement alone is no proof."""
+    progress = CoreProgress.create(str(tmp_path / "progress"))
+    progress.note_step(7, 3, 40)
+    whole = progress.read()
+    next_seq = progress._seq + 1
+    offset = core_progress._slot_offset(next_seq)
+    half = core_progress._SLOT.pack(next_seq, time.time(), 4, 8, 41, next_seq)[:core_progress._SLOT.size // 2]
+    progress._map[offset:offset + len(half)] = half
+    assert progress.read() == progress.read() == whole
     progress.unlink()
 
 

@@ -2,9 +2,14 @@
 
 The core writes four numbers after every step (when the last step ended, unfinished
 requests, steps, generated tokens); the actor reads them for its heartbeat and stall check.
-No message and no lock: the writer copies the packed figures in one slice assignment (never
-``struct.pack_into``, which zeroes the bytes before it writes them), and the reader takes a
-copy only once two copies in a row agree, so it never sees a half-written step.
+
+No message and no lock: a sequence lock over two slots. The writer packs step ``n``'s figures,
+tagged with ``n``, into slot ``n % 2`` (the slot readers are not being sent to), then publishes
+``n`` in the 8-byte header. A reader takes the header, the slot it names and the header again,
+and keeps the slot only if all three say the same ``n``; otherwise the writer moved on during
+the read and it reads again. Two copies in a row that agree are not enough: a writer paused in
+the middle of its copy leaves the same half-written bytes for both. The writer never waits, and
+a writer killed mid-copy leaves the last published slot whole.
 """
 
 from __future__ import annotations
@@ -14,23 +19,33 @@ import os
 import struct
 import time
 
-_LAYOUT = struct.Struct("<dddd")   # last progress (wall time), unfinished, steps, generated tokens
-SIZE = _LAYOUT.size
+_HEADER = struct.Struct("<q")          # the sequence number of the last whole slot
+_SLOT = struct.Struct("<qddddq")       # n, last progress (wall time), unfinished, steps, generated tokens, n
+SIZE = _HEADER.size + 2 * _SLOT.size
+
+
+def _slot_offset(seq: int) -> int:
+    return _HEADER.size + (seq % 2) * _SLOT.size
 
 
 class CoreProgress:
-    """The mapped figures at ``path`` (created by ``create``; each side maps it with ``open``)."""
+    """The mapped figures at ``path`` (created by ``create``; each side maps it with ``open``).
+
+    One process writes (the engine core); any number read."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         with open(path, "r+b") as f:
             self._map = mmap.mmap(f.fileno(), SIZE)
+        self._seq = _HEADER.unpack_from(self._map)[0]
 
     @classmethod
     def create(cls, path: str) -> "CoreProgress":
         with open(path, "wb") as f:
-            f.write(_LAYOUT.pack(time.time(), 0, 0, 0))
-        return cls(path)
+            f.write(bytes(SIZE))
+        progress = cls(path)
+        progress._write(time.time(), 0, 0, 0)
+        return progress
 
     def note_step(self, num_steps: int, num_unfinished: int, num_generated_tokens: int) -> None:
         self._write(time.time(), num_unfinished, num_steps, num_generated_tokens)
@@ -38,19 +53,30 @@ class CoreProgress:
     def note_admitted(self, num_unfinished: int, was_idle: bool) -> None:
         """A request was admitted: ``num_unfinished`` now; an idle engine's progress clock
         starts at it (an idle engine has not stalled)."""
-        last, _, num_steps, num_generated_tokens = _LAYOUT.unpack_from(self._map)
+        last, _, num_steps, num_generated_tokens = self.read()
         self._write(time.time() if was_idle else last, num_unfinished, num_steps, num_generated_tokens)
 
     def _write(self, last: float, num_unfinished: int, num_steps: int, num_generated_tokens: int) -> None:
-        self._map[:SIZE] = _LAYOUT.pack(last, num_unfinished, num_steps, num_generated_tokens)
+        seq = self._seq + 1
+        offset = _slot_offset(seq)
+        self._map[offset:offset + _SLOT.size] = _SLOT.pack(
+            seq, last, num_unfinished, num_steps, num_generated_tokens, seq)
+        self._map[:_HEADER.size] = _HEADER.pack(seq)
+        self._seq = seq
 
     def read(self) -> tuple[float, int, int, int]:
-        """(last progress, unfinished requests, steps, generated tokens)."""
-        data = self._map[:SIZE]
-        while (again := self._map[:SIZE]) != data:   # a step was being written: read it whole
-            data = again
-        last, num_unfinished, num_steps, num_generated_tokens = _LAYOUT.unpack(data)
-        return last, int(num_unfinished), int(num_steps), int(num_generated_tokens)
+        """(last progress, unfinished requests, steps, generated tokens) of one whole step."""
+        num_tries = 0
+        while True:
+            seq = _HEADER.unpack_from(self._map)[0]
+            offset = _slot_offset(seq)
+            first, last, num_unfinished, num_steps, num_generated_tokens, final = _SLOT.unpack(
+                self._map[offset:offset + _SLOT.size])
+            if first == final == seq == _HEADER.unpack_from(self._map)[0]:
+                return last, int(num_unfinished), int(num_steps), int(num_generated_tokens)
+            num_tries += 1
+            if num_tries % 16 == 0:
+                time.sleep(0)   # the writer is mid-publish on a busy machine: let it run
 
     def close(self) -> None:
         self._map.close()
