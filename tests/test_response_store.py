@@ -1,0 +1,106 @@
+"""The store of the Responses API's stored responses: least-recently-used room, deletion, and
+conversations followed through ``previous_response_id``, against a plain model of each.
+
+Random sequences of operations (hypothesis's state machine) check it against a list kept in
+use order; the conversation is checked against the chain walked by hand. Ids are reused, as a
+client's ``request_id`` may reuse one, so chains may loop: the store must still answer.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from pagedserve.cluster.response_store import Conversation, ResponseStore, StoredResponse
+
+IDS = [f"resp_{n}" for n in range(8)]
+
+
+def stored(response_id: str, previous: str | None = None) -> StoredResponse:
+    return StoredResponse({"id": response_id, "output": [{"type": "message", "id": f"out_{response_id}"}]},
+                          [{"type": "message", "id": f"in_{response_id}"}], previous)
+
+
+class StoreMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.store = ResponseStore(max_responses=4)
+        self.order: list[str] = []                 # least recently used first
+        self.records: dict[str, StoredResponse] = {}
+
+    def _use(self, response_id: str) -> None:
+        self.order.remove(response_id)
+        self.order.append(response_id)
+
+    @rule(response_id=st.sampled_from(IDS), previous=st.none() | st.sampled_from(IDS))
+    def put(self, response_id, previous):
+        record = stored(response_id, previous)
+        self.store.put(record)
+        if response_id in self.order:
+            self.order.remove(response_id)
+        self.order.append(response_id)
+        self.records[response_id] = record
+        while len(self.order) > 4:
+            self.records.pop(self.order.pop(0))
+
+    @rule(response_id=st.sampled_from(IDS))
+    def get(self, response_id):
+        assert self.store.get(response_id) is self.records.get(response_id)
+        if response_id in self.order:
+            self._use(response_id)
+
+    @rule(response_id=st.sampled_from(IDS))
+    def delete(self, response_id):
+        assert self.store.delete(response_id) == (response_id in self.records)
+        if response_id in self.records:
+            self.order.remove(response_id)
+            del self.records[response_id]
+
+    @rule(response_id=st.sampled_from(IDS))
+    def conversation(self, response_id):
+        got = self.store.conversation(response_id)
+        if response_id not in self.records:
+            assert got is None
+            return
+        chain, next_id, seen = [], response_id, set()
+        while next_id is not None and next_id in self.records and next_id not in seen:
+            seen.add(next_id)
+            chain.append(self.records[next_id])
+            next_id = self.records[next_id].previous_response_id
+        for record in chain:   # every response walked counts as used
+            self._use(record.id)
+        if next_id is not None:   # gone, or met again (a replaced response made a loop)
+            assert got == Conversation(missing=next_id)
+        else:
+            expected = [item for record in reversed(chain) for item in record.input_items + record.response["output"]]
+            assert got == Conversation(expected)
+
+    @invariant()
+    def holds_what_the_model_holds(self):
+        assert self.store.stats()["num_stored"] == len(self.order) <= 4
+        assert list(self.store._responses) == self.order
+
+
+TestStoreMachine = StoreMachine.TestCase
+TestStoreMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_a_chain_of_three_is_its_items_in_order_and_a_gap_names_the_missing():
+    store = ResponseStore(max_responses=10)
+    store.put(stored("a"))
+    store.put(stored("b", "a"))
+    store.put(stored("c", "b"))
+    assert [item["id"] for item in store.conversation("c").items] == ["in_a", "out_a", "in_b", "out_b",
+                                                                      "in_c", "out_c"]
+    store.delete("a")
+    assert store.conversation("c") == Conversation(missing="a")
+    assert store.conversation("a") is None
+    store.put(stored("a", "c"))   # a reused id: a -> c -> b -> a
+    assert store.conversation("a") == Conversation(missing="a")
+
+
+def test_room_must_hold_one():
+    with pytest.raises(ValueError, match="at least 1"):
+        ResponseStore(0)
