@@ -303,4 +303,4 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
             remove_worker_placement(worker_name(i), NAMESPACE)
         raise
     return ClusterHandle(config, model_path, kv_manager, workers, roles, infos[0], controller,
-                         owns_ray=owns_ray)
+                         owns_ray=owns_ray, namespace=NAMESPACE)

@@ -312,8 +312,9 @@ def _overrides(args: argparse.Namespace) -> list[str]:
     for attribute in ("port", "grpc_port"):
         if getattr(args, attribute) is not None:
             overrides.append(f"server.{attribute}={getattr(args, attribute)}")
-    if getattr(args, "log_requests", False):
-        overrides.append("server.log_requests=true")
+    for attribute in ("log_requests", "store_responses"):
+        if getattr(args, attribute, False):
+            overrides.append(f"server.{attribute}=true")
     return overrides
 
 
@@ -338,6 +339,9 @@ def _add_serve_parser(subparsers) -> None:
     _add_config_sources(parser)
     parser.add_argument("--log-requests", action="store_true",
                         help="log prompts and completions (config server.log_requests; default: off)")
+    parser.add_argument("--store-responses", action="store_true",
+                        help="keep the Responses API's responses for retrieval and previous_response_id "
+                             "(server.store_responses, vLLM's VLLM_ENABLE_RESPONSES_API_STORE; default: off)")
     parser.add_argument("--address", metavar="RAY_ADDRESS",
                         help="join this Ray cluster ('auto': the one running on this machine; default: "
                              "$RAY_ADDRESS if set, else a private Ray that stops with the server)")

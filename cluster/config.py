@@ -304,6 +304,14 @@ class ServerConfig(_Strict):
     override_generation_config: dict[str, int | float] = Field(default_factory=dict)
     """Sampling defaults that win over the generation config's (vLLM's
     --override-generation-config), e.g. {"temperature": 0.5}; keys as in generation_config.json."""
+    store_responses: bool = False
+    """Keep finished responses of the Responses API (vLLM's VLLM_ENABLE_RESPONSES_API_STORE):
+    a request's ``store`` then defaults to true, as OpenAI's does, and GET/DELETE
+    /v1/responses/{id}, its input_items and ``previous_response_id`` work. One store serves
+    every ingress replica (an actor on the head node); it lives in memory and ends with the
+    cluster. Off: ``store: true`` and ``previous_response_id`` are refused."""
+    max_stored_responses: int = Field(10000, ge=1)
+    """How many responses the store keeps; beyond it the least recently used are forgotten."""
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     """Limits that protect the service."""
 

@@ -43,7 +43,7 @@ pagedserve config validate my.yaml                          # every problem, wit
                                                             # and the model's fit (heads, context) as serve checks it
 ```
 
-`serve`'s `--host`, `--port`, `--grpc-port`, `--api-key` and `--log-requests`
+`serve`'s `--host`, `--port`, `--grpc-port`, `--api-key`, `--log-requests` and `--store-responses`
 set the `server` keys of the same names. `LLM(...)` takes the `engine` keys as
 keyword arguments. Working examples: the files in `configs/`.
 """

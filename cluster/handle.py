@@ -33,6 +33,7 @@ from pagedserve.workers.actor.worker import stall_timeout_s
 from .config import ClusterConfig, LoRAModule
 from .controller import HealthView
 from .kv_relay import kill_relays
+from .response_store import ActorResponseStore, kill_response_store
 from .lora_adapters import AdapterNameError, AdapterNotFound, LoRAAdapters, runtime_id
 from .placement import remove_worker_placement
 from .request_flow import (MIGRATE, Attempt, AttemptsExhausted, RepeatedEngineFailure, RequestFlow,
@@ -95,8 +96,10 @@ class ClusterHandle:
     """
 
     def __init__(self, config: ClusterConfig, model_path: str, kv_manager, workers: dict,
-                 roles: dict[str, str], info: dict, controller, owns_ray: bool = False) -> None:
+                 roles: dict[str, str], info: dict, controller, owns_ray: bool = False,
+                 namespace: str | None = None) -> None:
         self.config = config
+        self.namespace = namespace   # the cluster's named actors' (None: this process's own)
         self.model_path = model_path
         self.kv_manager = kv_manager
         self.controller = controller
@@ -150,6 +153,11 @@ class ClusterHandle:
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._init_local_state()
+
+    def response_store(self, max_responses: int) -> ActorResponseStore:
+        """The cluster's one store of the Responses API's stored responses (created, with room
+        for ``max_responses``, by the first caller)."""
+        return ActorResponseStore(self.namespace, max_responses)
 
     # ---- the worker set -------------------------------------------------------------
     def _apply_membership(self, membership: dict) -> None:
@@ -668,6 +676,10 @@ class ClusterHandle:
             pass
         try:  # the nodes' KV event relays (detached: they outlive the workers that made them)
             kill_relays(ray.get_runtime_context().namespace)
+        except Exception:
+            pass
+        try:  # the stored responses (detached: they outlive the replicas that made them)
+            kill_response_store(self.namespace)
         except Exception:
             pass
         if self.owns_ray:

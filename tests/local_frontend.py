@@ -21,6 +21,7 @@ from contextlib import aclosing
 import httpx
 
 from pagedserve.cluster.config import ServerConfig
+from pagedserve.cluster.response_store import LocalResponseStore
 from pagedserve.cluster.serving.frontend import Frontend
 from pagedserve.cluster.serving.grpc_service import GrpcRequestError, GrpcService
 from pagedserve.cluster.serving.http_app import build_app
@@ -75,6 +76,10 @@ class LocalHandle:
         self.kv_manager = _Actor(stats=lambda: {"workers": {"worker-0": core.kv_manager.stats("worker-0")}})
         self.workers = {"worker-0": _Actor(stats=lambda: {"is_healthy": True, **self.engine.stats()},
                                            ping=lambda: "worker-0")}
+
+    def response_store(self, max_responses: int) -> LocalResponseStore:
+        """The stored responses: in this process (the cluster's is an actor)."""
+        return LocalResponseStore(max_responses)
 
     def generate(self, prompt, params, request_id=None, priority=0, prompt_token_ids=None, is_streamed=False,
                  lora_request=None, token_by_token=False):

@@ -106,7 +106,8 @@ def model_path(tiny_model, tmp_path_factory) -> str:
 def served(model_path):
     from pagedserve.cluster.serving.deployment import deploy
 
-    config = cluster_config(model_path, MODEL, ENGINE, num_workers=1, step_timeout_s=30.0, grpc_port=free_port())
+    config = cluster_config(model_path, MODEL, ENGINE, num_workers=1, step_timeout_s=30.0, grpc_port=free_port(),
+                            store_responses=True)
     with running_cluster(config, num_cpus=2) as cluster:
         endpoints = deploy(cluster.handle, cluster.config, quiet=True)
         yield Served(cluster.handle, endpoints["http"], model_path, endpoints["grpc"])
@@ -451,6 +452,18 @@ def test_responses_api_function_call_round_trip_and_stream(client, tokenizer):
     assert events[-1].type == "response.incomplete" and answer.status == final.status == "incomplete"
     assert "".join(deltas) == final.output_text == answer.output_text
     assert final.usage.output_tokens == answer.usage.output_tokens == 4
+
+    # The same round trip through the cluster's store: the call continued by its id, its
+    # output sent alone; the response is the one the whole conversation made.
+    continued = client.responses.create(model=MODEL, previous_response_id=called.id, input=items[2:], tools=[add],
+                                        max_output_tokens=4, temperature=0)
+    assert continued.previous_response_id == called.id
+    assert (continued.output_text, continued.usage.input_tokens) == (answer.output_text, answer.usage.input_tokens)
+    assert client.responses.retrieve(continued.id).model_dump() == continued.model_dump()
+    assert [item.type for item in client.responses.input_items.list(continued.id).data] == ["function_call_output"]
+    client.responses.delete(continued.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(continued.id)
 
 
 # ---- log-probabilities --------------------------------------------------------------------------

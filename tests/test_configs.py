@@ -272,10 +272,11 @@ def test_serve_cli_binds_loopback_unless_told(monkeypatch):
     monkeypatch.delenv("PAGEDSERVE_API_KEY", raising=False)
     assert cli.main(["serve"]) == 0
     assert seen.pop("config").server.host == "127.0.0.1"
-    cli.main(["serve", "--host", "0.0.0.0", "--log-requests"])
+    cli.main(["serve", "--host", "0.0.0.0", "--log-requests", "--store-responses"])
     config = seen.pop("config")
-    assert config.server.host == "0.0.0.0" and config.server.log_requests
+    assert config.server.host == "0.0.0.0" and config.server.log_requests and config.server.store_responses
     assert not ClusterConfig().server.log_requests and ClusterConfig().server.metrics_require_api_key
+    assert not ClusterConfig().server.store_responses
 
 
 def test_argument_types_have_one_definition():

@@ -406,6 +406,9 @@ class Frontend:
         if self.sampling_defaults:
             logger.info("sampling defaults from the model's generation config: %s (server.generation_config "
                         "'vllm' for OpenAI's)", self.sampling_defaults)
+        # Where the Responses API keeps finished responses (``server.store_responses``): the cluster's one store.
+        self.response_store = (handle.response_store(self.config.max_stored_responses)
+                               if self.config.store_responses else None)
         self.limiter = RequestLimiter(self.limits.max_queued_requests)
         self.client_limiter = ClientLimiter(self.limits.max_requests_per_client)
         self.metrics = ServerMetrics(self.model_name)

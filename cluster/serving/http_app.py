@@ -92,6 +92,13 @@ def _reject_json_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
+def refuse_query(request, names: tuple[str, ...], why: str) -> None:
+    """A 400 naming the first of ``names`` the request's query string holds (``why`` it cannot be honoured)."""
+    for name in names:
+        if name in request.query_params:
+            raise APIError(400, f"{name} cannot be honoured: {why}", param=name.removesuffix("[]"))
+
+
 def _json_response(content: Any, status_code: int = 200, headers: dict[str, str] | None = None):
     """A JSON response with non-ASCII escaped, so any text (lone surrogates too) encodes."""
     from fastapi.responses import Response
@@ -276,17 +283,34 @@ def build_app(server: Frontend):
     async def responses_route(request: Request):
         return await generate("responses", request, ResponsesRequest, serving_responses.create_response)
 
-    # OpenAI's routes for stored responses: nothing is stored here (``store: true`` is refused),
-    # so every id is unknown, and the 404 says why rather than a bare "Not Found".
-    async def stored_response(response_id: str):
-        raise APIError(404, f"Response with id {response_id!r} not found: this server does not store responses "
-                            "(store: true is refused)", param="response_id")
+    # OpenAI's routes for stored responses (``server.store_responses``); without a store every
+    # id is unknown, and the 404 says why rather than a bare "Not Found".
+    not_stored = {404: {"model": ErrorResponse, "description": "no stored response"},
+                  400: {"model": ErrorResponse, "description": "a parameter that cannot be honoured"}}
 
-    for method, path, name in (("GET", "", "retrieve"), ("DELETE", "", "delete"), ("POST", "/cancel", "cancel"),
-                               ("GET", "/input_items", "input_items")):
-        app.add_api_route("/v1/responses/{response_id}" + path, stored_response, methods=[method],
-                          operation_id=f"responses_{name}",
-                          responses={404: {"model": ErrorResponse, "description": "no stored response"}})
+    @app.get("/v1/responses/{response_id}", operation_id="responses_retrieve",
+             responses={200: {"model": ResponseObject}, **not_stored})
+    async def retrieve_response(response_id: str, request: Request):
+        refuse_query(request, ("stream", "starting_after", "include", "include[]"),
+                     "a stored response is returned as it was made: stream it, or include more, when creating it")
+        return _json_response((await serving_responses.retrieve(response_id)).response)
+
+    @app.delete("/v1/responses/{response_id}", operation_id="responses_delete", responses=not_stored)
+    async def delete_response(response_id: str):
+        return _json_response(await serving_responses.delete(response_id))
+
+    @app.post("/v1/responses/{response_id}/cancel", operation_id="responses_cancel", responses=not_stored)
+    async def cancel_response(response_id: str):
+        await serving_responses.retrieve(response_id)
+        raise APIError(400, f"response {response_id!r} cannot be cancelled: only background responses can be, "
+                            "and this server runs none", param="response_id")
+
+    @app.get("/v1/responses/{response_id}/input_items", operation_id="responses_input_items",
+             responses=not_stored)
+    async def response_input_items(response_id: str, request: Request, limit: int = 20, order: str = "desc",
+                                   after: str | None = None):
+        refuse_query(request, ("before", "include", "include[]"), "input items are listed as they were sent")
+        return _json_response(await serving_responses.input_items(response_id, limit, order, after))
 
     @app.post("/tokenize", openapi_extra=_json_body(TokenizeCompletionRequest, TokenizeChatRequest),
               responses=_responses(TokenizeResponse))

@@ -8,10 +8,12 @@ function tools, structured output (``text.format``) and sampling behave the
 same. Requests reject unknown fields like every other route.
 
 What this server cannot honour is a 400 naming the field, never ignored:
-nothing is stored (``store: true``, ``previous_response_id``, ``background``,
-``conversation``, ``prompt``), models are text-only (image, file and audio
-parts), tools are functions only (no hosted tools), and neither reasoning
-options nor ``truncation: "auto"`` apply.
+``store: true`` and ``previous_response_id`` unless ``server.store_responses``
+is on (``serving_responses`` decides), nothing runs in the ``background``,
+no ``conversation`` objects, ``prompt`` templates or item references are kept,
+models are text-only (image, file and audio parts), tools are functions only
+(no hosted tools), and neither reasoning options nor ``truncation: "auto"``
+apply.
 """
 
 from __future__ import annotations
@@ -26,10 +28,9 @@ from .protocol import (MAX_INT32, MAX_INT64, MAX_REPETITION_PENALTY, MIN_REPETIT
 
 # Fields of OpenAI's Responses API that this server cannot honour with any value but a harmless one.
 REFUSED_RESPONSE_FIELDS = {
-    "store": "responses are not stored by this server (store: false)",
-    "previous_response_id": "responses are not stored by this server; send the conversation as input",
-    "background": "background responses need stored responses, which this server does not keep",
-    "conversation": "conversations are not stored by this server; send the conversation as input",
+    "background": "responses are not run in the background by this server",
+    "conversation": "conversation objects are not kept by this server; send the conversation as input, or "
+                    "continue a stored response with previous_response_id",
     "prompt": "stored prompt templates are not kept by this server",
     "reasoning": "reasoning options need a reasoning model's chat template",
     "max_tool_calls": "a limit on tool calls is not supported",
@@ -39,7 +40,7 @@ REFUSED_RESPONSE_FIELDS = {
     "prompt_cache_retention": "cached prefixes are kept for as long as the KV cache has room ('in_memory')",
 }
 _HARMLESS_RESPONSE_VALUES: dict[str, tuple] = {
-    "store": (False,), "background": (False,), "truncation": ("disabled",), "service_tier": ("auto", "default"),
+    "background": (False,), "truncation": ("disabled",), "service_tier": ("auto", "default"),
     "prompt_cache_retention": ("in_memory",), "reasoning": ({},),
 }
 # ``include`` values this server honours.
@@ -110,7 +111,7 @@ class FunctionCallOutputItem(_Request):
 
 
 InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem, Field(discriminator="type")]
-_UNSTORED_ITEMS = {"item_reference": "items are not stored by this server; send the item itself",
+_UNSTORED_ITEMS = {"item_reference": "items are not referenced by id here; send the item itself",
                    "reasoning": "reasoning items need a reasoning model's chat template"}
 
 
@@ -183,9 +184,10 @@ class ResponsesRequest(_Request):
     top_k: Annotated[int, Field(ge=-1, le=MAX_INT32), NOT_A_BOOLEAN] | None = None
     min_p: Float = Field(0.0, ge=0, le=1)
     repetition_penalty: Float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
+    # Honoured with server.store_responses on (else refused by serving_responses).
+    store: Bool | None = None
+    previous_response_id: str | None = Field(None, min_length=1, max_length=256)
     # Refused unless harmless (REFUSED_RESPONSE_FIELDS).
-    store: Any = None
-    previous_response_id: Any = None
     background: Any = None
     conversation: Any = None
     prompt: Any = None
@@ -324,7 +326,7 @@ class ResponseObject(BaseModel):
     model: str
     output: list[OutputMessage | OutputFunctionCall] = Field(default_factory=list)
     parallel_tool_calls: bool
-    previous_response_id: None = None
+    previous_response_id: str | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_logprobs: int | None = None

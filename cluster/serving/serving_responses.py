@@ -15,6 +15,12 @@ with ``include: ["message.output_text.logprobs"]`` or ``top_logprobs``), and a
 makes the response ``incomplete`` (``incomplete_details.reason:
 "max_output_tokens"``).
 
+With a store (``server.store_responses``), a finished response whose ``store``
+is not false is kept before it (or its last event) goes out, with its own
+input items, each given an id; ``previous_response_id`` puts the stored
+conversation (every earlier input and output item) before the new input.
+Instructions are not carried over, as OpenAI's are not.
+
 Streamed, the events are OpenAI's, each a named server-sent event with its
 ``sequence_number``: ``response.created`` and ``response.in_progress``; per
 item ``response.output_item.added``, then for a message
@@ -34,17 +40,18 @@ from collections.abc import AsyncIterator, Sequence
 from json.encoder import encode_basestring as _json_str  # as pydantic writes strings: non-ASCII kept
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from pagedserve.tool_parsers import ToolCall, ToolParser
 from pagedserve.workers.outputs.request_output import CompletionOutput, RequestOutput
 
+from ..response_store import StoredResponse
 from .errors import APIError
 from .frontend import Generation
 from .protocol import ChatCompletionRequest, TokenLogprob
-from .responses_protocol import (FunctionCallItem, FunctionCallOutputItem, IncompleteDetails, InputTokensDetails,
-                                 OutputFunctionCall, OutputMessage, OutputText, ResponseObject, ResponsesRequest,
-                                 ResponseUsage)
+from .responses_protocol import (FunctionCallItem, FunctionCallOutputItem, IncompleteDetails, InputItem,
+                                 InputTokensDetails, MessageItem, OutputFunctionCall, OutputMessage, OutputText,
+                                 ResponseObject, ResponsesRequest, ResponseUsage)
 from .serving_chat import ServingChat
 from .streaming import ChunkStream, generation_batches
 
@@ -53,8 +60,29 @@ _PARAM_NAMES = {"messages": "input", "response_format": "text.format", "max_comp
                 "logprobs": "include"}
 
 
+_STORED_ITEMS = TypeAdapter(list[InputItem])
+NOT_STORED = "responses are not stored by this server (server.store_responses is off)"
+_ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
 def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def own_input_items(request: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as items, as the API lists them: each with an id, text as parts."""
+    items = request.input if isinstance(request.input, list) else [MessageItem(role="user", content=request.input)]
+    listed = []
+    for item in items:
+        entry = item.model_dump(mode="json", exclude_none=True)
+        entry.setdefault("id", _item_id(_ITEM_ID_PREFIXES[item.type]))
+        if isinstance(item, MessageItem):
+            if isinstance(item.content, str):
+                kind = "output_text" if item.role == "assistant" else "input_text"
+                entry["content"] = [{"type": kind, "text": item.content}]
+            entry.setdefault("status", "completed")
+        listed.append(entry)
+    return listed
 
 
 def _renamed(error: APIError) -> APIError:
@@ -134,15 +162,91 @@ def chat_request(request: ResponsesRequest):
 
 
 class ServingResponses:
-    """Answers Responses API requests for one ``Frontend``, through its chat path."""
+    """Answers Responses API requests for one ``Frontend``, through its chat path, and keeps
+    them in the frontend's ``response_store`` (if it has one)."""
 
     def __init__(self, chat: ServingChat) -> None:
         self.chat = chat
         self.frontend = chat.frontend
+        self.store = chat.frontend.response_store
+
+    def _stores(self, request: ResponsesRequest) -> bool:
+        """Whether ``request``'s response is to be kept: ``store``, else the server's default."""
+        if request.store is None:
+            return self.store is not None
+        if request.store and self.store is None:
+            raise APIError(400, f"store cannot be honoured: {NOT_STORED}; send store: false", param="store")
+        return request.store
+
+    async def _continued(self, request: ResponsesRequest) -> ResponsesRequest:
+        """``request`` with its previous response's conversation before its own input."""
+        previous_id = request.previous_response_id
+        if self.store is None:
+            raise APIError(400, f"previous_response_id cannot be honoured: {NOT_STORED}; send the conversation "
+                                "as input", param="previous_response_id")
+        conversation = await self.store.conversation(previous_id)
+        if conversation is None:
+            raise APIError(404, f"Previous response with id {previous_id!r} not found", param="previous_response_id")
+        if conversation.missing is not None:
+            raise APIError(404, f"Previous response with id {previous_id!r} continues response "
+                                f"{conversation.missing!r}, which is no longer stored", param="previous_response_id")
+        own = request.input if isinstance(request.input, list) else [MessageItem(role="user", content=request.input)]
+        return request.model_copy(update={"input": _STORED_ITEMS.validate_python(conversation.items) + own})
+
+    async def keep(self, response: ResponseObject, input_items: list[dict[str, Any]] | None) -> None:
+        """Store ``response`` (finished) if its request asked for it (``input_items`` not None)."""
+        if input_items is None:
+            return
+        try:
+            await self.store.put(StoredResponse(response.model_dump(mode="json"), input_items,
+                                                response.previous_response_id))
+        except Exception as exc:
+            raise APIError(503, f"the response was generated but could not be stored: {exc!r}", param="store",
+                           code="store_unavailable") from None
+
+    async def retrieve(self, response_id: str) -> StoredResponse:
+        """The stored response ``response_id`` (404 naming it if none)."""
+        stored = await self.store.get(response_id) if self.store is not None else None
+        if stored is None:
+            raise self.not_found(response_id)
+        return stored
+
+    async def delete(self, response_id: str) -> dict[str, Any]:
+        if self.store is None or not await self.store.delete(response_id):
+            raise self.not_found(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    async def input_items(self, response_id: str, limit: int = 20, order: str = "desc",
+                          after: str | None = None) -> dict[str, Any]:
+        """A page of the stored response's own input items (OpenAI's list object): ``limit``
+        (1-100) of them in ``order`` ("asc" or "desc"), after the item ``after`` if given."""
+        if not 1 <= limit <= 100:
+            raise APIError(400, f"limit must be between 1 and 100, not {limit}", param="limit")
+        if order not in ("asc", "desc"):
+            raise APIError(400, f"order must be 'asc' or 'desc', not {order!r}", param="order")
+        items = (await self.retrieve(response_id)).input_items
+        if order == "desc":
+            items = items[::-1]
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise APIError(400, f"after {after!r} is not an input item of response {response_id!r}",
+                               param="after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+    def not_found(self, response_id: str) -> APIError:
+        why = f": {NOT_STORED}" if self.store is None else ""
+        return APIError(404, f"Response with id {response_id!r} not found{why}", param="response_id")
 
     async def create_response(self, request: ResponsesRequest, client: str = "") -> ResponseObject | ChunkStream:
         """The response, or a ``ChunkStream`` of its events (SSE text) when ``stream`` is set."""
         frontend = self.frontend
+        input_items = own_input_items(request) if self._stores(request) else None
+        if request.previous_response_id is not None:
+            request = await self._continued(request)
         chat = chat_request(request)
         try:
             prompt, params, lora_request = self.chat.prepare(chat, "max_output_tokens")
@@ -160,16 +264,19 @@ class ServingResponses:
                          and not isinstance(request.tool_choice, str) else request.tool_choice or "auto"),
             tools=[tool.model_dump(exclude_none=True) for tool in request.tools or ()],
             metadata=request.metadata, user=request.user, safety_identifier=request.safety_identifier,
-            prompt_cache_key=request.prompt_cache_key)
+            prompt_cache_key=request.prompt_cache_key, previous_response_id=request.previous_response_id,
+            store=input_items is not None)
         generation, first = await frontend.start_generation(engine_id, [prompt], params, request.priority, client,
                                                             is_streamed=request.stream, lora_request=lora_request)
         if request.stream:
-            stream = _ResponseEvents(self, chat, request, response, generation)
+            stream = _ResponseEvents(self, chat, request, response, generation, input_items)
             return ChunkStream(lambda _: stream.batches(first), generation, stream.error_event)
         await generation.run_to_end(first)
         last = generation.progress[0].last
         completion = last.outputs[0] if last is not None and last.outputs else None
-        return finished(response, self._output(chat, request, completion), completion, generation)
+        response = finished(response, self._output(chat, request, completion), completion, generation)
+        await self.keep(response, input_items)
+        return response
 
     def _output(self, chat, request: ResponsesRequest, completion: CompletionOutput | None
                 ) -> list[OutputMessage | OutputFunctionCall]:
@@ -214,7 +321,9 @@ class _ResponseEvents:
     """The SSE events of one streamed response, built as its outputs arrive."""
 
     def __init__(self, serving: ServingResponses, chat, request: ResponsesRequest, response: ResponseObject,
-                 generation: Generation) -> None:
+                 generation: Generation, input_items: list[dict[str, Any]] | None = None) -> None:
+        self.serving = serving
+        self.input_items = input_items   # to store with the response (None: not stored)
         self.logprobs = serving.chat.logprobs
         self.wants_logprobs = request.wants_logprobs
         self.response = response
@@ -272,11 +381,12 @@ class _ResponseEvents:
             self._close(events)
         return events
 
-    def _last_events(self) -> list[str]:
+    async def _last_events(self) -> list[str]:
         events: list[str] = []
         if not self.is_started:
             self._start(events)
         response = finished(self.response, self.items, self.completion, self.generation)
+        await self.serving.keep(response, self.input_items)
         kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
         events.append(self.event(kind, response=response.model_dump(mode="json")))
         return events

@@ -13,7 +13,8 @@ slot.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from pagedserve.workers.outputs.request_output import RequestOutput
 
@@ -52,10 +53,10 @@ class ChunkStream:
 
 
 async def generation_batches(generation: Generation, first, chunks: Callable[[int, RequestOutput], list],
-                             last: Callable[[], list]) -> AsyncIterator[list]:
+                             last: Callable[[], list | Awaitable[list]]) -> AsyncIterator[list]:
     """The chunks ``chunks(prompt_index, output)`` makes of every output, one list per output
     that makes any, ``first`` (what ``Frontend.start_generation`` returned) first, then
-    ``last()``'s if any; the generation is closed however it ends."""
+    ``last()``'s (awaited, if it is a coroutine) if any; the generation is closed however it ends."""
     try:
         if first is not None:
             batch = chunks(*first)
@@ -68,5 +69,7 @@ async def generation_batches(generation: Generation, first, chunks: Callable[[in
     finally:
         await generation.aclose()
     batch = last()
+    if inspect.isawaitable(batch):
+        batch = await batch
     if batch:
         yield batch
