@@ -307,9 +307,10 @@ class ServerConfig(_Strict):
     store_responses: bool = False
     """Keep finished responses of the Responses API (vLLM's VLLM_ENABLE_RESPONSES_API_STORE):
     a request's ``store`` then defaults to true, as OpenAI's does, and GET/DELETE
-    /v1/responses/{id}, its input_items and ``previous_response_id`` work. One store serves
-    every ingress replica (an actor on the head node); it lives in memory and ends with the
-    cluster. Off: ``store: true`` and ``previous_response_id`` are refused."""
+    /v1/responses/{id}, its input_items and cancel, ``previous_response_id`` and ``background``
+    work. One store serves every ingress replica (an actor on the head node); it lives in
+    memory and ends with the cluster. Off: ``store: true``, ``previous_response_id`` and
+    ``background: true`` are refused."""
     max_stored_responses: int = Field(10000, ge=1)
     """How many responses the store keeps; beyond it the least recently used are forgotten."""
     limits: LimitsConfig = Field(default_factory=LimitsConfig)

@@ -13,15 +13,32 @@ The store keeps ``max_responses`` and forgets the least recently used beyond the
 conversation whose earlier response was forgotten or deleted cannot be continued, and says
 which response is missing. What is stored lives in the actor's memory: it does not survive
 the actor's restart.
+
+A background response is stored as it starts, under a lease held by the replica that runs it
+(``owner``). The replica renews its leases about once a second in one call, which also tells it
+which of its responses were cancelled meanwhile (a cancel may reach any replica): cancelling
+marks the response ``cancelled`` at once, and its runner aborts it at its next renewal. A
+response whose lease lapses (its replica stopped or died) is marked ``failed``, so that every
+background response ends.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+import uuid
 from collections import OrderedDict
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+logger = logging.getLogger("pagedserve.server")
+
 STORE_NAME = "pagedserve-response-store"
+UNFINISHED = ("queued", "in_progress")
+LAPSED = {"code": "server_error",
+          "message": "the server stopped running this background response (its ingress replica stopped)"}
 
 
 @dataclass
@@ -50,27 +67,85 @@ class Conversation:
 class ResponseStore:
     """Stored responses by id, the least recently used forgotten beyond ``max_responses``."""
 
-    def __init__(self, max_responses: int) -> None:
+    def __init__(self, max_responses: int, clock: Callable[[], float] = time.monotonic) -> None:
         if max_responses < 1:
             raise ValueError(f"max_responses must be at least 1, not {max_responses}")
         self.max_responses = max_responses
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
         self.num_evicted = 0
+        self._clock = clock
+        self._leases: dict[str, tuple[str, float]] = {}   # a running background response -> (owner, until)
+        self._cancelled: dict[str, set[str]] = {}         # owner -> its responses cancelled, not yet told
+        self._deleted_running: set[str] = set()           # deleted while running: their last word is dropped
 
     def put(self, stored: StoredResponse) -> None:
+        """Store ``stored``; a background response's last word (finished, or failed) ends its lease,
+        unless it was cancelled meanwhile, which it stays."""
+        self._lapse()
+        if stored.id in self._deleted_running:
+            self._deleted_running.discard(stored.id)
+            return
+        self._leases.pop(stored.id, None)
+        current = self._responses.get(stored.id)
+        if (current is not None and current.response.get("status") == "cancelled"
+                and stored.response.get("status") != "cancelled"):
+            return   # its runner's last word came after the cancel
         self._responses[stored.id] = stored
         self._responses.move_to_end(stored.id)
         while len(self._responses) > self.max_responses:
             self._responses.popitem(last=False)
             self.num_evicted += 1
 
+    def start_background(self, stored: StoredResponse, owner: str, lease_s: float) -> None:
+        """Store the background response ``stored`` as it starts, run by ``owner`` for ``lease_s``
+        unless renewed."""
+        self.put(stored)
+        self._leases[stored.id] = (owner, self._clock() + lease_s)
+
+    def renew(self, owner: str, response_ids: list[str], lease_s: float) -> list[str]:
+        """``owner`` still runs ``response_ids``: their leases run ``lease_s`` more. Returns those
+        of them cancelled since the last renewal (the owner aborts them)."""
+        self._lapse()
+        until = self._clock() + lease_s
+        for response_id in response_ids:
+            if self._leases.get(response_id, (None,))[0] == owner:
+                self._leases[response_id] = (owner, until)
+        cancelled = self._cancelled.pop(owner, set())
+        return [response_id for response_id in response_ids if response_id in cancelled]
+
+    def cancel(self, response_id: str) -> StoredResponse | None:
+        """Cancel the background response ``response_id`` if it still runs; returns it as it now
+        stands (a finished or synchronous response unchanged), or None if it is not stored."""
+        stored = self.get(response_id)
+        if stored is None:
+            return None
+        lease = self._leases.pop(response_id, None)
+        if lease is not None and stored.response.get("status") in UNFINISHED:
+            stored.response = {**stored.response, "status": "cancelled"}
+            self._cancelled.setdefault(lease[0], set()).add(response_id)
+        return stored
+
+    def _lapse(self) -> None:
+        """Mark ``failed`` every background response whose runner stopped renewing its lease."""
+        now = self._clock()
+        for response_id in [r for r, (_, until) in self._leases.items() if until < now]:
+            del self._leases[response_id]
+            stored = self._responses.get(response_id)
+            if stored is not None and stored.response.get("status") in UNFINISHED:
+                stored.response = {**stored.response, "status": "failed", "error": LAPSED}
+
     def get(self, response_id: str) -> StoredResponse | None:
+        self._lapse()
         stored = self._responses.get(response_id)
         if stored is not None:
             self._responses.move_to_end(response_id)
         return stored
 
     def delete(self, response_id: str) -> bool:
+        lease = self._leases.pop(response_id, None)
+        if lease is not None:   # still running: its runner aborts it, and its last word is dropped
+            self._cancelled.setdefault(lease[0], set()).add(response_id)
+            self._deleted_running.add(response_id)
         return self._responses.pop(response_id, None) is not None
 
     def conversation(self, response_id: str) -> Conversation | None:
@@ -97,7 +172,7 @@ class ResponseStore:
 
     def stats(self) -> dict[str, int]:
         return {"num_stored": len(self._responses), "max_responses": self.max_responses,
-                "num_evicted": self.num_evicted}
+                "num_evicted": self.num_evicted, "num_running": len(self._leases)}
 
 
 class LocalResponseStore:
@@ -114,6 +189,15 @@ class LocalResponseStore:
 
     async def delete(self, response_id: str) -> bool:
         return self.store.delete(response_id)
+
+    async def start_background(self, stored: StoredResponse, owner: str, lease_s: float) -> None:
+        self.store.start_background(stored, owner, lease_s)
+
+    async def renew(self, owner: str, response_ids: list[str], lease_s: float) -> list[str]:
+        return self.store.renew(owner, response_ids, lease_s)
+
+    async def cancel(self, response_id: str) -> StoredResponse | None:
+        return self.store.cancel(response_id)
 
     async def conversation(self, response_id: str) -> Conversation | None:
         return self.store.conversation(response_id)
@@ -141,8 +225,63 @@ class ActorResponseStore:
     async def delete(self, response_id: str) -> bool:
         return await self._actor.delete.remote(response_id)
 
+    async def start_background(self, stored: StoredResponse, owner: str, lease_s: float) -> None:
+        await self._actor.start_background.remote(stored, owner, lease_s)
+
+    async def renew(self, owner: str, response_ids: list[str], lease_s: float) -> list[str]:
+        return await self._actor.renew.remote(owner, response_ids, lease_s)
+
+    async def cancel(self, response_id: str) -> StoredResponse | None:
+        return await self._actor.cancel.remote(response_id)
+
     async def conversation(self, response_id: str) -> Conversation | None:
         return await self._actor.conversation.remote(response_id)
+
+
+class BackgroundRuns:
+    """The background responses this process runs (its ingress replica's), and the task that
+    renews their leases in ``store`` every ``renew_s`` for ``lease_s`` more, cancelling those
+    the store says were cancelled."""
+
+    def __init__(self, store, lease_s: float = 5.0, renew_s: float = 1.0) -> None:
+        self.store = store
+        self.owner = f"replica-{uuid.uuid4().hex}"
+        self.lease_s = lease_s
+        self.renew_s = renew_s
+        self.tasks: dict[str, asyncio.Task] = {}
+        self._renewer: asyncio.Task | None = None
+
+    async def start(self, stored: StoredResponse, run: Callable[[], Coroutine]) -> None:
+        """Store ``stored`` as a started background response, then run ``run()`` in a task of
+        this event loop (not if storing failed: the caller says so)."""
+        await self.store.start_background(stored, self.owner, self.lease_s)
+        task = asyncio.get_running_loop().create_task(run())
+        self.tasks[stored.id] = task
+        task.add_done_callback(lambda _, response_id=stored.id: self.tasks.pop(response_id, None))
+        if self._renewer is None or self._renewer.done():
+            self._renewer = asyncio.get_running_loop().create_task(self._renew())
+
+    def cancel_here(self, response_id: str) -> bool:
+        """Cancel ``response_id``'s task if it runs in this process."""
+        task = self.tasks.get(response_id)
+        if task is None:
+            return False
+        task.cancel()
+        return True
+
+    async def _renew(self) -> None:
+        while self.tasks:
+            await asyncio.sleep(self.renew_s)
+            response_ids = list(self.tasks)
+            if not response_ids:
+                return
+            try:
+                cancelled = await self.store.renew(self.owner, response_ids, self.lease_s)
+            except Exception as exc:   # the store restarts: renew again; a lapsed lease is the store's verdict
+                logger.warning("could not renew the leases of %d background responses: %r", len(response_ids), exc)
+                continue
+            for response_id in cancelled:
+                self.cancel_here(response_id)
 
 
 def kill_response_store(namespace: str | None) -> bool:
@@ -156,5 +295,5 @@ def kill_response_store(namespace: str | None) -> bool:
     return True
 
 
-__all__ = ["ActorResponseStore", "Conversation", "LocalResponseStore", "ResponseStore", "StoredResponse",
-           "kill_response_store", "STORE_NAME"]
+__all__ = ["ActorResponseStore", "BackgroundRuns", "Conversation", "LocalResponseStore", "ResponseStore",
+           "StoredResponse", "kill_response_store", "STORE_NAME"]

@@ -69,6 +69,7 @@ class LocalHandle:
         self.max_model_len = core.max_model_len
         self.tokenizer = core.tokenizer
         self.router = _Router()
+        self._response_store: LocalResponseStore | None = None
         self.fail_with: BaseException | None = None
         self.fail_after_first: BaseException | None = None  # raised once the first output is out
         self.stall_s = 0.0  # > 0: a pause after every output (a slow or stuck generation)
@@ -78,8 +79,11 @@ class LocalHandle:
                                            ping=lambda: "worker-0")}
 
     def response_store(self, max_responses: int) -> LocalResponseStore:
-        """The stored responses: in this process (the cluster's is an actor)."""
-        return LocalResponseStore(max_responses)
+        """The stored responses: in this process (the cluster's is an actor), one per handle as
+        one per cluster, so that frontends over the same handle share it as replicas do."""
+        if self._response_store is None:
+            self._response_store = LocalResponseStore(max_responses)
+        return self._response_store
 
     def generate(self, prompt, params, request_id=None, priority=0, prompt_token_ids=None, is_streamed=False,
                  lora_request=None, token_by_token=False):

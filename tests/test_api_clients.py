@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -464,6 +465,20 @@ def test_responses_api_function_call_round_trip_and_stream(client, tokenizer):
     client.responses.delete(continued.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(continued.id)
+
+    # In the background: queued at once, polled to the same answer; one cancelled at once.
+    queued = client.responses.create(model=MODEL, previous_response_id=called.id, input=items[2:], tools=[add],
+                                     max_output_tokens=4, temperature=0, background=True)
+    assert queued.status == "queued"
+    deadline = time.monotonic() + 60
+    while (polled := client.responses.retrieve(queued.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, polled
+        time.sleep(0.05)
+    assert (polled.output_text, polled.usage.input_tokens) == (answer.output_text, answer.usage.input_tokens)
+    long = client.responses.create(model=MODEL, input="Go on forever.", max_output_tokens=1500, temperature=0,
+                                   background=True)
+    assert client.responses.cancel(long.id).status == "cancelled"
+    assert client.responses.retrieve(long.id).status == "cancelled"   # and idle_after sees its blocks freed
 
 
 # ---- log-probabilities --------------------------------------------------------------------------

@@ -104,3 +104,58 @@ def test_a_chain_of_three_is_its_items_in_order_and_a_gap_names_the_missing():
 def test_room_must_hold_one():
     with pytest.raises(ValueError, match="at least 1"):
         ResponseStore(0)
+
+
+# ---- background responses: leases, cancels --------------------------------------------------------
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def running(response_id: str) -> StoredResponse:
+    return StoredResponse({"id": response_id, "status": "queued", "background": True, "output": []}, [])
+
+
+def finished_as(response_id: str, status: str = "completed") -> StoredResponse:
+    return StoredResponse({"id": response_id, "status": status, "background": True, "output": []}, [])
+
+
+def test_a_background_response_whose_lease_lapses_fails_and_one_renewed_runs_on():
+    clock = Clock()
+    store = ResponseStore(10, clock=clock)
+    store.start_background(running("a"), "replica-1", lease_s=5)
+    store.start_background(running("b"), "replica-2", lease_s=5)
+    clock.now += 4
+    assert store.renew("replica-1", ["a", "b"], lease_s=5) == []   # b is not replica-1's to renew
+    clock.now += 2
+    assert store.get("b").response["status"] == "failed" and "stopped" in store.get("b").response["error"]["message"]
+    assert store.get("a").response["status"] == "queued"
+    store.put(finished_as("a"))
+    clock.now += 60
+    assert store.get("a").response["status"] == "completed" and store.stats()["num_running"] == 0
+
+
+def test_a_cancel_is_at_once_in_the_store_and_told_to_the_runner_once():
+    store = ResponseStore(10, clock=Clock())
+    store.start_background(running("a"), "replica-1", lease_s=5)
+    assert store.cancel("a").response["status"] == "cancelled"
+    assert store.cancel("a").response["status"] == "cancelled"   # idempotent
+    assert store.renew("replica-1", ["a"], lease_s=5) == ["a"]
+    assert store.renew("replica-1", ["a"], lease_s=5) == []
+    store.put(finished_as("a"))                                    # the runner's last word comes too late
+    assert store.get("a").response["status"] == "cancelled"
+    store.put(finished_as("done"))
+    assert store.cancel("done").response["status"] == "completed"  # finished: unchanged
+    assert store.cancel("unknown") is None
+
+
+def test_a_running_response_deleted_is_aborted_and_not_brought_back():
+    store = ResponseStore(10, clock=Clock())
+    store.start_background(running("a"), "replica-1", lease_s=5)
+    assert store.delete("a") is True
+    assert store.renew("replica-1", ["a"], lease_s=5) == ["a"]
+    store.put(finished_as("a"))
+    assert store.get("a") is None

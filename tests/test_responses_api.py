@@ -256,7 +256,7 @@ def test_logprobs_come_with_the_text_streamed_and_not(server, local_handle):
     ({"store": True}, "store", "server.store_responses is off"),
     ({"store": 1}, "store", None),
     ({"previous_response_id": "resp_1"}, "previous_response_id", "server.store_responses is off"),
-    ({"background": True}, "background", "background"),
+    ({"background": True}, "background", "server.store_responses is off"),
     ({"conversation": "conv_1"}, "conversation", "not kept"),
     ({"reasoning": {"effort": "high"}}, "reasoning", "reasoning model"),
     ({"truncation": "auto"}, "truncation", "never truncated"),
@@ -519,3 +519,82 @@ def test_the_store_forgets_the_least_recently_used_beyond_its_room(storing):
     assert call(storing, "GET", f"/v1/responses/{ids[0]}").status_code == 200   # now the most recent
     create(storing, input="Hi 4", max_output_tokens=1, temperature=0)
     assert [call(storing, "GET", f"/v1/responses/{i}").status_code for i in ids] == [200, 404, 200, 200]
+
+
+# ---- background responses ------------------------------------------------------------------------
+async def _until_finished(client, response_id: str, timeout_s: float = 60.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        response = await client.responses.retrieve(response_id)
+        if response.status not in ("queued", "in_progress") or time.monotonic() > deadline:
+            return response
+        await asyncio.sleep(0.05)
+
+
+def test_a_background_response_is_queued_then_polled_to_what_the_foreground_makes(storing, server):
+    body = dict(input="Tell me about paging.", max_output_tokens=12, temperature=0)
+    foreground = create(server, **body)
+
+    async def use(client):
+        queued = await client.responses.create(model=MODEL, background=True, **body)
+        assert queued.status == "queued" and queued.background is True and queued.output == []
+        return await _until_finished(client, queued.id)
+    done = with_client(storing, use)
+    assert done.status == foreground.status and done.background is True
+    assert (done.output_text, done.usage.output_tokens) == (foreground.output_text, foreground.usage.output_tokens)
+
+
+def test_a_cancelled_background_response_stops_and_says_cancelled_on_every_ask(storing):
+    async def use(client):
+        queued = await client.responses.create(model=MODEL, background=True, input="Go on forever.",
+                                               max_output_tokens=1500, temperature=0)
+        cancelled = await client.responses.cancel(queued.id)
+        again = await client.responses.cancel(queued.id)   # idempotent: the response as it stands
+        kept = await client.responses.retrieve(queued.id)
+        deadline = time.monotonic() + 10
+        while storing.background_runs.tasks and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return cancelled, again, kept, dict(storing.background_runs.tasks)
+    cancelled, again, kept, running = with_client(storing, use)
+    assert cancelled.status == again.status == kept.status == "cancelled" and running == {}
+    # the engine is idle after it (the idle_after fixture): the generation was aborted
+
+
+def test_a_background_response_is_cancelled_through_another_replica(local_handle):
+    """Two frontends over one handle share the store, as the cluster's replicas do: a cancel
+    taken by one reaches the one that runs the response at its next lease renewal."""
+    from pagedserve.cluster.serving.http_app import build_app
+
+    runner = make_frontend(local_handle, store_responses=True)
+    other = make_frontend(local_handle, store_responses=True)
+
+    async def run():
+        clients = []
+        for frontend in (runner, other):
+            http_client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(frontend)),
+                                            base_url="http://test/v1")
+            clients.append(openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused",
+                                              http_client=http_client, max_retries=0))
+        queued = await clients[0].responses.create(model=MODEL, background=True, input="Go on forever.",
+                                                   max_output_tokens=1500, temperature=0)
+        assert queued.id in runner.background_runs.tasks
+        cancelled = await clients[1].responses.cancel(queued.id)
+        assert cancelled.status == "cancelled" and queued.id in runner.background_runs.tasks
+        deadline = time.monotonic() + 10
+        while runner.background_runs.tasks and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not runner.background_runs.tasks, "the runner did not learn of the cancel"
+        assert (await clients[0].responses.retrieve(queued.id)).status == "cancelled"
+        deadline = time.monotonic() + 10
+        while local_handle.has_streams() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"background": True, "store": False}, "store", "must be stored"),
+    ({"background": True, "stream": True}, "stream", "poll"),
+])
+def test_a_background_response_is_stored_and_not_streamed(storing, body, param, words):
+    error = assert_error(call(storing, "POST", "/v1/responses", json={"model": MODEL, "input": "Hi", **body}), 400)
+    assert error["param"] == param and words in error["message"], error

@@ -35,6 +35,7 @@ from pagedserve.workers.sample.sampling_params import SamplingParams, Structured
 
 from ..config import ServerConfig
 from ..lora_adapters import LoRAAdapters
+from ..response_store import BackgroundRuns
 from ..stats import gather_stats
 from .auth import API_KEY_ENV, check_api_key, is_open_path
 from .errors import APIError, error_from_exception, timeout_error
@@ -409,6 +410,7 @@ class Frontend:
         # Where the Responses API keeps finished responses (``server.store_responses``): the cluster's one store.
         self.response_store = (handle.response_store(self.config.max_stored_responses)
                                if self.config.store_responses else None)
+        self.background_runs = BackgroundRuns(self.response_store) if self.response_store is not None else None
         self.limiter = RequestLimiter(self.limits.max_queued_requests)
         self.client_limiter = ClientLimiter(self.limits.max_requests_per_client)
         self.metrics = ServerMetrics(self.model_name)

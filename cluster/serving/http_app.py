@@ -301,9 +301,7 @@ def build_app(server: Frontend):
 
     @app.post("/v1/responses/{response_id}/cancel", operation_id="responses_cancel", responses=not_stored)
     async def cancel_response(response_id: str):
-        await serving_responses.retrieve(response_id)
-        raise APIError(400, f"response {response_id!r} cannot be cancelled: only background responses can be, "
-                            "and this server runs none", param="response_id")
+        return _json_response(await serving_responses.cancel(response_id))
 
     @app.get("/v1/responses/{response_id}/input_items", operation_id="responses_input_items",
              responses=not_stored)

@@ -8,9 +8,9 @@ function tools, structured output (``text.format``) and sampling behave the
 same. Requests reject unknown fields like every other route.
 
 What this server cannot honour is a 400 naming the field, never ignored:
-``store: true`` and ``previous_response_id`` unless ``server.store_responses``
-is on (``serving_responses`` decides), nothing runs in the ``background``,
-no ``conversation`` objects, ``prompt`` templates or item references are kept,
+``store: true``, ``previous_response_id`` and ``background`` unless
+``server.store_responses`` is on (``serving_responses`` decides), no
+``conversation`` objects, ``prompt`` templates or item references are kept,
 models are text-only (image, file and audio parts), tools are functions only
 (no hosted tools), and neither reasoning options nor ``truncation: "auto"``
 apply.
@@ -28,7 +28,6 @@ from .protocol import (MAX_INT32, MAX_INT64, MAX_REPETITION_PENALTY, MIN_REPETIT
 
 # Fields of OpenAI's Responses API that this server cannot honour with any value but a harmless one.
 REFUSED_RESPONSE_FIELDS = {
-    "background": "responses are not run in the background by this server",
     "conversation": "conversation objects are not kept by this server; send the conversation as input, or "
                     "continue a stored response with previous_response_id",
     "prompt": "stored prompt templates are not kept by this server",
@@ -40,7 +39,7 @@ REFUSED_RESPONSE_FIELDS = {
     "prompt_cache_retention": "cached prefixes are kept for as long as the KV cache has room ('in_memory')",
 }
 _HARMLESS_RESPONSE_VALUES: dict[str, tuple] = {
-    "background": (False,), "truncation": ("disabled",), "service_tier": ("auto", "default"),
+    "truncation": ("disabled",), "service_tier": ("auto", "default"),
     "prompt_cache_retention": ("in_memory",), "reasoning": ({},),
 }
 # ``include`` values this server honours.
@@ -187,8 +186,8 @@ class ResponsesRequest(_Request):
     # Honoured with server.store_responses on (else refused by serving_responses).
     store: Bool | None = None
     previous_response_id: str | None = Field(None, min_length=1, max_length=256)
+    background: Bool | None = None
     # Refused unless harmless (REFUSED_RESPONSE_FIELDS).
-    background: Any = None
     conversation: Any = None
     prompt: Any = None
     reasoning: Any = None
@@ -317,7 +316,7 @@ class ResponseObject(BaseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: int = Field(default_factory=lambda: int(time.time()))
-    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
     completed_at: int | None = None
     error: dict[str, Any] | None = None
     incomplete_details: IncompleteDetails | None = None

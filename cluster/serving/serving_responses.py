@@ -19,7 +19,11 @@ With a store (``server.store_responses``), a finished response whose ``store``
 is not false is kept before it (or its last event) goes out, with its own
 input items, each given an id; ``previous_response_id`` puts the stored
 conversation (every earlier input and output item) before the new input.
-Instructions are not carried over, as OpenAI's are not.
+Instructions are not carried over, as OpenAI's are not. A ``background``
+request is checked and admitted as any other, stored ``queued`` and answered at
+once; it runs in a task of the replica (``response_store.BackgroundRuns``)
+and its stored copy becomes its last word: finished, ``failed`` with its error,
+or ``cancelled``.
 
 Streamed, the events are OpenAI's, each a named server-sent event with its
 ``sequence_number``: ``response.created`` and ``response.in_progress``; per
@@ -34,6 +38,7 @@ open at a time. A failure mid-stream is an ``error`` event.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -59,6 +64,8 @@ from .streaming import ChunkStream, generation_batches
 _PARAM_NAMES = {"messages": "input", "response_format": "text.format", "max_completion_tokens": "max_output_tokens",
                 "logprobs": "include"}
 
+
+logger = logging.getLogger("pagedserve.server")
 
 _STORED_ITEMS = TypeAdapter(list[InputItem])
 NOT_STORED = "responses are not stored by this server (server.store_responses is off)"
@@ -170,6 +177,17 @@ class ServingResponses:
         self.frontend = chat.frontend
         self.store = chat.frontend.response_store
 
+    def _check_background(self, request: ResponsesRequest, is_stored: bool) -> None:
+        if self.store is None:
+            raise APIError(400, f"background cannot be honoured: a background response lives in the store, and "
+                                f"{NOT_STORED}", param="background")
+        if not is_stored:
+            raise APIError(400, "a background response must be stored: leave store out, or send store: true",
+                           param="store")
+        if request.stream:
+            raise APIError(400, "a background response is not streamed here: poll GET /v1/responses/{id}",
+                           param="stream")
+
     def _stores(self, request: ResponsesRequest) -> bool:
         """Whether ``request``'s response is to be kept: ``store``, else the server's default."""
         if request.store is None:
@@ -245,6 +263,8 @@ class ServingResponses:
         """The response, or a ``ChunkStream`` of its events (SSE text) when ``stream`` is set."""
         frontend = self.frontend
         input_items = own_input_items(request) if self._stores(request) else None
+        if request.background:
+            self._check_background(request, input_items is not None)
         if request.previous_response_id is not None:
             request = await self._continued(request)
         chat = chat_request(request)
@@ -265,9 +285,11 @@ class ServingResponses:
             tools=[tool.model_dump(exclude_none=True) for tool in request.tools or ()],
             metadata=request.metadata, user=request.user, safety_identifier=request.safety_identifier,
             prompt_cache_key=request.prompt_cache_key, previous_response_id=request.previous_response_id,
-            store=input_items is not None)
+            store=input_items is not None, background=bool(request.background))
         generation, first = await frontend.start_generation(engine_id, [prompt], params, request.priority, client,
                                                             is_streamed=request.stream, lora_request=lora_request)
+        if request.background:
+            return await self._start_background(chat, request, response, generation, first, input_items)
         if request.stream:
             stream = _ResponseEvents(self, chat, request, response, generation, input_items)
             return ChunkStream(lambda _: stream.batches(first), generation, stream.error_event)
@@ -277,6 +299,51 @@ class ServingResponses:
         response = finished(response, self._output(chat, request, completion), completion, generation)
         await self.keep(response, input_items)
         return response
+
+    async def _start_background(self, chat, request: ResponsesRequest, response: ResponseObject,
+                                generation: Generation, first, input_items: list[dict[str, Any]]) -> ResponseObject:
+        """Store ``response`` ``queued`` and run its generation in the background; return it."""
+        queued = response.model_copy(update={"status": "queued"})
+
+        async def run() -> None:
+            try:
+                await generation.run_to_end(first)
+                last = generation.progress[0].last
+                completion = last.outputs[0] if last is not None and last.outputs else None
+                final = finished(response, self._output(chat, request, completion), completion, generation)
+            except APIError as exc:
+                final = response.model_copy(update=dict(status="failed", error={"code": exc.code or exc.type,
+                                                                                "message": exc.message}))
+            except Exception as exc:   # CancelledError is not one: a cancelled response stays as the store has it
+                logger.exception("background response %s failed", response.id)
+                final = response.model_copy(update=dict(status="failed", error={"code": "server_error",
+                                                                                "message": repr(exc)}))
+            try:
+                await self.store.put(StoredResponse(final.model_dump(mode="json"), input_items,
+                                                    final.previous_response_id))
+            except Exception as exc:   # its lease lapses: the store marks it failed
+                logger.warning("could not store background response %s: %r", response.id, exc)
+
+        try:
+            await self.frontend.background_runs.start(
+                StoredResponse(queued.model_dump(mode="json"), input_items, response.previous_response_id), run)
+        except Exception as exc:
+            await generation.aclose()
+            raise APIError(503, f"the background response could not be stored: {exc!r}", param="store",
+                           code="store_unavailable") from None
+        return queued
+
+    async def cancel(self, response_id: str) -> dict[str, Any]:
+        """Cancel the background response ``response_id`` (at once if it runs in this replica,
+        else at its replica's next lease renewal); it is returned as it now stands."""
+        stored = await self.store.cancel(response_id) if self.store is not None else None
+        if stored is None:
+            raise self.not_found(response_id)
+        if not stored.response.get("background"):
+            raise APIError(400, f"response {response_id!r} cannot be cancelled: only background responses can be",
+                           param="response_id")
+        self.frontend.background_runs.cancel_here(response_id)
+        return stored.response
 
     def _output(self, chat, request: ResponsesRequest, completion: CompletionOutput | None
                 ) -> list[OutputMessage | OutputFunctionCall]:
