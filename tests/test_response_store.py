@@ -116,7 +116,7 @@ class Clock:
 
 
 def running(response_id: str) -> StoredResponse:
-    return StoredResponse({"id": response_id, "status": "queued", "background": True, "output": []}, [])
+    return StoredResponse({"id": response_id, "status": "in_progress", "background": True, "output": []}, [])
 
 
 def finished_as(response_id: str, status: str = "completed") -> StoredResponse:
@@ -132,7 +132,7 @@ def test_a_background_response_whose_lease_lapses_fails_and_one_renewed_runs_on(
     assert store.renew("replica-1", ["a", "b"], lease_s=5) == []   # b is not replica-1's to renew
     clock.now += 2
     assert store.get("b").response["status"] == "failed" and "stopped" in store.get("b").response["error"]["message"]
-    assert store.get("a").response["status"] == "queued"
+    assert store.get("a").response["status"] == "in_progress"
     store.put(finished_as("a"))
     clock.now += 60
     assert store.get("a").response["status"] == "completed" and store.stats()["num_running"] == 0

@@ -531,14 +531,14 @@ async def _until_finished(client, response_id: str, timeout_s: float = 60.0):
         await asyncio.sleep(0.05)
 
 
-def test_a_background_response_is_queued_then_polled_to_what_the_foreground_makes(storing, server):
+def test_a_background_response_is_in_progress_then_polled_to_what_the_foreground_makes(storing, server):
     body = dict(input="Tell me about paging.", max_output_tokens=12, temperature=0)
     foreground = create(server, **body)
 
     async def use(client):
-        queued = await client.responses.create(model=MODEL, background=True, **body)
-        assert queued.status == "queued" and queued.background is True and queued.output == []
-        return await _until_finished(client, queued.id)
+        started = await client.responses.create(model=MODEL, background=True, **body)
+        assert started.status == "in_progress" and started.background is True and started.output == []
+        return await _until_finished(client, started.id)
     done = with_client(storing, use)
     assert done.status == foreground.status and done.background is True
     assert (done.output_text, done.usage.output_tokens) == (foreground.output_text, foreground.usage.output_tokens)

@@ -20,8 +20,9 @@ is not false is kept before it (or its last event) goes out, with its own
 input items, each given an id; ``previous_response_id`` puts the stored
 conversation (every earlier input and output item) before the new input.
 Instructions are not carried over, as OpenAI's are not. A ``background``
-request is checked and admitted as any other, stored ``queued`` and answered at
-once; it runs in a task of the replica (``response_store.BackgroundRuns``)
+request is checked and admitted as any other and, once its first token is out
+(as every request's is before its answer starts), stored ``in_progress`` and
+answered; it runs in a task of the replica (``response_store.BackgroundRuns``)
 and its stored copy becomes its last word: finished, ``failed`` with its error,
 or ``cancelled``.
 
@@ -302,8 +303,8 @@ class ServingResponses:
 
     async def _start_background(self, chat, request: ResponsesRequest, response: ResponseObject,
                                 generation: Generation, first, input_items: list[dict[str, Any]]) -> ResponseObject:
-        """Store ``response`` ``queued`` and run its generation in the background; return it."""
-        queued = response.model_copy(update={"status": "queued"})
+        """Store ``response`` (``in_progress``: its first output is out) and run the rest of its
+        generation in the background; return it."""
 
         async def run() -> None:
             try:
@@ -326,12 +327,12 @@ class ServingResponses:
 
         try:
             await self.frontend.background_runs.start(
-                StoredResponse(queued.model_dump(mode="json"), input_items, response.previous_response_id), run)
+                StoredResponse(response.model_dump(mode="json"), input_items, response.previous_response_id), run)
         except Exception as exc:
             await generation.aclose()
             raise APIError(503, f"the background response could not be stored: {exc!r}", param="store",
                            code="store_unavailable") from None
-        return queued
+        return response
 
     async def cancel(self, response_id: str) -> dict[str, Any]:
         """Cancel the background response ``response_id`` (at once if it runs in this replica,
