@@ -10,6 +10,10 @@ and keeps the slot only if all three say the same ``n``; otherwise the writer mo
 the read and it reads again. Two copies in a row that agree are not enough: a writer paused in
 the middle of its copy leaves the same half-written bytes for both. The writer never waits, and
 a writer killed mid-copy leaves the last published slot whole.
+
+Python has no memory fences: this relies on the other process seeing the two copies in the
+order they were made, as x86 guarantees. Where stores may become visible out of order (Arm),
+the slot's two tags still catch a copy seen half done at either end.
 """
 
 from __future__ import annotations
