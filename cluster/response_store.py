@@ -199,6 +199,9 @@ class LocalResponseStore:
     async def cancel(self, response_id: str) -> StoredResponse | None:
         return self.store.cancel(response_id)
 
+    async def stats(self) -> dict[str, int]:
+        return self.store.stats()
+
     async def conversation(self, response_id: str) -> Conversation | None:
         return self.store.conversation(response_id)
 
@@ -233,6 +236,9 @@ class ActorResponseStore:
 
     async def cancel(self, response_id: str) -> StoredResponse | None:
         return await self._actor.cancel.remote(response_id)
+
+    async def stats(self) -> dict[str, int]:
+        return await self._actor.stats.remote()
 
     async def conversation(self, response_id: str) -> Conversation | None:
         return await self._actor.conversation.remote(response_id)

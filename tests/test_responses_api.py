@@ -519,6 +519,9 @@ def test_the_store_forgets_the_least_recently_used_beyond_its_room(storing):
     assert call(storing, "GET", f"/v1/responses/{ids[0]}").status_code == 200   # now the most recent
     create(storing, input="Hi 4", max_output_tokens=1, temperature=0)
     assert [call(storing, "GET", f"/v1/responses/{i}").status_code for i in ids] == [200, 404, 200, 200]
+    figures = call(storing, "GET", "/stats").json()["server"]["responses"]
+    assert figures["num_stored"] == figures["max_responses"] == 4 and figures["num_evicted"] >= 1, figures
+    assert figures["num_running"] == figures["num_background_here"] == 0, figures
 
 
 # ---- background responses ------------------------------------------------------------------------

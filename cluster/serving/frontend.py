@@ -687,6 +687,9 @@ class Frontend:
                            "num_admitted": self.limiter.num_admitted, "pid": os.getpid()}
         if self.gc_pauses is not None:
             stats["server"]["gc"] = self.gc_pauses.snapshot()
+        if self.response_store is not None:   # the cluster's store, and what this replica runs in the background
+            stats["server"]["responses"] = {**await self.response_store.stats(),
+                                            "num_background_here": len(self.background_runs.tasks)}
         return stats
 
     async def metrics_text(self) -> bytes:
