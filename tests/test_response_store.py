@@ -8,6 +8,8 @@ client's ``request_id`` may reuse one, so chains may loop: the store must still 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -159,3 +161,35 @@ def test_a_running_response_deleted_is_aborted_and_not_brought_back():
     assert store.renew("replica-1", ["a"], lease_s=5) == ["a"]
     store.put(finished_as("a"))
     assert store.get("a") is None
+
+
+def test_replicas_share_one_store_actor_and_the_cluster_ends_it(local_ray):
+    """Two replicas' clients reach one actor (the second finds the first's by name), and what one
+    stores the other reads; ``kill_response_store`` (the handle's shutdown) ends it."""
+    import asyncio
+
+    from pagedserve.cluster.response_store import ActorResponseStore, kill_response_store
+
+    async def run():
+        first, second = ActorResponseStore("pagedserve-test", 10), ActorResponseStore("pagedserve-test", 99)
+        await first.put(stored("a"))
+        return await second.get("a"), await second.stats()
+    got, figures = asyncio.run(run())
+    assert got == stored("a") and figures["max_responses"] == 10   # the first one's room
+    assert kill_response_store("pagedserve-test") is True
+    deadline = time.monotonic() + 30
+    while _store_is_named() and time.monotonic() < deadline:   # the name goes once the actor has ended
+        time.sleep(0.1)
+    assert kill_response_store("pagedserve-test") is False
+
+
+def _store_is_named() -> bool:
+    import ray
+
+    from pagedserve.cluster.response_store import STORE_NAME
+
+    try:
+        ray.get_actor(STORE_NAME, namespace="pagedserve-test")
+    except ValueError:
+        return False
+    return True
