@@ -77,11 +77,15 @@ def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+def _input_list(request: ResponsesRequest) -> list:
+    """The request's input as a list of items (text is one user message)."""
+    return request.input if isinstance(request.input, list) else [MessageItem(role="user", content=request.input)]
+
+
 def own_input_items(request: ResponsesRequest) -> list[dict[str, Any]]:
     """The request's input as items, as the API lists them: each with an id, text as parts."""
-    items = request.input if isinstance(request.input, list) else [MessageItem(role="user", content=request.input)]
     listed = []
-    for item in items:
+    for item in _input_list(request):
         entry = item.model_dump(mode="json", exclude_none=True)
         entry.setdefault("id", _item_id(_ITEM_ID_PREFIXES[item.type]))
         if isinstance(item, MessageItem):
@@ -209,8 +213,8 @@ class ServingResponses:
         if conversation.missing is not None:
             raise APIError(404, f"Previous response with id {previous_id!r} continues response "
                                 f"{conversation.missing!r}, which is no longer stored", param="previous_response_id")
-        own = request.input if isinstance(request.input, list) else [MessageItem(role="user", content=request.input)]
-        return request.model_copy(update={"input": _STORED_ITEMS.validate_python(conversation.items) + own})
+        return request.model_copy(update={"input": _STORED_ITEMS.validate_python(conversation.items)
+                                                    + _input_list(request)})
 
     async def keep(self, response: ResponseObject, input_items: list[dict[str, Any]] | None) -> None:
         """Store ``response`` (finished) if its request asked for it (``input_items`` not None)."""
@@ -294,12 +298,17 @@ class ServingResponses:
         if request.stream:
             stream = _ResponseEvents(self, chat, request, response, generation, input_items)
             return ChunkStream(lambda _: stream.batches(first), generation, stream.error_event)
+        response = await self._run_to_end(chat, request, response, generation, first)
+        await self.keep(response, input_items)
+        return response
+
+    async def _run_to_end(self, chat, request: ResponsesRequest, response: ResponseObject, generation: Generation,
+                          first) -> ResponseObject:
+        """``response`` finished with the output of ``generation`` run to its end."""
         await generation.run_to_end(first)
         last = generation.progress[0].last
         completion = last.outputs[0] if last is not None and last.outputs else None
-        response = finished(response, self._output(chat, request, completion), completion, generation)
-        await self.keep(response, input_items)
-        return response
+        return finished(response, self._output(chat, request, completion), completion, generation)
 
     async def _start_background(self, chat, request: ResponsesRequest, response: ResponseObject,
                                 generation: Generation, first, input_items: list[dict[str, Any]]) -> ResponseObject:
@@ -308,10 +317,7 @@ class ServingResponses:
 
         async def run() -> None:
             try:
-                await generation.run_to_end(first)
-                last = generation.progress[0].last
-                completion = last.outputs[0] if last is not None and last.outputs else None
-                final = finished(response, self._output(chat, request, completion), completion, generation)
+                final = await self._run_to_end(chat, request, response, generation, first)
             except APIError as exc:
                 final = response.model_copy(update=dict(status="failed", error={"code": exc.code or exc.type,
                                                                                 "message": exc.message}))
@@ -320,10 +326,9 @@ class ServingResponses:
                 final = response.model_copy(update=dict(status="failed", error={"code": "server_error",
                                                                                 "message": repr(exc)}))
             try:
-                await self.store.put(StoredResponse(final.model_dump(mode="json"), input_items,
-                                                    final.previous_response_id))
-            except Exception as exc:   # its lease lapses: the store marks it failed
-                logger.warning("could not store background response %s: %r", response.id, exc)
+                await self.keep(final, input_items)
+            except APIError as exc:   # its lease lapses: the store marks it failed
+                logger.warning("background response %s: %s", response.id, exc.message)
 
         try:
             await self.frontend.background_runs.start(
