@@ -1,8 +1,9 @@
 """Stored responses of the Responses API, one store for the whole cluster.
 
 With ``server.store_responses`` on, a finished response (``store`` left out or true) is kept
-here: ``GET``/``DELETE /v1/responses/{id}`` and ``.../input_items`` read it, and a later
-request's ``previous_response_id`` continues its conversation. Every ingress replica must see
+here: ``GET``/``DELETE /v1/responses/{id}`` and ``.../input_items`` read it, a later
+request's ``previous_response_id`` continues its conversation, and its ``item_reference``
+input items name any stored response's input or output items by id. Every ingress replica must see
 every stored response (a client's next request may reach another replica), so the store is
 one named actor (``response_store``), created by the first replica that needs it and ended
 with the cluster (``kill_response_store``). Its calls happen once per response, never per
@@ -54,6 +55,10 @@ class StoredResponse:
     def id(self) -> str:
         return self.response["id"]
 
+    def items(self) -> list[dict[str, Any]]:
+        """Its input items, then its output items."""
+        return [*self.input_items, *self.response.get("output", ())]
+
 
 @dataclass
 class Conversation:
@@ -77,6 +82,9 @@ class ResponseStore:
         self._leases: dict[str, tuple[str, float]] = {}   # a running background response -> (owner, until)
         self._cancelled: dict[str, set[str]] = {}         # owner -> its responses cancelled, not yet told
         self._deleted_running: set[str] = set()           # deleted while running: their last word is dropped
+        # An item's id -> the stored responses that hold it, in the order they were stored (a
+        # client may send an item back with its id, so that two responses hold it).
+        self._item_holders: dict[str, dict[str, None]] = {}
 
     def put(self, stored: StoredResponse) -> None:
         """Store ``stored``; a background response's last word (finished, or failed) ends its lease,
@@ -90,11 +98,29 @@ class ResponseStore:
         if (current is not None and current.response.get("status") == "cancelled"
                 and stored.response.get("status") != "cancelled"):
             return   # its runner's last word came after the cancel
+        if current is not None:
+            self._unindex(current)
         self._responses[stored.id] = stored
         self._responses.move_to_end(stored.id)
+        self._index(stored)
         while len(self._responses) > self.max_responses:
-            self._responses.popitem(last=False)
+            self._unindex(self._responses.popitem(last=False)[1])
             self.num_evicted += 1
+
+    def _index(self, stored: StoredResponse) -> None:
+        for item in stored.items():
+            if "id" in item:
+                holders = self._item_holders.setdefault(item["id"], {})
+                holders.pop(stored.id, None)
+                holders[stored.id] = None
+
+    def _unindex(self, stored: StoredResponse) -> None:
+        for item in stored.items():
+            holders = self._item_holders.get(item.get("id"))
+            if holders is not None:
+                holders.pop(stored.id, None)
+                if not holders:
+                    del self._item_holders[item["id"]]
 
     def start_background(self, stored: StoredResponse, owner: str, lease_s: float) -> None:
         """Store the background response ``stored`` as it starts, run by ``owner`` for ``lease_s``
@@ -146,7 +172,24 @@ class ResponseStore:
         if lease is not None:   # still running: its runner aborts it, and its last word is dropped
             self._cancelled.setdefault(lease[0], set()).add(response_id)
             self._deleted_running.add(response_id)
-        return self._responses.pop(response_id, None) is not None
+        stored = self._responses.pop(response_id, None)
+        if stored is None:
+            return False
+        self._unindex(stored)
+        return True
+
+    def items(self, item_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """The items named in ``item_ids`` that a stored response holds (as input or output), by
+        id: each as the response stored last of those that hold it has it. A response read so
+        counts as used."""
+        found: dict[str, dict[str, Any]] = {}
+        for item_id in item_ids:
+            holders = self._item_holders.get(item_id)
+            if item_id in found or not holders:
+                continue
+            stored = self.get(next(reversed(holders)))
+            found[item_id] = next(item for item in stored.items() if item.get("id") == item_id)
+        return found
 
     def conversation(self, response_id: str) -> Conversation | None:
         """The conversation that ``response_id`` ends: every earlier response's input and
@@ -166,8 +209,7 @@ class ResponseStore:
             next_id = stored.previous_response_id
         items: list[dict[str, Any]] = []
         for stored in reversed(chain):
-            items += stored.input_items
-            items += stored.response.get("output", [])
+            items += stored.items()
         return Conversation(items)
 
     def stats(self) -> dict[str, int]:
@@ -204,6 +246,9 @@ class LocalResponseStore:
 
     async def conversation(self, response_id: str) -> Conversation | None:
         return self.store.conversation(response_id)
+
+    async def items(self, item_ids: list[str]) -> dict[str, dict[str, Any]]:
+        return self.store.items(item_ids)
 
 
 class ActorResponseStore:
@@ -242,6 +287,9 @@ class ActorResponseStore:
 
     async def conversation(self, response_id: str) -> Conversation | None:
         return await self._actor.conversation.remote(response_id)
+
+    async def items(self, item_ids: list[str]) -> dict[str, dict[str, Any]]:
+        return await self._actor.items.remote(item_ids)
 
 
 class BackgroundRuns:

@@ -21,8 +21,11 @@ IDS = [f"resp_{n}" for n in range(8)]
 
 
 def stored(response_id: str, previous: str | None = None) -> StoredResponse:
+    """A response with an input item and an output item of its own, and an input item that every
+    response holds (``shared``, as an item sent back with its id), telling which holds it."""
     return StoredResponse({"id": response_id, "output": [{"type": "message", "id": f"out_{response_id}"}]},
-                          [{"type": "message", "id": f"in_{response_id}"}], previous)
+                          [{"type": "message", "id": f"in_{response_id}"},
+                           {"type": "message", "id": "shared", "in": response_id}], previous)
 
 
 class StoreMachine(RuleBasedStateMachine):
@@ -31,6 +34,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.store = ResponseStore(max_responses=4)
         self.order: list[str] = []                 # least recently used first
         self.records: dict[str, StoredResponse] = {}
+        self.stored_order: list[str] = []         # the order they were last stored in
 
     def _use(self, response_id: str) -> None:
         self.order.remove(response_id)
@@ -44,6 +48,9 @@ class StoreMachine(RuleBasedStateMachine):
             self.order.remove(response_id)
         self.order.append(response_id)
         self.records[response_id] = record
+        if response_id in self.stored_order:
+            self.stored_order.remove(response_id)
+        self.stored_order.append(response_id)
         while len(self.order) > 4:
             self.records.pop(self.order.pop(0))
 
@@ -79,6 +86,23 @@ class StoreMachine(RuleBasedStateMachine):
             expected = [item for record in reversed(chain) for item in record.input_items + record.response["output"]]
             assert got == Conversation(expected)
 
+    @rule(item_ids=st.lists(st.sampled_from([f"{side}_{i}" for side in ("in", "out") for i in IDS] + ["shared"]),
+                            max_size=4))
+    def items(self, item_ids):
+        got = self.store.items(item_ids)
+        expected = {}
+        for item_id in item_ids:
+            if item_id in expected:
+                continue
+            if item_id == "shared":   # the one stored last of those still stored
+                holder = next((r for r in reversed(self.stored_order) if r in self.records), None)
+            else:
+                holder = item_id.partition("_")[2]
+            if holder in self.records:
+                expected[item_id] = next(item for item in self.records[holder].items() if item["id"] == item_id)
+                self._use(holder)
+        assert got == expected
+
     @invariant()
     def holds_what_the_model_holds(self):
         assert self.store.stats()["num_stored"] == len(self.order) <= 4
@@ -94,8 +118,8 @@ def test_a_chain_of_three_is_its_items_in_order_and_a_gap_names_the_missing():
     store.put(stored("a"))
     store.put(stored("b", "a"))
     store.put(stored("c", "b"))
-    assert [item["id"] for item in store.conversation("c").items] == ["in_a", "out_a", "in_b", "out_b",
-                                                                      "in_c", "out_c"]
+    assert [item["id"] for item in store.conversation("c").items] == [
+        "in_a", "shared", "out_a", "in_b", "shared", "out_b", "in_c", "shared", "out_c"]
     store.delete("a")
     assert store.conversation("c") == Conversation(missing="a")
     assert store.conversation("a") is None

@@ -265,7 +265,8 @@ def test_logprobs_come_with_the_text_streamed_and_not(server, local_handle):
     ({"tool_choice": {"type": "file_search"}}, "tool_choice", "function tools only"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input",
      "text-only"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "not referenced"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "server.store_responses is off"),
+    ({"input": [{"role": "user", "content": "Hi"}, {"id": "msg_1"}]}, "input", "input[1] is item_reference"),
     ({"input": [True, {"type": [{}], "content": "x"}]}, "input", None),
     ({"stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation", None),
     ({"max_output_tokens": 10**6}, "max_output_tokens", "maximum context length"),
@@ -512,6 +513,54 @@ def test_a_conversation_whose_earlier_response_is_gone_says_which(storing):
     error = assert_error(call(storing, "POST", "/v1/responses", json={
         "model": MODEL, "previous_response_id": "resp_unknown", "input": "More"}), 404)
     assert error["param"] == "previous_response_id" and "resp_unknown" in error["message"], error
+
+
+def test_item_references_are_the_stored_items_they_name(storing, server):
+    """An ``item_reference`` (its ``type`` may be left out) is the stored input or output item of
+    that id, in its place: the oracle is the same items sent whole to a server that stores
+    nothing. The new response lists the resolved items as its own input."""
+    first = create(storing, input=[{"role": "user", "content": "Name a colour."}], max_output_tokens=5,
+                   temperature=0)
+
+    async def listed(client):
+        return (await client.responses.input_items.list(first.id)).data
+    question = with_client(storing, listed)[0]
+    answer = first.output[0]
+    body = dict(max_output_tokens=5, temperature=0)
+    referenced = create(storing, input=[{"type": "item_reference", "id": question.id}, {"id": answer.id},
+                                        {"role": "user", "content": "And another?"}], **body)
+    whole = create(server, input=[{"role": "user", "content": "Name a colour."}, answer.model_dump(mode="json"),
+                                  {"role": "user", "content": "And another?"}], **body)
+    assert referenced.output_text == whole.output_text
+    assert referenced.usage.input_tokens == whole.usage.input_tokens
+
+    async def own(client):
+        return (await client.responses.input_items.list(referenced.id, order="asc")).data
+    items = with_client(storing, own)
+    assert [item.id for item in items[:2]] == [question.id, answer.id]
+    assert [part.text for item in items for part in item.content] == [
+        "Name a colour.", answer.content[0].text, "And another?"]
+
+    # Streamed, and after the previous response's conversation, the same.
+    events = stream_events(storing, previous_response_id=first.id, input=[{"id": answer.id}], **body)
+    again = create(server, input=[{"role": "user", "content": "Name a colour."}, answer.model_dump(mode="json"),
+                                  answer.model_dump(mode="json")], **body)
+    assert events[-1].response.output_text == again.output_text
+
+    # A reference to no stored item is a 404 naming it; nothing runs.
+    error = assert_error(call(storing, "POST", "/v1/responses", json={
+        "model": MODEL, "input": [{"role": "user", "content": "Hi"}, {"type": "item_reference", "id": "msg_gone"}]}),
+        404)
+    assert error["param"] == "input" and "msg_gone" in error["message"] and "input[1]" in error["message"], error
+    # The answer is held as input by the later responses too: it is found until none holds it.
+    only_answer = {"model": MODEL, "input": [{"type": "item_reference", "id": answer.id}], "max_output_tokens": 1,
+                   "store": False}
+    for holder in (first.id, referenced.id):
+        assert call(storing, "DELETE", f"/v1/responses/{holder}").status_code == 200
+        assert call(storing, "POST", "/v1/responses", json=only_answer).status_code == 200
+    assert call(storing, "DELETE", f"/v1/responses/{events[-1].response.id}").status_code == 200
+    error = assert_error(call(storing, "POST", "/v1/responses", json=only_answer), 404)
+    assert answer.id in error["message"], error
 
 
 def test_the_store_forgets_the_least_recently_used_beyond_its_room(storing):

@@ -2,16 +2,17 @@
 
 A response is one generation over a conversation: ``input`` (text, or a list
 of items: messages, earlier ``function_call`` items and their
-``function_call_output``) after ``instructions`` (a system message). It runs
+``function_call_output``, and ``item_reference`` items naming stored ones)
+after ``instructions`` (a system message). It runs
 as a chat completion does (``serving_responses``), so the chat template,
 function tools, structured output (``text.format``) and sampling behave the
 same. Requests reject unknown fields like every other route.
 
 What this server cannot honour is a 400 naming the field, never ignored:
-``store: true``, ``previous_response_id`` and ``background`` unless
-``server.store_responses`` is on (``serving_responses`` decides), no
-``conversation`` objects, ``prompt`` templates or item references are kept,
-models are text-only (image, file and audio parts), tools are functions only
+``store: true``, ``previous_response_id``, ``background`` and item references
+unless ``server.store_responses`` is on (``serving_responses`` decides), no
+``conversation`` objects or ``prompt`` templates are kept, reasoning items need a
+reasoning model, models are text-only (image, file and audio parts), tools are functions only
 (no hosted tools), and neither reasoning options nor ``truncation: "auto"``
 apply.
 """
@@ -109,9 +110,16 @@ class FunctionCallOutputItem(_Request):
         return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
 
 
-InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem, Field(discriminator="type")]
-_UNSTORED_ITEMS = {"item_reference": "items are not referenced by id here; send the item itself",
-                   "reasoning": "reasoning items need a reasoning model's chat template"}
+class ItemReference(_Request):
+    """A stored response's input or output item, named by its id (resolved from the store)."""
+
+    type: Literal["item_reference"]
+    id: str = Field(min_length=1, max_length=256)
+
+
+InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | ItemReference,
+                      Field(discriminator="type")]
+_UNRUN_ITEMS = {"reasoning": "reasoning items need a reasoning model's chat template"}
 
 
 class FunctionTool(_Request):
@@ -210,8 +218,8 @@ class ResponsesRequest(_Request):
     @field_validator("input", mode="before")
     @classmethod
     def _items(cls, value):
-        """Messages may leave ``type`` out; stored and reasoning items, and parts that are not
-        text, are refused by name."""
+        """Messages and item references may leave ``type`` out; reasoning items, and parts that
+        are not text, are refused by name."""
         if not isinstance(value, list):
             return value
         items = []
@@ -220,8 +228,10 @@ class ResponsesRequest(_Request):
                 kind = item.get("type")
                 if kind is None and "role" in item:
                     item = {**item, "type": "message"}
-                elif isinstance(kind, str) and kind in _UNSTORED_ITEMS:
-                    raise ValueError(f"input[{index}] is {kind}: {_UNSTORED_ITEMS[kind]}")
+                elif kind is None and set(item) == {"id"}:   # OpenAI's reference may leave its type out
+                    item = {**item, "type": "item_reference"}
+                elif isinstance(kind, str) and kind in _UNRUN_ITEMS:
+                    raise ValueError(f"input[{index}] is {kind}: {_UNRUN_ITEMS[kind]}")
                 _check_text_parts(item.get("content"), f"input[{index}].content")
                 _check_text_parts(item.get("output"), f"input[{index}].output")
             items.append(item)

@@ -18,7 +18,8 @@ makes the response ``incomplete`` (``incomplete_details.reason:
 With a store (``server.store_responses``), a finished response whose ``store``
 is not false is kept before it (or its last event) goes out, with its own
 input items, each given an id; ``previous_response_id`` puts the stored
-conversation (every earlier input and output item) before the new input.
+conversation (every earlier input and output item) before the new input, and
+an ``item_reference`` input item is the stored input or output item of that id.
 Instructions are not carried over, as OpenAI's are not. A ``background``
 request is checked and admitted as any other and, once its first token is out
 (as every request's is before its answer starts), stored ``in_progress`` and
@@ -56,7 +57,7 @@ from .errors import APIError
 from .frontend import Generation
 from .protocol import ChatCompletionRequest, TokenLogprob
 from .responses_protocol import (FunctionCallItem, FunctionCallOutputItem, IncompleteDetails, InputItem,
-                                 InputTokensDetails, MessageItem, OutputFunctionCall, OutputMessage, OutputText,
+                                 InputTokensDetails, ItemReference, MessageItem, OutputFunctionCall, OutputMessage, OutputText,
                                  ResponseObject, ResponsesRequest, ResponseUsage)
 from .serving_chat import ServingChat
 from .streaming import ChunkStream, generation_batches
@@ -69,6 +70,7 @@ _PARAM_NAMES = {"messages": "input", "response_format": "text.format", "max_comp
 logger = logging.getLogger("pagedserve.server")
 
 _STORED_ITEMS = TypeAdapter(list[InputItem])
+_STORED_ITEM = TypeAdapter(InputItem)
 NOT_STORED = "responses are not stored by this server (server.store_responses is off)"
 _ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
 
@@ -216,6 +218,25 @@ class ServingResponses:
         return request.model_copy(update={"input": _STORED_ITEMS.validate_python(conversation.items)
                                                     + _input_list(request)})
 
+    async def _dereferenced(self, request: ResponsesRequest) -> ResponsesRequest:
+        """``request`` with each ``item_reference`` in its input replaced by the stored item it
+        names (404 naming ``input`` if none is stored)."""
+        items = _input_list(request)
+        references = [(index, item.id) for index, item in enumerate(items) if isinstance(item, ItemReference)]
+        if not references:
+            return request
+        if self.store is None:
+            raise APIError(400, f"input[{references[0][0]}] is item_reference: items are referenced by id only in "
+                                f"the store, and {NOT_STORED}; send the item itself", param="input")
+        found = await self.store.items([item_id for _, item_id in references])
+        for index, item_id in references:
+            if item_id not in found:
+                raise APIError(404, f"Item with id {item_id!r} not found (input[{index}]): no stored response "
+                                    "holds it", param="input")
+        return request.model_copy(update={"input": [
+            _STORED_ITEM.validate_python(found[item.id]) if isinstance(item, ItemReference) else item
+            for item in items]})
+
     async def keep(self, response: ResponseObject, input_items: list[dict[str, Any]] | None) -> None:
         """Store ``response`` (finished) if its request asked for it (``input_items`` not None)."""
         if input_items is None:
@@ -267,9 +288,11 @@ class ServingResponses:
     async def create_response(self, request: ResponsesRequest, client: str = "") -> ResponseObject | ChunkStream:
         """The response, or a ``ChunkStream`` of its events (SSE text) when ``stream`` is set."""
         frontend = self.frontend
-        input_items = own_input_items(request) if self._stores(request) else None
+        is_stored = self._stores(request)
         if request.background:
-            self._check_background(request, input_items is not None)
+            self._check_background(request, is_stored)
+        request = await self._dereferenced(request)
+        input_items = own_input_items(request) if is_stored else None
         if request.previous_response_id is not None:
             request = await self._continued(request)
         chat = chat_request(request)
