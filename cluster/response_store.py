@@ -21,6 +21,13 @@ which of its responses were cancelled meanwhile (a cancel may reach any replica)
 marks the response ``cancelled`` at once, and its runner aborts it at its next renewal. A
 response whose lease lapses (its replica stopped or died) is marked ``failed``, so that every
 background response ends.
+
+A background response created with ``stream`` also keeps its server-sent events (event i has
+``sequence_number`` i), so that a client may read them again or go on reading after it left
+(``GET /v1/responses/{id}?stream=true&starting_after=n``). Its replica writes each event to an
+``EventLog`` as it is made, which that replica's readers follow at once, and sends the store what
+is new with each lease renewal (every ``BackgroundRuns.flush_s`` while such a response runs):
+readers on other replicas poll the store. The store's copy is whole once the response ends.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +68,19 @@ class StoredResponse:
 
 
 @dataclass
+class StoredEvents:
+    """A stored response's events after a sequence number (None: it keeps no events, as it was
+    not a streamed background response), and its status."""
+
+    events: list[str] | None
+    status: str
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status not in UNFINISHED
+
+
+@dataclass
 class Conversation:
     """The items a response's conversation holds up to its output (``items``), oldest first;
     or, when an earlier response of it is no longer stored, that response's id (``missing``)."""
@@ -85,10 +105,12 @@ class ResponseStore:
         # An item's id -> the stored responses that hold it, in the order they were stored (a
         # client may send an item back with its id, so that two responses hold it).
         self._item_holders: dict[str, dict[str, None]] = {}
+        self._events: dict[str, list[str]] = {}   # a streamed background response's events, in order
 
-    def put(self, stored: StoredResponse) -> None:
+    def put(self, stored: StoredResponse, events: list[str] | None = None) -> None:
         """Store ``stored``; a background response's last word (finished, or failed) ends its lease,
-        unless it was cancelled meanwhile, which it stays."""
+        unless it was cancelled meanwhile, which it stays. ``events``: a streamed background
+        response's every event."""
         self._lapse()
         if stored.id in self._deleted_running:
             self._deleted_running.discard(stored.id)
@@ -99,13 +121,20 @@ class ResponseStore:
                 and stored.response.get("status") != "cancelled"):
             return   # its runner's last word came after the cancel
         if current is not None:
-            self._unindex(current)
+            self._forget(current)
         self._responses[stored.id] = stored
         self._responses.move_to_end(stored.id)
         self._index(stored)
+        if events is not None:
+            self._events[stored.id] = list(events)
         while len(self._responses) > self.max_responses:
-            self._unindex(self._responses.popitem(last=False)[1])
+            self._forget(self._responses.popitem(last=False)[1])
             self.num_evicted += 1
+
+    def _forget(self, stored: StoredResponse) -> None:
+        """Drop what is kept beside ``stored`` (no longer, or no longer so, stored)."""
+        self._unindex(stored)
+        self._events.pop(stored.id, None)
 
     def _index(self, stored: StoredResponse) -> None:
         for item in stored.items():
@@ -122,20 +151,27 @@ class ResponseStore:
                 if not holders:
                     del self._item_holders[item["id"]]
 
-    def start_background(self, stored: StoredResponse, owner: str, lease_s: float) -> None:
+    def start_background(self, stored: StoredResponse, owner: str, lease_s: float, is_streamed: bool = False) -> None:
         """Store the background response ``stored`` as it starts, run by ``owner`` for ``lease_s``
-        unless renewed."""
-        self.put(stored)
+        unless renewed; ``is_streamed``: it keeps its events."""
+        self.put(stored, [] if is_streamed else None)
         self._leases[stored.id] = (owner, self._clock() + lease_s)
 
-    def renew(self, owner: str, response_ids: list[str], lease_s: float) -> list[str]:
-        """``owner`` still runs ``response_ids``: their leases run ``lease_s`` more. Returns those
-        of them cancelled since the last renewal (the owner aborts them)."""
+    def renew(self, owner: str, response_ids: list[str], lease_s: float,
+              events: dict[str, tuple[int, list[str]]] | None = None) -> list[str]:
+        """``owner`` still runs ``response_ids``: their leases run ``lease_s`` more, and ``events``
+        (a response's id -> the sequence number of the first, and its events from there) are
+        added to their logs. Returns those of them cancelled since the last renewal (the owner
+        aborts them)."""
         self._lapse()
         until = self._clock() + lease_s
         for response_id in response_ids:
             if self._leases.get(response_id, (None,))[0] == owner:
                 self._leases[response_id] = (owner, until)
+        for response_id, (first, new) in (events or {}).items():
+            log = self._events.get(response_id)
+            if log is not None and self._leases.get(response_id, (None,))[0] == owner and first <= len(log):
+                log[first:] = new   # from a renewal sent again, the same events again
         cancelled = self._cancelled.pop(owner, set())
         return [response_id for response_id in response_ids if response_id in cancelled]
 
@@ -175,8 +211,17 @@ class ResponseStore:
         stored = self._responses.pop(response_id, None)
         if stored is None:
             return False
-        self._unindex(stored)
+        self._forget(stored)
         return True
+
+    def events(self, response_id: str, after: int) -> StoredEvents | None:
+        """The stored response's events after sequence number ``after``, and its status; None if
+        it is not stored."""
+        stored = self.get(response_id)
+        if stored is None:
+            return None
+        log = self._events.get(response_id)
+        return StoredEvents(None if log is None else log[after + 1:], stored.response.get("status", "completed"))
 
     def items(self, item_ids: list[str]) -> dict[str, dict[str, Any]]:
         """The items named in ``item_ids`` that a stored response holds (as input or output), by
@@ -223,8 +268,8 @@ class LocalResponseStore:
     def __init__(self, max_responses: int) -> None:
         self.store = ResponseStore(max_responses)
 
-    async def put(self, stored: StoredResponse) -> None:
-        self.store.put(stored)
+    async def put(self, stored: StoredResponse, events: list[str] | None = None) -> None:
+        self.store.put(stored, events)
 
     async def get(self, response_id: str) -> StoredResponse | None:
         return self.store.get(response_id)
@@ -232,11 +277,16 @@ class LocalResponseStore:
     async def delete(self, response_id: str) -> bool:
         return self.store.delete(response_id)
 
-    async def start_background(self, stored: StoredResponse, owner: str, lease_s: float) -> None:
-        self.store.start_background(stored, owner, lease_s)
+    async def start_background(self, stored: StoredResponse, owner: str, lease_s: float,
+                               is_streamed: bool = False) -> None:
+        self.store.start_background(stored, owner, lease_s, is_streamed)
 
-    async def renew(self, owner: str, response_ids: list[str], lease_s: float) -> list[str]:
-        return self.store.renew(owner, response_ids, lease_s)
+    async def renew(self, owner: str, response_ids: list[str], lease_s: float,
+                    events: dict[str, tuple[int, list[str]]] | None = None) -> list[str]:
+        return self.store.renew(owner, response_ids, lease_s, events)
+
+    async def events(self, response_id: str, after: int) -> StoredEvents | None:
+        return self.store.events(response_id, after)
 
     async def cancel(self, response_id: str) -> StoredResponse | None:
         return self.store.cancel(response_id)
@@ -264,8 +314,8 @@ class ActorResponseStore:
             name=STORE_NAME, namespace=namespace, get_if_exists=True, lifetime="detached", num_cpus=0,
             max_restarts=-1, max_task_retries=-1, **ray_compat.head_node_placement()).remote(max_responses)
 
-    async def put(self, stored: StoredResponse) -> None:
-        await self._actor.put.remote(stored)
+    async def put(self, stored: StoredResponse, events: list[str] | None = None) -> None:
+        await self._actor.put.remote(stored, events)
 
     async def get(self, response_id: str) -> StoredResponse | None:
         return await self._actor.get.remote(response_id)
@@ -273,11 +323,16 @@ class ActorResponseStore:
     async def delete(self, response_id: str) -> bool:
         return await self._actor.delete.remote(response_id)
 
-    async def start_background(self, stored: StoredResponse, owner: str, lease_s: float) -> None:
-        await self._actor.start_background.remote(stored, owner, lease_s)
+    async def start_background(self, stored: StoredResponse, owner: str, lease_s: float,
+                               is_streamed: bool = False) -> None:
+        await self._actor.start_background.remote(stored, owner, lease_s, is_streamed)
 
-    async def renew(self, owner: str, response_ids: list[str], lease_s: float) -> list[str]:
-        return await self._actor.renew.remote(owner, response_ids, lease_s)
+    async def renew(self, owner: str, response_ids: list[str], lease_s: float,
+                    events: dict[str, tuple[int, list[str]]] | None = None) -> list[str]:
+        return await self._actor.renew.remote(owner, response_ids, lease_s, events)
+
+    async def events(self, response_id: str, after: int) -> StoredEvents | None:
+        return await self._actor.events.remote(response_id, after)
 
     async def cancel(self, response_id: str) -> StoredResponse | None:
         return await self._actor.cancel.remote(response_id)
@@ -292,28 +347,79 @@ class ActorResponseStore:
         return await self._actor.items.remote(item_ids)
 
 
+class EventLog:
+    """A streamed background response's events as its runner makes them (event i has
+    ``sequence_number`` i), for readers in this process to follow; ``num_flushed`` of them are
+    in the store."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.is_finished = False
+        self.num_flushed = 0
+        self._changed = asyncio.Event()
+
+    def extend(self, events: list[str]) -> None:
+        self.events += events
+        self._wake()
+
+    def finish(self) -> None:
+        self.is_finished = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def follow(self, after: int) -> AsyncIterator[list[str]]:
+        """The events after sequence number ``after``: those made, then each batch as it is made,
+        until the log finishes."""
+        next_index = after + 1
+        while True:
+            changed = self._changed
+            if next_index < len(self.events):
+                batch, next_index = self.events[next_index:], len(self.events)
+                yield batch
+            elif self.is_finished:
+                return
+            else:
+                await changed.wait()
+
+
 class BackgroundRuns:
     """The background responses this process runs (its ingress replica's), and the task that
     renews their leases in ``store`` every ``renew_s`` for ``lease_s`` more, cancelling those
-    the store says were cancelled."""
+    the store says were cancelled. While a streamed one runs it renews every ``flush_s``,
+    sending the store its new events (``logs``) each time."""
 
-    def __init__(self, store, lease_s: float = 5.0, renew_s: float = 1.0) -> None:
+    def __init__(self, store, lease_s: float = 5.0, renew_s: float = 1.0, flush_s: float = 0.1) -> None:
         self.store = store
         self.owner = f"replica-{uuid.uuid4().hex}"
         self.lease_s = lease_s
         self.renew_s = renew_s
+        self.flush_s = flush_s
         self.tasks: dict[str, asyncio.Task] = {}
+        self.logs: dict[str, EventLog] = {}
         self._renewer: asyncio.Task | None = None
 
-    async def start(self, stored: StoredResponse, run: Callable[[], Coroutine]) -> None:
+    async def start(self, stored: StoredResponse, run: Callable[[], Coroutine], log: EventLog | None = None) -> None:
         """Store ``stored`` as a started background response, then run ``run()`` in a task of
-        this event loop (not if storing failed: the caller says so)."""
-        await self.store.start_background(stored, self.owner, self.lease_s)
+        this event loop (not if storing failed: the caller says so); ``log``: a streamed one's
+        events, which ``run`` writes and finishes."""
+        await self.store.start_background(stored, self.owner, self.lease_s, log is not None)
         task = asyncio.get_running_loop().create_task(run())
         self.tasks[stored.id] = task
-        task.add_done_callback(lambda _, response_id=stored.id: self.tasks.pop(response_id, None))
+        if log is not None:
+            self.logs[stored.id] = log
+        task.add_done_callback(lambda _, response_id=stored.id: self._ended(response_id))
         if self._renewer is None or self._renewer.done():
             self._renewer = asyncio.get_running_loop().create_task(self._renew())
+
+    def _ended(self, response_id: str) -> None:
+        """Its run ended: its last word (every event, for a streamed one) is the store's."""
+        self.tasks.pop(response_id, None)
+        log = self.logs.pop(response_id, None)
+        if log is not None:
+            log.finish()   # a cancelled run's readers end too
 
     def cancel_here(self, response_id: str) -> bool:
         """Cancel ``response_id``'s task if it runs in this process."""
@@ -325,15 +431,21 @@ class BackgroundRuns:
 
     async def _renew(self) -> None:
         while self.tasks:
-            await asyncio.sleep(self.renew_s)
+            await asyncio.sleep(self.flush_s if self.logs else self.renew_s)
             response_ids = list(self.tasks)
             if not response_ids:
                 return
+            flushed = {response_id: (log, len(log.events)) for response_id, log in self.logs.items()
+                       if len(log.events) > log.num_flushed}
+            events = {response_id: (log.num_flushed, log.events[log.num_flushed:end])
+                      for response_id, (log, end) in flushed.items()}
             try:
-                cancelled = await self.store.renew(self.owner, response_ids, self.lease_s)
+                cancelled = await self.store.renew(self.owner, response_ids, self.lease_s, events)
             except Exception as exc:   # the store restarts: renew again; a lapsed lease is the store's verdict
                 logger.warning("could not renew the leases of %d background responses: %r", len(response_ids), exc)
                 continue
+            for log, end in flushed.values():
+                log.num_flushed = max(log.num_flushed, end)
             for response_id in cancelled:
                 self.cancel_here(response_id)
 
@@ -349,5 +461,5 @@ def kill_response_store(namespace: str | None) -> bool:
     return True
 
 
-__all__ = ["ActorResponseStore", "BackgroundRuns", "Conversation", "LocalResponseStore", "ResponseStore",
-           "StoredResponse", "kill_response_store", "STORE_NAME"]
+__all__ = ["ActorResponseStore", "BackgroundRuns", "Conversation", "EventLog", "LocalResponseStore", "ResponseStore",
+           "StoredEvents", "StoredResponse", "kill_response_store", "STORE_NAME"]

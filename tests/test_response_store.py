@@ -15,7 +15,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from pagedserve.cluster.response_store import Conversation, ResponseStore, StoredResponse
+from pagedserve.cluster.response_store import Conversation, EventLog, ResponseStore, StoredEvents, StoredResponse
 
 IDS = [f"resp_{n}" for n in range(8)]
 
@@ -187,9 +187,55 @@ def test_a_running_response_deleted_is_aborted_and_not_brought_back():
     assert store.get("a") is None
 
 
+def test_a_streamed_background_response_keeps_its_events_as_its_runner_sends_them():
+    store = ResponseStore(2, clock=Clock())
+    store.start_background(running("a"), "replica-1", lease_s=5, is_streamed=True)
+    store.start_background(running("b"), "replica-1", lease_s=5)
+    assert store.events("a", -1) == StoredEvents([], "in_progress") and store.events("b", -1).events is None
+    store.renew("replica-1", ["a"], lease_s=5, events={"a": (0, ["e0", "e1"])})
+    store.renew("replica-1", ["a"], lease_s=5, events={"a": (1, ["e1", "e2"])})   # sent again, from e1
+    store.renew("replica-2", ["a"], lease_s=5, events={"a": (3, ["x"])})          # not the runner
+    store.renew("replica-1", ["a"], lease_s=5, events={"a": (9, ["gap"])})        # not next: dropped
+    assert store.events("a", 0) == StoredEvents(["e1", "e2"], "in_progress")
+    store.put(finished_as("a"), ["e0", "e1", "e2", "e3"])
+    page = store.events("a", 1)
+    assert page == StoredEvents(["e2", "e3"], "completed") and page.is_finished
+    store.renew("replica-1", ["a"], lease_s=5, events={"a": (4, ["late"])})       # its lease ended
+    assert store.events("a", -1).events == ["e0", "e1", "e2", "e3"]
+    store.put(stored("c"))   # room for two: b goes, then a's events with it
+    store.put(stored("d"))
+    assert store.events("a", -1) is None and store._events == {}
+
+
+async def _follow(log: EventLog, after: int, into: list) -> None:
+    async for batch in log.follow(after):
+        into.append(batch)
+
+
+def test_an_event_log_is_followed_from_any_event_until_it_finishes():
+    import asyncio
+
+    async def run():
+        log = EventLog()
+        log.extend(["e0", "e1"])
+        early, late = [], []
+        readers = [asyncio.create_task(_follow(log, -1, early)), asyncio.create_task(_follow(log, 0, late))]
+        await asyncio.sleep(0)
+        log.extend(["e2"])
+        await asyncio.sleep(0)
+        log.extend(["e3", "e4"])
+        log.finish()
+        await asyncio.wait_for(asyncio.gather(*readers), 5)
+        return early, late, [batch async for batch in log.follow(3)]
+    early, late, after_the_end = asyncio.run(run())
+    assert early == [["e0", "e1"], ["e2"], ["e3", "e4"]] and late == [["e1"], ["e2"], ["e3", "e4"]]
+    assert after_the_end == [["e4"]]
+
+
 def test_replicas_share_one_store_actor_and_the_cluster_ends_it(local_ray):
     """Two replicas' clients reach one actor (the second finds the first's by name), and what one
-    stores the other reads; ``kill_response_store`` (the handle's shutdown) ends it."""
+    stores the other reads, a streamed background response's events and items too;
+    ``kill_response_store`` (the handle's shutdown) ends it."""
     import asyncio
 
     from pagedserve.cluster.response_store import ActorResponseStore, kill_response_store
@@ -197,9 +243,13 @@ def test_replicas_share_one_store_actor_and_the_cluster_ends_it(local_ray):
     async def run():
         first, second = ActorResponseStore("pagedserve-test", 10), ActorResponseStore("pagedserve-test", 99)
         await first.put(stored("a"))
-        return await second.get("a"), await second.stats()
-    got, figures = asyncio.run(run())
+        await first.start_background(running("b"), "replica-1", 30, is_streamed=True)
+        await first.renew("replica-1", ["b"], 30, {"b": (0, ["e0", "e1"])})
+        return (await second.get("a"), await second.stats(), await second.events("b", 0),
+                await second.items(["in_a", "nothing"]))
+    got, figures, events, items = asyncio.run(run())
     assert got == stored("a") and figures["max_responses"] == 10   # the first one's room
+    assert events == StoredEvents(["e1"], "in_progress") and items == {"in_a": stored("a").input_items[0]}
     assert kill_response_store("pagedserve-test") is True
     deadline = time.monotonic() + 30
     while _store_is_named() and time.monotonic() < deadline:   # the name goes once the actor has ended

@@ -458,7 +458,7 @@ def test_a_stored_response_is_retrieved_listed_and_deleted(storing):
                 await ask(response.id)
             assert caught.value.body["param"] == "response_id", caught.value.body
     with_client(storing, use)
-    for path, param in ((f"/v1/responses/{response.id}?stream=true", "stream"),
+    for path, param in ((f"/v1/responses/{response.id}?include=x", "include"),
                         (f"/v1/responses/{response.id}/input_items?limit=101", "limit"),
                         (f"/v1/responses/{response.id}/input_items?order=up", "order")):
         assert assert_error(call(storing, "GET", path), 400)["param"] == param
@@ -643,10 +643,144 @@ def test_a_background_response_is_cancelled_through_another_replica(local_handle
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("body, param, words", [
-    ({"background": True, "store": False}, "store", "must be stored"),
-    ({"background": True, "stream": True}, "stream", "poll"),
-])
-def test_a_background_response_is_stored_and_not_streamed(storing, body, param, words):
-    error = assert_error(call(storing, "POST", "/v1/responses", json={"model": MODEL, "input": "Hi", **body}), 400)
-    assert error["param"] == param and words in error["message"], error
+def test_a_background_response_must_be_stored(storing):
+    error = assert_error(call(storing, "POST", "/v1/responses", json={
+        "model": MODEL, "input": "Hi", "background": True, "store": False}), 400)
+    assert error["param"] == "store" and "must be stored" in error["message"], error
+
+
+# ---- streamed background responses ---------------------------------------------------------------
+def _serving(frontend):
+    from pagedserve.cluster.serving.serving_chat import ServingChat
+    from pagedserve.cluster.serving.serving_responses import ServingResponses
+
+    return ServingResponses(ServingChat(frontend))
+
+
+def _parsed(batches: list[list[str]]) -> list[dict]:
+    """The JSON of each server-sent event in ``batches``."""
+    return [json.loads(line[len("data: "):]) for batch in batches for event in batch
+            for line in event.splitlines() if line.startswith("data: ")]
+
+
+def test_a_streamed_background_response_is_streamed_again_from_any_event(storing, server):
+    """``background`` with ``stream``: the foreground stream's events, with ``background`` set;
+    ``GET ...?stream=true`` gives them again, and with ``starting_after=n`` those after n."""
+    body = dict(input="Tell me about paging.", max_output_tokens=16, temperature=0)
+    foreground = stream_events(server, **body)
+
+    async def use(client):
+        streamed = [event async for event in await client.responses.create(model=MODEL, background=True,
+                                                                           stream=True, **body)]
+        response_id = streamed[0].response.id
+        whole = [event async for event in await client.responses.retrieve(response_id, stream=True)]
+        rest = [event async for event in await client.responses.retrieve(response_id, stream=True,
+                                                                          starting_after=4)]
+        return streamed, whole, rest, await client.responses.retrieve(response_id)
+    streamed, whole, rest, kept = with_client(storing, use)
+    assert [event.type for event in streamed] == [event.type for event in foreground]
+    assert [event.sequence_number for event in streamed] == list(range(len(streamed)))
+    assert streamed[0].response.background is True and streamed[0].response.status == "in_progress"
+    final = streamed[-1].response
+    assert final.output_text == foreground[-1].response.output_text and final.status == kept.status
+    assert kept.model_dump() == final.model_dump()
+    assert [event.model_dump() for event in whole] == [event.model_dump() for event in streamed]
+    assert [event.model_dump() for event in rest] == [event.model_dump() for event in streamed[5:]]
+
+
+def test_a_streamed_background_response_runs_on_when_its_client_leaves(storing):
+    from pagedserve.cluster.serving.responses_protocol import ResponsesRequest
+
+    serving = _serving(storing)
+
+    async def run():
+        request = ResponsesRequest.model_validate(dict(model=MODEL, input="Tell me about paging.", background=True,
+                                                       stream=True, max_output_tokens=24, temperature=0))
+        stream = await serving.create_response(request)
+        batches = stream.batches(True)
+        seen = [await anext(batches)]
+        await stream.aclose()   # the client left after its first events
+        response_id = _parsed(seen)[0]["response"]["id"]
+        assert response_id in storing.background_runs.tasks
+        deadline = time.monotonic() + 60
+        while storing.background_runs.tasks and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        rest = [batch async for batch in (await serving.stream_stored(response_id, len(_parsed(seen)) - 1)
+                                          ).batches(True)]
+        return _parsed(seen), _parsed(rest), (await serving.retrieve(response_id)).response
+    seen, rest, kept = asyncio.run(run())
+    events = seen + rest
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    assert events[-1]["type"] in ("response.completed", "response.incomplete") and events[-1]["response"] == kept
+    assert kept["usage"]["output_tokens"] > 1
+
+
+def test_another_replica_streams_a_background_response_from_the_store(local_handle):
+    """A replica that does not run the response reads its events from the store, which the
+    runner sends them to while it runs; cancelled through that replica, the stream ends."""
+    runner, other = make_frontend(local_handle, store_responses=True), make_frontend(local_handle, store_responses=True)
+    from pagedserve.cluster.serving.responses_protocol import ResponsesRequest
+
+    async def run():
+        request = ResponsesRequest.model_validate(dict(model=MODEL, input="Go on forever.", background=True,
+                                                       stream=True, max_output_tokens=1500, temperature=0))
+        own = (await _serving(runner).create_response(request)).batches(True)
+        response_id = _parsed([await anext(own)])[0]["response"]["id"]
+        reading = (await _serving(other).stream_stored(response_id, None)).batches(True)
+        batches = []
+        while sum(event["type"] == "response.output_text.delta" for event in _parsed(batches)) < 5:
+            # deltas, sent on to the store by the runner while it runs
+            batches.append(await anext(reading))
+        assert response_id in runner.background_runs.tasks and not other.background_runs.logs
+        cancelled = await _serving(other).cancel(response_id)
+        assert cancelled["status"] == "cancelled"
+        batches += [batch async for batch in reading]   # ends once the store says cancelled
+        await own.aclose()
+        deadline = time.monotonic() + 10
+        while (runner.background_runs.tasks or local_handle.has_streams()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert not runner.background_runs.tasks
+        return _parsed(batches)
+    events = asyncio.run(run())
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    assert events[0]["type"] == "response.created"
+    assert sum(event["type"] == "response.output_text.delta" for event in events) >= 5
+
+
+def test_a_streamed_background_response_that_fails_ends_with_an_error_event_and_is_failed(storing, local_handle):
+    from pagedserve.cluster.request_flow import StreamNotResumable
+
+    local_handle.fail_after_first = StreamNotResumable("the worker failed; the stream cannot be continued")
+
+    async def use(client):
+        streamed = [event async for event in await client.responses.create(
+            model=MODEL, input="Hello", max_output_tokens=20, temperature=0, background=True, stream=True)]
+        response_id = streamed[0].response.id
+        kept = await _until_finished(client, response_id)
+        again = [event async for event in await client.responses.retrieve(response_id, stream=True)]
+        return streamed, kept, again
+    try:
+        streamed, kept, again = with_client(storing, use)
+    finally:
+        local_handle.fail_after_first = None
+    assert streamed[-1].type == "error" and streamed[-1].code == "worker_failed"
+    assert [event.sequence_number for event in streamed] == list(range(len(streamed)))
+    assert kept.status == "failed" and kept.error.code == "worker_failed" and "cannot be continued" in kept.error.message
+    assert [event.model_dump() for event in again] == [event.model_dump() for event in streamed]
+
+
+def test_what_cannot_be_streamed_on_retrieve_is_a_4xx_naming_the_parameter(storing):
+    stored = create(storing, input="Hi", max_output_tokens=2, temperature=0)
+
+    async def background(client):
+        started = await client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, temperature=0,
+                                                background=True)
+        return await _until_finished(client, started.id)
+    polled = with_client(storing, background)
+    for path, status, param in ((f"/v1/responses/{stored.id}?stream=true", 400, "stream"),
+                                (f"/v1/responses/{polled.id}?stream=true", 400, "stream"),
+                                (f"/v1/responses/{stored.id}?starting_after=2", 400, "starting_after"),
+                                (f"/v1/responses/{stored.id}?stream=maybe", 400, "stream"),
+                                (f"/v1/responses/{stored.id}?stream=true&starting_after=-1", 400, "starting_after"),
+                                ("/v1/responses/resp_gone?stream=true", 404, "response_id")):
+        assert assert_error(call(storing, "GET", path), status)["param"] == param, path

@@ -99,6 +99,26 @@ def refuse_query(request, names: tuple[str, ...], why: str) -> None:
             raise APIError(400, f"{name} cannot be honoured: {why}", param=name.removesuffix("[]"))
 
 
+def _query_flag(request, name: str) -> bool:
+    """A true-or-false query parameter (false if absent); a 400 naming it if it is neither."""
+    value = request.query_params.get(name)
+    if value is None or value.lower() in ("false", "0"):
+        return False
+    if value.lower() in ("true", "1"):
+        return True
+    raise APIError(400, f"{name} must be true or false, not {value!r}", param=name)
+
+
+def _query_sequence_number(request, name: str) -> int | None:
+    """A sequence number in the query (None if absent); a 400 naming it if it is not one."""
+    value = request.query_params.get(name)
+    if value is None:
+        return None
+    if not (value.isascii() and value.isdigit()):
+        raise APIError(400, f"{name} must be an event's sequence number (0 or more), not {value!r}", param=name)
+    return int(value)
+
+
 def _json_response(content: Any, status_code: int = 200, headers: dict[str, str] | None = None):
     """A JSON response with non-ASCII escaped, so any text (lone surrogates too) encodes."""
     from fastapi.responses import Response
@@ -289,11 +309,20 @@ def build_app(server: Frontend):
                   400: {"model": ErrorResponse, "description": "a parameter that cannot be honoured"}}
 
     @app.get("/v1/responses/{response_id}", operation_id="responses_retrieve",
-             responses={200: {"model": ResponseObject}, **not_stored})
+             responses={200: {"model": ResponseObject,
+                              "content": {"text/event-stream": {"schema": {"type": "string"}}}}, **not_stored})
     async def retrieve_response(response_id: str, request: Request):
-        refuse_query(request, ("stream", "starting_after", "include", "include[]"),
-                     "a stored response is returned as it was made: stream it, or include more, when creating it")
-        return _json_response((await serving_responses.retrieve(response_id)).response)
+        """The stored response; with ``stream=true``, a streamed background response's events
+        after ``starting_after``, then the rest as they are made."""
+        refuse_query(request, ("include", "include[]"),
+                     "a stored response is returned as it was made: include more when creating it")
+        is_streamed = _query_flag(request, "stream")
+        starting_after = _query_sequence_number(request, "starting_after")
+        if not is_streamed:
+            if starting_after is not None:
+                raise APIError(400, "starting_after is for a stream: send stream=true too", param="starting_after")
+            return _json_response((await serving_responses.retrieve(response_id)).response)
+        return _SSEResponse(EventStream(await serving_responses.stream_stored(response_id, starting_after)))
 
     @app.delete("/v1/responses/{response_id}", operation_id="responses_delete", responses=not_stored)
     async def delete_response(response_id: str):

@@ -25,7 +25,9 @@ request is checked and admitted as any other and, once its first token is out
 (as every request's is before its answer starts), stored ``in_progress`` and
 answered; it runs in a task of the replica (``response_store.BackgroundRuns``)
 and its stored copy becomes its last word: finished, ``failed`` with its error,
-or ``cancelled``.
+or ``cancelled``. Streamed too, its events go to an ``EventLog`` that the
+client's stream follows (a client that leaves stops reading, not the
+response), and are stored with it: ``stream_stored`` streams them again.
 
 Streamed, the events are OpenAI's, each a named server-sent event with its
 ``sequence_number``: ``response.created`` and ``response.in_progress``; per
@@ -39,11 +41,12 @@ open at a time. A failure mid-stream is an ``error`` event.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from json.encoder import encode_basestring as _json_str  # as pydantic writes strings: non-ASCII kept
 from typing import Any
 
@@ -52,7 +55,7 @@ from pydantic import TypeAdapter, ValidationError
 from pagedserve.tool_parsers import ToolCall, ToolParser
 from pagedserve.workers.outputs.request_output import CompletionOutput, RequestOutput
 
-from ..response_store import StoredResponse
+from ..response_store import EventLog, StoredEvents, StoredResponse
 from .errors import APIError
 from .frontend import Generation
 from .protocol import ChatCompletionRequest, TokenLogprob
@@ -73,6 +76,7 @@ _STORED_ITEMS = TypeAdapter(list[InputItem])
 _STORED_ITEM = TypeAdapter(InputItem)
 NOT_STORED = "responses are not stored by this server (server.store_responses is off)"
 _ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+FOLLOW_POLL_S = 0.1   # a stream of a background response running in another replica reads the store this often
 
 
 def _item_id(prefix: str) -> str:
@@ -191,9 +195,6 @@ class ServingResponses:
         if not is_stored:
             raise APIError(400, "a background response must be stored: leave store out, or send store: true",
                            param="store")
-        if request.stream:
-            raise APIError(400, "a background response is not streamed here: poll GET /v1/responses/{id}",
-                           param="stream")
 
     def _stores(self, request: ResponsesRequest) -> bool:
         """Whether ``request``'s response is to be kept: ``store``, else the server's default."""
@@ -237,13 +238,15 @@ class ServingResponses:
             _STORED_ITEM.validate_python(found[item.id]) if isinstance(item, ItemReference) else item
             for item in items]})
 
-    async def keep(self, response: ResponseObject, input_items: list[dict[str, Any]] | None) -> None:
-        """Store ``response`` (finished) if its request asked for it (``input_items`` not None)."""
+    async def keep(self, response: ResponseObject, input_items: list[dict[str, Any]] | None,
+                   events: list[str] | None = None) -> None:
+        """Store ``response`` (finished) if its request asked for it (``input_items`` not None);
+        ``events``: a streamed background response's every event."""
         if input_items is None:
             return
         try:
             await self.store.put(StoredResponse(response.model_dump(mode="json"), input_items,
-                                                response.previous_response_id))
+                                                response.previous_response_id), events)
         except Exception as exc:
             raise APIError(503, f"the response was generated but could not be stored: {exc!r}", param="store",
                            code="store_unavailable") from None
@@ -316,6 +319,8 @@ class ServingResponses:
             store=input_items is not None, background=bool(request.background))
         generation, first = await frontend.start_generation(engine_id, [prompt], params, request.priority, client,
                                                             is_streamed=request.stream, lora_request=lora_request)
+        if request.background and request.stream:
+            return await self._start_background_stream(chat, request, response, generation, first, input_items)
         if request.background:
             return await self._start_background(chat, request, response, generation, first, input_items)
         if request.stream:
@@ -341,26 +346,89 @@ class ServingResponses:
         async def run() -> None:
             try:
                 final = await self._run_to_end(chat, request, response, generation, first)
-            except APIError as exc:
-                final = response.model_copy(update=dict(status="failed", error={"code": exc.code or exc.type,
-                                                                                "message": exc.message}))
             except Exception as exc:   # CancelledError is not one: a cancelled response stays as the store has it
-                logger.exception("background response %s failed", response.id)
-                final = response.model_copy(update=dict(status="failed", error={"code": "server_error",
-                                                                                "message": repr(exc)}))
-            try:
-                await self.keep(final, input_items)
-            except APIError as exc:   # its lease lapses: the store marks it failed
-                logger.warning("background response %s: %s", response.id, exc.message)
+                final, _ = _failed(response, exc)
+            await self._keep_last_word(final, input_items)
 
+        await self._run_in_background(response, generation, input_items, run)
+        return response
+
+    async def _keep_last_word(self, final: ResponseObject, input_items: list[dict[str, Any]],
+                              events: list[str] | None = None) -> None:
+        """Store a background response's last word; if the store cannot take it, its lease
+        lapses and the store marks it failed."""
+        try:
+            await self.keep(final, input_items, events)
+        except APIError as exc:
+            logger.warning("background response %s: %s", final.id, exc.message)
+
+    async def _run_in_background(self, response: ResponseObject, generation: Generation,
+                                 input_items: list[dict[str, Any]], run, log: EventLog | None = None) -> None:
         try:
             await self.frontend.background_runs.start(
-                StoredResponse(response.model_dump(mode="json"), input_items, response.previous_response_id), run)
+                StoredResponse(response.model_dump(mode="json"), input_items, response.previous_response_id), run,
+                log)
         except Exception as exc:
             await generation.aclose()
             raise APIError(503, f"the background response could not be stored: {exc!r}", param="store",
                            code="store_unavailable") from None
-        return response
+
+    async def _start_background_stream(self, chat, request: ResponsesRequest, response: ResponseObject,
+                                       generation: Generation, first, input_items: list[dict[str, Any]]
+                                       ) -> ChunkStream:
+        """Run the streamed response in the background, its events written to an ``EventLog``
+        (stored with it when it ends, in the store meanwhile too); the stream returned follows
+        the log, so a client that leaves stops reading, not the response."""
+        log = EventLog()
+
+        async def keep_whole(final: ResponseObject, last_events: list[str]) -> None:
+            await self.keep(final, input_items, log.events + last_events)
+
+        events = _ResponseEvents(self, chat, request, response, generation, on_finished=keep_whole)
+
+        async def run() -> None:
+            try:
+                async for batch in events.batches(first):
+                    log.extend(batch)
+            except Exception as exc:   # CancelledError is not one: a cancelled response stays as the store has it
+                failed, error = _failed(response, exc)
+                last = [events.error_event(error)]
+                await self._keep_last_word(failed, input_items, log.events + last)
+                log.extend(last)
+
+        await self._run_in_background(response, generation, input_items, run, log)
+        return ChunkStream(lambda _: log.follow(-1), None, events.error_event)
+
+    async def stream_stored(self, response_id: str, starting_after: int | None) -> ChunkStream:
+        """The events of the background response ``response_id`` created with ``stream``, after
+        sequence number ``starting_after`` (all if None): those made, then the rest as they are
+        made, until it ends. Read from this replica's log if it runs here, else from the store
+        every ``FOLLOW_POLL_S``."""
+        after = -1 if starting_after is None else starting_after
+        runs = self.frontend.background_runs
+        log = runs.logs.get(response_id) if runs is not None else None
+        if log is not None:
+            return ChunkStream(lambda _: log.follow(after), None, _follower_error)
+        page = await self.store.events(response_id, after) if self.store is not None else None
+        if page is None:
+            raise self.not_found(response_id)
+        if page.events is None:
+            raise APIError(400, f"response {response_id!r} cannot be streamed: only a background response created "
+                                "with stream: true keeps its events", param="stream")
+        return ChunkStream(lambda _: self._follow_store(response_id, after, page), None, _follower_error)
+
+    async def _follow_store(self, response_id: str, after: int, page: StoredEvents) -> AsyncIterator[list[str]]:
+        while True:
+            if page.events:
+                yield page.events
+                after += len(page.events)
+            if page.is_finished:
+                return
+            await asyncio.sleep(FOLLOW_POLL_S)
+            page = await self.store.events(response_id, after)
+            if page is None or page.events is None:
+                raise APIError(404, f"response {response_id!r} was deleted while it was streamed",
+                               param="response_id")
 
     async def cancel(self, response_id: str) -> dict[str, Any]:
         """Cancel the background response ``response_id`` (at once if it runs in this replica,
@@ -394,6 +462,21 @@ class ServingResponses:
         return items
 
 
+def _failed(response: ResponseObject, exc: Exception) -> tuple[ResponseObject, APIError]:
+    """``response`` failed with ``exc`` (a server error unless an ``APIError``), and that error."""
+    if not isinstance(exc, APIError):
+        logger.error("background response %s failed", response.id, exc_info=exc)
+        exc = APIError(500, repr(exc), "server_error", code="server_error")
+    return response.model_copy(update=dict(status="failed", error={"code": exc.code or exc.type,
+                                                                   "message": exc.message})), exc
+
+
+def _follower_error(error: APIError) -> str:
+    """The last event of a stream that follows a stored response and cannot go on."""
+    body = {"type": "error", "code": error.code or error.type, "message": error.message, "param": error.param}
+    return f"event: error\ndata: {json.dumps(body)}\n\n"
+
+
 def _is_cut_off(completion: CompletionOutput | None) -> bool:
     """The output ran out of tokens (the token limit, or the context)."""
     return completion is not None and completion.finish_reason == "length"
@@ -417,9 +500,12 @@ class _ResponseEvents:
     """The SSE events of one streamed response, built as its outputs arrive."""
 
     def __init__(self, serving: ServingResponses, chat, request: ResponsesRequest, response: ResponseObject,
-                 generation: Generation, input_items: list[dict[str, Any]] | None = None) -> None:
+                 generation: Generation, input_items: list[dict[str, Any]] | None = None,
+                 on_finished: Callable[[ResponseObject, list[str]], Awaitable[None]] | None = None) -> None:
         self.serving = serving
-        self.input_items = input_items   # to store with the response (None: not stored)
+        # Awaited with the finished response and its last events before they go out; by default
+        # the response is stored with ``input_items`` (None: not stored).
+        self.on_finished = on_finished or (lambda response, _: serving.keep(response, input_items))
         self.logprobs = serving.chat.logprobs
         self.wants_logprobs = request.wants_logprobs
         self.response = response
@@ -482,9 +568,9 @@ class _ResponseEvents:
         if not self.is_started:
             self._start(events)
         response = finished(self.response, self.items, self.completion, self.generation)
-        await self.serving.keep(response, self.input_items)
         kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
         events.append(self.event(kind, response=response.model_dump(mode="json")))
+        await self.on_finished(response, events)
         return events
 
     def _add_parsed(self, events: list[str], parsed) -> None:

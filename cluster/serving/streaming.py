@@ -23,9 +23,11 @@ from .frontend import Generation
 
 
 class ChunkStream:
-    """A streamed response over ``generation``; ``make_batches(as_json)`` starts its chunks."""
+    """A streamed response over ``generation``; ``make_batches(as_json)`` starts its chunks.
+    Without a generation, it reads what another task generates (a background response's
+    events): closing it stops the reading alone."""
 
-    def __init__(self, make_batches: Callable[[bool], AsyncIterator[list]], generation: Generation,
+    def __init__(self, make_batches: Callable[[bool], AsyncIterator[list]], generation: Generation | None,
                  error_event: Callable[[APIError], str] | None = None) -> None:
         self._make_batches = make_batches
         self._batches: AsyncIterator[list] | None = None
@@ -49,7 +51,8 @@ class ChunkStream:
                 await self._batches.aclose()
             except RuntimeError:  # still being iterated elsewhere: closing the generation suffices
                 pass
-        await self.generation.aclose()
+        if self.generation is not None:
+            await self.generation.aclose()
 
 
 async def generation_batches(generation: Generation, first, chunks: Callable[[int, RequestOutput], list],
