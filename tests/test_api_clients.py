@@ -480,6 +480,21 @@ def test_responses_api_function_call_round_trip_and_stream(client, tokenizer):
     assert client.responses.cancel(long.id).status == "cancelled"
     assert client.responses.retrieve(long.id).status == "cancelled"   # and idle_after sees its blocks freed
 
+    # In the background and streamed: the client leaves after three events and reads on from the
+    # last it saw; the answer's items are referenced by id.
+    stream = client.responses.create(model=MODEL, previous_response_id=called.id, input=items[2:], tools=[add],
+                                     max_output_tokens=4, temperature=0, background=True, stream=True)
+    seen = [event for _, event in zip(range(3), stream)]
+    stream.close()
+    rest = list(client.responses.retrieve(seen[0].response.id, stream=True, starting_after=2))
+    assert [event.sequence_number for event in seen + rest] == list(range(len(seen) + len(rest)))
+    assert rest[-1].type == "response.incomplete" and rest[-1].response.output_text == answer.output_text
+    referenced = client.responses.create(model=MODEL, input=[{"type": "item_reference", "id": item.id} for item in
+                                                             client.responses.input_items.list(called.id).data]
+                                         + [{"type": "item_reference", "id": call.id}, items[2]], tools=[add],
+                                         max_output_tokens=4, temperature=0)
+    assert (referenced.output_text, referenced.usage.input_tokens) == (answer.output_text, answer.usage.input_tokens)
+
 
 # ---- log-probabilities --------------------------------------------------------------------------
 PROMPT = "The paged KV cache splits every sequence into blocks"
