@@ -13,7 +13,9 @@ manager in this process behind its transport (``InProcessTransport``):
   parent killed with SIGKILL;
 - the actor's ``OutputChannel`` stays open while renewed and closes on its lease.
 
-Every test ends with the core's pools consistent and no block in use.
+Every test ends with the core's pools consistent and no block in use. Tests that leave their
+core as it was share one (``core``), as a worker's core serves one request after another;
+those that fail or kill it start their own.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -49,33 +52,40 @@ def _greedy(max_tokens: int) -> SamplingParams:
 
 
 class Core:
-    """A started core and what it sent: each channel's deltas by key, in order, and deaths."""
+    """A started core and what it sent: each channel's deltas by key, in order, and deaths.
+
+    The client delivers them on an event loop of the helper's own (as on the actor's, one for
+    the core's life), so that tests, each with its loop, may share the core."""
 
     def __init__(self, model: str, worker_id: str = "w0", **engine) -> None:
         self.service = KVManagerService()
         self.items: dict[str, list] = {}
         self.deaths: list[tuple[str, str | None]] = []
-        self.woken = asyncio.Event()
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="core-news", daemon=True).start()
         spec = CoreSpec(worker_id, {"model": model, **ENGINE, **engine})
         self.client = EngineCoreClient(spec, InProcessTransport(self.service), self._on_items, self._on_dead)
+        self.client.bind_loop(self.loop)
         self.info = self.client.start(timeout_s=120)
 
     def _on_items(self, items: list) -> None:
         for item in items:
             self.items.setdefault(item[1], []).append(item)
-        self.woken.set()
 
     def _on_dead(self, message: str, engine_id: str | None) -> None:
         self.deaths.append((message, engine_id))
-        self.woken.set()
+
+    def forget(self) -> None:
+        """Forget what the core sent so far (a test that shares it starts afresh)."""
+        self.items.clear()
+        self.deaths.clear()
 
     def add(self, channel: str, key: int, prompt: list[int], params: SamplingParams) -> None:
         self.client.add(AddRequest(channel, key, f"{channel}/{key}", prompt, params))
 
     async def open_socket(self, channel: str) -> ChannelSocketReceiver:
         """Open ``channel`` as a socket channel in the core (as ``Worker.channel_outputs`` does)
-        and connect a reader to it, as a handle does; on this loop, which gets the core's news."""
-        self.client.bind_loop(asyncio.get_running_loop())
+        and connect a reader to it, as a handle does."""
         address = await asyncio.wrap_future(self.client.call("open_output_socket", channel, 2, "127.0.0.1"))
         return ChannelSocketReceiver(address, channel)
 
@@ -91,22 +101,24 @@ class Core:
     async def wait_for(self, done, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
         while not done():
-            left = deadline - time.monotonic()
-            assert left > 0, "timed out"
-            self.woken.clear()
-            try:
-                await asyncio.wait_for(self.woken.wait(), min(left, 0.5))
-            except asyncio.TimeoutError:
-                pass
+            assert time.monotonic() < deadline, "timed out"
+            await asyncio.sleep(0.01)
+
+    def check(self) -> None:
+        """The core's pools are consistent and, once what ends has ended, no block is in use."""
+        self.client.call("check_integrity").result(30)
+        deadline = time.monotonic() + 30
+        while self.client.call("num_used_blocks").result(30) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert self.client.call("num_used_blocks").result(30) == 0
 
     def check_and_close(self) -> None:
-        if self.client.is_running:
-            self.client.call("check_integrity").result(30)
-            deadline = time.monotonic() + 30
-            while self.client.call("num_used_blocks").result(30) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert self.client.call("num_used_blocks").result(30) == 0
-        self.client.shutdown()
+        try:
+            if self.client.is_running:
+                self.check()
+        finally:
+            self.client.shutdown()
+            self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 def _ended(deltas: list) -> bool:
@@ -124,16 +136,34 @@ def expected(model) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in llm.generate(PROMPTS, _greedy(16), use_tqdm=False)]
 
 
+@pytest.fixture(scope="module")
+def shared_core(model):
+    started = Core(model)
+    yield started
+    started.check_and_close()
+
+
 @pytest.fixture
-def core(model):
+def core(shared_core):
+    """The module's core, for a test that leaves it serving; checked after the test."""
+    shared_core.forget()
+    yield shared_core
+    assert shared_core.client.is_running and not shared_core.deaths, "a test broke the shared core"
+    shared_core.check()
+
+
+@pytest.fixture
+def own_core(model):
+    """A core of the test's own, for a test that fails or kills it."""
     started = Core(model)
     yield started
     started.check_and_close()
 
 
 def test_each_channel_gets_one_batch_per_step_and_its_rows_rebuild_the_engines_tokens(core, expected):
+    generated_before = core.client.call("stats").result(30)["engine"]["num_generated_tokens"]
+
     async def run():
-        core.client.bind_loop(asyncio.get_running_loop())
         for key, prompt in enumerate(PROMPTS):
             core.add(f"channel-{key % 2}", key, prompt, _greedy(16))
         await core.wait_for(lambda: all(_ended(core.deltas(f"channel-{k % 2}").get(k, [])) for k in range(4)))
@@ -154,7 +184,8 @@ def test_each_channel_gets_one_batch_per_step_and_its_rows_rebuild_the_engines_t
     assert snapshot is not None
     core.service.check_consistency([snapshot])
     stats = core.client.call("stats").result(30)
-    assert stats["engine"]["num_generated_tokens"] == 64 and stats["kv_link"]["num_event_batches"] >= 1
+    assert stats["engine"]["num_generated_tokens"] - generated_before == 64
+    assert stats["kv_link"]["num_event_batches"] >= 1
 
 
 async def _read_socket(receiver: ChannelSocketReceiver, by_key: dict[int, list], until) -> list:
@@ -217,7 +248,9 @@ def test_a_socket_channel_whose_reader_leaves_has_its_requests_aborted_and_is_re
     assert core.deltas("stays")[0][-1].samples[0].finish_reason == "length"
 
 
-def test_an_engine_that_fails_ends_each_socket_channel_with_its_error(core):
+def test_an_engine_that_fails_ends_each_socket_channel_with_its_error(own_core):
+    core = own_core
+
     async def run():
         receiver = await core.open_socket("c")
         core.add("c", 0, PROMPTS[1], _greedy(400))
@@ -240,7 +273,6 @@ def test_a_speculating_core_streams_the_tokens_of_one_that_does_not(model, expec
                                               "prompt_lookup_min": 1, "prompt_lookup_max": 3})
     try:
         async def run():
-            started.client.bind_loop(asyncio.get_running_loop())
             for key, prompt in enumerate(PROMPTS):
                 started.add("c", key, prompt, _greedy(16))
             await started.wait_for(lambda: all(_ended(started.deltas("c").get(k, [])) for k in range(4)))
@@ -261,7 +293,6 @@ def test_a_speculating_core_streams_the_tokens_of_one_that_does_not(model, expec
 
 def test_closing_a_channel_aborts_what_runs_on_it_and_nothing_else(core):
     async def run():
-        core.client.bind_loop(asyncio.get_running_loop())
         core.add("closed", 0, PROMPTS[0], _greedy(400))
         core.add("closed", 1, PROMPTS[1], _greedy(400))
         core.add("open", 0, PROMPTS[2], _greedy(12))
@@ -279,7 +310,6 @@ def test_closing_a_channel_aborts_what_runs_on_it_and_nothing_else(core):
 
 def test_a_refused_request_ends_alone_with_its_error(core):
     async def run():
-        core.client.bind_loop(asyncio.get_running_loop())
         core.add("c", 0, list(range(3, 603)), _greedy(4))   # the tiny model's context is 512 tokens
         core.add("c", 1, PROMPTS[0], _greedy(4))
         await core.wait_for(lambda: all(_ended(core.deltas("c").get(k, [])) for k in (0, 1)))
@@ -290,9 +320,10 @@ def test_a_refused_request_ends_alone_with_its_error(core):
     assert served[-1].finished and len(served[-1].samples[0].token_ids) >= 1
 
 
-def test_an_engine_that_fails_is_reported_dead_once_with_its_id(core):
+def test_an_engine_that_fails_is_reported_dead_once_with_its_id(own_core):
+    core = own_core
+
     async def run():
-        core.client.bind_loop(asyncio.get_running_loop())
         core.add("c", 0, PROMPTS[1], _greedy(400))
         await core.wait_for(lambda: core.deltas("c").get(0))
         await asyncio.wrap_future(core.client.call("inject_failure", "a device error"))
@@ -310,7 +341,6 @@ def test_a_killed_core_is_reported_dead_and_calls_fail(model):
     started = Core(model)
 
     async def run():
-        started.client.bind_loop(asyncio.get_running_loop())
         started.add("c", 0, PROMPTS[1], _greedy(400))
         await started.wait_for(lambda: started.deltas("c").get(0))
         os.kill(started.client.pid, signal.SIGKILL)
@@ -321,7 +351,7 @@ def test_a_killed_core_is_reported_dead_and_calls_fail(model):
     assert "exit code -9" in message and engine_id is None
     with pytest.raises(CoreDead):
         started.client.call("stats").result(5)
-    started.client.shutdown()
+    started.check_and_close()
 
 
 _PARENT = """
@@ -494,8 +524,9 @@ def test_a_stalled_core_shows_its_unfinished_work_and_its_old_progress(core):
     """The worker's heartbeat reads the core's progress: a core stuck in a step with work admitted
     must show that work and a progress clock that stopped, so the cluster restarts it (a request
     admitted to an idle core counts before that step ends, not after)."""
+    _, _, steps_before, generated_before = core.client.progress_figures()
+
     async def run():
-        core.client.bind_loop(asyncio.get_running_loop())
         await asyncio.wrap_future(core.client.call("inject_stall", 3.0))
         core.add("c", 0, PROMPTS[0], _greedy(4))
         await asyncio.sleep(1.5)
@@ -505,4 +536,5 @@ def test_a_stalled_core_shows_its_unfinished_work_and_its_old_progress(core):
 
     asyncio.run(run())
     last, num_unfinished, num_steps, num_generated = core.client.progress_figures()
-    assert num_unfinished == 0 and num_generated == 4 and num_steps >= 4 and time.time() - last < 5
+    assert num_unfinished == 0 and num_generated - generated_before == 4 and num_steps - steps_before >= 4
+    assert time.time() - last < 5
