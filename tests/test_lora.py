@@ -407,19 +407,31 @@ def test_adapters_added_and_removed_by_hand_and_a_name_reused_for_other_weights(
     assert_idle(llm)
 
 
+# One fresh process (a node that never read the adapters) asks for each path in turn; a line each.
 _HUB_ADAPTER = """
 import json, sys
 from pagedserve import LLM, LoRARequest, SamplingParams
 from pagedserve.workers.lora.peft_adapter import LoRAAdapterError
-model, repo, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+model, paths, prompt = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
 llm = LLM(model, device="cpu", dtype="float32", swap_space_gb=0.001, enable_lora=True, max_lora_rank=16)
 params = SamplingParams(temperature=0.0, max_tokens=8)
-try:
-    [output] = llm.generate([prompt], params, use_tqdm=False, lora_request=LoRARequest("hub", 1, repo))
-    print(json.dumps({"tokens": list(output.outputs[0].token_ids)}))
-except LoRAAdapterError as exc:
-    print(json.dumps({"error": str(exc)}))
+for number, path in enumerate(paths, 1):
+    try:
+        [output] = llm.generate([prompt], params, use_tqdm=False, lora_request=LoRARequest(f"hub{number}", number, path))
+        print(json.dumps({"tokens": list(output.outputs[0].token_ids)}), flush=True)
+    except LoRAAdapterError as exc:
+        print(json.dumps({"error": str(exc)}), flush=True)
 """
+
+
+def _fetch_in_a_fresh_process(model: str, paths: list[str], prompt: list[int], env: dict) -> list[dict]:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _HUB_ADAPTER, model, json.dumps(paths), json.dumps(prompt)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.strip().splitlines()[-len(paths):]]
 
 
 def test_a_hub_id_as_lora_path_is_fetched_by_the_reading_node(tiny_model, adapters, tmp_path):
@@ -427,9 +439,6 @@ def test_a_hub_id_as_lora_path_is_fetched_by_the_reading_node(tiny_model, adapte
     node's hub cache (here from ``tests/hub_mirror.py``, huggingface_hub's real download code in a
     fresh process) and serves what the same adapter serves from its directory; an id the hub does
     not have is refused naming the node and the reason."""
-    import subprocess
-    import sys
-
     from hub_mirror import HubMirror, MirroredRepo
 
     lora = adapters("llama")["attn"]
@@ -440,12 +449,8 @@ def test_a_hub_id_as_lora_path_is_fetched_by_the_reading_node(tiny_model, adapte
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN")}
     with HubMirror({repo: MirroredRepo(Path(lora.lora_path))}) as mirror:
         env.update(HF_ENDPOINT=mirror.url, HF_HOME=str(tmp_path / "hf"))
-        results = [subprocess.run([sys.executable, "-c", _HUB_ADAPTER, tiny_model("llama"), name, json.dumps(prompt)],
-                                  env=env, capture_output=True, text=True, timeout=300)
-                   for name in (repo, "pagedserve-test/no-such-adapter")]
-    for done in results:
-        assert done.returncode == 0, done.stderr[-3000:]
-    fetched, missing = (json.loads(done.stdout.strip().splitlines()[-1]) for done in results)
+        fetched, missing = _fetch_in_a_fresh_process(tiny_model("llama"), [repo, "pagedserve-test/no-such-adapter"],
+                                                     prompt, env)
     assert fetched == {"tokens": list(local.outputs[0].token_ids)}
     assert "cannot be fetched on node" in missing["error"] and "RepositoryNotFound" in missing["error"]
 
@@ -455,8 +460,6 @@ def test_a_uri_or_a_hub_repos_folder_as_lora_path_serves_what_the_directory_does
     """``file://`` (any fsspec URI) and ``hf://org/repo/folder`` (a dynamic adapter of a hub repo):
     the engine reads the same adapter, copied or fetched, and serves the same tokens."""
     import shutil
-    import subprocess
-    import sys
 
     from hub_mirror import HubMirror, MirroredRepo
 
@@ -473,12 +476,9 @@ def test_a_uri_or_a_hub_repos_folder_as_lora_path_serves_what_the_directory_does
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN")}
     with HubMirror({"pagedserve-test/adapters": MirroredRepo(tmp_path / "repo")}) as mirror:
         env.update(HF_ENDPOINT=mirror.url, HF_HOME=str(tmp_path / "hf"))
-        results = [subprocess.run([sys.executable, "-c", _HUB_ADAPTER, tiny_model("llama"), path, json.dumps(prompt)],
-                                  env=env, capture_output=True, text=True, timeout=300)
-                   for path in ("hf://pagedserve-test/adapters/attn", "hf://pagedserve-test/adapters/none")]
-    for done in results:
-        assert done.returncode == 0, done.stderr[-3000:]
-    fetched, missing = (json.loads(done.stdout.strip().splitlines()[-1]) for done in results)
+        fetched, missing = _fetch_in_a_fresh_process(
+            tiny_model("llama"), ["hf://pagedserve-test/adapters/attn", "hf://pagedserve-test/adapters/none"], prompt,
+            env)
     assert fetched == {"tokens": list(local.outputs[0].token_ids)}
     assert "has no adapter in folder 'none'" in missing["error"]
 
