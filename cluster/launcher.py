@@ -247,6 +247,11 @@ def _tear_down(record: ServerRecord, handle, has_serve: bool, owns_ray: bool, is
         stages.append(("stopping the workers and the KV manager", handle.shutdown))
     if owns_ray:
         stages.append(("stopping the private Ray" if is_private_ray else "leaving the Ray cluster", ray.shutdown))
+    if is_private_ray:   # Serve's HAProxy, as it runs now: one it starts while Ray stops may outlive it
+        from .serving import ingress
+
+        configs = ingress.haproxy_configs(processes.descendants(os.getpid()))
+        stages.append(("ending any HAProxy that Serve left", lambda: _end_stray_haproxy(configs)))
     for label, action in stages:
         record.stage = label
         with contextlib.suppress(Exception):
@@ -323,6 +328,15 @@ def _wait_stopped(targets: list[ServerRecord], started: float, timeout_s: float,
         if not _kill(record, stages[record.port], timeout_s, stdout, stderr):
             status = 1
     return status
+
+
+def _end_stray_haproxy(configs: set[str]) -> None:
+    from .serving import ingress
+
+    ended = ingress.end_stray_haproxy(configs)
+    if ended:
+        print(f"ended {len(ended)} HAProxy processes that Serve's ingress left running as Ray stopped "
+              f"(pids {ended})", file=sys.stderr, flush=True)
 
 
 def _kill(record: ServerRecord, stage: str | None, timeout_s: float, stdout: IO[str], stderr: IO[str]) -> bool:

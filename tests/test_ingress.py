@@ -118,3 +118,35 @@ def test_haproxys_two_ports_differ_even_where_the_draw_offers_one_twice(monkeypa
     ingress.prepare("haproxy")
     assert int(os.environ[ingress.HAPROXY_PORT_ENVS[0]]) != first
     assert os.environ[ingress.HAPROXY_PORT_ENVS[1]] == str(first)
+
+
+def test_a_stray_haproxy_of_the_servers_config_is_ended_and_nothing_else(tmp_path):
+    """What Serve's HAProxy left as a private Ray stopped (a process of Serve's configuration that
+    nothing stops) is ended, by SIGKILL if it ignores SIGTERM; an HAProxy of another
+    configuration, and a process of another program naming the same file, are left alone."""
+    import signal
+    import subprocess
+    import sys
+
+    haproxy = tmp_path / "bin" / "haproxy"   # a stand-in: Python, run under HAProxy's name
+    haproxy.parent.mkdir()
+    haproxy.symlink_to(sys.executable)
+    ours, theirs = str(tmp_path / "ours" / "haproxy.cfg"), str(tmp_path / "theirs" / "haproxy.cfg")
+    sleeper = "import time; print('ready', flush=True); time.sleep(120)"
+    stubborn = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); " + sleeper
+    started = [subprocess.Popen([str(haproxy), "-c", code, "-db", "-f", config], stdout=subprocess.PIPE, text=True)
+               for code, config in ((sleeper, ours), (stubborn, ours), (sleeper, theirs))]
+    other_program = subprocess.Popen([sys.executable, "-c", sleeper, "-f", ours], stdout=subprocess.PIPE, text=True)
+    try:
+        for process in (*started, other_program):   # running, the stubborn one deaf to SIGTERM
+            assert process.stdout.readline() == "ready\n"
+        pids = [p.pid for p in (*started, other_program)]
+        assert ingress.haproxy_configs(pids) == {ours, theirs}
+        assert sorted(ingress.end_stray_haproxy({ours}, wait_s=0.5)) == sorted(p.pid for p in started[:2])
+        assert started[0].wait(10) == -signal.SIGTERM and started[1].wait(10) == -signal.SIGKILL
+        assert started[2].poll() is None and other_program.poll() is None
+        assert ingress.end_stray_haproxy(set()) == []
+    finally:
+        for process in (*started, other_program):
+            process.kill()
+            process.wait()

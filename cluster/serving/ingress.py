@@ -35,12 +35,16 @@ unless it is set.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
+import signal
+import time
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from pagedserve.workers.process import processes
 from pagedserve.workers.process.gc_heap import YOUNG_GC_THRESHOLD
 
 HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
@@ -207,3 +211,40 @@ def choose(ingress: str, cluster_env=_cluster_env) -> IngressChoice:
                                "every node with them for HAProxy)")
     (logger.info if haproxy_binary() is None else logger.warning)("ingress: %s", choice.describe())
     return choice
+
+
+# ---- HAProxy processes left behind -----------------------------------------------------------------
+# Serve applies a routing change by starting a new HAProxy that takes over from the old one
+# (``-sf``). A change made while a private Ray stops (its replicas draining) can start one that
+# nothing stops: an orphan that keeps the API's port. Seen on a 2-core machine under load, an
+# hour after its server stopped.
+HAPROXY_STOP_WAIT_S = 5.0
+
+
+def haproxy_configs(pids: Collection[int]) -> set[str]:
+    """The configuration files of the HAProxy processes among ``pids``."""
+    configs = set()
+    for pid in pids:
+        argv = processes.command_line(pid)
+        if argv and os.path.basename(argv[0]) == "haproxy" and "-f" in argv[:-1]:
+            configs.add(argv[argv.index("-f") + 1])
+    return configs
+
+
+def end_stray_haproxy(configs: Collection[str], wait_s: float = HAPROXY_STOP_WAIT_S) -> list[int]:
+    """End every HAProxy still running with one of ``configs`` (SIGTERM, then SIGKILL after
+    ``wait_s``); the pids it ended."""
+    if not configs:
+        return []
+    strays = [pid for pid in processes.running_pids() if pid != os.getpid() and haproxy_configs([pid]) & set(configs)]
+    for pid in strays:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + wait_s
+    while any(processes.is_running(pid) for pid in strays) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in strays:
+        if processes.is_running(pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+    return strays

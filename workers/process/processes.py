@@ -1,5 +1,5 @@
-"""Processes on this machine, as ``/proc`` shows them: whether one runs, when it started, and
-what runs under it (a private Ray's processes are its ``serve`` process's descendants). Its
+"""Processes on this machine, as ``/proc`` shows them: whether one runs, when it started, what
+it runs, and what runs under it (a private Ray's processes are its ``serve`` process's descendants). Its
 users: the server records and the launcher (``cluster``), the engine cores' socket folders.
 
 Without ``/proc`` (not Linux), ``is_running`` falls back to a signal 0, and the others know
@@ -55,6 +55,20 @@ def is_same_process(pid: int, started: float | None) -> bool:
         return False
     now = started_at(pid)
     return started is None or now is None or now == started
+
+
+def command_line(pid: int) -> list[str] | None:
+    """``pid``'s program and arguments (None if unknown, or it has none: a kernel thread)."""
+    try:
+        raw = (PROC / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return None
+    return raw.decode(errors="replace").split("\0")[:-1] or None
+
+
+def running_pids() -> list[int]:
+    """Every process this machine runs (none known without ``/proc``)."""
+    return [int(entry.name) for entry in (PROC.iterdir() if PROC.is_dir() else ()) if entry.name.isdigit()]
 
 
 def descendants(pid: int) -> list[int]:
