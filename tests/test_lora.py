@@ -417,7 +417,8 @@ llm = LLM(model, device="cpu", dtype="float32", swap_space_gb=0.001, enable_lora
 params = SamplingParams(temperature=0.0, max_tokens=8)
 for number, path in enumerate(paths, 1):
     try:
-        [output] = llm.generate([prompt], params, use_tqdm=False, lora_request=LoRARequest(f"hub{number}", number, path))
+        lora = LoRARequest(f"hub{number}", number, path)
+        [output] = llm.generate([prompt], params, use_tqdm=False, lora_request=lora)
         print(json.dumps({"tokens": list(output.outputs[0].token_ids)}), flush=True)
     except LoRAAdapterError as exc:
         print(json.dumps({"error": str(exc)}), flush=True)

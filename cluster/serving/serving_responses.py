@@ -60,8 +60,8 @@ from .errors import APIError
 from .frontend import Generation
 from .protocol import ChatCompletionRequest, TokenLogprob
 from .responses_protocol import (FunctionCallItem, FunctionCallOutputItem, IncompleteDetails, InputItem,
-                                 InputTokensDetails, ItemReference, MessageItem, OutputFunctionCall, OutputMessage, OutputText,
-                                 ResponseObject, ResponsesRequest, ResponseUsage)
+                                 InputTokensDetails, ItemReference, MessageItem, OutputFunctionCall, OutputMessage,
+                                 OutputText, ResponseObject, ResponsesRequest, ResponseUsage)
 from .serving_chat import ServingChat
 from .streaming import ChunkStream, generation_batches
 
