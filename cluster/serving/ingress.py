@@ -234,9 +234,10 @@ def haproxy_configs(pids: Collection[int]) -> set[str]:
 def end_stray_haproxy(configs: Collection[str], wait_s: float = HAPROXY_STOP_WAIT_S) -> list[int]:
     """End every HAProxy still running with one of ``configs`` (SIGTERM, then SIGKILL after
     ``wait_s``); the pids it ended."""
+    configs = set(configs)
     if not configs:
         return []
-    strays = [pid for pid in processes.running_pids() if pid != os.getpid() and haproxy_configs([pid]) & set(configs)]
+    strays = [pid for pid in processes.running_pids() if pid != os.getpid() and haproxy_configs([pid]) & configs]
     for pid in strays:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGTERM)

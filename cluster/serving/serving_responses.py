@@ -471,10 +471,14 @@ def _failed(response: ResponseObject, exc: Exception) -> tuple[ResponseObject, A
                                                                    "message": exc.message})), exc
 
 
+def _error_fields(error: APIError) -> dict[str, Any]:
+    """An ``error`` event's fields for ``error``."""
+    return {"code": error.code or error.type, "message": error.message, "param": error.param}
+
+
 def _follower_error(error: APIError) -> str:
     """The last event of a stream that follows a stored response and cannot go on."""
-    body = {"type": "error", "code": error.code or error.type, "message": error.message, "param": error.param}
-    return f"event: error\ndata: {json.dumps(body)}\n\n"
+    return f"event: error\ndata: {json.dumps({'type': 'error', **_error_fields(error)})}\n\n"
 
 
 def _is_cut_off(completion: CompletionOutput | None) -> bool:
@@ -530,7 +534,7 @@ class _ResponseEvents:
 
     def error_event(self, error: APIError) -> str:
         """The stream's last event when the generation fails mid-way."""
-        return self.event("error", code=error.code or error.type, message=error.message, param=error.param)
+        return self.event("error", **_error_fields(error))
 
     def batches(self, first) -> AsyncIterator[list[str]]:
         return generation_batches(self.generation, first, self._output_events, self._last_events)

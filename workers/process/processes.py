@@ -1,6 +1,7 @@
 """Processes on this machine, as ``/proc`` shows them: whether one runs, when it started, what
-it runs, and what runs under it (a private Ray's processes are its ``serve`` process's descendants). Its
-users: the server records and the launcher (``cluster``), the engine cores' socket folders.
+it runs, and what runs under it (a private Ray's processes are its ``serve`` process's
+descendants). Its users: the server records and the launcher (``cluster``), the engine cores'
+socket folders, Serve's HAProxy left behind (``cluster.serving.ingress``).
 
 Without ``/proc`` (not Linux), ``is_running`` falls back to a signal 0, and the others know
 nothing.
@@ -74,11 +75,10 @@ def running_pids() -> list[int]:
 def descendants(pid: int) -> list[int]:
     """Every live process under ``pid``: its children, theirs, and so on."""
     children: dict[int, list[int]] = {}
-    for entry in PROC.iterdir() if PROC.is_dir() else ():
-        if entry.name.isdigit():
-            fields = _stat_fields(int(entry.name))
-            if fields and len(fields) > 1 and fields[1].isdigit():
-                children.setdefault(int(fields[1]), []).append(int(entry.name))
+    for child in running_pids():
+        fields = _stat_fields(child)
+        if fields and len(fields) > 1 and fields[1].isdigit():
+            children.setdefault(int(fields[1]), []).append(child)
     found, todo = [], list(children.get(pid, []))
     while todo:
         child = todo.pop()
