@@ -223,7 +223,7 @@ def _check_response(response, category: str) -> None:
         if getattr(response, "stream_cut_short", False):
             TALLY[category]["streams cut short by the client"] += 1
         elif text.startswith("event: "):   # the Responses API's named events: no [DONE]
-            assert events[-1]["type"] in ("response.completed", "response.incomplete", "error"), text[-300:]
+            assert events[-1]["type"] in ("response.completed", "response.incomplete", "response.failed", "error"), text[-300:]
         else:
             assert text.rstrip().endswith("data: [DONE]"), text[-300:]
 

@@ -302,7 +302,7 @@ def test_harmless_values_of_refused_fields_pass(server):
     assert response.usage.output_tokens == 2
 
 
-def test_a_stream_that_fails_mid_way_ends_with_an_error_event(server, local_handle):
+def test_a_stream_that_fails_mid_way_ends_with_response_failed(server, local_handle):
     from pagedserve.cluster.request_flow import StreamNotResumable
 
     local_handle.fail_after_first = StreamNotResumable("the worker failed; the stream cannot be continued")
@@ -315,9 +315,11 @@ def test_a_stream_that_fails_mid_way_ends_with_an_error_event(server, local_hand
     assert streamed.status_code == 200
     events = [json.loads(line[len("data: "):]) for line in streamed.text.splitlines() if line.startswith("data: ")]
     assert events[0]["type"] == "response.created"
-    assert events[-1]["type"] == "error" and events[-1]["code"] == "worker_failed"
-    assert "cannot be continued" in events[-1]["message"]
-    assert events[-1]["sequence_number"] == len(events) - 1
+    last = events[-1]
+    assert last["type"] == "response.failed" and last["sequence_number"] == len(events) - 1
+    assert last["response"]["id"] == events[0]["response"]["id"] and last["response"]["status"] == "failed"
+    assert last["response"]["error"]["code"] == "worker_failed"
+    assert "cannot be continued" in last["response"]["error"]["message"]
     assert not any(event["type"] == "response.completed" for event in events)
     assert_error(whole, 503)
 
@@ -747,7 +749,7 @@ def test_another_replica_streams_a_background_response_from_the_store(local_hand
     assert sum(event["type"] == "response.output_text.delta" for event in events) >= 5
 
 
-def test_a_streamed_background_response_that_fails_ends_with_an_error_event_and_is_failed(storing, local_handle):
+def test_a_streamed_background_response_that_fails_ends_with_response_failed_and_is_failed(storing, local_handle):
     from pagedserve.cluster.request_flow import StreamNotResumable
 
     local_handle.fail_after_first = StreamNotResumable("the worker failed; the stream cannot be continued")
@@ -763,10 +765,11 @@ def test_a_streamed_background_response_that_fails_ends_with_an_error_event_and_
         streamed, kept, again = with_client(storing, use)
     finally:
         local_handle.fail_after_first = None
-    assert streamed[-1].type == "error" and streamed[-1].code == "worker_failed"
+    assert streamed[-1].type == "response.failed" and streamed[-1].response.error.code == "worker_failed"
     assert [event.sequence_number for event in streamed] == list(range(len(streamed)))
     assert kept.status == "failed" and kept.error.code == "worker_failed"
     assert "cannot be continued" in kept.error.message
+    assert streamed[-1].response.model_dump() == kept.model_dump()
     assert [event.model_dump() for event in again] == [event.model_dump() for event in streamed]
 
 

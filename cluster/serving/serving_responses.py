@@ -36,7 +36,8 @@ item ``response.output_item.added``, then for a message
 the ``.done`` events, for a call ``response.function_call_arguments.delta``
 and ``.done``, then ``response.output_item.done``; last
 ``response.completed`` or ``response.incomplete`` with the usage. One item is
-open at a time. A failure mid-stream is an ``error`` event.
+open at a time. A failure mid-stream ends it with ``response.failed``: the
+response ``failed``, its ``error`` the failure's code and message.
 """
 
 from __future__ import annotations
@@ -391,8 +392,8 @@ class ServingResponses:
                 async for batch in events.batches(first):
                     log.extend(batch)
             except Exception as exc:   # CancelledError is not one: a cancelled response stays as the store has it
-                failed, error = _failed(response, exc)
-                last = [events.error_event(error)]
+                failed, _ = _failed(response, exc)
+                last = [events.failed_event(failed)]
                 await self._keep_last_word(failed, input_items, log.events + last)
                 log.extend(last)
 
@@ -533,8 +534,12 @@ class _ResponseEvents:
         return f"event: {kind}\ndata: {json.dumps(fields)}\n\n"
 
     def error_event(self, error: APIError) -> str:
-        """The stream's last event when the generation fails mid-way."""
-        return self.event("error", **_error_fields(error))
+        """The stream's last event when the generation fails mid-way: ``response.failed``, as
+        OpenAI ends a response that failed, its ``error`` the failure's code and message."""
+        return self.failed_event(_failed(self.response, error)[0])
+
+    def failed_event(self, failed: ResponseObject) -> str:
+        return self.event("response.failed", response=failed.model_dump(mode="json"))
 
     def batches(self, first) -> AsyncIterator[list[str]]:
         return generation_batches(self.generation, first, self._output_events, self._last_events)
