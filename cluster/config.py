@@ -312,7 +312,12 @@ class ServerConfig(_Strict):
     memory and ends with the cluster. Off: ``store: true``, ``previous_response_id`` and
     ``background: true`` are refused."""
     max_stored_responses: int = Field(10000, ge=1)
-    """How many responses the store keeps; beyond it the least recently used are forgotten."""
+    """How many responses the store keeps; beyond it the least recently used finished ones are
+    forgotten (a background response that still runs stays)."""
+    max_stored_response_bytes: int = Field(1 << 30, ge=1)
+    """How much the store keeps, in characters of JSON: each response's, its input items' and a
+    streamed background response's events (about 200 a token); beyond it the least recently
+    used finished ones are forgotten, the one used last always kept. 1 GiB by default."""
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     """Limits that protect the service."""
 

@@ -154,10 +154,10 @@ class ClusterHandle:
         self.__dict__.update(state)
         self._init_local_state()
 
-    def response_store(self, max_responses: int) -> ActorResponseStore:
+    def response_store(self, max_responses: int, max_bytes: int) -> ActorResponseStore:
         """The cluster's one store of the Responses API's stored responses (created, with room
-        for ``max_responses``, by the first caller)."""
-        return ActorResponseStore(self.namespace, max_responses)
+        for ``max_responses`` and ``max_bytes``, by the first caller)."""
+        return ActorResponseStore(self.namespace, max_responses, max_bytes)
 
     # ---- the worker set -------------------------------------------------------------
     def _apply_membership(self, membership: dict) -> None:

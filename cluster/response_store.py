@@ -10,9 +10,11 @@ with the cluster (``kill_response_store``). Its calls happen once per response, 
 token: the replica awaits the store's copy before the response (or its last event) goes out,
 so a follow-up naming it finds it, whichever replica takes it.
 
-The store keeps ``max_responses`` and forgets the least recently used beyond them; a
-conversation whose earlier response was forgotten or deleted cannot be continued, and says
-which response is missing. What is stored lives in the actor's memory: it does not survive
+The store keeps at most ``max_responses`` responses and ``max_bytes`` of their JSON (the
+response, its input items and, for a streamed background one, its events), and forgets the
+least recently used finished ones beyond either; a background response that still runs, and the
+one used last, stay. A conversation whose earlier response was forgotten or deleted cannot be
+continued, and says which response is missing. What is stored lives in the actor's memory: it does not survive
 the actor's restart.
 
 A background response is stored as it starts, under a lease held by the replica that runs it
@@ -33,6 +35,7 @@ readers on other replicas poll the store. The store's copy is whole once the res
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -89,14 +92,31 @@ class Conversation:
     missing: str | None = None
 
 
-class ResponseStore:
-    """Stored responses by id, the least recently used forgotten beyond ``max_responses``."""
+DEFAULT_MAX_BYTES = 1 << 30
 
-    def __init__(self, max_responses: int, clock: Callable[[], float] = time.monotonic) -> None:
+
+def stored_size(stored: StoredResponse, events: list[str] | None = None) -> int:
+    """What ``stored`` (and ``events``, its events) count against the store's ``max_bytes``:
+    the characters of its response's and input items' JSON, and of its events."""
+    return (len(json.dumps(stored.response)) + len(json.dumps(stored.input_items))
+            + sum(len(event) for event in events or ()))
+
+
+class ResponseStore:
+    """Stored responses by id, the least recently used finished ones forgotten beyond
+    ``max_responses`` responses or ``max_bytes`` (``stored_size``)."""
+
+    def __init__(self, max_responses: int, max_bytes: int = DEFAULT_MAX_BYTES,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if max_responses < 1:
             raise ValueError(f"max_responses must be at least 1, not {max_responses}")
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be at least 1, not {max_bytes}")
         self.max_responses = max_responses
+        self.max_bytes = max_bytes
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._sizes: dict[str, int] = {}   # what each stored response counts, as counted when stored
+        self.num_bytes = 0
         self.num_evicted = 0
         self._clock = clock
         self._leases: dict[str, tuple[str, float]] = {}   # a running background response -> (owner, until)
@@ -127,14 +147,29 @@ class ResponseStore:
         self._index(stored)
         if events is not None:
             self._events[stored.id] = list(events)
-        while len(self._responses) > self.max_responses:
-            self._forget(self._responses.popitem(last=False)[1])
+        self._count(stored.id, stored_size(stored, events))
+        self._evict()
+
+    def _count(self, response_id: str, size: int) -> None:
+        self.num_bytes += size - self._sizes.get(response_id, 0)
+        self._sizes[response_id] = size
+
+    def _evict(self) -> None:
+        """Forget the least recently used finished responses while more than ``max_responses``
+        or ``max_bytes`` are kept; running ones (under a lease) and the one used last stay."""
+        while len(self._responses) > self.max_responses or self.num_bytes > self.max_bytes:
+            last = next(reversed(self._responses))
+            victim = next((response_id for response_id in self._responses if response_id not in self._leases), last)
+            if victim == last:
+                return
+            self._forget(self._responses.pop(victim))
             self.num_evicted += 1
 
     def _forget(self, stored: StoredResponse) -> None:
         """Drop what is kept beside ``stored`` (no longer, or no longer so, stored)."""
         self._unindex(stored)
         self._events.pop(stored.id, None)
+        self.num_bytes -= self._sizes.pop(stored.id, 0)
 
     def _index(self, stored: StoredResponse) -> None:
         for item in stored.items():
@@ -171,7 +206,10 @@ class ResponseStore:
         for response_id, (first, new) in (events or {}).items():
             log = self._events.get(response_id)
             if log is not None and self._leases.get(response_id, (None,))[0] == owner and first <= len(log):
+                replaced = sum(len(event) for event in log[first:])
                 log[first:] = new   # from a renewal sent again, the same events again
+                self._count(response_id, self._sizes[response_id] + sum(len(event) for event in new) - replaced)
+        self._evict()
         cancelled = self._cancelled.pop(owner, set())
         return [response_id for response_id in response_ids if response_id in cancelled]
 
@@ -259,14 +297,15 @@ class ResponseStore:
 
     def stats(self) -> dict[str, int]:
         return {"num_stored": len(self._responses), "max_responses": self.max_responses,
+                "num_bytes": self.num_bytes, "max_bytes": self.max_bytes,
                 "num_evicted": self.num_evicted, "num_running": len(self._leases)}
 
 
 class LocalResponseStore:
     """A ``ResponseStore`` in this process, behind the awaitable calls the frontend makes."""
 
-    def __init__(self, max_responses: int) -> None:
-        self.store = ResponseStore(max_responses)
+    def __init__(self, max_responses: int, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        self.store = ResponseStore(max_responses, max_bytes)
 
     async def put(self, stored: StoredResponse, events: list[str] | None = None) -> None:
         self.store.put(stored, events)
@@ -303,16 +342,16 @@ class LocalResponseStore:
 
 class ActorResponseStore:
     """The cluster's store actor (named ``STORE_NAME`` in ``namespace``; created with room for
-    ``max_responses`` if none runs yet), behind the same awaitable calls."""
+    ``max_responses`` and ``max_bytes`` if none runs yet), behind the same awaitable calls."""
 
-    def __init__(self, namespace: str | None, max_responses: int) -> None:
+    def __init__(self, namespace: str | None, max_responses: int, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         import ray
 
         from . import ray_compat
 
         self._actor = ray.remote(ResponseStore).options(
             name=STORE_NAME, namespace=namespace, get_if_exists=True, lifetime="detached", num_cpus=0,
-            max_restarts=-1, max_task_retries=-1, **ray_compat.head_node_placement()).remote(max_responses)
+            max_restarts=-1, max_task_retries=-1, **ray_compat.head_node_placement()).remote(max_responses, max_bytes)
 
     async def put(self, stored: StoredResponse, events: list[str] | None = None) -> None:
         await self._actor.put.remote(stored, events)

@@ -78,11 +78,11 @@ class LocalHandle:
         self.workers = {"worker-0": _Actor(stats=lambda: {"is_healthy": True, **self.engine.stats()},
                                            ping=lambda: "worker-0")}
 
-    def response_store(self, max_responses: int) -> LocalResponseStore:
+    def response_store(self, max_responses: int, max_bytes: int) -> LocalResponseStore:
         """The stored responses: in this process (the cluster's is an actor), one per handle as
         one per cluster, so that frontends over the same handle share it as replicas do."""
         if self._response_store is None:
-            self._response_store = LocalResponseStore(max_responses)
+            self._response_store = LocalResponseStore(max_responses, max_bytes)
         return self._response_store
 
     def generate(self, prompt, params, request_id=None, priority=0, prompt_token_ids=None, is_streamed=False,

@@ -1,13 +1,16 @@
-"""The store of the Responses API's stored responses: least-recently-used room, deletion, and
-conversations followed through ``previous_response_id``, against a plain model of each.
+"""The store of the Responses API's stored responses: least-recently-used room (by count and by
+size), deletion, and conversations followed through ``previous_response_id``, against a plain
+model of each.
 
 Random sequences of operations (hypothesis's state machine) check it against a list kept in
-use order; the conversation is checked against the chain walked by hand. Ids are reused, as a
+use order, each response's size summed beside it; the conversation is checked against the chain
+walked by hand. Ids are reused, as a
 client's ``request_id`` may reuse one, so chains may loop: the store must still answer.
 """
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -15,44 +18,59 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from pagedserve.cluster.response_store import Conversation, EventLog, ResponseStore, StoredEvents, StoredResponse
+from pagedserve.cluster.response_store import (Conversation, EventLog, ResponseStore, StoredEvents, StoredResponse,
+                                               stored_size)
 
 IDS = [f"resp_{n}" for n in range(8)]
+MAX_BYTES = 1200   # a response below is 230-260 characters, and up to 500 more of text
 
 
-def stored(response_id: str, previous: str | None = None) -> StoredResponse:
+def stored(response_id: str, previous: str | None = None, text: str = "") -> StoredResponse:
     """A response with an input item and an output item of its own, and an input item that every
     response holds (``shared``, as an item sent back with its id), telling which holds it."""
-    return StoredResponse({"id": response_id, "output": [{"type": "message", "id": f"out_{response_id}"}]},
+    return StoredResponse({"id": response_id, "output": [{"type": "message", "id": f"out_{response_id}",
+                                                          "text": text}]},
                           [{"type": "message", "id": f"in_{response_id}"},
                            {"type": "message", "id": "shared", "in": response_id}], previous)
+
+
+def test_a_response_counts_the_characters_of_its_json_and_its_events():
+    record = stored("a", text="é" * 10)
+    size = len(json.dumps(record.response)) + len(json.dumps(record.input_items))
+    assert stored_size(record) == size and stored_size(record, ["ab", "cde"]) == size + 5
+    assert stored_size(stored("a", text="x" * 100)) == stored_size(stored("a")) + 100
 
 
 class StoreMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.store = ResponseStore(max_responses=4)
+        self.store = ResponseStore(max_responses=4, max_bytes=MAX_BYTES)
         self.order: list[str] = []                 # least recently used first
         self.records: dict[str, StoredResponse] = {}
+        self.sizes: dict[str, int] = {}
         self.stored_order: list[str] = []         # the order they were last stored in
 
     def _use(self, response_id: str) -> None:
         self.order.remove(response_id)
         self.order.append(response_id)
 
-    @rule(response_id=st.sampled_from(IDS), previous=st.none() | st.sampled_from(IDS))
-    def put(self, response_id, previous):
-        record = stored(response_id, previous)
+    @rule(response_id=st.sampled_from(IDS), previous=st.none() | st.sampled_from(IDS),
+          length=st.sampled_from([0, 0, 100, 300, 500, 1500]))
+    def put(self, response_id, previous, length):
+        record = stored(response_id, previous, "x" * length)
         self.store.put(record)
         if response_id in self.order:
             self.order.remove(response_id)
         self.order.append(response_id)
         self.records[response_id] = record
+        self.sizes[response_id] = stored_size(record)
         if response_id in self.stored_order:
             self.stored_order.remove(response_id)
         self.stored_order.append(response_id)
-        while len(self.order) > 4:
-            self.records.pop(self.order.pop(0))
+        # Forget the least recently used beyond 4 or MAX_BYTES; the one just stored stays.
+        while len(self.order) > 1 and (len(self.order) > 4 or sum(self.sizes.values()) > MAX_BYTES):
+            forgotten = self.order.pop(0)
+            del self.records[forgotten], self.sizes[forgotten]
 
     @rule(response_id=st.sampled_from(IDS))
     def get(self, response_id):
@@ -65,7 +83,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert self.store.delete(response_id) == (response_id in self.records)
         if response_id in self.records:
             self.order.remove(response_id)
-            del self.records[response_id]
+            del self.records[response_id], self.sizes[response_id]
 
     @rule(response_id=st.sampled_from(IDS))
     def conversation(self, response_id):
@@ -105,8 +123,11 @@ class StoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def holds_what_the_model_holds(self):
-        assert self.store.stats()["num_stored"] == len(self.order) <= 4
+        figures = self.store.stats()
+        assert figures["num_stored"] == len(self.order) <= 4
         assert list(self.store._responses) == self.order
+        assert figures["num_bytes"] == sum(self.sizes.values())
+        assert figures["num_bytes"] <= MAX_BYTES or len(self.order) == 1
 
 
 TestStoreMachine = StoreMachine.TestCase
@@ -128,8 +149,10 @@ def test_a_chain_of_three_is_its_items_in_order_and_a_gap_names_the_missing():
 
 
 def test_room_must_hold_one():
-    with pytest.raises(ValueError, match="at least 1"):
+    with pytest.raises(ValueError, match="max_responses must be at least 1"):
         ResponseStore(0)
+    with pytest.raises(ValueError, match="max_bytes must be at least 1"):
+        ResponseStore(1, max_bytes=0)
 
 
 # ---- background responses: leases, cancels --------------------------------------------------------
@@ -202,9 +225,28 @@ def test_a_streamed_background_response_keeps_its_events_as_its_runner_sends_the
     assert page == StoredEvents(["e2", "e3"], "completed") and page.is_finished
     store.renew("replica-1", ["a"], lease_s=5, events={"a": (4, ["late"])})       # its lease ended
     assert store.events("a", -1).events == ["e0", "e1", "e2", "e3"]
-    store.put(stored("c"))   # room for two: b goes, then a's events with it
+    store.put(stored("c"))   # room for two: a goes with its events (b still runs, so it stays), then c
     store.put(stored("d"))
     assert store.events("a", -1) is None and store._events == {}
+    assert [response_id for response_id in store._responses] == ["b", "d"]
+
+
+def test_a_running_response_stays_while_its_events_outgrow_the_room_and_goes_once_finished():
+    size = stored_size(running("a"))
+    store = ResponseStore(10, max_bytes=size * 3, clock=Clock())
+    store.put(finished_as("old"))
+    store.start_background(running("a"), "replica-1", lease_s=5, is_streamed=True)
+    assert store.stats()["num_bytes"] == stored_size(finished_as("old")) + size
+    store.renew("replica-1", ["a"], lease_s=5, events={"a": (0, ["e" * size])})
+    assert store.stats()["num_bytes"] == stored_size(finished_as("old")) + 2 * size
+    store.renew("replica-1", ["a"], lease_s=5, events={"a": (0, ["e" * size, "f" * size])})   # sent again, and more
+    assert store.get("old") is None and store.stats()["num_bytes"] == 3 * size   # over the room: old goes
+    store.start_background(running("b"), "replica-1", lease_s=5)   # b is the one used last, a still runs
+    assert store.stats()["num_stored"] == 2 and store.stats()["num_bytes"] == 4 * size > store.max_bytes
+    store.put(finished_as("a"), ["e" * size, "f" * size])   # a finished is used last now, so b (running) stays
+    assert list(store._responses) == ["b", "a"]
+    store.put(finished_as("b"))   # b finished: a, the least recently used, goes
+    assert list(store._responses) == ["b"] and store.stats()["num_bytes"] == stored_size(finished_as("b"))
 
 
 async def _follow(log: EventLog, after: int, into: list) -> None:

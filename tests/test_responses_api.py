@@ -428,8 +428,8 @@ def test_a_call_cut_off_by_the_token_limit_is_incomplete_streamed_and_not(server
 # ---- stored responses (server.store_responses) ---------------------------------------------------
 @pytest.fixture(scope="module")
 def storing(local_handle):
-    """A frontend that keeps responses: room for four."""
-    return make_frontend(local_handle, store_responses=True, max_stored_responses=4)
+    """A frontend that keeps responses: room for four, and a megabyte."""
+    return make_frontend(local_handle, store_responses=True, max_stored_responses=4, max_stored_response_bytes=1 << 20)
 
 
 def test_a_stored_response_is_retrieved_listed_and_deleted(storing):
@@ -572,6 +572,7 @@ def test_the_store_forgets_the_least_recently_used_beyond_its_room(storing):
     assert [call(storing, "GET", f"/v1/responses/{i}").status_code for i in ids] == [200, 404, 200, 200]
     figures = call(storing, "GET", "/stats").json()["server"]["responses"]
     assert figures["num_stored"] == figures["max_responses"] == 4 and figures["num_evicted"] >= 1, figures
+    assert 0 < figures["num_bytes"] < figures["max_bytes"] == 1 << 20, figures
     assert figures["num_running"] == figures["num_background_here"] == 0, figures
 
 

@@ -408,7 +408,8 @@ class Frontend:
             logger.info("sampling defaults from the model's generation config: %s (server.generation_config "
                         "'vllm' for OpenAI's)", self.sampling_defaults)
         # Where the Responses API keeps finished responses (``server.store_responses``): the cluster's one store.
-        self.response_store = (handle.response_store(self.config.max_stored_responses)
+        self.response_store = (handle.response_store(self.config.max_stored_responses,
+                                                     self.config.max_stored_response_bytes)
                                if self.config.store_responses else None)
         self.background_runs = BackgroundRuns(self.response_store) if self.response_store is not None else None
         self.limiter = RequestLimiter(self.limits.max_queued_requests)
