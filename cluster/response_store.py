@@ -12,10 +12,10 @@ so a follow-up naming it finds it, whichever replica takes it.
 
 The store keeps at most ``max_responses`` responses and ``max_bytes`` of their JSON (the
 response, its input items and, for a streamed background one, its events), and forgets the
-least recently used finished ones beyond either; a background response that still runs, and the
-one used last, stay. A conversation whose earlier response was forgotten or deleted cannot be
-continued, and says which response is missing. What is stored lives in the actor's memory: it does not survive
-the actor's restart.
+least recently used finished ones beyond either; a background response that still runs, and
+the one used last, stay. A conversation whose earlier response was forgotten or deleted
+cannot be continued, and says which response is missing. What is stored lives in the actor's
+memory: it does not survive the actor's restart.
 
 A background response is stored as it starts, under a lease held by the replica that runs it
 (``owner``). The replica renews its leases about once a second in one call, which also tells it
