@@ -12,8 +12,8 @@ Pass: no request fails; every greedy request's text equals the same request
 served alone by the single-process ``LLM``; every worker's pools pass their
 integrity check at every sample during the load (a block in use that no
 sequence's table holds, or a wrong ref count, is a leak the moment it
-happens); the RSS of the Serve replica, the workers and the KV manager does
-not grow over the warm part of the run (Theil-Sen slopes, printed);
+happens); the RSS of the Serve replica, the workers, their engine core
+processes and the KV manager does not grow over the warm part of the run (Theil-Sen slopes, printed);
 fewer than 1% of the requests once warm wait for their first token more
 than 3 mean request cycles (a cycle: clients / completed requests per
 second, Little's law: what a request waits behind the others when the queue
@@ -210,16 +210,22 @@ async def _drive(base_url: str, jobs: list[Job], duration_s: float) -> LoadResul
 
 # ---- sampling blocks and memory -------------------------------------------------------------
 def _process_ids(dashboard_url: str) -> dict[str, int]:
-    """PIDs of the Serve replica, the workers and the KV manager (Ray's state API; the
-    address is explicit, as other Ray instances may run on this machine)."""
+    """PIDs of the Serve replica, the workers, each worker's engine core process (which holds
+    the pools and the requests) and the KV manager (Ray's state API; the address is explicit,
+    as other Ray instances may run on this machine)."""
     from ray.util.state import list_actors
+
+    from pagedserve.bench.cpu_pinning import engine_core_pids
 
     wanted = {"ServeReplica": "replica", "Worker": "worker", "CentralKVManager": "kv_manager"}
     pids = {}
     for actor in list_actors(address=dashboard_url, filters=[("state", "=", "ALIVE")], limit=1000):
         for marker, role in wanted.items():
             if marker in actor.class_name and (role != "replica" or "PagedServe" in actor.class_name):
-                pids[f"{role}:{actor.name or actor.actor_id[:8]}"] = actor.pid
+                name = actor.name or actor.actor_id[:8]
+                pids[f"{role}:{name}"] = actor.pid
+                if role == "worker":
+                    pids.update({f"engine_core:{name}": pid for pid in engine_core_pids(actor.pid)})
     return pids
 
 
@@ -328,7 +334,8 @@ def test_soak_small_pool_many_streaming_clients(served, jobs, long_form):
     duration_s = float(DURATION_OVERRIDE_S or (LONG_S if long_form else SHORT_S))
     pool_blocks = 2 * ENGINE["num_device_blocks"]
     pids = _process_ids(dashboard_url)
-    assert len(pids) == 4, pids
+    assert sorted(name.partition(":")[0] for name in pids) == [
+        "engine_core", "engine_core", "kv_manager", "replica", "worker", "worker"], pids
     with Sampler(handle, pids) as sampler:
         result = asyncio.run(_drive(base_url, jobs, duration_s))
     metrics = httpx.get(base_url + "/metrics", timeout=60).text
