@@ -145,9 +145,10 @@ class AutoscalingConfig(_Strict):
 
     The group keeps between ``min_replicas`` and ``max_replicas`` workers,
     aiming at ``target_ongoing_requests`` requests (running plus queued) per
-    worker; it grows once more are wanted for ``upscale_delay_s`` and shrinks
-    (draining the surplus) once fewer are wanted for ``downscale_delay_s``.
-    Defaults are Serve's, except ``min_replicas``: at least 1 (no scale to zero).
+    worker, averaged over ``look_back_period_s``; it grows once more are wanted
+    for ``upscale_delay_s`` and shrinks (draining the surplus) once fewer are
+    wanted for ``downscale_delay_s``. Defaults are Serve's, except
+    ``min_replicas``: at least 1 (no scale to zero).
     """
 
     min_replicas: int = Field(1, ge=1)
@@ -160,6 +161,10 @@ class AutoscalingConfig(_Strict):
     """How long a larger size must be wanted before the group grows."""
     downscale_delay_s: float = Field(600.0, ge=0)
     """How long a smaller size must be wanted before the group drains its surplus."""
+    look_back_period_s: float = Field(30.0, ge=0)
+    """The window over which the group's ongoing requests are averaged before the size is
+    computed, so that the gaps between a closed-loop client's requests do not read as
+    falling load (0: each poll's count alone)."""
 
     @model_validator(mode="after")
     def _bounds_in_order(self) -> "AutoscalingConfig":

@@ -5,7 +5,8 @@ requests (running plus queued on it) and returns what to do. The rule is
 Serve's default policy with its names and meanings:
 
 - desired = ceil(total ongoing / ``target_ongoing_requests``), within
-  ``[min_replicas, max_replicas]``;
+  ``[min_replicas, max_replicas]``, where total ongoing is the mean of the
+  ticks' totals over the last ``look_back_period_s``;
 - the group grows to it only after more workers were wanted on every tick
   for ``upscale_delay_s``, and shrinks only after fewer were wanted for
   ``downscale_delay_s``; a tick that wants the current size resets both;
@@ -24,6 +25,7 @@ No Ray here: the caller owns the workers and the clock.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
@@ -52,12 +54,21 @@ class ScalingPolicy:
         self.config = config
         self._upscale_since: float | None = None
         self._downscale_since: float | None = None
+        self._totals: deque[tuple[float, float]] = deque()   # (tick time, total ongoing)
 
     def desired_replicas(self, total_ongoing: float) -> int:
         """ceil(total / target) within the bounds."""
         config = self.config
         wanted = math.ceil(total_ongoing / config.target_ongoing_requests - 1e-9)
         return min(config.max_replicas, max(config.min_replicas, wanted))
+
+    def averaged_ongoing(self, now: float, total_ongoing: float) -> float:
+        """The mean total over the ticks within ``look_back_period_s`` of ``now``, this one's
+        included (with a window of 0, this one's alone)."""
+        self._totals.append((now, total_ongoing))
+        while self._totals[0][0] < now - self.config.look_back_period_s:
+            self._totals.popleft()
+        return sum(total for _, total in self._totals) / len(self._totals)
 
     def tick(self, now: float, ongoing: Mapping[str, float], starting: Collection[str] = (),
              draining: Collection[str] = ()) -> ScalingDecision:
@@ -68,7 +79,7 @@ class ScalingPolicy:
         ready = [w for w in ongoing if w not in draining]
         starting = list(starting)
         current = len(ready) + len(starting)
-        desired = self.desired_replicas(sum(ongoing.values()))
+        desired = self.desired_replicas(self.averaged_ongoing(now, sum(ongoing.values())))
         config = self.config
         if current < config.min_replicas or current > config.max_replicas:
             target = min(config.max_replicas, max(config.min_replicas, current))

@@ -49,7 +49,7 @@ SECTIONS = {
                       "body_read_timeout_s"],
     "workers.0": ["role", "count", "autoscaling", "num_cpus", "num_gpus", "resources", "engine"],
     "workers.0.autoscaling": ["min_replicas", "max_replicas", "target_ongoing_requests", "upscale_delay_s",
-                              "downscale_delay_s"],
+                              "downscale_delay_s", "look_back_period_s"],
 }
 TOP_KEYS = ["model", "engine", "workers", "router", "server", "kv_manager_num_cpus", "step_timeout_s",
             "health_check_period_s", "worker_ready_timeout_s"]

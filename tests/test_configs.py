@@ -190,7 +190,7 @@ def test_autoscaling_takes_serves_names_and_defaults_and_fixed_counts_keep_worki
     elastic, fixed = load_config(path).workers
     assert (elastic.min_workers, elastic.max_workers, elastic.count) == (1, 3, None)
     serve_defaults = __import__("ray.serve.config", fromlist=["AutoscalingConfig"]).AutoscalingConfig()
-    for key in ("target_ongoing_requests", "upscale_delay_s", "downscale_delay_s"):
+    for key in ("target_ongoing_requests", "upscale_delay_s", "downscale_delay_s", "look_back_period_s"):
         assert getattr(elastic.autoscaling, key) == getattr(serve_defaults, key), key
     assert (fixed.min_workers, fixed.max_workers, fixed.autoscaling) == (2, 2, None)
     assert load_config(None).workers[0].min_workers == 1

@@ -10,7 +10,7 @@ from pagedserve.cluster.scaling_policy import ScalingPolicy
 
 def policy(**overrides) -> ScalingPolicy:
     settings = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 2,
-                "upscale_delay_s": 10, "downscale_delay_s": 30, **overrides}
+                "upscale_delay_s": 10, "downscale_delay_s": 30, "look_back_period_s": 0, **overrides}
     return ScalingPolicy(AutoscalingConfig(**settings))
 
 
@@ -94,7 +94,56 @@ def test_fluctuating_demand_never_scales():
         assert p.tick(t, load).is_noop, t
 
 
+def test_the_load_is_the_mean_of_the_ticks_within_the_look_back_period():
+    p = policy(look_back_period_s=10)
+    assert [p.averaged_ongoing(t, n) for t, n in [(0, 8), (5, 2), (10, 2)]] == [8, 5, 4]
+    assert p.averaged_ongoing(16, 2) == 2   # the ticks at 0 and 5 are out of the window
+    assert policy().averaged_ongoing(0, 8) == 8 and policy().averaged_ongoing(1, 2) == 2
+
+
+def _closed_loop(p: ScalingPolicy, seconds: float, load_at) -> list[tuple[float, str, tuple[str, ...]]]:
+    """Tick every 0.5 s: one ready worker ``w0`` with ``load_at(t)`` requests, and two more
+    starting (none becomes ready); what was decided, as (time, "start" or "remove", workers)."""
+    events, starting, names = [], ["w1", "w2"], iter(f"w{i}" for i in range(3, 100))
+    for step in range(int(seconds * 2)):
+        t = step / 2
+        decision = p.tick(t, {"w0": load_at(t)}, starting=starting)
+        if decision.to_remove:
+            events.append((t, "remove", decision.to_remove))
+            starting = [w for w in starting if w not in decision.to_remove]
+        if decision.num_to_start:
+            started = tuple(next(names) for _ in range(decision.num_to_start))
+            events.append((t, "start", started))
+            starting += started
+    return events
+
+
+def test_a_dip_shorter_than_the_look_back_period_cancels_no_starting_worker():
+    """Eight closed-loop clients keep three workers wanted; on a loaded machine the ready worker
+    held two of them for three seconds while the others waited between requests. Counted tick
+    by tick, that dip outlasts a short downscale delay and cancels the workers still starting;
+    averaged over the look-back period, it is a dip."""
+    def dip(t: float) -> int:
+        return 2 if 10 <= t < 13 else 8
+
+    settings = {"max_replicas": 3, "target_ongoing_requests": 3, "downscale_delay_s": 1}
+    # Counted tick by tick: cancelled after the delay, started again after the upscale delay.
+    assert _closed_loop(policy(**settings), 30, dip) == [(11.0, "remove", ("w2", "w1")),
+                                                        (23.0, "start", ("w3", "w4"))]
+    assert _closed_loop(policy(look_back_period_s=10, **settings), 30, dip) == []
+
+
+def test_load_that_stays_low_shrinks_the_group_once_the_mean_has_fallen():
+    p = policy(max_replicas=3, target_ongoing_requests=3, downscale_delay_s=1, look_back_period_s=10)
+    events = _closed_loop(p, 30, lambda t: 8 if t < 10 else 2)
+    # The mean over 10 s falls to 6 (two workers' worth) about 3.3 s after the drop and to 3 (one
+    # worker's) about 8.3 s after it; each removal then waits for the delay.
+    assert [(kind, names) for _, kind, names in events] == [("remove", ("w2",)), ("remove", ("w1",))], events
+    assert 13 <= events[0][0] <= 15 and 18 <= events[1][0] <= 20.5, events
+
+
 @pytest.mark.parametrize("block, key", [
+    ({"look_back_period_s": -1}, "look_back_period_s"),
     ({"min_replicas": 3, "max_replicas": 2}, "min_replicas"),
     ({"upscale_delay_s": -1}, "upscale_delay_s"),
     ({"downscale_delay_s": -0.5}, "downscale_delay_s"),
