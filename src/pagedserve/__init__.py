@@ -4,6 +4,10 @@
 names load lazily so that ``import pagedserve`` stays cheap.
 """
 
+from pagedserve import shadowing
+
+shadowing.install()
+
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "LoRARequest", "__version__"]
