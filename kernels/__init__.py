@@ -10,6 +10,11 @@ Cache layout (per layer): ``k_cache``/``v_cache`` are contiguous
 ``[num_blocks, block_size, num_kv_heads, head_dim]``; slot = block_id * block_size + offset.
 """
 
+if __name__ == "kernels":  # the source tree's root is on sys.path: see pagedserve.shadowing
+    from pagedserve import shadowing
+
+    __package__ = shadowing.step_aside(__name__)
+
 import functools
 import importlib.util
 

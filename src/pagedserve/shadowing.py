@@ -9,13 +9,15 @@ when it is installed, and fails on the folder.
 
 ``install()`` puts a finder first on ``sys.meta_path``: a top-level import of one of those
 names looks past the tree's root, and takes the installed distribution where there is
-one. Where there is none, the import goes on as before.
+one. Where there is none, the import goes on as before. A process that imports ``kernels``
+before ``pagedserve`` reaches the folder itself, whose ``__init__`` calls ``step_aside()``.
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -57,3 +59,20 @@ def install() -> None:
     if root is None or any(isinstance(finder, SourceTreeShadowFinder) for finder in sys.meta_path):
         return
     sys.meta_path.insert(0, SourceTreeShadowFinder(root))
+
+
+def step_aside(name: str) -> str:
+    """Called by a source folder's ``__init__`` when it was imported as top-level ``name``.
+
+    Where an installed distribution of that name exists, it replaces the folder in
+    ``sys.modules`` (the import then returns it). Returns the package that the folder's own
+    relative imports should resolve in: ``pagedserve.<name>``.
+    """
+    install()
+    finders = [finder for finder in sys.meta_path if isinstance(finder, SourceTreeShadowFinder)]
+    spec = finders[0].find_spec(name) if finders else None
+    if spec is not None:
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return f"pagedserve.{name}"
