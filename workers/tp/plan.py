@@ -77,10 +77,32 @@ def layer_pattern(name: str) -> str:
     return re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name)
 
 
+# transformers >= 5.25 lists stacked experts in an expert-parallel plan only; their tensor-parallel
+# split is the one its earlier plans stated: gate/up packed colwise, down rowwise, outputs summed.
+_EXPERT_DISPATCH = "ep_dispatch_experts"
+_STACKED_EXPERT_SPLITS = {"gate_up_proj": PACKED_COLWISE, "down_proj": ROWWISE}
+
+
 def tensor_parallel_plan(config) -> dict[str, str]:
     """The decoder's plan from the config (text config of a composite one), or {}."""
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return dict(getattr(text_config, "base_model_tp_plan", None) or {})
+    plan = dict(getattr(text_config, "base_model_tp_plan", None) or {})
+    if plan:
+        plan.update(_expert_splits(plan, getattr(text_config, "base_model_ep_plan", None) or {}))
+    return plan
+
+
+def _expert_splits(plan: dict[str, str], expert_plan: dict[str, str]) -> dict[str, str]:
+    """The tensor-parallel split of experts that only the expert-parallel plan names."""
+    splits = {}
+    for experts, style in expert_plan.items():
+        if style != _EXPERT_DISPATCH or any(key == experts or key.startswith(experts + ".") for key in plan):
+            continue
+        weights = {key[len(experts) + 1:] for key in expert_plan if key.startswith(experts + ".")}
+        if weights and weights <= set(_STACKED_EXPERT_SPLITS):
+            splits.update({f"{experts}.{weight}": _STACKED_EXPERT_SPLITS[weight] for weight in weights})
+            splits[experts] = MOE_EXPERTS
+    return splits
 
 
 def check_tensor_parallel(config, tensor_parallel_size: int) -> None:
