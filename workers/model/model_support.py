@@ -131,11 +131,19 @@ def causal_lm_class(config):
         "is not a causal language model transformers knows: unknown architecture")
 
 
+# Families whose layers carry recurrent state (SSM, RNN or hybrid). transformers marked their classes
+# ``_is_stateful`` until 5.25, which dropped the flag; the list keeps the refusal naming the reason.
+RECURRENT_MODEL_TYPES = frozenset({
+    "mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm", "recurrent_gemma", "jamba", "zamba", "zamba2", "bamba",
+    "falcon_h1", "nemotron_h", "granitemoehybrid", "lfm2",
+})
+
+
 def check_model_class(model_class, model_type: str) -> None:
     """Refuse classes that keep recurrent state, bypass the attention interface, or are
     not plain text decoders."""
     name = model_class.__name__
-    if getattr(model_class, "_is_stateful", False):
+    if getattr(model_class, "_is_stateful", False) or model_type in RECURRENT_MODEL_TYPES:
         raise UnsupportedModelError(
             f"model type {model_type!r} ({name}) has recurrent state outside the KV cache "
             "(Mamba, linear-attention or RNN layers); pagedserve serves attention-only decoders")
