@@ -68,9 +68,8 @@ def step_aside(name: str) -> str:
     ``sys.modules`` (the import then returns it). Returns the package that the folder's own
     relative imports should resolve in: ``pagedserve.<name>``.
     """
-    install()
-    finders = [finder for finder in sys.meta_path if isinstance(finder, SourceTreeShadowFinder)]
-    spec = finders[0].find_spec(name) if finders else None
+    root = source_tree_root()
+    spec = SourceTreeShadowFinder(root).find_spec(name) if root is not None else None
     if spec is not None:
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
