@@ -74,10 +74,11 @@ def measure(num_workers: int, num_actors: int, draining: bool, window_s: float) 
             for worker_id in workers:
                 pool.drain(worker_id)
         time.sleep(2.0)   # every probe on its way
-        me = psutil.Process()
 
         def cpu() -> tuple[float, float]:
-            return (sum(me.cpu_times()[:2]), sum(sum(p.cpu_times()[:2]) for p in stand_ins))
+            # This process's own clock counts in nanoseconds; other processes' in clock ticks
+            # (10 ms), which a short window over few workers may not reach.
+            return time.process_time(), sum(sum(p.cpu_times()[:2]) for p in stand_ins)
 
         before, start = cpu(), time.perf_counter()
         time.sleep(window_s)

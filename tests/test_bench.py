@@ -556,11 +556,11 @@ def test_the_control_plane_bench_measures_the_controller_ready_and_draining():
     controller's CPU and the stand-ins' (both busy: heartbeats, and drain_status while draining)."""
     path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_control_plane.py")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    done = subprocess.run([sys.executable, path, "--workers", "4", "--actors", "1", "--window-s", "1",
+    done = subprocess.run([sys.executable, path, "--workers", "8", "--actors", "1", "--window-s", "2",
                            "--rounds", "1"], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert [(row["workers"], row["pool"]) for row in rows] == [(4, "ready"), (4, "draining")]
+    assert [(row["workers"], row["pool"]) for row in rows] == [(8, "ready"), (8, "draining")]
     for row in rows:
         assert row["controller_ms_per_s"] > 0 and row["stand_ins_ms_per_s"] > 0, row
 
