@@ -309,3 +309,55 @@ def _store_is_named() -> bool:
     except ValueError:
         return False
     return True
+
+
+def test_a_background_run_outlives_the_cancelled_call_that_started_it(local_ray):
+    """Serve cancels a request whose client left, and Ray then cancels the calls made from that
+    request's context: a background run the request started makes its calls (its last word to
+    the store) from a context of its own, so they are answered."""
+    import ray
+
+    @ray.remote
+    class Slow:
+        async def answer(self) -> str:
+            import asyncio
+
+            await asyncio.sleep(1.0)
+            return "answered"
+
+    @ray.remote
+    class Replica:
+        def __init__(self, slow) -> None:
+            from pagedserve.cluster.response_store import BackgroundRuns, LocalResponseStore, StoredResponse
+
+            self.slow = slow
+            self.runs = BackgroundRuns(LocalResponseStore(10))
+            self.outcome = None
+
+        async def request(self) -> None:
+            import asyncio
+
+            async def run() -> None:
+                self.outcome = "asked"
+                try:
+                    self.outcome = await self.slow.answer.remote()
+                except Exception as exc:
+                    self.outcome = repr(exc)
+            await self.runs.start(StoredResponse({"id": "bg", "status": "in_progress", "background": True,
+                                                  "output": []}, []), run)
+            await asyncio.sleep(60)   # a stream the client follows, until it leaves
+
+        def outcome_of_run(self):
+            return self.outcome
+
+    replica = Replica.remote(Slow.remote())
+    request = replica.request.remote()
+    deadline = time.monotonic() + 60
+    while ray.get(replica.outcome_of_run.remote()) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ray.cancel(request)   # while the run's call is out: Slow answers after a second
+    with pytest.raises(ray.exceptions.TaskCancelledError):
+        ray.get(request, timeout=30)
+    while ray.get(replica.outcome_of_run.remote()) == "asked" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ray.get(replica.outcome_of_run.remote()) == "answered"
