@@ -466,6 +466,23 @@ def test_a_stored_response_is_retrieved_listed_and_deleted(storing):
         assert assert_error(call(storing, "GET", path), 400)["param"] == param
 
 
+def test_a_stream_whose_response_cannot_be_stored_ends_failed_without_a_gap(storing):
+    """The store refuses the finished response: its last event never goes out, and the
+    ``response.failed`` that does takes its sequence number."""
+    store = storing.response_store
+
+    async def refuse(*_, **__):
+        raise ConnectionError("the store is gone")
+    store.put = refuse
+    try:
+        events = stream_events(storing, input="Hello", max_output_tokens=4, temperature=0)
+    finally:
+        del store.put
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert events[-1].type == "response.failed" and events[-1].response.error.code == "store_unavailable"
+    assert not any(event.type in ("response.completed", "response.incomplete") for event in events)
+
+
 def test_store_false_keeps_nothing_on_a_storing_server(storing):
     response = create(storing, input="Hi", store=False, max_output_tokens=2, temperature=0)
     assert response.store is False

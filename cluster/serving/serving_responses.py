@@ -574,12 +574,19 @@ class _ResponseEvents:
 
     async def _last_events(self) -> list[str]:
         events: list[str] = []
+        sequence = self.sequence
         if not self.is_started:
             self._start(events)
         response = finished(self.response, self.items, self.completion, self.generation)
         kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
         events.append(self.event(kind, response=response.model_dump(mode="json")))
-        await self.on_finished(response, events)
+        try:
+            await self.on_finished(response, events)
+        except BaseException:
+            # These events never go out: the failure's event takes their numbers, so that the
+            # stream's sequence numbers stay gapless.
+            self.sequence = sequence
+            raise
         return events
 
     def _add_parsed(self, events: list[str], parsed) -> None:
