@@ -35,7 +35,6 @@ readers on other replicas poll the store. The store's copy is whole once the res
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import json
 import logging
 import time
@@ -44,6 +43,8 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
+
+from .detached import start_detached
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -446,16 +447,15 @@ class BackgroundRuns:
         this event loop (not if storing failed: the caller says so); ``log``: a streamed one's
         events, which ``run`` writes and finishes."""
         await self.store.start_background(stored, self.owner, self.lease_s, log is not None)
-        # From an empty context: Ray cancels the calls made from the context of a cancelled actor
-        # call, and Serve cancels the request that started the run when its client leaves, which
+        # Detached: Serve cancels the request that started the run when its client leaves, which
         # would cancel the run's own calls (its generation's, storing its last word).
-        task = asyncio.get_running_loop().create_task(run(), context=contextvars.Context())
+        task = start_detached(asyncio.get_running_loop(), run())
         self.tasks[stored.id] = task
         if log is not None:
             self.logs[stored.id] = log
         task.add_done_callback(lambda _, response_id=stored.id: self._ended(response_id))
         if self._renewer is None or self._renewer.done():
-            self._renewer = asyncio.get_running_loop().create_task(self._renew(), context=contextvars.Context())
+            self._renewer = start_detached(asyncio.get_running_loop(), self._renew())
 
     def _ended(self, response_id: str) -> None:
         """Its run ended: its last word (every event, for a streamed one) is the store's."""

@@ -13,8 +13,9 @@ its own, that wait is what gathers a burst into a few calls.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 from typing import Any, Callable
+
+from .detached import call_soon_detached
 
 
 class TurnBatch:
@@ -42,9 +43,8 @@ class TurnBatch:
         return future
 
     def _flush_soon(self) -> None:
-        # From an empty context: Ray cancels the calls made from a cancelled task's context,
-        # and one asker's cancellation must not cancel the others' call.
-        self.loop.call_soon(self._flush, context=contextvars.Context())
+        # Detached: one asker's cancellation must not cancel the others' call.
+        call_soon_detached(self.loop, self._flush)
 
     def _flush(self) -> None:
         asked = [(item, future) for item, future in self._asked if not future.done()]

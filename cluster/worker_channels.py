@@ -43,7 +43,6 @@ work when it gets to it, further and further behind the engine.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import dataclasses
 import itertools
 import logging
@@ -56,6 +55,7 @@ from pagedserve.workers.actor.protocol import (ChannelItem, EngineDeadError, Gen
                                                deltas_from_batch, merge_deltas)
 from pagedserve.workers.outputs.stream_batch import StreamBatch
 
+from .detached import start_detached
 from .turn_batch import TurnBatch
 
 logger = logging.getLogger(__name__)
@@ -144,13 +144,10 @@ class WorkerChannel:
         self._lifeline_ended: BaseException | None = None   # the socket transport's Ray call ended
         self._deliveries: set[asyncio.Task] = set()          # migrations whose KV ref is being fetched
         self._submissions = TurnBatch(self.loop, lambda requests: worker.submit.remote(self.channel_id, requests))
-        # An empty context: the channel must not belong to the request that happened to open it.
-        # Ray cancels the calls a cancelled actor call made from its context (Serve cancels a
-        # request whose client went away), which would end every request on the channel.
-        self._reader = self.loop.create_task(self._read(), name=f"pagedserve-channel-{self.channel_id}",
-                                             context=contextvars.Context())
-        self._tender = self.loop.create_task(self._tend(), name=f"pagedserve-tend-{self.channel_id}",
-                                             context=contextvars.Context())
+        # Detached: the channel must not belong to the request that happened to open it, whose
+        # cancellation would otherwise end every request on the channel.
+        self._reader = start_detached(self.loop, self._read(), name=f"pagedserve-channel-{self.channel_id}")
+        self._tender = start_detached(self.loop, self._tend(), name=f"pagedserve-tend-{self.channel_id}")
 
     @property
     def is_open(self) -> bool:
@@ -256,8 +253,7 @@ class WorkerChannel:
             release_export(self.worker, request_id)
             return
         inbox.last_at = now
-        task = self.loop.create_task(self._deliver_migrated(inbox, request_id, target),
-                                     context=contextvars.Context())
+        task = start_detached(self.loop, self._deliver_migrated(inbox, request_id, target))
         self._deliveries.add(task)
         task.add_done_callback(self._deliveries.discard)
 
