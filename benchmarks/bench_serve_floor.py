@@ -28,8 +28,13 @@ burst of writes, weigh on each of its tokens several times less.
 ``--pin`` puts the busy processes on one CPU and the server, its load client and Ray on the
 others, as ``bench_serving_cpu.py --pin-engine-core`` pins a served run.
 
+``--waves W`` sends W times ``--streams`` requests, at most ``--streams`` at once, and
+``--length-ratio`` spreads their output lengths (``bench_serving_cpu.py``'s sustained load):
+the floor of the same load, per-request costs included in the same proportion, rather than
+one burst (whose 64 x 16 tokens last a fraction of a second, a few clock ticks of CPU).
+
     python benchmarks/bench_serve_floor.py [--streams 64] [--tokens 256] [--ingress haproxy] [--busy-cpus 1]
-                                           [--work-us 20] [--tok-s 5000] [--pin]
+                                           [--work-us 20] [--tok-s 5000] [--pin] [--waves 4 --length-ratio 0.5]
 """
 
 from __future__ import annotations
@@ -158,6 +163,10 @@ def main() -> None:
     parser.add_argument("--pin", action="store_true",
                         help="the busy processes on one CPU, the server and its load on the others (as "
                              "bench_serving_cpu.py --pin-engine-core pins a served run)")
+    parser.add_argument("--waves", type=int, default=1,
+                        help="requests: this many times --streams, at most --streams at once (1: one burst)")
+    parser.add_argument("--length-ratio", type=float, default=0.0,
+                        help="output lengths uniform within this ratio of --tokens (with --waves)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)   # the server's own process
     args = parser.parse_args()
     if args.serve:
@@ -181,8 +190,10 @@ def main() -> None:
                 try:
                     done = subprocess.run(
                         [sys.executable, "-m", "pagedserve", "bench", "serve", "--port", str(args.port), "--model",
-                         "floor", "--request-rate", "inf", "--num-requests", str(args.streams), "--random-input-len",
-                         "16", "--random-output-len", str(args.tokens), "--random-range-ratio", "0", "--no-progress",
+                         "floor", "--request-rate", "inf", "--num-requests", str(args.streams * args.waves),
+                         "--max-concurrency", str(args.streams), "--random-input-len", "16",
+                         "--random-output-len", str(args.tokens), "--random-range-ratio", str(args.length_ratio),
+                         "--seed", "0", "--no-progress",
                          "--cpu-per-token", "--server-pid", str(server.pid), "--out", out],
                         capture_output=True, text=True, timeout=900)
                 finally:
@@ -197,6 +208,7 @@ def main() -> None:
                     print(f"{data['failed']} requests failed: {data['errors'][:3]}", flush=True)
                 cpu = data["cpu_per_token"]
                 print(json.dumps({"ingress": args.ingress, "streams": args.streams, "tokens": args.tokens,
+                                  "waves": args.waves, "length_ratio": args.length_ratio,
                                   "busy_cpus": args.busy_cpus, "work_us": args.work_us, "tok_s_paced": args.tok_s,
                                   "output_tok_s": round(data["output_throughput"]),
                                   "server_us": round(cpu["server_total"]["us_per_token"], 1),

@@ -8,8 +8,9 @@ server stopped. Prints one row per run and writes every run's JSON to ``--out``.
 
 With ``--floor``, each run at stream interval 1 is followed by Serve's floor on the same
 ingress (``bench_serve_floor.py``: pre-rendered chunks, no engine) paced to the run's token
-rate, the same streams and tokens, with one CPU kept busy as the run's engine core keeps
-one: the row adds the floor's CPU per token and what serving adds over it.
+rate, the same load (streams, tokens, waves, length ratio), with one CPU kept busy as the
+run's engine core keeps one: the row adds the floor's CPU per token and what serving adds
+over it.
 
 Each row also has the idle server's CPU by process (``--idle-s`` seconds with no load, after
 the run), and what it comes to per token at the run's rate: the part of the CPU a token that
@@ -93,12 +94,15 @@ def run_one(ingress: str, transport: str, streams: int, interval: int, tokens: i
         stop_server(server)
 
 
-def run_floor(ingress: str, streams: int, tokens: int, tok_s: float, pin: bool = False) -> dict:
-    """``bench_serve_floor.py``'s row for the same load paced to ``tok_s``, one CPU busy (with
-    ``pin``, the busy process on the engine's CPU and the floor on the others)."""
+def run_floor(ingress: str, streams: int, tokens: int, tok_s: float, pin: bool = False, waves: int = 1,
+              length_ratio: float = 0.0) -> dict:
+    """``bench_serve_floor.py``'s row for the same load (``waves``, ``length_ratio``) paced to
+    ``tok_s``, one CPU busy (with ``pin``, the busy process on the engine's CPU and the floor on
+    the others)."""
     floor = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_serve_floor.py")
     done = subprocess.run([sys.executable, floor, "--ingress", ingress, "--streams", str(streams), "--tokens",
-                           str(tokens), "--tok-s", str(round(tok_s)), "--busy-cpus", "1", *(["--pin"] if pin else [])],
+                           str(tokens), "--tok-s", str(round(tok_s)), "--busy-cpus", "1", "--waves", str(waves),
+                           "--length-ratio", str(length_ratio), *(["--pin"] if pin else [])],
                           capture_output=True, text=True, timeout=1800,
                           preexec_fn=lambda: os.sched_setaffinity(0, ALL_CPUS))   # it pins its own
     rows = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -177,7 +181,7 @@ def main() -> None:
                             row["engine_steps"] = _engine_row(data["engine_steps"])
                         if args.floor and interval == 1:
                             floor = run_floor(ingress, streams, args.tokens, data["output_throughput"],
-                                              args.pin_engine_core)
+                                              args.pin_engine_core, args.waves, args.length_ratio)
                             row["floor"] = {"output_tok_s": floor["output_tok_s"], "server_us": floor["server_us"],
                                             "groups": floor["groups"]}
                             row["adds_over_floor"] = round(cpu["serving_adds_us_per_token"] / floor["server_us"], 2)
