@@ -292,7 +292,10 @@ def test_a_worker_sends_a_busy_handle_few_messages_ahead_and_merges_the_rest(han
         async def one_of_many(index, prompt):
             async for _ in handle.generate(None, _greedy(300), prompt_token_ids=prompt, is_streamed=True):
                 progress[index] += 1
-                time.sleep(0.05)
+                # Held long enough that the engine makes many steps between two reads, short enough
+                # that every stream reads 3 outputs long before its 300 tokens end (at 50 ms a read,
+                # eight streams read every 0.4 s, and one stream ended after 4 reads, another at 2).
+                time.sleep(0.005)
 
         tasks = [asyncio.create_task(one_of_many(i, p)) for i, p in enumerate(prompts)]
         deadline = time.monotonic() + HELD_STREAMS_TIMEOUT_S
