@@ -34,7 +34,8 @@ LAYERS = {
     "kvmanager": set(),
     "workers": {"kernels", "kvmanager"},
     "tool_parsers": {"workers"},
-    "cluster": {"kernels", "kvmanager", "workers", "tool_parsers"},
+    "reasoning_parsers": set(),
+    "cluster": {"kernels", "kvmanager", "workers", "tool_parsers", "reasoning_parsers"},
 }
 
 
