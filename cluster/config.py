@@ -18,6 +18,7 @@ from pagedserve.workers.model.model_source import ModelSource, is_hub_id, token_
 from pagedserve.workers.offline.chat_template import load_chat_template
 from pagedserve.workers.sample.generation_defaults import check_generation_config_source, check_sampling_overrides
 from pagedserve.devtools.model_factory import ARCHS, MODEL_SIZES
+from pagedserve.reasoning_parsers import REASONING_PARSERS
 from pagedserve.tool_parsers import TOOL_PARSERS
 
 # The ingress replicas' rule (docs/deployment.md, "Ingress"): a replica is one process, one core
@@ -297,6 +298,11 @@ class ServerConfig(_Strict):
     tool_call_parser: str = "hermes"
     """How "auto" tool choice reads calls out of the model's text (vLLM's --tool-call-parser):
     "hermes" (Hermes, Qwen 2.5/3, make-model's template) or "llama3_json"."""
+    reasoning_parser: str | None = None
+    """How chat completions split a reasoning model's thinking from its answer (vLLM's
+    --reasoning-parser): "deepseek_r1" (DeepSeek-R1, QwQ) or "qwen3" (Qwen3, Qwen3.5), both
+    ``<think>`` ... ``</think>``. The thinking goes to the message's ``reasoning`` (and vLLM's
+    earlier ``reasoning_content``), the rest to ``content``. Unset: the text is the content."""
     chat_template: str | None = None
     """A Jinja chat template for chat completions (and /tokenize's messages) in place of the
     tokenizer's, e.g. for a model that has none (vLLM's --chat-template): the path of a file,
@@ -331,6 +337,13 @@ class ServerConfig(_Strict):
     def _known_tool_call_parser(cls, value: str) -> str:
         if value not in TOOL_PARSERS:
             raise ValueError(f"unknown tool-call parser {value!r}; known: {', '.join(sorted(TOOL_PARSERS))}")
+        return value
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_parser(cls, value: str | None) -> str | None:
+        if value is not None and value not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {value!r}; known: {', '.join(sorted(REASONING_PARSERS))}")
         return value
 
     @field_validator("chat_template")

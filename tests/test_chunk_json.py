@@ -76,12 +76,12 @@ def test_completion_chunks(head, index, text, finish_reason, stop_reason, logpro
 @given(head=heads, index=st.integers(0, 2**31 - 1), content=st.none() | texts,
        role=st.none() | st.just("assistant"), tool_calls=tool_calls, logprobs=chat_logprobs,
        finish_reason=finish_reasons, stop_reason=stop_reasons, token_ids=st.none() | token_ids, usage=usages,
-       prompt_logprobs=prompt_logprobs, prompt_token_ids=st.none() | token_ids)
+       prompt_logprobs=prompt_logprobs, prompt_token_ids=st.none() | token_ids, reasoning=st.none() | texts)
 def test_chat_chunks(head, index, content, role, tool_calls, logprobs, finish_reason, stop_reason, token_ids, usage,
-                     prompt_logprobs, prompt_token_ids):
+                     prompt_logprobs, prompt_token_ids, reasoning):
     fields = dict(role=role, tool_calls=tool_calls, logprobs=logprobs, finish_reason=finish_reason,
                   stop_reason=stop_reason, token_ids=token_ids, usage=usage, prompt_logprobs=prompt_logprobs,
-                  prompt_token_ids=prompt_token_ids)
+                  prompt_token_ids=prompt_token_ids, reasoning=reasoning)
     model = ChatChunkModels(*head).choice(index, content, **fields)
     assert ChatChunkJSON(*head).choice(index, content, **fields) == model.model_dump_json()
 

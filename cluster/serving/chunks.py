@@ -101,11 +101,12 @@ class ChatChunkModels:
                finish_reason: str | None = None, stop_reason: int | str | None = None,
                token_ids: list[int] | None = None, usage: Usage | None = None,
                prompt_logprobs: PromptLogprobs | None = None,
-               prompt_token_ids: list[int] | None = None) -> ChatCompletionChunk:
-        """A chunk of choice ``index`` whose delta has ``role``, ``content`` and ``tool_calls``
-        (each left out while None); ``token_ids``, ``prompt_logprobs`` and ``prompt_token_ids``
-        None leave their keys out."""
-        delta = DeltaMessage(role=role, content=content, tool_calls=tool_calls)
+               prompt_token_ids: list[int] | None = None, reasoning: str | None = None) -> ChatCompletionChunk:
+        """A chunk of choice ``index`` whose delta has ``role``, ``content``, ``reasoning`` (as
+        ``reasoning`` and ``reasoning_content``) and ``tool_calls`` (each left out while None);
+        ``token_ids``, ``prompt_logprobs`` and ``prompt_token_ids`` None leave their keys out."""
+        delta = DeltaMessage(role=role, content=content, reasoning=reasoning, reasoning_content=reasoning,
+                             tool_calls=tool_calls)
         choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
                                   stop_reason=stop_reason, token_ids=token_ids)
         return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[choice],
@@ -128,9 +129,10 @@ class ChatChunkJSON:
                tool_calls: list[DeltaToolCall] | None = None, logprobs: ChoiceLogprobs | None = None,
                finish_reason: str | None = None, stop_reason: int | str | None = None,
                token_ids: list[int] | None = None, usage: Usage | None = None,
-               prompt_logprobs: PromptLogprobs | None = None, prompt_token_ids: list[int] | None = None) -> str:
+               prompt_logprobs: PromptLogprobs | None = None, prompt_token_ids: list[int] | None = None,
+               reasoning: str | None = None) -> str:
         """``ChatChunkModels.choice(...).model_dump_json()``."""
-        if role is None and tool_calls is None:  # the content chunk
+        if role is None and tool_calls is None and reasoning is None:  # the content chunk
             delta = "" if content is None else f'"content":{_json_str(content)}'
         else:
             fields = []
@@ -138,6 +140,9 @@ class ChatChunkJSON:
                 fields.append(f'"role":{_json_str(role)}')
             if content is not None:
                 fields.append(f'"content":{_json_str(content)}')
+            if reasoning is not None:
+                text = _json_str(reasoning)
+                fields.append(f'"reasoning":{text},"reasoning_content":{text}')
             if tool_calls is not None:
                 fields.append(f'"tool_calls":[{",".join(call.model_dump_json() for call in tool_calls)}]')
             delta = ",".join(fields)

@@ -78,6 +78,8 @@ def _messages(messages) -> list[dict]:
             entry["name"] = message.name
         if message.tool_call_id:
             entry["tool_call_id"] = message.tool_call_id
+        if message.reasoning:
+            entry["reasoning"] = message.reasoning
         if message.tool_calls:
             entry["tool_calls"] = [{"id": call.id, "type": "function",
                                     "function": {"name": call.name, "arguments": call.arguments}}
@@ -186,7 +188,7 @@ class GrpcService:
             raise APIError(400, "the request is not a valid pagedserve.ChatRequest message")
         fields = self._common_fields(request, _OPTIONAL_FIELDS + (
             "top_logprobs", "prompt_logprobs", "truncate_prompt_tokens", "parallel_tool_calls",
-            "add_generation_prompt"))
+            "add_generation_prompt", "include_reasoning"))
         if request.chat_template_kwargs:
             fields["chat_template_kwargs"] = _json_field(request.chat_template_kwargs, "chat_template_kwargs")
         if request.tools:
@@ -401,6 +403,8 @@ def _chat_choice(choice: ChatChoice | ChatStreamChoice) -> pb.ChatChoice:
         result.role = message.role
     if message.content is not None:
         result.content = message.content
+    if message.reasoning is not None:
+        result.reasoning = message.reasoning
     return result
 
 

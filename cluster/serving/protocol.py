@@ -341,6 +341,21 @@ class ChatMessageIn(_Request):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None             # a tool message answers this call
+    # An assistant's earlier reasoning, as a reply returned it (vLLM's ``reasoning``, formerly
+    # ``reasoning_content``); the template reads ``reasoning_content`` (Qwen3's does).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _reasoning_of_an_assistant(self):
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None and self.role != "assistant":
+            raise ValueError(f"reasoning belongs to an assistant's message, not a {self.role}'s")
+        if self.reasoning is not None and self.reasoning_content is not None \
+                and self.reasoning != self.reasoning_content:
+            raise ValueError("reasoning and reasoning_content differ; send one")
+        self.reasoning = self.reasoning_content = reasoning
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -389,6 +404,9 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: Bool = False
     # vLLM: the tokenizer's special tokens (BOS) on top of what the template writes.
     add_special_tokens: Bool = False
+
+    # vLLM: with a reasoning parser, false leaves the reply's reasoning out of the response.
+    include_reasoning: Bool = True
 
     # vLLM: the last message's text starts the reply's content when it is the reply's own role
     # (an assistant message continued with continue_final_message, say).
@@ -548,6 +566,10 @@ class ToolCallOut(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    # A reasoning model's thinking (server.reasoning_parser): vLLM's ``reasoning``, and its
+    # earlier name ``reasoning_content``, which clients still read.
+    reasoning: str | None = _omitted_if_none()
+    reasoning_content: str | None = _omitted_if_none()
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
@@ -588,6 +610,8 @@ class DeltaToolCall(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = _omitted_if_none()
     content: str | None = _omitted_if_none()
+    reasoning: str | None = _omitted_if_none()
+    reasoning_content: str | None = _omitted_if_none()
     tool_calls: list[DeltaToolCall] | None = _omitted_if_none()
 
 

@@ -14,6 +14,14 @@ An output cut off by ``max_tokens`` inside a call returns, as vLLM does, the
 calls it started with the arguments written so far, and ``finish_reason:
 "length"``; the constrained formats' wrapper never reaches ``content``.
 
+Reasoning: with ``server.reasoning_parser`` a reasoning model's thinking is split from its
+answer (``pagedserve.reasoning_parsers``) into ``message.reasoning`` (and vLLM's earlier
+``reasoning_content``), streamed as ``delta.reasoning`` pieces before the content; tool calls
+are read from the answer alone. ``include_reasoning: false`` leaves the reasoning out. A
+constrained output (``response_format``, ``structured_outputs``, ``tool_choice`` "required" or
+named) is refused while the reply would start in the reasoning: its grammar would hold from the
+first token, and so constrain the thinking.
+
 Transport-neutral: the response is a ``ChatCompletionResponse``, or, when
 streaming, a ``ChunkStream`` of ``ChatCompletionChunk`` or of their JSON text
 (``chunks``); HTTP frames the text as server-sent events, gRPC the models as
@@ -27,6 +35,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from pagedserve.reasoning_parsers import ReasoningParser, get_reasoning_parser
 from pagedserve.tool_parsers import ParserDelta, ToolParser, constrained_parser, get_tool_parser
 from pagedserve.workers.lora.lora_request import LoRARequest
 from pagedserve.workers.outputs.request_output import CompletionOutput, RequestOutput
@@ -39,7 +48,7 @@ from .logprobs import LogprobFormatter
 from .protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatMessageOut, ChoiceLogprobs,
                        DeltaFunctionCall, DeltaToolCall, FunctionCallOut, ToolCallOut)
 from .streaming import ChunkStream, generation_batches
-from .structured import output_constraint
+from .structured import constraint_and_field
 
 
 @dataclass
@@ -47,6 +56,7 @@ class _Cursor:
     """What was already sent for one choice of a streamed response."""
 
     parser: ToolParser | None
+    reasoning: ReasoningParser | None
     is_started: bool = False
     is_finished: bool = False
 
@@ -58,6 +68,8 @@ class ServingChat:
         self.frontend = frontend
         self.logprobs = LogprobFormatter(frontend.tokenizer)
         self.tool_parser = get_tool_parser(frontend.config.tool_call_parser)
+        name = frontend.config.reasoning_parser
+        self.reasoning_parser_class = get_reasoning_parser(name) if name is not None else None
 
     def output_parser(self, request: ChatCompletionRequest) -> ToolParser | None:
         """A fresh parser for one output, or None when tool calls are not parsed."""
@@ -67,6 +79,14 @@ class ServingChat:
         if tool_choice is None or tool_choice == "auto":
             return self.tool_parser()
         return constrained_parser(tool_choice if isinstance(tool_choice, str) else tool_choice.model_dump())
+
+    def reasoning_parser(self, prompt_text: str | None) -> ReasoningParser | None:
+        """A fresh reasoning parser for one reply to ``prompt_text``, or None: no parser is set,
+        or the prompt has closed the reasoning (Qwen3's template with ``enable_thinking: false``)."""
+        parser_class = self.reasoning_parser_class
+        if parser_class is None or not parser_class.starts_in_reasoning(prompt_text):
+            return None
+        return parser_class(prompt_text)
 
     def _chat_logprobs(self, request: ChatCompletionRequest, samples) -> ChoiceLogprobs:
         return self.logprobs.chat(samples or [], bool(request.return_tokens_as_token_ids))
@@ -81,8 +101,14 @@ class ServingChat:
         lora_request = frontend.resolve_model(request.model)
         if request.tool_choice not in (None, "none") and not request.tools:
             raise APIError(400, "tool_choice needs tools", param="tool_choice")
-        constraint = output_constraint(request)
+        constraint, constrained_field = constraint_and_field(request)
         prompt = frontend.chat_prompt(request)
+        if constraint is not None and self.reasoning_parser(prompt.text) is not None:
+            raise APIError(400, f"{constrained_field} constrains the output from its first token, which a reasoning "
+                                f"model spends on its reasoning (server.reasoning_parser "
+                                f"{frontend.config.reasoning_parser!r}); not supported. A prompt that closes the "
+                                "reasoning (e.g. chat_template_kwargs {\"enable_thinking\": false}) may be "
+                                "constrained", param=constrained_field)
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -108,12 +134,13 @@ class ServingChat:
                                                             lora_request=lora_request,
                                                             token_by_token=request.streams_token_by_token)
         if request.stream:
-            return ChunkStream(lambda as_json: self._stream_chat(request, request_id, generation, first, as_json),
+            return ChunkStream(lambda as_json: self._stream_chat(request, request_id, generation, first, prompt.text,
+                                                                 as_json),
                                generation)
         await generation.run_to_end(first)
         last = generation.progress[0].last
         echo = self._echo(request)
-        choices = [self._choice(request, c, echo) for c in (last.outputs if last else [])]
+        choices = [self._choice(request, c, prompt.text, echo) for c in (last.outputs if last else [])]
         choices.sort(key=lambda c: c.index)
         prompt_logprobs = None
         if request.prompt_logprobs is not None and last is not None and last.prompt_logprobs is not None:
@@ -132,11 +159,17 @@ class ServingChat:
         role = "assistant" if request.add_generation_prompt else last.role
         return last.text() if last.role == role else ""
 
-    def _choice(self, request: ChatCompletionRequest, completion: CompletionOutput, echo: str = "") -> ChatChoice:
-        content, calls, finish_reason = completion.text, [], completion.finish_reason
+    def _choice(self, request: ChatCompletionRequest, completion: CompletionOutput, prompt_text: str | None,
+                echo: str = "") -> ChatChoice:
+        content, calls, finish_reason, reasoning = completion.text, [], completion.finish_reason, None
+        reasoning_parser = self.reasoning_parser(prompt_text)
+        if reasoning_parser is not None:
+            reasoning, content = reasoning_parser.parse(content)
+            if not request.include_reasoning:
+                reasoning = None
         parser = self.output_parser(request)
         if parser is not None:
-            parsed = parser.parse(completion.text, is_cut_off=finish_reason == "length")
+            parsed = parser.parse(content or "", is_cut_off=finish_reason == "length")
             content = parsed.content
             calls = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
                      for c in parsed.tool_calls]
@@ -144,13 +177,14 @@ class ServingChat:
                 finish_reason = "tool_calls"
         if echo:
             content = echo + (content or "")
-        return ChatChoice(index=completion.index, message=ChatMessageOut(content=content, tool_calls=calls),
+        message = ChatMessageOut(content=content, reasoning=reasoning, reasoning_content=reasoning, tool_calls=calls)
+        return ChatChoice(index=completion.index, message=message,
                           logprobs=self._chat_logprobs(request, completion.logprobs) if request.logprobs else None,
                           finish_reason=finish_reason, stop_reason=completion.stop_reason,
                           token_ids=completion.token_ids if request.return_token_ids else None)
 
     def _stream_chat(self, request: ChatCompletionRequest, request_id: str, generation: Generation, first,
-                     as_json: bool) -> AsyncIterator[list]:
+                     prompt_text: str | None, as_json: bool) -> AsyncIterator[list]:
         """The stream's chunks, one list per output (``ChunkStream.batches``)."""
         cursors: dict[int, _Cursor] = {}
         encoder = (ChatChunkJSON if as_json else ChatChunkModels)(
@@ -159,6 +193,7 @@ class ServingChat:
         has_logprobs = request.logprobs
         has_token_ids = request.return_token_ids
         is_continuous_usage = request.continuous_usage
+        include_reasoning = request.include_reasoning
 
         def chunks(_: int, output: RequestOutput) -> list:
             batch = []
@@ -167,7 +202,7 @@ class ServingChat:
                 index = completion.index
                 cursor = cursors.get(index)
                 if cursor is None:
-                    cursor = cursors[index] = _Cursor(self.output_parser(request))
+                    cursor = cursors[index] = _Cursor(self.output_parser(request), self.reasoning_parser(prompt_text))
                 if cursor.is_finished:
                     continue
                 if not cursor.is_started:
@@ -182,17 +217,19 @@ class ServingChat:
                         batch.append(encoder.choice(index, echo, usage=usage))
                 logprobs = self._chat_logprobs(request, completion.delta_logprobs) if has_logprobs else None
                 cursor.is_finished = completion.finish_reason is not None
-                content, tool_calls = self._delta(cursor, completion.delta_text)
-                # The new tokens go out even while a tool parser or a stop string holds their text back.
+                reasoning, content, tool_calls = self._delta(cursor, completion.delta_text)
+                reasoning = reasoning if include_reasoning else None
+                # The new tokens go out even while a parser or a stop string holds their text back.
                 token_ids = completion.delta_token_ids if has_token_ids else None
-                if content or tool_calls or (logprobs and logprobs.content) or token_ids:
+                if content or tool_calls or reasoning or (logprobs and logprobs.content) or token_ids:
                     batch.append(encoder.choice(index, content, tool_calls=tool_calls, logprobs=logprobs,
-                                                token_ids=token_ids, usage=usage))
+                                                token_ids=token_ids, usage=usage, reasoning=reasoning))
                 if cursor.is_finished:
-                    if cursor.parser is not None:
-                        content, tool_calls = self._delta(cursor, None)
-                        if content or tool_calls:
-                            batch.append(encoder.choice(index, content, tool_calls=tool_calls, usage=usage))
+                    for reasoning, content, tool_calls in self._ending(cursor):
+                        reasoning = reasoning if include_reasoning else None
+                        if content or tool_calls or reasoning:
+                            batch.append(encoder.choice(index, content, tool_calls=tool_calls, usage=usage,
+                                                        reasoning=reasoning))
                     finish_reason = completion.finish_reason
                     if cursor.parser is not None and cursor.parser.tool_calls and finish_reason == "stop":
                         finish_reason = "tool_calls"
@@ -205,13 +242,35 @@ class ServingChat:
 
         return generation_batches(generation, first, chunks, usage)
 
-    @staticmethod
-    def _delta(cursor: _Cursor, text: str | None) -> tuple[str | None, list[DeltaToolCall] | None]:
-        """The delta's content and tool call pieces for ``text`` (None: the output ended),
-        through the choice's tool parser if any; None where there are none."""
+    @classmethod
+    def _delta(cls, cursor: _Cursor, text: str) -> tuple[str | None, str | None, list[DeltaToolCall] | None]:
+        """The delta's reasoning, content and tool call pieces for the new ``text``, through the
+        choice's reasoning parser and tool parser if any; None where there are none."""
+        reasoning = None
+        if cursor.reasoning is not None:
+            split = cursor.reasoning.feed(text)
+            reasoning, text = split.reasoning or None, split.content
         if cursor.parser is None:
-            return text or None, None
-        parsed: ParserDelta = cursor.parser.feed(text) if text is not None else cursor.parser.finish()
+            return reasoning, text or None, None
+        return (reasoning, *cls._tool_delta(cursor.parser.feed(text)))
+
+    @classmethod
+    def _ending(cls, cursor: _Cursor) -> list[tuple[str | None, str | None, list[DeltaToolCall] | None]]:
+        """The pieces the choice's parsers held back until its output ended, one delta each."""
+        deltas = []
+        if cursor.reasoning is not None:
+            split = cursor.reasoning.finish()
+            if cursor.parser is None:
+                deltas.append((split.reasoning or None, split.content or None, None))
+            else:
+                deltas.append((split.reasoning or None, *cls._tool_delta(cursor.parser.feed(split.content))))
+        if cursor.parser is not None:
+            deltas.append((None, *cls._tool_delta(cursor.parser.finish())))
+        return deltas
+
+    @staticmethod
+    def _tool_delta(parsed: ParserDelta) -> tuple[str | None, list[DeltaToolCall] | None]:
+        """A tool parser's pieces as a delta's content and tool calls; None where there are none."""
         calls = []
         for piece in parsed.tool_calls:
             function = DeltaFunctionCall(name=piece.name, arguments=piece.arguments or None)

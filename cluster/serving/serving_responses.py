@@ -304,6 +304,10 @@ class ServingResponses:
             prompt, params, lora_request = self.chat.prepare(chat, "max_output_tokens")
         except APIError as exc:
             raise _renamed(exc) from None
+        if self.chat.reasoning_parser(prompt.text) is not None:
+            raise APIError(400, "the Responses API does not split a reasoning model's reasoning from its answer "
+                                f"(server.reasoning_parser {frontend.config.reasoning_parser!r}); use "
+                                "/v1/chat/completions, whose messages carry it as 'reasoning'")
         engine_id = _item_id("resp")
         response = ResponseObject(
             id=request.request_id or engine_id, status="in_progress", model=frontend.response_model(lora_request),

@@ -32,6 +32,11 @@ GUIDED_KINDS = ("json", "regex", "choice", "grammar")
 
 def output_constraint(request) -> StructuredOutputsParams | None:
     """The constraint ``request`` asks for (None: free text); ``APIError`` 400 naming the field."""
+    return constraint_and_field(request)[0]
+
+
+def constraint_and_field(request) -> tuple[StructuredOutputsParams | None, str | None]:
+    """``output_constraint``, and the request field it came from (None with it)."""
     sources = []
     if request.structured_outputs is not None:
         sources.append(("structured_outputs", _from_structured_outputs(request.structured_outputs)))
@@ -49,11 +54,11 @@ def output_constraint(request) -> StructuredOutputsParams | None:
     if len(sources) > 1:
         names = " and ".join(name for name, _ in sources)
         raise APIError(400, f"{names} both constrain the output; set only one of them", param=sources[1][0])
-    spec = sources[0][1] if sources else None
+    field, spec = sources[0] if sources else (None, None)
     if spec is not None and spec.kind in ("json", "json_object") and getattr(request, "disables_any_whitespace",
                                                                                False):
         spec = dataclasses.replace(spec, disable_any_whitespace=True)
-    return spec
+    return spec, field
 
 
 def _from_structured_outputs(options: dict[str, Any]) -> StructuredOutputsParams:

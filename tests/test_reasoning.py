@@ -1,0 +1,314 @@
+"""A reasoning model's thinking split from its answer (``server.reasoning_parser``).
+
+The parser alone: where a reply starts (the prompt's last tag), the documented cases, and,
+drawn by hypothesis, that any split of any reply into streamed pieces gives what the whole
+reply parses to, and both what a plain reading of the tags gives. Then chat completions
+through the HTTP app and gRPC, over a scripted handle whose replies contain the tags (a
+random-weight model never writes them), and once over the real engine: ``message.reasoning``
+(and ``reasoning_content``), ``delta.reasoning`` pieces, tool calls read from the answer alone,
+``include_reasoning: false``, constrained outputs refused while the reply starts in the
+reasoning, an earlier turn's reasoning given back to the template, and the Responses API's
+refusal.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+httpx = pytest.importorskip("httpx")
+
+from local_frontend import LocalHandle, assert_error, assert_idle, call, events, grpc_stub  # noqa: E402
+
+from pagedserve.reasoning_parsers import REASONING_PARSERS, ThinkTagParser, get_reasoning_parser  # noqa: E402
+
+OPEN = "<|user|>hi<|assistant|><think>\n"       # a prompt that opens the reasoning (DeepSeek-R1's)
+CLOSED = "<|user|>hi<|assistant|><think>\n\n</think>\n\n"   # one that closed it (enable_thinking false)
+# A template whose generation prompt opens the reasoning, or closes it with enable_thinking false;
+# an assistant's earlier reasoning is written back (as Qwen3's template does with reasoning_content).
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>"
+    "{% endif %}{{ m.content }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|><think>\n"
+    "{% if enable_thinking is defined and not enable_thinking %}\n</think>\n\n{% endif %}{% endif %}")
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+# ---- the parser ------------------------------------------------------------------------------
+def test_the_prompt_says_where_a_reply_starts():
+    starts = ThinkTagParser.starts_in_reasoning
+    assert starts(OPEN) and starts("no tags at all") and starts(None) and starts("")
+    assert not starts(CLOSED) and not starts("... </think> the answer follows")
+    assert starts("<think>a</think> then <think>") and not starts("<think></think><think></think>")
+
+
+@pytest.mark.parametrize("prompt, reply, expected", [
+    (OPEN, "plan</think>\n\nanswer", ("plan", "\n\nanswer")),
+    ("<|assistant|>", "<think>\nplan</think>answer", ("\nplan", "answer")),       # the model opens it
+    ("<|assistant|>", "\n <think>plan</think>answer", ("plan", "answer")),
+    (OPEN, "cut off mid-way", ("cut off mid-way", None)),                         # no </think>: all thinking
+    (OPEN, "</think>only the answer", (None, "only the answer")),
+    (OPEN, "a <think> inside</think>b", ("a <think> inside", "b")),
+    (OPEN, "x</think>y</think>z", ("x", "y</think>z")),
+    (CLOSED, "<think>not</think> thinking", (None, "<think>not</think> thinking")),
+    (OPEN, "", (None, None)),
+])
+def test_whole_replies(prompt, reply, expected):
+    assert ThinkTagParser(prompt).parse(reply) == expected
+
+
+def _plain_reading(prompt: str, reply: str) -> tuple[str | None, str | None]:
+    """The tags read off the whole reply, as a person would."""
+    if not ThinkTagParser.starts_in_reasoning(prompt):
+        return None, reply or None
+    if reply.lstrip().startswith("<think>"):
+        reply = reply.lstrip()[len("<think>"):]
+    reasoning, found, content = reply.partition("</think>")
+    return reasoning or None, (content or None) if found else None
+
+
+fragments = st.sampled_from(["<think>", "</think>", "<th", "ink>", "</", "think", ">", "<", "/", " ", "\n",
+                             "plan", "é", "\U0001F600", "<tool_call>"])
+replies = st.lists(fragments, max_size=12).map("".join)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@given(reply=replies, prompt=st.sampled_from([OPEN, CLOSED, "<|assistant|>"]), data=st.data())
+def test_any_split_of_a_reply_streams_what_the_whole_parses_to(reply, prompt, data):
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(reply)), max_size=6)))
+    pieces = [reply[a:b] for a, b in zip([0, *cuts], [*cuts, len(reply)])]
+    parser = ThinkTagParser(prompt)
+    streamed = [parser.feed(piece) for piece in pieces] + [parser.finish()]
+    reasoning = "".join(d.reasoning for d in streamed) or None
+    content = "".join(d.content for d in streamed) or None
+    assert (reasoning, content) == ThinkTagParser(prompt).parse(reply) == _plain_reading(prompt, reply)
+
+
+def test_parsers_by_name():
+    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3"}
+    assert get_reasoning_parser("qwen3") is ThinkTagParser
+    with pytest.raises(ValueError, match="unknown reasoning parser 'r2'; known: deepseek_r1, qwen3"):
+        get_reasoning_parser("r2")
+
+
+def test_the_configuration_and_the_flag():
+    from pydantic import ValidationError
+
+    from pagedserve.cluster.cli import _overrides, build_parser
+    from pagedserve.cluster.config import ServerConfig
+
+    assert ServerConfig().reasoning_parser is None
+    assert ServerConfig(reasoning_parser="qwen3").reasoning_parser == "qwen3"
+    with pytest.raises(ValidationError, match="unknown reasoning parser 'r2'"):
+        ServerConfig(reasoning_parser="r2")
+    args = build_parser().parse_args(["serve", "m", "--reasoning-parser", "deepseek_r1"])
+    assert 'server.reasoning_parser="deepseek_r1"' in _overrides(args)
+
+
+# ---- chat completions over a scripted handle ---------------------------------------------------
+class _ScriptedHandle:
+    """The part of ``ClusterHandle`` the frontend uses, replying with ``reply``'s pieces, one
+    token id each, then ``finish_reason``."""
+
+    def __init__(self, model_path: str, tokenizer) -> None:
+        self.model_path = model_path
+        self.model_name = "m"
+        self.tokenizer = tokenizer
+        self.max_model_len = 4096
+        self.workers: dict = {}
+        self.pieces: list[str] = []
+        self.finish_reason = "stop"
+        self.prompts: list[str] = []
+
+    def has_streams(self) -> bool:
+        return False
+
+    async def generate(self, prompt, params, request_id=None, priority=0, prompt_token_ids=None, is_streamed=False,
+                       lora_request=None, token_by_token=False):
+        from pagedserve.workers.outputs.request_output import CompletionOutput, RequestMetrics, RequestOutput
+
+        self.prompts.append(prompt)
+        text, ids = "", []
+        for step, piece in enumerate(self.pieces):
+            text, ids = text + piece, ids + [10 + step]
+            is_last = step == len(self.pieces) - 1
+            output = CompletionOutput(0, text, list(ids), None, None, self.finish_reason if is_last else None, None,
+                                      piece, [10 + step], None, is_newly_finished=is_last)
+            yield RequestOutput(request_id, prompt, prompt_token_ids, [output], is_last,
+                                RequestMetrics(0.0, num_prompt_tokens=len(prompt_token_ids)))
+
+
+@pytest.fixture(scope="module")
+def scripted(tiny_model):
+    from transformers import AutoTokenizer
+
+    from local_frontend import make_frontend
+
+    path = tiny_model("llama")
+    handle = _ScriptedHandle(path, AutoTokenizer.from_pretrained(path))
+    return handle, make_frontend(handle, reasoning_parser="deepseek_r1", chat_template=TEMPLATE)
+
+
+@pytest.fixture(autouse=True)
+def _replies_stop(request):
+    """Each test's scripted replies end with "stop" unless it says otherwise."""
+    if "scripted" in request.fixturenames:
+        request.getfixturevalue("scripted")[0].finish_reason = "stop"
+
+
+def _chat(frontend, stream: bool = False, **body):
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": stream, **body}
+    return call(frontend, "POST", "/v1/chat/completions", json=body)
+
+
+def _streamed(response) -> tuple[str, str, list[dict], list[dict]]:
+    """A streamed reply's reasoning and content, its tool-call pieces and its choices."""
+    choices = [c for event in events(response) for c in event["choices"]]
+    deltas = [c["delta"] for c in choices]
+    for delta in deltas:
+        assert delta.get("reasoning") == delta.get("reasoning_content")
+    return ("".join(d.get("reasoning") or "" for d in deltas), "".join(d.get("content") or "" for d in deltas),
+            [call for d in deltas for call in d.get("tool_calls") or []], choices)
+
+
+@pytest.mark.parametrize("pieces", [
+    ["I should", " greet.</th", "ink>\n\nHello", "!"],
+    ["I should greet.", "</think>", "\n\nHello!"],
+    ["I should greet.</think>\n\nHello!"],
+])
+def test_reasoning_and_answer_whole_and_streamed(scripted, pieces):
+    handle, frontend = scripted
+    handle.pieces, handle.finish_reason = pieces, "stop"
+    message = _chat(frontend).json()["choices"][0]["message"]
+    assert message["reasoning"] == message["reasoning_content"] == "I should greet."
+    assert message["content"] == "\n\nHello!" and message["tool_calls"] == []
+    assert handle.prompts[-1].endswith("<|assistant|><think>\n")
+    reasoning, content, _, choices = _streamed(_chat(frontend, stream=True))
+    assert (reasoning, content) == ("I should greet.", "\n\nHello!")
+    assert choices[0]["delta"] == {"role": "assistant", "content": ""} and choices[-1]["finish_reason"] == "stop"
+
+
+def test_a_reply_cut_off_while_thinking_is_reasoning_only(scripted):
+    handle, frontend = scripted
+    handle.pieces, handle.finish_reason = ["Let me", " think about"], "length"
+    choice = _chat(frontend).json()["choices"][0]
+    assert choice["message"]["reasoning"] == "Let me think about" and choice["message"]["content"] is None
+    assert choice["finish_reason"] == "length"
+    assert _streamed(_chat(frontend, stream=True))[:2] == ("Let me think about", "")
+
+
+def test_tool_calls_come_from_the_answer_alone(scripted):
+    handle, frontend = scripted
+    call_text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    handle.pieces = ["Maybe ", call_text[:20], call_text[20:], "? No: ask.</think>", "\n\n", call_text[:30],
+                     call_text[30:]]
+    choice = _chat(frontend, tools=TOOLS).json()["choices"][0]
+    assert choice["message"]["reasoning"] == f"Maybe {call_text}? No: ask."
+    [tool_call] = choice["message"]["tool_calls"]
+    assert tool_call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert choice["finish_reason"] == "tool_calls" and not (choice["message"]["content"] or "").strip()
+    reasoning, content, calls, choices = _streamed(_chat(frontend, stream=True, tools=TOOLS))
+    assert reasoning == f"Maybe {call_text}? No: ask." and not content.strip()
+    assert [c["function"]["name"] for c in calls if c.get("function", {}).get("name")] == ["get_weather"]
+    assert "".join(c["function"].get("arguments") or "" for c in calls) == '{"city": "Oslo"}'
+    assert choices[-1]["finish_reason"] == "tool_calls"
+
+
+def test_include_reasoning_false_leaves_it_out(scripted):
+    handle, frontend = scripted
+    handle.pieces, handle.finish_reason = ["plan</think>", "answer"], "stop"
+    message = _chat(frontend, include_reasoning=False).json()["choices"][0]["message"]
+    assert message["content"] == "answer" and "reasoning" not in message and "reasoning_content" not in message
+    response = _chat(frontend, stream=True, include_reasoning=False)
+    assert "reasoning" not in response.text and _streamed(response)[1] == "answer"
+
+
+def test_a_prompt_that_closed_the_reasoning_answers_in_content(scripted):
+    handle, frontend = scripted
+    handle.pieces = ["<think>x</think>", "y"]
+    closed = {"chat_template_kwargs": {"enable_thinking": False}}
+    message = _chat(frontend, **closed).json()["choices"][0]["message"]
+    assert handle.prompts[-1].endswith("</think>\n\n")
+    assert message["content"] == "<think>x</think>y" and "reasoning" not in message
+    assert _streamed(_chat(frontend, stream=True, **closed))[:2] == ("", "<think>x</think>y")
+    # Its output may be constrained; a reply that starts in the reasoning may not.
+    assert _chat(frontend, response_format={"type": "json_object"}, **closed).status_code == 200
+    error = assert_error(_chat(frontend, response_format={"type": "json_object"}), 400, "response_format")
+    assert "reasoning" in error["message"] and "enable_thinking" in error["message"]
+    assert_error(_chat(frontend, tools=TOOLS, tool_choice="required"), 400, "tool_choice")
+    assert_error(_chat(frontend, structured_outputs={"regex": "[ab]+"}), 400, "structured_outputs")
+
+
+def test_an_earlier_turns_reasoning_goes_back_to_the_template(scripted):
+    handle, frontend = scripted
+    handle.pieces = ["ok"]
+    for key in ("reasoning", "reasoning_content"):
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello!", key: "greet"},
+                    {"role": "user", "content": "again"}]
+        assert _chat(frontend, messages=messages).status_code == 200
+        assert "<|assistant|><think>greet</think>Hello!<|user|>again" in handle.prompts[-1]
+    wrong = [{"role": "user", "content": "hi", "reasoning": "mine"}]
+    assert "assistant" in assert_error(_chat(frontend, messages=wrong), 400)["message"]
+    differ = [{"role": "assistant", "content": "a", "reasoning": "x", "reasoning_content": "y"}]
+    assert_error(_chat(frontend, messages=differ), 400)
+
+
+def test_the_responses_api_refuses_rather_than_mixing_reasoning_into_its_text(scripted):
+    handle, frontend = scripted
+    handle.pieces = ["plan</think>answer"]
+    response = call(frontend, "POST", "/v1/responses", json={"input": "hi"})
+    assert "reasoning" in assert_error(response, 400)["message"]
+
+
+def test_grpc_chat_carries_the_reasoning(scripted):
+    from pagedserve.cluster.protos import pagedserve_pb2 as pb
+
+    handle, frontend = scripted
+    handle.pieces, handle.finish_reason = ["I should", " greet.</think>", "Hello!"], "stop"
+    request = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="hi")])
+    with grpc_stub(frontend) as stub:
+        [choice] = stub.Chat(request, timeout=60).choices
+        assert (choice.reasoning, choice.content) == ("I should greet.", "Hello!")
+        pieces = [c for response in stub.ChatStream(request, timeout=60) for c in response.choices]
+        assert "".join(c.reasoning for c in pieces) == "I should greet."
+        assert "".join(c.content for c in pieces) == "Hello!"
+        request.include_reasoning = False
+        [choice] = stub.Chat(request, timeout=60).choices
+        assert not choice.HasField("reasoning") and choice.content == "Hello!"
+        earlier = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="hi"),
+                                           pb.ChatMessage(role="assistant", content="Hi!", reasoning="greet"),
+                                           pb.ChatMessage(role="user", content="again")])
+        stub.Chat(earlier, timeout=60)
+        assert "<think>greet</think>Hi!" in handle.prompts[-1]
+
+
+# ---- the real engine ---------------------------------------------------------------------------
+def test_a_served_reply_opened_in_the_reasoning_is_its_reasoning(tiny_model):
+    """A random-weight model never closes its reasoning: its greedy reply, whole or streamed, is
+    all reasoning, the same text the engine decoded."""
+    from local_frontend import make_frontend
+
+    handle = LocalHandle(tiny_model("llama"))
+    try:
+        frontend = make_frontend(handle, reasoning_parser="qwen3", chat_template=TEMPLATE)
+        body = {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        choice = _chat(frontend, **body).json()["choices"][0]
+        text = handle.tokenizer.decode(choice["token_ids"], skip_special_tokens=True)
+        assert "</think>" not in text
+        assert choice["message"]["reasoning"] == text and choice["message"]["content"] is None
+        reasoning, content, _, _ = _streamed(_chat(frontend, stream=True, **body))
+        assert (reasoning, content) == (text, "")
+        assert_idle(handle)
+    finally:
+        handle.engine.shutdown()
+
+
+def test_a_reasoning_chunk_is_the_documented_shape():
+    from pagedserve.cluster.serving.chunks import ChatChunkJSON
+
+    assert json.loads(ChatChunkJSON("c", 1, "m").choice(0, reasoning="hm"))["choices"][0]["delta"] == {
+        "reasoning": "hm", "reasoning_content": "hm"}
