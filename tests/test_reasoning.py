@@ -312,3 +312,31 @@ def test_a_reasoning_chunk_is_the_documented_shape():
 
     assert json.loads(ChatChunkJSON("c", 1, "m").choice(0, reasoning="hm"))["choices"][0]["delta"] == {
         "reasoning": "hm", "reasoning_content": "hm"}
+
+
+def test_the_official_client_reads_the_reasoning(scripted):
+    """``openai``'s client keeps the fields it does not know: ``message.reasoning`` and the
+    streamed ``delta.reasoning`` reach its user."""
+    import asyncio
+
+    openai = pytest.importorskip("openai")
+    from pagedserve.cluster.serving.http_app import build_app
+
+    handle, frontend = scripted
+    handle.pieces = ["I should", " greet.</think>", "Hello!"]
+
+    async def run():
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(frontend)), base_url="http://test")
+        client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=http, max_retries=0)
+        async with http:
+            messages = [{"role": "user", "content": "hi"}]
+            message = (await client.chat.completions.create(model="m", messages=messages)).choices[0].message
+            stream = await client.chat.completions.create(model="m", messages=messages, stream=True)
+            deltas = [chunk.choices[0].delta async for chunk in stream if chunk.choices]
+        return message, deltas
+
+    message, deltas = asyncio.run(run())
+    assert (message.reasoning, message.reasoning_content, message.content) == ("I should greet.", "I should greet.",
+                                                                               "Hello!")
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == "I should greet."
+    assert "".join(d.content or "" for d in deltas) == "Hello!"
