@@ -256,6 +256,9 @@ def test_an_engine_that_fails_ends_each_socket_channel_with_its_error(own_core):
         core.add("c", 0, PROMPTS[1], _greedy(400))
         await _read_socket(receiver, {}, lambda got: got.get(0))
         await asyncio.wrap_future(core.client.call("inject_failure", "a device error"))
+        # The failure comes with the next step, and a core steps only with requests to run: one
+        # more, so that it fails even if the first finished meanwhile (a test process held up).
+        core.add("c", 1, PROMPTS[0], _greedy(400))
         kinds = await _read_socket(receiver, {}, lambda _: False)
         await core.wait_for(lambda: core.deaths)
         receiver.close()
