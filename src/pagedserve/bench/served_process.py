@@ -1,5 +1,6 @@
 """A ``pagedserve serve`` in a process of its own, for the benchmarks that load one over HTTP:
-started with the given arguments, waited for until ``/health`` answers, stopped."""
+started with the given arguments, waited for until ``/health`` answers and its record says it
+serves, stopped."""
 
 from __future__ import annotations
 
@@ -12,20 +13,33 @@ LOG_TAIL_CHARS = 4000   # of a server's output, in the error when it does not st
 
 
 def wait_ready(url: str, server: subprocess.Popen, timeout_s: float) -> None:
-    """Return once ``url``'s ``/health`` answers 200; ``RuntimeError`` if the server exits first,
-    ``TimeoutError`` after ``timeout_s``."""
+    """Return once ``url``'s ``/health`` answers 200 and the server's record says it serves;
+    ``RuntimeError`` if the server exits first, ``TimeoutError`` after ``timeout_s``.
+
+    The record is written just after the HTTP API answers: a probe that reads it at once (the
+    ingress of ``--cpu-per-token``) could otherwise find it still starting."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         if server.poll() is not None:
             raise RuntimeError(f"the server exited with {server.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1.0)
-    raise TimeoutError(f"the server did not answer /health within {timeout_s} s")
+        if _answers_health(url) and _record_state(server.pid) == "serving":
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"the server did not answer /health and record itself serving within {timeout_s} s")
+
+
+def _answers_health(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def _record_state(pid: int) -> str | None:
+    from pagedserve.cluster import server_records
+
+    return next((record.state for record in server_records.running() if record.pid == pid), None)
 
 
 def start_server(args: list[str], port: int, log_path: str, env: dict | None = None,
