@@ -193,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"{served['failed']} requests failed: {served.get('errors')}")
             runs.append({"num_replicas": label, "report": report(offline, served), "served": served})
             print(json.dumps({"num_replicas": label, **runs[-1]["report"]}, indent=2), flush=True)
-    if json_path:
-        Path(json_path).write_text(json.dumps({"offline": offline, "runs": runs}, indent=2))
+            if json_path:   # after each run: a step stopped at its limit keeps the runs it finished
+                Path(json_path).write_text(json.dumps({"offline": offline, "runs": runs}, indent=2))
     return 0 if not any(run["served"]["failed"] for run in runs) else 1
 
 
