@@ -5,40 +5,40 @@
 #   [STEPS="engine host tests kernel_tests ..."] bash benchmarks/gpu_checks.sh [--quick]
 #
 # One device call runs at most 600 s, and a session's device time (15 minutes, the machine's
-# start included) fits about one full call and a short one, most important first:
-#   STEPS="engine host tests" (at most 290 + 150 + 300 s; on an H200 254 + 49 + 205 s), then on
-#   the warm machine STEPS="prefill" (102 s) or "kernel_tests" (151 s).
-# Where the issue's targets are missed, STEPS="kernel_profile kernel_tiles" shows where the
-# device time goes, and whether other attention tiles beat the defaults. The rest ("launches kernels sweep merge") in a later session.
-# Next (as of 2026-11-29), in two calls (the recipe below): STEPS="host kernel_profile" while Ray's
-# first part crosses (host first, on a fresh machine: its step at 256 sequences was 2.25 ms on
-# 2026-11-29 against 1.42 ms on 2026-11-28; the profile runs also print each kind of step's device
-# time), then STEPS="served" (one ingress replica beside the default, two per GPU worker since
-# 2026-11-29's run found one replica's core saturated at 25k tok/s). In a later session:
-# STEPS="kernel_tiles", then "engine", then "tests spec lora" (the verification steps' and LoRA's
-# decode steps' CUDA graphs, never captured on a GPU yet: test_cuda_greedy's speculation tests and
-# test_lora's CUDA test; then the verification cost against a one-token step and LoRA's step cost
-# on the GPU). "kernel_tests" passed on an H200 on 2026-11-29 (540 tests).
+# start included) fits about two calls of the size below, most important first. A warm machine
+# goes back after 30 s idle: have the second call's arguments ready before the first returns.
+# Next (as of 2026-12-04), in two calls on one machine (the recipe below):
+#   1. STEPS="host kernel_profile" while Ray's first part crosses (host: 107 s on an H200; the
+#      profile runs print each kind of step's device time, and show why the offline run's steps
+#      with a prompt chunk took 38 ms on 2026-12-04 against 17-24 ms on 2026-11-29);
+#   2. STEPS="served" with SERVED_REPLICAS="auto,1,auto": the default (two ingress replicas per GPU
+#      worker) before and after one replica (at most 55 + 3 x 125 s). On 2026-12-04 the default,
+#      run once after one replica, streamed 0.72x of one replica's tok/s, with every process
+#      slower per token, the engine core's forward too; the order tells the replica count from
+#      the machine.
+# In a later session: STEPS="kernel_tiles", then "engine", then "spec lora" (the verification
+# cost against a one-token step, LoRA's step cost on the GPU). "kernel_tests" passed on an H200 on
+# 2026-11-29 (540 tests); test_cuda_greedy's speculation tests and test_lora's CUDA graph test
+# passed on one on 2026-12-04.
 #
 # "tp" is for a machine with several GPUs (it says so and passes on one).
 #
 # "served" (benchmarks/bench_served_gpu.py) streams the default workload through `pagedserve serve`
 # over HTTP against LLM.generate in the same call, and reads every server process's CPU per token
 # and the engine's decode step while served. On an H200 the offline part takes about 55 s and each
-# served run about 145 s (the server's start most of it).
+# served run about 120 s (the server's start most of it).
 # It needs Ray on the machine. Ray's wheel (cp312, manylinux2014 x86_64, about 79 MB) is over one
-# call's 64 MiB, so it travels in two parts in two calls on the warm machine. A warm machine keeps
-# /tmp between calls but not the ignored files that a call does not carry, so the first call copies
-# its part to /tmp and the second copies it back. `bash benchmarks/gpu_wheels.sh` (here, with a
-# package registry) lays out .whl/: Ray's two parts and their sha256 in .whl/parts/, the other
-# wheels the machine lacks in two halves, .whl/deps1 and .whl/deps2. Then:
+# call's 64 MiB, so it travels in two parts in two calls on the warm machine, which keeps /tmp
+# between calls (a fresh machine does not). `bash benchmarks/gpu_wheels.sh` (here, with a package
+# registry) lays out .whl/: Ray's two parts and their sha256 in .whl/parts/, the other wheels the
+# machine lacks in two halves, .whl/deps1 (with everything the engine's steps import) and
+# .whl/deps2. Then:
 #   call 1: carry .whl/parts/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl.part-aa, its .sha256 and
-#           .whl/deps1; command:
-#           mkdir -p /tmp/rayparts && cp .whl/parts/* /tmp/rayparts/ && STEPS="host kernel_profile" bash benchmarks/gpu_checks.sh
-#   call 2: carry .whl/parts/ray-...-.whl.part-ab and .whl/deps2; command:
-#           cp /tmp/rayparts/* .whl/parts/ && STEPS="served" bash benchmarks/gpu_checks.sh
-# This script joins the parts once they are all there (the .sha256 says so), then installs every
-# wheel in .whl/ and one folder down.
+#           .whl/deps1; command: STEPS="host kernel_profile" bash benchmarks/gpu_checks.sh
+#   call 2: carry .whl/parts/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl.part-ab and .whl/deps2;
+#           command: SERVED_REPLICAS="auto,1,auto" STEPS="served" bash benchmarks/gpu_checks.sh
+# This script keeps what each call carries in /tmp, joins Ray's parts once they are all there
+# (the .sha256 says so), and installs every wheel kept so far.
 
 # Needs torch with CUDA, triton and transformers installed. Python packages that machine
 # lacks travel as wheels in .whl/ (installed to /tmp/site), and .whl/site/ holds packages
@@ -63,22 +63,34 @@ nvidia-smi -L
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
 
-# A wheel carried in parts over two calls is joined once its parts are all there: its NAME.sha256
-# (`sha256sum` of the whole wheel, named .whl/NAME) travels with the first part.
-for first in .whl/parts/*.part-aa; do
+# Wheels carried in .whl/ (and one folder down) are kept in $WHEELS, which a warm machine keeps
+# between calls, and the whole kept set is installed at once: pip's --target replaces a package's
+# folder whole, so a namespace package split over two calls' installs (opentelemetry) would lose
+# the first call's half. A wheel carried in parts over two calls (.whl/parts/NAME.part-*) is joined
+# once its parts are all there: its NAME.sha256 (`sha256sum` of the whole wheel, named .whl/NAME)
+# travels with the first part.
+WHEELS=/tmp/pagedserve-wheels
+mkdir -p "$WHEELS/parts"
+if [ -d .whl ]; then
+    find .whl -maxdepth 2 -type f -name '*.whl' -not -path '.whl/site/*' -exec cp {} "$WHEELS/" \;
+    [ -d .whl/parts ] && cp .whl/parts/* "$WHEELS/parts/" 2>/dev/null
+fi
+for first in "$WHEELS"/parts/*.part-aa; do
     [ -e "$first" ] || continue
     name=$(basename "${first%.part-aa}")
-    cat ".whl/parts/$name".part-* > ".whl/$name"
-    if [ -f ".whl/parts/$name.sha256" ] && ! sha256sum --quiet -c ".whl/parts/$name.sha256"; then
-        echo "$name: parts incomplete, not installed"
-        rm -f ".whl/$name"
+    [ -e "$WHEELS/$name" ] && continue
+    cat "$WHEELS/parts/$name".part-* > "$WHEELS/$name"
+    if [ -f "$WHEELS/parts/$name.sha256" ] \
+            && ! (cd "$WHEELS" && sed "s#  .whl/#  #" "parts/$name.sha256" | sha256sum --quiet -c - > /dev/null 2>&1); then
+        echo "$name: not all its parts are here yet, not installed"
+        rm -f "$WHEELS/$name"
     fi
 done
-if [ -d .whl ]; then   # wheels in .whl/ and one folder down (a call's share of them)
+if ls "$WHEELS"/*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        $(find .whl -maxdepth 2 -type f -name '*.whl' -not -path '.whl/site/*')
-    [ -d .whl/site ] && cp -r .whl/site/. /tmp/site/
+        "$WHEELS"/*.whl
 fi
+[ -d .whl/site ] && mkdir -p /tmp/site && cp -r .whl/site/. /tmp/site/
 # pagedserve itself, with its optional native key set if this machine's compiler builds it.
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . > "$OUT/install.log" 2>&1 \
     || { echo "pip install of pagedserve failed:"; tail -5 "$OUT/install.log"; exit 1; }
@@ -133,7 +145,8 @@ for name in ${STEPS:-engine host tests kernel_tests launches kernels sweep}; do
         tp) step tp 420 python3 benchmarks/bench_tp_gpu.py --json "$OUT/tp.json" ;;
         # The default workload through HTTP (256 streams at once) against LLM.generate: served / offline
         # output tok/s, TTFT and ITL percentiles, ITL p99 / offline decode step, CPU per token by process.
-        served) step served 480 python3 benchmarks/bench_served_gpu.py $QUICK --num-replicas 1,auto --json "$OUT/served.json" ;;
+        served) step served 540 python3 benchmarks/bench_served_gpu.py $QUICK --num-replicas "${SERVED_REPLICAS:-1,auto}" \
+                    --json "$OUT/served.json" ;;
         # Speculative decoding, llama-1b bf16: tok/s against the acceptance it gets (k = 4) at batch 1, 4
         # and 16, and a verification step's cost against a one-token step (the 1.3x target); the adaptive
         # rules at 256 sequences.

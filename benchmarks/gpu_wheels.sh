@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The wheels gpu_checks.sh's machine lacks (Python 3.12, manylinux x86_64), in the layout its
 # header describes: Ray's wheel split in two parts (.whl/parts/, with its sha256) and the others
-# in two halves (.whl/deps1, .whl/deps2), so that each of two device calls carries under 64 MiB:
+# in two halves (.whl/deps1 with every wheel the engine imports, .whl/deps2), so that each of two
+# device calls carries under 64 MiB:
 #   call 1: .whl/parts/*.part-aa, .whl/parts/*.sha256, .whl/deps1
 #   call 2: .whl/parts/*.part-ab, .whl/deps2
 #
@@ -27,14 +28,17 @@ for name in $HAVE; do rm -f .whl/all/"$name"-*.whl; done
 split -b 40m ".whl/all/$RAY" ".whl/parts/$RAY.part-"
 (cd .whl/all && sha256sum "$RAY") | sed "s#  #  .whl/#" > ".whl/parts/$RAY.sha256"
 rm ".whl/all/$RAY"
-# Halves by size, largest first, each to the lighter half (part-ab travels with deps2).
+# The engine's own imports go to deps1, so that call 1's steps (no Ray) run; then the rest by size,
+# largest first, each to the lighter half (part-ab travels with deps2).
 python3 - <<'PY'
 import os, shutil
+ENGINE = ("pydantic", "pydantic_core", "annotated_types", "typing_inspection", "pyzmq", "llguidance",
+          "jsonschema", "jsonschema_specifications", "referencing", "rpds_py")
 files = sorted(os.listdir(".whl/all"), key=lambda f: -os.path.getsize(f".whl/all/{f}"))
 parts = sorted(os.listdir(".whl/parts"))
 size = {"deps1": os.path.getsize(f".whl/parts/{parts[0]}"), "deps2": os.path.getsize(f".whl/parts/{parts[1]}")}
-for f in files:
-    half = min(size, key=size.get)
+for f in sorted(files, key=lambda f: f.split("-")[0] not in ENGINE):
+    half = "deps1" if f.split("-")[0] in ENGINE else min(size, key=size.get)
     size[half] += os.path.getsize(f".whl/all/{f}")
     shutil.move(f".whl/all/{f}", f".whl/{half}/{f}")
 for half, total in size.items():
