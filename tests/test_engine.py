@@ -158,6 +158,24 @@ def test_chunked_prefill(arch, make_llm, hf_greedy):
     assert llm.stats()["num_steps"] >= sum(PROMPT_LENGTHS) // budget
 
 
+def test_stats_sum_each_requests_wait_for_its_first_schedule_and_first_token(make_llm, hf_greedy):
+    llm = make_llm(shared_instance=False, max_num_seqs=2)
+    prompts = random_prompts(PROMPT_LENGTHS[:4], seed=5)
+    outputs = llm.generate(prompts, greedy())
+    assert_greedy_matches(outputs, "llama", MAX_TOKENS, hf_greedy)
+    stats = llm.stats()
+    assert stats["num_scheduled_requests"] == stats["num_first_tokens"] == len(prompts)
+    # Each request waits for its first token at least as long as for its first schedule, and
+    # with two rows for four requests, the last two queued while the first two ran.
+    expected_queue = sum(o.metrics.first_scheduled_time - o.metrics.arrival_time for o in outputs)
+    expected_first_token = sum(o.metrics.first_token_time - o.metrics.arrival_time for o in outputs)
+    assert stats["queue_seconds"] == pytest.approx(expected_queue)
+    assert stats["first_token_seconds"] == pytest.approx(expected_first_token)
+    assert stats["first_token_seconds"] > stats["queue_seconds"] > 0
+    waits = sorted(o.metrics.first_scheduled_time - o.metrics.arrival_time for o in outputs)
+    assert waits[2] > waits[1]
+
+
 def test_prefix_caching_with_shared_prefixes(make_llm, hf_greedy):
     llm = make_llm("llama", shared_instance=False, block_size=8, num_device_blocks=256)
     base = random_prompts([70], seed=4)[0]

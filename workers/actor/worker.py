@@ -449,7 +449,8 @@ class Worker:
                 **{name: engine_stats[name] for name in (
                     "num_waiting", "num_running", "num_steps", "num_generated_tokens", "mean_step_ms",
                     "num_decode_steps", "mean_decode_step_ms", "decode_kv_seconds", "step_hook_seconds",
-                    "num_step_calls", "num_preemptions_by_mode", "swapped_out_bytes", "swapped_in_bytes")},
+                    "num_step_calls", "num_preemptions_by_mode", "swapped_out_bytes", "swapped_in_bytes",
+                    "num_scheduled_requests", "queue_seconds", "num_first_tokens", "first_token_seconds")},
                 "kv_pool": figures["kv_pool"],
                 **figures["kv_link"], **self.core.kv.stats(),
                 **figures["preemption"],

@@ -151,6 +151,8 @@ class LLMEngine:
         self.decode_kv_seconds = 0.0     # of decode steps' time, inside the KV manager's step
         self.hook_seconds = 0.0          # step hooks after every step (a worker's KV event flush)
         self.num_step_calls = 0
+        self.num_scheduled_requests = 0  # requests scheduled at least once
+        self.queue_seconds = 0.0         # their seconds from arrival to their first schedule, summed
         # The thread of the loop that drives this engine (an ``AsyncLLMEngine``), if one does:
         # stepping or changing the engine from any other thread would race it.
         self._driver: threading.Thread | None = None
@@ -672,6 +674,8 @@ class LLMEngine:
         metrics = seq.request.metrics
         if metrics.first_scheduled_time is None:
             metrics.first_scheduled_time = time.time()
+            self.num_scheduled_requests += 1
+            self.queue_seconds += metrics.first_scheduled_time - metrics.arrival_time
         metrics.num_cached_tokens = max(metrics.num_cached_tokens, sched.num_cached_tokens)
         if sched.num_imported_tokens:
             self._import_kv(seq, sched)
@@ -760,6 +764,12 @@ class LLMEngine:
             "decode_kv_seconds": self.decode_kv_seconds,
             "step_hook_seconds": self.hook_seconds,
             "num_step_calls": self.num_step_calls,
+            # Requests' waits at this engine (its clock, from their arrival here), summed: to their
+            # first schedule, and to their first token.
+            "num_scheduled_requests": self.num_scheduled_requests,
+            "queue_seconds": self.queue_seconds,
+            "num_first_tokens": self.pipeline.num_first_tokens,
+            "first_token_seconds": self.pipeline.first_token_seconds,
             # Modules whose q/k/v or gate/up projections run as one matmul (merge_projections).
             "num_merged_projections": len(getattr(self.runner, "merged_projections", ())),
         })

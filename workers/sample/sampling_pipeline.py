@@ -60,6 +60,9 @@ class SamplingPipeline:
         self.num_launched_steps = 0   # steps whose ids stayed on the device (overlapped scheduling)
         self.num_ended = 0   # sequences ended (finished, aborted, stopped): a step's samples of them are dropped
         self.num_generated_tokens = 0
+        # Requests whose first token was sampled, and the seconds from their arrival to it, summed.
+        self.num_first_tokens = 0
+        self.first_token_seconds = 0.0
 
     # ---- the engine's calls -------------------------------------------------------------------
     @property
@@ -285,6 +288,8 @@ class SamplingPipeline:
             metrics = seq.request.metrics
             if metrics.first_token_time is None and seq.output_token_ids:
                 metrics.first_token_time = now
+                self.num_first_tokens += 1
+                self.first_token_seconds += now - metrics.arrival_time
         for parent, _ in sampled.forked:
             self.batch.refresh_flags(parent)
         tokens = StepTokens(seqs, token_ids, sampled.logprobs)
