@@ -14,7 +14,8 @@ Three parts, each in processes of their own so that the GPU is free for the next
    engine core's CPU by phase of its loop;
 3. the report, per served run: served over offline output tok/s, TTFT and ITL percentiles, ITL
    p99 over the offline decode step and over the engine's own ITL p99, the served decode step
-   over the offline one, and CPU per streamed token by process.
+   over the offline one, CPU per streamed token by process, and the mean TTFT against the
+   engine's share of it (arrival at the engine to first token) and the served batch's size.
 
     python benchmarks/bench_served_gpu.py [--size 1b] [--device cuda] [--num-replicas 1,auto] [--json PATH]
     python benchmarks/bench_served_gpu.py --device cpu --size tiny --num-requests 16 \\
@@ -128,6 +129,7 @@ def report(offline: dict, served: dict) -> dict:
     offline_itl = pagedserve.get("itl_ms") or {}
     served_decode_ms = served["engine"]["decode_step_ms"]
     cpu = served.get("cpu_per_token") or {}
+    steps = (served.get("engine_steps") or {}).get("served") or {}
     return {
         "offline_output_tok_s": offline_tps, "served_output_tok_s": served["output_throughput"],
         "served_over_offline": served["output_throughput"] / offline_tps,
@@ -145,6 +147,12 @@ def report(offline: dict, served: dict) -> dict:
         "cpu_us_per_token": {name: group["us_per_token"] for name, group in (cpu.get("groups") or {}).items()},
         "server_cpu_us_per_token": (cpu.get("server_total") or {}).get("us_per_token"),
         "engine_core_cpu_us_per_step": served["engine"]["core_cpu_us_per_step"],
+        # TTFT taken apart: the client's, against the engine's own share (from each request's
+        # arrival at the engine to its first schedule and its first token; means), and the
+        # served engine's batch (fewer tokens a step than offline: requests reached it late).
+        "ttft_ms_mean": served["mean_ttft_ms"],
+        "engine_first_token_ms_mean": steps.get("first_token_ms"), "engine_queue_ms_mean": steps.get("queue_ms"),
+        "served_tokens_per_step": steps.get("tokens_per_step"), "preemptions": steps.get("preemptions"),
         "completed": served["completed"], "failed": served["failed"], "errors": served.get("errors"),
     }
 

@@ -479,6 +479,9 @@ def test_cpu_per_token_against_a_real_server(tmp_path, tiny_model, monkeypatch, 
     assert served_steps["tokens"] == offline_steps["tokens"] == 8 * 64   # the window's, warm-ups outside it
     for w in (served_steps, offline_steps):   # four requests at most at once, offline as served
         assert 1 <= w["tokens_per_step"] <= 4 and w["step_ms"] > 0 and w["cpu_us_per_step"] > 0
+    for w in (served_steps, offline_steps):   # every request's wait at the engine, inside the window
+        assert w["requests"] == 8 and w["first_token_ms"] > w["queue_ms"] >= 0
+    assert "first tokens" in printed
     assert served_steps["cpu_s"] == pytest.approx(groups["engine core 0"]["cpu_s"])
     assert set(served_steps["phase_us_per_step"]) >= {"step", "outputs", "send"}
     split = steps["split"]
@@ -490,9 +493,11 @@ def test_cpu_per_token_against_a_real_server(tmp_path, tiny_model, monkeypatch, 
 def test_engine_steps_split_the_served_engines_excess_into_fuller_steps_and_costlier_ones():
     from pagedserve.bench import engine_steps
 
-    def snapshot(steps, tokens, step_s, core=None):
+    def snapshot(steps, tokens, step_s, core=None, requests=0, waits_s=(0.0, 0.0), preemptions=0):
         stats = {"num_steps": steps, "num_decode_steps": steps - 1, "num_generated_tokens": tokens,
-                 "mean_step_ms": 1e3 * step_s / steps, "mean_decode_step_ms": 1e3 * step_s / (steps - 1)}
+                 "mean_step_ms": 1e3 * step_s / steps, "mean_decode_step_ms": 1e3 * step_s / (steps - 1),
+                 "num_scheduled_requests": requests, "queue_seconds": waits_s[0], "num_first_tokens": requests,
+                 "first_token_seconds": waits_s[1], "num_preemptions_by_mode": {"recompute": preemptions}}
         if core is not None:
             stats["engine_core_cpu_seconds"] = core
         return engine_steps.counters(stats)
@@ -500,13 +505,17 @@ def test_engine_steps_split_the_served_engines_excess_into_fuller_steps_and_cost
     # Offline: 100 steps of 64 tokens, 1 ms of CPU each. Served: the same tokens in 128 steps
     # of 1.25 ms of CPU each (the core's loop by phase).
     offline = engine_steps.window(snapshot(10, 10, 0.01), snapshot(110, 6410, 0.11), cpu_s=0.1)
-    served = engine_steps.window(snapshot(5, 5, 0.0, {"step": 1.0, "send": 0.0}),
-                                 snapshot(133, 6405, 0.128, {"step": 1.15, "send": 0.01}))
+    served = engine_steps.window(snapshot(5, 5, 0.0, {"step": 1.0, "send": 0.0}, 1, (0.001, 0.01)),
+                                 snapshot(133, 6405, 0.128, {"step": 1.15, "send": 0.01}, 101, (0.201, 1.01), 3))
     assert offline["tokens_per_step"] == 64 and offline["cpu_us_per_step"] == pytest.approx(1000)
     assert served["steps"] == 128 and served["tokens_per_step"] == 50
     assert served["cpu_us_per_step"] == pytest.approx(1250)
     assert served["phase_us_per_step"] == pytest.approx({"step": 1171.875, "send": 78.125})
     assert served["step_ms"] == pytest.approx(1.0) and served["decode_step_ms"] == pytest.approx(1.0)
+    # The window's 100 requests: 2 ms queued and 10 ms to a first token each, on average.
+    assert served["requests"] == 100 and served["preemptions"] == 3
+    assert served["queue_ms"] == pytest.approx(2) and served["first_token_ms"] == pytest.approx(10)
+    assert offline["requests"] == 0 and math.isnan(offline["first_token_ms"])
     split = engine_steps.split_excess(served, offline)
     assert split["excess_us_per_token"] == pytest.approx(25 - 15.625)
     assert split["fewer_tokens_per_step_us"] == pytest.approx(20 - 15.625)   # 1 ms over 50 tokens, not 64

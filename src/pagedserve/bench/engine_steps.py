@@ -7,8 +7,9 @@ messages, the inbox, a CPU shared with the server's other processes). ``split_ex
 tells the two apart from the steps the engine counted:
 
 - served: each worker's ``/stats`` (``num_steps``, ``num_generated_tokens``, the mean step
-  times, and the engine core's CPU by phase of its loop), read just before and just after
-  the window;
+  times, the engine core's CPU by phase of its loop, and the requests' waits from their
+  arrival at the engine to their first schedule and first token), read just before and just
+  after the window;
 - offline: ``LLMEngine.stats`` around ``LLM.generate``, and the process's CPU.
 
 ``counters`` reads one snapshot's cumulative figures; ``window`` differences two of them.
@@ -21,6 +22,9 @@ import urllib.request
 
 # Cumulative figures a window differences (the step times rebuilt from their means).
 COUNTERS = ("num_steps", "num_decode_steps", "num_generated_tokens", "step_s", "decode_step_s")
+# The requests' waits at the engine, summed, and its preemptions: absent from older stats (0 then).
+REQUEST_COUNTERS = ("num_scheduled_requests", "queue_seconds", "num_first_tokens", "first_token_seconds",
+                    "num_preemptions")
 
 
 def counters(stats: dict) -> dict:
@@ -30,6 +34,8 @@ def counters(stats: dict) -> dict:
                "num_generated_tokens": stats["num_generated_tokens"],
                "step_s": stats["mean_step_ms"] * stats["num_steps"] / 1e3,
                "decode_step_s": stats["mean_decode_step_ms"] * stats["num_decode_steps"] / 1e3}
+    figures.update({name: stats.get(name, 0) for name in REQUEST_COUNTERS[:-1]})
+    figures["num_preemptions"] = sum((stats.get("num_preemptions_by_mode") or {}).values())
     if "engine_core_cpu_seconds" in stats:
         figures["core_cpu_s"] = dict(stats["engine_core_cpu_seconds"])
     return figures
@@ -40,13 +46,13 @@ def served_counters(url: str, headers: dict | None = None, timeout_s: float = 30
     request = urllib.request.Request(f"{url.rstrip('/')}/stats", headers=headers or {})
     with urllib.request.urlopen(request, timeout=timeout_s) as response:
         workers = json.load(response)["workers"]
-    total = dict.fromkeys(COUNTERS, 0.0)
+    total = dict.fromkeys(COUNTERS + REQUEST_COUNTERS, 0.0)
     phases: dict[str, float] = {}
     for stats in workers.values():
         if "num_steps" not in stats:
             raise RuntimeError(f"a worker gave no step figures: {stats.get('error', stats)}")
         one = counters(stats)
-        for name in COUNTERS:
+        for name in total:
             total[name] += one[name]
         for phase, seconds in one.get("core_cpu_s", {}).items():
             phases[phase] = phases.get(phase, 0.0) + seconds
@@ -74,6 +80,13 @@ def window(before: dict, after: dict, cpu_s: float | None = None) -> dict:
     if phases:
         result["phase_us_per_step"] = {phase: 1e6 * s / steps if steps else float("nan")
                                        for phase, s in phases.items()}
+    waits = {name: after.get(name, 0) - before.get(name, 0) for name in REQUEST_COUNTERS}
+    scheduled, first_tokens = waits["num_scheduled_requests"], waits["num_first_tokens"]
+    # Each request's wait from its arrival at the engine: the engine's share of a TTFT.
+    result.update({"requests": int(first_tokens), "preemptions": int(waits["num_preemptions"]),
+                   "queue_ms": 1e3 * waits["queue_seconds"] / scheduled if scheduled else float("nan"),
+                   "first_token_ms": (1e3 * waits["first_token_seconds"] / first_tokens
+                                      if first_tokens else float("nan"))})
     return result
 
 

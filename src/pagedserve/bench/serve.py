@@ -423,9 +423,11 @@ def format_engine_steps(steps: dict) -> list[str]:
         phases = w.get("phase_us_per_step")
         by_phase = (" (core loop: " + ", ".join(f"{p} {us:.0f}" for p, us in phases.items()) + ")"
                     if phases else "")
+        waits = (f"; {w['requests']} first tokens, {w['first_token_ms']:.1f} ms after arriving at the engine "
+                 f"(queued {w['queue_ms']:.1f}), mean; {w['preemptions']} preemptions" if w.get("requests") else "")
         return (f"{name}: {w['steps']:,} steps ({w['decode_steps']:,} decode), {w['tokens_per_step']:.1f} tokens "
                 f"a step, step {w['step_ms']:.2f} ms (decode {w['decode_step_ms']:.2f}), CPU "
-                f"{w['cpu_us_per_step']:.0f} us a step{by_phase}, {w['cpu_us_per_token']:.1f} us a token")
+                f"{w['cpu_us_per_step']:.0f} us a step{by_phase}, {w['cpu_us_per_token']:.1f} us a token{waits}")
 
     lines = ["engine steps over the load:", one("  served engine core", steps["served"])]
     if "offline" in steps:
