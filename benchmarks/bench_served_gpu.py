@@ -15,7 +15,8 @@ Three parts, each in processes of their own so that the GPU is free for the next
 3. the report, per served run: served over offline output tok/s, TTFT and ITL percentiles, ITL
    p99 over the offline decode step and over the engine's own ITL p99, the served decode step
    over the offline one, CPU per streamed token by process, and the mean TTFT against the
-   engine's share of it (arrival at the engine to first token) and the served batch's size.
+   replica's share of it (with one replica: its TTFT histogram in ``/metrics``) and the
+   engine's (arrival at the engine to first token), and the served batch's size.
 
     python benchmarks/bench_served_gpu.py [--size 1b] [--device cuda] [--num-replicas 1,auto] [--json PATH]
     python benchmarks/bench_served_gpu.py --device cpu --size tiny --num-requests 16 \\
@@ -87,6 +88,25 @@ def worker_figures(url: str) -> dict:
     return next(iter(workers.values()))
 
 
+def replica_first_tokens(url: str) -> tuple[float, float]:
+    """The replica's TTFT histogram (from a request's arrival at the replica to its first token
+    there): its (sum in seconds, count), from ``/metrics``. A scrape reaches one replica: with
+    one replica, the whole server's."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=60) as response:
+        text = response.read().decode()
+    total = count = 0.0
+    for family in text_string_to_metric_families(text):
+        if family.name == "pagedserve_time_to_first_token_seconds":
+            for sample in family.samples:
+                if sample.name.endswith("_sum"):
+                    total += sample.value
+                elif sample.name.endswith("_count"):
+                    count += sample.value
+    return total, count
+
+
 def engine_while_served(before: dict, after: dict) -> dict:
     """The engine's steps between two ``worker_figures``: the mean decode step, and the engine
     core's CPU per step by phase of its loop (µs)."""
@@ -113,10 +133,15 @@ def run_served(args, path: str, prompts: list[list[int]], workdir: str, num_repl
                                   seed=args.seed + 2, request_timeout_s=1800.0, max_duration_s=1800.0)
         asyncio.run(run_load(warmup_config(config)))
         before = worker_figures(url)
+        first_before = replica_first_tokens(url) if num_replicas == 1 else None
         requests = [(prompt, len(prompt), args.output_len) for prompt in prompts]
         served = run_benchmark(dataclasses.replace(config, num_warmups=0), show_progress=False,
                                cpu=CpuPerTokenConfig(server_pid=server.pid), requests=requests)
         served["engine"] = engine_while_served(before, worker_figures(url))
+        if first_before is not None:   # one replica: its TTFT histogram is the server's
+            first_after = replica_first_tokens(url)
+            count = first_after[1] - first_before[1]
+            served["replica_ttft_ms_mean"] = 1e3 * (first_after[0] - first_before[0]) / count if count else None
         return served
     finally:
         stop_server(server)
@@ -147,10 +172,11 @@ def report(offline: dict, served: dict) -> dict:
         "cpu_us_per_token": {name: group["us_per_token"] for name, group in (cpu.get("groups") or {}).items()},
         "server_cpu_us_per_token": (cpu.get("server_total") or {}).get("us_per_token"),
         "engine_core_cpu_us_per_step": served["engine"]["core_cpu_us_per_step"],
-        # TTFT taken apart: the client's, against the engine's own share (from each request's
-        # arrival at the engine to its first schedule and its first token; means), and the
-        # served engine's batch (fewer tokens a step than offline: requests reached it late).
-        "ttft_ms_mean": served["mean_ttft_ms"],
+        # TTFT taken apart: the client's, the replica's (arrival there to its first token there;
+        # in a run of --num-replicas 1 only), and the engine's own share (from each request's arrival at the
+        # engine to its first schedule and its first token; means); and the served engine's
+        # batch (fewer tokens a step than offline: requests reached it late).
+        "ttft_ms_mean": served["mean_ttft_ms"], "replica_ttft_ms_mean": served.get("replica_ttft_ms_mean"),
         "engine_first_token_ms_mean": steps.get("first_token_ms"), "engine_queue_ms_mean": steps.get("queue_ms"),
         "served_tokens_per_step": steps.get("tokens_per_step"), "preemptions": steps.get("preemptions"),
         "completed": served["completed"], "failed": served["failed"], "errors": served.get("errors"),
