@@ -172,10 +172,10 @@ def report(offline: dict, served: dict) -> dict:
         "cpu_us_per_token": {name: group["us_per_token"] for name, group in (cpu.get("groups") or {}).items()},
         "server_cpu_us_per_token": (cpu.get("server_total") or {}).get("us_per_token"),
         "engine_core_cpu_us_per_step": served["engine"]["core_cpu_us_per_step"],
-        # TTFT taken apart: the client's, the replica's (arrival there to its first token there;
-        # in a run of --num-replicas 1 only), and the engine's own share (from each request's arrival at the
-        # engine to its first schedule and its first token; means); and the served engine's
-        # batch (fewer tokens a step than offline: requests reached it late).
+        # TTFT taken apart (means): the client's; the replica's, from a request's arrival there to
+        # its first token there (in a run of --num-replicas 1 only); the engine's, from its arrival
+        # at the engine to its first schedule and its first token. And the served engine's batch
+        # (fewer tokens a step than offline where requests reached it late).
         "ttft_ms_mean": served["mean_ttft_ms"], "replica_ttft_ms_mean": served.get("replica_ttft_ms_mean"),
         "engine_first_token_ms_mean": steps.get("first_token_ms"), "engine_queue_ms_mean": steps.get("queue_ms"),
         "served_tokens_per_step": steps.get("tokens_per_step"), "preemptions": steps.get("preemptions"),

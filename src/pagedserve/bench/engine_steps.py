@@ -22,9 +22,9 @@ import urllib.request
 
 # Cumulative figures a window differences (the step times rebuilt from their means).
 COUNTERS = ("num_steps", "num_decode_steps", "num_generated_tokens", "step_s", "decode_step_s")
-# The requests' waits at the engine, summed, and its preemptions: absent from older stats (0 then).
-REQUEST_COUNTERS = ("num_scheduled_requests", "queue_seconds", "num_first_tokens", "first_token_seconds",
-                    "num_preemptions")
+# The requests' waits at the engine, summed (absent from older stats: 0 then), and its preemptions.
+WAIT_COUNTERS = ("num_scheduled_requests", "queue_seconds", "num_first_tokens", "first_token_seconds")
+REQUEST_COUNTERS = WAIT_COUNTERS + ("num_preemptions",)
 
 
 def counters(stats: dict) -> dict:
@@ -34,7 +34,7 @@ def counters(stats: dict) -> dict:
                "num_generated_tokens": stats["num_generated_tokens"],
                "step_s": stats["mean_step_ms"] * stats["num_steps"] / 1e3,
                "decode_step_s": stats["mean_decode_step_ms"] * stats["num_decode_steps"] / 1e3}
-    figures.update({name: stats.get(name, 0) for name in REQUEST_COUNTERS[:-1]})
+    figures.update({name: stats.get(name, 0) for name in WAIT_COUNTERS})
     figures["num_preemptions"] = sum((stats.get("num_preemptions_by_mode") or {}).values())
     if "engine_core_cpu_seconds" in stats:
         figures["core_cpu_s"] = dict(stats["engine_core_cpu_seconds"])
