@@ -39,7 +39,22 @@ def _ephemeral_low(default: int = 32768) -> int:
 # ``bind(0)`` draws from and above which Ray picks its other ports at random.
 # A port checked free here cannot be taken by another process's ``bind(0)`` before its server
 # binds it, as a port drawn from the ephemeral range was under load.
-TEST_PORTS = range(20000, max(min(_ephemeral_low(), HAPROXY_PORTS_FROM), 21000))
+ALL_TEST_PORTS = range(20000, max(min(_ephemeral_low(), HAPROXY_PORTS_FROM), 21000))
+
+
+def _this_workers_ports(ports: range) -> range:
+    """Under pytest-xdist, this test process's own slice of ``ports``: a port one process checked
+    free can be bound by its server tens of seconds later, and another process's check in between
+    would find it free too."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not (worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(count) > 1):
+        return ports
+    size = len(ports) // int(count)
+    start = ports.start + int(worker[2:]) % int(count) * size
+    return range(start, start + size)
+
+
+TEST_PORTS = _this_workers_ports(ALL_TEST_PORTS)
 _handed_out: set[int] = set()
 
 
