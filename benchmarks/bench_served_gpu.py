@@ -8,7 +8,8 @@ Three parts, each in processes of their own so that the GPU is free for the next
 2. served, once per ``--num-replicas`` entry (``auto``: the configuration's default; ``1,auto``
    puts one ingress replica beside the default): ``pagedserve serve`` with the same checkpoint
    and engine options (one worker, the default ingress), then the same prompts and lengths
-   streamed from ``/v1/completions``, all at once (``pagedserve bench serve``'s client), with
+   streamed from ``/v1/completions``, all at once (``pagedserve bench serve``'s client), after a
+   warm-up burst of as many requests (other prompts, the same lengths), with
    every server process's CPU read (``--cpu-per-token``'s probe) and the worker's ``/stats``
    read before and after (after the warm-up): the engine's decode step while served, and its
    engine core's CPU by phase of its loop;
@@ -129,7 +130,9 @@ def run_served(args, path: str, prompts: list[list[int]], workdir: str, num_repl
     server = start_server(["--config", write_config(path, args, port, workdir, num_replicas)], port,
                           os.path.join(workdir, "serve.log"), timeout_s=START_TIMEOUT_S)
     try:
-        config = ServeBenchConfig(url=url, num_requests=len(prompts), num_warmups=min(len(prompts), 32),
+        # The warm-up is a whole burst (other prompts, the same lengths): a server's first burst at a
+        # new concurrency takes its requests in slowly (docs/benchmarks.md, "A server's first burst").
+        config = ServeBenchConfig(url=url, num_requests=len(prompts), num_warmups=len(prompts),
                                   seed=args.seed + 2, request_timeout_s=1800.0, max_duration_s=1800.0)
         asyncio.run(run_load(warmup_config(config)))
         before = worker_figures(url)
