@@ -130,8 +130,8 @@ def run_served(args, path: str, prompts: list[list[int]], workdir: str, num_repl
     server = start_server(["--config", write_config(path, args, port, workdir, num_replicas)], port,
                           os.path.join(workdir, "serve.log"), timeout_s=START_TIMEOUT_S)
     try:
-        # The warm-up is a whole burst (other prompts, the same lengths): a server's first burst at a
-        # new concurrency takes its requests in slowly (docs/benchmarks.md, "A server's first burst").
+        # The warm-up is a whole burst (other prompts, the same lengths): a burst that needs new
+        # connections to the replica is taken in slowly (docs/benchmarks.md, "A burst on new connections").
         config = ServeBenchConfig(url=url, num_requests=len(prompts), num_warmups=len(prompts),
                                   seed=args.seed + 2, request_timeout_s=1800.0, max_duration_s=1800.0)
         asyncio.run(run_load(warmup_config(config)))

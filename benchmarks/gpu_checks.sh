@@ -16,8 +16,8 @@
 #      run once after one replica, streamed 0.72x of one replica's tok/s, with every process
 #      slower per token, the engine core's forward too; the order tells the replica count from
 #      the machine. Each served run now warms up with a whole burst (about 5 s more a run): the
-#      2026-12-04 run's part-full steps (538 against 292 offline) had the shape of a fresh
-#      server's first burst at a new concurrency on the CPU VM (docs/benchmarks.md).
+#      2026-12-04 run's part-full steps (538 against 292 offline) had the shape of a burst on
+#      new connections to the replica on the CPU VM (docs/benchmarks.md).
 # In a later session: STEPS="kernel_tiles", then "engine", then "spec lora" (the verification
 # cost against a one-token step, LoRA's step cost on the GPU). "kernel_tests" passed on an H200 on
 # 2026-11-29 (540 tests); test_cuda_greedy's speculation tests and test_lora's CUDA graph test
