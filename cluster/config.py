@@ -283,6 +283,11 @@ class ServerConfig(_Strict):
     joined cluster RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_THROUGHPUT_OPTIMIZED=1 on every node);
     "auto", HAProxy where it can run (installed here for a private Ray; a joined cluster's
     nodes started with those variables), else the proxy actor. ``serve`` prints which, and why."""
+    event_loop: Literal["asyncio", "uvloop"] = "asyncio"
+    """The ingress replicas' event loop (uvicorn's --loop). "asyncio" takes a burst's new
+    connections while it streams; "uvloop" spends a few µs less CPU a token but, streaming, took
+    a burst's new connections over up to a second (docs/benchmarks.md, "A burst on new
+    connections")."""
     api_key: str | None = None
     """Every route but /health needs ``Authorization: Bearer KEY`` (also --api-key,
     $PAGEDSERVE_API_KEY)."""

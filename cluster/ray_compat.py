@@ -167,6 +167,18 @@ def head_node_placement() -> dict:
     return node_placement(head_node_id())
 
 
+# Read by Ray's workers when they make an async actor's event loop (ray._private.async_compat):
+# uvloop where it is installed, unless this is "0".
+USE_UVLOOP_ENV = "RAY_USE_UVLOOP"
+
+
+def event_loop_env(event_loop: str) -> dict[str, str]:
+    """An actor's environment variables for its event loop: "asyncio" or "uvloop"."""
+    if event_loop not in ("asyncio", "uvloop"):
+        raise ValueError(f"event_loop must be 'asyncio' or 'uvloop', not {event_loop!r}")
+    return {USE_UVLOOP_ENV: "1" if event_loop == "uvloop" else "0"}
+
+
 def validate_launcher_config(config: dict) -> dict:
     """Validate a ``ray up`` cluster file offline the way ``ray up`` does; returns the
     prepared config, raises on an invalid one.

@@ -49,6 +49,25 @@ class _Probe:
         return os.getpid(), context.get_actor_id(), context.get_node_id()
 
 
+@ray.remote(num_cpus=0)
+class _LoopProbe:
+    async def loop(self) -> str:
+        import asyncio
+
+        return type(asyncio.get_running_loop()).__module__.partition(".")[0]
+
+
+@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+def test_event_loop_env_picks_an_async_actors_loop(ray_with_dashboard, event_loop):
+    if event_loop == "uvloop":
+        pytest.importorskip("uvloop")
+    probe = _LoopProbe.options(runtime_env={"env_vars": ray_compat.event_loop_env(event_loop)}).remote()
+    assert ray.get(probe.loop.remote(), timeout=120) == event_loop
+    ray.kill(probe, no_restart=True)
+    with pytest.raises(ValueError, match="event_loop"):
+        ray_compat.event_loop_env("trio")
+
+
 def test_actor_status_through_the_public_state_api(ray_with_dashboard, monkeypatch):
     probe = _Probe.options(max_restarts=0).remote()
     pid, actor_id, _ = ray.get(probe.where.remote(), timeout=120)

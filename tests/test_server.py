@@ -198,6 +198,12 @@ def test_serving_processes_froze_their_start_up_heap(served, client):
         assert len(gc_stats["collections"]) == len(gc_stats["pause_seconds"]) == 3, (name, gc_stats)
 
 
+def test_the_replica_runs_on_the_configured_event_loop(served):
+    """``server.event_loop``'s default: asyncio's loop, which takes a burst's new connections while
+    the replica streams (docs/benchmarks.md, "A burst on new connections")."""
+    assert httpx.get(served.base_url + "/stats", timeout=30).json()["server"]["event_loop"] == "asyncio"
+
+
 def test_api_key_401(served):
     url = served.secure_url
     _assert_error(httpx.get(url + "/v1/models", timeout=30), 401)

@@ -83,7 +83,8 @@ def build_application(handle, config: ClusterConfig, num_cpus: float = 0.0):
         max_ongoing_requests=limits.max_queued_requests + 32,
         num_replicas=config.num_ingress_replicas,
         # On the head node, next to the driver that resolved the model path (the tokenizer's).
-        ray_actor_options={"num_cpus": num_cpus, **ray_compat.head_node_placement()},
+        ray_actor_options={"num_cpus": num_cpus, **ray_compat.head_node_placement(),
+                           "runtime_env": {"env_vars": ray_compat.event_loop_env(config.server.event_loop)}},
         graceful_shutdown_timeout_s=5)
     return deployment.bind(handle, config.server.model_dump())
 

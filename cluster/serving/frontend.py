@@ -685,7 +685,8 @@ class Frontend:
         stats = await gather_stats(self.handle)
         stats["server"] = {"num_in_flight": self.limiter.num_in_flight,
                            "max_queued_requests": self.limiter.max_in_flight,
-                           "num_admitted": self.limiter.num_admitted, "pid": os.getpid()}
+                           "num_admitted": self.limiter.num_admitted, "pid": os.getpid(),
+                           "event_loop": type(asyncio.get_running_loop()).__module__.partition(".")[0]}
         if self.gc_pauses is not None:
             stats["server"]["gc"] = self.gc_pauses.snapshot()
         if self.response_store is not None:   # the cluster's store, and what this replica runs in the background
