@@ -19,7 +19,8 @@ Three parts, each in processes of their own so that the GPU is free for the next
    replica's share of it (with one replica: its TTFT histogram in ``/metrics``) and the
    engine's (arrival at the engine to first token), and the served batch's size.
 
-    python benchmarks/bench_served_gpu.py [--size 1b] [--device cuda] [--num-replicas 1,auto] [--json PATH]
+    python benchmarks/bench_served_gpu.py [--size 1b] [--device cuda] [--num-replicas 1,auto]
+        [--event-loop asyncio|uvloop] [--json PATH]
     python benchmarks/bench_served_gpu.py --device cpu --size tiny --num-requests 16 \\
         --min-prompt 16 --max-prompt 64 --output-len 32          # a smoke run on the CPU
 """
@@ -69,10 +70,11 @@ def engine_options(args) -> dict:
 
 def write_config(path: str, args, port: int, workdir: str, num_replicas: int | None) -> str:
     """The served run's configuration: the checkpoint, the engine options, one worker, and
-    ``num_replicas`` ingress replicas (None: the default)."""
+    ``num_replicas`` ingress replicas (None: the default) on ``args.event_loop`` (None: the default)."""
     import yaml
 
-    server = {"port": port, **({"num_replicas": num_replicas} if num_replicas is not None else {})}
+    server = {"port": port, **({"num_replicas": num_replicas} if num_replicas is not None else {}),
+              **({"event_loop": args.event_loop} if args.event_loop else {})}
     config = {"model": {"path": path}, "engine": engine_options(args),
               "workers": [{"count": 1, **({"num_gpus": 1} if args.device.startswith("cuda") else {})}],
               "server": server}
@@ -208,8 +210,16 @@ def main(argv: list[str] | None = None) -> int:
         at = argv.index("--num-replicas")
         replicas = parse_replicas(argv[at + 1])
         del argv[at:at + 2]
+    event_loop = None   # the replicas' loop (server.event_loop); None: the configuration's default
+    if "--event-loop" in argv:
+        at = argv.index("--event-loop")
+        event_loop = argv[at + 1]
+        del argv[at:at + 2]
+        if event_loop not in ("asyncio", "uvloop"):
+            raise SystemExit(f"--event-loop: asyncio or uvloop, not {event_loop!r}")
     args = bench_engine_gpu.parse_args(argv)
     args.port = port
+    args.event_loop = event_loop
     from transformers import AutoConfig
 
     from pagedserve.bench.replay import resolve_model

@@ -18,6 +18,9 @@
 #      the machine. Each served run now warms up with a whole burst (about 5 s more a run): the
 #      2026-12-04 run's part-full steps (538 against 292 offline) had the shape of a burst on
 #      new connections to the replica on the CPU VM (docs/benchmarks.md).
+#   3. If time is left: SERVED_EVENT_LOOP=uvloop SERVED_REPLICAS=1 STEPS="served", beside the default
+#      (asyncio): where the replica sets the rate, uvloop's 1-3 µs less a token may be worth its slow
+#      accepts of a burst's new connections (docs/benchmarks.md, "A burst on new connections").
 # In a later session: STEPS="kernel_tiles", then "engine", then "spec lora" (the verification
 # cost against a one-token step, LoRA's step cost on the GPU). "kernel_tests" passed on an H200 on
 # 2026-11-29 (540 tests); test_cuda_greedy's speculation tests and test_lora's CUDA graph test
@@ -148,7 +151,7 @@ for name in ${STEPS:-engine host tests kernel_tests launches kernels sweep}; do
         # The default workload through HTTP (256 streams at once) against LLM.generate: served / offline
         # output tok/s, TTFT and ITL percentiles, ITL p99 / offline decode step, CPU per token by process.
         served) step served 540 python3 benchmarks/bench_served_gpu.py $QUICK --num-replicas "${SERVED_REPLICAS:-1,auto}" \
-                    --json "$OUT/served.json" ;;
+                    ${SERVED_EVENT_LOOP:+--event-loop "$SERVED_EVENT_LOOP"} --json "$OUT/served.json" ;;
         # Speculative decoding, llama-1b bf16: tok/s against the acceptance it gets (k = 4) at batch 1, 4
         # and 16, and a verification step's cost against a one-token step (the 1.3x target); the adaptive
         # rules at 256 sequences.
