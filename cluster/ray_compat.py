@@ -179,6 +179,13 @@ def event_loop_env(event_loop: str) -> dict[str, str]:
     return {USE_UVLOOP_ENV: "1" if event_loop == "uvloop" else "0"}
 
 
+def running_event_loop() -> str:
+    """The event loop this coroutine runs on, as ``event_loop_env`` names it."""
+    import asyncio
+
+    return type(asyncio.get_running_loop()).__module__.partition(".")[0]
+
+
 def validate_launcher_config(config: dict) -> dict:
     """Validate a ``ray up`` cluster file offline the way ``ray up`` does; returns the
     prepared config, raises on an invalid one.

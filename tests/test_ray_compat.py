@@ -52,9 +52,7 @@ class _Probe:
 @ray.remote(num_cpus=0)
 class _LoopProbe:
     async def loop(self) -> str:
-        import asyncio
-
-        return type(asyncio.get_running_loop()).__module__.partition(".")[0]
+        return ray_compat.running_event_loop()
 
 
 @pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])

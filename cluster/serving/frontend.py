@@ -33,6 +33,7 @@ from pagedserve.workers.outputs.request_output import RequestOutput
 from pagedserve.workers.sample.generation_defaults import sampling_defaults
 from pagedserve.workers.sample.sampling_params import SamplingParams, StructuredOutputsParams
 
+from .. import ray_compat
 from ..config import ServerConfig
 from ..lora_adapters import LoRAAdapters
 from ..response_store import BackgroundRuns
@@ -686,7 +687,7 @@ class Frontend:
         stats["server"] = {"num_in_flight": self.limiter.num_in_flight,
                            "max_queued_requests": self.limiter.max_in_flight,
                            "num_admitted": self.limiter.num_admitted, "pid": os.getpid(),
-                           "event_loop": type(asyncio.get_running_loop()).__module__.partition(".")[0]}
+                           "event_loop": ray_compat.running_event_loop()}
         if self.gc_pauses is not None:
             stats["server"]["gc"] = self.gc_pauses.snapshot()
         if self.response_store is not None:   # the cluster's store, and what this replica runs in the background
