@@ -6,8 +6,8 @@ reply parses to, and both what a plain reading of the tags gives. Then chat comp
 through the HTTP app and gRPC, over a scripted handle whose replies contain the tags (a
 random-weight model never writes them), and once over the real engine: ``message.reasoning``
 (and ``reasoning_content``), ``delta.reasoning`` pieces, tool calls read from the answer alone,
-``include_reasoning: false``, constrained outputs refused while the reply starts in the
-reasoning, an earlier turn's reasoning given back to the template, and the Responses API's
+``include_reasoning: false``, constrained outputs held after the reasoning where the reply starts in
+the reasoning, an earlier turn's reasoning given back to the template, and the Responses API's
 refusal.
 """
 
@@ -123,6 +123,7 @@ class _ScriptedHandle:
         self.pieces: list[str] = []
         self.finish_reason = "stop"
         self.prompts: list[str] = []
+        self.params: list = []
 
     def has_streams(self) -> bool:
         return False
@@ -132,6 +133,7 @@ class _ScriptedHandle:
         from pagedserve.workers.outputs.request_output import CompletionOutput, RequestMetrics, RequestOutput
 
         self.prompts.append(prompt)
+        self.params.append(params)
         text, ids = "", []
         for step, piece in enumerate(self.pieces):
             text, ids = text + piece, ids + [10 + step]
@@ -235,12 +237,28 @@ def test_a_prompt_that_closed_the_reasoning_answers_in_content(scripted):
     assert handle.prompts[-1].endswith("</think>\n\n")
     assert message["content"] == "<think>x</think>y" and "reasoning" not in message
     assert _streamed(_chat(frontend, stream=True, **closed))[:2] == ("", "<think>x</think>y")
-    # Its output may be constrained; a reply that starts in the reasoning may not.
+    # Its output is constrained from its first token.
     assert _chat(frontend, response_format={"type": "json_object"}, **closed).status_code == 200
-    error = assert_error(_chat(frontend, response_format={"type": "json_object"}), 400, "response_format")
-    assert "reasoning" in error["message"] and "enable_thinking" in error["message"]
-    assert_error(_chat(frontend, tools=TOOLS, tool_choice="required"), 400, "tool_choice")
-    assert_error(_chat(frontend, structured_outputs={"regex": "[ab]+"}), 400, "structured_outputs")
+    assert handle.params[-1].structured_outputs.to_dict() == {"json_object": True}
+
+
+@pytest.mark.parametrize("body", [
+    {"response_format": {"type": "json_object"}},
+    {"tools": TOOLS, "tool_choice": "required"},
+    {"structured_outputs": {"regex": "[ab]+"}},
+    {"guided_choice": ["yes", "no"]},
+], ids=["response_format", "tool_choice", "structured_outputs", "guided_choice"])
+def test_a_constrained_reply_that_starts_in_the_reasoning_is_constrained_after_it(scripted, body):
+    """The reasoning stays free: the constraint holds after ``</think>`` (vLLM's way), and the
+    answer alone is parsed as the constrained content."""
+    handle, frontend = scripted
+    handle.pieces = ["free thoughts", "</think>", "\n\nab"]
+    response = _chat(frontend, **body)
+    assert response.status_code == 200, response.text
+    spec = handle.params[-1].structured_outputs
+    assert spec is not None and spec.reasoning_end == "</think>"
+    message = response.json()["choices"][0]["message"]
+    assert message["reasoning"] == "free thoughts"
 
 
 def test_an_earlier_turns_reasoning_goes_back_to_the_template(scripted):
@@ -302,6 +320,10 @@ def test_a_served_reply_opened_in_the_reasoning_is_its_reasoning(tiny_model):
         assert choice["message"]["reasoning"] == text and choice["message"]["content"] is None
         reasoning, content, _, _ = _streamed(_chat(frontend, stream=True, **body))
         assert (reasoning, content) == (text, "")
+        # Constrained, the reasoning is still free: the same greedy text, the engine's grammar
+        # waiting for a </think> that never comes.
+        constrained = _chat(frontend, response_format={"type": "json_object"}, **body).json()["choices"][0]
+        assert constrained["message"]["reasoning"] == text and constrained["finish_reason"] == "length"
         assert_idle(handle)
     finally:
         handle.engine.shutdown()

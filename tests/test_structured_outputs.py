@@ -466,6 +466,63 @@ def test_finished_grammar_ends_the_sequence_without_eos(llm):
     assert llm.get_tokenizer().decode(completion.token_ids) == "ok"
 
 
+# ---- a reasoning model's free thinking, then the language ---------------------------------------
+def test_reasoning_end_is_part_of_the_spec():
+    spec = S(regex="[ab]+", reasoning_end="</think>")
+    assert spec.to_dict() == {"regex": "[ab]+", "reasoning_end": "</think>"}
+    assert S.from_dict(spec.to_dict()) == spec and spec.key != S(regex="[ab]+").key
+    params = SamplingParams(structured_outputs=spec.to_dict())
+    assert SamplingParams.from_dict(params.to_dict()) == params
+    for bad in ("", 5):
+        with pytest.raises(ValueError, match="structured_outputs.reasoning_end must be a non-empty string"):
+            S(regex="a", reasoning_end=bad)
+
+
+@pytest.mark.parametrize(("spec", "accepted", "refused"), [
+    (S(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}),
+     ['hmm, {"a": "x"}?</think>\n\n{"a": 5}', '</think>{"a":1}', '<think>a</thi b</think>{"a":1}'],
+     ['{"a": 5}', 'x</think>{"b": 1}', 'x</think>\n\n\n{"a": 1}', 'x</think>{"a": 1} and more']),
+    (S(regex="[0-9]+"), ["think 12</think>42", "</think>\n7"], ["42", "a</think>x", "1</think>2</think>3"]),
+    (S(choice=["yes", "no"]), ["yes?</think>\nno", "</think>yes"], ["yes", "</think>maybe"]),
+    (S(grammar='root ::= "x" [0-9]'), ["</think>x7"], ["x7", "</think>x"]),
+    (S(grammar='start: "x" NUM\nNUM: /[0-9]/'), ["a\nb</think>\n\nx1"], ["x1"]),
+], ids=["json", "regex", "choice", "gbnf", "lark"])
+def test_the_language_holds_after_the_first_reasoning_end(llm, spec, accepted, refused):
+    """Free text up to the first ``</think>``, at most two line breaks, then the spec's language
+    to its end (a text is accepted when the matcher takes all its tokens and could end there)."""
+    import dataclasses
+
+    compiler = llm.engine.grammar_compiler
+    tokenizer = llm.get_tokenizer()
+    reasoned = dataclasses.replace(spec, reasoning_end="</think>")
+    check_structured_outputs(reasoned)
+
+    def takes(text: str) -> bool:
+        matcher = compiler.compile(reasoned).matcher()
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return matcher.accept_all(ids) and matcher.engine_matcher.is_accepting()
+
+    assert [text for text in accepted if not takes(text)] == []
+    assert [text for text in refused if takes(text)] == []
+
+
+def test_greedy_reasoning_is_the_free_models_then_the_answer_is_constrained(llm):
+    """The tokens before the reasoning's end are the ones the model picks unconstrained (greedy);
+    from there the output is one of the choices, and the grammar's end ends the sequence."""
+    free = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    [unconstrained] = llm.generate(["The story so far:"], free)
+    head = unconstrained.outputs[0]
+    assert not set(head.token_ids) & set(llm.engine.eos_token_ids)
+    end = head.text.strip()
+    assert end
+    spec = S(choice=["yes", "no"], reasoning_end=end)
+    [output] = llm.generate(["The story so far:"], SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec))
+    completion = output.outputs[0]
+    assert completion.token_ids[:3] == head.token_ids
+    assert completion.finish_reason == "stop", completion
+    assert re.fullmatch(re.escape(head.text) + r"\n{0,2}(yes|no)", completion.text), completion.text
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_structured_outputs_on_cuda(tiny_model):
     cuda = LLM(tiny_model("llama"), device="cuda", dtype="float32", num_device_blocks=64, swap_space_gb=0.001)

@@ -19,8 +19,8 @@ answer (``pagedserve.reasoning_parsers``) into ``message.reasoning`` (and vLLM's
 ``reasoning_content``), streamed as ``delta.reasoning`` pieces before the content; tool calls
 are read from the answer alone. ``include_reasoning: false`` leaves the reasoning out. A
 constrained output (``response_format``, ``structured_outputs``, ``tool_choice`` "required" or
-named) is refused while the reply would start in the reasoning: its grammar would hold from the
-first token, and so constrain the thinking.
+named) of a reply that starts in the reasoning holds after the parser's end tag
+(``StructuredOutputsParams.reasoning_end``): the thinking stays free.
 
 Transport-neutral: the response is a ``ChatCompletionResponse``, or, when
 streaming, a ``ChunkStream`` of ``ChatCompletionChunk`` or of their JSON text
@@ -30,6 +30,7 @@ streaming, a ``ChunkStream`` of ``ChatCompletionChunk`` or of their JSON text
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -101,14 +102,11 @@ class ServingChat:
         lora_request = frontend.resolve_model(request.model)
         if request.tool_choice not in (None, "none") and not request.tools:
             raise APIError(400, "tool_choice needs tools", param="tool_choice")
-        constraint, constrained_field = constraint_and_field(request)
+        constraint, _ = constraint_and_field(request)
         prompt = frontend.chat_prompt(request)
         if constraint is not None and self.reasoning_parser(prompt.text) is not None:
-            raise APIError(400, f"{constrained_field} constrains the output from its first token, which a reasoning "
-                                f"model spends on its reasoning (server.reasoning_parser "
-                                f"{frontend.config.reasoning_parser!r}); not supported. A prompt that closes the "
-                                "reasoning (e.g. chat_template_kwargs {\"enable_thinking\": false}) may be "
-                                "constrained", param=constrained_field)
+            # The reasoning is free; the answer after it is what the constraint holds (vLLM's way).
+            constraint = dataclasses.replace(constraint, reasoning_end=self.reasoning_parser_class.end_tag)
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None

@@ -36,6 +36,8 @@ MAX_ERROR_CHARS = 600
 # model under bounded schemas finished inside a compact answer's budget every time with this
 # rule, about half the time with a line break plus 24 spaces or tabs per gap).
 JSON_WHITESPACE_PATTERN = r"[\x20\n]?"
+# The name a reasoned output's language goes by inside its grammar (``reasoning_end``).
+REASONED_ANSWER = "reasoned_answer"
 
 
 def _llguidance():
@@ -46,6 +48,35 @@ def _llguidance():
 
 def grammar_source(spec: StructuredOutputsParams) -> str:
     """llguidance's grammar text for ``spec`` (not yet checked)."""
+    source = _language_source(spec)
+    return source if spec.reasoning_end is None else _after_reasoning(source, spec.reasoning_end)
+
+
+def _after_reasoning(source: str, end: str) -> str:
+    """``source``'s language after free text that ends at the first ``end``, then at most two
+    line breaks (a reasoning model's ``</think>\\n\\n``): a top-level grammar whose start rule
+    refers to ``source``'s own start grammar by name.
+
+    The free part is a lazy lexeme, so it ends where ``end`` first appears, as the reasoning
+    parser reads the reply. Special tokens (an end of sequence among them) are no text: the
+    reasoning cannot end the sequence before the language has had its say.
+    """
+    if source.lstrip().startswith("{"):
+        grammars = json.loads(source)["grammars"]
+    else:   # Lark text
+        grammars = [{"lark_grammar": source}]
+    answer = {**grammars[0], "name": REASONED_ANSWER}
+    end_pattern = "".join(c if c.isalnum() else f"\\x{{{ord(c):x}}}" for c in end)
+    # Byte-level tokens may spell invalid UTF-8 on their own (a random-weight model's do): the
+    # free part takes any bytes, as an unconstrained reply would.
+    wrapper = ('%llguidance {"allow_invalid_utf8": true}\n'
+               f"start: reasoning separator? @{REASONED_ANSWER}\n"
+               f"reasoning[lazy]: /(?s:.*){end_pattern}/\n"
+               "separator: /\\n\\n?/\n")
+    return json.dumps({"grammars": [{"lark_grammar": wrapper}, answer, *grammars[1:]]})
+
+
+def _language_source(spec: StructuredOutputsParams) -> str:
     llg = _llguidance()
     matcher = llg.LLMatcher
     kind = spec.kind

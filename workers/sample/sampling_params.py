@@ -55,6 +55,9 @@ class StructuredOutputsParams:
     tokens (``{"a":1,"b":[2]}``); by default at most one space or one line break
     may stand between two tokens (bounded, so that a model cannot spend its
     budget on whitespace).
+    ``reasoning_end`` (a reasoning model's ``</think>``): the output is free up to the
+    first occurrence of this text, and the language holds from there, after at most
+    two line breaks; the end of the sequence waits for the language's end as ever.
 
     Only the shape is checked here (types, one kind, the size limit); whether the
     schema, regex or grammar compiles is checked when a request is added, with a
@@ -67,6 +70,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    reasoning_end: str | None = None
 
     def __post_init__(self) -> None:
         prefix = "structured_outputs"
@@ -91,6 +95,8 @@ class StructuredOutputsParams:
             raise ValueError(f"{prefix}.json_object must be a bool, got {self.json_object!r}")
         if not isinstance(self.disable_any_whitespace, bool):
             raise ValueError(f"{prefix}.disable_any_whitespace must be a bool")
+        if self.reasoning_end is not None and (not isinstance(self.reasoning_end, str) or not self.reasoning_end):
+            raise ValueError(f"{prefix}.reasoning_end must be a non-empty string, got {self.reasoning_end!r}")
         kinds = [kind for kind in STRUCTURED_OUTPUT_KINDS if self._is_set(kind)]
         if len(kinds) != 1:
             raise ValueError(f"{prefix} needs exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}; "
@@ -115,10 +121,13 @@ class StructuredOutputsParams:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data: the kind that is set, and ``disable_any_whitespace`` when true."""
+        """Plain data: the kind that is set, ``disable_any_whitespace`` when true and
+        ``reasoning_end`` when set."""
         data: dict[str, Any] = {self.kind: _copy_plain(getattr(self, self.kind))}
         if self.disable_any_whitespace:
             data["disable_any_whitespace"] = True
+        if self.reasoning_end is not None:
+            data["reasoning_end"] = self.reasoning_end
         return data
 
     @classmethod

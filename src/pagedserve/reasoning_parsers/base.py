@@ -23,6 +23,9 @@ class ReasoningDelta:
 class ReasoningParser(ABC):
     """One reply's parser: made with the prompt's text, which may open or close the reasoning."""
 
+    # The text that ends the reasoning: a constrained output's language holds after it.
+    end_tag: str
+
     @abstractmethod
     def __init__(self, prompt_text: str | None = None) -> None: ...
 
