@@ -516,7 +516,8 @@ def test_greedy_reasoning_is_the_free_models_then_the_answer_is_constrained(llm)
     end = head.text.strip()
     assert end
     spec = S(choice=["yes", "no"], reasoning_end=end)
-    [output] = llm.generate(["The story so far:"], SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec))
+    constrained = SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec)
+    [output] = llm.generate(["The story so far:"], constrained)
     completion = output.outputs[0]
     assert completion.token_ids[:3] == head.token_ids
     assert completion.finish_reason == "stop", completion
