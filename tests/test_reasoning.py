@@ -128,6 +128,11 @@ class _ScriptedHandle:
     def has_streams(self) -> bool:
         return False
 
+    def response_store(self, max_responses: int, max_bytes: int):
+        from pagedserve.cluster.response_store import LocalResponseStore
+
+        return LocalResponseStore(max_responses, max_bytes)
+
     async def generate(self, prompt, params, request_id=None, priority=0, prompt_token_ids=None, is_streamed=False,
                        lora_request=None, token_by_token=False):
         from pagedserve.workers.outputs.request_output import CompletionOutput, RequestMetrics, RequestOutput
@@ -275,11 +280,120 @@ def test_an_earlier_turns_reasoning_goes_back_to_the_template(scripted):
     assert_error(_chat(frontend, messages=differ), 400)
 
 
-def test_the_responses_api_refuses_rather_than_mixing_reasoning_into_its_text(scripted):
+# ---- the Responses API: a reasoning item before the answer ---------------------------------------
+def _responses(frontend, **body):
+    return call(frontend, "POST", "/v1/responses", json={"input": "hi", **body})
+
+
+def _response_events(response) -> list[dict]:
+    return [json.loads(line[len("data: "):]) for line in response.text.splitlines() if line.startswith("data: ")]
+
+
+def _without_ids(items: list[dict]) -> list[dict]:
+    return [{k: v for k, v in item.items() if k != "id"} for item in items]
+
+
+@pytest.mark.parametrize("pieces", [
+    ["I should", " greet.</th", "ink>\n\nHello", "!"],
+    ["I should greet.</think>\n\nHello!"],
+])
+def test_a_response_has_a_reasoning_item_then_its_message_whole_and_streamed(scripted, pieces):
     handle, frontend = scripted
-    handle.pieces = ["plan</think>answer"]
-    response = call(frontend, "POST", "/v1/responses", json={"input": "hi"})
-    assert "reasoning" in assert_error(response, 400)["message"]
+    handle.pieces = pieces
+    body = _responses(frontend).json()
+    assert body["status"] == "completed"
+    reasoning, message = body["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["id"].startswith("rs_")
+    assert (reasoning["content"], reasoning["summary"], reasoning["status"]) == (
+        [{"type": "reasoning_text", "text": "I should greet."}], [], "completed")
+    assert message["type"] == "message" and message["content"][0]["text"] == "\n\nHello!"
+
+    streamed = _response_events(_responses(frontend, stream=True))
+    kinds = [event["type"] for event in streamed]
+    first_message = kinds.index("response.output_item.added", 3)
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert set(kinds[4:first_message]) == {"response.reasoning_text.delta", "response.reasoning_text.done",
+                                           "response.content_part.done", "response.output_item.done"}
+    assert "".join(e["delta"] for e in streamed if e["type"] == "response.reasoning_text.delta") == "I should greet."
+    assert all(e["output_index"] == 0 for e in streamed if e["type"].startswith("response.reasoning_text"))
+    done = next(e for e in streamed if e["type"] == "response.reasoning_text.done")
+    assert done["text"] == "I should greet."
+    assert "".join(e["delta"] for e in streamed if e["type"] == "response.output_text.delta") == "\n\nHello!"
+    last = streamed[-1]
+    assert last["type"] == "response.completed"
+    assert _without_ids(last["response"]["output"]) == _without_ids(body["output"])
+
+
+def test_a_response_cut_off_while_thinking_is_its_reasoning_alone(scripted):
+    handle, frontend = scripted
+    handle.pieces, handle.finish_reason = ["still", " thinking"], "length"
+    body = _responses(frontend).json()
+    assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert [(item["type"], item["status"], item["content"][0]["text"]) for item in body["output"]] == [
+        ("reasoning", "incomplete", "still thinking")]
+    handle.finish_reason = "length"
+    streamed = _response_events(_responses(frontend, stream=True))
+    assert _without_ids(streamed[-1]["response"]["output"]) == _without_ids(body["output"])
+    assert not any(e["type"].startswith("response.output_text") for e in streamed)
+
+
+def test_a_reasoning_item_goes_back_with_the_assistant_turn_after_it(scripted):
+    handle, frontend = scripted
+    handle.pieces = ["ok</think>fine"]
+    earlier = [{"role": "user", "content": "hi"},
+               {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "greet"}]},
+               {"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "how are you?"}]
+    assert _responses(frontend, input=earlier).status_code == 200
+    assert "<think>greet</think>Hi!" in handle.prompts[-1]
+    # A summary stands in for content that is left out (OpenAI's items carry one or the other).
+    summarized = [earlier[0], {"type": "reasoning", "summary": [{"type": "summary_text", "text": "wave"}]},
+                  *earlier[2:]]
+    assert _responses(frontend, input=summarized).status_code == 200
+    assert "<think>wave</think>Hi!" in handle.prompts[-1]
+    # A turn that only thought (a stored response cut off while thinking) is an assistant turn
+    # with no content.
+    assert _responses(frontend, input=[earlier[0], earlier[1], earlier[3]]).status_code == 200
+    assert "<|user|>hi<|assistant|><think>greet</think><|user|>how are you?" in handle.prompts[-1]
+    encrypted = [earlier[0], {**earlier[1], "encrypted_content": "gAAA"}, *earlier[2:]]
+    assert "encrypted_content" in assert_error(_responses(frontend, input=encrypted), 400)["message"]
+
+
+def test_a_stored_responses_reasoning_goes_back_with_previous_response_id(scripted):
+    from local_frontend import make_frontend
+
+    handle, _ = scripted
+    frontend = make_frontend(handle, reasoning_parser="deepseek_r1", chat_template=TEMPLATE, store_responses=True)
+    handle.pieces = ["greet</think>Hi!"]
+    first = _responses(frontend).json()
+    assert [item["type"] for item in first["output"]] == ["reasoning", "message"]
+    handle.pieces = ["fine</think>Good."]
+    assert _responses(frontend, input="how are you?", previous_response_id=first["id"]).status_code == 200
+    assert "<|user|>hi<|assistant|><think>greet</think>Hi!<|user|>how are you?" in handle.prompts[-1]
+    listed = call(frontend, "GET", f"/v1/responses/{first['id']}").json()
+    assert listed["output"] == first["output"]
+
+
+def test_a_responses_logprobs_are_refused_where_the_reply_starts_in_the_reasoning(scripted):
+    handle, frontend = scripted
+    handle.pieces = ["a</think>b"]
+    assert_error(_responses(frontend, top_logprobs=2), 400, "top_logprobs")
+    closed = {"chat_template_kwargs": {"enable_thinking": False}}
+    assert _chat(frontend, logprobs=True, **closed).status_code == 200
+
+
+def test_reasoning_tokens_count_up_to_the_end_tag(tiny_model):
+    from transformers import AutoTokenizer
+
+    from pagedserve.cluster.serving.serving_responses import reasoning_token_count
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model("llama"))
+    thinking = tokenizer.encode("plan the answer</think>", add_special_tokens=False)
+    answer = tokenizer.encode("\n\nThe answer.", add_special_tokens=False)
+    assert reasoning_token_count(tokenizer, thinking + answer, "</think>") == len(thinking)
+    assert reasoning_token_count(tokenizer, thinking, "</think>") == len(thinking)
+    assert reasoning_token_count(tokenizer, thinking[:-1], "</think>") == len(thinking) - 1   # cut off: all
+    assert reasoning_token_count(tokenizer, [], "</think>") == 0
 
 
 def test_grpc_chat_carries_the_reasoning(scripted):
@@ -324,6 +438,12 @@ def test_a_served_reply_opened_in_the_reasoning_is_its_reasoning(tiny_model):
         # waiting for a </think> that never comes.
         constrained = _chat(frontend, response_format={"type": "json_object"}, **body).json()["choices"][0]
         assert constrained["message"]["reasoning"] == text and constrained["finish_reason"] == "length"
+        # The Responses API: a reasoning item alone, every output token counted as reasoning.
+        response = _responses(frontend, max_output_tokens=12, temperature=0).json()
+        same = _chat(frontend, max_tokens=12, temperature=0).json()["choices"][0]["message"]
+        assert [(item["type"], item["content"][0]["text"]) for item in response["output"]] == [
+            ("reasoning", same["reasoning"])]
+        assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == response["usage"]["output_tokens"]
         assert_idle(handle)
     finally:
         handle.engine.shutdown()
@@ -355,9 +475,17 @@ def test_the_official_client_reads_the_reasoning(scripted):
             message = (await client.chat.completions.create(model="m", messages=messages)).choices[0].message
             stream = await client.chat.completions.create(model="m", messages=messages, stream=True)
             deltas = [chunk.choices[0].delta async for chunk in stream if chunk.choices]
-        return message, deltas
+            response = await client.responses.create(model="m", input="hi")
+            response_events = [event async for event in await client.responses.create(model="m", input="hi",
+                                                                                       stream=True)]
+        return message, deltas, response, response_events
 
-    message, deltas = asyncio.run(run())
+    message, deltas, response, response_events = asyncio.run(run())
+    reasoning, answer = response.output
+    assert (reasoning.type, reasoning.content[0].text, answer.content[0].text) == ("reasoning", "I should greet.",
+                                                                                   "Hello!")
+    assert "".join(e.delta for e in response_events if e.type == "response.reasoning_text.delta") == "I should greet."
+    assert response_events[-1].response.output[0].content[0].text == "I should greet."
     assert (message.reasoning, message.reasoning_content, message.content) == ("I should greet.", "I should greet.",
                                                                                "Hello!")
     assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == "I should greet."

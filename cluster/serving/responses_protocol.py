@@ -11,10 +11,10 @@ same. Requests reject unknown fields like every other route.
 What this server cannot honour is a 400 naming the field, never ignored:
 ``store: true``, ``previous_response_id``, ``background`` and item references
 unless ``server.store_responses`` is on (``serving_responses`` decides), no
-``conversation`` objects or ``prompt`` templates are kept, reasoning items need a
-reasoning model, models are text-only (image, file and audio parts), tools are functions only
-(no hosted tools), and neither reasoning options nor ``truncation: "auto"``
-apply.
+``conversation`` objects or ``prompt`` templates are kept, a reasoning item's
+``encrypted_content`` is not read (this server never writes one), models are text-only
+(image, file and audio parts), tools are functions only (no hosted tools), and neither
+reasoning options nor ``truncation: "auto"`` apply.
 """
 
 from __future__ import annotations
@@ -117,9 +117,29 @@ class ItemReference(_Request):
     id: str = Field(min_length=1, max_length=256)
 
 
-InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | ItemReference,
+class ReasoningText(_Request):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(_Request):
+    """A reasoning model's earlier reasoning (as the API returned it): the assistant turn that
+    follows it in the input gets it back, as chat's ``reasoning``."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[ReasoningText] = Field(default_factory=list)
+    content: list[ReasoningText] | None = None
+    encrypted_content: None = Field(None, description="never written by this server, so never read")
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    def text(self) -> str:
+        """The reasoning's text (its summary's where it has no content)."""
+        return "".join(part.text for part in (self.content if self.content is not None else self.summary))
+
+
+InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem | ItemReference,
                       Field(discriminator="type")]
-_UNRUN_ITEMS = {"reasoning": "reasoning items need a reasoning model's chat template"}
 
 
 class FunctionTool(_Request):
@@ -218,8 +238,8 @@ class ResponsesRequest(_Request):
     @field_validator("input", mode="before")
     @classmethod
     def _items(cls, value):
-        """Messages and item references may leave ``type`` out; reasoning items, and parts that
-        are not text, are refused by name."""
+        """Messages and item references may leave ``type`` out; parts that are not text, and
+        encrypted reasoning, are refused by name."""
         if not isinstance(value, list):
             return value
         items = []
@@ -230,8 +250,9 @@ class ResponsesRequest(_Request):
                     item = {**item, "type": "message"}
                 elif kind is None and set(item) == {"id"}:   # OpenAI's reference may leave its type out
                     item = {**item, "type": "item_reference"}
-                elif isinstance(kind, str) and kind in _UNRUN_ITEMS:
-                    raise ValueError(f"input[{index}] is {kind}: {_UNRUN_ITEMS[kind]}")
+                elif kind == "reasoning" and item.get("encrypted_content") is not None:
+                    raise ValueError(f"input[{index}].encrypted_content cannot be read: this server's reasoning "
+                                     "items carry their text as content")
                 _check_text_parts(item.get("content"), f"input[{index}].content")
                 _check_text_parts(item.get("output"), f"input[{index}].output")
             items.append(item)
@@ -291,6 +312,21 @@ class OutputMessage(BaseModel):
     content: list[OutputText]
 
 
+class OutputReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    """A reasoning model's thinking, apart from its answer (``server.reasoning_parser``)."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    content: list[OutputReasoningText]
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
 class OutputFunctionCall(BaseModel):
     type: Literal["function_call"] = "function_call"
     id: str
@@ -333,7 +369,7 @@ class ResponseObject(BaseModel):
     instructions: str | None = None
     max_output_tokens: int | None = None
     model: str
-    output: list[OutputMessage | OutputFunctionCall] = Field(default_factory=list)
+    output: list[OutputReasoning | OutputMessage | OutputFunctionCall] = Field(default_factory=list)
     parallel_tool_calls: bool
     previous_response_id: str | None = None
     temperature: float | None = None

@@ -11,9 +11,12 @@ generate the same tokens. Errors name the Responses API's fields.
 
 The output is a ``message`` item with one ``output_text`` part (its logprobs
 with ``include: ["message.output_text.logprobs"]`` or ``top_logprobs``), and a
-``function_call`` item per parsed call. An output cut off by the token limit
-makes the response ``incomplete`` (``incomplete_details.reason:
-"max_output_tokens"``).
+``function_call`` item per parsed call. With ``server.reasoning_parser`` and a reply
+that starts in the reasoning, a ``reasoning`` item with one ``reasoning_text`` part
+comes first (``usage.output_tokens_details.reasoning_tokens`` counts its tokens); a
+reasoning item in the input goes back to the template with the assistant turn
+after it. An output cut off by the token limit makes the response
+``incomplete`` (``incomplete_details.reason: "max_output_tokens"``).
 
 With a store (``server.store_responses``), a finished response whose ``store``
 is not false is kept before it (or its last event) goes out, with its own
@@ -33,8 +36,9 @@ Streamed, the events are OpenAI's, each a named server-sent event with its
 ``sequence_number``: ``response.created`` and ``response.in_progress``; per
 item ``response.output_item.added``, then for a message
 ``response.content_part.added``, ``response.output_text.delta`` per step and
-the ``.done`` events, for a call ``response.function_call_arguments.delta``
-and ``.done``, then ``response.output_item.done``; last
+the ``.done`` events (for a reasoning item ``response.reasoning_text.delta``
+and its ``.done``), for a call ``response.function_call_arguments.delta`` and
+``.done``, then ``response.output_item.done``; last
 ``response.completed`` or ``response.incomplete`` with the usage. One item is
 open at a time. A failure mid-stream ends it with ``response.failed``: the
 response ``failed``, its ``error`` the failure's code and message.
@@ -53,6 +57,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
+from pagedserve.reasoning_parsers import ReasoningDelta, ReasoningParser
 from pagedserve.tool_parsers import ToolCall, ToolParser
 from pagedserve.workers.outputs.request_output import CompletionOutput, RequestOutput
 
@@ -62,7 +67,8 @@ from .frontend import Generation
 from .protocol import ChatCompletionRequest, TokenLogprob
 from .responses_protocol import (FunctionCallItem, FunctionCallOutputItem, IncompleteDetails, InputItem,
                                  InputTokensDetails, ItemReference, MessageItem, OutputFunctionCall, OutputMessage,
-                                 OutputText, ResponseObject, ResponsesRequest, ResponseUsage)
+                                 OutputReasoning, OutputReasoningText, OutputText, OutputTokensDetails,
+                                 ReasoningItem, ResponseObject, ResponsesRequest, ResponseUsage)
 from .serving_chat import ServingChat
 from .streaming import ChunkStream, generation_batches
 
@@ -76,7 +82,7 @@ logger = logging.getLogger("pagedserve.server")
 _STORED_ITEMS = TypeAdapter(list[InputItem])
 _STORED_ITEM = TypeAdapter(InputItem)
 NOT_STORED = "responses are not stored by this server (server.store_responses is off)"
-_ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+_ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 FOLLOW_POLL_S = 0.1   # a stream of a background response running in another replica reads the store this often
 
 
@@ -124,12 +130,23 @@ def _chat_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
     if isinstance(request.input, str):
         messages.append({"role": "user", "content": request.input})
         return messages
+    reasoning: str | None = None   # a reasoning item's text, for the assistant turn it led to
     for item in request.input:
+        if isinstance(item, ReasoningItem):
+            if reasoning is not None:
+                messages.append({"role": "assistant", "content": "", "reasoning": reasoning})
+            reasoning = item.text()
+            continue
+        if reasoning is not None and not (isinstance(item, FunctionCallItem)
+                                          or isinstance(item, MessageItem) and item.role == "assistant"):
+            # A turn that only thought (cut off, say): an assistant message with no content.
+            messages.append({"role": "assistant", "content": "", "reasoning": reasoning})
+            reasoning = None
         if isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+            if reasoning is None and last is not None and last["role"] == "assistant" and "tool_calls" in last:
                 last["tool_calls"].append(call)   # parallel calls: one assistant message
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
@@ -137,7 +154,28 @@ def _chat_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
         else:
             messages.append({"role": item.role, "content": item.text()})
+        if reasoning is not None:
+            messages[-1]["reasoning"] = reasoning
+            reasoning = None
+    if reasoning is not None:
+        messages.append({"role": "assistant", "content": "", "reasoning": reasoning})
     return messages
+
+
+def reasoning_token_count(tokenizer, token_ids: Sequence[int], end_tag: str) -> int:
+    """How many of ``token_ids`` are reasoning: up to the one that completes ``end_tag``, or all
+    of them (a reply cut off while thinking). A binary search over decoded prefixes (whether
+    a prefix holds the tag only grows with it)."""
+    low, high = 0, len(token_ids)   # the tag is not in the first ``low`` tokens; it is in all ``high`` or none
+    if end_tag not in tokenizer.decode(list(token_ids), skip_special_tokens=False):
+        return len(token_ids)
+    while low + 1 < high:
+        middle = (low + high) // 2
+        if end_tag in tokenizer.decode(list(token_ids[:middle]), skip_special_tokens=False):
+            high = middle
+        else:
+            low = middle
+    return high
 
 
 def chat_request(request: ResponsesRequest):
@@ -304,10 +342,11 @@ class ServingResponses:
             prompt, params, lora_request = self.chat.prepare(chat, "max_output_tokens")
         except APIError as exc:
             raise _renamed(exc) from None
-        if self.chat.reasoning_parser(prompt.text) is not None:
-            raise APIError(400, "the Responses API does not split a reasoning model's reasoning from its answer "
-                                f"(server.reasoning_parser {frontend.config.reasoning_parser!r}); use "
-                                "/v1/chat/completions, whose messages carry it as 'reasoning'")
+        if self.chat.reasoning_parser(prompt.text) is not None and request.wants_logprobs:
+            raise APIError(400, "logprobs cannot be combined with a reply that starts in a reasoning model's "
+                                f"reasoning (server.reasoning_parser {frontend.config.reasoning_parser!r}): "
+                                "the output's logprobs would mix the reasoning's tokens into the message's",
+                           param="include" if request.include else "top_logprobs")
         engine_id = _item_id("resp")
         response = ResponseObject(
             id=request.request_id or engine_id, status="in_progress", model=frontend.response_model(lora_request),
@@ -325,32 +364,42 @@ class ServingResponses:
         generation, first = await frontend.start_generation(engine_id, [prompt], params, request.priority, client,
                                                             is_streamed=request.stream, lora_request=lora_request)
         if request.background and request.stream:
-            return await self._start_background_stream(chat, request, response, generation, first, input_items)
+            return await self._start_background_stream(chat, request, response, generation, first, input_items,
+                                                       prompt.text)
         if request.background:
-            return await self._start_background(chat, request, response, generation, first, input_items)
+            return await self._start_background(chat, request, response, generation, first, input_items, prompt.text)
         if request.stream:
-            stream = _ResponseEvents(self, chat, request, response, generation, input_items)
+            stream = _ResponseEvents(self, chat, request, response, generation, input_items, prompt_text=prompt.text)
             return ChunkStream(lambda _: stream.batches(first), generation, stream.error_event)
-        response = await self._run_to_end(chat, request, response, generation, first)
+        response = await self._run_to_end(chat, request, response, generation, first, prompt.text)
         await self.keep(response, input_items)
         return response
 
     async def _run_to_end(self, chat, request: ResponsesRequest, response: ResponseObject, generation: Generation,
-                          first) -> ResponseObject:
+                          first, prompt_text: str | None) -> ResponseObject:
         """``response`` finished with the output of ``generation`` run to its end."""
         await generation.run_to_end(first)
         last = generation.progress[0].last
         completion = last.outputs[0] if last is not None and last.outputs else None
-        return finished(response, self._output(chat, request, completion), completion, generation)
+        output = self._output(chat, request, completion, prompt_text)
+        return finished(response, output, completion, generation, self.reasoning_tokens(completion, prompt_text))
+
+    def reasoning_tokens(self, completion: CompletionOutput | None, prompt_text: str | None) -> int:
+        """How many of ``completion``'s tokens are reasoning (none where the reply does not start in it)."""
+        parser = self.chat.reasoning_parser(prompt_text)
+        if parser is None or completion is None:
+            return 0
+        return reasoning_token_count(self.frontend.tokenizer, completion.token_ids, parser.end_tag)
 
     async def _start_background(self, chat, request: ResponsesRequest, response: ResponseObject,
-                                generation: Generation, first, input_items: list[dict[str, Any]]) -> ResponseObject:
+                                generation: Generation, first, input_items: list[dict[str, Any]],
+                                prompt_text: str | None) -> ResponseObject:
         """Store ``response`` (``in_progress``: its first output is out) and run the rest of its
         generation in the background; return it."""
 
         async def run() -> None:
             try:
-                final = await self._run_to_end(chat, request, response, generation, first)
+                final = await self._run_to_end(chat, request, response, generation, first, prompt_text)
             except Exception as exc:   # CancelledError is not one: a cancelled response stays as the store has it
                 final, _ = _failed(response, exc)
             await self._keep_last_word(final, input_items)
@@ -379,8 +428,8 @@ class ServingResponses:
                            code="store_unavailable") from None
 
     async def _start_background_stream(self, chat, request: ResponsesRequest, response: ResponseObject,
-                                       generation: Generation, first, input_items: list[dict[str, Any]]
-                                       ) -> ChunkStream:
+                                       generation: Generation, first, input_items: list[dict[str, Any]],
+                                       prompt_text: str | None) -> ChunkStream:
         """Run the streamed response in the background, its events written to an ``EventLog``
         (stored with it when it ends, in the store meanwhile too); the stream returned follows
         the log, so a client that leaves stops reading, not the response."""
@@ -389,7 +438,8 @@ class ServingResponses:
         async def keep_whole(final: ResponseObject, last_events: list[str]) -> None:
             await self.keep(final, input_items, log.events + last_events)
 
-        events = _ResponseEvents(self, chat, request, response, generation, on_finished=keep_whole)
+        events = _ResponseEvents(self, chat, request, response, generation, on_finished=keep_whole,
+                                 prompt_text=prompt_text)
 
         async def run() -> None:
             try:
@@ -447,16 +497,25 @@ class ServingResponses:
         self.frontend.background_runs.cancel_here(response_id)
         return stored.response
 
-    def _output(self, chat, request: ResponsesRequest, completion: CompletionOutput | None
-                ) -> list[OutputMessage | OutputFunctionCall]:
+    def _output(self, chat, request: ResponsesRequest, completion: CompletionOutput | None,
+                prompt_text: str | None = None) -> list[OutputReasoning | OutputMessage | OutputFunctionCall]:
         text = completion.text if completion is not None else ""
         is_cut_off = _is_cut_off(completion)
+        items: list[OutputReasoning | OutputMessage | OutputFunctionCall] = []
+        reasoning_parser = self.chat.reasoning_parser(prompt_text)
+        if reasoning_parser is not None:
+            reasoning, content = reasoning_parser.parse(text)
+            text = content or ""
+            if reasoning is not None:
+                items.append(OutputReasoning(id=_item_id("rs"), content=[OutputReasoningText(text=reasoning)],
+                                             status="incomplete" if is_cut_off and content is None else "completed"))
+            if content is None and is_cut_off:   # cut off while thinking: no answer began
+                return items
         calls = []
         parser = self.chat.output_parser(chat)
         if parser is not None:
             parsed = parser.parse(text, is_cut_off=is_cut_off)
             text, calls = parsed.content or "", parsed.tool_calls
-        items: list[OutputMessage | OutputFunctionCall] = []
         if text or not calls:
             logprobs = (self.chat.logprobs.chat(completion.logprobs or []).content
                         if request.wants_logprobs and completion is not None else None)
@@ -492,7 +551,7 @@ def _is_cut_off(completion: CompletionOutput | None) -> bool:
 
 
 def finished(response: ResponseObject, output: list, completion: CompletionOutput | None,
-             generation: Generation) -> ResponseObject:
+             generation: Generation, reasoning_tokens: int = 0) -> ResponseObject:
     """``response`` completed (or incomplete, cut off by the token limit) with ``output``."""
     usage = generation.usage()
     is_cut_off = _is_cut_off(completion)
@@ -501,6 +560,7 @@ def finished(response: ResponseObject, output: list, completion: CompletionOutpu
         incomplete_details=IncompleteDetails(reason="max_output_tokens") if is_cut_off else None,
         usage=ResponseUsage(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
                             total_tokens=usage.total_tokens,
+                            output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens),
                             input_tokens_details=InputTokensDetails(
                                 cached_tokens=usage.prompt_tokens_details.cached_tokens))))
 
@@ -510,8 +570,13 @@ class _ResponseEvents:
 
     def __init__(self, serving: ServingResponses, chat, request: ResponsesRequest, response: ResponseObject,
                  generation: Generation, input_items: list[dict[str, Any]] | None = None,
-                 on_finished: Callable[[ResponseObject, list[str]], Awaitable[None]] | None = None) -> None:
+                 on_finished: Callable[[ResponseObject, list[str]], Awaitable[None]] | None = None,
+                 prompt_text: str | None = None) -> None:
         self.serving = serving
+        self.prompt_text = prompt_text
+        # The reply's thinking goes to a reasoning item, its answer on to the items below.
+        self.reasoning_parser: ReasoningParser | None = serving.chat.reasoning_parser(prompt_text)
+        self.is_answering = self.reasoning_parser is None
         # Awaited with the finished response and its last events before they go out; by default
         # the response is stored with ``input_items`` (None: not stored).
         self.on_finished = on_finished or (lambda response, _: serving.keep(response, input_items))
@@ -521,8 +586,8 @@ class _ResponseEvents:
         self.generation = generation
         self.parser: ToolParser | None = serving.chat.output_parser(chat)
         self.sequence = 0
-        self.items: list[OutputMessage | OutputFunctionCall] = []
-        self.open: OutputMessage | OutputFunctionCall | None = None
+        self.items: list[OutputReasoning | OutputMessage | OutputFunctionCall] = []
+        self.open: OutputReasoning | OutputMessage | OutputFunctionCall | None = None
         self.calls: dict[int, OutputFunctionCall] = {}   # the parser's call index -> its item
         self.parsed_calls: dict[str, ToolCall] = {}      # an item's id -> the parser's call
         self.text_pieces: list[str] = []                 # the open message's text so far
@@ -561,27 +626,62 @@ class _ResponseEvents:
         if self.is_finished or not output.outputs:
             return events
         completion = self.completion = output.outputs[0]
+        text = completion.delta_text
+        if self.reasoning_parser is not None:
+            text = self._add_reasoning(events, self.reasoning_parser.feed(text))
         if self.parser is None:
             logprobs = self.logprobs.chat(completion.delta_logprobs or []).content if self.wants_logprobs else ()
-            if completion.delta_text or logprobs:   # a token's logprobs go out while its text waits for more bytes
-                self._add_text(events, completion.delta_text, logprobs)
-        else:
-            self._add_parsed(events, self.parser.feed(completion.delta_text))
+            if text or logprobs:   # a token's logprobs go out while its text waits for more bytes
+                self._add_text(events, text, logprobs)
+        elif text:
+            self._add_parsed(events, self.parser.feed(text))
         if completion.finish_reason is not None:
             self.is_finished = True
+            if self.reasoning_parser is not None:
+                text = self._add_reasoning(events, self.reasoning_parser.finish())
+                if text:
+                    self._add_answer(events, text)
             if self.parser is not None:
                 self._add_parsed(events, self.parser.finish())
-            if not self.items:   # no text and no call: the message is there, empty
-                self._open_message(events)
+            answered = any(not isinstance(item, OutputReasoning) for item in self.items)
+            if not answered and (self.is_answering or not _is_cut_off(completion)):
+                self._open_message(events)   # no text and no call: the message is there, empty
             self._close(events)
         return events
+
+    def _add_answer(self, events: list[str], text: str) -> None:
+        if self.parser is None:
+            self._add_text(events, text, ())
+        else:
+            self._add_parsed(events, self.parser.feed(text))
+
+    def _add_reasoning(self, events: list[str], piece: ReasoningDelta) -> str:
+        """The reasoning of ``piece`` as ``response.reasoning_text.delta`` events (the reasoning
+        item opened first); its answer, returned."""
+        if piece.reasoning:
+            item = self.open if isinstance(self.open, OutputReasoning) else self._open_reasoning(events)
+            self.text_pieces.append(piece.reasoning)
+            events.append(self.event("response.reasoning_text.delta", item_id=item.id,
+                                     output_index=len(self.items) - 1, content_index=0, delta=piece.reasoning))
+        if piece.content:
+            self.is_answering = True
+        return piece.content
+
+    def _open_reasoning(self, events: list[str]) -> OutputReasoning:
+        self._close(events)
+        item = OutputReasoning(id=_item_id("rs"), status="in_progress", content=[])
+        self._add_item(events, item)
+        events.append(self.event("response.content_part.added", item_id=item.id, output_index=len(self.items) - 1,
+                                 content_index=0, part={"type": "reasoning_text", "text": ""}))
+        return item
 
     async def _last_events(self) -> list[str]:
         events: list[str] = []
         sequence = self.sequence
         if not self.is_started:
             self._start(events)
-        response = finished(self.response, self.items, self.completion, self.generation)
+        response = finished(self.response, self.items, self.completion, self.generation,
+                            self.serving.reasoning_tokens(self.completion, self.prompt_text))
         kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
         events.append(self.event(kind, response=response.model_dump(mode="json")))
         try:
@@ -647,7 +747,16 @@ class _ResponseEvents:
         if item is None:
             return
         index = self.items.index(item)
-        if isinstance(item, OutputMessage):
+        if isinstance(item, OutputReasoning):
+            part = OutputReasoningText(text="".join(self.text_pieces))
+            self.text_pieces = []
+            item.content = [part]
+            item.status = "completed" if self.is_answering or not _is_cut_off(self.completion) else "incomplete"
+            events.append(self.event("response.reasoning_text.done", item_id=item.id, output_index=index,
+                                     content_index=0, text=part.text))
+            events.append(self.event("response.content_part.done", item_id=item.id, output_index=index,
+                                     content_index=0, part=part.model_dump(mode="json")))
+        elif isinstance(item, OutputMessage):
             part = item.content[0]
             part.text = "".join(self.text_pieces)
             self.text_pieces = []
