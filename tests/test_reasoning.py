@@ -359,6 +359,15 @@ def test_a_reasoning_item_goes_back_with_the_assistant_turn_after_it(scripted):
     assert "encrypted_content" in assert_error(_responses(frontend, input=encrypted), 400)["message"]
 
 
+def test_a_responses_text_format_holds_after_the_reasoning(scripted):
+    handle, frontend = scripted
+    handle.pieces = ["hm</think>", "{}"]
+    body = _responses(frontend, text={"format": {"type": "json_object"}}).json()
+    assert handle.params[-1].structured_outputs.reasoning_end == "</think>"
+    assert [item["type"] for item in body["output"]] == ["reasoning", "message"]
+    assert body["output"][1]["content"][0]["text"] == "{}"
+
+
 def test_a_stored_responses_reasoning_goes_back_with_previous_response_id(scripted):
     from local_frontend import make_frontend
 
