@@ -403,6 +403,11 @@ def test_reasoning_tokens_count_up_to_the_end_tag(tiny_model):
     assert reasoning_token_count(tokenizer, thinking, "</think>") == len(thinking)
     assert reasoning_token_count(tokenizer, thinking[:-1], "</think>") == len(thinking) - 1   # cut off: all
     assert reasoning_token_count(tokenizer, [], "</think>") == 0
+    # A tag that is one token of the vocabulary is found by its id.
+    tokenizer.add_tokens(["</think>"])
+    tag = tokenizer.convert_tokens_to_ids("</think>")
+    assert reasoning_token_count(tokenizer, [5, 6, tag, 7], "</think>") == 3
+    assert reasoning_token_count(tokenizer, [5, 6, 7], "</think>") == 3
 
 
 def test_grpc_chat_carries_the_reasoning(scripted):

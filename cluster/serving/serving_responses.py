@@ -164,8 +164,12 @@ def _chat_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
 
 def reasoning_token_count(tokenizer, token_ids: Sequence[int], end_tag: str) -> int:
     """How many of ``token_ids`` are reasoning: up to the one that completes ``end_tag``, or all
-    of them (a reply cut off while thinking). A binary search over decoded prefixes (whether
-    a prefix holds the tag only grows with it)."""
+    of them (a reply cut off while thinking). Where the tag is one token of the vocabulary (Qwen3's
+    and DeepSeek-R1's ``</think>``) and the reply has it, its position; else a binary search over
+    decoded prefixes (whether a prefix holds the tag only grows with it)."""
+    tag_id = tokenizer.convert_tokens_to_ids(end_tag)
+    if isinstance(tag_id, int) and tag_id != tokenizer.unk_token_id and tag_id in token_ids:
+        return list(token_ids).index(tag_id) + 1
     low, high = 0, len(token_ids)   # the tag is not in the first ``low`` tokens; it is in all ``high`` or none
     if end_tag not in tokenizer.decode(list(token_ids), skip_special_tokens=False):
         return len(token_ids)
