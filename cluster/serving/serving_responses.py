@@ -132,16 +132,14 @@ def _chat_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
         return messages
     reasoning: str | None = None   # a reasoning item's text, for the assistant turn it led to
     for item in request.input:
-        if isinstance(item, ReasoningItem):
-            if reasoning is not None:
-                messages.append({"role": "assistant", "content": "", "reasoning": reasoning})
-            reasoning = item.text()
-            continue
         if reasoning is not None and not (isinstance(item, FunctionCallItem)
                                           or isinstance(item, MessageItem) and item.role == "assistant"):
             # A turn that only thought (cut off, say): an assistant message with no content.
             messages.append({"role": "assistant", "content": "", "reasoning": reasoning})
             reasoning = None
+        if isinstance(item, ReasoningItem):
+            reasoning = item.text()
+            continue
         if isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
