@@ -47,6 +47,7 @@ response ``failed``, its ``error`` the failure's code and message.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -166,8 +167,9 @@ def reasoning_token_count(tokenizer, token_ids: Sequence[int], end_tag: str) -> 
     and DeepSeek-R1's ``</think>``) and the reply has it, its position; else a binary search over
     decoded prefixes (whether a prefix holds the tag only grows with it)."""
     tag_id = tokenizer.convert_tokens_to_ids(end_tag)
-    if isinstance(tag_id, int) and tag_id != tokenizer.unk_token_id and tag_id in token_ids:
-        return list(token_ids).index(tag_id) + 1
+    if isinstance(tag_id, int) and tag_id != tokenizer.unk_token_id:
+        with contextlib.suppress(ValueError):
+            return list(token_ids).index(tag_id) + 1
     low, high = 0, len(token_ids)   # the tag is not in the first ``low`` tokens; it is in all ``high`` or none
     if end_tag not in tokenizer.decode(list(token_ids), skip_special_tokens=False):
         return len(token_ids)
