@@ -27,6 +27,7 @@ from pagedserve.workers.lora.lora_request import LoRARequest
 from pagedserve.workers.outputs.detokenizer import DeltaTextDecoder
 from pagedserve.workers.actor.protocol import EngineDeadError, Migrated, OutputDelta
 from pagedserve.workers.outputs.request_output import CompletionOutput, RequestOutput
+from pagedserve.workers.outputs.tokenizer_loading import load_tokenizer_of_class
 from pagedserve.workers.sample.sampling_params import SamplingParams
 from pagedserve.workers.actor.worker import stall_timeout_s
 
@@ -208,10 +209,9 @@ class ClusterHandle:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            self._tokenizer = AutoTokenizer.from_pretrained(self.model_path,
-                                                            trust_remote_code=self.config.model.trust_remote_code)
+            # The class the workers' engines chose: no AutoTokenizer (and torch) in a replica.
+            self._tokenizer = load_tokenizer_of_class(self.model_path, self.info.get("tokenizer_class"),
+                                                      self.config.model.trust_remote_code)
         return self._tokenizer
 
     # ---- generation ---------------------------------------------------------------

@@ -14,6 +14,7 @@ import importlib.util
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -196,6 +197,21 @@ def test_serving_processes_froze_their_start_up_heap(served, client):
         assert gc_stats["frozen_objects"] > 50_000, (name, gc_stats)
         assert gc_stats["thresholds"][0] == YOUNG_GC_THRESHOLD, (name, gc_stats)
         assert len(gc_stats["collections"]) == len(gc_stats["pause_seconds"]) == 3, (name, gc_stats)
+
+
+def test_the_replica_loads_the_workers_tokenizer_class_without_torch(served, client, tiny_model):
+    """The workers say which class their engines' ``AutoTokenizer`` chose; the replica loads that
+    class itself, so it never imports torch (``workers/outputs/tokenizer_loading.py``)."""
+    from pagedserve.workers.outputs.tokenizer_loading import load_tokenizer, tokenizer_class_path
+
+    expected = tokenizer_class_path(load_tokenizer(tiny_model("llama")))
+    infos = ray.get([worker.info.remote() for worker in served.handle.workers.values()], timeout=60)
+    assert [info["tokenizer_class"] for info in infos] == [expected] * len(infos)
+    assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=2).usage.completion_tokens == 2
+    replica_pid = httpx.get(served.base_url + "/stats", timeout=30).json()["server"]["pid"]
+    maps = Path(f"/proc/{replica_pid}/maps").read_text()
+    assert "tokenizers" in maps and "libtorch" not in maps   # its tokenizer loaded, torch not
 
 
 def test_the_replica_runs_on_the_configured_event_loop(served):

@@ -426,7 +426,8 @@ class Worker:
                 "max_model_len": core.max_model_len, "eos_token_ids": list(core.eos_token_ids),
                 "block_size": core.block_size, "num_device_blocks": core.num_device_blocks,
                 "num_parameters": core.num_parameters, "device": core.device, "node_id": _node_id(),
-                **self._dtype_info(), **self._parallel_info(), "engine_core_pid": core.pid}
+                **self._dtype_info(), **self._parallel_info(), "engine_core_pid": core.pid,
+                "tokenizer_class": core.tokenizer_class}
 
     def _parallel_info(self) -> dict:
         """The ranks this worker spans (one for a single-device worker) and each rank's pool."""

@@ -152,6 +152,7 @@ class CoreInfo:
     tensor_parallel_size: int
     ranks: list[dict]
     pid: int
+    tokenizer_class: str   # ``module:qualname`` of the tokenizer's class (``tokenizer_loading``)
 
     def body(self) -> bytes:
         return pack(dataclasses.astuple(self))

@@ -108,6 +108,7 @@ def build_core(spec: CoreSpec, link, progress, parent_pid: int | None):
 
 def describe(core) -> CoreInfo:
     from ..model.model_runner import dtype_name
+    from ..outputs.tokenizer_loading import tokenizer_class_path
 
     engine = core.engine
     runner = engine.runner
@@ -115,7 +116,8 @@ def describe(core) -> CoreInfo:
     return CoreInfo(core.engine_id, engine.config.model, engine.max_model_len, list(engine.eos_token_ids),
                     engine.config.block_size, engine.pool_config.num_device_blocks, runner.num_parameters,
                     str(runner.device), dtype_name(runner.dtype), runner.dtype_reason, size,
-                    runner.describe_ranks() if size > 1 else [], os.getpid())
+                    runner.describe_ranks() if size > 1 else [], os.getpid(),
+                    tokenizer_class_path(engine.tokenizer))
 
 
 def main(argv: list[str]) -> int:

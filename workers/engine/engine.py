@@ -28,6 +28,7 @@ from ..outputs.detokenizer import FINISH_STOP
 from ..outputs.output_processor import OUTPUT_KINDS, EngineStep, OutputProcessor, new_stream
 from ..outputs.request_output import RequestOutput, SampleLogprobs
 from ..outputs.stream_batch import StreamTarget
+from ..outputs.tokenizer_loading import load_tokenizer
 from ..sample.grammar import GrammarCompiler
 from ..sample.per_row_features import PerRowFeatures, bad_word_token_ids
 from ..sample.sampled_step import TokenReadback
@@ -65,14 +66,11 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, worker_id: str = "local",
                  kv_manager: KVManager | None = None, role: str = "mixed", rank_launcher=None) -> None:
-        from transformers import AutoTokenizer
-
         self.config = config
         self.worker_id = worker_id
         self.runner = build_runner(config, rank_launcher)
         self.lora = build_lora_manager(self.runner, config, self._adapters_in_use) if config.enable_lora else None
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model,
-                                                       trust_remote_code=config.trust_remote_code)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
         max_len = check_max_model_len(config.max_model_len, self.runner.max_context_len,
                                       self.runner.context_limit_reason)
         if max_len < self.runner.max_position_embeddings and config.max_model_len is None:
