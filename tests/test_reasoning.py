@@ -30,6 +30,7 @@ CLOSED = "<|user|>hi<|assistant|><think>\n\n</think>\n\n"   # one that closed it
 # A template whose generation prompt opens the reasoning, or closes it with enable_thinking false;
 # an assistant's earlier reasoning is written back (as Qwen3's template does with reasoning_content).
 TEMPLATE = (
+    "{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}\n{% endif %}"
     "{% for m in messages %}<|{{ m.role }}|>{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>"
     "{% endif %}{{ m.content }}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|><think>\n"
@@ -280,6 +281,51 @@ def test_an_earlier_turns_reasoning_goes_back_to_the_template(scripted):
     assert_error(_chat(frontend, messages=differ), 400)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reasoning_effort_goes_to_the_chat_template(scripted, stream):
+    handle, frontend = scripted
+    handle.pieces = ["plan</think>", "answer"]
+    assert _chat(frontend, stream, reasoning_effort="high").status_code == 200
+    assert handle.prompts[-1].startswith("Reasoning: high\n<|user|>hi")
+    assert _chat(frontend, stream, reasoning_effort="low", tools=TOOLS).status_code == 200
+    assert handle.prompts[-1].startswith("Reasoning: low\n")
+    assert _chat(frontend, stream).status_code == 200
+    assert handle.prompts[-1].startswith("<|user|>hi")
+    # chat_template_kwargs may say the same, not otherwise.
+    same = _chat(frontend, stream, reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "low"})
+    assert same.status_code == 200 and handle.prompts[-1].startswith("Reasoning: low\n")
+    differ = _chat(frontend, stream, reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"})
+    assert assert_error(differ, 400)["param"] == "reasoning_effort"
+    assert assert_error(_chat(frontend, stream, reasoning_effort="max"), 400)["param"] == "reasoning_effort"
+
+
+def test_a_template_that_does_not_read_the_effort_refuses_it(tiny_model):
+    """The tiny model's own ChatML template has no ``reasoning_effort``: a 400 in either API."""
+    from local_frontend import make_frontend
+
+    from transformers import AutoTokenizer
+
+    handle = _ScriptedHandle(tiny_model("llama"), AutoTokenizer.from_pretrained(tiny_model("llama")))
+    frontend = make_frontend(handle, reasoning_parser="deepseek_r1")
+    error = assert_error(_chat(frontend, reasoning_effort="high"), 400)
+    assert error["param"] == "reasoning_effort" and "does not read reasoning_effort" in error["message"]
+    error = assert_error(_responses(frontend, reasoning={"effort": "high"}), 400)
+    assert error["param"] == "reasoning.effort" and "does not read reasoning_effort" in error["message"]
+    assert handle.prompts == []
+
+
+def test_which_template_reads_a_variable():
+    from pagedserve.workers.offline.chat_template import template_reads
+
+    assert template_reads(TEMPLATE, "reasoning_effort") and template_reads(TEMPLATE, "enable_thinking")
+    assert not template_reads(TEMPLATE, "builtin_tools")
+    assert not template_reads("{% set reasoning_effort = 'x' %}{{ reasoning_effort }}", "reasoning_effort")
+    named = {"default": "{{ messages }}", "tool_use": "{{ reasoning_effort }}{{ tools }}"}
+    assert template_reads(named, "reasoning_effort", with_tools=True)
+    assert not template_reads(named, "reasoning_effort", with_tools=False)
+    assert not template_reads(None, "reasoning_effort") and not template_reads("{% if %}", "reasoning_effort")
+
+
 # ---- the Responses API: a reasoning item before the answer ---------------------------------------
 def _responses(frontend, **body):
     return call(frontend, "POST", "/v1/responses", json={"input": "hi", **body})
@@ -323,6 +369,21 @@ def test_a_response_has_a_reasoning_item_then_its_message_whole_and_streamed(scr
     last = streamed[-1]
     assert last["type"] == "response.completed"
     assert _without_ids(last["response"]["output"]) == _without_ids(body["output"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_responses_reasoning_effort_goes_to_the_chat_template(scripted, stream):
+    handle, frontend = scripted
+    handle.pieces = ["plan</think>", "answer"]
+    response = _responses(frontend, stream=stream, reasoning={"effort": "minimal", "summary": None})
+    assert response.status_code == 200 and handle.prompts[-1].startswith("Reasoning: minimal\n<|user|>hi")
+    body = _response_events(response)[-1]["response"] if stream else response.json()
+    assert body["reasoning"] == {"effort": "minimal", "summary": None}
+    response = _responses(frontend, stream=stream)
+    body = _response_events(response)[-1]["response"] if stream else response.json()
+    assert body["reasoning"] == {"effort": None, "summary": None} and handle.prompts[-1].startswith("<|user|>hi")
+    error = assert_error(_responses(frontend, reasoning={"effort": "low", "summary": "detailed"}), 400)
+    assert "reasoning.summary" in error["message"]
 
 
 def test_a_response_cut_off_while_thinking_is_its_reasoning_alone(scripted):
@@ -486,10 +547,13 @@ def test_the_official_client_reads_the_reasoning(scripted):
         client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=http, max_retries=0)
         async with http:
             messages = [{"role": "user", "content": "hi"}]
-            message = (await client.chat.completions.create(model="m", messages=messages)).choices[0].message
+            message = (await client.chat.completions.create(model="m", messages=messages,
+                                                            reasoning_effort="medium")).choices[0].message
+            assert handle.prompts[-1].startswith("Reasoning: medium\n")
             stream = await client.chat.completions.create(model="m", messages=messages, stream=True)
             deltas = [chunk.choices[0].delta async for chunk in stream if chunk.choices]
-            response = await client.responses.create(model="m", input="hi")
+            response = await client.responses.create(model="m", input="hi", reasoning={"effort": "high"})
+            assert handle.prompts[-1].startswith("Reasoning: high\n") and response.reasoning.effort == "high"
             response_events = [event async for event in await client.responses.create(model="m", input="hi",
                                                                                        stream=True)]
         return message, deltas, response, response_events

@@ -27,7 +27,8 @@ from typing import Any
 
 from pagedserve.workers.lora.adapter_source import AdapterSourceError
 from pagedserve.workers.lora.lora_request import LoRARequest
-from pagedserve.workers.offline.chat_template import ChatTemplateError, render_conversation, template_message
+from pagedserve.workers.offline.chat_template import (ChatTemplateError, render_conversation, template_message,
+                                                      template_reads)
 from pagedserve.workers.process.gc_heap import GCPauses
 from pagedserve.workers.outputs.request_output import RequestOutput
 from pagedserve.workers.sample.generation_defaults import sampling_defaults
@@ -525,13 +526,21 @@ class Frontend:
         """The rendered conversation: messages (assistant tool calls and tool results included),
         the request's tools and ``chat_template_kwargs`` through the tokenizer's chat template
         (``workers.offline.chat_template``); ``request`` is a chat completion's or a ``/tokenize`` request's."""
+        template_kwargs = request.chat_template_kwargs
+        effort = getattr(request, "reasoning_effort", None)
+        if effort is not None:
+            self._check_reasoning_effort(bool(request.tools))
+            if (template_kwargs or {}).get("reasoning_effort", effort) != effort:
+                raise APIError(400, "reasoning_effort and chat_template_kwargs.reasoning_effort differ",
+                               param="reasoning_effort")
+            template_kwargs = {**(template_kwargs or {}), "reasoning_effort": effort}
         try:
             messages = [self._template_message(message) for message in request.messages]
             text = render_conversation(
                 self.tokenizer, messages, add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 tools=[tool.model_dump(exclude_none=True) for tool in request.tools or ()],
-                chat_template_kwargs=request.chat_template_kwargs, chat_template=self.config.chat_template)
+                chat_template_kwargs=template_kwargs, chat_template=self.config.chat_template)
         except ChatTemplateError as exc:
             if not (self.config.chat_template or getattr(self.tokenizer, "chat_template", None)):
                 raise APIError(400, f"the model '{self.model_name}' has no chat template (server.chat_template, "
@@ -540,6 +549,15 @@ class Frontend:
             raise APIError(400, str(exc), param=exc.param) from None
         # The template writes the special tokens; add_special_tokens (vLLM) adds the tokenizer's too.
         return PromptInput(text, self.prompt_encoder.encode(text, add_special_tokens=request.add_special_tokens))
+
+    def _check_reasoning_effort(self, with_tools: bool) -> None:
+        """A reasoning effort is honoured by the chat template's ``reasoning_effort``: a 400 where
+        the template the request renders with does not read it."""
+        template = self.config.chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not template_reads(template, "reasoning_effort", with_tools):
+            raise APIError(400, f"the chat template of '{self.model_name}' does not read reasoning_effort, so a "
+                                "reasoning effort cannot be honoured (a reasoning model's template, gpt-oss's say, "
+                                "reads it)", param="reasoning_effort")
 
     @staticmethod
     def _template_message(message) -> dict[str, Any]:

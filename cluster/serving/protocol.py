@@ -124,7 +124,6 @@ REFUSED_FIELDS = {
     "store": "stored completions are not kept by this server",
     "metadata": "metadata belongs to stored completions, which this server does not keep",
     "service_tier": "this server has one service tier ('auto' or 'default')",
-    "reasoning_effort": "reasoning effort needs a reasoning model's chat template",
     "verbosity": "verbosity needs a model trained for it",
     "functions": "the deprecated functions field is not supported; send tools",
     "function_call": "the deprecated function_call field is not supported; send tool_choice",
@@ -144,6 +143,8 @@ REFUSED_FIELDS = {
     "guided_decoding_backend": "the grammar engine is llguidance ('guidance'), whose one option here "
                                "is 'disable-any-whitespace'",
 }
+# OpenAI's reasoning efforts; a chat template that reads ``reasoning_effort`` gets the value as sent.
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 HARMLESS_VALUES: dict[str, tuple] = {
     "store": (False,), "service_tier": ("auto", "default"), "modalities": (["text"],),
 }
@@ -166,7 +167,6 @@ class _RefusedFields(_Request):
     store: Any = None
     metadata: Any = None
     service_tier: Any = None
-    reasoning_effort: Any = None
     verbosity: Any = None
     functions: Any = None
     function_call: Any = None
@@ -407,6 +407,9 @@ class ChatCompletionRequest(_SamplingFields):
 
     # vLLM: with a reasoning parser, false leaves the reply's reasoning out of the response.
     include_reasoning: Bool = True
+    # OpenAI's: the chat template's ``reasoning_effort`` (gpt-oss's, say); refused by a template
+    # that does not read it.
+    reasoning_effort: ReasoningEffort | None = None
 
     # vLLM: the last message's text starts the reply's content when it is the reply's own role
     # (an assistant message continued with continue_final_message, say).

@@ -13,8 +13,9 @@ What this server cannot honour is a 400 naming the field, never ignored:
 unless ``server.store_responses`` is on (``serving_responses`` decides), no
 ``conversation`` objects or ``prompt`` templates are kept, a reasoning item's
 ``encrypted_content`` is not read (this server never writes one), models are text-only
-(image, file and audio parts), tools are functions only (no hosted tools), and neither
-reasoning options nor ``truncation: "auto"`` apply.
+(image, file and audio parts), tools are functions only (no hosted tools), reasoning is
+not summarised (``reasoning.summary``), and ``truncation: "auto"`` does not apply.
+``reasoning.effort`` is the chat template's ``reasoning_effort``.
 """
 
 from __future__ import annotations
@@ -25,14 +26,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from .protocol import (MAX_INT32, MAX_INT64, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, NOT_A_BOOLEAN, Bool,
-                       Float, FunctionDefinition, Int, TokenLogprob, _Request)
+                       Float, FunctionDefinition, Int, ReasoningEffort, TokenLogprob, _Request)
 
 # Fields of OpenAI's Responses API that this server cannot honour with any value but a harmless one.
 REFUSED_RESPONSE_FIELDS = {
     "conversation": "conversation objects are not kept by this server; send the conversation as input, or "
                     "continue a stored response with previous_response_id",
     "prompt": "stored prompt templates are not kept by this server",
-    "reasoning": "reasoning options need a reasoning model's chat template",
     "max_tool_calls": "a limit on tool calls is not supported",
     "context_management": "context management is not supported",
     "truncation": "the input is never truncated here (truncation: 'disabled')",
@@ -41,7 +41,7 @@ REFUSED_RESPONSE_FIELDS = {
 }
 _HARMLESS_RESPONSE_VALUES: dict[str, tuple] = {
     "truncation": ("disabled",), "service_tier": ("auto", "default"),
-    "prompt_cache_retention": ("in_memory",), "reasoning": ({},),
+    "prompt_cache_retention": ("in_memory",),
 }
 # ``include`` values this server honours.
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -183,6 +183,23 @@ class ResponseStreamOptions(_Request):
     include_obfuscation: Literal[False] | None = None
 
 
+class ReasoningOptions(_Request):
+    """``reasoning``: ``effort`` goes to the chat template as ``reasoning_effort`` (as chat's
+    field does); a summary is refused, a reasoning item carrying the whole reasoning as content."""
+
+    effort: ReasoningEffort | None = None
+    summary: Any = None
+    generate_summary: Any = None
+
+    @field_validator("summary", "generate_summary")
+    @classmethod
+    def _refuse_summaries(cls, value, info):
+        if value is not None:
+            raise ValueError(f"reasoning.{info.field_name} cannot be honoured: reasoning is not summarised here; "
+                             "a reasoning item carries the whole reasoning as its content")
+        return value
+
+
 class ResponsesRequest(_Request):
     """``POST /v1/responses``: ``input`` after ``instructions``, answered as one chat turn."""
 
@@ -211,6 +228,7 @@ class ResponsesRequest(_Request):
     top_k: Annotated[int, Field(ge=-1, le=MAX_INT32), NOT_A_BOOLEAN] | None = None
     min_p: Float = Field(0.0, ge=0, le=1)
     repetition_penalty: Float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
+    reasoning: ReasoningOptions | None = None
     # Honoured with server.store_responses on (else refused by serving_responses).
     store: Bool | None = None
     previous_response_id: str | None = Field(None, min_length=1, max_length=256)
@@ -218,7 +236,6 @@ class ResponsesRequest(_Request):
     # Refused unless harmless (REFUSED_RESPONSE_FIELDS).
     conversation: Any = None
     prompt: Any = None
-    reasoning: Any = None
     max_tool_calls: Any = None
     context_management: Any = None
     truncation: Any = None
@@ -229,8 +246,6 @@ class ResponsesRequest(_Request):
     @classmethod
     def _refuse(cls, value, info):
         name = info.field_name
-        if name == "reasoning" and isinstance(value, dict) and all(v is None for v in value.values()):
-            return None
         if value is None or value in _HARMLESS_RESPONSE_VALUES.get(name, ()):
             return value
         raise ValueError(f"{name} cannot be honoured: {REFUSED_RESPONSE_FIELDS[name]}")
@@ -387,3 +402,4 @@ class ResponseObject(BaseModel):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     usage: ResponseUsage | None = None
+    reasoning: dict[str, Any] = Field(default_factory=lambda: {"effort": None, "summary": None})

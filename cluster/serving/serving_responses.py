@@ -75,7 +75,7 @@ from .streaming import ChunkStream, generation_batches
 
 # Chat's names for what a Responses request calls otherwise (for the errors the chat path raises).
 _PARAM_NAMES = {"messages": "input", "response_format": "text.format", "max_completion_tokens": "max_output_tokens",
-                "logprobs": "include"}
+                "logprobs": "include", "reasoning_effort": "reasoning.effort"}
 
 
 logger = logging.getLogger("pagedserve.server")
@@ -197,6 +197,7 @@ def chat_request(request: ResponsesRequest):
         "top_p": request.top_p, "parallel_tool_calls": request.parallel_tool_calls, "user": request.user,
         "safety_identifier": request.safety_identifier, "prompt_cache_key": request.prompt_cache_key,
         "priority": request.priority, "cache_salt": request.cache_salt, "top_k": request.top_k,
+        "reasoning_effort": request.reasoning.effort if request.reasoning else None,
     }
     for name in ("min_p", "repetition_penalty"):
         if name in request.model_fields_set:
@@ -364,7 +365,8 @@ class ServingResponses:
             tools=[tool.model_dump(exclude_none=True) for tool in request.tools or ()],
             metadata=request.metadata, user=request.user, safety_identifier=request.safety_identifier,
             prompt_cache_key=request.prompt_cache_key, previous_response_id=request.previous_response_id,
-            store=input_items is not None, background=bool(request.background))
+            store=input_items is not None, background=bool(request.background),
+            reasoning={"effort": chat.reasoning_effort, "summary": None})
         generation, first = await frontend.start_generation(engine_id, [prompt], params, request.priority, client,
                                                             is_streamed=request.stream, lora_request=lora_request)
         if request.background and request.stream:

@@ -9,11 +9,13 @@ message to continue (or with a generation prompt after it), template variables t
 caller may not set, a template that fails on the conversation or renders no text.
 ``template_message`` turns an OpenAI-style message dict into that form.
 ``load_chat_template`` reads a template given in place of the tokenizer's (vLLM's
-``--chat-template``: a file, or the template itself) and checks its syntax.
+``--chat-template``: a file, or the template itself) and checks its syntax;
+``template_reads`` says whether a template reads a variable (``reasoning_effort``, say).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -79,6 +81,38 @@ def load_chat_template(template: str) -> str:
         except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"{template!r} looks like a chat template's file, which cannot be read: {exc}") from None
     import jinja2
+
+    try:
+        _jinja_environment().parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"the chat template is not valid Jinja (line {exc.lineno}): {exc.message}") from None
+    return template
+
+
+def template_reads(template: str | Mapping[str, str] | None, variable: str, with_tools: bool = False) -> bool:
+    """Whether the chat template ``apply_chat_template`` would render (a tokenizer's named
+    templates: ``tool_use`` with tools where it has one, else ``default``) reads ``variable``
+    from its context."""
+    if isinstance(template, Mapping):
+        template = template.get("tool_use") if with_tools and "tool_use" in template else template.get("default")
+    return bool(template) and variable in _variables_read(template)
+
+
+@functools.lru_cache(maxsize=16)
+def _variables_read(template: str) -> frozenset[str]:
+    """The variables ``template`` reads from its context (none if it does not parse)."""
+    import jinja2
+    from jinja2 import meta
+
+    try:
+        return frozenset(meta.find_undeclared_variables(_jinja_environment().parse(template)))
+    except jinja2.TemplateSyntaxError:
+        return frozenset()
+
+
+def _jinja_environment():
+    """A Jinja environment that parses what transformers' chat templates may hold."""
+    import jinja2
     from jinja2.ext import Extension
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -90,11 +124,7 @@ def load_chat_template(template: str) -> str:
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
             return jinja2.nodes.Scope(body).set_lineno(lineno)
 
-    try:
-        ImmutableSandboxedEnvironment(extensions=[Generation, "jinja2.ext.loopcontrols"]).parse(template)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ValueError(f"the chat template is not valid Jinja (line {exc.lineno}): {exc.message}") from None
-    return template
+    return ImmutableSandboxedEnvironment(extensions=[Generation, "jinja2.ext.loopcontrols"])
 
 
 def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
