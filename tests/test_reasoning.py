@@ -472,6 +472,8 @@ def test_reasoning_tokens_count_up_to_the_end_tag(tiny_model):
 
 
 def test_grpc_chat_carries_the_reasoning(scripted):
+    import grpc
+
     from pagedserve.cluster.protos import pagedserve_pb2 as pb
 
     handle, frontend = scripted
@@ -491,6 +493,13 @@ def test_grpc_chat_carries_the_reasoning(scripted):
                                            pb.ChatMessage(role="user", content="again")])
         stub.Chat(earlier, timeout=60)
         assert "<think>greet</think>Hi!" in handle.prompts[-1]
+        request.reasoning_effort = "low"
+        list(stub.ChatStream(request, timeout=60))
+        assert handle.prompts[-1].startswith("Reasoning: low\n")
+        request.reasoning_effort = "lots"
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Chat(request, timeout=60)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "reasoning_effort" in refused.value.details()
 
 
 # ---- the real engine ---------------------------------------------------------------------------

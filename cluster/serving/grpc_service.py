@@ -191,6 +191,8 @@ class GrpcService:
             "add_generation_prompt", "include_reasoning"))
         if request.chat_template_kwargs:
             fields["chat_template_kwargs"] = _json_field(request.chat_template_kwargs, "chat_template_kwargs")
+        if request.reasoning_effort:
+            fields["reasoning_effort"] = request.reasoning_effort
         if request.tools:
             fields["tools"] = _tools(request.tools)
         if stream:
