@@ -1000,6 +1000,36 @@ def test_a_chat_template_of_the_servers_own_replaces_the_tokenizers(local_handle
         tokenizer.chat_template = saved
 
 
+RETRIEVAL_TEMPLATE = ("{% for d in documents or [] %}<doc {{ d['title'] }}>{{ d['text'] }}</doc>\n{% endfor %}"
+                      + CHAT_TEMPLATE)
+
+
+def test_documents_go_to_a_retrieval_template_and_are_refused_by_others(server, local_handle):
+    """vLLM's ``documents``: a template that reads them (Command R's, Granite's) gets them as
+    transformers' ``documents``; a template that does not is a 400 naming the field."""
+    tokenizer = local_handle.tokenizer
+    messages = [{"role": "user", "content": "What is paged attention?"}]
+    documents = [{"title": "vLLM", "text": "KV cache in blocks."}, {"title": "notes", "text": "Pages."}]
+    rendered = ("<doc vLLM>KV cache in blocks.</doc>\n<doc notes>Pages.</doc>\n"
+                "[user] What is paged attention?\n[assistant] ")
+    retrieval = _server(local_handle, chat_template=RETRIEVAL_TEMPLATE)
+    body = {"messages": messages, "max_tokens": 1, "documents": documents}
+    usage = call(retrieval, "POST", "/v1/chat/completions", json=body).json()["usage"]
+    assert usage["prompt_tokens"] == len(tokenizer.encode(rendered, add_special_tokens=False))
+    without = call(retrieval, "POST", "/v1/chat/completions", json={**body, "documents": None}).json()["usage"]
+    assert without["prompt_tokens"] == len(tokenizer.encode(rendered.split("</doc>\n")[-1], add_special_tokens=False))
+
+    error = _assert_error(call(server, "POST", "/v1/chat/completions", json=body), 400, "documents")
+    assert "does not read documents" in error["message"]
+    not_text = call(retrieval, "POST", "/v1/chat/completions", json={**body, "documents": [{"title": 1}]})
+    assert _assert_error(not_text, 400)["param"] == "documents.0.title"
+    _assert_error(call(retrieval, "POST", "/v1/completions", json={"prompt": "x", "documents": documents}),
+                  400, "documents")
+    _assert_error(call(retrieval, "POST", "/v1/chat/completions",
+                       json={"messages": messages, "chat_template_kwargs": {"documents": documents}}),
+                  400, "chat_template_kwargs")
+
+
 def test_a_request_that_leaves_sampling_out_gets_the_models_generation_config(local_handle, tmp_path):
     """vLLM's --generation-config: a sampling field a request leaves out takes the generation
     config's value ("auto": the model's; a folder's), overrides winning; what the request states

@@ -528,8 +528,11 @@ class Frontend:
         (``workers.offline.chat_template``); ``request`` is a chat completion's or a ``/tokenize`` request's."""
         template_kwargs = request.chat_template_kwargs
         effort = getattr(request, "reasoning_effort", None)
+        documents = getattr(request, "documents", None)
+        if documents:
+            self._check_template_reads("documents", bool(request.tools), "documents")
         if effort is not None:
-            self._check_reasoning_effort(bool(request.tools))
+            self._check_template_reads("reasoning_effort", bool(request.tools), "a reasoning effort")
             if (template_kwargs or {}).get("reasoning_effort", effort) != effort:
                 raise APIError(400, "reasoning_effort and chat_template_kwargs.reasoning_effort differ",
                                param="reasoning_effort")
@@ -540,7 +543,7 @@ class Frontend:
                 self.tokenizer, messages, add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 tools=[tool.model_dump(exclude_none=True) for tool in request.tools or ()],
-                chat_template_kwargs=template_kwargs, chat_template=self.config.chat_template)
+                chat_template_kwargs=template_kwargs, chat_template=self.config.chat_template, documents=documents)
         except ChatTemplateError as exc:
             if not (self.config.chat_template or getattr(self.tokenizer, "chat_template", None)):
                 raise APIError(400, f"the model '{self.model_name}' has no chat template (server.chat_template, "
@@ -550,14 +553,16 @@ class Frontend:
         # The template writes the special tokens; add_special_tokens (vLLM) adds the tokenizer's too.
         return PromptInput(text, self.prompt_encoder.encode(text, add_special_tokens=request.add_special_tokens))
 
-    def _check_reasoning_effort(self, with_tools: bool) -> None:
-        """A reasoning effort is honoured by the chat template's ``reasoning_effort``: a 400 where
-        the template the request renders with does not read it."""
+    def _check_template_reads(self, variable: str, with_tools: bool, what: str) -> None:
+        """A request field the chat template's ``variable`` carries (``reasoning_effort``,
+        ``documents``): a 400 naming it where the template the request renders with does not
+        read that variable, which would leave the field silently unused."""
         template = self.config.chat_template or getattr(self.tokenizer, "chat_template", None)
-        if not template_reads(template, "reasoning_effort", with_tools):
-            raise APIError(400, f"the chat template of '{self.model_name}' does not read reasoning_effort, so a "
-                                "reasoning effort cannot be honoured (a reasoning model's template, gpt-oss's say, "
-                                "reads it)", param="reasoning_effort")
+        if not template_reads(template, variable, with_tools):
+            whose = {"reasoning_effort": "a reasoning model's template, gpt-oss's say",
+                     "documents": "a retrieval template, Command R's or Granite's say"}[variable]
+            raise APIError(400, f"the chat template of '{self.model_name}' does not read {variable}, so {what} "
+                                f"cannot be honoured ({whose}, reads it)", param=variable)
 
     @staticmethod
     def _template_message(message) -> dict[str, Any]:

@@ -131,7 +131,6 @@ REFUSED_FIELDS = {
     "audio": "this server generates text only",
     "prediction": "predicted outputs (speculative decoding) are not supported",
     "web_search_options": "this server does not search the web",
-    "documents": "documents for retrieval templates are not supported",
     "chat_template": "a request may not bring its own chat template (server-side templates only)",
     "logits_processors": "custom logits processors are not supported",
     "vllm_xargs": "vLLM's extra arguments (vllm_xargs) are not supported",
@@ -174,7 +173,6 @@ class _RefusedFields(_Request):
     audio: Any = None
     prediction: Any = None
     web_search_options: Any = None
-    documents: Any = None
     chat_template: Any = None
     logits_processors: Any = None
     vllm_xargs: Any = None
@@ -410,6 +408,9 @@ class ChatCompletionRequest(_SamplingFields):
     # OpenAI's: the chat template's ``reasoning_effort`` (gpt-oss's, say); refused by a template
     # that does not read it.
     reasoning_effort: ReasoningEffort | None = None
+    # vLLM's: documents for a retrieval template (Command R's, Granite's), as transformers'
+    # apply_chat_template takes them; refused by a template that does not read ``documents``.
+    documents: list[dict[str, str]] | None = None
 
     # vLLM: the last message's text starts the reply's content when it is the reply's own role
     # (an assistant message continued with continue_final_message, say).

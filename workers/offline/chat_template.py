@@ -37,9 +37,11 @@ class ChatTemplateError(ValueError):
 
 def render_conversation(tokenizer, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                         continue_final_message: bool = False, tools: Sequence[Mapping] | None = None,
-                        chat_template_kwargs: Mapping[str, Any] | None = None, chat_template: str | None = None) -> str:
+                        chat_template_kwargs: Mapping[str, Any] | None = None, chat_template: str | None = None,
+                        documents: Sequence[Mapping[str, str]] | None = None) -> str:
     """The conversation's text as the chat template writes it (special tokens included):
-    ``chat_template`` (``load_chat_template``'s) if given, else the tokenizer's."""
+    ``chat_template`` (``load_chat_template``'s) if given, else the tokenizer's. ``documents``:
+    a retrieval template's (transformers' ``documents``)."""
     if not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise ChatTemplateError("the model has no chat template; send a prompt instead", "messages")
     if not messages:
@@ -53,6 +55,8 @@ def render_conversation(tokenizer, messages: Sequence[Mapping[str, Any]], *, add
                               "continue_final_message": continue_final_message}
     if tools:
         kwargs["tools"] = list(tools)
+    if documents:
+        kwargs["documents"] = [dict(document) for document in documents]
     extra = dict(chat_template_kwargs or {})
     reserved = sorted(set(extra) & RESERVED_TEMPLATE_KWARGS)
     if reserved:
