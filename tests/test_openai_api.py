@@ -1030,6 +1030,26 @@ def test_documents_go_to_a_retrieval_template_and_are_refused_by_others(server, 
                   400, "chat_template_kwargs")
 
 
+def test_grpc_chat_carries_documents(local_handle):
+    import grpc
+
+    from local_frontend import grpc_stub
+    from pagedserve.cluster.protos import pagedserve_pb2 as pb
+
+    documents = [{"title": "vLLM", "text": "KV cache in blocks."}]
+    request = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="hi")], max_tokens=1,
+                             documents=json.dumps(documents))
+    with grpc_stub(_server(local_handle, chat_template=RETRIEVAL_TEMPLATE)) as stub:
+        with_documents = stub.Chat(request, timeout=60).usage.prompt_tokens
+        request.documents = ""
+        assert stub.Chat(request, timeout=60).usage.prompt_tokens < with_documents
+        request.documents = json.dumps(documents[0])
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Chat(request, timeout=60)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "documents must be a JSON array" in refused.value.details()
+
+
 def test_a_request_that_leaves_sampling_out_gets_the_models_generation_config(local_handle, tmp_path):
     """vLLM's --generation-config: a sampling field a request leaves out takes the generation
     config's value ("auto": the model's; a folder's), overrides winning; what the request states

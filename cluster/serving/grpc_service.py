@@ -48,14 +48,14 @@ _OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "n",
                     "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
-def _json_field(text: str, name: str):
-    """A field the proto carries as JSON text (an object)."""
+def _json_field(text: str, name: str, kind: type = dict):
+    """A field the proto carries as JSON text (an object, or an array with ``kind=list``)."""
     try:
         value = json.loads(text)
     except ValueError as exc:
         raise APIError(400, f"{name} is not valid JSON: {exc}", param=name) from None
-    if not isinstance(value, dict):
-        raise APIError(400, f"{name} must be a JSON object", param=name)
+    if not isinstance(value, kind):
+        raise APIError(400, f"{name} must be a JSON {'object' if kind is dict else 'array'}", param=name)
     return value
 
 
@@ -193,6 +193,8 @@ class GrpcService:
             fields["chat_template_kwargs"] = _json_field(request.chat_template_kwargs, "chat_template_kwargs")
         if request.reasoning_effort:
             fields["reasoning_effort"] = request.reasoning_effort
+        if request.documents:
+            fields["documents"] = _json_field(request.documents, "documents", list)
         if request.tools:
             fields["tools"] = _tools(request.tools)
         if stream:
