@@ -1016,11 +1016,15 @@ def test_documents_go_to_a_retrieval_template_and_are_refused_by_others(server, 
     body = {"messages": messages, "max_tokens": 1, "documents": documents}
     usage = call(retrieval, "POST", "/v1/chat/completions", json=body).json()["usage"]
     assert usage["prompt_tokens"] == len(tokenizer.encode(rendered, add_special_tokens=False))
+    counted = call(retrieval, "POST", "/tokenize", json={"messages": messages, "documents": documents}).json()
+    assert counted["count"] == usage["prompt_tokens"]
     without = call(retrieval, "POST", "/v1/chat/completions", json={**body, "documents": None}).json()["usage"]
     assert without["prompt_tokens"] == len(tokenizer.encode(rendered.split("</doc>\n")[-1], add_special_tokens=False))
 
     error = _assert_error(call(server, "POST", "/v1/chat/completions", json=body), 400, "documents")
     assert "does not read documents" in error["message"]
+    _assert_error(call(server, "POST", "/tokenize", json={"messages": messages, "documents": documents}),
+                  400, "documents")
     not_text = call(retrieval, "POST", "/v1/chat/completions", json={**body, "documents": [{"title": 1}]})
     assert _assert_error(not_text, 400)["param"] == "documents.0.title"
     _assert_error(call(retrieval, "POST", "/v1/completions", json={"prompt": "x", "documents": documents}),

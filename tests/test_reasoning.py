@@ -287,6 +287,9 @@ def test_a_reasoning_effort_goes_to_the_chat_template(scripted, stream):
     handle.pieces = ["plan</think>", "answer"]
     assert _chat(frontend, stream, reasoning_effort="high").status_code == 200
     assert handle.prompts[-1].startswith("Reasoning: high\n<|user|>hi")
+    tokenized = call(frontend, "POST", "/tokenize", json={"messages": [{"role": "user", "content": "hi"}],
+                                                          "reasoning_effort": "high"}).json()
+    assert tokenized["tokens"] == handle.tokenizer.encode(handle.prompts[-1], add_special_tokens=False)
     assert _chat(frontend, stream, reasoning_effort="low", tools=TOOLS).status_code == 200
     assert handle.prompts[-1].startswith("Reasoning: low\n")
     assert _chat(frontend, stream).status_code == 200

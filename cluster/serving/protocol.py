@@ -450,6 +450,9 @@ class TokenizeChatRequest(_Request):
     return_token_strs: Bool | None = False
     tools: list[ToolDefinition] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # Passed to the template as a chat completion passes them (``ChatCompletionRequest``'s).
+    reasoning_effort: ReasoningEffort | None = None
+    documents: list[dict[str, str]] | None = None
 
 
 class DetokenizeRequest(_Request):
