@@ -545,7 +545,7 @@ class Frontend:
                 tools=[tool.model_dump(exclude_none=True) for tool in request.tools or ()],
                 chat_template_kwargs=template_kwargs, chat_template=self.config.chat_template, documents=documents)
         except ChatTemplateError as exc:
-            if not (self.config.chat_template or getattr(self.tokenizer, "chat_template", None)):
+            if not self._chat_template():
                 raise APIError(400, f"the model '{self.model_name}' has no chat template (server.chat_template, "
                                     "--chat-template, gives it one); use /v1/completions",
                                param="messages") from None
@@ -553,12 +553,15 @@ class Frontend:
         # The template writes the special tokens; add_special_tokens (vLLM) adds the tokenizer's too.
         return PromptInput(text, self.prompt_encoder.encode(text, add_special_tokens=request.add_special_tokens))
 
+    def _chat_template(self):
+        """The template chats render with: ``server.chat_template``, else the tokenizer's (None: neither)."""
+        return self.config.chat_template or getattr(self.tokenizer, "chat_template", None)
+
     def _check_template_reads(self, variable: str, with_tools: bool, what: str) -> None:
         """A request field the chat template's ``variable`` carries (``reasoning_effort``,
         ``documents``): a 400 naming it where the template the request renders with does not
         read that variable, which would leave the field silently unused."""
-        template = self.config.chat_template or getattr(self.tokenizer, "chat_template", None)
-        if not template_reads(template, variable, with_tools):
+        if not template_reads(self._chat_template(), variable, with_tools):
             whose = {"reasoning_effort": "a reasoning model's template, gpt-oss's say",
                      "documents": "a retrieval template, Command R's or Granite's say"}[variable]
             raise APIError(400, f"the chat template of '{self.model_name}' does not read {variable}, so {what} "
