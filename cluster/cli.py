@@ -248,8 +248,8 @@ def _add_config_sources(parser: argparse.ArgumentParser, with_file: bool = True)
                       help="open /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
                            "VLLM_ALLOW_RUNTIME_LORA_UPDATING; model.allow_runtime_lora_updating; needs --enable-lora)")
     vllm.add_argument("--tool-call-parser", help="how 'auto' tool choice reads calls (server.tool_call_parser)")
-    vllm.add_argument("--reasoning-parser", help="split a reasoning model's thinking from its answer: deepseek_r1 "
-                                                 "or qwen3 (server.reasoning_parser)")
+    vllm.add_argument("--reasoning-parser", help="split a reasoning model's thinking from its answer: deepseek_r1, "
+                                                 "qwen3 or openai_gptoss (server.reasoning_parser)")
     vllm.add_argument("--generation-config", metavar="auto|vllm|FOLDER",
                       help="sampling defaults for fields a request leaves out: the model's generation_config.json "
                            "(auto), none (vllm), or a folder's (server.generation_config)")

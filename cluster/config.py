@@ -302,12 +302,14 @@ class ServerConfig(_Strict):
     Worker health is watched once per cluster (the controller actor), whatever this number."""
     tool_call_parser: str = "hermes"
     """How "auto" tool choice reads calls out of the model's text (vLLM's --tool-call-parser):
-    "hermes" (Hermes, Qwen 2.5/3, make-model's template) or "llama3_json"."""
+    "hermes" (Hermes, Qwen 2.5/3, make-model's template), "llama3_json", or "openai" (gpt-oss, with
+    reasoning_parser "openai_gptoss")."""
     reasoning_parser: str | None = None
     """How chat completions split a reasoning model's thinking from its answer (vLLM's
     --reasoning-parser): "deepseek_r1" (DeepSeek-R1, QwQ) or "qwen3" (Qwen3, Qwen3.5), both
-    ``<think>`` ... ``</think>``. The thinking goes to the message's ``reasoning`` (and vLLM's
-    earlier ``reasoning_content``), the rest to ``content``. Unset: the text is the content."""
+    ``<think>`` ... ``</think>``, or "openai_gptoss" (gpt-oss: harmony's analysis channel is the
+    thinking, its final channel the answer). The thinking goes to the message's ``reasoning`` (and
+    vLLM's earlier ``reasoning_content``), the rest to ``content``. Unset: the text is the content."""
     chat_template: str | None = None
     """A Jinja chat template for chat completions (and /tokenize's messages) in place of the
     tokenizer's, e.g. for a model that has none (vLLM's --chat-template): the path of a file,
@@ -350,6 +352,18 @@ class ServerConfig(_Strict):
         if value is not None and value not in REASONING_PARSERS:
             raise ValueError(f"unknown reasoning parser {value!r}; known: {', '.join(sorted(REASONING_PARSERS))}")
         return value
+
+    @model_validator(mode="after")
+    def _tool_call_parser_of_the_reasoning_format(self) -> "ServerConfig":
+        # A tool-call parser that reads the calls one reasoning format passes on needs that format's
+        # reasoning parser (gpt-oss's harmony: "openai" with "openai_gptoss").
+        writers = {parser.tool_call_parser: name for name, parser in REASONING_PARSERS.items()
+                   if parser.tool_call_parser}
+        writer = writers.get(self.tool_call_parser)
+        if writer is not None and self.reasoning_parser != writer:
+            raise ValueError(f"tool_call_parser {self.tool_call_parser!r} reads the calls that reasoning_parser "
+                             f"{writer!r} passes on; set reasoning_parser: {writer}")
+        return self
 
     @field_validator("chat_template")
     @classmethod

@@ -1,8 +1,9 @@
 """The API without Ray: a ``Frontend`` over one in-process engine, for the API tests.
 
 ``LocalHandle`` stands in for ``ClusterHandle`` (one ``AsyncLLMEngine``, with
-switches to fail or stall its streams); ``call`` drives the FastAPI app through
-httpx's ASGI transport; ``GrpcServer`` serves the production gRPC registration
+switches to fail or stall its streams), ``ScriptedHandle`` for one that replies with
+given text; ``call`` drives the FastAPI app through httpx's ASGI transport;
+``GrpcServer`` serves the production gRPC registration
 (``protos/servicer.py``) and ``GrpcService`` on a real local port, so tests use a
 real ``grpcio`` client. It stands in for Ray Serve's gRPC proxy only in how a
 failed RPC's status reaches the client (the proxy reads the code the service set
@@ -26,6 +27,7 @@ from pagedserve.cluster.serving.frontend import Frontend
 from pagedserve.cluster.serving.grpc_service import GrpcRequestError, GrpcService
 from pagedserve.cluster.serving.http_app import build_app
 from pagedserve.workers.offline.async_engine import AsyncLLMEngine
+from pagedserve.workers.outputs.request_output import CompletionOutput, RequestMetrics, RequestOutput
 from pagedserve.workers.engine.engine import EngineConfig
 
 MODEL = "tiny-test"
@@ -122,6 +124,41 @@ class LocalHandle:
         return bool(self.engine._streams)
 
 
+class ScriptedHandle:
+    """The part of ``ClusterHandle`` the frontend uses, replying with ``reply``'s pieces, one
+    token id each, then ``finish_reason``."""
+
+    def __init__(self, model_path: str, tokenizer) -> None:
+        self.model_path = model_path
+        self.model_name = "m"
+        self.tokenizer = tokenizer
+        self.max_model_len = 4096
+        self.workers: dict = {}
+        self.pieces: list[str] = []
+        self.finish_reason = "stop"
+        self.prompts: list[str] = []
+        self.params: list = []
+
+    def has_streams(self) -> bool:
+        return False
+
+    def response_store(self, max_responses: int, max_bytes: int):
+        return LocalResponseStore(max_responses, max_bytes)
+
+    async def generate(self, prompt, params, request_id=None, priority=0, prompt_token_ids=None, is_streamed=False,
+                       lora_request=None, token_by_token=False):
+        self.prompts.append(prompt)
+        self.params.append(params)
+        text, ids = "", []
+        for step, piece in enumerate(self.pieces):
+            text, ids = text + piece, ids + [10 + step]
+            is_last = step == len(self.pieces) - 1
+            output = CompletionOutput(0, text, list(ids), None, None, self.finish_reason if is_last else None, None,
+                                      piece, [10 + step], None, is_newly_finished=is_last)
+            yield RequestOutput(request_id, prompt, prompt_token_ids, [output], is_last,
+                                RequestMetrics(0.0, num_prompt_tokens=len(prompt_token_ids)))
+
+
 def make_frontend(handle, **server_fields) -> Frontend:
     return Frontend(handle, ServerConfig.model_validate(server_fields))
 
@@ -146,6 +183,23 @@ def events(response: httpx.Response) -> list:
     lines = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     return [json.loads(line) for line in lines[:-1]]
+
+
+def chat(frontend: Frontend, stream: bool = False, **body) -> httpx.Response:
+    """A chat completion of one user message, "hi", unless ``body`` says otherwise."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": stream, **body}
+    return call(frontend, "POST", "/v1/chat/completions", json=body)
+
+
+def streamed_chat(response: httpx.Response) -> tuple[str, str, list[dict], list[dict]]:
+    """A streamed reply's reasoning and content, its tool-call pieces and its choices (each delta's
+    ``reasoning`` and ``reasoning_content`` must agree)."""
+    choices = [c for event in events(response) for c in event["choices"]]
+    deltas = [c["delta"] for c in choices]
+    for delta in deltas:
+        assert delta.get("reasoning") == delta.get("reasoning_content")
+    return ("".join(d.get("reasoning") or "" for d in deltas), "".join(d.get("content") or "" for d in deltas),
+            [piece for d in deltas for piece in d.get("tool_calls") or []], choices)
 
 
 def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:

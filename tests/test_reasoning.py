@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 httpx = pytest.importorskip("httpx")
 
-from local_frontend import LocalHandle, assert_error, assert_idle, call, events, grpc_stub  # noqa: E402
+from local_frontend import (LocalHandle, ScriptedHandle, assert_error, assert_idle, call, chat,  # noqa: E402
+                            grpc_stub, streamed_chat)
 
 from pagedserve.reasoning_parsers import REASONING_PARSERS, ThinkTagParser, get_reasoning_parser  # noqa: E402
 
@@ -90,9 +91,9 @@ def test_any_split_of_a_reply_streams_what_the_whole_parses_to(reply, prompt, da
 
 
 def test_parsers_by_name():
-    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3"}
+    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3", "openai_gptoss"}
     assert get_reasoning_parser("qwen3") is ThinkTagParser
-    with pytest.raises(ValueError, match="unknown reasoning parser 'r2'; known: deepseek_r1, qwen3"):
+    with pytest.raises(ValueError, match="unknown reasoning parser 'r2'; known: deepseek_r1, openai_gptoss, qwen3"):
         get_reasoning_parser("r2")
 
 
@@ -111,45 +112,6 @@ def test_the_configuration_and_the_flag():
 
 
 # ---- chat completions over a scripted handle ---------------------------------------------------
-class _ScriptedHandle:
-    """The part of ``ClusterHandle`` the frontend uses, replying with ``reply``'s pieces, one
-    token id each, then ``finish_reason``."""
-
-    def __init__(self, model_path: str, tokenizer) -> None:
-        self.model_path = model_path
-        self.model_name = "m"
-        self.tokenizer = tokenizer
-        self.max_model_len = 4096
-        self.workers: dict = {}
-        self.pieces: list[str] = []
-        self.finish_reason = "stop"
-        self.prompts: list[str] = []
-        self.params: list = []
-
-    def has_streams(self) -> bool:
-        return False
-
-    def response_store(self, max_responses: int, max_bytes: int):
-        from pagedserve.cluster.response_store import LocalResponseStore
-
-        return LocalResponseStore(max_responses, max_bytes)
-
-    async def generate(self, prompt, params, request_id=None, priority=0, prompt_token_ids=None, is_streamed=False,
-                       lora_request=None, token_by_token=False):
-        from pagedserve.workers.outputs.request_output import CompletionOutput, RequestMetrics, RequestOutput
-
-        self.prompts.append(prompt)
-        self.params.append(params)
-        text, ids = "", []
-        for step, piece in enumerate(self.pieces):
-            text, ids = text + piece, ids + [10 + step]
-            is_last = step == len(self.pieces) - 1
-            output = CompletionOutput(0, text, list(ids), None, None, self.finish_reason if is_last else None, None,
-                                      piece, [10 + step], None, is_newly_finished=is_last)
-            yield RequestOutput(request_id, prompt, prompt_token_ids, [output], is_last,
-                                RequestMetrics(0.0, num_prompt_tokens=len(prompt_token_ids)))
-
-
 @pytest.fixture(scope="module")
 def scripted(tiny_model):
     from transformers import AutoTokenizer
@@ -157,7 +119,7 @@ def scripted(tiny_model):
     from local_frontend import make_frontend
 
     path = tiny_model("llama")
-    handle = _ScriptedHandle(path, AutoTokenizer.from_pretrained(path))
+    handle = ScriptedHandle(path, AutoTokenizer.from_pretrained(path))
     return handle, make_frontend(handle, reasoning_parser="deepseek_r1", chat_template=TEMPLATE)
 
 
@@ -168,21 +130,6 @@ def _replies_stop(request):
         request.getfixturevalue("scripted")[0].finish_reason = "stop"
 
 
-def _chat(frontend, stream: bool = False, **body):
-    body = {"messages": [{"role": "user", "content": "hi"}], "stream": stream, **body}
-    return call(frontend, "POST", "/v1/chat/completions", json=body)
-
-
-def _streamed(response) -> tuple[str, str, list[dict], list[dict]]:
-    """A streamed reply's reasoning and content, its tool-call pieces and its choices."""
-    choices = [c for event in events(response) for c in event["choices"]]
-    deltas = [c["delta"] for c in choices]
-    for delta in deltas:
-        assert delta.get("reasoning") == delta.get("reasoning_content")
-    return ("".join(d.get("reasoning") or "" for d in deltas), "".join(d.get("content") or "" for d in deltas),
-            [call for d in deltas for call in d.get("tool_calls") or []], choices)
-
-
 @pytest.mark.parametrize("pieces", [
     ["I should", " greet.</th", "ink>\n\nHello", "!"],
     ["I should greet.", "</think>", "\n\nHello!"],
@@ -191,11 +138,11 @@ def _streamed(response) -> tuple[str, str, list[dict], list[dict]]:
 def test_reasoning_and_answer_whole_and_streamed(scripted, pieces):
     handle, frontend = scripted
     handle.pieces, handle.finish_reason = pieces, "stop"
-    message = _chat(frontend).json()["choices"][0]["message"]
+    message = chat(frontend).json()["choices"][0]["message"]
     assert message["reasoning"] == message["reasoning_content"] == "I should greet."
     assert message["content"] == "\n\nHello!" and message["tool_calls"] == []
     assert handle.prompts[-1].endswith("<|assistant|><think>\n")
-    reasoning, content, _, choices = _streamed(_chat(frontend, stream=True))
+    reasoning, content, _, choices = streamed_chat(chat(frontend, stream=True))
     assert (reasoning, content) == ("I should greet.", "\n\nHello!")
     assert choices[0]["delta"] == {"role": "assistant", "content": ""} and choices[-1]["finish_reason"] == "stop"
 
@@ -203,10 +150,10 @@ def test_reasoning_and_answer_whole_and_streamed(scripted, pieces):
 def test_a_reply_cut_off_while_thinking_is_reasoning_only(scripted):
     handle, frontend = scripted
     handle.pieces, handle.finish_reason = ["Let me", " think about"], "length"
-    choice = _chat(frontend).json()["choices"][0]
+    choice = chat(frontend).json()["choices"][0]
     assert choice["message"]["reasoning"] == "Let me think about" and choice["message"]["content"] is None
     assert choice["finish_reason"] == "length"
-    assert _streamed(_chat(frontend, stream=True))[:2] == ("Let me think about", "")
+    assert streamed_chat(chat(frontend, stream=True))[:2] == ("Let me think about", "")
 
 
 def test_tool_calls_come_from_the_answer_alone(scripted):
@@ -214,12 +161,12 @@ def test_tool_calls_come_from_the_answer_alone(scripted):
     call_text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
     handle.pieces = ["Maybe ", call_text[:20], call_text[20:], "? No: ask.</think>", "\n\n", call_text[:30],
                      call_text[30:]]
-    choice = _chat(frontend, tools=TOOLS).json()["choices"][0]
+    choice = chat(frontend, tools=TOOLS).json()["choices"][0]
     assert choice["message"]["reasoning"] == f"Maybe {call_text}? No: ask."
     [tool_call] = choice["message"]["tool_calls"]
     assert tool_call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
     assert choice["finish_reason"] == "tool_calls" and not (choice["message"]["content"] or "").strip()
-    reasoning, content, calls, choices = _streamed(_chat(frontend, stream=True, tools=TOOLS))
+    reasoning, content, calls, choices = streamed_chat(chat(frontend, stream=True, tools=TOOLS))
     assert reasoning == f"Maybe {call_text}? No: ask." and not content.strip()
     assert [c["function"]["name"] for c in calls if c.get("function", {}).get("name")] == ["get_weather"]
     assert "".join(c["function"].get("arguments") or "" for c in calls) == '{"city": "Oslo"}'
@@ -229,22 +176,22 @@ def test_tool_calls_come_from_the_answer_alone(scripted):
 def test_include_reasoning_false_leaves_it_out(scripted):
     handle, frontend = scripted
     handle.pieces, handle.finish_reason = ["plan</think>", "answer"], "stop"
-    message = _chat(frontend, include_reasoning=False).json()["choices"][0]["message"]
+    message = chat(frontend, include_reasoning=False).json()["choices"][0]["message"]
     assert message["content"] == "answer" and "reasoning" not in message and "reasoning_content" not in message
-    response = _chat(frontend, stream=True, include_reasoning=False)
-    assert "reasoning" not in response.text and _streamed(response)[1] == "answer"
+    response = chat(frontend, stream=True, include_reasoning=False)
+    assert "reasoning" not in response.text and streamed_chat(response)[1] == "answer"
 
 
 def test_a_prompt_that_closed_the_reasoning_answers_in_content(scripted):
     handle, frontend = scripted
     handle.pieces = ["<think>x</think>", "y"]
     closed = {"chat_template_kwargs": {"enable_thinking": False}}
-    message = _chat(frontend, **closed).json()["choices"][0]["message"]
+    message = chat(frontend, **closed).json()["choices"][0]["message"]
     assert handle.prompts[-1].endswith("</think>\n\n")
     assert message["content"] == "<think>x</think>y" and "reasoning" not in message
-    assert _streamed(_chat(frontend, stream=True, **closed))[:2] == ("", "<think>x</think>y")
+    assert streamed_chat(chat(frontend, stream=True, **closed))[:2] == ("", "<think>x</think>y")
     # Its output is constrained from its first token.
-    assert _chat(frontend, response_format={"type": "json_object"}, **closed).status_code == 200
+    assert chat(frontend, response_format={"type": "json_object"}, **closed).status_code == 200
     assert handle.params[-1].structured_outputs.to_dict() == {"json_object": True}
 
 
@@ -259,7 +206,7 @@ def test_a_constrained_reply_that_starts_in_the_reasoning_is_constrained_after_i
     answer alone is parsed as the constrained content."""
     handle, frontend = scripted
     handle.pieces = ["free thoughts", "</think>", "\n\nab"]
-    response = _chat(frontend, **body)
+    response = chat(frontend, **body)
     assert response.status_code == 200, response.text
     spec = handle.params[-1].structured_outputs
     assert spec is not None and spec.reasoning_end == "</think>"
@@ -273,33 +220,33 @@ def test_an_earlier_turns_reasoning_goes_back_to_the_template(scripted):
     for key in ("reasoning", "reasoning_content"):
         messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello!", key: "greet"},
                     {"role": "user", "content": "again"}]
-        assert _chat(frontend, messages=messages).status_code == 200
+        assert chat(frontend, messages=messages).status_code == 200
         assert "<|assistant|><think>greet</think>Hello!<|user|>again" in handle.prompts[-1]
     wrong = [{"role": "user", "content": "hi", "reasoning": "mine"}]
-    assert "assistant" in assert_error(_chat(frontend, messages=wrong), 400)["message"]
+    assert "assistant" in assert_error(chat(frontend, messages=wrong), 400)["message"]
     differ = [{"role": "assistant", "content": "a", "reasoning": "x", "reasoning_content": "y"}]
-    assert_error(_chat(frontend, messages=differ), 400)
+    assert_error(chat(frontend, messages=differ), 400)
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_reasoning_effort_goes_to_the_chat_template(scripted, stream):
     handle, frontend = scripted
     handle.pieces = ["plan</think>", "answer"]
-    assert _chat(frontend, stream, reasoning_effort="high").status_code == 200
+    assert chat(frontend, stream, reasoning_effort="high").status_code == 200
     assert handle.prompts[-1].startswith("Reasoning: high\n<|user|>hi")
     tokenized = call(frontend, "POST", "/tokenize", json={"messages": [{"role": "user", "content": "hi"}],
                                                           "reasoning_effort": "high"}).json()
     assert tokenized["tokens"] == handle.tokenizer.encode(handle.prompts[-1], add_special_tokens=False)
-    assert _chat(frontend, stream, reasoning_effort="low", tools=TOOLS).status_code == 200
+    assert chat(frontend, stream, reasoning_effort="low", tools=TOOLS).status_code == 200
     assert handle.prompts[-1].startswith("Reasoning: low\n")
-    assert _chat(frontend, stream).status_code == 200
+    assert chat(frontend, stream).status_code == 200
     assert handle.prompts[-1].startswith("<|user|>hi")
     # chat_template_kwargs may say the same, not otherwise.
-    same = _chat(frontend, stream, reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "low"})
+    same = chat(frontend, stream, reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "low"})
     assert same.status_code == 200 and handle.prompts[-1].startswith("Reasoning: low\n")
-    differ = _chat(frontend, stream, reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"})
+    differ = chat(frontend, stream, reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"})
     assert assert_error(differ, 400)["param"] == "reasoning_effort"
-    assert assert_error(_chat(frontend, stream, reasoning_effort="max"), 400)["param"] == "reasoning_effort"
+    assert assert_error(chat(frontend, stream, reasoning_effort="max"), 400)["param"] == "reasoning_effort"
 
 
 def test_a_template_that_does_not_read_the_effort_refuses_it(tiny_model):
@@ -308,9 +255,9 @@ def test_a_template_that_does_not_read_the_effort_refuses_it(tiny_model):
 
     from transformers import AutoTokenizer
 
-    handle = _ScriptedHandle(tiny_model("llama"), AutoTokenizer.from_pretrained(tiny_model("llama")))
+    handle = ScriptedHandle(tiny_model("llama"), AutoTokenizer.from_pretrained(tiny_model("llama")))
     frontend = make_frontend(handle, reasoning_parser="deepseek_r1")
-    error = assert_error(_chat(frontend, reasoning_effort="high"), 400)
+    error = assert_error(chat(frontend, reasoning_effort="high"), 400)
     assert error["param"] == "reasoning_effort" and "does not read reasoning_effort" in error["message"]
     error = assert_error(_responses(frontend, reasoning={"effort": "high"}), 400)
     assert error["param"] == "reasoning.effort" and "does not read reasoning_effort" in error["message"]
@@ -452,7 +399,7 @@ def test_a_responses_logprobs_are_refused_where_the_reply_starts_in_the_reasonin
     handle.pieces = ["a</think>b"]
     assert_error(_responses(frontend, top_logprobs=2), 400, "top_logprobs")
     closed = {"chat_template_kwargs": {"enable_thinking": False}}
-    assert _chat(frontend, logprobs=True, **closed).status_code == 200
+    assert chat(frontend, logprobs=True, **closed).status_code == 200
 
 
 def test_reasoning_tokens_count_up_to_the_end_tag(tiny_model):
@@ -515,19 +462,19 @@ def test_a_served_reply_opened_in_the_reasoning_is_its_reasoning(tiny_model):
     try:
         frontend = make_frontend(handle, reasoning_parser="qwen3", chat_template=TEMPLATE)
         body = {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-        choice = _chat(frontend, **body).json()["choices"][0]
+        choice = chat(frontend, **body).json()["choices"][0]
         text = handle.tokenizer.decode(choice["token_ids"], skip_special_tokens=True)
         assert "</think>" not in text
         assert choice["message"]["reasoning"] == text and choice["message"]["content"] is None
-        reasoning, content, _, _ = _streamed(_chat(frontend, stream=True, **body))
+        reasoning, content, _, _ = streamed_chat(chat(frontend, stream=True, **body))
         assert (reasoning, content) == (text, "")
         # Constrained, the reasoning is still free: the same greedy text, the engine's grammar
         # waiting for a </think> that never comes.
-        constrained = _chat(frontend, response_format={"type": "json_object"}, **body).json()["choices"][0]
+        constrained = chat(frontend, response_format={"type": "json_object"}, **body).json()["choices"][0]
         assert constrained["message"]["reasoning"] == text and constrained["finish_reason"] == "length"
         # The Responses API: a reasoning item alone, every output token counted as reasoning.
         response = _responses(frontend, max_output_tokens=12, temperature=0).json()
-        same = _chat(frontend, max_tokens=12, temperature=0).json()["choices"][0]["message"]
+        same = chat(frontend, max_tokens=12, temperature=0).json()["choices"][0]["message"]
         assert [(item["type"], item["content"][0]["text"]) for item in response["output"]] == [
             ("reasoning", same["reasoning"])]
         assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == response["usage"]["output_tokens"]

@@ -40,7 +40,7 @@ from pagedserve.reasoning_parsers import ReasoningParser, get_reasoning_parser
 from pagedserve.tool_parsers import ParserDelta, ToolParser, constrained_parser, get_tool_parser
 from pagedserve.workers.lora.lora_request import LoRARequest
 from pagedserve.workers.outputs.request_output import CompletionOutput, RequestOutput
-from pagedserve.workers.sample.sampling_params import SamplingParams
+from pagedserve.workers.sample.sampling_params import SamplingParams, StructuredOutputsParams
 
 from .chunks import ChatChunkJSON, ChatChunkModels
 from .errors import APIError
@@ -102,11 +102,12 @@ class ServingChat:
         lora_request = frontend.resolve_model(request.model)
         if request.tool_choice not in (None, "none") and not request.tools:
             raise APIError(400, "tool_choice needs tools", param="tool_choice")
-        constraint, _ = constraint_and_field(request)
+        constraint, constrained_field = constraint_and_field(request)
         prompt = frontend.chat_prompt(request)
-        if constraint is not None and self.reasoning_parser(prompt.text) is not None:
-            # The reasoning is free; the answer after it is what the constraint holds (vLLM's way).
-            constraint = dataclasses.replace(constraint, reasoning_end=self.reasoning_parser_class.end_tag)
+        reasoning_parser = self.reasoning_parser(prompt.text)
+        if reasoning_parser is not None:
+            self._check_tools_of_the_format(request, reasoning_parser)
+            constraint = self._after_reasoning(reasoning_parser, constraint, constrained_field)
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -116,7 +117,32 @@ class ServingChat:
         room = frontend.max_model_len - len(prompt.token_ids)
         max_tokens = stated or min(room, frontend.sampling_defaults.get("max_tokens", room))
         params = frontend.sampling_params(request, max_tokens, logprobs, constraint, request.prompt_logprobs)
+        if reasoning_parser is not None and reasoning_parser.reads_special_tokens:
+            params.skip_special_tokens = params.spaces_between_special_tokens = False
         return prompt, params, lora_request
+
+    def _check_tools_of_the_format(self, request: ChatCompletionRequest, parser: ReasoningParser) -> None:
+        """400 where "auto" tool calls would be read by a parser that cannot read the calls ``parser``
+        passes on (gpt-oss's harmony needs tool_call_parser "openai")."""
+        needed = parser.tool_call_parser
+        config = self.frontend.config
+        if (needed is not None and request.tools and request.tool_choice in (None, "auto")
+                and config.tool_call_parser != needed):
+            raise APIError(400, f"tools with tool_choice \"auto\" need server.tool_call_parser {needed!r} with "
+                                f"server.reasoning_parser {config.reasoning_parser!r}: the calls are in a form of "
+                                "their own", param="tools")
+
+    def _after_reasoning(self, parser: ReasoningParser, constraint: StructuredOutputsParams | None,
+                         field: str | None) -> StructuredOutputsParams | None:
+        """``constraint`` for a reply that starts in the reasoning: it holds after the reasoning (vLLM's
+        way), the thinking staying free; 400 where ``parser``'s format cannot be held so."""
+        if constraint is None:
+            return None
+        if not parser.constrains_after_end:
+            raise APIError(400, f"{field} cannot be honoured with server.reasoning_parser "
+                                f"{self.frontend.config.reasoning_parser!r}: its answer starts after special "
+                                "tokens, which a grammar cannot hold the reply to", param=field)
+        return dataclasses.replace(constraint, reasoning_end=parser.end_tag)
 
     async def create_chat_completion(self, request: ChatCompletionRequest, client: str = ""
                                      ) -> ChatCompletionResponse | ChunkStream:

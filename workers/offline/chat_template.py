@@ -133,7 +133,8 @@ def _jinja_environment():
 
 def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
     """An OpenAI-style message dict in the template's form: text parts joined, tool calls'
-    JSON arguments parsed (templates render them as objects, as vLLM passes them)."""
+    JSON arguments parsed (templates render them as objects, as vLLM passes them), an assistant's
+    reasoning (``reasoning_content``) also as ``thinking``, the name gpt-oss's template reads it by."""
     if not isinstance(message, Mapping) or "role" not in message:
         raise ChatTemplateError(f"a message is a dict with a 'role', got {message!r:.80}", "messages")
     entry = {key: value for key, value in message.items() if key not in ("content", "tool_calls")}
@@ -152,6 +153,8 @@ def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
                       "function": {"name": function.get("name"), "arguments": arguments}})
     if calls:
         entry["tool_calls"] = calls
+    if entry.get("reasoning_content") is not None:
+        entry.setdefault("thinking", entry["reasoning_content"])
     return entry
 
 

@@ -8,11 +8,13 @@ reply gets a fresh instance, made with its prompt's text (``feed`` pieces while 
 from __future__ import annotations
 
 from .base import ReasoningDelta, ReasoningParser
+from .harmony import HarmonyParser
 from .think_tags import ThinkTagParser
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "deepseek_r1": ThinkTagParser,   # DeepSeek-R1 and its distills, QwQ
     "qwen3": ThinkTagParser,         # Qwen3, Qwen3.5 (enable_thinking in chat_template_kwargs)
+    "openai_gptoss": HarmonyParser,  # gpt-oss: harmony's channels (with tool_call_parser "openai")
 }
 
 
@@ -25,4 +27,5 @@ def get_reasoning_parser(name: str) -> type[ReasoningParser]:
             from None
 
 
-__all__ = ["REASONING_PARSERS", "ReasoningDelta", "ReasoningParser", "ThinkTagParser", "get_reasoning_parser"]
+__all__ = ["REASONING_PARSERS", "HarmonyParser", "ReasoningDelta", "ReasoningParser", "ThinkTagParser",
+           "get_reasoning_parser"]

@@ -20,11 +20,31 @@ class ReasoningDelta:
     content: str = ""
 
 
+def partial_tag_length(text: str, tags: tuple[str, ...]) -> int:
+    """How many characters at the end of ``text`` could be the start of one of ``tags``."""
+    longest = 0
+    for tag in tags:
+        for size in range(min(len(tag) - 1, len(text)), longest, -1):
+            if tag.startswith(text[-size:]):
+                longest = size
+                break
+    return longest
+
+
 class ReasoningParser(ABC):
     """One reply's parser: made with the prompt's text, which may open or close the reasoning."""
 
-    # The text that ends the reasoning: a constrained output's language holds after it.
+    # The text that ends the reasoning: a constrained output's language holds after it, and the
+    # Responses API counts the reasoning's tokens up to it.
     end_tag: str
+    # Whether a constrained output's grammar can hold after ``end_tag`` (plain text, which a grammar
+    # matches; special tokens are not).
+    constrains_after_end: bool = True
+    # Whether the reply's text must keep its special tokens (a format whose markers are special tokens).
+    reads_special_tokens: bool = False
+    # The tool-call parser that reads the calls this parser passes on in the content, where the format
+    # needs its own (None: any).
+    tool_call_parser: str | None = None
 
     @abstractmethod
     def __init__(self, prompt_text: str | None = None) -> None: ...

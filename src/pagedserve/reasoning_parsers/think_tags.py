@@ -12,15 +12,7 @@ up to ``</think>`` is reasoning and everything after it is content; a reply cut 
 
 from __future__ import annotations
 
-from .base import ReasoningDelta, ReasoningParser
-
-
-def _held_back(text: str, tag: str) -> int:
-    """How many characters at the end of ``text`` could be the start of ``tag``."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0
+from .base import ReasoningDelta, ReasoningParser, partial_tag_length
 
 
 class ThinkTagParser(ReasoningParser):
@@ -57,7 +49,7 @@ class ThinkTagParser(ReasoningParser):
         if self._is_reasoning:
             end = text.find(self.end_tag)
             if end < 0:
-                keep = _held_back(text, self.end_tag)
+                keep = partial_tag_length(text, (self.end_tag,))
                 self._pending = text[len(text) - keep:] if keep else ""
                 return ReasoningDelta(reasoning=text[:len(text) - keep])
             reasoning, text = text[:end], text[end + len(self.end_tag):]

@@ -9,6 +9,7 @@ build the grammar for "required" and named choices and their parsers.
 from __future__ import annotations
 
 from .base import ParsedOutput, ParserDelta, ToolCall, ToolCallDelta, ToolParser, new_call_id
+from .harmony_calls import HarmonyToolParser
 from .hermes import HermesToolParser
 from .json_calls import Llama3JsonToolParser, NamedToolParser, RequiredToolParser
 from .tool_choice import constrained_parser, function_name, tool_choice_constraint, tools_by_name
@@ -16,6 +17,7 @@ from .tool_choice import constrained_parser, function_name, tool_choice_constrai
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,       # Hermes, Qwen 2.5/3, make-model's template
     "llama3_json": Llama3JsonToolParser,
+    "openai": HarmonyToolParser,      # gpt-oss, with reasoning_parser "openai_gptoss"
 }
 
 
@@ -28,7 +30,7 @@ def get_tool_parser(name: str) -> type[ToolParser]:
 
 
 __all__ = [
-    "TOOL_PARSERS", "HermesToolParser", "Llama3JsonToolParser", "NamedToolParser", "ParsedOutput",
+    "TOOL_PARSERS", "HarmonyToolParser", "HermesToolParser", "Llama3JsonToolParser", "NamedToolParser", "ParsedOutput",
     "ParserDelta", "RequiredToolParser", "ToolCall", "ToolCallDelta", "ToolParser", "constrained_parser",
     "function_name", "get_tool_parser", "new_call_id", "tool_choice_constraint", "tools_by_name",
 ]

@@ -16,6 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
+def partial_tag_length(text: str, tag: str) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of ``tag``."""
+    for length in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-length:]):
+            return length
+    return 0
+
+
 def new_call_id() -> str:
     """An id in OpenAI's style: ``call_`` and 24 hex digits."""
     return f"call_{secrets.token_hex(12)}"

@@ -9,7 +9,7 @@ included, when it closes (while streaming, only if nothing of it was sent yet).
 
 from __future__ import annotations
 
-from .base import ParserDelta, ToolParser
+from .base import ParserDelta, ToolParser, partial_tag_length
 from .call_stream import CallStream
 from .json_scan import skip_whitespace
 
@@ -44,7 +44,7 @@ class HermesToolParser(ToolParser):
             if self._stream is None:
                 index = self._buffer.find(START_TAG)
                 if index == -1:
-                    keep = 0 if is_final else _partial_tag_length(self._buffer, START_TAG)
+                    keep = 0 if is_final else partial_tag_length(self._buffer, START_TAG)
                     self._content_text(delta, self._buffer[:len(self._buffer) - keep])
                     self._buffer = self._buffer[len(self._buffer) - keep:]
                     return
@@ -80,11 +80,3 @@ class HermesToolParser(ToolParser):
             self._emit_content(delta, self._pending_space + body)
             self._pending_space = ""
         self._pending_space += text[len(body):]
-
-
-def _partial_tag_length(text: str, tag: str) -> int:
-    """Length of the longest tail of ``text`` that is a proper prefix of ``tag``."""
-    for length in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-length:]):
-            return length
-    return 0

@@ -1,0 +1,77 @@
+"""gpt-oss's function calls (vLLM's ``openai`` tool-call parser), as the ``openai_gptoss``
+reasoning parser passes them on in the answer:
+
+    <|channel|>commentary to=functions.NAME<|message|>ARGUMENTS<|call|>
+
+A call starts (id and name) once its header is complete; its arguments stream as the model writes
+them (harmony's calls are JSON text, given as written) and it is complete at ``<|call|>``. Text
+outside the calls is content; a block to a recipient that is not a function is content, whole.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .base import ParserDelta, ToolCall, ToolParser, partial_tag_length
+
+CALL_START = "<|channel|>"
+HEADER_END = "<|message|>"
+CALL_END = "<|call|>"
+FUNCTIONS = "functions."
+_RECIPIENT = re.compile(r"to=([^\s<]+)")
+
+
+class HarmonyToolParser(ToolParser):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._buffer = ""
+        self._header: str | None = None    # set while inside a block, before its arguments
+        self._call: ToolCall | None = None  # set while inside a call's arguments
+
+    def feed(self, text: str) -> ParserDelta:
+        delta = ParserDelta()
+        self._buffer += text
+        self._advance(delta, is_final=False)
+        return delta
+
+    def finish(self) -> ParserDelta:
+        delta = ParserDelta()
+        self._advance(delta, is_final=True)
+        if self._header is not None:   # cut off inside a header: what it was is unknown
+            self._emit_content(delta, CALL_START + self._header)
+        self._header = self._call = None
+        return delta
+
+    def _advance(self, delta: ParserDelta, is_final: bool) -> None:
+        while self._buffer:
+            buffer = self._buffer
+            if self._call is not None:
+                end = buffer.find(CALL_END)
+                keep = 0 if end >= 0 or is_final else partial_tag_length(buffer, CALL_END)
+                arguments = buffer[:end] if end >= 0 else buffer[:len(buffer) - keep]
+                self._emit_arguments(delta, self._call, arguments)
+                if end < 0:
+                    self._buffer = buffer[len(buffer) - keep:]
+                    return
+                self._call.is_complete = True
+                self._call, self._buffer = None, buffer[end + len(CALL_END):]
+            elif self._header is not None:
+                end = buffer.find(HEADER_END)
+                if end < 0:
+                    self._header, self._buffer = self._header + buffer, ""
+                    return
+                header, self._header, self._buffer = self._header + buffer[:end], None, buffer[end + len(HEADER_END):]
+                recipient = _RECIPIENT.search(header)
+                if recipient is not None and recipient.group(1).startswith(FUNCTIONS):
+                    self._call = self._start_call(delta, recipient.group(1)[len(FUNCTIONS):])
+                else:
+                    self._emit_content(delta, CALL_START + header + HEADER_END)
+            else:
+                start = buffer.find(CALL_START)
+                if start < 0:
+                    keep = 0 if is_final else partial_tag_length(buffer, CALL_START)
+                    self._emit_content(delta, buffer[:len(buffer) - keep])
+                    self._buffer = buffer[len(buffer) - keep:]
+                    return
+                self._emit_content(delta, buffer[:start])
+                self._header, self._buffer = "", buffer[start + len(CALL_START):]

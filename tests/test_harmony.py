@@ -1,0 +1,312 @@
+"""gpt-oss's harmony format: ``server.reasoning_parser: openai_gptoss`` with ``tool_call_parser: openai``.
+
+The parsers alone: documented replies, and, drawn by hypothesis, replies of any messages (reasoning,
+preambles, answers, calls to functions and built-in tools, written with either header order, cut
+off or not) that parse, whole or streamed in any pieces, to what their messages say. Then chat
+completions and the Responses API over a scripted handle whose replies are harmony (a random-weight
+model never writes it): the reasoning, the answer, function calls, the refusals of what the format
+cannot honour, the configuration's check. Then once over the real engine: the reply's special
+tokens reach the parser.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+httpx = pytest.importorskip("httpx")
+
+from local_frontend import (LocalHandle, ScriptedHandle, assert_error, assert_idle, call, chat,  # noqa: E402
+                            streamed_chat)
+
+from pagedserve.reasoning_parsers import HarmonyParser  # noqa: E402
+from pagedserve.tool_parsers import HarmonyToolParser  # noqa: E402
+
+PROMPT = "<|start|>user<|message|>hi<|end|><|start|>assistant"
+ANALYSIS = "<|channel|>analysis<|message|>"
+NEXT = "<|end|><|start|>assistant"
+FINAL = NEXT + "<|channel|>final<|message|>"
+WEATHER = NEXT + " to=functions.get_weather<|channel|>commentary json<|message|>"
+# A harmony template in gpt-oss's shape: each message's role, an assistant's reasoning (``thinking``, as
+# gpt-oss's template reads it) on the analysis channel and its answer on the final one.
+TEMPLATE = ("{% for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}{% if m.thinking %}"
+            "<|channel|>analysis<|message|>{{ m.thinking }}<|end|><|start|>assistant{% endif %}<|channel|>final"
+            "{% endif %}<|message|>{{ m.content }}<|end|>{% endfor %}"
+            "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
+
+
+# ---- the parsers -------------------------------------------------------------------------------
+@pytest.mark.parametrize("prompt, reply, expected", [
+    (PROMPT, ANALYSIS + "plan" + FINAL + "answer", ("plan", "answer")),
+    (PROMPT, ANALYSIS + "a" + NEXT + ANALYSIS + "b" + FINAL + "x", ("a\nb", "x")),          # joined by a line
+    (PROMPT, ANALYSIS + "cut off mid-way", ("cut off mid-way", None)),
+    (PROMPT, ANALYSIS + "plan" + NEXT + "<|chan", ("plan", None)),                         # cut in a header
+    (PROMPT, "<|channel|>commentary<|message|>preamble" + FINAL + "x", ("preamble", "x")),
+    (PROMPT, "<|channel|>final<|message|>only the answer<|return|>", (None, "only the answer")),
+    (PROMPT, "not harmony at all", (None, "not harmony at all")),
+    (PROMPT, ANALYSIS + "p" + NEXT + "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}",
+     ("p", "<|channel|>commentary to=functions.f<|message|>{}<|call|>")),
+    (PROMPT, "<|channel|>analysis to=browser.search<|message|>{\"q\": 1}" + FINAL + "x", ('{"q": 1}', "x")),
+    (PROMPT + "<|channel|>analysis<|message|>", "more" + FINAL + "x", ("more", "x")),    # the prompt opened it
+    (PROMPT, "", (None, None)),
+])
+def test_whole_replies(prompt, reply, expected):
+    assert HarmonyParser(prompt).parse(reply) == expected
+
+
+def test_the_prompt_says_where_a_reply_starts():
+    starts = HarmonyParser.starts_in_reasoning
+    assert starts(PROMPT) and starts(None) and starts(PROMPT + ANALYSIS)
+    assert not starts(PROMPT + "<|channel|>final<|message|>")
+    assert starts(PROMPT + "<|channel|>final<|message|>done<|end|><|start|>assistant")
+
+
+_bodies = st.lists(st.sampled_from(["plan", " ", "\n", "<", "|", "<|", "end", "é", "{\"a\": 1}", "to=x"]),
+                   max_size=5).map("".join)
+_messages = st.lists(st.tuples(st.sampled_from(["analysis", "commentary", "final", "call", "builtin"]),
+                               st.booleans(), _bodies), max_size=5)
+
+
+def _render(messages: list[tuple[str, bool, str]]) -> str:
+    """Harmony text of ``messages`` (kind, whether the recipient comes before the channel, body)."""
+    text = []
+    for position, (kind, recipient_first, body) in enumerate(messages):
+        start = "" if position == 0 else NEXT
+        recipient = {"call": " to=functions.get_weather", "builtin": " to=browser.search"}.get(kind)
+        channel = "commentary" if recipient else kind
+        if recipient is None:
+            header = f"<|channel|>{channel}"
+        elif recipient_first:
+            header = f"{recipient}<|channel|>{channel} json"
+        else:
+            header = f"<|channel|>{channel}{recipient} <|constrain|>json"
+        text.append(f"{start}{header}<|message|>{body}")
+    return "".join(text)
+
+
+def _reading(messages: list[tuple[str, bool, str]]) -> tuple[str | None, str | None, list[tuple[str, str]]]:
+    """What ``messages`` say, read off them as the module docstring states: reasoning, content, calls."""
+    reasoning = [body for kind, _, body in messages if kind in ("analysis", "commentary", "builtin") and body]
+    answers = [body for kind, _, body in messages if kind == "final" and body]
+    calls = [("get_weather", body) for kind, _, body in messages if kind == "call"]
+    return "\n".join(reasoning) or None, "\n".join(answers) or None, calls
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(messages=_messages, data=st.data())
+def test_any_reply_streamed_in_any_pieces_reads_as_its_messages_say(messages, data):
+    reply = _render(messages)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(reply)), max_size=8)))
+    pieces = [reply[a:b] for a, b in zip([0, *cuts], [*cuts, len(reply)])]
+    parser, tools = HarmonyParser(PROMPT), HarmonyToolParser()
+    reasoning, content, calls = "", "", {}
+    for delta in [parser.feed(piece) for piece in pieces] + [parser.finish()]:
+        reasoning += delta.reasoning
+        for tool_delta in [tools.feed(delta.content)]:
+            content += tool_delta.content
+            for piece in tool_delta.tool_calls:
+                calls.setdefault(piece.index, ["", ""])
+                calls[piece.index][0] += piece.name or ""
+                calls[piece.index][1] += piece.arguments
+    content += tools.finish().content
+    whole_reasoning, whole_content = HarmonyParser(PROMPT).parse(reply)
+    parsed = HarmonyToolParser().parse(whole_content or "")
+    expected_reasoning, expected_content, expected_calls = _reading(messages)
+    assert (reasoning or None, whole_reasoning) == (expected_reasoning, expected_reasoning)
+    if expected_calls and not (expected_content or "").strip():   # whitespace beside calls is no content
+        expected_content, content = None, content.strip()
+    assert content == (parsed.content or "") and (parsed.content or None) == expected_content
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == expected_calls
+    assert [tuple(calls[i]) for i in sorted(calls)] == expected_calls
+    for text in (reasoning, content):
+        assert not any(marker in text for marker in MARKERS if marker not in "".join(b for *_, b in messages))
+
+
+def test_the_tool_parser_reads_calls_between_content():
+    parser = HarmonyToolParser(new_id=lambda: "call_1")
+    parsed = parser.parse("see <|channel|>commentary to=functions.get_weather<|message|>{\"city\": \"P\"}<|call|>")
+    assert parsed.content == "see " and [(c.id, c.name, c.arguments) for c in parsed.tool_calls] == [
+        ("call_1", "get_weather", '{"city": "P"}')]
+    cut = HarmonyToolParser().parse("<|channel|>commentary to=functions.f<|message|>{\"a\": ", is_cut_off=True)
+    assert cut.content is None and [(c.name, c.arguments) for c in cut.tool_calls] == [("f", '{"a": ')]
+    builtin = "x<|channel|>commentary to=browser.search<|message|>{}<|call|>"
+    assert HarmonyToolParser().parse(builtin).content == builtin
+
+
+# ---- chat completions and responses over a scripted handle -------------------------------------
+@pytest.fixture(scope="module")
+def harmony(tiny_model):
+    from transformers import AutoTokenizer
+
+    from local_frontend import make_frontend
+
+    path = tiny_model("llama")
+    handle = ScriptedHandle(path, AutoTokenizer.from_pretrained(path))
+    return handle, make_frontend(handle, reasoning_parser="openai_gptoss", tool_call_parser="openai",
+                                 chat_template=TEMPLATE)
+
+
+@pytest.mark.parametrize("pieces", [
+    [ANALYSIS, "I should", " greet.", FINAL, "Hello", "!"],
+    ["<|channel|>analysis<|mess", "age|>I should greet.<|e", "nd|><|start|>assistant<|channel|>final<|message|>Hello!"],
+])
+def test_reasoning_and_answer_whole_and_streamed(harmony, pieces):
+    handle, frontend = harmony
+    handle.pieces, handle.finish_reason = pieces, "stop"
+    message = chat(frontend).json()["choices"][0]["message"]
+    assert message["reasoning"] == message["reasoning_content"] == "I should greet."
+    assert message["content"] == "Hello!" and message["tool_calls"] == []
+    assert handle.prompts[-1].endswith("<|start|>assistant")
+    # The reply's text keeps its special tokens, whatever the request says.
+    params = handle.params[-1]
+    assert not params.skip_special_tokens and not params.spaces_between_special_tokens
+    reasoning, content, _, choices = streamed_chat(chat(frontend, stream=True, skip_special_tokens=True))
+    assert (reasoning, content) == ("I should greet.", "Hello!") and not handle.params[-1].skip_special_tokens
+    assert choices[-1]["finish_reason"] == "stop"
+
+
+def test_an_earlier_turns_reasoning_goes_back_as_thinking(harmony):
+    handle, frontend = harmony
+    handle.pieces = [FINAL[len(NEXT):], "ok"]
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello!", "reasoning": "greet"},
+                {"role": "user", "content": "again"}]
+    assert chat(frontend, messages=messages).json()["choices"][0]["message"]["content"] == "ok"
+    assert ("<|start|>assistant<|channel|>analysis<|message|>greet<|end|><|start|>assistant<|channel|>final"
+            "<|message|>Hello!<|end|>") in handle.prompts[-1]
+
+
+def test_a_function_call_whole_and_streamed(harmony):
+    handle, frontend = harmony
+    handle.pieces, handle.finish_reason = [ANALYSIS, "weather?", WEATHER, '{"city"', ': "Paris"}'], "stop"
+    choice = chat(frontend, tools=TOOLS).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["reasoning"] == "weather?"
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] == [
+        ("get_weather", '{"city": "Paris"}')]
+    reasoning, content, pieces, choices = streamed_chat(chat(frontend, stream=True, tools=TOOLS))
+    assert (reasoning, content) == ("weather?", "") and choices[-1]["finish_reason"] == "tool_calls"
+    assert pieces[0]["function"]["name"] == "get_weather" and pieces[0]["id"].startswith("call_")
+    assert "".join(p["function"].get("arguments") or "" for p in pieces) == '{"city": "Paris"}'
+    # Without tools, the call's block stays in the content: nothing the model wrote is lost.
+    content = chat(frontend).json()["choices"][0]["message"]["content"]
+    assert content == '<|channel|>commentary to=functions.get_weather<|message|>{"city": "Paris"}<|call|>'
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ({"structured_outputs": {"regex": "[ab]+"}}, "structured_outputs"),
+])
+def test_a_constrained_reply_is_refused_naming_its_field(harmony, body, param):
+    """A grammar cannot hold the answer after harmony's special tokens: refused, not ignored."""
+    handle, frontend = harmony
+    sent = len(handle.prompts)
+    assert "openai_gptoss" in assert_error(chat(frontend, **body), 400, param)["message"]
+    assert len(handle.prompts) == sent
+
+
+def test_tools_need_the_formats_tool_call_parser(tiny_model, harmony):
+    from pydantic import ValidationError
+
+    from local_frontend import make_frontend
+    from pagedserve.cluster.config import ServerConfig
+
+    handle, _ = harmony
+    hermes = make_frontend(handle, reasoning_parser="openai_gptoss", chat_template=TEMPLATE)
+    handle.pieces = [FINAL[len(NEXT):], "hi"]
+    assert "tool_call_parser 'openai'" in assert_error(chat(hermes, tools=TOOLS), 400, "tools")["message"]
+    assert chat(hermes, tools=TOOLS, tool_choice="none").json()["choices"][0]["message"]["content"] == "hi"
+    assert chat(hermes).status_code == 200
+    with pytest.raises(ValidationError, match="set reasoning_parser: openai_gptoss"):
+        ServerConfig(tool_call_parser="openai")
+    with pytest.raises(ValidationError, match="set reasoning_parser: openai_gptoss"):
+        ServerConfig(tool_call_parser="openai", reasoning_parser="qwen3")
+
+
+def test_a_response_has_its_reasoning_item_then_its_call_or_message(harmony):
+    handle, frontend = harmony
+    handle.pieces, handle.finish_reason = [ANALYSIS, "weather?", WEATHER, '{"city": "Paris"}'], "stop"
+    tools = [{"type": "function", **TOOLS[0]["function"]}]
+    response = call(frontend, "POST", "/v1/responses", json={"input": "hi", "tools": tools}).json()
+    assert [item["type"] for item in response["output"]] == ["reasoning", "function_call"]
+    assert response["output"][0]["content"][0]["text"] == "weather?"
+    assert (response["output"][1]["name"], response["output"][1]["arguments"]) == ("get_weather", '{"city": "Paris"}')
+    handle.pieces = [ANALYSIS, "plan", FINAL, "Hello!"]
+    response = call(frontend, "POST", "/v1/responses", json={"input": "hi"}).json()
+    assert [(item["type"], item["content"][0]["text"]) for item in response["output"]] == [
+        ("reasoning", "plan"), ("message", "Hello!")]
+    assert_error(call(frontend, "POST", "/v1/responses", json={"input": "hi", "text": {"format": {
+        "type": "json_object"}}}), 400, "text.format")
+
+
+def test_reasoning_tokens_count_up_to_the_final_channel(tiny_model):
+    from transformers import AutoTokenizer
+
+    from pagedserve.cluster.serving.serving_responses import reasoning_token_count
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model("llama"))
+    tokenizer.add_special_tokens({"additional_special_tokens": list(MARKERS)})
+    thinking = tokenizer.encode(ANALYSIS + "plan it" + FINAL, add_special_tokens=False)
+    answer = tokenizer.encode("The answer.", add_special_tokens=False)
+    assert reasoning_token_count(tokenizer, thinking + answer, HarmonyParser.end_tag) == len(thinking)
+    assert reasoning_token_count(tokenizer, thinking[:-1], HarmonyParser.end_tag) == len(thinking) - 1
+
+
+# ---- the real engine ---------------------------------------------------------------------------
+def test_a_served_replys_special_tokens_reach_the_parser(tiny_model):
+    """A random-weight model writes no harmony, but, held to a special token (raised) and a few
+    words, it writes special tokens: the parser reads them (a reply with no harmony is the content, whole),
+    where a server without the parser leaves them out."""
+    from local_frontend import make_frontend
+
+    handle = LocalHandle(tiny_model("llama"))
+    try:
+        tokenizer = handle.tokenizer
+        allowed = [tokenizer.convert_tokens_to_ids("<|im_start|>"), *tokenizer.encode(" the cat sat",
+                                                                                       add_special_tokens=False)]
+        body = {"max_tokens": 16, "temperature": 1.0, "seed": 3, "ignore_eos": True, "return_token_ids": True,
+                "allowed_token_ids": allowed, "logit_bias": {str(allowed[0]): 5}}
+        replies = {}
+        for parser in ("openai_gptoss", None):
+            frontend = make_frontend(handle, reasoning_parser=parser, chat_template=TEMPLATE)
+            choice = chat(frontend, **body).json()["choices"][0]
+            replies[parser] = choice["message"], tokenizer.decode(choice["token_ids"], skip_special_tokens=False)
+            streamed = streamed_chat(chat(frontend, stream=True, **body))
+            assert (streamed[0] or None, streamed[1]) == (choice["message"].get("reasoning"),
+                                                          choice["message"]["content"])
+        message, text = replies["openai_gptoss"]
+        assert "<|im_start|>" in text and message["content"] == text and message.get("reasoning") is None
+        plain, _ = replies[None]
+        assert plain["content"] == text.replace("<|im_start|>", "")
+        assert_idle(handle)
+    finally:
+        handle.engine.shutdown()
+
+
+def test_the_official_client_reads_the_reasoning_and_the_call(harmony):
+    import asyncio
+
+    openai = pytest.importorskip("openai")
+    from pagedserve.cluster.serving.http_app import build_app
+
+    handle, frontend = harmony
+    handle.pieces, handle.finish_reason = [ANALYSIS, "weather?", WEATHER, '{"city": "Paris"}'], "stop"
+
+    async def ask():
+        transport = httpx.ASGITransport(app=build_app(frontend))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", http_client=http)
+            completion = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                              tools=TOOLS)
+            return completion.choices[0]
+
+    choice = asyncio.run(ask())
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "get_weather"
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Paris"}
+    assert choice.message.model_extra["reasoning"] == "weather?"
