@@ -4,9 +4,11 @@ The parsers alone: documented replies, and, drawn by hypothesis, replies of any 
 preambles, answers, calls to functions and built-in tools, written with either header order, cut
 off or not) that parse, whole or streamed in any pieces, to what their messages say. Then chat
 completions and the Responses API over a scripted handle whose replies are harmony (a random-weight
-model never writes it): the reasoning, the answer, function calls, the refusals of what the format
-cannot honour, the configuration's check. Then once over the real engine: the reply's special
-tokens reach the parser.
+model never writes it): the reasoning, the answer, function calls, constrained outputs held in the
+final channel, the refusals of what the format cannot honour, the configuration's check. The engine's
+grammar for a constrained reply, over a tokenizer with harmony's special tokens. Then over the real
+engine: the reply's special tokens reach the parser, and a constrained reply is harmony whose final
+message is the constrained language.
 """
 
 from __future__ import annotations
@@ -198,17 +200,73 @@ def test_a_function_call_whole_and_streamed(harmony):
     assert content == '<|channel|>commentary to=functions.get_weather<|message|>{"city": "Paris"}<|call|>'
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-    ({"structured_outputs": {"regex": "[ab]+"}}, "structured_outputs"),
+@pytest.mark.parametrize("body, kind", [
+    ({"response_format": {"type": "json_object"}}, "json_object"),
+    ({"tools": TOOLS, "tool_choice": "required"}, "json"),
+    ({"structured_outputs": {"regex": "[ab]+"}}, "regex"),
 ])
-def test_a_constrained_reply_is_refused_naming_its_field(harmony, body, param):
-    """A grammar cannot hold the answer after harmony's special tokens: refused, not ignored."""
+def test_a_constrained_reply_holds_in_the_final_channel(harmony, body, kind):
+    """The reasoning messages stay free; the final channel's message is what the constraint asks
+    (workers.sample.grammar's harmony wrapper), parsed as the constrained content."""
     handle, frontend = harmony
+    handle.pieces = [ANALYSIS, "free thoughts", FINAL, '[{"name": "get_weather", "parameters": {}}]'
+                     if "tools" in body else "ab"]
+    response = chat(frontend, **body)
+    assert response.status_code == 200, response.text
+    constraint = handle.params[-1].structured_outputs
+    assert constraint.kind == kind and constraint.reasoning_end == "<|channel|>final<|message|>"
+    message = response.json()["choices"][0]["message"]
+    assert message["reasoning"] == "free thoughts"
+    if "tools" in body:
+        assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+    else:
+        assert message["content"] == "ab"
+
+
+def test_a_constrained_reply_inside_a_message_the_prompt_opened_is_refused(harmony):
+    from local_frontend import make_frontend
+
+    handle, _ = harmony
+    opened = make_frontend(handle, reasoning_parser="openai_gptoss", tool_call_parser="openai",
+                           chat_template=TEMPLATE.replace("<|start|>assistant{% endif %}",
+                                                          "<|start|>assistant" + ANALYSIS + "{% endif %}"))
     sent = len(handle.prompts)
-    assert "openai_gptoss" in assert_error(chat(frontend, **body), 400, param)["message"]
-    assert len(handle.prompts) == sent
+    error = assert_error(chat(opened, response_format={"type": "json_object"}), 400, "response_format")
+    assert "opened a message" in error["message"] and len(handle.prompts) == sent
+    handle.pieces = ["thoughts", FINAL, "hi"]
+    assert chat(opened).json()["choices"][0]["message"]["reasoning"] == "thoughts"
+
+
+def test_the_grammar_holds_the_final_channel_and_leaves_the_reasoning_free(tiny_model):
+    """The engine's grammar over a tokenizer with harmony's special tokens: a reply must open a
+    header; reasoning messages on the analysis or commentary channel take any text; the final
+    message takes only the language, and the grammar is complete once it is."""
+    from transformers import AutoTokenizer
+
+    from pagedserve.workers.sample.grammar import GrammarCompiler
+    from pagedserve.workers.sample.sampling_params import StructuredOutputsParams
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model("llama"))
+    tokenizer.add_special_tokens({"additional_special_tokens": list(MARKERS)})
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.convert_tokens_to_ids("<|return|>")])
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    grammar = compiler.compile(StructuredOutputsParams(json=schema, reasoning_end=HarmonyParser.end_tag))
+
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    first = grammar.matcher()
+    bitmask = compiler.allocate_bitmask(1)
+    compiler.fill_bitmask([first], bitmask)
+    allowed = [t for t in range(len(tokenizer)) if bitmask[0, t // 32] >> (t % 32) & 1]
+    assert allowed == [tokenizer.convert_tokens_to_ids("<|channel|>")]
+    reasoning = ANALYSIS + 'free {"a": "x"} <b>' + NEXT + "<|channel|>commentary<|message|>soon" + FINAL
+    for answer, is_complete in [('{"a": 5}', True), ('{"a": 5', False)]:
+        matcher = grammar.matcher()
+        assert matcher.accept_all(ids(reasoning + answer)) and matcher.is_finished is is_complete
+    for wrong in ["<|channel|>final<|message|>hello", ANALYSIS + "x" + NEXT + "<|channel|>final<|message|>[",
+                  "<|channel|>analysis to=functions.f<|message|>"]:
+        assert not grammar.matcher().accept_all(ids(wrong)), wrong
 
 
 def test_tools_need_the_formats_tool_call_parser(tiny_model, harmony):
@@ -241,8 +299,12 @@ def test_a_response_has_its_reasoning_item_then_its_call_or_message(harmony):
     response = call(frontend, "POST", "/v1/responses", json={"input": "hi"}).json()
     assert [(item["type"], item["content"][0]["text"]) for item in response["output"]] == [
         ("reasoning", "plan"), ("message", "Hello!")]
-    assert_error(call(frontend, "POST", "/v1/responses", json={"input": "hi", "text": {"format": {
-        "type": "json_object"}}}), 400, "text.format")
+    handle.pieces = [ANALYSIS, "plan", FINAL, "{}"]
+    response = call(frontend, "POST", "/v1/responses", json={"input": "hi", "text": {"format": {
+        "type": "json_object"}}}).json()
+    assert handle.params[-1].structured_outputs.reasoning_end == HarmonyParser.end_tag
+    assert [(item["type"], item["content"][0]["text"]) for item in response["output"]] == [
+        ("reasoning", "plan"), ("message", "{}")]
 
 
 def test_reasoning_tokens_count_up_to_the_final_channel(tiny_model):
@@ -284,6 +346,59 @@ def test_a_served_replys_special_tokens_reach_the_parser(tiny_model):
         assert "<|im_start|>" in text and message["content"] == text and message.get("reasoning") is None
         plain, _ = replies[None]
         assert plain["content"] == text.replace("<|im_start|>", "")
+        assert_idle(handle)
+    finally:
+        handle.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def harmony_model(tiny_model, tmp_path_factory) -> str:
+    """The tiny Llama with harmony's markers added to its vocabulary as special tokens, their
+    embeddings and logits' weights zero (as the checkpoint's own special tokens' logits are)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source, path = tiny_model("llama"), tmp_path_factory.mktemp("harmony-llama")
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(MARKERS)})
+    model = AutoModelForCausalLM.from_pretrained(source)
+    known = model.get_input_embeddings().weight.shape[0]
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[known:] = 0
+        model.get_output_embeddings().weight[known:] = 0
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_a_served_constrained_reply_is_harmony_with_the_answer_in_the_final_channel(harmony_model):
+    """Over the real engine: unconstrained, the greedy reply opens no header; constrained, it must.
+    Raising ``<|end|>`` ends reasoning messages early, each followed by the next header; raising the
+    first token of ``final`` opens the final channel at once, whose message is JSON."""
+    from local_frontend import make_frontend
+
+    handle = LocalHandle(harmony_model)
+    try:
+        tokenizer = handle.tokenizer
+        frontend = make_frontend(handle, reasoning_parser="openai_gptoss", chat_template=TEMPLATE)
+        body = {"max_tokens": 40, "temperature": 0, "return_token_ids": True}
+
+        def reply(**extra) -> tuple[dict, str]:
+            choice = chat(frontend, **body, **extra).json()["choices"][0]
+            return choice["message"], tokenizer.decode(choice["token_ids"], skip_special_tokens=False)
+
+        _, free = reply()
+        assert not free.startswith("<|channel|>")
+        constrained = {"response_format": {"type": "json_object"}}
+        end, final = tokenizer.convert_tokens_to_ids("<|end|>"), tokenizer.encode("final", add_special_tokens=False)[0]
+        message, text = reply(**constrained, logit_bias={str(end): 8})
+        assert text.startswith(ANALYSIS) and message.get("reasoning")
+        assert text.count("<|end|>") == text.count(NEXT + "<|channel|>")
+        assert (message.get("reasoning"), message["content"]) == HarmonyParser().parse(text)
+        message, text = reply(**constrained, logit_bias={str(final): 5})
+        assert text.startswith("<|channel|>final<|message|>{") and message.get("reasoning") is None
+        assert message["content"] == text[len("<|channel|>final<|message|>"):]
         assert_idle(handle)
     finally:
         handle.engine.shutdown()

@@ -139,9 +139,9 @@ class ServingChat:
         if constraint is None:
             return None
         if not parser.constrains_after_end:
-            raise APIError(400, f"{field} cannot be honoured with server.reasoning_parser "
-                                f"{self.frontend.config.reasoning_parser!r}: its answer starts after special "
-                                "tokens, which a grammar cannot hold the reply to", param=field)
+            raise APIError(400, f"{field} cannot be honoured where the prompt opened a message of "
+                                f"server.reasoning_parser {self.frontend.config.reasoning_parser!r}'s format: "
+                                "the grammar starts at a message's header", param=field)
         return dataclasses.replace(constraint, reasoning_end=parser.end_tag)
 
     async def create_chat_completion(self, request: ChatCompletionRequest, client: str = ""

@@ -38,6 +38,8 @@ MAX_ERROR_CHARS = 600
 JSON_WHITESPACE_PATTERN = r"[\x20\n]?"
 # The name a reasoned output's language goes by inside its grammar (``reasoning_end``).
 REASONED_ANSWER = "reasoned_answer"
+# gpt-oss's harmony: the answer is the final channel's message (``reasoning_end`` this header).
+HARMONY_FINAL = "<|channel|>final<|message|>"
 
 
 def _llguidance():
@@ -49,7 +51,21 @@ def _llguidance():
 def grammar_source(spec: StructuredOutputsParams) -> str:
     """llguidance's grammar text for ``spec`` (not yet checked)."""
     source = _language_source(spec)
-    return source if spec.reasoning_end is None else _after_reasoning(source, spec.reasoning_end)
+    if spec.reasoning_end is None:
+        return source
+    if spec.reasoning_end == HARMONY_FINAL:
+        return _after_harmony_reasoning(source)
+    return _after_reasoning(source, spec.reasoning_end)
+
+
+def _with_answer(wrapper: str, source: str) -> str:
+    """A top-level Lark ``wrapper`` whose rules refer to ``source``'s start grammar by name."""
+    if source.lstrip().startswith("{"):
+        grammars = json.loads(source)["grammars"]
+    else:   # Lark text
+        grammars = [{"lark_grammar": source}]
+    answer = {**grammars[0], "name": REASONED_ANSWER}
+    return json.dumps({"grammars": [{"lark_grammar": wrapper}, answer, *grammars[1:]]})
 
 
 def _after_reasoning(source: str, end: str) -> str:
@@ -61,11 +77,6 @@ def _after_reasoning(source: str, end: str) -> str:
     parser reads the reply. Special tokens (an end of sequence among them) are no text: the
     reasoning cannot end the sequence before the language has had its say.
     """
-    if source.lstrip().startswith("{"):
-        grammars = json.loads(source)["grammars"]
-    else:   # Lark text
-        grammars = [{"lark_grammar": source}]
-    answer = {**grammars[0], "name": REASONED_ANSWER}
     end_pattern = "".join(c if c.isalnum() else f"\\x{{{ord(c):x}}}" for c in end)
     # Byte-level tokens may spell invalid UTF-8 on their own (a random-weight model's do): the
     # free part takes any bytes, as an unconstrained reply would.
@@ -73,7 +84,21 @@ def _after_reasoning(source: str, end: str) -> str:
                f"start: reasoning separator? @{REASONED_ANSWER}\n"
                f"reasoning[lazy]: /(?s:.*){end_pattern}/\n"
                "separator: /\\n\\n?/\n")
-    return json.dumps({"grammars": [{"lark_grammar": wrapper}, answer, *grammars[1:]]})
+    return _with_answer(wrapper, source)
+
+
+def _after_harmony_reasoning(source: str) -> str:
+    """``source``'s language as the body of harmony's final message, after any number of reasoning
+    messages (the analysis channel, or a commentary preamble), each free text ended by ``<|end|>``
+    and the next message's ``<|start|>assistant``; a reply starts in a header (the prompt ends with
+    ``<|start|>assistant``). The markers are special tokens, which a grammar names in rules; the
+    free text's lexeme ends where one comes. (Unlike the text-tag wrapper, this one does not take
+    invalid UTF-8: llguidance then never accepts the answer's end.)"""
+    wrapper = (f'start: reasoning* <|channel|> "final" <|message|> @{REASONED_ANSWER}\n'
+               'reasoning: <|channel|> REASONING_CHANNEL <|message|> FREE_TEXT <|end|> <|start|> "assistant"\n'
+               'REASONING_CHANNEL: "analysis" | "commentary"\n'
+               "FREE_TEXT: /(?s:.*)/\n")
+    return _with_answer(wrapper, source)
 
 
 def _language_source(spec: StructuredOutputsParams) -> str:

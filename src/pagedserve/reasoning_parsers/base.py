@@ -37,8 +37,7 @@ class ReasoningParser(ABC):
     # The text that ends the reasoning: a constrained output's language holds after it, and the
     # Responses API counts the reasoning's tokens up to it.
     end_tag: str
-    # Whether a constrained output's grammar can hold after ``end_tag`` (plain text, which a grammar
-    # matches; special tokens are not).
+    # Whether a constrained output's grammar can hold after ``end_tag`` in this reply.
     constrains_after_end: bool = True
     # Whether the reply's text must keep its special tokens (a format whose markers are special tokens).
     reads_special_tokens: bool = False

@@ -73,7 +73,6 @@ class HarmonyParser(ReasoningParser):
     """gpt-oss's channels (vLLM's ``openai_gptoss``)."""
 
     end_tag = CHANNEL + "final" + MESSAGE
-    constrains_after_end = False
     reads_special_tokens = True
     tool_call_parser = "openai"
 
@@ -87,6 +86,9 @@ class HarmonyParser(ReasoningParser):
         header = opened_header(prompt_text)
         if header is not None:
             self._open(header, self._carry)
+        # A constrained answer's grammar starts at a header (workers.sample.grammar); here the reply
+        # starts inside a message the prompt opened.
+        self.constrains_after_end = header is None
 
     @classmethod
     def starts_in_reasoning(cls, prompt_text: str | None) -> bool:
