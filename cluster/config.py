@@ -303,13 +303,15 @@ class ServerConfig(_Strict):
     tool_call_parser: str = "hermes"
     """How "auto" tool choice reads calls out of the model's text (vLLM's --tool-call-parser):
     "hermes" (Hermes, Qwen 2.5/3, make-model's template), "llama3_json", or "openai" (gpt-oss, with
-    reasoning_parser "openai_gptoss")."""
+    reasoning_parser "openai_gptoss"; unset, a gpt-oss checkpoint read as harmony gets this one)."""
     reasoning_parser: str | None = None
     """How chat completions split a reasoning model's thinking from its answer (vLLM's
     --reasoning-parser): "deepseek_r1" (DeepSeek-R1, QwQ) or "qwen3" (Qwen3, Qwen3.5), both
     ``<think>`` ... ``</think>``, or "openai_gptoss" (gpt-oss: harmony's analysis channel is the
     thinking, its final channel the answer). The thinking goes to the message's ``reasoning`` (and
-    vLLM's earlier ``reasoning_content``), the rest to ``content``. Unset: the text is the content."""
+    vLLM's earlier ``reasoning_content``), the rest to ``content``. Unset: "openai_gptoss" for a
+    gpt-oss checkpoint (model type gpt_oss), as vLLM reads its replies; for others the text is the
+    content."""
     chat_template: str | None = None
     """A Jinja chat template for chat completions (and /tokenize's messages) in place of the
     tokenizer's, e.g. for a model that has none (vLLM's --chat-template): the path of a file,

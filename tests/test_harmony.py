@@ -269,6 +269,26 @@ def test_the_grammar_holds_the_final_channel_and_leaves_the_reasoning_free(tiny_
         assert not grammar.matcher().accept_all(ids(wrong)), wrong
 
 
+def test_a_gpt_oss_checkpoint_is_read_as_harmony_unless_the_configuration_says_otherwise(harmony, tmp_path):
+    from local_frontend import make_frontend
+
+    tokenizer = harmony[0].tokenizer
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss", "vocab_size": len(tokenizer)}))
+    handle = ScriptedHandle(str(tmp_path), tokenizer)
+    parsers = {}
+    for name, fields in [("default", {}), ("hermes", {"tool_call_parser": "hermes"}),
+                         ("qwen3", {"reasoning_parser": "qwen3"})]:
+        config = make_frontend(handle, chat_template=TEMPLATE, **fields).config
+        parsers[name] = config.reasoning_parser, config.tool_call_parser
+    assert parsers == {"default": ("openai_gptoss", "openai"), "hermes": ("openai_gptoss", "hermes"),
+                       "qwen3": ("qwen3", "hermes")}
+    handle.pieces = [ANALYSIS, "plan", FINAL, "hi"]
+    message = chat(make_frontend(handle, chat_template=TEMPLATE)).json()["choices"][0]["message"]
+    assert (message["reasoning"], message["content"]) == ("plan", "hi")
+    llama = make_frontend(ScriptedHandle(harmony[0].model_path, tokenizer), chat_template=TEMPLATE).config
+    assert (llama.reasoning_parser, llama.tool_call_parser) == (None, "hermes")
+
+
 def test_tools_need_the_formats_tool_call_parser(tiny_model, harmony):
     from pydantic import ValidationError
 

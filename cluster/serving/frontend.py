@@ -67,15 +67,39 @@ def _enable_request_logging() -> None:
         logger.addHandler(handler)
 
 
-def _model_vocab_size(model_path: str, tokenizer) -> int:
+# Model types whose chat replies come in a format of their own: the reasoning parser and the tool-call
+# parser that read it, wherever the configuration leaves them unset (vLLM reads gpt-oss's harmony always).
+REPLY_FORMATS = {"gpt_oss": ("openai_gptoss", "openai")}
+
+
+def _model_config(model_path: str) -> dict:
+    """The checkpoint's config.json (empty where there is none to read: a hub id, say)."""
     try:
         config = json.loads((Path(model_path) / "config.json").read_text())
-        vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
-        if vocab:
-            return int(vocab)
     except (OSError, ValueError):
-        pass
-    return len(tokenizer)
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _model_vocab_size(model_config: dict, tokenizer) -> int:
+    vocab = model_config.get("vocab_size") or (model_config.get("text_config") or {}).get("vocab_size")
+    return int(vocab) if vocab else len(tokenizer)
+
+
+def _with_reply_format(config: ServerConfig, model_type: str | None) -> ServerConfig:
+    """``config`` with the parsers of ``model_type``'s reply format where it leaves them unset."""
+    if model_type not in REPLY_FORMATS:
+        return config
+    reasoning_parser, tool_call_parser = REPLY_FORMATS[model_type]
+    update = {}
+    if config.reasoning_parser is None:
+        update["reasoning_parser"] = reasoning_parser
+    if "tool_call_parser" not in config.model_fields_set and config.reasoning_parser in (None, reasoning_parser):
+        update["tool_call_parser"] = tool_call_parser
+    if update:
+        logger.info("model type %s writes its replies in a format of its own: %s", model_type,
+                    ", ".join(f"server.{name} {value!r}" for name, value in update.items()))
+    return config.model_copy(update=update)
 
 
 @dataclass
@@ -389,7 +413,8 @@ class Frontend:
 
     def __init__(self, handle, server_config: ServerConfig | None = None) -> None:
         self.handle = handle
-        self.config = server_config or ServerConfig()
+        model_config = _model_config(handle.model_path)
+        self.config = _with_reply_format(server_config or ServerConfig(), model_config.get("model_type"))
         self.limits = self.config.limits
         self.api_key = self.config.api_key or os.environ.get(API_KEY_ENV) or None
         self.model_name = handle.model_name
@@ -402,7 +427,7 @@ class Frontend:
         self.speculates = bool(getattr(getattr(handle, "config", None), "speculates", False))
         self.tokenizer = handle.tokenizer
         self.prompt_encoder = PromptEncoder(self.tokenizer)
-        self.vocab_size = _model_vocab_size(handle.model_path, self.tokenizer)
+        self.vocab_size = _model_vocab_size(model_config, self.tokenizer)
         # What a request that leaves a sampling field out gets (vLLM's --generation-config).
         self.sampling_defaults = sampling_defaults(handle.model_path, self.config.generation_config,
                                                    self.config.override_generation_config)
