@@ -262,11 +262,15 @@ def test_an_engine_that_fails_ends_each_socket_channel_with_its_error(own_core):
         kinds = await _read_socket(receiver, {}, lambda _: False)
         await core.wait_for(lambda: core.deaths)
         receiver.close()
+        await core.wait_for(lambda: core.client._process.poll() is not None)
         return kinds
 
     kinds = asyncio.run(run())
     assert kinds[-2:] == [DEAD, END]
     assert core.deaths[0][1] == core.info.engine_id
+    # The core exited of itself, its last messages sent: the client's reader thread, which its
+    # PR_SET_PDEATHSIG is tied to, outlived it rather than SIGKILL it on reading DEAD.
+    assert core.client._process.returncode == 1
 
 
 def test_a_speculating_core_streams_the_tokens_of_one_that_does_not(model, expected):

@@ -266,8 +266,19 @@ class EngineCoreClient:
                     return
                 if not self._take(frames, items):
                     self._deliver(items)
+                    self._outlive(process)
                     return
             self._deliver(items)
+
+    def _outlive(self, process: subprocess.Popen) -> None:
+        """Wait for a dead core to exit (``STOP_TIMEOUT_S`` at most): it still sends its socket
+        channels' last messages (the engine's error) as it exits, and this thread's end would
+        SIGKILL it at once (its ``PR_SET_PDEATHSIG``), those messages with it."""
+        try:
+            process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            logger.warning("dead engine core (pid %d) did not exit in %.0f s; killing it", process.pid,
+                           STOP_TIMEOUT_S)
 
     def _take(self, frames: list, items: list) -> bool:
         """Route one message; False once the core is dead (the reader stops)."""
