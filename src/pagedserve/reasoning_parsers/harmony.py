@@ -110,6 +110,9 @@ class HarmonyParser(ReasoningParser):
                 self._open(header[:start], delta)
                 text = header[start + len(MESSAGE):]
                 continue
+            if "<" not in text:   # no marker, nor the start of one: most of a body's pieces
+                self._write(delta, text)
+                break
             ends = [(index, marker) for marker in BODY_ENDS if (index := text.find(marker)) >= 0]
             if not ends:
                 keep = partial_tag_length(text, BODY_ENDS)
