@@ -135,3 +135,31 @@ class ToolParser(ABC):
             delta.tool_calls[-1].arguments += text
         else:
             delta.tool_calls.append(ToolCallDelta(index, arguments=text))
+
+
+class BufferedToolParser(ToolParser):
+    """A parser that holds the text it cannot place yet in ``_buffer``: ``feed`` and ``finish``
+    both run ``_advance`` over it, and ``finish`` then runs ``_flush`` for what else is held."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._buffer = ""
+
+    def feed(self, text: str) -> ParserDelta:
+        delta = ParserDelta()
+        self._buffer += text
+        self._advance(delta, is_final=False)
+        return delta
+
+    def finish(self) -> ParserDelta:
+        delta = ParserDelta()
+        self._advance(delta, is_final=True)
+        self._flush(delta)
+        return delta
+
+    @abstractmethod
+    def _advance(self, delta: ParserDelta, is_final: bool) -> None:
+        """Move through the buffer as far as its text is certain (to its end when ``is_final``)."""
+
+    def _flush(self, delta: ParserDelta) -> None:
+        """The output ended and the buffer is spent: emit anything else still held back."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from .base import ParserDelta, ToolCall, ToolParser, partial_tag_length
+from .base import BufferedToolParser, ParserDelta, ToolCall, partial_tag_length
 
 CALL_START = "<|channel|>"
 HEADER_END = "<|message|>"
@@ -21,26 +21,16 @@ FUNCTIONS = "functions."
 _RECIPIENT = re.compile(r"to=([^\s<]+)")
 
 
-class HarmonyToolParser(ToolParser):
+class HarmonyToolParser(BufferedToolParser):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._buffer = ""
         self._header: str | None = None    # set while inside a block, before its arguments
         self._call: ToolCall | None = None  # set while inside a call's arguments
 
-    def feed(self, text: str) -> ParserDelta:
-        delta = ParserDelta()
-        self._buffer += text
-        self._advance(delta, is_final=False)
-        return delta
-
-    def finish(self) -> ParserDelta:
-        delta = ParserDelta()
-        self._advance(delta, is_final=True)
+    def _flush(self, delta: ParserDelta) -> None:
         if self._header is not None:   # cut off inside a header: what it was is unknown
             self._emit_content(delta, CALL_START + self._header)
         self._header = self._call = None
-        return delta
 
     def _advance(self, delta: ParserDelta, is_final: bool) -> None:
         while self._buffer:

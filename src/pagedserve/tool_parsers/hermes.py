@@ -9,7 +9,7 @@ included, when it closes (while streaming, only if nothing of it was sent yet).
 
 from __future__ import annotations
 
-from .base import ParserDelta, ToolParser, partial_tag_length
+from .base import BufferedToolParser, ParserDelta, partial_tag_length
 from .call_stream import CallStream
 from .json_scan import skip_whitespace
 
@@ -17,27 +17,17 @@ START_TAG = "<tool_call>"
 END_TAG = "</tool_call>"
 
 
-class HermesToolParser(ToolParser):
+class HermesToolParser(BufferedToolParser):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._buffer = ""
         self._pending_space = ""
         self._stream: CallStream | None = None  # set while inside a block
         self._is_broken = False
 
-    def feed(self, text: str) -> ParserDelta:
-        delta = ParserDelta()
-        self._buffer += text
-        self._advance(delta, is_final=False)
-        return delta
-
-    def finish(self) -> ParserDelta:
-        delta = ParserDelta()
-        self._advance(delta, is_final=True)
+    def _flush(self, delta: ParserDelta) -> None:
         if self._pending_space and not self._calls:
             self._emit_content(delta, self._pending_space)
         self._pending_space = ""
-        return delta
 
     def _advance(self, delta: ParserDelta, is_final: bool) -> None:
         while True:
