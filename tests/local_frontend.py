@@ -27,7 +27,8 @@ from pagedserve.cluster.serving.frontend import Frontend
 from pagedserve.cluster.serving.grpc_service import GrpcRequestError, GrpcService
 from pagedserve.cluster.serving.http_app import build_app
 from pagedserve.workers.offline.async_engine import AsyncLLMEngine
-from pagedserve.workers.outputs.request_output import CompletionOutput, RequestMetrics, RequestOutput
+from pagedserve.workers.outputs.request_output import (CompletionOutput, RequestMetrics, RequestOutput,
+                                                       SampleLogprobs)
 from pagedserve.workers.engine.engine import EngineConfig
 
 MODEL = "tiny-test"
@@ -125,8 +126,10 @@ class LocalHandle:
 
 
 class ScriptedHandle:
-    """The part of ``ClusterHandle`` the frontend uses, replying with ``reply``'s pieces, one
-    token id each, then ``finish_reason``."""
+    """The part of ``ClusterHandle`` the frontend uses, replaying ``script``: per sample (the
+    first ``n``), its steps (new text, new token ids), finish reason and stop reason. Where
+    ``script`` is empty, one sample replies with ``pieces``, one token id each, then
+    ``finish_reason``. Outputs come without a pause, so a batch's prompts arrive in order."""
 
     def __init__(self, model_path: str, tokenizer) -> None:
         self.model_path = model_path
@@ -134,6 +137,7 @@ class ScriptedHandle:
         self.tokenizer = tokenizer
         self.max_model_len = 4096
         self.workers: dict = {}
+        self.script: list = []
         self.pieces: list[str] = []
         self.finish_reason = "stop"
         self.prompts: list[str] = []
@@ -149,13 +153,27 @@ class ScriptedHandle:
                        lora_request=None, token_by_token=False):
         self.prompts.append(prompt)
         self.params.append(params)
-        text, ids = "", []
-        for step, piece in enumerate(self.pieces):
-            text, ids = text + piece, ids + [10 + step]
-            is_last = step == len(self.pieces) - 1
-            output = CompletionOutput(0, text, list(ids), None, None, self.finish_reason if is_last else None, None,
-                                      piece, [10 + step], None, is_newly_finished=is_last)
-            yield RequestOutput(request_id, prompt, prompt_token_ids, [output], is_last,
+        samples = self.script[:params.n] or [
+            ([(piece, [10 + step]) for step, piece in enumerate(self.pieces)], self.finish_reason, None)]
+        wants_logprobs = params.logprobs is not None
+        texts, ids, logprobs = [""] * len(samples), [[] for _ in samples], [[] for _ in samples]
+        num_steps = max(len(steps) for steps, _, _ in samples)
+        for step in range(num_steps):
+            outputs = []
+            for index, (steps, finish_reason, stop_reason) in enumerate(samples):
+                delta_text, delta_ids, delta_logprobs = "", [], []
+                if step < len(steps):
+                    delta_text, delta_ids = steps[step]
+                    delta_logprobs = [SampleLogprobs(t, -0.5, [(t, -0.5), (1, -2.0)]) for t in delta_ids]
+                    texts[index] += delta_text
+                    ids[index] += delta_ids
+                    logprobs[index] += delta_logprobs
+                is_finished = step >= len(steps) - 1
+                outputs.append(CompletionOutput(
+                    index, texts[index], list(ids[index]), None, list(logprobs[index]) if wants_logprobs else None,
+                    finish_reason if is_finished else None, stop_reason if is_finished else None, delta_text,
+                    delta_ids, delta_logprobs if wants_logprobs else None, is_newly_finished=step == len(steps) - 1))
+            yield RequestOutput(request_id, prompt, prompt_token_ids, outputs, step == num_steps - 1,
                                 RequestMetrics(0.0, num_prompt_tokens=len(prompt_token_ids)))
 
 

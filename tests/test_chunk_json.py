@@ -16,6 +16,7 @@ import asyncio
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from local_frontend import ScriptedHandle
 
 from pagedserve.cluster.serving.chunks import (ChatChunkJSON, ChatChunkModels, CompletionChunkJSON,
                                                CompletionChunkModels)
@@ -115,48 +116,6 @@ def test_a_lone_surrogate_fails_both_ways():
 
 
 # ---- whole streams through the HTTP app ------------------------------------------------------
-class _ScriptedHandle:
-    """The part of ``ClusterHandle`` the frontend uses, replaying ``script``: per sample, its
-    steps (new text, new token ids), finish reason and stop reason. Outputs come without a
-    pause, so a batch's prompts arrive in order (each prompt's outputs, then the next's)."""
-
-    def __init__(self, model_path: str, tokenizer) -> None:
-        self.model_path = model_path
-        self.model_name = "m"
-        self.tokenizer = tokenizer
-        self.max_model_len = 4096
-        self.workers: dict = {}
-        self.script: list = []
-
-    async def generate(self, prompt, params, request_id=None, priority=0, prompt_token_ids=None, is_streamed=False,
-                       lora_request=None, token_by_token=False):
-        assert not token_by_token, "this stand-in streams the engine's outputs as they come"
-        from pagedserve.workers.outputs.request_output import (CompletionOutput, RequestMetrics, RequestOutput,
-                                                               SampleLogprobs)
-
-        samples = self.script[:params.n]
-        texts, ids, logprobs = [""] * len(samples), [[] for _ in samples], [[] for _ in samples]
-        num_steps = max(len(steps) for steps, _, _ in samples)
-        for step in range(num_steps):
-            outputs = []
-            for index, (steps, finish_reason, stop_reason) in enumerate(samples):
-                delta_text, delta_ids, delta_logprobs = "", [], []
-                if step < len(steps):
-                    delta_text, delta_ids = steps[step]
-                    delta_logprobs = [SampleLogprobs(t, -0.5, [(t, -0.5), (1, -2.0)]) for t in delta_ids]
-                    texts[index] += delta_text
-                    ids[index] += delta_ids
-                    logprobs[index] += delta_logprobs
-                is_finished = step >= len(steps) - 1
-                outputs.append(CompletionOutput(
-                    index, texts[index], list(ids[index]), None, list(logprobs[index]) if params.logprobs is not None
-                    else None, finish_reason if is_finished else None, stop_reason if is_finished else None,
-                    delta_text, delta_ids, delta_logprobs if params.logprobs is not None else None,
-                    is_newly_finished=step == len(steps) - 1))
-            yield RequestOutput(request_id, prompt, prompt_token_ids, outputs, step == num_steps - 1,
-                                RequestMetrics(0.0, num_prompt_tokens=len(prompt_token_ids)))
-
-
 @pytest.fixture(scope="module")
 def scripted(tiny_model):
     from transformers import AutoTokenizer
@@ -166,7 +125,7 @@ def scripted(tiny_model):
     from pagedserve.cluster.serving.http_app import build_app
 
     path = tiny_model("llama")
-    handle = _ScriptedHandle(path, AutoTokenizer.from_pretrained(path))
+    handle = ScriptedHandle(path, AutoTokenizer.from_pretrained(path))
     frontend = Frontend(handle, ServerConfig())
     return handle, frontend, build_app(frontend)
 
