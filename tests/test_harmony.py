@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 httpx = pytest.importorskip("httpx")
 
 from local_frontend import (LocalHandle, ScriptedHandle, assert_error, assert_idle, call, chat,  # noqa: E402
-                            streamed_chat)
+                            make_frontend, streamed_chat)
 
 from pagedserve.reasoning_parsers import HarmonyParser  # noqa: E402
 from pagedserve.tool_parsers import HarmonyToolParser  # noqa: E402
@@ -146,8 +146,6 @@ def test_the_tool_parser_reads_calls_between_content():
 def harmony(tiny_model):
     from transformers import AutoTokenizer
 
-    from local_frontend import make_frontend
-
     path = tiny_model("llama")
     handle = ScriptedHandle(path, AutoTokenizer.from_pretrained(path))
     return handle, make_frontend(handle, reasoning_parser="openai_gptoss", tool_call_parser="openai",
@@ -202,30 +200,60 @@ def test_a_function_call_whole_and_streamed(harmony):
 
 @pytest.mark.parametrize("body, kind", [
     ({"response_format": {"type": "json_object"}}, "json_object"),
-    ({"tools": TOOLS, "tool_choice": "required"}, "json"),
     ({"structured_outputs": {"regex": "[ab]+"}}, "regex"),
 ])
 def test_a_constrained_reply_holds_in_the_final_channel(harmony, body, kind):
     """The reasoning messages stay free; the final channel's message is what the constraint asks
     (workers.sample.grammar's harmony wrapper), parsed as the constrained content."""
     handle, frontend = harmony
-    handle.pieces = [ANALYSIS, "free thoughts", FINAL, '[{"name": "get_weather", "parameters": {}}]'
-                     if "tools" in body else "ab"]
+    handle.pieces = [ANALYSIS, "free thoughts", FINAL, "ab"]
     response = chat(frontend, **body)
     assert response.status_code == 200, response.text
     constraint = handle.params[-1].structured_outputs
     assert constraint.kind == kind and constraint.reasoning_end == "<|channel|>final<|message|>"
     message = response.json()["choices"][0]["message"]
-    assert message["reasoning"] == "free thoughts"
-    if "tools" in body:
-        assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
-    else:
-        assert message["content"] == "ab"
+    assert message["reasoning"] == "free thoughts" and message["content"] == "ab"
+
+
+TWO_TOOLS = [*TOOLS, {"type": "function", "function": {"name": "now"}}]
+CALL = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_required_or_named_call_is_made_in_harmony(harmony, tool_choice):
+    """``tool_choice`` "required" or named holds the reply to one call in harmony's own form after
+    free reasoning messages (``reasoning_end`` the call's header start), read by the ``openai``
+    parser, whole, streamed and as a response's item; not a JSON list on the final channel."""
+    handle, frontend = harmony
+    handle.pieces, handle.finish_reason = [ANALYSIS, "weather?", NEXT, CALL, '{"city":', '"Paris"}'], "stop"
+    choice = chat(frontend, tools=TWO_TOOLS, tool_choice=tool_choice).json()["choices"][0]
+    constraint = handle.params[-1].structured_outputs
+    assert constraint.kind == "grammar" and constraint.reasoning_end == "<|channel|>commentary to=functions."
+    assert ('"now ' in constraint.grammar) is (tool_choice == "required")
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning"] == "weather?"
+    assert choice["message"]["content"] is None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] == [
+        ("get_weather", '{"city":"Paris"}')]
+    reasoning, content, pieces, choices = streamed_chat(chat(frontend, stream=True, tools=TWO_TOOLS,
+                                                             tool_choice=tool_choice))
+    assert (reasoning, content) == ("weather?", "") and choices[-1]["finish_reason"] == "tool_calls"
+    assert "".join(p["function"].get("arguments") or "" for p in pieces) == '{"city":"Paris"}'
+    tools = [{"type": "function", **tool["function"]} for tool in TWO_TOOLS]
+    response = call(frontend, "POST", "/v1/responses", json={"input": "hi", "tools": tools, "tool_choice": (
+        tool_choice if tool_choice == "required" else {"type": "function", "name": "get_weather"})}).json()
+    assert [item["type"] for item in response["output"]] == ["reasoning", "function_call"]
+    assert (response["output"][1]["name"], response["output"][1]["arguments"]) == ("get_weather", '{"city":"Paris"}')
+    # Where the prompt opened the final message, the reply is in it: the calls are the JSON list.
+    opened = make_frontend(handle, reasoning_parser="openai_gptoss", tool_call_parser="openai",
+                           chat_template=TEMPLATE.replace("<|start|>assistant{% endif %}",
+                                                          "<|start|>assistant<|channel|>final<|message|>{% endif %}"))
+    handle.pieces = ['[{"name":"now","parameters":{}}]']
+    choice = chat(opened, tools=TWO_TOOLS, tool_choice="required").json()["choices"][0]
+    assert handle.params[-1].structured_outputs.kind == "json"
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["now"]
 
 
 def test_a_constrained_reply_inside_a_message_the_prompt_opened_is_refused(harmony):
-    from local_frontend import make_frontend
-
     handle, _ = harmony
     opened = make_frontend(handle, reasoning_parser="openai_gptoss", tool_call_parser="openai",
                            chat_template=TEMPLATE.replace("<|start|>assistant{% endif %}",
@@ -269,9 +297,37 @@ def test_the_grammar_holds_the_final_channel_and_leaves_the_reasoning_free(tiny_
         assert not grammar.matcher().accept_all(ids(wrong)), wrong
 
 
-def test_a_gpt_oss_checkpoint_is_read_as_harmony_unless_the_configuration_says_otherwise(harmony, tmp_path):
-    from local_frontend import make_frontend
+def test_the_call_grammar_leaves_the_reasoning_free_and_holds_one_call(tiny_model):
+    """The engine's grammar of a required call over a tokenizer with harmony's special tokens:
+    reasoning messages take any text; then one call to one of the tools, its header as gpt-oss
+    writes it and its arguments compact JSON of the function's schema, complete once they are."""
+    from transformers import AutoTokenizer
 
+    from pagedserve.tool_parsers.harmony_calls import harmony_call_constraint
+    from pagedserve.workers.sample.grammar import GrammarCompiler
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model("llama"))
+    tokenizer.add_special_tokens({"additional_special_tokens": list(MARKERS)})
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.convert_tokens_to_ids("<|return|>")])
+    functions = {"get_weather": TOOLS[0]["function"], "now": {"name": "now"}}
+
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    required = compiler.compile(harmony_call_constraint(functions, None))
+    reasoning = ANALYSIS + "free <|x" + NEXT + "<|channel|>commentary<|message|>A preamble." + NEXT
+    for reply, is_complete in [(reasoning + CALL + '{"city":"Paris"}', True), (CALL + '{"city":"Par', False),
+                               ("<|channel|>commentary to=functions.now <|constrain|>json<|message|>{}", True)]:
+        matcher = required.matcher()
+        assert matcher.accept_all(ids(reply)) and matcher.is_finished is is_complete, reply
+    named = compiler.compile(harmony_call_constraint(functions, "now"))
+    for wrong, grammar in [(CALL + '{"city": "Paris"}', required), (CALL + '{"city":1}', required),
+                           ("<|channel|>final<|message|>{}", required), (CALL, named),
+                           ("<|channel|>commentary to=functions.other <|constrain|>json<|message|>", required)]:
+        assert not grammar.matcher().accept_all(ids(wrong)), wrong
+
+
+def test_a_gpt_oss_checkpoint_is_read_as_harmony_unless_the_configuration_says_otherwise(harmony, tmp_path):
     tokenizer = harmony[0].tokenizer
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss", "vocab_size": len(tokenizer)}))
     handle = ScriptedHandle(str(tmp_path), tokenizer)
@@ -292,7 +348,6 @@ def test_a_gpt_oss_checkpoint_is_read_as_harmony_unless_the_configuration_says_o
 def test_tools_need_the_formats_tool_call_parser(tiny_model, harmony):
     from pydantic import ValidationError
 
-    from local_frontend import make_frontend
     from pagedserve.cluster.config import ServerConfig
 
     handle, _ = harmony
@@ -345,8 +400,6 @@ def test_a_served_replys_special_tokens_reach_the_parser(tiny_model):
     """A random-weight model writes no harmony, but, held to a special token (raised) and a few
     words, it writes special tokens: the parser reads them (a reply with no harmony is the content, whole),
     where a server without the parser leaves them out."""
-    from local_frontend import make_frontend
-
     handle = LocalHandle(tiny_model("llama"))
     try:
         tokenizer = handle.tokenizer
@@ -396,8 +449,6 @@ def test_a_served_constrained_reply_is_harmony_with_the_answer_in_the_final_chan
     """Over the real engine: unconstrained, the greedy reply opens no header; constrained, it must.
     Raising ``<|end|>`` ends reasoning messages early, each followed by the next header; raising the
     first token of ``final`` opens the final channel at once, whose message is JSON."""
-    from local_frontend import make_frontend
-
     handle = LocalHandle(harmony_model)
     try:
         tokenizer = handle.tokenizer
@@ -419,6 +470,31 @@ def test_a_served_constrained_reply_is_harmony_with_the_answer_in_the_final_chan
         message, text = reply(**constrained, logit_bias={str(final): 5})
         assert text.startswith("<|channel|>final<|message|>{") and message.get("reasoning") is None
         assert message["content"] == text[len("<|channel|>final<|message|>"):]
+        assert_idle(handle)
+    finally:
+        handle.engine.shutdown()
+
+
+def test_a_served_named_call_is_harmony_and_ends_with_its_arguments(harmony_model):
+    """Over the real engine, a named ``tool_choice``: raising the first token of ``commentary`` and
+    of `` to`` opens the call at once; the grammar then writes the function's name and arguments
+    that its schema fixes, and the reply ends there."""
+    handle = LocalHandle(harmony_model)
+    try:
+        tokenizer = handle.tokenizer
+        frontend = make_frontend(handle, reasoning_parser="openai_gptoss", tool_call_parser="openai",
+                                 chat_template=TEMPLATE)
+        tools = [{"type": "function", "function": {"name": "set_unit", "parameters": {
+            "type": "object", "properties": {"unit": {"enum": ["celsius"]}}, "required": ["unit"],
+            "additionalProperties": False}}}]
+        bias = {str(tokenizer.encode(word, add_special_tokens=False)[0]): 8 for word in ("commentary", " to")}
+        choice = chat(frontend, max_tokens=60, temperature=0, return_token_ids=True, logit_bias=bias, tools=tools,
+                      tool_choice={"type": "function", "function": {"name": "set_unit"}}).json()["choices"][0]
+        text = tokenizer.decode(choice["token_ids"], skip_special_tokens=False)
+        assert text.startswith("<|channel|>commentary to=functions.set_unit <|constrain|>json<|message|>"), text
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, (text, choice)
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] == [
+            ("set_unit", '{"unit":"celsius"}')]
         assert_idle(handle)
     finally:
         handle.engine.shutdown()

@@ -5,9 +5,11 @@ with raw token ``bytes``; vLLM's ``prompt_logprobs`` at the response's top level
 Tool calling: the request's ``tools`` are rendered by the chat template. With
 ``tool_choice`` "required" or a named function the output is constrained to
 the tools' parameter schemas (``structured.py``) and parsed by the matching
-parser; with "auto" (the default when tools are given) the model's own
-format is parsed by the server's ``tool_call_parser`` (hermes, llama3_json);
-"none" parses nothing. Parsed calls become ``message.tool_calls`` with
+parser, or, where the reasoning parser's format has calls of its own (gpt-oss's
+harmony), to one call in that form (``ToolParser.call_constraint``); with
+"auto" (the default when tools are given) the model's own format is parsed by
+the server's ``tool_call_parser`` (hermes, llama3_json, openai); "none" parses
+nothing. Parsed calls become ``message.tool_calls`` with
 ``finish_reason: "tool_calls"``; streamed, they arrive as OpenAI's
 ``delta.tool_calls`` pieces (id, type and name first, then argument text).
 An output cut off by ``max_tokens`` inside a call returns, as vLLM does, the
@@ -37,7 +39,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pagedserve.reasoning_parsers import ReasoningParser, get_reasoning_parser
-from pagedserve.tool_parsers import ParserDelta, ToolParser, constrained_parser, get_tool_parser
+from pagedserve.tool_parsers import (ParserDelta, ToolParser, constrained_parser, function_name, get_tool_parser,
+                                    tools_by_name)
 from pagedserve.workers.lora.lora_request import LoRARequest
 from pagedserve.workers.outputs.request_output import CompletionOutput, RequestOutput
 from pagedserve.workers.sample.sampling_params import SamplingParams, StructuredOutputsParams
@@ -72,14 +75,27 @@ class ServingChat:
         name = frontend.config.reasoning_parser
         self.reasoning_parser_class = get_reasoning_parser(name) if name is not None else None
 
-    def output_parser(self, request: ChatCompletionRequest) -> ToolParser | None:
-        """A fresh parser for one output, or None when tool calls are not parsed."""
+    def output_parser(self, request: ChatCompletionRequest, reasoning: ReasoningParser | None) -> ToolParser | None:
+        """A fresh parser for one output whose reply ``reasoning`` reads, or None when tool calls are
+        not parsed."""
         tool_choice = request.tool_choice
         if not request.tools or tool_choice == "none":
             return None
         if tool_choice is None or tool_choice == "auto":
             return self.tool_parser()
+        native = self._native_tool_parser(reasoning)
+        if native is not None:
+            return native()
         return constrained_parser(tool_choice if isinstance(tool_choice, str) else tool_choice.model_dump())
+
+    @staticmethod
+    def _native_tool_parser(reasoning: ReasoningParser | None) -> type[ToolParser] | None:
+        """The tool-call parser of the format ``reasoning`` reads, where a constrained reply makes
+        its calls in that format (gpt-oss's harmony: after its reasoning messages)."""
+        if reasoning is None or reasoning.tool_call_parser is None or not reasoning.constrains_after_end:
+            return None
+        parser = get_tool_parser(reasoning.tool_call_parser)
+        return parser if parser.call_constraint is not None else None
 
     def reasoning_parser(self, prompt_text: str | None) -> ReasoningParser | None:
         """A fresh reasoning parser for one reply to ``prompt_text``, or None: no parser is set,
@@ -108,6 +124,12 @@ class ServingChat:
         if reasoning_parser is not None:
             self._check_tools_of_the_format(request, reasoning_parser)
             constraint = self._after_reasoning(reasoning_parser, constraint, constrained_field)
+            native = self._native_tool_parser(reasoning_parser)
+            if constrained_field == "tool_choice" and native is not None:   # the format's own form
+                tool_choice = request.tool_choice
+                name = function_name(tool_choice if isinstance(tool_choice, str) else tool_choice.model_dump())
+                tools = tools_by_name([tool.model_dump(exclude_none=True) for tool in request.tools])
+                constraint = native.call_constraint(tools, name)
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -191,7 +213,7 @@ class ServingChat:
             reasoning, content = reasoning_parser.parse(content)
             if not request.include_reasoning:
                 reasoning = None
-        parser = self.output_parser(request)
+        parser = self.output_parser(request, reasoning_parser)
         if parser is not None:
             parsed = parser.parse(content or "", is_cut_off=finish_reason == "length")
             content = parsed.content
@@ -226,7 +248,8 @@ class ServingChat:
                 index = completion.index
                 cursor = cursors.get(index)
                 if cursor is None:
-                    cursor = cursors[index] = _Cursor(self.output_parser(request), self.reasoning_parser(prompt_text))
+                    reasoning = self.reasoning_parser(prompt_text)
+                    cursor = cursors[index] = _Cursor(self.output_parser(request, reasoning), reasoning)
                 if cursor.is_finished:
                     continue
                 if not cursor.is_started:

@@ -518,7 +518,7 @@ class ServingResponses:
             if content is None and is_cut_off:   # cut off while thinking: no answer began
                 return items
         calls = []
-        parser = self.chat.output_parser(chat)
+        parser = self.chat.output_parser(chat, reasoning_parser)
         if parser is not None:
             parsed = parser.parse(text, is_cut_off=is_cut_off)
             text, calls = parsed.content or "", parsed.tool_calls
@@ -590,7 +590,7 @@ class _ResponseEvents:
         self.wants_logprobs = request.wants_logprobs
         self.response = response
         self.generation = generation
-        self.parser: ToolParser | None = serving.chat.output_parser(chat)
+        self.parser: ToolParser | None = serving.chat.output_parser(chat, self.reasoning_parser)
         self.sequence = 0
         self.items: list[OutputReasoning | OutputMessage | OutputFunctionCall] = []
         self.open: OutputReasoning | OutputMessage | OutputFunctionCall | None = None

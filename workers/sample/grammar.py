@@ -17,6 +17,7 @@ spec's field (``structured_outputs.json: ...``).
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -38,8 +39,13 @@ MAX_ERROR_CHARS = 600
 JSON_WHITESPACE_PATTERN = r"[\x20\n]?"
 # The name a reasoned output's language goes by inside its grammar (``reasoning_end``).
 REASONED_ANSWER = "reasoned_answer"
-# gpt-oss's harmony: the answer is the final channel's message (``reasoning_end`` this header).
+# gpt-oss's harmony: the answer is the final channel's message (``reasoning_end`` this header), or a
+# function call, whose language is the rest of its header and its arguments (``reasoning_end`` the
+# header's start).
 HARMONY_FINAL = "<|channel|>final<|message|>"
+HARMONY_CALL = "<|channel|>commentary to=functions."
+HARMONY_HEADERS = (HARMONY_FINAL, HARMONY_CALL)
+_SPECIAL_TOKEN = re.compile(r"(<\|[a-z_]+\|>)")
 
 
 def _llguidance():
@@ -53,8 +59,8 @@ def grammar_source(spec: StructuredOutputsParams) -> str:
     source = _language_source(spec)
     if spec.reasoning_end is None:
         return source
-    if spec.reasoning_end == HARMONY_FINAL:
-        return _after_harmony_reasoning(source)
+    if spec.reasoning_end in HARMONY_HEADERS:
+        return _after_harmony_reasoning(source, spec.reasoning_end)
     return _after_reasoning(source, spec.reasoning_end)
 
 
@@ -87,18 +93,25 @@ def _after_reasoning(source: str, end: str) -> str:
     return _with_answer(wrapper, source)
 
 
-def _after_harmony_reasoning(source: str) -> str:
-    """``source``'s language as the body of harmony's final message, after any number of reasoning
-    messages (the analysis channel, or a commentary preamble), each free text ended by ``<|end|>``
-    and the next message's ``<|start|>assistant``; a reply starts in a header (the prompt ends with
-    ``<|start|>assistant``). The markers are special tokens, which a grammar names in rules; the
-    free text's lexeme ends where one comes. (Unlike the text-tag wrapper, this one does not take
-    invalid UTF-8: llguidance then never accepts the answer's end.)"""
-    wrapper = (f'start: reasoning* <|channel|> "final" <|message|> @{REASONED_ANSWER}\n'
+def _after_harmony_reasoning(source: str, header: str) -> str:
+    """``source``'s language after ``header`` (the final message's, or a function call's start),
+    after any number of reasoning messages (the analysis channel, or a commentary preamble), each
+    free text ended by ``<|end|>`` and the next message's ``<|start|>assistant``; a reply starts in
+    a header (the prompt ends with ``<|start|>assistant``). The markers are special tokens, which a
+    grammar names in rules; the free text's lexeme ends where one comes. (Unlike the text-tag
+    wrapper, this one does not take invalid UTF-8: llguidance then never accepts the answer's end.)"""
+    wrapper = (f"start: reasoning* {lark_text(header)} @{REASONED_ANSWER}\n"
                'reasoning: <|channel|> REASONING_CHANNEL <|message|> FREE_TEXT <|end|> <|start|> "assistant"\n'
                'REASONING_CHANNEL: "analysis" | "commentary"\n'
                "FREE_TEXT: /(?s:.*)/\n")
     return _with_answer(wrapper, source)
+
+
+def lark_text(text: str) -> str:
+    """A Lark rule body that spells ``text``: its special tokens (``<|name|>``) as tokens, the rest
+    as string literals."""
+    return " ".join(part if _SPECIAL_TOKEN.fullmatch(part) else json.dumps(part, ensure_ascii=False)
+                    for part in _SPECIAL_TOKEN.split(text) if part)
 
 
 def _language_source(spec: StructuredOutputsParams) -> str:

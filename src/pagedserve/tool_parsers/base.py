@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import secrets
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from pagedserve.workers.sample.sampling_params import StructuredOutputsParams
 
 
 def partial_tag_length(text: str, tag: str) -> int:
@@ -71,6 +74,13 @@ class ParsedOutput:
 
 class ToolParser(ABC):
     """Incremental parser of one output (make a new one per output)."""
+
+    # Where the format has a constrained form of its own: ``call_constraint(functions, name)``, what
+    # ``tool_choice`` "required" (``name`` None) or a named function holds a reply to, with its
+    # ``reasoning_end`` set. None: calls are constrained to JSON (``tool_choice_constraint``) and
+    # read by the JSON parsers (``constrained_parser``).
+    call_constraint: ClassVar[Callable[[Mapping[str, Mapping[str, Any]], str | None],
+                                       StructuredOutputsParams] | None] = None
 
     def __init__(self, new_id: Callable[[], str] = new_call_id) -> None:
         self._new_id = new_id

@@ -10,18 +10,45 @@ outside the calls is content; a block to a recipient that is not a function is c
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Mapping
+from typing import Any
+
+from pagedserve.workers.sample.grammar import HARMONY_CALL, lark_text
+from pagedserve.workers.sample.sampling_params import StructuredOutputsParams
 
 from .base import BufferedToolParser, ParserDelta, ToolCall, partial_tag_length
+from .tool_choice import parameters_schema
 
 CALL_START = "<|channel|>"
 HEADER_END = "<|message|>"
 CALL_END = "<|call|>"
 FUNCTIONS = "functions."
 _RECIPIENT = re.compile(r"to=([^\s<]+)")
+# A call's header after its recipient, as gpt-oss writes it: the arguments are JSON.
+ARGUMENTS_HEADER = " <|constrain|>json<|message|>"
+# The arguments' JSON under a constraint: compact, and no schema may make llguidance lenient.
+_COMPACT_JSON = {"whitespace_flexible": False, "lenient": False}
+
+
+def harmony_call_constraint(functions: Mapping[str, Mapping[str, Any]], name: str | None) -> StructuredOutputsParams:
+    """One call in harmony's own form, after any reasoning messages: its header from the recipient's
+    name on, then its arguments as JSON that the function's schema holds. The grammar ends with the
+    arguments; the model's end of sequence (``<|call|>`` among gpt-oss's) closes the call. One call
+    a reply, as harmony makes them (a reply ends at its call)."""
+    names = list(functions) if name is None else [name]
+    rules = [f"start: {' | '.join(f'call_{index}' for index in range(len(names)))}"]
+    for index, function_name in enumerate(names):
+        schema = {**parameters_schema(functions[function_name]), "x-guidance": _COMPACT_JSON}
+        rules.append(f"call_{index}: {lark_text(function_name + ARGUMENTS_HEADER)} arguments_{index}")
+        rules.append(f"arguments_{index}: %json {json.dumps(schema)}")
+    return StructuredOutputsParams(grammar="\n".join(rules) + "\n", reasoning_end=HARMONY_CALL)
 
 
 class HarmonyToolParser(BufferedToolParser):
+    call_constraint = staticmethod(harmony_call_constraint)
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._header: str | None = None    # set while inside a block, before its arguments

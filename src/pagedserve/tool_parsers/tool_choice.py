@@ -4,7 +4,8 @@ As vLLM does, a named choice constrains the output to that function's
 parameters (a JSON object), and "required" to a JSON array of
 ``{"name": ..., "parameters": ...}`` objects, one schema branch per tool; the
 output is then parsed by ``NamedToolParser`` / ``RequiredToolParser``, whatever
-the model's own tool-call format. The JSON is compact (no whitespace between
+the model's own tool-call format (save a format with a constrained form of its
+own: ``ToolParser.call_constraint``, gpt-oss's harmony). The JSON is compact (no whitespace between
 tokens): arguments are read by programs. "auto" leaves generation free and parses the
 chat template's format with the configured parser; "none" parses nothing.
 """
@@ -50,14 +51,14 @@ def tool_choice_constraint(tools: Sequence[Mapping[str, Any]], tool_choice: Any,
         if name not in functions:
             raise ValueError(f"tool_choice: function {name!r} is not among the request's tools "
                              f"({', '.join(sorted(functions)) or 'none given'})")
-        return StructuredOutputsParams(json=_parameters(functions[name]), disable_any_whitespace=True)
+        return StructuredOutputsParams(json=parameters_schema(functions[name]), disable_any_whitespace=True)
     if tool_choice != "required":
         raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or a named function, "
                          f"got {tool_choice!r}")
     if not functions:
         raise ValueError("tool_choice: 'required' needs at least one tool")
     branches = [{"type": "object",
-                 "properties": {"name": {"const": fn_name}, "parameters": _parameters(function)},
+                 "properties": {"name": {"const": fn_name}, "parameters": parameters_schema(function)},
                  "required": ["name", "parameters"], "additionalProperties": False}
                 for fn_name, function in functions.items()]
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
@@ -77,6 +78,7 @@ def constrained_parser(tool_choice: Any, **kwargs) -> ToolParser | None:
     return None
 
 
-def _parameters(function: Mapping[str, Any]) -> dict[str, Any]:
+def parameters_schema(function: Mapping[str, Any]) -> dict[str, Any]:
+    """A function's parameters' JSON schema (any object where it gives none)."""
     parameters = function.get("parameters")
     return dict(parameters) if isinstance(parameters, Mapping) and parameters else dict(ANY_OBJECT)
