@@ -32,6 +32,7 @@ ANALYSIS = "<|channel|>analysis<|message|>"
 NEXT = "<|end|><|start|>assistant"
 FINAL = NEXT + "<|channel|>final<|message|>"
 WEATHER = NEXT + " to=functions.get_weather<|channel|>commentary json<|message|>"
+CALL = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
 # A harmony template in gpt-oss's shape: each message's role, an assistant's reasoning (``thinking``, as
 # gpt-oss's template reads it) on the analysis channel and its answer on the final one.
 TEMPLATE = ("{% for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}{% if m.thinking %}"
@@ -49,7 +50,9 @@ MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>"
     (PROMPT, ANALYSIS + "a" + NEXT + ANALYSIS + "b" + FINAL + "x", ("a\nb", "x")),          # joined by a line
     (PROMPT, ANALYSIS + "cut off mid-way", ("cut off mid-way", None)),
     (PROMPT, ANALYSIS + "plan" + NEXT + "<|chan", ("plan", None)),                         # cut in a header
-    (PROMPT, "<|channel|>commentary<|message|>preamble" + FINAL + "x", ("preamble", "x")),
+    (PROMPT, "<|channel|>commentary<|message|>preamble" + FINAL + "x", (None, "preamble\nx")),     # for the user
+    (PROMPT, ANALYSIS + "a" + NEXT + "<|channel|>commentary<|message|>b" + NEXT + CALL + "{}",
+     ("a", "b<|channel|>commentary to=functions.get_weather<|message|>{}<|call|>")),
     (PROMPT, "<|channel|>final<|message|>only the answer<|return|>", (None, "only the answer")),
     (PROMPT, "not harmony at all", (None, "not harmony at all")),
     (PROMPT, ANALYSIS + "p" + NEXT + "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}",
@@ -65,7 +68,8 @@ def test_whole_replies(prompt, reply, expected):
 def test_the_prompt_says_where_a_reply_starts():
     starts = HarmonyParser.starts_in_reasoning
     assert starts(PROMPT) and starts(None) and starts(PROMPT + ANALYSIS)
-    assert not starts(PROMPT + "<|channel|>final<|message|>")
+    assert not starts(PROMPT + "<|channel|>final<|message|>") and not starts(PROMPT + "<|message|>")
+    assert starts(PROMPT + "<|channel|>commentary<|message|>")    # a preamble: content, then more messages
     assert starts(PROMPT + "<|channel|>final<|message|>done<|end|><|start|>assistant")
 
 
@@ -94,8 +98,8 @@ def _render(messages: list[tuple[str, bool, str]]) -> str:
 
 def _reading(messages: list[tuple[str, bool, str]]) -> tuple[str | None, str | None, list[tuple[str, str]]]:
     """What ``messages`` say, read off them as the module docstring states: reasoning, content, calls."""
-    reasoning = [body for kind, _, body in messages if kind in ("analysis", "commentary", "builtin") and body]
-    answers = [body for kind, _, body in messages if kind == "final" and body]
+    reasoning = [body for kind, _, body in messages if kind in ("analysis", "builtin") and body]
+    answers = [body for kind, _, body in messages if kind in ("final", "commentary") and body]
     calls = [("get_weather", body) for kind, _, body in messages if kind == "call"]
     return "\n".join(reasoning) or None, "\n".join(answers) or None, calls
 
@@ -216,7 +220,6 @@ def test_a_constrained_reply_holds_in_the_final_channel(harmony, body, kind):
 
 
 TWO_TOOLS = [*TOOLS, {"type": "function", "function": {"name": "now"}}]
-CALL = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
@@ -234,6 +237,11 @@ def test_a_required_or_named_call_is_made_in_harmony(harmony, tool_choice):
     assert choice["message"]["content"] is None
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] == [
         ("get_weather", '{"city":"Paris"}')]
+    pieces = handle.pieces
+    handle.pieces = [*pieces[:3], "<|channel|>commentary<|message|>Checking.", *pieces[2:]]  # a preamble: content
+    message = chat(frontend, tools=TWO_TOOLS, tool_choice=tool_choice).json()["choices"][0]["message"]
+    assert (message["reasoning"], message["content"], len(message["tool_calls"])) == ("weather?", "Checking.", 1)
+    handle.pieces = pieces
     reasoning, content, pieces, choices = streamed_chat(chat(frontend, stream=True, tools=TWO_TOOLS,
                                                              tool_choice=tool_choice))
     assert (reasoning, content) == ("weather?", "") and choices[-1]["finish_reason"] == "tool_calls"
@@ -267,8 +275,8 @@ def test_a_constrained_reply_inside_a_message_the_prompt_opened_is_refused(harmo
 
 def test_the_grammar_holds_the_final_channel_and_leaves_the_reasoning_free(tiny_model):
     """The engine's grammar over a tokenizer with harmony's special tokens: a reply must open a
-    header; reasoning messages on the analysis or commentary channel take any text; the final
-    message takes only the language, and the grammar is complete once it is."""
+    header; reasoning messages (the analysis channel) take any text, but a preamble is refused (it
+    is content); the final message takes only the language, and the grammar is complete once it is."""
     from transformers import AutoTokenizer
 
     from pagedserve.workers.sample.grammar import GrammarCompiler
@@ -288,12 +296,13 @@ def test_the_grammar_holds_the_final_channel_and_leaves_the_reasoning_free(tiny_
     compiler.fill_bitmask([first], bitmask)
     allowed = [t for t in range(len(tokenizer)) if bitmask[0, t // 32] >> (t % 32) & 1]
     assert allowed == [tokenizer.convert_tokens_to_ids("<|channel|>")]
-    reasoning = ANALYSIS + 'free {"a": "x"} <b>' + NEXT + "<|channel|>commentary<|message|>soon" + FINAL
+    reasoning = ANALYSIS + 'free {"a": "x"} <b>' + NEXT + ANALYSIS + "soon" + FINAL
     for answer, is_complete in [('{"a": 5}', True), ('{"a": 5', False)]:
         matcher = grammar.matcher()
         assert matcher.accept_all(ids(reasoning + answer)) and matcher.is_finished is is_complete
+    # A preamble is content, which must be the language alone; so is a call.
     for wrong in ["<|channel|>final<|message|>hello", ANALYSIS + "x" + NEXT + "<|channel|>final<|message|>[",
-                  "<|channel|>analysis to=functions.f<|message|>"]:
+                  "<|channel|>analysis to=functions.f<|message|>", "<|channel|>commentary<|message|>soon" + FINAL]:
         assert not grammar.matcher().accept_all(ids(wrong)), wrong
 
 

@@ -95,14 +95,16 @@ def _after_reasoning(source: str, end: str) -> str:
 
 def _after_harmony_reasoning(source: str, header: str) -> str:
     """``source``'s language after ``header`` (the final message's, or a function call's start),
-    after any number of reasoning messages (the analysis channel, or a commentary preamble), each
-    free text ended by ``<|end|>`` and the next message's ``<|start|>assistant``; a reply starts in
-    a header (the prompt ends with ``<|start|>assistant``). The markers are special tokens, which a
-    grammar names in rules; the free text's lexeme ends where one comes. (Unlike the text-tag
+    after any number of free messages, each ended by ``<|end|>`` and the next message's
+    ``<|start|>assistant``: reasoning (the analysis channel) and, before a call, preambles (the
+    commentary channel; content, which a final message's language must be alone). A reply starts
+    in a header (the prompt ends with ``<|start|>assistant``). The markers are special tokens, which
+    a grammar names in rules; the free text's lexeme ends where one comes. (Unlike the text-tag
     wrapper, this one does not take invalid UTF-8: llguidance then never accepts the answer's end.)"""
-    wrapper = (f"start: reasoning* {lark_text(header)} @{REASONED_ANSWER}\n"
-               'reasoning: <|channel|> REASONING_CHANNEL <|message|> FREE_TEXT <|end|> <|start|> "assistant"\n'
-               'REASONING_CHANNEL: "analysis" | "commentary"\n'
+    channels = '"analysis" | "commentary"' if header == HARMONY_CALL else '"analysis"'
+    wrapper = (f"start: free_message* {lark_text(header)} @{REASONED_ANSWER}\n"
+               'free_message: <|channel|> FREE_CHANNEL <|message|> FREE_TEXT <|end|> <|start|> "assistant"\n'
+               f"FREE_CHANNEL: {channels}\n"
                "FREE_TEXT: /(?s:.*)/\n")
     return _with_answer(wrapper, source)
 

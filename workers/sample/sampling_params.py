@@ -59,9 +59,10 @@ class StructuredOutputsParams:
     first occurrence of this text, and the language holds from there, after at most
     two line breaks; the end of the sequence waits for the language's end as ever.
     Harmony's final header (``<|channel|>final<|message|>``, gpt-oss's) instead makes the
-    output any number of free reasoning messages (analysis or commentary channel), then
-    the final channel's message in the language; the start of a function call's header
-    (``<|channel|>commentary to=functions.``) the same with the call's rest in the language.
+    output any number of free reasoning messages (analysis channel), then the final
+    channel's message in the language; the start of a function call's header
+    (``<|channel|>commentary to=functions.``) the same, preambles (commentary channel)
+    allowed too, with the call's rest in the language.
 
     Only the shape is checked here (types, one kind, the size limit); whether the
     schema, regex or grammar compiles is checked when a request is added, with a

@@ -9,9 +9,10 @@ tokens: the reply's text must keep them (``reads_special_tokens``).
 
 Messages are read as vLLM's ``openai_gptoss`` parser and its Responses API read them:
 
-- ``analysis``, and ``commentary`` without a recipient (a preamble), are reasoning; the bodies of
-  several reasoning messages are joined by a line break, as are several answers';
-- ``final``, or a message without a channel, is the answer (the content);
+- ``analysis`` is reasoning; the bodies of several reasoning messages are joined by a line break,
+  as are several answers';
+- ``final``, ``commentary`` without a recipient (a preamble, which harmony means for the user) and
+  a message without a channel are the answer (the content);
 - a call to a function (recipient ``functions.NAME``) goes on to the content as
   ``<|channel|>commentary to=functions.NAME<|message|>ARGUMENTS<|call|>``, which the ``openai``
   tool-call parser reads (``tool_call_parser``); a call to a built-in tool (``browser.search``,
@@ -54,7 +55,7 @@ def body_kind(header: str) -> tuple[str, str | None]:
         name = recipient.group(1)
         return (FUNCTION_CALL, name) if name.startswith(FUNCTIONS) else (REASONING, None)
     channel = _CHANNEL.search(header)
-    if channel is not None and channel.group(1) in ("analysis", "commentary"):
+    if channel is not None and channel.group(1) == "analysis":
         return REASONING, None
     return ANSWER, None
 
@@ -92,10 +93,14 @@ class HarmonyParser(ReasoningParser):
 
     @classmethod
     def starts_in_reasoning(cls, prompt_text: str | None) -> bool:
-        """Whether a reply to ``prompt_text`` starts in the reasoning: unless the prompt opened the
-        answer's message (``<|channel|>final<|message|>``)."""
+        """Whether a reply to ``prompt_text`` is read as harmony's messages: unless the prompt opened
+        the final message (``<|channel|>final<|message|>``), which is then the whole reply. (A
+        preamble the prompt opened is content, but more messages follow it.)"""
         header = opened_header(prompt_text)
-        return header is None or body_kind(header)[0] != ANSWER
+        if header is None or body_kind(header)[0] != ANSWER:
+            return True
+        channel = _CHANNEL.search(header)
+        return channel is not None and channel.group(1) != "final"
 
     def feed(self, text: str) -> ReasoningDelta:
         delta, self._carry = self._carry, ReasoningDelta()
