@@ -306,6 +306,21 @@ def test_the_grammar_holds_the_final_channel_and_leaves_the_reasoning_free(tiny_
         assert not grammar.matcher().accept_all(ids(wrong)), wrong
 
 
+def test_tools_whose_call_grammar_is_over_the_size_limit_are_refused(harmony):
+    """The harmony grammar of a call is larger than the JSON list's schema of the same tools: tools
+    that fit the one and not the other are a 400 naming ``tools``, nothing sent."""
+    from pagedserve.tool_parsers import tool_choice_constraint
+    from pagedserve.workers.sample.sampling_params import MAX_STRUCTURED_OUTPUT_BYTES
+
+    handle, frontend = harmony
+    parameters = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(2000)}}
+    tools = [{"type": "function", "function": {"name": "big", "parameters": parameters}}]
+    assert len(tool_choice_constraint(tools, "required").key) < MAX_STRUCTURED_OUTPUT_BYTES
+    sent = len(handle.prompts)
+    error = assert_error(chat(frontend, tools=tools, tool_choice="required"), 400, "tools")
+    assert "bytes; the limit is" in error["message"] and len(handle.prompts) == sent
+
+
 def test_the_call_grammar_leaves_the_reasoning_free_and_holds_one_call(tiny_model):
     """The engine's grammar of a required call over a tokenizer with harmony's special tokens:
     reasoning messages take any text; then one call to one of the tools, its header as gpt-oss

@@ -129,7 +129,10 @@ class ServingChat:
                 tool_choice = request.tool_choice
                 name = function_name(tool_choice if isinstance(tool_choice, str) else tool_choice.model_dump())
                 tools = tools_by_name([tool.model_dump(exclude_none=True) for tool in request.tools])
-                constraint = native.call_constraint(tools, name)
+                try:
+                    constraint = native.call_constraint(tools, name)
+                except ValueError as exc:   # the calls' grammar over the size limit
+                    raise APIError(400, f"tools: {exc}", param="tools") from None
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
