@@ -17,8 +17,8 @@ migration; the KV manager's integrity holds and no block is in use at the end.
 
 from __future__ import annotations
 
+import functools
 import threading
-import time
 
 import pytest
 import yaml
@@ -30,6 +30,7 @@ from fake_cluster import SERVE_FILE, FakeAutoscalingCluster  # noqa: E402
 from served_cluster import free_port  # noqa: E402
 
 from pagedserve.workers.actor.worker import FAULT_INJECTION_ENV  # noqa: E402
+from polling import wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -78,17 +79,7 @@ def _pool_status(handle) -> dict:
     return handle.worker_states()
 
 
-def _wait_for(predicate, timeout_s: float, what: str, describe=None):
-    """Poll ``predicate`` until it is truthy; on timeout the assertion carries ``describe()``
-    (the state the wait was for), so a failure says where the cluster stood."""
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    state = f"; last state: {describe()!r}" if describe is not None else ""
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}{state}")
+_wait_for = functools.partial(wait_for, interval_s=0.5)
 
 
 class Load:

@@ -11,6 +11,7 @@ consistent accounting and no block in use.
 
 from __future__ import annotations
 
+import functools
 import asyncio
 import random
 import signal
@@ -21,6 +22,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from pagedserve.workers.sample.sampling_params import SamplingParams  # noqa: E402
+from polling import wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -140,17 +142,7 @@ def _incarnation(kv_manager) -> str | None:
         return None
 
 
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.time() + timeout
-    last_error = None
-    while time.time() < deadline:
-        try:
-            if predicate():
-                return
-        except Exception as exc:  # still restarting
-            last_error = exc
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what} (last error: {last_error!r})")
+_wait_for = functools.partial(wait_for, tolerate=(Exception,))   # an actor may be restarting
 
 
 def _pid(actor) -> int:

@@ -12,6 +12,7 @@ sequences to the other worker by KV migration and frees its placement group.
 
 from __future__ import annotations
 
+import functools
 import asyncio
 import os
 import random
@@ -23,6 +24,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from pagedserve.workers.sample.sampling_params import SamplingParams  # noqa: E402
+from polling import wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
@@ -96,17 +98,7 @@ def _token_ids(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.time() + timeout
-    last_error = None
-    while time.time() < deadline:
-        try:
-            if predicate():
-                return
-        except Exception as exc:  # still restarting
-            last_error = exc
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what} (last error: {last_error!r})")
+_wait_for = functools.partial(wait_for, tolerate=(Exception,))   # an actor may be restarting
 
 
 async def _stream_all(handle, prompts, params, action, when):

@@ -6,6 +6,7 @@ incarnation answers; a stalled or unresponsive one is restarted exactly once.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -17,6 +18,7 @@ from pagedserve.cluster import ray_compat  # noqa: E402
 from pagedserve.cluster.config import RouterConfig  # noqa: E402
 from pagedserve.cluster.health import WorkerHealth  # noqa: E402
 from pagedserve.cluster.router import Router  # noqa: E402
+from polling import wait_for  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -68,11 +70,7 @@ def monitored(local_ray):
         ray.kill(worker, no_restart=True)
 
 
-def _wait(predicate, timeout: float = 60.0) -> None:
-    deadline = time.time() + timeout
-    while not predicate():
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.05)
+_wait = functools.partial(wait_for, interval_s=0.05)
 
 
 def _routable(router: Router) -> set[str]:

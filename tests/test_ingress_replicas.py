@@ -20,6 +20,7 @@ httpx = pytest.importorskip("httpx")
 from pagedserve.workers.sample.sampling_params import SamplingParams  # noqa: E402
 from pagedserve.workers.actor.worker import FAULT_INJECTION_ENV, stall_timeout_s  # noqa: E402
 from served_cluster import cluster_config, running_cluster  # noqa: E402
+from polling import wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -47,13 +48,6 @@ def served(tiny_model):
     with running_cluster(config, runtime_env={"env_vars": {FAULT_INJECTION_ENV: "1"}}) as cluster:
         endpoints = deploy(cluster.handle, cluster.config, quiet=True)
         yield Served(cluster.handle, endpoints["http"])
-
-
-def _wait(predicate, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
-    while not predicate():
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 def _report(handle):
@@ -115,7 +109,7 @@ def test_a_hung_worker_is_restarted_once_while_both_replicas_serve(served, tiny_
             return False  # restarting
         report = _report(handle)
         return len(pids) > 1 and "worker-0" in report.alive_workers
-    _wait(restarted, 180, "the hung worker's restart")
+    wait_for(restarted, 180, "the hung worker's restart")
     # Stay a while past another stall timeout: no second restart, from anyone.
     settle_until = time.time() + stall_timeout_s(STEP_TIMEOUT_S) + 2
     while time.time() < settle_until:

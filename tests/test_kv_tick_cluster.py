@@ -10,14 +10,15 @@ worker nodes, one worker each, each node's events through its relay.
 
 from __future__ import annotations
 
+import functools
 import random
-import time
 
 import pytest
 
 ray = pytest.importorskip("ray")
 
 from pagedserve.workers.sample.sampling_params import SamplingParams  # noqa: E402
+from polling import wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -46,17 +47,8 @@ def handle(ray_cluster, tiny_model):
     handle.shutdown()
 
 
-def _wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
-    last_error = None
-    while time.time() < deadline:
-        try:
-            if predicate():
-                return
-        except Exception as exc:  # e.g. the index one tick behind the workers
-            last_error = exc
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what} (last error: {last_error!r})")
+# The index may be a tick behind the workers.
+_wait_for = functools.partial(wait_for, tolerate=(Exception,), interval_s=0.05)
 
 
 def test_tick_publishing_serves_exactly_and_keeps_the_central_index_exact(handle, tiny_model):

@@ -7,6 +7,7 @@ monitor's view, with no call of the pool's own; only a draining worker is asked
 
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
@@ -14,6 +15,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from pagedserve.cluster.worker_pool import WorkerPool  # noqa: E402
+from polling import wait_for  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -76,11 +78,7 @@ def pool(local_ray):
     pool.shutdown()
 
 
-def _wait(predicate, timeout: float = 60.0) -> None:
-    deadline = time.time() + timeout
-    while not predicate():
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.05)
+_wait = functools.partial(wait_for, interval_s=0.05)
 
 
 def _record(pool, worker_id: str) -> dict:
