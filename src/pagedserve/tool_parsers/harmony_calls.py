@@ -6,6 +6,8 @@ reasoning parser passes them on in the answer:
 A call starts (id and name) once its header is complete; its arguments stream as the model writes
 them (harmony's calls are JSON text, given as written) and it is complete at ``<|call|>``. Text
 outside the calls is content; a block to a recipient that is not a function is content, whole.
+
+``tool_choice`` "required" or named holds a reply to one such call (``harmony_call_constraint``).
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ _COMPACT_JSON = {"whitespace_flexible": False, "lenient": False}
 
 
 def harmony_call_constraint(functions: Mapping[str, Mapping[str, Any]], name: str | None) -> StructuredOutputsParams:
-    """One call in harmony's own form, after any reasoning messages: its header from the recipient's
-    name on, then its arguments as JSON that the function's schema holds. The grammar ends with the
+    """One call in harmony's own form, after any reasoning messages and preambles: its header from
+    the recipient's name on, then its arguments as JSON that the function's schema holds. The grammar ends with the
     arguments; the model's end of sequence (``<|call|>`` among gpt-oss's) closes the call. One call
     a reply, as harmony makes them (a reply ends at its call)."""
     names = list(functions) if name is None else [name]

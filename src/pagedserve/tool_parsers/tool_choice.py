@@ -5,9 +5,10 @@ parameters (a JSON object), and "required" to a JSON array of
 ``{"name": ..., "parameters": ...}`` objects, one schema branch per tool; the
 output is then parsed by ``NamedToolParser`` / ``RequiredToolParser``, whatever
 the model's own tool-call format (save a format with a constrained form of its
-own: ``ToolParser.call_constraint``, gpt-oss's harmony). The JSON is compact (no whitespace between
-tokens): arguments are read by programs. "auto" leaves generation free and parses the
-chat template's format with the configured parser; "none" parses nothing.
+own: ``ToolParser.call_constraint``, gpt-oss's harmony). The JSON is compact (no
+whitespace between tokens): arguments are read by programs. "auto" leaves
+generation free and parses the chat template's format with the configured
+parser; "none" parses nothing.
 """
 
 from __future__ import annotations
