@@ -273,6 +273,17 @@ def test_a_constrained_reply_inside_a_message_the_prompt_opened_is_refused(harmo
     assert chat(opened).json()["choices"][0]["message"]["reasoning"] == "thoughts"
 
 
+def test_the_workers_harmony_headers_are_spelled_with_the_parsers_markers():
+    """The sampler's wrappers (``workers.sample.grammar``) cannot import the parsers' layer: its two
+    headers are written out there, and must stay what the parsers read."""
+    from pagedserve.reasoning_parsers.harmony import CHANNEL, MESSAGE
+    from pagedserve.tool_parsers.harmony_calls import FUNCTIONS
+    from pagedserve.workers.sample.grammar import HARMONY_CALL, HARMONY_FINAL
+
+    assert HARMONY_FINAL == HarmonyParser.end_tag == CHANNEL + "final" + MESSAGE
+    assert HARMONY_CALL == f"{CHANNEL}commentary to={FUNCTIONS}"
+
+
 def test_the_grammar_holds_the_final_channel_and_leaves_the_reasoning_free(tiny_model):
     """The engine's grammar over a tokenizer with harmony's special tokens: a reply must open a
     header; reasoning messages (the analysis channel) take any text, but a preamble is refused (it

@@ -33,7 +33,7 @@ LAYERS = {
     "kernels": set(),
     "kvmanager": set(),
     "workers": {"kernels", "kvmanager"},
-    "tool_parsers": {"workers"},
+    "tool_parsers": {"workers", "reasoning_parsers"},   # harmony's markers
     "reasoning_parsers": set(),
     "cluster": {"kernels", "kvmanager", "workers", "tool_parsers", "reasoning_parsers"},
 }

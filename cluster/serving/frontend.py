@@ -567,7 +567,7 @@ class Frontend:
             text = render_conversation(
                 self.tokenizer, messages, add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
-                tools=[tool.model_dump(exclude_none=True) for tool in request.tools or ()],
+                tools=request.tool_specs,
                 chat_template_kwargs=template_kwargs, chat_template=self.config.chat_template, documents=documents)
         except ChatTemplateError as exc:
             if not self._chat_template():

@@ -26,6 +26,7 @@ no value, as OpenAI's do.
 from __future__ import annotations
 
 import time
+from functools import cached_property
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator, model_validator
@@ -384,7 +385,17 @@ class NamedToolChoice(_Request):
     function: NamedFunction
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _ToolSpecs:
+    """``tool_specs``, for the requests whose ``tools`` the chat template renders (a mixin: the
+    model declares ``tools``)."""
+
+    @cached_property
+    def tool_specs(self) -> list[dict[str, Any]]:
+        """``tools`` as plain data (unset fields left out), dumped once per request."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools or ()]
+
+
+class ChatCompletionRequest(_ToolSpecs, _SamplingFields):
     """``POST /v1/chat/completions``: messages rendered with the tokenizer's chat template."""
 
     messages: list[ChatMessageIn] = Field(min_length=1)
@@ -428,6 +439,12 @@ class ChatCompletionRequest(_SamplingFields):
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    @property
+    def tool_choice_spec(self) -> str | dict[str, Any] | None:
+        """``tool_choice`` as plain data: its string, or a named choice as a dict."""
+        choice = self.tool_choice
+        return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
+
 
 class TokenizeCompletionRequest(_Request):
     """``POST /tokenize`` with a prompt (vLLM's): its token ids."""
@@ -438,7 +455,7 @@ class TokenizeCompletionRequest(_Request):
     return_token_strs: Bool | None = False
 
 
-class TokenizeChatRequest(_Request):
+class TokenizeChatRequest(_ToolSpecs, _Request):
     """``POST /tokenize`` with messages (vLLM's): the token ids of the rendered chat template,
     as a chat completion of the same fields would see them."""
 

@@ -86,7 +86,7 @@ class ServingChat:
         native = self._native_tool_parser(reasoning)
         if native is not None:
             return native()
-        return constrained_parser(tool_choice if isinstance(tool_choice, str) else tool_choice.model_dump())
+        return constrained_parser(request.tool_choice_spec)
 
     @staticmethod
     def _native_tool_parser(reasoning: ReasoningParser | None) -> type[ToolParser] | None:
@@ -126,9 +126,8 @@ class ServingChat:
             constraint = self._after_reasoning(reasoning_parser, constraint, constrained_field)
             native = self._native_tool_parser(reasoning_parser)
             if constrained_field == "tool_choice" and native is not None:   # the format's own form
-                tool_choice = request.tool_choice
-                name = function_name(tool_choice if isinstance(tool_choice, str) else tool_choice.model_dump())
-                tools = tools_by_name([tool.model_dump(exclude_none=True) for tool in request.tools])
+                name = function_name(request.tool_choice_spec)
+                tools = tools_by_name(request.tool_specs)
                 try:
                     constraint = native.call_constraint(tools, name)
                 except ValueError as exc:   # the calls' grammar over the size limit

@@ -125,10 +125,8 @@ def _schema_spec(schema, param: str) -> StructuredOutputsParams:
 
 
 def _from_tool_choice(request) -> StructuredOutputsParams | None:
-    tools = [tool.model_dump(exclude_none=True) for tool in (request.tools or [])]
-    tool_choice = request.tool_choice
-    if tool_choice is not None and not isinstance(tool_choice, str):
-        tool_choice = tool_choice.model_dump()
+    tools = request.tool_specs
+    tool_choice = request.tool_choice_spec
     names = [tool["function"]["name"] for tool in tools]
     if len(set(names)) != len(names):
         raise APIError(400, f"tools: function names must be unique, got {names}", param="tools")

@@ -17,19 +17,20 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from pagedserve.reasoning_parsers.harmony import CALL, CHANNEL, CONSTRAIN, MESSAGE
 from pagedserve.workers.sample.grammar import HARMONY_CALL, lark_text
 from pagedserve.workers.sample.sampling_params import StructuredOutputsParams
 
 from .base import BufferedToolParser, ParserDelta, ToolCall, partial_tag_length
 from .tool_choice import parameters_schema
 
-CALL_START = "<|channel|>"
-HEADER_END = "<|message|>"
-CALL_END = "<|call|>"
+CALL_START = CHANNEL
+HEADER_END = MESSAGE
+CALL_END = CALL
 FUNCTIONS = "functions."
 _RECIPIENT = re.compile(r"to=([^\s<]+)")
 # A call's header after its recipient, as gpt-oss writes it: the arguments are JSON.
-ARGUMENTS_HEADER = " <|constrain|>json<|message|>"
+ARGUMENTS_HEADER = f" {CONSTRAIN}json{MESSAGE}"
 # The arguments' JSON under a constraint: compact, and no schema may make llguidance lenient.
 _COMPACT_JSON = {"whitespace_flexible": False, "lenient": False}
 
