@@ -73,6 +73,20 @@ def _start_failure(worker_id: str, exc: Exception) -> WorkerStartError:
 PLACEMENT_CHECK_INTERVAL_S = 1.0
 
 
+def _abandon(actors: list, num_workers: int) -> None:
+    """A start that failed: its actors killed (for good) and its first ``num_workers`` workers'
+    placement groups removed."""
+    import ray
+
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:   # already gone
+            pass
+    for i in range(num_workers):
+        remove_worker_placement(worker_name(i), NAMESPACE)
+
+
 def _wait_ready(refs: dict[str, Any], timeout_s: float, show_progress: bool,
                 watch: PlacementWatch | None = None) -> list:
     """Wait for every worker (id -> its ``info`` ref) to load its model and allocate its
@@ -273,13 +287,7 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
         infos = _wait_ready({w: actor.info.remote() for w, actor in workers.items()}, ready_timeout_s,
                             show_progress, watch)
     except BaseException:
-        for actor in [*workers.values(), kv_manager]:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:
-                pass
-        for i in range(index):
-            remove_worker_placement(worker_name(i), NAMESPACE)
+        _abandon([*workers.values(), kv_manager], index)
         raise
     logger.info("pagedserve: %d workers ready in %.1f s", len(infos), time.time() - start_time)
     # The one health monitor of the cluster, whatever the number of ingress replicas; it also
@@ -294,13 +302,7 @@ def start(config: ClusterConfig | dict | str | Path | None = None, address: str 
     try:
         ray.get(controller.ping.remote(), timeout=ready_timeout_s)
     except BaseException:
-        for actor in [controller, *workers.values(), kv_manager]:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:
-                pass
-        for i in range(index):
-            remove_worker_placement(worker_name(i), NAMESPACE)
+        _abandon([controller, *workers.values(), kv_manager], index)
         raise
     return ClusterHandle(config, model_path, kv_manager, workers, roles, infos[0], controller,
                          owns_ray=owns_ray, namespace=NAMESPACE)
