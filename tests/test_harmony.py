@@ -25,6 +25,7 @@ from local_frontend import (LocalHandle, ScriptedHandle, assert_error, assert_id
                             make_frontend, streamed_chat)
 
 from pagedserve.reasoning_parsers import HarmonyParser  # noqa: E402
+from pagedserve.reasoning_parsers.base import ANSWER, FUNCTION_CALL, REASONING  # noqa: E402
 from pagedserve.tool_parsers import HarmonyToolParser  # noqa: E402
 
 PROMPT = "<|start|>user<|message|>hi<|end|><|start|>assistant"
@@ -104,6 +105,14 @@ def _reading(messages: list[tuple[str, bool, str]]) -> tuple[str | None, str | N
     return "\n".join(reasoning) or None, "\n".join(answers) or None, calls
 
 
+def _messages_of(messages: list[tuple[str, bool, str]]) -> list[tuple[str, str]]:
+    """``messages`` as ``parse_messages`` gives them: each kind and text; a body-less message is left
+    out, and a call is in the form the tool-call parser reads."""
+    kinds = {"analysis": REASONING, "builtin": REASONING, "commentary": ANSWER, "final": ANSWER}
+    return [(FUNCTION_CALL, f"<|channel|>commentary to=functions.get_weather<|message|>{body}<|call|>")
+            if kind == "call" else (kinds[kind], body) for kind, _, body in messages if kind == "call" or body]
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(messages=_messages, data=st.data())
 def test_any_reply_streamed_in_any_pieces_reads_as_its_messages_say(messages, data):
@@ -111,9 +120,10 @@ def test_any_reply_streamed_in_any_pieces_reads_as_its_messages_say(messages, da
     cuts = sorted(data.draw(st.lists(st.integers(0, len(reply)), max_size=8)))
     pieces = [reply[a:b] for a, b in zip([0, *cuts], [*cuts, len(reply)])]
     parser, tools = HarmonyParser(PROMPT), HarmonyToolParser()
-    reasoning, content, calls = "", "", {}
+    reasoning, content, calls, streamed_parts = "", "", {}, []
     for delta in [parser.feed(piece) for piece in pieces] + [parser.finish()]:
         reasoning += delta.reasoning
+        streamed_parts += delta.parts
         for tool_delta in [tools.feed(delta.content)]:
             content += tool_delta.content
             for piece in tool_delta.tool_calls:
@@ -121,6 +131,15 @@ def test_any_reply_streamed_in_any_pieces_reads_as_its_messages_say(messages, da
                 calls[piece.index][0] += piece.name or ""
                 calls[piece.index][1] += piece.arguments
     content += tools.finish().content
+    # Message by message (what the Responses API makes an item of each), streamed and whole.
+    streamed_messages: list[tuple[str, str]] = []
+    for kind, starts, text in streamed_parts:
+        if starts:
+            streamed_messages.append((kind, text))
+        else:
+            assert streamed_messages[-1][0] == kind
+            streamed_messages[-1] = (kind, streamed_messages[-1][1] + text)
+    assert streamed_messages == HarmonyParser(PROMPT).parse_messages(reply) == _messages_of(messages)
     whole_reasoning, whole_content = HarmonyParser(PROMPT).parse(reply)
     parsed = HarmonyToolParser().parse(whole_content or "")
     expected_reasoning, expected_content, expected_calls = _reading(messages)
@@ -415,6 +434,39 @@ def test_a_response_has_its_reasoning_item_then_its_call_or_message(harmony):
     assert handle.params[-1].structured_outputs.reasoning_end == HarmonyParser.end_tag
     assert [(item["type"], item["content"][0]["text"]) for item in response["output"]] == [
         ("reasoning", "plan"), ("message", "{}")]
+
+
+def _item_summary(item: dict) -> tuple:
+    if item["type"] == "function_call":
+        return item["type"], (item["name"], item["arguments"]), item["status"]
+    return item["type"], item["content"][0]["text"], item["status"]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(messages=_messages, data=st.data(), finish_reason=st.sampled_from(["stop", "length"]))
+def test_a_response_has_an_item_for_each_message_whole_and_streamed(harmony, messages, data, finish_reason):
+    """vLLM's Responses items for harmony: one per message, in the reply's order (a preamble and the
+    final answer are two messages); the last one incomplete where the reply was cut off."""
+    handle, frontend = harmony
+    reply = _render(messages)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(reply)), max_size=6)))
+    handle.pieces = [reply[a:b] for a, b in zip([0, *cuts], [*cuts, len(reply)])]
+    handle.finish_reason = finish_reason
+    body = {"input": "hi", "tools": [{"type": "function", **TOOLS[0]["function"]}]}
+    whole = call(frontend, "POST", "/v1/responses", json=body).json()["output"]
+    streamed = call(frontend, "POST", "/v1/responses", json={**body, "stream": True})
+    last = json.loads(streamed.text.rstrip().rsplit("\ndata: ", 1)[1])["response"]["output"]
+    assert [_item_summary(item) for item in whole] == [_item_summary(item) for item in last]
+    kinds = {REASONING: "reasoning", ANSWER: "message", FUNCTION_CALL: "function_call"}
+    expected = [(kinds[kind], text) for kind, text in _messages_of(messages)]
+    expected = [(kind, ("get_weather", text.split("<|message|>", 1)[1].removesuffix("<|call|>"))
+                 if kind == "function_call" else text) for kind, text in expected]
+    if not any(kind != "reasoning" for kind, _ in expected) and finish_reason == "stop":
+        expected.append(("message", ""))   # no answer and no call: the message is there, empty
+    assert [summary[:2] for summary in map(_item_summary, whole)] == expected
+    statuses = [summary[2] for summary in map(_item_summary, whole) if summary[0] != "function_call"]
+    cut_off = int(finish_reason == "length" and bool(whole) and whole[-1]["type"] != "function_call")
+    assert statuses == ["completed"] * (len(statuses) - cut_off) + ["incomplete"] * cut_off
 
 
 def test_reasoning_tokens_count_up_to_the_final_channel(tiny_model):

@@ -59,6 +59,7 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from pagedserve.reasoning_parsers import ReasoningDelta, ReasoningParser
+from pagedserve.reasoning_parsers.base import FUNCTION_CALL, REASONING
 from pagedserve.tool_parsers import ToolCall, ToolParser
 from pagedserve.workers.outputs.request_output import CompletionOutput, RequestOutput
 
@@ -509,6 +510,8 @@ class ServingResponses:
         is_cut_off = _is_cut_off(completion)
         items: list[OutputReasoning | OutputMessage | OutputFunctionCall] = []
         reasoning_parser = self.chat.reasoning_parser(prompt_text)
+        if reasoning_parser is not None and reasoning_parser.reads_messages:
+            return self._message_items(chat, reasoning_parser, text, is_cut_off)
         if reasoning_parser is not None:
             reasoning, content = reasoning_parser.parse(text)
             text = content or ""
@@ -529,6 +532,34 @@ class ServingResponses:
                                        else "completed", content=[OutputText(text=text, logprobs=logprobs)]))
         items += [OutputFunctionCall(id=_item_id("fc"), call_id=call.id, name=call.name, arguments=call.arguments,
                                      status="completed" if call.is_complete else "incomplete") for call in calls]
+        return items
+
+
+    def _message_items(self, chat, reasoning_parser: ReasoningParser, text: str,
+                       is_cut_off: bool) -> list[OutputReasoning | OutputMessage | OutputFunctionCall]:
+        """The output of a reply its parser reads as several messages (harmony's): an item for each
+        message, in order (vLLM's), the last one incomplete where the reply was cut off."""
+        items: list[OutputReasoning | OutputMessage | OutputFunctionCall] = []
+        for kind, body in reasoning_parser.parse_messages(text):
+            parser = self.chat.output_parser(chat, reasoning_parser) if kind == FUNCTION_CALL else None
+            if kind == REASONING:
+                items.append(OutputReasoning(id=_item_id("rs"), content=[OutputReasoningText(text=body)],
+                                             status="completed"))
+            elif parser is None:   # an answer, or a call where none was asked for: its text
+                items.append(OutputMessage(id=_item_id("msg"), status="completed", content=[OutputText(text=body)]))
+            else:
+                parsed = parser.parse(body, is_cut_off=is_cut_off)
+                if parsed.content:
+                    items.append(OutputMessage(id=_item_id("msg"), status="completed",
+                                               content=[OutputText(text=parsed.content)]))
+                items += [OutputFunctionCall(id=_item_id("fc"), call_id=call.id, name=call.name,
+                                             arguments=call.arguments,
+                                             status="completed" if call.is_complete else "incomplete")
+                          for call in parsed.tool_calls]
+        if not any(not isinstance(item, OutputReasoning) for item in items) and not is_cut_off:
+            items.append(OutputMessage(id=_item_id("msg"), status="completed", content=[OutputText(text="")]))
+        if is_cut_off and items and not isinstance(items[-1], OutputFunctionCall):
+            items[-1].status = "incomplete"
         return items
 
 
@@ -634,7 +665,7 @@ class _ResponseEvents:
         completion = self.completion = output.outputs[0]
         text = completion.delta_text
         if self.reasoning_parser is not None:
-            text = self._add_reasoning(events, self.reasoning_parser.feed(text))
+            text = self._add_reply(events, self.reasoning_parser.feed(text))
         if self.parser is None:
             logprobs = self.logprobs.chat(completion.delta_logprobs or []).content if self.wants_logprobs else ()
             if text or logprobs:   # a token's logprobs go out while its text waits for more bytes
@@ -644,7 +675,7 @@ class _ResponseEvents:
         if completion.finish_reason is not None:
             self.is_finished = True
             if self.reasoning_parser is not None:
-                text = self._add_reasoning(events, self.reasoning_parser.finish())
+                text = self._add_reply(events, self.reasoning_parser.finish())
                 if text:
                     self._add_answer(events, text)
             if self.parser is not None:
@@ -652,7 +683,7 @@ class _ResponseEvents:
             answered = any(not isinstance(item, OutputReasoning) for item in self.items)
             if not answered and (self.is_answering or not _is_cut_off(completion)):
                 self._open_message(events)   # no text and no call: the message is there, empty
-            self._close(events)
+            self._close(events, is_last=True)
         return events
 
     def _add_answer(self, events: list[str], text: str) -> None:
@@ -661,17 +692,38 @@ class _ResponseEvents:
         else:
             self._add_parsed(events, self.parser.feed(text))
 
-    def _add_reasoning(self, events: list[str], piece: ReasoningDelta) -> str:
+    def _add_reply(self, events: list[str], piece: ReasoningDelta) -> str:
         """The reasoning of ``piece`` as ``response.reasoning_text.delta`` events (the reasoning
-        item opened first); its answer, returned."""
+        item opened first); its answer, returned. A reply read as several messages (``parts``) is
+        added whole here, an item for each message, and nothing is returned."""
+        if piece.parts is not None:
+            for kind, starts, text in piece.parts:
+                self._add_part(events, kind, starts, text)
+            return ""
         if piece.reasoning:
-            item = self.open if isinstance(self.open, OutputReasoning) else self._open_reasoning(events)
-            self.text_pieces.append(piece.reasoning)
-            events.append(self.event("response.reasoning_text.delta", item_id=item.id,
-                                     output_index=len(self.items) - 1, content_index=0, delta=piece.reasoning))
+            self._add_reasoning(events, piece.reasoning, starts=False)
         if piece.content:
             self.is_answering = True
         return piece.content
+
+    def _add_part(self, events: list[str], kind: str, starts: bool, text: str) -> None:
+        if kind == REASONING:
+            self._add_reasoning(events, text, starts)
+            return
+        self.is_answering = True
+        if kind == FUNCTION_CALL and self.parser is not None:
+            self._add_parsed(events, self.parser.feed(text))
+            return
+        if starts and isinstance(self.open, OutputMessage):
+            self._close(events)
+        self._add_text(events, text, ())
+
+    def _add_reasoning(self, events: list[str], text: str, starts: bool) -> None:
+        """``text`` in the open reasoning item (a new one where none is open, or ``starts``)."""
+        item = self.open if isinstance(self.open, OutputReasoning) and not starts else self._open_reasoning(events)
+        self.text_pieces.append(text)
+        events.append(self.event("response.reasoning_text.delta", item_id=item.id,
+                                 output_index=len(self.items) - 1, content_index=0, delta=text))
 
     def _open_reasoning(self, events: list[str]) -> OutputReasoning:
         self._close(events)
@@ -747,17 +799,19 @@ class _ResponseEvents:
         events.append(self.event("response.output_item.added", output_index=len(self.items) - 1,
                                  item=item.model_dump(mode="json")))
 
-    def _close(self, events: list[str]) -> None:
-        """End the open item (if any): its ``.done`` events."""
+    def _close(self, events: list[str], is_last: bool = False) -> None:
+        """End the open item (if any): its ``.done`` events. The last item of a reply that was cut
+        off (``is_last``) is incomplete."""
         item, self.open = self.open, None
         if item is None:
             return
         index = self.items.index(item)
+        is_cut_off = is_last and _is_cut_off(self.completion)
         if isinstance(item, OutputReasoning):
             part = OutputReasoningText(text="".join(self.text_pieces))
             self.text_pieces = []
             item.content = [part]
-            item.status = "completed" if self.is_answering or not _is_cut_off(self.completion) else "incomplete"
+            item.status = "incomplete" if is_cut_off else "completed"
             events.append(self.event("response.reasoning_text.done", item_id=item.id, output_index=index,
                                      content_index=0, text=part.text))
             events.append(self.event("response.content_part.done", item_id=item.id, output_index=index,
@@ -766,7 +820,7 @@ class _ResponseEvents:
             part = item.content[0]
             part.text = "".join(self.text_pieces)
             self.text_pieces = []
-            item.status = "incomplete" if self.is_finished and _is_cut_off(self.completion) else "completed"
+            item.status = "incomplete" if is_cut_off else "completed"
             events.append(self.event("response.output_text.done", item_id=item.id, output_index=index,
                                      content_index=0, text=part.text,
                                      logprobs=[entry.model_dump() for entry in part.logprobs or ()]))

@@ -11,13 +11,25 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+# What a message of a reply is, where a parser reads a reply as several messages (``MessagePart``).
+REASONING, ANSWER, FUNCTION_CALL = "reasoning", "answer", "function call"
 
-@dataclass
+
+# A piece of one message of the reply: its kind (``REASONING``, ``ANSWER`` or ``FUNCTION_CALL``),
+# whether the message starts with it, and its text. (A plain tuple: one is made for each token.)
+MessagePart = tuple[str, bool, str]
+
+
+@dataclass(slots=True)
 class ReasoningDelta:
-    """What one ``feed`` made certain: reasoning text and content text."""
+    """What one ``feed`` made certain: reasoning text and content text. A parser that reads a reply
+    as several messages (harmony's) also gives ``parts``: the same text in the reply's order, without
+    the line breaks that join one kind's messages in ``reasoning`` and ``content`` (the Responses
+    API makes an item of each message)."""
 
     reasoning: str = ""
     content: str = ""
+    parts: list[MessagePart] | None = None
 
 
 def partial_tag_length(text: str, tags: tuple[str, ...]) -> int:
@@ -44,6 +56,9 @@ class ReasoningParser(ABC):
     # The tool-call parser that reads the calls this parser passes on in the content, where the format
     # needs its own (None: any).
     tool_call_parser: str | None = None
+    # Whether a reply is read as several messages (``parts``, ``parse_messages``), not as one
+    # reasoning, then one answer.
+    reads_messages: bool = False
 
     @abstractmethod
     def __init__(self, prompt_text: str | None = None) -> None: ...
@@ -66,3 +81,17 @@ class ReasoningParser(ABC):
         first, last = self.feed(text), self.finish()
         reasoning, content = first.reasoning + last.reasoning, first.content + last.content
         return reasoning or None, content or None
+
+    def parse_messages(self, text: str) -> list[tuple[str, str]] | None:
+        """A whole reply as its messages in order, (kind, text) each, where the parser reads a reply
+        as several messages; None where it reads one reasoning, then one answer (``parse``)."""
+        first, last = self.feed(text), self.finish()
+        if first.parts is None:
+            return None
+        messages: list[tuple[str, str]] = []
+        for kind, starts, piece in [*first.parts, *(last.parts or ())]:
+            if starts or not messages or messages[-1][0] != kind:
+                messages.append((kind, piece))
+            else:
+                messages[-1] = (kind, messages[-1][1] + piece)
+        return messages

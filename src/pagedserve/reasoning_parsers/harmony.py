@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 
-from .base import ReasoningDelta, ReasoningParser, partial_tag_length
+from .base import ANSWER, FUNCTION_CALL, REASONING, ReasoningDelta, ReasoningParser, partial_tag_length
 
 START = "<|start|>"
 END = "<|end|>"
@@ -44,8 +44,10 @@ FUNCTIONS = "functions."
 _RECIPIENT = re.compile(r"to=([^\s<]+)")
 _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*([^\s<]+)")
 
-# What a body is read as.
-REASONING, ANSWER, FUNCTION_CALL = "reasoning", "answer", "function call"
+
+
+def _delta() -> ReasoningDelta:
+    return ReasoningDelta("", "", [])
 
 
 def body_kind(header: str) -> tuple[str, str | None]:
@@ -76,6 +78,7 @@ class HarmonyParser(ReasoningParser):
     end_tag = CHANNEL + "final" + MESSAGE
     reads_special_tokens = True
     tool_call_parser = "openai"
+    reads_messages = True
 
     def __init__(self, prompt_text: str | None = None) -> None:
         self._header = ""                 # the header read so far, while not in a body
@@ -83,7 +86,7 @@ class HarmonyParser(ReasoningParser):
         self._pending = ""                # body text held back: maybe the start of a marker
         self._is_new_body = False
         self._has_reasoning = self._has_answer = False
-        self._carry = ReasoningDelta()    # what opening a message the prompt opened wrote
+        self._carry = _delta()    # what opening a message the prompt opened wrote
         header = opened_header(prompt_text)
         if header is not None:
             self._open(header, self._carry)
@@ -103,7 +106,7 @@ class HarmonyParser(ReasoningParser):
         return channel is not None and channel.group(1) != "final"
 
     def feed(self, text: str) -> ReasoningDelta:
-        delta, self._carry = self._carry, ReasoningDelta()
+        delta, self._carry = self._carry, _delta()
         text, self._pending = self._pending + text, ""
         while text:
             if self._body is None:
@@ -132,13 +135,14 @@ class HarmonyParser(ReasoningParser):
         return delta
 
     def finish(self) -> ReasoningDelta:
-        delta, self._carry = self._carry, ReasoningDelta()
+        delta, self._carry = self._carry, _delta()
         pending, self._pending = self._pending, ""
         if self._body is not None:
             self._write(delta, pending)
             self._close(delta)
         elif self._header and not any(marker in self._header for marker in MARKERS):
             delta.content += self._header
+            delta.parts.append((ANSWER, True, self._header))
         self._header = ""
         return delta
 
@@ -146,8 +150,8 @@ class HarmonyParser(ReasoningParser):
         self._header = ""
         self._body, recipient = body_kind(header)
         self._is_new_body = True
-        if self._body == FUNCTION_CALL:
-            delta.content += f"{CHANNEL}commentary to={recipient}{MESSAGE}"
+        if self._body == FUNCTION_CALL:   # the call's start, in the form the tool-call parser reads
+            self._write(delta, f"{CHANNEL}commentary to={recipient}{MESSAGE}")
 
     def _write(self, delta: ReasoningDelta, text: str) -> None:
         if not text:
@@ -160,9 +164,10 @@ class HarmonyParser(ReasoningParser):
             self._has_answer = True
         else:
             delta.content += text
+        delta.parts.append((self._body, self._is_new_body, text))
         self._is_new_body = False
 
     def _close(self, delta: ReasoningDelta) -> None:
         if self._body == FUNCTION_CALL:
-            delta.content += CALL
+            self._write(delta, CALL)
         self._body = None
