@@ -20,6 +20,9 @@ Messages are read as vLLM's ``openai_gptoss`` parser and its Responses API read 
 - a header's own text is never content; a reply cut off inside a header loses that header, but text
   that reached no ``<|message|>`` and holds no marker (a model that does not write harmony) is the
   content.
+
+Each delta also gives the same text message by message (``parts``), for the Responses API's item a
+message; there no line break joins them.
 """
 
 from __future__ import annotations
