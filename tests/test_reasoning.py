@@ -366,6 +366,10 @@ def test_a_reasoning_item_goes_back_with_the_assistant_turn_after_it(scripted):
     # with no content.
     assert _responses(frontend, input=[earlier[0], earlier[1], earlier[3]]).status_code == 200
     assert "<|user|>hi<|assistant|><think>greet</think><|user|>how are you?" in handle.prompts[-1]
+    # Reasoning items in a row (a harmony reply gives one per analysis message) are the one turn's.
+    second = {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "then wave"}]}
+    assert _responses(frontend, input=[earlier[0], earlier[1], second, *earlier[2:]]).status_code == 200
+    assert "<|user|>hi<|assistant|><think>greet\nthen wave</think>Hi!<|user|>" in handle.prompts[-1]
     encrypted = [earlier[0], {**earlier[1], "encrypted_content": "gAAA"}, *earlier[2:]]
     assert "encrypted_content" in assert_error(_responses(frontend, input=encrypted), 400)["message"]
 

@@ -134,13 +134,13 @@ def _chat_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
         return messages
     reasoning: str | None = None   # a reasoning item's text, for the assistant turn it led to
     for item in request.input:
-        if reasoning is not None and not (isinstance(item, FunctionCallItem)
+        if reasoning is not None and not (isinstance(item, (FunctionCallItem, ReasoningItem))
                                           or isinstance(item, MessageItem) and item.role == "assistant"):
             # A turn that only thought (cut off, say): an assistant message with no content.
             messages.append({"role": "assistant", "content": "", "reasoning": reasoning})
             reasoning = None
-        if isinstance(item, ReasoningItem):
-            reasoning = item.text()
+        if isinstance(item, ReasoningItem):   # several in a row (harmony's messages): one reasoning
+            reasoning = item.text() if reasoning is None else f"{reasoning}\n{item.text()}"
             continue
         if isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
