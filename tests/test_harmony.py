@@ -609,3 +609,26 @@ def test_the_official_client_reads_the_reasoning_and_the_call(harmony):
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "get_weather"
     assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Paris"}
     assert choice.message.model_extra["reasoning"] == "weather?"
+
+    # A Responses reply of a preamble, more reasoning and the answer: the client's types read each item,
+    # whole and streamed.
+    handle.pieces = [ANALYSIS, "plan", NEXT, "<|channel|>commentary<|message|>", "Checking.", NEXT, ANALYSIS,
+                     "done", FINAL, "Sunny."]
+
+    async def respond():
+        transport = httpx.ASGITransport(app=build_app(frontend))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", http_client=http)
+            whole = await client.responses.create(model="m", input="hi")
+            stream = await client.responses.create(model="m", input="hi", stream=True)
+            streamed = [event async for event in stream]
+            return whole, streamed
+
+    whole, streamed = asyncio.run(respond())
+    assert [item.type for item in whole.output] == ["reasoning", "message", "reasoning", "message"]
+    assert whole.output_text == "Checking.Sunny."   # the client joins the messages' text
+    assert [item.content[0].text for item in whole.output[::2]] == ["plan", "done"]
+    assert [event.item.type for event in streamed if event.type == "response.output_item.done"] == [
+        "reasoning", "message", "reasoning", "message"]
+    assert "".join(event.delta for event in streamed if event.type == "response.output_text.delta") == \
+        "Checking.Sunny."
