@@ -17,7 +17,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from pagedserve.reasoning_parsers.harmony import CALL, CHANNEL, CONSTRAIN, MESSAGE
+from pagedserve.reasoning_parsers.harmony import CALL, CHANNEL, CONSTRAIN, FUNCTIONS, MESSAGE
 from pagedserve.workers.sample.grammar import HARMONY_CALL, lark_text
 from pagedserve.workers.sample.sampling_params import StructuredOutputsParams
 
@@ -27,7 +27,6 @@ from .tool_choice import parameters_schema
 CALL_START = CHANNEL
 HEADER_END = MESSAGE
 CALL_END = CALL
-FUNCTIONS = "functions."
 _RECIPIENT = re.compile(r"to=([^\s<]+)")
 # A call's header after its recipient, as gpt-oss writes it: the arguments are JSON.
 ARGUMENTS_HEADER = f" {CONSTRAIN}json{MESSAGE}"
