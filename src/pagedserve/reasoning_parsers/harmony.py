@@ -44,7 +44,7 @@ MARKERS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)
 BODY_ENDS = (END, RETURN, CALL, START)
 FUNCTIONS = "functions."
 
-_RECIPIENT = re.compile(r"to=([^\s<]+)")
+RECIPIENT = re.compile(r"to=([^\s<]+)")   # a header's recipient
 _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*([^\s<]+)")
 
 
@@ -55,7 +55,7 @@ def _delta() -> ReasoningDelta:
 
 def body_kind(header: str) -> tuple[str, str | None]:
     """What the body after ``header`` is, and the function's recipient for a call."""
-    recipient = _RECIPIENT.search(header)
+    recipient = RECIPIENT.search(header)
     if recipient is not None:
         name = recipient.group(1)
         return (FUNCTION_CALL, name) if name.startswith(FUNCTIONS) else (REASONING, None)

@@ -13,11 +13,10 @@ outside the calls is content; a block to a recipient that is not a function is c
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from typing import Any
 
-from pagedserve.reasoning_parsers.harmony import CALL, CHANNEL, CONSTRAIN, FUNCTIONS, MESSAGE
+from pagedserve.reasoning_parsers.harmony import CALL, CHANNEL, CONSTRAIN, FUNCTIONS, MESSAGE, RECIPIENT
 from pagedserve.workers.sample.grammar import HARMONY_CALL, lark_text
 from pagedserve.workers.sample.sampling_params import StructuredOutputsParams
 
@@ -27,7 +26,6 @@ from .tool_choice import parameters_schema
 CALL_START = CHANNEL
 HEADER_END = MESSAGE
 CALL_END = CALL
-_RECIPIENT = re.compile(r"to=([^\s<]+)")
 # A call's header after its recipient, as gpt-oss writes it: the arguments are JSON.
 ARGUMENTS_HEADER = f" {CONSTRAIN}json{MESSAGE}"
 # The arguments' JSON under a constraint: compact, and no schema may make llguidance lenient.
@@ -80,7 +78,7 @@ class HarmonyToolParser(BufferedToolParser):
                     self._header, self._buffer = self._header + buffer, ""
                     return
                 header, self._header, self._buffer = self._header + buffer[:end], None, buffer[end + len(HEADER_END):]
-                recipient = _RECIPIENT.search(header)
+                recipient = RECIPIENT.search(header)
                 if recipient is not None and recipient.group(1).startswith(FUNCTIONS):
                     self._call = self._start_call(delta, recipient.group(1)[len(FUNCTIONS):])
                 else:
