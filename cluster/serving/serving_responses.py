@@ -530,10 +530,8 @@ class ServingResponses:
                         if request.wants_logprobs and completion is not None else None)
             items.append(OutputMessage(id=_item_id("msg"), status="incomplete" if is_cut_off and not calls
                                        else "completed", content=[OutputText(text=text, logprobs=logprobs)]))
-        items += [OutputFunctionCall(id=_item_id("fc"), call_id=call.id, name=call.name, arguments=call.arguments,
-                                     status="completed" if call.is_complete else "incomplete") for call in calls]
+        items += _call_items(calls)
         return items
-
 
     def _message_items(self, chat, reasoning_parser: ReasoningParser, text: str,
                        is_cut_off: bool) -> list[OutputReasoning | OutputMessage | OutputFunctionCall]:
@@ -552,15 +550,18 @@ class ServingResponses:
                 if parsed.content:
                     items.append(OutputMessage(id=_item_id("msg"), status="completed",
                                                content=[OutputText(text=parsed.content)]))
-                items += [OutputFunctionCall(id=_item_id("fc"), call_id=call.id, name=call.name,
-                                             arguments=call.arguments,
-                                             status="completed" if call.is_complete else "incomplete")
-                          for call in parsed.tool_calls]
+                items += _call_items(parsed.tool_calls)
         if not any(not isinstance(item, OutputReasoning) for item in items) and not is_cut_off:
             items.append(OutputMessage(id=_item_id("msg"), status="completed", content=[OutputText(text="")]))
         if is_cut_off and items and not isinstance(items[-1], OutputFunctionCall):
             items[-1].status = "incomplete"
         return items
+
+
+def _call_items(calls: Sequence[ToolCall]) -> list[OutputFunctionCall]:
+    """A ``function_call`` item for each of a whole reply's parsed ``calls``."""
+    return [OutputFunctionCall(id=_item_id("fc"), call_id=call.id, name=call.name, arguments=call.arguments,
+                               status="completed" if call.is_complete else "incomplete") for call in calls]
 
 
 def _failed(response: ResponseObject, exc: Exception) -> tuple[ResponseObject, APIError]:

@@ -48,7 +48,6 @@ RECIPIENT = re.compile(r"to=([^\s<]+)")   # a header's recipient
 _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*([^\s<]+)")
 
 
-
 def _delta() -> ReasoningDelta:
     return ReasoningDelta("", "", [])
 
