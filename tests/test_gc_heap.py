@@ -29,24 +29,34 @@ def test_gc_pauses_count_each_generation_and_stop_when_uninstalled():
 
 
 def test_prepare_serving_heap_freezes_what_is_alive_and_still_collects_what_comes_later():
-    """In a process of its own (it changes the collector for the rest of the process). The
-    snapshot, which every stats poll takes, reads the frozen count kept at the freeze."""
+    """In a process of its own (it changes the collector for the rest of the process). A start-up
+    runs with the collector off; ``prepare_serving_heap`` collects its cycles and turns it back
+    on. The snapshot, which every stats poll takes, reads the frozen count kept at the freeze."""
     script = textwrap.dedent("""
         import gc, weakref
-        from pagedserve.workers.process.gc_heap import YOUNG_GC_THRESHOLD, prepare_serving_heap
+        from pagedserve.workers.process.gc_heap import (YOUNG_GC_THRESHOLD, pause_collection_for_startup,
+                                                         prepare_serving_heap)
 
         class Node:
             pass
 
-        alive = [Node() for _ in range(1000)]
+        pause_collection_for_startup()               # as a process that loads a model starts
+        start_up_cycle = Node()
+        start_up_cycle.self = start_up_cycle
+        start_up_ref = weakref.ref(start_up_cycle)
+        del start_up_cycle
+        alive = [Node() for _ in range(100_000)]     # far past the young threshold: nothing is collected
+        assert not gc.isenabled() and start_up_ref() is not None
         pauses = prepare_serving_heap("test")
+        assert gc.isenabled() and pauses.snapshot()["enabled"] is True
+        assert start_up_ref() is None                # start-up's cycles went in its one collection
         frozen = gc.get_freeze_count()
 
         def walks_the_frozen_heap():   # object by object, with the GIL held: 36 ms in a worker
             raise AssertionError("a stats snapshot counted the frozen heap again")
 
         gc.get_freeze_count = walks_the_frozen_heap
-        assert frozen >= 1000 and pauses.snapshot()["frozen_objects"] == frozen, frozen
+        assert frozen >= 100_000 and pauses.snapshot()["frozen_objects"] == frozen, frozen
         assert gc.get_threshold()[0] == YOUNG_GC_THRESHOLD
         assert len(gc.get_objects()) < frozen / 10     # the frozen heap is out of every generation
         cycle = Node()

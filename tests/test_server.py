@@ -185,15 +185,18 @@ def test_error_statuses(served, client):
 
 
 def test_serving_processes_froze_their_start_up_heap(served, client):
-    """The replica and every worker froze their start-up objects out of garbage collection
-    and space young collections out (``workers.process.gc_heap``); the collections since are timed."""
+    """The replica, every worker actor and every engine core froze their start-up objects out of
+    garbage collection and space young collections out (``workers.process.gc_heap``); the
+    collections since are timed. The engine cores start with the collector off: it is on again."""
     from pagedserve.workers.process.gc_heap import YOUNG_GC_THRESHOLD
 
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=4).usage.completion_tokens == 4
     stats = httpx.get(served.base_url + "/stats", timeout=30).json()
-    processes = {"replica": stats["server"]["gc"], **{w: s["gc"] for w, s in stats["workers"].items()}}
-    assert len(processes) == 3, processes
+    processes = {"replica": stats["server"]["gc"], **{w: s["gc"] for w, s in stats["workers"].items()},
+                 **{f"{w} core": s["engine_core_gc"] for w, s in stats["workers"].items()}}
+    assert len(processes) == 5, processes
     for name, gc_stats in processes.items():
+        assert gc_stats["enabled"] is True, (name, gc_stats)
         assert gc_stats["frozen_objects"] > 50_000, (name, gc_stats)
         assert gc_stats["thresholds"][0] == YOUNG_GC_THRESHOLD, (name, gc_stats)
         assert len(gc_stats["collections"]) == len(gc_stats["pause_seconds"]) == 3, (name, gc_stats)

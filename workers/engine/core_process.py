@@ -22,6 +22,7 @@ import sys
 import uuid
 from dataclasses import asdict, dataclass, field
 
+from ..process.gc_heap import pause_collection_for_startup
 from .core_messages import CoreInfo, FromCore, pack, unpack
 
 logger = logging.getLogger("pagedserve.core")
@@ -124,6 +125,7 @@ def main(argv: list[str]) -> int:
     inbox_address, outbox_address, progress_path, parent = argv
     parent_pid = int(parent)
     die_with_parent(parent_pid, os.path.dirname(progress_path))
+    pause_collection_for_startup()   # until ``build_core``'s ``prepare_serving_heap``
     import zmq
 
     from .core import ActorLink

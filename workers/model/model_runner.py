@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Callable
 
@@ -190,6 +191,7 @@ class ModelRunner:
         num_blocks = -(-num_tokens // block_size)
         saved, self.kv_cache = self.kv_cache, None
         self.allocate_cache(block_size, num_blocks, 0)
+        gc.collect()   # start-up's reference cycles (the collector is off while a core starts) out of the peak
         torch.cuda.reset_peak_memory_stats(self.device)
         row = self.block_tables.take_row("profile")
         try:

@@ -116,16 +116,25 @@ class ProcessRanks:
                 process.join(timeout=STOP_TIMEOUT_S)
 
 
+def start_rank(spec: dict, rank: int, gpu_index: int) -> None:
+    """A rank's process or actor: the cyclic collector off before torch is imported (until
+    ``run_rank``'s ``prepare_serving_heap``), then ``rank.run_rank``."""
+    from ..process.gc_heap import pause_collection_for_startup
+
+    pause_collection_for_startup()
+    from .rank import run_rank
+
+    run_rank(spec, rank, gpu_index)
+
+
 class ProcessLauncher:
     """``"mp"``: spawn one local process per rank."""
 
     def launch(self, spec: RankSpec) -> ProcessRanks:
-        from .rank import run_rank
-
         context = multiprocessing.get_context("spawn")
         processes = []
         for rank in range(1, spec.rendezvous.size):
-            process = context.Process(target=run_rank, args=(spec.to_dict(), rank, rank),
+            process = context.Process(target=start_rank, args=(spec.to_dict(), rank, rank),
                                       name=f"pagedserve-tp-rank{rank}", daemon=True)
             process.start()
             processes.append(process)
@@ -136,9 +145,7 @@ class RankActor:
     """A Ray actor holding one rank; ``run`` is its only task and lasts as long as the group."""
 
     def run(self, spec: dict, rank: int) -> None:
-        from .rank import run_rank
-
-        run_rank(spec, rank, gpu_index=0)
+        start_rank(spec, rank, gpu_index=0)
 
 
 class RayRanks:

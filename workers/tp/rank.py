@@ -27,6 +27,7 @@ from ..lora.lora_request import LoRARequest
 from ..model.model_input import ModelInput
 from ..model.model_runner import ModelRunner, resolve_device
 from ..model.model_support import load_config
+from ..process.gc_heap import prepare_serving_heap
 from .dispatch import CommandChannel, GroupBrokenError, open_channel
 from .group import Rendezvous, TensorParallelGroup
 from .load import ShardLoader
@@ -244,4 +245,6 @@ def run_rank(spec: dict, rank: int, gpu_index: int) -> None:
     channel = open_channel(group, node_key())
     logger.info("tensor-parallel rank %d of %d ready on %s (%s channel)", rank, group.size, group.device,
                 getattr(channel, "name", "?"))
-    RankExecutor(runner, group, channel, weight_cuts).run()
+    executor = RankExecutor(runner, group, channel, weight_cuts)
+    prepare_serving_heap(f"tensor-parallel rank {rank}")
+    executor.run()
