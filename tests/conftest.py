@@ -4,12 +4,17 @@ clusters) and the suite-wide check that no Ray process outlives the module that 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import time
 
-import pytest
-import torch
-from ray_leftovers import SuiteScope, kill, wait_for_exit
+# The cyclic collector stays off while the test process collects (imports torch, transformers,
+# Ray and every test module), as the serving processes start: see ``pytest_collection_finish``.
+gc.disable()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from ray_leftovers import SuiteScope, kill, wait_for_exit  # noqa: E402
 
 # Triton reads TRITON_INTERPRET when it is first imported (transformers and ray
 # import it too), so CPU machines must choose the interpreter before any test does.
@@ -39,6 +44,18 @@ _LEFTOVER_WAIT_S = pytest.StashKey[list]()  # seconds each module's check waited
 def pytest_configure(config):
     config.stash[_LEFTOVERS] = []
     config.stash[_LEFTOVER_WAIT_S] = []
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        gc.enable()   # pytest-xdist's controller: its test processes collect, it never does
+
+
+def pytest_collection_finish(session):
+    """Collected with the cyclic collector off (0.70x the CPU of a collection with it on: 11.6
+    against 16.9 CPU-seconds, ``--collect-only``, medians of three alternating, 2-core CPU VM):
+    collect once, freeze what is alive, so that the tests' full collections skip the imported
+    heap as the serving processes' do (``workers.process.gc_heap``), and turn it back on."""
+    gc.collect()
+    gc.freeze()
+    gc.enable()
 
 
 @pytest.fixture(scope="module", autouse=True)
