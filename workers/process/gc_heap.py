@@ -31,8 +31,8 @@ with the collector on):
 - building the engine in a fresh process: 0.89x the CPU (5.42 against 6.10 CPU-seconds,
   medians of eight);
 - an engine core from its start to ready in a one-worker cluster: 3.6-4.6 against 4.4-5.5
-  CPU-seconds (three each);
-- a tensor-parallel rank of a group of two: 3.8-4.5 against 4.7-4.9 (three each).
+  CPU-seconds (six each, in both orders);
+- a tensor-parallel rank of a group of two: 3.8-4.5 against 4.7-5.7 (six each, both orders).
 """
 
 from __future__ import annotations
