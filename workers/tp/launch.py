@@ -19,6 +19,7 @@ cluster sees one dead worker and Ray restarts it (with new ranks).
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import os
@@ -118,13 +119,17 @@ class ProcessRanks:
 
 def start_rank(spec: dict, rank: int, gpu_index: int) -> None:
     """A rank's process or actor: the cyclic collector off before torch is imported (until
-    ``run_rank``'s ``prepare_serving_heap``), then ``rank.run_rank``."""
+    ``run_rank``'s ``prepare_serving_heap``), then ``rank.run_rank``. A rank actor whose start
+    failed lives on until its group stops it: its collector is on again."""
     from ..process.gc_heap import pause_collection_for_startup
 
     pause_collection_for_startup()
-    from .rank import run_rank
+    try:
+        from .rank import run_rank
 
-    run_rank(spec, rank, gpu_index)
+        run_rank(spec, rank, gpu_index)
+    finally:
+        gc.enable()
 
 
 class ProcessLauncher:
