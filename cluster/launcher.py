@@ -3,7 +3,8 @@
 ``serve`` claims its HTTP port's record (``server_records``): a port another server holds,
 or that another program listens on, is refused before anything starts. It then starts a
 private Ray (or joins ``--address``, else ``$RAY_ADDRESS``; token authentication as Ray uses
-it for a cluster it finds), the KV manager and workers, and the Serve application, records
+it for a cluster it finds), the KV manager and workers (Serve's controller and ingress start
+meanwhile; an ingress the cluster cannot run is refused before), and the Serve application, records
 its Ray address, endpoints, ingress, model and engine options, and blocks until SIGINT/SIGTERM. Then it tears everything
 down in stages, each named on the console and in its record, and removes the record.
 
@@ -44,6 +45,7 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # a clean stop of a private server took 7 s (10 s behind HAProxy) on a 2-core CPU machine.
 # ``stop`` waits STOP_TIMEOUT_S, then kills what is left.
 SERVE_SHUTDOWN_TIMEOUT_S = 30.0
+SERVE_START_TIMEOUT_S = 120.0       # Serve's controller and ingress: about 3.5 s on a 2-core CPU machine
 STOP_TIMEOUT_S = 60.0
 KILL_WAIT_S = 10.0                   # after SIGKILL: how long ``stop`` waits for the processes to vanish
 
@@ -147,7 +149,7 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
     from .bootstrap import WorkerStartError, check_model, init_ray, start
     from .placement_watch import PlacementError
     from .serving import ingress
-    from .serving.deployment import deploy
+    from .serving.deployment import ServeStart, deploy
 
     try:
         check_model(config, config.model.resolve_path())
@@ -161,6 +163,7 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
     previous: dict = {}
     owns_ray = is_private_ray = not ray.is_initialized()
     handle = None
+    serve_start: ServeStart | None = None
     is_deploying = False
     try:
         if owns_ray:
@@ -177,10 +180,14 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
             model = config.model
             with progress.stage(f"building the {model.arch}-{model.size} model (first start only)"):
                 config.model.resolve_path()
+        # The ingress is known before any worker starts, and Serve (its controller and ingress)
+        # starts while the workers load their model: the application needs only their handle.
+        choice = ingress.choose(config.server.ingress)
+        serve_start = ServeStart(config, quiet=True).begin()
         num_workers = sum(group.min_workers for group in config.workers)
         try:
             with progress.stage(f"starting the KV manager and {num_workers} worker(s): loading the model, "
-                                "allocating KV pools", spinner=False):
+                                "allocating KV pools (Ray Serve starts meanwhile)", spinner=False):
                 handle = start(config, show_progress=progress.is_tty, is_private_ray=is_private_ray)
         except (PlacementError, WorkerStartError) as exc:
             print(f"error: {exc}", file=sys.stderr, flush=True)
@@ -188,8 +195,8 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
         apis = "HTTP and gRPC" if config.server.grpc_port is not None else "HTTP"
         is_deploying = True
         with progress.stage(f"deploying the {apis} API on Ray Serve"):
-            choice = ingress.choose(config.server.ingress)
-            endpoints = deploy(handle, config, quiet=True, ingress_choice=choice)
+            serve_start.wait(SERVE_START_TIMEOUT_S)
+            endpoints = deploy(handle, config, quiet=True, ingress_choice=choice, serve_started=True)
         record.state, record.endpoints, record.model, record.ingress = "serving", endpoints, handle.model_name, choice.name
         # What `bench serve --offline-baseline` runs offline: the first group's engine.
         record.model_path = handle.model_path
@@ -216,27 +223,34 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
             pass
         print("stopping...", file=sys.stderr, flush=True)
         return 0
+    except ingress.IngressError as exc:   # before any worker starts
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        _tear_down(record, handle, is_deploying, owns_ray, is_private_ray, progress)
+        if serve_start is not None:   # never shut Serve down while it still starts
+            with contextlib.suppress(Exception):
+                serve_start.wait(SERVE_START_TIMEOUT_S)
+        _tear_down(record, handle, serve_start is not None, is_deploying, owns_ray, is_private_ray, progress)
         server_records.release(record)
 
 
-def _tear_down(record: ServerRecord, handle, has_serve: bool, owns_ray: bool, is_private_ray: bool,
-               progress: Progress) -> None:
-    """Stop the Serve application (``has_serve``), the cluster and a Ray this process started,
-    one named stage at a time (on the console and in ``record``, where ``stop`` reads it); a
-    stage that fails is named as failed and the next one runs."""
+def _tear_down(record: ServerRecord, handle, has_serve: bool, has_app: bool, owns_ray: bool,
+               is_private_ray: bool, progress: Progress) -> None:
+    """Stop Serve on a private Ray (``has_serve``: this process started it) or the Serve
+    application on a shared one (``has_app``: it was deployed), the cluster and a Ray this
+    process started, one named stage at a time (on the console and in ``record``, where ``stop``
+    reads it); a stage that fails is named as failed and the next one runs."""
     import ray
 
     record.state = "stopping"
     stages: list[tuple[str, Callable[[], object]]] = []
-    if has_serve and ray.is_initialized():
-        if is_private_ray:
+    if ray.is_initialized():
+        if is_private_ray and has_serve:
             stages.append(("shutting down Ray Serve (its replicas drain, its proxies stop)",
                            lambda: ray_compat.shutdown_serve(SERVE_SHUTDOWN_TIMEOUT_S)))
-        else:
+        elif not is_private_ray and has_app:
             from ray import serve
 
             from .serving.deployment import APP_NAME

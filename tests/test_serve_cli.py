@@ -268,6 +268,28 @@ def test_bench_serve_takes_vllm_bench_serve_flags():
         build_parser().parse_args(["bench", "serve", "--endpoint", "/v1/embeddings"])
 
 
+def test_serve_starting_beside_the_workers_hands_its_error_and_its_end_to_the_caller(monkeypatch):
+    """``serve`` starts Serve on a thread while the workers load; the caller waits for it before
+    deploying or tearing down, and gets what its start raised."""
+    from pagedserve.cluster.config import ClusterConfig
+    from pagedserve.cluster.serving import deployment
+
+    release = threading.Event()
+
+    def start_serve(config, quiet):
+        if not release.wait(10):
+            raise AssertionError("never released")
+        raise RuntimeError("no controller")
+
+    monkeypatch.setattr(deployment, "start_serve", start_serve)
+    starting = deployment.ServeStart(ClusterConfig()).begin()
+    with pytest.raises(TimeoutError, match="did not start within 0.2 s"):
+        starting.wait(0.2)
+    release.set()
+    with pytest.raises(RuntimeError, match="no controller"):
+        starting.wait(10)
+
+
 # ---- a private Ray, or a named one with its token ------------------------------------------------
 def _cli(*args: str, env: dict, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pagedserve", *args], env=env, capture_output=True,
@@ -351,6 +373,14 @@ def test_private_ray_by_default_and_a_named_cluster_with_its_token(tmp_path, tin
         assert said and said[0].split()[1:3] == ["Serve's", "proxy"], server.output
         assert "run without RAY_SERVE_ENABLE_HA_PROXY=1" in said[0]
         assert _complete(port) == 4
+        # HAProxy asked of that cluster is refused with what to do, before any worker starts.
+        refused = _cli("serve", tiny_model("llama"), "--address", other.address, "--port", str(free_port()),
+                       "--set", "server.ingress=haproxy", *model,
+                       env={**joining, "PAGEDSERVE_CACHE_DIR": str(tmp_path / "cache-refused")})
+        output = refused.stdout + refused.stderr
+        assert refused.returncode == 2, output
+        assert "error: server.ingress 'haproxy': this Ray cluster's processes run without" in refused.stderr, output
+        assert "Traceback" not in output and "starting the KV manager" not in output, output
         status = _cli("status", "--address", other.address, "--json", env=joining)
         assert status.returncode == 0, status.stderr
         assert json.loads(status.stdout)["model"] == "tiny-cli"

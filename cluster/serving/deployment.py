@@ -1,6 +1,7 @@
 """The Ray Serve deployment: one replica class serving HTTP (FastAPI ingress) and
-gRPC (``Generate``/``GenerateStream``, ``Chat``/``ChatStream``) over one ``Frontend``, and ``deploy``,
-which starts Serve and runs the application.
+gRPC (``Generate``/``GenerateStream``, ``Chat``/``ChatStream``) over one ``Frontend``; ``start_serve``,
+which starts Serve (its controller and ingress), also on a thread of its own while the workers load
+their model (``ServeStart``); and ``deploy``, which runs the application.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import threading
 
 from pagedserve.workers.process.gc_heap import prepare_serving_heap
 
@@ -89,15 +91,63 @@ def build_application(handle, config: ClusterConfig, num_cpus: float = 0.0):
     return deployment.bind(handle, config.server.model_dump())
 
 
-def deploy(handle, config: ClusterConfig, app_name: str = APP_NAME, route_prefix: str = "/",
-           quiet: bool = False, ingress_choice: ingress.IngressChoice | None = None) -> dict[str, str]:
-    """Start Serve (HTTP on ``server.host:port``, gRPC on ``server.grpc_port`` if set), run the app.
+def start_serve(config: ClusterConfig, quiet: bool = False) -> None:
+    """Start Serve: its controller and ingress, HTTP on ``server.host:port`` and gRPC on
+    ``server.grpc_port`` if set. If Serve already runs in this Ray cluster, its HTTP/gRPC options
+    stay as they are. ``quiet`` keeps Serve's logs (access logs included) to warnings."""
+    from ray import serve
 
-    If Serve already runs in this Ray cluster, its HTTP/gRPC options stay as
-    they are and the app is added next to the others under ``route_prefix``.
-    ``quiet`` keeps Serve's logs (access logs included) to warnings. ``ingress_choice``:
-    what ``ingress.choose`` answered for ``server.ingress`` (else it is asked here).
-    Returns the endpoints, e.g. ``{"http": "http://127.0.0.1:8000", "grpc": "127.0.0.1:9000"}``.
+    server = config.server
+    grpc_options = None
+    if server.grpc_port is not None:
+        # Reflection lists the services without a key: only offered when none is needed.
+        grpc_options = {"port": server.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER_FUNCTION],
+                        "enable_reflection": not (server.api_key or os.environ.get(API_KEY_ENV))}
+    serve.start(http_options={"host": server.host, "port": server.port}, grpc_options=grpc_options,
+                logging_config=_logging_config(quiet))
+
+
+class ServeStart:
+    """``start_serve`` on a thread of its own: Serve's controller and ingress come up while the
+    workers load their model (the application itself needs the workers' handle). ``wait``
+    re-raises what the start raised."""
+
+    def __init__(self, config: ClusterConfig, quiet: bool = False) -> None:
+        self._config = config
+        self._quiet = quiet
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="serve-start", daemon=True)
+
+    def begin(self) -> ServeStart:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            start_serve(self._config, self._quiet)
+        except BaseException as exc:   # re-raised by ``wait``, in the caller's thread
+            self._error = exc
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Until Serve has started (``TimeoutError`` after ``timeout_s``); raises what its start raised."""
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"Ray Serve did not start within {timeout_s:g} s")
+        if self._error is not None:
+            raise self._error
+
+
+def _logging_config(quiet: bool) -> dict | None:
+    return {"log_level": "WARNING", "enable_access_log": False} if quiet else None
+
+
+def deploy(handle, config: ClusterConfig, app_name: str = APP_NAME, route_prefix: str = "/",
+           quiet: bool = False, ingress_choice: ingress.IngressChoice | None = None,
+           serve_started: bool = False) -> dict[str, str]:
+    """Start Serve (``start_serve``, unless ``serve_started``), run the app under ``route_prefix``
+    (next to any others). ``quiet`` keeps Serve's logs (access logs included) to warnings.
+    ``ingress_choice``: what ``ingress.choose`` answered for ``server.ingress`` (else it is asked
+    here). Returns the endpoints, e.g. ``{"http": "http://127.0.0.1:8000", "grpc": "127.0.0.1:9000"}``.
     """
     from ray import serve
 
@@ -105,18 +155,12 @@ def deploy(handle, config: ClusterConfig, app_name: str = APP_NAME, route_prefix
     if not is_loopback(server.host) and not (server.api_key or os.environ.get(API_KEY_ENV)):
         logger.warning("serving on %s (not loopback) without an API key: anyone who can reach it may "
                        "use it; set server.api_key or $%s", server.host, API_KEY_ENV)
-    logging_config = {"log_level": "WARNING", "enable_access_log": False} if quiet else None
-    grpc_options = None
-    if server.grpc_port is not None:
-        # Reflection lists the services without a key: only offered when none is needed.
-        grpc_options = {"port": server.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER_FUNCTION],
-                        "enable_reflection": not (server.api_key or os.environ.get(API_KEY_ENV))}
     if ingress_choice is None:
         ingress.choose(server.ingress)
-    serve.start(http_options={"host": server.host, "port": server.port}, grpc_options=grpc_options,
-                logging_config=logging_config)
+    if not serve_started:
+        start_serve(config, quiet)
     serve.run(build_application(handle, config), name=app_name, route_prefix=route_prefix,
-              logging_config=logging_config)
+              logging_config=_logging_config(quiet))
     prefix = "" if route_prefix == "/" else route_prefix
     endpoints = {"http": f"http://{server.host}:{server.port}{prefix}"}
     if server.grpc_port is not None:
