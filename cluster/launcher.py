@@ -50,6 +50,17 @@ STOP_TIMEOUT_S = 60.0
 KILL_WAIT_S = 10.0                   # after SIGKILL: how long ``stop`` waits for the processes to vanish
 
 
+# What each of the router's reasons (``router.RoutingDecision.reason``) means, for ``status``.
+ROUTING_REASONS = {
+    "prefix": "to the worker with the longest cached prefix",
+    "adapter": "to a worker holding the request's LoRA adapter",
+    "load": "to the least loaded worker",
+    "only": "to the only worker that could take them",
+    "round_robin": "round robin",
+    "fallback": "while every worker was full (its KV blocks or its queue)",
+}
+
+
 class PortInUse(RuntimeError):
     """A port ``serve`` needs is taken by another program."""
 
@@ -470,5 +481,6 @@ def format_status(stats: dict) -> str:
         lines.extend(_rank_lines(worker))
     reasons = stats.get("router", {}).get("reasons")
     if reasons:
-        lines.append("routing decisions: " + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())))
+        lines.append("routing decisions: " + ", ".join(
+            f"{count} {ROUTING_REASONS.get(reason, reason)}" for reason, count in sorted(reasons.items())))
     return "\n".join(lines)

@@ -150,3 +150,13 @@ def test_every_consumer_reads_through_the_one_gatherer(tiny_model, monkeypatch):
     assert 'vllm:kv_cache_usage_perc{engine="w1",model_name="fake-model"} 0.75' in metrics
     dashboard = asyncio.run(DashboardState(handle).get(256))
     assert dashboard["workers"]["w0"]["pool"]["device_blocks_used"] == 24 and dashboard["errors"] == []
+
+
+def test_status_says_what_each_routing_reason_means():
+    """`pagedserve status` names why the router sent requests where it did, in words; a reason
+    it does not know yet shows as the router names it."""
+    from pagedserve.cluster.launcher import format_status
+
+    status = format_status({"model": "m", "router": {"reasons": {"only": 46, "prefix": 3, "new_reason": 1}}})
+    assert status.splitlines()[-1] == ("routing decisions: 1 new_reason, 46 to the only worker that could take "
+                                       "them, 3 to the worker with the longest cached prefix")
