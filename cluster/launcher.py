@@ -156,6 +156,7 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
         print(f"error: {exc}", file=sys.stderr)
         return 2
     import ray
+    import ray.serve  # noqa: F401 - importing it sets Serve's logger to INFO: before the level below
 
     from .bootstrap import WorkerStartError, check_model, init_ray, start
     from .placement_watch import PlacementError

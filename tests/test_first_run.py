@@ -95,3 +95,7 @@ def test_first_serve_request_status_stop_print_no_error_and_no_anti_pattern(tmp_
         reader.join(timeout=30)
     console = "".join(output) + status.stdout + status.stderr + stop.stdout + stop.stderr
     assert not _problems(console), "the first run printed:\n" + "\n".join(_problems(console))
+    # Serve's client in `serve` itself keeps its INFO lines to itself ("Connecting to existing Serve
+    # app ... New http_options/controller_options will not be applied"): pagedserve says what it does.
+    driver_lines = [line for line in output if f" serve {serve.pid} -- " in line]
+    assert not driver_lines, driver_lines
