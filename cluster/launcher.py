@@ -139,7 +139,8 @@ def _log_to_console() -> None:
 def serve_forever(config: ClusterConfig, address: str | None = None, progress: Progress | None = None,
                   stdout: IO[str] | None = None) -> int:
     """Bring the cluster and the API up, block until SIGINT/SIGTERM, tear down; exit status
-    (2 when a port is taken or the model cannot be served, 1 when the workers cannot start)."""
+    (2 when a port is taken or the model or the ingress cannot be served, 1 when the workers
+    cannot start, 130 when interrupted while starting)."""
     progress = progress or Progress()
     stdout = stdout or sys.stdout
     # Before anything starts, cheapest first: the port is this server's, and free (checked
@@ -238,6 +239,9 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
     except ingress.IngressError as exc:   # before any worker starts
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt:   # Ctrl-C during start-up: what started is torn down below
+        print("interrupted while starting; stopping...", file=sys.stderr, flush=True)
+        return 130
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

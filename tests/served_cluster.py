@@ -160,6 +160,11 @@ class ServeProcess:
         self.output.extend(self.process.stdout)
         self.process.wait()
 
+    def ended_output(self, timeout_s: float = 30) -> str:
+        """All the server's output, once it has ended (and its output has been read)."""
+        self._reader.join(timeout_s)
+        return "".join(self.output)
+
     def wait_serving(self, timeout_s: float = 300) -> None:
         deadline = time.time() + timeout_s
         while not any("pagedserve is serving" in line for line in self.output):

@@ -417,6 +417,31 @@ def test_private_ray_by_default_and_a_named_cluster_with_its_token(tmp_path, tin
         shutil.rmtree(discovery, ignore_errors=True)
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_ctrl_c_while_the_workers_start_tears_down_serve_and_ray_without_a_traceback(tmp_path, tiny_model):
+    """SIGINT while the workers load (Serve starting beside them): every stage started is torn
+    down, Serve's after its start, and the server exits with 130 and no traceback."""
+    from served_cluster import free_port
+
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    env["PAGEDSERVE_CACHE_DIR"] = str(tmp_path / "cache")
+    server = ServeProcess([tiny_model("llama"), "--port", str(free_port()), "--set", "workers.0.num_cpus=1"], env)
+    try:
+        deadline = time.monotonic() + 180
+        while not any(line.startswith("[..] starting the KV manager") for line in server.output):
+            assert server.process.poll() is None and time.monotonic() < deadline, "".join(server.output)
+            time.sleep(0.1)
+        server.process.send_signal(signal.SIGINT)
+        assert server.process.wait(timeout=120) == 130, "".join(server.output)
+    finally:
+        server.kill()
+    console = server.ended_output()
+    assert "Traceback" not in console and "interrupted while starting; stopping..." in console, console
+    assert "[ok] shutting down Ray Serve" in console and "[ok] stopping the private Ray" in console, console
+    assert not list((tmp_path / "cache" / "servers").glob("*.json"))   # its record went with it
+
+
 # ---- servers on one machine: a record per port, stop by port, a bounded stop ---------------------
 @pytest.fixture
 def own_records(tmp_path, monkeypatch):
