@@ -186,5 +186,7 @@ def test_serve_shuts_down_without_a_failed_task(ray_with_dashboard, capfd):
     assert ray_compat.serve_controller() is None
     time.sleep(2)   # Ray's log monitor forwards a worker's lines about a second late
     output = "".join(capfd.readouterr())
-    assert "failed" not in output, output
+    # Ray's core worker says "Task ServeController.graceful_shutdown failed. ..."; the word alone
+    # may come in other text (a logging error's call stack names this test).
+    assert not re.search(r"\bTask \S+ failed\b", output), output
     assert ray_compat.shutdown_serve(5) is True   # nothing left to shut down
