@@ -5,7 +5,8 @@ cluster's token authentication (``serve``, ``status``, ``stop``).
 
 The end-to-end test starts a Ray head of its own first (``fake_cluster.LocalRayHead``:
 its own ports and temp dir, token auth with a token of the test's, never
-``ray stop``) and runs the CLI as a user would, in subprocesses.
+``ray stop``) and runs the CLI as a user would, in subprocesses: a server joined to that
+head and one on a private Ray, side by side on one machine.
 """
 
 from __future__ import annotations
@@ -325,11 +326,32 @@ def _descendant_commands(pid: int) -> list[str]:
     return commands
 
 
+def _kill_serve_controller(record: dict, env: dict) -> None:
+    """From a driver of its own: end a server's Serve controller for good."""
+    script = ("import ray\nfrom pagedserve.cluster import ray_compat\n"
+              f"ray.init(address={record['ray_address']!r}, logging_level='ERROR', log_to_driver=False)\n"
+              "ray.kill(ray_compat.serve_controller(), no_restart=True)\n"
+              "import time\nwhile ray_compat.serve_controller() is not None: time.sleep(0.2)\nray.shutdown()\n")
+    killed = subprocess.run([sys.executable, "-c", script], env={**env, "RAY_AUTH_MODE": record["ray_auth_mode"]
+                                                                 or "disabled"},
+                            capture_output=True, text=True, timeout=180)
+    assert killed.returncode == 0, killed.stderr
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_private_ray_by_default_and_a_named_cluster_with_its_token(tmp_path, tiny_model):
+def test_a_private_ray_by_default_a_named_cluster_with_its_token_and_two_servers_on_one_machine(tmp_path,
+                                                                                                tiny_model):
+    """Two ``serve`` on one machine, with one cache folder (as one user has): one joins a running
+    cluster by its address (its token comes along), the other starts a private Ray although
+    that cluster is the one Ray would find. A third on a taken port is refused at once;
+    ``stop`` without a port refuses and lists both. The joined one stops cleanly and its
+    cluster stays up; the private one serves on after that cluster stops, and once its Serve
+    controller is gone it is stopped by its port within the bound, all its processes with it."""
     from fake_cluster import LocalRayHead
+    from pagedserve.cluster.launcher import KILL_WAIT_S
+    from pagedserve.workers.process.processes import descendants, is_running
     from served_cluster import free_port
 
     token = secrets.token_hex(32)
@@ -337,17 +359,17 @@ def test_private_ray_by_default_and_a_named_cluster_with_its_token(tmp_path, tin
                          env={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}).start()
     base = {key: value for key, value in os.environ.items()
             if key not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
-    base["PAGEDSERVE_CACHE_DIR"] = str(tmp_path / "cache")  # its own server records
+    base["PAGEDSERVE_CACHE_DIR"] = str(tmp_path / "cache")   # the servers' records, both
+    records = tmp_path / "cache" / "servers"
     model = ["--served-model-name", "tiny-cli", "--set", "workers.0.num_cpus=1",
              "--set", "engine.num_device_blocks=64", "--set", "engine.swap_space_gb=0.001"]
     servers: list[ServeProcess] = []
     discovery = Path(f"/tmp/psdisc-{other.port}")  # short: Ray's socket paths live under it
     try:
-        # Both servers start at once (each its own state file, PAGEDSERVE_CACHE_DIR), so that
-        # their start-ups overlap; each is then checked in turn.
+        # Both start at once, so that their start-ups overlap.
         # 1. Joined by its address: the token comes along (RAY_AUTH_MODE unset, as Ray leaves
-        #    it for an address it finds); status and stop work; the cluster stays up after.
-        joining = {**base, "RAY_AUTH_TOKEN": token, "PAGEDSERVE_CACHE_DIR": str(tmp_path / "cache-joining")}
+        #    it for an address it finds).
+        joining = {**base, "RAY_AUTH_TOKEN": token}
         port = free_port()
         server = ServeProcess([tiny_model("llama"), "--address", other.address, "--port", str(port), *model],
                               joining)
@@ -365,10 +387,25 @@ def test_private_ray_by_default_and_a_named_cluster_with_its_token(tmp_path, tin
         # environment before this private Ray starts, HAProxy being installed.
         private_server = ServeProcess([tiny_model("llama"), "--port", str(private_port), *model], private)
         servers.append(private_server)
-
         server.wait_serving()
-        # That cluster's nodes started without Serve's HAProxy variables: "auto" takes the proxy
-        # actor, and says why.
+        private_server.wait_serving()
+        assert sorted(path.name for path in records.glob("*.json")) == sorted(
+            f"{p}.json" for p in (port, private_port))
+
+        # A third on a taken port is refused at once; `stop` without a port names both and stops neither.
+        began = time.monotonic()
+        third = _cli("serve", tiny_model("llama"), "--port", str(port), *model, env=private, timeout=120)
+        assert third.returncode == 2, third.stdout + third.stderr
+        assert f"port {port} is taken by pagedserve (pid {server.process.pid}" in third.stderr
+        assert "starting a private Ray" not in third.stdout + third.stderr
+        assert time.monotonic() - began < 60
+        refused = _cli("stop", env=private)
+        assert refused.returncode == 1, refused.stderr
+        assert all(f"port {p}" in refused.stderr for p in (port, private_port)), refused.stderr
+        assert all(s.process.poll() is None for s in servers)
+
+        # The joined one. That cluster's nodes started without Serve's HAProxy variables: "auto"
+        # takes the proxy actor, and says why.
         said = [line for line in server.output if line.strip().startswith("ingress")]
         assert said and said[0].split()[1:3] == ["Serve's", "proxy"], server.output
         assert "run without RAY_SERVE_ENABLE_HA_PROXY=1" in said[0]
@@ -384,17 +421,18 @@ def test_private_ray_by_default_and_a_named_cluster_with_its_token(tmp_path, tin
         status = _cli("status", "--address", other.address, "--json", env=joining)
         assert status.returncode == 0, status.stderr
         assert json.loads(status.stdout)["model"] == "tiny-cli"
-        stop = _cli("stop", "--timeout", "120", env=joining, timeout=180)
-        assert stop.returncode == 0, stop.stderr + "".join(server.output[-30:])
+        stop = _cli("stop", "--port", str(port), "--timeout", "120", env=joining, timeout=180)
+        assert stop.returncode == 0 and stop.stderr == "", stop.stderr + "".join(server.output[-30:])
+        assert f"stopped pagedserve on port {port}" in stop.stdout
         assert server.process.wait(timeout=60) == 0
+        assert not [line for line in server.output if "Task " in line and " failed" in line], server.output
         assert other.pids(), "the joined cluster must outlive the server"
 
-        # 2. The private one.
+        # The private one serves on after the cluster it did not join stops.
         server, port = private_server, private_port
-        server.wait_serving()
         said = [line for line in server.output if line.strip().startswith("ingress")]
         assert said and said[0].split()[1] == "HAProxy" and "auto" in said[0], server.output
-        state = json.loads((tmp_path / "cache" / "servers" / f"{port}.json").read_text())
+        state = json.loads((records / f"{port}.json").read_text())
         assert state["ray_address"] != other.address and state["is_private_ray"] and state["ingress"] == "haproxy"
         other.stop()
         assert other.pids() == []
@@ -405,11 +443,22 @@ def test_private_ray_by_default_and_a_named_cluster_with_its_token(tmp_path, tin
         # HAProxy took those requests (Serve keeps a proxy actor too, only as its fallback).
         commands = _descendant_commands(server.process.pid)
         assert any(Path(c.split(" ")[0]).name == "haproxy" for c in commands), commands
-        status = _cli("status", "--json", env=private)
-        assert status.returncode == 0, status.stderr
-        stop = _cli("stop", "--timeout", "120", env=private, timeout=180)
-        assert stop.returncode == 0, stop.stderr + "".join(server.output[-30:])
-        assert server.process.wait(timeout=60) == 0
+        status = _cli("status", "--json", env=private)   # the only server left: no port needed
+        assert status.returncode == 0 and json.loads(status.stdout)["model"] == "tiny-cli", status.stderr
+
+        # Its Serve controller ends; its stop is bounded, forced if need be.
+        _kill_serve_controller(state, private)
+        tree = descendants(server.process.pid)
+        began = time.monotonic()
+        stop = _cli("stop", "--port", str(port), "--timeout", "1", env=private)
+        elapsed = time.monotonic() - began
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        assert "waiting up to 1 s" in stop.stdout and f"stopped pagedserve on port {port}" in stop.stdout
+        assert elapsed < 1 + KILL_WAIT_S + 15, elapsed     # the bound, the kill, and a Python start-up
+        assert not any(is_running(pid) for pid in [server.process.pid, *tree])
+        assert not list(records.glob("*.json"))
+        print(f"\nstop of a server without its Serve controller, bound 1 s: {elapsed:.1f} s, "
+              f"{'killed' if 'did not exit' in stop.stderr else 'exited by itself'}")
     finally:
         for server in servers:
             server.kill()
@@ -566,80 +615,3 @@ def test_serve_refuses_a_taken_port_before_starting_ray(own_records, tiny_model)
     from pagedserve.cluster import server_records
 
     assert [record.port for record in server_records.running()] == [8401]   # the holder's record stays
-
-
-def _kill_serve_controller(record: dict, env: dict) -> None:
-    """From a driver of its own: end a server's Serve controller for good."""
-    script = ("import ray\nfrom pagedserve.cluster import ray_compat\n"
-              f"ray.init(address={record['ray_address']!r}, logging_level='ERROR', log_to_driver=False)\n"
-              "ray.kill(ray_compat.serve_controller(), no_restart=True)\n"
-              "import time\nwhile ray_compat.serve_controller() is not None: time.sleep(0.2)\nray.shutdown()\n")
-    killed = subprocess.run([sys.executable, "-c", script], env={**env, "RAY_AUTH_MODE": record["ray_auth_mode"]
-                                                                 or "disabled"},
-                            capture_output=True, text=True, timeout=180)
-    assert killed.returncode == 0, killed.stderr
-
-
-@pytest.mark.distributed
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_two_servers_on_one_machine(tmp_path, tiny_model):
-    """Two ``serve`` on one machine (one cache folder, as one user has): a third on a taken port
-    is refused at once; ``stop`` without a port refuses and lists both; one whose Serve
-    controller is gone is stopped by its port within the bound, all its processes with it, and
-    the other serves on until ``stop --all`` stops it cleanly."""
-    from pagedserve.cluster.launcher import KILL_WAIT_S
-    from pagedserve.workers.process.processes import descendants, is_running
-    from served_cluster import free_port
-
-    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
-    env["PAGEDSERVE_CACHE_DIR"] = str(tmp_path / "cache")
-    records = tmp_path / "cache" / "servers"
-    model = [tiny_model("llama"), "--served-model-name", "tiny-cli", "--set", "workers.0.num_cpus=0.5",
-             "--set", "kv_manager_num_cpus=0.25", "--set", "engine.num_device_blocks=64",
-             "--set", "engine.swap_space_gb=0.001"]
-    ports = [free_port(), free_port()]
-    servers = [ServeProcess([*model, "--port", str(port)], env) for port in ports]
-    try:
-        for server in servers:
-            server.wait_serving()
-        assert sorted(path.name for path in records.glob("*.json")) == sorted(f"{port}.json" for port in ports)
-
-        began = time.monotonic()
-        third = _cli("serve", *model, "--port", str(ports[0]), env=env, timeout=120)
-        assert third.returncode == 2, third.stdout + third.stderr
-        assert f"port {ports[0]} is taken by pagedserve (pid {servers[0].process.pid}" in third.stderr
-        assert "starting a private Ray" not in third.stdout + third.stderr
-        assert time.monotonic() - began < 60
-
-        refused = _cli("stop", env=env)
-        assert refused.returncode == 1 and all(f"port {port}" in refused.stderr for port in ports), refused.stderr
-        assert all(server.process.poll() is None for server in servers)
-        status = _cli("status", "--port", str(ports[1]), "--json", env=env)
-        assert status.returncode == 0 and json.loads(status.stdout)["model"] == "tiny-cli", status.stderr
-
-        # The second one's Serve controller ends; its stop is bounded, forced if need be.
-        second = json.loads((records / f"{ports[1]}.json").read_text())
-        _kill_serve_controller(second, env)
-        tree = descendants(servers[1].process.pid)
-        began = time.monotonic()
-        stop = _cli("stop", "--port", str(ports[1]), "--timeout", "1", env=env)
-        elapsed = time.monotonic() - began
-        assert stop.returncode == 0, stop.stdout + stop.stderr
-        assert "waiting up to 1 s" in stop.stdout and f"stopped pagedserve on port {ports[1]}" in stop.stdout
-        assert elapsed < 1 + KILL_WAIT_S + 15, elapsed     # the bound, the kill, and a Python start-up
-        assert not any(is_running(pid) for pid in [servers[1].process.pid, *tree])
-        assert not (records / f"{ports[1]}.json").exists()
-        print(f"\nstop of a server without its Serve controller, bound 1 s: {elapsed:.1f} s, "
-              f"{'killed' if 'did not exit' in stop.stderr else 'exited by itself'}")
-
-        assert _complete(ports[0]) == 4   # the first one never noticed
-        stop = _cli("stop", "--all", env=env)
-        assert stop.returncode == 0 and stop.stderr == "", stop.stderr
-        assert f"stopped pagedserve on port {ports[0]}" in stop.stdout
-        assert servers[0].process.wait(timeout=60) == 0
-        assert not list(records.glob("*.json"))
-        assert not [line for line in servers[0].output if "Task " in line and " failed" in line], servers[0].output
-    finally:
-        for server in servers:
-            server.kill()
