@@ -110,7 +110,7 @@ SLOWEST_MODULES = (
     "test_api_clients", "test_distributed", "test_fuzz", "test_autoscaling", "test_soak", "test_distributed_layouts",
     "test_lora", "test_ingress_replicas", "test_model_source", "test_cli_autoscaling", "test_first_run",
     "test_engine_core", "test_distributed_tp", "test_server", "test_gpu_targets", "test_lora_serving", "test_models",
-    "test_dashboard", "test_beam_search", "test_output_processor", "test_kernel_variants", "test_kv_tick_cluster",
+    "test_dashboard", "test_beam_search", "test_output_processor", "test_kernel_variants",
     "test_kv_scale", "test_device_waits", "test_placement_watch", "test_spec_decode_serving", "test_health",
     "test_spec_decode_distribution", "test_spec_decode_draft_serving", "test_engine", "test_kv_relay",
     "test_fake_cluster", "test_structured_outputs", "test_lora_kernels", "test_kv_wire", "test_lora_tensor_parallel",
@@ -215,7 +215,8 @@ def local_ray():
 
 @pytest.fixture(scope="module")
 def ray_cluster(request):
-    """A ``ray.cluster_utils.Cluster`` per module: a head node plus fake-GPU worker nodes.
+    """A ``ray.cluster_utils.Cluster`` per module: a head node (no dashboard: the code under test
+    has its fallbacks for one without, and it costs each start 2 s) plus fake-GPU worker nodes.
 
     The module may set ``RAY_WORKER_NODES`` (how many nodes with ``num_gpus=1``
     and two CPUs; default 2) and ``RAY_ENV_VARS`` (environment of the job's
@@ -228,7 +229,7 @@ def ray_cluster(request):
     env_vars = getattr(request.module, "RAY_ENV_VARS", None)
     if ray.is_initialized():
         ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     for _ in range(num_nodes):
         cluster.add_node(num_cpus=2, num_gpus=1)
     cluster.wait_for_nodes()

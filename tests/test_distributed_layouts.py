@@ -1,5 +1,6 @@
 """Other cluster layouts on a multi-node Ray cluster: disaggregated prefill/decode,
-and cluster-wide preemption that migrates a sequence's KV to a worker with room.
+cluster-wide preemption that migrates a sequence's KV to a worker with room, and KV events
+published on the relay's tick (``kv_events.publish_on_tick``).
 
 Both must produce exactly the single-process engine's greedy output and leave
 every pool empty and consistent. One ``ray.cluster_utils.Cluster`` per module;
@@ -8,6 +9,7 @@ each layout brings its own pagedserve cluster up and down on it.
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -15,6 +17,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from pagedserve.workers.sample.sampling_params import SamplingParams  # noqa: E402
+from polling import wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -121,6 +124,40 @@ def test_preemption_migrates_to_a_worker_with_room(ray_cluster, tiny_model, refe
         assert stats["kv_manager"]["workers"]["worker-0"]["num_preemptions_migrate"] == migrated
         assert stats["workers"]["worker-0"]["num_held_exports"] == 0, "every export released once fetched"
         _finish(handle)
+    finally:
+        handle.shutdown()
+
+
+TICK_S = 0.06
+
+
+def test_tick_publishing_serves_exactly_and_keeps_the_central_index_exact(ray_cluster, tiny_model, reference):
+    """Each worker's sender thread drains and sends its KV events just before each relay tick
+    (``KVPublisher.flush_on_tick``) while its engine thread serves: greedy output still equals
+    the single-process engine's, the central index learns a prompt's blocks within a few
+    ticks, and once idle it holds exactly what every worker caches."""
+    handle = _start(tiny_model, [{"count": 2, "num_gpus": 1, "num_cpus": 1}],
+                    kv_events={"publish_on_tick": True, "relay_flush_s": TICK_S})
+    # The index may be a tick behind the workers.
+    wait = functools.partial(wait_for, tolerate=(Exception,), interval_s=0.05)
+    try:
+        rng = random.Random(5)
+        prefix = [rng.randrange(3, 1000) for _ in range(64)]   # eight full blocks of 8
+        prompts = [prefix + [rng.randrange(3, 1000) for _ in range(3 + i)] for i in range(6)]
+        prompts += _prompts(6, [9, 40, 77])
+        outputs = handle.generate_sync(prompts, _greedy(12))
+        assert [list(o.outputs[0].token_ids) for o in outputs] == reference(prompts, 12)
+        # The prefix's blocks reach the central index through the sender threads' tick batches.
+        wait(lambda: max(ray.get(handle.kv_manager.longest_prefix.remote(prefix + [1]), timeout=30).values(),
+                         default=0) >= len(prefix), 5.0, "the prefix's blocks to reach the central index")
+        stats = ray.get(handle.kv_manager.stats.remote(), timeout=60)
+        assert stats["num_refused_batches"] == 0 and stats["num_zmq_bundles"] > 0
+        for worker_stats in ray.get([w.stats.remote() for w in handle.workers.values()], timeout=60):
+            assert worker_stats["kv_publish_tick_s"] == TICK_S
+        # Idle: central holds exactly what every worker caches, and no block is in use.
+        handle.wait_idle(timeout=120.0)
+        wait(lambda: handle.check_integrity() is None, 30.0, "the central index to match the workers")
+        assert handle.num_used_blocks() == 0
     finally:
         handle.shutdown()
 
