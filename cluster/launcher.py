@@ -248,16 +248,19 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
         if serve_start is not None:   # never shut Serve down while it still starts
             with contextlib.suppress(Exception):
                 serve_start.wait(SERVE_START_TIMEOUT_S)
-        _tear_down(record, handle, serve_start is not None, is_deploying, owns_ray, is_private_ray, progress)
+        started_serve = serve_start is not None and serve_start.found_running is False
+        _tear_down(record, handle, serve_start is not None, started_serve, is_deploying, owns_ray, is_private_ray,
+                   progress)
         server_records.release(record)
 
 
-def _tear_down(record: ServerRecord, handle, has_serve: bool, has_app: bool, owns_ray: bool,
+def _tear_down(record: ServerRecord, handle, has_serve: bool, started_serve: bool, has_app: bool, owns_ray: bool,
                is_private_ray: bool, progress: Progress) -> None:
-    """Stop Serve on a private Ray (``has_serve``: this process started it) or the Serve
-    application on a shared one (``has_app``: it was deployed), the cluster and a Ray this
-    process started, one named stage at a time (on the console and in ``record``, where ``stop``
-    reads it); a stage that fails is named as failed and the next one runs."""
+    """Stop Serve on a private Ray (``has_serve``: this process started or joined it) or, on a
+    shared one, the Serve application (``has_app``: it was deployed) and Serve itself where this
+    process started it (``started_serve``) and no other application runs there; then the cluster
+    and a Ray this process started. One named stage at a time (on the console and in ``record``,
+    where ``stop`` reads it); a stage that fails is named as failed and the next one runs."""
     import ray
 
     record.state = "stopping"
@@ -266,13 +269,17 @@ def _tear_down(record: ServerRecord, handle, has_serve: bool, has_app: bool, own
         if is_private_ray and has_serve:
             stages.append(("shutting down Ray Serve (its replicas drain, its proxies stop)",
                            lambda: ray_compat.shutdown_serve(SERVE_SHUTDOWN_TIMEOUT_S)))
-        elif not is_private_ray and has_app:
+        elif not is_private_ray:
             from ray import serve
 
             from .serving.deployment import APP_NAME
 
-            stages.append((f"deleting the Serve application '{APP_NAME}' (its replicas drain)",
-                           lambda: serve.delete(APP_NAME)))
+            if has_app:
+                stages.append((f"deleting the Serve application '{APP_NAME}' (its replicas drain)",
+                               lambda: serve.delete(APP_NAME)))
+            if started_serve:
+                stages.append(("shutting down the Ray Serve this server started, unless other applications "
+                               "run on it", _shut_down_serve_unless_used))
     if handle is not None:
         stages.append(("stopping the workers and the KV manager", handle.shutdown))
     if owns_ray:
@@ -288,6 +295,20 @@ def _tear_down(record: ServerRecord, handle, has_serve: bool, has_app: bool, own
             record.save()
         with contextlib.suppress(Exception), progress.stage(label):
             action()
+
+
+def _shut_down_serve_unless_used() -> None:
+    """On a shared cluster: shut down the Ray Serve this server started, as ``serve`` found the
+    cluster without it, unless applications other than pagedserve's now run on it."""
+    from ray import serve
+
+    from .serving.deployment import APP_NAME
+
+    others = sorted(name for name in serve.status().applications if name != APP_NAME)
+    if others:
+        print(f"Ray Serve stays up: it runs other applications ({', '.join(others)})", flush=True)
+        return
+    ray_compat.shutdown_serve(SERVE_SHUTDOWN_TIMEOUT_S)
 
 
 def _choose(records: list[ServerRecord], port: int | None, command: str, hint: str = "") -> ServerRecord | None:

@@ -283,12 +283,14 @@ def test_serve_starting_beside_the_workers_hands_its_error_and_its_end_to_the_ca
         raise RuntimeError("no controller")
 
     monkeypatch.setattr(deployment, "start_serve", start_serve)
+    monkeypatch.setattr(deployment.ray_compat, "serve_controller", lambda: None)   # no Ray here
     starting = deployment.ServeStart(ClusterConfig()).begin()
     with pytest.raises(TimeoutError, match="did not start within 0.2 s"):
         starting.wait(0.2)
     release.set()
     with pytest.raises(RuntimeError, match="no controller"):
         starting.wait(10)
+    assert starting.found_running is False   # Serve was not there before: the teardown may shut it down
 
 
 # ---- a private Ray, or a named one with its token ------------------------------------------------
@@ -338,6 +340,16 @@ def _kill_serve_controller(record: dict, env: dict) -> None:
     assert killed.returncode == 0, killed.stderr
 
 
+def _serve_runs(address: str, env: dict) -> bool:
+    """From a driver of its own: whether Ray Serve's controller runs on the cluster at ``address``."""
+    script = ("import ray\nfrom pagedserve.cluster import ray_compat\n"
+              f"ray.init(address={address!r}, logging_level='ERROR', log_to_driver=False)\n"
+              "print(ray_compat.serve_controller() is not None)\nray.shutdown()\n")
+    found = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180)
+    assert found.returncode == 0, found.stderr
+    return found.stdout.strip().splitlines()[-1] == "True"
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(900)
@@ -346,8 +358,9 @@ def test_a_private_ray_by_default_a_named_cluster_with_its_token_and_two_servers
     """Two ``serve`` on one machine, with one cache folder (as one user has): one joins a running
     cluster by its address (its token comes along), the other starts a private Ray although
     that cluster is the one Ray would find. A third on a taken port is refused at once;
-    ``stop`` without a port refuses and lists both. The joined one stops cleanly and its
-    cluster stays up; the private one serves on after that cluster stops, and once its Serve
+    ``stop`` without a port refuses and lists both. The joined one stops cleanly and leaves its
+    cluster as it found it (up, without Ray Serve), as does one whose workers cannot be placed
+    there; the private one serves on after that cluster stops, and once its Serve
     controller is gone it is stopped by its port within the bound, all its processes with it."""
     from fake_cluster import LocalRayHead
     from pagedserve.cluster.launcher import KILL_WAIT_S
@@ -427,6 +440,15 @@ def test_a_private_ray_by_default_a_named_cluster_with_its_token_and_two_servers
         assert server.process.wait(timeout=60) == 0
         assert not [line for line in server.output if "Task " in line and " failed" in line], server.output
         assert other.pids(), "the joined cluster must outlive the server"
+        # It found that cluster without Ray Serve, and leaves it so; so does one whose workers cannot start.
+        assert "[ok] shutting down the Ray Serve this server started" in server.ended_output(), server.output
+        assert not _serve_runs(other.address, {**joining, "RAY_AUTH_MODE": "token"})
+        unplaced = _cli("serve", tiny_model("llama"), "--address", other.address, "--port", str(free_port()),
+                        *model, "--set", "workers.0.num_gpus=1", env=joining)
+        assert unplaced.returncode == 1, unplaced.stdout + unplaced.stderr
+        assert "error:" in unplaced.stderr and "GPU" in unplaced.stderr, unplaced.stderr
+        assert "[ok] shutting down the Ray Serve this server started" in unplaced.stdout + unplaced.stderr
+        assert not _serve_runs(other.address, {**joining, "RAY_AUTH_MODE": "token"})
 
         # The private one serves on after the cluster it did not join stops.
         server, port = private_server, private_port

@@ -110,12 +110,14 @@ def start_serve(config: ClusterConfig, quiet: bool = False) -> None:
 class ServeStart:
     """``start_serve`` on a thread of its own: Serve's controller and ingress come up while the
     workers load their model (the application itself needs the workers' handle). ``wait``
-    re-raises what the start raised."""
+    re-raises what the start raised. ``found_running``: Serve already ran in the cluster (its
+    controller was there before this start), so the start only connected to it."""
 
     def __init__(self, config: ClusterConfig, quiet: bool = False) -> None:
         self._config = config
         self._quiet = quiet
         self._error: BaseException | None = None
+        self.found_running: bool | None = None
         self._thread = threading.Thread(target=self._run, name="serve-start", daemon=True)
 
     def begin(self) -> ServeStart:
@@ -124,6 +126,7 @@ class ServeStart:
 
     def _run(self) -> None:
         try:
+            self.found_running = ray_compat.serve_controller() is not None
             start_serve(self._config, self._quiet)
         except BaseException as exc:   # re-raised by ``wait``, in the caller's thread
             self._error = exc
