@@ -52,7 +52,14 @@ def pytest_collection_finish(session):
     """Collected with the cyclic collector off (0.70x the CPU of a collection with it on: 11.6
     against 16.9 CPU-seconds, ``--collect-only``, medians of three alternating, 2-core CPU VM):
     collect once, freeze what is alive, so that the tests' full collections skip the imported
-    heap as the serving processes' do (``workers.process.gc_heap``), and turn it back on."""
+    heap as the serving processes' do (``workers.process.gc_heap``), and turn it back on.
+
+    Ray Serve is imported first: the import gives Serve's logger a handler on ``sys.stderr`` as it
+    is then, here the session's capture. Imported first inside a test with ``capsys``, the handler
+    would keep that test's stream, closed after it, and every later Serve log line in the process
+    would print "--- Logging error --- ... I/O operation on closed file"."""
+    with contextlib.suppress(ImportError):
+        import ray.serve  # noqa: F401
     gc.collect()
     gc.freeze()
     gc.enable()
