@@ -293,6 +293,28 @@ def test_serve_starting_beside_the_workers_hands_its_error_and_its_end_to_the_ca
     assert starting.found_running is False   # Serve was not there before: the teardown may shut it down
 
 
+def test_a_joined_clusters_serve_is_shut_down_only_when_no_other_application_runs_on_it(monkeypatch, capsys):
+    """The teardown's last Serve stage on a shared cluster where this server started Serve: shut
+    it down when only pagedserve's application was there (or none), else leave it and say why."""
+    from types import SimpleNamespace
+
+    from ray import serve
+
+    from pagedserve.cluster import launcher, ray_compat
+    from pagedserve.cluster.serving.deployment import APP_NAME
+
+    shut: list[float] = []
+    monkeypatch.setattr(ray_compat, "shutdown_serve", lambda timeout_s: shut.append(timeout_s) or True)
+    for apps in ({}, {APP_NAME: "DELETING"}):
+        monkeypatch.setattr(serve, "status", lambda apps=apps: SimpleNamespace(applications=apps))
+        launcher._shut_down_serve_unless_used()
+    assert shut == [launcher.SERVE_SHUTDOWN_TIMEOUT_S] * 2
+    monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(applications={APP_NAME: "DELETING", "b": 1, "a": 1}))
+    launcher._shut_down_serve_unless_used()
+    assert len(shut) == 2
+    assert "Ray Serve stays up: it runs other applications (a, b)" in capsys.readouterr().out
+
+
 # ---- a private Ray, or a named one with its token ------------------------------------------------
 def _cli(*args: str, env: dict, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pagedserve", *args], env=env, capture_output=True,
