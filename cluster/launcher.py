@@ -304,6 +304,8 @@ def _shut_down_serve_unless_used() -> None:
 
     from .serving.deployment import APP_NAME
 
+    if ray_compat.serve_controller() is None:   # its start failed before the controller was up
+        return
     others = sorted(name for name in serve.status().applications if name != APP_NAME)
     if others:
         print(f"Ray Serve stays up: it runs other applications ({', '.join(others)})", flush=True)

@@ -295,7 +295,8 @@ def test_serve_starting_beside_the_workers_hands_its_error_and_its_end_to_the_ca
 
 def test_a_joined_clusters_serve_is_shut_down_only_when_no_other_application_runs_on_it(monkeypatch, capsys):
     """The teardown's last Serve stage on a shared cluster where this server started Serve: shut
-    it down when only pagedserve's application was there (or none), else leave it and say why."""
+    it down when only pagedserve's application was there (or none), else leave it and say why;
+    nothing to do where its start failed before the controller was up."""
     from types import SimpleNamespace
 
     from ray import serve
@@ -305,6 +306,10 @@ def test_a_joined_clusters_serve_is_shut_down_only_when_no_other_application_run
 
     shut: list[float] = []
     monkeypatch.setattr(ray_compat, "shutdown_serve", lambda timeout_s: shut.append(timeout_s) or True)
+    monkeypatch.setattr(ray_compat, "serve_controller", lambda: None)   # Serve's start failed early
+    launcher._shut_down_serve_unless_used()
+    assert shut == []
+    monkeypatch.setattr(ray_compat, "serve_controller", lambda: "the controller")
     for apps in ({}, {APP_NAME: "DELETING"}):
         monkeypatch.setattr(serve, "status", lambda apps=apps: SimpleNamespace(applications=apps))
         launcher._shut_down_serve_unless_used()
