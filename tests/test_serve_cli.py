@@ -515,6 +515,14 @@ def test_a_private_ray_by_default_a_named_cluster_with_its_token_and_two_servers
         shutil.rmtree(discovery, ignore_errors=True)
 
 
+def _py_spy_dump(pid: int) -> str:
+    """Every thread's Python stack in ``pid`` (``py-spy dump``), or why there is none."""
+    if shutil.which("py-spy") is None:
+        return "(py-spy is not installed)"
+    dumped = subprocess.run(["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
+    return dumped.stdout + dumped.stderr
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_ctrl_c_while_the_workers_start_tears_down_serve_and_ray_without_a_traceback(tmp_path, tiny_model):
@@ -531,7 +539,11 @@ def test_ctrl_c_while_the_workers_start_tears_down_serve_and_ray_without_a_trace
             assert server.process.poll() is None and time.monotonic() < deadline, "".join(server.output)
             time.sleep(0.1)
         server.process.send_signal(signal.SIGINT)
-        assert server.process.wait(timeout=120) == 130, "".join(server.output)
+        try:
+            assert server.process.wait(timeout=120) == 130, "".join(server.output)
+        except subprocess.TimeoutExpired:
+            pytest.fail("serve did not end within 120 s of SIGINT; its console:\n" + "".join(server.output)
+                        + "\nits threads:\n" + _py_spy_dump(server.process.pid))
     finally:
         server.kill()
     console = server.ended_output()
