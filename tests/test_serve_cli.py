@@ -355,26 +355,27 @@ def _descendant_commands(pid: int) -> list[str]:
     return commands
 
 
-def _kill_serve_controller(record: dict, env: dict) -> None:
-    """From a driver of its own: end a server's Serve controller for good."""
+def _from_a_driver(address: str, env: dict, code: str) -> str:
+    """Run ``code`` in a driver of its own (``ray`` and ``ray_compat`` imported), connected to the
+    cluster at ``address``; its stdout."""
     script = ("import ray\nfrom pagedserve.cluster import ray_compat\n"
-              f"ray.init(address={record['ray_address']!r}, logging_level='ERROR', log_to_driver=False)\n"
-              "ray.kill(ray_compat.serve_controller(), no_restart=True)\n"
-              "import time\nwhile ray_compat.serve_controller() is not None: time.sleep(0.2)\nray.shutdown()\n")
-    killed = subprocess.run([sys.executable, "-c", script], env={**env, "RAY_AUTH_MODE": record["ray_auth_mode"]
-                                                                 or "disabled"},
-                            capture_output=True, text=True, timeout=180)
-    assert killed.returncode == 0, killed.stderr
+              f"ray.init(address={address!r}, logging_level='ERROR', log_to_driver=False)\n{code}ray.shutdown()\n")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def _kill_serve_controller(record: dict, env: dict) -> None:
+    """End a server's Serve controller for good."""
+    _from_a_driver(record["ray_address"], {**env, "RAY_AUTH_MODE": record["ray_auth_mode"] or "disabled"},
+                   "ray.kill(ray_compat.serve_controller(), no_restart=True)\n"
+                   "import time\nwhile ray_compat.serve_controller() is not None: time.sleep(0.2)\n")
 
 
 def _serve_runs(address: str, env: dict) -> bool:
-    """From a driver of its own: whether Ray Serve's controller runs on the cluster at ``address``."""
-    script = ("import ray\nfrom pagedserve.cluster import ray_compat\n"
-              f"ray.init(address={address!r}, logging_level='ERROR', log_to_driver=False)\n"
-              "print(ray_compat.serve_controller() is not None)\nray.shutdown()\n")
-    found = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180)
-    assert found.returncode == 0, found.stderr
-    return found.stdout.strip().splitlines()[-1] == "True"
+    """Whether Ray Serve's controller runs on the cluster at ``address``."""
+    printed = _from_a_driver(address, env, "print(ray_compat.serve_controller() is not None)\n")
+    return printed.strip().splitlines()[-1] == "True"
 
 
 @pytest.mark.distributed
@@ -410,6 +411,7 @@ def test_a_private_ray_by_default_a_named_cluster_with_its_token_and_two_servers
         # 1. Joined by its address: the token comes along (RAY_AUTH_MODE unset, as Ray leaves
         #    it for an address it finds).
         joining = {**base, "RAY_AUTH_TOKEN": token}
+        joined_driver = {**joining, "RAY_AUTH_MODE": "token"}   # a bare ray.init needs the mode said
         port = free_port()
         server = ServeProcess([tiny_model("llama"), "--address", other.address, "--port", str(port), *model],
                               joining)
@@ -469,13 +471,13 @@ def test_a_private_ray_by_default_a_named_cluster_with_its_token_and_two_servers
         assert other.pids(), "the joined cluster must outlive the server"
         # It found that cluster without Ray Serve, and leaves it so; so does one whose workers cannot start.
         assert "[ok] shutting down the Ray Serve this server started" in server.ended_output(), server.output
-        assert not _serve_runs(other.address, {**joining, "RAY_AUTH_MODE": "token"})
+        assert not _serve_runs(other.address, joined_driver)
         unplaced = _cli("serve", tiny_model("llama"), "--address", other.address, "--port", str(free_port()),
                         *model, "--set", "workers.0.num_gpus=1", env=joining)
         assert unplaced.returncode == 1, unplaced.stdout + unplaced.stderr
         assert "error:" in unplaced.stderr and "GPU" in unplaced.stderr, unplaced.stderr
         assert "[ok] shutting down the Ray Serve this server started" in unplaced.stdout + unplaced.stderr
-        assert not _serve_runs(other.address, {**joining, "RAY_AUTH_MODE": "token"})
+        assert not _serve_runs(other.address, joined_driver)
 
         # The private one serves on after the cluster it did not join stops.
         server, port = private_server, private_port
