@@ -1,7 +1,8 @@
 """A first run, as a new user makes it: ``pagedserve serve`` with nothing configured and an
-empty model cache, a request, ``pagedserve status``, ``pagedserve stop``. The console stays
-clean: no ERROR-level line and none of Ray's anti-pattern warnings, from our processes or
-forwarded from Ray's, and ``status`` starts with its table.
+empty model cache, a request, ``pagedserve bench serve --cpu-per-token --offline-baseline``,
+``pagedserve status``, ``pagedserve stop``. The console stays clean: no ERROR-level line and
+none of Ray's anti-pattern warnings, from our processes or forwarded from Ray's; ``status``
+starts with its table, and the bench reports every process group of the server.
 
 ``serve`` starts its own local Ray (``RAY_ADDRESS`` unset); the model cache and the state file
 that ``status`` and ``stop`` read are the test's own (``PAGEDSERVE_CACHE_DIR``), so a server
@@ -10,12 +11,13 @@ someone else runs on this machine is never touched.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -80,6 +82,13 @@ def test_first_serve_request_status_stop_print_no_error_and_no_anti_pattern(tmp_
         completion = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120, json={
             "model": "pagedserve-llama-tiny", "prompt": "Once upon a time", "max_tokens": 8})
         assert completion.status_code == 200, completion.text
+        bench = subprocess.run([sys.executable, "-m", "pagedserve", "bench", "serve", "--port", str(port),
+                                "--num-requests", "8", "--random-input-len", "8", "--random-output-len", "64",
+                                "--max-concurrency", "4", "--num-warmups", "2", "--cpu-per-token",
+                                "--offline-baseline", "--offline-cpus", str(max(os.sched_getaffinity(0))),
+                                "--no-progress", "--out", str(tmp_path / "cpu.json")],
+                               env=env, capture_output=True, text=True, timeout=300)
+        assert bench.returncode == 0, bench.stdout + bench.stderr
         status = subprocess.run([sys.executable, "-m", "pagedserve", "status"], env=env, capture_output=True,
                                 text=True, timeout=180)
         assert status.returncode == 0, status.stderr
@@ -93,9 +102,54 @@ def test_first_serve_request_status_stop_print_no_error_and_no_anti_pattern(tmp_
             serve.kill()
             serve.wait(timeout=30)
         reader.join(timeout=30)
-    console = "".join(output) + status.stdout + status.stderr + stop.stdout + stop.stderr
+    console = "".join(output) + bench.stderr + status.stdout + status.stderr + stop.stdout + stop.stderr
     assert not _problems(console), "the first run printed:\n" + "\n".join(_problems(console))
+    _check_cpu_per_token(json.loads((tmp_path / "cpu.json").read_text()), bench.stdout,
+                         haproxy="ingress     HAProxy" in console)
     # Serve's client in `serve` itself keeps its INFO lines to itself ("Connecting to existing Serve
     # app ... New http_options/controller_options will not be applied"): pagedserve says what it does.
     driver_lines = [line for line in output if f" serve {serve.pid} -- " in line]
     assert not driver_lines, driver_lines
+
+
+def _check_cpu_per_token(data: dict, printed: str, haproxy: bool) -> None:
+    """``bench serve --cpu-per-token --offline-baseline`` of 8 requests x 64 tokens, 4 at a time:
+    every group is reported and the server's total is their sum; the offline engine holds four
+    at a time too, and the engine's steps served and offline are split into their causes."""
+    cpu = data["cpu_per_token"]
+    assert data["completed"] == 8 and cpu["num_output_tokens"] == 8 * 64
+    groups = cpu["groups"]
+    expected = {"serve replica", "serve proxy actor", "worker 0", "serve controller", "cluster controller",
+                "kv manager and relays", "pagedserve serve (driver)", "everything else"}
+    if haproxy:
+        expected.add("haproxy")
+    assert expected <= set(groups), groups.keys()
+    for label, group in groups.items():
+        assert group["cpu_s"] >= 0 and math.isfinite(group["us_per_token"]) and group["pids"], label
+    assert groups["serve replica"]["cpu_s"] > 0 and groups["worker 0"]["cpu_s"] > 0
+    assert cpu["server_total"]["cpu_s"] == pytest.approx(sum(g["cpu_s"] for g in groups.values()))
+    assert cpu["server_total"]["us_per_token"] == pytest.approx(sum(g["us_per_token"] for g in groups.values()))
+    assert cpu["client"]["cpu_s"] > 0
+    offline = data["offline"]
+    assert offline["num_output_tokens"] == 8 * 64 and offline["threads"] == 1 and offline["us_per_token"] > 0
+    assert offline["cpus"] == [max(os.sched_getaffinity(0))]   # the process ran there only
+    rounds = offline["rounds_us_per_token"]     # three timed rounds by default; the baseline is their median
+    assert len(rounds) == 3 and rounds == sorted(rounds) and offline["us_per_token"] == rounds[1]
+    assert offline["engine_steps"]["tokens"] == 8 * 64    # the median round's own steps, not the three's
+    assert cpu["serving_adds_us_per_token"] == pytest.approx(
+        cpu["server_total"]["us_per_token"] - offline["us_per_token"])
+    assert "serving adds" in printed and "serve replica" in printed
+    steps = data["engine_steps"]
+    served_steps, offline_steps = steps["served"], steps["offline"]
+    assert served_steps["tokens"] == offline_steps["tokens"] == 8 * 64   # the window's, warm-ups outside it
+    for w in (served_steps, offline_steps):   # four requests at most at once, offline as served
+        assert 1 <= w["tokens_per_step"] <= 4 and w["step_ms"] > 0 and w["cpu_us_per_step"] > 0
+    for w in (served_steps, offline_steps):   # every request's wait at the engine, inside the window
+        assert w["requests"] == 8 and w["first_token_ms"] > w["queue_ms"] >= 0
+    assert "first tokens" in printed
+    assert served_steps["cpu_s"] == pytest.approx(groups["engine core 0"]["cpu_s"])
+    assert set(served_steps["phase_us_per_step"]) >= {"step", "outputs", "send"}
+    split = steps["split"]
+    assert split["fewer_tokens_per_step_us"] + split["costlier_steps_us"] == pytest.approx(
+        split["excess_us_per_token"])
+    assert "engine steps over the load" in printed
