@@ -113,9 +113,9 @@ def pytest_terminal_summary(terminalreporter, config):
 # the longest keeps one worker from finishing alone on a long module at the end. A module missing
 # here runs after these; a stale figure only costs packing, never coverage.
 SLOWEST_MODULES = (
-    "test_serve_cli", "test_tensor_parallel", "test_kernels_triton", "test_torch_compile", "test_chaos", "test_bench",
-    "test_api_clients", "test_distributed", "test_fuzz", "test_autoscaling", "test_soak", "test_distributed_layouts",
-    "test_lora", "test_ingress_replicas", "test_model_source", "test_cli_autoscaling", "test_first_run",
+    "test_serve_cli", "test_tensor_parallel", "test_kernels_triton", "test_chaos", "test_autoscaling", "test_first_run",
+    "test_api_clients", "test_distributed", "test_fuzz", "test_soak", "test_distributed_layouts", "test_torch_compile",
+    "test_lora", "test_ingress_replicas", "test_model_source", "test_cli_autoscaling", "test_bench",
     "test_engine_core", "test_distributed_tp", "test_server", "test_gpu_targets", "test_lora_serving", "test_models",
     "test_dashboard", "test_beam_search", "test_output_processor", "test_kernel_variants",
     "test_kv_scale", "test_device_waits", "test_placement_watch", "test_spec_decode_serving", "test_health",
