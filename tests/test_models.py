@@ -42,31 +42,6 @@ def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens)
 
 
-@pytest.fixture(scope="module")
-def matrix_greedy():
-    """``matrix_greedy(name, prompt, max_tokens, path=None) -> list[int]``: transformers'
-    greedy output for a matrix checkpoint (float32, CPU, one prompt, no padding)."""
-    from transformers import AutoModelForCausalLM
-
-    models: dict[str, object] = {}
-    cache: dict[tuple, list[int]] = {}
-
-    def generate(name: str, prompt: list[int], max_tokens: int, path=None) -> list[int]:
-        path = str(path or ensure_matrix_model(name))
-        key = (path, tuple(prompt), max_tokens)
-        if key not in cache:
-            if path not in models:
-                models[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-            ids = torch.tensor([prompt])
-            with torch.inference_mode():
-                out = models[path].generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                            max_new_tokens=max_tokens)
-            cache[key] = out[0, len(prompt):].tolist()
-        return cache[key]
-
-    return generate
-
-
 def make_llm(path, **kwargs) -> LLM:
     kwargs.setdefault("device", "cpu")
     kwargs.setdefault("dtype", "float32")

@@ -100,30 +100,6 @@ def test_families_compile_whole_and_give_the_transformers_tokens(name, merged, m
     assert llm.engine.num_used_blocks() == 0
 
 
-@pytest.fixture(scope="module")
-def matrix_greedy():
-    """transformers' greedy output for a matrix checkpoint (float32, CPU, one prompt), memoised."""
-    from transformers import AutoModelForCausalLM
-
-    models: dict[str, object] = {}
-    cache: dict[tuple, list[int]] = {}
-
-    def generate(name: str, prompt: list[int], max_tokens: int) -> list[int]:
-        key = (name, tuple(prompt), max_tokens)
-        if key not in cache:
-            if name not in models:
-                models[name] = AutoModelForCausalLM.from_pretrained(str(ensure_matrix_model(name)),
-                                                                    dtype=torch.float32).eval()
-            ids = torch.tensor([prompt])
-            with torch.inference_mode():
-                out = models[name].generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                            max_new_tokens=max_tokens)
-            cache[key] = out[0, len(prompt):].tolist()
-        return cache[key]
-
-    return generate
-
-
 def test_a_forward_that_fails_to_compile_runs_uncompiled_and_says_why(tiny_model, hf_greedy, monkeypatch, caplog):
     def refuse(*args, **kwargs):
         raise RuntimeError("no compiler here\nsecond line")
