@@ -15,6 +15,7 @@ gc.disable()
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from ray_leftovers import SuiteScope, kill, wait_for_exit  # noqa: E402
+from greedy_reference import GreedyReference  # noqa: E402
 
 # Triton reads TRITON_INTERPRET when it is first imported (transformers and ray
 # import it too), so CPU machines must choose the interpreter before any test does.
@@ -178,62 +179,26 @@ def tiny_model():
 
 @pytest.fixture(scope="session")
 def hf_greedy(tiny_model):
-    """``hf_greedy(arch, prompt_token_ids, max_tokens, **generate_kwargs) -> list[int]``.
-
-    transformers ``generate(do_sample=False)`` in float32 on CPU, one prompt at
-    a time (no padding), stopping at EOS like the engine does (the EOS token is
-    included). Extra keyword arguments (e.g. ``repetition_penalty``) go to
-    ``generate``. Memoised per (arch, prompt, max_tokens, kwargs).
-    """
-    import torch
+    """``hf_greedy(arch, prompt_token_ids, max_tokens, **generate_kwargs) -> list[int]``:
+    transformers' greedy tokens (``greedy_reference``) for the tiny checkpoint of ``arch``,
+    memoised per (arch, prompt, max_tokens, kwargs)."""
     from transformers import AutoModelForCausalLM
 
-    models: dict[str, object] = {}
-    cache: dict[tuple, list[int]] = {}
-
-    def generate(arch: str, prompt_token_ids, max_tokens: int, **generate_kwargs) -> list[int]:
-        key = (arch, tuple(prompt_token_ids), max_tokens, tuple(sorted(generate_kwargs.items())))
-        if key not in cache:
-            if arch not in models:
-                models[arch] = AutoModelForCausalLM.from_pretrained(
-                    tiny_model(arch), dtype=torch.float32).eval()
-            ids = torch.tensor([list(prompt_token_ids)], dtype=torch.long)
-            with torch.inference_mode():
-                out = models[arch].generate(ids, attention_mask=torch.ones_like(ids),
-                                            do_sample=False, max_new_tokens=max_tokens,
-                                            **generate_kwargs)
-            cache[key] = out[0, ids.shape[1]:].tolist()
-        return cache[key]
-
-    return generate
+    return GreedyReference(lambda arch: AutoModelForCausalLM.from_pretrained(tiny_model(arch), dtype=torch.float32))
 
 
 @pytest.fixture(scope="module")
 def matrix_greedy():
     """``matrix_greedy(name, prompt, max_tokens, path=None) -> list[int]``: transformers'
-    greedy output for a matrix checkpoint (float32, CPU, one prompt, no padding), memoised
-    per module. ``path``: another checkpoint of that family (a variant of it)."""
+    greedy tokens (``greedy_reference``) for a matrix checkpoint, memoised per module.
+    ``path``: another checkpoint of that family (a variant of it)."""
     from transformers import AutoModelForCausalLM
 
     from pagedserve.devtools.model_matrix import ensure_matrix_model
 
-    models: dict[str, object] = {}
-    cache: dict[tuple, list[int]] = {}
-
-    def generate(name: str, prompt: list[int], max_tokens: int, path=None) -> list[int]:
-        path = str(path or ensure_matrix_model(name))
-        key = (path, tuple(prompt), max_tokens)
-        if key not in cache:
-            if path not in models:
-                models[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-            ids = torch.tensor([prompt])
-            with torch.inference_mode():
-                out = models[path].generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                            max_new_tokens=max_tokens)
-            cache[key] = out[0, len(prompt):].tolist()
-        return cache[key]
-
-    return generate
+    reference = GreedyReference(lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+    return lambda name, prompt, max_tokens, path=None: reference(str(path or ensure_matrix_model(name)), prompt,
+                                                                   max_tokens)
 
 
 @pytest.fixture(scope="module")

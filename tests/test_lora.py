@@ -25,6 +25,7 @@ from pagedserve import LLM, LoRARequest, SamplingParams
 from pagedserve.kvmanager import prefix_extra_key
 from pagedserve.workers.lora.peft_adapter import LoRAAdapterError
 from pagedserve.workers.lora.punica import build_segments, lora_expand, lora_shrink
+from greedy_reference import GreedyReference
 from offline_checks import assert_idle
 from peft_adapters import adapter_sets
 
@@ -61,28 +62,18 @@ def adapters(tiny_model, tmp_path_factory):
 def peft_greedy(tiny_model):
     """``peft_greedy(arch, lora_request, prompt, max_tokens) -> list[int]``: transformers + PEFT
     ``generate(do_sample=False)`` with the adapter loaded (None: the base model), float32, one
-    prompt, no padding."""
+    prompt, no padding (``greedy_reference``)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    models: dict[tuple, object] = {}
-    cache: dict[tuple, list[int]] = {}
+    def load(model_key: tuple):
+        arch, lora_path = model_key
+        model = AutoModelForCausalLM.from_pretrained(tiny_model(arch), dtype=torch.float32)
+        return PeftModel.from_pretrained(model, lora_path) if lora_path else model
 
-    def generate(arch: str, lora: LoRARequest | None, prompt: list[int], max_tokens: int) -> list[int]:
-        model_key = (arch, lora.lora_path if lora else None)
-        key = (model_key, tuple(prompt), max_tokens)
-        if key not in cache:
-            if model_key not in models:
-                model = AutoModelForCausalLM.from_pretrained(tiny_model(arch), dtype=torch.float32)
-                models[model_key] = (PeftModel.from_pretrained(model, lora.lora_path) if lora else model).eval()
-            ids = torch.tensor([prompt])
-            with torch.inference_mode():
-                out = models[model_key].generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                                 max_new_tokens=max_tokens)
-            cache[key] = out[0, len(prompt):].tolist()
-        return cache[key]
-
-    return generate
+    reference = GreedyReference(load)
+    return lambda arch, lora, prompt, max_tokens: reference((arch, lora.lora_path if lora else None), prompt,
+                                                            max_tokens)
 
 
 def random_prompts(lengths, seed: int) -> list[list[int]]:

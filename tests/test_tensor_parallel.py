@@ -32,6 +32,7 @@ from pagedserve.workers.tp.group import TensorParallelGroup, host_store
 from pagedserve.workers.tp.messages import KVCopies, RunStep, WriteBlocks, pack, unpack
 from pagedserve.workers.tp.load import ShardLoader, load_sliced, shard_model
 from pagedserve.workers.tp.plan import SliceSpec, TensorParallelError, check_tensor_parallel, shard_slice
+from greedy_reference import GreedyReference
 from offline_checks import assert_idle
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -68,21 +69,7 @@ def reference(tp_model):
     """``reference(arch, prompt, max_tokens)``: transformers' greedy tokens (memoised)."""
     from transformers import AutoModelForCausalLM
 
-    models, cache = {}, {}
-
-    def generate(arch: str, prompt: list[int], max_tokens: int) -> list[int]:
-        key = (arch, tuple(prompt), max_tokens)
-        if key not in cache:
-            if arch not in models:
-                models[arch] = AutoModelForCausalLM.from_pretrained(tp_model(arch), dtype=torch.float32).eval()
-            ids = torch.tensor([prompt])
-            with torch.inference_mode():
-                out = models[arch].generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                            max_new_tokens=max_tokens)
-            cache[key] = out[0, len(prompt):].tolist()
-        return cache[key]
-
-    return generate
+    return GreedyReference(lambda arch: AutoModelForCausalLM.from_pretrained(tp_model(arch), dtype=torch.float32))
 
 
 # How long a group's ranks may take together: a hung rank fails the test, it does not pass as None.
