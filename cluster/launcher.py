@@ -173,7 +173,9 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
     _log_to_console()
     logging.getLogger(SERVE_LOGGER).setLevel(logging.WARNING)  # the driver's "app ready" chatter
     stopping = threading.Event()
-    previous: dict = {}
+    # Ctrl-C interrupts the start-up whatever this process inherited: a shell starts a script's
+    # background job with SIGINT ignored, and a server that has started stops on it regardless.
+    previous: dict = {signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
     owns_ray = is_private_ray = not ray.is_initialized()
     handle = None
     serve_start: ServeStart | None = None
@@ -183,7 +185,8 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
             # Serve's processes read it when they start.
             ingress.prepare(config.server.ingress,
                             joining=(address or os.environ.get("RAY_ADDRESS")) not in (None, "", "local"))
-            with progress.stage(f"joining the Ray cluster at {address}" if address else "starting a private Ray"):
+            with _sigint_deferred(), progress.stage(f"joining the Ray cluster at {address}" if address
+                                                     else "starting a private Ray"):
                 is_private_ray = init_ray(address, logging_level="WARNING")
         record.is_private_ray = is_private_ray
         record.ray_address = ray.get_runtime_context().gcs_address
@@ -230,8 +233,8 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
         print(f"Press Ctrl-C (or run 'pagedserve stop --port {config.server.port}') to stop.", file=stdout,
               flush=True)
         # Installed only now (ray.init installs its own): during start-up, Ctrl-C interrupts.
-        previous = {sig: signal.signal(sig, lambda *_: stopping.set())
-                    for sig in (signal.SIGINT, signal.SIGTERM)}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous.setdefault(sig, signal.signal(sig, lambda *_: stopping.set()))
         while not stopping.wait(0.5):
             pass
         print("stopping...", file=sys.stderr, flush=True)
@@ -252,6 +255,21 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
         _tear_down(record, handle, serve_start is not None, started_serve, is_deploying, owns_ray, is_private_ray,
                    progress)
         server_records.release(record)
+
+
+@contextlib.contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """SIGINT held until the block has ended, then raised (``KeyboardInterrupt``): a Ray
+    interrupted inside ``ray.init`` is left half started, and its process crashed as it exited
+    (SIGSEGV) where it should end with 130."""
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, _: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt
 
 
 def _tear_down(record: ServerRecord, handle, has_serve: bool, started_serve: bool, has_app: bool, owns_ray: bool,

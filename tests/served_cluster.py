@@ -147,11 +147,15 @@ def running_cluster(config: dict, num_cpus: int = 4, include_dashboard: bool | N
 
 class ServeProcess:
     """``pagedserve serve ...`` in a subprocess, its output collected and the process reaped
-    as a shell would (``pagedserve stop`` waits for the pid to vanish, not a zombie)."""
+    as a shell would (``pagedserve stop`` waits for the pid to vanish, not a zombie).
+    ``sigint_ignored``: started as a shell script's background job is, SIGINT ignored."""
 
-    def __init__(self, args: list[str], env: dict) -> None:
-        self.process = subprocess.Popen([sys.executable, "-m", "pagedserve", "serve", *args], env=env,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    def __init__(self, args: list[str], env: dict, sigint_ignored: bool = False) -> None:
+        command = [sys.executable, "-m", "pagedserve", "serve", *args]
+        if sigint_ignored:   # exec keeps an ignored signal ignored
+            command = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *command]
+        self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True)
         self.output: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
