@@ -37,6 +37,7 @@ from .config import ClusterConfig
 from .router import kv_blocks_used_frac
 from .server_records import ServerRecord
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)   # Ctrl-C, and what 'pagedserve stop' sends
 RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"  # "token" when the cluster needs ~/.ray/auth_token
 SERVE_LOGGER = "ray.serve"          # Ray Serve's logger in this process (its client's INFO lines)
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -140,7 +141,7 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
                   stdout: IO[str] | None = None) -> int:
     """Bring the cluster and the API up, block until SIGINT/SIGTERM, tear down; exit status
     (2 when a port is taken or the model or the ingress cannot be served, 1 when the workers
-    cannot start, 130 when interrupted while starting)."""
+    cannot start, 130 when interrupted while starting, 143 when stopped by SIGTERM while starting)."""
     progress = progress or Progress()
     stdout = stdout or sys.stdout
     # Before anything starts, cheapest first: the port is this server's, and free (checked
@@ -173,9 +174,11 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
     _log_to_console()
     logging.getLogger(SERVE_LOGGER).setLevel(logging.WARNING)  # the driver's "app ready" chatter
     stopping = threading.Event()
-    # Ctrl-C interrupts the start-up whatever this process inherited: a shell starts a script's
-    # background job with SIGINT ignored, and a server that has started stops on it regardless.
-    previous: dict = {signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
+    # Ctrl-C and SIGTERM ('pagedserve stop') interrupt the start-up whatever this process
+    # inherited: a shell starts a script's background job with SIGINT ignored, and a server that
+    # has started stops on it regardless.
+    start_signals = _StartSignals()
+    previous: dict = start_signals.install()
     owns_ray = is_private_ray = not ray.is_initialized()
     handle = None
     serve_start: ServeStart | None = None
@@ -185,7 +188,7 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
             # Serve's processes read it when they start.
             ingress.prepare(config.server.ingress,
                             joining=(address or os.environ.get("RAY_ADDRESS")) not in (None, "", "local"))
-            with _sigint_deferred(), progress.stage(f"joining the Ray cluster at {address}" if address
+            with start_signals.deferred(), progress.stage(f"joining the Ray cluster at {address}" if address
                                                      else "starting a private Ray"):
                 is_private_ray = init_ray(address, logging_level="WARNING")
         record.is_private_ray = is_private_ray
@@ -232,9 +235,8 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
             print("  an API key is required: send 'Authorization: Bearer <key>'", file=stdout)
         print(f"Press Ctrl-C (or run 'pagedserve stop --port {config.server.port}') to stop.", file=stdout,
               flush=True)
-        # Installed only now (ray.init installs its own): during start-up, Ctrl-C interrupts.
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous.setdefault(sig, signal.signal(sig, lambda *_: stopping.set()))
+        for sig in STOP_SIGNALS:   # from here on a stop signal ends the wait below
+            signal.signal(sig, lambda *_: stopping.set())
         while not stopping.wait(0.5):
             pass
         print("stopping...", file=sys.stderr, flush=True)
@@ -242,9 +244,11 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
     except ingress.IngressError as exc:   # before any worker starts
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
-    except KeyboardInterrupt:   # Ctrl-C during start-up: what started is torn down below
-        print("interrupted while starting; stopping...", file=sys.stderr, flush=True)
-        return 130
+    except KeyboardInterrupt:   # Ctrl-C or SIGTERM during start-up: what started is torn down below
+        terminated = start_signals.received == signal.SIGTERM
+        print(f"{'stopped (SIGTERM)' if terminated else 'interrupted'} while starting; stopping...",
+              file=sys.stderr, flush=True)
+        return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -257,19 +261,41 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
         server_records.release(record)
 
 
-@contextlib.contextmanager
-def _sigint_deferred() -> Iterator[None]:
-    """SIGINT held until the block has ended, then raised (``KeyboardInterrupt``): a Ray
-    interrupted inside ``ray.init`` is left half started, and its process crashed as it exited
-    (SIGSEGV) where it should end with 130."""
-    received: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, _: received.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if received:
+class _StartSignals:
+    """SIGINT and SIGTERM while the server starts: each raises ``KeyboardInterrupt``, and
+    ``received`` says which it was. Ray's blocking calls let only that through (any other
+    exception from a signal handler inside one became a ``SystemError``), and no
+    ``except Exception`` on the way swallows it."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+
+    def interrupt(self, signum: int, _frame) -> None:
+        self.received = signum
         raise KeyboardInterrupt
+
+    def install(self) -> dict:
+        """``interrupt`` for both; the handlers they had."""
+        return {sig: signal.signal(sig, self.interrupt) for sig in STOP_SIGNALS}
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Both held until the block has ended, then raised, and ``interrupt`` their handler
+        again. A Ray interrupted inside ``ray.init`` is left half started (its process crashed as
+        it exited, SIGSEGV, where it should end with 130). Without the handler ``ray.init`` would
+        install (``sys.exit`` wherever the main thread is), and with ours installed again after
+        it, SIGTERM no longer reaches the native handler of Ray's core worker, which logged a
+        stack and aborted the process with no stage torn down."""
+        held: list[int] = []
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, lambda signum, _: held.append(signum))
+        try:
+            with ray_compat.sigterm_handler_kept():
+                yield
+        finally:
+            self.install()
+        if held:
+            self.interrupt(held[0], None)
 
 
 def _tear_down(record: ServerRecord, handle, has_serve: bool, started_serve: bool, has_app: bool, owns_ray: bool,

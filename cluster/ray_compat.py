@@ -10,9 +10,11 @@ re-check.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 logger = logging.getLogger("pagedserve.cluster")
 
@@ -261,6 +263,22 @@ def set_process_title(title: str) -> None:
     from ray import _raylet
 
     _raylet.setproctitle(title)
+
+
+@contextlib.contextmanager
+def sigterm_handler_kept() -> Iterator[None]:
+    """Within the block, ``ray.init`` leaves this process's SIGTERM handler as it is. As it
+    begins, it installs one that calls ``sys.exit`` wherever the main thread is, which leaves a
+    start-up half done; a driver that holds SIGTERM until Ray has started keeps its own.
+    Private (``ray._private.utils.set_sigterm_handler``): ``ray.init`` has no option for it."""
+    from ray._private import utils
+
+    installs = utils.set_sigterm_handler
+    utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        utils.set_sigterm_handler = installs
 
 
 def serve_controller():
