@@ -188,8 +188,8 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
             # Serve's processes read it when they start.
             ingress.prepare(config.server.ingress,
                             joining=(address or os.environ.get("RAY_ADDRESS")) not in (None, "", "local"))
-            with start_signals.deferred(), progress.stage(f"joining the Ray cluster at {address}" if address
-                                                     else "starting a private Ray"):
+            label = f"joining the Ray cluster at {address}" if address else "starting a private Ray"
+            with start_signals.deferred(), progress.stage(label):
                 is_private_ray = init_ray(address, logging_level="WARNING")
         record.is_private_ray = is_private_ray
         record.ray_address = ray.get_runtime_context().gcs_address
