@@ -179,7 +179,8 @@ class Worker:
                 if not channel.is_direct:
                     channel.put(Migrated(request_id, target, ref))
             elif kind == "gone":
-                logger.warning("the reader of output channel %s disconnected; closing the channel", channel_id)
+                # The engine core warned if requests were aborted with it.
+                logger.info("the reader of output channel %s disconnected; closing the channel", channel_id)
                 self.close_channel(channel_id)
             elif kind == "export":
                 _, _, _, _, header, payload = item

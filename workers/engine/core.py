@@ -281,9 +281,13 @@ class EngineCore:
                     self.send(FromCore.OUTPUTS, channel_id.encode(), packed)
         if sockets.senders:
             for channel_id in sockets.service():
-                logger.warning("engine core %s: the reader of output channel %s disconnected; aborting its "
-                               "requests", self.engine_id, channel_id)
-                self._close_channel(channel_id)
+                aborted = self._close_channel(channel_id)
+                if aborted:
+                    logger.warning("engine core %s: the reader of output channel %s disconnected; aborted its %d "
+                                   "running request(s)", self.engine_id, channel_id, aborted)
+                else:   # a handle that closed its channel with nothing running (e.g. a replica stopping)
+                    logger.info("engine core %s: the reader of output channel %s disconnected; closed it, no "
+                                "request ran on it", self.engine_id, channel_id)
                 self.send(FromCore.CHANNEL_GONE, channel_id.encode())
 
     def _send_exports(self) -> None:
