@@ -21,7 +21,9 @@ those that fail or kill it start their own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -231,9 +233,21 @@ def test_a_socket_channels_rows_go_from_the_core_to_its_reader_and_nowhere_else(
         assert final.finished and final.outputs[0].token_ids == expected[key]
 
 
-def test_a_socket_channel_whose_reader_leaves_has_its_requests_aborted_and_is_reported(core):
+def test_a_socket_channel_whose_reader_leaves_has_its_requests_aborted_and_is_reported(model, tmp_path):
+    """Its requests are aborted, with a warning that counts them; a reader that leaves with nothing
+    running on its channel (a replica that stops) is no warning. The core is the test's own: it
+    writes its log to a file of the test's (the stderr it inherits as it starts), which also shows
+    that transformers' "Loading weights" bar is off in a core."""
+    log_path = tmp_path / "core.log"
+    with _stderr_to(log_path):
+        core = Core(model)
+
     async def run():
-        receiver = await core.open_socket("left")
+        receiver, idle = await core.open_socket("left"), await core.open_socket("idle")
+        core.add("idle", 0, PROMPTS[3], _greedy(3))
+        await _read_socket(idle, {}, lambda got: _ended(got.get(0, [])))
+        idle.close()   # its handle stopped, with nothing running
+        await core.wait_for(lambda: ("gone", "idle") in core.items.get("idle", []))
         core.add("left", 0, PROMPTS[0], _greedy(400))
         core.add("left", 1, PROMPTS[1], _greedy(400))
         core.add("stays", 0, PROMPTS[2], _greedy(12))
@@ -244,8 +258,30 @@ def test_a_socket_channel_whose_reader_leaves_has_its_requests_aborted_and_is_re
         status = await asyncio.wrap_future(core.client.call("drain_status"))
         assert status["num_unfinished"] == 0
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    finally:
+        core.check_and_close()
     assert core.deltas("stays")[0][-1].samples[0].finish_reason == "length"
+    log = log_path.read_text()
+    assert re.search(r"WARNING \S+: engine core \w+: the reader of output channel left disconnected; "
+                     r"aborted its 2 running request\(s\)", log), log
+    assert re.search(r"INFO \S+: engine core \w+: the reader of output channel idle disconnected; closed it", log), log
+    assert len(re.findall(r"\bWARNING\b", log)) == 1, log
+    assert "model dtype" in log and "Loading weights" not in log, log   # transformers' bar is off in a core
+
+
+@contextlib.contextmanager
+def _stderr_to(path):
+    """This process's stderr (file descriptor 2, which a child process inherits) goes to ``path``."""
+    saved = os.dup(2)
+    with open(path, "wb") as file:
+        os.dup2(file.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def test_an_engine_that_fails_ends_each_socket_channel_with_its_error(own_core):

@@ -23,6 +23,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 
 from ..process.gc_heap import pause_collection_for_startup
+from ..process.progress_bars import hide_transformers_progress_bars
 from .core_messages import CoreInfo, FromCore, pack, unpack
 
 logger = logging.getLogger("pagedserve.core")
@@ -143,6 +144,7 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"engine core: expected its spec first, got {kind!r}")
     spec = CoreSpec.from_body(body)
     logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    hide_transformers_progress_bars()
     progress = CoreProgress(progress_path)
     link.send(FromCore.STARTED)   # before the model loads: an actor killed meanwhile leaves no paths behind
     try:

@@ -28,6 +28,7 @@ from ..model.model_input import ModelInput
 from ..model.model_runner import ModelRunner, resolve_device
 from ..model.model_support import load_config
 from ..process.gc_heap import prepare_serving_heap
+from ..process.progress_bars import hide_transformers_progress_bars
 from .dispatch import CommandChannel, GroupBrokenError, open_channel
 from .group import Rendezvous, TensorParallelGroup
 from .load import ShardLoader
@@ -231,6 +232,7 @@ def run_rank(spec: dict, rank: int, gpu_index: int) -> None:
     """Entry point of rank ``rank`` >= 1 (a local process or a Ray actor's task): join the
     group, load the shard, run commands until rank 0 stops or is gone."""
     spec = RankSpec.from_dict(spec)
+    hide_transformers_progress_bars()   # rank 0's process shows the load, if any
     if not os.path.isdir(spec.model):
         raise FileNotFoundError(
             f"tensor-parallel rank {rank} on {socket.gethostname()}: the model directory {spec.model} that "
