@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -238,21 +239,27 @@ def process_auth_mode() -> str:
 
 
 def enable_token_auth_for(address: str | None) -> None:
-    """Before ``ray.init`` joins a running cluster by an explicit address (``--address``,
-    ``$RAY_ADDRESS``): turn token authentication on when a token is available (``~/.ray/
-    auth_token``, ``$RAY_AUTH_TOKEN``, ``$RAY_AUTH_TOKEN_PATH``) and ``RAY_AUTH_MODE`` is unset,
-    as Ray 2.60 itself does only for a cluster it finds (address None or "auto"). An explicit
-    ``RAY_AUTH_MODE`` (e.g. "disabled" for a cluster without tokens) is respected.
+    """Token authentication for the cluster ``ray.init(address)`` is about to start or join,
+    where ``RAY_AUTH_MODE`` is unset (an explicit one, e.g. "disabled", is respected):
 
-    Private (``ray._private.authentication``): Ray has no public call for it.
+    - a new private cluster (address None or "local"): on, as ``ray.init`` turns it on itself,
+      without the warning Ray logs when it does ("Token authentication is enabled for this Ray
+      cluster", on every start of ``pagedserve serve``);
+    - a running cluster named by its address (``--address``, ``$RAY_ADDRESS``): on when a token
+      is available (``~/.ray/auth_token``, ``$RAY_AUTH_TOKEN``, ``$RAY_AUTH_TOKEN_PATH``), as
+      Ray 2.60 itself does only for a cluster it finds ("auto", left to Ray).
+
+    Private (``ray._private.authentication``): Ray has no public call for either.
     """
-    if address in (None, "auto", "local"):
+    if address == "auto":
         return
-    from ray._private.authentication.authentication_token_setup import (
-        maybe_enable_token_auth_if_token_available,
-    )
+    from ray._private.authentication import authentication_token_setup as token_setup
 
-    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    if address in (None, "local"):
+        if os.environ.get(token_setup.AUTH_MODE_ENV_VAR) is None:
+            token_setup._enable_token_auth()   # what ray.init does, less the warning
+        return
+    token_setup.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def set_process_title(title: str) -> None:
