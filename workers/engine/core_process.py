@@ -80,6 +80,7 @@ def build_core(spec: CoreSpec, link, progress, parent_pid: int | None):
     from .engine import LLMEngine
     from .engine_options import EngineConfig
 
+    hide_transformers_progress_bars()
     publisher: KVPublisher | None = None
 
     def decide(request):
@@ -144,7 +145,6 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"engine core: expected its spec first, got {kind!r}")
     spec = CoreSpec.from_body(body)
     logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    hide_transformers_progress_bars()
     progress = CoreProgress(progress_path)
     link.send(FromCore.STARTED)   # before the model loads: an actor killed meanwhile leaves no paths behind
     try:
