@@ -865,12 +865,14 @@ def test_lm_eval_local_completions_loglikelihoods_equal_transformers(served, tmp
     task_dir = tmp_path / "tasks"
     task_dir.mkdir()
     (task_dir / "pagedserve_tiny_mc.yaml").write_text(LM_EVAL_TASK.format(data=data))
+    # This task alone: indexing lm-eval's thousands of built-in tasks as well takes about 10 s.
+    task_manager = TaskManager(include_path=str(task_dir), include_defaults=False)
     results = lm_eval.simple_evaluate(
         model="local-completions",
         model_args={"model": MODEL, "base_url": served.base_url + "/v1/completions",
                     "tokenizer_backend": "huggingface", "tokenizer": served.model_path,
                     "num_concurrent": 2, "max_retries": 1},
-        tasks=["pagedserve_tiny_mc"], task_manager=TaskManager(include_path=str(task_dir)),
+        tasks=["pagedserve_tiny_mc"], task_manager=task_manager,
         log_samples=True, batch_size=1)
     samples = results["samples"]["pagedserve_tiny_mc"]
     assert len(samples) == len(LM_EVAL_DOCS)
