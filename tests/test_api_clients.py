@@ -865,7 +865,7 @@ def test_lm_eval_local_completions_loglikelihoods_equal_transformers(served, tmp
     task_dir = tmp_path / "tasks"
     task_dir.mkdir()
     (task_dir / "pagedserve_tiny_mc.yaml").write_text(LM_EVAL_TASK.format(data=data))
-    # This task alone: indexing lm-eval's thousands of built-in tasks as well takes about 10 s.
+    # This task alone: indexing lm-eval's thousands of built-in tasks as well takes about 12 s.
     task_manager = TaskManager(include_path=str(task_dir), include_defaults=False)
     results = lm_eval.simple_evaluate(
         model="local-completions",
