@@ -1203,6 +1203,25 @@ def test_fields_we_cannot_honour_are_refused_with_the_reason(server, field, valu
     assert "unknown field" not in error["message"] and len(error["message"]) > len(field) + 30, error
 
 
+@pytest.mark.parametrize(("part", "kind"), [
+    ({"type": "image_url", "image_url": {"url": "http://example.invalid/a.png"}}, "image_url"),
+    ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, "input_audio"),
+    ({"type": "file", "file": {"file_id": "file-1"}}, "file"),
+    ({"type": "refusal", "refusal": "no"}, "refusal"),
+])
+def test_a_chat_part_that_is_not_text_is_refused_by_its_kind(server, part, kind):
+    """An image, audio or a file in a message is refused naming the part and why (a text-only
+    model), not with every way the part fails to be text; text parts beside it still pass."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "look"}, part]}]
+    error = _assert_error(call(server, "POST", "/v1/chat/completions", json={"messages": messages, "max_tokens": 2}),
+                          400, "messages.0.content")
+    assert f"content[1] is of type '{kind}'" in error["message"], error
+    assert "text-only" in error["message"] or kind == "refusal", error
+    assert "Input should be" not in error["message"] and "Field required" not in error["message"], error
+    text_only = [{"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "text", "text": "again"}]}]
+    assert call(server, "POST", "/v1/chat/completions", json={"messages": text_only, "max_tokens": 2}).status_code == 200
+
+
 def test_harmless_values_of_those_fields_pass(server):
     body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "store": False,
             "service_tier": "auto", "modalities": ["text"], "guided_decoding_backend": "guidance"}

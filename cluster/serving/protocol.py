@@ -39,6 +39,7 @@ from pagedserve.workers.sample.sampling_params import (
 )
 
 DEFAULT_MAX_TOKENS = 16
+TEXT_ONLY = "this server serves text-only models"
 MAX_INT32 = 2**31 - 1
 MAX_INT64 = 2**63 - 1
 
@@ -344,6 +345,19 @@ class ChatMessageIn(_Request):
     # ``reasoning_content``); the template reads ``reasoning_content`` (Qwen3's does).
     reasoning: str | None = None
     reasoning_content: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content):
+        """A part the model cannot read (an image, audio, a file) is refused by its kind, not
+        with every way the part fails to be text."""
+        for index, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                reason = ("this server's models do not write refusals" if kind == "refusal"
+                          else f"{TEXT_ONLY}, which read parts of type 'text'")
+                raise ValueError(f"content[{index}] is of type {kind!r}: {reason}")
+        return content
 
     @model_validator(mode="after")
     def _reasoning_of_an_assistant(self):

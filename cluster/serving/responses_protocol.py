@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from .protocol import (MAX_INT32, MAX_INT64, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, NOT_A_BOOLEAN, Bool,
-                       Float, FunctionDefinition, Int, ReasoningEffort, TokenLogprob, _Request)
+                       TEXT_ONLY, Float, FunctionDefinition, Int, ReasoningEffort, TokenLogprob, _Request)
 
 # Fields of OpenAI's Responses API that this server cannot honour with any value but a harmless one.
 REFUSED_RESPONSE_FIELDS = {
@@ -45,7 +45,6 @@ _HARMLESS_RESPONSE_VALUES: dict[str, tuple] = {
 }
 # ``include`` values this server honours.
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-TEXT_ONLY = "this server serves text-only models"
 MAX_METADATA_PAIRS = 16
 
 
