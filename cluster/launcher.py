@@ -157,6 +157,7 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
         server_records.release(record)
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    ray_compat.import_ray_for_a_signal_handling_driver()
     import ray
     import ray.serve  # noqa: F401 - importing it sets Serve's logger to INFO: before the level below
 
@@ -282,10 +283,11 @@ class _StartSignals:
     def deferred(self) -> Iterator[None]:
         """Both held until the block has ended, then raised, and ``interrupt`` their handler
         again. A Ray interrupted inside ``ray.init`` is left half started (its process crashed as
-        it exited, SIGSEGV, where it should end with 130). Without the handler ``ray.init`` would
-        install (``sys.exit`` wherever the main thread is), and with ours installed again after
-        it, SIGTERM no longer reaches the native handler of Ray's core worker, which logged a
-        stack and aborted the process with no stage torn down."""
+        it exited, SIGSEGV, where it should end with 130). Ray's own handlers are kept out:
+        ``ray.init``'s (``sys.exit`` wherever the main thread is; ``ray_compat.sigterm_handler_kept``),
+        and the native one of its core worker, which printed a stack and aborted the process
+        (134) on a SIGTERM that came before ours were installed again
+        (``ray_compat.import_ray_for_a_signal_handling_driver``)."""
         held: list[int] = []
         for sig in STOP_SIGNALS:
             signal.signal(sig, lambda signum, _: held.append(signum))

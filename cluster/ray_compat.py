@@ -11,8 +11,10 @@ re-check.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -270,6 +272,29 @@ def set_process_title(title: str) -> None:
     from ray import _raylet
 
     _raylet.setproctitle(title)
+
+
+NO_NATIVE_FAILURE_HANDLER_ENV = "RAY_DISABLE_FAILURE_SIGNAL_HANDLER"
+
+
+def import_ray_for_a_signal_handling_driver() -> None:
+    """Import Ray so that this driver's core worker, once connected, installs no native failure
+    handler. That handler takes SIGTERM among the crash signals: a SIGTERM that came in the last
+    part of ``ray.init`` (before the driver installs its own handler again) printed a native
+    stack, and the process aborted (134) as it exited, where it should end with 143. The
+    driver's crashes are still reported: Ray turns Python's ``faulthandler`` on.
+
+    Private: Ray reads ``$RAY_DISABLE_FAILURE_SIGNAL_HANDLER`` once, as its native module is
+    loaded, so it is set for the import alone and no process Ray starts inherits it. A process
+    that has imported Ray already, or that sets the variable itself, keeps what it has.
+    """
+    if "ray._raylet" in sys.modules or os.environ.get(NO_NATIVE_FAILURE_HANDLER_ENV) is not None:
+        return
+    os.environ[NO_NATIVE_FAILURE_HANDLER_ENV] = "1"
+    try:
+        importlib.import_module("ray")
+    finally:
+        del os.environ[NO_NATIVE_FAILURE_HANDLER_ENV]
 
 
 @contextlib.contextmanager

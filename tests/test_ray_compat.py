@@ -190,3 +190,63 @@ def test_serve_shuts_down_without_a_failed_task(ray_with_dashboard, capfd):
     # may come in other text (a logging error's call stack names this test).
     assert not re.search(r"\bTask \S+ failed\b", output), output
     assert ray_compat.shutdown_serve(5) is True   # nothing left to shut down
+
+
+# A driver that imports Ray (through ray_compat, or plainly), holds SIGTERM with a handler of its
+# own through ray.init, then reports which native handler SIGTERM has, whether the import's
+# variable reached Ray's processes, and what its own SIGTERM did.
+_SIGTERM_DRIVER = r"""
+import ctypes, os, signal, sys
+from pagedserve.cluster import ray_compat
+
+class Sigaction(ctypes.Structure):
+    _fields_ = [("handler", ctypes.c_void_p), ("mask", ctypes.c_ulong * 16), ("flags", ctypes.c_int),
+                ("restorer", ctypes.c_void_p)]
+
+def native_handler(sig):
+    action = Sigaction()
+    ctypes.CDLL(None).sigaction(sig, None, ctypes.byref(action))
+    return action.handler
+
+received = []
+signal.signal(signal.SIGUSR2, lambda *_: None)   # its native handler is Python's, as SIGTERM's must stay
+signal.signal(signal.SIGTERM, lambda signum, _: received.append(signum))
+if sys.argv[1] == "compat":
+    ray_compat.import_ray_for_a_signal_handling_driver()
+import ray
+with ray_compat.sigterm_handler_kept():
+    ray.init(num_cpus=1, include_dashboard=False)
+kept = native_handler(signal.SIGTERM) == native_handler(signal.SIGUSR2)
+import psutil
+started = psutil.Process().children(recursive=True)
+assert any("raylet" in process.name() for process in started), [process.name() for process in started]
+def environ(process):
+    try:
+        return process.environ()
+    except psutil.NoSuchProcess:   # a short-lived helper of Ray's that has ended
+        return {}
+inherited = any(ray_compat.NO_NATIVE_FAILURE_HANDLER_ENV in environ(process) for process in started)
+if kept:
+    os.kill(os.getpid(), signal.SIGTERM)
+ray.shutdown()
+print("kept" if kept else "replaced", "inherited" if inherited else "not-inherited", received, flush=True)
+"""
+
+
+@pytest.mark.distributed
+def test_a_driver_importing_ray_through_ray_compat_keeps_its_sigterm_handler():
+    """Ray's core worker installs a native failure handler for SIGTERM as the driver connects, and
+    a SIGTERM before the driver's own handler was back aborted it; imported through ray_compat,
+    the handler stays the driver's through ``ray.init`` and its SIGTERM reaches it, while Ray's
+    own processes start without the variable that turned the native one off."""
+    import subprocess
+    import sys
+
+    runs = {mode: subprocess.Popen([sys.executable, "-c", _SIGTERM_DRIVER, mode], stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+            for mode in ("compat", "plain")}
+    outputs = {mode: run.communicate(timeout=240)[0] for mode, run in runs.items()}
+    assert runs["compat"].returncode == 0, outputs["compat"]
+    assert "kept not-inherited [15]" in outputs["compat"], outputs["compat"]
+    # What the import avoids: a plain import leaves SIGTERM to the native handler.
+    assert runs["plain"].returncode == 0 and "replaced" in outputs["plain"], outputs["plain"]
