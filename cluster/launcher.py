@@ -113,11 +113,13 @@ class Progress:
             print(f"[..] {label}", file=self.stream, flush=True)
         try:
             yield
-        except BaseException:
+        except BaseException as exc:
             stop.set()
             if ticker:
                 ticker.join()
-            print(f"\r[!!] {label}: failed after {time.time() - start:.1f} s", file=self.stream, flush=True)
+            # Ctrl-C and SIGTERM while starting come as KeyboardInterrupt: the stage did not fail.
+            ended = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+            print(f"\r[!!] {label}: {ended} after {time.time() - start:.1f} s", file=self.stream, flush=True)
             raise
         stop.set()
         if ticker:

@@ -561,6 +561,10 @@ def test_ctrl_c_or_sigterm_while_starting_tears_down_what_started_without_a_trac
     console = server.ended_output()
     said = "interrupted" if sig == signal.SIGINT else "stopped (SIGTERM)"
     assert "Traceback" not in console and f"{said} while starting; stopping..." in console, console
+    assert "failed after" not in console, console   # the interrupted stage says so
+    if stage != "starting a private Ray":   # held until ray.init returned, which then ended its stage
+        assert any(line.startswith(f"[!!] {stage}") and ": interrupted after" in line
+                   for line in console.splitlines()), console
     assert "[ok] starting a private Ray" in console and "[ok] stopping the private Ray" in console, console
     assert ("[ok] shutting down Ray Serve" in console) == (stage != "starting a private Ray"), console
     assert not list((tmp_path / "cache" / "servers").glob("*.json"))   # its record went with it
