@@ -6,6 +6,9 @@ Every ``import`` counts, deferred ones inside functions too: a circle closed
 by a function-level import is still a circle (the old ``server`` <->
 ``grpc_service`` pair was one). Imports under ``if TYPE_CHECKING:`` are left
 out, since they never run.
+
+One more check walks every module: each pydantic model of the package is complete
+once its module is imported.
 """
 
 from __future__ import annotations
@@ -226,8 +229,8 @@ def test_the_control_plane_loads_without_torch():
 
 def test_every_pydantic_model_of_the_package_is_built_at_import():
     """A model that pydantic cannot complete when its class is made (a forward reference it cannot
-    resolve yet) is rebuilt at its first use, and pydantic 2.11-2.13 rebuild unsafely across threads:
-    a server thread could then meet BaseModel's own validator. Every model here builds at import."""
+    resolve yet) is rebuilt at its first use: on a request's path, and in pydantic 2.11-2.13 unsafely
+    across threads (one could meet BaseModel's own validator). Every model here builds at import."""
     names = sorted(name for name, file in _modules().items() if file.suffix == ".py" and not name.endswith("__main__"))
     code = (f"import importlib, pydantic\nfor name in {names!r}:\n    importlib.import_module(name)\n"
             "def subclasses(cls):\n    for sub in cls.__subclasses__():\n        yield sub\n"
