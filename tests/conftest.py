@@ -49,6 +49,23 @@ def pytest_configure(config):
         gc.enable()   # pytest-xdist's controller: its test processes collect, it never does
 
 
+# The packages the suite leans on most; CI's interpreter keeps the versions it has installed.
+REPORTED_PACKAGES = ("torch", "transformers", "ray", "pydantic", "fastapi", "starlette", "openai", "triton",
+                     "hypothesis")
+
+
+def _package_versions() -> str:
+    """The versions a failure may depend on (the end of every run's report: ``-q`` drops the header)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str:
+        with contextlib.suppress(PackageNotFoundError):
+            return version(name)
+        return "absent"
+
+    return "packages: " + ", ".join(f"{name} {installed(name)}" for name in REPORTED_PACKAGES)
+
+
 def pytest_collection_finish(session):
     """Collected with the cyclic collector off (0.70x the CPU of a collection with it on: 11.6
     against 16.9 CPU-seconds, ``--collect-only``, medians of three alternating, 2-core CPU VM):
@@ -94,6 +111,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_terminal_summary(terminalreporter, config):
+    terminalreporter.line(_package_versions())
     waits = config.stash.get(_LEFTOVER_WAIT_S, [])
     if any(w >= 0.5 for w in waits):
         terminalreporter.line(f"Ray processes took {sum(waits):.1f} s in all to exit after module teardowns "
