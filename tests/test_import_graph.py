@@ -14,6 +14,7 @@ once its module is imported.
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -227,16 +228,30 @@ def test_the_control_plane_loads_without_torch():
     assert loaded.strip() == "[]", f"importing {modules} loads {loaded.strip()}"
 
 
+# Imports the modules named in argv[1] (JSON), then reports the package's pydantic models and
+# those of them that are not complete.
+_MODELS_DRIVER = r"""
+import importlib, json, sys, pydantic
+for name in json.loads(sys.argv[1]):
+    importlib.import_module(name)
+models, unseen = set(), [pydantic.BaseModel]
+while unseen:
+    for sub in unseen.pop().__subclasses__():
+        unseen.append(sub)
+        if sub.__module__.startswith(sys.argv[2] + "."):
+            models.add(sub)
+incomplete = sorted(f"{c.__module__}.{c.__qualname__}" for c in models if not c.__pydantic_complete__)
+print(json.dumps({"found": len(models), "incomplete": incomplete}))
+"""
+
+
 def test_every_pydantic_model_of_the_package_is_built_at_import():
     """A model that pydantic cannot complete when its class is made (a forward reference it cannot
     resolve yet) is rebuilt at its first use: on a request's path, and in pydantic 2.11-2.13 unsafely
     across threads (one could meet BaseModel's own validator). Every model here builds at import."""
     names = sorted(name for name, file in _modules().items() if file.suffix == ".py" and not name.endswith("__main__"))
-    code = (f"import importlib, pydantic\nfor name in {names!r}:\n    importlib.import_module(name)\n"
-            "def subclasses(cls):\n    for sub in cls.__subclasses__():\n        yield sub\n"
-            "        yield from subclasses(sub)\n"
-            f"ours = [c for c in subclasses(pydantic.BaseModel) if c.__module__.startswith('{PACKAGE}.')]\n"
-            "print(len(ours), sorted(f'{c.__module__}.{c.__qualname__}' for c in ours if not c.__pydantic_complete__))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split(" ", 1)
-    assert int(out[0]) >= 50, f"only {out[0]} models found"
-    assert out[1].strip() == "[]", f"models left to build at first use: {out[1].strip()}"
+    done = subprocess.run([sys.executable, "-c", _MODELS_DRIVER, json.dumps(names), PACKAGE], capture_output=True,
+                          text=True, check=True)
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["found"] >= 50, f"only {report['found']} models found"
+    assert report["incomplete"] == [], f"models left to build at first use: {report['incomplete']}"

@@ -4,6 +4,8 @@ against a real Ray (with the dashboard, which serves the state API)."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -239,9 +241,6 @@ def test_a_driver_importing_ray_through_ray_compat_keeps_its_sigterm_handler():
     a SIGTERM before the driver's own handler was back aborted it; imported through ray_compat,
     the handler stays the driver's through ``ray.init`` and its SIGTERM reaches it, while Ray's
     own processes start without the variable that turned the native one off."""
-    import subprocess
-    import sys
-
     runs = {mode: subprocess.Popen([sys.executable, "-c", _SIGTERM_DRIVER, mode], stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True, cwd=ROOT)
             for mode in ("compat", "plain")}
