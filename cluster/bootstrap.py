@@ -10,10 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.workers.actor.worker import stall_timeout_s
-from pagedserve.workers.model.model_support import check_max_model_len, check_servable_config, context_limit
 from pagedserve.workers.model.model_source import is_hub_id
 from pagedserve.workers.spec_decode.config import MODEL_METHODS, check_draft_fits, check_eagle_head_fits
-from pagedserve.workers.tp.plan import check_tensor_parallel
 
 from . import ray_compat
 from .config import ClusterConfig, ModelConfig, load_config
@@ -131,6 +129,9 @@ def servable_config(model: ModelConfig, model_path: str):
     """``check_servable_config`` of the checkpoint at ``model_path``, running its own code only
     with ``model.trust_remote_code``; a checkpoint that needs it, while that is off, is refused
     naming the key and the flag (transformers' message names its own argument)."""
+    # Imported here: the model checks load torch, which 'pagedserve status' (init_ray) never needs.
+    from pagedserve.workers.model.model_support import check_servable_config
+
     try:
         return check_servable_config(model_path, model.trust_remote_code)
     except ValueError as exc:
@@ -147,6 +148,9 @@ def check_model_fits(config: ClusterConfig, model_config) -> None:
     counts that do not divide), or that computes exactly a shorter context than a group's
     ``max_model_len``, and a draft model or EAGLE head (``speculative_config``) that cannot
     propose for it: the messages a worker's engine would give."""
+    from pagedserve.workers.model.model_support import check_max_model_len, context_limit
+    from pagedserve.workers.tp.plan import check_tensor_parallel
+
     for group in config.workers:
         options = group_engine_options(config, group)
         check_tensor_parallel(model_config, options.tensor_parallel_size)

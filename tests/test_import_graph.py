@@ -26,10 +26,12 @@ import pagedserve
 PACKAGE = "pagedserve"
 # What the control plane's actors load (the cluster controller, which creates the workers; the
 # KV manager; each node's relay) and what a caller of the workers needs (the worker actor's
-# module, the handle, the stream protocol, the API's structured-output checks): torch costs each
-# such process about 1.3 s of CPU and 180 MB, for nothing. The engine loads in Worker.__init__.
+# module, the handle, the stream protocol, the API's structured-output checks), and what the CLI's
+# status and stop load (the launcher, bootstrap's init_ray): torch costs each such process about
+# 1.3 s of CPU and 180 MB, for nothing. The engine loads in Worker.__init__.
 TORCH_FREE_MODULES = ("cluster.config", "cluster.controller", "cluster.kv_central", "cluster.kv_relay",
-                      "cluster.handle", "kvmanager", "workers.actor.worker", "workers.actor.protocol", "workers.sample.grammar")
+                      "cluster.handle", "cluster.cli", "cluster.launcher", "cluster.bootstrap", "kvmanager",
+                      "workers.actor.worker", "workers.actor.protocol", "workers.sample.grammar")
 HTTP_MODULES = ("http_app", "sse")
 GRPC_MODULES = ("grpc_service",)
 # Which top-level subpackages each one may import (DESIGN.md, "Layers").
