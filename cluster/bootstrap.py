@@ -119,13 +119,17 @@ def _wait_ready(refs: dict[str, Any], timeout_s: float, show_progress: bool,
     return [infos[worker_id] for worker_id in refs]
 
 
-def check_model(config: ClusterConfig, model_path: str) -> None:
+def check_model(config: ClusterConfig, model_path: str, with_class: bool = True):
     """Refuse, with the reason, a model the workers cannot serve exactly, or that does not
-    fit a worker group (``check_model_fits``). Reads the model's config only."""
-    check_model_fits(config, servable_config(config.model, model_path))
+    fit a worker group (``check_model_fits``); return its transformers config. Reads the
+    model's config only; ``with_class=False`` leaves out the check of its transformers class
+    (``check_causal_lm_class``, which imports the model's code)."""
+    model_config = servable_config(config.model, model_path, with_class)
+    check_model_fits(config, model_config)
+    return model_config
 
 
-def servable_config(model: ModelConfig, model_path: str):
+def servable_config(model: ModelConfig, model_path: str, with_class: bool = True):
     """``check_servable_config`` of the checkpoint at ``model_path``, running its own code only
     with ``model.trust_remote_code``; a checkpoint that needs it, while that is off, is refused
     naming the key and the flag (transformers' message names its own argument)."""
@@ -133,7 +137,7 @@ def servable_config(model: ModelConfig, model_path: str):
     from pagedserve.workers.model.model_support import check_servable_config
 
     try:
-        return check_servable_config(model_path, model.trust_remote_code)
+        return check_servable_config(model_path, model.trust_remote_code, with_class)
     except ValueError as exc:
         if model.trust_remote_code or "trust_remote_code" not in str(exc):
             raise

@@ -155,8 +155,9 @@ def _run_config(args: argparse.Namespace) -> int:
 
 
 def _validate_model(file: str, config) -> int:
-    """The model checks ``serve`` makes before it starts anything, on the model's config as this
-    node has it without weights or the network (``bootstrap.cached_model_config``)."""
+    """The model checks ``serve`` makes (its config's before it starts anything, its class's beside
+    Ray's start), on the model's config as this node has it without weights or the network
+    (``bootstrap.cached_model_config``)."""
     from pagedserve.cluster.bootstrap import cached_model_config, check_model_fits
 
     try:

@@ -169,11 +169,14 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
     from .serving.deployment import ServeStart, deploy
 
     try:
-        check_model(config, config.model.resolve_path())
+        model_config = check_model(config, config.model.resolve_path(), with_class=False)
     except (ValueError, OSError) as exc:
         server_records.release(record)
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    # The rest of the model's checks import its transformers class (and torch's compiler with
+    # it): seconds of CPU, run beside Ray's start, and awaited before anything else starts.
+    class_check = _ModelClassCheck(model_config).begin()
     _log_to_console()
     logging.getLogger(SERVE_LOGGER).setLevel(logging.WARNING)  # the driver's "app ready" chatter
     stopping = threading.Event()
@@ -194,6 +197,11 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
             label = f"joining the Ray cluster at {address}" if address else "starting a private Ray"
             with start_signals.deferred(), progress.stage(label):
                 is_private_ray = init_ray(address, logging_level="WARNING")
+        try:
+            class_check.wait()
+        except (ValueError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return 2
         record.is_private_ray = is_private_ray
         record.ray_address = ray.get_runtime_context().gcs_address
         record.ray_auth_mode = os.environ.get(RAY_AUTH_MODE_ENV)
@@ -262,6 +270,33 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
         _tear_down(record, handle, serve_start is not None, started_serve, is_deploying, owns_ray, is_private_ray,
                    progress)
         server_records.release(record)
+
+
+class _ModelClassCheck:
+    """``check_causal_lm_class`` of a model's transformers config on a thread of its own;
+    ``wait`` re-raises what it raised."""
+
+    def __init__(self, model_config) -> None:
+        self._model_config = model_config
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="pagedserve-model-class-check", daemon=True)
+
+    def begin(self) -> _ModelClassCheck:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        from pagedserve.workers.model.model_support import check_causal_lm_class
+
+        try:
+            check_causal_lm_class(self._model_config)
+        except BaseException as exc:   # re-raised by ``wait``, in the caller's thread
+            self._error = exc
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 class _StartSignals:

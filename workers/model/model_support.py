@@ -71,18 +71,27 @@ def load_config(model: str, trust_remote_code: bool = False):
         raise
 
 
-def check_servable_config(model: str, trust_remote_code: bool = False):
+def check_servable_config(model: str, trust_remote_code: bool = False, with_class: bool = True):
     """Every check that needs only the config (no weights); returns the config.
 
     ``LLM(...)`` runs it through the model runner, ``serve`` also before it
-    starts any worker.
+    starts any worker. ``with_class=False`` leaves out ``check_causal_lm_class``,
+    the part that imports the model's code.
     """
     config = load_config(model, trust_remote_code)
     check_config(config)
+    if with_class:
+        check_causal_lm_class(config)
+    return config
+
+
+def check_causal_lm_class(config) -> None:
+    """Refuse what the transformers class of ``config`` shows (``check_model_class``). It imports
+    the model's modeling module, and torch's compiler and distributed packages with it: most
+    of the checks' time."""
     model_class = causal_lm_class(config)
     if model_class is not None:
         check_model_class(model_class, config.model_type)
-    return config
 
 
 def check_config(config) -> None:
