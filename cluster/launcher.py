@@ -189,11 +189,12 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
     handle = None
     serve_start: ServeStart | None = None
     is_deploying = False
+    prepared_env: dict[str, str | None] = {}
     try:
         if owns_ray:
             # Serve's processes read it when they start.
-            ingress.prepare(config.server.ingress,
-                            joining=(address or os.environ.get("RAY_ADDRESS")) not in (None, "", "local"))
+            joining = (address or os.environ.get("RAY_ADDRESS")) not in (None, "", "local")
+            prepared_env = ingress.prepare(config.server.ingress, joining=joining)
             label = f"joining the Ray cluster at {address}" if address else "starting a private Ray"
             with start_signals.deferred(), progress.stage(label):
                 is_private_ray = init_ray(address, logging_level="WARNING")
@@ -269,6 +270,7 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
         started_serve = serve_start is not None and serve_start.found_running is False
         _tear_down(record, handle, serve_start is not None, started_serve, is_deploying, owns_ray, is_private_ray,
                    progress)
+        ingress.restore(prepared_env)
         server_records.release(record)
 
 

@@ -110,14 +110,21 @@ def test_haproxys_two_ports_differ_even_where_the_draw_offers_one_twice(monkeypa
     sample = random.sample
     monkeypatch.setattr(random, "sample", lambda population, k: [first, *sample(population, k - 1)])
     assert ingress._free_port() == first   # the draw offers it first, and it is free
-    ingress.prepare("haproxy")
+    before = dict(os.environ)
+    changed = ingress.prepare("haproxy")
     stats, metrics = (int(os.environ[name]) for name in ingress.HAPROXY_PORT_ENVS)
     assert stats == first and metrics != first
-    monkeypatch.delenv(ingress.HAPROXY_PORT_ENVS[0])
+    # Once the server has stopped, what prepare set goes.
+    assert changed == {name: None for name in (*ingress.HAPROXY_ENV, *ingress.HAPROXY_PORT_ENVS,
+                                               ingress.DRAINING_PERIOD_ENV, ingress.PROXY_READY_CHECK_ENV)}
+    ingress.restore(changed)
+    assert dict(os.environ) == before
     monkeypatch.setenv(ingress.HAPROXY_PORT_ENVS[1], str(first))   # the user's
-    ingress.prepare("haproxy")
+    changed = ingress.prepare("haproxy")
     assert int(os.environ[ingress.HAPROXY_PORT_ENVS[0]]) != first
     assert os.environ[ingress.HAPROXY_PORT_ENVS[1]] == str(first)
+    ingress.restore(changed)   # and what it found stays
+    assert os.environ[ingress.HAPROXY_PORT_ENVS[1]] == str(first) and ingress.HAPROXY_PORT_ENVS[0] not in os.environ
 
 
 def test_a_stray_haproxy_of_the_servers_config_is_ended_and_nothing_else(tmp_path):

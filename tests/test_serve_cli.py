@@ -135,24 +135,21 @@ def test_config_validate_refuses_a_model_misfit_as_serve_does(config, message, t
     assert capsys.readouterr().err == validated
 
 
-@pytest.fixture
-def environ_restored():
-    """The test's process environment as it was, after an in-process ``serve`` that got as far as
-    its ingress set-up (``ingress.prepare`` sets HAProxy's ports there for the Ray it starts:
-    servers that later tests start in subprocesses would inherit them, and collide)."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 def test_serve_refuses_a_model_class_it_cannot_serve_once_ray_has_started_and_before_any_worker(
-        tmp_path, serve_port, environ_restored, capsys):
+        tmp_path, serve_port, capsys):
     """The check of the model's transformers class runs beside Ray's start: BLOOM's class
     computes attention without transformers' attention interface. ``serve`` says so with status
-    2 once its private Ray is up, starts no KV manager or worker, and stops that Ray."""
+    2 once its private Ray is up, starts no KV manager or worker, and stops that Ray. The
+    ingress's variables go with it (HAProxy's ports among them: servers this process starts
+    later would inherit them, and collide)."""
     import ray
     from transformers import AutoConfig
+
+    from pagedserve.cluster.serving import ingress
+
+    names = (*ingress.HAPROXY_ENV, *ingress.HAPROXY_PORT_ENVS, ingress.DRAINING_PERIOD_ENV,
+             ingress.PROXY_GC_THRESHOLD_ENV, ingress.PROXY_READY_CHECK_ENV)
+    before = {name: os.environ.get(name) for name in names}
 
     AutoConfig.for_model("bloom").save_pretrained(tmp_path / "bloom")
     assert main(["config", "validate", str(_config_file(tmp_path, {"model": {"path": str(tmp_path / "bloom")}}))]) == 1
@@ -163,6 +160,7 @@ def test_serve_refuses_a_model_class_it_cannot_serve_once_ray_has_started_and_be
     assert console.index("[ok] starting a private Ray") < console.index(validated.strip())
     assert "KV manager" not in console and "[ok] stopping the private Ray" in console, console
     assert not ray.is_initialized()
+    assert {name: os.environ.get(name) for name in names} == before
 
 
 def test_config_validate_and_serve_refuse_a_checkpoints_own_code_unless_trusted(tiny_model, tmp_path, serve_port,

@@ -138,11 +138,29 @@ def _free_port(taken: Collection[int] = ()) -> int:
     raise RuntimeError("no free port for HAProxy")
 
 
-def prepare(ingress: str, joining: bool = False) -> None:
+def prepare(ingress: str, joining: bool = False) -> dict[str, str | None]:
     """Before Ray starts here: the environment ``ingress`` needs, for this process and the
     private Ray it may start ("auto": HAProxy's where its binary is installed, unless
     ``joining`` a cluster, whose own environment ``choose`` reads). Raises ``IngressError``
-    if HAProxy is asked for and missing."""
+    if HAProxy is asked for and missing. Returns what it changed (each variable's value before,
+    None where it was unset), for ``restore``."""
+    before = dict(os.environ)
+    _set_environment(ingress, joining)
+    return {name: before.get(name) for name in os.environ.keys() | before.keys()
+            if os.environ.get(name) != before.get(name)}
+
+
+def restore(changed: dict[str, str | None]) -> None:
+    """Undo ``prepare``'s ``changed`` variables once the Ray they were for has stopped: a process
+    that lives on would hand them, HAProxy's ports among them, to the servers it starts later."""
+    for name, value in changed.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def _set_environment(ingress: str, joining: bool) -> None:
     if ingress == "auto":
         ingress = "haproxy" if not joining and haproxy_binary() is not None else "proxy"
     os.environ.setdefault(PROXY_READY_CHECK_ENV, f"{PROXY_READY_CHECK_S:g}")
