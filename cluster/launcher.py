@@ -18,6 +18,7 @@ the ``serve`` process and every process under it (its private Ray's).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import errno
 import itertools
@@ -163,6 +164,8 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
     import ray
     import ray.serve  # noqa: F401 - importing it sets Serve's logger to INFO: before the level below
 
+    from pagedserve.workers.model.model_support import check_causal_lm_class
+
     from .bootstrap import WorkerStartError, check_model, init_ray, start
     from .placement_watch import PlacementError
     from .serving import ingress
@@ -176,7 +179,7 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
         return 2
     # The rest of the model's checks import its transformers class (and torch's compiler with
     # it): seconds of CPU, run beside Ray's start, and awaited before anything else starts.
-    class_check = _ModelClassCheck(model_config).begin()
+    class_check = _on_a_thread("pagedserve-model-class-check", check_causal_lm_class, model_config)
     _log_to_console()
     logging.getLogger(SERVE_LOGGER).setLevel(logging.WARNING)  # the driver's "app ready" chatter
     stopping = threading.Event()
@@ -199,7 +202,7 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
             with start_signals.deferred(), progress.stage(label):
                 is_private_ray = init_ray(address, logging_level="WARNING")
         try:
-            class_check.wait()
+            class_check.result()
         except (ValueError, OSError) as exc:
             print(f"error: {exc}", file=sys.stderr, flush=True)
             return 2
@@ -274,31 +277,19 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
         server_records.release(record)
 
 
-class _ModelClassCheck:
-    """``check_causal_lm_class`` of a model's transformers config on a thread of its own;
-    ``wait`` re-raises what it raised."""
+def _on_a_thread(name: str, function: Callable[..., object], *args) -> concurrent.futures.Future:
+    """``function(*args)`` on a daemon thread named ``name``; the future holds its result or
+    what it raised."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
 
-    def __init__(self, model_config) -> None:
-        self._model_config = model_config
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="pagedserve-model-class-check", daemon=True)
-
-    def begin(self) -> _ModelClassCheck:
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        from pagedserve.workers.model.model_support import check_causal_lm_class
-
+    def run() -> None:
         try:
-            check_causal_lm_class(self._model_config)
-        except BaseException as exc:   # re-raised by ``wait``, in the caller's thread
-            self._error = exc
+            future.set_result(function(*args))
+        except BaseException as exc:   # re-raised by ``future.result()``, in the caller's thread
+            future.set_exception(exc)
 
-    def wait(self) -> None:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
 
 
 class _StartSignals:
