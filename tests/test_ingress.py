@@ -29,17 +29,21 @@ def test_auto_is_haproxy_where_it_can_run(monkeypatch):
     assert choice.describe().startswith("Serve's proxy actor")
     with pytest.raises(ingress.IngressError, match="no HAProxy binary"):
         ingress.choose("auto", cluster_env=lambda: {**with_env, "binary": None})
+    # A private Ray's processes run with the throughput mode's settings one by one, not its variable.
+    settings = {"RAY_SERVE_ENABLE_HA_PROXY": "1", **ingress.THROUGHPUT_OPTIMIZED_SETTINGS, "binary": "the package"}
+    assert ingress.choose("haproxy", cluster_env=lambda: settings).name == "haproxy"
+    with pytest.raises(ingress.IngressError, match=r"without RAY_SERVE_THROUGHPUT_OPTIMIZED=1;"):
+        ingress.choose("haproxy", cluster_env=lambda: {**settings, "RAY_SERVE_LOG_TO_STDERR": None})
     monkeypatch.delenv(ingress.HAPROXY_BINARY_ENV)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)
     choice = ingress.choose("auto", cluster_env=lambda: without)
     assert choice.name == "proxy" and "not installed" in choice.reason
     # Before a private Ray starts, "auto" sets HAProxy's variables only where its binary is.
-    for name in (*ingress.HAPROXY_ENV, *ingress.HAPROXY_PORT_ENVS, ingress.DRAINING_PERIOD_ENV,
-                 ingress.PROXY_GC_THRESHOLD_ENV, ingress.PROXY_READY_CHECK_ENV):
+    for name in ingress.PREPARED_ENVS:
         monkeypatch.setenv(name, "")   # so that the test's end restores them
         monkeypatch.delenv(name)
     ingress.prepare("auto")
-    assert not any(os.environ.get(name) for name in ingress.HAPROXY_ENV)
+    assert ingress.missing_haproxy_env(os.environ) == [f"{name}=1" for name in ingress.HAPROXY_ENV]
     # Either ingress: a starting proxy has a minute for Serve's ready check (not its 5 s), unless set.
     assert os.environ[ingress.PROXY_READY_CHECK_ENV] == "60"
     monkeypatch.setenv(ingress.PROXY_READY_CHECK_ENV, "7")
@@ -49,7 +53,37 @@ def test_auto_is_haproxy_where_it_can_run(monkeypatch):
     ingress.prepare("auto", joining=True)   # a joined cluster's own environment decides
     assert not any(os.environ.get(name) for name in ingress.HAPROXY_ENV)
     ingress.prepare("auto")
-    assert all(os.environ.get(name) == value for name, value in ingress.HAPROXY_ENV.items())
+    assert ingress.missing_haproxy_env(os.environ) == []
+
+
+def _serve_constants(env: dict[str, str]) -> dict:
+    """Ray Serve's settings (``ray.serve._private.constants``) as a process with ``env`` reads them."""
+    import json
+    import subprocess
+    import sys
+
+    script = ("import json; from ray.serve._private import constants as c; print(json.dumps({name: value for name, "
+              "value in vars(c).items() if name.isupper()}, default=lambda value: sorted(map(repr, value))))")
+    clean = {name: value for name, value in os.environ.items() if not name.startswith("RAY_SERVE_")}
+    done = subprocess.run([sys.executable, "-c", script], env={**clean, **env}, capture_output=True, text=True,
+                          timeout=120, check=True)
+    return json.loads(done.stdout)
+
+
+def test_the_throughput_modes_settings_one_by_one_are_what_its_variable_sets():
+    """A private Ray's processes get RAY_SERVE_THROUGHPUT_OPTIMIZED's settings one by one (so that
+    Serve's controller prints no INFO block about the mode on the console): Serve, as installed,
+    must then run exactly as with the mode's variable."""
+    haproxy = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
+    by_the_mode = _serve_constants({**haproxy, ingress.THROUGHPUT_OPTIMIZED_ENV: "1"})
+    one_by_one = _serve_constants({**haproxy, **ingress.THROUGHPUT_OPTIMIZED_SETTINGS})
+    assert by_the_mode.pop(ingress.THROUGHPUT_OPTIMIZED_ENV) is True
+    assert one_by_one.pop(ingress.THROUGHPUT_OPTIMIZED_ENV) is False
+    differ = {name: (by_the_mode.get(name), one_by_one.get(name)) for name in by_the_mode.keys() | one_by_one.keys()
+              if by_the_mode.get(name) != one_by_one.get(name)}
+    assert differ == {}
+    # And the settings are the mode's: without them, Serve runs otherwise.
+    assert _serve_constants(haproxy)["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] is True
 
 
 def test_ingress_replicas_follow_the_workers_unless_set():
@@ -101,8 +135,7 @@ def test_haproxys_two_ports_differ_even_where_the_draw_offers_one_twice(monkeypa
     bind one port twice: "cannot bind socket"). A port the user set is kept and never drawn."""
     import random
 
-    for name in (*ingress.HAPROXY_ENV, *ingress.HAPROXY_PORT_ENVS, ingress.DRAINING_PERIOD_ENV,
-                 ingress.PROXY_READY_CHECK_ENV):
+    for name in ingress.PREPARED_ENVS:
         monkeypatch.setenv(name, "")   # so that the test's end restores them
         monkeypatch.delenv(name)
     monkeypatch.setenv(ingress.HAPROXY_BINARY_ENV, "/usr/sbin/haproxy")
@@ -115,8 +148,8 @@ def test_haproxys_two_ports_differ_even_where_the_draw_offers_one_twice(monkeypa
     stats, metrics = (int(os.environ[name]) for name in ingress.HAPROXY_PORT_ENVS)
     assert stats == first and metrics != first
     # Once the server has stopped, what prepare set goes.
-    assert changed == {name: None for name in (*ingress.HAPROXY_ENV, *ingress.HAPROXY_PORT_ENVS,
-                                               ingress.DRAINING_PERIOD_ENV, ingress.PROXY_READY_CHECK_ENV)}
+    assert changed == {name: None for name in ingress.PREPARED_ENVS
+                       if name not in (ingress.THROUGHPUT_OPTIMIZED_ENV, ingress.PROXY_GC_THRESHOLD_ENV)}
     ingress.restore(changed)
     assert dict(os.environ) == before
     monkeypatch.setenv(ingress.HAPROXY_PORT_ENVS[1], str(first))   # the user's

