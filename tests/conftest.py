@@ -83,6 +83,13 @@ def pytest_collection_finish(session):
     gc.enable()
 
 
+def pytest_unconfigure(config):
+    """Unfreeze the heap ``pytest_collection_finish`` froze, so that the interpreter's last
+    collection frees its cycles (frozen, Triton's compiler objects outlive it, and nanobind
+    reports them as "leaked instances" when the process exits)."""
+    gc.unfreeze()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def no_ray_leftovers(request):
     """After each module (its fixtures torn down first): every Ray process it started has ended.

@@ -72,6 +72,33 @@ def test_prepare_serving_heap_freezes_what_is_alive_and_still_collects_what_come
     assert YOUNG_GC_THRESHOLD > gc.get_threshold()[0]   # this process is left as it was
 
 
+def test_the_frozen_heap_is_collected_as_the_process_exits():
+    """A cycle frozen at start-up is freed by the interpreter's last collection, as it would be
+    without the freeze. Frozen, Triton's compiler objects outlived it, and every serving process
+    that had imported Triton printed nanobind's "leaked instances" report as it exited."""
+    script = textwrap.dedent("""
+        import importlib.util
+        from pagedserve.workers.process.gc_heap import pause_collection_for_startup, prepare_serving_heap
+
+        class Finalised:
+            def __del__(self):
+                print("finalised", flush=True)
+
+        pause_collection_for_startup()
+        if importlib.util.find_spec("triton") is not None:
+            import triton  # noqa: F401
+        start_up_cycle = Finalised()
+        start_up_cycle.self = start_up_cycle
+        alive = start_up_cycle                       # alive when the heap is frozen
+        prepare_serving_heap("test")
+        del alive, start_up_cycle                    # garbage only a collection of the frozen heap can free
+        print("exiting", flush=True)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.split() == ["exiting", "finalised"], result.stdout + result.stderr
+    assert "leaked" not in result.stderr, result.stderr
+
+
 def test_the_proxy_ingress_spaces_serves_proxy_collections_unless_told_otherwise(monkeypatch):
     from pagedserve.cluster.serving import ingress
 

@@ -20,6 +20,9 @@ and raises the young generation's threshold to ``YOUNG_GC_THRESHOLD``, so that a
 step's transient objects are freed by reference counting before a collection ever
 scans them (Serve does that for its proxy only). ``GCPauses`` times every
 collection, so what is left stays visible (``Worker.stats``, the replica's ``/stats``).
+The heap is unfrozen at exit (``atexit``), so that the interpreter's last collection
+frees its cycles as it would without the freeze (frozen, Triton's compiler objects
+outlive it, and nanobind reports them as "leaked instances" when the process exits).
 
 Start-up itself pays for collections too: importing torch and transformers and building
 the model make millions of objects, and every full collection scans the heap built so far.
@@ -37,6 +40,7 @@ with the collector on):
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import time
@@ -63,6 +67,7 @@ def prepare_serving_heap(process: str) -> GCPauses:
     start = time.perf_counter()
     gc.collect()
     gc.freeze()
+    atexit.register(gc.unfreeze)
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(YOUNG_GC_THRESHOLD, older, oldest)
     gc.enable()
