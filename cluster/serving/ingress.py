@@ -48,8 +48,9 @@ from dataclasses import dataclass
 from pagedserve.workers.process import processes
 from pagedserve.workers.process.gc_heap import YOUNG_GC_THRESHOLD
 
+ENABLE_HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
 THROUGHPUT_OPTIMIZED_ENV = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
-HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", THROUGHPUT_OPTIMIZED_ENV: "1"}
+HAPROXY_ENV = {ENABLE_HAPROXY_ENV: "1", THROUGHPUT_OPTIMIZED_ENV: "1"}
 # What RAY_SERVE_THROUGHPUT_OPTIMIZED=1 sets, each unless already set (Serve 2.60's
 # ``serve/_private/constants.py``; ``test_ingress`` holds the two equal). The mode leaves the
 # proxy actor's gRPC off, which RAY_SERVE_USE_GRPC_BY_DEFAULT=1 set here would turn on: hence
@@ -189,7 +190,7 @@ def _set_environment(ingress: str, joining: bool) -> None:
         os.environ.setdefault(PROXY_GC_THRESHOLD_ENV, str(YOUNG_GC_THRESHOLD))
         return
     _check_haproxy_binary()
-    os.environ.update({name: value for name, value in HAPROXY_ENV.items() if name != THROUGHPUT_OPTIMIZED_ENV})
+    os.environ[ENABLE_HAPROXY_ENV] = "1"
     if os.environ.get(THROUGHPUT_OPTIMIZED_ENV) != "1":
         for name, value in THROUGHPUT_OPTIMIZED_SETTINGS.items():
             os.environ.setdefault(name, value)
@@ -215,10 +216,9 @@ def _serve_env() -> dict[str, str | None]:
 def missing_haproxy_env(found: Mapping[str, str | None]) -> list[str]:
     """Serve's HAProxy variables that a node's environment ``found`` lacks: the mode's own
     variable counts as set where every one of its settings is (a private Ray's way)."""
-    missing = [f"{name}={value}" for name, value in HAPROXY_ENV.items() if found.get(name) != value]
-    if all(found.get(name) is not None for name in THROUGHPUT_OPTIMIZED_SETTINGS):
-        missing = [item for item in missing if not item.startswith(THROUGHPUT_OPTIMIZED_ENV + "=")]
-    return missing
+    settings_set = all(found.get(name) is not None for name in THROUGHPUT_OPTIMIZED_SETTINGS)
+    return [f"{name}={value}" for name, value in HAPROXY_ENV.items()
+            if found.get(name) != value and not (name == THROUGHPUT_OPTIMIZED_ENV and settings_set)]
 
 
 def _cluster_env() -> dict[str, str | None]:
