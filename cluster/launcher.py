@@ -39,6 +39,7 @@ from .router import kv_blocks_used_frac
 from .server_records import ServerRecord
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)   # Ctrl-C, and what 'pagedserve stop' sends
+CHECK_STAGE = "checking the model (importing Ray, torch and transformers first)"
 RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"  # "token" when the cluster needs ~/.ray/auth_token
 SERVE_LOGGER = "ray.serve"          # Ray Serve's logger in this process (its client's INFO lines)
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -94,6 +95,7 @@ class Progress:
     def __init__(self, stream: IO[str] | None = None) -> None:
         self.stream = stream or sys.stderr
         self.is_tty = self.stream.isatty()
+        self._line_start = "\r" if self.is_tty else ""   # over a spinner's or progress bar's line
 
     @contextlib.contextmanager
     def stage(self, label: str, spinner: bool = True) -> Iterator[None]:
@@ -120,12 +122,13 @@ class Progress:
                 ticker.join()
             # Ctrl-C and SIGTERM while starting come as KeyboardInterrupt: the stage did not fail.
             ended = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
-            print(f"\r[!!] {label}: {ended} after {time.time() - start:.1f} s", file=self.stream, flush=True)
+            print(f"{self._line_start}[!!] {label}: {ended} after {time.time() - start:.1f} s", file=self.stream,
+                  flush=True)
             raise
         stop.set()
         if ticker:
             ticker.join()
-        print(f"\r[ok] {label} ({time.time() - start:.1f} s)", file=self.stream, flush=True)
+        print(f"{self._line_start}[ok] {label} ({time.time() - start:.1f} s)", file=self.stream, flush=True)
 
 
 def _log_to_console() -> None:
@@ -160,34 +163,43 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
         server_records.release(record)
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    ray_compat.import_ray_for_a_signal_handling_driver()
-    import ray
-    import ray.serve  # noqa: F401 - importing it sets Serve's logger to INFO: before the level below
-
-    from pagedserve.workers.model.model_support import check_causal_lm_class
-
-    from .bootstrap import WorkerStartError, check_model, init_ray, start
-    from .placement_watch import PlacementError
-    from .serving import ingress
-    from .serving.deployment import ServeStart, deploy
-
-    try:
-        model_config = check_model(config, config.model.resolve_path(), with_class=False)
-    except (ValueError, OSError) as exc:
-        server_records.release(record)
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    # The rest of the model's checks import its transformers class (and torch's compiler with
-    # it): seconds of CPU, run beside Ray's start, and awaited before anything else starts.
-    class_check = _on_a_thread("pagedserve-model-class-check", check_causal_lm_class, model_config)
-    _log_to_console()
-    logging.getLogger(SERVE_LOGGER).setLevel(logging.WARNING)  # the driver's "app ready" chatter
-    stopping = threading.Event()
     # Ctrl-C and SIGTERM ('pagedserve stop') interrupt the start-up whatever this process
     # inherited: a shell starts a script's background job with SIGINT ignored, and a server that
     # has started stops on it regardless.
     start_signals = _StartSignals()
     previous: dict = start_signals.install()
+    # Seconds of imports (Ray, Serve, torch, transformers) come before the model's config is
+    # read: a stage, so that the console says at once what the server is doing.
+    try:
+        with progress.stage(CHECK_STAGE):
+            ray_compat.import_ray_for_a_signal_handling_driver()
+            import ray
+            import ray.serve  # noqa: F401 - importing it sets Serve's logger to INFO: before the level below
+
+            from pagedserve.workers.model.model_support import check_causal_lm_class
+
+            from .bootstrap import WorkerStartError, check_model, init_ray, start
+            from .placement_watch import PlacementError
+            from .serving import ingress
+            from .serving.deployment import ServeStart, deploy
+
+            logging.getLogger(SERVE_LOGGER).setLevel(logging.WARNING)  # the driver's "app ready" chatter
+            model_config = check_model(config, config.model.resolve_path(), with_class=False)
+            # The rest of the model's checks import its transformers class (and torch's compiler
+            # with it): seconds of CPU, run beside Ray's start, awaited before anything else starts.
+            class_check = _on_a_thread("pagedserve-model-class-check", check_causal_lm_class, model_config)
+    except (ValueError, OSError, KeyboardInterrupt) as exc:   # nothing has started yet
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        server_records.release(record)
+        if not isinstance(exc, KeyboardInterrupt):
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        terminated = start_signals.received == signal.SIGTERM
+        print(f"{'stopped (SIGTERM)' if terminated else 'interrupted'} while starting", file=sys.stderr, flush=True)
+        return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
+    _log_to_console()
+    stopping = threading.Event()
     owns_ray = is_private_ray = not ray.is_initialized()
     handle = None
     serve_start: ServeStart | None = None

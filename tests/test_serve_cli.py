@@ -120,6 +120,16 @@ def _config_file(tmp_path, config: dict) -> str:
     return str(file)
 
 
+def _refusal(console: str) -> str:
+    """What ``serve`` said of a model it refused before anything started, less its first stage,
+    which it names as failed."""
+    from pagedserve.cluster.launcher import CHECK_STAGE
+
+    stage, failed, *said = console.splitlines(keepends=True)
+    assert stage == f"[..] {CHECK_STAGE}\n" and failed.startswith(f"[!!] {CHECK_STAGE}: failed after"), console
+    return "".join(said)
+
+
 @pytest.mark.parametrize(("config", "message"), MODEL_MISFITS)
 def test_config_validate_refuses_a_model_misfit_as_serve_does(config, message, tiny_model, tmp_path, serve_port,
                                                              capsys):
@@ -132,7 +142,7 @@ def test_config_validate_refuses_a_model_misfit_as_serve_does(config, message, t
     validated = capsys.readouterr().err
     assert message in validated
     assert main(["serve", "--config", file, "--port", serve_port]) == 2  # refused before anything starts
-    assert capsys.readouterr().err == validated
+    assert _refusal(capsys.readouterr().err) == validated
 
 
 def test_serve_refuses_a_model_class_it_cannot_serve_once_ray_has_started_and_before_any_worker(
@@ -172,7 +182,7 @@ def test_config_validate_and_serve_refuse_a_checkpoints_own_code_unless_trusted(
     refused = capsys.readouterr().err
     assert "holds code of its own" in refused and "model.trust_remote_code: true (serve --trust-remote-code)" in refused
     assert main(["serve", "--config", file, "--port", serve_port]) == 2  # refused before anything starts
-    assert capsys.readouterr().err == refused
+    assert _refusal(capsys.readouterr().err) == refused
     trusted = _config_file(tmp_path, {"model": {"path": str(path), "trust_remote_code": True}})
     assert main(["config", "validate", trusted]) == 0
     assert capsys.readouterr().out.endswith("serve.yaml: valid\n")
@@ -208,7 +218,7 @@ def test_config_validate_and_serve_refuse_a_draft_model_that_cannot_propose(tiny
         refused = capsys.readouterr().err
         assert "speculative_config.model" in refused and words in refused, refused
         assert main(["serve", "--config", file, "--port", serve_port]) == 2  # refused before anything starts
-        assert capsys.readouterr().err == refused
+        assert _refusal(capsys.readouterr().err) == refused
     for draft, method, model in ((tiny_model("llama"), "draft_model", {}),
                                  (own_code, "draft_model", {"trust_remote_code": True}),
                                  ("org/not-in-the-cache", "draft_model", {}), (tiny_head, "eagle", {})):
@@ -596,6 +606,38 @@ def test_ctrl_c_or_sigterm_while_starting_tears_down_what_started_without_a_trac
                    for line in console.splitlines()), console
     assert "[ok] starting a private Ray" in console and "[ok] stopping the private Ray" in console, console
     assert ("[ok] shutting down Ray Serve" in console) == (stage != "starting a private Ray"), console
+    assert not list((tmp_path / "cache" / "servers").glob("*.json"))   # its record went with it
+
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_the_model_check_is_the_first_stage_and_a_signal_there_ends_the_server_at_once(tmp_path, tiny_model, sig):
+    """Seconds of imports come before the model's config is read: the console names that
+    stage first, not after them. SIGINT (where it was inherited ignored, as a script's
+    background job has it) or SIGTERM during it ends the server with 128 + the signal, the
+    stage said interrupted, no traceback and its record gone; no Ray was started."""
+    from pagedserve.cluster.launcher import CHECK_STAGE
+    from served_cluster import free_port
+
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    env["PAGEDSERVE_CACHE_DIR"] = str(tmp_path / "cache")
+    server = ServeProcess([tiny_model("llama"), "--port", str(free_port())], env, sigint_ignored=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not server.output:
+            assert server.process.poll() is None and time.monotonic() < deadline, "".join(server.output)
+            time.sleep(0.02)
+        assert server.output[0] == f"[..] {CHECK_STAGE}\n", server.output
+        server.process.send_signal(sig)
+        assert server.process.wait(timeout=60) == 128 + sig, "".join(server.output)
+    finally:
+        server.kill()
+    console = server.ended_output()
+    said = "interrupted" if sig == signal.SIGINT else "stopped (SIGTERM)"
+    lines = console.splitlines()
+    assert len(lines) == 3 and lines[1].startswith(f"[!!] {CHECK_STAGE}: interrupted after "), console
+    assert lines[2] == f"{said} while starting", console
     assert not list((tmp_path / "cache" / "servers").glob("*.json"))   # its record went with it
 
 
