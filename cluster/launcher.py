@@ -195,9 +195,7 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
         if not isinstance(exc, KeyboardInterrupt):
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        terminated = start_signals.received == signal.SIGTERM
-        print(f"{'stopped (SIGTERM)' if terminated else 'interrupted'} while starting", file=sys.stderr, flush=True)
-        return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
+        return start_signals.say_stopped("while starting")
     _log_to_console()
     stopping = threading.Event()
     owns_ray = is_private_ray = not ray.is_initialized()
@@ -272,10 +270,7 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:   # Ctrl-C or SIGTERM during start-up: what started is torn down below
-        terminated = start_signals.received == signal.SIGTERM
-        print(f"{'stopped (SIGTERM)' if terminated else 'interrupted'} while starting; stopping...",
-              file=sys.stderr, flush=True)
-        return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
+        return start_signals.say_stopped("while starting; stopping...")
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -316,6 +311,12 @@ class _StartSignals:
     def interrupt(self, signum: int, _frame) -> None:
         self.received = signum
         raise KeyboardInterrupt
+
+    def say_stopped(self, when: str) -> int:
+        """Say on stderr which signal stopped the start-up, ``when``; its exit status, 128 + it."""
+        terminated = self.received == signal.SIGTERM
+        print(f"{'stopped (SIGTERM)' if terminated else 'interrupted'} {when}", file=sys.stderr, flush=True)
+        return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
 
     def install(self) -> dict:
         """``interrupt`` for both; the handlers they had."""
