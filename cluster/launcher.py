@@ -168,6 +168,7 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
     # has started stops on it regardless.
     start_signals = _StartSignals()
     previous: dict = start_signals.install()
+    joining = (address or os.environ.get("RAY_ADDRESS")) not in (None, "", "local")
     # Seconds of imports (Ray, Serve, torch, transformers) come before the model's config is
     # read: a stage, so that the console says at once what the server is doing.
     try:
@@ -185,6 +186,8 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
 
             logging.getLogger(SERVE_LOGGER).setLevel(logging.WARNING)  # the driver's "app ready" chatter
             model_config = check_model(config, config.model.resolve_path(), with_class=False)
+            if not joining and not ray.is_initialized() and config.model.path and not config.model.source().is_hub_id:
+                config.model.resolve_path(weights=True)   # a private Ray's workers load this very directory
             # The rest of the model's checks import its transformers class (and torch's compiler
             # with it): seconds of CPU, run beside Ray's start, awaited before anything else starts.
             class_check = _on_a_thread("pagedserve-model-class-check", check_causal_lm_class, model_config)
@@ -206,7 +209,6 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
     try:
         if owns_ray:
             # Serve's processes read it when they start.
-            joining = (address or os.environ.get("RAY_ADDRESS")) not in (None, "", "local")
             prepared_env = ingress.prepare(config.server.ingress, joining=joining)
             label = f"joining the Ray cluster at {address}" if address else "starting a private Ray"
             with start_signals.deferred(), progress.stage(label):

@@ -109,6 +109,19 @@ def test_a_bad_directory_names_the_node_and_the_reason(tmp_path, make, message):
     assert HOST in str(error.value)
 
 
+def test_a_directory_without_weights_resolves_for_its_config_only(tiny_model, tmp_path):
+    """The head reads a directory's config (``weights=False``); a worker, which loads the
+    weights, is refused at once where there are none, naming the node."""
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(tiny_model("llama")) / name, tmp_path)
+    assert ModelSource(str(tmp_path)).resolve(weights=False) == str(tmp_path)
+    with pytest.raises(ModelSourceError, match=r"holds no weights \(no \*\.safetensors or \*\.bin file\)") as error:
+        ModelSource(str(tmp_path)).resolve()
+    assert HOST in str(error.value)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")   # PyTorch's weights count too
+    assert ModelSource(str(tmp_path)).resolve() == str(tmp_path)
+
+
 def test_a_revision_on_a_directory_is_refused(tiny_model):
     with pytest.raises(ModelSourceError, match="revision"):
         ModelSource(tiny_model("llama"), revision="v1").resolve()

@@ -15,8 +15,9 @@ import contextlib
 import json
 import os
 import secrets
-import signal
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -145,6 +146,24 @@ def test_config_validate_refuses_a_model_misfit_as_serve_does(config, message, t
     assert _refusal(capsys.readouterr().err) == validated
 
 
+def test_serve_refuses_a_directory_without_weights_before_starting_ray(tiny_model, tmp_path, serve_port, capsys):
+    """A private Ray's workers load the model's directory on this machine: one that holds a
+    config but no weights is refused in the first stage, where a worker would have failed to
+    load it tens of seconds later. Joining a cluster, the head's copy need not hold them: each
+    worker's node looks for its own."""
+    import ray
+
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(tiny_model("llama")) / name, tmp_path)
+    capsys.readouterr()
+    assert main(["serve", str(tmp_path), "--port", serve_port]) == 2
+    said = _refusal(capsys.readouterr().err)
+    assert said == (f"error: model.path {str(tmp_path)!r} on node {socket.gethostname()} holds no weights (no "
+                    "*.safetensors or *.bin file): a directory must hold the checkpoint's weights on every node "
+                    "that runs a worker\n"), said
+    assert not ray.is_initialized()
+
+
 def test_serve_refuses_a_model_class_it_cannot_serve_once_ray_has_started_and_before_any_worker(
         tmp_path, serve_port, capsys):
     """The check of the model's transformers class runs beside Ray's start: BLOOM's class
@@ -160,6 +179,7 @@ def test_serve_refuses_a_model_class_it_cannot_serve_once_ray_has_started_and_be
     before = {name: os.environ.get(name) for name in ingress.PREPARED_ENVS}
 
     AutoConfig.for_model("bloom").save_pretrained(tmp_path / "bloom")
+    (tmp_path / "bloom" / "model.safetensors").write_bytes(b"")   # weights are looked for before Ray starts
     assert main(["config", "validate", str(_config_file(tmp_path, {"model": {"path": str(tmp_path / "bloom")}}))]) == 1
     validated = capsys.readouterr().err
     assert "(BloomForCausalLM) computes attention without transformers' attention interface" in validated

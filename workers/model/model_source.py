@@ -39,6 +39,13 @@ class ModelSourceError(ValueError):
     """The model cannot be had on this node: the message names the node and why."""
 
 
+def has_weights(directory: str | Path) -> bool:
+    """Whether ``directory`` holds weight files a checkpoint loads from: ``*.safetensors``, or
+    PyTorch's ``*.bin`` (the files a hub id's fetch takes)."""
+    directory = Path(directory)
+    return any(directory.glob("*.safetensors")) or any(directory.glob("*.bin"))
+
+
 def token_from_environment() -> str | None:
     """The hub token of this process's environment, if set (``HF_TOKEN`` first)."""
     for name in TOKEN_ENV_VARS:
@@ -95,7 +102,8 @@ class ModelSource:
         return cls(**data)
 
     def resolve(self, weights: bool = True) -> str:
-        """A local directory holding the checkpoint (``weights=False``: config and tokenizer only).
+        """A local directory holding the checkpoint (``weights=False``: config and tokenizer only;
+        a directory's weights are then not looked for).
 
         Raises ``ModelSourceError`` naming this node and the reason.
         """
@@ -113,6 +121,10 @@ class ModelSource:
         if not (path / "config.json").is_file():
             raise ModelSourceError(f"model.path {self.reference!r} on node {describe_node()} has no "
                                    "config.json: not a transformers checkpoint directory")
+        if weights and not has_weights(path):
+            raise ModelSourceError(f"model.path {self.reference!r} on node {describe_node()} holds no weights "
+                                   "(no *.safetensors or *.bin file): a directory must hold the checkpoint's "
+                                   "weights on every node that runs a worker")
         return str(path)
 
     def _fetch(self, weights: bool) -> str:
@@ -130,7 +142,7 @@ class ModelSource:
         if not (Path(directory) / "config.json").is_file():
             raise ModelSourceError(f"model.path {self.reference!r} (hub id) fetched on node {describe_node()} "
                                    "has no config.json: not a transformers checkpoint")
-        if weights and not any(Path(directory).glob("*.safetensors")) and not any(Path(directory).glob("*.bin")):
+        if weights and not has_weights(directory):
             raise ModelSourceError(f"model.path {self.reference!r} (hub id) on node {describe_node()} holds no "
                                    "*.safetensors or *.bin weights")
         return directory
