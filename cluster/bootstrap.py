@@ -26,6 +26,8 @@ from .worker_pool import group_engine_config, group_engine_options, group_tensor
 logger = logging.getLogger("pagedserve.cluster")
 
 NAMESPACE = "pagedserve"
+# The files a checkpoint's tokenizer is commonly loaded from (a hint where none is there).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 RAY_ADDRESS_ENV = "RAY_ADDRESS"
 KV_MANAGER_NAME = "pagedserve-kv-manager"
 
@@ -170,6 +172,22 @@ def check_model_fits(config: ClusterConfig, model_config) -> None:
                              *context_limit(draft_config), max_model_len)
         else:
             check_eagle_head_fits(spec.model, draft_config, model_config.get_text_config(), spec.method)
+
+
+def check_tokenizer_loads(model_path: str, trust_remote_code: bool = False) -> None:
+    """Refuse, naming the checkpoint, one whose tokenizer does not load as a worker's engine
+    loads it (``AutoTokenizer``): a directory with no tokenizer files, say."""
+    from pagedserve.workers.outputs.tokenizer_loading import load_tokenizer
+
+    try:
+        load_tokenizer(model_path, trust_remote_code)
+    except Exception as exc:   # transformers raises OSError, ValueError, TypeError, KeyError...
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        directory = Path(model_path)
+        if directory.is_dir() and not any((directory / name).exists() for name in TOKENIZER_FILES):
+            reason = f"the directory holds none of {', '.join(TOKENIZER_FILES)}; {reason}"
+        raise ValueError(f"the tokenizer of {model_path} cannot be loaded, as every worker would load it "
+                         f"(AutoTokenizer): {reason}") from None
 
 
 def draft_model_config(model: ModelConfig, draft: str, method: str):

@@ -62,9 +62,10 @@ class ModelConfig(_Strict):
 
     path: str | None = None
     """A Hugging Face hub id, or a checkpoint directory at the same path on every node: the head
-    reads its config and tokenizer, each worker's node its weights (``*.safetensors`` or
-    ``*.bin``; ``serve`` on a private Ray looks for them before it starts). Unset: the
-    random-weight model of ``arch`` and ``size``, built on first use."""
+    reads its config, each worker its weights (``*.safetensors`` or ``*.bin``) and tokenizer.
+    ``serve`` on a private Ray, whose workers run on its machine, looks for the weights and
+    loads the tokenizer before any worker starts. Unset: the random-weight model of ``arch``
+    and ``size``, built on first use."""
     revision: str | None = Field(None, min_length=1)
     """Hub ids only: a branch, tag or commit (default: main)."""
     download_dir: str | None = Field(None, min_length=1)

@@ -177,20 +177,24 @@ def serve_forever(config: ClusterConfig, address: str | None = None, progress: P
             import ray
             import ray.serve  # noqa: F401 - importing it sets Serve's logger to INFO: before the level below
 
-            from pagedserve.workers.model.model_support import check_causal_lm_class
-
             from .bootstrap import WorkerStartError, check_model, init_ray, start
             from .placement_watch import PlacementError
             from .serving import ingress
             from .serving.deployment import ServeStart, deploy
 
             logging.getLogger(SERVE_LOGGER).setLevel(logging.WARNING)  # the driver's "app ready" chatter
-            model_config = check_model(config, config.model.resolve_path(), with_class=False)
-            if not joining and not ray.is_initialized() and config.model.path and not config.model.source().is_hub_id:
-                config.model.resolve_path(weights=True)   # a private Ray's workers load this very directory
+            model_path = config.model.resolve_path()
+            model_config = check_model(config, model_path, with_class=False)
+            # A private Ray's workers load this very checkpoint: its weights and tokenizer are
+            # looked for here. Joining a cluster, each worker's node looks in its own copy.
+            local_workers = not joining and not ray.is_initialized() and config.model.path is not None
+            if local_workers and not config.model.source().is_hub_id:
+                config.model.resolve_path(weights=True)
             # The rest of the model's checks import its transformers class (and torch's compiler
-            # with it): seconds of CPU, run beside Ray's start, awaited before anything else starts.
-            class_check = _on_a_thread("pagedserve-model-class-check", check_causal_lm_class, model_config)
+            # with it) and load its tokenizer: seconds of CPU, run beside Ray's start, awaited
+            # before anything else starts.
+            class_check = _on_a_thread("pagedserve-model-class-check", _check_model_code, model_config,
+                                       model_path if local_workers else None, config.model.trust_remote_code)
     except (ValueError, OSError, KeyboardInterrupt) as exc:   # nothing has started yet
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -299,6 +303,18 @@ def _on_a_thread(name: str, function: Callable[..., object], *args) -> concurren
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return future
+
+
+def _check_model_code(model_config, tokenizer_path: str | None, trust_remote_code: bool) -> None:
+    """The model checks that import its code: its transformers class, and where
+    ``tokenizer_path`` is given, its tokenizer."""
+    from pagedserve.workers.model.model_support import check_causal_lm_class
+
+    from .bootstrap import check_tokenizer_loads
+
+    check_causal_lm_class(model_config)
+    if tokenizer_path is not None:
+        check_tokenizer_loads(tokenizer_path, trust_remote_code)
 
 
 class _StartSignals:

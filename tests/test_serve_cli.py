@@ -164,6 +164,28 @@ def test_serve_refuses_a_directory_without_weights_before_starting_ray(tiny_mode
     assert not ray.is_initialized()
 
 
+def test_serve_refuses_a_directory_whose_tokenizer_does_not_load_before_any_worker(tiny_model, tmp_path, serve_port,
+                                                                                    capsys):
+    """A checkpoint copied without its tokenizer files: loaded beside Ray's start, as the
+    workers' engines would load it, the tokenizer is refused with status 2 before the KV
+    manager or any worker starts, where a worker used to fail on it seconds later."""
+    import ray
+
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(Path(tiny_model("llama")) / name, tmp_path)
+    capsys.readouterr()
+    assert main(["serve", str(tmp_path), "--port", serve_port]) == 2
+    console = capsys.readouterr().err
+    said = [line for line in console.splitlines() if line.startswith("error: ")]
+    assert len(said) == 1 and said[0].startswith(f"error: the tokenizer of {tmp_path} cannot be loaded, as every "
+                                                 "worker would load it (AutoTokenizer): the directory holds "
+                                                 "none of tokenizer.json, tokenizer_config.json, "
+                                                 "tokenizer.model, vocab.json; "), console
+    assert console.index("[ok] starting a private Ray") < console.index(said[0]), console
+    assert "KV manager" not in console and "[ok] stopping the private Ray" in console, console
+    assert not ray.is_initialized()
+
+
 def test_serve_refuses_a_model_class_it_cannot_serve_once_ray_has_started_and_before_any_worker(
         tmp_path, serve_port, capsys):
     """The check of the model's transformers class runs beside Ray's start: BLOOM's class
