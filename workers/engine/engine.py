@@ -21,6 +21,7 @@ from pagedserve.kvmanager import KVManager
 
 from ..lora.lora_request import LoRARequest
 from ..model.decode_graphs import verify_graph_sizes
+from ..model.host_memory import check_pools_fit_host
 from ..model.input_batch import InputBatch
 from ..model.model_input import TokenScores
 from ..model.model_support import check_max_model_len
@@ -80,6 +81,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self.draft = self._draft_model(max_len)
         num_device, num_host = self._size_pools()
+        self._check_host_memory(num_device, num_host)
         self.pool_config = config.pool_config(num_device, num_host, max_len, role=role,
                                               sliding_window=self._freeing_window(role))
         self.runner.allocate_cache(config.block_size, num_device, num_host)
@@ -315,6 +317,23 @@ class LLMEngine:
                              f"less than one sequence of max_model_len {self.max_model_len}; "
                              "raise kv_cache_memory_gb or lower max_model_len")
         return num_device, num_host
+
+    def _check_host_memory(self, num_device: int, num_host: int) -> None:
+        """Refuse pools that this host's memory cannot hold (``check_pools_fit_host``): the
+        host pool, and the device pool where the device is the CPU."""
+        config = self.config
+        bytes_per_block = self.runner.cache_shape(config.block_size).bytes_per_block
+        if self.draft is not None:
+            bytes_per_block += self.draft.cache_shape(config.block_size).bytes_per_block
+        pools = [f"{num_host} host blocks: engine.swap_space_gb {config.swap_space_gb:g}"]
+        num_blocks = num_host
+        if self.runner.device.type == "cpu":
+            budget = ("engine.num_device_blocks" if config.num_device_blocks is not None
+                      else f"engine.kv_cache_memory_gb {config.kv_cache_memory_gb:g}"
+                      if config.kv_cache_memory_gb is not None else "1 GiB, the CPU's default")
+            pools.insert(0, f"{num_device} device blocks on the CPU: {budget}")
+            num_blocks += num_device
+        check_pools_fit_host(num_blocks * bytes_per_block, "; ".join(pools))
 
     # ---- requests -----------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | None,

@@ -70,7 +70,9 @@ class EngineOptions(BaseModel):
     """CUDA only: the fraction of GPU memory for weights, activations and KV cache; the KV pool
     takes what a profiled forward pass leaves."""
     swap_space_gb: float = Field(0.25, ge=0)
-    """Host memory for swapped-out sequences and prefix blocks evicted from the device."""
+    """Host memory for swapped-out sequences and prefix blocks evicted from the device. An engine
+    whose host pools (this, and the device pool on the CPU) its node's available memory and
+    free swap cannot hold is refused as it starts."""
     enable_prefix_caching: bool = POOL_DEFAULTS["enable_prefix_caching"]
     """Share full blocks of identical prefixes between requests (chained block hashes)."""
     preemption_mode: PreemptionMode | None = POOL_DEFAULTS["preemption_mode"]
