@@ -69,11 +69,9 @@ class LLMEngine:
                  kv_manager: KVManager | None = None, role: str = "mixed", rank_launcher=None) -> None:
         self.config = config
         self.worker_id = worker_id
-        # The tokenizer first: a checkpoint without a loadable one fails in a second, not after
-        # its weights have loaded (minutes for a large model).
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
         self.runner = build_runner(config, rank_launcher)
         self.lora = build_lora_manager(self.runner, config, self._adapters_in_use) if config.enable_lora else None
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
         max_len = check_max_model_len(config.max_model_len, self.runner.max_context_len,
                                       self.runner.context_limit_reason)
         if max_len < self.runner.max_position_embeddings and config.max_model_len is None:
