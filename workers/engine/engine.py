@@ -288,13 +288,19 @@ class LLMEngine:
                     self.lora.max_loras, self.lora.max_lora_rank, num_bytes / 2**20)
         return num_bytes
 
+    def _bytes_per_block(self) -> int:
+        """One KV block's bytes: the model's, plus a draft model's, whose KV shares the blocks."""
+        bytes_per_block = self.runner.cache_shape(self.config.block_size).bytes_per_block
+        if self.draft is not None:
+            bytes_per_block += self.draft.cache_shape(self.config.block_size).bytes_per_block
+        return bytes_per_block
+
     def _size_pools(self) -> tuple[int, int]:
         """Device and host block counts: explicit count, memory budget, or GPU profile."""
         config = self.config
-        bytes_per_block = self.runner.cache_shape(config.block_size).bytes_per_block
-        draft_bytes = 0   # a draft model's KV shares the blocks; its scratch comes off the budget
+        bytes_per_block = self._bytes_per_block()
+        draft_bytes = 0   # a draft model's scratch comes off the budget
         if self.draft is not None:
-            bytes_per_block += self.draft.cache_shape(config.block_size).bytes_per_block
             draft_bytes = self.draft.scratch_bytes(config.block_size, config.max_num_seqs)
         num_host = int(config.swap_space_gb * GiB // bytes_per_block)
         if config.num_device_blocks is not None:
@@ -322,9 +328,6 @@ class LLMEngine:
         """Refuse pools that this host's memory cannot hold (``check_pools_fit_host``): the
         host pool, and the device pool where the device is the CPU."""
         config = self.config
-        bytes_per_block = self.runner.cache_shape(config.block_size).bytes_per_block
-        if self.draft is not None:
-            bytes_per_block += self.draft.cache_shape(config.block_size).bytes_per_block
         pools = [f"{num_host} host blocks: engine.swap_space_gb {config.swap_space_gb:g}"]
         num_blocks = num_host
         if self.runner.device.type == "cpu":
@@ -333,7 +336,7 @@ class LLMEngine:
                       if config.kv_cache_memory_gb is not None else "1 GiB, the CPU's default")
             pools.insert(0, f"{num_device} device blocks on the CPU: {budget}")
             num_blocks += num_device
-        check_pools_fit_host(num_blocks * bytes_per_block, "; ".join(pools))
+        check_pools_fit_host(num_blocks * self._bytes_per_block(), "; ".join(pools))
 
     # ---- requests -----------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | None,
